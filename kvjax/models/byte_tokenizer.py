@@ -1,0 +1,32 @@
+"""A byte-level tokenizer (UTF-8 bytes are token ids 0..255) for the random `tiny` test model."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class ByteTokenizer:
+  """Token id = byte value; no special tokens, no chat template beyond a plain join."""
+
+  bos_id = None
+  eos_id = None
+  pad_id = None
+  vocab_size = 256
+  chat_template = None
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    del add_special_tokens
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    del skip_special_tokens
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+  def apply_chat_template(self, messages: list[dict[str, str]],
+                          add_generation_prompt: bool = True) -> str:
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant: " if add_generation_prompt else "")
+
+  def encode_chat(self, messages: list[dict[str, str]],
+                  add_generation_prompt: bool = True) -> list[int]:
+    return self.encode(self.apply_chat_template(messages, add_generation_prompt))

@@ -1,0 +1,72 @@
+"""The device KV cache: fixed decode slots, JetStream style.
+
+    k_LBSKH, v_LBSKH   [L, slots, S_max, K, H]   keys AFTER RoPE (attention reads them as they are)
+    lengths_B          int32[slots]              tokens written per slot (prefix [0, length))
+
+RoPE contract (DESIGN.md section 4): the device cache holds K after RoPE; the store holds K before
+RoPE, so `prefill_chunk` hands the saver the chunk's pre-RoPE K and whatever inserts a stored chunk
+rotates it to the chunk's target positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
+from kvjax.models.config import LlamaConfig
+
+#: Version of the stored KV layout `[L, 2, C, K, H]`, K before RoPE (HF `rotate_half` layout).
+#: Bump it whenever what a stored chunk means changes; it seeds the store's key namespace.
+KV_LAYOUT_VERSION = 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """KV cache for `slots` sequences of up to `S_max` tokens.
+
+  Attributes:
+    k_LBSKH: [L, slots, S_max, K, H] keys after RoPE, cache dtype.
+    v_LBSKH: [L, slots, S_max, K, H] values, cache dtype.
+    lengths_B: int32[slots] valid tokens per slot.
+  """
+
+  k_LBSKH: jax.Array
+  v_LBSKH: jax.Array
+  lengths_B: jax.Array
+
+  @property
+  def num_slots(self) -> int:
+    return self.k_LBSKH.shape[1]
+
+  @property
+  def max_seq_len(self) -> int:
+    """S_max, positions per slot (a multiple of the attention block size)."""
+    return self.k_LBSKH.shape[2]
+
+  @property
+  def nbytes(self) -> int:
+    return self.k_LBSKH.nbytes + self.v_LBSKH.nbytes + self.lengths_B.nbytes
+
+
+def cache_len_for(max_seq_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+  """S_max: `max_seq_len` rounded up to a whole number of attention blocks."""
+  return -(-max_seq_len // block_size) * block_size
+
+
+def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_seq_len: int, dtype=jnp.float32,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
+  """Allocates a zeroed cache of `num_slots` x `cache_len_for(max_seq_len)` positions.
+
+  Raises:
+    ValueError: if `num_slots` or `max_seq_len` is not positive.
+  """
+  if num_slots <= 0 or max_seq_len <= 0:
+    raise ValueError(f"num_slots={num_slots} and max_seq_len={max_seq_len} must be positive")
+  shape = (cfg.n_layers, num_slots, cache_len_for(max_seq_len, block_size), cfg.n_kv_heads,
+           cfg.head_dim)
+  return KVCache(k_LBSKH=jnp.zeros(shape, dtype), v_LBSKH=jnp.zeros(shape, dtype),
+                 lengths_B=jnp.zeros((num_slots,), jnp.int32))

@@ -1,0 +1,257 @@
+"""LLaMA-family decoder in Flax NNX with stacked, scanned layers and a slotted KV cache.
+
+Parameters use the canonical layout below (the contract with the weight loaders); layers are
+stacked on a leading L axis and run under one `lax.scan`, so compile time does not grow with
+depth. The cache is carried through the scan whole and updated in place (scatter with
+`mode="drop"`), so padded tail tokens and inactive decode slots never write it.
+
+    embed      [V, D]        layers.wq  [L, D, N, H]   layers.w_gate [L, D, F]
+    final_norm [D]           layers.wk  [L, D, K, H]   layers.w_up   [L, D, F]
+    lm_head    [D, V]        layers.wv  [L, D, K, H]   layers.w_down [L, F, D]
+    (untied only)            layers.wo  [L, N, H, D]   layers.attn_norm, layers.mlp_norm [L, D]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE, ragged_cache_attention_reference
+from kvjax.models import layers
+from kvjax.models.config import LlamaConfig
+from kvjax.models.kv_cache import KVCache
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+  """Canonical parameter names and shapes (see the module docstring)."""
+  L, D, N, K = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+  H, F, V = cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  shapes = {
+      "embed": (V, D),
+      "layers.attn_norm": (L, D), "layers.wq": (L, D, N, H), "layers.wk": (L, D, K, H),
+      "layers.wv": (L, D, K, H), "layers.wo": (L, N, H, D), "layers.mlp_norm": (L, D),
+      "layers.w_gate": (L, D, F), "layers.w_up": (L, D, F), "layers.w_down": (L, F, D),
+      "final_norm": (D,),
+  }
+  if not cfg.tie_embeddings:
+    shapes["lm_head"] = (D, V)
+  return shapes
+
+
+class DecoderLayers(nnx.Module):
+  """All L decoder layers, each parameter stacked on a leading layer axis."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    init = nnx.initializers.normal(0.02)
+    for name in LAYER_PARAMS:
+      shape = param_shapes(cfg)[f"layers.{name}"]
+      if name.endswith("norm"):
+        value = jnp.ones(shape, param_dtype)
+      else:
+        value = init(rngs.params(), shape, param_dtype)
+      setattr(self, name, nnx.Param(value))
+
+  def stacked(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillOutput:
+  """What one prefill chunk returns.
+
+  Attributes:
+    logits: f32[V] at the chunk's last real token, or f32[T, V] for every token with `all_logits`.
+    cache: the updated cache (the input cache is donated).
+    k_pre_rope_LTKH: [L, T, K, H] the chunk's keys BEFORE RoPE (what the store saves).
+    v_LTKH: [L, T, K, H] the chunk's values.
+  """
+
+  logits: jax.Array
+  cache: KVCache
+  k_pre_rope_LTKH: jax.Array
+  v_LTKH: jax.Array
+
+
+class Llama(nnx.Module):
+  """LLaMA decoder: token embedding, L x (RMSNorm, GQA with RoPE, RMSNorm, SwiGLU), RMSNorm, head.
+
+  Args:
+    cfg: architecture.
+    rngs: initialisation randomness (weights are usually replaced by a loader).
+    dtype: compute dtype of activations and matmuls (f32 on CPU, bf16 on accelerators); softmax,
+      norms, RoPE and logits run in f32 whatever it is.
+    param_dtype: storage dtype of parameters.
+  """
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+               param_dtype=jnp.float32):
+    self.cfg = cfg
+    self.dtype = dtype
+    self.embed = nnx.Param(nnx.initializers.normal(0.02)(
+        rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype))
+    self.layers = DecoderLayers(cfg, rngs=rngs, param_dtype=param_dtype)
+    self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), param_dtype))
+    self.lm_head = None if cfg.tie_embeddings else nnx.Param(nnx.initializers.normal(0.02)(
+        rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype))
+    self.inv_freq = nnx.Variable(jnp.asarray(layers.rope_inv_freq(cfg)))
+
+  # ----------------------------------------------------------------------------- parameters
+  @classmethod
+  def from_params(cls, cfg: LlamaConfig, params: Mapping[str, np.ndarray], *, dtype=jnp.float32,
+                  param_dtype=jnp.float32) -> "Llama":
+    """Builds a model from a canonical flat parameter dict.
+
+    Raises:
+      ValueError: if a parameter is missing, unexpected, or has the wrong shape.
+    """
+    expected = param_shapes(cfg)
+    missing = sorted(set(expected) - set(params))
+    extra = sorted(set(params) - set(expected))
+    if missing or extra:
+      raise ValueError(f"parameter names differ from {cfg.name}'s: missing {missing}, "
+                       f"unexpected {extra}")
+    for name, shape in expected.items():
+      if tuple(params[name].shape) != shape:
+        raise ValueError(f"parameter {name} has shape {tuple(params[name].shape)}, "
+                         f"expected {shape}")
+    model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                       param_dtype=param_dtype))
+    for name, value in params.items():
+      owner, attr = (model.layers, name.split(".", 1)[1]) if name.startswith("layers.") else (
+          model, name)
+      getattr(owner, attr).set_value(jnp.asarray(value, param_dtype))
+    model.inv_freq.set_value(jnp.asarray(layers.rope_inv_freq(cfg)))
+    return model
+
+  def to_params(self) -> dict[str, np.ndarray]:
+    """The canonical flat parameter dict as numpy arrays (inverse of `from_params`)."""
+    out = {"embed": self.embed[...], "final_norm": self.final_norm[...]}
+    out.update({f"layers.{k}": v for k, v in self.layers.stacked().items()})
+    if self.lm_head is not None:
+      out["lm_head"] = self.lm_head[...]
+    return {k: np.asarray(v) for k, v in out.items()}
+
+  # ----------------------------------------------------------------------------- forward
+  def _logits(self, x_BTD: jax.Array) -> jax.Array:
+    x_BTD = layers.rms_norm(x_BTD, self.final_norm[...], self.cfg.rms_eps)
+    if self.lm_head is None:
+      return jnp.einsum("BTD,VD->BTV", x_BTD, self.embed[...].astype(x_BTD.dtype),
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(x_BTD.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def _decoder(self, x_BTD, positions_BT, cache: KVCache, first_slot, write_slot_BT,
+               write_pos_BT, kv_lens_B, block_size):
+    """Runs all layers; writes this step's K (after RoPE) and V at (write_slot, write_pos).
+
+    Returns:
+      (x_BTD, k_cache, v_cache, k_pre_rope_LBTKH, v_LBTKH).
+    """
+    cfg, dtype = self.cfg, self.dtype
+    inv_freq = self.inv_freq[...]
+    stacked = self.layers.stacked()
+
+    def layer(carry, xs):
+      x, k_cache, v_cache = carry
+      p, i = xs
+      p = {k: v.astype(dtype) for k, v in p.items()}
+      h = layers.rms_norm(x, p["attn_norm"], cfg.rms_eps)
+      q_BTNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
+      k_BTKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
+      v_BTKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
+      q_BTNH = layers.apply_rope(q_BTNH, positions_BT, inv_freq)
+      k_rot_BTKH = layers.apply_rope(k_BTKH, positions_BT, inv_freq)
+      k_cache = k_cache.at[i, write_slot_BT, write_pos_BT].set(
+          k_rot_BTKH.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[i, write_slot_BT, write_pos_BT].set(
+          v_BTKH.astype(v_cache.dtype), mode="drop")
+      attn_BTNH = ragged_cache_attention_reference(
+          q_BTNH, k_cache, v_cache, i, first_slot, positions_BT, kv_lens_B,
+          block_size=block_size)
+      x = x + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, p["wo"])
+      h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+      x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+      return (x, k_cache, v_cache), (k_BTKH, v_BTKH)
+
+    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+    (x_BTD, k_cache, v_cache), (k_pre, v_new) = jax.lax.scan(
+        layer, (x_BTD, cache.k_LBSKH, cache.v_LBSKH), (stacked, layer_ids))
+    return x_BTD, k_cache, v_cache, k_pre, v_new
+
+  def prefill_chunk(self, cache: KVCache, tokens_T: jax.Array, slot: jax.Array,
+                    start: jax.Array, true_len: jax.Array, *,
+                    block_size: int = DEFAULT_BLOCK_SIZE, all_logits: bool = False
+                    ) -> PrefillOutput:
+    """Prefills `true_len` tokens of one slot at positions `[start, start + true_len)`.
+
+    Tokens past `true_len` are padding (a fixed chunk size compiles once): they are computed but
+    never written to the cache and their outputs are dropped. Attention reads cache blocks up to
+    `start + true_len` only, so a chunk's cost grows with `start`.
+
+    Args:
+      cache: the KV cache; positions `[0, start)` of `slot` must already hold this sequence.
+      tokens_T: int32[T] token ids, T a compiled chunk size.
+      slot: int32 scalar decode slot.
+      start: int32 scalar position of `tokens_T[0]`.
+      true_len: int32 scalar, 1 <= true_len <= T.
+      block_size: attention block (static).
+      all_logits: return logits for all T tokens instead of the last real one (static).
+
+    Returns:
+      `PrefillOutput`; `cache.lengths_B[slot]` becomes `start + true_len`.
+    """
+    t = tokens_T.shape[0]
+    offsets_T = jnp.arange(t, dtype=jnp.int32)
+    positions_BT = (start + offsets_T)[None, :]
+    real_T = offsets_T < true_len
+    s_max = cache.k_LBSKH.shape[2]
+    write_pos_BT = jnp.where(real_T, start + offsets_T, s_max)[None, :]  # s_max: dropped
+    write_slot_BT = jnp.full((1, t), slot, jnp.int32)
+    kv_len = start + true_len
+    x_BTD = jnp.take(self.embed[...], tokens_T, axis=0)[None].astype(self.dtype)
+    x_BTD, k_cache, v_cache, k_pre_LBTKH, v_LBTKH = self._decoder(
+        x_BTD, positions_BT, cache, slot, write_slot_BT, write_pos_BT, kv_len[None], block_size)
+    if all_logits:
+      logits = self._logits(x_BTD)[0]
+    else:
+      last_BD = jax.lax.dynamic_slice_in_dim(x_BTD, true_len - 1, 1, axis=1)
+      logits = self._logits(last_BD)[0, 0]
+    lengths = cache.lengths_B.at[slot].set(kv_len)
+    return PrefillOutput(logits=logits, cache=KVCache(k_cache, v_cache, lengths),
+                         k_pre_rope_LTKH=k_pre_LBTKH[:, 0], v_LTKH=v_LBTKH[:, 0])
+
+  def decode_step(self, cache: KVCache, tokens_B: jax.Array, positions_B: jax.Array,
+                  active_B: jax.Array, *, block_size: int = DEFAULT_BLOCK_SIZE
+                  ) -> tuple[jax.Array, KVCache]:
+    """One decode token for every slot at once (inactive slots compute but write nothing).
+
+    Args:
+      cache: the KV cache with `slots` rows.
+      tokens_B: int32[slots] the last sampled token of each slot.
+      positions_B: int32[slots] position of that token (the slot's current length).
+      active_B: bool[slots] which slots are decoding.
+
+    Returns:
+      (f32[slots, V] next-token logits, the updated cache with active lengths + 1).
+    """
+    s_max = cache.k_LBSKH.shape[2]
+    b = tokens_B.shape[0]
+    positions_BT = positions_B[:, None]
+    write_pos_BT = jnp.where(active_B, positions_B, s_max)[:, None]
+    write_slot_BT = jnp.arange(b, dtype=jnp.int32)[:, None]
+    kv_lens_B = jnp.where(active_B, positions_B + 1, 0)
+    x_BTD = jnp.take(self.embed[...], tokens_B, axis=0)[:, None].astype(self.dtype)
+    x_BTD, k_cache, v_cache, _, _ = self._decoder(
+        x_BTD, positions_BT, cache, jnp.int32(0), write_slot_BT, write_pos_BT, kv_lens_B,
+        block_size)
+    logits_BV = self._logits(x_BTD)[:, 0]
+    lengths = jnp.where(active_B, positions_B + 1, cache.lengths_B)
+    return logits_BV, KVCache(k_cache, v_cache, lengths)

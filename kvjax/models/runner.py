@@ -1,0 +1,184 @@
+"""The JIT boundary: a model plus its device KV cache behind jit'd `prefill_chunk` and `decode_step`.
+
+The module is split once (`nnx.split`) into a static graph and a parameter state; each entry
+point is a pure jitted function of (state, cache, ...) that `nnx.merge`s the model, with the cache
+donated so XLA updates it in place. Prefill compiles once per chunk size in `chunk_sizes` (a true
+length masks the padded tail); decode compiles once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
+from kvjax.models.kv_cache import KVCache, init_kv_cache
+from kvjax.models.llama import Llama, PrefillOutput
+
+DEFAULT_CHUNK_SIZES = (16, 32, 64, 128, 256, 512)
+
+_log = logging.getLogger(__name__)
+
+
+def default_cache_root() -> str:
+  """kvjax's cache directory: `$KVJAX_CACHE_DIR`, else `~/.cache/kvjax`."""
+  return os.environ.get("KVJAX_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "kvjax")
+
+
+def enable_persistent_compilation_cache(path: str | None = None) -> str:
+  """Points JAX's persistent compilation cache at `path` (default `<cache root>/jax`).
+
+  A second process start then loads compiled prefill and decode programs instead of recompiling.
+  Leaves a cache directory the user configured alone.
+  """
+  if jax.config.jax_compilation_cache_dir:
+    return jax.config.jax_compilation_cache_dir
+  path = path or os.path.join(default_cache_root(), "jax")
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+  """Device-side sizes.
+
+  Attributes:
+    num_slots: concurrent sequences (decode slots).
+    max_seq_len: tokens per slot (prompt plus output); None means the model's context.
+    chunk_sizes: compiled prefill chunk sizes, ascending.
+    block_size: attention block over the cache, tokens.
+    cache_dtype: KV cache dtype; None means the compute dtype.
+  """
+
+  num_slots: int = 4
+  max_seq_len: int | None = None
+  chunk_sizes: tuple[int, ...] = DEFAULT_CHUNK_SIZES
+  block_size: int = DEFAULT_BLOCK_SIZE
+  cache_dtype: object = None
+
+  def __post_init__(self):
+    if not self.chunk_sizes or list(self.chunk_sizes) != sorted(set(self.chunk_sizes)) or (
+        self.chunk_sizes[0] <= 0):
+      raise ValueError(f"chunk_sizes must be ascending positive ints, got {self.chunk_sizes}")
+    if self.num_slots <= 0:
+      raise ValueError(f"num_slots must be positive, got {self.num_slots}")
+
+
+class ModelRunner:
+  """Holds the model state and KV cache on the device; runs one prefill chunk or decode step.
+
+  Only the engine thread calls it (the cache is donated on every call).
+  """
+
+  def __init__(self, model: Llama, config: RunnerConfig = RunnerConfig()):
+    self.model_config = model.cfg
+    self.config = config
+    self.dtype = model.dtype
+    max_seq_len = config.max_seq_len or model.cfg.max_seq_len
+    if max_seq_len > model.cfg.max_seq_len:
+      raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's context "
+                       f"{model.cfg.max_seq_len}")
+    self.max_seq_len = max_seq_len
+    graphdef, self.state = nnx.split(model)
+    self.cache: KVCache = init_kv_cache(model.cfg, config.num_slots, max_seq_len,
+                                        config.cache_dtype or model.dtype, config.block_size)
+    self._cache_dtype = config.cache_dtype or model.dtype
+
+    def prefill(state, cache, tokens_T, slot, start, true_len, all_logits):
+      return nnx.merge(graphdef, state).prefill_chunk(
+          cache, tokens_T, slot, start, true_len, block_size=config.block_size,
+          all_logits=all_logits)
+
+    def decode(state, cache, tokens_B, positions_B, active_B):
+      return nnx.merge(graphdef, state).decode_step(
+          cache, tokens_B, positions_B, active_B, block_size=config.block_size)
+
+    self._prefill = jax.jit(prefill, static_argnames=("all_logits",), donate_argnums=(1,))
+    self._decode = jax.jit(decode, donate_argnums=(1,))
+
+  def reset(self) -> None:
+    """Zeroes the KV cache (every slot), keeping the compiled programs."""
+    self.cache = init_kv_cache(self.model_config, self.config.num_slots, self.max_seq_len,
+                               self._cache_dtype, self.config.block_size)
+
+  @property
+  def chunk_sizes(self) -> tuple[int, ...]:
+    return self.config.chunk_sizes
+
+  @property
+  def max_chunk_size(self) -> int:
+    return self.config.chunk_sizes[-1]
+
+  def bucket_for(self, num_tokens: int) -> int:
+    """Smallest compiled chunk size holding `num_tokens`.
+
+    Raises:
+      ValueError: if `num_tokens` is not in [1, max chunk size].
+    """
+    if not 1 <= num_tokens <= self.max_chunk_size:
+      raise ValueError(f"chunk of {num_tokens} tokens; compiled sizes go from 1 to "
+                       f"{self.max_chunk_size}")
+    return self.chunk_sizes[bisect.bisect_left(self.chunk_sizes, num_tokens)]
+
+  def prefill_chunk(self, token_ids, slot: int, start: int, *,
+                    all_logits: bool = False) -> PrefillOutput:
+    """Prefills `token_ids` into `slot` at positions `[start, start + len(token_ids))`.
+
+    Args:
+      token_ids: int sequence of 1..max chunk size tokens.
+      slot: decode slot in [0, num_slots).
+      start: position of the first token; the slot must hold this sequence's `[0, start)`.
+      all_logits: return f32[len, V] logits (tests) instead of f32[V] for the last token.
+
+    Returns:
+      `PrefillOutput` with device arrays; its padded rows are trimmed. The runner keeps the
+      updated cache.
+
+    Raises:
+      ValueError: if the chunk does not fit the slot or the compiled sizes.
+    """
+    n = len(token_ids)
+    bucket = self.bucket_for(n)
+    if not 0 <= slot < self.config.num_slots:
+      raise ValueError(f"slot {slot} outside [0, {self.config.num_slots})")
+    if start < 0 or start + n > self.max_seq_len:
+      raise ValueError(f"positions [{start}, {start + n}) exceed max_seq_len={self.max_seq_len}")
+    tokens = np.zeros((bucket,), np.int32)
+    tokens[:n] = token_ids
+    out = self._prefill(self.state, self.cache, tokens, np.int32(slot), np.int32(start),
+                        np.int32(n), all_logits)
+    self.cache = out.cache
+    return dataclasses.replace(
+        out, logits=out.logits[:n] if all_logits else out.logits,
+        k_pre_rope_LTKH=out.k_pre_rope_LTKH[:, :n], v_LTKH=out.v_LTKH[:, :n])
+
+  def decode_step(self, tokens_B: np.ndarray, positions_B: np.ndarray,
+                  active_B: np.ndarray) -> jax.Array:
+    """One token for every active slot; returns f32[slots, V] logits (device array)."""
+    logits, self.cache = self._decode(self.state, self.cache, np.asarray(tokens_B, np.int32),
+                                      np.asarray(positions_B, np.int32),
+                                      np.asarray(active_B, bool))
+    return logits
+
+  def warmup(self, chunk_sizes: tuple[int, ...] | None = None) -> None:
+    """Compiles (or loads from the persistent cache) every prefill size and the decode step.
+
+    Writes only slot 0 positions that a later prefill at position 0 overwrites.
+    """
+    for size in chunk_sizes or self.chunk_sizes:
+      if size <= self.max_seq_len:
+        jax.block_until_ready(self.prefill_chunk([0] * size, 0, 0).logits)
+    b = self.config.num_slots
+    jax.block_until_ready(self.decode_step(np.zeros(b), np.zeros(b), np.zeros(b, bool)))
+    self.cache = dataclasses.replace(self.cache, lengths_B=jnp.zeros_like(self.cache.lengths_B))

@@ -1,0 +1,123 @@
+"""Requests and sampling parameters: plain Python, shared by the scheduler, engine and server."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence
+
+from kvjax._typing import RequestId
+
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to pick output tokens, in vLLM's names.
+
+  Attributes:
+    max_tokens: output tokens to generate at most (>= 1).
+    temperature: 0 is greedy; otherwise logits are divided by it before sampling.
+    top_p: nucleus sampling mass in (0, 1].
+    top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+    seed: per-request seed; None draws from the engine's generator.
+    stop: strings that end generation; the matched string is not returned.
+    stop_token_ids: token ids that end generation (kept in `token_ids`).
+    ignore_eos: keep generating after the end-of-sequence token.
+    logprobs: return the top-`logprobs` log-probabilities of each generated token (plus the
+      sampled token's), 0..20; None returns none.
+  """
+
+  max_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = -1
+  seed: int | None = None
+  stop: str | Sequence[str] | None = None
+  stop_token_ids: Sequence[int] | None = None
+  ignore_eos: bool = False
+  logprobs: int | None = None
+
+  def __post_init__(self):
+    def bad(field, want):
+      raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {want}")
+
+    if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or (
+        self.max_tokens < 1):
+      bad("max_tokens", "must be an int >= 1")
+    if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or (
+        not self.temperature >= 0):
+      bad("temperature", "must be a number >= 0")
+    if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or (
+        not 0 < self.top_p <= 1):
+      bad("top_p", "must be in (0, 1]")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+      bad("top_k", "must be -1, 0 (all tokens) or a positive int")
+    if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+      bad("seed", "must be an int or None")
+    if self.logprobs is not None and (
+        isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+        or not 0 <= self.logprobs <= MAX_LOGPROBS):
+      bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+    stop = self.stop
+    if isinstance(stop, str):
+      stop = (stop,)
+    stop = tuple(stop or ())
+    if any(not isinstance(s, str) or not s for s in stop):
+      bad("stop", "must be a non-empty string or a list of them")
+    object.__setattr__(self, "stop", stop)
+    ids = tuple(self.stop_token_ids or ())
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+      bad("stop_token_ids", "must be a list of ints")
+    object.__setattr__(self, "stop_token_ids", ids)
+
+
+class RequestStatus(enum.Enum):
+  WAITING = "waiting"
+  PREFILLING = "prefilling"
+  DECODING = "decoding"
+  FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request as the scheduler sees it.
+
+  Attributes:
+    request_id: unique id.
+    prompt_token_ids: the prompt, tokens.
+    sampling_params: sampling settings.
+    arrival_s: arrival time, seconds (engine clock).
+    num_computed_tokens: prompt and output tokens whose KV is in the slot.
+    output_token_ids: generated tokens so far.
+    slot: decode slot while running, else None.
+    status: lifecycle state.
+    finish_reason: "stop", "length" or "abort" once finished.
+  """
+
+  request_id: RequestId
+  prompt_token_ids: list[int]
+  sampling_params: SamplingParams
+  arrival_s: float = 0.0
+  num_computed_tokens: int = 0
+  output_token_ids: list[int] = dataclasses.field(default_factory=list)
+  slot: int | None = None
+  status: RequestStatus = RequestStatus.WAITING
+  finish_reason: str | None = None
+
+  @property
+  def num_prompt_tokens(self) -> int:
+    return len(self.prompt_token_ids)
+
+  @property
+  def num_tokens(self) -> int:
+    """Prompt plus output tokens."""
+    return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+  @property
+  def remaining_prefill_tokens(self) -> int:
+    return max(0, self.num_prompt_tokens - self.num_computed_tokens)
+
+  @property
+  def is_finished(self) -> bool:
+    return self.status is RequestStatus.FINISHED

@@ -1,0 +1,176 @@
+"""Token-budget step planning: plain data in, a plain plan out.
+
+Each engine step has a token budget (vLLM's `max_num_batched_tokens`). The scheduler spends it in
+this order (Cake, arXiv 2410.03065, section 4 Part 3, adaptive mode):
+
+  1. every decoding request takes one token;
+  2. prefills already under way continue, oldest first;
+  3. waiting requests are admitted into free decode slots, first come first served.
+
+A prefill chunk is the largest compiled chunk size that fits the budget and the prompt's remaining
+tokens, so only a prompt's last chunk is ever padded:
+
+    prompt of 300 tokens, sizes (16, 32, ..., 512):  [0 --256--)[256 -32-)[288 12+pad)
+
+The scheduler never touches arrays; the engine runs the plan and reports back. It advances
+`num_computed_tokens` when it plans work, so a plan is a promise the engine must keep in order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+from kvjax._typing import RequestId
+from kvjax.scheduler.request import Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """Attributes:
+    num_slots: decode slots (maximum running requests).
+    token_budget: tokens computed per step at most (decodes count one each).
+    chunk_sizes: compiled prefill chunk sizes, ascending.
+  """
+
+  num_slots: int = 4
+  token_budget: int = 512
+  chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+
+  def __post_init__(self):
+    if self.num_slots <= 0 or self.token_budget <= 0:
+      raise ValueError(f"num_slots={self.num_slots} and token_budget={self.token_budget} must be "
+                       "positive")
+    if not self.chunk_sizes or list(self.chunk_sizes) != sorted(set(self.chunk_sizes)):
+      raise ValueError(f"chunk_sizes must be ascending and distinct, got {self.chunk_sizes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+  """Prefill `num_tokens` prompt tokens of one request at positions `[start, start + num_tokens)`.
+
+  `is_last` marks the chunk that completes the prompt: its logits give the first output token.
+  """
+
+  request_id: RequestId
+  slot: int
+  start: int
+  num_tokens: int
+  is_last: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeItem:
+  """Feed `token_id` at `position` for the request in `slot`."""
+
+  request_id: RequestId
+  slot: int
+  position: int
+  token_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+  """One step's plan. Empty when nothing can run."""
+
+  decodes: tuple[DecodeItem, ...] = ()
+  prefills: tuple[PrefillChunk, ...] = ()
+
+  @property
+  def num_scheduled_tokens(self) -> int:
+    return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+  @property
+  def is_empty(self) -> bool:
+    return not self.decodes and not self.prefills
+
+
+def chunk_tokens(remaining: int, budget: int, chunk_sizes: tuple[int, ...]) -> int:
+  """Tokens of the next prefill chunk: the largest compiled size that fits, or a short tail.
+
+  Returns 0 when nothing fits. A prompt tail shorter than the smallest size is taken whole (the
+  runner pads it).
+  """
+  limit = min(remaining, budget, chunk_sizes[-1])
+  if limit <= 0:
+    return 0
+  i = bisect.bisect_right(chunk_sizes, limit)
+  if i == 0:
+    return remaining if remaining == limit else 0
+  return chunk_sizes[i - 1]
+
+
+class Scheduler:
+  """Admits requests into decode slots and plans each step within the token budget."""
+
+  def __init__(self, config: SchedulerConfig):
+    self.config = config
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: dict[RequestId, Request] = {}  # insertion order = admission order
+    self._free_slots = list(range(config.num_slots))
+
+  def add_request(self, request: Request) -> None:
+    if request.request_id in self.running or any(
+        r.request_id == request.request_id for r in self.waiting):
+      raise ValueError(f"request id {request.request_id!r} is already scheduled")
+    request.status = RequestStatus.WAITING
+    self.waiting.append(request)
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def schedule(self) -> SchedulerOutput:
+    """Plans one step; see the module docstring for the order."""
+    budget = self.config.token_budget
+    decodes = []
+    for r in self.running.values():
+      if r.status is RequestStatus.DECODING and budget > 0:
+        decodes.append(DecodeItem(r.request_id, r.slot, r.num_computed_tokens,
+                                  r.output_token_ids[-1]))
+        r.num_computed_tokens += 1
+        budget -= 1
+    prefills: list[PrefillChunk] = []
+    for r in self.running.values():
+      if r.status is RequestStatus.PREFILLING:
+        budget = self._plan_chunks(r, budget, prefills)
+    while self.waiting and self._free_slots and budget > 0:
+      r = self.waiting[0]
+      if not chunk_tokens(r.remaining_prefill_tokens, budget, self.config.chunk_sizes):
+        break
+      self.waiting.popleft()
+      r.slot = self._free_slots.pop(0)
+      r.status = RequestStatus.PREFILLING
+      self.running[r.request_id] = r
+      budget = self._plan_chunks(r, budget, prefills)
+    return SchedulerOutput(decodes=tuple(decodes), prefills=tuple(prefills))
+
+  def _plan_chunks(self, r: Request, budget: int, out: list[PrefillChunk]) -> int:
+    """Appends as many chunks of `r` as the budget allows; returns the budget left."""
+    while n := chunk_tokens(r.remaining_prefill_tokens, budget, self.config.chunk_sizes):
+      start = r.num_computed_tokens
+      r.num_computed_tokens += n
+      budget -= n
+      is_last = r.num_computed_tokens == r.num_prompt_tokens
+      if is_last:
+        r.status = RequestStatus.DECODING
+      out.append(PrefillChunk(r.request_id, r.slot, start, n, is_last))
+    return budget
+
+  def finish_request(self, request_id: RequestId, reason: str) -> Request | None:
+    """Ends a request (stop, length or abort) and frees its slot; returns it, or None if unknown."""
+    r = self.running.pop(request_id, None)
+    if r is None:
+      for i, w in enumerate(self.waiting):
+        if w.request_id == request_id:
+          r = w
+          del self.waiting[i]
+          break
+      else:
+        return None
+    if r.slot is not None:
+      bisect.insort(self._free_slots, r.slot)
+      r.slot = None
+    r.status = RequestStatus.FINISHED
+    r.finish_reason = reason
+    return r

@@ -1,0 +1,113 @@
+"""Exact step plans from the token-budget scheduler."""
+
+from absl.testing import absltest, parameterized
+
+from kvjax.scheduler import (DecodeItem, PrefillChunk, Request, RequestStatus, SamplingParams,
+                             Scheduler, SchedulerConfig, chunk_tokens)
+
+SIZES = (16, 32, 64, 128, 256, 512)
+
+
+def req(rid, n):
+  return Request(rid, list(range(n)), SamplingParams(max_tokens=4))
+
+
+class ChunkTokensTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      (300, 512, 256),   # largest compiled size under the prompt's remainder
+      (44, 512, 32),
+      (12, 512, 12),     # a tail shorter than the smallest size is taken whole (padded)
+      (1000, 512, 512),
+      (1000, 100, 64),   # the budget caps the chunk
+      (1000, 10, 0),     # nothing compiled fits the budget and the prompt is longer
+      (10, 10, 10),
+      (0, 512, 0),
+  )
+  def test_chunk_tokens(self, remaining, budget, want):
+    self.assertEqual(chunk_tokens(remaining, budget, SIZES), want)
+
+
+class SchedulerTest(absltest.TestCase):
+
+  def test_prompt_is_split_into_compiled_sizes_then_decodes(self):
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=512, chunk_sizes=SIZES))
+    r = req("a", 300)
+    s.add_request(r)
+    plan = s.schedule()
+    self.assertEqual(plan.prefills, (PrefillChunk("a", 0, 0, 256, False),
+                                     PrefillChunk("a", 0, 256, 32, False),
+                                     PrefillChunk("a", 0, 288, 12, True)))
+    self.assertEqual(plan.decodes, ())
+    self.assertIs(r.status, RequestStatus.DECODING)
+    r.output_token_ids.append(7)
+    plan = s.schedule()
+    self.assertEqual(plan.decodes, (DecodeItem("a", 0, 300, 7),))
+    self.assertEqual(plan.prefills, ())
+    self.assertEqual(r.num_computed_tokens, 301)
+
+  def test_decodes_first_then_ongoing_prefill_then_admission(self):
+    s = Scheduler(SchedulerConfig(num_slots=3, token_budget=100, chunk_sizes=SIZES))
+    a, b, c = req("a", 10), req("b", 200), req("c", 40)
+    for r in (a, b, c):
+      s.add_request(r)
+    plan = s.schedule()
+    # a takes its whole 10-token prompt; b takes compiled sizes from the remaining 90 (64 + 16);
+    # the 10 left fit no chunk of c's 40-token prompt, so c waits.
+    self.assertEqual(plan.prefills, (PrefillChunk("a", 0, 0, 10, True),
+                                     PrefillChunk("b", 1, 0, 64, False),
+                                     PrefillChunk("b", 1, 64, 16, False)))
+    self.assertEqual(list(s.waiting), [c])
+    a.output_token_ids.append(1)
+    plan = s.schedule()
+    self.assertEqual(plan.decodes, (DecodeItem("a", 0, 10, 1),))
+    self.assertEqual(plan.prefills, (PrefillChunk("b", 1, 80, 64, False),
+                                     PrefillChunk("b", 1, 144, 32, False)))
+    self.assertEqual(plan.num_scheduled_tokens, 97)
+    a.output_token_ids.append(2)
+    plan = s.schedule()
+    self.assertEqual(plan.prefills, (PrefillChunk("b", 1, 176, 16, False),
+                                     PrefillChunk("b", 1, 192, 8, True),
+                                     PrefillChunk("c", 2, 0, 64 // 2, False),
+                                     PrefillChunk("c", 2, 32, 8, True)))
+    self.assertEqual(plan.num_scheduled_tokens, 1 + 16 + 8 + 32 + 8)
+
+  def test_finish_frees_slot_for_waiting_request(self):
+    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=64, chunk_sizes=SIZES))
+    a, b = req("a", 8), req("b", 8)
+    s.add_request(a)
+    s.add_request(b)
+    self.assertEqual(s.schedule().prefills, (PrefillChunk("a", 0, 0, 8, True),))
+    self.assertEqual(list(s.waiting), [b])
+    self.assertIs(s.finish_request("a", "length"), a)
+    self.assertEqual((a.status, a.finish_reason, a.slot), (RequestStatus.FINISHED, "length", None))
+    self.assertEqual(s.schedule().prefills, (PrefillChunk("b", 0, 0, 8, True),))
+    self.assertIsNone(s.finish_request("zzz", "abort"))
+
+  def test_abort_waiting_request_and_duplicate_ids(self):
+    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=64, chunk_sizes=SIZES))
+    s.add_request(req("a", 8))
+    with self.assertRaisesRegex(ValueError, "already scheduled"):
+      s.add_request(req("a", 8))
+    self.assertEqual(s.finish_request("a", "abort").finish_reason, "abort")
+    self.assertFalse(s.has_unfinished())
+    self.assertTrue(s.schedule().is_empty)
+
+
+class SamplingParamsTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      dict(max_tokens=0), dict(max_tokens=-3), dict(max_tokens=2.5), dict(temperature=-1.0),
+      dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(logprobs=21), dict(stop=[""]),
+      dict(stop=[3]), dict(seed="x"), dict(max_tokens=True))
+  def test_bad_values_raise_and_name_the_field(self, **kwargs):
+    with self.assertRaisesRegex(ValueError, list(kwargs)[0]):
+      SamplingParams(**kwargs)
+
+  def test_stop_string_is_normalised_to_tuple(self):
+    self.assertEqual(SamplingParams(stop="\n").stop, ("\n",))
+    self.assertEqual(SamplingParams().stop, ())
+
+
+if __name__ == "__main__":
+  absltest.main()
