@@ -77,7 +77,8 @@ class LLM:
     self._tokenizer = loaded.tokenizer
     chunk_sizes = tuple(chunk_sizes)
     runner = ModelRunner(
-        Llama.from_params(loaded.config, loaded.params, dtype=self.dtype),
+        Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
+                          param_dtype=self.dtype),
         RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1])
