@@ -40,6 +40,11 @@ def source_key(paths: Sequence[str]) -> str:
   return h.hexdigest()
 
 
+def entry_dir(cache_dir: str, source_paths: Sequence[str]) -> str:
+  """The cache entry directory for these source files."""
+  return os.path.join(cache_dir, source_key(source_paths))
+
+
 def load_converted(
     source_paths: Sequence[str],
     convert: Callable[[], tuple[LlamaConfig, dict[str, np.ndarray]]],
@@ -59,7 +64,7 @@ def load_converted(
     return cfg, params, model_fingerprint(cfg, params)
   import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy import, only when caching)
 
-  entry = os.path.join(cache_dir, source_key(source_paths))
+  entry = entry_dir(cache_dir, source_paths)
   meta_path = os.path.join(entry, "meta.json")
   if os.path.exists(meta_path):
     try:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from kvjax.models.fingerprint import model_fingerprint
 from kvjax.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_log = logging.getLogger(__name__)
 _SMOLLM2_NAMES = {"smollm2-135m-instruct", "smollm2-135m", "smollm2_135m",
                   "huggingfacetb/smollm2-135m-instruct"}
 
@@ -91,7 +94,28 @@ def load_model(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None) -> L
 def _load_gguf(path: str, name: str, cache_dir: str | None) -> LoadedModel:
   cfg, params, fp = checkpoint.load_converted([path], lambda: gguf_loader.load_gguf(path),
                                               cache_dir)
-  return LoadedModel(name, cfg, params, Tokenizer.from_gguf(path), fp)
+  return LoadedModel(name, cfg, params, _gguf_tokenizer(path, cache_dir), fp)
+
+
+def _gguf_tokenizer(path: str, cache_dir: str | None) -> Tokenizer:
+  """The GGUF's tokenizer, saved beside the converted params: reading 49k tokens and merges
+  through `gguf.GGUFReader` takes seconds, loading the saved `tokenizer.json` does not."""
+  if cache_dir is None:
+    return Tokenizer.from_gguf(path)
+  tok_dir = os.path.join(checkpoint.entry_dir(cache_dir, [path]), "tokenizer")
+  try:
+    return Tokenizer.load(tok_dir)
+  except (FileNotFoundError, ValueError):
+    pass
+  tok = Tokenizer.from_gguf(path)
+  tmp = f"{tok_dir}.tmp-{os.getpid()}"
+  try:
+    tok.save(tmp)
+    os.replace(tmp, tok_dir)
+  except OSError as e:
+    _log.warning("could not cache the tokenizer at %s: %s", tok_dir, e)
+    shutil.rmtree(tmp, ignore_errors=True)
+  return tok
 
 
 def _load_safetensors(model_dir: str, cache_dir: str | None) -> LoadedModel:
@@ -100,5 +124,5 @@ def _load_safetensors(model_dir: str, cache_dir: str | None) -> LoadedModel:
   cfg, params, fp = checkpoint.load_converted(
       files, lambda: safetensors_loader.load_safetensors(model_dir), cache_dir)
   tok_path = os.path.join(model_dir, "tokenizer.json")
-  tokenizer = Tokenizer.from_file(tok_path) if os.path.isfile(tok_path) else None
+  tokenizer = Tokenizer.from_hf_dir(model_dir) if os.path.isfile(tok_path) else None
   return LoadedModel(os.path.basename(os.path.normpath(model_dir)), cfg, params, tokenizer, fp)
