@@ -42,7 +42,7 @@ class LayeringTest(absltest.TestCase):
     self.assertEqual(violations, [])
 
   def test_rooms_exist(self):
-    for room in ("kernels", "scheduler", "models", "engine"):
+    for room in ("kernels", "scheduler", "models", "engine", "storage"):
       self.assertTrue((PKG / room / "__init__.py").is_file(), room)
 
 

@@ -19,12 +19,13 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from kvjax._typing import RequestId
 from kvjax.engine import sampling
+from kvjax.engine.kv_store_client import KVStoreClient, PrefixLoad, SaveJob
 from kvjax.models.runner import ModelRunner
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -51,6 +52,8 @@ class RequestMetrics:
     ttft_s: time to first token, seconds.
     num_computed_tokens: prompt tokens whose KV was computed by prefill.
     num_loaded_tokens: prompt tokens whose KV was loaded from the store.
+    num_rejected_chunks: stored chunks that failed verification and were computed instead.
+    loaded_from_tiers: tier of each loaded chunk, in order.
   """
 
   arrival_s: float
@@ -59,6 +62,8 @@ class RequestMetrics:
   ttft_s: float | None = None
   num_computed_tokens: int = 0
   num_loaded_tokens: int = 0
+  num_rejected_chunks: int = 0
+  loaded_from_tiers: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -115,6 +120,10 @@ class _Tracked:
   metrics: RequestMetrics
   logprobs: list[dict[int, float]] | None
   text: str = ""
+  cache_salt: str | None = None
+  staged: list[np.ndarray] = dataclasses.field(default_factory=list)
+  pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
+  prefix: PrefixLoad | None = None
 
 
 class Engine:
@@ -127,12 +136,15 @@ class Engine:
       the runner's.
     seed: seeds requests that give no seed of their own.
     clock: seconds, monotonic (tests may pass a fake).
+    kv_store: the prefix-cache store client, or None for no store.
   """
 
   def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike | None,
                scheduler_config: SchedulerConfig | None = None, *, seed: int = 0,
-               clock: Callable[[], float] = time.perf_counter):
+               clock: Callable[[], float] = time.perf_counter,
+               kv_store: KVStoreClient | None = None):
     self.runner = runner
+    self.kv_store = kv_store
     self.tokenizer = tokenizer
     scheduler_config = scheduler_config or SchedulerConfig(
         num_slots=runner.config.num_slots, chunk_sizes=runner.chunk_sizes,
@@ -173,19 +185,38 @@ class Engine:
     return ids
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                  prompt: str | None = None, request_id: str | None = None) -> RequestId:
-    """Validates and queues a request; returns its id. Raises ValueError as `validate`."""
+                  prompt: str | None = None, request_id: str | None = None,
+                  cache_salt: str | None = None) -> RequestId:
+    """Validates and queues a request; returns its id.
+
+    With a store, the prompt's stored prefix is fetched and verified here (plain prefix loading);
+    its chunks are inserted when the request gets a slot. `cache_salt` isolates tenants: prompts
+    share stored KV only under equal salts.
+
+    Raises:
+      ValueError: as `validate`, or a `cache_salt` that is not a string.
+    """
+    if cache_salt is not None and not isinstance(cache_salt, str):
+      raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
     ids = self.validate(prompt_token_ids, params)
     rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
     if rid in self._tracked:
       raise ValueError(f"request id {rid!r} is already in use")
     seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
     request = Request(rid, ids, params, arrival_s=self._clock())
-    self.scheduler.add_request(request)
-    self._tracked[rid] = _Tracked(
+    tracked = _Tracked(
         request=request, prompt=prompt, rng=np.random.default_rng(seed),
         metrics=RequestMetrics(arrival_s=request.arrival_s),
-        logprobs=[] if params.logprobs is not None else None)
+        logprobs=[] if params.logprobs is not None else None, cache_salt=cache_salt)
+    if self.kv_store is not None:
+      prefix = self.kv_store.load_prefix(ids, cache_salt)
+      tracked.prefix, tracked.staged = prefix, prefix.chunks
+      request.num_cached_tokens = len(prefix.chunks) * self.kv_store.chunk_size
+      tracked.metrics.num_loaded_tokens = request.num_cached_tokens
+      tracked.metrics.num_rejected_chunks = len(prefix.rejected)
+      tracked.metrics.loaded_from_tiers = list(prefix.tiers)
+    self.scheduler.add_request(request)
+    self._tracked[rid] = tracked
     return rid
 
   def abort_request(self, request_id: RequestId) -> None:
@@ -200,6 +231,12 @@ class Engine:
     """Runs one planned step; returns outputs of requests that produced a token this step."""
     plan = self.scheduler.schedule()
     emitted: list[RequestOutput] = []
+    for load in plan.loads:
+      tracked = self._tracked[load.request_id]
+      c = self.kv_store.chunk_size
+      for i, kv in enumerate(tracked.staged):
+        self.runner.insert_chunk(kv, load.slot, i * c)
+      tracked.staged = []
     if plan.decodes:
       b = self.runner.config.num_slots
       tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
@@ -213,9 +250,24 @@ class Engine:
       ids = tracked.request.prompt_token_ids[chunk.start:chunk.start + chunk.num_tokens]
       out = self.runner.prefill_chunk(ids, chunk.slot, chunk.start)
       tracked.metrics.num_computed_tokens += chunk.num_tokens
+      if self.kv_store is not None:
+        tracked.pieces.append((chunk.start, out.k_pre_rope_LTKH, out.v_LTKH))
       if chunk.is_last:
+        self._save_prompt(tracked)
         emitted.append(self._emit(chunk.request_id, np.asarray(out.logits)))
     return emitted
+
+  def _save_prompt(self, tracked: _Tracked) -> None:
+    """Hands the prompt's computed full chunks to the saver (off the TTFT path)."""
+    if self.kv_store is None or tracked.prefix is None:
+      return
+    prefix = tracked.prefix
+    self.kv_store.submit_save(SaveJob(
+        namespace=self.kv_store.namespace(tracked.cache_salt).root_hash(),
+        hashes=prefix.hashes, token_ids=tracked.request.prompt_token_ids,
+        first_chunk=len(prefix.chunks), replace={i for i, _ in prefix.rejected},
+        pieces=tracked.pieces))
+    tracked.pieces = []
 
   def _emit(self, rid: RequestId, logits_V: np.ndarray) -> RequestOutput:
     tracked = self._tracked[rid]

@@ -16,12 +16,17 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.engine.engine import Engine, RequestOutput
+from kvjax.engine.kv_store_client import KVStoreClient
+from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
 from kvjax.models.registry import DEFAULT_MODEL, load_model
 from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
                                  default_cache_root, enable_persistent_compilation_cache)
 from kvjax.scheduler.request import SamplingParams
 from kvjax.scheduler.scheduler import SchedulerConfig
+from kvjax.storage.chunk_store import ChunkStore
+from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
+from kvjax.storage.types import KVLayout
 
 _log = logging.getLogger(__name__)
 
@@ -56,6 +61,13 @@ class LLM:
     seed: seeds requests that carry no seed.
     cache_dir: kvjax's cache root (converted params, compiled programs); default
       `$KVJAX_CACHE_DIR` or `~/.cache/kvjax`. Pass "" to cache nothing on disk.
+    kv_store: the prefix-cache store: a URL (`file:///path` or a plain path, `memory://`,
+      `ocdbt+file:///path`, `s3://bucket/prefix`) or a `kvjax.storage.StoreConfig` of tiers;
+      None (default) stores nothing.
+    kv_chunk_size: tokens per stored chunk, C.
+    kv_link_bytes_per_s: emulated read bandwidth of the store's link, bytes/s (None: unlimited);
+      with a URL store only.
+    kv_link_trace: a trace file of "seconds bytes_per_s" steps instead of a constant.
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -65,7 +77,9 @@ class LLM:
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", max_num_seqs: int = 4,
                max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, seed: int = 0,
-               cache_dir: str | None = None):
+               cache_dir: str | None = None, kv_store: str | StoreConfig | None = None,
+               kv_chunk_size: int = 256, kv_link_bytes_per_s: float | None = None,
+               kv_link_trace: str | None = None):
     cache_root = default_cache_root() if cache_dir is None else cache_dir
     if cache_root:
       enable_persistent_compilation_cache(os.path.join(cache_root, "jax"))
@@ -82,7 +96,49 @@ class LLM:
         RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1])
-    self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed)
+    self.kv_store = None
+    if kv_store is not None:
+      self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
+                                              kv_link_trace, runner)
+    self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store)
+
+  def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
+                         runner: ModelRunner) -> KVStoreClient:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
+        0 < chunk_size < runner.max_seq_len):
+      raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
+                       f"{runner.max_seq_len})")
+    if isinstance(kv_store, str):
+      if link_trace is not None:
+        config = StoreConfig(tiers=(TierConfig(kind=url_kind(kv_store), url=kv_store,
+                                               link_trace=link_trace),))
+      else:
+        config = StoreConfig.from_url(kv_store, link_bytes_per_s=link_bytes_per_s)
+    elif isinstance(kv_store, StoreConfig):
+      if link_bytes_per_s is not None or link_trace is not None:
+        raise ValueError("with a StoreConfig, set links per tier (TierConfig.link_*)")
+      config = kv_store
+    else:
+      raise ValueError(f"kv_store must be a URL string or a StoreConfig, got "
+                       f"{type(kv_store).__name__}")
+    store = build_tiers(config, make_chunk_store=lambda url, name, limiter: ChunkStore(
+        url, name=name, limiter=limiter))
+    cfg = self.model_config
+    layout = KVLayout(num_layers=cfg.n_layers, chunk_size=chunk_size,
+                      num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                      dtype=jnp.dtype(runner.cache.k_LBSKH.dtype).name)
+    return KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
+                         kv_layout_version=KV_LAYOUT_VERSION)
+
+  def flush(self) -> None:
+    """Waits until every queued KV save is written (a no-op without a store)."""
+    if self.kv_store is not None:
+      self.kv_store.flush()
+
+  def close(self) -> None:
+    """Writes pending saves and stops the store's threads."""
+    if self.kv_store is not None:
+      self.kv_store.close()
 
   @property
   def max_model_len(self) -> int:
@@ -91,29 +147,41 @@ class LLM:
   def get_tokenizer(self):
     return self._tokenizer
 
-  def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+  def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None, str | None]:
+    """(token ids, prompt text or None, cache salt or None) of one prompt."""
+    salt = None
+    if isinstance(prompt, dict) and set(prompt) <= {"prompt", "prompt_token_ids", "cache_salt"}:
+      salt = prompt.get("cache_salt")
+      if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+      if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+      if "prompt" in prompt:
+        ids, text, _ = self._prompt_ids(prompt["prompt"])
+        return ids, text, salt
+      ids = prompt["prompt_token_ids"]
+      if not isinstance(ids, (list, tuple)) or not all(
+          isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt_token_ids must be a list of ints")
+      return list(ids), None, salt
     if isinstance(prompt, str):
       if not prompt:
         raise ValueError("the prompt is empty: give at least one character")
       if self._tokenizer is None:
         raise ValueError(f"model {self.model_name!r} has no tokenizer; pass "
                          "{'prompt_token_ids': [...]} instead of text")
-      return self._tokenizer.encode(prompt), prompt
-    if isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
-      ids = prompt["prompt_token_ids"]
-      if not isinstance(ids, (list, tuple)) or not all(
-          isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError("prompt_token_ids must be a list of ints")
-      return list(ids), None
-    raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got "
-                     f"{type(prompt).__name__}: {str(prompt)[:80]!r}")
+      return self._tokenizer.encode(prompt), prompt, None
+    raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids' "
+                     f"(and optionally 'cache_salt'), got {type(prompt).__name__}: "
+                     f"{str(prompt)[:80]!r}")
 
   def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
                | None = None) -> list[RequestOutput]:
     """Generates for one prompt or a list of prompts, all served together.
 
     Args:
-      prompts: a string, a `{"prompt_token_ids": [...]}` dict, or a list of them.
+      prompts: a string, a dict with `"prompt"` (text) or `"prompt_token_ids"` and optionally
+        `"cache_salt"` (vLLM's tenant isolation for the prefix cache), or a list of them.
       sampling_params: one for all prompts, or one per prompt; default `SamplingParams()`.
 
     Returns:
@@ -132,10 +200,10 @@ class LLM:
     if len(params) != len(prompts):
       raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
     encoded = [self._prompt_ids(p) for p in prompts]
-    for (ids, _), sp in zip(encoded, params):  # validate all before queueing any
+    for (ids, _, _), sp in zip(encoded, params):  # validate all before queueing any
       self.engine.validate(ids, sp)
-    rids = [self.engine.add_request(ids, sp, prompt=text)
-            for (ids, text), sp in zip(encoded, params)]
+    rids = [self.engine.add_request(ids, sp, prompt=text, cache_salt=salt)
+            for (ids, text, salt), sp in zip(encoded, params)]
     done: dict[str, RequestOutput] = {}
     while len(done) < len(rids):
       for out in self.engine.step():

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
 from kvjax.models.config import LlamaConfig
+from kvjax.models.layers import apply_rope
 
 #: Version of the stored KV layout `[L, 2, C, K, H]`, K before RoPE (HF `rotate_half` layout).
 #: Bump it whenever what a stored chunk means changes; it seeds the store's key namespace.
@@ -70,3 +71,34 @@ def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_seq_len: int, dtype=jnp.
            cfg.head_dim)
   return KVCache(k_LBSKH=jnp.zeros(shape, dtype), v_LBSKH=jnp.zeros(shape, dtype),
                  lengths_B=jnp.zeros((num_slots,), jnp.int32))
+
+
+def insert_chunk(cache: KVCache, kv_L2CKH: jax.Array, slot: jax.Array, start: jax.Array,
+                 inv_freq: jax.Array) -> KVCache:
+  """Writes one stored chunk into a slot at positions `[start, start + C)`, rotating K there.
+
+  The store holds K before RoPE (DESIGN.md section 4), so a chunk is valid at any position; this
+  applies RoPE at its target positions in f32, then casts to the cache dtype. The jnp path; the
+  codec issue's Pallas `kv_decode` kernel fuses dequantization into the same step.
+
+  Args:
+    cache: the KV cache (donated by the jitted caller).
+    kv_L2CKH: [L, 2, C, K, H] K before RoPE and V, any float dtype.
+    slot: int32 scalar decode slot.
+    start: int32 scalar position of the chunk's first token.
+    inv_freq: f32[H // 2] rotary inverse frequencies of the model.
+
+  Returns:
+    The cache with the chunk written; lengths are left to the caller's plan.
+  """
+  c = kv_L2CKH.shape[2]
+  positions_1C = (start + jnp.arange(c, dtype=jnp.int32))[None]
+  k_LCKH = apply_rope(kv_L2CKH[:, 0], positions_1C, inv_freq)  # L plays the batch axis here
+  v_LCKH = kv_L2CKH[:, 1]
+  zero = jnp.int32(0)
+  idx = (zero, slot, start, zero, zero)
+  k = jax.lax.dynamic_update_slice(cache.k_LBSKH, k_LCKH.astype(cache.k_LBSKH.dtype)[:, None],
+                                   idx)
+  v = jax.lax.dynamic_update_slice(cache.v_LBSKH, v_LCKH.astype(cache.v_LBSKH.dtype)[:, None],
+                                   idx)
+  return KVCache(k, v, cache.lengths_B)

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
-from kvjax.models.kv_cache import KVCache, init_kv_cache
+from kvjax.models.kv_cache import KVCache, init_kv_cache, insert_chunk
 from kvjax.models.llama import Llama, PrefillOutput
 
 DEFAULT_CHUNK_SIZES = (16, 32, 64, 128, 256, 512)
@@ -106,6 +106,8 @@ class ModelRunner:
 
     self._prefill = jax.jit(prefill, static_argnames=("all_logits",), donate_argnums=(1,))
     self._decode = jax.jit(decode, donate_argnums=(1,))
+    self._insert = jax.jit(insert_chunk, donate_argnums=(0,))
+    self._inv_freq = model.inv_freq[...]
 
   def reset(self) -> None:
     """Zeroes the KV cache (every slot), keeping the compiled programs."""
@@ -170,6 +172,28 @@ class ModelRunner:
                                       np.asarray(positions_B, np.int32),
                                       np.asarray(active_B, bool))
     return logits
+
+  def insert_chunk(self, kv_L2CKH, slot: int, start: int) -> None:
+    """Writes a stored chunk (K before RoPE, and V) into `slot` at `[start, start + C)`.
+
+    Args:
+      kv_L2CKH: [L, 2, C, K, H] host or device array, any float dtype.
+      slot: decode slot.
+      start: position of the chunk's first token.
+
+    Raises:
+      ValueError: if the chunk's shape does not match the model or the slot's positions.
+    """
+    cfg = self.model_config
+    want = (cfg.n_layers, 2, kv_L2CKH.shape[2], cfg.n_kv_heads, cfg.head_dim)
+    if tuple(kv_L2CKH.shape) != want:
+      raise ValueError(f"chunk of shape {tuple(kv_L2CKH.shape)}, model wants {want}")
+    if not 0 <= slot < self.config.num_slots or start < 0 or (
+        start + kv_L2CKH.shape[2] > self.max_seq_len):
+      raise ValueError(f"chunk at slot {slot}, positions [{start}, {start + kv_L2CKH.shape[2]}) "
+                       f"does not fit {self.config.num_slots} slots of {self.max_seq_len}")
+    self.cache = self._insert(self.cache, kv_L2CKH, np.int32(slot), np.int32(start),
+                              self._inv_freq)
 
   def warmup(self, chunk_sizes: tuple[int, ...] | None = None) -> None:
     """Compiles (or loads from the persistent cache) every prefill size and the decode step.

@@ -88,7 +88,9 @@ class Request:
     prompt_token_ids: the prompt, tokens.
     sampling_params: sampling settings.
     arrival_s: arrival time, seconds (engine clock).
-    num_computed_tokens: prompt and output tokens whose KV is in the slot.
+    num_cached_tokens: leading prompt tokens whose KV the engine staged from the store; they are
+      inserted when the request gets a slot, not computed.
+    num_computed_tokens: prompt and output tokens whose KV is in the slot (planned).
     output_token_ids: generated tokens so far.
     slot: decode slot while running, else None.
     status: lifecycle state.
@@ -99,6 +101,7 @@ class Request:
   prompt_token_ids: list[int]
   sampling_params: SamplingParams
   arrival_s: float = 0.0
+  num_cached_tokens: int = 0
   num_computed_tokens: int = 0
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   slot: int | None = None

@@ -61,6 +61,18 @@ class PrefillChunk:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoadItem:
+  """Insert the request's staged stored chunks, positions `[0, num_tokens)`, into `slot`.
+
+  Loads cost no compute budget: they are the other resource (Cake, arXiv 2410.03065, section 3).
+  """
+
+  request_id: RequestId
+  slot: int
+  num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeItem:
   """Feed `token_id` at `position` for the request in `slot`."""
 
@@ -72,8 +84,9 @@ class DecodeItem:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
-  """One step's plan. Empty when nothing can run."""
+  """One step's plan, run in field order (loads, decodes, prefills). Empty when nothing can run."""
 
+  loads: tuple[LoadItem, ...] = ()
   decodes: tuple[DecodeItem, ...] = ()
   prefills: tuple[PrefillChunk, ...] = ()
 
@@ -83,7 +96,7 @@ class SchedulerOutput:
 
   @property
   def is_empty(self) -> bool:
-    return not self.decodes and not self.prefills
+    return not self.loads and not self.decodes and not self.prefills
 
 
 def chunk_tokens(remaining: int, budget: int, chunk_sizes: tuple[int, ...]) -> int:
@@ -114,6 +127,9 @@ class Scheduler:
     if request.request_id in self.running or any(
         r.request_id == request.request_id for r in self.waiting):
       raise ValueError(f"request id {request.request_id!r} is already scheduled")
+    if not 0 <= request.num_cached_tokens < request.num_prompt_tokens:
+      raise ValueError(f"{request.num_cached_tokens} cached tokens for a prompt of "
+                       f"{request.num_prompt_tokens}: the last prompt token is always computed")
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
 
@@ -131,6 +147,7 @@ class Scheduler:
         r.num_computed_tokens += 1
         budget -= 1
     prefills: list[PrefillChunk] = []
+    loads: list[LoadItem] = []
     for r in self.running.values():
       if r.status is RequestStatus.PREFILLING:
         budget = self._plan_chunks(r, budget, prefills)
@@ -142,8 +159,11 @@ class Scheduler:
       r.slot = self._free_slots.pop(0)
       r.status = RequestStatus.PREFILLING
       self.running[r.request_id] = r
+      if r.num_cached_tokens:
+        loads.append(LoadItem(r.request_id, r.slot, r.num_cached_tokens))
+        r.num_computed_tokens = r.num_cached_tokens
       budget = self._plan_chunks(r, budget, prefills)
-    return SchedulerOutput(decodes=tuple(decodes), prefills=tuple(prefills))
+    return SchedulerOutput(loads=tuple(loads), decodes=tuple(decodes), prefills=tuple(prefills))
 
   def _plan_chunks(self, r: Request, budget: int, out: list[PrefillChunk]) -> int:
     """Appends as many chunks of `r` as the budget allows; returns the budget left."""

@@ -98,6 +98,9 @@ class LLMTest(absltest.TestCase):
         ({"prompt_token_ids": [300]}, r"\[300\].*vocabulary \[0, 256\)"),
         ({"prompt_token_ids": [1] * 500}, "500 tokens plus max_tokens=16 exceeds.*512"),
         ({"prompt_token_ids": ["a"]}, "list of ints"),
+        ({"prompt_token_ids": [1], "cache_salt": 3}, "cache_salt must be a string"),
+        ({"prompt_token_ids": [1], "prompt": "x"}, "exactly one of"),
+        ({"prompt_tokens": [1]}, "string or a dict"),
         (3, "string or"),
     ]
     for prompt, msg in cases:

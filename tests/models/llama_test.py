@@ -105,6 +105,26 @@ class LlamaTest(parameterized.TestCase):
       np.testing.assert_allclose(logits[0], want_other[30 + i], atol=ATOL["float32"])
     self.assertEqual(runner.cache.lengths_B.tolist(), [30 + len(extra), 150])
 
+  def test_inserted_chunks_equal_computed_cache(self):
+    runner = make_runner()
+    _, k_pre, v = chunked_prefill(runner, TOKENS, 64)
+    want_k = np.asarray(runner.cache.k_LBSKH)[:, 1, :128].copy()
+    want_v = np.asarray(runner.cache.v_LBSKH)[:, 1, :128].copy()
+    runner.reset()
+    for start in (64, 0):  # any order: stored K is position-free until rotated
+      kv = np.stack([k_pre[:, start:start + 64], v[:, start:start + 64]], axis=1)
+      runner.insert_chunk(kv, 0, start)
+    np.testing.assert_allclose(np.asarray(runner.cache.k_LBSKH)[:, 0, :128], want_k, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(runner.cache.v_LBSKH)[:, 0, :128], want_v)
+    # Then the rest of the prompt computed after the inserted prefix matches the oracle.
+    out = runner.prefill_chunk(TOKENS[128:], 0, 128, all_logits=True)
+    np.testing.assert_allclose(np.asarray(out.logits), self.want_logits[128:],
+                               atol=ATOL["float32"])
+    with self.assertRaisesRegex(ValueError, "shape"):
+      runner.insert_chunk(kv[:, :, :, :1], 0, 0)
+    with self.assertRaisesRegex(ValueError, "does not fit"):
+      runner.insert_chunk(kv, 0, 250)
+
   def test_inactive_slot_is_untouched_by_decode(self):
     runner = make_runner()
     runner.prefill_chunk(TOKENS[:20], 1, 0)

@@ -1,0 +1,226 @@
+"""The engine's side of the KV store: namespaced keys, verified prefix loads, asynchronous saves.
+
+Architecture. The store (`kvjax.storage.TieredStore`) is asyncio code; the engine is one plain
+thread that owns the device. This client runs the store's coroutines on its own event-loop thread
+and adds a saver thread:
+
+    engine thread ── load_prefix() ──> event loop: lookup all tiers, get + verify hit chunks
+                  └─ submit_save() ──> bounded queue ──> saver thread: device -> host, slice
+                                                         full chunks, put (data, then record)
+
+Saves never block the engine: when the queue is full the job is dropped and counted. `flush()`
+waits until every queued save is written (tests and `LLM.flush()` use it). Loads here are plain
+prefix loads (stop at the first chunk that is missing or fails verification); the bidirectional
+Cake merge replaces them with background loaders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvjax._typing import ChunkHash
+from kvjax.storage import keys
+from kvjax.storage.types import ChunkHit, ChunkMiss, KVLayout, MissReason
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLoad:
+  """The verified stored prefix of one prompt.
+
+  Attributes:
+    chunks: host arrays `[L, 2, C, K, H]` (K before RoPE) for prompt chunks 0..len-1.
+    tiers: tier each loaded chunk came from.
+    rejected: (chunk index, reason) of a stored chunk that failed verification (at most one:
+      loading stops there).
+    hashes: keys of all full chunks of the prompt (loaded or not), in order.
+  """
+
+  chunks: list[np.ndarray]
+  tiers: list[str]
+  rejected: list[tuple[int, MissReason]]
+  hashes: list[ChunkHash]
+
+
+@dataclasses.dataclass
+class SaveJob:
+  """Full prompt chunks `[first_chunk, len(hashes))` to store, from prefill outputs.
+
+  Attributes:
+    namespace: key namespace root (hex).
+    hashes: keys of all full chunks of the prompt.
+    token_ids: the prompt's tokens.
+    first_chunk: chunks before this one were loaded, not computed; they are not saved again.
+    replace: chunk indices whose stored copy was rejected: deleted, then written afresh.
+    pieces: (start position, K before RoPE [L, T, K, H], V [L, T, K, H]) device or host arrays
+      covering at least positions `[first_chunk * C, len(hashes) * C)`.
+  """
+
+  namespace: str
+  hashes: list[ChunkHash]
+  token_ids: list[int]
+  first_chunk: int
+  replace: set[int]
+  pieces: list[tuple[int, Any, Any]]
+
+
+@dataclasses.dataclass
+class SaverStats:
+  jobs_done: int = 0
+  chunks_saved: int = 0
+  chunks_already_stored: int = 0
+  jobs_dropped: int = 0
+  failures: int = 0
+
+
+class KVStoreClient:
+  """Keys, loads and saves for one model's KV layout over a `TieredStore`.
+
+  Args:
+    store: the tiered store (async API).
+    model_fingerprint: seeds every key (`kvjax.models.fingerprint`).
+    layout: stored chunk layout `[L, 2, C, K, H]` and dtype.
+    kv_layout_version: `kvjax.models.kv_cache.KV_LAYOUT_VERSION`.
+    max_pending_saves: save jobs queued at most; more are dropped and counted.
+    timeout_s: bound on one store operation seen from the engine, seconds.
+  """
+
+  def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
+               max_pending_saves: int = 16, timeout_s: float = 60.0):
+    self.store = store
+    self.layout = layout
+    self.chunk_size = layout.chunk_size
+    self._fingerprint = model_fingerprint
+    self._layout_version = kv_layout_version
+    self._timeout_s = timeout_s
+    self.saver_stats = SaverStats()
+    self._loop = asyncio.new_event_loop()
+    self._loop_thread = threading.Thread(target=self._loop.run_forever, name="kvjax-store-loop",
+                                         daemon=True)
+    self._loop_thread.start()
+    self._jobs: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending_saves)
+    self._saver = threading.Thread(target=self._save_loop, name="kvjax-saver", daemon=True)
+    self._saver.start()
+    self._closed = False
+
+  # ----------------------------------------------------------------------------- keys
+  def namespace(self, cache_salt: str | None) -> keys.KeyNamespace:
+    return keys.KeyNamespace(model_fingerprint=self._fingerprint, kv_dtype=self.layout.dtype,
+                             kv_layout_version=self._layout_version,
+                             chunk_size=self.chunk_size, cache_salt=cache_salt)
+
+  def _run(self, coro):
+    return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)
+
+  # ----------------------------------------------------------------------------- loads
+  def load_prefix(self, prompt_ids: Sequence[int], cache_salt: str | None) -> PrefixLoad:
+    """Fetches and verifies the stored chunks of the prompt's prefix, first to last.
+
+    Only full chunks of `prompt_ids[:-1]` are candidates: a hit never covers the last prompt
+    token, so a fully stored prompt of n tokens loads `C * floor((n - 1) / C)` tokens. Loading
+    stops at the first chunk that is absent or rejected; a store failure degrades to computing.
+    """
+    ns = self.namespace(cache_salt)
+    hashes = keys.chunk_hashes(ns, prompt_ids)
+    candidates = keys.prefix_chunk_hashes_for_prompt(ns, prompt_ids)
+    chunks, tiers, rejected = [], [], []
+    try:
+      where = self._run(self.store.lookup(candidates)) if candidates else []
+      for i, (h, tier) in enumerate(zip(candidates, where)):
+        if tier is None:
+          break
+        c = self.chunk_size
+        got = self._run(self.store.get(h, prompt_ids[i * c:(i + 1) * c], ns.root_hash(),
+                                       self.layout))
+        if isinstance(got, ChunkMiss):
+          if got.reason is not MissReason.ABSENT:
+            rejected.append((i, got.reason))
+            _log.warning("stored chunk %d (%s) rejected: %s %s", i, h[:12], got.reason.value,
+                         got.detail)
+          break
+        assert isinstance(got, ChunkHit)
+        chunks.append(got.kv)
+        tiers.append(got.tier)
+    except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
+      _log.warning("KV store lookup failed (%r); computing the prompt instead", e)
+    return PrefixLoad(chunks=chunks, tiers=tiers, rejected=rejected, hashes=hashes)
+
+  # ----------------------------------------------------------------------------- saves
+  def submit_save(self, job: SaveJob) -> bool:
+    """Queues a save without blocking; returns False (and counts it) when the queue is full."""
+    if job.first_chunk >= len(job.hashes):
+      return True
+    try:
+      self._jobs.put_nowait(job)
+      return True
+    except queue.Full:
+      self.saver_stats.jobs_dropped += 1
+      return False
+
+  def flush(self) -> None:
+    """Blocks until every queued save has been written (or has failed and been counted)."""
+    self._jobs.join()
+
+  def _save_loop(self) -> None:
+    while True:
+      job = self._jobs.get()
+      try:
+        if job is None:
+          return
+        self._save(job)
+        self.saver_stats.jobs_done += 1
+      except Exception as e:  # noqa: BLE001 - a failed save must not kill the saver
+        self.saver_stats.failures += 1
+        _log.warning("saving KV chunks failed: %r", e)
+      finally:
+        self._jobs.task_done()
+
+  def _save(self, job: SaveJob) -> None:
+    c = self.chunk_size
+    lo, hi = job.first_chunk * c, len(job.hashes) * c
+    k = np.zeros((self.layout.num_layers, hi - lo, self.layout.num_kv_heads,
+                  self.layout.head_dim), self.layout.dtype)
+    v = np.zeros_like(k)
+    covered = np.zeros(hi - lo, bool)
+    for start, k_piece, v_piece in job.pieces:
+      k_piece, v_piece = np.asarray(k_piece), np.asarray(v_piece)
+      a, b = max(start, lo), min(start + k_piece.shape[1], hi)
+      if a < b:
+        k[:, a - lo:b - lo] = k_piece[:, a - start:b - start]
+        v[:, a - lo:b - lo] = v_piece[:, a - start:b - start]
+        covered[a - lo:b - lo] = True
+    if not covered.all():
+      raise ValueError(f"save job covers {covered.sum()} of {hi - lo} positions")
+    for i in range(job.first_chunk, len(job.hashes)):
+      s = (i - job.first_chunk) * c
+      kv = np.stack([k[:, s:s + c], v[:, s:s + c]], axis=1)
+      parent = job.hashes[i - 1] if i else job.namespace
+      if i in job.replace:
+        self._run(self._delete_everywhere(job.hashes[i]))
+      published = self._run(self.store.put(job.hashes[i], parent, job.token_ids[i * c:(i + 1) * c],
+                                           job.namespace, kv))
+      if published:
+        self.saver_stats.chunks_saved += 1
+      else:
+        self.saver_stats.chunks_already_stored += 1
+
+  async def _delete_everywhere(self, chunk_hash: ChunkHash) -> None:
+    await asyncio.gather(*(t.delete(chunk_hash) for t in self.store.tiers))
+
+  def close(self) -> None:
+    """Writes pending saves, then stops the saver and the event loop."""
+    if self._closed:
+      return
+    self._closed = True
+    self._jobs.put(None)
+    self._saver.join()
+    self._loop.call_soon_threadsafe(self._loop.stop)
+    self._loop_thread.join()

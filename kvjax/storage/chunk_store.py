@@ -1,0 +1,609 @@
+"""The chunk store: async get/put/contains of stored KV chunks over a tensorstore kvstore.
+
+Architecture (DESIGN.md sections 3-5):
+
+  kvstore root (memory | file | ocdbt+file | s3)
+    index/<chunk_hash>.json                      ChunkRecord, written LAST, only if absent
+    data/<chunk_hash>/raw-0-<sha256 of values>/  zarr3 array [L, 2, C, K, H], one shard object
+        zarr.json, c/0/0/0/0/0
+
+- Commit last (levanter `store/jagged_array.py` `extend_async`): `put` writes the data object
+  fully, then publishes the record with a conditional write that succeeds only if no record
+  exists (`if_equal` = the "no value" storage generation). Of concurrent writers of one key exactly
+  one wins; a loser removes its own data object unless the winner's record references the same
+  object (data object keys contain the SHA-256 of the values, so two writers never write one
+  object with different bytes). A write that fails half-way leaves no record; its data is garbage
+  that `gc` removes.
+- Verify on read: `get` returns a `ChunkHit` only after checking the record's token ids,
+  namespace, layout, codec and the SHA-256 of the values read; anything else is a `ChunkMiss` with
+  a reason, counted in `stats.misses_by_reason`, never an exception and never someone else's KV.
+- Concurrency: one `ts.Context` per store (cache pool, copy/io concurrency limits), a byte limiter
+  on data in flight (reads and writes; orbax `serialization/limits.py`), a timeout on every
+  tensorstore operation. The async API runs on any event loop; the `*_sync` twins run it on one
+  module-owned background event-loop thread, callable from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+import numpy as np
+import tensorstore as ts
+
+from kvjax._typing import ChunkHash
+from kvjax.storage import specs
+from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout,
+                                 MissReason)
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+RAW_CODEC = "raw"
+RAW_CODEC_VERSION = 1
+RAW_LEVEL = 0
+
+_INDEX = "index/"
+_DATA = "data/"
+# A key that is never written; reading it yields the backend's "no value" generation.
+_ABSENT_PROBE_KEY = "index/.absent-probe"
+
+
+class Limiter(Protocol):
+  """A link emulator: `acquire(nbytes)` returns when `nbytes` may pass."""
+
+  async def acquire(self, nbytes: int) -> None:
+    ...
+
+
+def default_context_spec() -> dict[str, Any]:
+  """Context resources of a store: a cache pool and concurrency limits."""
+  return {
+      "cache_pool": {"total_bytes_limit": 64 << 20},
+      "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
+      "file_io_concurrency": {"limit": 64},
+  }
+
+
+def index_key(chunk_hash: ChunkHash) -> str:
+  return f"{_INDEX}{chunk_hash}.json"
+
+
+def raw_object_key(chunk_hash: ChunkHash, checksum: str) -> str:
+  return f"{_DATA}{chunk_hash}/{RAW_CODEC}-{RAW_LEVEL}-{checksum}"
+
+
+def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+  """All keys starting with `prefix` (which ends with "/")."""
+  return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+def values_checksum(values: np.ndarray) -> str:
+  """Hex SHA-256 of an array's C-order value bytes."""
+  values = np.ascontiguousarray(values)
+  return hashlib.sha256(values.reshape(-1).view(np.uint8)).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stats, byte limiter, background loop.
+
+
+@dataclasses.dataclass
+class StoreStats:
+  """Counters of one store; mutate through the store, read with `snapshot()`.
+
+  Attributes:
+    hits: verified reads.
+    misses_by_reason: misses per `MissReason`.
+    bytes_read: value bytes of verified reads.
+    bytes_written: value bytes of published puts.
+    puts: published puts.
+    put_conflicts: puts that found the record already present (lost the race or came late).
+    put_failures: puts that failed on a backend error (no record published).
+  """
+
+  hits: int = 0
+  misses_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  bytes_read: int = 0
+  bytes_written: int = 0
+  puts: int = 0
+  put_conflicts: int = 0
+  put_failures: int = 0
+  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
+                                            compare=False)
+
+  def add(self, **deltas: int) -> None:
+    with self._lock:
+      for k, v in deltas.items():
+        setattr(self, k, getattr(self, k) + v)
+
+  def miss(self, reason: MissReason) -> None:
+    with self._lock:
+      self.misses_by_reason[reason] += 1
+
+  def snapshot(self) -> dict[str, Any]:
+    """A consistent copy; `misses_by_reason` maps reason values (str) to counts."""
+    with self._lock:
+      return {
+          "hits": self.hits,
+          "misses_by_reason": {r.value: n for r, n in self.misses_by_reason.items()},
+          "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+          "puts": self.puts, "put_conflicts": self.put_conflicts,
+          "put_failures": self.put_failures,
+      }
+
+
+class _Waiter:
+  __slots__ = ("nbytes", "loop", "future", "granted")
+
+  def __init__(self, nbytes: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+    self.nbytes, self.loop, self.future, self.granted = nbytes, loop, future, False
+
+
+class ByteLimiter:
+  """Bounds bytes in flight, FIFO; usable from several event loops and threads at once.
+
+  A request larger than the limit is clamped to it, so it runs alone instead of never.
+  """
+
+  def __init__(self, max_bytes: int):
+    if max_bytes <= 0:
+      raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    self._max = max_bytes
+    self._used = 0
+    self._lock = threading.Lock()
+    self._waiters: collections.deque[_Waiter] = collections.deque()
+
+  @property
+  def in_use(self) -> int:
+    return self._used
+
+  async def acquire(self, nbytes: int) -> None:
+    n = min(max(0, nbytes), self._max)
+    with self._lock:
+      if not self._waiters and self._used + n <= self._max:
+        self._used += n
+        return
+      loop = asyncio.get_running_loop()
+      waiter = _Waiter(n, loop, loop.create_future())
+      self._waiters.append(waiter)
+    try:
+      await waiter.future
+    except asyncio.CancelledError:
+      with self._lock:
+        granted = waiter.granted
+        if not granted:
+          self._waiters.remove(waiter)
+      if granted:
+        self.release(n)
+      raise
+
+  def release(self, nbytes: int) -> None:
+    n = min(max(0, nbytes), self._max)
+    with self._lock:
+      self._used -= n
+      while self._waiters and self._used + self._waiters[0].nbytes <= self._max:
+        w = self._waiters.popleft()
+        w.granted = True
+        self._used += w.nbytes
+        w.loop.call_soon_threadsafe(_resolve, w.future)
+
+  @contextlib.asynccontextmanager
+  async def hold(self, nbytes: int):
+    await self.acquire(nbytes)
+    try:
+      yield
+    finally:
+      self.release(nbytes)
+
+
+def _resolve(future: asyncio.Future) -> None:
+  if not future.done():
+    future.set_result(None)
+
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_thread: threading.Thread | None = None
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+  """The module's one background event loop (started on first use, daemon thread)."""
+  global _loop, _loop_thread
+  with _loop_lock:
+    if _loop is None or _loop_thread is None or not _loop_thread.is_alive():
+      loop = asyncio.new_event_loop()
+      thread = threading.Thread(target=loop.run_forever, name="kvjax-chunk-store", daemon=True)
+      thread.start()
+      _loop, _loop_thread = loop, thread
+    return _loop
+
+
+def run_sync(coro: Awaitable[_T]) -> _T:
+  """Runs a coroutine on the background loop and waits for it (from any thread but that loop's).
+
+  Raises:
+    RuntimeError: called from the background loop's own thread (it would deadlock).
+  """
+  loop = _background_loop()
+  if threading.current_thread() is _loop_thread:
+    if asyncio.iscoroutine(coro):
+      coro.close()
+    raise RuntimeError("sync store call from the store's own event loop; await the async API")
+  return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+# ---------------------------------------------------------------------------------------------
+# Error classification.
+
+
+def _status(e: BaseException) -> str:
+  """The absl status code tensorstore puts at the front of its error messages, if any."""
+  head = str(e).split(":", 1)[0].strip()
+  return head if head.isupper() else ""
+
+
+def _data_error_reason(e: BaseException) -> MissReason:
+  """Miss reason of an exception raised while opening or reading a data object."""
+  if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+    return MissReason.READ_ERROR
+  status = _status(e)
+  if status == "NOT_FOUND":
+    return MissReason.MISSING_DATA
+  if status in ("DATA_LOSS", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"):
+    return MissReason.CORRUPT
+  return MissReason.READ_ERROR
+
+
+class ChunkStore:
+  """Stored KV chunks under one kvstore root, verified on every read.
+
+  Example:
+    store = ChunkStore("file:///tmp/kv")
+    store.put_sync(h, parent, token_ids, ns.root_hash(), kv_L2CKH)
+    hit_or_miss = store.get_sync(h, token_ids, ns.root_hash(), layout)
+  """
+
+  def __init__(self, url: str, *, name: str = "disk", context: ts.Context | None = None,
+               max_bytes_in_flight: int = 256 << 20, timeout_s: float = 30.0,
+               limiter: Limiter | None = None, zstd_level: int | None = specs.DEFAULT_ZSTD_LEVEL,
+               **kvstore_kwargs: Any):
+    """Creates a store handle; nothing is opened until the first operation.
+
+    Args:
+      url: store URL (see `specs.kvstore_spec`).
+      name: tier name reported in hits.
+      context: tensorstore context; default: a fresh one from `default_context_spec()`.
+        `memory://` stores are visible only to users of the same context.
+      max_bytes_in_flight: bound on value bytes being read or written at once.
+      timeout_s: limit on each tensorstore operation, seconds.
+      limiter: optional link emulator; `get` awaits `limiter.acquire(nbytes)` before reading.
+      zstd_level: zstd level inside the shard for new objects (None: off).
+      **kvstore_kwargs: passed to `specs.kvstore_spec` (s3 `endpoint`, `region`, ...).
+    """
+    self.name = name
+    self.url = url
+    self.kvstore_spec = specs.kvstore_spec(url, **kvstore_kwargs)
+    self.context = context if context is not None else ts.Context(default_context_spec())
+    self.timeout_s = timeout_s
+    self.stats = StoreStats()
+    self._limiter = limiter
+    self._bytes = ByteLimiter(max_bytes_in_flight)
+    self._zstd_level = zstd_level
+    self._root: ts.KvStore | None = None
+    self._no_value: bytes | None = None
+    self._in_flight_lock = threading.Lock()
+    self._in_flight: collections.Counter[str] = collections.Counter()
+    self._closed = False
+
+  # -- plumbing ---------------------------------------------------------------------------------
+
+  async def _op(self, fut: Awaitable[_T]) -> _T:
+    return await asyncio.wait_for(fut, self.timeout_s)
+
+  async def kvstore(self) -> ts.KvStore:
+    """The opened root kvstore (cached), for tools and tests."""
+    if self._closed:
+      raise RuntimeError(f"store {self.name!r} is closed")
+    if self._root is None:
+      root = await self._op(ts.KvStore.open(self.kvstore_spec, context=self.context))
+      probe = await self._op(root.read(_ABSENT_PROBE_KEY))
+      if probe.state != "missing" or not probe.stamp.generation:
+        raise RuntimeError(f"cannot learn the no-value generation of {self.url!r}")
+      self._no_value = bytes(probe.stamp.generation)
+      self._root = root
+    return self._root
+
+  @contextlib.contextmanager
+  def _writing(self, object_key: str) -> Iterator[None]:
+    """Marks a data object as being written, so `gc` in this process leaves it alone."""
+    with self._in_flight_lock:
+      self._in_flight[object_key] += 1
+    try:
+      yield
+    finally:
+      with self._in_flight_lock:
+        self._in_flight[object_key] -= 1
+        if not self._in_flight[object_key]:
+          del self._in_flight[object_key]
+
+  async def _read_record(self, chunk_hash: ChunkHash) -> ts.KvStore.ReadResult:
+    root = await self.kvstore()
+    return await self._op(root.read(index_key(chunk_hash)))
+
+  async def _delete_object(self, object_key: str) -> None:
+    root = await self.kvstore()
+    await self._op(root.delete_range(_prefix_range(object_key.rstrip("/") + "/")))
+
+  async def _publish_record(self, record: ChunkRecord) -> bool:
+    """Creates the index record if absent. Returns False if a record already exists."""
+    root = await self.kvstore()
+    stamp = await self._op(root.write(index_key(record.chunk_hash), record.to_json(),
+                                      if_equal=self._no_value))
+    # A conditional write that did not happen returns an empty generation.
+    return bool(stamp.generation)
+
+  # -- public async API ---------------------------------------------------------------------------
+
+  async def contains(self, hashes: Sequence[ChunkHash]) -> list[bool]:
+    """Whether an index record exists for each hash (all reads issued concurrently).
+
+    Presence is a hint for planning; `get` still verifies. A backend error reads as False.
+    """
+    await self.kvstore()
+
+    async def one(h: ChunkHash) -> bool:
+      try:
+        return (await self._read_record(h)).state == "value"
+      except Exception as e:  # noqa: BLE001
+        _log.warning("contains(%s) on %s failed: %r", h, self.name, e)
+        return False
+
+    return list(await asyncio.gather(*(one(h) for h in hashes)))
+
+  async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
+                layout: KVLayout) -> ChunkHit | ChunkMiss:
+    """Reads and verifies one chunk.
+
+    Args:
+      chunk_hash: the chunk's key.
+      token_ids: the C token ids the caller expects the KV to belong to.
+      namespace: the caller's namespace id (`KeyNamespace.root_hash()`).
+      layout: the shape and dtype the caller can use.
+
+    Returns:
+      A `ChunkHit` with `kv`: `layout.dtype[L, 2, C, K, H]` (K before RoPE), or a `ChunkMiss`
+      with its reason (also counted in `stats.misses_by_reason`). Never raises for store faults.
+    """
+    result = await self._get(chunk_hash, tuple(int(t) for t in token_ids), namespace, layout)
+    if isinstance(result, ChunkMiss):
+      self.stats.miss(result.reason)
+    else:
+      self.stats.add(hits=1, bytes_read=result.encoding.nbytes)
+    return result
+
+  async def _get(self, chunk_hash: ChunkHash, token_ids: tuple[int, ...], namespace: str,
+                 layout: KVLayout) -> ChunkHit | ChunkMiss:
+    def miss(reason: MissReason, detail: str = "") -> ChunkMiss:
+      return ChunkMiss(chunk_hash, reason, detail)
+
+    try:
+      res = await self._read_record(chunk_hash)
+    except Exception as e:  # noqa: BLE001
+      return miss(MissReason.READ_ERROR, f"index read: {e!r}")
+    if res.state != "value":
+      return miss(MissReason.ABSENT)
+    try:
+      record = ChunkRecord.from_json(res.value)
+    except ValueError as e:
+      return miss(MissReason.CORRUPT, str(e))
+    if record.chunk_hash != chunk_hash:
+      return miss(MissReason.CORRUPT, f"record names chunk {record.chunk_hash}")
+    if record.token_ids != token_ids:
+      return miss(MissReason.TOKEN_MISMATCH)
+    if record.namespace != namespace:
+      return miss(MissReason.NAMESPACE_MISMATCH, record.namespace)
+    if record.layout != layout:
+      return miss(MissReason.LAYOUT_MISMATCH, repr(record.layout))
+    encoding = next((e for e in record.encodings
+                     if e.codec == RAW_CODEC and e.codec_version == RAW_CODEC_VERSION), None)
+    if encoding is None:
+      return miss(MissReason.UNKNOWN_CODEC,
+                  ",".join(f"{e.codec}/{e.codec_version}" for e in record.encodings))
+    if encoding.nbytes != layout.nbytes or not encoding.object.startswith(f"{_DATA}{chunk_hash}/"):
+      return miss(MissReason.CORRUPT, f"bad encoding entry {encoding!r}")
+
+    if self._limiter is not None:
+      await self._limiter.acquire(encoding.nbytes)
+    try:
+      async with self._bytes.hold(encoding.nbytes):
+        spec = specs.chunk_array_spec(self.kvstore_spec, encoding.object, layout, create=False)
+        arr = await self._op(ts.open(spec, context=self.context, read=True))
+        kv = await self._op(arr.read())
+    except Exception as e:  # noqa: BLE001
+      return miss(_data_error_reason(e), repr(e))
+    kv = np.asarray(kv)
+    if kv.shape != layout.shape or kv.dtype != np.dtype(layout.dtype):
+      return miss(MissReason.CORRUPT, f"read {kv.dtype}{list(kv.shape)}")
+    if values_checksum(kv) != encoding.checksum:
+      return miss(MissReason.CHECKSUM_MISMATCH)
+    return ChunkHit(record=record, encoding=encoding, kv=kv, tier=self.name)
+
+  async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
+                namespace: str, kv: np.ndarray) -> bool:
+    """Stores one chunk: data first, then the record if none exists (commit last).
+
+    Args:
+      chunk_hash: the chunk's key.
+      parent_hash: the previous chunk's key (the namespace root for the first chunk).
+      token_ids: the C token ids the KV belongs to.
+      namespace: namespace id (`KeyNamespace.root_hash()`).
+      kv: `[L, 2, C, K, H]` values (K before RoPE), any numpy dtype tensorstore stores
+        (float32, bfloat16, float16, ...).
+
+    Returns:
+      True if this call published the record; False if a record already existed (counted in
+      `stats.put_conflicts`) or the backend failed (`stats.put_failures`; no record is left).
+
+    Raises:
+      ValueError: `kv` is not `[L, 2, C, K, H]` with C == len(token_ids).
+    """
+    token_ids = tuple(int(t) for t in token_ids)
+    values = np.ascontiguousarray(kv)
+    if values.ndim != 5 or values.shape[1] != 2 or values.shape[2] != len(token_ids):
+      raise ValueError(f"kv must be [L, 2, C={len(token_ids)}, K, H], got {values.shape}")
+    n_layers, _, c, n_kv_heads, head_dim = values.shape
+    layout = KVLayout(n_layers, c, n_kv_heads, head_dim, values.dtype.name)
+    checksum = values_checksum(values)
+    object_key = raw_object_key(chunk_hash, checksum)
+    record = ChunkRecord(
+        chunk_hash=chunk_hash, parent_hash=parent_hash, token_ids=token_ids, namespace=namespace,
+        layout=layout,
+        encodings=(Encoding(RAW_CODEC, RAW_CODEC_VERSION, RAW_LEVEL, object_key, values.nbytes,
+                            checksum),))
+
+    try:
+      if (await self._read_record(chunk_hash)).state == "value":
+        self.stats.add(put_conflicts=1)  # Already stored: skip the data write.
+        return False
+    except Exception as e:  # noqa: BLE001
+      _log.warning("put(%s) on %s failed: %r", chunk_hash, self.name, e)
+      self.stats.add(put_failures=1)
+      return False
+    with self._writing(object_key):
+      try:
+        async with self._bytes.hold(values.nbytes):
+          spec = specs.chunk_array_spec(self.kvstore_spec, object_key, layout, create=True,
+                                        zstd_level=self._zstd_level)
+          arr = await self._op(ts.open(spec, context=self.context))
+          await self._op(arr.write(values))
+        won = await self._publish_record(record)
+      except Exception as e:  # noqa: BLE001
+        _log.warning("put(%s) on %s failed: %r", chunk_hash, self.name, e)
+        self.stats.add(put_failures=1)
+        return False
+      if won:
+        self.stats.add(puts=1, bytes_written=values.nbytes)
+        return True
+      self.stats.add(put_conflicts=1)
+      await self._drop_loser_object(chunk_hash, object_key)
+      return False
+
+  async def _drop_loser_object(self, chunk_hash: ChunkHash, object_key: str) -> None:
+    """After losing the publish race: delete our object unless the winner's record uses it.
+
+    Writers of equal values write the same object; while another writer in this process is still
+    writing it, the last of them decides. (A twin in another process can see its write fail;
+    that put then counts as a failure and leaves no record.)
+    """
+    with self._in_flight_lock:
+      if self._in_flight[object_key] > 1:
+        return
+    try:
+      res = await self._read_record(chunk_hash)
+      if res.state == "value":
+        try:
+          winner = ChunkRecord.from_json(res.value)
+          if any(e.object == object_key for e in winner.encodings):
+            return
+        except ValueError:
+          pass
+      await self._delete_object(object_key)
+    except Exception as e:  # noqa: BLE001  (left for gc)
+      _log.warning("dropping %s on %s failed: %r", object_key, self.name, e)
+
+  async def delete(self, chunk_hash: ChunkHash) -> bool:
+    """Removes a chunk's record, then the data objects it referenced.
+
+    Returns:
+      True if a record existed and was removed.
+    """
+    root = await self.kvstore()
+    res = await self._read_record(chunk_hash)
+    if res.state != "value":
+      return False
+    # Conditional delete: only the record we read (a concurrent replacement stays).
+    stamp = await self._op(root.write(index_key(chunk_hash), None,
+                                      if_equal=res.stamp.generation))
+    if not stamp.generation:
+      return False
+    try:
+      objects = [e.object for e in ChunkRecord.from_json(res.value).encodings]
+    except ValueError:
+      objects = [f"{_DATA}{chunk_hash}"]
+    await asyncio.gather(*(self._delete_object(o) for o in objects))
+    return True
+
+  async def records(self) -> list[ChunkRecord]:
+    """All parseable index records (malformed ones are logged and skipped)."""
+    root = await self.kvstore()
+    keys = await self._op(root.list(_prefix_range(_INDEX)))
+    reads = await asyncio.gather(*(self._op(root.read(k)) for k in keys), return_exceptions=True)
+    out = []
+    for key, res in zip(keys, reads):
+      if isinstance(res, BaseException) or res.state != "value":
+        continue
+      try:
+        out.append(ChunkRecord.from_json(res.value))
+      except ValueError as e:
+        _log.warning("skipping malformed record %r: %s", key, e)
+    return out
+
+  async def gc(self) -> int:
+    """Removes data objects that no record references (failed or lost writes).
+
+    Objects being written by this store are kept. A writer in another process can lose an
+    in-flight object to `gc`; its record then reads as MISSING_DATA, never as wrong data.
+
+    Returns:
+      Number of data objects removed.
+    """
+    root = await self.kvstore()
+    referenced = {e.object for r in await self.records() for e in r.encodings}
+    keys = await self._op(root.list(_prefix_range(_DATA)))
+    objects = set()
+    for key in keys:
+      parts = key.decode().split("/")
+      if len(parts) >= 3:
+        objects.add("/".join(parts[:3]))
+    with self._in_flight_lock:
+      busy = set(self._in_flight)
+    garbage = sorted(objects - referenced - busy)
+    await asyncio.gather(*(self._delete_object(o) for o in garbage))
+    return len(garbage)
+
+  def close(self) -> None:
+    """Drops the cached handles; the store cannot be used afterwards."""
+    self._closed = True
+    self._root = None
+
+  # -- sync twins ----------------------------------------------------------------------------------
+
+  def contains_sync(self, hashes: Sequence[ChunkHash]) -> list[bool]:
+    return run_sync(self.contains(hashes))
+
+  def get_sync(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
+               layout: KVLayout) -> ChunkHit | ChunkMiss:
+    return run_sync(self.get(chunk_hash, token_ids, namespace, layout))
+
+  def put_sync(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
+               namespace: str, kv: np.ndarray) -> bool:
+    return run_sync(self.put(chunk_hash, parent_hash, token_ids, namespace, kv))
+
+  def delete_sync(self, chunk_hash: ChunkHash) -> bool:
+    return run_sync(self.delete(chunk_hash))
+
+  def records_sync(self) -> list[ChunkRecord]:
+    return run_sync(self.records())
+
+  def gc_sync(self) -> int:
+    return run_sync(self.gc())

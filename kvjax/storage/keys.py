@@ -1,0 +1,180 @@
+"""Chunk keys: chained SHA-256 over token ids, seeded by a key namespace (DESIGN.md section 4).
+
+A prompt is cut into full chunks of C tokens; chunk i's key hashes chunk i-1's key, its own C
+token ids and optional extras (e.g. multimodal content ids):
+
+  root = SHA-256(namespace)        (model fingerprint, KV dtype, layout version, C, cache salt)
+  h_0  = SHA-256(root, tokens[0:C], extras)
+  h_1  = SHA-256(h_0, tokens[C:2C], extras)
+  ...
+
+so a key names the whole prefix up to and including its chunk (the vLLM prefix-caching scheme,
+`vllm/v1/core/kv_cache_utils.py` `hash_block_tokens`). Every field is typed and length-prefixed
+before hashing, so no two distinct inputs share a byte string: `("ab", "c")` and `("a", "bc")`,
+`[]` and `[""]`, `1` and `"1"`, a `None` salt and an empty salt all hash differently. Digests are
+hex strings and depend on nothing but the inputs (no `hash()`, so no PYTHONHASHSEED effect).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from kvjax._typing import ChunkHash
+
+_ROOT_DOMAIN = b"kvjax/chunk-key/root/v1"
+_CHUNK_DOMAIN = b"kvjax/chunk-key/chunk/v1"
+
+# Type tags of encoded fields.
+_T_NONE = b"N"
+_T_STR = b"S"
+_T_BYTES = b"B"
+_T_INT = b"I"
+_T_TOKENS = b"T"
+_T_LIST = b"L"
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+  """One typed field: 1-byte tag, 8-byte big-endian payload length, payload."""
+  return tag + struct.pack(">Q", len(payload)) + payload
+
+
+def _encode_value(value: str | bytes | int | None) -> bytes:
+  """Encodes one scalar as a typed, length-prefixed field.
+
+  Raises:
+    TypeError: a value that is not None, str, bytes or int (bool is rejected: it is an int
+      in Python but almost always a mistake in a key).
+  """
+  if value is None:
+    return _field(_T_NONE, b"")
+  if isinstance(value, bool):
+    raise TypeError(f"bool is not a valid key field: {value!r}")
+  if isinstance(value, str):
+    return _field(_T_STR, value.encode("utf-8"))
+  if isinstance(value, (bytes, bytearray, memoryview)):
+    return _field(_T_BYTES, bytes(value))
+  if isinstance(value, int):
+    # Signed, minimal-length big-endian two's complement: any size of int is representable.
+    n = (value.bit_length() + 8) // 8
+    return _field(_T_INT, value.to_bytes(n, "big", signed=True))
+  raise TypeError(f"key fields must be str, bytes, int or None, got {type(value).__name__}")
+
+
+def _encode_tokens(token_ids: Sequence[int]) -> bytes:
+  """Token ids as a typed field: int64 little-endian each, preceded by the count.
+
+  Raises:
+    ValueError: a token id outside int64.
+  """
+  ids = [int(t) for t in token_ids]
+  try:
+    payload = struct.pack(f"<{len(ids)}q", *ids)
+  except struct.error as e:
+    raise ValueError(f"token id out of int64 range: {e}") from e
+  return _field(_T_TOKENS, struct.pack(">Q", len(ids)) + payload)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyNamespace:
+  """Everything besides token ids that decides whether stored KV may be reused.
+
+  Attributes:
+    model_fingerprint: hex digest of architecture, config and weights.
+    kv_dtype: numpy dtype name of the stored KV ("float32", "bfloat16", ...).
+    kv_layout_version: version of the `[L, 2, C, K, H]` layout and its conventions (pre-RoPE K).
+    chunk_size: C, tokens per chunk.
+    cache_salt: tenant isolation salt (vLLM's `cache_salt`); `None` (no salt) differs from `""`.
+  """
+
+  model_fingerprint: str
+  kv_dtype: str
+  kv_layout_version: int
+  chunk_size: int
+  cache_salt: str | None = None
+
+  def __post_init__(self):
+    if self.chunk_size <= 0:
+      raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+
+  def root_hash(self) -> ChunkHash:
+    """The parent hash of a prompt's first chunk; also the namespace id stored in records."""
+    h = hashlib.sha256()
+    h.update(_field(_T_BYTES, _ROOT_DOMAIN))
+    for value in (self.model_fingerprint, self.kv_dtype, self.kv_layout_version, self.chunk_size,
+                  self.cache_salt):
+      h.update(_encode_value(value))
+    return ChunkHash(h.hexdigest())
+
+
+def hash_chunk(parent: ChunkHash, token_ids: Sequence[int],
+               extras: Sequence[str | bytes | int] = ()) -> ChunkHash:
+  """Key of one chunk given its parent's key.
+
+  Args:
+    parent: hex key of the previous chunk, or the namespace's `root_hash()` for the first chunk.
+    token_ids: the chunk's token ids (int64 range).
+    extras: further inputs that change the KV (e.g. image content hashes), typed and
+      length-prefixed, so `("ab", "c") != ("a", "bc")`, `[] != [""]`, `[1] != ["1"]`.
+
+  Returns:
+    Hex SHA-256 digest.
+
+  Raises:
+    TypeError: an extra that is not str, bytes or int.
+    ValueError: a token id outside int64.
+  """
+  h = hashlib.sha256()
+  h.update(_field(_T_BYTES, _CHUNK_DOMAIN))
+  h.update(_encode_value(str(parent)))
+  h.update(_encode_tokens(token_ids))
+  encoded_extras = b"".join(_encode_value(e) for e in extras)
+  h.update(_field(_T_LIST, struct.pack(">Q", len(extras)) + encoded_extras))
+  return ChunkHash(h.hexdigest())
+
+
+def chunk_hashes(namespace: KeyNamespace, token_ids: Sequence[int], *,
+                 max_tokens: int | None = None) -> list[ChunkHash]:
+  """Keys of the full chunks of `token_ids[:max_tokens]`, chained from the namespace root.
+
+  A partial tail (fewer than C tokens) has no key and is never stored or looked up.
+
+  Args:
+    namespace: key namespace; its `chunk_size` is C.
+    token_ids: the token ids, from the start of the sequence.
+    max_tokens: if given, only the first `max_tokens` tokens are considered.
+
+  Returns:
+    `floor(n / C)` hex keys, n = number of tokens considered.
+  """
+  c = namespace.chunk_size
+  ids = list(token_ids if max_tokens is None else token_ids[:max(0, max_tokens)])
+  parent = namespace.root_hash()
+  out: list[ChunkHash] = []
+  for start in range(0, len(ids) - c + 1, c):
+    parent = hash_chunk(parent, ids[start:start + c])
+    out.append(parent)
+  return out
+
+
+def prefix_chunk_hashes_for_prompt(namespace: KeyNamespace,
+                                   prompt_ids: Sequence[int]) -> list[ChunkHash]:
+  """Keys of the chunks of a prompt that may be served from the store.
+
+  A hit may never cover the last prompt token: its logits must be computed fresh to sample the
+  first output token. So only the full chunks of `prompt_ids[:-1]` are candidates, and a fully
+  stored prompt of n tokens yields `C * floor((n - 1) / C)` cached tokens:
+
+    C = 4, n = 8:   [t0 t1 t2 t3][t4 t5 t6 | t7]   -> 1 chunk (4 tokens); t4..t7 computed
+    C = 4, n = 9:   [t0 t1 t2 t3][t4 t5 t6 t7] t8  -> 2 chunks (8 tokens); t8 computed
+
+  Args:
+    namespace: key namespace; its `chunk_size` is C.
+    prompt_ids: the whole prompt's token ids.
+
+  Returns:
+    `floor((n - 1) / C)` hex keys (none for an empty prompt).
+  """
+  return chunk_hashes(namespace, prompt_ids, max_tokens=max(0, len(prompt_ids) - 1))

@@ -1,0 +1,154 @@
+"""Pure functions that build tensorstore specs for the chunk store (DESIGN.md section 5).
+
+Nothing here opens or touches storage: each function maps arguments to a JSON-able dict, so specs
+are easy to test and to log.
+
+URLs understood by `kvstore_spec`:
+
+  memory://            process-local memory (tests); shared by everything using one ts.Context
+  memory://name        the same, under the key prefix `name/`
+  file:///abs/path     a local directory
+  /abs/path, rel/path  the same (a plain path)
+  ""                   the default root, ~/.cache/kvjax/store
+  ocdbt+file:///abs    an OCDBT database (many small objects in few files) over a local directory
+  s3://bucket/prefix   S3 or an S3-compatible server (endpoint/region from kwargs or AWS_* env)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvjax.storage.types import KVLayout
+
+#: Default root of a local store.
+DEFAULT_ROOT = os.path.join("~", ".cache", "kvjax", "store")
+
+#: zstd (level 1) inside the shard. Off: measured on [30, 2, 256, 3, 64] chunks (memory kvstore,
+#: 2 CPU cores) it shrank float32 values 1.08x and bfloat16 1.28x (the same 1.28x DESIGN.md
+#: section 8 found on real bf16 KV), while writes got 4-10x and reads 1-8x slower. Real size
+#: savings belong to the quantizing codecs.
+DEFAULT_ZSTD_LEVEL: int | None = None
+
+# S3: fail instead of hanging when the server is absent or slow.
+_S3_RETRIES = {"max_retries": 3, "initial_delay": "100ms", "max_delay": "2s"}
+_S3_CONCURRENCY = {"limit": 32}
+
+
+def _dir_path(path: str) -> str:
+  path = os.path.abspath(os.path.expanduser(path))
+  return path.rstrip("/") + "/"
+
+
+def kvstore_spec(url: str, *, endpoint: str | None = None, region: str | None = None,
+                 host_header: str | None = None) -> dict[str, Any]:
+  """Maps a store URL to a tensorstore kvstore spec.
+
+  Args:
+    url: see the module docstring for the accepted forms.
+    endpoint: S3 endpoint URL (default: `$AWS_ENDPOINT_URL`, else AWS).
+    region: S3 region (default: `$AWS_REGION`, else `$AWS_DEFAULT_REGION`, else tensorstore's
+      discovery).
+    host_header: S3 Host header override (some S3-compatible servers behind proxies need it).
+
+  Returns:
+    A kvstore spec dict whose `path` (when present) ends with "/".
+
+  Raises:
+    ValueError: an unknown scheme (named in the message), or an s3 URL without a bucket.
+  """
+  if url.startswith("memory://"):
+    name = url[len("memory://"):].strip("/")
+    spec: dict[str, Any] = {"driver": "memory"}
+    if name:
+      spec["path"] = name + "/"
+    return spec
+  if url.startswith("ocdbt+"):
+    base = kvstore_spec(url[len("ocdbt+"):])
+    if base["driver"] != "file":
+      raise ValueError(f"ocdbt is supported over file only here, got {url!r}")
+    return {"driver": "ocdbt", "base": base}
+  if url.startswith("file://"):
+    return {"driver": "file", "path": _dir_path(url[len("file://"):] or "/")}
+  if url.startswith("s3://"):
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    if not bucket:
+      raise ValueError(f"s3 URL without a bucket: {url!r}")
+    spec = {"driver": "s3", "bucket": bucket, "s3_request_retries": dict(_S3_RETRIES),
+            "s3_request_concurrency": dict(_S3_CONCURRENCY)}
+    prefix = prefix.strip("/")
+    if prefix:
+      spec["path"] = prefix + "/"
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
+    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if endpoint:
+      spec["endpoint"] = endpoint
+    if region:
+      spec["aws_region"] = region
+    if host_header:
+      spec["host_header"] = host_header
+    return spec
+  if "://" in url:
+    raise ValueError(f"unknown store URL scheme {url.split('://', 1)[0]!r} in {url!r}")
+  return {"driver": "file", "path": _dir_path(url or DEFAULT_ROOT)}
+
+
+def join_path(kvstore: dict[str, Any], key_prefix: str) -> dict[str, Any]:
+  """The kvstore spec rooted at `key_prefix` (a "/"-terminated prefix) below `kvstore`'s path."""
+  out = dict(kvstore)
+  out["path"] = kvstore.get("path", "") + key_prefix
+  return out
+
+
+def chunk_array_spec(kvstore: dict[str, Any], object_key: str, layout: KVLayout, *,
+                     create: bool, zstd_level: int | None = DEFAULT_ZSTD_LEVEL) -> dict[str, Any]:
+  """A zarr3 array holding one stored chunk's raw values, `[L, 2, C, K, H]` of `layout.dtype`.
+
+  One regular chunk covers the whole array and is sharded (`sharding_indexed`) into inner chunks
+  of one layer, `[1, 2, C, K, H]`: the values are one object (`<object_key>/c/0/0/0/0/0`, beside
+  `zarr.json`), and one layer can be read alone (shard index + that layer). The shard index
+  carries a crc32c, so a truncated or damaged index is detected by tensorstore itself.
+  Missing data reads fail (`fill_missing_data_reads: false`) instead of returning zeros.
+
+  Args:
+    kvstore: the store's root kvstore spec (from `kvstore_spec`).
+    object_key: key prefix of the object below the root, e.g. "data/<hash>/raw-0-<sha>".
+    layout: shape and dtype.
+    create: True to create (or open an identical existing) array for writing; False to open an
+      existing one.
+    zstd_level: if set, zstd at this level inside the shard.
+
+  Returns:
+    A tensorstore spec dict.
+  """
+  chunk_shape = list(layout.shape)
+  inner_shape = [1] + chunk_shape[1:]
+  inner_codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+  if zstd_level is not None:
+    inner_codecs.append({"name": "zstd", "configuration": {"level": int(zstd_level)}})
+  spec: dict[str, Any] = {
+      "driver": "zarr3",
+      "kvstore": join_path(kvstore, object_key.rstrip("/") + "/"),
+      "metadata": {
+          "shape": chunk_shape,
+          "data_type": layout.dtype,
+          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk_shape}},
+          "chunk_key_encoding": {"name": "default"},
+          "fill_value": 0,
+          "codecs": [{
+              "name": "sharding_indexed",
+              "configuration": {
+                  "chunk_shape": inner_shape,
+                  "codecs": inner_codecs,
+                  "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                   {"name": "crc32c"}],
+                  "index_location": "end",
+              },
+          }],
+      },
+      "open": True,
+      "fill_missing_data_reads": False,
+  }
+  if create:
+    spec["create"] = True
+  return spec

@@ -1,0 +1,160 @@
+"""Plain records shared by the store, its tiers and the engine (numpy only, no JAX).
+
+A stored chunk is C tokens of KV for all layers, `[L, 2, C, K, H]` (K before RoPE, then V), plus
+an index record that says which tokens it holds, under which key namespace, in which layout, and
+which encodings of it exist (DESIGN.md sections 4 and 5). The codec is not part of the key: a
+reader picks any encoding it can decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from typing import Any
+
+import numpy as np
+
+from kvjax._typing import ChunkHash
+
+#: Version of the index record's JSON format.
+RECORD_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """Shape and dtype a stored chunk must have to be used: `[L, 2, C, K, H]` of `dtype`.
+
+  Attributes:
+    num_layers: L.
+    chunk_size: C, tokens.
+    num_kv_heads: K.
+    head_dim: H.
+    dtype: numpy dtype name of the raw values ("float32", "bfloat16", ...).
+  """
+
+  num_layers: int
+  chunk_size: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: str
+
+  @property
+  def shape(self) -> tuple[int, int, int, int, int]:
+    return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of one raw chunk."""
+    import ml_dtypes  # noqa: F401, PLC0415  (registers bfloat16 with numpy)
+    return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+  """One stored encoding of a chunk.
+
+  Attributes:
+    codec: codec id ("raw"; later "int8", "int4", "cachegen").
+    codec_version: version of that codec's byte format.
+    level: encoding level (CacheGen levels; 0 for raw).
+    object: key of the data object, relative to the store root.
+    nbytes: stored bytes of the object's values.
+    checksum: hex SHA-256 of the decoded values' bytes (C order).
+  """
+
+  codec: str
+  codec_version: int
+  level: int
+  object: str
+  nbytes: int
+  checksum: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRecord:
+  """The index record of a stored chunk; written last, after its data (commit last).
+
+  Attributes:
+    chunk_hash: the chunk's key.
+    parent_hash: key of the previous chunk (the namespace root for the first chunk).
+    token_ids: the C token ids the KV belongs to (checked on every read).
+    namespace: hex root hash of the key namespace (model fingerprint, dtype, layout version,
+      chunk size, cache salt).
+    layout: shape and dtype of the raw values.
+    encodings: stored encodings, any of which a reader may use.
+    format_version: `RECORD_FORMAT_VERSION` when written.
+  """
+
+  chunk_hash: ChunkHash
+  parent_hash: ChunkHash
+  token_ids: tuple[int, ...]
+  namespace: str
+  layout: KVLayout
+  encodings: tuple[Encoding, ...]
+  format_version: int = RECORD_FORMAT_VERSION
+
+  def to_json(self) -> bytes:
+    d = dataclasses.asdict(self)
+    return json.dumps(d, sort_keys=True).encode()
+
+  @classmethod
+  def from_json(cls, data: bytes) -> "ChunkRecord":
+    """Parses a record.
+
+    Raises:
+      ValueError: malformed JSON, missing or mistyped fields, or another format version.
+    """
+    try:
+      d: dict[str, Any] = json.loads(data)
+      if d.get("format_version") != RECORD_FORMAT_VERSION:
+        raise ValueError(f"record format {d.get('format_version')!r}, want "
+                         f"{RECORD_FORMAT_VERSION}")
+      return cls(
+          chunk_hash=ChunkHash(str(d["chunk_hash"])), parent_hash=ChunkHash(str(d["parent_hash"])),
+          token_ids=tuple(int(t) for t in d["token_ids"]), namespace=str(d["namespace"]),
+          layout=KVLayout(**d["layout"]),
+          encodings=tuple(Encoding(**e) for e in d["encodings"]),
+          format_version=int(d["format_version"]))
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"malformed chunk record: {e!r}") from e
+
+
+class MissReason(str, enum.Enum):
+  """Why a lookup or read did not produce usable KV (counted per reason)."""
+
+  ABSENT = "absent"                      # no index record
+  TOKEN_MISMATCH = "token_mismatch"      # record holds other token ids
+  NAMESPACE_MISMATCH = "namespace_mismatch"  # another model, dtype, layout version or salt
+  LAYOUT_MISMATCH = "layout_mismatch"    # another shape or dtype
+  UNKNOWN_CODEC = "unknown_codec"        # no encoding this reader can decode
+  MISSING_DATA = "missing_data"          # record present, data object gone
+  CHECKSUM_MISMATCH = "checksum_mismatch"
+  CORRUPT = "corrupt"                    # unreadable, truncated or malformed record or data
+  READ_ERROR = "read_error"              # the backend failed (timeout, unreachable)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkHit:
+  """A verified chunk.
+
+  Attributes:
+    record: its index record.
+    encoding: the encoding that was read.
+    kv: `[L, 2, C, K, H]` values in `record.layout.dtype`; K before RoPE.
+    tier: name of the tier it came from.
+  """
+
+  record: ChunkRecord
+  encoding: Encoding
+  kv: np.ndarray
+  tier: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkMiss:
+  """A chunk that cannot be used, and why."""
+
+  chunk_hash: ChunkHash
+  reason: MissReason
+  detail: str = ""

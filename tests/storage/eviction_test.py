@@ -1,0 +1,89 @@
+"""Exact eviction orders of the LRU and FIFO policies."""
+
+from absl.testing import absltest
+
+from kvjax._typing import ChunkHash
+from kvjax.storage.eviction import EntryInfo, FIFOPolicy, LRUPolicy, chain_depths
+
+ROOT = ChunkHash("root")
+
+
+def entries(spec, nbytes=10):
+  """spec: name -> (parent, last_access[, inserted]); depths from `chain_depths`."""
+  parents = {ChunkHash(h): ChunkHash(v[0]) for h, v in spec.items()}
+  depths = chain_depths(parents)
+  return [EntryInfo(ChunkHash(h), ChunkHash(v[0]), nbytes, v[1], depths[ChunkHash(h)],
+                    v[2] if len(v) > 2 else 0) for h, v in spec.items()]
+
+
+class ChainDepthsTest(absltest.TestCase):
+
+  def test_depth_counts_present_ancestors(self):
+    parents = {"a": "root", "b": "a", "c": "b", "x": "a", "y": "gone", "z": "y"}
+    self.assertEqual(chain_depths(parents), {"a": 0, "b": 1, "c": 2, "x": 1, "y": 0, "z": 1})
+
+  def test_cycle_is_cut(self):
+    depths = chain_depths({"a": "b", "b": "a", "c": "a"})
+    self.assertEqual(set(depths), {"a", "b", "c"})
+    self.assertEqual(depths["c"], depths["a"] + 1)
+
+
+class LRUPolicyTest(absltest.TestCase):
+
+  def test_plain_lru_on_independent_chunks(self):
+    es = entries({"a": (ROOT, 5), "b": (ROOT, 1), "c": (ROOT, 3), "d": (ROOT, 9)})
+    p = LRUPolicy()
+    self.assertEqual(p.victims(es, 10), ["b"])
+    self.assertEqual(p.victims(es, 11), ["b", "c"])
+    self.assertEqual(p.victims(es, 40), ["b", "c", "a", "d"])
+    self.assertEqual(p.victims(es, 0), [])
+
+  def test_suffix_before_prefix_even_when_prefix_is_older(self):
+    # Chain a -> b -> c written front to back (a oldest), plus an unrelated x.
+    es = entries({"a": (ROOT, 1), "b": ("a", 2), "c": ("b", 3), "x": (ROOT, 4)})
+    self.assertEqual(LRUPolicy().victims(es, 40), ["c", "b", "a", "x"])
+
+  def test_parent_stays_while_a_kept_child_remains(self):
+    # a has two children; y was read recently, so a must outlive y.
+    es = entries({"a": (ROOT, 1), "b": ("a", 2), "y": ("a", 8), "x": (ROOT, 5)})
+    self.assertEqual(LRUPolicy().victims(es, 30), ["b", "x", "y"])
+    self.assertEqual(LRUPolicy().victims(es, 40), ["b", "x", "y", "a"])
+
+  def test_recency_tie_goes_to_the_deeper_chunk(self):
+    es = entries({"p": (ROOT, 7), "q": ("p", 7), "r": (ROOT, 7)})
+    self.assertEqual(LRUPolicy().victims(es, 30), ["q", "p", "r"])
+
+  def test_hinted_chunks_are_never_evicted_and_keep_their_ancestors(self):
+    es = entries({"a": (ROOT, 1), "b": ("a", 2), "c": ("b", 3), "x": (ROOT, 4), "y": (ROOT, 5)})
+    p = LRUPolicy()
+    p.hint([["a", "b"], ["y"]])
+    self.assertEqual(p.hinted, {"a", "b", "y"})
+    self.assertEqual(p.victims(es, 20), ["c", "x"])
+    self.assertEqual(p.victims(es, 100), ["c", "x"])  # short: the caller checks the bytes
+    p.hint([["c"]])  # a hinted leaf holds its whole chain
+    self.assertEqual(p.victims(es, 100), ["x", "y"])
+    p.hint([])
+    self.assertEqual(p.victims(es, 100), ["c", "b", "a", "x", "y"])
+
+  def test_sizes_decide_how_many_go(self):
+    es = [EntryInfo(ChunkHash("big"), ROOT, 100, 1), EntryInfo(ChunkHash("s1"), ROOT, 5, 2),
+          EntryInfo(ChunkHash("s2"), ROOT, 5, 3)]
+    self.assertEqual(LRUPolicy().victims(es, 101), ["big", "s1"])
+
+
+class FIFOPolicyTest(absltest.TestCase):
+
+  def test_insertion_order_ignores_recency_and_chains(self):
+    es = entries({"a": (ROOT, 9, 1), "b": ("a", 1, 2), "x": (ROOT, 5, 3)})
+    self.assertEqual(FIFOPolicy().victims(es, 20), ["a", "b"])
+    self.assertEqual(FIFOPolicy(chain_aware=True).victims(es, 20), ["b", "a"])
+
+  def test_fifo_honors_hints(self):
+    es = entries({"a": (ROOT, 9, 1), "b": (ROOT, 1, 2), "x": (ROOT, 5, 3)})
+    p = FIFOPolicy()
+    p.hint([["a"]])
+    self.assertEqual(p.victims(es, 30), ["b", "x"])
+
+
+if __name__ == "__main__":
+  absltest.main()
