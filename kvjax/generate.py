@@ -2,14 +2,16 @@
 
     python -m kvjax.generate                                  # the embedded default chat prompt
     python -m kvjax.generate --prompt "Tell me about JAX" --max_tokens 64
-    python -m kvjax.generate --prompt_file ../shared/data/books/pg41_legend_of_sleepy_hollow_irving.txt \
-        --max_prompt_tokens 4000 --question "Who is Ichabod Crane?"
+    python -m kvjax.generate --prompt_file=../shared/data/books/pg1952_the_yellow_wallpaper_gilman.txt
+        --max_prompt_tokens=2000 --question="Who is the narrator?"
 
 Thin entry point: absl flags -> `LLM` -> print the text, TTFT and token accounting.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 from absl import app, flags, logging
@@ -29,12 +31,40 @@ _MAX_PROMPT_TOKENS = flags.DEFINE_integer("max_prompt_tokens", 3000,
                                           "Keep the document's first N tokens.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "Output tokens at most.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
+_SEED = flags.DEFINE_integer("seed", None, "Sampling seed (with --temperature > 0).")
 _DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Compute dtype.")
 
 
+def _check_flags() -> SamplingParams:
+  """Rejects bad flags before the model loads; returns the sampling parameters."""
+  if _PROMPT_FILE.value is None and not _PROMPT.value.strip():
+    raise app.UsageError("--prompt is empty: give a message to send")
+  if _PROMPT_FILE.value is None and flags.FLAGS["question"].present:
+    raise app.UsageError("--question needs --prompt_file (the document it asks about)")
+  if _PROMPT_FILE.value is not None and not os.path.isfile(_PROMPT_FILE.value):
+    raise app.UsageError(f"--prompt_file={_PROMPT_FILE.value}: no such file")
+  if _MAX_PROMPT_TOKENS.value <= 0:
+    raise app.UsageError(f"--max_prompt_tokens={_MAX_PROMPT_TOKENS.value} must be positive")
+  try:
+    return SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value,
+                          seed=_SEED.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+
+
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; pass text with --prompt")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+  params = _check_flags()
+  try:
+    _generate(params)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _generate(params: SamplingParams) -> None:
   t0 = time.perf_counter()
   llm = LLM(_MODEL.value, dtype=_DTYPE.value, max_num_seqs=1)
   print(f"loaded {llm.model_name} in {time.perf_counter() - t0:.1f} s "
@@ -45,7 +75,6 @@ def main(argv):
     with open(_PROMPT_FILE.value, encoding="utf-8") as f:
       doc_ids = tok.encode(f.read(), add_special_tokens=False)[:_MAX_PROMPT_TOKENS.value]
     content = tok.decode(doc_ids) + "\n\n" + _QUESTION.value
-  params = SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value)
   t0 = time.perf_counter()
   out = llm.chat([{"role": "user", "content": content}], params)[0]
   total_s = time.perf_counter() - t0

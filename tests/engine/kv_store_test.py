@@ -1,8 +1,12 @@
 """The engine with a prefix-cache store: hits equal cold runs, faults degrade to compute."""
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM, SamplingParams
@@ -144,6 +148,35 @@ class KVStoreEngineTest(parameterized.TestCase):
       LLM("tiny", cache_dir="", kv_store=self.url, kv_chunk_size=0)
     with self.assertRaisesRegex(ValueError, "scheme|unknown|unsupported"):
       make_llm("gopher://x")
+
+
+SECOND_PROCESS = """
+import json, sys
+from kvjax import LLM, SamplingParams
+llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=sys.argv[1],
+          kv_chunk_size=32)
+out = llm.generate({"prompt_token_ids": json.loads(sys.argv[2])},
+                   SamplingParams(max_tokens=5, temperature=0.0))[0]
+llm.close()
+print(json.dumps({"cached": out.num_cached_tokens, "tokens": out.token_ids}))
+"""
+
+
+@pytest.mark.slow
+class SecondProcessTest(absltest.TestCase):
+
+  def test_a_second_process_gets_the_exact_hit(self):
+    url = f"file://{self.create_tempdir().full_path}"
+
+    def run():
+      res = subprocess.run([sys.executable, "-c", SECOND_PROCESS, url, json.dumps(PROMPT)],
+                           capture_output=True, text=True, check=True, timeout=300)
+      return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    self.assertEqual(first["cached"], 0)
+    self.assertEqual(second["cached"], 128)
+    self.assertEqual(second["tokens"], first["tokens"])
 
 
 if __name__ == "__main__":

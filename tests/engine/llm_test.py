@@ -108,6 +108,17 @@ class LLMTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, msg):
           self.llm.generate(["fine", prompt], SamplingParams(max_tokens=16))
         self.assertFalse(self.llm.engine.has_unfinished_requests())
+    with self.assertRaisesRegex(ValueError, "sampling_params must be a SamplingParams"):
+      self.llm.generate("hi", {"max_tokens": 3})
+    for bad in (123, None, b"hi", []):
+      with self.assertRaisesRegex(ValueError, "prompts must be|a prompt must be"):
+        self.llm.generate(bad)
+    for kwargs, msg in ((dict(max_num_seqs=0), "max_num_seqs=0"),
+                        (dict(max_model_len=100000), "max_model_len=100000 exceeds"),
+                        (dict(chunk_sizes=(32, 16)), "ascending"),
+                        (dict(max_num_batched_tokens=-1), "max_num_batched_tokens=-1")):
+      with self.assertRaisesRegex(ValueError, msg):
+        LLM("tiny", cache_dir="", **kwargs)
     with self.assertRaisesRegex(ValueError, "unknown model 'gpt-5'"):
       LLM("gpt-5", cache_dir="")
     with self.assertRaisesRegex(ValueError, "dtype 'int8'"):
