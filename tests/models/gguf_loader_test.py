@@ -10,6 +10,7 @@ from absl.testing import parameterized
 import gguf
 import numpy as np
 
+from kvjax.models.llama import param_shapes
 from kvjax.models import config
 from kvjax.models import gguf_loader
 
@@ -20,23 +21,9 @@ _LAYER_SUFFIXES = {  # canonical name -> GGUF per-layer tensor suffix.
 }
 
 
-def canonical_shapes(cfg):
-  v, d, l, n, k, h, f = (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                         cfg.head_dim, cfg.mlp_dim)
-  shapes = {
-      "embed": (v, d), "layers.attn_norm": (l, d), "layers.wq": (l, d, n, h),
-      "layers.wk": (l, d, k, h), "layers.wv": (l, d, k, h), "layers.wo": (l, n, h, d),
-      "layers.mlp_norm": (l, d), "layers.w_gate": (l, d, f), "layers.w_up": (l, d, f),
-      "layers.w_down": (l, f, d), "final_norm": (d,),
-  }
-  if not cfg.tie_embeddings:
-    shapes["lm_head"] = (d, v)
-  return shapes
-
-
 def random_params(cfg, seed=0):
   rng = np.random.default_rng(seed)
-  return {k: rng.standard_normal(s).astype(np.float32) for k, s in canonical_shapes(cfg).items()}
+  return {k: rng.standard_normal(s).astype(np.float32) for k, s in param_shapes(cfg).items()}
 
 
 def gguf_tensors(cfg, params):
@@ -151,7 +138,7 @@ class SmolLM2GGUFTest(absltest.TestCase):
     self.assertEqual(gguf_loader.read_gguf_config(self.path), self.cfg)
 
   def test_param_shapes_dtypes_finite(self):
-    expected = canonical_shapes(self.cfg)
+    expected = param_shapes(self.cfg)
     self.assertEqual(set(self.params), set(expected))
     self.assertNotIn("lm_head", self.params)
     for name, shape in expected.items():

@@ -10,22 +10,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from kvjax.models import config
+from kvjax.models.llama import param_shapes
 from kvjax.models import safetensors_loader as st
 
 
 def random_params(cfg, seed=0):
-  v, d, l, n, k, h, f = (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                         cfg.head_dim, cfg.mlp_dim)
-  shapes = {
-      "embed": (v, d), "layers.attn_norm": (l, d), "layers.wq": (l, d, n, h),
-      "layers.wk": (l, d, k, h), "layers.wv": (l, d, k, h), "layers.wo": (l, n, h, d),
-      "layers.mlp_norm": (l, d), "layers.w_gate": (l, d, f), "layers.w_up": (l, d, f),
-      "layers.w_down": (l, f, d), "final_norm": (d,),
-  }
-  if not cfg.tie_embeddings:
-    shapes["lm_head"] = (d, v)
   rng = np.random.default_rng(seed)
-  return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+  return {k: rng.standard_normal(s).astype(np.float32) for k, s in param_shapes(cfg).items()}
 
 
 class SafetensorsLoaderTest(parameterized.TestCase):
