@@ -3,7 +3,6 @@
 import dataclasses
 import math
 import os
-import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -127,9 +126,7 @@ class SmolLM2GGUFTest(absltest.TestCase):
       cls.path = gguf_loader.find_smollm2_gguf()
     except FileNotFoundError as e:
       raise absltest.SkipTest(str(e))
-    start = time.perf_counter()
     cls.cfg, cls.params = gguf_loader.load_gguf(cls.path)
-    cls.load_s = time.perf_counter() - start
     cls.raw = gguf_loader._open(cls.path)
 
   def test_config_matches_preset(self):
@@ -197,11 +194,6 @@ class SmolLM2GGUFTest(absltest.TestCase):
 
     for key, value in meta.items():
       check(key, value)
-
-  def test_load_time(self):
-    print(f"load_gguf(SmolLM2-135M Q4_1): {self.load_s:.2f} s")
-    self.assertLess(self.load_s, 120.0)
-
 
 class PermutationTest(parameterized.TestCase):
 
