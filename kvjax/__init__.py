@@ -1,11 +1,19 @@
 """kvjax: get the KV cache of a long prompt onto the accelerator as fast as the machine allows.
 
-Public API (vLLM's shape): `LLM`, `SamplingParams`, `RequestOutput`.
+Public API (vLLM's shape): `LLM`, `SamplingParams`, `RequestOutput`. They are imported lazily, so
+tools that need only the store (`python -m kvjax.store`) start without loading JAX.
 """
 
-from kvjax.engine.engine import RequestOutput
-from kvjax.engine.llm import LLM
-from kvjax.scheduler.request import SamplingParams
+import importlib
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+_LAZY = {"LLM": "kvjax.engine.llm", "RequestOutput": "kvjax.engine.engine",
+         "SamplingParams": "kvjax.scheduler.request"}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'kvjax' has no attribute {name!r}")

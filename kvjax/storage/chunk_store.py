@@ -14,6 +14,15 @@ Architecture (DESIGN.md sections 3-5):
   object (data object keys contain the SHA-256 of the values, so two writers never write one
   object with different bytes). A write that fails half-way leaves no record; its data is garbage
   that `gc` removes.
+- S3: the create-if-absent is a conditional PUT (`If-None-Match: *`, see `specs`). On first use
+  the store checks that the server honours it (a second conditional create of an existing probe
+  key must fail). If the server ignores or rejects it, the store logs a warning and falls back to
+  tensorstore's HEAD-then-PUT plus read-after-write verification: a publish counts as won only if
+  the record read back is byte-identical to ours. That never lets a reader get wrong KV (reads
+  verify) and catches most races, but is not atomic: two racing writers can both see their own
+  record (the later one replaces the earlier; the earlier one's data object is then garbage for
+  `gc`, and a reader caught in between gets a MISSING_DATA miss). Passing
+  `conditional_write=False` selects that fallback up front.
 - Verify on read: `get` returns a `ChunkHit` only after checking the record's token ids,
   namespace, layout, codec and the SHA-256 of the values read; anything else is a `ChunkMiss` with
   a reason, counted in `stats.misses_by_reason`, never an exception and never someone else's KV.
@@ -56,6 +65,8 @@ _INDEX = "index/"
 _DATA = "data/"
 # A key that is never written; reading it yields the backend's "no value" generation.
 _ABSENT_PROBE_KEY = "index/.absent-probe"
+# S3 only: written once per store open to check that conditional PUTs are honoured.
+_CONDITIONAL_PROBE_KEY = ".kvjax-conditional-write-probe"
 
 
 class Limiter(Protocol):
@@ -85,6 +96,13 @@ def raw_object_key(chunk_hash: ChunkHash, checksum: str) -> str:
 def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
   """All keys starting with `prefix` (which ends with "/")."""
   return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+def _with_conditional_write(spec: dict[str, Any], on: bool) -> dict[str, Any]:
+  """A copy of `spec` whose s3 kvstore (itself or an ocdbt base) has `use_conditional_write=on`."""
+  if spec.get("driver") == "ocdbt":
+    return {**spec, "base": _with_conditional_write(spec["base"], on)}
+  return {**spec, "use_conditional_write": on} if spec.get("driver") == "s3" else spec
 
 
 def values_checksum(values: np.ndarray) -> str:
@@ -288,7 +306,8 @@ class ChunkStore:
       timeout_s: limit on each tensorstore operation, seconds.
       limiter: optional link emulator; `get` awaits `limiter.acquire(nbytes)` before reading.
       zstd_level: zstd level inside the shard for new objects (None: off).
-      **kvstore_kwargs: passed to `specs.kvstore_spec` (s3 `endpoint`, `region`, ...).
+      **kvstore_kwargs: passed to `specs.kvstore_spec` (s3 `endpoint`, `region`,
+        `conditional_write`, ...).
     """
     self.name = name
     self.url = url
@@ -301,6 +320,8 @@ class ChunkStore:
     self._zstd_level = zstd_level
     self._root: ts.KvStore | None = None
     self._no_value: bytes | None = None
+    # S3 without working conditional PUTs: verify each publish by reading it back.
+    self._verify_publish = False
     self._in_flight_lock = threading.Lock()
     self._in_flight: collections.Counter[str] = collections.Counter()
     self._closed = False
@@ -315,6 +336,7 @@ class ChunkStore:
     if self._closed:
       raise RuntimeError(f"store {self.name!r} is closed")
     if self._root is None:
+      await self._check_s3_conditional_write()
       root = await self._op(ts.KvStore.open(self.kvstore_spec, context=self.context))
       probe = await self._op(root.read(_ABSENT_PROBE_KEY))
       if probe.state != "missing" or not probe.stamp.generation:
@@ -322,6 +344,33 @@ class ChunkStore:
       self._no_value = bytes(probe.stamp.generation)
       self._root = root
     return self._root
+
+  async def _check_s3_conditional_write(self) -> None:
+    """S3: selects atomic conditional PUTs if the server honours them, else the fallback."""
+    s3 = specs.s3_spec(self.kvstore_spec)
+    if s3 is None:
+      return
+    if s3.get("use_conditional_write") and not await self._s3_honours_conditions(s3):
+      _log.warning(
+          "store %r: %s does not honour conditional PUTs (If-None-Match); falling back to "
+          "HEAD-then-PUT with read-after-write checks, which is not atomic under racing writers",
+          self.name, s3.get("endpoint", "S3"))
+      self.kvstore_spec = _with_conditional_write(self.kvstore_spec, False)
+      s3 = specs.s3_spec(self.kvstore_spec)
+    self._verify_publish = not s3.get("use_conditional_write")
+
+  async def _s3_honours_conditions(self, s3: dict[str, Any]) -> bool:
+    """Whether a create-if-absent of an existing key fails on this server, as it must."""
+    kv = await self._op(ts.KvStore.open(s3, context=self.context))
+    absent = await self._op(kv.read(_ABSENT_PROBE_KEY))
+    await self._op(kv.write(_CONDITIONAL_PROBE_KEY, b"kvjax"))
+    try:
+      stamp = await self._op(kv.write(_CONDITIONAL_PROBE_KEY, b"kvjax",
+                                      if_equal=absent.stamp.generation))
+    except Exception as e:  # noqa: BLE001  (e.g. 501 Not Implemented)
+      _log.warning("conditional PUT on %s failed: %r", s3.get("endpoint", "S3"), e)
+      return False
+    return not stamp.generation
 
   @contextlib.contextmanager
   def _writing(self, object_key: str) -> Iterator[None]:
@@ -347,10 +396,16 @@ class ChunkStore:
   async def _publish_record(self, record: ChunkRecord) -> bool:
     """Creates the index record if absent. Returns False if a record already exists."""
     root = await self.kvstore()
-    stamp = await self._op(root.write(index_key(record.chunk_hash), record.to_json(),
-                                      if_equal=self._no_value))
+    data = record.to_json()
+    key = index_key(record.chunk_hash)
+    stamp = await self._op(root.write(key, data, if_equal=self._no_value))
     # A conditional write that did not happen returns an empty generation.
-    return bool(stamp.generation)
+    if not stamp.generation:
+      return False
+    if self._verify_publish:  # Not atomic here: did a racing writer replace our record?
+      back = await self._op(root.read(key))
+      return back.state == "value" and back.value == data
+    return True
 
   # -- public async API ---------------------------------------------------------------------------
 

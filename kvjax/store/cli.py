@@ -1,0 +1,516 @@
+"""Operator commands over a chunk store: `ls`, `du`, `verify`, `gc` (`python -m kvjax.store`).
+
+    python -m kvjax.store ls     [--store URL] [--namespace PREFIX] [--json]
+    python -m kvjax.store du     [--store URL] [--namespace PREFIX] [--json]
+    python -m kvjax.store verify [--store URL] [--namespace PREFIX] [--json] [--delete_bad]
+    python -m kvjax.store gc     [--store URL] [--json] [--dry_run]
+
+Exit status: 0 fine, 1 `verify` found bad chunks, 2 usage error or the store could not be opened
+or read (one line on stderr, no traceback).
+
+The library half (`scan`, `disk_usage`, `verify`, `find_orphans`, `collect_garbage`) takes an
+open `ChunkStore` and returns plain records; `main` parses absl flags into a fresh `FlagValues`
+per call (so tests can call it in-process), runs one command and prints.
+
+What each command reads:
+- ls / du: the index (`index/*.json`), never data; du also lists data keys (orphans) and, for
+  file and ocdbt+file stores, walks the directory for bytes on disk.
+- verify: every selected chunk through `ChunkStore.get` with the record's own token ids,
+  namespace and layout, i.e. the same checks a server makes (tokens, namespace, layout, codec,
+  shape, dtype, SHA-256 of the values). A malformed record is bad as CORRUPT.
+- gc: `ChunkStore.gc`. A writer in another process can lose an object it is still writing; that
+  chunk then reads as MISSING_DATA, never as wrong data, so run gc when writers are quiet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from absl import flags
+import tensorstore as ts
+
+from kvjax.storage import chunk_store, specs
+from kvjax.storage.chunk_store import ChunkStore
+from kvjax.storage.types import ChunkMiss, ChunkRecord, MissReason
+
+COMMANDS = ("ls", "du", "verify", "gc")
+EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
+#: Characters of a hash shown by `ls`.
+SHORT = 12
+#: Reasons `verify --delete_bad` leaves alone: the chunk may be fine (a transient backend error,
+#: or a codec newer than this reader).
+KEEP_REASONS = frozenset({MissReason.READ_ERROR, MissReason.UNKNOWN_CODEC})
+
+_INDEX_PREFIX = "index/"
+_DATA_PREFIX = "data/"
+
+
+class StoreError(Exception):
+  """The store cannot be opened or read; the message is one line for the operator."""
+
+
+def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+  """All keys starting with `prefix` (which ends with "/")."""
+  return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+async def _op(store: ChunkStore, fut: Any) -> Any:
+  """One tensorstore operation under the store's timeout."""
+  return await asyncio.wait_for(fut, store.timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Library: plain results.
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+  """The store's index.
+
+  Attributes:
+    records: parseable records, sorted by chunk hash.
+    malformed: chunk hashes (from key names) whose record does not parse, sorted.
+  """
+
+  records: tuple[ChunkRecord, ...]
+  malformed: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+  """Totals of `du`.
+
+  Attributes:
+    records: parseable index records (after the namespace filter).
+    malformed_records: index records that do not parse (not filtered: no namespace known).
+    chunks_per_namespace: full namespace id -> records.
+    stored_bytes: value bytes of all encodings of the records (`Encoding.nbytes`).
+    orphans: data objects no record references (what `gc` would remove), whole store.
+    orphan_bytes: bytes of those objects' keys (zarr.json and shard).
+    disk_files: files under the store directory (file backends; None otherwise).
+    disk_bytes: their apparent size, bytes (None when not a file backend).
+    disk_allocated_bytes: their allocated size (`st_blocks * 512`), bytes, like `du`.
+  """
+
+  records: int
+  malformed_records: int
+  chunks_per_namespace: dict[str, int]
+  stored_bytes: int
+  orphans: int
+  orphan_bytes: int
+  disk_files: int | None
+  disk_bytes: int | None
+  disk_allocated_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class BadChunk:
+  """A chunk that did not verify.
+
+  Attributes:
+    chunk_hash: full hash.
+    reason: why (`MissReason`).
+    detail: the store's detail string (may be empty).
+    deleted: whether `verify --delete_bad` removed its record and data.
+  """
+
+  chunk_hash: str
+  reason: MissReason
+  detail: str
+  deleted: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Orphan:
+  """A data object no record references: key prefix and bytes of its keys."""
+
+  object: str
+  nbytes: int
+
+
+def local_dir(store: ChunkStore) -> str | None:
+  """The directory holding a file or ocdbt+file store, else None."""
+  spec = store.kvstore_spec
+  if spec.get("driver") == "ocdbt":
+    spec = spec["base"]
+  if spec.get("driver") == "file":
+    return spec["path"].rstrip("/") or "/"
+  return None
+
+
+async def open_store(store: ChunkStore) -> None:
+  """Opens the store, failing on a missing directory instead of reading it as empty.
+
+  Raises:
+    StoreError: the directory of a local store does not exist, or the backend failed.
+  """
+  path = local_dir(store)
+  if path is not None and not os.path.isdir(path):
+    raise StoreError(f"no store at {store.url!r}: directory {path} does not exist")
+  try:
+    await store.kvstore()
+  except Exception as e:  # noqa: BLE001
+    raise StoreError(f"cannot open store {store.url!r}: {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException | str) -> str:
+  """First line of an error message (tensorstore's run to several)."""
+  text = str(e).strip().splitlines()
+  if text:
+    return text[0]
+  return "" if isinstance(e, str) else type(e).__name__
+
+
+async def _list(store: ChunkStore, prefix: str) -> list[str]:
+  root = await store.kvstore()
+  try:
+    keys = await _op(store, root.list(_prefix_range(prefix)))
+  except Exception as e:  # noqa: BLE001
+    raise StoreError(f"cannot list {prefix!r} in {store.url!r}: {_one_line(e)}") from e
+  return sorted(k.decode() for k in keys)
+
+
+async def scan(store: ChunkStore, namespace: str = "") -> Scan:
+  """Reads every index record.
+
+  Args:
+    store: an open store.
+    namespace: keep only records whose namespace id starts with this (hex) prefix.
+
+  Returns:
+    The records and the malformed ones (malformed ones are kept whatever the filter).
+
+  Raises:
+    StoreError: listing or reading the index failed.
+  """
+  root = await store.kvstore()
+  keys = await _list(store, _INDEX_PREFIX)
+  keys = [k for k in keys if k.endswith(".json")]
+  reads = await asyncio.gather(*(_op(store, root.read(k)) for k in keys),
+                               return_exceptions=True)
+  records, malformed = [], []
+  for key, res in zip(keys, reads):
+    if isinstance(res, BaseException):
+      raise StoreError(f"cannot read {key!r} in {store.url!r}: {_one_line(res)}")
+    if res.state != "value":
+      continue  # Deleted since the listing.
+    try:
+      record = ChunkRecord.from_json(res.value)
+    except ValueError:
+      malformed.append(key[len(_INDEX_PREFIX):-len(".json")])
+      continue
+    if record.namespace.startswith(namespace):
+      records.append(record)
+  records.sort(key=lambda r: r.chunk_hash)
+  return Scan(tuple(records), tuple(sorted(malformed)))
+
+
+def _object_of(key: str) -> str:
+  """Data object key prefix of a data key: "data/<hash>/<encoding>"."""
+  return "/".join(key.split("/")[:3])
+
+
+async def find_orphans(store: ChunkStore, found: Scan | None = None) -> list[Orphan]:
+  """Data objects that no parseable record references (what `ChunkStore.gc` removes).
+
+  Args:
+    store: an open store.
+    found: an unfiltered `scan(store)` to reuse, else one is made.
+
+  Returns:
+    The orphans sorted by key; sizes from `stat` for file stores, else from reading their keys.
+  """
+  found = found if found is not None else await scan(store)
+  referenced = {e.object for r in found.records for e in r.encodings}
+  by_object: dict[str, list[str]] = collections.defaultdict(list)
+  for key in await _list(store, _DATA_PREFIX):
+    if key.count("/") >= 2:
+      by_object[_object_of(key)].append(key)
+  path = local_dir(store) if store.kvstore_spec.get("driver") == "file" else None
+  root = await store.kvstore()
+  out = []
+  for obj in sorted(set(by_object) - referenced):
+    if path is not None:
+      nbytes = sum(_size(os.path.join(path, k)) for k in by_object[obj])
+    else:
+      values = await asyncio.gather(*(_op(store, root.read(k)) for k in by_object[obj]))
+      nbytes = sum(len(v.value) for v in values if v.state == "value")
+    out.append(Orphan(obj, nbytes))
+  return out
+
+
+def _size(path: str) -> int:
+  try:
+    return os.stat(path).st_size
+  except OSError:
+    return 0
+
+
+def _walk_dir(path: str) -> tuple[int, int, int]:
+  """(files, apparent bytes, allocated bytes) under `path`."""
+  files = nbytes = allocated = 0
+  for dirpath, _, names in os.walk(path):
+    for name in names:
+      try:
+        st = os.stat(os.path.join(dirpath, name), follow_symlinks=False)
+      except OSError:
+        continue
+      files += 1
+      nbytes += st.st_size
+      allocated += st.st_blocks * 512
+  return files, nbytes, allocated
+
+
+async def disk_usage(store: ChunkStore, namespace: str = "") -> Usage:
+  """Totals over the index, orphaned data objects and (for local stores) the directory."""
+  everything = await scan(store)
+  found = Scan(tuple(r for r in everything.records if r.namespace.startswith(namespace)),
+               everything.malformed)
+  per_ns = collections.Counter(r.namespace for r in found.records)
+  orphans = await find_orphans(store, everything)
+  path = local_dir(store)
+  files, nbytes, allocated = _walk_dir(path) if path is not None else (None, None, None)
+  return Usage(
+      records=len(found.records), malformed_records=len(found.malformed),
+      chunks_per_namespace=dict(sorted(per_ns.items())),
+      stored_bytes=sum(e.nbytes for r in found.records for e in r.encodings),
+      orphans=len(orphans), orphan_bytes=sum(o.nbytes for o in orphans),
+      disk_files=files, disk_bytes=nbytes, disk_allocated_bytes=allocated)
+
+
+async def verify(store: ChunkStore, namespace: str = "", *, delete_bad: bool = False,
+                 concurrency: int = 8) -> tuple[int, list[BadChunk]]:
+  """Reads back every selected chunk through `ChunkStore.get` and collects the bad ones.
+
+  Args:
+    store: an open store.
+    namespace: namespace id prefix filter.
+    delete_bad: remove the record and data of bad chunks (not those in `KEEP_REASONS`).
+    concurrency: chunks read at once (the store's byte limiter bounds bytes too).
+
+  Returns:
+    (chunks checked, bad chunks sorted by hash).
+  """
+  found = await scan(store, namespace)
+  sem = asyncio.Semaphore(max(1, concurrency))
+
+  async def check(record: ChunkRecord) -> BadChunk | None:
+    async with sem:
+      result = await store.get(record.chunk_hash, record.token_ids, record.namespace,
+                               record.layout)
+    if isinstance(result, ChunkMiss):
+      return BadChunk(record.chunk_hash, result.reason, result.detail)
+    return None
+
+  results = await asyncio.gather(*(check(r) for r in found.records))
+  bad = [b for b in results if b is not None]
+  bad += [BadChunk(h, MissReason.CORRUPT, "malformed index record") for h in found.malformed]
+  bad.sort(key=lambda b: b.chunk_hash)
+  if delete_bad:
+    out = []
+    for b in bad:
+      deleted = b.reason not in KEEP_REASONS and await store.delete(b.chunk_hash)
+      out.append(dataclasses.replace(b, deleted=deleted))
+    bad = out
+  return len(found.records) + len(found.malformed), bad
+
+
+async def collect_garbage(store: ChunkStore, *, dry_run: bool = False) -> list[Orphan] | int:
+  """Orphaned data objects: listed (dry run) or removed by `ChunkStore.gc` (their count)."""
+  if dry_run:
+    return await find_orphans(store)
+  return await store.gc()
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing.
+
+
+def _human_bytes(n: int | None) -> str:
+  if n is None:
+    return "n/a"
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  raise AssertionError("unreachable")
+
+
+def _layout_str(record: ChunkRecord) -> str:
+  lay = record.layout
+  return f"{lay.num_layers},{lay.chunk_size},{lay.num_kv_heads},{lay.head_dim},{lay.dtype}"
+
+
+def format_ls(found: Scan) -> list[str]:
+  """One line per record, after a header; malformed records last."""
+  lines = [f"{'chunk':<{SHORT}}  {'namespace':<{SHORT}}  {'tokens':>6}  "
+           f"{'layout L,C,K,H,dtype':<22}  encodings codec/level/bytes"]
+  for r in found.records:
+    encs = " ".join(f"{e.codec}/{e.level}/{e.nbytes}" for e in r.encodings)
+    lines.append(f"{r.chunk_hash[:SHORT]:<{SHORT}}  {r.namespace[:SHORT]:<{SHORT}}  "
+                 f"{len(r.token_ids):>6}  {_layout_str(r):<22}  {encs}")
+  for h in found.malformed:
+    lines.append(f"{h[:SHORT]:<{SHORT}}  MALFORMED RECORD")
+  return lines
+
+
+def format_du(u: Usage) -> list[str]:
+  lines = [f"records: {u.records}" + (f" (+{u.malformed_records} malformed)"
+                                      if u.malformed_records else "")]
+  for ns, n in u.chunks_per_namespace.items():
+    lines.append(f"  namespace {ns[:SHORT]}: {n} chunks")
+  lines.append(f"stored bytes (values): {u.stored_bytes} ({_human_bytes(u.stored_bytes)})")
+  if u.disk_bytes is not None:
+    lines.append(f"on disk: {u.disk_files} files, {u.disk_bytes} bytes "
+                 f"({_human_bytes(u.disk_bytes)}; allocated "
+                 f"{_human_bytes(u.disk_allocated_bytes)})")
+  lines.append(f"orphaned data objects: {u.orphans} ({u.orphan_bytes} bytes)")
+  return lines
+
+
+def _print(lines: Sequence[str], out: TextIO) -> None:
+  for line in lines:
+    print(line, file=out)
+
+
+def _json(obj: Any, out: TextIO) -> None:
+  print(json.dumps(obj, indent=1, sort_keys=True, default=str), file=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point.
+
+
+def _define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("store", specs.DEFAULT_ROOT,
+                      "Store URL: a path, file:///path, ocdbt+file:///path or s3://bucket/prefix.",
+                      flag_values=fv)
+  flags.DEFINE_string("namespace", "", "Only records whose namespace id starts with this hex "
+                      "prefix (ls, du, verify).", flag_values=fv)
+  flags.DEFINE_bool("json", False, "Machine-readable JSON on stdout.", flag_values=fv)
+  flags.DEFINE_bool("delete_bad", False, "verify: remove bad chunks (records and data), except "
+                    f"{'/'.join(sorted(r.value for r in KEEP_REASONS))} ones.", flag_values=fv)
+  flags.DEFINE_bool("dry_run", False, "gc: list what would be removed, remove nothing.",
+                    flag_values=fv)
+  flags.DEFINE_float("timeout_s", 30.0, "Limit on each storage operation, seconds.",
+                     flag_values=fv)
+  flags.DEFINE_string("s3_endpoint", None, "S3 endpoint URL (default $AWS_ENDPOINT_URL).",
+                      flag_values=fv)
+  flags.DEFINE_string("s3_region", None, "S3 region (default $AWS_REGION).", flag_values=fv)
+
+
+def usage(fv: flags.FlagValues | None = None) -> str:
+  if fv is None:
+    fv = flags.FlagValues()
+    _define_flags(fv)
+  return (__doc__.split("\n\n")[1] + "\n\nFlags:\n"
+          + fv.get_help(include_special_flags=False) + "\n")
+
+
+async def _run(command: str, fv: flags.FlagValues, out: TextIO) -> int:
+  kwargs = {}
+  if fv.s3_endpoint:
+    kwargs["endpoint"] = fv.s3_endpoint
+  if fv.s3_region:
+    kwargs["region"] = fv.s3_region
+  try:
+    store = ChunkStore(fv.store, timeout_s=fv.timeout_s, **kwargs)
+  except ValueError as e:
+    raise StoreError(str(e)) from e
+  try:
+    await open_store(store)
+    ns = fv.namespace.lower()
+    if command == "ls":
+      found = await scan(store, ns)
+      if fv.json:
+        _json([dataclasses.asdict(r) for r in found.records]
+              + [{"chunk_hash": h, "malformed": True} for h in found.malformed], out)
+      else:
+        _print(format_ls(found), out)
+      return EXIT_OK
+    if command == "du":
+      u = await disk_usage(store, ns)
+      if fv.json:
+        _json(dataclasses.asdict(u), out)
+      else:
+        _print(format_du(u), out)
+      return EXIT_OK
+    if command == "verify":
+      checked, bad = await verify(store, ns, delete_bad=fv.delete_bad)
+      if fv.json:
+        _json({"checked": checked, "bad": [
+            dict(dataclasses.asdict(b), reason=b.reason.value) for b in bad]}, out)
+      else:
+        for b in bad:
+          tail = " (deleted)" if b.deleted else ""
+          detail = f"  {_one_line(b.detail)}" if b.detail else ""
+          print(f"BAD {b.chunk_hash} {b.reason.value}{tail}{detail}", file=out)
+        deleted = sum(b.deleted for b in bad)
+        print(f"verified {checked} chunks: {checked - len(bad)} ok, {len(bad)} bad"
+              + (f", {deleted} deleted" if fv.delete_bad else ""), file=out)
+      return EXIT_BAD if bad else EXIT_OK
+    if command == "gc":
+      result = await collect_garbage(store, dry_run=fv.dry_run)
+      if isinstance(result, list):
+        if fv.json:
+          _json({"dry_run": True, "orphans": [dataclasses.asdict(o) for o in result]}, out)
+        else:
+          _print([f"would remove {o.object} ({o.nbytes} bytes)" for o in result], out)
+          print(f"would remove {len(result)} unreferenced data objects "
+                f"({sum(o.nbytes for o in result)} bytes)", file=out)
+      elif fv.json:
+        _json({"dry_run": False, "removed": result}, out)
+      else:
+        print(f"removed {result} unreferenced data objects", file=out)
+      return EXIT_OK
+    raise AssertionError(command)
+  finally:
+    store.close()
+
+
+def main(argv: Sequence[str], *, stdout: TextIO | None = None,
+         stderr: TextIO | None = None) -> int:
+  """Runs one command.
+
+  Args:
+    argv: program name, command, flags (`sys.argv` form), e.g.
+      `["kvjax.store", "ls", "--store", "/tmp/kv"]`.
+    stdout: where results go (default `sys.stdout`).
+    stderr: where errors and usage go (default `sys.stderr`).
+
+  Returns:
+    The exit status: 0 fine, 1 `verify` found bad chunks, 2 error.
+  """
+  out = stdout if stdout is not None else sys.stdout
+  err = stderr if stderr is not None else sys.stderr
+  prog = "python -m kvjax.store"
+  fv = flags.FlagValues()
+  _define_flags(fv)
+  if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
+    print(usage(fv), file=out, end="")
+    return EXIT_OK
+  try:
+    rest = fv(list(argv))
+  except flags.Error as e:
+    print(f"{prog}: {e}", file=err)
+    return EXIT_ERROR
+  commands = rest[1:]
+  if len(commands) != 1 or commands[0] not in COMMANDS:
+    got = " ".join(commands) or "none"
+    print(f"{prog}: want one command of {', '.join(COMMANDS)}; got {got} (--help for usage)",
+          file=err)
+    return EXIT_ERROR
+  try:
+    return asyncio.run(_run(commands[0], fv, out))
+  except StoreError as e:
+    print(f"{prog} {commands[0]}: {e}", file=err)
+  except Exception as e:  # noqa: BLE001  (an operator tool: one line, no traceback)
+    print(f"{prog} {commands[0]}: {type(e).__name__}: {_one_line(e)}", file=err)
+  return EXIT_ERROR
