@@ -1,6 +1,5 @@
 """Tests of `python -m kvjax.store {ls,du,verify,gc}` on small file and ocdbt+file stores."""
 
-import asyncio
 import io
 import json
 import os

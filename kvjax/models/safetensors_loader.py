@@ -240,7 +240,7 @@ def load_safetensors(
 
 def to_hf_tensors(cfg: LlamaConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Canonical params -> HF-named `[out, in]` float32 arrays (inverse of the load conversion)."""
-  d, h = cfg.d_model, cfg.head_dim
+  d = cfg.d_model
   out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
   for i in range(cfg.n_layers):
     for suffix, canon, kind in _LAYER_TENSORS:

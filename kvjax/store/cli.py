@@ -36,7 +36,7 @@ from typing import Any, TextIO
 from absl import flags
 import tensorstore as ts
 
-from kvjax.storage import chunk_store, specs
+from kvjax.storage import specs
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.types import ChunkMiss, ChunkRecord, MissReason
 
