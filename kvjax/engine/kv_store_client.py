@@ -199,14 +199,23 @@ class KVStoreClient:
         covered[a - lo:b - lo] = True
     if not covered.all():
       raise ValueError(f"save job covers {covered.sum()} of {hi - lo} positions")
+    # After a rejection, stored chunks further along may be bad too (loading stopped at the first
+    # one): check each one we would skip, and rewrite the bad ones, so one save repairs the chain.
+    check_existing = bool(job.replace)
     for i in range(job.first_chunk, len(job.hashes)):
       s = (i - job.first_chunk) * c
       kv = np.stack([k[:, s:s + c], v[:, s:s + c]], axis=1)
       parent = job.hashes[i - 1] if i else job.namespace
+      tokens = job.token_ids[i * c:(i + 1) * c]
       if i in job.replace:
         self._run(self._delete_everywhere(job.hashes[i]))
-      published = self._run(self.store.put(job.hashes[i], parent, job.token_ids[i * c:(i + 1) * c],
-                                           job.namespace, kv))
+      published = self._run(self.store.put(job.hashes[i], parent, tokens, job.namespace, kv))
+      if not published and check_existing:
+        got = self._run(self.store.get(job.hashes[i], tokens, job.namespace, self.layout,
+                                       promote=False))
+        if isinstance(got, ChunkMiss) and got.reason is not MissReason.ABSENT:
+          self._run(self._delete_everywhere(job.hashes[i]))
+          published = self._run(self.store.put(job.hashes[i], parent, tokens, job.namespace, kv))
       if published:
         self.saver_stats.chunks_saved += 1
       else:

@@ -25,6 +25,7 @@ from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
 from kvjax.scheduler.request import SamplingParams
 from kvjax.scheduler.scheduler import SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
+from kvjax.storage.specs import kvstore_spec
 from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
 
@@ -32,6 +33,21 @@ _log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}
+
+
+def _check_local_store_writable(url: str) -> None:
+  """Fails fast (ValueError) when a local store directory cannot be created or written."""
+  spec = kvstore_spec(url)
+  base = spec.get("base", spec)
+  if base.get("driver") != "file":
+    return
+  path = base["path"]
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"kv_store {url!r}: cannot create {path}: {e.strerror}") from e
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise ValueError(f"kv_store {url!r}: {path} is not writable")
 
 
 def _check_options(**options) -> None:
@@ -135,7 +151,16 @@ class LLM:
         0 < chunk_size < runner.max_seq_len):
       raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
                        f"{runner.max_seq_len})")
+    if link_bytes_per_s is not None and (
+        isinstance(link_bytes_per_s, bool) or not isinstance(link_bytes_per_s, (int, float))
+        or not link_bytes_per_s > 0):
+      raise ValueError(f"kv_link_bytes_per_s={link_bytes_per_s!r} must be a positive number of "
+                       "bytes/s (or None for an unlimited link)")
+    if link_trace is not None and not isinstance(link_trace, str):
+      raise ValueError(f"kv_link_trace must be a file path, got {type(link_trace).__name__}")
     if isinstance(kv_store, str):
+      if not kv_store:
+        raise ValueError("kv_store is empty: give a URL such as file:///path or memory://")
       if link_trace is not None:
         config = StoreConfig(tiers=(TierConfig(kind=url_kind(kv_store), url=kv_store,
                                                link_trace=link_trace),))
@@ -148,6 +173,9 @@ class LLM:
     else:
       raise ValueError(f"kv_store must be a URL string or a StoreConfig, got "
                        f"{type(kv_store).__name__}")
+    for tier in config.tiers:
+      if tier.url is not None:
+        _check_local_store_writable(tier.url)
     store = build_tiers(config, make_chunk_store=lambda url, name, limiter: ChunkStore(
         url, name=name, limiter=limiter))
     cfg = self.model_config
@@ -248,11 +276,14 @@ class LLM:
     return [done[r] for r in rids]
 
   def chat(self, messages: Any, sampling_params: SamplingParams | None = None, *,
-           add_generation_prompt: bool = True) -> list[RequestOutput]:
+           add_generation_prompt: bool = True,
+           cache_salt: str | None = None) -> list[RequestOutput]:
     """Applies the model's chat template, then generates.
 
     Args:
       messages: a conversation (list of {"role", "content"} dicts) or a list of them.
+      add_generation_prompt: end the prompt with the assistant turn's header.
+      cache_salt: tenant key for the prefix cache (see `generate`).
 
     Raises:
       ValueError: malformed messages or parameters.
@@ -263,4 +294,7 @@ class LLM:
       raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     prompts = [{"prompt_token_ids": self._tokenizer.encode_chat(
         conv, add_generation_prompt=add_generation_prompt)} for conv in messages]
+    if cache_salt is not None:
+      for p in prompts:
+        p["cache_salt"] = cache_salt
     return self.generate(prompts, sampling_params)

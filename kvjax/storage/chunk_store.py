@@ -616,6 +616,8 @@ class ChunkStore:
   async def gc(self) -> int:
     """Removes data objects that no record references (failed or lost writes).
 
+    Data of a chunk whose index record exists but is malformed is kept.
+
     Objects being written by this store are kept. A writer in another process can lose an
     in-flight object to `gc`; its record then reads as MISSING_DATA, never as wrong data.
 
@@ -623,12 +625,19 @@ class ChunkStore:
       Number of data objects removed.
     """
     root = await self.kvstore()
-    referenced = {e.object for r in await self.records() for e in r.encodings}
+    records = await self.records()
+    referenced = {e.object for r in records for e in r.encodings}
+    # A record that exists but does not parse still names its chunk (index/<hash>.json): keep
+    # that chunk's data, so an operator can inspect or restore it.
+    index_keys = await self._op(root.list(_prefix_range(_INDEX)))
+    indexed = {k.decode()[len(_INDEX):-len(".json")] for k in index_keys
+               if k.decode().endswith(".json")}
+    unparsed = indexed - {r.chunk_hash for r in records}
     keys = await self._op(root.list(_prefix_range(_DATA)))
     objects = set()
     for key in keys:
       parts = key.decode().split("/")
-      if len(parts) >= 3:
+      if len(parts) >= 3 and parts[1] not in unparsed:
         objects.add("/".join(parts[:3]))
     with self._in_flight_lock:
       busy = set(self._in_flight)

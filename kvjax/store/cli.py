@@ -218,7 +218,8 @@ def _object_of(key: str) -> str:
 
 
 async def find_orphans(store: ChunkStore, found: Scan | None = None) -> list[Orphan]:
-  """Data objects that no parseable record references (what `ChunkStore.gc` removes).
+  """Data objects that no record references (what `ChunkStore.gc` removes; data of a chunk whose
+  record exists but does not parse is kept).
 
   Args:
     store: an open store.
@@ -230,8 +231,9 @@ async def find_orphans(store: ChunkStore, found: Scan | None = None) -> list[Orp
   found = found if found is not None else await scan(store)
   referenced = {e.object for r in found.records for e in r.encodings}
   by_object: dict[str, list[str]] = collections.defaultdict(list)
+  kept = set(found.malformed)  # gc keeps the data of chunks whose record does not parse
   for key in await _list(store, _DATA_PREFIX):
-    if key.count("/") >= 2:
+    if key.count("/") >= 2 and key.split("/")[1] not in kept:
       by_object[_object_of(key)].append(key)
   path = local_dir(store) if store.kvstore_spec.get("driver") == "file" else None
   root = await store.kvstore()
@@ -475,6 +477,14 @@ async def _run(command: str, fv: flags.FlagValues, out: TextIO) -> int:
     store.close()
 
 
+def _silence_stdout() -> None:
+  """Points stdout at /dev/null so the interpreter's final flush cannot raise again."""
+  try:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  except (OSError, ValueError):
+    pass
+
+
 def main(argv: Sequence[str], *, stdout: TextIO | None = None,
          stderr: TextIO | None = None) -> int:
   """Runs one command.
@@ -509,6 +519,9 @@ def main(argv: Sequence[str], *, stdout: TextIO | None = None,
     return EXIT_ERROR
   try:
     return asyncio.run(_run(commands[0], fv, out))
+  except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+    _silence_stdout()
+    return EXIT_OK
   except StoreError as e:
     print(f"{prog} {commands[0]}: {e}", file=err)
   except Exception as e:  # noqa: BLE001  (an operator tool: one line, no traceback)

@@ -116,6 +116,32 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(repaired.token_ids, self.cold[150])
     llm.close()
 
+  def test_one_save_repairs_every_bad_chunk_of_the_chain(self):
+    llm = make_llm(self.url)
+    self.run_prompt(llm)
+    from kvjax.storage import keys  # noqa: PLC0415
+    hashes = keys.chunk_hashes(llm.kv_store.namespace(None), PROMPT)
+    for h in (hashes[1], hashes[3]):
+      (victim,) = [f for f in self._data_files() if h in f and not f.endswith(".json")]
+      with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    out = self.run_prompt(llm)
+    self.assertEqual((out.num_cached_tokens, out.metrics.num_rejected_chunks), (C, 1))
+    self.assertEqual(out.token_ids, self.cold[150])
+    repaired = self.run_prompt(llm)
+    self.assertEqual((repaired.num_cached_tokens, repaired.metrics.num_rejected_chunks), (128, 0))
+    self.assertEqual(repaired.token_ids, self.cold[150])
+    llm.close()
+
+  def test_unwritable_store_and_bad_link_fail_fast(self):
+    blocker = self.create_tempfile("not_a_dir").full_path
+    with self.assertRaisesRegex(ValueError, "cannot create"):
+      make_llm(f"file://{blocker}/store")
+    with self.assertRaisesRegex(ValueError, "kv_link_bytes_per_s='fast'"):
+      make_llm(self.url, kv_link_bytes_per_s="fast")
+    with self.assertRaisesRegex(ValueError, "kv_store is empty"):
+      make_llm("")
+
   def test_missing_middle_chunk_loads_the_prefix_before_it(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)
