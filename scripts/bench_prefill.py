@@ -15,15 +15,15 @@ seconds) and <out_dir>/bench_prefill.png.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
-import platform
-import subprocess
-import sys
 import time
 
 from absl import app, flags, logging
+
+from benchlib import git_sha, machine  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -35,25 +35,6 @@ _CHUNK_SIZES = flags.DEFINE_list("chunk_sizes", ["256", "512"], "Prefill chunk s
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 _TRANSFORMERS = flags.DEFINE_enum("transformers", "auto", ["auto", "on", "off"],
                                   "Time transformers too (auto: when importable).")
-
-
-def git_sha() -> str:
-  try:
-    return subprocess.check_output(["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                                   text=True, stderr=subprocess.DEVNULL).strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
-def machine() -> dict:
-  cpu = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
-  return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-          "python": sys.version.split()[0]}
 
 
 def time_kvjax(ids: list[int], chunk: int) -> list[float]:
@@ -111,13 +92,8 @@ def main(argv):
     ids = tok.encode(f.read(), add_special_tokens=False)[:_MAX_TOKENS.value]
   if len(ids) < _MAX_TOKENS.value:
     raise SystemExit(f"{_BOOK.value} has only {len(ids)} tokens; need {_MAX_TOKENS.value}")
-  want_hf = _TRANSFORMERS.value == "on"
-  if _TRANSFORMERS.value == "auto":
-    try:
-      import transformers  # noqa: F401, PLC0415
-      want_hf = True
-    except ImportError:
-      want_hf = False
+  want_hf = _TRANSFORMERS.value == "on" or (
+      _TRANSFORMERS.value == "auto" and importlib.util.find_spec("transformers") is not None)
   threads = os.cpu_count() or 1
   versions = {"kvjax": kvjax.__version__, "jax": jax.__version__,
               "backend": jax.default_backend()}

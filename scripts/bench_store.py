@@ -40,15 +40,14 @@ import importlib.metadata
 import json
 import os
 import pathlib
-import platform
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 from absl import app, flags, logging
+
+from benchlib import git_sha, machine  # scripts/benchlib.py
 import ml_dtypes
 import numpy as np
 
@@ -72,25 +71,6 @@ _QUICK = flags.DEFINE_bool("quick", False, "Tiny run: C=64, bfloat16, 4 MiB, 100
 # SmolLM2-135M: 30 layers, 3 kv heads, head dim 64.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 30, 3, 64
 _BLOCK = 16 << 20
-
-
-def git_sha() -> str:
-  try:
-    return subprocess.check_output(["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                                   text=True, stderr=subprocess.DEVNULL).strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
-def machine() -> dict:
-  cpu = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
-  return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-          "python": sys.version.split()[0], "loadavg_1_5_15": list(os.getloadavg())}
 
 
 def versions() -> dict:
