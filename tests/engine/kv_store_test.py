@@ -10,6 +10,8 @@ import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM, SamplingParams
+from kvjax.models import config, safetensors_loader
+from kvjax.models.registry import tiny_params
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
 C = 32
@@ -133,6 +135,24 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(repaired.token_ids, self.cold[150])
     llm.close()
 
+  def test_chunks_of_another_dtype_or_model_never_hit(self):
+    llm = make_llm(self.url)
+    self.run_prompt(llm)
+    llm.close()
+    bf16 = make_llm(self.url, dtype="bfloat16")
+    out = self.run_prompt(bf16)
+    self.assertEqual(out.num_cached_tokens, 0)
+    cold_bf16 = make_llm(None, dtype="bfloat16").generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+    self.assertEqual(out.token_ids, cold_bf16.token_ids)
+    bf16.close()
+    other_dir = self.create_tempdir("other_model").full_path
+    cfg = config.tiny()
+    safetensors_loader.save_safetensors(other_dir, cfg, tiny_params(cfg, seed=5))
+    other = LLM(other_dir, cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+                kv_store=self.url, kv_chunk_size=C)
+    self.assertEqual(self.run_prompt(other).num_cached_tokens, 0)
+    other.close()
+
   def test_unwritable_store_and_bad_link_fail_fast(self):
     blocker = self.create_tempfile("not_a_dir").full_path
     with self.assertRaisesRegex(ValueError, "cannot create"):
@@ -179,6 +199,8 @@ class KVStoreEngineTest(parameterized.TestCase):
 SECOND_PROCESS = """
 import json, sys
 from kvjax import LLM, SamplingParams
+from kvjax.models import config, safetensors_loader
+from kvjax.models.registry import tiny_params
 llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=sys.argv[1],
           kv_chunk_size=32)
 out = llm.generate({"prompt_token_ids": json.loads(sys.argv[2])},
