@@ -67,6 +67,10 @@ def _check_options(**options) -> None:
     positive_int("chunk_sizes", size)
   if list(sizes) != sorted(set(sizes)):
     raise ValueError(f"chunk_sizes={sizes!r} must be ascending and distinct")
+  budget = options["max_num_batched_tokens"]
+  if budget is not None and budget < sizes[0]:
+    raise ValueError(f"max_num_batched_tokens={budget} is below the smallest chunk size "
+                     f"{sizes[0]}: long prompts could never be scheduled")
   if isinstance(options["seed"], bool) or not isinstance(options["seed"], int):
     raise ValueError(f"seed={options['seed']!r} must be an int")
 
@@ -270,9 +274,12 @@ class LLM:
             for (ids, text, salt), sp in zip(encoded, params)]
     done: dict[str, RequestOutput] = {}
     while len(done) < len(rids):
-      for out in self.engine.step():
+      outs = self.engine.step()
+      for out in outs:
         if out.finished:
           done[out.request_id] = out
+      if not outs and not self.engine.has_unfinished_requests() and len(done) < len(rids):
+        raise RuntimeError("the engine finished without completing every request")
     return [done[r] for r in rids]
 
   def chat(self, messages: Any, sampling_params: SamplingParams | None = None, *,

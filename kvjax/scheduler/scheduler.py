@@ -44,6 +44,9 @@ class SchedulerConfig:
                        "positive")
     if not self.chunk_sizes or list(self.chunk_sizes) != sorted(set(self.chunk_sizes)):
       raise ValueError(f"chunk_sizes must be ascending and distinct, got {self.chunk_sizes}")
+    if self.token_budget < self.chunk_sizes[0]:
+      raise ValueError(f"token_budget={self.token_budget} is below the smallest chunk size "
+                       f"{self.chunk_sizes[0]}: long prompts could never be scheduled")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,7 +116,8 @@ class LLMTest(absltest.TestCase):
     for kwargs, msg in ((dict(max_num_seqs=0), "max_num_seqs=0"),
                         (dict(max_model_len=100000), "max_model_len=100000 exceeds"),
                         (dict(chunk_sizes=(32, 16)), "ascending"),
-                        (dict(max_num_batched_tokens=-1), "max_num_batched_tokens=-1")):
+                        (dict(max_num_batched_tokens=-1), "max_num_batched_tokens=-1"),
+                        (dict(max_num_batched_tokens=8), "max_num_batched_tokens=8 is below")):
       with self.assertRaisesRegex(ValueError, msg):
         LLM("tiny", cache_dir="", **kwargs)
     with self.assertRaisesRegex(ValueError, "unknown model 'gpt-5'"):

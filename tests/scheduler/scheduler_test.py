@@ -101,6 +101,10 @@ class SchedulerTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "last prompt token"):
       s.add_request(bad)
 
+  def test_budget_below_the_smallest_chunk_is_rejected(self):
+    with self.assertRaisesRegex(ValueError, "token_budget=8 is below"):
+      SchedulerConfig(num_slots=1, token_budget=8, chunk_sizes=SIZES)
+
   def test_abort_waiting_request_and_duplicate_ids(self):
     s = Scheduler(SchedulerConfig(num_slots=1, token_budget=64, chunk_sizes=SIZES))
     s.add_request(req("a", 8))
