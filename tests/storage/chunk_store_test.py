@@ -12,43 +12,29 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
 from kvjax.storage import chunk_store
 from kvjax.storage import keys
 from kvjax.storage import specs
-from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout,
+from kvjax.testing.storage import (C, HASHES, NS, ROOT, TOKENS, StoreAssertions, bits as _bits,
+                                   layout as _layout, run, values as _values)
+from kvjax.storage.types import (ChunkHit, ChunkRecord, Encoding, KVLayout,
                                  MissReason)
 
 BACKENDS = (("memory",), ("file",), ("ocdbt",))
-C = 4
-NS = keys.KeyNamespace("fp", "float32", 1, C)
-TOKENS = list(range(100, 100 + 3 * C))
-HASHES = keys.chunk_hashes(NS, TOKENS)
-ROOT = NS.root_hash()
 
 
-def _layout(dtype="float32", num_layers=3):
-  return KVLayout(num_layers=num_layers, chunk_size=C, num_kv_heads=2, head_dim=8, dtype=dtype)
 
 
-def _values(layout, seed=0):
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(layout.shape, dtype=np.float32)
-  return x.astype(ml_dtypes.bfloat16 if layout.dtype == "bfloat16" else layout.dtype)
 
 
-def _bits(x):
-  return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
-def run(coro):
-  return asyncio.run(coro)
 
 
-class StoreTestBase(parameterized.TestCase):
+class StoreTestBase(StoreAssertions, parameterized.TestCase):
 
   def make_store(self, backend, **kwargs):
     tmp = self.create_tempdir().full_path
@@ -59,27 +45,9 @@ class StoreTestBase(parameterized.TestCase):
     self.tmp = tmp
     return store
 
-  async def put0(self, store, layout=None, seed=0):
-    layout = layout or _layout()
-    kv = _values(layout, seed)
-    self.assertTrue(await store.put(HASHES[0], ROOT, TOKENS[:C], ROOT, kv))
-    return kv
 
-  async def keys_under(self, store, prefix=""):
-    root = await store.kvstore()
-    return sorted(k.decode() for k in await root.list() if k.decode().startswith(prefix))
 
-  async def shard_key(self, store, chunk_hash):
-    shards = [k for k in await self.keys_under(store, f"data/{chunk_hash}/")
-              if k.endswith("/c/0/0/0/0/0")]
-    self.assertLen(shards, 1)
-    return shards[0]
 
-  def assert_miss(self, store, result, reason):
-    self.assertIsInstance(result, ChunkMiss)
-    self.assertEqual(result.reason, reason, result.detail)
-    self.assertEqual(store.stats.snapshot()["misses_by_reason"], {reason.value: 1})
-    self.assertEqual(store.stats.hits, 0)
 
 
 class RoundTripTest(StoreTestBase):

@@ -20,7 +20,6 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import ml_dtypes
 import numpy as np
 
 try:
@@ -33,35 +32,23 @@ except ImportError as e:
 from kvjax.storage import chunk_store
 from kvjax.storage import keys
 from kvjax.storage import specs
-from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout, MissReason
+from kvjax.testing.storage import (C, HASHES, NS, ROOT, TOKENS, StoreAssertions, bits as _bits,
+                                   layout as _layout, run, values as _values)
+from kvjax.storage.types import ChunkHit, ChunkRecord, Encoding, KVLayout, MissReason
 
 BUCKET = "kvjax-test"
 REGION = "us-east-1"
 START_DEADLINE_S = 30.0
 TIMEOUT_S = 20.0  # Per tensorstore operation; a healthy local moto answers in milliseconds.
-C = 4
-NS = keys.KeyNamespace("fp", "float32", 1, C)
-TOKENS = list(range(100, 100 + 3 * C))
-HASHES = keys.chunk_hashes(NS, TOKENS)
-ROOT = NS.root_hash()
 BACKENDS = (("s3",), ("ocdbt_s3",))
 
 
-def _layout(dtype="float32"):
-  return KVLayout(num_layers=3, chunk_size=C, num_kv_heads=2, head_dim=8, dtype=dtype)
 
 
-def _values(layout, seed=0):
-  x = np.random.default_rng(seed).standard_normal(layout.shape, dtype=np.float32)
-  return x.astype(ml_dtypes.bfloat16 if layout.dtype == "bfloat16" else layout.dtype)
 
 
-def _bits(x):
-  return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
-def run(coro):
-  return asyncio.run(coro)
 
 
 def _free_port() -> int:
@@ -149,7 +136,7 @@ class MotoTestCase(parameterized.TestCase):
     return {"s3": f"s3://{BUCKET}/{prefix}", "ocdbt_s3": f"ocdbt+s3://{BUCKET}/{prefix}"}[backend]
 
 
-class S3ChunkStoreTest(MotoTestCase):
+class S3ChunkStoreTest(StoreAssertions, MotoTestCase):
 
   def make_store(self, backend="s3", url=None, **kwargs):
     kwargs.setdefault("timeout_s", TIMEOUT_S)
@@ -157,26 +144,9 @@ class S3ChunkStoreTest(MotoTestCase):
     self.addCleanup(store.close)
     return store
 
-  async def put0(self, store, layout=None, seed=0):
-    layout = layout or _layout()
-    kv = _values(layout, seed)
-    self.assertTrue(await store.put(HASHES[0], ROOT, TOKENS[:C], ROOT, kv))
-    return kv
 
-  async def keys_under(self, store, prefix=""):
-    root = await store.kvstore()
-    return sorted(k.decode() for k in await root.list() if k.decode().startswith(prefix))
 
-  async def shard_key(self, store, chunk_hash):
-    shards = [k for k in await self.keys_under(store, f"data/{chunk_hash}/")
-              if k.endswith("/c/0/0/0/0/0")]
-    self.assertLen(shards, 1)
-    return shards[0]
 
-  def assert_miss(self, store, result, reason):
-    self.assertIsInstance(result, ChunkMiss)
-    self.assertEqual(result.reason, reason, result.detail)
-    self.assertEqual(store.stats.snapshot()["misses_by_reason"], {reason.value: 1})
 
   def test_spec_from_env(self):
     spec = specs.kvstore_spec(f"s3://{BUCKET}/p")

@@ -1,0 +1,61 @@
+"""Shared fixtures for chunk-store tests on every backend: tiny layouts, keys, assertions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ml_dtypes
+import numpy as np
+
+from kvjax.storage import keys
+from kvjax.storage.types import ChunkMiss, KVLayout
+
+C = 4
+NS = keys.KeyNamespace("fp", "float32", 1, C)
+TOKENS = list(range(100, 100 + 3 * C))
+HASHES = keys.chunk_hashes(NS, TOKENS)
+ROOT = NS.root_hash()
+
+
+def layout(dtype="float32", num_layers=3) -> KVLayout:
+  """A tiny `[L, 2, C, 2, 8]` layout."""
+  return KVLayout(num_layers=num_layers, chunk_size=C, num_kv_heads=2, head_dim=8, dtype=dtype)
+
+
+def values(kv_layout: KVLayout, seed=0) -> np.ndarray:
+  """Random normal values of the layout's shape and dtype."""
+  x = np.random.default_rng(seed).standard_normal(kv_layout.shape, dtype=np.float32)
+  return x.astype(ml_dtypes.bfloat16 if kv_layout.dtype == "bfloat16" else kv_layout.dtype)
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+  """The raw bytes of an array (exact comparisons, NaN-safe)."""
+  return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+def run(coro):
+  return asyncio.run(coro)
+
+
+class StoreAssertions:
+  """Mixin for `absltest.TestCase`s over a `ChunkStore`."""
+
+  async def put0(self, store, kv_layout=None, seed=0):
+    kv = values(kv_layout or layout(), seed)
+    self.assertTrue(await store.put(HASHES[0], ROOT, TOKENS[:C], ROOT, kv))
+    return kv
+
+  async def keys_under(self, store, prefix=""):
+    root = await store.kvstore()
+    return sorted(k.decode() for k in await root.list() if k.decode().startswith(prefix))
+
+  async def shard_key(self, store, chunk_hash):
+    shards = [k for k in await self.keys_under(store, f"data/{chunk_hash}/")
+              if k.endswith("/c/0/0/0/0/0")]
+    self.assertLen(shards, 1)
+    return shards[0]
+
+  def assert_miss(self, store, result, reason):
+    self.assertIsInstance(result, ChunkMiss)
+    self.assertEqual(result.reason, reason, result.detail)
+    self.assertEqual(store.stats.snapshot()["misses_by_reason"], {reason.value: 1})
