@@ -125,8 +125,9 @@ class KVStoreClient:
     """Fetches and verifies the stored chunks of the prompt's prefix, first to last.
 
     Only full chunks of `prompt_ids[:-1]` are candidates: a hit never covers the last prompt
-    token, so a fully stored prompt of n tokens loads `C * floor((n - 1) / C)` tokens. Loading
-    stops at the first chunk that is absent or rejected; a store failure degrades to computing.
+    token, so a fully stored prompt of n tokens loads `C * floor((n - 1) / C)` tokens. Chunks
+    present in some tier are read concurrently; the prefix ends at the first chunk that is absent
+    or rejected; a store failure degrades to computing.
     """
     ns = self.namespace(cache_salt)
     hashes = keys.chunk_hashes(ns, prompt_ids)
@@ -134,12 +135,9 @@ class KVStoreClient:
     chunks, tiers, rejected = [], [], []
     try:
       where = self._run(self.store.lookup(candidates)) if candidates else []
-      for i, (h, tier) in enumerate(zip(candidates, where)):
-        if tier is None:
-          break
-        c = self.chunk_size
-        got = self._run(self.store.get(h, prompt_ids[i * c:(i + 1) * c], ns.root_hash(),
-                                       self.layout))
+      present = next((i for i, tier in enumerate(where) if tier is None), len(where))
+      for i, got in enumerate(self._run(self._get_all(candidates[:present], prompt_ids, ns))):
+        h = candidates[i]
         if isinstance(got, ChunkMiss):
           if got.reason is not MissReason.ABSENT:
             rejected.append((i, got.reason))
@@ -152,6 +150,14 @@ class KVStoreClient:
     except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
       _log.warning("KV store lookup failed (%r); computing the prompt instead", e)
     return PrefixLoad(chunks=chunks, tiers=tiers, rejected=rejected, hashes=hashes)
+
+  async def _get_all(self, hashes: Sequence[ChunkHash], prompt_ids: Sequence[int],
+                     ns: keys.KeyNamespace) -> list[ChunkHit | ChunkMiss]:
+    """Reads the chunks concurrently (the store bounds bytes in flight), results in order."""
+    c, root = self.chunk_size, ns.root_hash()
+    return list(await asyncio.gather(*(
+        self.store.get(h, prompt_ids[i * c:(i + 1) * c], root, self.layout)
+        for i, h in enumerate(hashes))))
 
   # ----------------------------------------------------------------------------- saves
   def submit_save(self, job: SaveJob) -> bool:
