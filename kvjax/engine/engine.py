@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -29,8 +28,6 @@ from kvjax.engine.kv_store_client import KVStoreClient, PrefixLoad, SaveJob
 from kvjax.models.runner import ModelRunner
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
-
-_log = logging.getLogger(__name__)
 
 
 class TokenizerLike(Protocol):

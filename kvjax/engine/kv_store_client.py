@@ -131,7 +131,7 @@ class KVStoreClient:
     """
     ns = self.namespace(cache_salt)
     hashes = keys.chunk_hashes(ns, prompt_ids)
-    candidates = keys.prefix_chunk_hashes_for_prompt(ns, prompt_ids)
+    candidates = hashes[:(len(prompt_ids) - 1) // self.chunk_size]  # never the last token
     chunks, tiers, rejected = [], [], []
     try:
       where = self._run(self.store.lookup(candidates)) if candidates else []

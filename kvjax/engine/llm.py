@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Sequence
 
@@ -29,7 +28,6 @@ from kvjax.storage.specs import kvstore_spec
 from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
 
-_log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import logging
 import os
 
 import jax
@@ -23,8 +22,6 @@ from kvjax.models.kv_cache import KVCache, init_kv_cache, insert_chunk
 from kvjax.models.llama import Llama, PrefillOutput
 
 DEFAULT_CHUNK_SIZES = (16, 32, 64, 128, 256, 512)
-
-_log = logging.getLogger(__name__)
 
 
 def default_cache_root() -> str:
@@ -93,7 +90,6 @@ class ModelRunner:
     graphdef, self.state = nnx.split(model)
     self.cache: KVCache = init_kv_cache(model.cfg, config.num_slots, max_seq_len,
                                         config.cache_dtype or model.dtype, config.block_size)
-    self._cache_dtype = config.cache_dtype or model.dtype
 
     def prefill(state, cache, tokens_T, slot, start, true_len, all_logits):
       return nnx.merge(graphdef, state).prefill_chunk(
@@ -112,7 +108,7 @@ class ModelRunner:
   def reset(self) -> None:
     """Zeroes the KV cache (every slot), keeping the compiled programs."""
     self.cache = init_kv_cache(self.model_config, self.config.num_slots, self.max_seq_len,
-                               self._cache_dtype, self.config.block_size)
+                               self.cache.k_LBSKH.dtype, self.config.block_size)
 
   @property
   def chunk_sizes(self) -> tuple[int, ...]:

@@ -463,12 +463,9 @@ class ChunkStore:
       return miss(MissReason.CORRUPT, str(e))
     if record.chunk_hash != chunk_hash:
       return miss(MissReason.CORRUPT, f"record names chunk {record.chunk_hash}")
-    if record.token_ids != token_ids:
-      return miss(MissReason.TOKEN_MISMATCH)
-    if record.namespace != namespace:
-      return miss(MissReason.NAMESPACE_MISMATCH, record.namespace)
-    if record.layout != layout:
-      return miss(MissReason.LAYOUT_MISMATCH, repr(record.layout))
+    bad = record.mismatch(token_ids, namespace, layout)
+    if bad is not None:
+      return bad
     encoding = next((e for e in record.encodings
                      if e.codec == RAW_CODEC and e.codec_version == RAW_CODEC_VERSION), None)
     if encoding is None:

@@ -116,12 +116,9 @@ class HostMemoryTier:
       if entry is None:
         return ChunkMiss(chunk_hash, MissReason.ABSENT)
       rec = entry.record
-      if rec.token_ids != tuple(int(t) for t in token_ids):
-        return ChunkMiss(chunk_hash, MissReason.TOKEN_MISMATCH)
-      if rec.namespace != namespace:
-        return ChunkMiss(chunk_hash, MissReason.NAMESPACE_MISMATCH, rec.namespace)
-      if rec.layout != layout:
-        return ChunkMiss(chunk_hash, MissReason.LAYOUT_MISMATCH, f"stored {rec.layout}")
+      bad = rec.mismatch(tuple(int(t) for t in token_ids), namespace, layout)
+      if bad is not None:
+        return bad
       entry.last_access = next(self._counter)
       return ChunkHit(record=rec, encoding=rec.encodings[0], kv=entry.kv, tier=self.name)
 

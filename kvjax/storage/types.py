@@ -94,6 +94,20 @@ class ChunkRecord:
   encodings: tuple[Encoding, ...]
   format_version: int = RECORD_FORMAT_VERSION
 
+  def mismatch(self, token_ids: tuple[int, ...], namespace: str,
+               layout: KVLayout) -> ChunkMiss | None:
+    """The miss a reader must report if this record is not the chunk it asked for, else None.
+
+    Every tier checks the same three things, in this order: token ids, namespace, layout.
+    """
+    if self.token_ids != token_ids:
+      return ChunkMiss(self.chunk_hash, MissReason.TOKEN_MISMATCH)
+    if self.namespace != namespace:
+      return ChunkMiss(self.chunk_hash, MissReason.NAMESPACE_MISMATCH, self.namespace)
+    if self.layout != layout:
+      return ChunkMiss(self.chunk_hash, MissReason.LAYOUT_MISMATCH, f"stored {self.layout}")
+    return None
+
   def to_json(self) -> bytes:
     d = dataclasses.asdict(self)
     return json.dumps(d, sort_keys=True).encode()
