@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -48,6 +49,69 @@ class PrefixLoad:
   tiers: list[str]
   rejected: list[tuple[int, MissReason]]
   hashes: list[ChunkHash]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLookup:
+  """Which full chunks of a prompt's prefix some tier holds (one batched lookup, no data read).
+
+  Attributes:
+    hashes: keys of all full chunks of the prompt, in order.
+    namespace: the key namespace root (hex) the hashes are under.
+    present: per candidate chunk (full chunks of `prompt[:-1]`, never the last token), the tier
+      holding it or None.
+  """
+
+  hashes: list[ChunkHash]
+  namespace: str
+  present: list[str | None]
+
+  @property
+  def hits(self) -> list[bool]:
+    return [t is not None for t in self.present]
+
+
+@dataclasses.dataclass
+class LoadResult:
+  """One background chunk load that has landed (or failed).
+
+  Attributes:
+    request_id: the request it was started for.
+    index: prompt chunk index.
+    result: the verified hit (host arrays) or the miss and its reason.
+    started_s: when the load was started (client clock, seconds).
+    done_s: when it landed.
+  """
+
+  request_id: Any
+  index: int
+  result: ChunkHit | ChunkMiss
+  started_s: float
+  done_s: float
+
+  @property
+  def nbytes(self) -> int:
+    """Stored bytes read (0 for a miss)."""
+    return self.result.encoding.nbytes if isinstance(self.result, ChunkHit) else 0
+
+
+@dataclasses.dataclass
+class LoaderStats:
+  """Background-load accounting.
+
+  Attributes:
+    started: loads started.
+    landed: loads handed to the engine.
+    cancelled: loads dropped because their request ended first (their staging released).
+    in_flight: loads started and not yet landed or cancelled.
+    staged_bytes: stored bytes landed on the host and not yet taken by the engine.
+  """
+
+  started: int = 0
+  landed: int = 0
+  cancelled: int = 0
+  in_flight: int = 0
+  staged_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -110,6 +174,12 @@ class KVStoreClient:
     self._saver = threading.Thread(target=self._save_loop, name="kvjax-saver", daemon=True)
     self._saver.start()
     self._closed = False
+    self.lookup_failures = 0
+    self.loader_stats = LoaderStats()
+    self._load_lock = threading.Lock()
+    self._in_flight: dict[tuple[Any, int], Any] = {}
+    self._landed: list[LoadResult] = []
+    self._landed_event = threading.Event()
 
   # ----------------------------------------------------------------------------- keys
   def namespace(self, cache_salt: str | None) -> keys.KeyNamespace:
@@ -150,6 +220,106 @@ class KVStoreClient:
     except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
       _log.warning("KV store lookup failed (%r); computing the prompt instead", e)
     return PrefixLoad(chunks=chunks, tiers=tiers, rejected=rejected, hashes=hashes)
+
+  def lookup(self, prompt_ids: Sequence[int], cache_salt: str | None) -> PrefixLookup:
+    """Asks every tier, in one batch, which prefix chunks of the prompt are stored.
+
+    Candidates are the full chunks of `prompt_ids[:-1]` (a hit never covers the last prompt
+    token). A store that fails the lookup degrades to "nothing present" with a warning.
+    """
+    ns = self.namespace(cache_salt)
+    hashes = keys.chunk_hashes(ns, prompt_ids)
+    candidates = hashes[:(len(prompt_ids) - 1) // self.chunk_size]
+    present: list[str | None] = [None] * len(candidates)
+    if candidates:
+      try:
+        present = list(self._run(self.store.lookup(candidates)))
+      except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
+        self.lookup_failures += 1
+        _log.warning("KV store lookup failed (%r); computing the prompt instead", e)
+    return PrefixLookup(hashes=hashes, namespace=ns.root_hash(), present=present)
+
+  def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
+                 prompt_ids: Sequence[int], choose=None) -> None:
+    """Starts a background load of prompt chunk `index`; it lands in `landed()` later.
+
+    The read runs on the store's event loop (tensorstore async reads; the link limiter and byte
+    limiter bound it); verification and entropy decoding happen there too, on the host. Never
+    blocks the engine.
+
+    Args:
+      request_id: the owner; `cancel_loads(request_id)` drops its loads.
+      index: chunk index within the prompt.
+      lookup: the prompt's `PrefixLookup`.
+      prompt_ids: the prompt's tokens.
+      choose: optional `Callable[[Sequence[Encoding]], Encoding | None]` picking the encoding
+        (codec level) to read.
+    """
+    c = self.chunk_size
+    key = (request_id, index)
+    started = time.perf_counter()
+
+    async def load() -> None:
+      try:
+        got = await self.store.get(lookup.hashes[index], prompt_ids[index * c:(index + 1) * c],
+                                   lookup.namespace, self.layout, **(
+                                       {"choose": choose} if choose is not None else {}))
+      except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
+        got = ChunkMiss(lookup.hashes[index], MissReason.READ_ERROR, repr(e))
+      self._land(LoadResult(request_id, index, got, started, time.perf_counter()))
+
+    with self._load_lock:
+      self.loader_stats.started += 1
+      self.loader_stats.in_flight += 1
+      self._in_flight[key] = asyncio.run_coroutine_threadsafe(load(), self._loop)
+
+  def _land(self, result: LoadResult) -> None:
+    with self._load_lock:
+      if self._in_flight.pop((result.request_id, result.index), None) is None:
+        return  # cancelled meanwhile: drop it (its staging is released with it)
+      self.loader_stats.in_flight -= 1
+      self.loader_stats.staged_bytes += result.nbytes
+      self._landed.append(result)
+      self._landed_event.set()
+
+  def landed(self, wait_s: float | None = None) -> list[LoadResult]:
+    """Takes every landed load (ownership passes to the caller: staging is released).
+
+    Args:
+      wait_s: if no load has landed, block up to this long for one (None: do not block).
+    """
+    if wait_s is not None and not self._landed:
+      self._landed_event.wait(wait_s)
+    with self._load_lock:
+      out, self._landed = self._landed, []
+      self._landed_event.clear()
+      for r in out:
+        self.loader_stats.staged_bytes -= r.nbytes
+        self.loader_stats.landed += 1
+    return out
+
+  def cancel_loads(self, request_id: Any) -> int:
+    """Drops the request's in-flight and landed-but-untaken loads; returns how many."""
+    with self._load_lock:
+      keys_ = [k for k in self._in_flight if k[0] == request_id]
+      for k in keys_:
+        self._in_flight.pop(k).cancel()
+      kept = [r for r in self._landed if r.request_id != request_id]
+      dropped = [r for r in self._landed if r.request_id == request_id]
+      self._landed = kept
+      self.loader_stats.in_flight -= len(keys_)
+      self.loader_stats.staged_bytes -= sum(r.nbytes for r in dropped)
+      n = len(keys_) + len(dropped)
+      self.loader_stats.cancelled += n
+      if not self._landed:
+        self._landed_event.clear()
+    return n
+
+  def loads_in_flight(self, request_id: Any = None) -> int:
+    with self._load_lock:
+      if request_id is None:
+        return len(self._in_flight)
+      return sum(1 for k in self._in_flight if k[0] == request_id)
 
   async def _get_all(self, hashes: Sequence[ChunkHash], prompt_ids: Sequence[int],
                      ns: keys.KeyNamespace) -> list[ChunkHit | ChunkMiss]:

@@ -7,7 +7,7 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax.engine.kv_store_client import KVStoreClient, SaveJob
-from kvjax.storage.types import KVLayout
+from kvjax.storage.types import ChunkHit, ChunkRecord, Encoding, KVLayout
 
 LAYOUT = KVLayout(num_layers=2, chunk_size=4, num_kv_heads=1, head_dim=2, dtype="float32")
 
@@ -73,6 +73,79 @@ class SaverTest(absltest.TestCase):
     client.flush()
     self.assertEqual([p[0] for p in store.puts], ["h1"])
     client.close()
+
+
+class GatedStore:
+  """Serves lookups and gets from a dict; each get waits for its own gate."""
+
+  def __init__(self, chunks):
+    self.tiers = []
+    self.chunks = chunks  # hash -> kv
+    self.gates = {h: threading.Event() for h in chunks}
+
+  async def lookup(self, hashes):
+    return ["disk" if h in self.chunks else None for h in hashes]
+
+  async def get(self, chunk_hash, token_ids, namespace, layout):
+    await asyncio.get_running_loop().run_in_executor(None, self.gates[chunk_hash].wait)
+    kv = self.chunks[chunk_hash]
+    record = ChunkRecord(chunk_hash, "p", tuple(token_ids), namespace, layout, (
+        Encoding("raw", 1, 0, "o", kv.nbytes, "c"),))
+    return ChunkHit(record=record, encoding=record.encodings[0], kv=kv, tier="disk")
+
+
+class LoaderTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    probe = KVStoreClient(GatedStore({}), model_fingerprint="fp", layout=LAYOUT,
+                          kv_layout_version=1)
+    self.prompt = list(range(13))  # 3 full chunks of 4 before the last token
+    self.hashes = probe.lookup(self.prompt, None).hashes
+    probe.close()
+    self.kv = {h: np.full(LAYOUT.shape, i, np.float32) for i, h in enumerate(self.hashes[:3])}
+    self.store = GatedStore(self.kv)
+    self.client = KVStoreClient(self.store, model_fingerprint="fp", layout=LAYOUT,
+                                kv_layout_version=1)
+    self.addCleanup(self.client.close)
+
+  def test_lookup_lists_the_present_chunks_never_the_last_token(self):
+    del self.store.chunks[self.hashes[1]]
+    got = self.client.lookup(self.prompt, None)
+    self.assertEqual(got.hits, [True, False, True])
+    self.assertLen(got.hashes, 3)
+
+  def test_loads_land_in_completion_order_and_release_staging_when_taken(self):
+    lookup = self.client.lookup(self.prompt, None)
+    for i in (2, 1):
+      self.client.start_load("r", i, lookup, self.prompt)
+    self.assertEqual(self.client.loads_in_flight("r"), 2)
+    self.store.gates[self.hashes[1]].set()
+    first = self.client.landed(wait_s=30)
+    self.assertEqual([r.index for r in first], [1])
+    np.testing.assert_array_equal(first[0].result.kv, self.kv[self.hashes[1]])
+    self.store.gates[self.hashes[2]].set()
+    self.assertEqual([r.index for r in self.client.landed(wait_s=30)], [2])
+    stats = self.client.loader_stats
+    self.assertEqual((stats.started, stats.landed, stats.in_flight, stats.staged_bytes),
+                     (2, 2, 0, 0))
+
+  def test_cancel_drops_in_flight_and_landed_loads(self):
+    lookup = self.client.lookup(self.prompt, None)
+    for i in (2, 1, 0):
+      self.client.start_load("r", i, lookup, self.prompt)
+    self.client.start_load("other", 0, lookup, self.prompt)
+    self.store.gates[self.hashes[2]].set()
+    while self.client.loader_stats.staged_bytes == 0:  # wait for index 2 to land (event-driven)
+      self.client._landed_event.wait(30)
+    self.assertEqual(self.client.cancel_loads("r"), 3)
+    self.assertEqual(self.client.loader_stats.staged_bytes, 0)
+    for g in self.store.gates.values():
+      g.set()
+    got = self.client.landed(wait_s=30)
+    self.assertEqual([(r.request_id, r.index) for r in got], [("other", 0)])
+    self.assertEqual(self.client.loads_in_flight(), 0)
+    self.assertEqual(self.client.loader_stats.in_flight, 0)
 
 
 if __name__ == "__main__":
