@@ -32,7 +32,7 @@ Rules (DESIGN.md section 3):
     Compute waits on a predicted landing only once the link's rate is known
     (`CostModel.load_rate_known`); before that it waits for the first landing at most one
     compute step. A load that overstays `late_factor` times its predicted
-    latency stops holding compute back.
+    latency stops holding compute back, and so do chunks not yet issued while any load is late.
   * Compute steps are compiled sizes, aligned to store chunks: a step that crosses a chunk
     boundary inside the prefix ends on one. After the prefix, the suffix is ordinary chunked
     prefill; the step covering the last prompt token is the last.
@@ -174,7 +174,7 @@ class CakeMerge:
     kv_ttft_target_s: pick encodings for this TTFT target (CacheGen's SLO) instead of for the
       time compute reaches the chunk.
     arrival_s: the request's arrival (engine clock), for `kv_ttft_target_s`.
-    late_factor: an in-flight load whose age exceeds `late_factor` times its predicted latency is
+    late_factor: an in-flight load whose age reaches `late_factor` times its predicted latency is
       late: compute may take its chunk (the load is then wasted).
     compute_share_prior: the fraction of a step's wall time this request's compute is expected
       to get before a step has been observed, in (0, 1]; None takes the first budget offered
@@ -450,8 +450,7 @@ class CakeMerge:
     An engine whose step plans nothing should wait for the next finished load, but no longer
     than this.
     """
-    times = [self._late_at_s(ld) for j, ld in self._in_flight.items()
-             if self._states[j] is ChunkState.LOADING]
+    times = [self._late_at_s(ld) for ld in self._in_flight.values()]
     if self._cold_wait_until_s is not None and self._in_flight:
       times.append(self._cold_wait_until_s)
     times = [t for t in times if t > now_s]
@@ -647,7 +646,7 @@ class CakeMerge:
         continue
       s = self._states[j]
       skip = j != index and (s in (ChunkState.RESIDENT, ChunkState.LANDED) or (
-          s is ChunkState.LOADING and now_s <= self._late_at_s(self._in_flight[j])))
+          s is ChunkState.LOADING and now_s < self._late_at_s(self._in_flight[j])))
       if skip:
         if run_start is not None:
           total += self._span_s(run_start, lo, self._step_tokens, cost)
@@ -673,11 +672,14 @@ class CakeMerge:
       self._cold_wait_until_s = self._first_issue_s + cost.predict_compute_s(p, k) / self._share
       return now_s >= self._cold_wait_until_s
     land = None
+    link_late = any(now_s >= self._late_at_s(ld) for ld in self._in_flight.values())
     for j in range(p // c, min(self.num_chunks, (end - 1) // c + 1)):
       s = self._states[j]
+      if s is ChunkState.HIT and link_late:
+        continue  # queued behind a late load: its landing is anyone's guess
       if s not in (ChunkState.HIT, ChunkState.LOADING):
         continue
-      if s is ChunkState.LOADING and now_s > self._late_at_s(self._in_flight[j]):
+      if s is ChunkState.LOADING and now_s >= self._late_at_s(self._in_flight[j]):
         continue  # late: compute takes it, the load will be wasted
       if land is None:
         land = self._landings(now_s, cost)[0]

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from kvjax._typing import RequestId
 from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, LoadVerdict, MergeMode, MergeTrace,
                              PrefillChunk, Request, SamplingParams, Scheduler, SchedulerConfig,
-                             chunk_tokens, ideal_merge_s)
+                             Writer, chunk_tokens, ideal_merge_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +167,8 @@ class SimResult:
     meeting_index: `trace.meeting_index` (N for a plain request).
     trace: the merge's trace (None for a plain request).
     chunk_writers: `CakeMerge.chunk_writers()` ("" for a plain request).
+    unwritten_positions: prompt positions nobody wrote (0 once the prompt is done; the merge's
+      writer map raises on a second write).
     chunk_done_s: per prefix chunk, the clock when it became present (its compute step ended or
       it was inserted).
     prefills: the request's planned steps, (clock at the step's start, start, num_tokens).
@@ -178,6 +180,7 @@ class SimResult:
   meeting_index: int = 0
   trace: MergeTrace | None = None
   chunk_writers: str = ""
+  unwritten_positions: int = 0
   chunk_done_s: list[float] = dataclasses.field(default_factory=list)
   prefills: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)
 
@@ -262,7 +265,7 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
       verdict = r.merge.load_done(i, i not in by_id[rid].reject, nbytes, at)
       if verdict is LoadVerdict.INSERT:
         to_insert.append((rid, i))
-      if not r.is_finished:
+      if not r.is_finished and r.merge is not None:
         issue(rid, at)
 
   def issue_all(now: float) -> None:
@@ -333,11 +336,14 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
         res.first_token_s, res.ttft_s = t, t - r.arrival_s
       if len(r.output_token_ids) >= r.sampling_params.max_tokens:
         sched.finish_request(r.request_id, "length")
+  while landings and landings[0][0] < math.inf:  # loads still in flight land as waste
+    land_until(landings[0][0])
   for rid, r in live.items():
     if r.merge is not None:
       res = results[rid]
       res.trace, res.meeting_index = r.merge.trace, r.merge.trace.meeting_index
       res.chunk_writers = r.merge.chunk_writers()
+      res.unwritten_positions = r.merge.writer_map().count(Writer.NONE)
   return SimRun(results, steps, t)
 
 
