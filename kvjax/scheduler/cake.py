@@ -1,0 +1,690 @@
+"""The Cake planner: compute a prompt's stored prefix from the front while loading it from the back.
+
+Cake, arXiv 2410.03065, section 4 and Appendix A. The prefix `[0, P)` of a prompt of `n` tokens is
+split into `N = P / C` store chunks of `C` tokens; `hits[j]` says chunk `j` is stored. Background
+loaders fetch stored chunks from the LAST to the first; chunked prefill computes from the FRONT.
+Compute cost per chunk grows with position and load cost is flat, so the two sides meet somewhere
+in the middle, and where they meet adapts to the bandwidth and the compute share of the moment.
+
+    chunk:      0     1     2     3     4     5     6     7    suffix
+              [ C ][ C ][ . ][ L ][ L ][ ~ ][ L ][ L ][ s s s )
+    compute --------->                         <-------- loads
+    C computed  . hole (miss or rejected; compute's)  L resident (loaded)  ~ load in flight
+
+One `CakeMerge` per request holds each chunk's state:
+
+    HIT ──next_load──> LOADING ──load_done ok──> LANDED ──inserted──> RESIDENT
+     │                   │  └────load_done bad──> MISSING (REJECTED; a hole, compute's)
+     │                   └──compute takes it───> COMPUTING (its late load is WASTED)
+     └──compute takes it──────────────────────> COMPUTING ──> COMPUTED
+    MISSING ──compute reaches it──────────────> COMPUTING ──> COMPUTED
+
+Rules (DESIGN.md section 3):
+  * The compute frontier `p` is the first position not resident or planned; everything below it
+    is present, so a compute step at `p` is always valid. It skips resident runs, computes holes,
+    never passes a resident or landed chunk, never plans a position twice.
+  * A step that touches a chunk takes the whole chunk: a load of it still in flight is wasted when
+    it lands. Chunks above a hole stay valid (keys chain through token ids, not KV).
+  * Going past the paper, each side skips work it cannot win, by the `CostModel`: a load is issued
+    only if it is predicted to land before compute would finish that chunk; compute takes a chunk
+    only if it would finish it before the chunk's load (in flight or still to issue) lands, so
+    steps shrink as the sides close in, and compute idles when loads finish everything first.
+    Compute waits on a predicted landing only once the link's rate is known
+    (`CostModel.load_rate_known`); before that it waits for the first landing at most one
+    compute step. A load that overstays `late_factor` times its predicted
+    latency stops holding compute back, and so do chunks not yet issued while any load is late.
+  * Compute steps are compiled sizes, aligned to store chunks: a step that crosses a chunk
+    boundary inside the prefix ends on one. After the prefix, the suffix is ordinary chunked
+    prefill; the step covering the last prompt token is the last.
+
+The merge is not thread-safe: the engine calls it (loaders' completions included) under one lock.
+Time is the engine's clock in seconds (`now_s`); a simulator passes a fake one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import heapq
+import math
+from collections.abc import Hashable, Sequence
+
+from kvjax.scheduler import level_policy
+from kvjax.scheduler.cost_model import CostModel
+from kvjax.scheduler.level_policy import Candidate
+
+
+class MergeMode(enum.Enum):
+  """CAKE: both sides. COMPUTE_ONLY: ordinary chunked prefill, no loads. LOAD_ONLY: compute waits
+  until every stored chunk is resident or rejected, then computes holes and the suffix."""
+
+  CAKE = "cake"
+  COMPUTE_ONLY = "compute_only"
+  LOAD_ONLY = "load_only"
+
+
+class ChunkState(enum.Enum):
+  HIT = "hit"                # stored; no load issued yet
+  LOADING = "loading"        # load in flight (compute may still take the chunk)
+  LANDED = "landed"          # verified; the engine must insert it, then call `inserted`
+  RESIDENT = "resident"      # loaded and inserted
+  MISSING = "missing"        # compute's: not stored, or rejected on load
+  COMPUTING = "computing"    # compute owns it; some positions planned
+  COMPUTED = "computed"      # compute planned all its positions
+
+
+class LoadVerdict(enum.Enum):
+  """What the engine does with a finished load (`CakeMerge.load_done`)."""
+
+  INSERT = "insert"      # insert it now, then call `inserted(index)`
+  WASTED = "wasted"      # compute owns the chunk (or the request was cancelled): drop it
+  REJECTED = "rejected"  # verification failed: drop it; the chunk is now a hole for compute
+
+
+class Writer(enum.IntEnum):
+  NONE = 0
+  COMPUTE = 1
+  LOAD = 2
+
+
+class DoubleWriteError(RuntimeError):
+  """A position of the KV cache would be written twice (a planner bug, never user input)."""
+
+
+@dataclasses.dataclass
+class MergeTrace:
+  """What one merge did.
+
+  Attributes:
+    num_chunks: prefix chunks N.
+    chunks_computed: prefix chunks compute took, in the order taken.
+    chunks_loaded: prefix chunks loaded and inserted, in insertion order.
+    chunks_wasted: loads that landed after compute took their chunk or after `cancel`.
+    chunks_rejected: loads that failed verification (their chunks were computed).
+    levels: encoding level (or name) of each loaded chunk.
+    meeting_index: the first chunk that was loaded, N if none: compute wrote `[0, meeting * C)`
+      up to holes above it.
+    loads_issued: loads handed to the engine.
+    loaded_bytes: stored bytes of inserted chunks.
+    wasted_bytes: stored bytes of wasted loads.
+    compute_s: cost-model seconds of every compute step planned (prefix and suffix).
+    load_s: wall seconds during which at least one load was in flight.
+  """
+
+  num_chunks: int
+  chunks_computed: list[int] = dataclasses.field(default_factory=list)
+  chunks_loaded: list[int] = dataclasses.field(default_factory=list)
+  chunks_wasted: list[int] = dataclasses.field(default_factory=list)
+  chunks_rejected: list[int] = dataclasses.field(default_factory=list)
+  levels: dict[int, Hashable] = dataclasses.field(default_factory=dict)
+  meeting_index: int = 0
+  loads_issued: int = 0
+  loaded_bytes: int = 0
+  wasted_bytes: int = 0
+  compute_s: float = 0.0
+  load_s: float = 0.0
+
+
+@dataclasses.dataclass
+class _Load:
+  issue_s: float
+  nbytes: int
+  expected_land_s: float
+  encoding: Candidate | None
+
+
+def ideal_merge_s(compute_prefix_s: Sequence[float],
+                  load_top_s: Sequence[float]) -> tuple[float, int]:
+  """The ideal bound `min over m of max(C(m), L(N - m))` and its best split `m`.
+
+  Cake, arXiv 2410.03065, section 4: computing the first `m` chunks and loading the last `N - m`
+  in parallel finishes at `max(C(m), L(N - m))`; no schedule of the same work beats the best `m`.
+
+  Args:
+    compute_prefix_s: `C(m)` for m = 0..N: seconds to compute the first m chunks (C(0) = 0).
+    load_top_s: `L(k)` for k = 0..N: seconds to load the last k chunks (L(0) = 0).
+
+  Returns:
+    (seconds, m); the smallest m among ties.
+
+  Raises:
+    ValueError: if the two sequences differ in length or are empty.
+  """
+  if not compute_prefix_s or len(compute_prefix_s) != len(load_top_s):
+    raise ValueError(f"need C(0..N) and L(0..N) of equal length, got {len(compute_prefix_s)} and "
+                     f"{len(load_top_s)}")
+  n = len(compute_prefix_s) - 1
+  return min((max(compute_prefix_s[m], load_top_s[n - m]), m) for m in range(n + 1))
+
+
+class CakeMerge:
+  """Plans one request's prefix: which chunk to load next, which positions to compute next.
+
+  Args:
+    num_prompt_tokens: n, the prompt's length, tokens.
+    chunk_size: C, tokens per store chunk.
+    hits: one bool per prefix chunk (chunk j covers `[j * C, (j + 1) * C)`): stored or not.
+      `len(hits) * C` must stay below n (the last prompt token is always computed).
+    mode: `MergeMode` (or its value).
+    chunk_nbytes: stored bytes per chunk (one int, or one per chunk) for the cost model; needed
+      when there are hits to load, unless `encodings` is given.
+    encodings: per chunk, its stored encodings (`level_policy.Candidate`), or None for chunks
+      that are not hits; `next_load` then picks one per load (`load_encoding`).
+    max_loads_in_flight: loads issued and not yet finished, at most.
+    kv_ttft_target_s: pick encodings for this TTFT target (CacheGen's SLO) instead of for the
+      time compute reaches the chunk.
+    arrival_s: the request's arrival (engine clock), for `kv_ttft_target_s`.
+    late_factor: an in-flight load whose age reaches `late_factor` times its predicted latency is
+      late: compute may take its chunk (the load is then wasted).
+    compute_share_prior: the fraction of a step's wall time this request's compute is expected
+      to get before a step has been observed, in (0, 1]; None takes the first budget offered
+      over the largest compiled size (64 of 512 tokens: 1/8).
+    check_writes: keep a per-position writer map and raise `DoubleWriteError` on a second write
+      (one byte per prompt token; tests and simulations always keep it on).
+
+  Raises:
+    ValueError: on inconsistent sizes, hits, byte counts or encodings.
+  """
+
+  def __init__(self, num_prompt_tokens: int, chunk_size: int, hits: Sequence[bool],
+               mode: MergeMode | str = MergeMode.CAKE, *,
+               chunk_nbytes: int | Sequence[int] | None = None,
+               encodings: Sequence[Sequence[Candidate] | None] | None = None,
+               max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None,
+               arrival_s: float = 0.0, late_factor: float = 2.0,
+               compute_share_prior: float | None = None, check_writes: bool = True):
+    def positive_int(name, v):
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}={v!r} must be an int >= 1")
+
+    positive_int("num_prompt_tokens", num_prompt_tokens)
+    positive_int("chunk_size", chunk_size)
+    positive_int("max_loads_in_flight", max_loads_in_flight)
+    self.mode = MergeMode(mode)
+    hits = list(hits)
+    if any(not isinstance(h, bool) for h in hits):
+      raise ValueError("hits must be bools, one per prefix chunk")
+    if len(hits) * chunk_size >= num_prompt_tokens:
+      raise ValueError(f"{len(hits)} prefix chunks of {chunk_size} tokens cover the last token of "
+                       f"a {num_prompt_tokens}-token prompt: at most "
+                       f"{(num_prompt_tokens - 1) // chunk_size} chunks")
+    if not late_factor >= 1:
+      raise ValueError(f"late_factor={late_factor!r} must be >= 1")
+    if compute_share_prior is not None and not 0 < compute_share_prior <= 1:
+      raise ValueError(f"compute_share_prior={compute_share_prior!r} must be in (0, 1]")
+    if kv_ttft_target_s is not None and not kv_ttft_target_s > 0:
+      raise ValueError(f"kv_ttft_target_s={kv_ttft_target_s!r} must be > 0 or None")
+    self.num_prompt_tokens = num_prompt_tokens
+    self.chunk_size = chunk_size
+    self.num_chunks = len(hits)
+    self.prefix_tokens = len(hits) * chunk_size
+    self.max_loads_in_flight = max_loads_in_flight
+    self.kv_ttft_target_s = kv_ttft_target_s
+    self.arrival_s = arrival_s
+    self.late_factor = float(late_factor)
+    uses_hits = self.mode is not MergeMode.COMPUTE_ONLY
+    self._states = [ChunkState.HIT if (h and uses_hits) else ChunkState.MISSING for h in hits]
+    self._encodings: list[tuple[Candidate, ...] | None] | None = None
+    if encodings is not None:
+      if len(encodings) != self.num_chunks:
+        raise ValueError(f"encodings for {len(encodings)} chunks, hits for {self.num_chunks}")
+      self._encodings = [tuple(e) if e is not None else None for e in encodings]
+      for j, h in enumerate(hits):
+        if h and not self._encodings[j]:
+          raise ValueError(f"chunk {j} is a hit but has no candidate encodings")
+    if chunk_nbytes is None:
+      if self._encodings is not None:
+        self._nbytes = [min(c.nbytes for c in e) if e else 0 for e in self._encodings]
+      elif uses_hits and any(hits):
+        raise ValueError("chunk_nbytes (or encodings) is needed to plan loads of the hits")
+      else:
+        self._nbytes = [0] * self.num_chunks
+    elif isinstance(chunk_nbytes, int) and not isinstance(chunk_nbytes, bool):
+      self._nbytes = [chunk_nbytes] * self.num_chunks
+    else:
+      self._nbytes = list(chunk_nbytes)
+      if len(self._nbytes) != self.num_chunks:
+        raise ValueError(f"chunk_nbytes for {len(self._nbytes)} chunks, hits for {self.num_chunks}")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self._nbytes):
+      raise ValueError(f"chunk_nbytes must be ints >= 0, got {chunk_nbytes!r}")
+    self._in_flight: dict[int, _Load] = {}   # issue order
+    self._frontier = 0
+    self._cancelled = False
+    self._writers = bytearray(num_prompt_tokens) if check_writes else None
+    self.trace = MergeTrace(num_chunks=self.num_chunks, meeting_index=self.num_chunks)
+    # Compute share: cost-model seconds of this request's compute per wall second of a step.
+    self._share = 1.0 if compute_share_prior is None else float(compute_share_prior)
+    self._share_from_budget = compute_share_prior is None
+    self._step_now_s: float | None = None
+    self._step_pred_s = 0.0
+    self._step_waited = False
+    self._busy_until_s = -math.inf
+    self._step_tokens = chunk_size
+    self._load_busy_since_s: float | None = None
+    self._last_landing_s = -math.inf
+    self._first_issue_s: float | None = None
+    self._cold_wait_until_s: float | None = None
+
+  # ---------------------------------------------------------------------------- views
+  @property
+  def frontier(self) -> int:
+    """First prompt position not yet resident or planned; `[0, frontier)` is all present."""
+    self._advance()
+    return self._frontier
+
+  @property
+  def states(self) -> tuple[ChunkState, ...]:
+    return tuple(self._states)
+
+  @property
+  def in_flight(self) -> tuple[int, ...]:
+    """Chunks whose loads were issued and have not finished, in issue order."""
+    return tuple(self._in_flight)
+
+  @property
+  def compute_share(self) -> float:
+    """Estimated fraction of a step's wall time this request's compute gets."""
+    return self._share
+
+  @property
+  def is_prefix_done(self) -> bool:
+    """Every prefix chunk is resident or planned for compute."""
+    return self.frontier >= self.prefix_tokens
+
+  @property
+  def is_done(self) -> bool:
+    """Every prompt position is resident or planned."""
+    return self.frontier >= self.num_prompt_tokens
+
+  def load_encoding(self, index: int) -> Candidate | None:
+    """The encoding `next_load` chose for chunk `index` (None without `encodings`)."""
+    load = self._in_flight.get(index)
+    if load is None:
+      raise ValueError(f"chunk {index} has no load in flight")
+    return load.encoding
+
+  def writer_map(self) -> list[Writer]:
+    """Who wrote each prompt position (compute at planning, load at `inserted`).
+
+    Raises:
+      ValueError: if the merge was built with `check_writes=False`.
+    """
+    if self._writers is None:
+      raise ValueError("this merge keeps no writer map (check_writes=False)")
+    return [Writer(w) for w in self._writers]
+
+  def chunk_writers(self) -> str:
+    """One letter per prefix chunk: C compute, L load, . nobody yet, ! mixed (a bug)."""
+    out, writers = [], self.writer_map()
+    for j in range(self.num_chunks):
+      seg = set(writers[j * self.chunk_size:(j + 1) * self.chunk_size])
+      out.append({frozenset({Writer.COMPUTE}): "C", frozenset({Writer.LOAD}): "L",
+                  frozenset({Writer.NONE}): "."}.get(frozenset(seg), "!"))
+    return "".join(out)
+
+  # ---------------------------------------------------------------------------- loads
+  def next_load(self, now_s: float, cost: CostModel) -> int | None:
+    """The next chunk to fetch: the highest-index chunk still only stored; marks it LOADING.
+
+    Call it for a request that holds a decode slot, whenever a load finishes or a step ends,
+    until it returns None.
+
+    Args:
+      now_s: engine clock, seconds.
+      cost: the engine's cost model.
+
+    Returns:
+      The chunk index, or None: no stored chunk is left, `max_loads_in_flight` loads are in
+      flight, the mode loads nothing, or (CAKE) the load could not land before compute would
+      finish that chunk (then no lower chunk could either).
+    """
+    if self._cancelled or self.mode is MergeMode.COMPUTE_ONLY:
+      return None
+    if len(self._in_flight) >= self.max_loads_in_flight:
+      return None
+    index = next((j for j in reversed(range(self.num_chunks))
+                  if self._states[j] is ChunkState.HIT), None)
+    if index is None:
+      return None
+    nbytes = self._nbytes[index]
+    encoding = None
+    if self.mode is MergeMode.CAKE:
+      land, start = self._landings(now_s, cost)
+      if land[index] >= self._compute_until_s(index, now_s, cost, finish=True):
+        return None
+      deadline = self._compute_until_s(index, now_s, cost, finish=False)
+      link_free_s = start[index]
+    else:
+      deadline, link_free_s = math.inf, now_s
+    cands = self._encodings[index] if self._encodings is not None else None
+    if cands:
+      if self.kv_ttft_target_s is not None:
+        left = sum(s is ChunkState.HIT for s in self._states)
+        deadline = level_policy.ttft_deadline_s(now_s, self.arrival_s, self.kv_ttft_target_s, left)
+      encoding = level_policy.pick_encoding(cands, cost.bandwidth_bytes_per_s,
+                                            cost.decode_bytes_per_s, link_free_s, deadline)
+      nbytes = encoding.nbytes
+    expected = self._landings(now_s, cost, first=(index, nbytes))[0][index]
+    if not self._in_flight:
+      self._load_busy_since_s = now_s
+    if self._first_issue_s is None:
+      self._first_issue_s = now_s
+    self._in_flight[index] = _Load(now_s, nbytes, expected, encoding)
+    self._states[index] = ChunkState.LOADING
+    self.trace.loads_issued += 1
+    return index
+
+  def load_done(self, index: int, ok: bool, nbytes: int, now_s: float,
+                level: Hashable | None = None) -> LoadVerdict:
+    """A load finished (read, verified, decoded and staged, or failed).
+
+    Args:
+      index: the chunk `next_load` returned.
+      ok: the chunk passed verification (token ids, checksum) and decoded.
+      nbytes: stored bytes that were transferred.
+      now_s: engine clock, seconds.
+      level: the encoding level that was read (recorded in the trace); defaults to the name of
+        the encoding `next_load` chose.
+
+    Returns:
+      INSERT: insert the chunk at positions `[index * C, (index + 1) * C)` before the next step,
+      then call `inserted(index)`. WASTED: drop it (compute owns the chunk, or the request was
+      cancelled); its bytes count as wasted. REJECTED: drop it; compute will fill the hole.
+
+    Raises:
+      ValueError: if chunk `index` has no load in flight.
+    """
+    load = self._in_flight.pop(index, None)
+    if load is None:
+      raise ValueError(f"chunk {index} has no load in flight")
+    self._last_landing_s = max(self._last_landing_s, now_s)
+    if not self._in_flight and self._load_busy_since_s is not None:
+      self.trace.load_s += max(0.0, now_s - self._load_busy_since_s)
+      self._load_busy_since_s = None
+    state = self._states[index]
+    if self._cancelled or state in (ChunkState.COMPUTING, ChunkState.COMPUTED):
+      self.trace.chunks_wasted.append(index)
+      self.trace.wasted_bytes += nbytes
+      return LoadVerdict.WASTED
+    if not ok:
+      self._states[index] = ChunkState.MISSING
+      self.trace.chunks_rejected.append(index)
+      return LoadVerdict.REJECTED
+    self._states[index] = ChunkState.LANDED
+    self.trace.levels[index] = level if level is not None else (
+        load.encoding.name if load.encoding is not None else None)
+    self.trace.loaded_bytes += nbytes
+    return LoadVerdict.INSERT
+
+  def inserted(self, index: int) -> None:
+    """The engine inserted chunk `index` (after an INSERT verdict); it is now RESIDENT.
+
+    Raises:
+      ValueError: if the chunk is not LANDED.
+      DoubleWriteError: if any of its positions was already written.
+    """
+    if not 0 <= index < self.num_chunks or self._states[index] is not ChunkState.LANDED:
+      raise ValueError(f"chunk {index} was not landed (state "
+                       f"{self._states[index].value if 0 <= index < self.num_chunks else '-'})")
+    self._write(index * self.chunk_size, (index + 1) * self.chunk_size, Writer.LOAD)
+    self._states[index] = ChunkState.RESIDENT
+    self.trace.chunks_loaded.append(index)
+    self.trace.meeting_index = min(self.trace.meeting_index, index)
+    self._advance()
+
+  def cancel(self) -> list[int]:
+    """Stops the merge (request aborted or finished). Idempotent.
+
+    Returns:
+      Chunks whose staging the engine should release: loads still in flight (their `load_done`
+      will say WASTED) and landed chunks not yet inserted (never insert them).
+    """
+    self._cancelled = True
+    landed = [j for j, s in enumerate(self._states) if s is ChunkState.LANDED]
+    return sorted(set(self._in_flight) | set(landed))
+
+  def recheck_s(self, now_s: float) -> float | None:
+    """The next time after `now_s` at which compute may go on without any load landing (a late
+    load's grace runs out, or a cold-start wait ends), else None.
+
+    An engine whose step plans nothing should wait for the next finished load, but no longer
+    than this.
+    """
+    times = [self._late_at_s(ld) for ld in self._in_flight.values()]
+    if self._cold_wait_until_s is not None and self._in_flight:
+      times.append(self._cold_wait_until_s)
+    times = [t for t in times if t > now_s]
+    return min(times) if times else None
+
+  # ---------------------------------------------------------------------------- compute
+  def next_compute(self, budget_tokens: int, chunk_sizes: Sequence[int], now_s: float,
+                   cost: CostModel) -> tuple[int, int] | None:
+    """The next compute step of this request within `budget_tokens`, or None.
+
+    The scheduler calls it once per step with the budget left after decodes and ordinary
+    prefills (even 0, so the merge can measure its compute share), and again with what is left
+    while it returns steps. A returned step is planned: its positions are compute's.
+
+    Args:
+      budget_tokens: tokens this request may compute in this step, >= 0.
+      chunk_sizes: the compiled chunk sizes, ascending.
+      now_s: the step's time (engine clock, seconds); equal across the calls of one step.
+      cost: the engine's cost model.
+
+    Returns:
+      (start, num_tokens): prefill positions `[start, start + num_tokens)`; it is the prompt's
+      last step when `start + num_tokens == num_prompt_tokens`. num_tokens is a compiled size,
+      or a shorter piece the runner pads (a prompt tail, or up to a chunk boundary when C is not
+      a multiple of the sizes). None: nothing fits the budget, the prompt is planned, or compute
+      waits for loads.
+
+    Raises:
+      ValueError: on a negative budget or chunk sizes that are not ascending positive ints.
+    """
+    if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0:
+      raise ValueError(f"budget_tokens={budget_tokens!r} must be an int >= 0")
+    sizes = list(chunk_sizes)
+    if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+      raise ValueError(f"chunk_sizes={chunk_sizes!r} must be ascending distinct ints >= 1")
+    self._begin_step(now_s)
+    if self._share_from_budget and budget_tokens > 0:
+      self._share = min(1.0, budget_tokens / sizes[-1])
+      self._share_from_budget = False
+    if budget_tokens >= sizes[0]:  # the step size future predictions assume
+      self._step_tokens = max(s for s in sizes if s <= budget_tokens)
+    if self._cancelled:
+      return None
+    self._advance()
+    p, n, c = self._frontier, self.num_prompt_tokens, self.chunk_size
+    if p >= n:
+      return None
+    if self.mode is MergeMode.LOAD_ONLY and any(
+        s in (ChunkState.HIT, ChunkState.LOADING, ChunkState.LANDED) for s in self._states):
+      return self._wait()
+    hard = n  # compute never passes a resident or landed chunk
+    if p < self.prefix_tokens:
+      f = p // c
+      if p % c == 0 and self._states[f] is ChunkState.LANDED:
+        return self._wait()
+      for j in range(f + 1 if p % c else f, self.num_chunks):
+        if self._states[j] in (ChunkState.RESIDENT, ChunkState.LANDED):
+          hard = j * c
+          break
+    room = min(hard - p, budget_tokens)
+    cands = [s for s in reversed(sizes) if s <= room]
+    if p < self.prefix_tokens and p % c and c - p % c <= room and c - p % c not in cands:
+      cands.append(c - p % c)  # up to the chunk boundary, padded by the runner
+    if hard - p < sizes[0] and hard - p <= budget_tokens and hard - p not in cands:
+      cands.append(hard - p)   # a tail shorter than every size, padded by the runner
+    if not cands:
+      return None              # the budget is too small for any step: not a wait
+    t0 = max(now_s, self._busy_until_s)
+    for k in cands:
+      end = p + k
+      if end < self.prefix_tokens and (end - 1) // c != p // c and end % c:
+        continue               # crossing a chunk boundary inside the prefix must end on one
+      if self.mode is MergeMode.CAKE and not self._step_ok(p, end, k, t0, now_s, cost):
+        continue
+      self._plan(p, k, cost)
+      return (p, k)
+    return self._wait()
+
+  # ---------------------------------------------------------------------------- internals
+  def _wait(self) -> None:
+    self._step_waited = True
+    return None
+
+  def _begin_step(self, now_s: float) -> None:
+    """Starts a new step when `now_s` moves; samples the compute share of the previous one."""
+    if self._step_now_s is not None and now_s == self._step_now_s:
+      return
+    if (self._step_now_s is not None and now_s > self._step_now_s
+        and not (self._step_waited and self._step_pred_s == 0)):
+      sample = self._step_pred_s / (now_s - self._step_now_s)
+      self._share = min(1.0, max(1e-3, 0.5 * self._share + 0.5 * sample))
+      self._share_from_budget = False
+    self._step_now_s = now_s
+    self._step_pred_s = 0.0
+    self._step_waited = False
+    self._busy_until_s = now_s
+
+  def _plan(self, start: int, k: int, cost: CostModel) -> None:
+    end, c = start + k, self.chunk_size
+    for j in range(start // c, min(self.num_chunks, (end - 1) // c + 1)):
+      s = self._states[j]
+      if s not in (ChunkState.COMPUTING, ChunkState.COMPUTED):
+        self.trace.chunks_computed.append(j)
+      self._states[j] = ChunkState.COMPUTED if end >= (j + 1) * c else ChunkState.COMPUTING
+    self._write(start, end, Writer.COMPUTE)
+    self._frontier = end
+    pred = cost.predict_compute_s(start, k)
+    self.trace.compute_s += pred
+    self._step_pred_s += pred
+    self._busy_until_s = self._step_now_s + self._step_pred_s / self._share
+
+  def _write(self, start: int, end: int, who: Writer) -> None:
+    if self._writers is None:
+      return
+    seg = self._writers[start:end]
+    if any(seg):
+      first = next(i for i, w in enumerate(seg) if w)
+      raise DoubleWriteError(
+          f"position {start + first} written by {Writer(seg[first]).name} and again by "
+          f"{who.name} (positions [{start}, {end}))")
+    self._writers[start:end] = bytes([who]) * (end - start)
+
+  def _advance(self) -> None:
+    c = self.chunk_size
+    while (self._frontier < self.prefix_tokens and self._frontier % c == 0
+           and self._states[self._frontier // c] is ChunkState.RESIDENT):
+      self._frontier += c
+
+  def _late_at_s(self, load: _Load) -> float:
+    return load.issue_s + self.late_factor * max(0.0, load.expected_land_s - load.issue_s)
+
+  def _landings(self, now_s: float, cost: CostModel, first: tuple[int, int] | None = None
+                ) -> tuple[dict[int, float], dict[int, float]]:
+    """Predicted landing and transfer-start times of in-flight loads and of stored chunks.
+
+    Model: the link moves one chunk at a time in issue order (transfer = nbytes / bandwidth);
+    one decoder follows in the same order; a chunk lands when decoded; a new load is issued
+    when one of `max_loads_in_flight` slots frees, highest chunk first; loads in flight started
+    moving no earlier than the last landing. The oldest load in flight
+    bounds the bandwidth (a censored observation: it has moved at most its bytes since it
+    started); overdue loads are assumed to land now. `first` = (index, nbytes) forces that
+    chunk's size for the next load.
+    """
+    land: dict[int, float] = {}
+    start: dict[int, float] = {}
+    tpb, dpb = cost.transfer_s_per_byte, cost.decode_s_per_byte
+    if self._in_flight:
+      head = next(iter(self._in_flight.values()))
+      since = max(head.issue_s, self._last_landing_s)
+      if head.nbytes > 0 and now_s > since:
+        tpb = max(tpb, (now_s - since - dpb * head.nbytes) / head.nbytes)
+    # The link was busy with earlier loads until the last one landed.
+    xfer_end, dec_end = self._last_landing_s, -math.inf
+    slots = []
+    for j, ld in self._in_flight.items():
+      xs = max(ld.issue_s, xfer_end)
+      xfer_end = xs + tpb * ld.nbytes
+      dec_end = max(xfer_end, dec_end) + dpb * ld.nbytes
+      land[j], start[j] = max(dec_end, now_s), xs
+      slots.append(land[j])
+    slots += [now_s] * max(0, self.max_loads_in_flight - len(self._in_flight))
+    heapq.heapify(slots)
+    for j in reversed(range(self.num_chunks)):
+      if self._states[j] is not ChunkState.HIT:
+        continue
+      nbytes = first[1] if first is not None and first[0] == j else self._nbytes[j]
+      issue = heapq.heappop(slots)
+      xs = max(issue, xfer_end, now_s)
+      xfer_end = xs + tpb * nbytes
+      dec_end = max(xfer_end, dec_end) + dpb * nbytes
+      land[j], start[j] = dec_end, xs
+      heapq.heappush(slots, dec_end)
+    return land, start
+
+  def _span_s(self, start: int, end: int, step: int, cost: CostModel) -> float:
+    """Cost-model seconds to compute `[start, end)` in steps of `step` tokens."""
+    total, s = 0.0, start
+    while s < end:
+      k = min(step, end - s)
+      total += cost.predict_compute_s(s, k)
+      s += k
+    return total
+
+  def _compute_until_s(self, index: int, now_s: float, cost: CostModel, finish: bool) -> float:
+    """When compute would start (finish=False) or finish chunk `index`, computing every position
+    from the frontier that is not resident, landed or loading on time."""
+    c = self.chunk_size
+    end = (index + 1) * c if finish else index * c
+    total, run_start, p = 0.0, None, self.frontier
+    for j in range(p // c, end // c + (1 if end % c else 0)):
+      lo, hi = max(p, j * c), min(end, (j + 1) * c)
+      if lo >= hi:
+        continue
+      s = self._states[j]
+      skip = j != index and (s in (ChunkState.RESIDENT, ChunkState.LANDED) or (
+          s is ChunkState.LOADING and now_s < self._late_at_s(self._in_flight[j])))
+      if skip:
+        if run_start is not None:
+          total += self._span_s(run_start, lo, self._step_tokens, cost)
+          run_start = None
+      elif run_start is None:
+        run_start = lo
+    if run_start is not None:
+      total += self._span_s(run_start, end, self._step_tokens, cost)
+    return max(now_s, self._busy_until_s) + total / self._share
+
+  def _step_ok(self, p: int, end: int, k: int, t0: float, now_s: float, cost: CostModel) -> bool:
+    """Whether compute should take every chunk the step `[p, end)` touches: it must finish each
+    such chunk before that chunk's load (in flight or still to issue) would land."""
+    c = self.chunk_size
+    if not cost.load_rate_known:
+      # Cold start: wait for the first landing (it calibrates the link) for at most one
+      # compute step, then compute without waiting on a guess.
+      if not self._in_flight or self._first_issue_s is None:
+        return True
+      f = p // c
+      if f >= self.num_chunks or self._states[f] not in (ChunkState.HIT, ChunkState.LOADING):
+        return True
+      self._cold_wait_until_s = self._first_issue_s + cost.predict_compute_s(p, k) / self._share
+      return now_s >= self._cold_wait_until_s
+    land = None
+    link_late = any(now_s >= self._late_at_s(ld) for ld in self._in_flight.values())
+    for j in range(p // c, min(self.num_chunks, (end - 1) // c + 1)):
+      s = self._states[j]
+      if s is ChunkState.HIT and link_late:
+        continue  # queued behind a late load: its landing is anyone's guess
+      if s not in (ChunkState.HIT, ChunkState.LOADING):
+        continue
+      if s is ChunkState.LOADING and now_s >= self._late_at_s(self._in_flight[j]):
+        continue  # late: compute takes it, the load will be wasted
+      if land is None:
+        land = self._landings(now_s, cost)[0]
+      # A step lands atomically: a chunk inside it is done when the whole step is.
+      finish = t0 + self._span_s(p, max(end, (j + 1) * c), k, cost) / self._share
+      if land[j] < finish:
+        return False
+    return True

@@ -1,0 +1,236 @@
+"""Online cost model of the two sides of a Cake merge: chunk compute and chunk load.
+
+Cake (arXiv 2410.03065, section 3) rests on two facts: computing a chunk costs more the later it
+sits in the prompt (attention reads every earlier token), while loading a stored chunk costs the
+same wherever it sits. The planner predicts both from observations, in plain floats:
+
+  compute   t(n, s) = a + b * n + c * n * m,    m = s + (n - 1) / 2  (mean position)
+            n tokens at positions [s, s + n); fitted by ridge-regularised least squares with
+            exponential forgetting, pulled toward the prior's shape (rescaled to the data's
+            level) until enough observations pin all three coefficients;
+  transfer  nbytes / bandwidth,                 bandwidth: EWMA of observed bytes/s;
+  decode    nbytes / decode rate,               decode rate: EWMA of observed stored bytes/s;
+  load      max(transfer, decode)               (the loader overlaps one chunk's transfer with
+                                                 the previous chunk's decode).
+
+The default prior is SmolLM2-135M f32 on 2 CPU cores (DESIGN.md section 8): a 256-token chunk
+takes 0.69 s at position 0 and 3.40 s at position 7936. The first compute observation rescales it
+to the machine at hand, so a GPU reads its own numbers after one step.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Feature scales keep the 3x3 normal equations well conditioned: x = (1, n / N0, n * m / (N0 * M0)).
+_N0 = 256.0
+_M0 = 4096.0
+
+#: Seconds per step, per token, per token-position (SmolLM2-135M f32, 2 CPU cores).
+DEFAULT_COMPUTE_PRIOR = (0.02, 2.4471e-3, 1.3339e-6)
+
+
+def _features(start: int, num_tokens: int) -> tuple[float, float, float]:
+  mean_pos = start + (num_tokens - 1) / 2
+  return (1.0, num_tokens / _N0, num_tokens * mean_pos / (_N0 * _M0))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+  """Solves a small dense linear system by Gaussian elimination with partial pivoting."""
+  n = len(b)
+  m = [row[:] + [v] for row, v in zip(a, b)]
+  for col in range(n):
+    piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+    m[col], m[piv] = m[piv], m[col]
+    for r in range(col + 1, n):
+      f = m[r][col] / m[col][col]
+      for k in range(col, n + 1):
+        m[r][k] -= f * m[col][k]
+  x = [0.0] * n
+  for r in reversed(range(n)):
+    x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+  return x
+
+
+class CostModel:
+  """Predicts compute, transfer, decode and load seconds from what it has observed.
+
+  One model per engine (shared by every request), fed by the engine thread (compute) and the
+  loaders (transfer, decode). Not thread-safe: call it under the caller's lock.
+
+  Args:
+    compute_prior: (a seconds, b seconds/token, c seconds/(token*position)) used before data.
+    prior_weight: how many observations the prior is worth (ridge strength), > 0.
+    forget: per-observation decay of old compute observations in (0, 1]; 1 keeps all.
+    bandwidth_bytes_per_s: prior link bandwidth, bytes/s (replaced by the first observation).
+    decode_bytes_per_s: prior decode rate, stored bytes/s; `math.inf` means decode is free.
+    ewma: weight of a new bandwidth or decode-rate sample in (0, 1].
+    learn: False freezes the model at its priors (tests, simulations with an exact model).
+
+  Raises:
+    ValueError: on a non-positive prior, weight or rate, or `forget`/`ewma` outside (0, 1].
+  """
+
+  def __init__(self, *, compute_prior: tuple[float, float, float] = DEFAULT_COMPUTE_PRIOR,
+               prior_weight: float = 1.0, forget: float = 0.99,
+               bandwidth_bytes_per_s: float = 1e9, decode_bytes_per_s: float = math.inf,
+               ewma: float = 0.5, learn: bool = True):
+    if len(compute_prior) != 3 or any(not v >= 0 for v in compute_prior) or not any(compute_prior):
+      raise ValueError(f"compute_prior={compute_prior!r} must be three numbers >= 0, not all 0")
+    if not prior_weight > 0:
+      raise ValueError(f"prior_weight={prior_weight!r} must be > 0")
+    if not 0 < forget <= 1 or not 0 < ewma <= 1:
+      raise ValueError(f"forget={forget!r} and ewma={ewma!r} must be in (0, 1]")
+    if not bandwidth_bytes_per_s > 0 or not decode_bytes_per_s > 0:
+      raise ValueError(f"bandwidth_bytes_per_s={bandwidth_bytes_per_s!r} and decode_bytes_per_s="
+                       f"{decode_bytes_per_s!r} must be > 0")
+    a, b, c = compute_prior
+    self._prior = (a, b * _N0, c * _N0 * _M0)  # in feature units
+    self._prior_weight = float(prior_weight)
+    self._forget = float(forget)
+    self._ewma = float(ewma)
+    self._learn = learn
+    self._xx = [[0.0] * 3 for _ in range(3)]
+    self._xy = [0.0] * 3
+    self._sum_y = 0.0
+    self._sum_prior_y = 0.0
+    self._theta = list(self._prior)
+    self.num_compute_observations = 0
+    self._transfer_s_per_byte = 1.0 / bandwidth_bytes_per_s
+    self._decode_s_per_byte = 0.0 if math.isinf(decode_bytes_per_s) else 1.0 / decode_bytes_per_s
+    self._bw_seen = False
+    self._decode_seen = False
+
+  @property
+  def load_rate_known(self) -> bool:
+    """The transfer rate rests on an observation (or the model is frozen at exact priors).
+
+    The Cake planner lets compute wait for a load only at a known rate: a wrong prior must never
+    hold compute back for long.
+    """
+    return not self._learn or self._bw_seen
+
+  # ------------------------------------------------------------------ compute
+  @property
+  def compute_coefficients(self) -> tuple[float, float, float]:
+    """Current (a seconds, b seconds/token, c seconds/(token*position))."""
+    a, b, c = self._theta
+    return (a, b / _N0, c / (_N0 * _M0))
+
+  def observe_compute(self, start: int, num_tokens: int, seconds: float) -> None:
+    """Records that prefilling `num_tokens` tokens at `[start, start + num_tokens)` took `seconds`.
+
+    Raises:
+      ValueError: on `num_tokens < 1`, `start < 0` or a negative or non-finite time.
+    """
+    if num_tokens < 1 or start < 0 or not 0 <= seconds < math.inf:
+      raise ValueError(f"observe_compute(start={start}, num_tokens={num_tokens}, seconds={seconds})"
+                       ": need start >= 0, num_tokens >= 1, finite seconds >= 0")
+    if not self._learn:
+      return
+    x = _features(start, num_tokens)
+    g = self._forget
+    for i in range(3):
+      self._xy[i] = g * self._xy[i] + x[i] * seconds
+      for j in range(3):
+        self._xx[i][j] = g * self._xx[i][j] + x[i] * x[j]
+    self._sum_y = g * self._sum_y + seconds
+    self._sum_prior_y = g * self._sum_prior_y + sum(p * v for p, v in zip(self._prior, x))
+    self.num_compute_observations += 1
+    self._refit()
+
+  def _refit(self) -> None:
+    # Ridge toward the prior's shape at the data's level: theta0 = s * prior, s = sum y / sum y_prior.
+    scale = self._sum_y / self._sum_prior_y if self._sum_prior_y > 0 else 1.0
+    lam = self._prior_weight
+    theta0 = [scale * p for p in self._prior]
+    a = [[self._xx[i][j] + (lam if i == j else 0.0) for j in range(3)] for i in range(3)]
+    b = [self._xy[i] + lam * theta0[i] for i in range(3)]
+    # Keep the physical signs: coefficients that come out negative are pinned at 0 and the rest
+    # refitted (the ridge term keeps every subsystem positive definite).
+    free = [0, 1, 2]
+    while True:
+      sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+      theta = [0.0, 0.0, 0.0]
+      for i, v in zip(free, sub):
+        theta[i] = v
+      negative = [i for i in free if theta[i] < 0]
+      if not negative:
+        break
+      free = [i for i in free if i not in negative]
+      if not free:
+        break
+    self._theta = theta
+
+  def predict_compute_s(self, start: int, num_tokens: int) -> float:
+    """Predicted seconds to prefill `num_tokens` tokens at `[start, start + num_tokens)`."""
+    if num_tokens <= 0:
+      return 0.0
+    x = _features(start, num_tokens)
+    return max(1e-9, sum(t * v for t, v in zip(self._theta, x)))
+
+  # ------------------------------------------------------------------ loads
+  # Rates are kept as EWMAs of seconds per byte: time is what gets predicted, and a free decode
+  # (0 s/byte) needs no special case.
+  @property
+  def bandwidth_bytes_per_s(self) -> float:
+    """Link bandwidth estimate, bytes/s."""
+    return 1.0 / self._transfer_s_per_byte
+
+  @property
+  def decode_bytes_per_s(self) -> float:
+    """Decode rate estimate, stored bytes/s (`math.inf`: free)."""
+    return math.inf if self._decode_s_per_byte == 0 else 1.0 / self._decode_s_per_byte
+
+  def observe_load(self, nbytes: int, seconds: float) -> None:
+    """Records a transfer of `nbytes` stored bytes that held the link for `seconds`.
+
+    With concurrent reads, pass the link time attributable to this chunk (e.g. the time between
+    successive completions), so the estimate is the link's bandwidth, not one stream's.
+
+    Raises:
+      ValueError: on negative bytes or non-positive seconds.
+    """
+    if nbytes < 0 or not 0 < seconds < math.inf:
+      raise ValueError(f"observe_load(nbytes={nbytes}, seconds={seconds}): need nbytes >= 0 and "
+                       "finite seconds > 0")
+    if self._learn and nbytes > 0:
+      sample = seconds / nbytes
+      self._transfer_s_per_byte = sample if not self._bw_seen else (
+          (1 - self._ewma) * self._transfer_s_per_byte + self._ewma * sample)
+      self._bw_seen = True
+
+  def observe_decode(self, nbytes: int, seconds: float) -> None:
+    """Records that decoding `nbytes` stored bytes on the host took `seconds` (0: free).
+
+    Raises:
+      ValueError: on negative bytes or negative seconds.
+    """
+    if nbytes < 0 or not 0 <= seconds < math.inf:
+      raise ValueError(f"observe_decode(nbytes={nbytes}, seconds={seconds}): need nbytes >= 0 "
+                       "and finite seconds >= 0")
+    if self._learn and nbytes > 0:
+      sample = seconds / nbytes
+      self._decode_s_per_byte = sample if not self._decode_seen else (
+          (1 - self._ewma) * self._decode_s_per_byte + self._ewma * sample)
+      self._decode_seen = True
+
+  @property
+  def transfer_s_per_byte(self) -> float:
+    return self._transfer_s_per_byte
+
+  @property
+  def decode_s_per_byte(self) -> float:
+    return self._decode_s_per_byte
+
+  def predict_transfer_s(self, nbytes: int) -> float:
+    """Seconds to move `nbytes` stored bytes over the link."""
+    return nbytes * self._transfer_s_per_byte
+
+  def predict_decode_s(self, nbytes: int) -> float:
+    """Seconds to decode `nbytes` stored bytes on the host."""
+    return nbytes * self._decode_s_per_byte
+
+  def predict_load_s(self, nbytes: int) -> float:
+    """Seconds a chunk of `nbytes` stored bytes occupies the loader pipeline: max(transfer, decode)."""
+    return max(self.predict_transfer_s(nbytes), self.predict_decode_s(nbytes))

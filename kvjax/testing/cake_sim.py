@@ -1,0 +1,446 @@
+"""A deterministic simulator of the Cake merge: fake clock, scripted link, per-chunk costs.
+
+It drives the real `Scheduler` and `CakeMerge` the way the engine does, with time advanced by a
+cost model instead of a device:
+
+    between steps   insert landed chunks of requests holding a slot (`inserted`); issue loads
+                    (`next_load`) of every merge, queued requests included (prefetch)
+    plan            `scheduler.schedule(now_s, token_budget)`
+    run             clock += sum of the plan's compute costs (+ decode step, + competing work)
+    meanwhile       loads land on the scripted link; each landing calls `load_done` at its own
+                    time and issues the next load at once (a loader thread), but inserts wait
+                    for the step boundary (only the engine thread writes the cache)
+
+The link moves one chunk at a time in issue order at a piecewise-constant bandwidth; one host
+decoder follows in the same order; a chunk lands when decoded. With a compute-budget script, the
+Cake side gets `tokens(t)` of each step's budget and competing work takes the rest (it costs
+`costs.compute_s(0, rest)`: short prompts at position 0), so steps run even while Cake waits.
+
+Everything is exact float arithmetic on the scripts: the same inputs give the same TTFTs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import math
+from typing import Callable, Sequence
+
+from kvjax._typing import RequestId
+from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, LoadVerdict, MergeMode, MergeTrace,
+                             PrefillChunk, Request, SamplingParams, Scheduler, SchedulerConfig,
+                             Writer, chunk_tokens, ideal_merge_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class PiecewiseConstant:
+  """A value over time: `values[i]` holds from `starts_s[i]` until the next start.
+
+  Raises:
+    ValueError: if the starts are not ascending from 0 or the lengths differ.
+  """
+
+  starts_s: tuple[float, ...]
+  values: tuple[float, ...]
+
+  def __post_init__(self):
+    if not self.starts_s or self.starts_s[0] != 0 or list(self.starts_s) != sorted(
+        set(self.starts_s)) or len(self.starts_s) != len(self.values):
+      raise ValueError(f"need ascending starts from 0 and one value each: {self}")
+
+  @classmethod
+  def constant(cls, value: float) -> "PiecewiseConstant":
+    return cls((0.0,), (value,))
+
+  def at(self, t_s: float) -> float:
+    return self.values[bisect.bisect_right(self.starts_s, t_s) - 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkScript:
+  """The link: bandwidth over time (bytes/s, piecewise constant) and loads in flight per request.
+
+  Attributes:
+    bandwidth_bytes_per_s: bandwidth trace; 0 stalls the link while it lasts.
+    max_in_flight: `CakeMerge.max_loads_in_flight` of every simulated merge.
+  """
+
+  bandwidth_bytes_per_s: PiecewiseConstant
+  max_in_flight: int = 2
+
+  @classmethod
+  def constant(cls, bandwidth_bytes_per_s: float, max_in_flight: int = 2) -> "LinkScript":
+    return cls(PiecewiseConstant.constant(bandwidth_bytes_per_s), max_in_flight)
+
+  def transfer_end_s(self, start_s: float, nbytes: int) -> float:
+    """When a transfer of `nbytes` started at `start_s` with the link to itself ends (inf: never)."""
+    trace, t, left = self.bandwidth_bytes_per_s, start_s, float(nbytes)
+    i = bisect.bisect_right(trace.starts_s, t) - 1
+    while left > 0:
+      bw = trace.values[i]
+      seg_end = trace.starts_s[i + 1] if i + 1 < len(trace.starts_s) else math.inf
+      if bw > 0:
+        if t + left / bw <= seg_end:
+          return t + left / bw
+        left -= (seg_end - t) * bw
+      elif math.isinf(seg_end):
+        return math.inf
+      t, i = seg_end, i + 1
+    return t
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkCosts:
+  """True costs of the simulated machine.
+
+  Attributes:
+    compute_s: seconds to prefill `(start, num_tokens)`.
+    decode_chunk_s: host decode seconds per loaded chunk (0 for raw chunks).
+    decode_step_s: seconds of a decode step (when the plan has decodes).
+    insert_s: engine-thread seconds to insert one loaded chunk (between steps).
+  """
+
+  compute_s: Callable[[int, int], float]
+  decode_chunk_s: float = 0.0
+  decode_step_s: float = 0.0
+  insert_s: float = 0.0
+
+  @classmethod
+  def linear(cls, a: float, b: float, c: float, **kw) -> "ChunkCosts":
+    """compute = a + b * n + c * n * (start + (n - 1) / 2), the `CostModel`'s form."""
+    return cls(lambda s, n: a + b * n + c * n * (s + (n - 1) / 2), **kw)
+
+  @classmethod
+  def from_chunk_curve(cls, chunk_tokens: int, chunk_s: Sequence[float], **kw) -> "ChunkCosts":
+    """Costs from measured seconds of chunk j (positions `[j * C, (j + 1) * C)`), linearly
+    interpolated (and extrapolated) by mean position and scaled by tokens."""
+    curve = list(chunk_s)
+
+    def at(x: float) -> float:
+      if len(curve) == 1:
+        return curve[0]
+      i = min(max(int(math.floor(x)), 0), len(curve) - 2)
+      return curve[i] + (x - i) * (curve[i + 1] - curve[i])
+
+    def compute_s(start: int, n: int) -> float:
+      return n / chunk_tokens * max(0.0, at((start + n / 2) / chunk_tokens - 0.5))
+    return cls(compute_s, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimRequest:
+  """A simulated request.
+
+  Attributes:
+    request_id: its id.
+    num_prompt_tokens: n.
+    hits: per prefix chunk, stored or not; None makes a plain request (no merge: competing work).
+    mode: the merge mode.
+    chunk_nbytes: stored bytes of a chunk.
+    arrival_s: arrival time.
+    reject: chunks whose loads fail verification.
+    max_tokens: output tokens (1: the request ends at its first token).
+    encodings: optional per-chunk candidate encodings (then `chunk_nbytes` is the fallback).
+    kv_ttft_target_s: passed to the merge.
+  """
+
+  request_id: str
+  num_prompt_tokens: int
+  hits: Sequence[bool] | None
+  mode: MergeMode = MergeMode.CAKE
+  chunk_nbytes: int = 0
+  arrival_s: float = 0.0
+  reject: frozenset[int] = frozenset()
+  max_tokens: int = 1
+  encodings: Sequence[Sequence[Candidate] | None] | None = None
+  kv_ttft_target_s: float | None = None
+
+
+@dataclasses.dataclass
+class SimResult:
+  """One request's outcome.
+
+  Attributes:
+    ttft_s: first token time minus arrival, seconds.
+    first_token_s: clock at the first token.
+    meeting_index: `trace.meeting_index` (N for a plain request).
+    trace: the merge's trace (None for a plain request).
+    chunk_writers: `CakeMerge.chunk_writers()` ("" for a plain request).
+    unwritten_positions: prompt positions nobody wrote (0 once the prompt is done; the merge's
+      writer map raises on a second write).
+    chunk_done_s: per prefix chunk, the clock when it became present (its compute step ended or
+      it was inserted).
+    prefills: the request's planned steps, (clock at the step's start, start, num_tokens).
+  """
+
+  request_id: str
+  ttft_s: float | None = None
+  first_token_s: float | None = None
+  meeting_index: int = 0
+  trace: MergeTrace | None = None
+  chunk_writers: str = ""
+  unwritten_positions: int = 0
+  chunk_done_s: list[float] = dataclasses.field(default_factory=list)
+  prefills: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SimRun:
+  """A whole simulation: per-request results, every step's (start, end) and the final clock."""
+
+  results: dict[str, SimResult]
+  steps: list[tuple[float, float]]
+  end_s: float
+
+  @property
+  def max_step_s(self) -> float:
+    return max((e - s for s, e in self.steps), default=0.0)
+
+
+def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScript,
+             scheduler_config: SchedulerConfig, chunk_size: int,
+             cost_model: CostModel | None = None, budget: PiecewiseConstant | None = None,
+             competing_s: Callable[[int], float] | None = None,
+             max_steps: int = 100_000) -> SimRun:
+  """Runs requests to their last token on a fake clock; see the module docstring.
+
+  Args:
+    requests: what arrives, and when.
+    costs: the simulated machine's true costs.
+    link: the scripted link.
+    scheduler_config: slots, token budget, compiled chunk sizes.
+    chunk_size: C, tokens per store chunk.
+    cost_model: the planner's model (learns from the run); a fresh `CostModel()` when None.
+    budget: Cake's share of each step's budget over time (tokens); the rest of
+      `scheduler_config.token_budget` goes to competing work. None: the whole budget.
+    competing_s: seconds of `k` competing tokens; default `costs.compute_s(0, k)`.
+    max_steps: a guard against a planner that never finishes.
+
+  Returns:
+    A `SimRun`.
+
+  Raises:
+    RuntimeError: if nothing can run and nothing will land (a planner deadlock), or on
+      `max_steps`.
+  """
+  model = cost_model if cost_model is not None else CostModel()
+  sched = Scheduler(scheduler_config, model)
+  competing = competing_s or (lambda k: costs.compute_s(0, k) if k > 0 else 0.0)
+  arrivals = sorted(requests, key=lambda r: r.arrival_s)
+  by_id = {r.request_id: r for r in requests}
+  if len(by_id) != len(requests):
+    raise ValueError("request ids must be distinct")
+  results = {r.request_id: SimResult(r.request_id) for r in requests}
+  live: dict[str, Request] = {}
+  landings: list[tuple[float, int, str, int, int, float]] = []  # (land, seq, id, idx, bytes, xfer)
+  to_insert: list[tuple[str, int]] = []
+  link_free_s = decode_free_s = 0.0
+  seq = 0
+  steps: list[tuple[float, float]] = []
+
+  def issue(rid: str, now: float) -> None:
+    nonlocal link_free_s, decode_free_s, seq
+    r, spec = live[rid], by_id[rid]
+    while (i := r.merge.next_load(now, model)) is not None:
+      enc = r.merge.load_encoding(i)
+      nbytes = enc.nbytes if enc is not None else spec.chunk_nbytes
+      xs = max(now, link_free_s)
+      xe = link.transfer_end_s(xs, nbytes)
+      link_free_s = xe
+      de = max(xe, decode_free_s) + costs.decode_chunk_s
+      decode_free_s = de
+      heapq.heappush(landings, (de, seq, rid, i, nbytes, xe - xs))
+      seq += 1
+
+  def land_until(t: float) -> None:
+    while landings and landings[0][0] <= t:
+      at, _, rid, i, nbytes, xfer_s = heapq.heappop(landings)
+      r = live.get(rid)
+      if r is None:
+        continue
+      if xfer_s > 0:
+        model.observe_load(nbytes, xfer_s)
+      model.observe_decode(nbytes, costs.decode_chunk_s)
+      verdict = r.merge.load_done(i, i not in by_id[rid].reject, nbytes, at)
+      if verdict is LoadVerdict.INSERT:
+        to_insert.append((rid, i))
+      if not r.is_finished and r.merge is not None:
+        issue(rid, at)
+
+  def issue_all(now: float) -> None:
+    for r in sched.cake_requests(include_waiting=True):
+      issue(r.request_id, now)
+
+  t = 0.0
+  while arrivals or sched.has_unfinished():
+    if len(steps) >= max_steps:
+      raise RuntimeError(f"no end after {max_steps} steps")
+    while arrivals and arrivals[0].arrival_s <= t:
+      spec = arrivals.pop(0)
+      merge = None
+      if spec.hits is not None:
+        merge = CakeMerge(spec.num_prompt_tokens, chunk_size, spec.hits, spec.mode,
+                          chunk_nbytes=spec.chunk_nbytes, encodings=spec.encodings,
+                          max_loads_in_flight=link.max_in_flight, arrival_s=spec.arrival_s,
+                          kv_ttft_target_s=spec.kv_ttft_target_s, check_writes=True)
+        results[spec.request_id].chunk_done_s = [math.nan] * merge.num_chunks
+      req = Request(RequestId(spec.request_id), list(range(spec.num_prompt_tokens)),
+                    SamplingParams(max_tokens=spec.max_tokens), arrival_s=spec.arrival_s,
+                    merge=merge)
+      live[spec.request_id] = req
+      sched.add_request(req)
+    held = []
+    for rid, i in to_insert:
+      r = live[rid]
+      if r.slot is None and not r.is_finished:
+        held.append((rid, i))  # staged until the request holds a slot
+      elif r.merge.states[i] is ChunkState.LANDED and not r.is_finished:
+        r.merge.inserted(i)
+        results[rid].chunk_done_s[i] = t
+        t += costs.insert_s
+    to_insert[:] = held
+    issue_all(t)
+    cake_tokens = None if budget is None else int(budget.at(t))
+    plan = sched.schedule(now_s=t, token_budget=cake_tokens)
+    rest = 0 if cake_tokens is None else scheduler_config.token_budget - cake_tokens
+    if plan.is_empty and rest <= 0:
+      nxt = [landings[0][0]] if landings else []
+      nxt += [arrivals[0].arrival_s] if arrivals else []
+      nxt += [w for r in sched.cake_requests() if (w := r.merge.recheck_s(t)) is not None]
+      if to_insert and any(live[rid].slot is not None for rid, _ in to_insert):
+        nxt.append(t)
+      nxt = [x for x in nxt if x < math.inf]
+      if not nxt:
+        raise RuntimeError(f"deadlock at t={t}: nothing to run and nothing will land")
+      t = min(nxt)
+      land_until(t)
+      continue
+    step_s = competing(rest) + (costs.decode_step_s if plan.decodes else 0.0)
+    chunk_s = [costs.compute_s(c.start, c.num_tokens) for c in plan.prefills]
+    step_s += sum(chunk_s)
+    for c, s in zip(plan.prefills, chunk_s):
+      model.observe_compute(c.start, c.num_tokens, s)
+    t_end = t + step_s
+    steps.append((t, t_end))
+    land_until(t_end)
+    for c in plan.prefills:
+      _record_prefill(results[c.request_id], live[c.request_id], c, t, t_end, chunk_size)
+    t = t_end
+    for rid in [c.request_id for c in plan.prefills if c.is_last] + [
+        d.request_id for d in plan.decodes]:
+      r = live[rid]
+      r.output_token_ids.append(0)
+      res = results[rid]
+      if res.first_token_s is None:
+        res.first_token_s, res.ttft_s = t, t - r.arrival_s
+      if len(r.output_token_ids) >= r.sampling_params.max_tokens:
+        sched.finish_request(r.request_id, "length")
+  while landings and landings[0][0] < math.inf:  # loads still in flight land as waste
+    land_until(landings[0][0])
+  for rid, r in live.items():
+    if r.merge is not None:
+      res = results[rid]
+      res.trace, res.meeting_index = r.merge.trace, r.merge.trace.meeting_index
+      res.chunk_writers = r.merge.chunk_writers()
+      res.unwritten_positions = r.merge.writer_map().count(Writer.NONE)
+  return SimRun(results, steps, t)
+
+
+def _record_prefill(res: SimResult, r: Request, c: PrefillChunk, t: float, t_end: float,
+                    chunk_size: int) -> None:
+  res.prefills.append((t, c.start, c.num_tokens))
+  if r.merge is None:
+    return
+  end = c.start + c.num_tokens
+  for j in range(c.start // chunk_size, min(r.merge.num_chunks, (end - 1) // chunk_size + 1)):
+    if end >= (j + 1) * chunk_size:
+      res.chunk_done_s[j] = t_end
+
+
+def warm_cost_model(costs: ChunkCosts, *, chunk_sizes: Sequence[int], max_position: int,
+                    bandwidth_bytes_per_s: float, nbytes: int) -> CostModel:
+  """A `CostModel` that has seen what an engine sees after one request: each compiled size at
+  positions 0, `max_position / 2` and `max_position`, and one chunk load on the link."""
+  model = CostModel()
+  for pos in (0, max_position // 2, max_position):
+    for k in chunk_sizes:
+      model.observe_compute(pos, k, costs.compute_s(pos, k))
+  model.observe_load(nbytes, nbytes / bandwidth_bytes_per_s)
+  model.observe_decode(nbytes, costs.decode_chunk_s)
+  return model
+
+
+# --------------------------------------------------------------------------- the ideal bound
+def load_curve_s(link: LinkScript, nbytes: int, num_chunks: int,
+                 decode_chunk_s: float = 0.0) -> list[float]:
+  """`L(k)` for k = 0..N: when the k-th chunk from the top lands if loads start at 0 and run
+  back to back (`max_in_flight` issued at a time, the next issued when one lands)."""
+  out, link_free, dec_free = [0.0], 0.0, 0.0
+  slots = [0.0] * link.max_in_flight
+  for _ in range(num_chunks):
+    issue = heapq.heappop(slots)
+    xe = link.transfer_end_s(max(issue, link_free), nbytes)
+    link_free = xe
+    dec_free = max(xe, dec_free) + decode_chunk_s
+    heapq.heappush(slots, dec_free)
+    out.append(dec_free)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class IdealBound:
+  """`min over m of max(C(m), L(N - m))` plus the suffix.
+
+  Attributes:
+    ttft_s: the bound.
+    best_m: the best split (chunks computed).
+    compute_prefix_s: `C(m)`, m = 0..N: when a compute-only run of just the first m chunks (same
+      costs, budget script and compiled sizes) had them.
+    load_top_s: `L(k)`, k = 0..N: `load_curve_s` of the link.
+    suffix_s: seconds to compute the suffix `[N * C, n)` in budget-sized steps once the prefix is
+      present (competing work included).
+  """
+
+  ttft_s: float
+  best_m: int
+  compute_prefix_s: list[float]
+  load_top_s: list[float]
+  suffix_s: float
+
+
+def ideal_bound(spec: SimRequest, *, costs: ChunkCosts, link: LinkScript,
+                scheduler_config: SchedulerConfig, chunk_size: int,
+                budget: PiecewiseConstant | None = None,
+                competing_s: Callable[[int], float] | None = None) -> IdealBound:
+  """The ideal TTFT of `spec` alone (see `IdealBound`); `spec.hits` must be all True.
+
+  The suffix is costed from the time the bound's prefix is complete, with the budget script.
+  """
+  if spec.hits is None or not all(spec.hits):
+    raise ValueError("the ideal bound is defined for a fully stored prefix")
+  n_chunks = len(spec.hits)
+  prefix = n_chunks * chunk_size
+  # C(m): compute-only on exactly the first m chunks (plus the one token a prompt must compute),
+  # so the last step may be shorter than a full budget, as Cake's would be.
+  c_m = [0.0]
+  for m in range(1, n_chunks + 1):
+    co = dataclasses.replace(spec, num_prompt_tokens=m * chunk_size + 1, hits=[True] * m,
+                             mode=MergeMode.COMPUTE_ONLY, arrival_s=0.0)
+    run = simulate([co], costs=costs, link=link, scheduler_config=scheduler_config,
+                   chunk_size=chunk_size, cost_model=CostModel(), budget=budget,
+                   competing_s=competing_s)
+    c_m.append(run.results[spec.request_id].chunk_done_s[m - 1])
+  l_k = load_curve_s(link, spec.chunk_nbytes, n_chunks, costs.decode_chunk_s)
+  best, m = ideal_merge_s(c_m, l_k)
+  competing = competing_s or (lambda k: costs.compute_s(0, k) if k > 0 else 0.0)
+  t, p = best, prefix
+  while p < spec.num_prompt_tokens:
+    tokens = scheduler_config.token_budget if budget is None else int(budget.at(t))
+    k = chunk_tokens(spec.num_prompt_tokens - p, tokens, scheduler_config.chunk_sizes)
+    if not k and competing(scheduler_config.token_budget - tokens) <= 0:
+      raise ValueError(f"the budget script gives the suffix no tokens at t={t}")
+    t += competing(scheduler_config.token_budget - tokens) + (
+        costs.compute_s(p, k) if k else 0.0)
+    p += k
+  return IdealBound(t, m, c_m, l_k, t - best)

@@ -1,0 +1,294 @@
+"""The Cake planner: chunk states, verdicts, exact compute steps, and exact scheduler plans.
+
+Cost models are frozen (`learn=False`) so every decision is hand-checkable: compute costs
+1 s per 16-token chunk anywhere; FAST loads land at once (loads always help, compute waits for
+them), SLOW loads never help.
+"""
+
+from absl.testing import absltest, parameterized
+
+from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, DecodeItem,
+                             DoubleWriteError, LoadVerdict, MergeMode, PrefillChunk, Request,
+                             SamplingParams, Scheduler, SchedulerConfig, Writer, ideal_merge_s)
+
+T, F = True, False
+C = 16
+
+
+def model(bandwidth_bytes_per_s):
+  return CostModel(compute_prior=(0.0, 1 / C, 0.0), learn=False,
+                   bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+
+
+FAST, SLOW = model(1e12), model(1e-3)
+
+
+def land(merge, index, now, ok=True, nbytes=100):
+  verdict = merge.load_done(index, ok, nbytes, now)
+  if verdict is LoadVerdict.INSERT:
+    merge.inserted(index)
+  return verdict
+
+
+def steps(merge, budget, now, sizes=(16, 32), cost=FAST):
+  """Every step `merge` plans in one scheduler step of `budget` tokens."""
+  out = []
+  while (s := merge.next_compute(budget, sizes, now, cost)) is not None:
+    out.append(s)
+    budget -= s[1]
+  return out
+
+
+class CakeMergeTest(parameterized.TestCase):
+
+  def test_compute_only_is_chunked_prefill(self):
+    m = CakeMerge(65, C, [T] * 4, "compute_only")
+    self.assertIsNone(m.next_load(0.0, FAST))
+    self.assertEqual(steps(m, 64, 0.0), [(0, 32), (32, 32)])
+    self.assertEqual(steps(m, 64, 1.0), [(64, 1)])
+    self.assertEqual(m.chunk_writers(), "CCCC")
+    self.assertEqual(m.trace.chunks_computed, [0, 1, 2, 3])
+    self.assertEqual((m.trace.meeting_index, m.trace.loads_issued), (4, 0))
+    self.assertTrue(m.is_done)
+
+  def test_holes_rejects_and_resident_runs(self):
+    #        chunk: 0  1  2  3  4  5  6  7   suffix [128, 130)
+    m = CakeMerge(130, C, [F, F, T, T, F, T, T, T], chunk_nbytes=100, max_loads_in_flight=8)
+    self.assertEqual([m.next_load(0.0, FAST) for _ in range(6)], [7, 6, 5, 3, 2, None])
+    self.assertEqual(m.in_flight, (7, 6, 5, 3, 2))
+    # Holes 0 and 1 are compute's; chunk 2 is loading and lands first: compute stops there.
+    self.assertEqual(steps(m, 64, 0.0), [(0, 32)])
+    self.assertIs(land(m, 7, 0.5), LoadVerdict.INSERT)
+    self.assertIs(land(m, 3, 0.5, ok=False), LoadVerdict.REJECTED)
+    self.assertIs(m.states[3], ChunkState.MISSING)
+    for j in (2, 6, 5):
+      self.assertIs(land(m, j, 0.5), LoadVerdict.INSERT)
+    # Skip resident 2, compute the rejected 3 and the hole 4 (ending on the boundary before the
+    # resident run 5..7), skip that run, compute the suffix tail.
+    self.assertEqual(steps(m, 64, 1.0), [(48, 32), (128, 2)])
+    self.assertEqual(m.chunk_writers(), "CCLCCLLL")
+    self.assertNotIn(Writer.NONE, m.writer_map())
+    t = m.trace
+    self.assertEqual((t.chunks_computed, t.chunks_loaded, t.chunks_rejected),
+                     ([0, 1, 3, 4], [7, 2, 6, 5], [3]))
+    self.assertEqual((t.meeting_index, t.loaded_bytes, t.wasted_bytes), (2, 400, 0))
+
+  def test_late_load_is_taken_by_compute_and_wasted(self):
+    cost = model(4.0)  # 3 bytes: a load takes 0.75 s; compute 1 s per chunk
+    m = CakeMerge(33, C, [T, T], chunk_nbytes=3, max_loads_in_flight=1)
+    self.assertEqual(m.next_load(0.0, cost), 1)  # lands at 0.75 < 2.0, compute's finish of 1
+    self.assertIsNone(m.next_load(0.0, cost))    # one load in flight at most
+    # Chunk 0's load would land at 1.5, after compute finishes it at 1.0: compute takes it.
+    self.assertEqual(steps(m, 16, 0.0, (16,), cost), [(0, 16)])
+    # Chunk 1 is overdue but within its grace (2 x 0.75 s): compute waits.
+    self.assertEqual(steps(m, 16, 1.0, (16,), cost), [])
+    self.assertEqual(m.recheck_s(1.0), 1.5)
+    self.assertEqual(steps(m, 16, 1.4, (16,), cost), [])
+    self.assertEqual(steps(m, 16, 1.5, (16,), cost), [(16, 16)])
+    self.assertEqual(steps(m, 16, 2.5, (16,), cost), [(32, 1)])
+    self.assertIs(m.load_done(1, True, 3, 3.0), LoadVerdict.WASTED)
+    self.assertEqual((m.trace.chunks_wasted, m.trace.wasted_bytes), ([1], 3))
+    self.assertEqual(m.chunk_writers(), "CC")
+    with self.assertRaisesRegex(ValueError, "no load in flight"):
+      m.load_done(1, True, 3, 3.0)
+
+  def test_load_only_waits_for_every_stored_chunk(self):
+    m = CakeMerge(49, C, [T, F, T], "load_only", chunk_nbytes=10)
+    self.assertEqual([m.next_load(0.0, SLOW) for _ in range(3)], [2, 0, None])  # no skipping
+    self.assertEqual(steps(m, 64, 0.0), [])
+    land(m, 2, 5.0)
+    self.assertEqual(steps(m, 64, 5.0), [])
+    land(m, 0, 9.0)
+    self.assertEqual(steps(m, 64, 9.0), [(16, 16), (48, 1)])
+    self.assertEqual(m.chunk_writers(), "LCL")
+
+  def test_steps_cross_store_chunks_only_on_their_boundaries(self):
+    m = CakeMerge(49, C, [F, F, F])
+    sizes = (8, 16, 32)
+    self.assertEqual(steps(m, 24, 0.0, sizes), [(0, 16), (16, 8)])
+    # From 24, 32 and 16 would end inside chunk 2: only 8 (to the boundary), then whole chunks.
+    self.assertEqual(steps(m, 32, 1.0, sizes), [(24, 8), (32, 16), (48, 1)])
+
+  def test_chunk_size_not_a_multiple_of_compiled_sizes(self):
+    m = CakeMerge(49, 24, [F, F])
+    self.assertEqual(steps(m, 32, 0.0, (16, 32)), [(0, 16), (16, 8)])  # 8: padded to 16
+    self.assertEqual(steps(m, 32, 1.0, (16, 32)), [(24, 16), (40, 8), (48, 1)])
+
+  def test_cancel_releases_in_flight_and_landed_chunks(self):
+    m = CakeMerge(65, C, [T] * 4, chunk_nbytes=5, max_loads_in_flight=3)
+    self.assertEqual([m.next_load(0.0, FAST) for _ in range(3)], [3, 2, 1])
+    self.assertIs(m.load_done(3, True, 5, 0.1), LoadVerdict.INSERT)  # landed, not inserted
+    self.assertEqual(m.cancel(), [1, 2, 3])
+    self.assertEqual(m.cancel(), [1, 2, 3])  # idempotent
+    self.assertIs(m.load_done(2, True, 5, 0.2), LoadVerdict.WASTED)
+    self.assertIsNone(m.next_load(0.2, FAST))
+    self.assertIsNone(m.next_compute(64, (16,), 0.2, FAST))
+    self.assertEqual(m.trace.wasted_bytes, 5)
+
+  def test_writer_map_refuses_a_second_write(self):
+    m = CakeMerge(33, C, [F, F])
+    self.assertEqual(steps(m, 16, 0.0, (16,)), [(0, 16)])
+    with self.assertRaisesRegex(DoubleWriteError, "position 0 written by COMPUTE and again by LOAD"):
+      m._write(0, C, Writer.LOAD)  # what an insert over computed positions would do
+
+  def test_encoding_choice_default_deadline_and_ttft_target(self):
+    fine, coarse = Candidate("fine", 1000, 0), Candidate("coarse", 100, 1)
+    cost = model(1000.0)  # fine: 1 s, coarse: 0.1 s; compute 1 s per chunk
+    m = CakeMerge(65, C, [T] * 4, encodings=[(fine, coarse)] * 4)
+    # Chunk 3: compute reaches it at 3.0; fine lands at 1.0.
+    self.assertEqual(m.next_load(0.0, cost), 3)
+    self.assertIs(m.load_encoding(3), fine)
+    # Chunk 2: the link is busy until 1.0; fine lands at 2.0 = when compute reaches chunk 2.
+    self.assertEqual(m.next_load(0.0, cost), 2)
+    self.assertIs(m.load_encoding(2), fine)
+    self.assertEqual(m.load_done(3, True, 1000, 1.0), LoadVerdict.INSERT)
+    self.assertEqual(m.trace.levels, {3: "fine"})
+    # A TTFT target of 0.4 s over 4 chunks leaves 0.1 s for the first: coarse, just in time.
+    m = CakeMerge(65, C, [T] * 4, encodings=[(fine, coarse)] * 4, kv_ttft_target_s=0.4)
+    self.assertEqual(m.next_load(0.0, cost), 3)
+    self.assertIs(m.load_encoding(3), coarse)
+
+  def test_slow_link_loads_only_what_can_help(self):
+    # Loads take 3.5 s; compute needs 4 s for all four chunks: only the top chunk can win.
+    m = CakeMerge(65, C, [T] * 4, chunk_nbytes=7, max_loads_in_flight=4)
+    cost = model(2.0)
+    self.assertEqual(m.next_load(0.0, cost), 3)
+    self.assertIsNone(m.next_load(0.0, cost))  # chunk 2 would land at 7.0 > 3.0
+    self.assertIsNone(CakeMerge(65, C, [T] * 4, chunk_nbytes=9).next_load(0.0, cost))  # 4.5 s
+
+  @parameterized.parameters(
+      dict(kw=dict(num_prompt_tokens=64, chunk_size=C, hits=[T] * 4), msg="last token"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[T] * 4), msg="chunk_nbytes"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=0, hits=[]), msg="chunk_size=0"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[1]), msg="bools"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[T], chunk_nbytes=[1, 2]),
+           msg="chunk_nbytes for 2"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[T], encodings=[()]),
+           msg="no candidate"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[], mode="both"), msg="both"),
+  )
+  def test_bad_construction(self, kw, msg):
+    with self.assertRaisesRegex(ValueError, msg):
+      CakeMerge(**kw)
+
+  def test_bad_calls(self):
+    m = CakeMerge(33, C, [T, T], chunk_nbytes=1)
+    with self.assertRaisesRegex(ValueError, "budget_tokens=-1"):
+      m.next_compute(-1, (16,), 0.0, FAST)
+    with self.assertRaisesRegex(ValueError, "chunk_sizes"):
+      m.next_compute(16, (32, 16), 0.0, FAST)
+    with self.assertRaisesRegex(ValueError, "was not landed"):
+      m.inserted(0)
+    with self.assertRaisesRegex(ValueError, "no load in flight"):
+      m.load_encoding(0)
+
+  def test_ideal_merge(self):
+    self.assertEqual(ideal_merge_s([0, 1, 2, 3, 4], [0, 1, 2, 3, 4]), (2, 2))
+    self.assertEqual(ideal_merge_s([0, 5, 9], [0, 1, 2]), (2, 0))   # load everything
+    self.assertEqual(ideal_merge_s([0, 1, 2], [0, 5, 9]), (2, 2))   # compute everything
+    with self.assertRaisesRegex(ValueError, "equal length"):
+      ideal_merge_s([0, 1], [0])
+
+
+def req(rid, n, merge=None, max_tokens=4):
+  return Request(rid, list(range(n)), SamplingParams(max_tokens=max_tokens), merge=merge)
+
+
+class SchedulerCakeTest(absltest.TestCase):
+
+  def test_cake_takes_what_decodes_and_ordinary_prefills_leave(self):
+    s = Scheduler(SchedulerConfig(num_slots=3, token_budget=64, chunk_sizes=(16, 32, 64)), SLOW)
+    a = req("a", 20)
+    x = req("x", 66, CakeMerge(66, C, [F, T, T, T], chunk_nbytes=10))
+    s.add_request(a)
+    s.add_request(x)
+    plan = s.schedule(now_s=0.0)
+    # a: 16 + a 4-token tail; x: 44 left -> 32 (12 fit no compiled size).
+    self.assertEqual(plan.prefills, (PrefillChunk("a", 0, 0, 16, False),
+                                     PrefillChunk("a", 0, 16, 4, True),
+                                     PrefillChunk("x", 1, 0, 32, False)))
+    self.assertEqual(x.num_computed_tokens, 32)
+    a.output_token_ids.append(5)
+    b = req("b", 40)
+    s.add_request(b)
+    plan = s.schedule(now_s=1.0)
+    # Decode a (1), admit b (32 + 8 tail), x gets the 23 left -> 16.
+    self.assertEqual(plan.decodes, (DecodeItem("a", 0, 20, 5),))
+    self.assertEqual(plan.prefills, (PrefillChunk("b", 2, 0, 32, False),
+                                     PrefillChunk("b", 2, 32, 8, True),
+                                     PrefillChunk("x", 1, 32, 16, False)))
+    a.output_token_ids.append(6)
+    b.output_token_ids.append(7)
+    plan = s.schedule(now_s=2.0)
+    # Two decodes; x: the last prefix chunk, then its 2-token suffix ends the prompt.
+    self.assertEqual(plan.decodes, (DecodeItem("a", 0, 21, 6), DecodeItem("b", 2, 40, 7)))
+    self.assertEqual(plan.prefills, (PrefillChunk("x", 1, 48, 16, False),
+                                     PrefillChunk("x", 1, 64, 2, True)))
+    self.assertEqual((x.num_computed_tokens, x.status.value), (66, "decoding"))
+    self.assertEqual(x.merge.trace.loads_issued, 0)  # the link could never have helped
+    x.output_token_ids.append(8)
+    self.assertEqual(s.schedule(now_s=3.0).decodes,  # admission order
+                     (DecodeItem("a", 0, 22, 6), DecodeItem("x", 1, 66, 8),
+                      DecodeItem("b", 2, 41, 7)))
+
+  def test_resident_chunks_are_skipped_holes_computed(self):
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=32, chunk_sizes=(16, 32)), FAST)
+    d = req("d", 8)
+    x = req("x", 130, CakeMerge(130, C, [F, F, T, T, F, T, T, T], chunk_nbytes=100))
+    s.add_request(d)
+    s.add_request(x)
+    plan = s.schedule(now_s=0.0)
+    self.assertEqual(plan.prefills, (PrefillChunk("d", 0, 0, 8, True),
+                                     PrefillChunk("x", 1, 0, 16, False)))
+    self.assertEqual([r.request_id for r in s.cake_requests()], ["x"])
+    self.assertEqual([x.merge.next_load(0.0, s.cost_model) for _ in range(3)], [7, 6, None])
+    d.output_token_ids.append(1)
+    plan = s.schedule(now_s=1.0)
+    # x: its second hole; then chunk 2 is stored and would land first: nothing more.
+    self.assertEqual(plan.decodes, (DecodeItem("d", 0, 8, 1),))
+    self.assertEqual(plan.prefills, (PrefillChunk("x", 1, 16, 16, False),))
+    for j in (7, 6):
+      land(x.merge, j, 1.5)
+    self.assertEqual([x.merge.next_load(1.5, s.cost_model) for _ in range(3)], [5, 3, None])
+    for j in (5, 3):
+      land(x.merge, j, 1.6)
+    self.assertEqual(x.merge.next_load(1.6, s.cost_model), 2)
+    land(x.merge, 2, 1.7)
+    d.output_token_ids.append(2)
+    plan = s.schedule(now_s=2.0, token_budget=64)
+    self.assertEqual(plan.decodes, (DecodeItem("d", 0, 9, 2),))
+    self.assertEqual(plan.prefills, (PrefillChunk("x", 1, 64, 16, False),
+                                     PrefillChunk("x", 1, 128, 2, True)))
+    self.assertEqual(x.merge.chunk_writers(), "CCLLCLLL")
+
+  def test_cake_requests_are_admitted_without_budget_and_cancelled_on_abort(self):
+    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=32, chunk_sizes=(16, 32)), FAST)
+    x = req("x", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1))
+    y = req("y", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1))
+    s.add_request(x)
+    s.add_request(y)
+    self.assertEqual([r.request_id for r in s.cake_requests(include_waiting=True)], ["x", "y"])
+    plan = s.schedule(now_s=0.0, token_budget=0)
+    self.assertTrue(plan.is_empty)
+    self.assertEqual((x.slot, [r.request_id for r in s.waiting]), (0, ["y"]))
+    self.assertEqual(x.merge.next_load(0.0, s.cost_model), 3)
+    s.finish_request("x", "abort")
+    self.assertEqual(x.merge.cancel(), [3])
+    self.assertIs(x.merge.load_done(3, True, 1, 0.1), LoadVerdict.WASTED)
+    self.assertEqual(s.schedule(now_s=0.2).prefills, ())  # y admitted; FAST loads beat compute
+    self.assertEqual(y.slot, 0)
+
+  def test_bad_requests_and_budgets(self):
+    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=32, chunk_sizes=(16, 32)))
+    r = req("x", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1))
+    r.num_cached_tokens = 16
+    with self.assertRaisesRegex(ValueError, "num_cached_tokens must be 0"):
+      s.add_request(r)
+    with self.assertRaisesRegex(ValueError, "planned for 65"):
+      s.add_request(req("y", 66, CakeMerge(65, C, [T] * 4, chunk_nbytes=1)))
+    with self.assertRaisesRegex(ValueError, "token_budget=-1"):
+      s.schedule(token_budget=-1)
+
+
+if __name__ == "__main__":
+  absltest.main()

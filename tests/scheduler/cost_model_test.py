@@ -1,0 +1,99 @@
+"""The online cost model: least-squares compute fit, EWMA link and decode rates."""
+
+import math
+
+from absl.testing import absltest, parameterized
+
+from kvjax.scheduler.cost_model import DEFAULT_COMPUTE_PRIOR, CostModel
+
+
+def linear(a, b, c):
+  return lambda s, n: a + b * n + c * n * (s + (n - 1) / 2)
+
+
+class ComputeFitTest(parameterized.TestCase):
+
+  def test_prior_is_the_measured_cpu_curve(self):
+    m = CostModel()
+    self.assertAlmostEqual(m.predict_compute_s(0, 256), 0.69, places=3)
+    self.assertAlmostEqual(m.predict_compute_s(7936, 256), 3.40, places=3)
+    self.assertEqual(m.predict_compute_s(0, 0), 0.0)
+
+  def test_one_observation_rescales_the_prior_shape(self):
+    # A machine 100x faster than the prior: one chunk at position 0 is enough to rescale every
+    # prediction, including those far along the prompt.
+    m = CostModel()
+    m.observe_compute(0, 256, 0.0069)
+    self.assertAlmostEqual(m.predict_compute_s(0, 256), 0.0069, places=6)
+    self.assertAlmostEqual(m.predict_compute_s(7936, 256), 0.0340, places=4)
+
+  @parameterized.parameters((0.0, 1e-3, 2e-7), (0.05, 2e-3, 0.0), (0.01, 0.0, 5e-7))
+  def test_recovers_linear_costs(self, a, b, c):
+    truth = linear(a, b, c)
+    m = CostModel(prior_weight=1e-6, forget=1.0)
+    for start in range(0, 8192, 512):
+      for n in (16, 64, 256, 512):
+        m.observe_compute(start, n, truth(start, n))
+    for start, n in ((0, 256), (4000, 128), (7936, 256)):
+      self.assertAlmostEqual(m.predict_compute_s(start, n), truth(start, n), places=5)
+    got = m.compute_coefficients
+    self.assertAlmostEqual(got[0], a, places=5)
+    self.assertAlmostEqual(got[1] * 1e3, b * 1e3, places=4)
+    self.assertAlmostEqual(got[2] * 1e7, c * 1e7, places=3)
+
+  def test_coefficients_stay_non_negative(self):
+    m = CostModel(prior_weight=1e-6)
+    # Costs that fall with position would fit c < 0: it is pinned at 0.
+    for start in range(0, 4096, 256):
+      m.observe_compute(start, 256, 1.0 - start * 1e-4)
+    self.assertTrue(all(v >= 0 for v in m.compute_coefficients))
+
+  def test_frozen_model_ignores_observations(self):
+    m = CostModel(compute_prior=(0.0, 1.0, 0.0), learn=False, bandwidth_bytes_per_s=10.0)
+    m.observe_compute(0, 4, 100.0)
+    m.observe_load(100, 100.0)
+    self.assertEqual(m.predict_compute_s(0, 4), 4.0)
+    self.assertEqual(m.predict_transfer_s(100), 10.0)
+    self.assertTrue(m.load_rate_known)
+
+  def test_bad_input(self):
+    with self.assertRaisesRegex(ValueError, "num_tokens=0"):
+      CostModel().observe_compute(0, 0, 1.0)
+    with self.assertRaisesRegex(ValueError, "compute_prior"):
+      CostModel(compute_prior=(0.0, 0.0, 0.0))
+    with self.assertRaisesRegex(ValueError, "forget"):
+      CostModel(forget=0.0)
+    self.assertEqual(len(DEFAULT_COMPUTE_PRIOR), 3)
+
+
+class LoadRateTest(absltest.TestCase):
+
+  def test_first_observation_replaces_prior_then_ewma(self):
+    m = CostModel(bandwidth_bytes_per_s=1e9, ewma=0.5)
+    self.assertFalse(m.load_rate_known)
+    m.observe_load(1000, 1.0)            # 1000 B/s
+    self.assertTrue(m.load_rate_known)
+    self.assertEqual(m.bandwidth_bytes_per_s, 1000.0)
+    m.observe_load(1000, 3.0)            # EWMA of seconds per byte: (1 + 3) / 2 ms per byte
+    self.assertEqual(m.predict_transfer_s(1000), 2.0)
+    self.assertEqual(m.bandwidth_bytes_per_s, 500.0)
+
+  def test_load_is_max_of_transfer_and_decode(self):
+    m = CostModel(bandwidth_bytes_per_s=1000.0)
+    self.assertEqual(m.decode_bytes_per_s, math.inf)
+    self.assertEqual(m.predict_load_s(1000), 1.0)
+    m.observe_decode(1000, 2.0)
+    self.assertEqual(m.predict_decode_s(1000), 2.0)
+    self.assertEqual(m.predict_load_s(1000), 2.0)
+    m.observe_decode(1000, 0.0)          # free decode samples pull toward 0
+    self.assertEqual(m.predict_decode_s(1000), 1.0)
+
+  def test_bad_input(self):
+    with self.assertRaisesRegex(ValueError, "seconds=0"):
+      CostModel().observe_load(10, 0.0)
+    with self.assertRaisesRegex(ValueError, "nbytes=-1"):
+      CostModel().observe_decode(-1, 1.0)
+
+
+if __name__ == "__main__":
+  absltest.main()
