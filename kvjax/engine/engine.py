@@ -3,14 +3,21 @@
 Architecture. One engine thread owns the device (the model state and the KV cache); nothing else
 touches the cache. Each `step()`:
 
+    landed loads          ->  CakeMerge.load_done: insert (kv_decode), drop wasted, note rejected
+    new loads             ->  CakeMerge.next_load, last chunk first, to the background loaders
     scheduler.schedule()  ->  SchedulerOutput(decodes, prefills)     plain data
     runner.decode_step    ->  one token for every decoding slot       one jit call
     runner.prefill_chunk  ->  each planned chunk, in plan order       one jit call each
-    sampling, stop checks ->  finished requests leave their slots
+    sampling, stop checks ->  finished requests leave their slots; their new chunks go to the saver
 
-Later rooms plug in here: the store's lookup before a request is scheduled, loaders staging stored
-chunks that the engine inserts between steps, and the saver taking each finished chunk's pre-RoPE
-K and V.
+Prefix caching is bidirectional (Cake, arXiv 2410.03065, Appendix A): `add_request` asks the
+store which prefix chunks it holds (one batched lookup, no data); the request gets a `CakeMerge`.
+Background loaders (`KVStoreClient.start_load`: tensorstore async reads on the store's event loop,
+verification and host-side entropy decoding there) fetch stored chunks from the last to the first;
+the scheduler gives the merge's compute side the token budget left after decodes and ordinary
+prefills. Only this thread writes the cache: a landed chunk is inserted between steps, and the
+merge guarantees no position is written twice. When a step has nothing to run but loads are in
+flight, the engine blocks until one lands (no polling).
 """
 
 from __future__ import annotations
@@ -20,14 +27,24 @@ import itertools
 import time
 from typing import Any, Callable, Protocol, Sequence
 
+import logging
+
 import numpy as np
 
 from kvjax._typing import RequestId
 from kvjax.engine import sampling
-from kvjax.engine.kv_store_client import KVStoreClient, PrefixLoad, SaveJob
+from kvjax.engine.kv_store_client import KVStoreClient, LoadResult, PrefixLookup, SaveJob
 from kvjax.models.runner import ModelRunner
+from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace
+from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvjax.storage.types import ChunkHit
+
+_log = logging.getLogger(__name__)
+
+#: Longest single wait for a load to land, seconds (the engine re-plans after it).
+_MAX_LOAD_WAIT_S = 1.0
 
 
 class TokenizerLike(Protocol):
@@ -50,7 +67,10 @@ class RequestMetrics:
     num_computed_tokens: prompt tokens whose KV was computed by prefill.
     num_loaded_tokens: prompt tokens whose KV was loaded from the store.
     num_rejected_chunks: stored chunks that failed verification and were computed instead.
+    num_wasted_chunks: loads that landed after compute had taken their chunk (dropped).
     loaded_from_tiers: tier of each loaded chunk, in order.
+    merge: the Cake merge trace (chunks computed, loaded and wasted, meeting index, level of each
+      loaded chunk, seconds per side), or None when nothing was stored.
   """
 
   arrival_s: float
@@ -60,7 +80,9 @@ class RequestMetrics:
   num_computed_tokens: int = 0
   num_loaded_tokens: int = 0
   num_rejected_chunks: int = 0
+  num_wasted_chunks: int = 0
   loaded_from_tiers: list[str] = dataclasses.field(default_factory=list)
+  merge: MergeTrace | None = None
 
 
 @dataclasses.dataclass
@@ -118,9 +140,9 @@ class _Tracked:
   logprobs: list[dict[int, float]] | None
   text: str = ""
   cache_salt: str | None = None
-  staged: list[np.ndarray] = dataclasses.field(default_factory=list)
   pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
-  prefix: PrefixLoad | None = None
+  lookup: PrefixLookup | None = None
+  rejected: set[int] = dataclasses.field(default_factory=set)
 
 
 class Engine:
@@ -134,12 +156,35 @@ class Engine:
     seed: seeds requests that give no seed of their own.
     clock: seconds, monotonic (tests may pass a fake).
     kv_store: the prefix-cache store client, or None for no store.
+    merge_mode: how a stored prefix becomes resident: "cake" (compute from the front, load from
+      the back), "compute_only" (ignore the store's hits; still save) or "load_only" (wait for
+      every stored chunk, then compute the rest): the two baselines share the machinery.
+    max_loads_in_flight: background chunk loads per request at once.
+    kv_ttft_target_s: pick each loaded chunk's encoding level for this TTFT target (seconds)
+      instead of for the time compute would reach it.
+    check_writes: keep a per-position writer map per request and raise if a position of the KV
+      cache would be written twice (debug; tests keep it on).
+
+  Raises:
+    ValueError: unknown merge mode, or a scheduler config that does not match the runner.
   """
 
   def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike | None,
                scheduler_config: SchedulerConfig | None = None, *, seed: int = 0,
                clock: Callable[[], float] = time.perf_counter,
-               kv_store: KVStoreClient | None = None):
+               kv_store: KVStoreClient | None = None, merge_mode: str = "cake",
+               max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None,
+               check_writes: bool = False):
+    try:
+      self.merge_mode = MergeMode(merge_mode)
+    except ValueError:
+      raise ValueError(f"merge_mode={merge_mode!r}; use one of "
+                       f"{[m.value for m in MergeMode]}") from None
+    self.max_loads_in_flight = max_loads_in_flight
+    self.kv_ttft_target_s = kv_ttft_target_s
+    self.check_writes = check_writes
+    self.cost_model = CostModel()
+    self._last_landing_s = 0.0
     self.runner = runner
     self.kv_store = kv_store
     self.tokenizer = tokenizer
@@ -150,7 +195,7 @@ class Engine:
         scheduler_config.chunk_sizes != runner.chunk_sizes):
       raise ValueError("scheduler slots and chunk sizes must equal the runner's: "
                        f"{scheduler_config} vs {runner.config}")
-    self.scheduler = Scheduler(scheduler_config)
+    self.scheduler = Scheduler(scheduler_config, self.cost_model)
     self._rng = np.random.default_rng(seed)
     self._clock = clock
     self._tracked: dict[RequestId, _Tracked] = {}
@@ -186,9 +231,9 @@ class Engine:
                   cache_salt: str | None = None) -> RequestId:
     """Validates and queues a request; returns its id.
 
-    With a store, the prompt's stored prefix is fetched and verified here (plain prefix loading);
-    its chunks are inserted when the request gets a slot. `cache_salt` isolates tenants: prompts
-    share stored KV only under equal salts.
+    With a store, one batched lookup finds which prefix chunks are stored (no data is read
+    here); the request then gets a `CakeMerge` and its chunks load in the background once it holds
+    a slot. `cache_salt` isolates tenants: prompts share stored KV only under equal salts.
 
     Raises:
       ValueError: as `validate`, or a `cache_salt` that is not a string.
@@ -206,34 +251,45 @@ class Engine:
         metrics=RequestMetrics(arrival_s=request.arrival_s),
         logprobs=[] if params.logprobs is not None else None, cache_salt=cache_salt)
     if self.kv_store is not None:
-      prefix = self.kv_store.load_prefix(ids, cache_salt)
-      tracked.prefix, tracked.staged = prefix, prefix.chunks
-      request.num_cached_tokens = len(prefix.chunks) * self.kv_store.chunk_size
-      tracked.metrics.num_loaded_tokens = request.num_cached_tokens
-      tracked.metrics.num_rejected_chunks = len(prefix.rejected)
-      tracked.metrics.loaded_from_tiers = list(prefix.tiers)
+      tracked.lookup = self.kv_store.lookup(ids, cache_salt)
+      if any(tracked.lookup.hits):
+        request.merge = CakeMerge(
+            len(ids), self.kv_store.chunk_size, tracked.lookup.hits, self.merge_mode,
+            chunk_nbytes=self.kv_store.layout.nbytes,
+            max_loads_in_flight=self.max_loads_in_flight,
+            kv_ttft_target_s=self.kv_ttft_target_s, arrival_s=request.arrival_s,
+            check_writes=self.check_writes)
+        tracked.metrics.merge = request.merge.trace
     self.scheduler.add_request(request)
     self._tracked[rid] = tracked
     return rid
 
   def abort_request(self, request_id: RequestId) -> None:
+    """Ends a request wherever it is (queued, prefilling, decoding); its loads are cancelled and
+    their staging released. Unknown ids are ignored."""
     if self.scheduler.finish_request(request_id, "abort") is not None:
       self._tracked.pop(request_id, None)
+      if self.kv_store is not None:
+        self.kv_store.cancel_loads(request_id)
 
   def has_unfinished_requests(self) -> bool:
     return self.scheduler.has_unfinished()
 
   # ----------------------------------------------------------------------------- stepping
   def step(self) -> list[RequestOutput]:
-    """Runs one planned step; returns outputs of requests that produced a token this step."""
-    plan = self.scheduler.schedule()
+    """Runs one planned step; returns outputs of requests that produced a token this step.
+
+    Lands finished loads (inserting their chunks), issues new ones, then runs the plan. A step
+    with nothing to compute while loads are in flight blocks until one lands.
+    """
+    if self.kv_store is not None:
+      self._take_loads(self.kv_store.landed())
+      self._issue_loads()
+    plan = self.scheduler.schedule(now_s=self._clock())
+    if plan.is_empty:
+      self._wait_for_loads()
+      return []
     emitted: list[RequestOutput] = []
-    for load in plan.loads:
-      tracked = self._tracked[load.request_id]
-      c = self.kv_store.chunk_size
-      for i, kv in enumerate(tracked.staged):
-        self.runner.insert_chunk(kv, load.slot, i * c)
-      tracked.staged = []
     if plan.decodes:
       b = self.runner.config.num_slots
       tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
@@ -245,7 +301,10 @@ class Engine:
     for chunk in plan.prefills:
       tracked = self._tracked[chunk.request_id]
       ids = tracked.request.prompt_token_ids[chunk.start:chunk.start + chunk.num_tokens]
+      t0 = time.perf_counter()
       out = self.runner.prefill_chunk(ids, chunk.slot, chunk.start)
+      out.logits.block_until_ready()  # the cost model needs this chunk's own time
+      self.cost_model.observe_compute(chunk.start, chunk.num_tokens, time.perf_counter() - t0)
       tracked.metrics.num_computed_tokens += chunk.num_tokens
       if self.kv_store is not None:
         tracked.pieces.append((chunk.start, out.k_pre_rope_LTKH, out.v_LTKH))
@@ -254,16 +313,81 @@ class Engine:
         emitted.append(self._emit(chunk.request_id, np.asarray(out.logits)))
     return emitted
 
+  # ----------------------------------------------------------------------------- loads
+  def _issue_loads(self) -> None:
+    """Asks each prefilling Cake merge for loads (last chunk first) and starts them."""
+    for r in self.scheduler.cake_requests():
+      tracked = self._tracked[r.request_id]
+      while (index := r.merge.next_load(self._clock(), self.cost_model)) is not None:
+        self.kv_store.start_load(r.request_id, index, tracked.lookup, r.prompt_token_ids)
+
+  def _take_loads(self, results: list[LoadResult]) -> None:
+    """Hands landed loads to their merges; inserts the chunks the merges accept."""
+    for res in results:
+      tracked = self._tracked.get(res.request_id)
+      merge = tracked.request.merge if tracked is not None else None
+      if merge is None:
+        continue  # the request ended meanwhile: the load is dropped
+      ok = isinstance(res.result, ChunkHit)
+      if ok:
+        # The link's time for this chunk: since it started, or since the previous landing if
+        # that was later (concurrent reads share the link).
+        busy = res.done_s - max(res.started_s, self._last_landing_s)
+        self._last_landing_s = max(self._last_landing_s, res.done_s)
+        if busy > 0:
+          self.cost_model.observe_load(res.nbytes, busy)
+      verdict = merge.load_done(res.index, ok, res.nbytes, self._clock(),
+                                level=self._level_name(res))
+      m = tracked.metrics
+      if verdict is LoadVerdict.INSERT:
+        c = self.kv_store.chunk_size
+        self._insert(res, tracked.request.slot, res.index * c)
+        merge.inserted(res.index)
+        m.num_loaded_tokens += c
+        m.loaded_from_tiers.append(res.result.tier)
+      elif verdict is LoadVerdict.REJECTED:
+        m.num_rejected_chunks += 1
+        tracked.rejected.add(res.index)
+        _log.warning("stored chunk %d of %s rejected: %s %s", res.index, res.request_id,
+                     res.result.reason.value, res.result.detail)
+      else:
+        m.num_wasted_chunks += 1
+
+  def _level_name(self, res: LoadResult) -> str | None:
+    if not isinstance(res.result, ChunkHit):
+      return None
+    e = res.result.encoding
+    return f"{e.codec}/{e.level}"
+
+  def _insert(self, res: LoadResult, slot: int, start: int) -> None:
+    """Writes a landed chunk into the slot at `[start, start + C)` (RoPE applied to K there)."""
+    self.runner.insert_chunk(res.result.kv, slot, start)
+
+  def _wait_for_loads(self) -> None:
+    """Blocks until a load lands (or a merge's recheck time comes), then hands it over."""
+    if self.kv_store is None or not self.kv_store.loads_in_flight():
+      return
+    now = self._clock()
+    wait = _MAX_LOAD_WAIT_S
+    for r in self.scheduler.cake_requests():
+      t = r.merge.recheck_s(now)
+      if t is not None:
+        wait = min(wait, max(0.0, t - now))
+    self._take_loads(self.kv_store.landed(wait_s=wait))
+
+  # ----------------------------------------------------------------------------- saves
   def _save_prompt(self, tracked: _Tracked) -> None:
     """Hands the prompt's computed full chunks to the saver (off the TTFT path)."""
-    if self.kv_store is None or tracked.prefix is None:
+    if self.kv_store is None or tracked.lookup is None:
       return
-    prefix = tracked.prefix
+    lookup, merge = tracked.lookup, tracked.request.merge
+    resident = set() if merge is None else {
+        i for i, st in enumerate(merge.states) if st is ChunkState.RESIDENT}
     self.kv_store.submit_save(SaveJob(
-        namespace=self.kv_store.namespace(tracked.cache_salt).root_hash(),
-        hashes=prefix.hashes, token_ids=tracked.request.prompt_token_ids,
-        first_chunk=len(prefix.chunks), replace={i for i, _ in prefix.rejected},
-        pieces=tracked.pieces))
+        namespace=lookup.namespace, hashes=lookup.hashes,
+        token_ids=tracked.request.prompt_token_ids,
+        chunks=[i for i in range(len(lookup.hashes)) if i not in resident],
+        replace=set(tracked.rejected), pieces=tracked.pieces))
     tracked.pieces = []
 
   def _emit(self, rid: RequestId, logits_V: np.ndarray) -> RequestOutput:
@@ -282,6 +406,8 @@ class Engine:
       self.scheduler.finish_request(rid, reason)
       tracked.metrics.finished_s = now
       del self._tracked[rid]
+      if self.kv_store is not None:
+        self.kv_store.cancel_loads(rid)  # late loads of chunks compute took
     return self._output(tracked, reason)
 
   def _finish_reason(self, tracked: _Tracked) -> str | None:

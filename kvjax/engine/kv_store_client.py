@@ -4,14 +4,16 @@ Architecture. The store (`kvjax.storage.TieredStore`) is asyncio code; the engin
 thread that owns the device. This client runs the store's coroutines on its own event-loop thread
 and adds a saver thread:
 
-    engine thread ── load_prefix() ──> event loop: lookup all tiers, get + verify hit chunks
+    engine thread ── lookup() ───────> event loop: which prefix chunks does any tier hold
+                  ├─ start_load() ───> event loop: get + verify + entropy-decode one chunk
+                  │  landed() <────── landed loads (the engine inserts them between steps)
                   └─ submit_save() ──> bounded queue ──> saver thread: device -> host, slice
                                                          full chunks, put (data, then record)
 
-Saves never block the engine: when the queue is full the job is dropped and counted. `flush()`
-waits until every queued save is written (tests and `LLM.flush()` use it). Loads here are plain
-prefix loads (stop at the first chunk that is missing or fails verification); the bidirectional
-Cake merge replaces them with background loaders.
+Loads never block the engine: `start_load` returns at once and `landed()` hands over what has
+arrived; `cancel_loads` drops a request's loads and releases their staging. Saves never block the
+engine either: when the queue is full the job is dropped and counted. `flush()` waits until every
+queued save is written (tests and `LLM.flush()` use it).
 """
 
 from __future__ import annotations
@@ -31,24 +33,6 @@ from kvjax.storage import keys
 from kvjax.storage.types import ChunkHit, ChunkMiss, KVLayout, MissReason
 
 _log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefixLoad:
-  """The verified stored prefix of one prompt.
-
-  Attributes:
-    chunks: host arrays `[L, 2, C, K, H]` (K before RoPE) for prompt chunks 0..len-1.
-    tiers: tier each loaded chunk came from.
-    rejected: (chunk index, reason) of a stored chunk that failed verification (at most one:
-      loading stops there).
-    hashes: keys of all full chunks of the prompt (loaded or not), in order.
-  """
-
-  chunks: list[np.ndarray]
-  tiers: list[str]
-  rejected: list[tuple[int, MissReason]]
-  hashes: list[ChunkHash]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,16 +106,16 @@ class SaveJob:
     namespace: key namespace root (hex).
     hashes: keys of all full chunks of the prompt.
     token_ids: the prompt's tokens.
-    first_chunk: chunks before this one were loaded, not computed; they are not saved again.
+    chunks: indices of the full chunks to save (those computed, not loaded), ascending.
     replace: chunk indices whose stored copy was rejected: deleted, then written afresh.
     pieces: (start position, K before RoPE [L, T, K, H], V [L, T, K, H]) device or host arrays
-      covering at least positions `[first_chunk * C, len(hashes) * C)`.
+      covering at least the positions of `chunks`.
   """
 
   namespace: str
   hashes: list[ChunkHash]
   token_ids: list[int]
-  first_chunk: int
+  chunks: list[int]
   replace: set[int]
   pieces: list[tuple[int, Any, Any]]
 
@@ -191,36 +175,6 @@ class KVStoreClient:
     return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)
 
   # ----------------------------------------------------------------------------- loads
-  def load_prefix(self, prompt_ids: Sequence[int], cache_salt: str | None) -> PrefixLoad:
-    """Fetches and verifies the stored chunks of the prompt's prefix, first to last.
-
-    Only full chunks of `prompt_ids[:-1]` are candidates: a hit never covers the last prompt
-    token, so a fully stored prompt of n tokens loads `C * floor((n - 1) / C)` tokens. Chunks
-    present in some tier are read concurrently; the prefix ends at the first chunk that is absent
-    or rejected; a store failure degrades to computing.
-    """
-    ns = self.namespace(cache_salt)
-    hashes = keys.chunk_hashes(ns, prompt_ids)
-    candidates = hashes[:(len(prompt_ids) - 1) // self.chunk_size]  # never the last token
-    chunks, tiers, rejected = [], [], []
-    try:
-      where = self._run(self.store.lookup(candidates)) if candidates else []
-      present = next((i for i, tier in enumerate(where) if tier is None), len(where))
-      for i, got in enumerate(self._run(self._get_all(candidates[:present], prompt_ids, ns))):
-        h = candidates[i]
-        if isinstance(got, ChunkMiss):
-          if got.reason is not MissReason.ABSENT:
-            rejected.append((i, got.reason))
-            _log.warning("stored chunk %d (%s) rejected: %s %s", i, h[:12], got.reason.value,
-                         got.detail)
-          break
-        assert isinstance(got, ChunkHit)
-        chunks.append(got.kv)
-        tiers.append(got.tier)
-    except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
-      _log.warning("KV store lookup failed (%r); computing the prompt instead", e)
-    return PrefixLoad(chunks=chunks, tiers=tiers, rejected=rejected, hashes=hashes)
-
   def lookup(self, prompt_ids: Sequence[int], cache_salt: str | None) -> PrefixLookup:
     """Asks every tier, in one batch, which prefix chunks of the prompt are stored.
 
@@ -321,18 +275,10 @@ class KVStoreClient:
         return len(self._in_flight)
       return sum(1 for k in self._in_flight if k[0] == request_id)
 
-  async def _get_all(self, hashes: Sequence[ChunkHash], prompt_ids: Sequence[int],
-                     ns: keys.KeyNamespace) -> list[ChunkHit | ChunkMiss]:
-    """Reads the chunks concurrently (the store bounds bytes in flight), results in order."""
-    c, root = self.chunk_size, ns.root_hash()
-    return list(await asyncio.gather(*(
-        self.store.get(h, prompt_ids[i * c:(i + 1) * c], root, self.layout)
-        for i, h in enumerate(hashes))))
-
   # ----------------------------------------------------------------------------- saves
   def submit_save(self, job: SaveJob) -> bool:
     """Queues a save without blocking; returns False (and counts it) when the queue is full."""
-    if job.first_chunk >= len(job.hashes):
+    if not job.chunks:
       return True
     try:
       self._jobs.put_nowait(job)
@@ -361,26 +307,11 @@ class KVStoreClient:
 
   def _save(self, job: SaveJob) -> None:
     c = self.chunk_size
-    lo, hi = job.first_chunk * c, len(job.hashes) * c
-    k = np.zeros((self.layout.num_layers, hi - lo, self.layout.num_kv_heads,
-                  self.layout.head_dim), self.layout.dtype)
-    v = np.zeros_like(k)
-    covered = np.zeros(hi - lo, bool)
-    for start, k_piece, v_piece in job.pieces:
-      k_piece, v_piece = np.asarray(k_piece), np.asarray(v_piece)
-      a, b = max(start, lo), min(start + k_piece.shape[1], hi)
-      if a < b:
-        k[:, a - lo:b - lo] = k_piece[:, a - start:b - start]
-        v[:, a - lo:b - lo] = v_piece[:, a - start:b - start]
-        covered[a - lo:b - lo] = True
-    if not covered.all():
-      raise ValueError(f"save job covers {covered.sum()} of {hi - lo} positions")
-    # After a rejection, stored chunks further along may be bad too (loading stopped at the first
-    # one): check each one we would skip, and rewrite the bad ones, so one save repairs the chain.
+    # After a rejection, stored chunks further along may be bad too: check each one we would
+    # skip, and rewrite the bad ones, so one save repairs the chain.
     check_existing = bool(job.replace)
-    for i in range(job.first_chunk, len(job.hashes)):
-      s = (i - job.first_chunk) * c
-      kv = np.stack([k[:, s:s + c], v[:, s:s + c]], axis=1)
+    for i in job.chunks:
+      kv = self._chunk_from_pieces(job.pieces, i * c)
       parent = job.hashes[i - 1] if i else job.namespace
       tokens = job.token_ids[i * c:(i + 1) * c]
       if i in job.replace:
@@ -396,6 +327,27 @@ class KVStoreClient:
         self.saver_stats.chunks_saved += 1
       else:
         self.saver_stats.chunks_already_stored += 1
+
+  def _chunk_from_pieces(self, pieces, lo: int) -> np.ndarray:
+    """`[L, 2, C, K, H]` of positions `[lo, lo + C)` gathered from prefill pieces (to host).
+
+    Raises:
+      ValueError: if the pieces do not cover every position.
+    """
+    c = self.chunk_size
+    hi = lo + c
+    kv = np.zeros((self.layout.num_layers, 2, c, self.layout.num_kv_heads,
+                   self.layout.head_dim), self.layout.dtype)
+    covered = np.zeros(c, bool)
+    for start, k_piece, v_piece in pieces:
+      a, b = max(start, lo), min(start + k_piece.shape[1], hi)
+      if a < b:
+        kv[:, 0, a - lo:b - lo] = np.asarray(k_piece[:, a - start:b - start])
+        kv[:, 1, a - lo:b - lo] = np.asarray(v_piece[:, a - start:b - start])
+        covered[a - lo:b - lo] = True
+    if not covered.all():
+      raise ValueError(f"save job covers {covered.sum()} of the {c} positions from {lo}")
+    return kv
 
   async def _delete_everywhere(self, chunk_hash: ChunkHash) -> None:
     await asyncio.gather(*(t.delete(chunk_hash) for t in self.store.tiers))

@@ -55,6 +55,7 @@ def _check_options(**options) -> None:
       raise ValueError(f"{name}={value!r} must be a positive int")
 
   positive_int("max_num_seqs", options["max_num_seqs"])
+  positive_int("kv_max_loads_in_flight", options["kv_max_loads_in_flight"])
   for name in ("max_model_len", "max_num_batched_tokens"):
     if options[name] is not None:
       positive_int(name, options[name])
@@ -107,6 +108,12 @@ class LLM:
     kv_link_bytes_per_s: emulated read bandwidth of the store's link, bytes/s (None: unlimited);
       with a URL store only.
     kv_link_trace: a trace file of "seconds bytes_per_s" steps instead of a constant.
+    kv_merge_mode: how a stored prefix becomes resident: "cake" (default: compute from the front
+      while loading from the back, Cake arXiv 2410.03065), "load_only" or "compute_only" (the
+      baselines; compute_only still saves).
+    kv_max_loads_in_flight: background chunk loads per request at once.
+    kv_ttft_target_s: pick loaded chunks' encoding levels for this TTFT target, seconds (CacheGen
+      section 5.3); default: for the time compute would reach each chunk.
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -118,10 +125,19 @@ class LLM:
                chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, seed: int = 0,
                cache_dir: str | None = None, kv_store: str | StoreConfig | None = None,
                kv_chunk_size: int = 256, kv_link_bytes_per_s: float | None = None,
-               kv_link_trace: str | None = None):
+               kv_link_trace: str | None = None, kv_merge_mode: str = "cake",
+               kv_max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None):
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
-                   seed=seed)
+                   seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
+    if kv_merge_mode not in ("cake", "load_only", "compute_only"):
+      raise ValueError(f"kv_merge_mode={kv_merge_mode!r}; use 'cake', 'load_only' or "
+                       "'compute_only'")
+    if kv_ttft_target_s is not None and (
+        isinstance(kv_ttft_target_s, bool) or not isinstance(kv_ttft_target_s, (int, float))
+        or not kv_ttft_target_s > 0):
+      raise ValueError(f"kv_ttft_target_s={kv_ttft_target_s!r} must be a positive number of "
+                       "seconds or None")
     cache_root = default_cache_root() if cache_dir is None else cache_dir
     if cache_root:
       enable_persistent_compilation_cache(os.path.join(cache_root, "jax"))
@@ -145,7 +161,9 @@ class LLM:
     if kv_store is not None:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
                                               kv_link_trace, runner)
-    self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store)
+    self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
+                         merge_mode=kv_merge_mode, max_loads_in_flight=kv_max_loads_in_flight,
+                         kv_ttft_target_s=kv_ttft_target_s)
 
   def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
                          runner: ModelRunner) -> KVStoreClient:

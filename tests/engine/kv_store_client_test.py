@@ -28,13 +28,14 @@ class BlockingStore:
     return ["disk"]
 
 
-def job(first_chunk=0, n_chunks=2, offset=0.0):
+def job(chunks=None, n_chunks=2, offset=0.0):
   t = n_chunks * LAYOUT.chunk_size
   k = np.arange(2 * t * 2, dtype=np.float32).reshape(2, t, 1, 2) + offset
   v = -k
   # Two pieces that split a chunk in the middle, as prefill chunks of other sizes do.
   return SaveJob(namespace="root", hashes=[f"h{i}" for i in range(n_chunks)],
-                 token_ids=list(range(t)), first_chunk=first_chunk, replace=set(),
+                 token_ids=list(range(t)),
+                 chunks=list(range(n_chunks)) if chunks is None else chunks, replace=set(),
                  pieces=[(0, k[:, :3], v[:, :3]), (3, k[:, 3:], v[:, 3:])])
 
 
@@ -69,7 +70,7 @@ class SaverTest(absltest.TestCase):
     np.testing.assert_array_equal(store.puts[1][3][:, 1], -k[:, 4:8])
     # Loaded chunks are not saved again.
     store.puts.clear()
-    client.submit_save(job(first_chunk=1))
+    client.submit_save(job(chunks=[1]))
     client.flush()
     self.assertEqual([p[0] for p in store.puts], ["h1"])
     client.close()

@@ -19,6 +19,9 @@ PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 256, 150)]
 
 
 def make_llm(store, **kw):
+  # Load-only makes the chunk accounting exact (every stored chunk is loaded); the Cake merge's
+  # own tests (cake_engine_test.py) cover the other modes.
+  kw.setdefault("kv_merge_mode", "load_only")
   return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
              kv_chunk_size=C, **kw)
 
@@ -111,7 +114,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     out = self.run_prompt(llm)
     self.assertEqual(out.token_ids, self.cold[150])
     self.assertEqual(out.metrics.num_rejected_chunks, 1)
-    self.assertEqual(out.num_cached_tokens, 2 * C)
+    self.assertEqual(out.num_cached_tokens, 3 * C)  # chunks above the hole stay valid
     repaired = self.run_prompt(llm)
     self.assertEqual(repaired.metrics.num_rejected_chunks, 0)
     self.assertEqual(repaired.num_cached_tokens, 128)
@@ -128,7 +131,7 @@ class KVStoreEngineTest(parameterized.TestCase):
       with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
     out = self.run_prompt(llm)
-    self.assertEqual((out.num_cached_tokens, out.metrics.num_rejected_chunks), (C, 1))
+    self.assertEqual((out.num_cached_tokens, out.metrics.num_rejected_chunks), (2 * C, 2))
     self.assertEqual(out.token_ids, self.cold[150])
     repaired = self.run_prompt(llm)
     self.assertEqual((repaired.num_cached_tokens, repaired.metrics.num_rejected_chunks), (128, 0))
@@ -162,14 +165,15 @@ class KVStoreEngineTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "kv_store is empty"):
       make_llm("")
 
-  def test_missing_middle_chunk_loads_the_prefix_before_it(self):
+  def test_missing_middle_chunk_is_computed_and_the_chunks_around_it_load(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)
     from kvjax.storage import keys  # noqa: PLC0415
     h1 = keys.chunk_hashes(llm.kv_store.namespace(None), PROMPT)[1]
     os.remove(os.path.join(self.root, "index", f"{h1}.json"))
     out = self.run_prompt(llm)
-    self.assertEqual(out.num_cached_tokens, C)
+    self.assertEqual(out.num_cached_tokens, 3 * C)
+    self.assertEqual(out.metrics.merge.chunks_computed, [1])
     self.assertEqual(out.metrics.num_rejected_chunks, 0)
     self.assertEqual(out.token_ids, self.cold[150])
     llm.close()
