@@ -73,14 +73,14 @@ import hashlib
 import math
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 import zstandard
 
 from kvjax.storage import entropy
-from kvjax.storage.types import KVLayout
+from kvjax.storage.types import EncodedPayload, KVLayout
 
 #: Tokens per int4 scale/zero group that encoders use (when it divides C).
 INT4_GROUP_TOKENS = 64
@@ -280,6 +280,69 @@ def payload_checksum(arrays: Mapping[str, np.ndarray]) -> str:
   for a in arrays.values():
     h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
   return h.hexdigest()
+
+
+def check_encodings(token_ids: tuple[int, ...], kv: np.ndarray | None, layout: KVLayout | None,
+                    payloads: Sequence[EncodedPayload]) -> tuple[KVLayout, list[EncodedPayload]]:
+  """Validates what a tier's `put` was given: raw KV and/or payloads of one chunk.
+
+  Args:
+    token_ids: the chunk's C token ids.
+    kv: raw `[L, 2, C, K, H]` values, or None.
+    layout: the raw layout the payloads decode to (default: `kv`'s; must agree with it).
+    payloads: encodings to store; a "raw" one stands for `kv`.
+
+  Returns:
+    (layout, payloads): raw first (`{"values": C-contiguous kv}`, if any), then the others in
+    the given order, each validated (`validate_payload`, arrays C-contiguous).
+
+  Raises:
+    ValueError: nothing to store, `kv` not `[L, 2, C, K, H]` with C == len(token_ids), raw given
+      twice, no layout, a layout that disagrees, an invalid payload, or two payloads of one
+      (codec, level).
+    UnknownCodec: an unknown codec or level.
+  """
+  payloads = list(payloads)
+  for p in payloads:
+    if not isinstance(p, EncodedPayload):
+      raise ValueError(f"payloads must be EncodedPayload records, got {type(p).__name__}")
+  raw = [p for p in payloads if p.codec == "raw"]
+  if raw:
+    if kv is not None or len(raw) > 1:
+      raise ValueError("raw KV given twice (kv and a raw payload, or two raw payloads)")
+    if set(raw[0].arrays) != {"values"} or raw[0].level != 0:
+      raise ValueError(f"a raw payload is level 0 with one array 'values', got level "
+                       f"{raw[0].level} {sorted(raw[0].arrays)}")
+    kv = raw[0].arrays["values"]
+  if kv is None and not payloads:
+    raise ValueError("nothing to store: no kv and no payloads")
+  out = []
+  if kv is not None:
+    values = np.ascontiguousarray(kv)
+    if values.ndim != 5 or values.shape[1] != 2 or values.shape[2] != len(token_ids):
+      raise ValueError(f"kv must be [L, 2, C={len(token_ids)}, K, H], got {values.shape}")
+    n_layers, _, c, n_kv_heads, head_dim = values.shape
+    kv_layout = KVLayout(n_layers, c, n_kv_heads, head_dim, values.dtype.name)
+    if layout is not None and layout != kv_layout:
+      raise ValueError(f"layout {layout} does not match kv {kv_layout}")
+    layout = kv_layout
+    out.append(EncodedPayload("raw", 0, {"values": values}))
+  if layout is None:
+    raise ValueError("payloads without kv need the layout they decode to")
+  if layout.chunk_size != len(token_ids):
+    raise ValueError(f"layout has C={layout.chunk_size} tokens, token_ids {len(token_ids)}")
+  seen = set()
+  for p in payloads:
+    if p.codec == "raw":
+      continue
+    if (p.codec, p.level) in seen:
+      raise ValueError(f"two payloads of {p.codec} level {p.level}")
+    seen.add((p.codec, p.level))
+    if p.codec not in CURRENT_VERSION:
+      raise UnknownCodec(f"unknown codec {p.codec!r}")
+    out.append(EncodedPayload(p.codec, p.level, validate_payload(
+        p.codec, CURRENT_VERSION[p.codec], p.level, p.arrays, layout)))
+  return layout, out
 
 
 # ---------------------------------------------------------------------------------------------
