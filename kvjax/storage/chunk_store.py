@@ -325,6 +325,11 @@ class ChunkStore:
     store = ChunkStore("file:///tmp/kv")
     store.put_sync(h, parent, token_ids, ns.root_hash(), kv_L2CKH)
     hit_or_miss = store.get_sync(h, token_ids, ns.root_hash(), layout)
+    # Codec payloads (several levels side by side), read back by choice:
+    store.put_sync(h2, h, token_ids2, ns.root_hash(), layout=layout, payloads=[
+        EncodedPayload("cachegen", 0, arrays0), EncodedPayload("cachegen", 2, arrays2)])
+    hit = store.get_sync(h2, token_ids2, ns.root_hash(), layout,
+                         choose=choose_codec("cachegen", 2))  # hit.payload == arrays2
   """
 
   def __init__(self, url: str, *, name: str = "disk", context: ts.Context | None = None,
@@ -521,7 +526,7 @@ class ChunkStore:
       return miss(MissReason.UNKNOWN_CODEC,
                   ("none chosen of " if usable else "")
                   + ",".join(f"{e.codec}/{e.codec_version}/{e.level}" for e in record.encodings))
-    if not any(encoding is e for e in usable):
+    if encoding not in usable:
       raise ValueError(f"choose returned {encoding!r}, not one of the encodings it was given")
     is_raw = encoding.codec == RAW_CODEC
     if (not encoding.object.startswith(f"{_DATA}{chunk_hash}/")

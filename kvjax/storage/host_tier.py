@@ -151,7 +151,7 @@ class HostMemoryTier:
       if encoding is None:
         return ChunkMiss(chunk_hash, MissReason.UNKNOWN_CODEC, "none chosen of " + ",".join(
             f"{e.codec}/{e.codec_version}/{e.level}" for e in rec.encodings))
-      if not any(encoding is e for e in rec.encodings):
+      if encoding not in rec.encodings:
         raise ValueError(f"choose returned {encoding!r}, not one of the encodings it was given")
       entry.last_access = next(self._counter)
       arrays = entry.arrays[(encoding.codec, encoding.level)]
