@@ -1,4 +1,5 @@
-"""KV codecs' byte formats: the registry, payload specs, and payload <-> bytes (numpy only).
+"""KV codecs' byte formats: the registry, payload specs, and payload <-> bytes (numpy, zstandard
+and pcodec; no JAX).
 
 A *payload* is a codec's quantized form of one chunk `[L, 2, C, K, H]`: a dict of named arrays
 (the codec contract, /work/wt/CODEC_SPEC.md). The kernels room computes payloads from KV and KV
@@ -29,38 +30,44 @@ Codings: "plain" (the C-order bytes), "zstd" (one zstandard frame, level 1), "pc
 `entropy.encode_groups`, one pcodec model per (layer, K/V) group). The encoder picks per array:
 cachegen's `delta_q` and `anchor_q` are entropy-coded ("pco"); other arrays try "zstd"; either
 falls back to "plain" when it does not save at least `MIN_SAVING`. Decoders accept any coding
-for any array.
+for any array ("pco" for int8 arrays only).
 
 Entropy coder choice (CacheGen, arXiv 2310.07240, section 5.2). Measured with
-`scripts/measure_entropy_coders.py` on real SmolLM2-135M KV (1000 tokens of two books, 256-token
-chunks, K before RoPE, quantized by `kvjax.testing.codec_payloads`), 2-core CPU VM, one thread;
-bits per value include models and framing; decode rate in compressed MB/s (1e6 bytes/s):
+`scripts/measure_entropy_coders.py` on real SmolLM2-135M KV (two 256-token chunks of book text,
+K before RoPE, quantized by `kvjax.testing.codec_payloads`), 2-core CPU VM shared with other
+jobs (rates +-30%), one thread, best of 3; bits per value include models and framing; decode
+rate in compressed MB/s (1e6 bytes/s):
 
     delta_q            level 0         level 1         level 2         level 3
     coder              bits   MB/s     bits   MB/s     bits   MB/s     bits   MB/s
-    plain              8.000  (copy)   8.000           8.000           8.000
-    zstd-1             5.202   613     4.199   759     3.181   279     2.593   173
-    zstd-19            5.203   731     4.381   266     3.090   376     2.201   258
-    ans per (L, K/V)   5.192    22     4.178    19     3.036    16     2.125    14
-    ans, tuples        5.190    20     4.177    18     3.036    17     2.126    14
-    ans per channel    5.771    15     4.576    11     3.272    10     2.270     5
-    laplace/channel    5.333     4     4.334     3     3.199     2     2.287     2
-    pco per (L, K/V)   5.188   191     4.187   156     3.048   112     2.136    97
+    plain              8.000           8.000           8.000           8.000
+    zstd-1             5.202   628     4.199   601     3.181   214     2.593   147
+    zstd-19            5.203   737     4.381   307     3.090   394     2.201   249
+    ans per (L, K/V)   5.192    21     4.178    18     3.036    16     2.125    13
+    ans, 2 per step    5.192    21     4.178    19     3.035    16     2.125    14
+    ans per channel    5.771    12     4.576    11     3.272     7     2.270     6
+    laplace/channel    5.333     4     4.334     3     3.199     2     2.287     1
+    pco per (L, K/V)   5.191   168     4.189   156     3.049    99     2.137    72
 
-  (ans = constriction 0.5 AnsCoder with categorical models from the chunk's histogram, 16-bit
-  counts stored; "tuples": 2-4 symbols per ANS step with the product model; "per channel": one
-  categorical per (layer, K/V, head, channel); laplace: constriction QuantizedLaplace with a
-  float16 location and scale per channel. anchor_q (1/16 of the values, per-channel absmax int8
-  of group means) is near incompressible: plain 8, zstd 7.98, pco 7.92, ans per (L, K/V) 9.06.)
+  ans = constriction 0.5 AnsCoder with categorical models from the chunk's histogram (16-bit
+  counts stored); "2 per step": pairs of symbols coded with the product model (2-4 per step
+  gave at most 14.4 MB/s at level 3); "per channel": one categorical per (layer, K/V, head,
+  channel); laplace: constriction QuantizedLaplace with a float16 location and scale per channel
+  (per-symbol parameters). anchor_q (1/16 of the values: int8 of group means, absmax per
+  channel) is near incompressible: plain 8, zstd-1 7.98, zstd-19 7.89, pco 7.93, ans 9.06.
 
   pco (pcodec 1.1: tANS with per-chunk bins, i.e. one categorical model per group) is chosen: its
-  size is within 0.5% of constriction's ANS with the same per-layer models, and it decodes 5-10x
+  size is within 0.6% of constriction's ANS with the same per-layer models, and it decodes 5-8x
   faster. constriction's Python API decodes categoricals by binary search (about 20-45 ns per
   symbol, growing with the bits per symbol), which stays under 20 MB/s at the coarse levels
-  even when 2-4 symbols share one ANS step; its table-lookup decoders are Rust-only. zstd decodes
-  fastest but its Huffman literals lose 2-22% at the coarse levels (zstd-19 recovers most of it,
-  at encode times of seconds). Per-channel models cost more in stored tables than they save,
-  because `delta_step` already normalises every channel.
+  even with several symbols per step; its table-lookup decoders are Rust-only. zstd decodes
+  fastest, but its Huffman literals lose up to 21% at the coarse levels (zstd-19 recovers most
+  of it, at encode times of seconds). Per-channel models cost more in stored tables than they
+  save, because `delta_step` already normalises every channel.
+
+  Whole cachegen payloads through `encode_payload`/`decode_payload` (same chunks): level 0..3
+  8517 / 7074 / 5432 / 4119 bytes per token (raw float32 46080, bfloat16 23040; int8 11017,
+  int4 5999), decode 180 / 95 / 89 / 78 MB/s including CRCs and checks, encode about 0.1 s.
 
   int8/int4 `q`: zstd-1 saves 6-7% (int8 1.063x, int4 1.069x, decode > 700 MB/s), the float
   side arrays 11-21%; pco saves less on them (1.05-1.06x). So they are zstd-coded.

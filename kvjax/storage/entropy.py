@@ -7,8 +7,8 @@ bins over the group's symbols (for these small integer alphabets, one bin per sy
 weight: a categorical model of the group, stored in the chunk header) and codes them with tANS.
 Channels of a group share its model because the codec's per-channel step already scales every
 channel to one spread; measured on real SmolLM2 KV, separate per-channel models would save at
-most 2-4% before paying for their tables and cost 4-10% more once the tables are stored (table in
-`kvjax/storage/codecs.py`).
+most 2-4% before paying for their tables and cost 3-11% more once their parameters or tables are
+stored (table in `kvjax/storage/codecs.py`).
 
 pcodec is used as a plain order-0 coder: no delta encoding, classic mode (`_CONFIG`).
 
