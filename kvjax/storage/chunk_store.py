@@ -32,8 +32,9 @@ Architecture (DESIGN.md sections 3-5):
   `gc`, and a reader caught in between gets a MISSING_DATA miss). Passing
   `conditional_write=False` selects that fallback up front.
 - Verify on read: `get` returns a `ChunkHit` only after checking the record's token ids,
-  namespace, layout, codec and the SHA-256 of the values (raw) or bytes (other codecs) read; anything else is a `ChunkMiss` with
-  a reason, counted in `stats.misses_by_reason`, never an exception and never someone else's KV.
+  namespace, layout, codec and the SHA-256 of the values (raw) or bytes (other codecs) read;
+  anything else is a `ChunkMiss` with a reason, counted in `stats.misses_by_reason`, never an
+  exception and never someone else's KV.
 - Concurrency: one `ts.Context` per store (cache pool, copy/io concurrency limits), a byte limiter
   on data in flight (reads and writes; orbax `serialization/limits.py`), a timeout on every
   tensorstore operation. The async API runs on any event loop; the `*_sync` twins run it on one
@@ -51,7 +52,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
@@ -61,8 +62,8 @@ import tensorstore as ts
 from kvjax._typing import ChunkHash
 from kvjax.storage import codecs
 from kvjax.storage import specs
-from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, Encoding,
-                                 KVLayout, MissReason)
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
+                                 Encoding, KVLayout, MissReason)
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -110,10 +111,6 @@ def encoded_object_key(chunk_hash: ChunkHash, codec: str, level: int, checksum: 
 def is_array_object(object_key: str) -> bool:
   """Whether a data object is a zarr3 array (a key prefix: raw) or one key (encoded bytes)."""
   return object_key.rstrip("/").rsplit("/", 1)[-1].startswith(f"{RAW_CODEC}-")
-
-
-#: Picks the encoding to read from the decodable ones of a record (None: none of them).
-Chooser = Callable[[Sequence[Encoding]], "Encoding | None"]
 
 
 def default_choose(encodings: Sequence[Encoding]) -> Encoding | None:

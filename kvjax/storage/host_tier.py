@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -22,10 +22,8 @@ import numpy as np
 from kvjax._typing import ChunkHash
 from kvjax.storage import codecs
 from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
-from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, Encoding,
-                                 KVLayout, MissReason)
-
-Chooser = Callable[[Sequence[Encoding]], "Encoding | None"]
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
+                                 Encoding, KVLayout, MissReason)
 
 
 @runtime_checkable

@@ -39,12 +39,12 @@ import numpy as np
 from kvjax._typing import ChunkHash
 from kvjax.storage import codecs
 from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
-from kvjax.storage.host_tier import Chooser, HostMemoryTier, Tier
+from kvjax.storage.host_tier import HostMemoryTier, Tier
 from kvjax.storage.link import LinkLimiter, load_trace
 from kvjax.storage.store_config import (DEFAULT_DISK_CAPACITY_BYTES, StoreConfig, TierConfig,
                                         url_kind)
-from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, KVLayout,
-                                 MissReason)
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
+                                 KVLayout, MissReason)
 
 __all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "HostMemoryTier", "StoreConfig", "Tier", "TierConfig",
            "TierStats", "TieredStore", "build_tiers", "url_kind"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,11 @@ class Encoding:
   object: str
   nbytes: int
   checksum: str
+
+
+#: Picks which of a record's decodable encodings to read (None: none of them). It gets them in
+#: record order and must return one of them.
+Chooser = Callable[[Sequence[Encoding]], "Encoding | None"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ Every damaged or unusable encoding must come back as a miss with the right reaso
 someone else's arrays or garbage.
 """
 
+import asyncio
 import dataclasses
 import hashlib
 import io
@@ -319,6 +320,27 @@ class LifecycleTest(Base):
       self.assertLen([k for k in keys if "/raw-0-" not in k], 2)
       self.assertTrue(await store.delete(HASHES[0]))
       self.assertEqual(await self.keys_under(store, "data/"), [])
+
+    run(body())
+
+  @parameterized.parameters(*BACKENDS)
+  def test_racing_writers_publish_one_record_and_keep_its_objects(self, backend):
+    store = self.make_store(backend)
+    # Writers 0-2 hold distinct values; 3-5 repeat them (same objects as another writer).
+    kvs = [_values(LAYOUT, i % 3) for i in range(6)]
+    ps = [_payloads(kv, (("int8", 0), ("cachegen", 1))) for kv in kvs]
+
+    async def body():
+      won = await asyncio.gather(*(store.put(HASHES[0], ROOT, TOKENS[:C], ROOT, layout=LAYOUT,
+                                             payloads=p) for p in ps))
+      self.assertEqual(sum(won), 1)
+      winner = won.index(True)
+      for p in ps[winner]:
+        hit = await store.get(HASHES[0], TOKENS[:C], ROOT, LAYOUT, choose=chooser(p.codec))
+        self.assert_payload(hit, p.arrays)
+      rec = await self.record(store)
+      self.assertEqual(await self.keys_under(store, "data/"), sorted(e.object
+                                                                     for e in rec.encodings))
 
     run(body())
 
