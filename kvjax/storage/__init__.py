@@ -1,8 +1,12 @@
-"""kvjax storage: chunk keys, tensorstore specs, the verified chunk store, tiers, link emulation
-and eviction (numpy and tensorstore only, no JAX). See DESIGN.md sections 3-5.
+"""kvjax storage: chunk keys, codec byte formats, tensorstore specs, the verified chunk store,
+tiers, link emulation and eviction (numpy, tensorstore, zstandard and pcodec only, no JAX). See
+DESIGN.md sections 3-5.
 """
 
-from kvjax.storage.chunk_store import ByteLimiter, ChunkStore, StoreStats
+from kvjax.storage.chunk_store import (ByteLimiter, ChunkStore, StoreStats, choose_codec,
+                                       default_choose)
+from kvjax.storage.codecs import (CorruptPayload, UnknownCodec, decode_payload, encode_payload,
+                                  payload_spec)
 from kvjax.storage.eviction import EntryInfo, EvictionPolicy, FIFOPolicy, LRUPolicy
 from kvjax.storage.keys import (KeyNamespace, chunk_hashes, hash_chunk,
                                 prefix_chunk_hashes_for_prompt)
@@ -11,13 +15,14 @@ from kvjax.storage.specs import chunk_array_spec, kvstore_spec
 from kvjax.storage.tiers import (HostMemoryTier, StoreConfig, TierConfig, TieredStore,
                                  build_tiers, url_kind)
 from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, ChunkRecord,
-                                 Encoding, KVLayout, MissReason)
+                                 EncodedPayload, Encoding, KVLayout, MissReason)
 
 __all__ = [
     "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit", "ChunkMiss", "ChunkRecord", "ChunkStore",
-    "Encoding", "EntryInfo", "EvictionPolicy", "FIFOPolicy", "HostMemoryTier", "KVLayout",
-    "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason", "StoreConfig", "StoreStats",
-    "TierConfig", "TieredStore", "build_tiers", "chunk_array_spec", "chunk_hashes", "gbps",
-    "hash_chunk", "kvstore_spec", "load_trace", "mbps", "prefix_chunk_hashes_for_prompt",
-    "url_kind",
+    "CorruptPayload", "EncodedPayload", "Encoding", "EntryInfo", "EvictionPolicy", "FIFOPolicy",
+    "HostMemoryTier", "KVLayout", "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason",
+    "StoreConfig", "StoreStats", "TierConfig", "TieredStore", "UnknownCodec", "build_tiers",
+    "choose_codec", "chunk_array_spec", "chunk_hashes", "decode_payload", "default_choose",
+    "encode_payload", "gbps", "hash_chunk", "kvstore_spec", "load_trace", "mbps", "payload_spec",
+    "prefix_chunk_hashes_for_prompt", "url_kind",
 ]

@@ -6,6 +6,14 @@ Architecture (DESIGN.md sections 3-5):
     index/<chunk_hash>.json                      ChunkRecord, written LAST, only if absent
     data/<chunk_hash>/raw-0-<sha256 of values>/  zarr3 array [L, 2, C, K, H], one shard object
         zarr.json, c/0/0/0/0/0
+    data/<chunk_hash>/<codec>-<level>-<sha256 of the bytes>
+                                                 one encoded payload (`codecs.encode_payload`)
+
+- Encodings: one record lists every encoding stored for the chunk (raw and/or several codecs
+  and levels side by side, all written by one `put`). `get` reads the record, lets the caller's
+  `choose` pick one of the encodings this reader can decode (default: raw, else the first), and
+  reads and verifies only that one. Non-raw objects are plain kvstore values whose SHA-256 is
+  checked before decoding; a decode error is a CORRUPT miss.
 
 - Commit last (levanter `store/jagged_array.py` `extend_async`): `put` writes the data object
   fully, then publishes the record with a conditional write that succeeds only if no record
@@ -24,8 +32,9 @@ Architecture (DESIGN.md sections 3-5):
   `gc`, and a reader caught in between gets a MISSING_DATA miss). Passing
   `conditional_write=False` selects that fallback up front.
 - Verify on read: `get` returns a `ChunkHit` only after checking the record's token ids,
-  namespace, layout, codec and the SHA-256 of the values read; anything else is a `ChunkMiss` with
-  a reason, counted in `stats.misses_by_reason`, never an exception and never someone else's KV.
+  namespace, layout, codec and the SHA-256 of the values (raw) or bytes (other codecs) read;
+  anything else is a `ChunkMiss` with a reason, counted in `stats.misses_by_reason`, never an
+  exception and never someone else's KV.
 - Concurrency: one `ts.Context` per store (cache pool, copy/io concurrency limits), a byte limiter
   on data in flight (reads and writes; orbax `serialization/limits.py`), a timeout on every
   tensorstore operation. The async API runs on any event loop; the `*_sync` twins run it on one
@@ -38,6 +47,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -50,9 +60,10 @@ import numpy as np
 import tensorstore as ts
 
 from kvjax._typing import ChunkHash
+from kvjax.storage import codecs
 from kvjax.storage import specs
-from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout,
-                                 MissReason)
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
+                                 Encoding, KVLayout, MissReason)
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -91,6 +102,28 @@ def index_key(chunk_hash: ChunkHash) -> str:
 
 def raw_object_key(chunk_hash: ChunkHash, checksum: str) -> str:
   return f"{_DATA}{chunk_hash}/{RAW_CODEC}-{RAW_LEVEL}-{checksum}"
+
+
+def encoded_object_key(chunk_hash: ChunkHash, codec: str, level: int, checksum: str) -> str:
+  return f"{_DATA}{chunk_hash}/{codec}-{level}-{checksum}"
+
+
+def is_array_object(object_key: str) -> bool:
+  """Whether a data object is a zarr3 array (a key prefix: raw) or one key (encoded bytes)."""
+  return object_key.rstrip("/").rsplit("/", 1)[-1].startswith(f"{RAW_CODEC}-")
+
+
+def default_choose(encodings: Sequence[Encoding]) -> Encoding | None:
+  """Raw if stored, else the first decodable encoding in record order."""
+  return next((e for e in encodings if e.codec == RAW_CODEC), encodings[0] if encodings else None)
+
+
+def choose_codec(codec: str, level: int | None = None) -> Chooser:
+  """A chooser that takes only `codec` (at `level`, if given)."""
+  def choose(encodings: Sequence[Encoding]) -> Encoding | None:
+    return next((e for e in encodings
+                 if e.codec == codec and (level is None or e.level == level)), None)
+  return choose
 
 
 def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
@@ -289,6 +322,11 @@ class ChunkStore:
     store = ChunkStore("file:///tmp/kv")
     store.put_sync(h, parent, token_ids, ns.root_hash(), kv_L2CKH)
     hit_or_miss = store.get_sync(h, token_ids, ns.root_hash(), layout)
+    # Codec payloads (several levels side by side), read back by choice:
+    store.put_sync(h2, h, token_ids2, ns.root_hash(), layout=layout, payloads=[
+        EncodedPayload("cachegen", 0, arrays0), EncodedPayload("cachegen", 2, arrays2)])
+    hit = store.get_sync(h2, token_ids2, ns.root_hash(), layout,
+                         choose=choose_codec("cachegen", 2))  # hit.payload == arrays2
   """
 
   def __init__(self, url: str, *, name: str = "disk", context: ts.Context | None = None,
@@ -391,7 +429,10 @@ class ChunkStore:
 
   async def _delete_object(self, object_key: str) -> None:
     root = await self.kvstore()
-    await self._op(root.delete_range(_prefix_range(object_key.rstrip("/") + "/")))
+    if is_array_object(object_key):
+      await self._op(root.delete_range(_prefix_range(object_key.rstrip("/") + "/")))
+    else:
+      await self._op(root.write(object_key, None))
 
   async def _publish_record(self, record: ChunkRecord) -> bool:
     """Creates the index record if absent. Returns False if a record already exists."""
@@ -426,20 +467,29 @@ class ChunkStore:
     return list(await asyncio.gather(*(one(h) for h in hashes)))
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout) -> ChunkHit | ChunkMiss:
-    """Reads and verifies one chunk.
+                layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+    """Reads and verifies one chunk, in the encoding `choose` picks.
 
     Args:
       chunk_hash: the chunk's key.
       token_ids: the C token ids the caller expects the KV to belong to.
       namespace: the caller's namespace id (`KeyNamespace.root_hash()`).
-      layout: the shape and dtype the caller can use.
+      layout: the raw shape and dtype the caller can use.
+      choose: called with the record's encodings this reader can decode (in record order,
+        unknown codecs, versions and levels left out); returns the one to read, or None for none
+        of them. Default `default_choose`: raw if stored, else the first.
 
     Returns:
-      A `ChunkHit` with `kv`: `layout.dtype[L, 2, C, K, H]` (K before RoPE), or a `ChunkMiss`
-      with its reason (also counted in `stats.misses_by_reason`). Never raises for store faults.
+      A `ChunkHit` (`payload`: the encoding's arrays; `kv`: `layout.dtype[L, 2, C, K, H]`, K
+      before RoPE, for raw, else None), or a `ChunkMiss` with its reason (also counted in
+      `stats.misses_by_reason`): UNKNOWN_CODEC when no encoding is decodable or `choose` takes
+      none. Never raises for store faults.
+
+    Raises:
+      ValueError: `choose` returned something that is not one of the encodings it was given.
     """
-    result = await self._get(chunk_hash, tuple(int(t) for t in token_ids), namespace, layout)
+    result = await self._get(chunk_hash, tuple(int(t) for t in token_ids), namespace, layout,
+                             choose or default_choose)
     if isinstance(result, ChunkMiss):
       self.stats.miss(result.reason)
     else:
@@ -447,7 +497,7 @@ class ChunkStore:
     return result
 
   async def _get(self, chunk_hash: ChunkHash, token_ids: tuple[int, ...], namespace: str,
-                 layout: KVLayout) -> ChunkHit | ChunkMiss:
+                 layout: KVLayout, choose: Chooser) -> ChunkHit | ChunkMiss:
     def miss(reason: MissReason, detail: str = "") -> ChunkMiss:
       return ChunkMiss(chunk_hash, reason, detail)
 
@@ -466,63 +516,105 @@ class ChunkStore:
     bad = record.mismatch(token_ids, namespace, layout)
     if bad is not None:
       return bad
-    encoding = next((e for e in record.encodings
-                     if e.codec == RAW_CODEC and e.codec_version == RAW_CODEC_VERSION), None)
+    usable = [e for e in record.encodings
+              if codecs.is_decodable(e.codec, e.codec_version, e.level)]
+    encoding = choose(usable) if usable else None
     if encoding is None:
       return miss(MissReason.UNKNOWN_CODEC,
-                  ",".join(f"{e.codec}/{e.codec_version}" for e in record.encodings))
-    if encoding.nbytes != layout.nbytes or not encoding.object.startswith(f"{_DATA}{chunk_hash}/"):
+                  ("none chosen of " if usable else "")
+                  + ",".join(f"{e.codec}/{e.codec_version}/{e.level}" for e in record.encodings))
+    if encoding not in usable:
+      raise ValueError(f"choose returned {encoding!r}, not one of the encodings it was given")
+    is_raw = encoding.codec == RAW_CODEC
+    if (not encoding.object.startswith(f"{_DATA}{chunk_hash}/")
+        or is_raw != is_array_object(encoding.object)
+        or (is_raw and encoding.nbytes != layout.nbytes)):
       return miss(MissReason.CORRUPT, f"bad encoding entry {encoding!r}")
 
     if self._limiter is not None:
       await self._limiter.acquire(encoding.nbytes)
+    if is_raw:
+      return await self._get_raw(record, encoding, layout)
+    return await self._get_encoded(record, encoding, layout)
+
+  async def _get_raw(self, record: ChunkRecord, encoding: Encoding,
+                     layout: KVLayout) -> ChunkHit | ChunkMiss:
     try:
       async with self._bytes.hold(encoding.nbytes):
         spec = specs.chunk_array_spec(self.kvstore_spec, encoding.object, layout, create=False)
         arr = await self._op(ts.open(spec, context=self.context, read=True))
         kv = await self._op(arr.read())
     except Exception as e:  # noqa: BLE001
-      return miss(_data_error_reason(e), repr(e))
+      return ChunkMiss(record.chunk_hash, _data_error_reason(e), repr(e))
     kv = np.asarray(kv)
     if kv.shape != layout.shape or kv.dtype != np.dtype(layout.dtype):
-      return miss(MissReason.CORRUPT, f"read {kv.dtype}{list(kv.shape)}")
+      return ChunkMiss(record.chunk_hash, MissReason.CORRUPT, f"read {kv.dtype}{list(kv.shape)}")
     if values_checksum(kv) != encoding.checksum:
-      return miss(MissReason.CHECKSUM_MISMATCH)
+      return ChunkMiss(record.chunk_hash, MissReason.CHECKSUM_MISMATCH)
     return ChunkHit(record=record, encoding=encoding, kv=kv, tier=self.name)
 
+  async def _get_encoded(self, record: ChunkRecord, encoding: Encoding,
+                         layout: KVLayout) -> ChunkHit | ChunkMiss:
+    def miss(reason: MissReason, detail: str = "") -> ChunkMiss:
+      return ChunkMiss(record.chunk_hash, reason, detail)
+
+    root = await self.kvstore()
+    try:
+      async with self._bytes.hold(encoding.nbytes):
+        res = await self._op(root.read(encoding.object))
+    except Exception as e:  # noqa: BLE001
+      return miss(_data_error_reason(e), repr(e))
+    if res.state != "value":
+      return miss(MissReason.MISSING_DATA, encoding.object)
+    data = res.value
+    if len(data) != encoding.nbytes:
+      return miss(MissReason.CORRUPT, f"{encoding.object}: {len(data)} bytes, record says "
+                  f"{encoding.nbytes}")
+    if hashlib.sha256(data).hexdigest() != encoding.checksum:
+      return miss(MissReason.CHECKSUM_MISMATCH, encoding.object)
+    try:  # Entropy decoding is CPU work: off the event loop.
+      payload = await asyncio.to_thread(codecs.decode_payload, encoding.codec,
+                                        encoding.codec_version, encoding.level, data, layout)
+    except codecs.UnknownCodec as e:
+      return miss(MissReason.UNKNOWN_CODEC, str(e))
+    except ValueError as e:  # CorruptPayload
+      return miss(MissReason.CORRUPT, f"{encoding.object}: {e}")
+    return ChunkHit(record=record, encoding=encoding, kv=None, tier=self.name, payload=payload)
+
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
-                namespace: str, kv: np.ndarray) -> bool:
-    """Stores one chunk: data first, then the record if none exists (commit last).
+                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
+                payloads: Sequence[EncodedPayload] = ()) -> bool:
+    """Stores one chunk in one or more encodings: data first, then the record if none exists
+    (commit last).
 
     Args:
       chunk_hash: the chunk's key.
       parent_hash: the previous chunk's key (the namespace root for the first chunk).
       token_ids: the C token ids the KV belongs to.
       namespace: namespace id (`KeyNamespace.root_hash()`).
-      kv: `[L, 2, C, K, H]` values (K before RoPE), any numpy dtype tensorstore stores
-        (float32, bfloat16, float16, ...).
+      kv: raw `[L, 2, C, K, H]` values (K before RoPE), any numpy dtype tensorstore stores
+        (float32, bfloat16, float16, ...), stored as a zarr3 array; or None.
+      layout: the raw layout the payloads decode to; default (and if given, must equal) the
+        layout of `kv`. Required without `kv`.
+      payloads: encodings to store beside (or instead of) `kv`, each one bytes object
+        (`codecs.encode_payload`); a "raw" payload is the same as `kv`. At most one per
+        (codec, level). Record order: raw first, then `payloads` in order.
 
     Returns:
       True if this call published the record; False if a record already existed (counted in
-      `stats.put_conflicts`) or the backend failed (`stats.put_failures`; no record is left).
+      `stats.put_conflicts`; nothing is written) or the backend failed (`stats.put_failures`; no
+      record is left).
 
     Raises:
-      ValueError: `kv` is not `[L, 2, C, K, H]` with C == len(token_ids).
+      ValueError: nothing to store, `kv` not `[L, 2, C, K, H]` with C == len(token_ids), no
+        layout, a layout that disagrees, a payload that does not match its codec's contract
+        (`codecs.validate_payload`), an unknown codec or level, or two payloads of one
+        (codec, level).
     """
     token_ids = tuple(int(t) for t in token_ids)
-    values = np.ascontiguousarray(kv)
-    if values.ndim != 5 or values.shape[1] != 2 or values.shape[2] != len(token_ids):
-      raise ValueError(f"kv must be [L, 2, C={len(token_ids)}, K, H], got {values.shape}")
-    n_layers, _, c, n_kv_heads, head_dim = values.shape
-    layout = KVLayout(n_layers, c, n_kv_heads, head_dim, values.dtype.name)
-    checksum = values_checksum(values)
-    object_key = raw_object_key(chunk_hash, checksum)
-    record = ChunkRecord(
-        chunk_hash=chunk_hash, parent_hash=parent_hash, token_ids=token_ids, namespace=namespace,
-        layout=layout,
-        encodings=(Encoding(RAW_CODEC, RAW_CODEC_VERSION, RAW_LEVEL, object_key, values.nbytes,
-                            checksum),))
-
+    layout, checked = codecs.check_encodings(token_ids, kv, layout, payloads)
+    values = checked[0].arrays["values"] if checked[0].codec == RAW_CODEC else None
+    encoded = [p for p in checked if p.codec != RAW_CODEC]
     try:
       if (await self._read_record(chunk_hash)).state == "value":
         self.stats.add(put_conflicts=1)  # Already stored: skip the data write.
@@ -531,24 +623,59 @@ class ChunkStore:
       _log.warning("put(%s) on %s failed: %r", chunk_hash, self.name, e)
       self.stats.add(put_failures=1)
       return False
-    with self._writing(object_key):
+
+    # Encode off the event loop (entropy coding is CPU work), then name objects by content.
+    blobs = []
+    if encoded:
+      blobs = await asyncio.to_thread(
+          lambda: [codecs.encode_payload(p.codec, p.level, p.arrays, layout) for p in encoded])
+    encodings, writes = [], []
+    if values is not None:
+      checksum = values_checksum(values)
+      enc = Encoding(RAW_CODEC, RAW_CODEC_VERSION, RAW_LEVEL, raw_object_key(chunk_hash, checksum),
+                     values.nbytes, checksum)
+      encodings.append(enc)
+      writes.append(functools.partial(self._write_raw, enc.object, layout, values))
+    for p, blob in zip(encoded, blobs):
+      checksum = hashlib.sha256(blob).hexdigest()
+      enc = Encoding(p.codec, codecs.CURRENT_VERSION[p.codec], p.level,
+                     encoded_object_key(chunk_hash, p.codec, p.level, checksum), len(blob),
+                     checksum)
+      encodings.append(enc)
+      writes.append(functools.partial(self._write_blob, enc.object, blob))
+    record = ChunkRecord(chunk_hash=chunk_hash, parent_hash=parent_hash, token_ids=token_ids,
+                         namespace=namespace, layout=layout, encodings=tuple(encodings))
+    nbytes = sum(e.nbytes for e in encodings)
+    objects = [e.object for e in encodings]
+
+    with contextlib.ExitStack() as writing:
+      for o in objects:
+        writing.enter_context(self._writing(o))
       try:
-        async with self._bytes.hold(values.nbytes):
-          spec = specs.chunk_array_spec(self.kvstore_spec, object_key, layout, create=True,
-                                        zstd_level=self._zstd_level)
-          arr = await self._op(ts.open(spec, context=self.context))
-          await self._op(arr.write(values))
+        async with self._bytes.hold(nbytes):
+          await asyncio.gather(*(write() for write in writes))
         won = await self._publish_record(record)
       except Exception as e:  # noqa: BLE001
         _log.warning("put(%s) on %s failed: %r", chunk_hash, self.name, e)
         self.stats.add(put_failures=1)
         return False
       if won:
-        self.stats.add(puts=1, bytes_written=values.nbytes)
+        self.stats.add(puts=1, bytes_written=nbytes)
         return True
       self.stats.add(put_conflicts=1)
-      await self._drop_loser_object(chunk_hash, object_key)
+      for o in objects:
+        await self._drop_loser_object(chunk_hash, o)
       return False
+
+  async def _write_raw(self, object_key: str, layout: KVLayout, values: np.ndarray) -> None:
+    spec = specs.chunk_array_spec(self.kvstore_spec, object_key, layout, create=True,
+                                  zstd_level=self._zstd_level)
+    arr = await self._op(ts.open(spec, context=self.context))
+    await self._op(arr.write(values))
+
+  async def _write_blob(self, object_key: str, blob: bytes) -> None:
+    root = await self.kvstore()
+    await self._op(root.write(object_key, blob))
 
   async def _drop_loser_object(self, chunk_hash: ChunkHash, object_key: str) -> None:
     """After losing the publish race: delete our object unless the winner's record uses it.
@@ -590,8 +717,9 @@ class ChunkStore:
       return False
     try:
       objects = [e.object for e in ChunkRecord.from_json(res.value).encodings]
-    except ValueError:
-      objects = [f"{_DATA}{chunk_hash}"]
+    except ValueError:  # Unparseable: everything under the chunk's data prefix.
+      await self._op(root.delete_range(_prefix_range(f"{_DATA}{chunk_hash}/")))
+      return True
     await asyncio.gather(*(self._delete_object(o) for o in objects))
     return True
 
@@ -653,12 +781,14 @@ class ChunkStore:
     return run_sync(self.contains(hashes))
 
   def get_sync(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-               layout: KVLayout) -> ChunkHit | ChunkMiss:
-    return run_sync(self.get(chunk_hash, token_ids, namespace, layout))
+               layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+    return run_sync(self.get(chunk_hash, token_ids, namespace, layout, choose=choose))
 
   def put_sync(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
-               namespace: str, kv: np.ndarray) -> bool:
-    return run_sync(self.put(chunk_hash, parent_hash, token_ids, namespace, kv))
+               namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
+               payloads: Sequence[EncodedPayload] = ()) -> bool:
+    return run_sync(self.put(chunk_hash, parent_hash, token_ids, namespace, kv, layout=layout,
+                             payloads=payloads))
 
   def delete_sync(self, chunk_hash: ChunkHash) -> bool:
     return run_sync(self.delete(chunk_hash))

@@ -2,30 +2,38 @@
 
 The top tier of CachedAttention's hierarchy (arXiv 2403.19708, section 3): it holds read-only
 copies of chunks, verifies a read exactly like a `ChunkStore` does (token ids, namespace, layout),
-and evicts with an `EvictionPolicy` inside its own `put`. `Tier` is the async interface every
-tier shares.
+and evicts with an `EvictionPolicy` inside its own `put`. A chunk may be held in several
+encodings (raw and codec payloads): the host keeps each encoding's arrays as given (quantized
+codecs stay quantized, so host memory holds compressed chunks; entropy coding is a byte format
+and is not kept here), and counts their bytes against the capacity. `Tier` is the async
+interface every tier shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from kvjax._typing import ChunkHash
+from kvjax.storage import codecs
 from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
-from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout,
-                                 MissReason)
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
+                                 Encoding, KVLayout, MissReason)
 
 
 @runtime_checkable
 class Tier(Protocol):
-  """The async chunk-store interface every tier has (`HostMemoryTier`, `ChunkStore`)."""
+  """The async chunk-store interface every tier has (`HostMemoryTier`, `ChunkStore`).
+
+  `get` also takes `choose=` (which encoding to read) and `put` `layout=` and `payloads=`
+  (encodings besides raw `kv`); `TieredStore` passes them only when they are used, so a tier
+  that holds raw KV only may leave them out.
+  """
 
   name: str
 
@@ -37,7 +45,7 @@ class Tier(Protocol):
     """Reads and verifies one chunk."""
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
-                namespace: str, kv: np.ndarray) -> bool:
+                namespace: str, kv: np.ndarray | None = None) -> bool:
     """Stores one chunk; True if this call published it."""
 
   async def delete(self, chunk_hash: ChunkHash) -> bool:
@@ -47,17 +55,26 @@ class Tier(Protocol):
     """Every published record."""
 
 
-def _layout_of(kv: np.ndarray) -> KVLayout:
-  return KVLayout(num_layers=kv.shape[0], chunk_size=kv.shape[2], num_kv_heads=kv.shape[3],
-                  head_dim=kv.shape[4], dtype=kv.dtype.name)
+def _default_choose(encodings: Sequence[Encoding]) -> Encoding | None:
+  return next((e for e in encodings if e.codec == "raw"), encodings[0] if encodings else None)
 
 
 @dataclasses.dataclass
 class _HostEntry:
   record: ChunkRecord
-  kv: np.ndarray
+  arrays: dict[tuple[str, int], Mapping[str, np.ndarray]]  # (codec, level) -> read-only arrays
+  nbytes: int
   last_access: int
   inserted: int
+
+
+def _frozen_copy(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  out = {}
+  for name, a in arrays.items():
+    c = np.array(a, copy=True, order="C")
+    c.setflags(write=False)
+    out[name] = c
+  return out
 
 
 class HostMemoryTier:
@@ -69,7 +86,7 @@ class HostMemoryTier:
 
   Attributes:
     name: tier name (reported in hits and stats).
-    capacity_bytes: byte limit; None for unbounded.
+    capacity_bytes: byte limit on the arrays held (all encodings); None for unbounded.
     policy: eviction policy.
     evictions: chunks evicted so far.
   """
@@ -94,7 +111,7 @@ class HostMemoryTier:
 
   @property
   def used_bytes(self) -> int:
-    """Bytes of KV held."""
+    """Bytes of arrays held."""
     return self._used
 
   def __len__(self) -> int:
@@ -109,8 +126,17 @@ class HostMemoryTier:
       return [h in self._entries for h in hashes]
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout) -> ChunkHit | ChunkMiss:
-    """Returns the chunk if its namespace, token ids and layout match, else a miss."""
+                layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+    """Returns the chunk if its namespace, token ids and layout match, else a miss.
+
+    Args:
+      chunk_hash, token_ids, namespace, layout: as `ChunkStore.get`.
+      choose: picks one of the held encodings (default: raw, else the first); None from it is an
+        UNKNOWN_CODEC miss.
+
+    Raises:
+      ValueError: `choose` returned something that is not one of the encodings it was given.
+    """
     with self._lock:
       entry = self._entries.get(chunk_hash)
       if entry is None:
@@ -119,74 +145,107 @@ class HostMemoryTier:
       bad = rec.mismatch(tuple(int(t) for t in token_ids), namespace, layout)
       if bad is not None:
         return bad
+      encoding = (choose or _default_choose)(rec.encodings)
+      if encoding is None:
+        return ChunkMiss(chunk_hash, MissReason.UNKNOWN_CODEC, "none chosen of " + ",".join(
+            f"{e.codec}/{e.codec_version}/{e.level}" for e in rec.encodings))
+      if encoding not in rec.encodings:
+        raise ValueError(f"choose returned {encoding!r}, not one of the encodings it was given")
       entry.last_access = next(self._counter)
-      return ChunkHit(record=rec, encoding=rec.encodings[0], kv=entry.kv, tier=self.name)
+      arrays = entry.arrays[(encoding.codec, encoding.level)]
+    kv = arrays["values"] if encoding.codec == "raw" else None
+    return ChunkHit(record=rec, encoding=encoding, kv=kv, tier=self.name, payload=dict(arrays))
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
-                namespace: str, kv: np.ndarray, *, checksum: str | None = None) -> bool:
-    """Stores a copy of `kv`, evicting by the policy if the tier is full.
+                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
+                payloads: Sequence[EncodedPayload] = (), checksum: str | None = None) -> bool:
+    """Stores copies of `kv` and/or `payloads`, evicting by the policy if the tier is full.
+
+    A chunk already held gains the encodings it lacks (if its record matches: same token ids,
+    namespace and layout); its recency is refreshed either way.
 
     Args:
       chunk_hash: the chunk's key.
       parent_hash: the previous chunk's key.
       token_ids: the C token ids of the chunk.
       namespace: hex root hash of the key namespace.
-      kv: `[L, 2, C, K, H]` values, K before RoPE.
+      kv: raw `[L, 2, C, K, H]` values, K before RoPE, or None.
+      layout: the raw layout (default `kv`'s; required without `kv`).
+      payloads: codec payloads to hold (`EncodedPayload`; see `ChunkStore.put`).
       checksum: hex SHA-256 of `kv`'s bytes if the caller knows it (skips hashing).
 
     Returns:
-      True if stored now; False if already present (its recency is refreshed), larger than the
-      capacity, or if room cannot be made without evicting hinted chunks.
+      True if something was stored now; False if everything given is already held, the chunk is
+      held under another record, the new encodings are larger than the capacity, or room cannot
+      be made without evicting hinted chunks.
 
     Raises:
-      ValueError: `kv` is not `[L, 2, C, K, H]` with C == len(token_ids).
+      ValueError: invalid input, as for `ChunkStore.put` (`codecs.check_encodings`).
     """
-    if kv.ndim != 5 or kv.shape[1] != 2 or kv.shape[2] != len(token_ids):
-      raise ValueError(f"kv must be [L, 2, C={len(token_ids)}, K, H], got {kv.shape}")
-    nbytes = int(kv.nbytes)
+    token_ids = tuple(int(t) for t in token_ids)
+    layout, checked = codecs.check_encodings(token_ids, kv, layout, payloads)
+    with self._lock:
+      held = self._entries.get(chunk_hash)
+      if held is not None:
+        held.last_access = next(self._counter)
+        if held.record.mismatch(token_ids, namespace, layout) is not None:
+          return False
+        checked = [p for p in checked if (p.codec, p.level) not in held.arrays]
+        if not checked:
+          return False
+    nbytes = sum(codecs.payload_nbytes(p.arrays) for p in checked)
     if self.capacity_bytes is not None and nbytes > self.capacity_bytes:
       return False
-    with self._lock:
-      if chunk_hash in self._entries:
-        self._entries[chunk_hash].last_access = next(self._counter)
-        return False
     # Copy and hash outside the lock (the slow part); publish under it.
-    data = np.array(kv, copy=True, order="C")
-    data.setflags(write=False)
-    if checksum is None:
-      checksum = hashlib.sha256(data.reshape(-1).view(np.uint8)).hexdigest()
-    enc = Encoding(codec="raw", codec_version=1, level=0, object=f"{self.name}/{chunk_hash}",
-                   nbytes=nbytes, checksum=checksum)
-    rec = ChunkRecord(chunk_hash=chunk_hash, parent_hash=parent_hash,
-                      token_ids=tuple(int(t) for t in token_ids), namespace=namespace,
-                      layout=_layout_of(data), encodings=(enc,))
+    new_arrays, new_encodings = {}, []
+    for p in checked:
+      arrays = _frozen_copy(p.arrays)
+      digest = (checksum if p.codec == "raw" and checksum is not None
+                else codecs.payload_checksum(arrays))
+      new_arrays[(p.codec, p.level)] = arrays
+      new_encodings.append(Encoding(
+          codec=p.codec, codec_version=codecs.CURRENT_VERSION[p.codec], level=p.level,
+          object=f"{self.name}/{chunk_hash}/{p.codec}-{p.level}",
+          nbytes=codecs.payload_nbytes(arrays), checksum=digest))
     with self._lock:
-      if chunk_hash in self._entries:  # a concurrent put won
+      held = self._entries.get(chunk_hash)  # a concurrent put or delete may have changed it
+      if held is not None and (held.record.mismatch(token_ids, namespace, layout) is not None
+                               or any(k in held.arrays for k in new_arrays)):
         return False
       if self.capacity_bytes is not None:
         need = self._used + nbytes - self.capacity_bytes
-        if need > 0 and not self._evict_locked(need):
+        if need > 0 and not self._evict_locked(need, keep=chunk_hash):
           return False
       n = next(self._counter)
-      self._entries[chunk_hash] = _HostEntry(rec, data, last_access=n, inserted=n)
+      if held is None:
+        rec = ChunkRecord(chunk_hash=chunk_hash, parent_hash=parent_hash, token_ids=token_ids,
+                          namespace=namespace, layout=layout, encodings=tuple(new_encodings))
+        self._entries[chunk_hash] = _HostEntry(rec, new_arrays, nbytes, last_access=n, inserted=n)
+      else:
+        encodings = held.record.encodings + tuple(new_encodings)
+        encodings = tuple(sorted(encodings, key=lambda e: e.codec != "raw"))  # raw first
+        held.record = dataclasses.replace(held.record, encodings=encodings)
+        held.arrays.update(new_arrays)
+        held.nbytes += nbytes
+        held.last_access = n
       self._used += nbytes
       return True
 
-  def _evict_locked(self, need: int) -> bool:
-    """Evicts at least `need` bytes by the policy, or nothing if it cannot."""
-    infos = self._infos_locked()
+  def _evict_locked(self, need: int, keep: ChunkHash | None = None) -> bool:
+    """Evicts at least `need` bytes by the policy (never `keep`), or nothing if it cannot."""
+    infos = [i for i in self._infos_locked() if i.chunk_hash != keep]
     victims = self.policy.victims(infos, need)
     sizes = {i.chunk_hash: i.nbytes for i in infos}
-    if sum(sizes[v] for v in victims) < need:
+    if any(v not in sizes for v in victims) or sum(sizes[v] for v in victims) < need:
       return False
     for v in victims:
-      self._used -= self._entries.pop(v).kv.nbytes
+      self._used -= self._entries.pop(v).nbytes
       self.evictions += 1
     return True
 
   def _infos_locked(self) -> list[EntryInfo]:
     depths = chain_depths({h: e.record.parent_hash for h, e in self._entries.items()})
-    return [EntryInfo(h, e.record.parent_hash, int(e.kv.nbytes), e.last_access, depths[h],
+    return [EntryInfo(h, e.record.parent_hash, e.nbytes, e.last_access, depths[h],
                       e.inserted) for h, e in self._entries.items()]
 
   def entries(self) -> list[EntryInfo]:
@@ -199,7 +258,7 @@ class HostMemoryTier:
       entry = self._entries.pop(chunk_hash, None)
       if entry is None:
         return False
-      self._used -= entry.kv.nbytes
+      self._used -= entry.nbytes
       return True
 
   async def records(self) -> list[ChunkRecord]:

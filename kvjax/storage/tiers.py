@@ -11,7 +11,9 @@ Architecture:
            ── get(hash, ...) ─► host ─miss─► disk ─miss─► remote     (any miss falls through;
                                  ▲            │                       a corrupt copy is dropped)
                                  └─ promote ──┘  a hit below the host tier is copied into it
-           ── put(hash, ...) ─► host tier and the first persistent tier (write-through)
+                                                 (the encoding that was read)
+           ── put(hash, ...) ─► host tier and the first persistent tier (write-through; raw KV
+                                and/or codec payloads, all encodings in one put)
            ── hint(window) ──► every tier's policy: hinted chunks are not evicted
 
 A `Tier` is anything with the async chunk-store interface: `HostMemoryTier` here, and the
@@ -35,12 +37,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvjax._typing import ChunkHash
+from kvjax.storage import codecs
 from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
 from kvjax.storage.host_tier import HostMemoryTier, Tier
 from kvjax.storage.link import LinkLimiter, load_trace
 from kvjax.storage.store_config import (DEFAULT_DISK_CAPACITY_BYTES, StoreConfig, TierConfig,
                                         url_kind)
-from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, KVLayout, MissReason
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
+                                 KVLayout, MissReason)
 
 __all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "HostMemoryTier", "StoreConfig", "Tier", "TierConfig",
            "TierStats", "TieredStore", "build_tiers", "url_kind"]
@@ -217,7 +221,8 @@ class TieredStore:
     return out
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout, *, promote: bool = True) -> ChunkHit | ChunkMiss:
+                layout: KVLayout, *, promote: bool = True,
+                choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
     """Reads one chunk from the highest tier that has a good copy.
 
     Tiers are tried top down; any miss falls through to the next tier (a bad copy is deleted
@@ -228,7 +233,9 @@ class TieredStore:
       token_ids: the C token ids it must hold.
       namespace: hex root hash of the key namespace it must be under.
       layout: the shape and dtype it must have.
-      promote: copy a lower-tier hit into the host tier.
+      promote: copy a lower-tier hit into the host tier (the encoding that was read).
+      choose: which encoding to read, per tier (see `ChunkStore.get`); a tier whose encodings it
+        declines misses with UNKNOWN_CODEC and the next tier is tried.
 
     Returns:
       The hit (its `tier` names where it was read), or the first miss that is not ABSENT (else
@@ -237,7 +244,10 @@ class TieredStore:
     first_miss: ChunkMiss | None = None
     for i, t in enumerate(self.tiers):
       try:
-        res = await t.get(chunk_hash, token_ids, namespace, layout)
+        if choose is None:
+          res = await t.get(chunk_hash, token_ids, namespace, layout)
+        else:
+          res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose)
       except Exception as e:  # noqa: BLE001  (a failing tier is a miss, never a user error)
         log.warning("get failed on tier %s", t.name, exc_info=True)
         res = ChunkMiss(chunk_hash, MissReason.READ_ERROR, repr(e))
@@ -260,8 +270,14 @@ class TieredStore:
 
   async def _promote(self, hit: ChunkHit) -> None:
     rec = hit.record
-    if await self.host.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace, hit.kv,
-                           checksum=hit.encoding.checksum):
+    if hit.encoding.codec == "raw":
+      stored = await self.host.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace,
+                                   hit.kv, checksum=hit.encoding.checksum)
+    else:
+      stored = await self.host.put(
+          rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace, layout=rec.layout,
+          payloads=[EncodedPayload(hit.encoding.codec, hit.encoding.level, hit.payload)])
+    if stored:
       self._count(self.host.name, "promotions")
 
   async def _drop(self, t: Tier, chunk_hash: ChunkHash) -> None:
@@ -285,7 +301,8 @@ class TieredStore:
   # -- writes -----------------------------------------------------------------------------------
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
-                namespace: str, kv: np.ndarray) -> list[str]:
+                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
+                payloads: Sequence[EncodedPayload] = ()) -> list[str]:
     """Writes a chunk through to the host tier and the first persistent tier.
 
     The host copy serves the next turn at once; the persistent copy survives the process
@@ -298,11 +315,21 @@ class TieredStore:
       parent_hash: the previous chunk's key.
       token_ids: the C token ids.
       namespace: hex root hash of the key namespace.
-      kv: `[L, 2, C, K, H]` values, K before RoPE.
+      kv: raw `[L, 2, C, K, H]` values, K before RoPE, or None.
+      layout: the raw layout (default `kv`'s; required without `kv`).
+      payloads: codec payloads stored beside or instead of `kv` (see `ChunkStore.put`).
 
     Returns:
       Names of the tiers that published the chunk by this call (already present: not listed).
+
+    Raises:
+      ValueError: invalid input (checked once, before any tier is written; see
+        `codecs.check_encodings`).
     """
+    codecs.check_encodings(tuple(int(t) for t in token_ids), kv, layout, payloads)
+    extra = {"layout": layout, "payloads": tuple(payloads)} if (layout or payloads) else {}
+    nbytes = (0 if kv is None else int(kv.nbytes)) + sum(
+        codecs.payload_nbytes(p.arrays) for p in payloads)
     persistent = [t for t in self.tiers if t.name in self._persist]
     targets = persistent if self.write_all_persistent else persistent[:1]
     if self.host is not None:
@@ -310,7 +337,7 @@ class TieredStore:
 
     async def one(t: Tier) -> bool:
       try:
-        ok = await t.put(chunk_hash, parent_hash, token_ids, namespace, kv)
+        ok = await t.put(chunk_hash, parent_hash, token_ids, namespace, kv, **extra)
       except Exception:  # noqa: BLE001
         log.warning("put failed on tier %s", t.name, exc_info=True)
         self._count(t.name, "put_errors")
@@ -322,8 +349,8 @@ class TieredStore:
         p = self._persist.get(t.name)
         if p is not None:
           with self._lock:
-            if p.mirror is not None:
-              p.mirror[chunk_hash] = int(kv.nbytes)
+            if p.mirror is not None:  # an estimate (encoded sizes differ); rescanned when full
+              p.mirror[chunk_hash] = nbytes
           await self._enforce_capacity(t)
       return bool(ok)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,12 +56,15 @@ class Encoding:
   """One stored encoding of a chunk.
 
   Attributes:
-    codec: codec id ("raw"; later "int8", "int4", "cachegen").
+    codec: codec id ("raw", "int8", "int4", "cachegen"; see `storage.codecs`).
     codec_version: version of that codec's byte format.
-    level: encoding level (CacheGen levels; 0 for raw).
-    object: key of the data object, relative to the store root.
-    nbytes: stored bytes of the object's values.
-    checksum: hex SHA-256 of the decoded values' bytes (C order).
+    level: encoding level (CacheGen levels, 0 the finest; 0 for the others).
+    object: key of the data object, relative to the store root (a zarr3 array's key prefix for
+      raw, one key holding the encoded bytes for the other codecs).
+    nbytes: stored bytes: the raw values' bytes, or the length of the encoded object.
+    checksum: hex SHA-256 of the raw values' bytes (C order), or of the encoded object's bytes
+      (verified before decoding). The host tier, which keeps arrays, not bytes, records
+      `codecs.payload_checksum` of the arrays.
   """
 
   codec: str
@@ -69,6 +73,11 @@ class Encoding:
   object: str
   nbytes: int
   checksum: str
+
+
+#: Picks which of a record's decodable encodings to read (None: none of them). It gets them in
+#: record order and must return one of them.
+Chooser = Callable[[Sequence[Encoding]], "Encoding | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,21 +157,44 @@ class MissReason(str, enum.Enum):
   READ_ERROR = "read_error"              # the backend failed (timeout, unreachable)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
+class EncodedPayload:
+  """One encoding of a chunk to store: a codec's arrays (`storage.codecs.payload_spec`).
+
+  Attributes:
+    codec: codec id ("raw", "int8", "int4", "cachegen").
+    level: its level.
+    arrays: {name: array} as the codec contract lists them (raw: {"values": kv}).
+  """
+
+  codec: str
+  level: int
+  arrays: Mapping[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class ChunkHit:
   """A verified chunk.
 
   Attributes:
     record: its index record.
     encoding: the encoding that was read.
-    kv: `[L, 2, C, K, H]` values in `record.layout.dtype`; K before RoPE.
+    kv: raw hits: `[L, 2, C, K, H]` values in `record.layout.dtype`, K before RoPE; None for
+      the other codecs (decode `payload` with the kernels' `kv_decode`).
     tier: name of the tier it came from.
+    payload: the encoding's arrays, bit-exact as stored (raw: {"values": kv}). Defaults to
+      {"values": kv} when only `kv` is given.
   """
 
   record: ChunkRecord
   encoding: Encoding
-  kv: np.ndarray
+  kv: np.ndarray | None
   tier: str
+  payload: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if not self.payload and self.kv is not None:
+      object.__setattr__(self, "payload", {"values": self.kv})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,11 @@ per call (so tests can call it in-process), runs one command and prints.
 What each command reads:
 - ls / du: the index (`index/*.json`), never data; du also lists data keys (orphans) and, for
   file and ocdbt+file stores, walks the directory for bytes on disk.
-- verify: every selected chunk through `ChunkStore.get` with the record's own token ids,
-  namespace and layout, i.e. the same checks a server makes (tokens, namespace, layout, codec,
-  shape, dtype, SHA-256 of the values). A malformed record is bad as CORRUPT.
+- verify: every encoding of every selected chunk through `ChunkStore.get` with the record's own
+  token ids, namespace and layout, i.e. the same checks a server makes (tokens, namespace,
+  layout, codec, shape, dtype, SHA-256 of the values or of the encoded bytes, and a full decode
+  of each codec payload). A chunk is bad if any encoding this reader knows is bad, or if it
+  knows none (UNKNOWN_CODEC, kept by --delete_bad). A malformed record is bad as CORRUPT.
 - gc: `ChunkStore.gc`. A writer in another process can lose an object it is still writing; that
   chunk then reads as MISSING_DATA, never as wrong data, so run gc when writers are quiet.
 """
@@ -36,9 +38,10 @@ from typing import Any, TextIO
 from absl import flags
 import tensorstore as ts
 
+from kvjax.storage import codecs
 from kvjax.storage import specs
 from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.types import ChunkMiss, ChunkRecord, MissReason
+from kvjax.storage.types import ChunkMiss, ChunkRecord, Encoding, MissReason
 
 COMMANDS = ("ls", "du", "verify", "gc")
 EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
@@ -91,12 +94,14 @@ class Usage:
     records: parseable index records (after the namespace filter).
     malformed_records: index records that do not parse (not filtered: no namespace known).
     chunks_per_namespace: full namespace id -> records.
-    stored_bytes: value bytes of all encodings of the records (`Encoding.nbytes`).
+    stored_bytes: stored bytes of all encodings of the records (`Encoding.nbytes`: raw values'
+      bytes, or the encoded objects' lengths).
     orphans: data objects no record references (what `gc` would remove), whole store.
     orphan_bytes: bytes of those objects' keys (zarr.json and shard).
     disk_files: files under the store directory (file backends; None otherwise).
     disk_bytes: their apparent size, bytes (None when not a file backend).
     disk_allocated_bytes: their allocated size (`st_blocks * 512`), bytes, like `du`.
+    stored_bytes_per_codec: "codec/level" -> stored bytes of those encodings.
   """
 
   records: int
@@ -108,6 +113,7 @@ class Usage:
   disk_files: int | None
   disk_bytes: int | None
   disk_allocated_bytes: int | None
+  stored_bytes_per_codec: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,12 +285,17 @@ async def disk_usage(store: ChunkStore, namespace: str = "") -> Usage:
   orphans = await find_orphans(store, everything)
   path = local_dir(store)
   files, nbytes, allocated = _walk_dir(path) if path is not None else (None, None, None)
+  per_codec = collections.Counter()
+  for r in found.records:
+    for e in r.encodings:
+      per_codec[f"{e.codec}/{e.level}"] += e.nbytes
   return Usage(
       records=len(found.records), malformed_records=len(found.malformed),
       chunks_per_namespace=dict(sorted(per_ns.items())),
       stored_bytes=sum(e.nbytes for r in found.records for e in r.encodings),
       orphans=len(orphans), orphan_bytes=sum(o.nbytes for o in orphans),
-      disk_files=files, disk_bytes=nbytes, disk_allocated_bytes=allocated)
+      disk_files=files, disk_bytes=nbytes, disk_allocated_bytes=allocated,
+      stored_bytes_per_codec=dict(sorted(per_codec.items())))
 
 
 async def verify(store: ChunkStore, namespace: str = "", *, delete_bad: bool = False,
@@ -304,11 +315,16 @@ async def verify(store: ChunkStore, namespace: str = "", *, delete_bad: bool = F
   sem = asyncio.Semaphore(max(1, concurrency))
 
   async def check(record: ChunkRecord) -> BadChunk | None:
-    async with sem:
-      result = await store.get(record.chunk_hash, record.token_ids, record.namespace,
-                               record.layout)
-    if isinstance(result, ChunkMiss):
-      return BadChunk(record.chunk_hash, result.reason, result.detail)
+    known = [e for e in record.encodings
+             if codecs.is_decodable(e.codec, e.codec_version, e.level)] or [None]
+    for enc in known:  # None: no known encoding; get reports UNKNOWN_CODEC
+      async with sem:
+        result = await store.get(record.chunk_hash, record.token_ids, record.namespace,
+                                 record.layout, choose=_pick(enc))
+      if isinstance(result, ChunkMiss):
+        where = f"{enc.codec}/{enc.codec_version}/{enc.level}" if len(known) > 1 else ""
+        detail = ": ".join(x for x in (where, result.detail) if x)
+        return BadChunk(record.chunk_hash, result.reason, detail)
     return None
 
   results = await asyncio.gather(*(check(r) for r in found.records))
@@ -322,6 +338,13 @@ async def verify(store: ChunkStore, namespace: str = "", *, delete_bad: bool = F
       out.append(dataclasses.replace(b, deleted=deleted))
     bad = out
   return len(found.records) + len(found.malformed), bad
+
+
+def _pick(wanted: Encoding | None):
+  """A chooser that takes exactly `wanted` (by value) from a record's encodings."""
+  def choose(encodings):
+    return next((e for e in encodings if e == wanted), None)
+  return choose
 
 
 async def collect_garbage(store: ChunkStore, *, dry_run: bool = False) -> list[Orphan] | int:
@@ -369,6 +392,9 @@ def format_du(u: Usage) -> list[str]:
   for ns, n in u.chunks_per_namespace.items():
     lines.append(f"  namespace {ns[:SHORT]}: {n} chunks")
   lines.append(f"stored bytes (values): {u.stored_bytes} ({_human_bytes(u.stored_bytes)})")
+  if set(u.stored_bytes_per_codec) - {"raw/0"}:  # more than raw: say how much each holds
+    lines.append("  by codec/level: " + ", ".join(
+        f"{k} {v} ({_human_bytes(v)})" for k, v in u.stored_bytes_per_codec.items()))
   if u.disk_bytes is not None:
     lines.append(f"on disk: {u.disk_files} files, {u.disk_bytes} bytes "
                  f"({_human_bytes(u.disk_bytes)}; allocated "

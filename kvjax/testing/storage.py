@@ -8,7 +8,8 @@ import ml_dtypes
 import numpy as np
 
 from kvjax.storage import keys
-from kvjax.storage.types import ChunkMiss, KVLayout
+from kvjax.storage.types import ChunkMiss, EncodedPayload, KVLayout
+from kvjax.testing import codec_payloads
 
 C = 4
 NS = keys.KeyNamespace("fp", "float32", 1, C)
@@ -26,6 +27,16 @@ def values(kv_layout: KVLayout, seed=0) -> np.ndarray:
   """Random normal values of the layout's shape and dtype."""
   x = np.random.default_rng(seed).standard_normal(kv_layout.shape, dtype=np.float32)
   return x.astype(ml_dtypes.bfloat16 if kv_layout.dtype == "bfloat16" else kv_layout.dtype)
+
+
+#: Every non-raw encoding, (codec, level).
+CODEC_LEVELS = (("int8", 0), ("int4", 0), ("cachegen", 0), ("cachegen", 1), ("cachegen", 2),
+                ("cachegen", 3))
+
+
+def payloads(kv: np.ndarray, which=CODEC_LEVELS) -> list[EncodedPayload]:
+  """Valid payloads of `kv` for each (codec, level) in `which` (reference numpy encoder)."""
+  return [EncodedPayload(c, lv, codec_payloads.encode(c, lv, kv)) for c, lv in which]
 
 
 def bits(x: np.ndarray) -> np.ndarray:
