@@ -82,7 +82,7 @@ class CakeMergeTest(parameterized.TestCase):
     self.assertEqual(steps(m, 16, 0.0, (16,), cost), [(0, 16)])
     # Chunk 1 is overdue but within its grace (2 x 0.75 s): compute waits.
     self.assertEqual(steps(m, 16, 1.0, (16,), cost), [])
-    self.assertEqual(m.recheck_s(1.0), 1.5)
+    self.assertEqual(m.recheck_s(1.0, cost), 1.5)
     self.assertEqual(steps(m, 16, 1.4, (16,), cost), [])
     self.assertEqual(steps(m, 16, 1.5, (16,), cost), [(16, 16)])
     self.assertEqual(steps(m, 16, 2.5, (16,), cost), [(32, 1)])
