@@ -288,6 +288,10 @@ class SchedulerCakeTest(absltest.TestCase):
       s.add_request(req("y", 66, CakeMerge(65, C, [T] * 4, chunk_nbytes=1)))
     with self.assertRaisesRegex(ValueError, "token_budget=-1"):
       s.schedule(token_budget=-1)
+    s.add_request(req("z", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1)))
+    with self.assertRaisesRegex(ValueError, "needs now_s"):
+      s.schedule()
+    self.assertEqual([r.request_id for r in s.waiting], ["z"])  # nothing changed
 
 
 if __name__ == "__main__":
