@@ -107,7 +107,8 @@ class MergeTrace:
     loads_issued: loads handed to the engine.
     loaded_bytes: stored bytes of inserted chunks.
     wasted_bytes: stored bytes of wasted loads.
-    compute_s: cost-model seconds of every compute step planned (prefix and suffix).
+    compute_s: cost-model seconds of every compute step planned (prefix and suffix), as predicted
+      when planned.
     load_s: wall seconds during which at least one load was in flight.
   """
 
@@ -129,7 +130,6 @@ class MergeTrace:
 class _Load:
   issue_s: float
   nbytes: int
-  expected_land_s: float
   encoding: Candidate | None
 
 
@@ -326,8 +326,11 @@ class CakeMerge:
   def next_load(self, now_s: float, cost: CostModel) -> int | None:
     """The next chunk to fetch: the highest-index chunk still only stored; marks it LOADING.
 
-    Call it for a request that holds a decode slot, whenever a load finishes or a step ends,
-    until it returns None.
+    Call it whenever a load finishes and between steps, until it returns None, for every request
+    with a merge, queued ones included (loads need no slot; INSERT-verdict chunks wait, staged,
+    until the request holds one). With `encodings`, `load_encoding(index)` says which to fetch:
+    the most accurate that lands before compute reaches the chunk (or by the TTFT target's
+    share), else the smallest (`level_policy.pick_encoding`).
 
     Args:
       now_s: engine clock, seconds.
@@ -364,12 +367,11 @@ class CakeMerge:
       encoding = level_policy.pick_encoding(cands, cost.bandwidth_bytes_per_s,
                                             cost.decode_bytes_per_s, link_free_s, deadline)
       nbytes = encoding.nbytes
-    expected = self._landings(now_s, cost, first=(index, nbytes))[0][index]
     if not self._in_flight:
       self._load_busy_since_s = now_s
     if self._first_issue_s is None:
       self._first_issue_s = now_s
-    self._in_flight[index] = _Load(now_s, nbytes, expected, encoding)
+    self._in_flight[index] = _Load(now_s, nbytes, encoding)
     self._states[index] = ChunkState.LOADING
     self.trace.loads_issued += 1
     return index
@@ -443,14 +445,14 @@ class CakeMerge:
     landed = [j for j, s in enumerate(self._states) if s is ChunkState.LANDED]
     return sorted(set(self._in_flight) | set(landed))
 
-  def recheck_s(self, now_s: float) -> float | None:
+  def recheck_s(self, now_s: float, cost: CostModel) -> float | None:
     """The next time after `now_s` at which compute may go on without any load landing (a late
     load's grace runs out, or a cold-start wait ends), else None.
 
     An engine whose step plans nothing should wait for the next finished load, but no longer
     than this.
     """
-    times = [self._late_at_s(ld) for ld in self._in_flight.values()]
+    times = list(self._late_at_s(cost).values())
     if self._cold_wait_until_s is not None and self._in_flight:
       times.append(self._cold_wait_until_s)
     times = [t for t in times if t > now_s]
@@ -579,20 +581,26 @@ class CakeMerge:
            and self._states[self._frontier // c] is ChunkState.RESIDENT):
       self._frontier += c
 
-  def _late_at_s(self, load: _Load) -> float:
-    return load.issue_s + self.late_factor * max(0.0, load.expected_land_s - load.issue_s)
+  def _late_at_s(self, cost: CostModel) -> dict[int, float]:
+    """When each in-flight load turns late: `late_factor` times its latency as the current
+    model predicts it (link in issue order, busy until the last landing), after its issue."""
+    out = {}
+    xfer_end, dec_end = self._last_landing_s, -math.inf
+    for j, ld in self._in_flight.items():
+      xfer_end = max(ld.issue_s, xfer_end) + cost.transfer_s_per_byte * ld.nbytes
+      dec_end = max(xfer_end, dec_end) + cost.decode_s_per_byte * ld.nbytes
+      out[j] = ld.issue_s + self.late_factor * (dec_end - ld.issue_s)
+    return out
 
-  def _landings(self, now_s: float, cost: CostModel, first: tuple[int, int] | None = None
-                ) -> tuple[dict[int, float], dict[int, float]]:
+  def _landings(self, now_s: float, cost: CostModel) -> tuple[dict[int, float], dict[int, float]]:
     """Predicted landing and transfer-start times of in-flight loads and of stored chunks.
 
     Model: the link moves one chunk at a time in issue order (transfer = nbytes / bandwidth);
     one decoder follows in the same order; a chunk lands when decoded; a new load is issued
     when one of `max_loads_in_flight` slots frees, highest chunk first; loads in flight started
-    moving no earlier than the last landing. The oldest load in flight
-    bounds the bandwidth (a censored observation: it has moved at most its bytes since it
-    started); overdue loads are assumed to land now. `first` = (index, nbytes) forces that
-    chunk's size for the next load.
+    moving no earlier than the last landing. The oldest load in flight bounds the bandwidth (a
+    censored observation: it has moved at most its bytes since it started); overdue loads are
+    assumed to land now. A stored chunk is costed at its smallest encoding.
     """
     land: dict[int, float] = {}
     start: dict[int, float] = {}
@@ -616,7 +624,7 @@ class CakeMerge:
     for j in reversed(range(self.num_chunks)):
       if self._states[j] is not ChunkState.HIT:
         continue
-      nbytes = first[1] if first is not None and first[0] == j else self._nbytes[j]
+      nbytes = self._nbytes[j]
       issue = heapq.heappop(slots)
       xs = max(issue, xfer_end, now_s)
       xfer_end = xs + tpb * nbytes
@@ -640,13 +648,14 @@ class CakeMerge:
     c = self.chunk_size
     end = (index + 1) * c if finish else index * c
     total, run_start, p = 0.0, None, self.frontier
+    late = self._late_at_s(cost)
     for j in range(p // c, end // c + (1 if end % c else 0)):
       lo, hi = max(p, j * c), min(end, (j + 1) * c)
       if lo >= hi:
         continue
       s = self._states[j]
       skip = j != index and (s in (ChunkState.RESIDENT, ChunkState.LANDED) or (
-          s is ChunkState.LOADING and now_s < self._late_at_s(self._in_flight[j])))
+          s is ChunkState.LOADING and now_s < late[j]))
       if skip:
         if run_start is not None:
           total += self._span_s(run_start, lo, self._step_tokens, cost)
@@ -672,14 +681,15 @@ class CakeMerge:
       self._cold_wait_until_s = self._first_issue_s + cost.predict_compute_s(p, k) / self._share
       return now_s >= self._cold_wait_until_s
     land = None
-    link_late = any(now_s >= self._late_at_s(ld) for ld in self._in_flight.values())
+    late = self._late_at_s(cost)
+    link_late = any(now_s >= t for t in late.values())
     for j in range(p // c, min(self.num_chunks, (end - 1) // c + 1)):
       s = self._states[j]
       if s is ChunkState.HIT and link_late:
         continue  # queued behind a late load: its landing is anyone's guess
       if s not in (ChunkState.HIT, ChunkState.LOADING):
         continue
-      if s is ChunkState.LOADING and now_s >= self._late_at_s(self._in_flight[j]):
+      if s is ChunkState.LOADING and now_s >= late[j]:
         continue  # late: compute takes it, the load will be wasted
       if land is None:
         land = self._landings(now_s, cost)[0]

@@ -177,20 +177,24 @@ class Scheduler:
       out += [r for r in self.waiting if r.merge is not None]
     return out
 
-  def schedule(self, now_s: float = 0.0, token_budget: int | None = None) -> SchedulerOutput:
+  def schedule(self, now_s: float | None = None, token_budget: int | None = None
+               ) -> SchedulerOutput:
     """Plans one step; see the module docstring for the order.
 
     Args:
-      now_s: the engine clock at the step's start, seconds (Cake merges plan with it).
+      now_s: the engine clock at the step's start, seconds, increasing from step to step; needed
+        when any request has a Cake merge (a merge tells steps apart by it).
       token_budget: this step's budget instead of `config.token_budget` (e.g. throttled under
         competing load), >= 0.
 
     Raises:
-      ValueError: on a negative `token_budget`.
+      ValueError: on a negative `token_budget`, or no `now_s` with a Cake merge to plan.
     """
     budget = self.config.token_budget if token_budget is None else token_budget
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
       raise ValueError(f"token_budget={token_budget!r} must be an int >= 0")
+    if now_s is None and any(r.merge is not None for r in self.cake_requests(True)):
+      raise ValueError("schedule() needs now_s (the engine clock) to plan Cake merges")
     decodes = []
     for r in self.running.values():
       if r.status is RequestStatus.DECODING and budget > 0:

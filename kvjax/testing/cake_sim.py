@@ -307,7 +307,7 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
     if plan.is_empty and rest <= 0:
       nxt = [landings[0][0]] if landings else []
       nxt += [arrivals[0].arrival_s] if arrivals else []
-      nxt += [w for r in sched.cake_requests() if (w := r.merge.recheck_s(t)) is not None]
+      nxt += [w for r in sched.cake_requests() if (w := r.merge.recheck_s(t, model)) is not None]
       if to_insert and any(live[rid].slot is not None for rid, _ in to_insert):
         nxt.append(t)
       nxt = [x for x in nxt if x < math.inf]

@@ -82,7 +82,7 @@ class CakeMergeTest(parameterized.TestCase):
     self.assertEqual(steps(m, 16, 0.0, (16,), cost), [(0, 16)])
     # Chunk 1 is overdue but within its grace (2 x 0.75 s): compute waits.
     self.assertEqual(steps(m, 16, 1.0, (16,), cost), [])
-    self.assertEqual(m.recheck_s(1.0), 1.5)
+    self.assertEqual(m.recheck_s(1.0, cost), 1.5)
     self.assertEqual(steps(m, 16, 1.4, (16,), cost), [])
     self.assertEqual(steps(m, 16, 1.5, (16,), cost), [(16, 16)])
     self.assertEqual(steps(m, 16, 2.5, (16,), cost), [(32, 1)])
@@ -288,6 +288,10 @@ class SchedulerCakeTest(absltest.TestCase):
       s.add_request(req("y", 66, CakeMerge(65, C, [T] * 4, chunk_nbytes=1)))
     with self.assertRaisesRegex(ValueError, "token_budget=-1"):
       s.schedule(token_budget=-1)
+    s.add_request(req("z", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1)))
+    with self.assertRaisesRegex(ValueError, "needs now_s"):
+      s.schedule()
+    self.assertEqual([r.request_id for r in s.waiting], ["z"])  # nothing changed
 
 
 if __name__ == "__main__":

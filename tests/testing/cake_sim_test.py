@@ -70,6 +70,16 @@ class ExactCellsTest(parameterized.TestCase):
     self.assertEqual((res.trace.loads_issued, res.chunk_writers), (1, "CCCL"))
     self.assertEqual(res.ttft_s, 3.5 + 1 / 16)
 
+  def test_a_wrong_bandwidth_prior_costs_at_most_one_step(self):
+    # The model believes 1 GB/s; the link needs 8 s per chunk. Compute waits one step (1 s) for
+    # the first landing, then computes everything; the load lands at 8 s as waste.
+    costs, _ = flat(8.0)
+    model = CostModel(compute_prior=(0.0, 1 / C, 0.0), bandwidth_bytes_per_s=1e9)
+    _, res = run(SimRequest("a", 65, [True] * 4, chunk_nbytes=NB), costs, model,
+                 LinkScript.constant(8.0, max_in_flight=1))
+    self.assertEqual(res.ttft_s, 1 + 4 + 1 / 16)
+    self.assertEqual((res.chunk_writers, res.trace.chunks_wasted), ("CCCC", [3]))
+
   def test_missing_middle_chunk_is_computed_between_loads(self):
     costs, model = flat(4096.0)  # 1/64 s per load
     spec = SimRequest("a", 8 * C + 1, [True, True, True, False, True, True, True, True],
