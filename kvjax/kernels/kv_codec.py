@@ -40,8 +40,13 @@ break the whole-trailing-dims rule once the grid splits K. XLA performs the dona
 place, so the only traffic is the chunk itself. Nothing here has been compiled for a GPU or TPU;
 it is tested with `interpret=True` on CPU (`interpret=False` raises on CPU).
 
-File order (STYLE.md "Kernels"): constants, payloads, references, validation, kernel bodies,
-jitted wrappers.
+Measured on real SmolLM2-135M KV (1024 tokens, chunks of 256, f32; scripts/codec_error.py),
+relative L2 error of the chunk, max over chunks: int8 0.54%, int4 5.1% (V alone 8.6%), cachegen
+levels 0..3: 1.6%, 3.2%, 6.3%, 12.6%.
+
+File order (STYLE.md "Kernels"): constants (no tunable block sizes: a grid step is one whole
+(layer, kv head) slice of the chunk), payloads, references, validation, kernel bodies, jitted
+wrappers.
 """
 
 from __future__ import annotations
@@ -443,6 +448,12 @@ def _concrete_int(x):
   return int(x)
 
 
+def _check_backend(interpret, use_pallas) -> None:
+  if use_pallas and not interpret and jax.default_backend() == "cpu":
+    raise ValueError("compiled Pallas kernels need a GPU or TPU; on CPU pass use_pallas=False "
+                     "(the jnp reference) or interpret=True")
+
+
 def _check_decode(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH) -> None:
   """Validates `kv_decode` arguments (slot/start bounds only when they are concrete)."""
   l_, c, k, h = validate_payload(payload)
@@ -659,10 +670,13 @@ def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, st
 
   Raises:
     ValueError: a payload that breaks the contract, caches or cos/sin of the wrong shape or
-      dtype, or a concrete slot/start out of range.
+      dtype, a concrete slot/start out of range, or compiled Pallas (use_pallas=True,
+      interpret=False) on a CPU backend.
   """
   _check_decode(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH)
-  return _kv_decode_jit(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH,
+  _check_backend(interpret, use_pallas)
+  return _kv_decode_jit(payload, k_LBSKH, v_LBSKH, jnp.asarray(slot, jnp.int32),
+                        jnp.asarray(start, jnp.int32), cos_CH, sin_CH,
                         interpret=bool(interpret), use_pallas=bool(use_pallas))
 
 
@@ -740,9 +754,11 @@ def kv_encode(kv_L2CKH: jax.Array, codec: str, level: int = 0, *, interpret: boo
     (`kv_encode_host` does).
 
   Raises:
-    ValueError: unknown codec or level, or a chunk of the wrong rank, shape or dtype.
+    ValueError: unknown codec or level, a chunk of the wrong rank, shape or dtype, or compiled
+      Pallas (use_pallas=True, interpret=False) on a CPU backend.
   """
   group, stride = _check_encode(kv_L2CKH, codec, level, group_tokens, anchor_stride)
+  _check_backend(interpret, use_pallas and codec != CODEC_RAW)
   return _kv_encode_jit(kv_L2CKH, codec=codec, level=int(level), group=group, stride=stride,
                         interpret=bool(interpret), use_pallas=bool(use_pallas))
 

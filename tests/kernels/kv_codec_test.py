@@ -121,8 +121,9 @@ class KVDecodeTest(parameterized.TestCase):
     payload = kc.encode_reference(random_kv(1), codec, level, group_tokens=16)
     slot, start = 1, 5  # not block aligned
     cos, sin = rope_tables(start)
-    k, v = self.decode(payload, nan_cache(DTYPES[dtype]), nan_cache(DTYPES[dtype]), slot, start,
-                       cos, sin, use_pallas)
+    k_in, v_in = nan_cache(DTYPES[dtype]), nan_cache(DTYPES[dtype])
+    k, v = self.decode(payload, k_in, v_in, slot, start, cos, sin, use_pallas)
+    self.assertTrue(k_in.is_deleted() and v_in.is_deleted())  # donated, updated in place
     self.assertEqual(k.dtype, DTYPES[dtype])
     self.assertEqual(k.shape, (L, SLOTS, S_MAX, K, H))
     x = np_dequantize(codec, kc.payload_arrays(payload))
@@ -423,6 +424,17 @@ class KVEncodeTest(parameterized.TestCase):
 
 
 class PayloadTest(absltest.TestCase):
+
+  def test_compiled_pallas_on_cpu_is_a_clear_error(self):
+    if jax.default_backend() != "cpu":
+      self.skipTest("only CPU refuses compiled Pallas")
+    kv = random_kv(12)
+    with self.assertRaisesRegex(ValueError, "use_pallas=False"):
+      kc.kv_encode(kv, "int8")
+    payload = kc.encode_reference(kv, "int8")
+    cos, sin = rope_tables(0)
+    with self.assertRaisesRegex(ValueError, "interpret=True"):
+      kc.kv_decode(payload, nan_cache(jnp.float32), nan_cache(jnp.float32), 0, 0, cos, sin)
 
   def test_dict_round_trip(self):
     kv = random_kv(9)
