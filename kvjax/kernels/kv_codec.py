@@ -437,8 +437,10 @@ def _check_encode(kv_L2CKH, codec, level, group_tokens, anchor_stride) -> tuple[
       raise ValueError(f"{name}={value!r} must be a positive int dividing the chunk's C={c}")
     return int(value)
 
-  return (tokens(group_tokens, INT4_GROUP_TOKENS, "group_tokens"),
-          tokens(anchor_stride, CACHEGEN_ANCHOR_STRIDE, "anchor_stride"))
+  # Only the codec's own parameter is checked; the other is 0 (one compile per real variant).
+  return (tokens(group_tokens, INT4_GROUP_TOKENS, "group_tokens") if codec == CODEC_INT4 else 0,
+          tokens(anchor_stride, CACHEGEN_ANCHOR_STRIDE, "anchor_stride")
+          if codec == CODEC_CACHEGEN else 0)
 
 
 def _concrete_int(x):

@@ -9,8 +9,9 @@ from absl.testing import absltest, parameterized
 from kvjax.kernels import kv_codec as kc
 from kvjax.models import kv_cache
 
-# Both execution paths run every test body: the Pallas kernels in interpret mode (CPU), and the
-# pure-jnp reference path the CPU engine uses.
+# Both execution paths run every test body: the Pallas kernels (interpret mode on CPU, compiled
+# on an accelerator), and the pure-jnp reference path the CPU engine uses.
+INTERPRET = jax.default_backend() == "cpu"
 MODES = (dict(testcase_name="pallas", use_pallas=True),
          dict(testcase_name="reference", use_pallas=False))
 CODEC_LEVELS = [(c, lv) for c in kc.CODEC_LEVELS for lv in kc.CODEC_LEVELS[c]]
@@ -114,7 +115,7 @@ class KVDecodeTest(parameterized.TestCase):
 
   def decode(self, payload, k, v, slot, start, cos, sin, use_pallas):
     return kc.kv_decode(payload, k, v, np.int32(slot), np.int32(start), cos, sin,
-                        interpret=True, use_pallas=use_pallas)
+                        interpret=INTERPRET, use_pallas=use_pallas)
 
   @parameterized.named_parameters(*modes_x(*DECODE_CASES))
   def test_matches_oracle_and_leaves_the_rest_untouched(self, use_pallas, codec, level, dtype):
@@ -142,7 +143,7 @@ class KVDecodeTest(parameterized.TestCase):
   @parameterized.named_parameters(*modes_x(*[(d, dict(dtype=d)) for d in DTYPES]))
   def test_raw_round_trip_is_bit_exact(self, use_pallas, dtype):
     kv = jnp.asarray(random_kv(2), DTYPES[dtype])
-    payload, finite = kc.kv_encode(kv, "raw", interpret=True, use_pallas=use_pallas)
+    payload, finite = kc.kv_encode(kv, "raw", interpret=INTERPRET, use_pallas=use_pallas)
     self.assertTrue(bool(finite))
     arrays = kc.payload_arrays(payload)
     np.testing.assert_array_equal(arrays["values"], np.asarray(kv))
@@ -268,7 +269,7 @@ class KVDecodeTest(parameterized.TestCase):
       args.update(bad)
       with self.subTest(name), self.assertRaises(ValueError):
         kc.kv_decode(args["payload"], args["k"], args["v"], args["slot"], args["start"],
-                     args["cos"], args["sin"], interpret=True, use_pallas=use_pallas)
+                     args["cos"], args["sin"], interpret=INTERPRET, use_pallas=use_pallas)
 
   @parameterized.named_parameters(*MODES)
   def test_traced_slot_and_start(self, use_pallas):
@@ -277,7 +278,7 @@ class KVDecodeTest(parameterized.TestCase):
 
     @jax.jit
     def run(k, v, slot, start):
-      return kc.kv_decode(payload, k, v, slot, start, cos, sin, interpret=True,
+      return kc.kv_decode(payload, k, v, slot, start, cos, sin, interpret=INTERPRET,
                           use_pallas=use_pallas)
 
     k, _ = run(nan_cache(jnp.float32), nan_cache(jnp.float32), jnp.int32(1), jnp.int32(3))
@@ -291,7 +292,7 @@ class KVEncodeTest(parameterized.TestCase):
   @parameterized.named_parameters(*modes_x(*ENCODE_CASES))
   def test_matches_reference(self, use_pallas, codec, level, dtype):
     kv = jnp.asarray(random_kv(5), DTYPES[dtype])
-    payload, finite = kc.kv_encode(kv, codec, level, interpret=True, use_pallas=use_pallas)
+    payload, finite = kc.kv_encode(kv, codec, level, interpret=INTERPRET, use_pallas=use_pallas)
     want = kc.encode_reference(kv, codec, level)
     self.assertTrue(bool(finite))
     self.assertIsInstance(payload, kc.PAYLOAD_TYPES[codec])
@@ -316,7 +317,7 @@ class KVEncodeTest(parameterized.TestCase):
     kv = np.zeros((1, 2, 2, 1, 4), np.float32)
     kv[0, 0, :, 0] = [[1, 0, -2, 0], [-4, 0, 0.5, 3]]
     kv[0, 1] = 2 * kv[0, 0]
-    p, _ = kc.kv_encode(kv, "int8", interpret=True, use_pallas=use_pallas)
+    p, _ = kc.kv_encode(kv, "int8", interpret=INTERPRET, use_pallas=use_pallas)
     # absmax [4, 0, 2, 3]: 1 / (4/127) = 31.75 -> 32; 0.5 / (2/127) = 31.75 -> 32; zero channel 0.
     want_q = [[32, 0, -127, 0], [-127, 0, 32, 127]]
     np.testing.assert_array_equal(np.asarray(p.q)[0, 0, :, 0], want_q)
@@ -330,7 +331,7 @@ class KVEncodeTest(parameterized.TestCase):
     kv = np.zeros((1, 2, 2, 1, 4), np.float32)
     kv[0, 0, :, 0] = [[0, 1, 2, 3], [15, 16, 32, 3]]
     kv[0, 1] = -kv[0, 0]
-    p, _ = kc.kv_encode(kv, "int4", interpret=True, use_pallas=use_pallas, group_tokens=2)
+    p, _ = kc.kv_encode(kv, "int4", interpret=INTERPRET, use_pallas=use_pallas, group_tokens=2)
     # K ranges [0,15], [1,16], [2,32], [3,3]: scale [1, 1, 2, 0], zero = min, codes [0..] and
     # [15, 15, 15, 0] (a flat channel has scale 0 and code 0). Bytes: low nibble = even h.
     np.testing.assert_array_equal(np.asarray(p.q)[0, 0, :, 0], [[0, 0], [255, 15]])
@@ -346,7 +347,7 @@ class KVEncodeTest(parameterized.TestCase):
     # 3 layers with the same data, C = 4 tokens, anchors every T = 2, H = 2, level 1.
     kv = np.zeros((3, 2, 4, 1, 2), np.float32)
     kv[:, :, :, 0, 0] = [126, 128, 0, 0]
-    p, _ = kc.kv_encode(kv, "cachegen", 1, interpret=True, use_pallas=use_pallas,
+    p, _ = kc.kv_encode(kv, "cachegen", 1, interpret=INTERPRET, use_pallas=use_pallas,
                         anchor_stride=2)
     # Channel 0: anchors (group means) [127, 0] -> scale 127/127 = 1, codes [127, 0]; deltas
     # [-1, 1, 0, 0], rms sqrt(1/2). Layer groups 0, 1, 2 have bins 0.5, 1, 1.5 at level 1:
@@ -371,16 +372,16 @@ class KVEncodeTest(parameterized.TestCase):
     for bad in (np.nan, np.inf, -np.inf):
       kv = random_kv(6)
       kv[1, 1, 3, 2, 5] = bad
-      _, finite = kc.kv_encode(kv, codec, interpret=True, use_pallas=use_pallas)
+      _, finite = kc.kv_encode(kv, codec, interpret=INTERPRET, use_pallas=use_pallas)
       self.assertFalse(bool(finite))
       with self.assertRaisesRegex(ValueError, "NaN/inf"):
-        kc.kv_encode_host(kv, codec, interpret=True, use_pallas=use_pallas)
+        kc.kv_encode_host(kv, codec, interpret=INTERPRET, use_pallas=use_pallas)
 
   @parameterized.named_parameters(*MODES)
   def test_int4_float16_overflow_detected(self, use_pallas):
     kv = random_kv(7)
     kv[0, 0, 0, 0, 0] = -1e6  # finite in f32, beyond float16's zero/scale range
-    _, finite = kc.kv_encode(kv, "int4", interpret=True, use_pallas=use_pallas)
+    _, finite = kc.kv_encode(kv, "int4", interpret=INTERPRET, use_pallas=use_pallas)
     self.assertFalse(bool(finite))
 
   @parameterized.named_parameters(*MODES)
@@ -394,17 +395,25 @@ class KVEncodeTest(parameterized.TestCase):
         "group": (kv, "int4", 0, dict(group_tokens=5)),
         "stride": (kv, "cachegen", 0, dict(anchor_stride=0)),
         "list": (kv.tolist(), "int8", 0, {}),
+        "stride vs C": (kv[:, :, :24], "cachegen", 0, {}),
     }
     for name, (x, codec, level, kw) in cases.items():
       with self.subTest(name), self.assertRaises(ValueError):
-        kc.kv_encode(x, codec, level, interpret=True, use_pallas=use_pallas, **kw)
+        kc.kv_encode(x, codec, level, interpret=INTERPRET, use_pallas=use_pallas, **kw)
+
+  @parameterized.named_parameters(*MODES)
+  def test_other_codecs_ignore_the_cachegen_stride(self, use_pallas):
+    kv = random_kv(13)[:, :, :24]  # C = 24: no anchor stride of 16, but int8 needs none
+    payload, finite = kc.kv_encode(kv, "int8", interpret=INTERPRET, use_pallas=use_pallas)
+    self.assertTrue(bool(finite))
+    self.assertLess(rel_err(np.asarray(kc.dequantize_reference(payload)), kv), 0.01)
 
   @parameterized.named_parameters(*modes_x(*CODEC_CASES))
   def test_error_bound_on_synthetic_kv(self, use_pallas, codec, level):
     bound = {("raw", 0): 0.0, ("int8", 0): 0.01, ("int4", 0): 0.08, ("cachegen", 0): 0.02,
              ("cachegen", 1): 0.04, ("cachegen", 2): 0.08, ("cachegen", 3): 0.16}
     kv = synthetic_kv()
-    payload, _ = kc.kv_encode(kv, codec, level, interpret=True, use_pallas=use_pallas)
+    payload, _ = kc.kv_encode(kv, codec, level, interpret=INTERPRET, use_pallas=use_pallas)
     err = rel_err(np.asarray(kc.dequantize_reference(payload)), kv)
     self.assertLessEqual(err, bound[codec, level])
     if codec != "raw":
@@ -416,7 +425,7 @@ class KVEncodeTest(parameterized.TestCase):
     # A spike 1000x the rest must not clip: the step covers max|delta| / 127.
     kv = synthetic_kv(1)
     kv[1, 1, 17, 0, 3] = 1000.0
-    p, _ = kc.kv_encode(kv, codec, level, interpret=True, use_pallas=use_pallas)
+    p, _ = kc.kv_encode(kv, codec, level, interpret=INTERPRET, use_pallas=use_pallas)
     err = np.abs(np.asarray(kc.dequantize_reference(p)) - kv)
     step = p.scale if codec == "int8" else p.delta_step
     half = np.asarray(step)[:, :, None] / 2
