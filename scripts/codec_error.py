@@ -15,6 +15,8 @@ dequantization, and the script prints, per codec and level:
 
     .venv/bin/python scripts/codec_error.py
     .venv/bin/python scripts/codec_error.py --num_tokens 1024 --chunk 256 --interpret
+
+Writes benchmarks/results/codec_error.json (inputs, constants, machine, git SHA, results).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import time
 
 import numpy as np
 from absl import app, flags
+
+from benchlib import git_sha, machine  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 _BOOK_NAME = "pg43_jekyll_and_hyde_stevenson.txt"
@@ -39,7 +43,8 @@ _INT4_GROUP = flags.DEFINE_integer("int4_group_tokens", None, "int4 group G (def
                                    "codec's INT4_GROUP_TOKENS).")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Encode with the Pallas kernels in interpret "
                                "mode instead of the jnp reference (slow on CPU).")
-_OUT = flags.DEFINE_string("out", None, "Optional JSON output path.")
+_OUT = flags.DEFINE_string("out", str(REPO / "benchmarks" / "results" / "codec_error.json"),
+                           "JSON output path ('' for none).")
 
 
 def find_book() -> str:
@@ -74,8 +79,30 @@ def real_kv_chunks(book: str) -> tuple[list[np.ndarray], dict]:
     out = runner.prefill_chunk(ids[start:start + c], 0, start)
     chunks.append(np.stack([np.asarray(out.k_pre_rope_LTKH), np.asarray(out.v_LTKH)], axis=1))
   info = {"book": os.path.basename(book), "tokens": len(ids), "offset_tokens": _OFFSET.value,
-          "chunk": c, "shape_L2CKH": list(chunks[0].shape)}
+          "chunk": c, "shape_L2CKH": list(chunks[0].shape),
+          "raw_decode_vs_prefill_cache_max_abs": raw_decode_check(runner, chunks, loaded.config)}
   return chunks, info
+
+
+def raw_decode_check(runner, chunks, cfg) -> float:
+  """Max |difference| between the prefill's own cache and `kv_decode` of the raw chunks at the
+  same positions (K rotated by the codec path, V copied): the RoPE and layout contract."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
+  from kvjax.models.layers import rope_inv_freq  # noqa: PLC0415
+
+  inv_freq = rope_inv_freq(cfg)
+  k_cache, v_cache = np.asarray(runner.cache.k_LBSKH), np.asarray(runner.cache.v_LBSKH)
+  k, v = jnp.zeros_like(k_cache), jnp.zeros_like(v_cache)
+  c = chunks[0].shape[2]
+  for i, kv in enumerate(chunks):
+    angles = (i * c + np.arange(c, dtype=np.float32))[:, None] * inv_freq
+    angles = np.concatenate([angles, angles], axis=-1)
+    k, v = kc.kv_decode(kc.RawPayload(kv), k, v, 0, i * c, np.cos(angles), np.sin(angles),
+                        use_pallas=False)
+  n = len(chunks) * c
+  return float(max(np.abs(np.asarray(k)[:, 0, :n] - k_cache[:, 0, :n]).max(),
+                   np.abs(np.asarray(v)[:, 0, :n] - v_cache[:, 0, :n]).max()))
 
 
 def entropy_bits(codes: np.ndarray) -> float:
@@ -116,7 +143,8 @@ def main(argv):
   chunks, info = real_kv_chunks(find_book())
   print(f"SmolLM2-135M-Instruct f32 KV: {info['tokens']} tokens of {info['book']} "
         f"(from token {info['offset_tokens']}), {len(chunks)} chunks of {info['chunk']}, "
-        f"chunk shape {info['shape_L2CKH']} ({time.perf_counter() - t0:.1f} s)")
+        f"chunk shape {info['shape_L2CKH']} ({time.perf_counter() - t0:.1f} s); raw kv_decode "
+        f"vs the prefill's cache: max |diff| {info['raw_decode_vs_prefill_cache_max_abs']:.2e}")
   results = []
   for codec, levels in kc.CODEC_LEVELS.items():
     for level in levels:
@@ -149,6 +177,8 @@ def main(argv):
         "empirical entropy of anchor_q + delta_q plus f32 scales, model cost excluded")
   if _OUT.value:
     record = {"script": "codec_error", "info": info, "jax": jax.__version__,
+              "machine": machine(), "git_sha": git_sha(),
+              "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "interpret": _INTERPRET.value, "int4_group_tokens": _INT4_GROUP.value,
               "constants": {"CACHEGEN_LEVEL_BINS": kc.CACHEGEN_LEVEL_BINS,
                             "CACHEGEN_STEPS_PER_RMS": kc.CACHEGEN_STEPS_PER_RMS,

@@ -611,15 +611,15 @@ def _kernel_inputs(payload):
 def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret):
   """Pallas dequantize + RoPE: (k_LCKH, v_LCKH) in `dtype`, K rotated."""
   codec = codec_of(payload)
-  l_, c, k, h = validate_payload(payload)
+  l_, c, k_, h = validate_payload(payload)
   arrays, specs = _kernel_inputs(payload)
   cs_spec = pl.BlockSpec((c, h), lambda l, k: (0, 0))
   out_spec = pl.BlockSpec((None, None, c, h), lambda l, k: (l, k, 0, 0))
-  out_shape = jax.ShapeDtypeStruct((l_, k, c, h), dtype)
+  out_shape = jax.ShapeDtypeStruct((l_, k_, c, h), dtype)
   k_LKCH, v_LKCH = pl.pallas_call(
       functools.partial(_decode_kernel, _DEQUANT_BLOCK[codec]),
       out_shape=(out_shape, out_shape),
-      grid=(l_, k),
+      grid=(l_, k_),
       in_specs=specs + [cs_spec, cs_spec],
       out_specs=(out_spec, out_spec),
       interpret=interpret,
@@ -683,13 +683,13 @@ def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, st
 
 
 def _encode_pallas(x_L2CKH, codec, level, group, stride, interpret):
-  l_, _, c, k, h = x_L2CKH.shape
+  l_, _, c, k_, h = x_L2CKH.shape
   x_spec = _head_spec(c, h)
 
   def call(kernel, outs):
-    out_shape = [jax.ShapeDtypeStruct((l_, 2, k, n, hh), dt) for n, hh, dt in outs]
+    out_shape = [jax.ShapeDtypeStruct((l_, 2, k_, n, hh), dt) for n, hh, dt in outs]
     return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(l_, k), in_specs=[x_spec],
+        kernel, out_shape=out_shape, grid=(l_, k_), in_specs=[x_spec],
         out_specs=[_head_spec(n, hh) for n, hh, _ in outs], interpret=interpret,
         name=f"kv_encode_{codec}")(_heads(x_L2CKH))
 
