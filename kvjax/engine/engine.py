@@ -143,6 +143,7 @@ class _Tracked:
   pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
   lookup: PrefixLookup | None = None
   rejected: set[int] = dataclasses.field(default_factory=set)
+  staged: list[LoadResult] = dataclasses.field(default_factory=list)  # landed before a slot
 
 
 class Engine:
@@ -185,6 +186,9 @@ class Engine:
     self.check_writes = check_writes
     self.cost_model = CostModel()
     self._last_landing_s = 0.0
+    self._timed_sizes: set[int] = set()  # chunk sizes run once (the first run compiles)
+    #: Stored bytes of landed chunks held for requests that have no slot yet.
+    self.staged_bytes = 0
     self.runner = runner
     self.kv_store = kv_store
     self.tokenizer = tokenizer
@@ -268,7 +272,9 @@ class Engine:
     """Ends a request wherever it is (queued, prefilling, decoding); its loads are cancelled and
     their staging released. Unknown ids are ignored."""
     if self.scheduler.finish_request(request_id, "abort") is not None:
-      self._tracked.pop(request_id, None)
+      tracked = self._tracked.pop(request_id, None)
+      if tracked is not None:
+        self.staged_bytes -= sum(r.nbytes for r in tracked.staged)
       if self.kv_store is not None:
         self.kv_store.cancel_loads(request_id)
 
@@ -286,6 +292,7 @@ class Engine:
       self._take_loads(self.kv_store.landed())
       self._issue_loads()
     plan = self.scheduler.schedule(now_s=self._clock())
+    self._insert_staged()
     if plan.is_empty:
       self._wait_for_loads()
       return []
@@ -304,7 +311,10 @@ class Engine:
       t0 = time.perf_counter()
       out = self.runner.prefill_chunk(ids, chunk.slot, chunk.start)
       out.logits.block_until_ready()  # the cost model needs this chunk's own time
-      self.cost_model.observe_compute(chunk.start, chunk.num_tokens, time.perf_counter() - t0)
+      size = self.runner.bucket_for(chunk.num_tokens)
+      if size in self._timed_sizes:  # a size's first run includes its compile
+        self.cost_model.observe_compute(chunk.start, chunk.num_tokens, time.perf_counter() - t0)
+      self._timed_sizes.add(size)
       tracked.metrics.num_computed_tokens += chunk.num_tokens
       if self.kv_store is not None:
         tracked.pieces.append((chunk.start, out.k_pre_rope_LTKH, out.v_LTKH))
@@ -315,8 +325,12 @@ class Engine:
 
   # ----------------------------------------------------------------------------- loads
   def _issue_loads(self) -> None:
-    """Asks each prefilling Cake merge for loads (last chunk first) and starts them."""
-    for r in self.scheduler.cake_requests():
+    """Asks each Cake merge for loads (last chunk first) and starts them.
+
+    Loads start at arrival, before the request holds a slot: chunks that land before it has one
+    are staged on the host (`staged_bytes`) and inserted when it is admitted.
+    """
+    for r in self.scheduler.cake_requests(include_waiting=True):
       tracked = self._tracked[r.request_id]
       while (index := r.merge.next_load(self._clock(), self.cost_model)) is not None:
         self.kv_store.start_load(r.request_id, index, tracked.lookup, r.prompt_token_ids)
@@ -340,11 +354,11 @@ class Engine:
                                 level=self._level_name(res))
       m = tracked.metrics
       if verdict is LoadVerdict.INSERT:
-        c = self.kv_store.chunk_size
-        self._insert(res, tracked.request.slot, res.index * c)
-        merge.inserted(res.index)
-        m.num_loaded_tokens += c
-        m.loaded_from_tiers.append(res.result.tier)
+        if tracked.request.slot is None:
+          tracked.staged.append(res)
+          self.staged_bytes += res.nbytes
+        else:
+          self._insert_landed(tracked, res)
       elif verdict is LoadVerdict.REJECTED:
         m.num_rejected_chunks += 1
         tracked.rejected.add(res.index)
@@ -352,6 +366,24 @@ class Engine:
                      res.result.reason.value, res.result.detail)
       else:
         m.num_wasted_chunks += 1
+
+  def _insert_landed(self, tracked: _Tracked, res: LoadResult) -> None:
+    c = self.kv_store.chunk_size
+    self._insert(res, tracked.request.slot, res.index * c)
+    tracked.request.merge.inserted(res.index)
+    tracked.metrics.num_loaded_tokens += c
+    tracked.metrics.loaded_from_tiers.append(res.result.tier)
+
+  def _insert_staged(self) -> None:
+    """Inserts chunks that landed before their request was admitted (it now holds a slot)."""
+    if not self.staged_bytes:
+      return
+    for tracked in self._tracked.values():
+      if tracked.staged and tracked.request.slot is not None:
+        for res in tracked.staged:
+          self._insert_landed(tracked, res)
+          self.staged_bytes -= res.nbytes
+        tracked.staged = []
 
   def _level_name(self, res: LoadResult) -> str | None:
     if not isinstance(res.result, ChunkHit):
@@ -370,7 +402,7 @@ class Engine:
     now = self._clock()
     wait = _MAX_LOAD_WAIT_S
     for r in self.scheduler.cake_requests():
-      t = r.merge.recheck_s(now)
+      t = r.merge.recheck_s(now, self.cost_model)
       if t is not None:
         wait = min(wait, max(0.0, t - now))
     self._take_loads(self.kv_store.landed(wait_s=wait))

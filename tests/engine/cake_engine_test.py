@@ -1,0 +1,130 @@
+"""The engine's bidirectional prefix path (Cake): hits equal cold runs in every merge mode.
+
+Compute from the front and loads from the back meet wherever timing puts them; whatever the
+meeting point, the greedy tokens and the first token's log-probabilities must equal a cold run
+(the simulator in tests/testing/cake_sim_test.py forces each meeting point exactly). Each engine
+here keeps the per-position writer map on, so a position written twice raises.
+"""
+
+import os
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from kvjax import LLM, SamplingParams
+
+C = 16
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
+PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, 256, 3 * C + 17)]
+LENGTHS = (1, C - 1, C, C + 1, 3 * C, 3 * C + 17)
+
+
+def make_llm(store, mode="cake", **kw):
+  llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+            kv_chunk_size=C, kv_merge_mode=mode, **kw)
+  llm.engine.check_writes = True
+  return llm
+
+
+class CakeEngineTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cold = make_llm(None)
+    cls.cold = {n: cold.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)[0] for n in LENGTHS}
+
+  def assert_equals_cold(self, out, n):
+    want = self.cold[n]
+    self.assertEqual(out.token_ids, want.token_ids)
+    got_lp, want_lp = out.logprobs[0], want.logprobs[0]
+    self.assertEqual(set(got_lp), set(want_lp))
+    for t in want_lp:
+      self.assertAlmostEqual(got_lp[t], want_lp[t], delta=1e-4)
+
+  def assert_accounting(self, out, n, stored_chunks):
+    trace = out.metrics.merge
+    candidates = (n - 1) // C  # full chunks before the last token
+    if trace is None:  # nothing stored: plain prefill
+      self.assertEqual(min(stored_chunks, candidates), 0)
+      self.assertEqual(out.metrics.num_computed_tokens, n)
+      return
+    self.assertEqual(trace.num_chunks, candidates)
+    self.assertLessEqual(len(trace.chunks_loaded), stored_chunks)
+    done = set(trace.chunks_computed) | set(trace.chunks_loaded)
+    self.assertEqual(done, set(range(candidates)))  # every prefix chunk written ...
+    self.assertFalse(set(trace.chunks_computed) & set(trace.chunks_loaded))  # ... once
+    self.assertEqual(out.num_cached_tokens, C * len(trace.chunks_loaded))
+    self.assertEqual(out.metrics.num_computed_tokens + out.num_cached_tokens, n)
+
+  @parameterized.product(mode=("cake", "load_only", "compute_only"), n=LENGTHS)
+  def test_every_stored_prefix_length_equals_cold(self, mode, n):
+    llm = make_llm("memory://", mode=mode)
+    for stored in range((n - 1) // C + 1):
+      with self.subTest(stored_chunks=stored):
+        salt = f"stored-{stored}"  # a fresh key namespace per case (tenant isolation)
+        if stored:  # store exactly `stored` chunks of the prompt's prefix
+          llm.generate({"prompt_token_ids": PROMPT[:stored * C + 1], "cache_salt": salt},
+                       PARAMS)
+          llm.flush()
+        out = llm.generate({"prompt_token_ids": PROMPT[:n], "cache_salt": salt}, PARAMS)[0]
+        self.assert_equals_cold(out, n)
+        self.assert_accounting(out, n, stored)
+        if mode == "compute_only":
+          self.assertEqual(out.num_cached_tokens, 0)
+        if mode == "load_only":
+          self.assertEqual(out.num_cached_tokens, C * min(stored, (n - 1) // C))
+    llm.close()
+
+  @parameterized.parameters("cake", "load_only")
+  def test_missing_middle_and_corrupt_chunks_are_computed(self, mode):
+    root = self.create_tempdir().full_path
+    llm = make_llm(f"file://{root}", mode=mode)
+    n = 3 * C + 17
+    llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)
+    llm.flush()
+    from kvjax.storage import keys  # noqa: PLC0415
+    hashes = keys.chunk_hashes(llm.kv_store.namespace(None), PROMPT[:n])
+    os.remove(os.path.join(root, "index", f"{hashes[1]}.json"))  # missing middle chunk
+    data = []
+    for d, _, files in os.walk(os.path.join(root, "data")):
+      data += [os.path.join(d, f) for f in files if hashes[2] in d or hashes[2] in f]
+    for victim in data:  # truncate chunk 2's data: it fails when loaded
+      with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    out = llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)[0]
+    self.assert_equals_cold(out, n)
+    self.assert_accounting(out, n, 3)
+    trace = out.metrics.merge
+    self.assertIn(1, trace.chunks_computed)
+    self.assertIn(2, trace.chunks_computed)
+    if mode == "load_only":
+      self.assertEqual((trace.chunks_loaded, trace.chunks_rejected), ([0], [2]))
+    llm.close()
+
+  def test_cancelled_loads_release_their_staging(self):
+    llm = make_llm("memory://")
+    engine = llm.engine
+    n = 3 * C + 17
+    llm.generate({"prompt_token_ids": PROMPT[:n]}, SamplingParams(max_tokens=1))
+    llm.flush()
+    stats = llm.kv_store.loader_stats
+    rng = np.random.default_rng(0)
+    for i in range(100):
+      rid = engine.add_request(PROMPT[:int(rng.integers(1, n + 1))],
+                               SamplingParams(max_tokens=int(rng.integers(1, 3))))
+      for _ in range(int(rng.integers(0, 3))):  # abort some mid-flight, others run to the end
+        engine.step()
+      if i % 3 == 0:
+        engine.abort_request(rid)
+      while engine.has_unfinished_requests():
+        engine.step()
+    self.assertEqual((stats.in_flight, stats.staged_bytes, engine.staged_bytes), (0, 0, 0))
+    self.assertEqual(stats.started, stats.landed + stats.cancelled)
+    self.assertEqual(llm.kv_store.loads_in_flight(), 0)
+    self.assertGreater(stats.started, 0)
+    llm.close()
+
+
+if __name__ == "__main__":
+  absltest.main()
