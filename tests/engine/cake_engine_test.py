@@ -94,12 +94,12 @@ class CakeEngineTest(parameterized.TestCase):
         f.truncate(os.path.getsize(victim) // 2)
     out = llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)[0]
     self.assert_equals_cold(out, n)
-    self.assert_accounting(out, n, 3)
+    self.assert_accounting(out, n, 4)
     trace = out.metrics.merge
     self.assertIn(1, trace.chunks_computed)
     self.assertIn(2, trace.chunks_computed)
     if mode == "load_only":
-      self.assertEqual((trace.chunks_loaded, trace.chunks_rejected), ([0], [2]))
+      self.assertEqual((trace.chunks_loaded, trace.chunks_rejected), ([3, 0], [2]))
     llm.close()
 
   def test_cancelled_loads_release_their_staging(self):
