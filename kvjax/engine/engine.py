@@ -35,8 +35,10 @@ from kvjax._typing import RequestId
 from kvjax.engine import sampling
 from kvjax.engine.kv_store_client import KVStoreClient, LoadResult, PrefixLookup, SaveJob
 from kvjax.models.runner import ModelRunner
+from kvjax.kernels import kv_codec
 from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace
 from kvjax.scheduler.cost_model import CostModel
+from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvjax.storage.types import ChunkHit
@@ -45,6 +47,28 @@ _log = logging.getLogger(__name__)
 
 #: Longest single wait for a load to land, seconds (the engine re-plans after it).
 _MAX_LOAD_WAIT_S = 1.0
+
+#: Accuracy order of the encodings this engine decodes (0 = exact), from their relative L2 error
+#: on real SmolLM2 KV (scripts/codec_error.py: int8 0.54%, cachegen/0 1.6%, cachegen/1 3.2%,
+#: int4 5.1%, cachegen/2 6.3%, cachegen/3 12.6%). The level policy loads the most accurate
+#: encoding that lands in time (CacheGen, arXiv 2310.07240, section 5.3).
+QUALITY_RANK = {("raw", 0): 0, ("int8", 0): 1, ("cachegen", 0): 2, ("cachegen", 1): 3,
+                ("int4", 0): 4, ("cachegen", 2): 5, ("cachegen", 3): 6}
+
+
+def _encoding_name(codec: str, level: int) -> str:
+  return f"{codec}/{level}"
+
+
+def _candidates(record) -> list[Candidate]:
+  """The encodings of a stored chunk this engine can decode, as level-policy candidates."""
+  if record is None:
+    return []
+  return [Candidate(_encoding_name(e.codec, e.level), int(e.nbytes),
+                    QUALITY_RANK[(e.codec, e.level)])
+          for e in record.encodings
+          if (e.codec, e.level) in QUALITY_RANK
+          and kv_codec.CODEC_VERSIONS.get(e.codec) == e.codec_version]
 
 
 class TokenizerLike(Protocol):
@@ -144,6 +168,13 @@ class _Tracked:
   lookup: PrefixLookup | None = None
   rejected: set[int] = dataclasses.field(default_factory=set)
   staged: list[LoadResult] = dataclasses.field(default_factory=list)  # landed before a slot
+
+
+def _choose_named(name: str):
+  """A store chooser taking the encoding the level policy picked (by "codec/level")."""
+  def choose(encodings):
+    return next((e for e in encodings if _encoding_name(e.codec, e.level) == name), None)
+  return choose
 
 
 class Engine:
@@ -255,12 +286,17 @@ class Engine:
         metrics=RequestMetrics(arrival_s=request.arrival_s),
         logprobs=[] if params.logprobs is not None else None, cache_salt=cache_salt)
     if self.kv_store is not None:
-      tracked.lookup = self.kv_store.lookup(ids, cache_salt)
-      if any(tracked.lookup.hits):
+      lookup = tracked.lookup = self.kv_store.lookup(ids, cache_salt)
+      hits, encodings = lookup.hits, None
+      if lookup.records:  # choose levels per chunk from the stored encodings
+        encodings = [_candidates(r) if h else None for h, r in zip(hits, lookup.records)]
+        hits = [bool(e) for e in encodings]  # nothing decodable: compute it
+        encodings = [e or None for e in encodings]
+      if any(hits):
         request.merge = CakeMerge(
-            len(ids), self.kv_store.chunk_size, tracked.lookup.hits, self.merge_mode,
-            chunk_nbytes=self.kv_store.layout.nbytes,
-            max_loads_in_flight=self.max_loads_in_flight,
+            len(ids), self.kv_store.chunk_size, hits, self.merge_mode,
+            chunk_nbytes=None if encodings is not None else self.kv_store.layout.nbytes,
+            encodings=encodings, max_loads_in_flight=self.max_loads_in_flight,
             kv_ttft_target_s=self.kv_ttft_target_s, arrival_s=request.arrival_s,
             check_writes=self.check_writes)
         tracked.metrics.merge = request.merge.trace
@@ -333,7 +369,10 @@ class Engine:
     for r in self.scheduler.cake_requests(include_waiting=True):
       tracked = self._tracked[r.request_id]
       while (index := r.merge.next_load(self._clock(), self.cost_model)) is not None:
-        self.kv_store.start_load(r.request_id, index, tracked.lookup, r.prompt_token_ids)
+        chosen = r.merge.load_encoding(index)
+        choose = None if chosen is None else _choose_named(chosen.name)
+        self.kv_store.start_load(r.request_id, index, tracked.lookup, r.prompt_token_ids,
+                                 choose=choose)
 
   def _take_loads(self, results: list[LoadResult]) -> None:
     """Hands landed loads to their merges; inserts the chunks the merges accept."""
@@ -392,8 +431,12 @@ class Engine:
     return f"{e.codec}/{e.level}"
 
   def _insert(self, res: LoadResult, slot: int, start: int) -> None:
-    """Writes a landed chunk into the slot at `[start, start + C)` (RoPE applied to K there)."""
-    self.runner.insert_chunk(res.result.kv, slot, start)
+    """Decodes a landed chunk into the slot at `[start, start + C)` (RoPE applied to K there)."""
+    hit = res.result
+    if hit.kv is not None:
+      self.runner.insert_chunk(hit.kv, slot, start)
+    else:
+      self.runner.insert_payload(hit.encoding.codec, hit.payload, slot, start)
 
   def _wait_for_loads(self) -> None:
     """Blocks until a load lands (or a merge's recheck time comes), then hands it over."""

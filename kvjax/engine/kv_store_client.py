@@ -30,7 +30,8 @@ import numpy as np
 
 from kvjax._typing import ChunkHash
 from kvjax.storage import keys
-from kvjax.storage.types import ChunkHit, ChunkMiss, KVLayout, MissReason
+from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, KVLayout,
+                                MissReason)
 
 _log = logging.getLogger(__name__)
 
@@ -44,11 +45,14 @@ class PrefixLookup:
     namespace: the key namespace root (hex) the hashes are under.
     present: per candidate chunk (full chunks of `prompt[:-1]`, never the last token), the tier
       holding it or None.
+    records: per candidate chunk, the index record that tier holds (its encodings and their
+      stored bytes), or None.
   """
 
   hashes: list[ChunkHash]
   namespace: str
   present: list[str | None]
+  records: list[ChunkRecord | None] = dataclasses.field(default_factory=list)
 
   @property
   def hits(self) -> list[bool]:
@@ -139,10 +143,21 @@ class KVStoreClient:
     kv_layout_version: `kvjax.models.kv_cache.KV_LAYOUT_VERSION`.
     max_pending_saves: save jobs queued at most; more are dropped and counted.
     timeout_s: bound on one store operation seen from the engine, seconds.
+    codec: the encoding new chunks are stored with: "raw" (the KV dtype, lossless), "int8",
+      "int4" or "cachegen" (CacheGen, arXiv 2310.07240 section 5.2).
+    codec_levels: the levels stored side by side (cachegen: 0 finest .. 3 coarsest).
+    encode: `(kv [L, 2, C, K, H], codec, level) -> {name: array}` payload encoder (the runner's
+      device-side `kv_encode`); needed for every codec but raw.
   """
 
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
-               max_pending_saves: int = 16, timeout_s: float = 60.0):
+               max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
+               codec_levels: Sequence[int] = (0,), encode=None):
+    if codec != "raw" and encode is None:
+      raise ValueError(f"codec {codec!r} needs an encoder")
+    self.codec = codec
+    self.codec_levels = tuple(codec_levels)
+    self._encode = encode
     self.store = store
     self.layout = layout
     self.chunk_size = layout.chunk_size
@@ -185,13 +200,21 @@ class KVStoreClient:
     hashes = keys.chunk_hashes(ns, prompt_ids)
     candidates = hashes[:(len(prompt_ids) - 1) // self.chunk_size]
     present: list[str | None] = [None] * len(candidates)
+    records: list[ChunkRecord | None] = [None] * len(candidates)
     if candidates:
       try:
-        present = list(self._run(self.store.lookup(candidates)))
+        if hasattr(self.store, "peek"):
+          found = self._run(self.store.peek(candidates))
+          present = [f[0] if f is not None else None for f in found]
+          records = [f[1] if f is not None else None for f in found]
+        else:
+          present = list(self._run(self.store.lookup(candidates)))
       except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
         self.lookup_failures += 1
+        present = [None] * len(candidates)
         _log.warning("KV store lookup failed (%r); computing the prompt instead", e)
-    return PrefixLookup(hashes=hashes, namespace=ns.root_hash(), present=present)
+    return PrefixLookup(hashes=hashes, namespace=ns.root_hash(), present=present,
+                        records=records)
 
   def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
                  prompt_ids: Sequence[int], choose=None) -> None:
@@ -316,17 +339,27 @@ class KVStoreClient:
       tokens = job.token_ids[i * c:(i + 1) * c]
       if i in job.replace:
         self._run(self._delete_everywhere(job.hashes[i]))
-      published = self._run(self.store.put(job.hashes[i], parent, tokens, job.namespace, kv))
+      put = self._put_coro_factory(job.hashes[i], parent, tokens, job.namespace, kv)
+      published = self._run(put())
       if not published and check_existing:
         got = self._run(self.store.get(job.hashes[i], tokens, job.namespace, self.layout,
                                        promote=False))
         if isinstance(got, ChunkMiss) and got.reason is not MissReason.ABSENT:
           self._run(self._delete_everywhere(job.hashes[i]))
-          published = self._run(self.store.put(job.hashes[i], parent, tokens, job.namespace, kv))
+          published = self._run(put())
       if published:
         self.saver_stats.chunks_saved += 1
       else:
         self.saver_stats.chunks_already_stored += 1
+
+  def _put_coro_factory(self, chunk_hash, parent, tokens, namespace, kv):
+    """A coroutine factory storing `kv` with the configured codec (levels side by side)."""
+    if self.codec == "raw":
+      return lambda: self.store.put(chunk_hash, parent, tokens, namespace, kv)
+    payloads = [EncodedPayload(self.codec, level, self._encode(kv, self.codec, level))
+                for level in self.codec_levels]
+    return lambda: self.store.put(chunk_hash, parent, tokens, namespace, layout=self.layout,
+                                  payloads=payloads)
 
   def _chunk_from_pieces(self, pieces, lo: int) -> np.ndarray:
     """`[L, 2, C, K, H]` of positions `[lo, lo + C)` gathered from prefill pieces (to host).

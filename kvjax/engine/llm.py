@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
+from kvjax.kernels import kv_codec as kv_codec_lib
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
 from kvjax.models.registry import DEFAULT_MODEL, load_model
@@ -108,6 +109,11 @@ class LLM:
     kv_link_bytes_per_s: emulated read bandwidth of the store's link, bytes/s (None: unlimited);
       with a URL store only.
     kv_link_trace: a trace file of "seconds bytes_per_s" steps instead of a constant.
+    kv_codec: the encoding new chunks are stored with: "raw" (default; the KV dtype, lossless),
+      "int8", "int4" or "cachegen" (CacheGen, arXiv 2310.07240: anchor deltas, layer-wise bins,
+      entropy coding on the host). Loads read any encoding a chunk has.
+    kv_codec_levels: levels stored side by side (cachegen: 0 finest .. 3 coarsest; default all
+      levels of the codec); each load picks one for the bandwidth and deadline of the moment.
     kv_merge_mode: how a stored prefix becomes resident: "cake" (default: compute from the front
       while loading from the back, Cake arXiv 2410.03065), "load_only" or "compute_only" (the
       baselines; compute_only still saves).
@@ -125,11 +131,20 @@ class LLM:
                chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, seed: int = 0,
                cache_dir: str | None = None, kv_store: str | StoreConfig | None = None,
                kv_chunk_size: int = 256, kv_link_bytes_per_s: float | None = None,
-               kv_link_trace: str | None = None, kv_merge_mode: str = "cake",
+               kv_link_trace: str | None = None, kv_codec: str = "raw",
+               kv_codec_levels: Sequence[int] | None = None, kv_merge_mode: str = "cake",
                kv_max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None):
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
+    if kv_codec not in kv_codec_lib.CODEC_LEVELS:
+      raise ValueError(f"kv_codec={kv_codec!r}; use one of {sorted(kv_codec_lib.CODEC_LEVELS)}")
+    if kv_codec_levels is None:
+      kv_codec_levels = kv_codec_lib.CODEC_LEVELS[kv_codec]
+    if (not isinstance(kv_codec_levels, (list, tuple)) or not kv_codec_levels
+        or any(lvl not in kv_codec_lib.CODEC_LEVELS[kv_codec] for lvl in kv_codec_levels)):
+      raise ValueError(f"kv_codec_levels={kv_codec_levels!r}: {kv_codec!r} has levels "
+                       f"{list(kv_codec_lib.CODEC_LEVELS[kv_codec])}")
     if kv_merge_mode not in ("cake", "load_only", "compute_only"):
       raise ValueError(f"kv_merge_mode={kv_merge_mode!r}; use 'cake', 'load_only' or "
                        "'compute_only'")
@@ -160,13 +175,15 @@ class LLM:
     self.kv_store = None
     if kv_store is not None:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
-                                              kv_link_trace, runner)
+                                              kv_link_trace, runner, kv_codec,
+                                              tuple(kv_codec_levels))
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
                          merge_mode=kv_merge_mode, max_loads_in_flight=kv_max_loads_in_flight,
                          kv_ttft_target_s=kv_ttft_target_s)
 
   def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
-                         runner: ModelRunner) -> KVStoreClient:
+                         runner: ModelRunner, codec: str = "raw",
+                         codec_levels: tuple[int, ...] = (0,)) -> KVStoreClient:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
         0 < chunk_size < runner.max_seq_len):
       raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
@@ -203,7 +220,8 @@ class LLM:
                       num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                       dtype=jnp.dtype(runner.cache.k_LBSKH.dtype).name)
     return KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
-                         kv_layout_version=KV_LAYOUT_VERSION)
+                         kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
+                         codec_levels=codec_levels, encode=runner.encode_chunk)
 
   def flush(self) -> None:
     """Waits until every queued KV save is written (a no-op without a store)."""

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.kernels import kv_codec
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
 from kvjax.models.kv_cache import KVCache, init_kv_cache, insert_chunk
 from kvjax.models.llama import Llama, PrefillOutput
@@ -104,6 +105,9 @@ class ModelRunner:
     self._decode = jax.jit(decode, donate_argnums=(1,))
     self._insert = jax.jit(insert_chunk, donate_argnums=(0,))
     self._inv_freq = model.inv_freq[...]
+    # Pallas codec kernels where they compile; XLA's build of the jnp reference on CPU (Pallas
+    # compiles nothing for CPU; interpret mode is for tests).
+    self.use_pallas_codecs = jax.default_backend() != "cpu"
 
   def reset(self) -> None:
     """Zeroes the KV cache (every slot), keeping the compiled programs."""
@@ -190,6 +194,47 @@ class ModelRunner:
                        f"does not fit {self.config.num_slots} slots of {self.max_seq_len}")
     self.cache = self._insert(self.cache, kv_L2CKH, np.int32(slot), np.int32(start),
                               self._inv_freq)
+
+  def insert_payload(self, codec: str, arrays, slot: int, start: int) -> None:
+    """Decodes a stored chunk's payload straight into `slot` at `[start, start + C)`.
+
+    Dequantizes (undoing CacheGen deltas), applies RoPE to K at the target positions and writes
+    the cache, in one jit'd call with the cache donated (`kvjax.kernels.kv_codec.kv_decode`).
+
+    Args:
+      codec: "raw", "int8", "int4" or "cachegen".
+      arrays: the payload's arrays by name (`kvjax.kernels.kv_codec.payload_from_arrays`).
+      slot: decode slot.
+      start: position of the chunk's first token.
+
+    Raises:
+      ValueError: a payload that does not match the model or does not fit the slot.
+    """
+    payload = kv_codec.payload_from_arrays(codec, arrays)
+    n_layers, c, n_kv_heads, head_dim = kv_codec.validate_payload(payload)
+    cfg = self.model_config
+    if (n_layers, n_kv_heads, head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
+      raise ValueError(f"payload for L={n_layers}, K={n_kv_heads}, H={head_dim}; the model has "
+                       f"L={cfg.n_layers}, K={cfg.n_kv_heads}, H={cfg.head_dim}")
+    if not 0 <= slot < self.config.num_slots or start < 0 or start + c > self.max_seq_len:
+      raise ValueError(f"chunk at slot {slot}, positions [{start}, {start + c}) does not fit "
+                       f"{self.config.num_slots} slots of {self.max_seq_len}")
+    angles = (start + np.arange(c, dtype=np.float32))[:, None] * np.asarray(self._inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)  # [C, H], HF rotate_half layout
+    k, v = kv_codec.kv_decode(payload, self.cache.k_LBSKH, self.cache.v_LBSKH, np.int32(slot),
+                              np.int32(start), np.cos(angles), np.sin(angles),
+                              use_pallas=self.use_pallas_codecs)
+    self.cache = KVCache(k, v, self.cache.lengths_B)
+
+  def encode_chunk(self, kv_L2CKH, codec: str, level: int) -> dict[str, np.ndarray]:
+    """Quantizes one chunk (K before RoPE) on the device; returns the payload on the host.
+
+    Thread-safe (no cache access): the saver thread calls it.
+
+    Raises:
+      ValueError: NaN/inf in the chunk, or an unknown codec or level.
+    """
+    return kv_codec.kv_encode_host(kv_L2CKH, codec, level, use_pallas=self.use_pallas_codecs)
 
   def warmup(self, chunk_sizes: tuple[int, ...] | None = None) -> None:
     """Compiles (or loads from the persistent cache) every prefill size and the decode step.

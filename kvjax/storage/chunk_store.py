@@ -466,6 +466,24 @@ class ChunkStore:
 
     return list(await asyncio.gather(*(one(h) for h in hashes)))
 
+  async def peek(self, hashes: Sequence[ChunkHash]) -> list[ChunkRecord | None]:
+    """Each chunk's index record (parsed, not verified against data), or None if absent.
+
+    A planning aid like `contains`, with the encodings and their sizes (to pick levels before
+    reading). A malformed record or a backend error reads as None (logged); `get` verifies.
+    """
+    await self.kvstore()
+
+    async def one(h: ChunkHash) -> ChunkRecord | None:
+      try:
+        res = await self._read_record(h)
+        return ChunkRecord.from_json(res.value) if res.state == "value" else None
+      except Exception as e:  # noqa: BLE001
+        _log.warning("peek(%s) on %s failed: %r", h, self.name, e)
+        return None
+
+    return list(await asyncio.gather(*(one(h) for h in hashes)))
+
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                 layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
     """Reads and verifies one chunk, in the encoding `choose` picks.

@@ -125,6 +125,11 @@ class HostMemoryTier:
     with self._lock:
       return [h in self._entries for h in hashes]
 
+  async def peek(self, hashes: Sequence[ChunkHash]) -> list[ChunkRecord | None]:
+    """Each held chunk's record (listing the encodings held here), or None."""
+    with self._lock:
+      return [self._entries[h].record if h in self._entries else None for h in hashes]
+
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                 layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
     """Returns the chunk if its namespace, token ids and layout match, else a miss.

@@ -102,6 +102,42 @@ class CakeEngineTest(parameterized.TestCase):
       self.assertEqual((trace.chunks_loaded, trace.chunks_rejected), ([3, 0], [2]))
     llm.close()
 
+  @parameterized.parameters(("raw", 0.0), ("int8", 1e-3), ("int4", 2e-2), ("cachegen", 2e-3))
+  def test_chunks_stored_with_each_codec_load_and_decode(self, codec, logprob_tol):
+    llm = make_llm("memory://", mode="load_only", kv_codec=codec)
+    n = 3 * C + 17
+    llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)
+    llm.flush()
+    out = llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)[0]
+    self.assertEqual(out.num_cached_tokens, 4 * C)
+    levels = set(out.metrics.merge.levels.values())
+    self.assertEqual(levels, {f"{codec}/0"})  # no deadline: the most accurate level
+    want = self.cold[n]
+    if codec == "raw":
+      self.assert_equals_cold(out, n)  # lossless: identical to a cold run
+    for t, lp in want.logprobs[0].items():
+      if t in out.logprobs[0]:
+        self.assertAlmostEqual(out.logprobs[0][t], lp, delta=logprob_tol)
+    self.assertEqual(out.token_ids[0], want.token_ids[0])
+    llm.close()
+
+  def test_a_tight_ttft_target_loads_the_smallest_level(self):
+    llm = make_llm("memory://", mode="load_only", kv_codec="cachegen", kv_ttft_target_s=1e-9)
+    n = 3 * C + 17
+    llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)
+    llm.flush()
+    out = llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)[0]
+    self.assertEqual(set(out.metrics.merge.levels.values()), {"cachegen/3"})
+    llm.close()
+
+  def test_bad_codec_options(self):
+    with self.assertRaisesRegex(ValueError, "kv_codec='zip'"):
+      make_llm("memory://", kv_codec="zip")
+    with self.assertRaisesRegex(ValueError, "kv_codec_levels"):
+      make_llm("memory://", kv_codec="int8", kv_codec_levels=(2,))
+    with self.assertRaisesRegex(ValueError, "kv_merge_mode='both'"):
+      make_llm("memory://", mode="both")
+
   def test_cancelled_loads_release_their_staging(self):
     llm = make_llm("memory://")
     engine = llm.engine
