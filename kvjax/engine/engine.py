@@ -60,10 +60,13 @@ def _encoding_name(codec: str, level: int) -> str:
   return f"{codec}/{level}"
 
 
-def _candidates(record) -> list[Candidate]:
-  """The encodings of a stored chunk this engine can decode, as level-policy candidates."""
+def _candidates(record, raw_nbytes: int) -> list[Candidate]:
+  """The encodings of a stored chunk this engine can decode, as level-policy candidates.
+
+  A chunk whose tier lists no record (a tier without `peek`) is taken as raw.
+  """
   if record is None:
-    return []
+    return [Candidate(_encoding_name("raw", 0), raw_nbytes, QUALITY_RANK[("raw", 0)])]
   return [Candidate(_encoding_name(e.codec, e.level), int(e.nbytes),
                     QUALITY_RANK[(e.codec, e.level)])
           for e in record.encodings
@@ -289,7 +292,9 @@ class Engine:
       lookup = tracked.lookup = self.kv_store.lookup(ids, cache_salt)
       hits, encodings = lookup.hits, None
       if lookup.records:  # choose levels per chunk from the stored encodings
-        encodings = [_candidates(r) if h else None for h, r in zip(hits, lookup.records)]
+        raw_nbytes = self.kv_store.layout.nbytes
+        encodings = [_candidates(r, raw_nbytes) if h else None
+                     for h, r in zip(hits, lookup.records)]
         hits = [bool(e) for e in encodings]  # nothing decodable: compute it
         encodings = [e or None for e in encodings]
       if any(hits):

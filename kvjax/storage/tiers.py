@@ -220,29 +220,32 @@ class TieredStore:
           out[i] = t.name
     return out
 
-  async def peek(self, hashes: Sequence[ChunkHash]) -> list[tuple[str, ChunkRecord] | None]:
+  async def peek(self, hashes: Sequence[ChunkHash]
+                 ) -> list[tuple[str, ChunkRecord | None] | None]:
     """Like `lookup`, with the record the highest holding tier has (its encodings and sizes).
 
-    Tiers without `peek` are asked with `contains` and yield no record ((tier, None) is not
-    returned: such a chunk reads as absent here). A tier that raises holds nothing (logged).
+    A tier without `peek` is asked with `contains` and yields `(tier, None)` for what it holds.
+    A tier that raises holds nothing (logged).
     """
     hashes = list(hashes)
     if not hashes:
       return []
 
-    async def one(t: Tier) -> list[ChunkRecord | None]:
+    async def one(t: Tier) -> list[ChunkRecord | bool | None]:
       try:
+        if not hasattr(t, "peek"):
+          return [True if f else None for f in await t.contains(hashes)]
         return list(await t.peek(hashes))
       except Exception:  # noqa: BLE001  (a failing tier must not fail the request)
         log.warning("peek failed on tier %s", t.name, exc_info=True)
         return [None] * len(hashes)
 
     found = await asyncio.gather(*(one(t) for t in self.tiers))
-    out: list[tuple[str, ChunkRecord] | None] = [None] * len(hashes)
+    out: list[tuple[str, ChunkRecord | None] | None] = [None] * len(hashes)
     for t, recs in zip(self.tiers, found):
       for i, rec in enumerate(recs):
         if rec is not None and out[i] is None:
-          out[i] = (t.name, rec)
+          out[i] = (t.name, None if rec is True else rec)
     return out
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,

@@ -97,6 +97,9 @@ class RoundTripTest(StoreTestBase):
     self.assertTrue(store.delete_sync(HASHES[1]))
     self.assertFalse(store.delete_sync(HASHES[1]))
     self.assertEqual(store.contains_sync(HASHES), [True, False, True])
+    peeked = run(store.peek(HASHES))
+    self.assertIsNone(peeked[1])
+    self.assertEqual(peeked[0], next(r for r in records if r.chunk_hash == HASHES[0]))
     self.assertEqual(run(self.keys_under(store, f"data/{HASHES[1]}/")), [])
     self.assertEqual(store.stats.put_conflicts, 1)
 

@@ -191,6 +191,21 @@ class TieredStoreTest(absltest.TestCase):
     self.assertEqual((disk.contains_calls, remote.contains_calls), (1, 1))
     self.assertEqual(run(store.lookup([])), [])
 
+  def test_peek_gives_the_highest_tier_and_its_record(self):
+    host, disk, remote, store = three_tiers()
+    run(fill(disk, ["a", "b"], ["root", "a"], [0, 1]))
+    run(fill(remote, ["b", "c"], ["a", "b"], [1, 2]))
+    # FakeTier has no `peek`: disk is asked with `contains` and yields no record.
+    remote_recs = {h: rec for h, (rec, _) in remote.data.items()}
+
+    async def peek(hashes):
+      return [remote_recs.get(h) for h in hashes]
+
+    remote.peek = peek
+    got = run(store.peek(["a", "b", "c", "d"]))
+    self.assertEqual(got, [("disk", None), ("disk", None), ("remote", remote_recs["c"]), None])
+    self.assertEqual(run(store.peek([])), [])
+
   def test_lower_hit_is_promoted_into_host(self):
     host, disk, remote, store = three_tiers()
     run(fill(remote, ["c"], ["root"], [5]))
