@@ -185,12 +185,28 @@ class KVStoreEngineTest(parameterized.TestCase):
     async def broken(*args, **kwargs):
       raise OSError("store unreachable")
 
-    llm.kv_store.store.lookup = broken
+    llm.kv_store.store.peek = broken
     llm.kv_store.store.put = broken
     out = self.run_prompt(llm)
     self.assertEqual(out.num_cached_tokens, 0)
     self.assertEqual(out.token_ids, self.cold[150])
     self.assertEqual(llm.kv_store.saver_stats.failures, 1)
+    self.assertEqual(llm.kv_store.lookup_failures, 1)
+    llm.close()
+
+  def test_store_lost_after_lookup_degrades_to_compute(self):
+    llm = make_llm(self.url)
+    self.run_prompt(llm)
+
+    async def broken(*args, **kwargs):
+      raise OSError("store unreachable")
+
+    for tier in llm.kv_store.store.tiers:  # lookups still work; every read fails
+      tier.get = broken
+    out = self.run_prompt(llm)
+    self.assertEqual(out.num_cached_tokens, 0)
+    self.assertEqual(out.metrics.num_rejected_chunks, 4)
+    self.assertEqual(out.token_ids, self.cold[150])
     llm.close()
 
   def test_bad_store_arguments(self):
