@@ -107,7 +107,7 @@ class ServeMetrics:
   def __init__(self, kv_store: Any = None, loop_stats: Any = None):
     self.registry = r = CollectorRegistry()
     self.ttft = Histogram("kvjax_time_to_first_token_seconds",
-                          "Submission to the engine (after parsing and tokenizing) to first token, s.",
+                          "Submission to the engine (after tokenizing) to first token, seconds.",
                           registry=r, buckets=_TTFT_BUCKETS)
     self.e2e = Histogram("kvjax_e2e_request_latency_seconds",
                          "Submission to the engine to the last token, seconds.", registry=r,

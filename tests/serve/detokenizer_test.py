@@ -1,4 +1,4 @@
-"""Incremental detokenization: never half a character, never a stop string, always the final text."""
+"""Incremental detokenization: never half a character, never a stop string, the final text."""
 
 from absl.testing import absltest, parameterized
 
