@@ -95,6 +95,17 @@ def parse(model: type[BaseModel], body: bytes) -> BaseModel:
 class _Strict(BaseModel):
   model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _null_means_default(cls, data: Any) -> Any:
+    """An explicit `null` for an optional field means its default, as in the OpenAI API."""
+    if not isinstance(data, dict):
+      return data
+    fields = cls.model_fields
+    return {k: v for k, v in data.items()
+            if not (v is None and k in fields and not fields[k].is_required()
+                    and fields[k].default is not None)}
+
 
 class StreamOptions(_Strict):
   include_usage: bool = False

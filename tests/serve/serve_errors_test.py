@@ -132,6 +132,12 @@ class ServeErrorsTest(parameterized.TestCase):
     self.assertEqual(e.exception.param, "n")
     self.assert_works()
 
+  def test_explicit_nulls_mean_defaults(self):
+    r = self.post("completions", '{"model": "tiny", "prompt": "x", "max_tokens": 2, "n": null, '
+                  '"temperature": null, "stream": null, "stop": null, "seed": null}')
+    self.assertEqual(r.status_code, 200, r.text)
+    self.assertEqual(r.json()["usage"]["completion_tokens"], 2)
+
   def test_unknown_route_and_method(self):
     self.assert_error(httpx.get(self.srv.url + "/v1/nothing"), 404, code="not_found")
     self.assert_error(httpx.get(self.srv.url + "/v1/completions"), 405,
