@@ -19,7 +19,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -316,9 +316,3 @@ class Generation:
 def _sse(obj: dict) -> str:
   return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-
-async def handle(backend, endpoint: str, request: Request,
-                 build: Callable[[], tuple[Any, list[int], SamplingParams]]) -> Response:
-  """Runs one generation; `build` parses and prepares (raising `ApiError` on bad input)."""
-  req, ids, params = build()
-  return await Generation(backend, endpoint, request, req, ids, params).run()
