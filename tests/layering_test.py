@@ -18,6 +18,13 @@ FORBIDDEN = {
     "models": {"kvjax.storage", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
                "kvjax.testing"},
     "engine": {"kvjax.serve", "kvjax.testing"},
+    "serve": {"kvjax.testing", "jax", "flax", "tensorstore"},
+}
+
+# Room -> the only kvjax modules it may import (besides itself): serve sees the engine and the
+# request types, nothing below them.
+ALLOWED_KVJAX = {
+    "serve": {"kvjax.serve", "kvjax.engine", "kvjax.scheduler.request", "kvjax._typing"},
 }
 
 
@@ -41,8 +48,18 @@ class LayeringTest(absltest.TestCase):
             violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")
     self.assertEqual(violations, [])
 
+  def test_rooms_import_only_allowed_kvjax_modules(self):
+    violations = []
+    for room, allowed in ALLOWED_KVJAX.items():
+      for path in sorted((PKG / room).rglob("*.py")):
+        for mod in imported_modules(path):
+          if (mod == "kvjax" or mod.startswith("kvjax.")) and not any(
+              mod == a or mod.startswith(a + ".") for a in allowed):
+            violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")
+    self.assertEqual(violations, [])
+
   def test_rooms_exist(self):
-    for room in ("kernels", "scheduler", "models", "engine", "storage"):
+    for room in ("kernels", "scheduler", "models", "engine", "storage", "serve"):
       self.assertTrue((PKG / room / "__init__.py").is_file(), room)
 
 

@@ -1,0 +1,110 @@
+"""Builds a warmed-up `LLM` from plain options, for entry points that may not import lower rooms.
+
+The server (`kvjax.serve`) imports only the engine and request types (DESIGN.md section 2), so
+the three things it needs from below come through here:
+
+    default_kv_store_url()        file store under kvjax's cache root (`<root>/store`, the
+                                  default of `python -m kvjax.store` too)
+    store_config_from_json(text)  a tier list (JSON) -> `kvjax.storage.StoreConfig`
+    build_llm(model, **options)   `LLM(...)`, passing options this build's `LLM` may not have
+                                  yet (`kv_codec`, `kv_merge_mode`) only when it takes them
+    warmup(llm)                   compile every program a request can hit before serving
+
+`LLM.__init__` stays the one construction path; nothing here duplicates it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.engine.llm import LLM
+from kvjax.models.runner import default_cache_root
+from kvjax.storage.tiers import StoreConfig, TierConfig
+
+#: Options a newer `LLM` takes and an older one does not; with their "not set" values, which
+#: are dropped rather than passed to an `LLM` without the option.
+OPTIONAL_LLM_OPTIONS = {"kv_codec": (None, "raw"), "kv_merge_mode": (None,)}
+_TIER_KEYS = {f for f in TierConfig.__dataclass_fields__}
+
+
+def default_kv_store_url() -> str:
+  """`file://<cache root>/store`: `$KVJAX_CACHE_DIR/store` or `~/.cache/kvjax/store`."""
+  return "file://" + os.path.join(default_cache_root(), "store")
+
+
+def store_config_from_json(text: str) -> StoreConfig:
+  """Parses a tier list into a `StoreConfig`.
+
+  Args:
+    text: JSON, or the path of a JSON file: a list of tiers, top first, each an object with the
+      `TierConfig` fields, e.g. `[{"kind": "host", "capacity_bytes": 1073741824},
+      {"kind": "disk", "url": "/data/kv", "link_bytes_per_s": 3.125e9}]`.
+
+  Raises:
+    ValueError: not JSON, not a list of objects, unknown keys, or invalid tiers.
+  """
+  if os.path.isfile(text):
+    with open(text, encoding="utf-8") as f:
+      text = f.read()
+  try:
+    tiers = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"tier config is not JSON (nor a file): {e}") from e
+  if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
+    raise ValueError("tier config must be a JSON list of objects, e.g. "
+                     '[{"kind": "disk", "url": "/data/kv"}]')
+  for i, t in enumerate(tiers):
+    unknown = set(t) - _TIER_KEYS
+    if unknown:
+      raise ValueError(f"tier {i}: unknown keys {sorted(unknown)}; known: {sorted(_TIER_KEYS)}")
+  return StoreConfig(tuple(TierConfig(**t) for t in tiers))
+
+
+def llm_accepts(option: str) -> bool:
+  """Whether this build's `LLM(...)` takes the keyword `option`."""
+  return option in inspect.signature(LLM.__init__).parameters
+
+
+def build_llm(model: str, **options: Any) -> LLM:
+  """`LLM(model, **options)`, minus optional options this `LLM` lacks that are left unset.
+
+  Args:
+    model: as for `LLM`.
+    **options: `LLM` keywords. `kv_codec` and `kv_merge_mode` are passed only when `LLM` takes
+      them; left at their unset value (None, or "raw" for the codec) they are dropped otherwise.
+
+  Raises:
+    ValueError: as `LLM`, or an optional option set to a value this build cannot honor.
+  """
+  for name, unset in OPTIONAL_LLM_OPTIONS.items():
+    if name in options and not llm_accepts(name):
+      value = options.pop(name)
+      if value not in unset:
+        raise ValueError(f"{name}={value!r} is not supported by this build of kvjax (LLM has "
+                         f"no {name!r} option yet)")
+  return LLM(model, **options)
+
+
+def warmup(llm: LLM) -> None:
+  """Compiles (or loads from the persistent compilation cache) every program serving uses.
+
+  Prefill at each compiled chunk size and the decode step (`ModelRunner.warmup`), and, with a
+  store, the insertion of a stored chunk. Writes only slot-0 positions that any later request
+  overwrites before it reads them; call it before the first request.
+  """
+  runner = llm.engine.runner
+  runner.warmup()
+  store = llm.kv_store
+  if store is not None and store.chunk_size <= runner.max_seq_len:
+    layout = store.layout
+    kv = np.zeros((layout.num_layers, 2, layout.chunk_size, layout.num_kv_heads,
+                   layout.head_dim), jnp.dtype(layout.dtype))
+    runner.insert_chunk(kv, 0, 0)
+    jax.block_until_ready(runner.cache.k_LBSKH)

@@ -1,0 +1,132 @@
+"""`python -m kvjax.serve`: the OpenAI-compatible server.
+
+    python -m kvjax.serve                                   # SmolLM2-135M-Instruct on :8000
+    python -m kvjax.serve --port=0 --kv_store=memory://     # a free port, a store in memory
+    python -m kvjax.serve --kv_link_bytes_per_s=1e8 --kv_chunk_size=256 --max_num_seqs=8
+
+Thin entry point: absl flags -> `ServerConfig` -> bind the socket -> load and warm up the model on
+a background thread (GET /health answers 503 until then) -> uvicorn on the main thread (Ctrl-C
+stops it; pending KV saves are written before exit).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+from absl import app, flags, logging
+
+from kvjax.serve.app import ServeState, create_app
+from kvjax.serve.server import KV_CODECS, HttpServer, ServerConfig, close_backend, load_backend
+
+_MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct",
+                             "Model name, .gguf path, Hugging Face safetensors dir, or 'tiny'.")
+_SERVED = flags.DEFINE_string("served_model_name", None,
+                              "Name clients pass as `model` (default: the model's name).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "TCP port; 0 picks a free port (printed).")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                           "Compute and KV cache dtype ('auto': float32 on CPU, bf16 otherwise).")
+_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", None,
+                                      "Tokens per sequence, prompt plus output (default: the "
+                                      "model's context).")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "Decode slots (requests running at once).")
+_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", None,
+                               "Token budget of one engine step (default: the largest chunk).")
+_CHUNK_SIZES = flags.DEFINE_list("chunk_sizes", None,
+                                 "Compiled prefill chunk sizes, ascending (default 16..512).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds requests that give no seed.")
+_CACHE_DIR = flags.DEFINE_string("cache_dir", None,
+                                 "kvjax cache root (params, compiled programs); '' disables.")
+_KV_STORE = flags.DEFINE_string(
+    "kv_store", "default",
+    "Prefix-cache store URL: file:///path or a path, memory://, ocdbt+file:///path, "
+    "s3://bucket/prefix; 'default' is <cache root>/store; 'none' disables the store.")
+_KV_TIERS = flags.DEFINE_string(
+    "kv_tiers", None,
+    'Tier list as JSON or a JSON file, instead of --kv_store, e.g. '
+    '\'[{"kind": "host", "capacity_bytes": 1073741824}, {"kind": "disk", "url": "/data/kv"}]\'.')
+_KV_CHUNK = flags.DEFINE_integer("kv_chunk_size", 256, "Tokens per stored KV chunk.")
+_KV_CODEC = flags.DEFINE_enum("kv_codec", "raw", list(KV_CODECS), "Stored KV chunk encoding.")
+_LINK = flags.DEFINE_float("kv_link_bytes_per_s", None,
+                           "Emulated store link bandwidth, bytes/s (default unlimited).")
+_TRACE = flags.DEFINE_string("kv_link_trace", None,
+                             "File of 'seconds bytes_per_s' lines: a varying emulated link.")
+_ADMIN = flags.DEFINE_bool("enable_admin", False,
+                           "Serve POST /admin/flush_kv (waits for queued KV saves).")
+_LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
+                               ["critical", "error", "warning", "info", "debug"],
+                               "uvicorn's log level.")
+
+
+def config_from_flags() -> ServerConfig:
+  """The `ServerConfig` of the parsed flags; `app.UsageError` on bad values."""
+  try:
+    sizes = tuple(int(s) for s in _CHUNK_SIZES.value) if _CHUNK_SIZES.value else None
+  except ValueError as e:
+    raise app.UsageError(f"--chunk_sizes must be integers: {e}") from e
+  store = _KV_STORE.value
+  if store.lower() in ("none", ""):
+    store = None
+  if _KV_TIERS.value is not None and flags.FLAGS["kv_store"].present:
+    raise app.UsageError("give --kv_store or --kv_tiers, not both")
+  try:
+    return ServerConfig(
+        model=_MODEL.value, served_model_name=_SERVED.value, host=_HOST.value, port=_PORT.value,
+        dtype=_DTYPE.value, max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
+        max_num_batched_tokens=_BUDGET.value, chunk_sizes=sizes, seed=_SEED.value,
+        cache_dir=_CACHE_DIR.value, kv_store=store, kv_tiers=_KV_TIERS.value,
+        kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_link_bytes_per_s=_LINK.value,
+        kv_link_trace=_TRACE.value, enable_admin=_ADMIN.value, log_level=_LOG_LEVEL.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+
+
+def curl_example(url: str, model: str) -> str:
+  body = json.dumps({"model": model, "max_tokens": 32,
+                     "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+  return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"  -d '{body}'")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+  config = config_from_flags()
+  state = ServeState(enable_admin=config.enable_admin)
+  try:
+    http = HttpServer(create_app(state), config.host, config.port, log_level=config.log_level)
+  except OSError as e:
+    print(f"error: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"kvjax: listening on {http.url} (port {http.port}); loading {config.model}, "
+        "GET /health answers 503 until the model is compiled", flush=True)
+  loaded: dict = {}
+
+  def load():
+    try:
+      loaded["backend"], loaded["llm"] = load_backend(config)
+    except Exception as e:  # noqa: BLE001 - reported, and the server stops
+      state.load_error = f"loading {config.model!r} failed: {e}"
+      print(f"error: {state.load_error}", file=sys.stderr, flush=True)
+      http.server.should_exit = True
+      return
+    state.attach(loaded["backend"])
+    print(f"kvjax: ready: {loaded['backend'].model_name} at {http.url}\n"
+          f"{curl_example(http.url, loaded['backend'].model_name)}", flush=True)
+
+  threading.Thread(target=load, name="kvjax-load", daemon=True).start()
+  try:
+    http.run()
+  except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
+    pass
+  print("kvjax: stopping (writing pending KV saves)", flush=True)
+  close_backend(loaded.get("backend"), loaded.get("llm"))
+  if state.load_error:
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,184 @@
+"""The FastAPI app: OpenAI-compatible routes over one `AsyncEngine`.
+
+    POST /v1/completions        POST /v1/chat/completions     (both: `"stream": true` for SSE)
+    GET  /v1/models             GET  /v1/models/{model}
+    GET  /health                200 once the model is loaded and compiled, 503 before
+    GET  /metrics               Prometheus text format
+    POST /admin/flush_kv        (only with `enable_admin`) waits until queued KV saves are written
+
+The app exists before the model: `ServeState.attach` hands it the backend once loading and
+warmup are done; until then every route but /health and /metrics answers 503. Errors are
+OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvjax.serve import completions, protocol
+from kvjax.serve.async_engine import AsyncEngine, EngineFault
+from kvjax.serve.metrics import ServeMetrics
+from kvjax.serve.protocol import ApiError
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Backend:
+  """What the routes serve with, once the model is ready.
+
+  Attributes:
+    engine: the engine thread's front.
+    tokenizer: the model's tokenizer (`encode`, `decode`, `encode_chat`).
+    model_name: the name clients pass as `model`.
+    max_model_len: tokens per sequence (prompt plus output).
+    vocab_size: V, for checking token-id prompts.
+    metrics: the server's metrics.
+    flush: blocks until queued KV saves are written (None without a store).
+    system_fingerprint: reported in responses (model fingerprint prefix).
+  """
+
+  engine: AsyncEngine
+  tokenizer: Any
+  model_name: str
+  max_model_len: int
+  vocab_size: int
+  metrics: ServeMetrics
+  flush: Callable[[], None] | None = None
+  system_fingerprint: str | None = None
+
+  def count(self, endpoint: str, finish_reason: str | None) -> None:
+    self.metrics.requests.labels(endpoint=endpoint, finish_reason=str(finish_reason)).inc()
+
+
+class ServeState:
+  """The app's mutable state: the backend (None while loading) and the readiness flag."""
+
+  def __init__(self, *, enable_admin: bool = False):
+    self.enable_admin = enable_admin
+    self.backend: Backend | None = None
+    self.ready = threading.Event()
+    self.load_error: str | None = None
+    self.created = int(time.time())
+
+  def attach(self, backend: Backend) -> None:
+    self.backend = backend
+    self.ready.set()
+
+  def require(self) -> Backend:
+    if self.backend is None:
+      raise protocol.server_error(self.load_error or "the server is starting: the model is "
+                                  "loading and compiling; retry when GET /health returns 200",
+                                  status=503)
+    return self.backend
+
+
+def create_app(state: ServeState) -> FastAPI:
+  """Builds the app over `state` (attach the backend before or after)."""
+  app = FastAPI(title="kvjax", summary="OpenAI-compatible server for kvjax",
+                docs_url="/docs", redoc_url=None)
+  app.state.kvjax = state
+
+  def error_response(e: ApiError) -> JSONResponse:
+    if state.backend is not None:
+      state.backend.metrics.errors.labels(status=str(e.status), type=e.type).inc()
+    return JSONResponse(e.body(), status_code=e.status)
+
+  @app.exception_handler(ApiError)
+  async def _api_error(request: Request, e: ApiError):
+    del request
+    return error_response(e)
+
+  @app.exception_handler(EngineFault)
+  async def _engine_fault(request: Request, e: EngineFault):
+    del request
+    return error_response(ApiError(e.status, str(e), type="server_error"))
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http_error(request: Request, e: StarletteHTTPException):
+    del request
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return error_response(ApiError(e.status_code, str(e.detail), code=code))
+
+  @app.exception_handler(Exception)
+  async def _internal(request: Request, e: Exception):
+    _log.exception("unhandled error on %s", request.url.path)
+    return error_response(protocol.server_error(f"internal error: {e!r}"))
+
+  def check_model(backend: Backend, model: str) -> None:
+    if model != backend.model_name:
+      raise protocol.model_not_found(model)
+
+  @app.post("/v1/completions")
+  async def create_completion(request: Request) -> Response:
+    backend = state.require()
+    req = protocol.parse(protocol.CompletionRequest, await request.body())
+    check_model(backend, req.model)
+    req.check_supported()
+    ids = completions.prompt_ids_for_completion(req, backend.tokenizer, backend.vocab_size)
+    params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=False)
+    return await completions.Generation(backend, "completions", request, req, ids,
+                                        params).run()
+
+  @app.post("/v1/chat/completions")
+  async def create_chat_completion(request: Request) -> Response:
+    backend = state.require()
+    req = protocol.parse(protocol.ChatCompletionRequest, await request.body())
+    check_model(backend, req.model)
+    req.check_supported()
+    ids = completions.prompt_ids_for_chat(req, backend.tokenizer)
+    params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True)
+    return await completions.Generation(backend, "chat", request, req, ids, params).run()
+
+  def model_card(backend: Backend) -> dict:
+    return {"id": backend.model_name, "object": "model", "created": state.created,
+            "owned_by": "kvjax", "max_model_len": backend.max_model_len}
+
+  @app.get("/v1/models")
+  async def list_models() -> dict:
+    return {"object": "list", "data": [model_card(state.require())]}
+
+  @app.get("/v1/models/{model:path}")
+  async def retrieve_model(model: str) -> dict:
+    backend = state.require()
+    check_model(backend, model)
+    return model_card(backend)
+
+  @app.get("/health")
+  async def health() -> Response:
+    backend = state.backend
+    if backend is None or not state.ready.is_set():
+      return JSONResponse({"status": "error" if state.load_error else "loading",
+                           "detail": state.load_error}, status_code=503)
+    if not backend.engine.alive:
+      return JSONResponse({"status": "error", "detail": "the engine thread ended"},
+                          status_code=503)
+    return JSONResponse({"status": "ok", "model": backend.model_name})
+
+  @app.get("/metrics")
+  async def metrics() -> Response:
+    backend = state.backend
+    body = backend.metrics.render() if backend is not None else b""
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+  if state.enable_admin:
+    @app.post("/admin/flush_kv")
+    async def flush_kv() -> dict:
+      """Waits until every KV save queued so far is written (tests, benchmarks)."""
+      backend = state.require()
+      await backend.engine.call(lambda engine: None)  # saves of finished steps are queued
+      if backend.flush is not None:
+        await asyncio.to_thread(backend.flush)
+      return {"status": "flushed"}
+
+  return app

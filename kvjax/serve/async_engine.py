@@ -1,0 +1,258 @@
+"""One engine thread serving many asyncio handlers.
+
+Architecture (JetStream's orchestrator, reduced to one thread). The `Engine` is not thread-safe
+and owns the device, so exactly one thread calls it:
+
+    HTTP handlers (event loop) ── submit(add) / abort(rid) ──► command queue (thread-safe)
+                                                                    │
+    engine thread:  idle? block on the queue ◄──────────────────────┘
+                    drain commands: add_request / abort_request / call(fn)
+                    while requests are unfinished: step()
+                    each output ── loop.call_soon_threadsafe(queue.put_nowait) ──► that request's
+                                                                      asyncio.Queue (its handler)
+
+The thread blocks on the command queue when it has nothing to run (no polling). A fault never
+ends the loop: an exception in `add_request` fails that request (its handler answers 500, or 400
+for a `ValueError`), and an exception in `step` fails the requests the engine held at that
+moment (their state in the step is unknown); the slot cache is rebuilt if the failed step left it
+unusable, and serving goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from kvjax.engine import Engine, RequestOutput
+from kvjax.scheduler.request import SamplingParams
+
+_log = logging.getLogger(__name__)
+
+
+class EngineFault(Exception):
+  """The engine failed this request; `status` 400 for a rejected request, else 500."""
+
+  def __init__(self, message: str, status: int = 500):
+    super().__init__(message)
+    self.status = status
+
+
+@dataclasses.dataclass
+class _Sink:
+  """Where one request's outputs go: an asyncio queue on the handler's event loop."""
+
+  loop: asyncio.AbstractEventLoop
+  queue: asyncio.Queue
+  submitted_s: float
+  first_token_s: float | None = None
+
+  def put(self, item: Any) -> None:
+    try:
+      self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    except RuntimeError:  # the handler's loop is closed (server shutting down)
+      pass
+
+
+@dataclasses.dataclass
+class LoopStats:
+  """Counters of the engine thread (read from any thread).
+
+  Attributes:
+    steps: engine steps run.
+    step_failures: steps that raised.
+    add_failures: `add_request` calls that raised something other than ValueError.
+    aborts_requested: aborts submitted by handlers.
+    aborted: aborts the engine thread carried out on unfinished requests.
+    waiting: requests queued in the engine, not yet in a slot (after the last step).
+    running: requests holding a slot (after the last step).
+  """
+
+  steps: int = 0
+  step_failures: int = 0
+  add_failures: int = 0
+  aborts_requested: int = 0
+  aborted: int = 0
+  waiting: int = 0
+  running: int = 0
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+  """Runs an `Engine` on its own thread; asyncio handlers submit requests and read outputs.
+
+  Args:
+    engine: the engine; after `start()` only the engine thread touches it.
+    on_output: called on the engine thread for every output with (output, server-side TTFT in
+      seconds on the first output else None, seconds since submission), e.g. to update metrics;
+      its exceptions are logged and ignored.
+  """
+
+  def __init__(self, engine: Engine,
+               on_output: Callable[[RequestOutput, float | None, float], None] | None = None):
+    self._engine = engine
+    self.on_output = on_output
+    self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    self._sinks: dict[str, _Sink] = {}
+    self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
+    self.stats = LoopStats()
+    self._stopped = threading.Event()
+
+  def start(self) -> None:
+    self._thread.start()
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
+  def shutdown(self, timeout_s: float | None = 60.0) -> None:
+    """Fails every unfinished request (503) and ends the thread."""
+    if self._thread.is_alive():
+      self._commands.put(_STOP)
+      self._thread.join(timeout_s)
+
+  # --------------------------------------------------------------------- handler side
+  def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+             cache_salt: str | None = None) -> asyncio.Queue:
+    """Queues a request; returns the asyncio queue its outputs arrive on.
+
+    Items are `(output, ttft_s, elapsed_s)`: a `RequestOutput` (cumulative: it holds all tokens
+    so far; the last has `finished=True`), the server-side time to first token (seconds, on the
+    first output only, else None) and the seconds since submission; or one `EngineFault`. Call
+    from a coroutine on the handler's loop.
+    """
+    if self._stopped.is_set():
+      raise EngineFault("the server is shutting down", status=503)
+    sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+    self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt, sink))
+    return sink.queue
+
+  def abort(self, request_id: str) -> None:
+    """Asks the engine thread to end a request and free its slot (no more outputs)."""
+    self.stats.aborts_requested += 1
+    self._commands.put(("abort", request_id))
+
+  async def call(self, fn: Callable[[Engine], Any]) -> Any:
+    """Runs `fn(engine)` on the engine thread between steps; returns its result."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def done(result, error):
+      if fut.done():
+        return
+      if error is not None:
+        fut.set_exception(error)
+      else:
+        fut.set_result(result)
+
+    self._commands.put(("call", fn, lambda r, e: loop.call_soon_threadsafe(done, r, e)))
+    return await fut
+
+  # --------------------------------------------------------------------- engine thread
+  def _run(self) -> None:
+    while True:
+      try:
+        busy = self._engine.has_unfinished_requests()
+        cmd = self._get_nowait() if busy else self._commands.get()
+        while cmd is not None:
+          if cmd is _STOP:
+            self._fail_all(EngineFault("the server is shutting down", status=503))
+            self._stopped.set()
+            return
+          self._handle(cmd)
+          cmd = self._get_nowait()
+        if self._engine.has_unfinished_requests():
+          self._step()
+      except Exception:  # noqa: BLE001 - the loop outlives any fault
+        _log.exception("engine loop iteration failed; continuing")
+
+  def _get_nowait(self):
+    try:
+      return self._commands.get_nowait()
+    except queue.Empty:
+      return None
+
+  def _handle(self, cmd: tuple) -> None:
+    kind = cmd[0]
+    if kind == "add":
+      _, rid, ids, params, salt, sink = cmd
+      try:
+        self._engine.add_request(ids, params, request_id=rid, cache_salt=salt)
+      except ValueError as e:
+        sink.put(EngineFault(str(e), status=400))
+        return
+      except Exception as e:  # noqa: BLE001 - fails this request only
+        self.stats.add_failures += 1
+        _log.exception("add_request(%s) failed", rid)
+        sink.put(EngineFault(f"the engine failed to start this request: {e!r}"))
+        return
+      self._sinks[rid] = sink
+    elif kind == "abort":
+      rid = cmd[1]
+      if self._sinks.pop(rid, None) is not None:
+        self._engine.abort_request(rid)
+        self.stats.aborted += 1
+    elif kind == "call":
+      _, fn, reply = cmd
+      try:
+        result, error = fn(self._engine), None
+      except Exception as e:  # noqa: BLE001 - handed to the caller
+        result, error = None, e
+      reply(result, error)
+
+  def _step(self) -> None:
+    try:
+      outputs = self._engine.step()
+    except Exception as e:  # noqa: BLE001 - fail the requests of this step, keep serving
+      self.stats.step_failures += 1
+      _log.exception("engine step failed; failing the %d requests it held", len(self._sinks))
+      self._fail_all(EngineFault(f"the engine failed while running this request: {e!r}"))
+      self._repair_cache()
+      return
+    self.stats.steps += 1
+    now = time.perf_counter()
+    for out in outputs:
+      sink = self._sinks.get(out.request_id)
+      if sink is None:
+        continue
+      ttft = None
+      if sink.first_token_s is None:
+        sink.first_token_s = now
+        ttft = now - sink.submitted_s
+      if out.finished:
+        del self._sinks[out.request_id]
+      elapsed = now - sink.submitted_s
+      if self.on_output is not None:
+        try:
+          self.on_output(out, ttft, elapsed)
+        except Exception:  # noqa: BLE001 - metrics must not break serving
+          _log.exception("on_output hook failed")
+      sink.put((out, ttft, elapsed))
+    sched = getattr(self._engine, "scheduler", None)
+    self.stats.waiting = len(getattr(sched, "waiting", ()))
+    self.stats.running = len(getattr(sched, "running", self._sinks))
+
+  def _fail_all(self, fault: EngineFault) -> None:
+    for rid, sink in list(self._sinks.items()):
+      try:
+        self._engine.abort_request(rid)
+      except Exception:  # noqa: BLE001
+        _log.exception("abort_request(%s) failed", rid)
+      sink.put(fault)
+    self._sinks.clear()
+    self.stats.waiting = self.stats.running = 0
+
+  def _repair_cache(self) -> None:
+    """Rebuilds the device cache if a failed step consumed it (donated buffers)."""
+    runner = getattr(self._engine, "runner", None)
+    cache = getattr(runner, "cache", None)
+    k = getattr(cache, "k_LBSKH", None)
+    if k is not None and getattr(k, "is_deleted", lambda: False)() and hasattr(runner, "reset"):
+      _log.warning("the failed step left the KV cache deleted; rebuilding it")
+      runner.reset()

@@ -1,0 +1,318 @@
+"""The two generation endpoints: prompt and parameters in, a JSON body or an SSE stream out.
+
+Flow of one request (DESIGN.md section 3, step 1):
+
+    parse (protocol) -> model name -> prompt ids (chat template for chat) -> context check
+      -> SamplingParams -> AsyncEngine.submit -> outputs on an asyncio queue
+      -> JSON body, or SSE chunks (`data: {...}` ... `data: [DONE]`)
+
+A client that disconnects gets its request aborted (slot freed): a non-streaming handler races
+the outputs against `http.disconnect`; a stream also ends when Starlette cancels it, and its
+`finally` aborts what is unfinished. Streams start only once the first output (or a fault) is
+known, so a request the engine rejects still gets a 4xx status, not a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvjax.engine import RequestOutput
+from kvjax.scheduler.request import SamplingParams
+from kvjax.serve import protocol
+from kvjax.serve.async_engine import EngineFault
+from kvjax.serve.detokenizer import IncrementalDetokenizer
+from kvjax.serve.protocol import ApiError, bad_request
+
+#: Output tokens of a completion that gives no max_tokens (OpenAI's default), clamped to the room
+#: left in the context.
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+def prompt_ids_for_completion(req: protocol.CompletionRequest, tokenizer: Any,
+                              vocab_size: int) -> list[int]:
+  """Token ids of `prompt`: a string, one-string list, token ids, or one token-id list."""
+  prompt = req.prompt
+  if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+    if len(prompt) != 1:
+      raise bad_request(f"a batch of {len(prompt)} prompts is not supported; send one prompt "
+                        "per request", "prompt")
+    prompt = prompt[0]
+  if isinstance(prompt, str):
+    if not prompt:
+      raise bad_request("prompt is empty: give at least one character.", "prompt")
+    return tokenizer.encode(prompt)
+  if not prompt:
+    raise bad_request("prompt is empty: give at least one token.", "prompt")
+  bad = [t for t in prompt if not 0 <= t < vocab_size]
+  if bad:
+    raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).",
+                      "prompt")
+  return list(prompt)
+
+
+def prompt_ids_for_chat(req: protocol.ChatCompletionRequest, tokenizer: Any) -> list[int]:
+  """Token ids of the conversation under the model's chat template (ends with the assistant's
+  turn header)."""
+  try:
+    return tokenizer.encode_chat(req.conversation(), add_generation_prompt=True)
+  except Exception as e:  # noqa: BLE001 - a template that rejects the messages is a 400
+    raise bad_request(f"messages cannot be rendered with the model's chat template: {e}",
+                      "messages") from None
+
+
+def sampling_params(req: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+                    n_prompt: int, max_model_len: int, *, chat: bool) -> SamplingParams:
+  """The engine's `SamplingParams`; checks the prompt and output against the context.
+
+  Raises:
+    ApiError: 400 `context_length_exceeded`, or a parameter the engine rejects.
+  """
+  what = "messages" if chat else "prompt"
+  room = max_model_len - n_prompt
+  if room < 1:
+    raise bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+        f"resulted in {n_prompt} tokens. Please reduce the length of the {what}.", what,
+        "context_length_exceeded")
+  limit = req.output_limit if chat else req.max_tokens
+  param = ("max_completion_tokens" if chat and req.max_completion_tokens is not None
+           else "max_tokens")
+  if limit is None:
+    limit = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
+  elif limit > room:
+    raise bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{n_prompt + limit} tokens ({n_prompt} in the {what}, {limit} in the completion). "
+        f"Please reduce the length of the {what} or completion.", param,
+        "context_length_exceeded")
+  if chat:
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+  else:
+    logprobs = req.logprobs
+  try:
+    return SamplingParams(
+        max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        seed=None if req.seed is None else req.seed % 2**63, stop=req.stop,
+        ignore_eos=req.ignore_eos, logprobs=logprobs)
+  except ValueError as e:
+    m = re.match(r"SamplingParams\.(\w+)=", str(e))
+    raise bad_request(str(e), m.group(1) if m else None) from None
+
+
+# ------------------------------------------------------------------------------- logprobs
+def _token_text(tokenizer: Any, token_id: int) -> str:
+  return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, token_ids, logprobs, text_offset0: int = 0) -> dict:
+  """OpenAI legacy completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+  tokens, lps, tops, offsets, pos = [], [], [], [], text_offset0
+  for tid, d in zip(token_ids, logprobs):
+    s = _token_text(tokenizer, tid)
+    tokens.append(s)
+    lps.append(d.get(tid))
+    tops.append({_token_text(tokenizer, t): lp for t, lp in
+                 sorted(d.items(), key=lambda kv: -kv[1])})
+    offsets.append(pos)
+    pos += len(s)
+  return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids, logprobs, top_n: int) -> dict:
+  """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+  def entry(tid, lp):
+    s = _token_text(tokenizer, tid)
+    return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+  content = []
+  for tid, d in zip(token_ids, logprobs):
+    top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+    content.append({**entry(tid, d.get(tid)), "top_logprobs": [entry(t, lp) for t, lp in top]})
+  return {"content": content}
+
+
+# ------------------------------------------------------------------------------- running
+class Generation:
+  """One request between submission and its last output.
+
+  Args:
+    backend: the server's `Backend` (engine loop, tokenizer, metrics).
+    endpoint: "completions" or "chat".
+    request: the HTTP request (for disconnects).
+    req: the parsed body.
+    prompt_ids: prompt token ids.
+    params: sampling parameters.
+  """
+
+  def __init__(self, backend, endpoint: str, request: Request, req, prompt_ids: list[int],
+               params: SamplingParams):
+    self.b, self.endpoint, self.request, self.req = backend, endpoint, request, req
+    self.chat = endpoint == "chat"
+    self.prompt_ids, self.params = prompt_ids, params
+    self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+    self.created = int(time.time())
+    self.ttft_s: float | None = None
+    self.elapsed_s: float | None = None
+    self.finished = False
+
+  # -- engine side --------------------------------------------------------------------------
+  async def _disconnected(self) -> None:
+    while (await self.request.receive())["type"] != "http.disconnect":
+      pass
+
+  def _take(self, item: Any) -> RequestOutput:
+    """Unpacks a queue item (raising its fault) and notes timing."""
+    if isinstance(item, EngineFault):
+      self.finished = True
+      raise ApiError(item.status, str(item), type="invalid_request_error"
+                     if item.status < 500 else "server_error")
+    out, ttft, elapsed = item
+    if ttft is not None:
+      self.ttft_s = ttft
+    self.elapsed_s = elapsed
+    self.finished = out.finished
+    return out
+
+  def _latest(self, queue: asyncio.Queue, out: RequestOutput) -> RequestOutput:
+    """Coalesces outputs that queued up meanwhile (each holds every token so far)."""
+    while not out.finished and not queue.empty():
+      out = self._take(queue.get_nowait())
+    return out
+
+  async def _first(self, queue: asyncio.Queue) -> RequestOutput | None:
+    """The first output, or None if the client left first (the request is then aborted)."""
+    gone = asyncio.ensure_future(self._disconnected())
+    get = asyncio.ensure_future(queue.get())
+    try:
+      done, _ = await asyncio.wait({gone, get}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+      gone.cancel()
+    if get not in done:
+      get.cancel()
+      self.b.engine.abort(self.id)
+      return None
+    return self._latest(queue, self._take(get.result()))
+
+  async def run(self) -> Response:
+    queue = self.b.engine.submit(self.id, self.prompt_ids, self.params, self.req.cache_salt)
+    out = await self._first(queue)
+    if out is None:
+      return Response(status_code=499)
+    if self.req.stream:
+      return StreamingResponse(self._stream(queue, out), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    gone = asyncio.ensure_future(self._disconnected())
+    try:
+      while not out.finished:
+        get = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({gone, get}, return_when=asyncio.FIRST_COMPLETED)
+        if get not in done:
+          get.cancel()
+          self.b.engine.abort(self.id)
+          return Response(status_code=499)
+        out = self._latest(queue, self._take(get.result()))
+    finally:
+      gone.cancel()
+    self.b.count(self.endpoint, out.finish_reason)
+    return JSONResponse(self._body(out))
+
+  # -- bodies -------------------------------------------------------------------------------
+  def _usage(self, out: RequestOutput) -> dict:
+    return protocol.usage(len(self.prompt_ids), len(out.token_ids), out.num_cached_tokens)
+
+  def _extension(self, out: RequestOutput) -> dict:
+    return protocol.kvjax_extension(
+        self.id, out.metrics, ttft_s=self.ttft_s, prompt_tokens=len(self.prompt_ids),
+        cached_tokens=out.num_cached_tokens, e2e_s=self.elapsed_s)
+
+  def _logprobs(self, token_ids, logprobs) -> dict | None:
+    if logprobs is None:
+      return None
+    if self.chat:
+      return chat_logprobs(self.b.tokenizer, token_ids, logprobs, self.params.logprobs or 0)
+    return completion_logprobs(self.b.tokenizer, token_ids, logprobs)
+
+  def _body(self, out: RequestOutput) -> dict:
+    lp = self._logprobs(out.token_ids, out.logprobs)
+    if self.chat:
+      choice = {"index": 0, "message": {"role": "assistant", "content": out.text,
+                                        "refusal": None},
+                "logprobs": lp, "finish_reason": out.finish_reason}
+      obj = "chat.completion"
+    else:
+      choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
+      obj = "text_completion"
+    return {"id": self.id, "object": obj, "created": self.created, "model": self.b.model_name,
+            "system_fingerprint": self.b.system_fingerprint, "choices": [choice],
+            "usage": self._usage(out), "kvjax": self._extension(out)}
+
+  def _chunk(self, text: str | None, lp: dict | None, finish: str | None, *,
+             role: bool = False) -> dict:
+    if self.chat:
+      delta = {"role": "assistant", "content": ""} if role else (
+          {"content": text} if text else {})
+      choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+      obj = "chat.completion.chunk"
+    else:
+      choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+      obj = "text_completion"
+    chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.b.model_name,
+             "system_fingerprint": self.b.system_fingerprint, "choices": [choice]}
+    if self._include_usage:
+      chunk["usage"] = None
+    return chunk
+
+  @property
+  def _include_usage(self) -> bool:
+    return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+  async def _stream(self, queue: asyncio.Queue, out: RequestOutput) -> AsyncIterator[str]:
+    """SSE events: (chat: a role chunk), text deltas, the finish chunk, (usage), [DONE].
+
+    The last event before [DONE] carries the `kvjax` object."""
+    detok = IncrementalDetokenizer(self.b.tokenizer, self.params.stop)
+    sent_tokens = 0
+    try:
+      if self.chat:
+        yield _sse(self._chunk(None, None, None, role=True))
+      while True:
+        if out.finished:
+          text = detok.finish(out.text)
+        else:
+          text = detok.update(out.token_ids)
+        new_ids = out.token_ids[sent_tokens:]
+        lp = self._logprobs(new_ids, out.logprobs[sent_tokens:]) if out.logprobs else None
+        sent_tokens = len(out.token_ids)
+        if out.finished:
+          last = self._chunk(text, lp, out.finish_reason)
+          if self._include_usage:
+            yield _sse(last)
+            last = {**self._chunk(None, None, None), "choices": [], "usage": self._usage(out)}
+          last["kvjax"] = self._extension(out)
+          yield _sse(last)
+          break
+        if text or lp:
+          yield _sse(self._chunk(text, lp, None))
+        try:
+          out = self._latest(queue, self._take(await queue.get()))
+        except ApiError as e:
+          yield _sse(e.body())
+          break
+      self.b.count(self.endpoint, out.finish_reason if out.finished else "error")
+      yield "data: [DONE]\n\n"
+    finally:
+      if not self.finished:
+        self.b.engine.abort(self.id)
+
+
+def _sse(obj: dict) -> str:
+  return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+

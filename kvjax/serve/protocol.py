@@ -1,0 +1,299 @@
+"""The OpenAI wire protocol: request models, error bodies, and response builders.
+
+Requests are parsed from the raw body with strict pydantic models (no coercion: `"5"` is not an
+int) that reject fields the OpenAI API does not have (400, "Unrecognized request argument").
+Fields the OpenAI API has but kvjax does not implement are accepted at their neutral value
+(`n=1`, `echo=false`, penalties 0, ...) and rejected otherwise, naming the field.
+
+Extensions (accepted by kvjax, not by OpenAI; vLLM has the first three):
+  cache_salt: str   tenant key for the prefix cache (stored KV is shared only within one salt).
+  top_k: int        keep the k most likely tokens (-1 or 0: all).
+  ignore_eos: bool  keep generating after the end-of-sequence token.
+Responses add `usage.prompt_tokens_details.cached_tokens` (as OpenAI) and a `kvjax` object
+(see `kvjax_extension`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvjax.scheduler.request import MAX_LOGPROBS
+
+
+class ApiError(Exception):
+  """An error answered with an OpenAI-style body `{"error": {message, type, param, code}}`."""
+
+  def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.type, self.param, self.code = (status, message, type, param,
+                                                                   code)
+
+  def body(self) -> dict[str, Any]:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                      "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+  return ApiError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> ApiError:
+  return ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                  param="model", code="model_not_found")
+
+
+def server_error(message: str, status: int = 500) -> ApiError:
+  return ApiError(status, message, type="server_error", code=None)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+  """`("messages", 0, "content")` -> "messages[0].content"; pydantic's union tags dropped."""
+  out = ""
+  for part in loc:
+    if isinstance(part, int):
+      out += f"[{part}]"
+    elif isinstance(part, str) and part.isidentifier() and part.lower() not in _UNION_TAGS:
+      out += f".{part}" if out else part
+  return out or None
+
+
+def parse(model: type[BaseModel], body: bytes) -> BaseModel:
+  """Parses a request body; raises `ApiError` 400 naming the first bad field.
+
+  Raises:
+    ApiError: invalid JSON, not an object, unknown field, wrong type or value.
+  """
+  try:
+    return model.model_validate_json(body or b"")
+  except pydantic.ValidationError as e:
+    err = e.errors(include_url=False)[0]
+    param = _param(err["loc"])
+    if err["type"] == "json_invalid":
+      raise bad_request(f"We could not parse the JSON body of your request: {err['msg']}. The "
+                        "body must be a JSON object.") from None
+    if err["type"] == "extra_forbidden":
+      raise bad_request(f"Unrecognized request argument supplied: {param}", param) from None
+    if err["type"] == "missing":
+      raise bad_request(f"Missing required parameter: '{param}'.", param) from None
+    if err["type"] == "model_type" and param is None:
+      raise bad_request("The request body must be a JSON object.") from None
+    got = err.get("input")
+    got = json.dumps(got)[:80] if not isinstance(got, (dict, list)) else type(got).__name__
+    raise bad_request(f"Invalid value for '{param}': {err['msg']} (got {got}).", param) from None
+
+
+class _Strict(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _null_means_default(cls, data: Any) -> Any:
+    """An explicit `null` for an optional field means its default, as in the OpenAI API."""
+    if not isinstance(data, dict):
+      return data
+    fields = cls.model_fields
+    return {k: v for k, v in data.items()
+            if not (v is None and k in fields and not fields[k].is_required()
+                    and fields[k].default is not None)}
+
+
+class StreamOptions(_Strict):
+  include_usage: bool = False
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Sampling(_Strict):
+  """Fields both endpoints share."""
+
+  model: str
+  max_tokens: int | None = None
+  temperature: Temperature = 1.0
+  top_p: TopP = 1.0
+  n: int = 1
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  presence_penalty: Penalty = 0.0
+  frequency_penalty: Penalty = 0.0
+  logit_bias: dict[str, float] | None = None
+  user: str | None = None
+  # Extensions (vLLM names).
+  cache_salt: str | None = None
+  top_k: int = -1
+  ignore_eos: bool = False
+
+  def check_supported(self) -> None:
+    """Rejects OpenAI features kvjax does not implement (400 naming the field)."""
+    if self.n != 1:
+      raise bad_request(f"n={self.n} is not supported: kvjax returns one choice per request "
+                        "(n=1); send several requests instead.", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+      if getattr(self, name) != 0:
+        raise bad_request(f"{name} is not supported (must be 0).", name)
+    if self.logit_bias:
+      raise bad_request("logit_bias is not supported.", "logit_bias")
+    if self.stream_options is not None and not self.stream:
+      raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is "
+                        "enabled.", "stream_options")
+    if isinstance(self.stop, list) and len(self.stop) > 4:
+      raise bad_request("stop takes at most 4 sequences.", "stop")
+    if self.max_tokens is not None and self.max_tokens < 1:
+      raise bad_request(f"max_tokens={self.max_tokens} must be at least 1.", "max_tokens")
+    if self.cache_salt is not None and not self.cache_salt:
+      raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
+
+
+class CompletionRequest(_Sampling):
+  """POST /v1/completions."""
+
+  prompt: str | list[str] | list[int] | list[list[int]]
+  logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+  echo: bool = False
+  suffix: str | None = None
+  best_of: int | None = None
+
+  def check_supported(self) -> None:
+    super().check_supported()
+    if self.echo:
+      raise bad_request("echo is not supported.", "echo")
+    if self.suffix:
+      raise bad_request("suffix is not supported.", "suffix")
+    if self.best_of not in (None, 1):
+      raise bad_request("best_of is not supported (must be 1).", "best_of")
+
+
+class TextPart(_Strict):
+  type: Literal["text"]
+  text: str
+
+
+class ChatMessage(_Strict):
+  role: Literal["system", "developer", "user", "assistant"]
+  content: str | list[TextPart] | None
+  name: str | None = None
+
+  def text(self) -> str:
+    if self.content is None:
+      return ""
+    if isinstance(self.content, str):
+      return self.content
+    return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(_Strict):
+  type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+  """POST /v1/chat/completions."""
+
+  messages: list[ChatMessage]
+  max_completion_tokens: int | None = None
+  logprobs: bool = False
+  top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+  response_format: ResponseFormat | None = None
+  tools: list[dict[str, Any]] | None = None
+  tool_choice: Literal["none"] | None = None
+  parallel_tool_calls: bool | None = None
+  store: bool | None = None
+  metadata: dict[str, str] | None = None
+  service_tier: str | None = None
+
+  def check_supported(self) -> None:
+    super().check_supported()
+    if not self.messages:
+      raise bad_request("messages must hold at least one message.", "messages")
+    if self.max_tokens is not None and self.max_completion_tokens is not None:
+      raise bad_request("give max_tokens or max_completion_tokens, not both.",
+                        "max_completion_tokens")
+    if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+      raise bad_request(f"max_completion_tokens={self.max_completion_tokens} must be at least "
+                        "1.", "max_completion_tokens")
+    if self.tools:
+      raise bad_request("tools are not supported.", "tools")
+    if self.top_logprobs is not None and not self.logprobs:
+      raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
+
+  @property
+  def output_limit(self) -> int | None:
+    return self.max_completion_tokens if self.max_completion_tokens is not None else (
+        self.max_tokens)
+
+  def conversation(self) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (role "developer" is the system prompt)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages]
+
+
+# ------------------------------------------------------------------------------- responses
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens,
+          "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _json_value(x: Any) -> Any:
+  """`x` if JSON can carry it (non-finite floats become None), else None."""
+  if x is None or isinstance(x, (bool, int, str)):
+    return x
+  if isinstance(x, float):
+    return x if math.isfinite(x) else None
+  if isinstance(x, (list, tuple)):
+    return [_json_value(v) for v in x]
+  if isinstance(x, dict):
+    return {str(k): _json_value(v) for k, v in x.items()}
+  if hasattr(x, "value") and isinstance(x.value, (str, int)):  # enums
+    return x.value
+  if hasattr(x, "item"):  # numpy scalars
+    return _json_value(x.item())
+  if dataclasses.is_dataclass(x):
+    return {f.name: _json_value(getattr(x, f.name)) for f in dataclasses.fields(x)}
+  return None
+
+
+#: Names a merge trace may carry on `RequestMetrics`, copied to the top of the `kvjax` object
+#: when present (read with getattr: an engine without them still works).
+MERGE_FIELDS = ("num_chunks_computed", "num_chunks_loaded", "num_chunks_wasted",
+                "meeting_index", "compute_s", "load_s", "merge_mode")
+
+
+def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
+                    prompt_tokens: int, cached_tokens: int, e2e_s: float | None) -> dict:
+  """The `kvjax` object of a response: per-request timing and the KV merge trace.
+
+  Keys: `request_id`; `ttft_s` (server side: request received to first token, seconds);
+  `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded`, `cached_tokens`;
+  `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); any merge-trace fields the engine
+  reports (`MERGE_FIELDS`, e.g. `meeting_index`); and `engine_metrics`, every field of the
+  engine's `RequestMetrics` (engine clock).
+  """
+  tiers: dict[str, int] = {}
+  for t in getattr(metrics, "loaded_from_tiers", None) or []:
+    tiers[str(t)] = tiers.get(str(t), 0) + 1
+  out = {"request_id": request_id, "ttft_s": ttft_s, "e2e_s": e2e_s,
+         "prompt_tokens": prompt_tokens,
+         "tokens_computed": getattr(metrics, "num_computed_tokens", None),
+         "tokens_loaded": getattr(metrics, "num_loaded_tokens", None),
+         "cached_tokens": cached_tokens,
+         "rejected_chunks": getattr(metrics, "num_rejected_chunks", None),
+         "loaded_from_tiers": tiers}
+  for name in MERGE_FIELDS:
+    if getattr(metrics, name, None) is not None:
+      out[name] = _json_value(getattr(metrics, name))
+  out["engine_metrics"] = _json_value(metrics) if dataclasses.is_dataclass(metrics) else None
+  return out

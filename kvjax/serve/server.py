@@ -1,0 +1,216 @@
+"""From options to a listening server: `ServerConfig` -> `LLM` -> warmup -> `Backend` -> uvicorn.
+
+    state = ServeState(); app = create_app(state)
+    http = HttpServer(app, "127.0.0.1", 0)        # binds now; http.port is the chosen port
+    http.start()                                  # uvicorn in a thread (or http.run() blocking)
+    backend, llm = load_backend(ServerConfig(model="tiny"))
+    state.attach(backend)                         # /health turns 200
+
+The socket is bound before uvicorn starts, so port 0 yields a known free port at once, and the
+server listens (answering 503) while the model loads and compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+
+from kvjax.engine import LLM, builder
+from kvjax.serve.app import Backend
+from kvjax.serve.async_engine import AsyncEngine
+from kvjax.serve.metrics import ServeMetrics
+
+KV_CODECS = ("raw", "int8", "int4", "cachegen")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  """Options of `python -m kvjax.serve` (flags of the same names).
+
+  Attributes:
+    model: model name or path (see `LLM`).
+    served_model_name: the `model` clients send; default the loaded model's name.
+    host: interface to listen on.
+    port: TCP port; 0 picks a free one.
+    dtype: compute and KV dtype ("auto", "float32", "bfloat16").
+    max_model_len: tokens per sequence; None: the model's context.
+    max_num_seqs: decode slots.
+    max_num_batched_tokens: token budget of one engine step; None: the largest chunk size.
+    chunk_sizes: compiled prefill chunk sizes; None: `LLM`'s default.
+    seed: seeds requests that give no seed.
+    cache_dir: kvjax's cache root (params, compiled programs); None: the default.
+    kv_store: store URL; "default" is `builder.default_kv_store_url()`; None: no store.
+    kv_tiers: a tier list as JSON (or a JSON file), instead of `kv_store`.
+    kv_chunk_size: tokens per stored chunk.
+    kv_codec: stored chunk encoding (passed on when this build's `LLM` has the option).
+    kv_link_bytes_per_s: emulated store link, bytes/s; None: unlimited.
+    kv_link_trace: file of "seconds bytes_per_s" lines instead of a constant link.
+    enable_admin: serve POST /admin/flush_kv.
+    log_level: uvicorn's log level.
+  """
+
+  model: str = "SmolLM2-135M-Instruct"
+  served_model_name: str | None = None
+  host: str = "127.0.0.1"
+  port: int = 8000
+  dtype: str = "auto"
+  max_model_len: int | None = None
+  max_num_seqs: int = 4
+  max_num_batched_tokens: int | None = None
+  chunk_sizes: tuple[int, ...] | None = None
+  seed: int = 0
+  cache_dir: str | None = None
+  kv_store: str | None = "default"
+  kv_tiers: str | None = None
+  kv_chunk_size: int = 256
+  kv_codec: str = "raw"
+  kv_link_bytes_per_s: float | None = None
+  kv_link_trace: str | None = None
+  enable_admin: bool = False
+  log_level: str = "warning"
+
+  def __post_init__(self):
+    if self.kv_codec not in KV_CODECS:
+      raise ValueError(f"kv_codec={self.kv_codec!r} is not one of {KV_CODECS}")
+    if not 0 <= self.port < 65536:
+      raise ValueError(f"port={self.port} is not in [0, 65535]")
+    if self.kv_tiers is not None and self.kv_store not in (None, "default"):
+      raise ValueError("give kv_store or kv_tiers, not both")
+
+  def llm_options(self) -> dict[str, Any]:
+    """Keyword arguments of `builder.build_llm` (and so of `LLM`)."""
+    opts: dict[str, Any] = dict(
+        dtype=self.dtype, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+        max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed,
+        cache_dir=self.cache_dir, kv_codec=self.kv_codec)
+    if self.chunk_sizes is not None:
+      opts["chunk_sizes"] = tuple(self.chunk_sizes)
+    if self.kv_tiers is not None:
+      opts["kv_store"] = builder.store_config_from_json(self.kv_tiers)
+    elif self.kv_store is not None:
+      opts["kv_store"] = (builder.default_kv_store_url() if self.kv_store == "default"
+                          else self.kv_store)
+    if "kv_store" in opts:
+      opts.update(kv_chunk_size=self.kv_chunk_size, kv_link_bytes_per_s=self.kv_link_bytes_per_s,
+                  kv_link_trace=self.kv_link_trace)
+    return opts
+
+
+def backend_from_llm(llm: LLM, *, served_model_name: str | None = None,
+                     warm: bool = True) -> Backend:
+  """Warms `llm` up and starts its engine thread; the result is ready to `ServeState.attach`.
+
+  Raises:
+    ValueError: a model without a tokenizer (the server speaks text).
+  """
+  tokenizer = llm.get_tokenizer()
+  if tokenizer is None:
+    raise ValueError(f"model {llm.model_name!r} has no tokenizer; the server needs one")
+  if warm:
+    builder.warmup(llm)
+  loop = AsyncEngine(llm.engine)
+  metrics = ServeMetrics(kv_store=getattr(llm, "kv_store", None), loop_stats=loop.stats)
+  loop.on_output = metrics.on_output
+  loop.start()
+  fingerprint = getattr(llm, "fingerprint", None)
+  return Backend(engine=loop, tokenizer=tokenizer,
+                 model_name=served_model_name or llm.model_name,
+                 max_model_len=llm.max_model_len, vocab_size=llm.model_config.vocab_size,
+                 metrics=metrics, flush=llm.flush,
+                 system_fingerprint=f"kvjax-{fingerprint[:12]}" if fingerprint else None)
+
+
+def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:
+  """Builds the `LLM` of `config`, warms it up, and starts its engine thread.
+
+  Raises:
+    ValueError, FileNotFoundError: as `LLM`.
+  """
+  llm = builder.build_llm(config.model, **config.llm_options())
+  return backend_from_llm(llm, served_model_name=config.served_model_name), llm
+
+
+def close_backend(backend: Backend | None, llm: LLM | None) -> None:
+  """Stops the engine thread, writes pending saves, detaches the metrics' log handlers."""
+  if backend is not None:
+    backend.engine.shutdown()
+    backend.metrics.close()
+  if llm is not None:
+    llm.close()
+
+
+class _Uvicorn(uvicorn.Server):
+  """uvicorn that says when its sockets accept connections."""
+
+  def __init__(self, config: uvicorn.Config):
+    super().__init__(config)
+    self.listening = threading.Event()
+
+  async def startup(self, sockets=None):
+    await super().startup(sockets)
+    self.listening.set()
+
+
+class HttpServer:
+  """uvicorn on a socket bound at construction.
+
+  Args:
+    app: the ASGI app.
+    host: interface.
+    port: TCP port; 0 picks a free one (read `port`).
+    log_level: uvicorn's log level.
+
+  Raises:
+    OSError: the address cannot be bound (in use, no such interface).
+  """
+
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *,
+               log_level: str = "warning"):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    self.sock = socket.socket(family, socket.SOCK_STREAM)
+    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      self.sock.bind((host, port))
+    except OSError:
+      self.sock.close()
+      raise
+    self.host, self.port = host, self.sock.getsockname()[1]
+    self.server = _Uvicorn(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                          access_log=False, timeout_graceful_shutdown=5))
+    self._thread: threading.Thread | None = None
+
+  @property
+  def url(self) -> str:
+    host = f"[{self.host}]" if ":" in self.host else self.host
+    return f"http://{host}:{self.port}"
+
+  def run(self) -> None:
+    """Serves until `stop()` or SIGINT/SIGTERM (when on the main thread); blocking."""
+    self.server.run(sockets=[self.sock])
+
+  def start(self, timeout_s: float = 60.0) -> None:
+    """Serves on a daemon thread; returns once the socket accepts connections.
+
+    Raises:
+      RuntimeError: uvicorn did not start within `timeout_s`.
+    """
+    def run():
+      try:
+        self.run()
+      finally:
+        self.server.listening.set()  # also when uvicorn gave up starting
+
+    self._thread = threading.Thread(target=run, name="kvjax-http", daemon=True)
+    self._thread.start()
+    if not self.server.listening.wait(timeout_s) or not self.server.started:
+      raise RuntimeError(f"uvicorn did not start within {timeout_s} s")
+
+  def stop(self, timeout_s: float = 30.0) -> None:
+    self.server.should_exit = True
+    if self._thread is not None:
+      self._thread.join(timeout_s)
+    self.sock.close()

@@ -1,0 +1,63 @@
+"""An in-process server for tests: uvicorn on a free port in a thread, over a given `LLM`.
+
+    with serving(LLM("tiny", cache_dir="", kv_store="memory://")) as srv:
+      client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+
+Readiness is event-driven: `HttpServer.start` returns once uvicorn's socket accepts connections,
+and the backend is attached (warmed up, engine thread running) before the context yields.
+Helpers to wait on the engine thread (`engine_call`) and to read `/metrics` (`scrape`) live here
+too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvjax.serve import (Backend, HttpServer, ServeState, backend_from_llm, close_backend,
+                         create_app)
+
+
+@dataclasses.dataclass
+class RunningServer:
+  url: str
+  state: ServeState
+  backend: Backend
+  http: HttpServer
+
+  def engine_call(self, fn: Callable[[Any], Any]) -> Any:
+    """Runs `fn(engine)` on the engine thread after every command queued so far."""
+    return asyncio.run(self.backend.engine.call(fn))
+
+  def flush(self) -> None:
+    """Waits until the KV saves of finished requests are written (POST /admin/flush_kv)."""
+    r = httpx.post(self.url + "/admin/flush_kv", timeout=120)
+    r.raise_for_status()
+
+  def scrape(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics parsed by prometheus_client: {(sample name, sorted labels): value}."""
+    text = httpx.get(self.url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@contextlib.contextmanager
+def serving(llm, *, served_model_name: str | None = None,
+            enable_admin: bool = True) -> Iterator[RunningServer]:
+  """Serves `llm` on 127.0.0.1 at a free port until the context exits (the LLM stays open)."""
+  state = ServeState(enable_admin=enable_admin)
+  http = HttpServer(create_app(state), "127.0.0.1", 0)
+  http.start()
+  backend = None
+  try:
+    backend = backend_from_llm(llm, served_model_name=served_model_name)
+    state.attach(backend)
+    yield RunningServer(http.url, state, backend, http)
+  finally:
+    http.stop()
+    close_backend(backend, None)

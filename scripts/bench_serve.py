@@ -1,0 +1,318 @@
+"""Concurrent clients against `python -m kvjax.serve`: TTFT and throughput, cold store vs warm.
+
+Two real workloads from ../shared/data (see its README):
+  longchat  LongChat topic records (the prompts CacheGen and Cake evaluate on), each asked several
+            questions: the same long document, then "What is the <k>-th topic ...?". A document
+            is cut to --doc_chars characters (cut at the end of a turn) so it fits the context.
+  sharegpt  ShareGPT multi-turn conversations replayed turn by turn: turn k sends the real
+            earlier turns plus the next user message, so turn k's prompt extends turn k-1's.
+Each workload runs twice on one server: "cold" on an empty store, then, once its saves are
+written (POST /admin/flush_kv), "warm". N clients (the openai client, streaming) pull tasks from a
+queue; a document's questions and a conversation's turns are one task, sent in order.
+
+TTFT is measured by the client (request sent to the first streamed event, which the server sends
+with the first token) and also reported by the server (`kvjax.ttft_s`, submission to the first
+token). Output tokens/s is all completion tokens over the phase's wall time.
+
+    .venv/bin/python scripts/bench_serve.py --quick          # short run, real SmolLM2
+    .venv/bin/python scripts/bench_serve.py --clients=8 --docs=4 --questions=4 --conversations=8
+    .venv/bin/python scripts/bench_serve.py --url=http://host:8000   # an already running server
+
+Writes <out_dir>/bench_serve.json (machine, versions, git SHA, seeds, threads, settings,
+per-request rows, summaries) and bench_serve.png, and prints a table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.metadata
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+import openai
+from absl import app, flags, logging
+
+from benchlib import git_sha, machine  # scripts/benchlib.py
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
+            "tenth"]
+
+_DATA = flags.DEFINE_string("data_dir", str(REPO.parent / "shared" / "data"),
+                            "The shared real-workload data (longchat/, sharegpt/).")
+_URL = flags.DEFINE_string("url", None, "A running server; default: start one (below).")
+_MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct", "Model of the started server.")
+_SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [],
+                                          "An extra flag of the started server, repeatable, "
+                                          "e.g. --server_flag=kv_link_bytes_per_s=1e8.")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "Decode slots of the started server.")
+_KV_CHUNK = flags.DEFINE_integer("kv_chunk_size", 256, "Stored chunk size of the started server.")
+_WORKLOADS = flags.DEFINE_list("workloads", ["longchat", "sharegpt"], "Workloads to run.")
+_CLIENTS = flags.DEFINE_integer("clients", 4, "Concurrent clients.")
+_DOCS = flags.DEFINE_integer("docs", 4, "LongChat documents.")
+_QUESTIONS = flags.DEFINE_integer("questions", 3, "Questions per document.")
+_DOC_CHARS = flags.DEFINE_integer("doc_chars", 6000, "Characters kept of each document.")
+_CONVS = flags.DEFINE_integer("conversations", 4, "ShareGPT conversations.")
+_TURNS = flags.DEFINE_integer("turns", 3, "Turns replayed per conversation, at most.")
+_TURN_CHARS = flags.DEFINE_integer("turn_chars", 1200, "Characters kept of each turn.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Output tokens per request.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds the choice of documents and conversations.")
+_QUICK = flags.DEFINE_bool("quick", False, "Short run: 2 docs x 2 questions of 4000 chars, "
+                           "2 conversations x 3 turns, 8 output tokens, 2 clients.")
+_OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
+
+
+# ------------------------------------------------------------------------------- workloads
+def longchat_tasks(rng: random.Random, docs: int, questions: int, doc_chars: int) -> list:
+  """Per document, `questions` chat requests sharing the document as their prefix."""
+  path = pathlib.Path(_DATA.value) / "longchat" / "topics_10.jsonl"
+  rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+  tasks = []
+  for row in rng.sample(rows, docs):
+    record = row["prompt"][:row["prompt"].find("Now the record ends.")]
+    cut = record.rfind("\n USER:", 0, doc_chars)
+    record = record[:cut if cut > 0 else doc_chars]
+    tasks.append([[{"role": "user", "content": f"{record}\nNow the record ends. What is the "
+                    f"{ORDINALS[q]} topic we discussed? Only give me the topic name."}]
+                  for q in range(questions)])
+  return tasks
+
+
+def sharegpt_tasks(rng: random.Random, convs: int, turns: int, turn_chars: int) -> list:
+  """Per conversation, its first `turns` user turns, each with the real earlier turns."""
+  path = pathlib.Path(_DATA.value) / "sharegpt" / "sharegpt_v3_multiturn_1000.json"
+  data = json.loads(path.read_text(encoding="utf-8"))
+  tasks = []
+  for conv in rng.sample(data, convs):
+    msgs = [{"role": "user" if m["from"] == "human" else "assistant",
+             "content": m["value"][:turn_chars]} for m in conv["conversations"]]
+    tasks.append([msgs[:2 * k + 1] for k in range(min(turns, (len(msgs) + 1) // 2))])
+  return tasks
+
+
+# ------------------------------------------------------------------------------- clients
+@dataclasses.dataclass
+class Row:
+  workload: str
+  phase: str
+  task: int
+  step: int
+  ttft_s: float | None = None
+  server_ttft_s: float | None = None
+  e2e_s: float | None = None
+  prompt_tokens: int = 0
+  cached_tokens: int = 0
+  completion_tokens: int = 0
+  error: str | None = None
+
+
+async def one_request(client, model, messages, max_tokens, row: Row) -> None:
+  t0 = time.perf_counter()
+  try:
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, seed=0,
+        stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+      if row.ttft_s is None:
+        row.ttft_s = time.perf_counter() - t0
+      if chunk.usage is not None:
+        row.prompt_tokens = chunk.usage.prompt_tokens
+        row.completion_tokens = chunk.usage.completion_tokens
+        details = chunk.usage.prompt_tokens_details
+        row.cached_tokens = details.cached_tokens if details else 0
+      ext = (chunk.model_extra or {}).get("kvjax")
+      if ext:
+        row.server_ttft_s = ext.get("ttft_s")
+  except Exception as e:  # noqa: BLE001 - counted, the run goes on
+    row.error = f"{type(e).__name__}: {e}"[:200]
+  row.e2e_s = time.perf_counter() - t0
+
+
+async def run_phase(url, model, workload, phase, tasks, clients, max_tokens):
+  """Runs every task with `clients` workers; returns (rows, wall seconds)."""
+  queue: asyncio.Queue = asyncio.Queue()
+  for i, t in enumerate(tasks):
+    queue.put_nowait((i, t))
+  rows: list[Row] = []
+
+  async def worker(client):
+    while not queue.empty():
+      i, task = queue.get_nowait()
+      for step, messages in enumerate(task):
+        row = Row(workload, phase, i, step)
+        rows.append(row)
+        await one_request(client, model, messages, max_tokens, row)
+
+  t0 = time.perf_counter()
+  async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                timeout=3600) as client:
+    await asyncio.gather(*(worker(client) for _ in range(clients)))
+  return rows, time.perf_counter() - t0
+
+
+def summarize(rows: list[Row], wall_s: float) -> dict:
+  ok = [r for r in rows if r.error is None]
+  ttft = np.array([r.ttft_s for r in ok]) if ok else np.array([np.nan])
+  server = np.array([r.server_ttft_s for r in ok if r.server_ttft_s is not None] or [np.nan])
+  prompt = sum(r.prompt_tokens for r in ok)
+  return {
+      "requests": len(rows), "errors": len(rows) - len(ok), "wall_s": wall_s,
+      "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
+      "ttft_p99_s": float(np.percentile(ttft, 99)),
+      "server_ttft_p50_s": float(np.percentile(server, 50)),
+      "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s,
+      "prompt_tokens": prompt, "cached_tokens": sum(r.cached_tokens for r in ok),
+      "cached_fraction": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+  }
+
+
+# ------------------------------------------------------------------------------- server
+def start_server(store_dir: str) -> tuple[subprocess.Popen, str, str]:
+  """Starts `python -m kvjax.serve` on a free port; returns (process, url, model name)."""
+  env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  cmd = [sys.executable, "-m", "kvjax.serve", f"--model={_MODEL.value}", "--port=0",
+         f"--kv_store=file://{store_dir}", f"--kv_chunk_size={_KV_CHUNK.value}",
+         f"--max_num_seqs={_MAX_NUM_SEQS.value}", "--enable_admin",
+         *[f"--{f}" for f in _SERVER_FLAGS.value]]
+  log = open(os.path.join(store_dir, "..", "server.log"), "w")
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+  url = model = None
+  for line in proc.stdout:
+    print("  server:", line.rstrip())
+    if m := re.search(r"listening on (http://\S+)", line):
+      url = m.group(1)
+    if m := re.match(r"kvjax: ready: (\S+) at", line):
+      model = m.group(1)
+      break
+  if url is None or model is None:
+    proc.wait(60)
+    log.close()
+    tail = open(log.name, encoding="utf-8").read()[-3000:]
+    raise RuntimeError(f"the server did not start:\n{tail}")
+  return proc, url, model
+
+
+def versions() -> dict:
+  out = {}
+  for pkg in ("kvjax", "jax", "jaxlib", "flax", "fastapi", "uvicorn", "openai", "tensorstore"):
+    try:
+      out[pkg] = importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+      out[pkg] = None
+  return out
+
+
+def print_table(summaries: dict) -> None:
+  head = (f"{'workload':9} {'phase':5} {'req':>4} {'err':>3} {'TTFT p50':>9} {'p90':>7} "
+          f"{'p99':>7} {'srv p50':>8} {'out tok/s':>9} {'cached':>7}")
+  print("\n" + head + "\n" + "-" * len(head))
+  for (wl, phase), s in summaries.items():
+    print(f"{wl:9} {phase:5} {s['requests']:4d} {s['errors']:3d} {s['ttft_p50_s']:8.2f}s "
+          f"{s['ttft_p90_s']:6.2f}s {s['ttft_p99_s']:6.2f}s {s['server_ttft_p50_s']:7.2f}s "
+          f"{s['output_tokens_per_s']:9.2f} {100 * s['cached_fraction']:6.1f}%")
+
+
+def plot(summaries: dict, path: pathlib.Path, title: str) -> bool:
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return False
+  keys = list(summaries)
+  x = np.arange(len(keys))
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for j, (q, name) in enumerate([("ttft_p50_s", "p50"), ("ttft_p90_s", "p90"),
+                                 ("ttft_p99_s", "p99")]):
+    ax.bar(x + (j - 1) * 0.25, [summaries[k][q] for k in keys], 0.25, label=f"TTFT {name}")
+  ax.set_xticks(x, [f"{wl}\n{phase}" for wl, phase in keys])
+  ax.set_ylabel("seconds")
+  ax.set_title(title, fontsize=9)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return True
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  quick = _QUICK.value
+  docs, questions, doc_chars = (2, 2, 4000) if quick else (_DOCS.value, _QUESTIONS.value,
+                                                           _DOC_CHARS.value)
+  convs, turns = (2, 3) if quick else (_CONVS.value, _TURNS.value)
+  max_tokens = 8 if quick else _MAX_TOKENS.value
+  clients = 2 if quick else _CLIENTS.value
+  rng = random.Random(_SEED.value)
+  workloads = {"longchat": lambda: longchat_tasks(rng, docs, questions, doc_chars),
+               "sharegpt": lambda: sharegpt_tasks(rng, convs, turns, _TURN_CHARS.value)}
+  unknown = set(_WORKLOADS.value) - set(workloads)
+  if unknown:
+    raise app.UsageError(f"unknown workloads {sorted(unknown)}")
+  tasks = {wl: workloads[wl]() for wl in _WORKLOADS.value}
+  work = tempfile.mkdtemp(prefix="kvjax-bench-serve-")
+  proc, url, model = None, _URL.value, None
+  machine_at_start = machine()
+  try:
+    if url is None:
+      os.makedirs(os.path.join(work, "kv"))
+      proc, url, model = start_server(os.path.join(work, "kv"))
+    else:
+      model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    rows, summaries = [], {}
+    for wl, wl_tasks in tasks.items():
+      for phase in ("cold", "warm"):
+        got, wall = asyncio.run(run_phase(url, model, wl, phase, wl_tasks, clients, max_tokens))
+        rows += got
+        summaries[(wl, phase)] = summarize(got, wall)
+        print(f"{wl} {phase}: {summaries[(wl, phase)]}", flush=True)
+        r = httpx.post(url + "/admin/flush_kv", timeout=3600)
+        if r.status_code != 200:
+          print(f"  (no /admin/flush_kv: {r.status_code}; warm may miss unsaved chunks)")
+    metrics = httpx.get(url + "/metrics").text
+  finally:
+    if proc is not None:
+      proc.send_signal(signal.SIGINT)
+      proc.wait(120)
+    shutil.rmtree(work, ignore_errors=True)
+  print_table(summaries)
+  out_dir = pathlib.Path(_OUT_DIR.value)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  record = {
+      "benchmark": "bench_serve", "machine": machine_at_start, "machine_at_end": machine(),
+      "threads": {"cpu_count": os.cpu_count(), "clients": clients,
+                  "server_max_num_seqs": _MAX_NUM_SEQS.value},
+      "versions": versions(), "git_sha": git_sha(), "seeds": {"workload": _SEED.value,
+                                                              "requests": 0},
+      "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "settings": {"quick": quick, "url": _URL.value, "model": model,
+                   "server_flags": _SERVER_FLAGS.value, "kv_chunk_size": _KV_CHUNK.value,
+                   "docs": docs, "questions": questions, "doc_chars": doc_chars,
+                   "conversations": convs, "turns": turns, "turn_chars": _TURN_CHARS.value,
+                   "max_tokens": max_tokens, "temperature": 0,
+                   "ttft": "client: request sent to first SSE event (sent with the first token)"},
+      "summary": [{"workload": wl, "phase": ph, **s} for (wl, ph), s in summaries.items()],
+      "requests": [dataclasses.asdict(r) for r in rows],
+      "server_metrics": metrics,
+  }
+  (out_dir / "bench_serve.json").write_text(json.dumps(record, indent=1))
+  title = (f"bench_serve: {model}, {clients} clients, {os.cpu_count()} CPU cores"
+           + (" (quick)" if quick else ""))
+  wrote = plot(summaries, out_dir / "bench_serve.png", title)
+  print(f"wrote {out_dir / 'bench_serve.json'}" + (" and bench_serve.png" if wrote else ""))
+
+
+if __name__ == "__main__":
+  app.run(main)

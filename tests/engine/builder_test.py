@@ -1,0 +1,60 @@
+"""The entry points' builder: default store URL, tier JSON, optional LLM options, warmup."""
+
+import json
+import os
+from unittest import mock
+
+import numpy as np
+from absl.testing import absltest
+
+from kvjax import SamplingParams
+from kvjax.engine import builder
+from kvjax.storage.tiers import StoreConfig, TierConfig
+
+
+class BuilderTest(absltest.TestCase):
+
+  def test_default_store_url_follows_the_cache_root(self):
+    with mock.patch.dict(os.environ, {"KVJAX_CACHE_DIR": "/srv/kvjax"}):
+      self.assertEqual(builder.default_kv_store_url(), "file:///srv/kvjax/store")
+
+  def test_tier_json_text_and_file(self):
+    tiers = [{"kind": "host", "capacity_bytes": 1024},
+             {"kind": "disk", "url": "/data/kv", "link_bytes_per_s": 1e9}]
+    want = StoreConfig((TierConfig("host", capacity_bytes=1024),
+                        TierConfig("disk", url="/data/kv", link_bytes_per_s=1e9)))
+    self.assertEqual(builder.store_config_from_json(json.dumps(tiers)), want)
+    path = self.create_tempfile(content=json.dumps(tiers)).full_path
+    self.assertEqual(builder.store_config_from_json(path), want)
+
+  def test_bad_tier_json(self):
+    for text, message in (("{nope", "not JSON"), ('{"kind": "disk"}', "list of objects"),
+                          ('[{"kind": "disk", "url": "/x", "speed": 1}]', "unknown keys"),
+                          ('[{"kind": "tape", "url": "/x"}]', "tier kind")):
+      with self.assertRaisesRegex(ValueError, message):
+        builder.store_config_from_json(text)
+
+  def test_optional_options_pass_only_when_llm_takes_them(self):
+    if builder.llm_accepts("kv_codec"):
+      self.skipTest("this LLM takes kv_codec")
+    with self.assertRaisesRegex(ValueError, "kv_codec='int8' is not supported"):
+      builder.build_llm("tiny", kv_codec="int8", cache_dir="")
+    llm = builder.build_llm("tiny", kv_codec="raw", kv_merge_mode=None, cache_dir="",
+                            max_num_seqs=1, chunk_sizes=(16,))
+    self.assertEqual(llm.model_name, "tiny")
+
+  def test_warmup_leaves_generation_unchanged(self):
+    kw = dict(cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32), kv_store="memory://",
+              kv_chunk_size=16)
+    cold, warmed = builder.build_llm("tiny", **kw), builder.build_llm("tiny", **kw)
+    builder.warmup(warmed)
+    prompt = {"prompt_token_ids": [int(t) for t in np.random.default_rng(3).integers(0, 256, 40)]}
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    self.assertEqual(warmed.generate(prompt, params)[0].token_ids,
+                     cold.generate(prompt, params)[0].token_ids)
+    for llm in (cold, warmed):
+      llm.close()
+
+
+if __name__ == "__main__":
+  absltest.main()
