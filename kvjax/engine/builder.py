@@ -6,8 +6,7 @@ the three things it needs from below come through here:
     default_kv_store_url()        file store under kvjax's cache root (`<root>/store`, the
                                   default of `python -m kvjax.store` too)
     store_config_from_json(text)  a tier list (JSON) -> `kvjax.storage.StoreConfig`
-    build_llm(model, **options)   `LLM(...)`, passing options this build's `LLM` may not have
-                                  yet (`kv_codec`, `kv_merge_mode`) only when it takes them
+    build_llm(model, **options)   `LLM(model, **options)`
     warmup(llm)                   compile every program a request can hit before serving
 
 `LLM.__init__` stays the one construction path; nothing here duplicates it.
@@ -15,7 +14,6 @@ the three things it needs from below come through here:
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from typing import Any
@@ -28,9 +26,6 @@ from kvjax.engine.llm import LLM
 from kvjax.models.runner import default_cache_root
 from kvjax.storage.tiers import StoreConfig, TierConfig
 
-#: Options a newer `LLM` takes and an older one does not; with their "not set" values, which
-#: are dropped rather than passed to an `LLM` without the option.
-OPTIONAL_LLM_OPTIONS = {"kv_codec": (None, "raw"), "kv_merge_mode": (None,)}
 _TIER_KEYS = {f for f in TierConfig.__dataclass_fields__}
 
 
@@ -67,28 +62,12 @@ def store_config_from_json(text: str) -> StoreConfig:
   return StoreConfig(tuple(TierConfig(**t) for t in tiers))
 
 
-def llm_accepts(option: str) -> bool:
-  """Whether this build's `LLM(...)` takes the keyword `option`."""
-  return option in inspect.signature(LLM.__init__).parameters
-
-
 def build_llm(model: str, **options: Any) -> LLM:
-  """`LLM(model, **options)`, minus optional options this `LLM` lacks that are left unset.
-
-  Args:
-    model: as for `LLM`.
-    **options: `LLM` keywords. `kv_codec` and `kv_merge_mode` are passed only when `LLM` takes
-      them; left at their unset value (None, or "raw" for the codec) they are dropped otherwise.
+  """`LLM(model, **options)`.
 
   Raises:
-    ValueError: as `LLM`, or an optional option set to a value this build cannot honor.
+    ValueError: as `LLM`.
   """
-  for name, unset in OPTIONAL_LLM_OPTIONS.items():
-    if name in options and not llm_accepts(name):
-      value = options.pop(name)
-      if value not in unset:
-        raise ValueError(f"{name}={value!r} is not supported by this build of kvjax (LLM has "
-                         f"no {name!r} option yet)")
   return LLM(model, **options)
 
 
@@ -96,8 +75,9 @@ def warmup(llm: LLM) -> None:
   """Compiles (or loads from the persistent compilation cache) every program serving uses.
 
   Prefill at each compiled chunk size and the decode step (`ModelRunner.warmup`), and, with a
-  store, the insertion of a stored chunk. Writes only slot-0 positions that any later request
-  overwrites before it reads them; call it before the first request.
+  store, the insertion of a stored raw chunk and the encode and decode of the configured codec.
+  Writes only slot-0 positions that any later request overwrites before it reads them; call it
+  before the first request.
   """
   runner = llm.engine.runner
   runner.warmup()
@@ -107,4 +87,7 @@ def warmup(llm: LLM) -> None:
     kv = np.zeros((layout.num_layers, 2, layout.chunk_size, layout.num_kv_heads,
                    layout.head_dim), jnp.dtype(layout.dtype))
     runner.insert_chunk(kv, 0, 0)
+    if store.codec != "raw":
+      payload = runner.encode_chunk(kv, store.codec, store.codec_levels[0])
+      runner.insert_payload(store.codec, payload, 0, 0)
     jax.block_until_ready(runner.cache.k_LBSKH)

@@ -49,6 +49,9 @@ _KV_TIERS = flags.DEFINE_string(
     '\'[{"kind": "host", "capacity_bytes": 1073741824}, {"kind": "disk", "url": "/data/kv"}]\'.')
 _KV_CHUNK = flags.DEFINE_integer("kv_chunk_size", 256, "Tokens per stored KV chunk.")
 _KV_CODEC = flags.DEFINE_enum("kv_codec", "raw", list(KV_CODECS), "Stored KV chunk encoding.")
+_MERGE = flags.DEFINE_enum("kv_merge_mode", "cake", ["cake", "load_only", "compute_only"],
+                           "How a stored prefix becomes resident: compute the front while loading "
+                           "the back (cake), or one side only (the baselines).")
 _LINK = flags.DEFINE_float("kv_link_bytes_per_s", None,
                            "Emulated store link bandwidth, bytes/s (default unlimited).")
 _TRACE = flags.DEFINE_string("kv_link_trace", None,
@@ -77,7 +80,8 @@ def config_from_flags() -> ServerConfig:
         dtype=_DTYPE.value, max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
         max_num_batched_tokens=_BUDGET.value, chunk_sizes=sizes, seed=_SEED.value,
         cache_dir=_CACHE_DIR.value, kv_store=store, kv_tiers=_KV_TIERS.value,
-        kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_link_bytes_per_s=_LINK.value,
+        kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_merge_mode=_MERGE.value,
+        kv_link_bytes_per_s=_LINK.value,
         kv_link_trace=_TRACE.value, enable_admin=_ADMIN.value, log_level=_LOG_LEVEL.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e

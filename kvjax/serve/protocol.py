@@ -266,10 +266,10 @@ def _json_value(x: Any) -> Any:
   return None
 
 
-#: Names a merge trace may carry on `RequestMetrics`, copied to the top of the `kvjax` object
-#: when present (read with getattr: an engine without them still works).
-MERGE_FIELDS = ("num_chunks_computed", "num_chunks_loaded", "num_chunks_wasted",
-                "meeting_index", "compute_s", "load_s", "merge_mode")
+#: Fields of the engine's merge trace (`kvjax.scheduler.cake.MergeTrace`) copied to `kvjax.merge`.
+MERGE_FIELDS = ("num_chunks", "chunks_computed", "chunks_loaded", "chunks_wasted",
+                "chunks_rejected", "meeting_index", "levels", "loaded_bytes", "wasted_bytes",
+                "compute_s", "load_s")
 
 
 def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
@@ -278,9 +278,9 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
 
   Keys: `request_id`; `ttft_s` (server side: request received to first token, seconds);
   `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded`, `cached_tokens`;
-  `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); any merge-trace fields the engine
-  reports (`MERGE_FIELDS`, e.g. `meeting_index`); and `engine_metrics`, every field of the
-  engine's `RequestMetrics` (engine clock).
+  `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); `merge`, the Cake merge trace
+  (`MERGE_FIELDS`; null when nothing was stored) and its `meeting_index` at the top level; and
+  `engine_metrics`, every field of the engine's `RequestMetrics` (engine clock).
   """
   tiers: dict[str, int] = {}
   for t in getattr(metrics, "loaded_from_tiers", None) or []:
@@ -292,8 +292,10 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
          "cached_tokens": cached_tokens,
          "rejected_chunks": getattr(metrics, "num_rejected_chunks", None),
          "loaded_from_tiers": tiers}
-  for name in MERGE_FIELDS:
-    if getattr(metrics, name, None) is not None:
-      out[name] = _json_value(getattr(metrics, name))
+  trace = getattr(metrics, "merge", None)
+  out["merge"] = None if trace is None else {
+      name: _json_value(getattr(trace, name)) for name in MERGE_FIELDS if hasattr(trace, name)}
+  if trace is not None:
+    out["meeting_index"] = trace.meeting_index
   out["engine_metrics"] = _json_value(metrics) if dataclasses.is_dataclass(metrics) else None
   return out

@@ -46,7 +46,8 @@ class ServerConfig:
     kv_store: store URL; "default" is `builder.default_kv_store_url()`; None: no store.
     kv_tiers: a tier list as JSON (or a JSON file), instead of `kv_store`.
     kv_chunk_size: tokens per stored chunk.
-    kv_codec: stored chunk encoding (passed on when this build's `LLM` has the option).
+    kv_codec: stored chunk encoding ("raw", "int8", "int4", "cachegen").
+    kv_merge_mode: "cake" (compute the front, load the back), "load_only" or "compute_only".
     kv_link_bytes_per_s: emulated store link, bytes/s; None: unlimited.
     kv_link_trace: file of "seconds bytes_per_s" lines instead of a constant link.
     enable_admin: serve POST /admin/flush_kv.
@@ -68,6 +69,7 @@ class ServerConfig:
   kv_tiers: str | None = None
   kv_chunk_size: int = 256
   kv_codec: str = "raw"
+  kv_merge_mode: str = "cake"
   kv_link_bytes_per_s: float | None = None
   kv_link_trace: str | None = None
   enable_admin: bool = False
@@ -96,7 +98,7 @@ class ServerConfig:
                           else self.kv_store)
     if "kv_store" in opts:
       opts.update(kv_chunk_size=self.kv_chunk_size, kv_link_bytes_per_s=self.kv_link_bytes_per_s,
-                  kv_link_trace=self.kv_link_trace)
+                  kv_link_trace=self.kv_link_trace, kv_merge_mode=self.kv_merge_mode)
     return opts
 
 

@@ -5,14 +5,14 @@ import os
 from unittest import mock
 
 import numpy as np
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
 from kvjax.engine import builder
 from kvjax.storage.tiers import StoreConfig, TierConfig
 
 
-class BuilderTest(absltest.TestCase):
+class BuilderTest(parameterized.TestCase):
 
   def test_default_store_url_follows_the_cache_root(self):
     with mock.patch.dict(os.environ, {"KVJAX_CACHE_DIR": "/srv/kvjax"}):
@@ -34,18 +34,10 @@ class BuilderTest(absltest.TestCase):
       with self.assertRaisesRegex(ValueError, message):
         builder.store_config_from_json(text)
 
-  def test_optional_options_pass_only_when_llm_takes_them(self):
-    if builder.llm_accepts("kv_codec"):
-      self.skipTest("this LLM takes kv_codec")
-    with self.assertRaisesRegex(ValueError, "kv_codec='int8' is not supported"):
-      builder.build_llm("tiny", kv_codec="int8", cache_dir="")
-    llm = builder.build_llm("tiny", kv_codec="raw", kv_merge_mode=None, cache_dir="",
-                            max_num_seqs=1, chunk_sizes=(16,))
-    self.assertEqual(llm.model_name, "tiny")
-
-  def test_warmup_leaves_generation_unchanged(self):
+  @parameterized.parameters("raw", "cachegen")
+  def test_warmup_leaves_generation_unchanged(self, codec):
     kw = dict(cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32), kv_store="memory://",
-              kv_chunk_size=16)
+              kv_chunk_size=16, kv_codec=codec)
     cold, warmed = builder.build_llm("tiny", **kw), builder.build_llm("tiny", **kw)
     builder.warmup(warmed)
     prompt = {"prompt_token_ids": [int(t) for t in np.random.default_rng(3).integers(0, 256, 40)]}

@@ -216,7 +216,12 @@ class ServeErrorsTest(parameterized.TestCase):
     self.assertEqual(second["choices"][0]["text"], first["choices"][0]["text"])
     self.assertEqual(second["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
     self.assertEqual(second["kvjax"]["tokens_computed"], len(prompt))
-    self.assertEqual(second["kvjax"]["rejected_chunks"], 1)
+    # Every load that was issued failed (how many were issued before compute took the rest
+    # depends on timing: Cake loads from the back while computing from the front).
+    self.assertGreaterEqual(second["kvjax"]["rejected_chunks"], 1)
+    merge = second["kvjax"]["merge"]
+    self.assertEqual(merge["chunks_loaded"], [])
+    self.assertEqual(sorted(merge["chunks_computed"]), list(range(merge["num_chunks"])))
     after = self.srv.scrape()
     key = ("kvjax_store_rejected_chunks_total", (("reason", "read_error"), ("tier", "disk")))
     self.assertGreaterEqual(after[key] - before.get(key, 0), 1)  # every chunk read fails
