@@ -17,6 +17,8 @@ import dataclasses
 from typing import Any, Callable, Iterator
 
 import httpx
+import openai
+from absl.testing import parameterized
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvjax.serve import (Backend, HttpServer, ServeState, backend_from_llm, close_backend,
@@ -61,3 +63,25 @@ def serving(llm, *, served_model_name: str | None = None,
   finally:
     http.stop()
     close_backend(backend, None)
+
+
+class ServedLLMTestCase(parameterized.TestCase):
+  """Serves `make_llm()` for the whole class: `cls.llm`, `cls.srv` and an `openai` `cls.client`."""
+
+  @classmethod
+  def make_llm(cls):
+    raise NotImplementedError
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.llm = cls.make_llm()
+    cls._ctx = serving(cls.llm)
+    cls.srv = cls._ctx.__enter__()
+    cls.client = openai.OpenAI(base_url=cls.srv.url + "/v1", api_key="unused", max_retries=0)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls._ctx.__exit__(None, None, None)
+    cls.llm.close()
+    super().tearDownClass()

@@ -9,7 +9,7 @@ import openai
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
-from kvjax.testing.serve import serving
+from kvjax.testing.serve import ServedLLMTestCase
 
 CHUNK = 32
 GREEDY = dict(temperature=0.0, max_tokens=8)
@@ -21,22 +21,12 @@ def tiny_llm(**kw):
   return LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), **kw)
 
 
-class OpenAIApiTest(absltest.TestCase):
+class OpenAIApiTest(ServedLLMTestCase):
 
   @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
+  def make_llm(cls):
     cls.ref = tiny_llm(max_num_seqs=1)
-    cls.llm = tiny_llm(max_num_seqs=4, kv_store="memory://", kv_chunk_size=CHUNK)
-    cls._ctx = serving(cls.llm)
-    cls.srv = cls._ctx.__enter__()
-    cls.client = openai.OpenAI(base_url=cls.srv.url + "/v1", api_key="unused", max_retries=0)
-
-  @classmethod
-  def tearDownClass(cls):
-    cls._ctx.__exit__(None, None, None)
-    cls.llm.close()
-    super().tearDownClass()
+    return tiny_llm(max_num_seqs=4, kv_store="memory://", kv_chunk_size=CHUNK)
 
   def ref_text(self, prompt, max_tokens=8):
     return self.ref.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]

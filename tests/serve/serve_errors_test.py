@@ -8,7 +8,7 @@ from absl.testing import absltest, parameterized
 
 from kvjax import LLM
 from kvjax.serve import HttpServer, ServeState, backend_from_llm, close_backend, create_app
-from kvjax.testing.serve import serving
+from kvjax.testing.serve import ServedLLMTestCase
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHUNK = 32
@@ -79,22 +79,12 @@ BAD = [
 ]
 
 
-class ServeErrorsTest(parameterized.TestCase):
+class ServeErrorsTest(ServedLLMTestCase):
 
   @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-                  kv_store="memory://", kv_chunk_size=CHUNK)
-    cls._ctx = serving(cls.llm)
-    cls.srv = cls._ctx.__enter__()
-    cls.client = openai.OpenAI(base_url=cls.srv.url + "/v1", api_key="unused", max_retries=0)
-
-  @classmethod
-  def tearDownClass(cls):
-    cls._ctx.__exit__(None, None, None)
-    cls.llm.close()
-    super().tearDownClass()
+  def make_llm(cls):
+    return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+               kv_store="memory://", kv_chunk_size=CHUNK)
 
   def post(self, endpoint, body):
     data = body.encode() if isinstance(body, str) else json.dumps(
