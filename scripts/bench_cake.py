@@ -872,18 +872,21 @@ def plan(quick: bool) -> dict:
           "experiments": list(_EXPERIMENTS.value)}
 
 
-def blocks_of(p: dict) -> list[tuple[str, int, float, list[str]]]:
-  """(codec, length, share, ratios) blocks in run order: share 100% first, short first."""
-  out = []
-  if "grid" in p["experiments"]:
-    for share in p["shares"]:
-      lens = p["lengths"] if share == 100 else p["sub_lengths"]
-      ratios = p["ratios"] if share == 100 else p["sub_ratios"]
-      out += [("raw", n, share, ratios) for n in sorted(lens)]
+def tasks_of(p: dict) -> list[tuple]:
+  """Run order: raw blocks at share 100% (short first), the fluctuation and burst experiments,
+  raw blocks at lower shares, then the codec blocks. A block is ("block", codec, length, share,
+  ratios); --deadline_s drops what is left when it passes."""
+  grid = "grid" in p["experiments"]
+  out: list[tuple] = []
+  if grid and 100.0 in p["shares"]:
+    out += [("block", "raw", n, 100.0, p["ratios"]) for n in sorted(p["lengths"])]
+  out += [(e,) for e in ("fluctuation", "burst") if e in p["experiments"]]
+  if grid:
+    out += [("block", "raw", n, share, p["sub_ratios"]) for share in p["shares"] if share != 100
+            for n in sorted(p["sub_lengths"])]
   if "codecs" in p["experiments"]:
-    for codec in p["codecs"]:
-      if codec != "raw":
-        out += [(codec, n, 100.0, p["codec_ratios"]) for n in p["codec_lengths"]]
+    out += [("block", codec, n, 100.0, p["codec_ratios"]) for codec in p["codecs"]
+            if codec != "raw" for n in p["codec_lengths"]]
   return out
 
 
@@ -900,7 +903,8 @@ def main(argv):
   out.mkdir(parents=True, exist_ok=True)
   store_root = pathlib.Path(_STORE_DIR.value or tempfile.mkdtemp(prefix="kvjax-bench-cake-"))
   rng = random.Random(_SEED.value)
-  blocks = blocks_of(p)
+  tasks = tasks_of(p)
+  blocks = [t[1:] for t in tasks if t[0] == "block"]
   max_len = max([n for _, n, _, _ in blocks]
                 + ([_FLUCT_LENGTH.value] if "fluctuation" in p["experiments"] else [])
                 + ([_BURST_LENGTH.value] if "burst" in p["experiments"] else []))
@@ -960,39 +964,42 @@ def main(argv):
     benches[codec] = b
     return b
 
+  def b_ref_for(bench: Bench, n: int) -> float:
+    """B* of raw at share 100% for length n: from the grid, else from one compute-only run."""
+    got = next((c["b_star_bytes_per_s"] for c in record["cells"] if c["codec"] == "raw"
+                and c["share"] == 100 and c["seq_len"] == n), None)
+    if got is not None:
+      return got
+    ids = ids_full[:n]
+    co = bench.run("compute_only", ids)
+    coef = _fit(co.prefills) or bench.engine.cost_model.compute_coefficients
+    nc = (len(ids) - 1) // _CHUNK.value
+    return bench.prefix_bytes(ids)[0] / (done_at(co, nc * _CHUNK.value, coef) - co.lookup_s)
+
   try:
-    for codec, n, share, ratios in blocks:
+    for task in tasks:
+      name = "/".join(f"{x:g}%" if isinstance(x, float) else str(x) for x in task[1:4]) or task[0]
       if _DEADLINE.value and time.perf_counter() - t_start > _DEADLINE.value:
-        record["skipped"].append(f"{codec}/{n}/{share:g}%: past --deadline_s")
+        record["skipped"].append(f"{name}: past --deadline_s")
         continue
-      bench = get_bench(codec)
-      if bench is None:
-        continue
-      reps = p["balance_reps"] if codec == "raw" else 1
-      cells, kv_runs = grid_block(bench, ids_full, n, share, ratios, reps,
-                                  p["compute_reps"], bar)
-      record["cells"] += cells
-      all_kv += kv_runs
-      (out / "cake.json").write_text(json.dumps(record, indent=1, default=str))
-    b_ref = next((c["b_star_bytes_per_s"] for c in record["cells"] if c["codec"] == "raw"
-                  and c["share"] == 100 and c["seq_len"] == _FLUCT_LENGTH.value), None)
-    for exp in ("fluctuation", "burst"):
-      if exp not in p["experiments"]:
-        continue
-      if _DEADLINE.value and time.perf_counter() - t_start > _DEADLINE.value:
-        record["skipped"].append(f"{exp}: past --deadline_s")
-        continue
-      bench = get_bench("raw")
-      if b_ref is None:
-        ids = ids_full[:_FLUCT_LENGTH.value]
-        co = bench.run("compute_only", ids)
-        coef = _fit(co.prefills) or bench.engine.cost_model.compute_coefficients
-        nc = (len(ids) - 1) // _CHUNK.value
-        b_ref = bench.prefix_bytes(ids)[0] / (done_at(co, nc * _CHUNK.value, coef) - co.lookup_s)
-      if exp == "fluctuation":
+      if task[0] == "block":
+        _, codec, n, share, ratios = task
+        bench = get_bench(codec)
+        if bench is None:
+          continue
+        reps = p["balance_reps"] if codec == "raw" else 1
+        cells, kv_runs = grid_block(bench, ids_full, n, share, ratios, reps,
+                                    p["compute_reps"], bar)
+        record["cells"] += cells
+        all_kv += kv_runs
+      elif task[0] == "fluctuation":
+        bench = get_bench("raw")
+        b_ref = b_ref_for(bench, _FLUCT_LENGTH.value)
         record["fluctuation"] = fluctuation(bench, ids_full, b_ref, out, rng, bar)
       else:
-        record["burst"] = burst(bench, ids_full, b_ref, rng, bar)
+        bench = get_bench("raw")
+        record["burst"] = burst(bench, ids_full, b_ref_for(bench, _BURST_LENGTH.value), rng, bar)
+      (out / "cake.json").write_text(json.dumps(record, indent=1, default=str))
   finally:
     bar.close()
     for b in benches.values():
