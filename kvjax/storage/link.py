@@ -124,6 +124,19 @@ def load_trace(path: str | os.PathLike) -> tuple[tuple[float, float], ...]:
     raise ValueError(f"{path}: {e}") from None
 
 
+def _steps(bytes_per_s: float | None,
+           trace: Sequence[tuple[float, float]] | None) -> tuple[tuple[float, float], ...]:
+  """The rate steps of a constant rate or a trace (validated); see `LinkLimiter`."""
+  if trace is not None and bytes_per_s is not None:
+    raise ValueError("give either bytes_per_s or trace, not both")
+  if trace is not None:
+    return validate_trace(trace)
+  rate = math.inf if bytes_per_s is None else float(bytes_per_s)
+  if math.isnan(rate) or rate <= 0:
+    raise ValueError(f"bytes_per_s must be positive (or None for unlimited), got {bytes_per_s}")
+  return ((0.0, rate),)
+
+
 class LinkLimiter:
   """A token-bucket limiter shared by all reads of one tier.
 
@@ -155,29 +168,45 @@ class LinkLimiter:
       ValueError: both or a bad `bytes_per_s` (<= 0 or NaN) and `trace`, a bad trace, or a
         negative `burst_bytes`.
     """
-    if trace is not None and bytes_per_s is not None:
-      raise ValueError("give either bytes_per_s or trace, not both")
-    if trace is None:
-      rate = math.inf if bytes_per_s is None else float(bytes_per_s)
-      if math.isnan(rate) or rate <= 0:
-        raise ValueError(f"bytes_per_s must be positive (or None for unlimited), got {bytes_per_s}")
-      steps = ((0.0, rate),)
-    else:
-      steps = validate_trace(trace)
+    steps = _steps(bytes_per_s, trace)
     if burst_bytes < 0:
       raise ValueError(f"burst_bytes must be >= 0, got {burst_bytes}")
-    self._times = [t for t, _ in steps]
-    self._rates = [r for _, r in steps]
-    self.unlimited = all(r == math.inf for r in self._rates)
     self.burst_bytes = int(burst_bytes)
     self._clock = clock
     self._sleep = sleep
     self._blocking_sleep = blocking_sleep
     self._lock = threading.Lock()
-    self._t0 = clock() if start_s is None else float(start_s)
+    self.bytes_granted = 0
+    self._arm(steps, start_s)
+
+  def _arm(self, steps: tuple[tuple[float, float], ...], start_s: float | None) -> None:
+    self._times = [t for t, _ in steps]
+    self._rates = [r for _, r in steps]
+    self.unlimited = all(r == math.inf for r in self._rates)
+    self._t0 = self._clock() if start_s is None else float(start_s)
     self._tail = self._t0          # clock time at which the pipe is free
     self._credit = float(self.burst_bytes)
-    self.bytes_granted = 0
+
+  def reset(self, bytes_per_s: float | None = None, *,
+            trace: Sequence[tuple[float, float]] | None = None,
+            start_s: float | None = None) -> None:
+    """Re-arms the link with a new constant rate or trace, starting now (or at `start_s`).
+
+    Reservations made before are forgotten (the pipe is free from the new start and the bucket
+    is full); `bytes_granted` keeps counting. Benchmarks re-arm a store's link between runs, e.g.
+    to sweep bandwidths on one engine or to start a trace at a request's arrival.
+
+    Args:
+      bytes_per_s: constant rate, bytes/s; None (and no trace) or `inf` for an unlimited link.
+      trace: rate steps instead of a constant (see `validate_trace`).
+      start_s: clock time at which the trace starts; default: now.
+
+    Raises:
+      ValueError: as the constructor, for a bad rate or trace or both given.
+    """
+    steps = _steps(bytes_per_s, trace)
+    with self._lock:
+      self._arm(steps, start_s)
 
   @property
   def trace(self) -> tuple[tuple[float, float], ...]:

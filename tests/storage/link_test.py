@@ -231,5 +231,42 @@ class LoadTraceTest(absltest.TestCase):
     self.assertEqual(clock.sleeps, [2.0])
 
 
+class ResetTest(absltest.TestCase):
+
+  def test_reset_changes_rate_and_forgets_the_backlog(self):
+    clock = FakeClock()
+    lim = limiter(clock, 1000.0)
+    lim.acquire_blocking(1000)          # 100 -> 101
+    lim._reserve(5000)                  # booked 101 -> 106, never waited on (a cancelled load)
+    lim.reset(4000.0)
+    self.assertEqual(lim.current_rate(), 4000.0)
+    lim.acquire_blocking(2000)          # the pipe is free now: 0.5 s at the new rate
+    self.assertEqual(clock.sleeps, [1.0, 0.5])
+    self.assertEqual(lim.bytes_granted, 3000)
+
+  def test_reset_to_a_trace_starts_it_now(self):
+    clock = FakeClock()
+    lim = limiter(clock, 1000.0)
+    clock.now = 150.0
+    lim.reset(trace=[(0, 1000.0), (1, 2000.0)])
+    self.assertEqual(lim.current_rate(150.5), 1000.0)
+    self.assertEqual(lim.current_rate(151.0), 2000.0)
+    asyncio.run(lim.acquire(3000))      # 1000 in [150, 151), 2000 in [151, 152)
+    self.assertEqual(clock.sleeps, [2.0])
+
+  def test_reset_to_unlimited_and_bad_input(self):
+    clock = FakeClock()
+    lim = limiter(clock, 1000.0)
+    lim.reset()
+    self.assertTrue(lim.unlimited)
+    lim.acquire_blocking(10**9)
+    self.assertEqual(clock.sleeps, [])
+    with self.assertRaisesRegex(ValueError, "positive"):
+      lim.reset(0.0)
+    with self.assertRaisesRegex(ValueError, "not both"):
+      lim.reset(1.0, trace=[(0, 1.0)])
+    self.assertTrue(lim.unlimited)      # a rejected reset changes nothing
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -1,0 +1,1064 @@
+"""Cake on the real engine: TTFT of compute-only, load-only and kvjax (the Cake merge).
+
+The proof of kvjax's core idea (DESIGN.md sections 1, 3 and 9; Cake, arXiv 2410.03065, Tables 3
+and 4, section 5.8). Everything runs through one `LLM` engine per codec: the real
+SmolLM2-135M-Instruct in f32 on the CPU, a real LongChat prompt truncated to each sequence length,
+its chunks stored in advance in a file store (run once with the store, flushed), and the store's
+link emulated by the store's own `LinkLimiter`.
+
+    .venv/bin/python scripts/bench_cake.py --quick            # < 5 min: 2K/4K, 100%, raw
+    .venv/bin/python scripts/bench_cake.py                    # the full plan (about an hour)
+    .venv/bin/python scripts/bench_cake.py --lengths 2048,4096 --shares 100 --ratios 1/2,1,2
+
+How each number is made:
+  * Modes. One engine; before each run the script sets `engine.merge_mode` ("compute_only",
+    "load_only", "cake") and re-arms the link in place with `LinkLimiter.reset(rate)` (a trace
+    is re-armed at the request's arrival, so it lines up with the request). Building a fresh
+    `LLM` per bandwidth would cost a model load and a compile per cell. The cost model is the
+    engine's own and stays warm across runs (a server that has been running).
+  * Warm-up. Every compiled prefill size and the decode step (`ModelRunner.warmup`), the store
+    run (the longest prompt computed once and saved, then flushed), and one load-only run on an
+    unlimited link (the insert/decode path) run before anything is timed.
+  * Compute share. A step's token budget is 512. At share s the long request gets s * 512
+    tokens of each step: before every step the script submits real ShareGPT prompts whose
+    lengths add up to exactly (1 - s) * 512 tokens (pieces of compiled sizes, each request under
+    one store chunk so nothing of theirs is stored or hit, `max_tokens=1`). The scheduler runs
+    ordinary prefills first and they finish within their step, so each step spends
+    (1 - s) * 512 tokens on them and the Cake side gets the rest (Cake section 4, adaptive mode).
+  * B*. Per (codec, length, share): B* = stored bytes of the prefix / compute-only prefix time,
+    both from this run (the compute-only run at that share). The sweep sets the link at
+    B* x ratio.
+  * Order. Per block: compute-only (it does not depend on the link), then per bandwidth
+    load-only followed by kvjax (the load-only run lets the cost model see the link, as a
+    running server would have), then compute-only again (--compute_reps in all). The balance
+    cells (B*, share 100%, lengths up to --balance_max_len) get --balance_reps repetitions of
+    all three modes, interleaved. TTFTs are medians over repetitions; the ideal bound uses the
+    fastest compute-only run. Other work on the machine shows in each run's `cpu_cores` (this
+    process's CPU seconds per wall second) and load average, both in the JSON.
+  * Loader depth. The engine issues new loads only between steps, so while a multi-second CPU
+    step runs the link idles once the loads in flight have landed. With LLM's default
+    kv_max_loads_in_flight=2 a 2K prompt at B* x 4 landed 6 chunks in 5.7 s against 4.1 s for
+    load-only (link busy 71% of the time; 4K at B* x 4: 76%). The benchmark runs with 8 loads in
+    flight (--max_loads_in_flight), deep enough to cover one step at these bandwidths.
+  * Censoring. A load-only run that passes --load_only_cap x the compute-only TTFT is stopped:
+    its TTFT is reported as a lower bound (`ttft_load_only_s` null, `ttft_load_only_min_s`),
+    which never changes the better baseline (compute-only is already faster there). This is
+    what lets slow links fit in the time; --load_only_cap 0 measures every load-only run fully.
+  * Ideal bound. `kvjax.scheduler.cake.ideal_merge_s`: C(m) is when the compute-only run had
+    the first m chunks (the engine's per-call prefill times; a call spanning several chunks is
+    split in proportion to the cost model's prediction), L(k) is when the load-only run had the
+    last k chunks landed (loader arrival times). Lookup, suffix compute and first-token sampling
+    are measured on their own and added: ideal = lookup + min_m max(C(m), L(N - m)) + suffix +
+    first token.
+  * Compute slowdown under loads: each prefill call of the long request is divided by a least
+    squares fit t = a + b n + c n m to the compute-only run's calls; calls during which a load
+    was in flight are compared with calls during which none was.
+  * Planner overhead: seconds in `Scheduler.schedule` and in all `CakeMerge` calls per engine
+    step of the kvjax runs (Cake section 5.8).
+  * Fluctuation: random link traces (kv_link_trace format, written to --out) and a random
+    compute-share trace (changed between steps). Adaptive burst: one long request with a stored
+    prefix plus 22 ShareGPT requests of 32-448 tokens arriving together; time until all finish.
+
+Writes <out>/cake.json (`{"cells": [...], ...}`), <out>/cake.png (speedup heatmap in the shape
+of Cake's Table 3, and kvjax/ideal) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+from absl import app, flags, logging
+
+from benchlib import git_sha, machine  # scripts/benchlib.py
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# ../shared/data from the project root (a worktree one level deeper finds it one further up).
+DATA = next((d for d in (REPO.parent / "shared" / "data", REPO.parent.parent / "shared" / "data")
+             if d.is_dir()), REPO.parent / "shared" / "data")
+MODES = ("compute_only", "load_only", "cake")
+
+_QUICK = flags.DEFINE_bool("quick", False, "2K and 4K, share 100%, raw, B* x {1/4, 1, 4}; grid "
+                           "only; under 5 minutes on 2 cores.")
+_LENGTHS = flags.DEFINE_list("lengths", ["2048", "4096", "6144", "8188"],
+                             "Sequence lengths (tokens) at share 100%. 8K is 8188 so prompt plus "
+                             "output stays inside the 8192-token context.")
+_SHARES = flags.DEFINE_list("shares", ["100", "87.5", "50", "12.5"],
+                            "Compute shares of the step budget, percent.")
+_RATIOS = flags.DEFINE_list("ratios", ["1", "2", "1/2", "4", "1/4", "8", "1/8"],
+                            "Bandwidths as B/B*, at share 100% (run in this order).")
+_SUB_LENGTHS = flags.DEFINE_list("sub_lengths", ["2048", "4096"],
+                                 "Lengths for shares below 100%.")
+_SUB_RATIOS = flags.DEFINE_list("sub_ratios", ["1", "4", "1/4"],
+                                "Bandwidth ratios for shares below 100%.")
+_CODECS = flags.DEFINE_list("codecs", ["raw", "int8", "int4", "cachegen"],
+                            "Codecs (LLM(kv_codec=...)); non-raw ones near balance only.")
+_CODEC_LENGTHS = flags.DEFINE_list("codec_lengths", ["4096"], "Lengths for non-raw codecs.")
+_CODEC_RATIOS = flags.DEFINE_list("codec_ratios", ["1", "2", "1/2"],
+                                  "Bandwidth ratios for non-raw codecs (share 100%).")
+_BALANCE_REPS = flags.DEFINE_integer("balance_reps", 3, "Repetitions of the B/B* = 1, share "
+                                     "100% cells (median reported).")
+_BALANCE_MAX_LEN = flags.DEFINE_integer("balance_max_len", 4096,
+                                        "Longest length whose balance cell is repeated.")
+_LOAD_ONLY_CAP = flags.DEFINE_float("load_only_cap", 1.5, "Stop a load-only run after this many "
+                                    "compute-only TTFTs (reported as a lower bound); 0: never.")
+_EXPERIMENTS = flags.DEFINE_list("experiments", ["grid", "codecs", "fluctuation", "burst"],
+                                 "Which parts to run.")
+_FLUCT_LENGTH = flags.DEFINE_integer("fluct_length", 4096, "Sequence length of the "
+                                     "fluctuation experiment.")
+_FLUCT_SEEDS = flags.DEFINE_integer("fluct_seeds", 2, "Random traces in the fluctuation "
+                                    "experiment.")
+_BURST_LENGTH = flags.DEFINE_integer("burst_length", 4096, "Long request of the burst.")
+_BURST_SHORTS = flags.DEFINE_integer("burst_shorts", 22, "Short requests of the burst.")
+_BURST_MAX_TOKENS = flags.DEFINE_integer("burst_max_tokens", 8, "Output tokens per burst request.")
+_BUDGET = flags.DEFINE_integer("budget", 512, "Token budget per engine step.")
+_CHUNK = flags.DEFINE_integer("chunk_size", 256, "Tokens per stored chunk.")
+_IN_FLIGHT = flags.DEFINE_integer(
+    "max_loads_in_flight", 8, "LLM(kv_max_loads_in_flight): loads in flight per request. The "
+    "engine issues loads only between steps, so with LLM's default of 2 the link idles while a "
+    "multi-second CPU step runs (see the module docstring); 8 keeps it busy.")
+_COMPUTE_REPS = flags.DEFINE_integer("compute_reps", 2, "Compute-only runs per block (one before "
+                                     "the bandwidth sweep, the rest after it).")
+_PROMPT_FILE = flags.DEFINE_string(
+    "prompt_file", str(DATA / "longchat" / "topics_15.jsonl"),
+    "LongChat JSONL with the long prompt (topics_10 prompts are only 5.3-5.7K SmolLM2 tokens; "
+    "topics_15 has 8.2-8.3K, enough for 8K).")
+_PROMPT_INDEX = flags.DEFINE_integer("prompt_index", 0, "Which prompt of --prompt_file.")
+_SHAREGPT = flags.DEFINE_string("sharegpt", str(DATA / "sharegpt" /
+                                                "sharegpt_v3_multiturn_1000.json"),
+                                "ShareGPT JSON for competing and burst prompts.")
+_STORE_DIR = flags.DEFINE_string("store_dir", None, "Where the file stores go (default: a "
+                                 "temporary folder, removed at the end).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds the traces, the burst lengths and the engine.")
+_DEADLINE = flags.DEFINE_float("deadline_s", 0, "Start no new block after this many seconds "
+                               "(0: none); what ran is written.")
+_OUT = flags.DEFINE_string("out", str(REPO / "benchmarks" / "results"), "Output folder.")
+
+
+def fraction(text: str) -> float:
+  num, _, den = text.partition("/")
+  return float(num) / float(den or 1)
+
+
+# ----------------------------------------------------------------------------- instrumentation
+@dataclasses.dataclass
+class Recorder:
+  """What the wrapped engine parts saw during one run (perf_counter seconds)."""
+
+  prefills: list = dataclasses.field(default_factory=list)   # (slot, start, n, t0, t1)
+  inserts: list = dataclasses.field(default_factory=list)    # (t0, t1)
+  landings: list = dataclasses.field(default_factory=list)   # (rid, index, start, done, nbytes, ok)
+  lookups: list = dataclasses.field(default_factory=list)    # seconds
+  steps: list = dataclasses.field(default_factory=list)      # (t0, t1, schedule_s, merge_s)
+  schedule_s: float = 0.0   # in the current step
+  merge_s: float = 0.0      # in the current step
+
+
+class Instruments:
+  """Wraps the engine's runner, store client and scheduler of one LLM to time their calls.
+
+  Instance attributes are replaced (never the library's code): `runner.prefill_chunk` blocks on
+  its logits (the engine does so right after anyway), `runner.insert_chunk/insert_payload` block
+  on the cache (the next prefill would wait for it), `kv_store.lookup/landed`,
+  `scheduler.schedule` and `engine.step` are timed. `CakeMerge`'s methods are timed through a
+  class-level wrapper installed once.
+  """
+
+  _merge_patched = False
+  current: "Instruments | None" = None
+
+  def __init__(self, llm):
+    import jax  # noqa: PLC0415
+    self.rec = Recorder()
+    eng, runner, store = llm.engine, llm.engine.runner, llm.kv_store
+    pc = time.perf_counter
+
+    def wrap_prefill(orig):
+      def prefill_chunk(token_ids, slot, start, **kw):
+        t0 = pc()
+        out = orig(token_ids, slot, start, **kw)
+        out.logits.block_until_ready()
+        self.rec.prefills.append((slot, start, len(token_ids), t0, pc()))
+        return out
+      return prefill_chunk
+
+    def wrap_insert(orig):
+      def insert(*args, **kw):
+        t0 = pc()
+        orig(*args, **kw)
+        jax.block_until_ready(runner.cache)
+        self.rec.inserts.append((t0, pc()))
+      return insert
+
+    def wrap_lookup(orig):
+      def lookup(*args, **kw):
+        t0 = pc()
+        out = orig(*args, **kw)
+        self.rec.lookups.append(pc() - t0)
+        return out
+      return lookup
+
+    def wrap_landed(orig):
+      def landed(*args, **kw):
+        out = orig(*args, **kw)
+        for r in out:
+          self.rec.landings.append((r.request_id, r.index, r.started_s, r.done_s, r.nbytes,
+                                    r.nbytes > 0))
+        return out
+      return landed
+
+    def wrap_schedule(orig):
+      def schedule(*args, **kw):
+        t0 = pc()
+        out = orig(*args, **kw)
+        self.rec.schedule_s += pc() - t0
+        return out
+      return schedule
+
+    def wrap_step(orig):
+      def step(*args, **kw):
+        self.rec.schedule_s = self.rec.merge_s = 0.0
+        t0 = pc()
+        out = orig(*args, **kw)
+        self.rec.steps.append((t0, pc(), self.rec.schedule_s, self.rec.merge_s))
+        return out
+      return step
+
+    runner.prefill_chunk = wrap_prefill(runner.prefill_chunk)
+    runner.insert_chunk = wrap_insert(runner.insert_chunk)
+    if hasattr(runner, "insert_payload"):
+      runner.insert_payload = wrap_insert(runner.insert_payload)
+    store.lookup = wrap_lookup(store.lookup)
+    store.landed = wrap_landed(store.landed)
+    eng.scheduler.schedule = wrap_schedule(eng.scheduler.schedule)
+    eng.step = wrap_step(eng.step)
+    Instruments.current = self
+    if not Instruments._merge_patched:
+      from kvjax.scheduler.cake import CakeMerge  # noqa: PLC0415
+      for name in ("next_load", "next_compute", "load_done", "inserted", "recheck_s"):
+        setattr(CakeMerge, name, _timed_merge_method(getattr(CakeMerge, name)))
+      Instruments._merge_patched = True
+
+
+def _timed_merge_method(fn):
+  def timed(*args, **kw):
+    t0 = time.perf_counter()
+    try:
+      return fn(*args, **kw)
+    finally:
+      if Instruments.current is not None:
+        Instruments.current.rec.merge_s += time.perf_counter() - t0
+  timed.__doc__ = fn.__doc__
+  return timed
+
+
+# ----------------------------------------------------------------------------- prompts
+def long_prompt(tok, n_max: int) -> tuple[list[int], str]:
+  """Token ids of the LongChat prompt (at least `n_max` of them) and where it came from."""
+  with open(_PROMPT_FILE.value, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  row = rows[_PROMPT_INDEX.value]
+  ids = tok.encode(row["prompt"], add_special_tokens=False)
+  if len(ids) < n_max:
+    raise app.UsageError(f"{_PROMPT_FILE.value}[{_PROMPT_INDEX.value}] has {len(ids)} tokens; "
+                         f"{n_max} needed (use topics_15.jsonl for 8K)")
+  return ids, f"{os.path.basename(_PROMPT_FILE.value)}[{_PROMPT_INDEX.value}]"
+
+
+class TokenPool:
+  """Consecutive slices of real ShareGPT text (human turns), for competing and burst prompts."""
+
+  def __init__(self, tok, path: str, max_tokens: int = 200_000):
+    with open(path, encoding="utf-8") as f:
+      convs = json.load(f)
+    ids: list[int] = []
+    for c in convs:
+      for turn in c["conversations"]:
+        if turn["from"] == "human":
+          ids += tok.encode(turn["value"], add_special_tokens=False)
+      if len(ids) >= max_tokens:
+        break
+    self.ids = ids
+    self.pos = 0
+
+  def take(self, n: int) -> list[int]:
+    if self.pos + n > len(self.ids):
+      self.pos = 0
+    out = self.ids[self.pos:self.pos + n]
+    self.pos += n
+    return out
+
+
+def competitor_sizes(tokens: int, chunk: int, sizes: tuple[int, ...]) -> list[int]:
+  """Prompt lengths adding up to `tokens`, each below one store chunk (never stored, never a
+  hit) and made of few compiled sizes: binary pieces of at most chunk/2, first-fit packed."""
+  cap = max(s for s in sizes if s <= chunk // 2)
+  pieces, rem = [], tokens
+  while rem > 0:
+    p = max((s for s in sizes if s <= min(rem, cap)), default=rem)
+    pieces.append(p)
+    rem -= p
+  bins: list[int] = []
+  for p in sorted(pieces, reverse=True):
+    for i, b in enumerate(bins):
+      if b + p < chunk:
+        bins[i] += p
+        break
+    else:
+      bins.append(p)
+  return bins
+
+
+# ----------------------------------------------------------------------------- one engine
+@dataclasses.dataclass
+class Run:
+  """One timed request through the engine (times relative to its arrival, seconds)."""
+
+  mode: str
+  seq_len: int
+  ttft_s: float | None
+  censored: bool
+  lookup_s: float
+  first_token_id: int | None
+  merge: dict | None
+  num_loaded_tokens: int
+  num_computed_tokens: int
+  prefills: list      # (start, n, t0, t1) of the long request
+  landings: list      # (index, start, done, nbytes, ok) of the long request
+  inserts: list       # (t0, t1)
+  steps: list         # (t0, t1, schedule_s, merge_s)
+  other_prefills: list  # (start, n, t0, t1) of competing requests
+  wall_s: float
+  cpu_cores: float      # this process's CPU seconds per wall second (2.0: both cores ours)
+  loadavg_1m: float
+
+  def summary(self) -> dict:
+    return {"mode": self.mode, "ttft_s": self.ttft_s, "censored": self.censored,
+            "lookup_s": self.lookup_s, "first_token_id": self.first_token_id,
+            "num_loaded_tokens": self.num_loaded_tokens,
+            "num_computed_tokens": self.num_computed_tokens, "merge": self.merge,
+            "insert_s": sum(t1 - t0 for t0, t1 in self.inserts), "num_steps": len(self.steps),
+            "wall_s": self.wall_s, "cpu_cores": self.cpu_cores, "loadavg_1m": self.loadavg_1m,
+            "prefill_calls": [[s, n, round(a, 4), round(b, 4)] for s, n, a, b in self.prefills],
+            "landings": [[j, round(a, 4), round(b, 4), nb] for j, a, b, nb, _ in self.landings]}
+
+
+class Bench:
+  """One LLM (one codec, one store) with its link, instruments and competing-prompt pool."""
+
+  def __init__(self, codec: str, store_root: pathlib.Path, pool: TokenPool):
+    from kvjax import LLM  # noqa: PLC0415
+    self.codec = codec
+    self.store_url = f"file://{store_root / codec}"
+    kw: dict[str, Any] = {}
+    if codec != "raw":
+      kw = {"kv_codec": codec, "kv_codec_levels": [0]}
+    self.competitors_max = 3
+    self.llm = LLM(kv_store=self.store_url, kv_chunk_size=_CHUNK.value,
+                   max_num_batched_tokens=_BUDGET.value, max_num_seqs=1 + self.competitors_max,
+                   kv_max_loads_in_flight=_IN_FLIGHT.value, seed=_SEED.value, **kw)
+    self.engine = self.llm.engine
+    self.tok = self.llm.get_tokenizer()
+    (self.limiter,) = self.llm.kv_store.store.limiters.values()
+    self.inst = Instruments(self.llm)
+    self.pool = pool
+    self.chunk_sizes = tuple(self.engine.runner.chunk_sizes)
+    self._rid = 0
+
+  def rid(self, tag: str) -> str:
+    self._rid += 1
+    return f"{tag}-{self._rid}"
+
+  def quiesce(self) -> None:
+    """Waits for saves, for cancelled loads to drain, and collects garbage (off the clock)."""
+    self.llm.flush()
+    t0 = time.perf_counter()
+    while self.llm.kv_store.loads_in_flight() and time.perf_counter() - t0 < 30:
+      time.sleep(0.05)
+    self.llm.kv_store.landed()  # drop leftovers
+    gc.collect()
+
+  def prefix_bytes(self, ids: list[int]) -> tuple[int, list[int]]:
+    """Stored bytes of the prefix chunks (one lookup; this codec's level-0 encodings)."""
+    lk = self.llm.kv_store.lookup(ids, None)
+    per = []
+    for hit, rec in zip(lk.hits, lk.records or [None] * len(lk.hits)):
+      if not hit:
+        raise RuntimeError(f"{self.codec}: a prefix chunk of the {len(ids)}-token prompt is not "
+                           "stored; the store run failed")
+      if rec is None:
+        per.append(self.llm.kv_store.layout.nbytes)
+      else:
+        per.append(min(e.nbytes for e in rec.encodings if e.codec == self.codec))
+    return sum(per), per
+
+  def run(self, mode: str, ids: list[int], *, share_at: Callable[[float], float] = lambda t: 1.0,
+          link: tuple | None = None, cap_s: float | None = None, max_tokens: int = 1) -> Run:
+    """Runs one long request in `mode` to its first token, competing prompts holding the share.
+
+    Args:
+      link: None (unlimited), ("rate", bytes/s) or ("trace", steps).
+      share_at: compute share in (0, 1] at a time since arrival.
+      cap_s: abort after this many seconds (the run is then `censored`).
+    """
+    from kvjax import SamplingParams  # noqa: PLC0415
+    from kvjax.scheduler import MergeMode  # noqa: PLC0415
+    eng, rec = self.engine, self.inst.rec
+    self.quiesce()
+    eng.merge_mode = MergeMode(mode)
+    rec.__init__()
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    if link is None:
+      self.limiter.reset()
+    elif link[0] == "rate":
+      self.limiter.reset(link[1])
+    else:
+      self.limiter.reset(trace=link[1])
+    load1 = os.getloadavg()[0]
+    cpu0 = time.process_time()
+    t_arr = time.perf_counter()
+    rid = eng.add_request(ids, greedy, request_id=self.rid(mode))
+    live: set[str] = set()
+    result, censored, slot = None, False, None
+    while result is None:
+      el = time.perf_counter() - t_arr
+      if cap_s is not None and el > cap_s:
+        eng.abort_request(rid)
+        censored = True
+        break
+      if not live:
+        tokens = int(round((1.0 - share_at(el)) * _BUDGET.value))
+        for n in competitor_sizes(tokens, _CHUNK.value, self.chunk_sizes) if tokens else []:
+          live.add(eng.add_request(self.pool.take(n), one, request_id=self.rid("other")))
+      outs = eng.step()
+      if slot is None and rid in eng.scheduler.running:
+        slot = eng.scheduler.running[rid].slot
+      for o in outs:
+        if o.finished:
+          live.discard(o.request_id)
+          if o.request_id == rid:
+            result = o
+    for other in live:
+      eng.abort_request(other)
+    wall = time.perf_counter() - t_arr
+    cpu = time.process_time() - cpu0
+    mine = [(s, n, a - t_arr, b - t_arr) for sl, s, n, a, b in rec.prefills if sl == slot]
+    others = [(s, n, a - t_arr, b - t_arr) for sl, s, n, a, b in rec.prefills if sl != slot]
+    lands = [(j, a - t_arr, b - t_arr, nb, ok) for r, j, a, b, nb, ok in rec.landings if r == rid]
+    m = result.metrics if result is not None else None
+    return Run(
+        mode=mode, seq_len=len(ids), ttft_s=m.ttft_s if m else None, censored=censored,
+        lookup_s=rec.lookups[0] if rec.lookups else 0.0,
+        first_token_id=result.token_ids[0] if result is not None else None,
+        merge=dataclasses.asdict(m.merge) if m is not None and m.merge is not None else None,
+        num_loaded_tokens=m.num_loaded_tokens if m else 0,
+        num_computed_tokens=m.num_computed_tokens if m else 0,
+        prefills=mine, landings=lands,
+        inserts=[(a - t_arr, b - t_arr) for a, b in rec.inserts],
+        steps=[(a - t_arr, b - t_arr, s, g) for a, b, s, g in rec.steps],
+        other_prefills=others, wall_s=wall, cpu_cores=cpu / wall, loadavg_1m=load1)
+
+  def store(self, ids: list[int]) -> float:
+    """Computes the prompt once with the store and flushes (Cake's setup); returns seconds."""
+    from kvjax import SamplingParams  # noqa: PLC0415
+    t0 = time.perf_counter()
+    self.llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0.0))
+    self.llm.flush()
+    return time.perf_counter() - t0
+
+  def warm(self, ids: list[int], short: list[int]) -> dict:
+    """Compiles every chunk size and decode, stores `ids`, then runs one load-only request on an
+    unlimited link (the insert/decode path)."""
+    t0 = time.perf_counter()
+    self.engine.runner.warmup()
+    t1 = time.perf_counter()
+    store_s = self.store(ids)
+    self.run("load_only", short)
+    return {"compile_s": t1 - t0, "store_s": store_s, "warm_s": time.perf_counter() - t0}
+
+  def close(self):
+    self.llm.close()
+    Instruments.current = None
+
+
+# ----------------------------------------------------------------------------- analysis
+def _fit(calls) -> tuple[float, float, float] | None:
+  """Least squares t = a + b n + c n m (m: mean position) over (start, n, t0, t1) calls."""
+  import numpy as np  # noqa: PLC0415
+  if len(calls) < 3:
+    return None
+  x = np.array([[1.0, n, n * (s + (n - 1) / 2)] for s, n, _, _ in calls])
+  y = np.array([t1 - t0 for _, _, t0, t1 in calls])
+  coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+  return tuple(float(c) for c in coef)
+
+
+def _pred(coef, s, n) -> float:
+  a, b, c = coef
+  return max(1e-9, a + b * n + c * n * (s + (n - 1) / 2))
+
+
+def done_at(run: Run, pos: int, coef) -> float:
+  """When positions [0, pos) were all computed (seconds since arrival), splitting a call that
+  spans `pos` in proportion to the predicted cost of its part."""
+  for s, n, t0, t1 in run.prefills:
+    if s < pos <= s + n:
+      if pos == s + n:
+        return t1
+      return t0 + (t1 - t0) * _pred(coef, s, pos - s) / _pred(coef, s, n)
+  raise ValueError(f"no prefill call ends the range [0, {pos})")
+
+
+def cell_analysis(co: Run, lo: Run, kv: Run, n_chunks: int, chunk: int, coef) -> dict:
+  """C(m), L(k), the ideal bound and its parts, for one cell."""
+  from kvjax.scheduler import ideal_merge_s  # noqa: PLC0415
+  n, p = co.seq_len, n_chunks * chunk
+  c_of = [0.0] + [done_at(co, (m + 1) * chunk, coef) - co.lookup_s for m in range(n_chunks)]
+  t_prefix = done_at(co, p, coef)
+  t_all = done_at(co, n, coef)
+  suffix_s = t_all - t_prefix
+  first_s = co.ttft_s - t_all
+  land = {j: b for j, _, b, _, ok in lo.landings if ok}
+  l_of = [0.0]
+  for k in range(1, n_chunks + 1):
+    top = range(n_chunks - k, n_chunks)
+    l_of.append(max(land[j] for j in top) - lo.lookup_s if all(j in land for j in top)
+                else math.inf)
+  merge_s, best_m = ideal_merge_s(c_of, l_of)
+  ideal = kv.lookup_s + merge_s + suffix_s + first_s
+  return {"ideal_s": ideal, "ideal_m": best_m, "ideal_merge_s": merge_s, "suffix_s": suffix_s,
+          "first_token_s": first_s, "c_of_m_s": [round(x, 4) for x in c_of],
+          "l_of_k_s": [round(x, 4) if math.isfinite(x) else None for x in l_of],
+          "compute_prefix_s": c_of[-1]}
+
+
+def slowdown(kv_runs: list[Run], coef) -> dict:
+  """Prefill calls of the long request with and without loads in flight, over a compute-only fit."""
+  with_l, without = [], []
+  for r in kv_runs:
+    spans = [(a, b) for _, a, b, _, _ in r.landings]
+    for s, n, t0, t1 in r.prefills:
+      ratio = (t1 - t0) / _pred(coef, s, n)
+      busy = any(a < t1 and b > t0 for a, b in spans)
+      (with_l if busy else without).append(ratio)
+  med = lambda v: statistics.median(v) if v else None  # noqa: E731
+  return {"calls_with_loads": len(with_l), "calls_without_loads": len(without),
+          "median_time_over_fit_with_loads": med(with_l),
+          "median_time_over_fit_without_loads": med(without)}
+
+
+def _median_run(runs: list[Run]) -> Run:
+  done = [r for r in runs if r.ttft_s is not None]
+  if not done:
+    return runs[0]
+  return sorted(done, key=lambda r: r.ttft_s)[(len(done) - 1) // 2]
+
+
+# ----------------------------------------------------------------------------- experiments
+def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: list[str],
+               reps_at_balance: int, compute_reps: int, bar) -> tuple[list[dict], list[Run]]:
+  """One (codec, length, share) block: compute-only, per ratio load-only then kvjax (the balance
+  cell repeated with compute-only interleaved), then the remaining compute-only runs."""
+  ids = ids_full[:n]
+  chunk = _CHUNK.value
+  n_chunks = (n - 1) // chunk
+  share_at = lambda t: share / 100  # noqa: E731
+  pbytes, per_chunk = bench.prefix_bytes(ids)
+  co_runs: list[Run] = []
+
+  def compute_only():
+    bar.set_description(f"{bench.codec} {n} {share:g}% compute-only #{len(co_runs) + 1}")
+    co_runs.append(bench.run("compute_only", ids, share_at=share_at))
+    bar.update(1)
+
+  compute_only()
+  fallback = bench.engine.cost_model.compute_coefficients
+  coef0 = _fit(co_runs[0].prefills + co_runs[0].other_prefills) or fallback
+  b_star = pbytes / (done_at(co_runs[0], n_chunks * chunk, coef0) - co_runs[0].lookup_s)
+  swept = []
+  for rtext in ratios:
+    r = fraction(rtext)
+    bw = r * b_star
+    reps = reps_at_balance if (r == 1 and share == 100 and n <= _BALANCE_MAX_LEN.value) else 1
+    lo_runs, kv_runs = [], []
+    for rep in range(reps):
+      if rep > 0:
+        compute_only()
+      co_ttft = statistics.median(x.ttft_s for x in co_runs)
+      cap = _LOAD_ONLY_CAP.value * co_ttft if _LOAD_ONLY_CAP.value > 0 else None
+      bar.set_description(f"{bench.codec} {n} {share:g}% B*x{rtext} load-only")
+      lo_runs.append(bench.run("load_only", ids, share_at=share_at, link=("rate", bw), cap_s=cap))
+      bar.update(1)
+      bar.set_description(f"{bench.codec} {n} {share:g}% B*x{rtext} kvjax")
+      kv_runs.append(bench.run("cake", ids, share_at=share_at, link=("rate", bw),
+                               cap_s=3 * co_ttft + 10))
+      bar.update(1)
+    swept.append((rtext, r, bw, reps, lo_runs, kv_runs))
+  while len(co_runs) < compute_reps:
+    compute_only()
+  # The ideal bound takes C(m) from the fastest compute-only run (the least disturbed by other
+  # work on the machine: the tightest bound); TTFTs are medians over the repetitions.
+  co_fast = min(co_runs, key=lambda x: x.ttft_s)
+  coef = _fit(co_fast.prefills + co_fast.other_prefills) or fallback
+  co_t = statistics.median(x.ttft_s for x in co_runs)
+  cells, kv_all = [], []
+  for rtext, r, bw, reps, lo_runs, kv_runs in swept:
+    kv_all += kv_runs
+    lo, kv = _median_run(lo_runs), _median_run(kv_runs)
+    ana = cell_analysis(co_fast, lo, kv, n_chunks, chunk, coef)
+    lo_done = [x.ttft_s for x in lo_runs if x.ttft_s is not None]
+    lo_t = statistics.median(lo_done) if len(lo_done) == len(lo_runs) else None
+    kv_done = [x.ttft_s for x in kv_runs if x.ttft_s is not None]
+    kv_t = statistics.median(kv_done) if kv_done else None
+    lo_min = None if lo_t is not None else max(x.wall_s for x in lo_runs)
+    best = min(co_t, lo_t) if lo_t is not None else co_t  # a censored load-only is slower
+    cell = {
+        "seq_len": n, "share": share, "codec": bench.codec, "ratio_text": rtext,
+        "bandwidth_bytes_per_s": bw, "bandwidth_ratio": r, "b_star_bytes_per_s": b_star,
+        "prefix_chunks": n_chunks, "prefix_bytes": pbytes, "chunk_bytes": per_chunk[0],
+        "cake_tokens_per_step": int(round(share / 100 * _BUDGET.value)),
+        "reps": reps, "ttft_compute_only_s": co_t, "ttft_load_only_s": lo_t,
+        "ttft_load_only_min_s": lo_min,
+        "ttft_load_only_projected_s": (lo.lookup_s + pbytes / bw + ana["suffix_s"]
+                                       + ana["first_token_s"]),
+        "ttft_kvjax_s": kv_t, "ttft_ideal_s": ana["ideal_s"],
+        "ttft_compute_only_reps_s": [x.ttft_s for x in co_runs],
+        "ttft_load_only_reps_s": [x.ttft_s for x in lo_runs],
+        "ttft_kvjax_reps_s": [x.ttft_s for x in kv_runs],
+        "cpu_cores": {"compute_only": [round(x.cpu_cores, 3) for x in co_runs],
+                      "load_only": [round(x.cpu_cores, 3) for x in lo_runs],
+                      "cake": [round(x.cpu_cores, 3) for x in kv_runs]},
+        "loadavg_1m": {"compute_only": [x.loadavg_1m for x in co_runs],
+                       "load_only": [x.loadavg_1m for x in lo_runs],
+                       "cake": [x.loadavg_1m for x in kv_runs]},
+        "speedup_vs_best": best / kv_t if kv_t else None,
+        "speedup_vs_compute_only": co_t / kv_t if kv_t else None,
+        "speedup_vs_load_only": (lo_t / kv_t) if (kv_t and lo_t) else None,
+        "speedup_vs_load_only_min": (lo_min / kv_t) if (kv_t and lo_min) else None,
+        "kvjax_over_ideal": kv_t / ana["ideal_s"] if kv_t else None,
+        "first_tokens_agree": len({x.first_token_id for x in (co_fast, lo, kv)
+                                   if x.first_token_id is not None}) <= 1,
+        "ideal": ana,
+        "runs": {"compute_only": co_fast.summary(), "load_only": lo.summary(),
+                 "cake": kv.summary()},
+        "compute_slowdown": slowdown(kv_runs, coef),
+    }
+    cells.append(cell)
+  return cells, kv_all
+
+
+def fluctuation(bench: Bench, ids_full: list[int], b_ref: float, out: pathlib.Path,
+                rng: random.Random, bar) -> list[dict]:
+  """Random link traces and random compute-share traces (Cake section 6, fluctuating
+  resources): compute-only, load-only and kvjax under the same traces, and the ideal bound."""
+  from kvjax.storage.link import load_trace  # noqa: PLC0415
+  n = _FLUCT_LENGTH.value
+  ids = ids_full[:n]
+  n_chunks = (n - 1) // _CHUNK.value
+  results = []
+  for k in range(_FLUCT_SEEDS.value):
+    t, lines = 0.0, ["# t_s bytes_per_s  (B_ref = %.0f bytes/s, seed %d)" % (b_ref, k)]
+    while t < 600:
+      lines.append(f"{t:.3f} {b_ref * 2 ** rng.uniform(-2, 2):.1f}")
+      t += rng.uniform(0.5, 2.0)
+    path = out / f"cake_fluct_link_{k}.txt"
+    path.write_text("\n".join(lines) + "\n")
+    steps = load_trace(path)
+    starts, shares, t = [], [], 0.0
+    while t < 600:
+      starts.append(t)
+      shares.append(rng.choice([0.125, 0.5, 0.875, 1.0]))
+      t += rng.uniform(1.0, 3.0)
+
+    def share_at(el, starts=starts, shares=shares):
+      import bisect  # noqa: PLC0415
+      return shares[bisect.bisect_right(starts, el) - 1]
+    runs = {}
+    for mode in MODES:
+      bar.set_description(f"fluctuation {k} {mode}")
+      cap = None if mode == "compute_only" else 3 * runs["compute_only"].ttft_s + 10
+      runs[mode] = bench.run(mode, ids, share_at=share_at, link=("trace", steps), cap_s=cap)
+      bar.update(1)
+    co, lo, kv = runs["compute_only"], runs["load_only"], runs["cake"]
+    coef = _fit(co.prefills + co.other_prefills) or bench.engine.cost_model.compute_coefficients
+    ana = cell_analysis(co, lo, kv, n_chunks, _CHUNK.value, coef)
+    best = min(co.ttft_s, lo.ttft_s) if lo.ttft_s else co.ttft_s
+    results.append({
+        "seed": k, "seq_len": n, "link_trace_file": path.name, "b_ref_bytes_per_s": b_ref,
+        "share_trace": list(zip(starts[:40], shares[:40])),
+        "ttft_compute_only_s": co.ttft_s, "ttft_load_only_s": lo.ttft_s,
+        "ttft_kvjax_s": kv.ttft_s, "ttft_ideal_s": ana["ideal_s"],
+        "speedup_vs_best": best / kv.ttft_s if kv.ttft_s else None,
+        "kvjax_over_ideal": kv.ttft_s / ana["ideal_s"] if kv.ttft_s else None,
+        "ideal": ana, "runs": {m: r.summary() for m, r in runs.items()}})
+  return results
+
+
+def burst(bench: Bench, ids_full: list[int], b_ref: float, rng: random.Random, bar) -> dict:
+  """One long request with a stored prefix plus short requests arriving together.
+
+  Variants: "fcfs_recompute" (the default scheduling of vLLM-style chunked prefill: the long
+  prompt is an ordinary prefill, its store not used, first come first served, so the short ones
+  queue behind it; kvjax has no non-adaptive Cake mode), and the adaptive scheduler with the
+  long request's merge in compute-only, load-only and Cake mode (short prefills first, the merge's
+  compute side takes what is left of each step).
+  """
+  from kvjax import SamplingParams  # noqa: PLC0415
+  from kvjax.scheduler import MergeMode  # noqa: PLC0415
+  n = _BURST_LENGTH.value
+  ids = ids_full[:n]
+  lens = [rng.randint(32, 448) for _ in range(_BURST_SHORTS.value)]
+  shorts = [bench.pool.take(k) for k in lens]
+  params = SamplingParams(max_tokens=_BURST_MAX_TOKENS.value, temperature=0.0)
+  eng = bench.engine
+  out = {"seq_len": n, "short_lengths": lens, "max_tokens": _BURST_MAX_TOKENS.value,
+         "bandwidth_bytes_per_s": b_ref, "variants": {}}
+  for variant, mode in (("fcfs_recompute", "compute_only"), ("adaptive_compute_only",
+                                                             "compute_only"),
+                        ("adaptive_load_only", "load_only"), ("adaptive_kvjax", "cake")):
+    bar.set_description(f"burst {variant}")
+    bench.quiesce()
+    eng.merge_mode = MergeMode(mode)
+    bench.inst.rec.__init__()
+    bench.limiter.reset(b_ref)
+    salt = f"burst-{variant}-{time.time_ns()}"
+    t0 = time.perf_counter()
+    long_id = eng.add_request(ids, params, request_id=bench.rid("long"),
+                              cache_salt=salt if variant == "fcfs_recompute" else None)
+    rids = [long_id] + [eng.add_request(s, params, request_id=bench.rid("short"), cache_salt=salt)
+                        for s in shorts]
+    ttft, fin = {}, {}
+    while len(fin) < len(rids):
+      for o in eng.step():
+        if o.metrics.ttft_s is not None:
+          ttft.setdefault(o.request_id, o.metrics.ttft_s)
+        if o.finished:
+          fin[o.request_id] = time.perf_counter() - t0
+    short_ttft = [ttft[r] for r in rids[1:]]
+    out["variants"][variant] = {
+        "all_finished_s": max(fin.values()), "long_ttft_s": ttft[long_id],
+        "long_finished_s": fin[long_id], "short_ttft_mean_s": statistics.mean(short_ttft),
+        "short_ttft_p90_s": sorted(short_ttft)[int(0.9 * (len(short_ttft) - 1))],
+        "mean_ttft_all_s": statistics.mean(list(ttft.values())),
+        "short_finished_mean_s": statistics.mean(fin[r] for r in rids[1:])}
+    bar.update(1)
+  return out
+
+
+def planner_overhead(kv_runs: list[Run]) -> dict:
+  sched = [s for r in kv_runs for _, _, s, _ in r.steps]
+  merge = [g for r in kv_runs for _, _, _, g in r.steps]
+  walls = [b - a for r in kv_runs for a, b, _, _ in r.steps]
+  if not sched:
+    return {}
+  q = lambda v, f: sorted(v)[int(f * (len(v) - 1))]  # noqa: E731
+  return {"steps": len(sched), "schedule_ms_mean": 1e3 * statistics.mean(sched),
+          "schedule_ms_p50": 1e3 * q(sched, 0.5), "schedule_ms_p99": 1e3 * q(sched, 0.99),
+          "schedule_ms_max": 1e3 * max(sched),
+          "cakemerge_ms_mean": 1e3 * statistics.mean(merge),
+          "cakemerge_ms_p99": 1e3 * q(merge, 0.99), "cakemerge_ms_max": 1e3 * max(merge),
+          "step_ms_mean": 1e3 * statistics.mean(walls),
+          "planner_fraction_of_step_time": sum(sched) / sum(walls)}
+
+
+# ----------------------------------------------------------------------------- report
+def fmt_s(x) -> str:
+  return "-" if x is None else f"{x:.2f}"
+
+
+def print_cells(cells: list[dict]) -> None:
+  print(f"{'codec':<8} {'share':>5} {'seq':>5} {'B/B*':>5} {'B MB/s':>7} {'compute':>8} "
+        f"{'load':>8} {'kvjax':>7} {'ideal':>7} {'speedup':>7} {'kv/ideal':>8} {'meet':>6} "
+        f"{'waste':>5} {'reps':>4}")
+  for c in cells:
+    lo = fmt_s(c["ttft_load_only_s"]) if c["ttft_load_only_s"] is not None else (
+        ">" + fmt_s(c["ttft_load_only_min_s"]))
+    mg = c["runs"]["cake"]["merge"] or {}
+    meet = f"{mg.get('meeting_index', '-')}/{c['prefix_chunks']}"
+    sp = c["speedup_vs_best"]
+    kvi = c["kvjax_over_ideal"]
+    print(f"{c['codec']:<8} {c['share']:>5g} {c['seq_len']:>5} {c['ratio_text']:>5} "
+          f"{c['bandwidth_bytes_per_s'] / 1e6:>7.2f} {fmt_s(c['ttft_compute_only_s']):>8} "
+          f"{lo:>8} {fmt_s(c['ttft_kvjax_s']):>7} {fmt_s(c['ttft_ideal_s']):>7} "
+          f"{('-' if sp is None else f'{sp:.2f}x'):>7} "
+          f"{('-' if kvi is None else f'{kvi:.3f}'):>8} {meet:>6} "
+          f"{len(mg.get('chunks_wasted', [])):>5} {c['reps']:>4}")
+
+
+def check_targets(cells: list[dict]) -> dict:
+  """The three targets; each miss is listed with its numbers."""
+  t1 = [c for c in cells if c["speedup_vs_best"] is not None]
+  miss1 = [c for c in t1 if c["speedup_vs_best"] < 0.97]
+  t2 = [c for c in cells if c["seq_len"] >= 4096 and c["kvjax_over_ideal"] is not None]
+  miss2 = [c for c in t2 if c["kvjax_over_ideal"] > 1.10]
+  t3 = [c for c in cells if c["seq_len"] >= 4096 and c["bandwidth_ratio"] == 1
+        and c["ttft_kvjax_s"] is not None]
+  miss3 = [c for c in t3 if c["ttft_compute_only_s"] / c["ttft_kvjax_s"] < 1.7 or (
+      c["ttft_load_only_s"] is not None and c["ttft_load_only_s"] / c["ttft_kvjax_s"] < 1.7)]
+  key = lambda c: f"{c['codec']}/{c['share']:g}%/{c['seq_len']}/x{c['ratio_text']}"  # noqa: E731
+  return {
+      "kvjax_ge_0.97x_best": {"cells": len(t1), "met": len(t1) - len(miss1),
+                              "misses": {key(c): round(c["speedup_vs_best"], 3) for c in miss1}},
+      "within_10pct_of_ideal_n_ge_4k": {
+          "cells": len(t2), "met": len(t2) - len(miss2),
+          "misses": {key(c): round(c["kvjax_over_ideal"], 3) for c in miss2}},
+      "ge_1.7x_both_at_balance_n_ge_4k": {
+          "cells": len(t3), "met": len(t3) - len(miss3),
+          "misses": {key(c): [round(c["ttft_compute_only_s"] / c["ttft_kvjax_s"], 3),
+                              round((c["ttft_load_only_s"] or math.nan) / c["ttft_kvjax_s"], 3)]
+                     for c in miss3}}}
+
+
+def plot(cells: list[dict], path: pathlib.Path) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  raw = [c for c in cells if c["codec"] == "raw"] or cells
+  shares = sorted({c["share"] for c in raw}, reverse=True)
+  fig, axes = plt.subplots(2, len(shares), figsize=(3.8 * len(shares), 6.6), squeeze=False)
+  for col, share in enumerate(shares):
+    mine = [c for c in raw if c["share"] == share]
+    lens = sorted({c["seq_len"] for c in mine})
+    ratios = sorted({c["ratio_text"] for c in mine}, key=fraction)
+    for row, (key, title, cmap, lim) in enumerate((
+        ("speedup_vs_best", "kvjax speedup vs better baseline", "viridis", None),
+        ("kvjax_over_ideal", "kvjax / ideal", "magma_r", (1.0, 1.4)))):
+      grid = [[next((c[key] for c in mine if c["seq_len"] == n and c["ratio_text"] == r),
+                    None) for r in ratios] for n in lens]
+      vals = [[math.nan if v is None else v for v in line] for line in grid]
+      ax = axes[row][col]
+      im = ax.imshow(vals, cmap=cmap, aspect="auto", origin="lower",
+                     vmin=lim[0] if lim else None, vmax=lim[1] if lim else None)
+      for i, line in enumerate(grid):
+        for j, v in enumerate(line):
+          ax.text(j, i, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                  color="w" if row == 0 else "k")
+      ax.set_xticks(range(len(ratios)), ratios)
+      ax.set_yticks(range(len(lens)), lens)
+      ax.set_xlabel("B / B*")
+      ax.set_ylabel("sequence length")
+      ax.set_title(f"{title}\ncompute share {share:g}%", fontsize=9)
+      fig.colorbar(im, ax=ax, fraction=0.046)
+  fig.suptitle("SmolLM2-135M f32, 2 CPU cores, real engine (raw KV)", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+# ----------------------------------------------------------------------------- main
+def plan(quick: bool) -> dict:
+  if quick:
+    return {"lengths": [2048, 4096], "shares": [100.0], "ratios": ["1", "4", "1/4"],
+            "sub_lengths": [], "sub_ratios": [], "codecs": ["raw"], "codec_lengths": [],
+            "codec_ratios": [], "balance_reps": 1, "compute_reps": 1, "experiments": ["grid"]}
+  return {"lengths": [int(x) for x in _LENGTHS.value],
+          "shares": [float(x) for x in _SHARES.value], "ratios": list(_RATIOS.value),
+          "sub_lengths": [int(x) for x in _SUB_LENGTHS.value],
+          "sub_ratios": list(_SUB_RATIOS.value), "codecs": list(_CODECS.value),
+          "codec_lengths": [int(x) for x in _CODEC_LENGTHS.value],
+          "codec_ratios": list(_CODEC_RATIOS.value), "balance_reps": _BALANCE_REPS.value,
+          "compute_reps": _COMPUTE_REPS.value,
+          "experiments": list(_EXPERIMENTS.value)}
+
+
+def tasks_of(p: dict) -> list[tuple]:
+  """Run order: raw blocks at share 100% (short first), the fluctuation and burst experiments,
+  raw blocks at lower shares, then the codec blocks. A block is ("block", codec, length, share,
+  ratios); --deadline_s drops what is left when it passes."""
+  grid = "grid" in p["experiments"]
+  out: list[tuple] = []
+  if grid and 100.0 in p["shares"]:
+    out += [("block", "raw", n, 100.0, p["ratios"]) for n in sorted(p["lengths"])]
+  out += [(e,) for e in ("fluctuation", "burst") if e in p["experiments"]]
+  if grid:
+    out += [("block", "raw", n, share, p["sub_ratios"]) for share in p["shares"] if share != 100
+            for n in sorted(p["sub_lengths"])]
+  if "codecs" in p["experiments"]:
+    out += [("block", codec, n, 100.0, p["codec_ratios"]) for codec in p["codecs"]
+            if codec != "raw" for n in p["codec_lengths"]]
+  return out
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  from tqdm import tqdm  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  import kvjax  # noqa: PLC0415
+
+  t_start = time.perf_counter()
+  p = plan(_QUICK.value)
+  out = pathlib.Path(_OUT.value)
+  out.mkdir(parents=True, exist_ok=True)
+  store_root = pathlib.Path(_STORE_DIR.value or tempfile.mkdtemp(prefix="kvjax-bench-cake-"))
+  rng = random.Random(_SEED.value)
+  tasks = tasks_of(p)
+  blocks = [t[1:] for t in tasks if t[0] == "block"]
+  max_len = max([n for _, n, _, _ in blocks]
+                + ([_FLUCT_LENGTH.value] if "fluctuation" in p["experiments"] else [])
+                + ([_BURST_LENGTH.value] if "burst" in p["experiments"] else []))
+  # Runs: compute-only once per block, load-only + kvjax per ratio, extra balance reps.
+  def runs_in(codec, n, share, r):
+    extra = (p["balance_reps"] - 1 if codec == "raw" and share == 100 and "1" in r
+             and n <= _BALANCE_MAX_LEN.value else 0)
+    return 2 * len(r) + 2 * extra + max(1 + extra, p["compute_reps"])
+  total = sum(runs_in(*b) for b in blocks)
+  total += 3 * _FLUCT_SEEDS.value * ("fluctuation" in p["experiments"])
+  total += 4 * ("burst" in p["experiments"])
+  record: dict[str, Any] = {
+      "benchmark": "bench_cake", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> f32)",
+      "dtype": "float32", "machine": machine(), "threads": os.cpu_count(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""), "git_sha": git_sha(),
+      "versions": {"kvjax": kvjax.__version__, "jax": jax.__version__,
+                   "backend": jax.default_backend()},
+      "seeds": {"seed": _SEED.value}, "quick": _QUICK.value, "plan": p,
+      "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "settings": {"budget_tokens": _BUDGET.value, "chunk_tokens": _CHUNK.value,
+                   "max_loads_in_flight": _IN_FLIGHT.value,
+                   "load_only_cap": _LOAD_ONLY_CAP.value,
+                   "link": "one LLM per codec; link re-armed in place per run with "
+                           "LinkLimiter.reset (rate, or trace from the request's arrival)",
+                   "share": "competing ShareGPT prompts take exactly (1 - share) of each step's "
+                            "token budget as ordinary prefills (served first)"},
+      "cells": [], "skipped": []}
+
+  from kvjax.models.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
+  from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
+  tok = Tokenizer.from_gguf(find_smollm2_gguf())
+  ids_full, source = long_prompt(tok, max_len)
+  pool = TokenPool(tok, _SHAREGPT.value)
+  record["prompt"] = {"source": source, "tokens_available": len(ids_full)}
+  all_kv: list[Run] = []
+  benches: dict[str, Bench] = {}
+  bar = tqdm(total=total, unit="run", dynamic_ncols=True)
+
+  def get_bench(codec: str) -> Bench | None:
+    if codec in benches:
+      return benches[codec]
+    for other in list(benches):  # one LLM at a time (memory, and the 2 cores)
+      benches.pop(other).close()
+    gc.collect()
+    bar.set_description(f"{codec}: load, compile, store, warm up")
+    try:
+      b = Bench(codec, store_root, pool)
+    except (TypeError, ValueError) as e:
+      msg = f"codec {codec!r} skipped: this LLM does not take kv_codec={codec!r} ({e})"
+      print(msg)
+      record["skipped"].append(msg)
+      return None
+    longest = max([n for c, n, _, _ in blocks if c == codec] + [min(2048, max_len)])
+    if codec == "raw":
+      longest = max_len
+    record.setdefault("warmup", {})[codec] = b.warm(ids_full[:longest], ids_full[:1024])
+    benches[codec] = b
+    return b
+
+  def b_ref_for(bench: Bench, n: int) -> float:
+    """B* of raw at share 100% for length n: from the grid, else from one compute-only run."""
+    got = next((c["b_star_bytes_per_s"] for c in record["cells"] if c["codec"] == "raw"
+                and c["share"] == 100 and c["seq_len"] == n), None)
+    if got is not None:
+      return got
+    ids = ids_full[:n]
+    co = bench.run("compute_only", ids)
+    coef = _fit(co.prefills) or bench.engine.cost_model.compute_coefficients
+    nc = (len(ids) - 1) // _CHUNK.value
+    return bench.prefix_bytes(ids)[0] / (done_at(co, nc * _CHUNK.value, coef) - co.lookup_s)
+
+  try:
+    for task in tasks:
+      name = "/".join(f"{x:g}%" if isinstance(x, float) else str(x) for x in task[1:4]) or task[0]
+      if _DEADLINE.value and time.perf_counter() - t_start > _DEADLINE.value:
+        record["skipped"].append(f"{name}: past --deadline_s")
+        continue
+      if task[0] == "block":
+        _, codec, n, share, ratios = task
+        bench = get_bench(codec)
+        if bench is None:
+          continue
+        reps = p["balance_reps"] if codec == "raw" else 1
+        cells, kv_runs = grid_block(bench, ids_full, n, share, ratios, reps,
+                                    p["compute_reps"], bar)
+        record["cells"] += cells
+        all_kv += kv_runs
+      elif task[0] == "fluctuation":
+        bench = get_bench("raw")
+        b_ref = b_ref_for(bench, _FLUCT_LENGTH.value)
+        record["fluctuation"] = fluctuation(bench, ids_full, b_ref, out, rng, bar)
+      else:
+        bench = get_bench("raw")
+        record["burst"] = burst(bench, ids_full, b_ref_for(bench, _BURST_LENGTH.value), rng, bar)
+      (out / "cake.json").write_text(json.dumps(record, indent=1, default=str))
+  finally:
+    bar.close()
+    for b in benches.values():
+      b.close()
+    if _STORE_DIR.value is None:
+      shutil.rmtree(store_root, ignore_errors=True)
+
+  cells = record["cells"]
+  record["planner_overhead"] = planner_overhead(all_kv)
+  record["targets"] = check_targets(cells)
+  record["wall_s"] = time.perf_counter() - t_start
+  record["loadavg_end_1_5_15"] = list(os.getloadavg())
+  (out / "cake.json").write_text(json.dumps(record, indent=1, default=str))
+
+  print(f"\nCake on the real engine: SmolLM2-135M f32, {os.cpu_count()} CPU threads, "
+        f"prompt {source}, chunk {_CHUNK.value} tokens, budget {_BUDGET.value} tokens/step; "
+        f"load average at start {record['machine']['loadavg_1_5_15'][0]:.1f}, "
+        f"at end {record['loadavg_end_1_5_15'][0]:.1f}")
+  print("TTFT seconds; load '>x': stopped at x s (lower bound); speedup: vs the better "
+        "baseline; meet: first loaded chunk / prefix chunks\n")
+  print_cells(cells)
+  slow = [c["compute_slowdown"] for c in cells]
+  w = [s["median_time_over_fit_with_loads"] for s in slow if s["median_time_over_fit_with_loads"]]
+  wo = [s["median_time_over_fit_without_loads"] for s in slow
+        if s["median_time_over_fit_without_loads"]]
+  if w and wo:
+    print(f"\ncompute while loads run: median call time / compute-only fit "
+          f"{statistics.median(w):.3f} with loads in flight, {statistics.median(wo):.3f} without")
+  po = record["planner_overhead"]
+  if po:
+    print(f"planner per step (kvjax runs, {po['steps']} steps): schedule() mean "
+          f"{po['schedule_ms_mean']:.2f} ms, p99 {po['schedule_ms_p99']:.2f} ms, max "
+          f"{po['schedule_ms_max']:.2f} ms; all CakeMerge calls mean "
+          f"{po['cakemerge_ms_mean']:.2f} ms; {100 * po['planner_fraction_of_step_time']:.3f}% "
+          f"of step time (mean step {po['step_ms_mean']:.0f} ms)")
+  for f in record.get("fluctuation", []):
+    print(f"fluctuation seed {f['seed']} ({f['seq_len']} tokens): compute "
+          f"{fmt_s(f['ttft_compute_only_s'])} s, load {fmt_s(f['ttft_load_only_s'])} s, kvjax "
+          f"{fmt_s(f['ttft_kvjax_s'])} s, ideal {fmt_s(f['ttft_ideal_s'])} s")
+  if "burst" in record:
+    print(f"burst: 1 x {record['burst']['seq_len']} + {len(record['burst']['short_lengths'])} "
+          "short requests")
+    for v, r in record["burst"]["variants"].items():
+      print(f"  {v:<22} all finished {r['all_finished_s']:7.2f} s, long TTFT "
+            f"{r['long_ttft_s']:6.2f} s, short TTFT mean {r['short_ttft_mean_s']:6.2f} s")
+  print("\ntargets:")
+  for name, t in record["targets"].items():
+    print(f"  {name}: {t['met']}/{t['cells']} met" + (f"; misses {t['misses']}"
+                                                     if t["misses"] else ""))
+  for s in record["skipped"]:
+    print(f"skipped: {s}")
+  if cells:
+    try:
+      plot(cells, out / "cake.png")
+    except ImportError:
+      print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
+  print(f"wrote {out / 'cake.json'}" + (" and cake.png" if cells else "")
+        + f" in {record['wall_s'] / 60:.1f} min")
+
+
+if __name__ == "__main__":
+  app.run(main)
