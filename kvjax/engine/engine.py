@@ -196,7 +196,7 @@ class Engine:
       every stored chunk, then compute the rest): the two baselines share the machinery.
     max_loads_in_flight: background chunk loads per request at once.
     kv_ttft_target_s: pick each loaded chunk's encoding level for this TTFT target (seconds)
-      instead of for the time compute would reach it.
+      instead of for the time compute would finish that chunk.
     check_writes: keep a per-position writer map per request and raise if a position of the KV
       cache would be written twice (debug; tests keep it on).
 

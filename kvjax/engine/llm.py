@@ -119,7 +119,7 @@ class LLM:
       baselines; compute_only still saves).
     kv_max_loads_in_flight: background chunk loads per request at once.
     kv_ttft_target_s: pick loaded chunks' encoding levels for this TTFT target, seconds (CacheGen
-      section 5.3); default: for the time compute would reach each chunk.
+      section 5.3); default: for the time compute would finish each chunk (a later landing is useless).
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.

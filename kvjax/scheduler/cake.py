@@ -172,7 +172,7 @@ class CakeMerge:
       that are not hits; `next_load` then picks one per load (`load_encoding`).
     max_loads_in_flight: loads issued and not yet finished, at most.
     kv_ttft_target_s: pick encodings for this TTFT target (CacheGen's SLO) instead of for the
-      time compute reaches the chunk.
+      time compute would finish the chunk.
     arrival_s: the request's arrival (engine clock), for `kv_ttft_target_s`.
     late_factor: an in-flight load whose age reaches `late_factor` times its predicted latency is
       late: compute may take its chunk (the load is then wasted).
@@ -329,7 +329,7 @@ class CakeMerge:
     Call it whenever a load finishes and between steps, until it returns None, for every request
     with a merge, queued ones included (loads need no slot; INSERT-verdict chunks wait, staged,
     until the request holds one). With `encodings`, `load_encoding(index)` says which to fetch:
-    the most accurate that lands before compute reaches the chunk (or by the TTFT target's
+    the most accurate that lands before compute would finish the chunk (or by the TTFT target's
     share), else the smallest (`level_policy.pick_encoding`).
 
     Args:
@@ -355,7 +355,7 @@ class CakeMerge:
       land, start = self._landings(now_s, cost)
       if land[index] >= self._compute_until_s(index, now_s, cost, finish=True):
         return None
-      deadline = self._compute_until_s(index, now_s, cost, finish=False)
+      deadline = self._compute_until_s(index, now_s, cost, finish=True)
       link_free_s = start[index]
     else:
       deadline, link_free_s = math.inf, now_s

@@ -295,7 +295,6 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
   trace = getattr(metrics, "merge", None)
   out["merge"] = None if trace is None else {
       name: _json_value(getattr(trace, name)) for name in MERGE_FIELDS if hasattr(trace, name)}
-  if trace is not None:
-    out["meeting_index"] = trace.meeting_index
+  out["meeting_index"] = None if trace is None else trace.meeting_index
   out["engine_metrics"] = _json_value(metrics) if dataclasses.is_dataclass(metrics) else None
   return out
