@@ -1047,7 +1047,7 @@ def report(record: dict, out: pathlib.Path) -> None:
         f"{record['prompt']['source']}, chunk {s['chunk_tokens']} tokens, budget "
         f"{s['budget_tokens']} tokens/step, {s['max_loads_in_flight']} loads in flight; load "
         f"average at start {record['machine']['loadavg_1_5_15'][0]:.1f}, at end "
-        f"{record['loadavg_end_1_5_15'][0]:.1f}")
+        f"{record.get('loadavg_end_1_5_15', [math.nan])[0]:.1f}")
   print("TTFT seconds; load '>x': stopped at x s (lower bound); speedup: vs the better "
         "baseline; meet: first loaded chunk / prefix chunks; cpu: min/max CPU cores this process "
         "got over the compute-only and kvjax runs (* steady: min/max >= 0.8); B/B*f: the link "
