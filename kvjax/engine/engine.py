@@ -41,6 +41,7 @@ from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvjax.storage.chunk_store import choose_codec
 from kvjax.storage.types import ChunkHit
 
 _log = logging.getLogger(__name__)
@@ -171,13 +172,6 @@ class _Tracked:
   lookup: PrefixLookup | None = None
   rejected: set[int] = dataclasses.field(default_factory=set)
   staged: list[LoadResult] = dataclasses.field(default_factory=list)  # landed before a slot
-
-
-def _choose_named(name: str):
-  """A store chooser taking the encoding the level policy picked (by "codec/level")."""
-  def choose(encodings):
-    return next((e for e in encodings if _encoding_name(e.codec, e.level) == name), None)
-  return choose
 
 
 class Engine:
@@ -375,7 +369,10 @@ class Engine:
       tracked = self._tracked[r.request_id]
       while (index := r.merge.next_load(self._clock(), self.cost_model)) is not None:
         chosen = r.merge.load_encoding(index)
-        choose = None if chosen is None else _choose_named(chosen.name)
+        choose = None
+        if chosen is not None:  # the level policy's pick, named "codec/level"
+          codec, level = chosen.name.split("/")
+          choose = choose_codec(codec, int(level))
         self.kv_store.start_load(r.request_id, index, tracked.lookup, r.prompt_token_ids,
                                  choose=choose)
 
@@ -432,8 +429,7 @@ class Engine:
   def _level_name(self, res: LoadResult) -> str | None:
     if not isinstance(res.result, ChunkHit):
       return None
-    e = res.result.encoding
-    return f"{e.codec}/{e.level}"
+    return _encoding_name(res.result.encoding.codec, res.result.encoding.level)
 
   def _insert(self, res: LoadResult, slot: int, start: int) -> None:
     """Decodes a landed chunk into the slot at `[start, start + C)` (RoPE applied to K there)."""
