@@ -72,22 +72,5 @@ def build_llm(model: str, **options: Any) -> LLM:
 
 
 def warmup(llm: LLM) -> None:
-  """Compiles (or loads from the persistent compilation cache) every program serving uses.
-
-  Prefill at each compiled chunk size and the decode step (`ModelRunner.warmup`), and, with a
-  store, the insertion of a stored raw chunk and the encode and decode of the configured codec.
-  Writes only slot-0 positions that any later request overwrites before it reads them; call it
-  before the first request.
-  """
-  runner = llm.engine.runner
-  runner.warmup()
-  store = llm.kv_store
-  if store is not None and store.chunk_size <= runner.max_seq_len:
-    layout = store.layout
-    kv = np.zeros((layout.num_layers, 2, layout.chunk_size, layout.num_kv_heads,
-                   layout.head_dim), jnp.dtype(layout.dtype))
-    runner.insert_chunk(kv, 0, 0)
-    if store.codec != "raw":
-      payload = runner.encode_chunk(kv, store.codec, store.codec_levels[0])
-      runner.insert_payload(store.codec, payload, 0, 0)
-    jax.block_until_ready(runner.cache.k_LBSKH)
+  """`llm.warmup()`: compiles every program serving uses (a no-op once done)."""
+  llm.warmup()

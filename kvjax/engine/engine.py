@@ -1,53 +1,57 @@
-"""The engine: runs the scheduler's plans on the model runner and turns logits into tokens.
+"""The engine: the executor of the scheduler's plans, and the offline request registry.
 
-Architecture. One engine thread owns the device (the model state and the KV cache); nothing else
-touches the cache. Each `step()`:
+Ownership. The scheduler (`kvjax.scheduler.scheduler.Scheduler`) owns every request's state and
+plans everything, loads included; this engine executes and reports back, one plain record each
+way per step (`kvjax.engine.core.EngineCore`):
 
-    landed loads          ->  CakeMerge.load_done: insert (kv_decode), drop wasted, note rejected
-    new loads             ->  CakeMerge.next_load, last chunk first, to the background loaders
-    scheduler.schedule()  ->  SchedulerOutput(decodes, prefills)     plain data
-    runner.decode_step    ->  one token for every decoding slot       one jit call
-    runner.prefill_chunk  ->  each planned chunk, in plan order       one jit call each
-    sampling, stop checks ->  finished requests leave their slots; their new chunks go to the saver
+    schedule(now)  ──> SchedulerOutput   finished ids, releases, loads, inserts, decodes, prefills
+    execute(plan)      drop finished requests' loads and staging; release unwanted loads;
+                       queue new loads on the store client (they refill as they land);
+                       insert staged chunks (jit'd kv_decode, RoPE at their positions);
+                       run the decode step, then each prefill chunk (timed); sample tokens;
+                       hand each completed chunk's KV to the saver at once
+    update(result) <── StepResult        tokens, finishes, load reports, measured seconds
+
+The engine owns the device (model state, KV cache), the store client (its load queue, staged
+payloads and saver), and per request only what executing and answering need: the sampling
+generator, the prompt text, log-probs, detokenized text, metrics and the KV pieces of a chunk
+still being computed. When a plan has nothing to compute but loads are outstanding, the engine
+blocks until one lands (no polling), at most the plan's `wait_s`.
 
 Prefix caching is bidirectional (Cake, arXiv 2410.03065, Appendix A): `add_request` asks the
-store which prefix chunks it holds (one batched lookup, no data); the request gets a `CakeMerge`.
-Background loaders (`KVStoreClient.start_load`: tensorstore async reads on the store's event loop,
-verification and host-side entropy decoding there) fetch stored chunks from the last to the first;
-the scheduler gives the merge's compute side the token budget left after decodes and ordinary
-prefills. Only this thread writes the cache: a landed chunk is inserted between steps, and the
-merge guarantees no position is written twice. When a step has nothing to run but loads are in
-flight, the engine blocks until one lands (no polling).
+store which prefix chunks it holds (one batched lookup, no data) and gives the scheduler the
+answer as plain data; the scheduler's merge plans loads from the last chunk and compute from the
+first. Only this thread writes the cache, and the merge guarantees no position is written twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Any, Callable, Protocol, Sequence
 
-import logging
-
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import RequestId
 from kvjax.engine import sampling
-from kvjax.engine.kv_store_client import KVStoreClient, LoadResult, PrefixLookup, SaveJob
+from kvjax.engine.core import EngineCore, LoopStats
+from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefixLookup, SaveJob,
+                                          SaverStats, TierSnapshot)
 from kvjax.models.runner import ModelRunner
 from kvjax.kernels import kv_codec
-from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace
+from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.level_policy import Candidate
+from kvjax.scheduler.output import (ComputeTiming, PrefillChunk, SchedulerOutput, StepResult,
+                                    StoredChunk, StoredPrefix)
 from kvjax.scheduler.request import Request, SamplingParams
-from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvjax.scheduler.scheduler import LoadConfig, Scheduler, SchedulerConfig
 from kvjax.storage.chunk_store import choose_codec
-from kvjax.storage.types import ChunkHit
 
 _log = logging.getLogger(__name__)
-
-#: Longest single wait for a load to land, seconds (the engine re-plans after it).
-_MAX_LOAD_WAIT_S = 1.0
 
 #: Accuracy order of the encodings this engine decodes (0 = exact), from their relative L2 error
 #: on real SmolLM2 KV (scripts/codec_error.py: int8 0.54%, cachegen/0 1.6%, cachegen/1 3.2%,
@@ -159,23 +163,55 @@ class RequestOutput:
     return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+  """One snapshot of the engine's accounting, plain data (the server's metrics and health read
+  it; nothing reads the engine's internals).
+
+  Attributes:
+    num_waiting: requests queued for a slot.
+    num_running: requests holding a slot.
+    loop: the step loop's accounting (steps, planner seconds).
+    loader: the store client's load accounting (None without a store).
+    saver: the saver's accounting (None without a store).
+    lookup_failures: store lookups that failed and degraded to computing.
+    link_bandwidth_bytes_per_s: the planner's estimate of the store link.
+    kv_cache_ok: the KV cache buffers are alive (False after a failed step consumed them).
+    tiers: per store tier, its counters (empty without a store).
+  """
+
+  num_waiting: int
+  num_running: int
+  loop: LoopStats
+  loader: LoaderStats | None
+  saver: SaverStats | None
+  lookup_failures: int
+  link_bandwidth_bytes_per_s: float
+  kv_cache_ok: bool
+  tiers: tuple[TierSnapshot, ...] = ()
+
+
 @dataclasses.dataclass
-class _Tracked:
-  request: Request
+class _Live:
+  """What the engine keeps per request: only what executing and answering need."""
+
+  request_id: RequestId
   prompt: str | None
+  prompt_token_ids: list[int]
+  params: SamplingParams
   rng: np.random.Generator
   metrics: RequestMetrics
   logprobs: list[dict[int, float]] | None
+  token_ids: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
-  cache_salt: str | None = None
-  pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
   lookup: PrefixLookup | None = None
-  rejected: set[int] = dataclasses.field(default_factory=set)
-  staged: list[LoadResult] = dataclasses.field(default_factory=list)  # landed before a slot
+  pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
 
 
 class Engine:
-  """Serves many requests over fixed decode slots, one planned step at a time.
+  """Executes the scheduler's plans on the model runner and the store client.
 
   Args:
     runner: the model runner (owns the device KV cache).
@@ -188,11 +224,13 @@ class Engine:
     merge_mode: how a stored prefix becomes resident: "cake" (compute from the front, load from
       the back), "compute_only" (ignore the store's hits; still save) or "load_only" (wait for
       every stored chunk, then compute the rest): the two baselines share the machinery.
-    max_loads_in_flight: background chunk loads per request at once.
+    max_loads_in_flight: loads issued ahead per request (and its reads at once); None (default)
+      derives them from the link's bandwidth-delay product (`kvjax.scheduler.scheduler`).
     kv_ttft_target_s: pick each loaded chunk's encoding level for this TTFT target (seconds)
       instead of for the time compute would finish that chunk.
     check_writes: keep a per-position writer map per request and raise if a position of the KV
       cache would be written twice (debug; tests keep it on).
+    link_latency_s: the store link's latency prior, seconds (file: 1 ms; S3: tens of ms).
 
   Raises:
     ValueError: unknown merge mode, or a scheduler config that does not match the runner.
@@ -202,21 +240,12 @@ class Engine:
                scheduler_config: SchedulerConfig | None = None, *, seed: int = 0,
                clock: Callable[[], float] = time.perf_counter,
                kv_store: KVStoreClient | None = None, merge_mode: str = "cake",
-               max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None,
-               check_writes: bool = False):
-    try:
-      self.merge_mode = MergeMode(merge_mode)
-    except ValueError:
-      raise ValueError(f"merge_mode={merge_mode!r}; use one of "
-                       f"{[m.value for m in MergeMode]}") from None
-    self.max_loads_in_flight = max_loads_in_flight
-    self.kv_ttft_target_s = kv_ttft_target_s
-    self.check_writes = check_writes
-    self.cost_model = CostModel()
-    self._last_landing_s = 0.0
-    self._timed_sizes: set[int] = set()  # chunk sizes run once (the first run compiles)
-    #: Stored bytes of landed chunks held for requests that have no slot yet.
-    self.staged_bytes = 0
+               max_loads_in_flight: int | None = None, kv_ttft_target_s: float | None = None,
+               check_writes: bool = False, link_latency_s: float = 1e-3):
+    load_config = LoadConfig(merge_mode=merge_mode, max_loads_in_flight=max_loads_in_flight,
+                             link_latency_s=link_latency_s, kv_ttft_target_s=kv_ttft_target_s,
+                             check_writes=check_writes,
+                             staging_bytes=kv_store.staging_bytes if kv_store else 1 << 30)
     self.runner = runner
     self.kv_store = kv_store
     self.tokenizer = tokenizer
@@ -227,11 +256,16 @@ class Engine:
         scheduler_config.chunk_sizes != runner.chunk_sizes):
       raise ValueError("scheduler slots and chunk sizes must equal the runner's: "
                        f"{scheduler_config} vs {runner.config}")
-    self.scheduler = Scheduler(scheduler_config, self.cost_model)
+    self._scheduler = Scheduler(
+        scheduler_config, CostModel(), load_config=load_config,
+        save_chunk_size=kv_store.chunk_size if kv_store is not None else None)
+    self._core = EngineCore(self._scheduler, self)
     self._rng = np.random.default_rng(seed)
     self._clock = clock
-    self._tracked: dict[RequestId, _Tracked] = {}
+    self._live: dict[RequestId, _Live] = {}
     self._ids = itertools.count()
+    self._timed_sizes: set[int] = set()  # chunk sizes run once (the first run compiles)
+    self._emitted: list[RequestOutput] = []
 
   # ----------------------------------------------------------------------------- requests
   @property
@@ -264,74 +298,116 @@ class Engine:
     """Validates and queues a request; returns its id.
 
     With a store, one batched lookup finds which prefix chunks are stored (no data is read
-    here); the request then gets a `CakeMerge` and its chunks load in the background once it holds
-    a slot. `cache_salt` isolates tenants: prompts share stored KV only under equal salts.
+    here); the scheduler gets the answer as plain data and plans the merge. `cache_salt`
+    isolates tenants: prompts share stored KV only under equal salts.
 
     Raises:
-      ValueError: as `validate`, or a `cache_salt` that is not a string.
+      ValueError: as `validate`, a duplicate id, or a `cache_salt` that is not a string.
     """
     if cache_salt is not None and not isinstance(cache_salt, str):
       raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
     ids = self.validate(prompt_token_ids, params)
     rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
-    if rid in self._tracked:
+    if rid in self._live:
       raise ValueError(f"request id {rid!r} is already in use")
     seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
-    request = Request(rid, ids, params, arrival_s=self._clock())
-    tracked = _Tracked(
-        request=request, prompt=prompt, rng=np.random.default_rng(seed),
-        metrics=RequestMetrics(arrival_s=request.arrival_s),
-        logprobs=[] if params.logprobs is not None else None, cache_salt=cache_salt)
+    arrival_s = self._clock()
+    live = _Live(rid, prompt, ids, params, np.random.default_rng(seed),
+                 RequestMetrics(arrival_s=arrival_s),
+                 [] if params.logprobs is not None else None)
+    stored = None
     if self.kv_store is not None:
-      lookup = tracked.lookup = self.kv_store.lookup(ids, cache_salt)
-      hits, encodings = lookup.hits, None
-      if lookup.records:  # choose levels per chunk from the stored encodings
-        raw_nbytes = self.kv_store.layout.nbytes
-        encodings = [_candidates(r, raw_nbytes) if h else None
-                     for h, r in zip(hits, lookup.records)]
-        hits = [bool(e) for e in encodings]  # nothing decodable: compute it
-        encodings = [e or None for e in encodings]
-      if any(hits):
-        request.merge = CakeMerge(
-            len(ids), self.kv_store.chunk_size, hits, self.merge_mode,
-            chunk_nbytes=None if encodings is not None else self.kv_store.layout.nbytes,
-            encodings=encodings, max_loads_in_flight=self.max_loads_in_flight,
-            kv_ttft_target_s=self.kv_ttft_target_s, arrival_s=request.arrival_s,
-            check_writes=self.check_writes)
-        tracked.metrics.merge = request.merge.trace
-    self.scheduler.add_request(request)
-    self._tracked[rid] = tracked
+      lookup = live.lookup = self.kv_store.lookup(ids, cache_salt)
+      raw_nbytes = self.kv_store.layout.nbytes
+      chunks = []
+      for tier, record in zip(lookup.present, lookup.records or [None] * len(lookup.present)):
+        cands = _candidates(record, raw_nbytes) if tier is not None else []
+        chunks.append(StoredChunk(tier, tuple(cands)) if cands else None)
+      stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks))
+    self._scheduler.add_request(Request(rid, ids, params, arrival_s=arrival_s), stored)
+    self._live[rid] = live
     return rid
 
   def abort_request(self, request_id: RequestId) -> None:
     """Ends a request wherever it is (queued, prefilling, decoding); its loads are cancelled and
     their staging released. Unknown ids are ignored."""
-    if self.scheduler.finish_request(request_id, "abort") is not None:
-      tracked = self._tracked.pop(request_id, None)
-      if tracked is not None:
-        self.staged_bytes -= sum(r.nbytes for r in tracked.staged)
-      if self.kv_store is not None:
-        self.kv_store.cancel_loads(request_id)
+    if self._scheduler.finish_request(request_id, "abort") is not None:
+      self._forget(request_id)
 
   def has_unfinished_requests(self) -> bool:
-    return self.scheduler.has_unfinished()
+    return self._scheduler.has_unfinished()
+
+  def stats(self) -> EngineStats:
+    """A snapshot of the engine's accounting (plain data)."""
+    kv = self.kv_store
+    return EngineStats(
+        num_waiting=self._scheduler.num_waiting(), num_running=self._scheduler.num_running(),
+        loop=dataclasses.replace(self._core.stats),
+        loader=kv.loader_stats if kv is not None else None,
+        saver=dataclasses.replace(kv.saver_stats) if kv is not None else None,
+        lookup_failures=kv.lookup_failures if kv is not None else 0,
+        link_bandwidth_bytes_per_s=self._scheduler.cost_model.bandwidth_bytes_per_s,
+        kv_cache_ok=self.runner.cache_ok(),
+        tiers=kv.tier_snapshots() if kv is not None else ())
+
+  def reset_device(self) -> None:
+    """Rebuilds the KV cache after a failed step consumed its buffers (requests are lost)."""
+    self.runner.reset()
+
+  def merge_of(self, request_id: RequestId):
+    """The live merge planner of a request (tests and debugging; read-only use), or None."""
+    return self._scheduler.merge(request_id)
 
   # ----------------------------------------------------------------------------- stepping
   def step(self) -> list[RequestOutput]:
-    """Runs one planned step; returns outputs of requests that produced a token this step.
+    """Runs one planned step; returns outputs of requests that produced a token this step."""
+    self._emitted = []
+    _, result, traces = self._core.step()
+    for rid, trace in traces.items():
+      live = self._live.get(rid)
+      target = live.metrics if live is not None else None
+      if target is None:
+        target = next((o.metrics for o in self._emitted if o.request_id == rid), None)
+      if target is not None:
+        target.merge = trace
+        target.num_rejected_chunks = len(trace.chunks_rejected)
+        target.num_wasted_chunks = len(trace.chunks_wasted)
+    return self._emitted
 
-    Lands finished loads (inserting their chunks), issues new ones, then runs the plan. A step
-    with nothing to compute while loads are in flight blocks until one lands.
-    """
-    if self.kv_store is not None:
-      self._take_loads(self.kv_store.landed())
-      self._issue_loads()
-    plan = self.scheduler.schedule(now_s=self._clock())
-    self._insert_staged()
+  def now_s(self) -> float:
+    return self._clock()
+
+  def execute(self, plan: SchedulerOutput) -> StepResult:
+    """Runs one plan in field order (the `Executor` protocol) and reports what happened."""
+    kv = self.kv_store
+    for rid in plan.finished_request_ids:
+      self._forget(rid)
+    if kv is not None:
+      for rid, index in plan.releases:
+        kv.release(rid, index)
+      for item in plan.loads:
+        live = self._live[item.request_id]
+        choose = None
+        if item.encoding is not None:  # the level policy's pick, "codec/level"
+          codec, level = item.encoding.split("/")
+          choose = choose_codec(codec, int(level))
+        kv.start_load(item.request_id, item.index, live.lookup, live.prompt_token_ids,
+                      choose=choose, nbytes=item.nbytes, max_in_flight=item.max_in_flight)
+      for ins in plan.inserts:
+        hit = kv.take(ins.request_id, ins.index)
+        if hit.kv is not None:
+          self.runner.insert_chunk(hit.kv, ins.slot, ins.start)
+        else:
+          self.runner.insert_payload(hit.encoding.codec, hit.payload, ins.slot, ins.start)
+        m = self._live[ins.request_id].metrics
+        m.num_loaded_tokens += kv.chunk_size
+        m.loaded_from_tiers.append(hit.tier)
     if plan.is_empty:
-      self._wait_for_loads()
-      return []
-    emitted: list[RequestOutput] = []
+      reports = kv.landed(wait_s=plan.wait_s) if kv is not None and plan.wait_s else []
+      return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)))
+    sampled: list[tuple[RequestId, int]] = []
+    finished: list[tuple[RequestId, str]] = []
+    timings: list[ComputeTiming] = []
     if plan.decodes:
       b = self.runner.config.num_slots
       tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
@@ -339,181 +415,117 @@ class Engine:
         tokens[d.slot], positions[d.slot], active[d.slot] = d.token_id, d.position, True
       logits_BV = np.asarray(self.runner.decode_step(tokens, positions, active))
       for d in plan.decodes:
-        emitted.append(self._emit(d.request_id, logits_BV[d.slot]))
+        self._sample(d.request_id, logits_BV[d.slot], sampled, finished)
     for chunk in plan.prefills:
-      tracked = self._tracked[chunk.request_id]
-      ids = tracked.request.prompt_token_ids[chunk.start:chunk.start + chunk.num_tokens]
       t0 = time.perf_counter()
-      out = self.runner.prefill_chunk(ids, chunk.slot, chunk.start)
+      out = self.runner.prefill_chunk(list(chunk.token_ids), chunk.slot, chunk.start)
       out.logits.block_until_ready()  # the cost model needs this chunk's own time
       size = self.runner.bucket_for(chunk.num_tokens)
       if size in self._timed_sizes:  # a size's first run includes its compile
-        self.cost_model.observe_compute(chunk.start, chunk.num_tokens, time.perf_counter() - t0)
+        timings.append(ComputeTiming(chunk.start, chunk.num_tokens, time.perf_counter() - t0))
       self._timed_sizes.add(size)
-      tracked.metrics.num_computed_tokens += chunk.num_tokens
-      if self.kv_store is not None:
-        tracked.pieces.append((chunk.start, out.k_pre_rope_LTKH, out.v_LTKH))
+      live = self._live[chunk.request_id]
+      live.metrics.num_computed_tokens += chunk.num_tokens
+      if kv is not None:
+        self._save_chunks(live, chunk, out.k_pre_rope_LTKH, out.v_LTKH)
       if chunk.is_last:
-        self._save_prompt(tracked)
-        emitted.append(self._emit(chunk.request_id, np.asarray(out.logits)))
-    return emitted
+        self._sample(chunk.request_id, np.asarray(out.logits), sampled, finished)
+    reports = kv.landed() if kv is not None else []
+    return StepResult(now_s=self._clock(), sampled=tuple(sampled), finished=tuple(finished),
+                      loads=tuple(self._log_misses(reports)), compute=tuple(timings))
 
-  # ----------------------------------------------------------------------------- loads
-  def _issue_loads(self) -> None:
-    """Asks each Cake merge for loads (last chunk first) and starts them.
+  def _log_misses(self, reports):
+    for rep in reports:
+      if not rep.ok and rep.reason != "released":
+        _log.warning("stored chunk %d of %s not loaded: %s", rep.index, rep.request_id,
+                     rep.reason)
+    return reports
 
-    Loads start at arrival, before the request holds a slot: chunks that land before it has one
-    are staged on the host (`staged_bytes`) and inserted when it is admitted.
-    """
-    for r in self.scheduler.cake_requests(include_waiting=True):
-      tracked = self._tracked[r.request_id]
-      while (index := r.merge.next_load(self._clock(), self.cost_model)) is not None:
-        chosen = r.merge.load_encoding(index)
-        choose = None
-        if chosen is not None:  # the level policy's pick, named "codec/level"
-          codec, level = chosen.name.split("/")
-          choose = choose_codec(codec, int(level))
-        self.kv_store.start_load(r.request_id, index, tracked.lookup, r.prompt_token_ids,
-                                 choose=choose)
-
-  def _take_loads(self, results: list[LoadResult]) -> None:
-    """Hands landed loads to their merges; inserts the chunks the merges accept."""
-    for res in results:
-      tracked = self._tracked.get(res.request_id)
-      merge = tracked.request.merge if tracked is not None else None
-      if merge is None:
-        continue  # the request ended meanwhile: the load is dropped
-      ok = isinstance(res.result, ChunkHit)
-      if ok:
-        # The link's time for this chunk: since it started, or since the previous landing if
-        # that was later (concurrent reads share the link).
-        busy = res.done_s - max(res.started_s, self._last_landing_s)
-        self._last_landing_s = max(self._last_landing_s, res.done_s)
-        if busy > 0:
-          self.cost_model.observe_load(res.nbytes, busy)
-      verdict = merge.load_done(res.index, ok, res.nbytes, self._clock(),
-                                level=self._level_name(res))
-      m = tracked.metrics
-      if verdict is LoadVerdict.INSERT:
-        if tracked.request.slot is None:
-          tracked.staged.append(res)
-          self.staged_bytes += res.nbytes
-        else:
-          self._insert_landed(tracked, res)
-      elif verdict is LoadVerdict.REJECTED:
-        m.num_rejected_chunks += 1
-        tracked.rejected.add(res.index)
-        _log.warning("stored chunk %d of %s rejected: %s %s", res.index, res.request_id,
-                     res.result.reason.value, res.result.detail)
-      else:
-        m.num_wasted_chunks += 1
-
-  def _insert_landed(self, tracked: _Tracked, res: LoadResult) -> None:
-    c = self.kv_store.chunk_size
-    self._insert(res, tracked.request.slot, res.index * c)
-    tracked.request.merge.inserted(res.index)
-    tracked.metrics.num_loaded_tokens += c
-    tracked.metrics.loaded_from_tiers.append(res.result.tier)
-
-  def _insert_staged(self) -> None:
-    """Inserts chunks that landed before their request was admitted (it now holds a slot)."""
-    if not self.staged_bytes:
-      return
-    for tracked in self._tracked.values():
-      if tracked.staged and tracked.request.slot is not None:
-        for res in tracked.staged:
-          self._insert_landed(tracked, res)
-          self.staged_bytes -= res.nbytes
-        tracked.staged = []
-
-  def _level_name(self, res: LoadResult) -> str | None:
-    if not isinstance(res.result, ChunkHit):
-      return None
-    return _encoding_name(res.result.encoding.codec, res.result.encoding.level)
-
-  def _insert(self, res: LoadResult, slot: int, start: int) -> None:
-    """Decodes a landed chunk into the slot at `[start, start + C)` (RoPE applied to K there)."""
-    hit = res.result
-    if hit.kv is not None:
-      self.runner.insert_chunk(hit.kv, slot, start)
-    else:
-      self.runner.insert_payload(hit.encoding.codec, hit.payload, slot, start)
-
-  def _wait_for_loads(self) -> None:
-    """Blocks until a load lands (or a merge's recheck time comes), then hands it over."""
-    if self.kv_store is None or not self.kv_store.loads_in_flight():
-      return
-    now = self._clock()
-    wait = _MAX_LOAD_WAIT_S
-    for r in self.scheduler.cake_requests():
-      t = r.merge.recheck_s(now, self.cost_model)
-      if t is not None:
-        wait = min(wait, max(0.0, t - now))
-    self._take_loads(self.kv_store.landed(wait_s=wait))
+  def _forget(self, rid: RequestId) -> None:
+    self._live.pop(rid, None)
+    if self.kv_store is not None:
+      self.kv_store.cancel_loads(rid)
 
   # ----------------------------------------------------------------------------- saves
-  def _save_prompt(self, tracked: _Tracked) -> None:
-    """Hands the prompt's computed full chunks to the saver (off the TTFT path)."""
-    if self.kv_store is None or tracked.lookup is None:
-      return
-    lookup, merge = tracked.lookup, tracked.request.merge
-    resident = set() if merge is None else {
-        i for i, st in enumerate(merge.states) if st is ChunkState.RESIDENT}
-    self.kv_store.submit_save(SaveJob(
-        namespace=lookup.namespace, hashes=lookup.hashes,
-        token_ids=tracked.request.prompt_token_ids,
-        chunks=[i for i in range(len(lookup.hashes)) if i not in resident],
-        replace=set(tracked.rejected), pieces=tracked.pieces))
-    tracked.pieces = []
+  def _save_chunks(self, live: _Live, chunk: PrefillChunk, k_LTKH, v_LTKH) -> None:
+    """Keeps this step's KV until its store chunks are complete; hands each completed chunk in
+    `chunk.saves` to the saver at once (one device array per chunk, every level encoded in one
+    device call; the saver makes the one device -> host copy)."""
+    kv, c = self.kv_store, self.kv_store.chunk_size
+    live.pieces.append((chunk.start, k_LTKH, v_LTKH))
+    lookup = live.lookup
+    for item in chunk.saves:
+      lo, hi = item.index * c, (item.index + 1) * c
+      ks, vs = [], []
+      for start, k, v in live.pieces:
+        a, b = max(start, lo), min(start + k.shape[1], hi)
+        if a < b:
+          ks.append(k[:, a - start:b - start])
+          vs.append(v[:, a - start:b - start])
+      kv_L2CKH = jnp.stack([jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)], axis=1)
+      if kv_L2CKH.shape[2] != c:
+        raise ValueError(f"chunk {item.index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
+      payloads = None
+      if kv.codec != "raw":
+        payloads = self.runner.encode_levels(kv_L2CKH, kv.codec, kv.codec_levels)
+      kv.submit_save(SaveJob(
+          namespace=lookup.namespace, chunk_hash=lookup.hashes[item.index],
+          parent=lookup.hashes[item.index - 1] if item.index else lookup.namespace,
+          token_ids=tuple(live.prompt_token_ids[lo:hi]),
+          kv=kv_L2CKH if payloads is None else None, payloads=payloads,
+          replace=item.replace, verify_existing=item.verify_existing))
+    end = chunk.start + chunk.num_tokens
+    keep_from = (end // c) * c  # pieces wholly below the last completed chunk end are done
+    live.pieces = [p for p in live.pieces if p[0] + p[1].shape[1] > keep_from]
 
-  def _emit(self, rid: RequestId, logits_V: np.ndarray) -> RequestOutput:
-    tracked = self._tracked[rid]
-    r, params = tracked.request, tracked.request.sampling_params
-    token = sampling.sample_token(logits_V, params, tracked.rng)
-    r.output_token_ids.append(token)
+  # ----------------------------------------------------------------------------- outputs
+  def _sample(self, rid: RequestId, logits_V: np.ndarray, sampled: list, finished: list) -> None:
+    live = self._live[rid]
+    token = sampling.sample_token(logits_V, live.params, live.rng)
+    live.token_ids.append(token)
+    sampled.append((rid, token))
     now = self._clock()
-    if tracked.metrics.first_token_s is None:
-      tracked.metrics.first_token_s = now
-      tracked.metrics.ttft_s = now - tracked.metrics.arrival_s
-    if tracked.logprobs is not None:
-      tracked.logprobs.append(sampling.top_logprobs(logits_V, params.logprobs, token))
-    reason = self._finish_reason(tracked)
+    if live.metrics.first_token_s is None:
+      live.metrics.first_token_s = now
+      live.metrics.ttft_s = now - live.metrics.arrival_s
+    if live.logprobs is not None:
+      live.logprobs.append(sampling.top_logprobs(logits_V, live.params.logprobs, token))
+    reason = self._finish_reason(live)
     if reason is not None:
-      self.scheduler.finish_request(rid, reason)
-      tracked.metrics.finished_s = now
-      del self._tracked[rid]
+      finished.append((rid, reason))
+      live.metrics.finished_s = now
+      del self._live[rid]
       if self.kv_store is not None:
         self.kv_store.cancel_loads(rid)  # late loads of chunks compute took
-    return self._output(tracked, reason)
+    self._emitted.append(self._output(live, reason))
 
-  def _finish_reason(self, tracked: _Tracked) -> str | None:
-    r, params = tracked.request, tracked.request.sampling_params
-    token = r.output_token_ids[-1]
-    eos = getattr(self.tokenizer, "eos_id", None)
+  def _finish_reason(self, live: _Live) -> str | None:
+    params = live.params
+    token = live.token_ids[-1]
+    eos = self.tokenizer.eos_id if self.tokenizer is not None else None
     if token in params.stop_token_ids or (token == eos and not params.ignore_eos):
-      self._set_text(tracked)
+      self._set_text(live)
       return "stop"
     if params.stop and self.tokenizer is not None:
-      text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+      text = self.tokenizer.decode(live.token_ids, skip_special_tokens=True)
       hits = [text.find(s) for s in params.stop if s in text]
       if hits:
-        tracked.text = text[:min(hits)]
+        live.text = text[:min(hits)]
         return "stop"
-    if len(r.output_token_ids) >= params.max_tokens or r.num_tokens >= self.max_seq_len:
-      self._set_text(tracked)
+    if len(live.token_ids) >= params.max_tokens or (
+        len(live.prompt_token_ids) + len(live.token_ids) >= self.max_seq_len):
+      self._set_text(live)
       return "length"
     return None
 
-  def _set_text(self, tracked: _Tracked) -> None:
+  def _set_text(self, live: _Live) -> None:
     if self.tokenizer is not None:
-      tracked.text = self.tokenizer.decode(tracked.request.output_token_ids,
-                                           skip_special_tokens=True)
+      live.text = self.tokenizer.decode(live.token_ids, skip_special_tokens=True)
 
-  def _output(self, tracked: _Tracked, reason: str | None) -> RequestOutput:
-    r = tracked.request
+  def _output(self, live: _Live, reason: str | None) -> RequestOutput:
     return RequestOutput(
-        request_id=r.request_id, prompt=tracked.prompt, prompt_token_ids=r.prompt_token_ids,
-        text=tracked.text, token_ids=list(r.output_token_ids), finish_reason=reason,
-        logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
-        num_cached_tokens=tracked.metrics.num_loaded_tokens, metrics=tracked.metrics,
+        request_id=live.request_id, prompt=live.prompt, prompt_token_ids=live.prompt_token_ids,
+        text=live.text, token_ids=list(live.token_ids), finish_reason=reason,
+        logprobs=list(live.logprobs) if live.logprobs is not None else None,
+        num_cached_tokens=live.metrics.num_loaded_tokens, metrics=live.metrics,
         finished=reason is not None)

@@ -4,31 +4,42 @@ Architecture. The store (`kvjax.storage.TieredStore`) is asyncio code; the engin
 thread that owns the device. This client runs the store's coroutines on its own event-loop thread
 and adds a saver thread:
 
-    engine thread ── lookup() ───────> event loop: which prefix chunks does any tier hold
-                  ├─ start_load() ───> event loop: get + verify + entropy-decode one chunk
-                  │  landed() <────── landed loads (the engine inserts them between steps)
-                  └─ submit_save() ──> bounded queue ──> saver thread: device -> host, slice
-                                                         full chunks, put (data, then record)
+    engine thread ── lookup() ─────> event loop: which prefix chunks does any tier hold
+                  ├─ start_load() ─> queue ─> event loop: get + verify + entropy-decode, a few
+                  │                           reads at once; the next starts as one lands
+                  │  landed() <──── LoadReports (plain data for the scheduler)
+                  │  take() <────── a staged chunk, when the scheduler plans its insertion
+                  ├─ release() / cancel_loads(): unwanted loads never start, staging is freed
+                  └─ submit_save() ─> bounded queue ─> saver thread: one device -> host copy
+                                                       per chunk, put (data, then record)
 
-Loads never block the engine: `start_load` returns at once and `landed()` hands over what has
-arrived; `cancel_loads` drops a request's loads and releases their staging. Saves never block the
-engine either: when the queue is full the job is dropped and counted. `flush()` waits until every
-queued save is written (tests and `LLM.flush()` use it).
+The client owns the load pipeline's state (queue, reads in flight, staged payloads) and its
+accounting (`loader_stats`); the scheduler owns which loads exist and what they mean. Loads never
+block the engine: `start_load` returns at once and reads are refilled on the event loop the moment
+one lands, so a long engine step never idles the link. The link time each report carries is
+measured here, from the read's start or the previous landing (whichever is later), so it is the
+link's (and verifier's) rate, not the engine's pacing. Saves never block the engine either: when
+the queue is full the job is dropped and counted. `flush()` waits until every queued save is
+written (tests and `LLM.flush()` use it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import math
 import logging
 import queue
 import threading
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from kvjax._typing import ChunkHash
+from kvjax.scheduler.output import LoadReport
 from kvjax.storage import keys
 from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, KVLayout,
                                 MissReason)
@@ -60,68 +71,96 @@ class PrefixLookup:
 
 
 @dataclasses.dataclass
-class LoadResult:
-  """One background chunk load that has landed (or failed).
-
-  Attributes:
-    request_id: the request it was started for.
-    index: prompt chunk index.
-    result: the verified hit (host arrays) or the miss and its reason.
-    started_s: when the load was started (client clock, seconds).
-    done_s: when it landed.
-  """
-
-  request_id: Any
-  index: int
-  result: ChunkHit | ChunkMiss
-  started_s: float
-  done_s: float
-
-  @property
-  def nbytes(self) -> int:
-    """Stored bytes read (0 for a miss)."""
-    return self.result.encoding.nbytes if isinstance(self.result, ChunkHit) else 0
-
-
-@dataclasses.dataclass
 class LoaderStats:
-  """Background-load accounting.
+  """Background-load accounting (a snapshot; `KVStoreClient.loader_stats`).
 
   Attributes:
-    started: loads started.
-    landed: loads handed to the engine.
-    cancelled: loads dropped because their request ended first (their staging released).
-    in_flight: loads started and not yet landed or cancelled.
-    staged_bytes: stored bytes landed on the host and not yet taken by the engine.
+    started: reads started.
+    landed: loads reported (landed or failed).
+    cancelled: loads dropped before they landed (their request ended, or the scheduler
+      released them): queued ones never start, reading ones are abandoned.
+    abandoned_reads: of those, reads that had started (`started == landed + abandoned_reads`
+      once nothing is in flight).
+    released_staged: landed chunks freed without being inserted.
+    queued: loads handed over and not yet started.
+    in_flight: reads started and not yet landed.
+    staged_bytes: stored bytes landed on the host and not yet taken (inserted) or released.
+    link_busy_s: seconds with at least one read in flight.
+    read_bytes: stored bytes of every landed read.
   """
 
   started: int = 0
   landed: int = 0
   cancelled: int = 0
+  abandoned_reads: int = 0
+  released_staged: int = 0
+  queued: int = 0
   in_flight: int = 0
   staged_bytes: int = 0
+  link_busy_s: float = 0.0
+  read_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSnapshot:
+  """One tier's counters as the server's metrics show them.
+
+  Attributes:
+    name: the tier.
+    misses: failed reads by `MissReason` value.
+    loaded_bytes: stored bytes of chunks loaded from it.
+    loaded_chunks: chunks loaded from it.
+    link_bytes_per_s: its emulated link's rate now (inf: unlimited; None: no limiter).
+    link_granted_bytes: bytes its link limiter let through.
+  """
+
+  name: str
+  misses: dict[str, int]
+  loaded_bytes: int
+  loaded_chunks: int
+  link_bytes_per_s: float | None
+  link_granted_bytes: int
+
+
+@dataclasses.dataclass
+class _Pending:
+  request_id: Any
+  index: int
+  chunk_hash: ChunkHash
+  token_ids: tuple[int, ...]
+  namespace: str
+  choose: Any
+  nbytes: int
+  max_in_flight: int
+  released: bool = False
+  future: Any = None
+  started_s: float = 0.0
 
 
 @dataclasses.dataclass
 class SaveJob:
-  """Full prompt chunks `[first_chunk, len(hashes))` to store, from prefill outputs.
+  """One full chunk to store, handed over as soon as prefill computed it.
 
   Attributes:
     namespace: key namespace root (hex).
-    hashes: keys of all full chunks of the prompt.
-    token_ids: the prompt's tokens.
-    chunks: indices of the full chunks to save (those computed, not loaded), ascending.
-    replace: chunk indices whose stored copy was rejected: deleted, then written afresh.
-    pieces: (start position, K before RoPE [L, T, K, H], V [L, T, K, H]) device or host arrays
-      covering at least the positions of `chunks`.
+    chunk_hash: its key.
+    parent: the previous chunk's key (the namespace root for chunk 0).
+    token_ids: its C tokens.
+    kv: `[L, 2, C, K, H]` K before RoPE and V, a device (or host) array, for raw chunks.
+    payloads: for the other codecs, (codec, level, payload arrays, finite flag) per stored
+      level, device arrays from one device call (`ModelRunner.encode_levels`).
+    replace: its stored copy was rejected: delete it, then write afresh.
+    verify_existing: if a copy is stored already, read it back and rewrite it when bad.
   """
 
   namespace: str
-  hashes: list[ChunkHash]
-  token_ids: list[int]
-  chunks: list[int]
-  replace: set[int]
-  pieces: list[tuple[int, Any, Any]]
+  chunk_hash: ChunkHash
+  parent: str
+  token_ids: tuple[int, ...]
+  kv: Any = None
+  payloads: list[tuple[str, int, Any, Any]] | None = None
+  replace: bool = False
+  verify_existing: bool = False
 
 
 @dataclasses.dataclass
@@ -146,18 +185,15 @@ class KVStoreClient:
     codec: the encoding new chunks are stored with: "raw" (the KV dtype, lossless), "int8",
       "int4" or "cachegen" (CacheGen, arXiv 2310.07240 section 5.2).
     codec_levels: the levels stored side by side (cachegen: 0 finest .. 3 coarsest).
-    encode: `(kv [L, 2, C, K, H], codec, level) -> {name: array}` payload encoder (the runner's
-      device-side `kv_encode`); needed for every codec but raw.
+    staging_bytes: stored bytes of reads in flight plus landed chunks not yet inserted, at most
+      (a read that would pass it waits; the first never does).
   """
 
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
-               codec_levels: Sequence[int] = (0,), encode=None):
-    if codec != "raw" and encode is None:
-      raise ValueError(f"codec {codec!r} needs an encoder")
+               codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30):
     self.codec = codec
     self.codec_levels = tuple(codec_levels)
-    self._encode = encode
     self.store = store
     self.layout = layout
     self.chunk_size = layout.chunk_size
@@ -174,11 +210,17 @@ class KVStoreClient:
     self._saver.start()
     self._closed = False
     self.lookup_failures = 0
-    self.loader_stats = LoaderStats()
-    self._load_lock = threading.Lock()
-    self._in_flight: dict[tuple[Any, int], Any] = {}
-    self._landed: list[LoadResult] = []
-    self._landed_event = threading.Event()
+    self.staging_bytes = staging_bytes
+    self._lock = threading.Lock()
+    self._stats = LoaderStats()
+    self._queue: collections.deque[_Pending] = collections.deque()
+    self._reading: dict[tuple[Any, int], _Pending] = {}
+    self._staged: dict[tuple[Any, int], ChunkHit] = {}
+    self._reports: list[LoadReport] = []
+    self._reported = threading.Event()
+    self._last_done_s = -math.inf
+    self._loaded_by_tier: dict[str, tuple[int, int]] = {}
+    self._busy_since_s = 0.0
 
   # ----------------------------------------------------------------------------- keys
   def namespace(self, cache_salt: str | None) -> keys.KeyNamespace:
@@ -217,12 +259,15 @@ class KVStoreClient:
                         records=records)
 
   def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
-                 prompt_ids: Sequence[int], choose=None) -> None:
-    """Starts a background load of prompt chunk `index`; it lands in `landed()` later.
+                 prompt_ids: Sequence[int], *, choose=None, nbytes: int = 0,
+                 max_in_flight: int = 2) -> None:
+    """Queues a background load of prompt chunk `index`; its `LoadReport` comes from `landed()`.
 
-    The read runs on the store's event loop (tensorstore async reads; the link limiter and byte
-    limiter bound it); verification and entropy decoding happen there too, on the host. Never
-    blocks the engine.
+    Loads run in the order they were queued, each request's `max_in_flight` at a time, and the
+    next starts the moment one lands (on the store's event loop, not at the engine's next step),
+    while the staged and reading bytes stay within `staging_bytes`. The read, verification and
+    entropy decoding run on the event loop (tensorstore async reads; the link and byte limiters
+    bound them). Never blocks the caller.
 
     Args:
       request_id: the owner; `cancel_loads(request_id)` drops its loads.
@@ -231,78 +276,179 @@ class KVStoreClient:
       prompt_ids: the prompt's tokens.
       choose: optional `Callable[[Sequence[Encoding]], Encoding | None]` picking the encoding
         (codec level) to read.
+      nbytes: the planner's stored bytes for it (for the staging budget).
+      max_in_flight: the request's reads at once, >= 1.
     """
     c = self.chunk_size
-    key = (request_id, index)
-    started = time.perf_counter()
+    item = _Pending(request_id, index, lookup.hashes[index],
+                    tuple(prompt_ids[index * c:(index + 1) * c]), lookup.namespace, choose,
+                    int(nbytes) or self.layout.nbytes, max(1, int(max_in_flight)))
+    with self._lock:
+      self._queue.append(item)
+    self._pump()
 
-    async def load() -> None:
-      try:
-        got = await self.store.get(lookup.hashes[index], prompt_ids[index * c:(index + 1) * c],
-                                   lookup.namespace, self.layout, **(
-                                       {"choose": choose} if choose is not None else {}))
-      except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
-        got = ChunkMiss(lookup.hashes[index], MissReason.READ_ERROR, repr(e))
-      self._land(LoadResult(request_id, index, got, started, time.perf_counter()))
+  def _pump(self) -> None:
+    """Starts queued reads in order while per-request concurrency and the staging budget allow.
 
-    with self._load_lock:
-      self.loader_stats.started += 1
-      self.loader_stats.in_flight += 1
-      self._in_flight[key] = asyncio.run_coroutine_threadsafe(load(), self._loop)
+    A request's read waits only for its own earlier reads (per-request order); the byte budget
+    never blocks the first read (no deadlock when one chunk exceeds it).
+    """
+    with self._lock:
+      reading_of = collections.Counter(k[0] for k in self._reading)
+      held = self._stats.staged_bytes + sum(p.nbytes for p in self._reading.values())
+      for item in list(self._queue):
+        if reading_of[item.request_id] >= item.max_in_flight:
+          continue
+        if held and held + item.nbytes > self.staging_bytes:
+          break
+        self._queue.remove(item)
+        now = time.perf_counter()
+        if not self._reading:
+          self._busy_since_s = now
+        item.started_s = now
+        self._reading[(item.request_id, item.index)] = item
+        reading_of[item.request_id] += 1
+        held += item.nbytes
+        self._stats.started += 1
+        item.future = asyncio.run_coroutine_threadsafe(self._read(item), self._loop)
 
-  def _land(self, result: LoadResult) -> None:
-    with self._load_lock:
-      if self._in_flight.pop((result.request_id, result.index), None) is None:
-        return  # cancelled meanwhile: drop it (its staging is released with it)
-      self.loader_stats.in_flight -= 1
-      self.loader_stats.staged_bytes += result.nbytes
-      self._landed.append(result)
-      self._landed_event.set()
+  async def _read(self, item: _Pending) -> None:
+    try:
+      got = await self.store.get(item.chunk_hash, item.token_ids, item.namespace, self.layout,
+                                 **({"choose": item.choose} if item.choose is not None else {}))
+    except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
+      got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
+    self._on_land(item, got, time.perf_counter())
 
-  def landed(self, wait_s: float | None = None) -> list[LoadResult]:
-    """Takes every landed load (ownership passes to the caller: staging is released).
+  def _on_land(self, item: _Pending, got: ChunkHit | ChunkMiss, done_s: float) -> None:
+    key = (item.request_id, item.index)
+    with self._lock:
+      if self._reading.get(key) is not item:
+        return  # its request ended meanwhile: drop it
+      del self._reading[key]
+      ok = isinstance(got, ChunkHit)
+      nbytes = int(got.encoding.nbytes) if ok else 0
+      link_s = max(0.0, done_s - max(item.started_s, self._last_done_s))
+      self._last_done_s = max(self._last_done_s, done_s)
+      if not self._reading:
+        self._stats.link_busy_s += done_s - self._busy_since_s
+      self._stats.landed += 1
+      self._stats.read_bytes += nbytes
+      if ok:
+        b, n = self._loaded_by_tier.get(got.tier, (0, 0))
+        self._loaded_by_tier[got.tier] = (b + nbytes, n + 1)
+      if ok and not item.released:
+        self._staged[key] = got
+        self._stats.staged_bytes += nbytes
+      self._reports.append(LoadReport(
+          request_id=item.request_id, index=item.index, ok=ok, nbytes=nbytes,
+          tier=got.tier if ok else "",
+          encoding=f"{got.encoding.codec}/{got.encoding.level}" if ok else None,
+          started_s=item.started_s, done_s=done_s, link_s=link_s,
+          reason="" if ok else got.reason.value))
+      self._reported.set()
+    self._pump()
+
+  def landed(self, wait_s: float | None = None) -> list[LoadReport]:
+    """Takes the reports of every load that finished since the last call.
 
     Args:
-      wait_s: if no load has landed, block up to this long for one (None: do not block).
+      wait_s: if none has finished, block up to this long for one (None: do not block).
     """
-    if wait_s is not None and not self._landed:
-      self._landed_event.wait(wait_s)
-    with self._load_lock:
-      out, self._landed = self._landed, []
-      self._landed_event.clear()
-      for r in out:
-        self.loader_stats.staged_bytes -= r.nbytes
-        self.loader_stats.landed += 1
+    if wait_s is not None and wait_s > 0 and not self._reports:
+      self._reported.wait(wait_s)
+    with self._lock:
+      out, self._reports = self._reports, []
+      self._reported.clear()
     return out
 
+  def take(self, request_id: Any, index: int) -> ChunkHit:
+    """Hands over a staged chunk for insertion (its staging is released).
+
+    Raises:
+      KeyError: if the chunk is not staged (a planner bug).
+    """
+    with self._lock:
+      hit = self._staged.pop((request_id, index))
+      self._stats.staged_bytes -= int(hit.encoding.nbytes)
+    self._pump()
+    return hit
+
+  def release(self, request_id: Any, index: int) -> None:
+    """The scheduler no longer wants chunk `index`'s load: a queued one never starts (reported
+    as a miss, reason "released"), a reading one is dropped when it lands, a staged one is freed.
+    Idempotent."""
+    key = (request_id, index)
+    with self._lock:
+      queued = next((p for p in self._queue if (p.request_id, p.index) == key), None)
+      if queued is not None:
+        self._queue.remove(queued)
+        self._stats.cancelled += 1
+        self._reports.append(LoadReport(request_id, index, ok=False, nbytes=0,
+                                        reason="released"))
+        self._reported.set()
+      elif key in self._reading:
+        self._reading[key].released = True
+      elif key in self._staged:
+        self._stats.staged_bytes -= int(self._staged.pop(key).encoding.nbytes)
+        self._stats.released_staged += 1
+    self._pump()
+
   def cancel_loads(self, request_id: Any) -> int:
-    """Drops the request's in-flight and landed-but-untaken loads; returns how many."""
-    with self._load_lock:
-      keys_ = [k for k in self._in_flight if k[0] == request_id]
-      for k in keys_:
-        self._in_flight.pop(k).cancel()
-      kept = [r for r in self._landed if r.request_id != request_id]
-      dropped = [r for r in self._landed if r.request_id == request_id]
-      self._landed = kept
-      self.loader_stats.in_flight -= len(keys_)
-      self.loader_stats.staged_bytes -= sum(r.nbytes for r in dropped)
-      n = len(keys_) + len(dropped)
-      self.loader_stats.cancelled += n
-      if not self._landed:
-        self._landed_event.clear()
+    """Drops every queued, reading and staged load of the request (no reports); returns how
+    many."""
+    with self._lock:
+      queued = [p for p in self._queue if p.request_id == request_id]
+      for p in queued:
+        self._queue.remove(p)
+      reading = [k for k in self._reading if k[0] == request_id]
+      for k in reading:
+        self._reading.pop(k).future.cancel()
+      staged = [k for k in self._staged if k[0] == request_id]
+      for k in staged:
+        self._stats.staged_bytes -= int(self._staged.pop(k).encoding.nbytes)
+      self._reports = [r for r in self._reports if r.request_id != request_id]
+      n = len(queued) + len(reading) + len(staged)
+      self._stats.cancelled += len(queued) + len(reading)
+      self._stats.abandoned_reads += len(reading)
+      self._stats.released_staged += len(staged)
+    self._pump()
     return n
 
   def loads_in_flight(self, request_id: Any = None) -> int:
-    with self._load_lock:
+    """Loads queued or reading (of one request, or all)."""
+    with self._lock:
       if request_id is None:
-        return len(self._in_flight)
-      return sum(1 for k in self._in_flight if k[0] == request_id)
+        return len(self._queue) + len(self._reading)
+      return (sum(1 for p in self._queue if p.request_id == request_id)
+              + sum(1 for k in self._reading if k[0] == request_id))
+
+  def tier_snapshots(self) -> tuple[TierSnapshot, ...]:
+    """Per-tier counters (misses, loaded bytes, link limiter), plain data."""
+    stats = self.store.stats
+    out = []
+    with self._lock:
+      loaded = dict(self._loaded_by_tier)
+    for tier in self.store.tiers:
+      s = stats.get(tier.name)
+      limiter = self.store.limiters.get(tier.name)
+      nbytes, nchunks = loaded.get(tier.name, (0, 0))
+      out.append(TierSnapshot(
+          tier.name, dict(s.misses) if s is not None else {}, nbytes, nchunks,
+          float(limiter.current_rate()) if limiter is not None else None,
+          int(limiter.bytes_granted) if limiter is not None else 0))
+    return tuple(out)
+
+  @property
+  def loader_stats(self) -> LoaderStats:
+    """A snapshot of the load accounting."""
+    with self._lock:
+      return dataclasses.replace(self._stats, queued=len(self._queue),
+                                 in_flight=len(self._reading))
 
   # ----------------------------------------------------------------------------- saves
   def submit_save(self, job: SaveJob) -> bool:
     """Queues a save without blocking; returns False (and counts it) when the queue is full."""
-    if not job.chunks:
-      return True
     try:
       self._jobs.put_nowait(job)
       return True
@@ -329,58 +475,33 @@ class KVStoreClient:
         self._jobs.task_done()
 
   def _save(self, job: SaveJob) -> None:
-    c = self.chunk_size
-    # After a rejection, stored chunks further along may be bad too: check each one we would
-    # skip, and rewrite the bad ones, so one save repairs the chain.
-    check_existing = bool(job.replace)
-    for i in job.chunks:
-      kv = self._chunk_from_pieces(job.pieces, i * c)
-      parent = job.hashes[i - 1] if i else job.namespace
-      tokens = job.token_ids[i * c:(i + 1) * c]
-      if i in job.replace:
-        self._run(self._delete_everywhere(job.hashes[i]))
-      put = self._put_coro_factory(job.hashes[i], parent, tokens, job.namespace, kv)
-      published = self._run(put())
-      if not published and check_existing:
-        got = self._run(self.store.get(job.hashes[i], tokens, job.namespace, self.layout,
-                                       promote=False))
-        if isinstance(got, ChunkMiss) and got.reason is not MissReason.ABSENT:
-          self._run(self._delete_everywhere(job.hashes[i]))
-          published = self._run(put())
-      if published:
-        self.saver_stats.chunks_saved += 1
-      else:
-        self.saver_stats.chunks_already_stored += 1
-
-  def _put_coro_factory(self, chunk_hash, parent, tokens, namespace, kv):
-    """A coroutine factory storing `kv` with the configured codec (levels side by side)."""
-    if self.codec == "raw":
-      return lambda: self.store.put(chunk_hash, parent, tokens, namespace, kv)
-    payloads = [EncodedPayload(self.codec, level, self._encode(kv, self.codec, level))
-                for level in self.codec_levels]
-    return lambda: self.store.put(chunk_hash, parent, tokens, namespace, layout=self.layout,
-                                  payloads=payloads)
-
-  def _chunk_from_pieces(self, pieces, lo: int) -> np.ndarray:
-    """`[L, 2, C, K, H]` of positions `[lo, lo + C)` gathered from prefill pieces (to host).
-
-    Raises:
-      ValueError: if the pieces do not cover every position.
-    """
-    c = self.chunk_size
-    hi = lo + c
-    kv = np.zeros((self.layout.num_layers, 2, c, self.layout.num_kv_heads,
-                   self.layout.head_dim), self.layout.dtype)
-    covered = np.zeros(c, bool)
-    for start, k_piece, v_piece in pieces:
-      a, b = max(start, lo), min(start + k_piece.shape[1], hi)
-      if a < b:
-        kv[:, 0, a - lo:b - lo] = np.asarray(k_piece[:, a - start:b - start])
-        kv[:, 1, a - lo:b - lo] = np.asarray(v_piece[:, a - start:b - start])
-        covered[a - lo:b - lo] = True
-    if not covered.all():
-      raise ValueError(f"save job covers {covered.sum()} of the {c} positions from {lo}")
-    return kv
+    """Copies the chunk (or its encoded levels) to the host in one transfer, then stores it."""
+    host = jax.device_get(job.kv if job.payloads is None else job.payloads)
+    if job.payloads is None:
+      put = lambda: self.store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
+                                   np.asarray(host))
+    else:
+      encoded = []
+      for codec, level, arrays, finite in host:
+        if not bool(finite):
+          raise ValueError(f"KV chunk holds NaN/inf (or values beyond the {codec} codec's "
+                           "range); refusing to store it")
+        encoded.append(EncodedPayload(codec, level, {k: np.asarray(v) for k, v in arrays.items()}))
+      put = lambda: self.store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
+                                   layout=self.layout, payloads=encoded)
+    if job.replace:
+      self._run(self._delete_everywhere(job.chunk_hash))
+    published = self._run(put())
+    if not published and job.verify_existing:
+      got = self._run(self.store.get(job.chunk_hash, job.token_ids, job.namespace, self.layout,
+                                     promote=False))
+      if isinstance(got, ChunkMiss) and got.reason is not MissReason.ABSENT:
+        self._run(self._delete_everywhere(job.chunk_hash))
+        published = self._run(put())
+    if published:
+      self.saver_stats.chunks_saved += 1
+    else:
+      self.saver_stats.chunks_already_stored += 1
 
   async def _delete_everywhere(self, chunk_hash: ChunkHash) -> None:
     await asyncio.gather(*(t.delete(chunk_hash) for t in self.store.tiers))

@@ -30,6 +30,10 @@ from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
 
 
+#: Latency priors of a store link, seconds, for the bandwidth-delay product of loads in flight.
+LOCAL_LINK_LATENCY_S = 1e-3
+REMOTE_LINK_LATENCY_S = 30e-3
+
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}
 
@@ -56,7 +60,8 @@ def _check_options(**options) -> None:
       raise ValueError(f"{name}={value!r} must be a positive int")
 
   positive_int("max_num_seqs", options["max_num_seqs"])
-  positive_int("kv_max_loads_in_flight", options["kv_max_loads_in_flight"])
+  if options["kv_max_loads_in_flight"] is not None:
+    positive_int("kv_max_loads_in_flight", options["kv_max_loads_in_flight"])
   for name in ("max_model_len", "max_num_batched_tokens"):
     if options[name] is not None:
       positive_int(name, options[name])
@@ -117,9 +122,13 @@ class LLM:
     kv_merge_mode: how a stored prefix becomes resident: "cake" (default: compute from the front
       while loading from the back, Cake arXiv 2410.03065), "load_only" or "compute_only" (the
       baselines; compute_only still saves).
-    kv_max_loads_in_flight: background chunk loads per request at once.
+    kv_max_loads_in_flight: background chunk loads issued ahead per request (and its reads at
+      once); None (default) derives them from the link's bandwidth-delay product, so the link
+      stays busy through long engine steps.
     kv_ttft_target_s: pick loaded chunks' encoding levels for this TTFT target, seconds (CacheGen
       section 5.3); default: for the time compute would finish each chunk (a later landing is useless).
+    compile_on_init: compile (or load from JAX's persistent cache) every program a request can
+      run before returning (`warmup`), so no request's TTFT includes a compile.
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -133,7 +142,8 @@ class LLM:
                kv_chunk_size: int = 256, kv_link_bytes_per_s: float | None = None,
                kv_link_trace: str | None = None, kv_codec: str = "raw",
                kv_codec_levels: Sequence[int] | None = None, kv_merge_mode: str = "cake",
-               kv_max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None):
+               kv_max_loads_in_flight: int | None = None,
+               kv_ttft_target_s: float | None = None, compile_on_init: bool = True):
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
@@ -177,9 +187,16 @@ class LLM:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
                                               kv_link_trace, runner, kv_codec,
                                               tuple(kv_codec_levels))
+    remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
+        kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
                          merge_mode=kv_merge_mode, max_loads_in_flight=kv_max_loads_in_flight,
-                         kv_ttft_target_s=kv_ttft_target_s)
+                         kv_ttft_target_s=kv_ttft_target_s,
+                         link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S)
+    self._warm = False
+    self._closed = False
+    if compile_on_init:
+      self.warmup()
 
   def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
                          runner: ModelRunner, codec: str = "raw",
@@ -221,17 +238,44 @@ class LLM:
                       dtype=jnp.dtype(runner.cache.k_LBSKH.dtype).name)
     return KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
                          kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
-                         codec_levels=codec_levels, encode=runner.encode_chunk)
+                         codec_levels=codec_levels)
 
   def flush(self) -> None:
     """Waits until every queued KV save is written (a no-op without a store)."""
     if self.kv_store is not None:
       self.kv_store.flush()
 
+  def warmup(self) -> None:
+    """Compiles (or loads from JAX's persistent compilation cache) every program serving uses:
+    prefill at each compiled chunk size, the decode step, and, with a store, the insertion of a
+    stored chunk and the encode of the configured codec's levels. Idempotent. Writes only slot-0
+    positions that any later request overwrites before it reads them.
+    """
+    if self._warm:
+      return
+    runner = self.engine.runner
+    runner.warmup()
+    store = self.kv_store
+    if store is not None and store.chunk_size <= runner.max_seq_len:
+      layout = store.layout
+      kv = jnp.zeros((layout.num_layers, 2, layout.chunk_size, layout.num_kv_heads,
+                      layout.head_dim), jnp.dtype(layout.dtype))
+      runner.insert_chunk(kv, 0, 0)
+      if store.codec != "raw":
+        _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels)[0]
+        runner.insert_payload(store.codec, jax.device_get(arrays), 0, 0)
+      jax.block_until_ready(runner.cache.k_LBSKH)
+    self._warm = True
+
   def close(self) -> None:
-    """Writes pending saves and stops the store's threads."""
+    """Writes pending saves, stops the store's threads, and frees the parameters and the KV
+    cache on the device. The `LLM` is unusable afterwards. Idempotent."""
+    if self._closed:
+      return
+    self._closed = True
     if self.kv_store is not None:
       self.kv_store.close()
+    self.engine.runner.close()
 
   @property
   def max_model_len(self) -> int:

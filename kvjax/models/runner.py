@@ -108,6 +108,7 @@ class ModelRunner:
     # Pallas codec kernels where they compile; XLA's build of the jnp reference on CPU (Pallas
     # compiles nothing for CPU; interpret mode is for tests).
     self.use_pallas_codecs = jax.default_backend() != "cpu"
+    self._encoders: dict = {}
 
   def reset(self) -> None:
     """Zeroes the KV cache (every slot), keeping the compiled programs."""
@@ -235,6 +236,50 @@ class ModelRunner:
       ValueError: NaN/inf in the chunk, or an unknown codec or level.
     """
     return kv_codec.kv_encode_host(kv_L2CKH, codec, level, use_pallas=self.use_pallas_codecs)
+
+  def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...]) -> list:
+    """Quantizes one device chunk (K before RoPE) at every level in one jit'd device call.
+
+    Thread-safe (no cache access). Dispatches asynchronously: the arrays stay on the device
+    until the saver copies them to the host (once, for all levels).
+
+    Args:
+      kv_L2CKH: [L, 2, C, K, H] device array.
+      codec: a codec other than "raw".
+      levels: the levels to store side by side.
+
+    Returns:
+      [(codec, level, {name: device array}, finite flag)] per level; store a level only when its
+      flag is True (no NaN/inf).
+
+    Raises:
+      ValueError: an unknown codec or level.
+    """
+    key = (codec, tuple(levels))
+    fn = self._encoders.get(key)
+    if fn is None:
+      use_pallas = self.use_pallas_codecs
+
+      def encode_all(kv):
+        out = []
+        for level in levels:
+          payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
+          out.append((payload._asdict(), finite))
+        return out
+
+      fn = self._encoders[key] = jax.jit(encode_all)
+    return [(codec, level, arrays, finite)
+            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH))]
+
+  def close(self) -> None:
+    """Frees the parameters and the KV cache on the device; the runner is unusable afterwards."""
+    for leaf in jax.tree_util.tree_leaves((self.state, self.cache)):
+      if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+        leaf.delete()
+
+  def cache_ok(self) -> bool:
+    """The KV cache buffers are alive (a failed donated call can leave them deleted)."""
+    return not self.cache.k_LBSKH.is_deleted()
 
   def warmup(self, chunk_sizes: tuple[int, ...] | None = None) -> None:
     """Compiles (or loads from the persistent cache) every prefill size and the decode step.

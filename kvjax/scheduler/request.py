@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from kvjax._typing import RequestId
 
-if TYPE_CHECKING:
-  from kvjax.scheduler.cake import CakeMerge
 
 MAX_LOGPROBS = 20
 
@@ -84,36 +82,29 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass
 class Request:
-  """One generation request as the scheduler sees it.
+  """One generation request as the scheduler sees it (the scheduler owns it once added).
 
   Attributes:
     request_id: unique id.
     prompt_token_ids: the prompt, tokens.
     sampling_params: sampling settings.
     arrival_s: arrival time, seconds (engine clock).
-    num_cached_tokens: leading prompt tokens whose KV the engine staged from the store; they are
-      inserted when the request gets a slot, not computed (plain prefix loading, `LoadItem`).
-      Must be 0 for a request with a `merge`.
     num_computed_tokens: prompt and output tokens whose KV is in the slot (planned).
     output_token_ids: generated tokens so far.
     slot: decode slot while running, else None.
     status: lifecycle state.
     finish_reason: "stop", "length" or "abort" once finished.
-    merge: the Cake planner of this request's stored prefix, or None for plain prefill. The
-      scheduler plans its compute side; the engine drives its loads.
   """
 
   request_id: RequestId
   prompt_token_ids: list[int]
   sampling_params: SamplingParams
   arrival_s: float = 0.0
-  num_cached_tokens: int = 0
   num_computed_tokens: int = 0
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   slot: int | None = None
   status: RequestStatus = RequestStatus.WAITING
   finish_reason: str | None = None
-  merge: CakeMerge | None = None
 
   @property
   def num_prompt_tokens(self) -> int:

@@ -1,36 +1,60 @@
-"""Token-budget step planning: plain data in, a plain plan out.
+"""The scheduler: the one owner of request state. Plain data in, plain data out.
 
-Each engine step has a token budget (vLLM's `max_num_batched_tokens`). The scheduler spends it in
-this order (Cake, arXiv 2410.03065, section 4 Part 3, adaptive mode):
+Ownership. The scheduler holds every live `Request` (queued or running), its slot, its token
+counts, its Cake merge (`kvjax.scheduler.cake.CakeMerge`: chunk states, loads in flight, trace)
+and the cost model the merges plan with. Nothing outside this room holds a reference to them.
+Each step (vLLM v1's `schedule()` then `update_from_output()`):
+
+    schedule(now_s) ──> SchedulerOutput      what the executor does this step (plain records)
+    update(result)  <── StepResult           what it did: tokens, finishes, loads, timings
+
+`schedule` spends the step's token budget in this order (Cake, arXiv 2410.03065, section 4
+Part 3, adaptive mode):
 
   1. every decoding request takes one token;
   2. ordinary prefills already under way continue, oldest first;
   3. waiting requests are admitted into free decode slots, first come first served (a request
      with a Cake merge is admitted whenever a slot is free, budget or not: its loads need none);
-  4. the compute side of each Cake merge (`Request.merge`, `kvjax.scheduler.cake`) takes what is
-     left, oldest first: compiled chunk sizes aligned to store chunks, possibly several pieces
-     (skipping resident chunks), none when loads are predicted to finish the next chunk first.
-
-Loads are not in the budget: the engine's loaders run whatever the budget (Cake, section 3).
+  4. staged chunks of requests holding a slot are inserted (free of budget: loads are the other
+     resource, Cake section 3), and every merge issues its next loads, last chunk first, queued
+     requests included (loads need no slot);
+  5. the compute side of each merge takes what is left, oldest first: compiled chunk sizes
+     aligned to store chunks, possibly several pieces (skipping resident chunks), none when loads
+     are predicted to finish the next chunk first.
 
 A prefill chunk is the largest compiled chunk size that fits the budget and the prompt's remaining
 tokens, so only a prompt's last chunk is ever padded:
 
     prompt of 300 tokens, sizes (16, 32, ..., 512):  [0 --256--)[256 -32-)[288 12+pad)
 
-The scheduler never touches arrays; the engine runs the plan and reports back. It advances
-`num_computed_tokens` when it plans work, so a plan is a promise the engine must keep in order.
+A plan is a promise the executor keeps in order: the scheduler advances `num_computed_tokens` and
+marks inserted chunks resident when it plans them. `update` learns the rest: sampled tokens are
+appended, finished requests free their slots (their ids reach the executor in the next plan),
+each landed load goes to its merge (`load_done`), and measured times feed the cost model.
+
+Loads are issued ahead, as a queue: the executor runs each request's reads a few at a time and
+starts the next the moment one lands, so a long step never idles the link. How far ahead is the
+link's bandwidth-delay product, where the delay is the time until the next chance to issue (one
+step) plus the link's latency (`loads_ahead`).
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import copy
 import dataclasses
+import math
 
 from kvjax._typing import RequestId
+from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace
 from kvjax.scheduler.cost_model import CostModel
+from kvjax.scheduler.output import (DecodeItem, InsertItem, LoadItem, PrefillChunk, SaveItem,
+                                    SchedulerOutput, StepResult, StoredPrefix)
 from kvjax.scheduler.request import Request, RequestStatus
+
+#: Longest single wait for a load to land, seconds (the executor asks for a new plan after it).
+MAX_LOAD_WAIT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,59 +81,65 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillChunk:
-  """Prefill `num_tokens` prompt tokens of one request at positions `[start, start + num_tokens)`.
+class LoadConfig:
+  """How stored prefixes become resident.
 
-  `is_last` marks the chunk that completes the prompt: its logits give the first output token.
+  Attributes:
+    merge_mode: "cake" (compute from the front, load from the back), "compute_only" (ignore
+      hits) or "load_only" (wait for every stored chunk): the baselines share the machinery.
+    max_loads_in_flight: a fixed number of loads issued ahead per request (also its reads at
+      once); None derives both from the link (`loads_ahead`, `reads_at_once`).
+    link_latency_s: the store link's latency prior, seconds (a read's fixed cost), for the
+      bandwidth-delay product.
+    staging_bytes: stored bytes a request may have issued and not yet inserted, at most.
+    kv_ttft_target_s: pick encodings for this TTFT target instead of for the time compute would
+      finish each chunk (CacheGen, arXiv 2310.07240, section 5.3).
+    check_writes: keep each merge's per-position writer map (raises on a double write).
   """
 
-  request_id: RequestId
-  slot: int
-  start: int
-  num_tokens: int
-  is_last: bool
+  merge_mode: str = "cake"
+  max_loads_in_flight: int | None = None
+  link_latency_s: float = 1e-3
+  staging_bytes: int = 1 << 30
+  kv_ttft_target_s: float | None = None
+  check_writes: bool = False
+
+  def __post_init__(self):
+    try:
+      MergeMode(self.merge_mode)
+    except ValueError:
+      raise ValueError(f"merge_mode={self.merge_mode!r}; use one of "
+                       f"{[m.value for m in MergeMode]}") from None
+    if self.max_loads_in_flight is not None and (
+        isinstance(self.max_loads_in_flight, bool) or not isinstance(self.max_loads_in_flight, int)
+        or self.max_loads_in_flight < 1):
+      raise ValueError(f"max_loads_in_flight={self.max_loads_in_flight!r} must be None or an "
+                       "int >= 1")
+    if not self.link_latency_s >= 0 or not self.staging_bytes > 0:
+      raise ValueError(f"link_latency_s={self.link_latency_s} must be >= 0 and staging_bytes="
+                       f"{self.staging_bytes} > 0")
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadItem:
-  """Insert the request's staged stored chunks, positions `[0, num_tokens)`, into `slot`.
+def loads_ahead(bandwidth_bytes_per_s: float, step_s: float, latency_s: float,
+                chunk_nbytes: int, staging_bytes: int) -> int:
+  """Loads to keep issued per request: the link's bandwidth-delay product in chunks.
 
-  Plain prefix loading only (a request with `num_cached_tokens`, no merge): the chunks were
-  fetched before the request was queued. A Cake merge's chunks never appear here; the engine
-  inserts them between steps as `CakeMerge.load_done` says. Loads cost no compute budget: they
-  are the other resource (Cake, arXiv 2410.03065, section 3).
+  The delay is how long the link must stay busy without the scheduler: one step (the scheduler
+  issues between steps) plus the link's latency. At least 2 (one moving, one queued), at most
+  what the staging budget holds.
   """
-
-  request_id: RequestId
-  slot: int
-  num_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeItem:
-  """Feed `token_id` at `position` for the request in `slot`."""
-
-  request_id: RequestId
-  slot: int
-  position: int
-  token_id: int
+  if chunk_nbytes <= 0 or not math.isfinite(bandwidth_bytes_per_s):
+    return max(2, staging_bytes // max(1, chunk_nbytes))
+  bdp = bandwidth_bytes_per_s * (step_s + latency_s) / chunk_nbytes
+  return int(max(2, min(math.ceil(bdp) + 1, staging_bytes // chunk_nbytes)))
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-  """One step's plan, run in field order (loads, decodes, prefills). Empty when nothing can run."""
-
-  loads: tuple[LoadItem, ...] = ()
-  decodes: tuple[DecodeItem, ...] = ()
-  prefills: tuple[PrefillChunk, ...] = ()
-
-  @property
-  def num_scheduled_tokens(self) -> int:
-    return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
-
-  @property
-  def is_empty(self) -> bool:
-    return not self.loads and not self.decodes and not self.prefills
+def reads_at_once(bandwidth_bytes_per_s: float, latency_s: float, chunk_nbytes: int) -> int:
+  """Concurrent reads that cover the link's latency: ceil(bandwidth x latency / chunk) + 1, in
+  [2, 16]."""
+  if chunk_nbytes <= 0 or not math.isfinite(bandwidth_bytes_per_s):
+    return 2
+  return int(min(16, max(2, math.ceil(bandwidth_bytes_per_s * latency_s / chunk_nbytes) + 1)))
 
 
 def chunk_tokens(remaining: int, budget: int, chunk_sizes: tuple[int, ...]) -> int:
@@ -127,63 +157,130 @@ def chunk_tokens(remaining: int, budget: int, chunk_sizes: tuple[int, ...]) -> i
   return chunk_sizes[i - 1]
 
 
+@dataclasses.dataclass
+class _Prefix:
+  """Scheduler-side facts of a request's stored prefix (its merge and what to save)."""
+
+  merge: CakeMerge
+  stored: StoredPrefix
+  rejected: set[int] = dataclasses.field(default_factory=set)
+  outstanding: set[int] = dataclasses.field(default_factory=set)  # loads issued, not reported
+
+
 class Scheduler:
   """Admits requests into decode slots and plans each step within the token budget.
 
   Args:
     config: slots, token budget, chunk sizes.
-    cost_model: the cost model Cake merges plan with (one per engine; the engine feeds it);
-      a fresh `CostModel()` when None.
+    cost_model: the cost model merges plan with (fed by `update`); a fresh `CostModel()` when
+      None.
+    load_config: how stored prefixes load (merge mode, loads ahead, TTFT target).
+    save_chunk_size: tokens per store chunk when requests' chunks are saved (None: no store;
+      requests then get no `saves`).
   """
 
-  def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None):
+  def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None, *,
+               load_config: LoadConfig | None = None, save_chunk_size: int | None = None):
     self.config = config
     self.cost_model = cost_model if cost_model is not None else CostModel()
+    self.load_config = load_config or LoadConfig()
+    self.save_chunk_size = save_chunk_size
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: dict[RequestId, Request] = {}  # insertion order = admission order
     self._free_slots = list(range(config.num_slots))
+    self._prefix: dict[RequestId, _Prefix] = {}
+    self._finished_ids: list[RequestId] = []
+    self._releases: list[tuple[RequestId, int]] = []
+    self._last_step_s = 0.0
+    self._last_now_s: float | None = None
 
-  def add_request(self, request: Request) -> None:
-    if request.request_id in self.running or any(
-        r.request_id == request.request_id for r in self.waiting):
-      raise ValueError(f"request id {request.request_id!r} is already scheduled")
-    if not 0 <= request.num_cached_tokens < request.num_prompt_tokens:
-      raise ValueError(f"{request.num_cached_tokens} cached tokens for a prompt of "
-                       f"{request.num_prompt_tokens}: the last prompt token is always computed")
-    if request.merge is not None:
-      if request.num_cached_tokens:
-        raise ValueError("a request with a Cake merge loads through the merge: "
-                         f"num_cached_tokens must be 0, got {request.num_cached_tokens}")
-      if request.merge.num_prompt_tokens != request.num_prompt_tokens:
-        raise ValueError(f"merge planned for {request.merge.num_prompt_tokens} prompt tokens, "
-                         f"request has {request.num_prompt_tokens}")
+  # ----------------------------------------------------------------------------- requests
+  def add_request(self, request: Request, stored: StoredPrefix | None = None) -> None:
+    """Takes ownership of a new request (the caller keeps no reference to it).
+
+    Args:
+      request: the request, status WAITING.
+      stored: the store lookup of its prefix; a Cake merge plans it when any chunk is stored
+        (and the mode uses hits).
+
+    Raises:
+      ValueError: a duplicate id, or a lookup that does not fit the prompt.
+    """
+    rid = request.request_id
+    if rid in self.running or rid in self._prefix or any(
+        r.request_id == rid for r in self.waiting):
+      raise ValueError(f"request id {rid!r} is already scheduled")
+    if stored is not None and any(stored.hits):
+      lc = self.load_config
+      encodings = [c.candidates if c is not None else None for c in stored.chunks]
+      merge = CakeMerge(
+          request.num_prompt_tokens, stored.chunk_size, stored.hits, lc.merge_mode,
+          encodings=encodings, max_loads_in_flight=lc.max_loads_in_flight or 2,
+          kv_ttft_target_s=lc.kv_ttft_target_s, arrival_s=request.arrival_s,
+          check_writes=lc.check_writes)
+      self._prefix[rid] = _Prefix(merge, stored)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
 
   def has_unfinished(self) -> bool:
     return bool(self.waiting or self.running)
 
-  def cake_requests(self, include_waiting: bool = False) -> list[Request]:
-    """Requests whose Cake merge still prefills: running ones oldest first, then (with
-    `include_waiting`) queued ones in queue order.
+  def num_waiting(self) -> int:
+    return len(self.waiting)
 
-    The engine issues their loads with `request.merge.next_load`. Loads need no slot until a
-    chunk is inserted, so they may start while a request waits (its INSERT-verdict chunks stay
-    staged until it holds a slot).
-    """
+  def num_running(self) -> int:
+    return len(self.running)
+
+  def merge(self, request_id: RequestId) -> CakeMerge | None:
+    """The request's merge (read-only use: tests and traces), or None."""
+    p = self._prefix.get(request_id)
+    return p.merge if p is not None else None
+
+  def merge_trace(self, request_id: RequestId) -> MergeTrace | None:
+    """A snapshot (a copy) of the request's merge trace, or None without a merge."""
+    p = self._prefix.get(request_id)
+    return copy.deepcopy(p.merge.trace) if p is not None else None
+
+  def cake_requests(self, include_waiting: bool = False) -> list[Request]:
+    """Requests whose merge still prefills: running ones oldest first, then (with
+    `include_waiting`) queued ones in queue order."""
     out = [r for r in self.running.values()
-           if r.merge is not None and r.status is RequestStatus.PREFILLING]
+           if r.request_id in self._prefix and r.status is RequestStatus.PREFILLING]
     if include_waiting:
-      out += [r for r in self.waiting if r.merge is not None]
+      out += [r for r in self.waiting if r.request_id in self._prefix]
     return out
 
+  def finish_request(self, request_id: RequestId, reason: str) -> Request | None:
+    """Ends a request (stop, length, abort, error) and frees its slot; returns it, or None if
+    unknown. Its id reaches the executor in the next plan (`finished_request_ids`)."""
+    r = self.running.pop(request_id, None)
+    if r is None:
+      for i, w in enumerate(self.waiting):
+        if w.request_id == request_id:
+          r = w
+          del self.waiting[i]
+          break
+      else:
+        return None
+    prefix = self._prefix.pop(request_id, None)
+    if prefix is not None:
+      prefix.merge.cancel()  # no chunk of a freed slot may be inserted any more
+    if r.slot is not None:
+      bisect.insort(self._free_slots, r.slot)
+      r.slot = None
+    r.status = RequestStatus.FINISHED
+    r.finish_reason = reason
+    self._finished_ids.append(request_id)
+    return r
+
+  # ----------------------------------------------------------------------------- schedule
   def schedule(self, now_s: float | None = None, token_budget: int | None = None
                ) -> SchedulerOutput:
     """Plans one step; see the module docstring for the order.
 
     Args:
-      now_s: the engine clock at the step's start, seconds, increasing from step to step; needed
-        when any request has a Cake merge (a merge tells steps apart by it).
+      now_s: the clock at the step's start, seconds, increasing from step to step; needed when
+        any request has a Cake merge (a merge tells steps apart by it).
       token_budget: this step's budget instead of `config.token_budget` (e.g. throttled under
         competing load), >= 0.
 
@@ -193,8 +290,12 @@ class Scheduler:
     budget = self.config.token_budget if token_budget is None else token_budget
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
       raise ValueError(f"token_budget={token_budget!r} must be an int >= 0")
-    if now_s is None and any(r.merge is not None for r in self.cake_requests(True)):
+    if now_s is None and self._prefix:
       raise ValueError("schedule() needs now_s (the engine clock) to plan Cake merges")
+    if now_s is not None:
+      if self._last_now_s is not None and now_s > self._last_now_s:
+        self._last_step_s = now_s - self._last_now_s
+      self._last_now_s = now_s
     decodes = []
     for r in self.running.values():
       if r.status is RequestStatus.DECODING and budget > 0:
@@ -203,40 +304,98 @@ class Scheduler:
         r.num_computed_tokens += 1
         budget -= 1
     prefills: list[PrefillChunk] = []
-    loads: list[LoadItem] = []
     for r in self.running.values():
-      if r.status is RequestStatus.PREFILLING and r.merge is None:
+      if r.status is RequestStatus.PREFILLING and r.request_id not in self._prefix:
         budget = self._plan_chunks(r, budget, prefills)
     while self.waiting and self._free_slots:
       r = self.waiting[0]
-      if r.merge is None and (budget <= 0 or not chunk_tokens(
+      if r.request_id not in self._prefix and (budget <= 0 or not chunk_tokens(
           r.remaining_prefill_tokens, budget, self.config.chunk_sizes)):
         break
       self.waiting.popleft()
       r.slot = self._free_slots.pop(0)
       r.status = RequestStatus.PREFILLING
       self.running[r.request_id] = r
-      if r.merge is not None:
-        continue  # its compute side plans below, after every ordinary prefill
-      if r.num_cached_tokens:
-        loads.append(LoadItem(r.request_id, r.slot, r.num_cached_tokens))
-        r.num_computed_tokens = r.num_cached_tokens
-      budget = self._plan_chunks(r, budget, prefills)
+      if r.request_id not in self._prefix:
+        budget = self._plan_chunks(r, budget, prefills)
+    inserts = self._plan_inserts()
+    loads = self._plan_loads(now_s)
     for r in self.cake_requests():
       budget = self._plan_cake(r, budget, now_s, prefills)
-    return SchedulerOutput(loads=tuple(loads), decodes=tuple(decodes), prefills=tuple(prefills))
+    releases = self._plan_releases()
+    wait_s = None
+    if not inserts and not decodes and not prefills and any(
+        p.outstanding for p in self._prefix.values()):
+      wait_s = MAX_LOAD_WAIT_S
+      for r in self.cake_requests():
+        t = self._prefix[r.request_id].merge.recheck_s(now_s, self.cost_model)
+        if t is not None:
+          wait_s = min(wait_s, max(0.0, t - now_s))
+    finished, self._finished_ids = tuple(self._finished_ids), []
+    return SchedulerOutput(finished_request_ids=finished, releases=releases, loads=loads,
+                           inserts=inserts, decodes=tuple(decodes), prefills=tuple(prefills),
+                           wait_s=wait_s)
+
+  def _plan_inserts(self) -> tuple[InsertItem, ...]:
+    """Landed chunks of requests that hold a slot: inserted this step (marked resident now)."""
+    out = []
+    for r in self.running.values():
+      prefix = self._prefix.get(r.request_id)
+      if prefix is None:
+        continue
+      m = prefix.merge
+      for j, st in enumerate(m.states):
+        if st is ChunkState.LANDED:
+          m.inserted(j)
+          out.append(InsertItem(r.request_id, j, r.slot, j * m.chunk_size))
+    return tuple(out)
+
+  def _plan_loads(self, now_s: float | None) -> tuple[LoadItem, ...]:
+    """Each merge's next loads (last chunk first), running requests first, then queued ones."""
+    out = []
+    lc = self.load_config
+    cost = self.cost_model
+    for r in self.cake_requests(include_waiting=True):
+      prefix = self._prefix[r.request_id]
+      m = prefix.merge
+      if lc.max_loads_in_flight is None:
+        nbytes = max((c.candidates[0].nbytes for c in prefix.stored.chunks
+                      if c is not None and c.candidates), default=0)
+        m.max_loads_in_flight = loads_ahead(cost.bandwidth_bytes_per_s, self._last_step_s,
+                                            lc.link_latency_s, nbytes, lc.staging_bytes)
+        reads = reads_at_once(cost.bandwidth_bytes_per_s, lc.link_latency_s, nbytes)
+      else:
+        reads = lc.max_loads_in_flight
+      while (j := m.next_load(now_s, cost)) is not None:
+        enc = m.load_encoding(j)
+        prefix.outstanding.add(j)
+        out.append(LoadItem(r.request_id, j, enc.name if enc is not None else None,
+                            enc.nbytes if enc is not None else 0, reads))
+    return tuple(out)
+
+  def _plan_releases(self) -> tuple[tuple[RequestId, int], ...]:
+    """Outstanding loads of chunks compute has taken (not started: never start; landed: free),
+    and landed loads the merges dropped since the last plan."""
+    for rid, prefix in self._prefix.items():
+      states = prefix.merge.states
+      for j in sorted(prefix.outstanding):
+        if states[j] in (ChunkState.COMPUTING, ChunkState.COMPUTED):
+          self._releases.append((rid, j))
+    out, self._releases = tuple(dict.fromkeys(self._releases)), []
+    return out
 
   def _plan_cake(self, r: Request, budget: int, now_s: float, out: list[PrefillChunk]) -> int:
     """Appends the compute steps of `r`'s merge that the budget allows; returns the budget left."""
-    while step := r.merge.next_compute(budget, self.config.chunk_sizes, now_s, self.cost_model):
+    m = self._prefix[r.request_id].merge
+    while step := m.next_compute(budget, self.config.chunk_sizes, now_s, self.cost_model):
       start, n = step
       budget -= n
       is_last = start + n == r.num_prompt_tokens
-      out.append(PrefillChunk(r.request_id, r.slot, start, n, is_last))
+      out.append(self._chunk(r, start, n, is_last))
       if is_last:
         r.status = RequestStatus.DECODING
         break
-    r.num_computed_tokens = r.merge.frontier
+    r.num_computed_tokens = m.frontier
     return budget
 
   def _plan_chunks(self, r: Request, budget: int, out: list[PrefillChunk]) -> int:
@@ -248,25 +407,78 @@ class Scheduler:
       is_last = r.num_computed_tokens == r.num_prompt_tokens
       if is_last:
         r.status = RequestStatus.DECODING
-      out.append(PrefillChunk(r.request_id, r.slot, start, n, is_last))
+      out.append(self._chunk(r, start, n, is_last))
     return budget
 
-  def finish_request(self, request_id: RequestId, reason: str) -> Request | None:
-    """Ends a request (stop, length or abort) and frees its slot; returns it, or None if unknown."""
-    r = self.running.pop(request_id, None)
-    if r is None:
-      for i, w in enumerate(self.waiting):
-        if w.request_id == request_id:
-          r = w
-          del self.waiting[i]
-          break
-      else:
-        return None
-    if r.merge is not None:
-      r.merge.cancel()  # no chunk of a freed slot may be inserted any more
-    if r.slot is not None:
-      bisect.insort(self._free_slots, r.slot)
-      r.slot = None
-    r.status = RequestStatus.FINISHED
-    r.finish_reason = reason
-    return r
+  def _chunk(self, r: Request, start: int, n: int, is_last: bool) -> PrefillChunk:
+    return PrefillChunk(r.request_id, r.slot, start, n, is_last,
+                        tuple(r.prompt_token_ids[start:start + n]), self._saves(r, start, n))
+
+  def _saves(self, r: Request, start: int, n: int) -> tuple[SaveItem, ...]:
+    """Store chunks the step `[start, start + n)` completes that the store should get: chunks
+    no tier holds, chunks whose stored copy was rejected, and (after a rejection) computed hits,
+    checked. Loaded chunks are never saved back."""
+    c = self.save_chunk_size
+    if c is None:
+      return ()
+    prefix = self._prefix.get(r.request_id)
+    end = start + n
+    out = []
+    for j in range(start // c, end // c):
+      if (j + 1) * c > end or (j + 1) * c <= start:
+        continue
+      if prefix is None or j >= len(prefix.stored.chunks):
+        out.append(SaveItem(j))
+      elif j in prefix.rejected:
+        out.append(SaveItem(j, replace=True))
+      elif prefix.stored.chunks[j] is None:
+        out.append(SaveItem(j))
+      elif prefix.rejected:
+        out.append(SaveItem(j, verify_existing=True))
+    # A chunk beyond the lookup's candidates (the prompt's last full chunk holds the last
+    # token): saved like any computed chunk.
+    return tuple(out)
+
+  # ----------------------------------------------------------------------------- update
+  def update(self, result: StepResult) -> dict[RequestId, MergeTrace]:
+    """Applies one executed step: load landings, cost observations, tokens, finishes.
+
+    Returns:
+      Snapshots of the merge traces of requests that produced their first token or finished in
+      this step (for their outputs' metrics).
+    """
+    cost = self.cost_model
+    for rep in result.loads:
+      prefix = self._prefix.get(rep.request_id)
+      if prefix is None or rep.index not in prefix.outstanding:
+        continue  # the request ended meanwhile: the executor has dropped the load
+      prefix.outstanding.discard(rep.index)
+      if rep.ok:
+        if rep.link_s > 0:
+          cost.observe_load(rep.nbytes, rep.link_s)
+        cost.observe_decode(rep.nbytes, rep.decode_s)
+      verdict = prefix.merge.load_done(rep.index, rep.ok, rep.nbytes, result.now_s,
+                                       level=rep.encoding)
+      if verdict is LoadVerdict.REJECTED:
+        prefix.rejected.add(rep.index)
+      elif verdict is LoadVerdict.WASTED and rep.ok:
+        self._releases.append((rep.request_id, rep.index))
+    for t in result.compute:
+      cost.observe_compute(t.start, t.num_tokens, t.seconds)
+    traces = {}
+    for rid, token in result.sampled:
+      r = self.running.get(rid)
+      if r is None:
+        continue
+      r.output_token_ids.append(token)
+      if len(r.output_token_ids) == 1 and rid in self._prefix:
+        traces[rid] = self.merge_trace(rid)
+    for rid, reason in result.finished:
+      if rid in self._prefix:
+        traces[rid] = self.merge_trace(rid)
+      self.finish_request(rid, reason)
+    for rid, _ in result.failed:
+      if rid in self._prefix:
+        traces[rid] = self.merge_trace(rid)
+      self.finish_request(rid, "error")
+    return traces

@@ -234,9 +234,8 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - metrics must not break serving
           _log.exception("on_output hook failed")
       sink.put((out, ttft, elapsed))
-    sched = getattr(self._engine, "scheduler", None)
-    self.stats.waiting = len(getattr(sched, "waiting", ()))
-    self.stats.running = len(getattr(sched, "running", self._sinks))
+    snap = self._engine.stats()
+    self.stats.waiting, self.stats.running = snap.num_waiting, snap.num_running
 
   def _fail_all(self, fault: EngineFault) -> None:
     for rid, sink in list(self._sinks.items()):
@@ -250,9 +249,6 @@ class AsyncEngine:
 
   def _repair_cache(self) -> None:
     """Rebuilds the device cache if a failed step consumed it (donated buffers)."""
-    runner = getattr(self._engine, "runner", None)
-    cache = getattr(runner, "cache", None)
-    k = getattr(cache, "k_LBSKH", None)
-    if k is not None and getattr(k, "is_deleted", lambda: False)() and hasattr(runner, "reset"):
+    if not self._engine.stats().kv_cache_ok:
       _log.warning("the failed step left the KV cache deleted; rebuilding it")
-      runner.reset()
+      self._engine.reset_device()

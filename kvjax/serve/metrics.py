@@ -9,10 +9,11 @@ the store's loggers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -38,8 +39,8 @@ class _WarningCounter(logging.Handler):
 class _StoreCollector(Collector):
   """Reads store, link, saver and engine-loop counters at scrape time."""
 
-  def __init__(self, kv_store: Any, loop_stats: Any):
-    self._kv_store = kv_store
+  def __init__(self, engine_stats: Callable[[], Any] | None, loop_stats: Any):
+    self._engine_stats = engine_stats
     self._loop_stats = loop_stats
 
   def collect(self):
@@ -53,58 +54,54 @@ class _StoreCollector(Collector):
                                 stats.step_failures)
       yield CounterMetricFamily("kvjax_aborted_requests",
                                 "Unfinished requests aborted (client gone).", stats.aborted)
-    if self._kv_store is None:
+    if self._engine_stats is None:
       return
-    store = getattr(self._kv_store, "store", None)
+    try:
+      snap = self._engine_stats()
+    except Exception:  # noqa: BLE001 - a scrape must not fail on an engine in flux
+      _log.exception("reading engine stats failed")
+      return
+    if snap.saver is None:
+      return  # no store
     rejected = CounterMetricFamily("kvjax_store_rejected_chunks",
                                    "Stored chunks read but rejected, by tier and reason.",
                                    labels=["tier", "reason"])
-    try:
-      for tier, s in (getattr(store, "stats", None) or {}).items():
-        for reason, n in getattr(s, "misses", {}).items():
-          if reason != "absent":
-            rejected.add_metric([tier, reason], n)
-    except Exception:  # noqa: BLE001 - a scrape must not fail on a store in flux
-      _log.exception("reading tier stats failed")
-    yield rejected
     read = CounterMetricFamily("kvjax_store_read_bytes",
-                               "Bytes of verified chunk reads, by tier (tiers that count them).",
-                               labels=["tier"])
-    for tier in getattr(store, "tiers", []):
-      snap = getattr(getattr(tier, "stats", None), "snapshot", None)
-      if callable(snap):
-        read.add_metric([getattr(tier, "name", "?")], snap().get("bytes_read", 0))
-    yield read
+                               "Stored bytes of verified chunk loads, by tier.", labels=["tier"])
     rate = GaugeMetricFamily("kvjax_link_bandwidth_bytes_per_second",
                              "Emulated link rate now, by tier (+Inf: unlimited).",
                              labels=["tier"])
     granted = CounterMetricFamily("kvjax_link_granted_bytes",
                                   "Bytes the link limiter let through, by tier (rate() of it is "
                                   "the bandwidth in use).", labels=["tier"])
-    for name, limiter in (getattr(store, "limiters", None) or {}).items():
-      rate.add_metric([name], float(limiter.current_rate()))
-      granted.add_metric([name], getattr(limiter, "bytes_granted", 0))
+    for t in snap.tiers:
+      for reason, n in t.misses.items():
+        if reason != "absent":
+          rejected.add_metric([t.name, reason], n)
+      read.add_metric([t.name], t.loaded_bytes)
+      if t.link_bytes_per_s is not None:
+        rate.add_metric([t.name], t.link_bytes_per_s)
+        granted.add_metric([t.name], t.link_granted_bytes)
+    yield rejected
+    yield read
     yield rate
     yield granted
-    saver = getattr(self._kv_store, "saver_stats", None)
-    if saver is not None:
-      fam = CounterMetricFamily("kvjax_kv_saver", "Asynchronous KV saves, by outcome.",
-                                labels=["outcome"])
-      for field in ("jobs_done", "chunks_saved", "chunks_already_stored", "jobs_dropped",
-                    "failures"):
-        fam.add_metric([field], getattr(saver, field, 0))
-      yield fam
+    fam = CounterMetricFamily("kvjax_kv_saver", "Asynchronous KV saves, by outcome.",
+                              labels=["outcome"])
+    for field in dataclasses.fields(snap.saver):
+      fam.add_metric([field.name], getattr(snap.saver, field.name))
+    yield fam
 
 
 class ServeMetrics:
   """The server's metrics.
 
   Args:
-    kv_store: the engine's store client (or None): scraped for tier, link and saver counters.
+    engine_stats: `Engine.stats` (or None): its snapshot gives the tier, link and saver counters.
     loop_stats: `AsyncEngine.stats` (queue depth, running, failures), or None.
   """
 
-  def __init__(self, kv_store: Any = None, loop_stats: Any = None):
+  def __init__(self, engine_stats: Callable[[], Any] | None = None, loop_stats: Any = None):
     self.registry = r = CollectorRegistry()
     self.ttft = Histogram("kvjax_time_to_first_token_seconds",
                           "Submission to the engine (after tokenizing) to first token, seconds.",
@@ -133,7 +130,7 @@ class ServeMetrics:
     self.store_warnings = Counter("kvjax_store_warnings",
                                   "Store faults degraded to compute (warnings), by logger.",
                                   ["logger"], registry=r)
-    r.register(_StoreCollector(kv_store, loop_stats))
+    r.register(_StoreCollector(engine_stats, loop_stats))
     self._handler = _WarningCounter(self.store_warnings)
     for name in STORE_LOGGERS:
       logging.getLogger(name).addHandler(self._handler)
@@ -153,14 +150,14 @@ class ServeMetrics:
     self.e2e.observe(elapsed_s)
     m = out.metrics
     n_prompt = len(out.prompt_token_ids)
-    loaded = getattr(m, "num_loaded_tokens", 0) or 0
+    loaded = m.num_loaded_tokens
     self.prompt_tokens.labels(source="loaded").inc(loaded)
-    self.prompt_tokens.labels(source="computed").inc(getattr(m, "num_computed_tokens", 0) or 0)
+    self.prompt_tokens.labels(source="computed").inc(m.num_computed_tokens)
     self.generation_tokens.inc(len(out.token_ids))
     self.prefix_queried.inc(n_prompt)
     self.prefix_hits.inc(out.num_cached_tokens)
-    self.request_rejected.inc(getattr(m, "num_rejected_chunks", 0) or 0)
-    for tier in getattr(m, "loaded_from_tiers", None) or []:
+    self.request_rejected.inc(m.num_rejected_chunks)
+    for tier in m.loaded_from_tiers:
       self.loaded_chunks.labels(tier=str(tier)).inc()
     with self._lock:
       self._queried += n_prompt

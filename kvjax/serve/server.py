@@ -115,10 +115,10 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None,
   if warm:
     builder.warmup(llm)
   loop = AsyncEngine(llm.engine)
-  metrics = ServeMetrics(kv_store=getattr(llm, "kv_store", None), loop_stats=loop.stats)
+  metrics = ServeMetrics(engine_stats=llm.engine.stats, loop_stats=loop.stats)
   loop.on_output = metrics.on_output
   loop.start()
-  fingerprint = getattr(llm, "fingerprint", None)
+  fingerprint = llm.fingerprint
   return Backend(engine=loop, tokenizer=tokenizer,
                  model_name=served_model_name or llm.model_name,
                  max_model_len=llm.max_model_len, vocab_size=llm.model_config.vocab_size,

@@ -144,7 +144,6 @@ class CakeEngineTest(parameterized.TestCase):
     n = 3 * C + 17
     llm.generate({"prompt_token_ids": PROMPT[:n]}, SamplingParams(max_tokens=1))
     llm.flush()
-    stats = llm.kv_store.loader_stats
     rng = np.random.default_rng(0)
     for i in range(100):
       rid = engine.add_request(PROMPT[:int(rng.integers(1, n + 1))],
@@ -155,8 +154,9 @@ class CakeEngineTest(parameterized.TestCase):
         engine.abort_request(rid)
       while engine.has_unfinished_requests():
         engine.step()
-    self.assertEqual((stats.in_flight, stats.staged_bytes, engine.staged_bytes), (0, 0, 0))
-    self.assertEqual(stats.started, stats.landed + stats.cancelled)
+    stats = engine.stats().loader
+    self.assertEqual((stats.queued, stats.in_flight, stats.staged_bytes), (0, 0, 0))
+    self.assertEqual(stats.started, stats.landed + stats.abandoned_reads)
     self.assertEqual(llm.kv_store.loads_in_flight(), 0)
     self.assertGreater(stats.started, 0)
     llm.close()

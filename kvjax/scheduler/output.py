@@ -1,0 +1,241 @@
+"""The two plain records that cross between the scheduler and the executor, one each per step.
+
+vLLM v1's shape (`schedule()` then `update_from_output()`):
+
+    Scheduler.schedule(now_s) ──> SchedulerOutput ──> executor runs it ──> StepResult
+          ^                                                                   │
+          └────────────────────── Scheduler.update(result) <─────────────────┘
+
+`SchedulerOutput` says everything the executor does in one step, in field order: forget finished
+requests, drop staged or queued loads, start loads, insert staged chunks, run decodes, run prefill
+chunks, save chunks those prefills completed. `StepResult` says what happened: tokens sampled,
+requests finished (and why), loads landed or failed (bytes, times), measured compute seconds.
+Nothing else is shared: neither side keeps a reference to the other's objects, both records are
+frozen, and every field is plain data (ints, strings, tuples, `EncodingId`-like hashables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+
+from kvjax._typing import RequestId
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveItem:
+  """Store chunk `index` of the request once its positions `[index * C, (index + 1) * C)` are
+  computed (they are, by the end of the prefill chunk that carries this item).
+
+  Attributes:
+    index: the store chunk's index in the prompt.
+    replace: its stored copy failed verification: delete it, then write afresh.
+    verify_existing: the request saw a rejected chunk, so this computed chunk's stored copy
+      (a lookup hit that compute took) may be bad too: read it back and rewrite it if it is.
+  """
+
+  index: int
+  replace: bool = False
+  verify_existing: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+  """Prefill `num_tokens` prompt tokens of one request at positions `[start, start + num_tokens)`.
+
+  Attributes:
+    request_id: the request.
+    slot: its decode slot (KV cache rows).
+    start: position of the first token.
+    num_tokens: tokens in this step (a compiled size, or a shorter tail the runner pads).
+    is_last: the chunk completes the prompt: its logits give the first output token.
+    token_ids: the `num_tokens` prompt tokens (plain data, so the executor needs no request).
+    saves: store chunks whose last position is in this step and that must be saved.
+  """
+
+  request_id: RequestId
+  slot: int
+  start: int
+  num_tokens: int
+  is_last: bool
+  token_ids: tuple[int, ...] = ()
+  saves: tuple[SaveItem, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeItem:
+  """Feed `token_id` at `position` for the request in `slot`; sample its next token."""
+
+  request_id: RequestId
+  slot: int
+  position: int
+  token_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadItem:
+  """Fetch stored chunk `index` of a request in the background (read, verify, decode on the host,
+  stage). Loads need no slot and cost no compute budget (Cake, arXiv 2410.03065, section 3).
+
+  The executor keeps them in plan order: a request's loads run `max_in_flight` at a time and
+  the next starts the moment one lands, without waiting for a step boundary.
+
+  Attributes:
+    request_id: the owner.
+    index: chunk index in the prompt.
+    encoding: which stored encoding to read (the level policy's pick), or None for any.
+    nbytes: its stored bytes (the planner's figure).
+    max_in_flight: the request's reads at once (from the link's bandwidth-delay product).
+  """
+
+  request_id: RequestId
+  index: int
+  encoding: Hashable | None
+  nbytes: int
+  max_in_flight: int
+
+
+@dataclasses.dataclass(frozen=True)
+class InsertItem:
+  """Write staged chunk `index` of a request into `slot` at `[start, start + C)` (RoPE applied
+  to K there), before this step's decodes and prefills."""
+
+  request_id: RequestId
+  index: int
+  slot: int
+  start: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+  """One step's plan, run in field order. Empty (`is_empty`) when nothing can run.
+
+  Attributes:
+    finished_request_ids: requests that ended (finished, aborted) since the last plan: the
+      executor drops their loads, staging and per-request state.
+    releases: (request_id, chunk index) of loads whose result is no longer wanted (compute took
+      the chunk, or it was rejected): a queued load is not started, a staged one is freed.
+    loads: loads to start, in order.
+    inserts: staged chunks to insert now.
+    decodes: one token for each decoding request.
+    prefills: prefill chunks, in order.
+    wait_s: with nothing to compute, the longest the executor may block waiting for a load to
+      land before asking again (None: do not wait).
+  """
+
+  finished_request_ids: tuple[RequestId, ...] = ()
+  releases: tuple[tuple[RequestId, int], ...] = ()
+  loads: tuple[LoadItem, ...] = ()
+  inserts: tuple[InsertItem, ...] = ()
+  decodes: tuple[DecodeItem, ...] = ()
+  prefills: tuple[PrefillChunk, ...] = ()
+  wait_s: float | None = None
+
+  @property
+  def num_scheduled_tokens(self) -> int:
+    return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+  @property
+  def is_empty(self) -> bool:
+    """No compute and no insert this step (loads may still be started or released)."""
+    return not self.inserts and not self.decodes and not self.prefills
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+  """A background load that finished: landed (verified, staged on the host) or failed.
+
+  Attributes:
+    request_id: the owner.
+    index: chunk index in the prompt.
+    ok: it passed verification (token ids, checksum) and decoded; its payload is staged.
+    nbytes: stored bytes read (0 for a miss).
+    tier: the tier it came from ("" for a miss).
+    encoding: the encoding read (None for a miss).
+    started_s: when its read started (executor clock, seconds).
+    done_s: when it landed.
+    link_s: seconds of link time it took: from its start or the previous landing, whichever
+      is later (concurrent reads share the link), so bytes / link_s measures the link, never the
+      engine's pacing. 0 when unknown.
+    decode_s: host seconds spent verifying and entropy-decoding it.
+    reason: why it failed (a `MissReason` value), "" when ok.
+  """
+
+  request_id: RequestId
+  index: int
+  ok: bool
+  nbytes: int
+  tier: str = ""
+  encoding: Hashable | None = None
+  started_s: float = 0.0
+  done_s: float = 0.0
+  link_s: float = 0.0
+  decode_s: float = 0.0
+  reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeTiming:
+  """Measured wall seconds of one prefill chunk (the executor omits a compile's first run)."""
+
+  start: int
+  num_tokens: int
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """What one executed step did, reported back through `Scheduler.update`.
+
+  Attributes:
+    now_s: the executor clock when the step ended, seconds.
+    sampled: (request_id, token id) of every request that produced a token, in plan order.
+    finished: (request_id, reason) of requests that ended at this step ("stop", "length").
+    loads: loads that finished since the last step.
+    compute: measured prefill timings (cost model observations).
+    failed: (request_id, message) of requests the executor could not serve (an exception in a
+      jit call); the scheduler ends them with reason "error".
+  """
+
+  now_s: float
+  sampled: tuple[tuple[RequestId, int], ...] = ()
+  finished: tuple[tuple[RequestId, str], ...] = ()
+  loads: tuple[LoadReport, ...] = ()
+  compute: tuple[ComputeTiming, ...] = ()
+  failed: tuple[tuple[RequestId, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredChunk:
+  """What one batched store lookup said about one prefix chunk (plain data for the scheduler).
+
+  Attributes:
+    tier: the tier holding it.
+    candidates: its stored encodings the executor can decode, as level-policy candidates.
+  """
+
+  tier: str
+  candidates: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredPrefix:
+  """The lookup result of a prompt's prefix: one entry per candidate chunk (full chunks of
+  `prompt[:-1]`), None where no tier holds a decodable copy.
+
+  Attributes:
+    chunk_size: C, tokens per store chunk.
+    chunks: per chunk, `StoredChunk` or None.
+  """
+
+  chunk_size: int
+  chunks: tuple[StoredChunk | None, ...]
+
+  @property
+  def hits(self) -> list[bool]:
+    return [c is not None for c in self.chunks]
+
+
+__all__ = ["ComputeTiming", "DecodeItem", "InsertItem", "LoadItem", "LoadReport",
+           "PrefillChunk", "SaveItem", "SchedulerOutput", "StepResult", "StoredChunk",
+           "StoredPrefix"]
