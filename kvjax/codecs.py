@@ -5,11 +5,13 @@ kernels room (the math: `kvjax.kernels.kv_codec`), the storage room (the byte fo
 `kvjax.storage.codecs`), the engine (which stored encoding to load) and the server (which codec
 to store with) all read one table instead of four:
 
-    codec     version  levels  lossless  chunk parameter derived from C      paper
-    raw       1        0       yes       -                                   -
-    int8      1        0       no        -                                   LLM.int8() 2.1
-    int4      1        0       no        G = int4_group_tokens(C)       KIVI 3 / LLM.int8() 2.1
-    cachegen  1        0..3    no        T = cachegen_anchor_stride(C)       CacheGen 5.2
+    codec     version  levels  lossless  derived from C                  paper, section
+    raw       1        0       yes       -                               -
+    int8      1        0       no        -                               LLM.int8() 2.1
+    int4      1        0       no        G = int4_group_tokens(C)        KIVI 3, LLM.int8() 2.1
+    cachegen  1        0..3    no        T = cachegen_anchor_stride(C)   CacheGen 5.2 (5.3)
+
+(arXiv ids and details in each `Codec.reference`.)
 
 An encoding is one (codec, level) pair, `EncodingId`; "cachegen/2" is only its display form.
 Accuracy ranks order the encodings by their relative L2 error measured on real SmolLM2-135M KV
@@ -29,8 +31,9 @@ The chunk-size rule. A chunk holds C tokens. int4 keeps one scale and zero per g
     T    1  7  16  16  16  16   10   16   16
 
 It takes every C >= 1 and gives the byte format the kernels wrote before this registry existed
-(`min(64, C)`, which had to divide C) for every C they accepted (all C <= 64 and multiples of 64,
-e.g. C = 256: G = 64, T = 16), with the largest groups (the fewest side bytes) otherwise. Readers
+(G = min(64, C) and T = min(16, C), which had to divide C) for every C they accepted (int4: C <= 64
+or a multiple of 64; cachegen: C <= 16 or a multiple of 16; e.g. C = 256: G = 64, T = 16), and the
+largest groups (the fewest side bytes) otherwise. Readers
 never re-derive G or T: both are read from the stored shapes, so chunks stored under another rule
 stay readable. Small G costs bytes, not correctness: int4 stores 0.5 + 4 / G bytes per value
 (float16 scale and zero), more than int8 once G < 8. `check_chunk_size` is what the `LLM` calls
@@ -45,6 +48,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+__all__ = ["ACCURACY_RANK", "CACHEGEN", "CACHEGEN_ANCHOR_STRIDE", "CODECS", "CODEC_LEVELS",
+           "CODEC_VERSIONS", "ENCODINGS", "INT4", "INT4_GROUP_TOKENS", "INT8", "RAW", "Codec",
+           "EncodingId", "cachegen_anchor_stride", "check_chunk_size", "check_codec",
+           "int4_group_tokens", "is_decodable"]
+
+#: Codec ids.
 RAW = "raw"
 INT8 = "int8"
 INT4 = "int4"
