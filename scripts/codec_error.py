@@ -39,8 +39,8 @@ _BOOK = flags.DEFINE_string("book", None, f"Text file the passage is taken from 
 _OFFSET = flags.DEFINE_integer("offset_tokens", 0, "First token of the passage in the book.")
 _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 1024, "Passage length, tokens.")
 _CHUNK = flags.DEFINE_integer("chunk", 256, "Chunk size C, tokens.")
-_INT4_GROUP = flags.DEFINE_integer("int4_group_tokens", None, "int4 group G (default: the "
-                                   "codec's INT4_GROUP_TOKENS).")
+_INT4_GROUP = flags.DEFINE_integer("int4_group_tokens", None, "int4 group G (default: "
+                                   "kvjax.codecs.int4_group_tokens(chunk)).")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Encode with the Pallas kernels in interpret "
                                "mode instead of the jnp reference (slow on CPU).")
 _OUT = flags.DEFINE_string("out", str(REPO / "benchmarks" / "results" / "codec_error.json"),
@@ -137,6 +137,7 @@ def rel(x_hat, x) -> float:
 def main(argv):
   del argv
   import jax  # noqa: PLC0415
+  from kvjax import codecs  # noqa: PLC0415
   from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
 
   t0 = time.perf_counter()
@@ -146,7 +147,7 @@ def main(argv):
         f"chunk shape {info['shape_L2CKH']} ({time.perf_counter() - t0:.1f} s); raw kv_decode "
         f"vs the prefill's cache: max |diff| {info['raw_decode_vs_prefill_cache_max_abs']:.2e}")
   results = []
-  for codec, levels in kc.CODEC_LEVELS.items():
+  for codec, levels in codecs.CODEC_LEVELS.items():
     for level in levels:
       errs = {"K": [], "V": [], "KV": []}
       bits = {}
@@ -182,8 +183,8 @@ def main(argv):
               "interpret": _INTERPRET.value, "int4_group_tokens": _INT4_GROUP.value,
               "constants": {"CACHEGEN_LEVEL_BINS": kc.CACHEGEN_LEVEL_BINS,
                             "CACHEGEN_STEPS_PER_RMS": kc.CACHEGEN_STEPS_PER_RMS,
-                            "CACHEGEN_ANCHOR_STRIDE": kc.CACHEGEN_ANCHOR_STRIDE,
-                            "INT4_GROUP_TOKENS": kc.INT4_GROUP_TOKENS},
+                            "CACHEGEN_ANCHOR_STRIDE": codecs.CACHEGEN_ANCHOR_STRIDE,
+                            "INT4_GROUP_TOKENS": codecs.INT4_GROUP_TOKENS},
               "results": results}
     pathlib.Path(_OUT.value).write_text(json.dumps(record, indent=1))
     print(f"wrote {_OUT.value}")

@@ -35,13 +35,13 @@ from typing import Any, Callable, Protocol, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.engine import sampling
 from kvjax.engine.core import EngineCore, LoopStats
 from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefixLookup, SaveJob,
                                           SaverStats, TierSnapshot)
 from kvjax.models.runner import ModelRunner
-from kvjax.kernels import kv_codec
 from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.level_policy import Candidate
@@ -53,30 +53,32 @@ from kvjax.storage.chunk_store import choose_codec
 
 _log = logging.getLogger(__name__)
 
-#: Accuracy order of the encodings this engine decodes (0 = exact), from their relative L2 error
-#: on real SmolLM2 KV (scripts/codec_error.py: int8 0.54%, cachegen/0 1.6%, cachegen/1 3.2%,
-#: int4 5.1%, cachegen/2 6.3%, cachegen/3 12.6%). The level policy loads the most accurate
+#: Accuracy order of the encodings this engine decodes (0 = exact): the registry's, from their
+#: measured errors (`kvjax.codecs.ACCURACY_RANK`). The level policy loads the most accurate
 #: encoding that lands in time (CacheGen, arXiv 2310.07240, section 5.3).
-QUALITY_RANK = {("raw", 0): 0, ("int8", 0): 1, ("cachegen", 0): 2, ("cachegen", 1): 3,
-                ("int4", 0): 4, ("cachegen", 2): 5, ("cachegen", 3): 6}
+QUALITY_RANK = codecs.ACCURACY_RANK
 
 
 def _encoding_name(codec: str, level: int) -> str:
-  return f"{codec}/{level}"
+  """The display form ("cachegen/2") of an encoding, as the merge trace records it."""
+  return str(codecs.EncodingId(codec, level))
 
 
 def _candidates(record, raw_nbytes: int) -> list[Candidate]:
   """The encodings of a stored chunk this engine can decode, as level-policy candidates.
 
-  A chunk whose tier lists no record (a tier without `peek`) is taken as raw.
+  A chunk whose tier lists no record (a tier without `peek`) is taken as raw. Each candidate's
+  name is its `codecs.EncodingId`.
   """
   if record is None:
-    return [Candidate(_encoding_name("raw", 0), raw_nbytes, QUALITY_RANK[("raw", 0)])]
-  return [Candidate(_encoding_name(e.codec, e.level), int(e.nbytes),
-                    QUALITY_RANK[(e.codec, e.level)])
-          for e in record.encodings
-          if (e.codec, e.level) in QUALITY_RANK
-          and kv_codec.CODEC_VERSIONS.get(e.codec) == e.codec_version]
+    raw = codecs.EncodingId(codecs.RAW, 0)
+    return [Candidate(raw, raw_nbytes, QUALITY_RANK[raw])]
+  out = []
+  for e in record.encodings:
+    if codecs.is_decodable(e.codec, e.codec_version, e.level):
+      eid = codecs.EncodingId(e.codec, e.level)
+      out.append(Candidate(eid, int(e.nbytes), QUALITY_RANK[eid]))
+  return out
 
 
 class TokenizerLike(Protocol):
@@ -388,9 +390,8 @@ class Engine:
       for item in plan.loads:
         live = self._live[item.request_id]
         choose = None
-        if item.encoding is not None:  # the level policy's pick, "codec/level"
-          codec, level = item.encoding.split("/")
-          choose = choose_codec(codec, int(level))
+        if item.encoding is not None:  # the level policy's pick, a `codecs.EncodingId`
+          choose = choose_codec(item.encoding.codec, item.encoding.level)
         kv.start_load(item.request_id, item.index, live.lookup, live.prompt_token_ids,
                       choose=choose, nbytes=item.nbytes, max_in_flight=item.max_in_flight)
       for ins in plan.inserts:

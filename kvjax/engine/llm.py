@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
-from kvjax.kernels import kv_codec as kv_codec_lib
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
 from kvjax.models.registry import DEFAULT_MODEL, load_model
@@ -78,6 +78,29 @@ def _check_options(**options) -> None:
                      f"{sizes[0]}: long prompts could never be scheduled")
   if isinstance(options["seed"], bool) or not isinstance(options["seed"], int):
     raise ValueError(f"seed={options['seed']!r} must be an int")
+
+
+def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tuple[int, ...]:
+  """Checks the codec options against the registry (`kvjax.codecs`); returns the levels to store.
+
+  With a store, the chunk size is checked for the codec here, before any weights load, so a chunk
+  size the codec cannot take is this ValueError and never a failing save in the saver thread.
+  """
+  if not isinstance(codec, str) or codec not in codecs.CODECS:
+    raise ValueError(f"kv_codec={codec!r}; use one of {sorted(codecs.CODECS)}")
+  if levels is None:
+    levels = codecs.CODEC_LEVELS[codec]
+  try:
+    codecs.check_codec(codec, levels)
+  except ValueError:
+    raise ValueError(f"kv_codec_levels={levels!r}: {codec!r} has levels "
+                     f"{list(codecs.CODEC_LEVELS[codec])}") from None
+  if with_store:
+    try:
+      codecs.check_chunk_size(codec, levels, chunk_size)
+    except ValueError as e:
+      raise ValueError(f"kv_chunk_size={chunk_size!r} with kv_codec={codec!r}: {e}") from e
+  return tuple(levels)
 
 
 def resolve_dtype(dtype: str):
@@ -147,14 +170,8 @@ class LLM:
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
-    if kv_codec not in kv_codec_lib.CODEC_LEVELS:
-      raise ValueError(f"kv_codec={kv_codec!r}; use one of {sorted(kv_codec_lib.CODEC_LEVELS)}")
-    if kv_codec_levels is None:
-      kv_codec_levels = kv_codec_lib.CODEC_LEVELS[kv_codec]
-    if (not isinstance(kv_codec_levels, (list, tuple)) or not kv_codec_levels
-        or any(lvl not in kv_codec_lib.CODEC_LEVELS[kv_codec] for lvl in kv_codec_levels)):
-      raise ValueError(f"kv_codec_levels={kv_codec_levels!r}: {kv_codec!r} has levels "
-                       f"{list(kv_codec_lib.CODEC_LEVELS[kv_codec])}")
+    kv_codec_levels = _check_codec_options(kv_codec, kv_codec_levels, kv_chunk_size,
+                                           with_store=kv_store is not None)
     if kv_merge_mode not in ("cake", "load_only", "compute_only"):
       raise ValueError(f"kv_merge_mode={kv_merge_mode!r}; use 'cake', 'load_only' or "
                        "'compute_only'")
@@ -186,7 +203,7 @@ class LLM:
     if kv_store is not None:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
                                               kv_link_trace, runner, kv_codec,
-                                              tuple(kv_codec_levels))
+                                              kv_codec_levels)
     remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
         kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,

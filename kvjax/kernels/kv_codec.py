@@ -1,8 +1,9 @@
 """KV chunk codecs: Pallas encode and decode kernels with pure-jnp references.
 
 A stored chunk is the KV of C tokens of every layer, `kv_L2CKH: [L, 2, C, K, H]` (axis 1: 0 = K
-before RoPE, 1 = V). A codec turns it into a *payload* (a NamedTuple of arrays, the contract's
-table in CODEC_SPEC.md) and back:
+before RoPE, 1 = V). A codec turns it into a *payload* (a NamedTuple of arrays: the contract's
+table in `kvjax/storage/codecs.py`; codec ids, versions, levels and the chunk-size rule in the
+registry, `kvjax.codecs`) and back:
 
     device (engine, after prefill)            host (storage)               device (engine, load)
     kv_L2CKH --kv_encode--> payload --> bytes (entropy coding) --> payload --kv_decode--> KV cache
@@ -59,23 +60,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from kvjax import codecs as registry
+# Codec ids, levels and the chunk-size rule come from the registry (one table for every room).
+from kvjax.codecs import (CACHEGEN as CODEC_CACHEGEN, CODEC_LEVELS, INT4 as CODEC_INT4,
+                          INT8 as CODEC_INT8, RAW as CODEC_RAW)
+
 # ---------------------------------------------------------------------------------------------
-# Constants (the codec contract, CODEC_SPEC.md).
+# Constants (the math; ids, levels and G / T from the chunk size are `kvjax.codecs`').
 
-CODEC_RAW = "raw"
-CODEC_INT8 = "int8"
-CODEC_INT4 = "int4"
-CODEC_CACHEGEN = "cachegen"
-#: Codec id -> format version recorded in the index record's `Encoding`.
-CODEC_VERSIONS = {CODEC_RAW: 1, CODEC_INT8: 1, CODEC_INT4: 1, CODEC_CACHEGEN: 1}
-#: Codec id -> valid levels (0 is the finest).
-CODEC_LEVELS = {CODEC_RAW: (0,), CODEC_INT8: (0,), CODEC_INT4: (0,),
-                CODEC_CACHEGEN: (0, 1, 2, 3)}
-
-#: Tokens per CacheGen anchor group (T); a chunk has A = C // T anchors.
-CACHEGEN_ANCHOR_STRIDE = 16
-#: Tokens per int4 scale/zero group (G) the encoder uses; decoders read G from the shapes.
-INT4_GROUP_TOKENS = 64
 #: CacheGen layer groups (section 5.2): layer l of L is in group `(3 * l) // L`.
 CACHEGEN_LAYER_GROUPS = 3
 #: CacheGen bins per level and layer group (section C.2 uses 0.5/1/1.5; that is level 1). The
@@ -296,10 +288,11 @@ def encode_reference(kv_L2CKH: jax.Array, codec: str, level: int = 0, *,
 
   Args:
     kv_L2CKH: float[L, 2, C, K, H] K before RoPE, and V.
-    codec: a key of CODEC_VERSIONS.
-    level: a level of CODEC_LEVELS[codec].
-    group_tokens: int4 group G (default min(INT4_GROUP_TOKENS, C)); must divide C.
-    anchor_stride: CacheGen T (default min(CACHEGEN_ANCHOR_STRIDE, C)); must divide C.
+    codec: a codec of `kvjax.codecs.CODECS`.
+    level: a level of `CODEC_LEVELS[codec]`.
+    group_tokens: int4 group G (default `kvjax.codecs.int4_group_tokens(C)`); must divide C.
+    anchor_stride: CacheGen T (default `kvjax.codecs.cachegen_anchor_stride(C)`); must divide
+      C.
 
   Returns:
     The codec's payload (device arrays, contract shapes and dtypes).
@@ -430,16 +423,17 @@ def _check_encode(kv_L2CKH, codec, level, group_tokens, anchor_stride) -> tuple[
   if h % 2:
     raise ValueError(f"head dim H={h} must be even (RoPE rotate_half, int4 nibble pairs)")
 
-  def tokens(value, default, name):
-    value = min(default, c) if value is None else value
+  def tokens(value, rule, name):
+    value = rule(c) if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 or (
         c % value):
       raise ValueError(f"{name}={value!r} must be a positive int dividing the chunk's C={c}")
     return int(value)
 
   # Only the codec's own parameter is checked; the other is 0 (one compile per real variant).
-  return (tokens(group_tokens, INT4_GROUP_TOKENS, "group_tokens") if codec == CODEC_INT4 else 0,
-          tokens(anchor_stride, CACHEGEN_ANCHOR_STRIDE, "anchor_stride")
+  return (tokens(group_tokens, registry.int4_group_tokens, "group_tokens")
+          if codec == CODEC_INT4 else 0,
+          tokens(anchor_stride, registry.cachegen_anchor_stride, "anchor_stride")
           if codec == CODEC_CACHEGEN else 0)
 
 
@@ -746,9 +740,10 @@ def kv_encode(kv_L2CKH: jax.Array, codec: str, level: int = 0, *, interpret: boo
     level: a level of CODEC_LEVELS[codec] (cachegen: 0 finest .. 3 coarsest; others 0).
     interpret: run the Pallas kernel `kv_encode_<codec>` in interpret mode (CPU tests).
     use_pallas: False runs the pure-jnp reference instead (the CPU engine's path).
-    group_tokens: int4 group G; default min(INT4_GROUP_TOKENS, C); must divide C.
-    anchor_stride: CacheGen tokens per anchor T; default min(CACHEGEN_ANCHOR_STRIDE, C); must
-      divide C.
+    group_tokens: int4 group G; default `kvjax.codecs.int4_group_tokens(C)` (the registry's
+      rule, which storage shares); must divide C.
+    anchor_stride: CacheGen tokens per anchor T; default
+      `kvjax.codecs.cachegen_anchor_stride(C)`; must divide C.
 
   Returns:
     (payload, finite): the payload as device arrays, and a bool scalar that is False when the KV

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Hashable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +34,13 @@ class Candidate:
   """One stored encoding of a chunk.
 
   Attributes:
-    name: the encoding's id as the engine knows it (e.g. "cachegen/2"); opaque here.
+    name: the encoding's id as the engine knows it (a `kvjax.codecs.EncodingId`, e.g.
+      EncodingId("cachegen", 2)); opaque and hashable here.
     nbytes: stored bytes to transfer, >= 0.
     quality_rank: 0 is the most accurate; larger is coarser. Ranks need not be contiguous.
   """
 
-  name: str
+  name: Hashable
   nbytes: int
   quality_rank: int
 

@@ -19,12 +19,14 @@ from typing import Any
 
 import uvicorn
 
+from kvjax import codecs
 from kvjax.engine import LLM, builder
 from kvjax.serve.app import Backend
 from kvjax.serve.async_engine import AsyncEngine
 from kvjax.serve.metrics import ServeMetrics
 
-KV_CODECS = ("raw", "int8", "int4", "cachegen")
+#: The codecs `--kv_codec` offers: every codec of the registry (`kvjax.codecs`).
+KV_CODECS = tuple(codecs.CODECS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ class ServerConfig:
     kv_store: store URL; "default" is `builder.default_kv_store_url()`; None: no store.
     kv_tiers: a tier list as JSON (or a JSON file), instead of `kv_store`.
     kv_chunk_size: tokens per stored chunk.
-    kv_codec: stored chunk encoding ("raw", "int8", "int4", "cachegen").
+    kv_codec: stored chunk encoding, one of `KV_CODECS` ("raw", "int8", "int4", "cachegen").
     kv_merge_mode: "cake" (compute the front, load the back), "load_only" or "compute_only".
     kv_link_bytes_per_s: emulated store link, bytes/s; None: unlimited.
     kv_link_trace: file of "seconds bytes_per_s" lines instead of a constant link.
@@ -78,6 +80,10 @@ class ServerConfig:
   def __post_init__(self):
     if self.kv_codec not in KV_CODECS:
       raise ValueError(f"kv_codec={self.kv_codec!r} is not one of {KV_CODECS}")
+    try:
+      codecs.check_chunk_size(self.kv_codec, None, self.kv_chunk_size)
+    except ValueError as e:
+      raise ValueError(f"kv_chunk_size={self.kv_chunk_size!r}: {e}") from e
     if not 0 <= self.port < 65536:
       raise ValueError(f"port={self.port} is not in [0, 65535]")
     if self.kv_tiers is not None and self.kv_store not in (None, "default"):

@@ -1,9 +1,11 @@
-"""KV codecs' byte formats: the registry, payload specs, and payload <-> bytes (numpy, zstandard
-and pcodec; no JAX).
+"""KV codecs' byte formats: payload specs and payload <-> bytes (numpy, zstandard and pcodec; no
+JAX). This docstring is the byte format's spec.
 
-A *payload* is a codec's quantized form of one chunk `[L, 2, C, K, H]`: a dict of named arrays
-(the codec contract, /work/wt/CODEC_SPEC.md). The kernels room computes payloads from KV and KV
-from payloads; this module validates them and turns them into one stored bytes object and back.
+A *payload* is a codec's quantized form of one chunk `[L, 2, C, K, H]`: a dict of named arrays,
+the table below. Codec ids, versions, levels and the rule deriving G and T from C are the
+registry's (`kvjax.codecs`, shared with the kernels room); the kernels room computes payloads
+from KV and KV from payloads (`kvjax.kernels.kv_codec`, whose payload NamedTuples have these
+array names); this module validates them and turns them into one stored bytes object and back.
 
     codec     version  levels  arrays (name: dtype[shape])
     raw       1        0       values: layout.dtype[L, 2, C, K, H]
@@ -13,7 +15,8 @@ from payloads; this module validates them and turns them into one stored bytes o
                                delta_q: int8[L, 2, C, K, H]; delta_step: float32[L, 2, K, H]
 
 G (int4 tokens per group) and T = C // A (cachegen anchor stride) are read from the shapes; they
-must divide C. Encoders use `int4_group_tokens(C)` and `cachegen_anchor_stride(C)`.
+must divide C. Encoders use the registry's `int4_group_tokens(C)` and `cachegen_anchor_stride(C)`
+(re-exported here).
 
 Stored bytes (all integers little endian):
 
@@ -86,13 +89,11 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 import zstandard
 
+from kvjax import codecs as registry
+from kvjax.codecs import cachegen_anchor_stride, int4_group_tokens
 from kvjax.storage import entropy
 from kvjax.storage.types import EncodedPayload, KVLayout
 
-#: Tokens per int4 scale/zero group that encoders use (when it divides C).
-INT4_GROUP_TOKENS = 64
-#: cachegen anchor stride T (tokens per anchor group) that encoders use (when it divides C).
-CACHEGEN_ANCHOR_STRIDE = 16
 MAGIC = b"KVJC"
 CONTAINER_VERSION = 1
 #: zstd level of "zstd"-coded arrays.
@@ -127,17 +128,16 @@ class CodecInfo:
   arrays: tuple[str, ...]
 
 
+#: Payload array names per codec, in stored order (the byte format's part of the contract).
+_ARRAYS = {registry.RAW: ("values",), registry.INT8: ("q", "scale"),
+           registry.INT4: ("q", "scale", "zero"),
+           registry.CACHEGEN: ("anchor_q", "anchor_scale", "delta_q", "delta_step")}
+#: (codec, version) -> entry, for every codec of the registry.
 CODECS: dict[tuple[str, int], CodecInfo] = {
-    (c.name, c.version): c for c in (
-        CodecInfo("raw", 1, (0,), ("values",)),
-        CodecInfo("int8", 1, (0,), ("q", "scale")),
-        CodecInfo("int4", 1, (0,), ("q", "scale", "zero")),
-        CodecInfo("cachegen", 1, (0, 1, 2, 3),
-                  ("anchor_q", "anchor_scale", "delta_q", "delta_step")),
-    )
-}
-#: The version `encode_payload` writes, per codec.
-CURRENT_VERSION = {"raw": 1, "int8": 1, "int4": 1, "cachegen": 1}
+    (c.name, c.version): CodecInfo(c.name, c.version, c.levels, _ARRAYS[c.name])
+    for c in registry.CODECS.values()}
+#: The version `encode_payload` writes, per codec (the registry's).
+CURRENT_VERSION = registry.CODEC_VERSIONS
 #: Arrays that are entropy-coded ("pco"), with one model per (layer, K/V).
 _ENTROPY_CODED = {("cachegen", "anchor_q"), ("cachegen", "delta_q")}
 
@@ -157,19 +157,8 @@ def codec_info(codec: str, version: int, level: int | None = None) -> CodecInfo:
 
 
 def is_decodable(codec: str, version: int, level: int) -> bool:
-  """Whether this reader can decode that encoding."""
-  info = CODECS.get((codec, version))
-  return info is not None and level in info.levels
-
-
-def int4_group_tokens(chunk_size: int) -> int:
-  """G encoders use for a chunk of `chunk_size` tokens: gcd(C, INT4_GROUP_TOKENS)."""
-  return math.gcd(chunk_size, INT4_GROUP_TOKENS)
-
-
-def cachegen_anchor_stride(chunk_size: int) -> int:
-  """T encoders use for a chunk of `chunk_size` tokens: gcd(C, CACHEGEN_ANCHOR_STRIDE)."""
-  return math.gcd(chunk_size, CACHEGEN_ANCHOR_STRIDE)
+  """Whether this reader can decode that encoding (`kvjax.codecs.is_decodable`)."""
+  return registry.is_decodable(codec, version, level)
 
 
 Spec = dict[str, tuple[np.dtype, tuple[int, ...]]]

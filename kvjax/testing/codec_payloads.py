@@ -1,10 +1,10 @@
-"""A small numpy reference encoder of the codec contract (/work/wt/CODEC_SPEC.md), for tests.
+"""A small numpy reference encoder of the codec contract (`kvjax.storage.codecs`), for tests.
 
 It turns raw KV `[L, 2, C, K, H]` into valid payloads (`{name: np.ndarray}`) of every codec, so
 storage tests and measurements have realistic symbols without JAX. It is not the production
 encoder (that is `kvjax.kernels.kv_codec.kv_encode`); library code never imports it.
 
-Quantizers (CODEC_SPEC table):
+Quantizers (the contract's table in `kvjax.storage.codecs`; G and T from `kvjax.codecs`):
 - int8: symmetric per channel, `scale = absmax over the C tokens / 127`.
 - int4: asymmetric min-max per channel per group of G tokens, float16 scale and zero; codes are
   computed against the float16-rounded scale and zero, so `code * scale + zero` is what a decoder

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+from kvjax import codecs
 from kvjax.kernels import kv_codec as kc
 from kvjax.models import kv_cache
 
@@ -14,7 +15,7 @@ from kvjax.models import kv_cache
 INTERPRET = jax.default_backend() == "cpu"
 MODES = (dict(testcase_name="pallas", use_pallas=True),
          dict(testcase_name="reference", use_pallas=False))
-CODEC_LEVELS = [(c, lv) for c in kc.CODEC_LEVELS for lv in kc.CODEC_LEVELS[c]]
+CODEC_LEVELS = [(c, lv) for c in codecs.CODEC_LEVELS for lv in codecs.CODEC_LEVELS[c]]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Decoded values vs the numpy oracle: f32 allows FMA/ulp differences; bf16 one rounding step.
 TOL = {"float32": dict(rtol=2e-6, atol=2e-6), "bfloat16": dict(rtol=2 ** -7, atol=1e-6)}
@@ -36,8 +37,8 @@ CODEC_CASES = [(f"{c}{lv}", dict(codec=c, level=lv)) for c, lv in CODEC_LEVELS]
 ENCODE_CASES = [(f"{c}{lv}_{d}", dict(codec=c, level=lv, dtype=d))
                 for c, lv in CODEC_LEVELS for d in DTYPES if lv == 0 or d == "float32"]
 # Decoding does not depend on the level: every codec in both cache dtypes.
-DECODE_CASES = [(f"{c}_{d}", dict(codec=c, level=max(kc.CODEC_LEVELS[c]), dtype=d))
-                for c in kc.CODEC_LEVELS for d in DTYPES]
+DECODE_CASES = [(f"{c}_{d}", dict(codec=c, level=max(codecs.CODEC_LEVELS[c]), dtype=d))
+                for c in codecs.CODEC_LEVELS for d in DTYPES]
 
 
 def random_kv(seed=0, shape=(L, 2, C, K, H)):
@@ -367,7 +368,7 @@ class KVEncodeTest(parameterized.TestCase):
     for name in p._fields:
       self.assertFalse(np.asarray(getattr(p, name))[..., 1].any(), name)
 
-  @parameterized.named_parameters(*modes_x(*[(c, dict(codec=c)) for c in kc.CODEC_LEVELS]))
+  @parameterized.named_parameters(*modes_x(*[(c, dict(codec=c)) for c in codecs.CODEC_LEVELS]))
   def test_nan_and_inf_detected(self, use_pallas, codec):
     for bad in (np.nan, np.inf, -np.inf):
       kv = random_kv(6)
@@ -395,7 +396,8 @@ class KVEncodeTest(parameterized.TestCase):
         "group": (kv, "int4", 0, dict(group_tokens=5)),
         "stride": (kv, "cachegen", 0, dict(anchor_stride=0)),
         "list": (kv.tolist(), "int8", 0, {}),
-        "stride vs C": (kv[:, :, :24], "cachegen", 0, {}),
+        "stride vs C": (kv[:, :, :24], "cachegen", 0, dict(anchor_stride=16)),
+        "group vs C": (kv[:, :, :24], "int4", 0, dict(group_tokens=16)),
     }
     for name, (x, codec, level, kw) in cases.items():
       with self.subTest(name), self.assertRaises(ValueError):
@@ -403,7 +405,7 @@ class KVEncodeTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*MODES)
   def test_other_codecs_ignore_the_cachegen_stride(self, use_pallas):
-    kv = random_kv(13)[:, :, :24]  # C = 24: no anchor stride of 16, but int8 needs none
+    kv = random_kv(13)[:, :, :24]  # C = 24: 16 does not divide it, and int8 needs no stride
     payload, finite = kc.kv_encode(kv, "int8", interpret=INTERPRET, use_pallas=use_pallas)
     self.assertTrue(bool(finite))
     self.assertLess(rel_err(np.asarray(kc.dequantize_reference(payload)), kv), 0.01)
@@ -462,7 +464,7 @@ class PayloadTest(absltest.TestCase):
     self.assertEqual((p.q.shape, p.q.dtype), ((L, 2, C, K, H // 2), jnp.uint8))
     self.assertEqual((p.scale.shape, p.scale.dtype), ((L, 2, C // 8, K, H), jnp.float16))
     p = kc.encode_reference(random_kv(10), "cachegen", 2)
-    self.assertEqual(p.anchor_q.shape, (L, 2, C // kc.CACHEGEN_ANCHOR_STRIDE, K, H))
+    self.assertEqual(p.anchor_q.shape, (L, 2, C // codecs.CACHEGEN_ANCHOR_STRIDE, K, H))
     self.assertEqual(p.delta_step.shape, (L, 2, K, H))
     self.assertEqual(kc.validate_payload(p), (L, C, K, H))
 

@@ -7,6 +7,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from kvjax import codecs as registry
 from kvjax.storage import codecs
 from kvjax.storage import entropy
 from kvjax.storage.types import KVLayout
@@ -74,9 +75,15 @@ class RegistryTest(absltest.TestCase):
                       "anchor_scale": (f32, (3, 2, 2, 8)),
                       "delta_q": (np.dtype(np.int8), (3, 2, 256, 2, 8)),
                       "delta_step": (f32, (3, 2, 2, 8))})
-    # Chunk sizes the defaults do not divide: G and T shrink to a divisor.
-    self.assertEqual((codecs.int4_group_tokens(24), codecs.cachegen_anchor_stride(24)), (8, 8))
+    # Chunk sizes the caps (64, 16) do not divide: G and T are their largest divisors below the
+    # caps (the registry's rule, re-exported here).
+    self.assertEqual((codecs.int4_group_tokens(24), codecs.cachegen_anchor_stride(24)), (24, 12))
     self.assertEqual((codecs.int4_group_tokens(4), codecs.cachegen_anchor_stride(4)), (4, 4))
+    self.assertEqual((codecs.int4_group_tokens(96), codecs.cachegen_anchor_stride(96)), (48, 16))
+    self.assertIs(codecs.int4_group_tokens, registry.int4_group_tokens)
+    self.assertEqual(codecs.CURRENT_VERSION, dict(registry.CODEC_VERSIONS))
+    self.assertEqual({name: info.levels for (name, _), info in codecs.CODECS.items()},
+                     dict(registry.CODEC_LEVELS))
     with self.assertRaisesRegex(ValueError, "does not divide"):
       codecs.payload_spec("int4", 1, 0, lay, group_tokens=48)
     with self.assertRaisesRegex(ValueError, "odd"):
