@@ -2,7 +2,7 @@
 and pcodec; no JAX).
 
 A *payload* is a codec's quantized form of one chunk `[L, 2, C, K, H]`: a dict of named arrays
-(the codec contract, /work/wt/CODEC_SPEC.md). The kernels room computes payloads from KV and KV
+(the codec contract). The kernels room computes payloads from KV and KV
 from payloads; this module validates them and turns them into one stored bytes object and back.
 
     codec     version  levels  arrays (name: dtype[shape])
@@ -76,7 +76,6 @@ rate in compressed MB/s (1e6 bytes/s):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import struct
 import zlib
@@ -86,6 +85,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 import zstandard
 
+from kvjax.storage import checksum
 from kvjax.storage import entropy
 from kvjax.storage.types import EncodedPayload, KVLayout
 
@@ -281,12 +281,10 @@ def payload_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
   return sum(int(np.asarray(a).nbytes) for a in arrays.values())
 
 
-def payload_checksum(arrays: Mapping[str, np.ndarray]) -> str:
-  """Hex SHA-256 over the arrays' C-order bytes in the given order (raw: the values' SHA-256)."""
-  h = hashlib.sha256()
-  for a in arrays.values():
-    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-  return h.hexdigest()
+def payload_checksum(arrays: Mapping[str, np.ndarray], algo: str = checksum.CURRENT) -> str:
+  """Hex checksum (`storage.checksum`, xxh3-128 by default) over the arrays' C-order bytes in the
+  given order (raw: the values' checksum)."""
+  return checksum.digest_arrays(arrays.values(), algo)
 
 
 def check_encodings(token_ids: tuple[int, ...], kv: np.ndarray | None, layout: KVLayout | None,

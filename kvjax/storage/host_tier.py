@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from kvjax._typing import ChunkHash
+from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
 from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
@@ -163,7 +164,8 @@ class HostMemoryTier:
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
-                payloads: Sequence[EncodedPayload] = (), checksum: str | None = None) -> bool:
+                payloads: Sequence[EncodedPayload] = (), checksum: str | None = None,
+                checksum_algo: str = checksums.CURRENT) -> bool:
     """Stores copies of `kv` and/or `payloads`, evicting by the policy if the tier is full.
 
     A chunk already held gains the encodings it lacks (if its record matches: same token ids,
@@ -177,7 +179,9 @@ class HostMemoryTier:
       kv: raw `[L, 2, C, K, H]` values, K before RoPE, or None.
       layout: the raw layout (default `kv`'s; required without `kv`).
       payloads: codec payloads to hold (`EncodedPayload`; see `ChunkStore.put`).
-      checksum: hex SHA-256 of `kv`'s bytes if the caller knows it (skips hashing).
+      checksum: hex checksum of `kv`'s bytes if the caller knows it (skips hashing), e.g. a
+        promoted hit's `Encoding.checksum`.
+      checksum_algo: the algorithm of `checksum` (`storage.checksum`).
 
     Returns:
       True if something was stored now; False if everything given is already held, the chunk is
@@ -205,13 +209,14 @@ class HostMemoryTier:
     new_arrays, new_encodings = {}, []
     for p in checked:
       arrays = _frozen_copy(p.arrays)
-      digest = (checksum if p.codec == "raw" and checksum is not None
-                else codecs.payload_checksum(arrays))
+      known = p.codec == "raw" and checksum is not None
+      digest = checksum if known else codecs.payload_checksum(arrays)
       new_arrays[(p.codec, p.level)] = arrays
       new_encodings.append(Encoding(
           codec=p.codec, codec_version=codecs.CURRENT_VERSION[p.codec], level=p.level,
           object=f"{self.name}/{chunk_hash}/{p.codec}-{p.level}",
-          nbytes=codecs.payload_nbytes(arrays), checksum=digest))
+          nbytes=codecs.payload_nbytes(arrays), checksum=digest,
+          checksum_algo=checksum_algo if known else checksums.CURRENT))
     with self._lock:
       held = self._entries.get(chunk_hash)  # a concurrent put or delete may have changed it
       if held is not None and (held.record.mismatch(token_ids, namespace, layout) is not None

@@ -300,7 +300,8 @@ class TieredStore:
     rec = hit.record
     if hit.encoding.codec == "raw":
       stored = await self.host.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace,
-                                   hit.kv, checksum=hit.encoding.checksum)
+                                   hit.kv, checksum=hit.encoding.checksum,
+                                   checksum_algo=hit.encoding.checksum_algo)
     else:
       stored = await self.host.put(
           rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace, layout=rec.layout,

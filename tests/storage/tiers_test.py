@@ -1,12 +1,12 @@
 """Host tier, tiered lookup/get/put, promotion, fall-through, capacity eviction and configs."""
 
 import asyncio
-import hashlib
 
 import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax._typing import ChunkHash
+from kvjax.storage import checksum
 from kvjax.storage.eviction import FIFOPolicy, LRUPolicy
 from kvjax.storage.link import LinkLimiter
 from kvjax.storage.tiers import (DEFAULT_DISK_CAPACITY_BYTES, HostMemoryTier, StoreConfig, Tier,
@@ -67,7 +67,7 @@ class FakeTier:
     if chunk_hash in self.data:
       return False
     enc = Encoding("raw", 1, 0, f"data/{chunk_hash}", int(kv.nbytes),
-                   hashlib.sha256(kv.tobytes()).hexdigest())
+                   checksum.digest(kv))
     rec = ChunkRecord(chunk_hash, parent_hash, tuple(token_ids), namespace,
                       KVLayout(kv.shape[0], kv.shape[2], kv.shape[3], kv.shape[4], kv.dtype.name),
                       (enc,))
@@ -96,7 +96,7 @@ class HostMemoryTierTest(parameterized.TestCase):
     self.assertFalse(hit.kv.flags.writeable)
     self.assertEqual(hit.tier, "host")
     self.assertEqual(hit.record.layout, LAYOUT)
-    self.assertEqual(hit.encoding.checksum, hashlib.sha256(kv_of(3).tobytes()).hexdigest())
+    self.assertEqual(hit.encoding.checksum, checksum.digest(kv_of(3)))
     self.assertEqual(t.used_bytes, NBYTES)
     self.assertEqual(run(t.contains(["h", "x"])), [True, False])
     self.assertEqual([r.chunk_hash for r in run(t.records())], ["h"])
