@@ -1021,6 +1021,11 @@ class ChunkStore:
         out.append(base + e.object)
     return out
 
+  def snapshot(self) -> dict[str, Any]:
+    """`stats.snapshot()`: hits, misses by reason, bytes read and written, puts (the `Tier`
+    counters of a store)."""
+    return self.stats.snapshot()
+
   def close(self) -> None:
     """Drops the cached handles; the store cannot be used afterwards."""
     self._closed = True

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -29,31 +29,35 @@ from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, Enco
 
 @runtime_checkable
 class Tier(Protocol):
-  """The async chunk-store interface every tier has (`HostMemoryTier`, `ChunkStore`).
-
-  `get` also takes `choose=` (which encoding to read) and `put` `layout=` and `payloads=`
-  (encodings besides raw `kv`); `TieredStore` passes them only when they are used, so a tier
-  that holds raw KV only may leave them out.
+  """The async interface every tier has (`HostMemoryTier`, `ChunkStore`; test fakes implement
+  all of it). `TieredStore` calls every method with every argument shown; no caller probes.
   """
 
   name: str
 
   async def contains(self, hashes: Sequence[ChunkHash]) -> list[bool]:
-    """Whether each chunk has a published record."""
+    """Whether each chunk has a published record (a planning hint; `get` verifies)."""
+
+  async def peek(self, hashes: Sequence[ChunkHash]) -> list[ChunkRecord | None]:
+    """Each chunk's record (its encodings and stored sizes), None if absent or unreadable."""
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout) -> ChunkHit | ChunkMiss:
-    """Reads and verifies one chunk."""
+                layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+    """Reads and verifies one chunk in the encoding `choose` picks (None: raw, else first)."""
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
-                namespace: str, kv: np.ndarray | None = None) -> bool:
-    """Stores one chunk; True if this call published it."""
+                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
+                payloads: Sequence[EncodedPayload] = ()) -> bool:
+    """Stores one chunk (raw `kv` and/or codec payloads); True if this call published it."""
 
   async def delete(self, chunk_hash: ChunkHash) -> bool:
     """Removes one chunk; True if it was there."""
 
   async def records(self) -> list[ChunkRecord]:
     """Every published record."""
+
+  def snapshot(self) -> dict[str, Any]:
+    """This tier's own counters as plain data (names differ by tier kind)."""
 
 
 def _default_choose(encodings: Sequence[Encoding]) -> Encoding | None:
@@ -274,3 +278,9 @@ class HostMemoryTier:
   async def records(self) -> list[ChunkRecord]:
     with self._lock:
       return [e.record for e in self._entries.values()]
+
+  def snapshot(self) -> dict[str, Any]:
+    """{"chunks", "used_bytes", "capacity_bytes" (None: unbounded), "evictions"}."""
+    with self._lock:
+      return {"chunks": len(self._entries), "used_bytes": self._used,
+              "capacity_bytes": self.capacity_bytes, "evictions": self.evictions}
