@@ -1,6 +1,6 @@
 """kvjax storage: chunk keys, codec byte formats, tensorstore specs, the verified chunk store,
-tiers, link emulation and eviction (numpy, tensorstore, zstandard and pcodec only, no JAX). See
-DESIGN.md sections 3-5.
+tiers, link emulation and eviction (numpy, tensorstore, zstandard, pcodec and xxhash only, no
+JAX). See DESIGN.md sections 3-5.
 """
 
 from kvjax.storage.chunk_store import (ByteLimiter, ChunkStore, StoreStats, choose_codec,
