@@ -245,12 +245,9 @@ class KVStoreClient:
     records: list[ChunkRecord | None] = [None] * len(candidates)
     if candidates:
       try:
-        if hasattr(self.store, "peek"):
-          found = self._run(self.store.peek(candidates))
-          present = [f[0] if f is not None else None for f in found]
-          records = [f[1] if f is not None else None for f in found]
-        else:
-          present = list(self._run(self.store.lookup(candidates)))
+        found = self._run(self.store.peek(candidates))
+        present = [f[0] if f is not None else None for f in found]
+        records = [f[1] if f is not None else None for f in found]
       except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
         self.lookup_failures += 1
         present = [None] * len(candidates)

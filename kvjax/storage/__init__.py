@@ -1,6 +1,6 @@
 """kvjax storage: chunk keys, codec byte formats, tensorstore specs, the verified chunk store,
-tiers, link emulation and eviction (numpy, tensorstore, zstandard and pcodec only, no JAX). See
-DESIGN.md sections 3-5.
+tiers, link emulation and eviction (numpy, tensorstore, zstandard, pcodec and xxhash only, no
+JAX). See DESIGN.md sections 3-5.
 """
 
 from kvjax.storage.chunk_store import (ByteLimiter, ChunkStore, StoreStats, choose_codec,
@@ -12,16 +12,16 @@ from kvjax.storage.keys import (KeyNamespace, chunk_hashes, hash_chunk,
                                 prefix_chunk_hashes_for_prompt)
 from kvjax.storage.link import LinkLimiter, gbps, load_trace, mbps
 from kvjax.storage.specs import chunk_array_spec, kvstore_spec
-from kvjax.storage.tiers import (HostMemoryTier, StoreConfig, TierConfig, TieredStore,
-                                 build_tiers, url_kind)
+from kvjax.storage.tiers import (HostMemoryTier, KVStore, StoreConfig, Tier, TierConfig,
+                                 TieredStore, build_tiers, url_kind)
 from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, ChunkRecord,
                                  EncodedPayload, Encoding, KVLayout, MissReason)
 
 __all__ = [
     "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit", "ChunkMiss", "ChunkRecord", "ChunkStore",
     "CorruptPayload", "EncodedPayload", "Encoding", "EntryInfo", "EvictionPolicy", "FIFOPolicy",
-    "HostMemoryTier", "KVLayout", "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason",
-    "StoreConfig", "StoreStats", "TierConfig", "TieredStore", "UnknownCodec", "build_tiers",
+    "HostMemoryTier", "KVLayout", "KVStore", "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason",
+    "StoreConfig", "StoreStats", "Tier", "TierConfig", "TieredStore", "UnknownCodec", "build_tiers",
     "choose_codec", "chunk_array_spec", "chunk_hashes", "decode_payload", "default_choose",
     "encode_payload", "gbps", "hash_chunk", "kvstore_spec", "load_trace", "mbps", "payload_spec",
     "prefix_chunk_hashes_for_prompt", "url_kind",

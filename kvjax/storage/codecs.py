@@ -79,7 +79,6 @@ rate in compressed MB/s (1e6 bytes/s):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import struct
 import zlib
@@ -91,6 +90,7 @@ import zstandard
 
 from kvjax import codecs as registry
 from kvjax.codecs import cachegen_anchor_stride, int4_group_tokens
+from kvjax.storage import checksum
 from kvjax.storage import entropy
 from kvjax.storage.types import EncodedPayload, KVLayout
 
@@ -270,12 +270,10 @@ def payload_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
   return sum(int(np.asarray(a).nbytes) for a in arrays.values())
 
 
-def payload_checksum(arrays: Mapping[str, np.ndarray]) -> str:
-  """Hex SHA-256 over the arrays' C-order bytes in the given order (raw: the values' SHA-256)."""
-  h = hashlib.sha256()
-  for a in arrays.values():
-    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-  return h.hexdigest()
+def payload_checksum(arrays: Mapping[str, np.ndarray], algo: str = checksum.CURRENT) -> str:
+  """Hex checksum (`storage.checksum`, xxh3-128 by default) over the arrays' C-order bytes in the
+  given order (raw: the values' checksum)."""
+  return checksum.digest_arrays(arrays.values(), algo)
 
 
 def check_encodings(token_ids: tuple[int, ...], kv: np.ndarray | None, layout: KVLayout | None,

@@ -15,11 +15,12 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from kvjax._typing import ChunkHash
+from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
 from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
@@ -28,31 +29,35 @@ from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, Enco
 
 @runtime_checkable
 class Tier(Protocol):
-  """The async chunk-store interface every tier has (`HostMemoryTier`, `ChunkStore`).
-
-  `get` also takes `choose=` (which encoding to read) and `put` `layout=` and `payloads=`
-  (encodings besides raw `kv`); `TieredStore` passes them only when they are used, so a tier
-  that holds raw KV only may leave them out.
+  """The async interface every tier has (`HostMemoryTier`, `ChunkStore`; test fakes implement
+  all of it). `TieredStore` calls every method with every argument shown; no caller probes.
   """
 
   name: str
 
   async def contains(self, hashes: Sequence[ChunkHash]) -> list[bool]:
-    """Whether each chunk has a published record."""
+    """Whether each chunk has a published record (a planning hint; `get` verifies)."""
+
+  async def peek(self, hashes: Sequence[ChunkHash]) -> list[ChunkRecord | None]:
+    """Each chunk's record (its encodings and stored sizes), None if absent or unreadable."""
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout) -> ChunkHit | ChunkMiss:
-    """Reads and verifies one chunk."""
+                layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+    """Reads and verifies one chunk in the encoding `choose` picks (None: raw, else first)."""
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
-                namespace: str, kv: np.ndarray | None = None) -> bool:
-    """Stores one chunk; True if this call published it."""
+                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
+                payloads: Sequence[EncodedPayload] = ()) -> bool:
+    """Stores one chunk (raw `kv` and/or codec payloads); True if this call published it."""
 
   async def delete(self, chunk_hash: ChunkHash) -> bool:
     """Removes one chunk; True if it was there."""
 
   async def records(self) -> list[ChunkRecord]:
     """Every published record."""
+
+  def snapshot(self) -> dict[str, Any]:
+    """This tier's own counters as plain data (names differ by tier kind)."""
 
 
 def _default_choose(encodings: Sequence[Encoding]) -> Encoding | None:
@@ -163,7 +168,8 @@ class HostMemoryTier:
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
-                payloads: Sequence[EncodedPayload] = (), checksum: str | None = None) -> bool:
+                payloads: Sequence[EncodedPayload] = (), checksum: str | None = None,
+                checksum_algo: str = checksums.CURRENT) -> bool:
     """Stores copies of `kv` and/or `payloads`, evicting by the policy if the tier is full.
 
     A chunk already held gains the encodings it lacks (if its record matches: same token ids,
@@ -177,7 +183,9 @@ class HostMemoryTier:
       kv: raw `[L, 2, C, K, H]` values, K before RoPE, or None.
       layout: the raw layout (default `kv`'s; required without `kv`).
       payloads: codec payloads to hold (`EncodedPayload`; see `ChunkStore.put`).
-      checksum: hex SHA-256 of `kv`'s bytes if the caller knows it (skips hashing).
+      checksum: hex checksum of `kv`'s bytes if the caller knows it (skips hashing), e.g. a
+        promoted hit's `Encoding.checksum`.
+      checksum_algo: the algorithm of `checksum` (`storage.checksum`).
 
     Returns:
       True if something was stored now; False if everything given is already held, the chunk is
@@ -205,13 +213,14 @@ class HostMemoryTier:
     new_arrays, new_encodings = {}, []
     for p in checked:
       arrays = _frozen_copy(p.arrays)
-      digest = (checksum if p.codec == "raw" and checksum is not None
-                else codecs.payload_checksum(arrays))
+      known = p.codec == "raw" and checksum is not None
+      digest = checksum if known else codecs.payload_checksum(arrays)
       new_arrays[(p.codec, p.level)] = arrays
       new_encodings.append(Encoding(
           codec=p.codec, codec_version=codecs.CURRENT_VERSION[p.codec], level=p.level,
           object=f"{self.name}/{chunk_hash}/{p.codec}-{p.level}",
-          nbytes=codecs.payload_nbytes(arrays), checksum=digest))
+          nbytes=codecs.payload_nbytes(arrays), checksum=digest,
+          checksum_algo=checksum_algo if known else checksums.CURRENT))
     with self._lock:
       held = self._entries.get(chunk_hash)  # a concurrent put or delete may have changed it
       if held is not None and (held.record.mismatch(token_ids, namespace, layout) is not None
@@ -269,3 +278,9 @@ class HostMemoryTier:
   async def records(self) -> list[ChunkRecord]:
     with self._lock:
       return [e.record for e in self._entries.values()]
+
+  def snapshot(self) -> dict[str, Any]:
+    """{"chunks", "used_bytes", "capacity_bytes" (None: unbounded), "evictions"}."""
+    with self._lock:
+      return {"chunks": len(self._entries), "used_bytes": self._used,
+              "capacity_bytes": self.capacity_bytes, "evictions": self.evictions}

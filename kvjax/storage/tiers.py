@@ -33,6 +33,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -46,7 +47,8 @@ from kvjax.storage.store_config import (DEFAULT_DISK_CAPACITY_BYTES, StoreConfig
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  KVLayout, MissReason)
 
-__all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "HostMemoryTier", "StoreConfig", "Tier", "TierConfig",
+__all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "HostMemoryTier", "KVStore", "StoreConfig", "Tier",
+           "TierConfig",
            "TierStats", "TieredStore", "build_tiers", "url_kind"]
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class TierStats:
 
   Attributes:
     hits: verified reads served.
+    bytes_read: stored bytes of those reads (`Encoding.nbytes` of the encoding read).
     misses: failed reads by `MissReason` value.
     promotions: chunks copied into this tier from a lower one.
     evictions: chunks evicted for capacity.
@@ -71,12 +74,49 @@ class TierStats:
   """
 
   hits: int = 0
+  bytes_read: int = 0
   misses: dict[str, int] = dataclasses.field(default_factory=dict)
   promotions: int = 0
   evictions: int = 0
   puts: int = 0
   put_errors: int = 0
   dropped: int = 0
+
+
+@runtime_checkable
+class KVStore(Protocol):
+  """What the engine's store client uses of a store: `TieredStore` has all of it, and so must
+  every test fake (no caller probes for a method)."""
+
+  tiers: list[Tier]
+  limiters: dict[str, LinkLimiter]
+
+  async def lookup(self, hashes: Sequence[ChunkHash]) -> list[str | None]:
+    """The highest tier holding each chunk, or None."""
+
+  async def peek(self, hashes: Sequence[ChunkHash]
+                 ) -> list[tuple[str, ChunkRecord | None] | None]:
+    """(tier, record) of the highest tier holding each chunk, or None."""
+
+  async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
+                layout: KVLayout, *, promote: bool = True,
+                choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+    """A verified read from the highest tier with a good copy."""
+
+  async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
+                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
+                payloads: Sequence[EncodedPayload] = ()) -> list[str]:
+    """Write-through; the names of the tiers that published the chunk."""
+
+  async def delete(self, chunk_hash: ChunkHash) -> list[str]:
+    """Removes a chunk from every tier; the names of the tiers that held it."""
+
+  def hint(self, upcoming: Sequence[Sequence[ChunkHash]]) -> None:
+    """The look-ahead window for eviction."""
+
+  @property
+  def stats(self) -> dict[str, TierStats]:
+    """A snapshot of each tier's counters, by tier name."""
 
 
 @dataclasses.dataclass
@@ -224,17 +264,15 @@ class TieredStore:
                  ) -> list[tuple[str, ChunkRecord | None] | None]:
     """Like `lookup`, with the record the highest holding tier has (its encodings and sizes).
 
-    A tier without `peek` is asked with `contains` and yields `(tier, None)` for what it holds.
-    A tier that raises holds nothing (logged).
+    One batched `Tier.peek` per tier, all tiers concurrently; a tier that raises holds nothing
+    (logged). A present chunk always comes with its record.
     """
     hashes = list(hashes)
     if not hashes:
       return []
 
-    async def one(t: Tier) -> list[ChunkRecord | bool | None]:
+    async def one(t: Tier) -> list[ChunkRecord | None]:
       try:
-        if not hasattr(t, "peek"):
-          return [True if f else None for f in await t.contains(hashes)]
         return list(await t.peek(hashes))
       except Exception:  # noqa: BLE001  (a failing tier must not fail the request)
         log.warning("peek failed on tier %s", t.name, exc_info=True)
@@ -245,7 +283,7 @@ class TieredStore:
     for t, recs in zip(self.tiers, found):
       for i, rec in enumerate(recs):
         if rec is not None and out[i] is None:
-          out[i] = (t.name, None if rec is True else rec)
+          out[i] = (t.name, rec)
     return out
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
@@ -272,15 +310,13 @@ class TieredStore:
     first_miss: ChunkMiss | None = None
     for i, t in enumerate(self.tiers):
       try:
-        if choose is None:
-          res = await t.get(chunk_hash, token_ids, namespace, layout)
-        else:
-          res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose)
+        res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose)
       except Exception as e:  # noqa: BLE001  (a failing tier is a miss, never a user error)
         log.warning("get failed on tier %s", t.name, exc_info=True)
         res = ChunkMiss(chunk_hash, MissReason.READ_ERROR, repr(e))
       if isinstance(res, ChunkHit):
         self._count(t.name, "hits")
+        self._count(t.name, "bytes_read", int(res.encoding.nbytes))
         self._touch(t.name, chunk_hash)
         if promote and self.host is not None and i > self.tiers.index(self.host):
           await self._promote(res)
@@ -300,13 +336,32 @@ class TieredStore:
     rec = hit.record
     if hit.encoding.codec == "raw":
       stored = await self.host.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace,
-                                   hit.kv, checksum=hit.encoding.checksum)
+                                   hit.kv, checksum=hit.encoding.checksum,
+                                   checksum_algo=hit.encoding.checksum_algo)
     else:
       stored = await self.host.put(
           rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace, layout=rec.layout,
           payloads=[EncodedPayload(hit.encoding.codec, hit.encoding.level, hit.payload)])
     if stored:
       self._count(self.host.name, "promotions")
+
+  async def delete(self, chunk_hash: ChunkHash) -> list[str]:
+    """Removes a chunk from every tier (e.g. before rewriting a bad copy).
+
+    Returns:
+      Names of the tiers that held it. A tier whose delete raises is logged and skipped.
+    """
+    async def one(t: Tier) -> bool:
+      try:
+        gone = bool(await t.delete(chunk_hash))
+      except Exception:  # noqa: BLE001
+        log.warning("delete failed on tier %s", t.name, exc_info=True)
+        return False
+      self._forget(t.name, chunk_hash)
+      return gone
+
+    done = await asyncio.gather(*(one(t) for t in self.tiers))
+    return [t.name for t, gone in zip(self.tiers, done) if gone]
 
   async def _drop(self, t: Tier, chunk_hash: ChunkHash) -> None:
     try:
@@ -355,7 +410,6 @@ class TieredStore:
         `codecs.check_encodings`).
     """
     codecs.check_encodings(tuple(int(t) for t in token_ids), kv, layout, payloads)
-    extra = {"layout": layout, "payloads": tuple(payloads)} if (layout or payloads) else {}
     nbytes = (0 if kv is None else int(kv.nbytes)) + sum(
         codecs.payload_nbytes(p.arrays) for p in payloads)
     persistent = [t for t in self.tiers if t.name in self._persist]
@@ -365,7 +419,8 @@ class TieredStore:
 
     async def one(t: Tier) -> bool:
       try:
-        ok = await t.put(chunk_hash, parent_hash, token_ids, namespace, kv, **extra)
+        ok = await t.put(chunk_hash, parent_hash, token_ids, namespace, kv, layout=layout,
+                         payloads=tuple(payloads))
       except Exception:  # noqa: BLE001
         log.warning("put failed on tier %s", t.name, exc_info=True)
         self._count(t.name, "put_errors")

@@ -18,8 +18,11 @@ import numpy as np
 
 from kvjax._typing import ChunkHash
 
-#: Version of the index record's JSON format.
-RECORD_FORMAT_VERSION = 1
+#: Version of the index record's JSON format written now. 2: each encoding names its checksum
+#: algorithm (`checksum_algo`); 1 (still read): no such field, every checksum is SHA-256.
+RECORD_FORMAT_VERSION = 2
+#: Record formats this reader parses.
+READABLE_RECORD_FORMATS = (1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +65,11 @@ class Encoding:
     object: key of the data object, relative to the store root (a zarr3 array's key prefix for
       raw, one key holding the encoded bytes for the other codecs).
     nbytes: stored bytes: the raw values' bytes, or the length of the encoded object.
-    checksum: hex SHA-256 of the raw values' bytes (C order), or of the encoded object's bytes
-      (verified before decoding). The host tier, which keeps arrays, not bytes, records
-      `codecs.payload_checksum` of the arrays.
+    checksum: hex digest (`checksum_algo`) of the raw values' bytes (C order), or of the encoded
+      object's bytes (verified before decoding). The host tier, which keeps arrays, not bytes,
+      records `codecs.payload_checksum` of the arrays. It catches corruption; identity is the
+      key's job (see `storage.checksum`).
+    checksum_algo: "xxh3-128" (written now) or "sha256" (record format 1).
   """
 
   codec: str
@@ -73,6 +78,7 @@ class Encoding:
   object: str
   nbytes: int
   checksum: str
+  checksum_algo: str = "xxh3-128"
 
 
 #: Picks which of a record's decodable encodings to read (None: none of them). It gets them in
@@ -92,7 +98,7 @@ class ChunkRecord:
       chunk size, cache salt).
     layout: shape and dtype of the raw values.
     encodings: stored encodings, any of which a reader may use.
-    format_version: `RECORD_FORMAT_VERSION` when written.
+    format_version: `RECORD_FORMAT_VERSION` when written; a parsed format 1 record keeps 1.
   """
 
   chunk_hash: ChunkHash
@@ -118,7 +124,11 @@ class ChunkRecord:
     return None
 
   def to_json(self) -> bytes:
+    """The record as JSON, in its own `format_version` (format 1: no `checksum_algo`)."""
     d = dataclasses.asdict(self)
+    if self.format_version == 1:
+      for e in d["encodings"]:
+        del e["checksum_algo"]
     return json.dumps(d, sort_keys=True).encode()
 
   @classmethod
@@ -130,15 +140,19 @@ class ChunkRecord:
     """
     try:
       d: dict[str, Any] = json.loads(data)
-      if d.get("format_version") != RECORD_FORMAT_VERSION:
-        raise ValueError(f"record format {d.get('format_version')!r}, want "
-                         f"{RECORD_FORMAT_VERSION}")
+      version = d.get("format_version")
+      if version not in READABLE_RECORD_FORMATS:
+        raise ValueError(f"record format {version!r}, want one of {READABLE_RECORD_FORMATS}")
+      if version == 1:  # No checksum_algo field: SHA-256 throughout.
+        encodings = tuple(Encoding(**e, checksum_algo="sha256") for e in d["encodings"])
+      else:
+        encodings = tuple(Encoding(**e) for e in d["encodings"])
+        if any("checksum_algo" not in e for e in d["encodings"]):
+          raise ValueError("record format 2 encoding without checksum_algo")
       return cls(
           chunk_hash=ChunkHash(str(d["chunk_hash"])), parent_hash=ChunkHash(str(d["parent_hash"])),
           token_ids=tuple(int(t) for t in d["token_ids"]), namespace=str(d["namespace"]),
-          layout=KVLayout(**d["layout"]),
-          encodings=tuple(Encoding(**e) for e in d["encodings"]),
-          format_version=int(d["format_version"]))
+          layout=KVLayout(**d["layout"]), encodings=encodings, format_version=int(version))
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ValueError(f"malformed chunk record: {e!r}") from e
 

@@ -9,16 +9,18 @@ Exit status: 0 fine, 1 `verify` found bad chunks, 2 usage error or the store cou
 or read (one line on stderr, no traceback).
 
 The library half (`scan`, `disk_usage`, `verify`, `find_orphans`, `collect_garbage`) takes an
-open `ChunkStore` and returns plain records; `main` parses absl flags into a fresh `FlagValues`
-per call (so tests can call it in-process), runs one command and prints.
+open `ChunkStore` and returns plain records, through the store's own maintenance API
+(`ChunkStore.scan`, `orphans`, `verify`, `gc`, `delete`, `local_dir`: the key layout stays the
+store's business); `main` parses absl flags into a fresh `FlagValues` per call (so tests can call
+it in-process), runs one command and prints.
 
 What each command reads:
 - ls / du: the index (`index/*.json`), never data; du also lists data keys (orphans) and, for
   file and ocdbt+file stores, walks the directory for bytes on disk.
-- verify: every encoding of every selected chunk through `ChunkStore.get` with the record's own
-  token ids, namespace and layout, i.e. the same checks a server makes (tokens, namespace,
-  layout, codec, shape, dtype, SHA-256 of the values or of the encoded bytes, and a full decode
-  of each codec payload). A chunk is bad if any encoding this reader knows is bad, or if it
+- verify: every encoding of every selected chunk through `ChunkStore.verify` (`get` with the
+  record's own token ids, namespace and layout), i.e. the same checks a server makes (tokens,
+  namespace, layout, codec, size, the checksum of the stored bytes (xxh3-128; SHA-256 in
+  record format 1 stores), and a full decode of each codec payload). A chunk is bad if any encoding this reader knows is bad, or if it
   knows none (UNKNOWN_CODEC, kept by --delete_bad). A malformed record is bad as CORRUPT.
 - gc: `ChunkStore.gc`. A writer in another process can lose an object it is still writing; that
   chunk then reads as MISSING_DATA, never as wrong data, so run gc when writers are quiet.
@@ -36,12 +38,10 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from absl import flags
-import tensorstore as ts
 
-from kvjax.storage import codecs
 from kvjax.storage import specs
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.types import ChunkMiss, ChunkRecord, Encoding, MissReason
+from kvjax.storage.chunk_store import ChunkStore, DataObject, StoreIndex
+from kvjax.storage.types import ChunkRecord, MissReason
 
 COMMANDS = ("ls", "du", "verify", "gc")
 EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
@@ -51,39 +51,13 @@ SHORT = 12
 #: or a codec newer than this reader).
 KEEP_REASONS = frozenset({MissReason.READ_ERROR, MissReason.UNKNOWN_CODEC})
 
-_INDEX_PREFIX = "index/"
-_DATA_PREFIX = "data/"
-
-
 class StoreError(Exception):
   """The store cannot be opened or read; the message is one line for the operator."""
 
 
-def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
-  """All keys starting with `prefix` (which ends with "/")."""
-  return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
-
-
-async def _op(store: ChunkStore, fut: Any) -> Any:
-  """One tensorstore operation under the store's timeout."""
-  return await asyncio.wait_for(fut, store.timeout_s)
-
-
-# ---------------------------------------------------------------------------------------------
-# Library: plain results.
-
-
-@dataclasses.dataclass(frozen=True)
-class Scan:
-  """The store's index.
-
-  Attributes:
-    records: parseable records, sorted by chunk hash.
-    malformed: chunk hashes (from key names) whose record does not parse, sorted.
-  """
-
-  records: tuple[ChunkRecord, ...]
-  malformed: tuple[str, ...]
+#: The store's index (`ChunkStore.scan`) and an unreferenced data object (`ChunkStore.orphans`).
+Scan = StoreIndex
+Orphan = DataObject
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +71,7 @@ class Usage:
     stored_bytes: stored bytes of all encodings of the records (`Encoding.nbytes`: raw values'
       bytes, or the encoded objects' lengths).
     orphans: data objects no record references (what `gc` would remove), whole store.
-    orphan_bytes: bytes of those objects' keys (zarr.json and shard).
+    orphan_bytes: bytes of those objects' keys.
     disk_files: files under the store directory (file backends; None otherwise).
     disk_bytes: their apparent size, bytes (None when not a file backend).
     disk_allocated_bytes: their allocated size (`st_blocks * 512`), bytes, like `du`.
@@ -133,31 +107,13 @@ class BadChunk:
   deleted: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class Orphan:
-  """A data object no record references: key prefix and bytes of its keys."""
-
-  object: str
-  nbytes: int
-
-
-def local_dir(store: ChunkStore) -> str | None:
-  """The directory holding a file or ocdbt+file store, else None."""
-  spec = store.kvstore_spec
-  if spec.get("driver") == "ocdbt":
-    spec = spec["base"]
-  if spec.get("driver") == "file":
-    return spec["path"].rstrip("/") or "/"
-  return None
-
-
 async def open_store(store: ChunkStore) -> None:
   """Opens the store, failing on a missing directory instead of reading it as empty.
 
   Raises:
     StoreError: the directory of a local store does not exist, or the backend failed.
   """
-  path = local_dir(store)
+  path = store.local_dir()
   if path is not None and not os.path.isdir(path):
     raise StoreError(f"no store at {store.url!r}: directory {path} does not exist")
   try:
@@ -174,17 +130,8 @@ def _one_line(e: BaseException | str) -> str:
   return "" if isinstance(e, str) else type(e).__name__
 
 
-async def _list(store: ChunkStore, prefix: str) -> list[str]:
-  root = await store.kvstore()
-  try:
-    keys = await _op(store, root.list(_prefix_range(prefix)))
-  except Exception as e:  # noqa: BLE001
-    raise StoreError(f"cannot list {prefix!r} in {store.url!r}: {_one_line(e)}") from e
-  return sorted(k.decode() for k in keys)
-
-
 async def scan(store: ChunkStore, namespace: str = "") -> Scan:
-  """Reads every index record.
+  """Reads every index record (`ChunkStore.scan`).
 
   Args:
     store: an open store.
@@ -196,69 +143,27 @@ async def scan(store: ChunkStore, namespace: str = "") -> Scan:
   Raises:
     StoreError: listing or reading the index failed.
   """
-  root = await store.kvstore()
-  keys = await _list(store, _INDEX_PREFIX)
-  keys = [k for k in keys if k.endswith(".json")]
-  reads = await asyncio.gather(*(_op(store, root.read(k)) for k in keys),
-                               return_exceptions=True)
-  records, malformed = [], []
-  for key, res in zip(keys, reads):
-    if isinstance(res, BaseException):
-      raise StoreError(f"cannot read {key!r} in {store.url!r}: {_one_line(res)}")
-    if res.state != "value":
-      continue  # Deleted since the listing.
-    try:
-      record = ChunkRecord.from_json(res.value)
-    except ValueError:
-      malformed.append(key[len(_INDEX_PREFIX):-len(".json")])
-      continue
-    if record.namespace.startswith(namespace):
-      records.append(record)
-  records.sort(key=lambda r: r.chunk_hash)
-  return Scan(tuple(records), tuple(sorted(malformed)))
-
-
-def _object_of(key: str) -> str:
-  """Data object key prefix of a data key: "data/<hash>/<encoding>"."""
-  return "/".join(key.split("/")[:3])
+  try:
+    return await store.scan(namespace)
+  except Exception as e:  # noqa: BLE001
+    raise StoreError(f"cannot read the index of {store.url!r}: {_one_line(e)}") from e
 
 
 async def find_orphans(store: ChunkStore, found: Scan | None = None) -> list[Orphan]:
-  """Data objects that no record references (what `ChunkStore.gc` removes; data of a chunk whose
-  record exists but does not parse is kept).
+  """Data objects that no record references (`ChunkStore.orphans`: what `gc` removes).
 
   Args:
     store: an open store.
     found: an unfiltered `scan(store)` to reuse, else one is made.
 
-  Returns:
-    The orphans sorted by key; sizes from `stat` for file stores, else from reading their keys.
+  Raises:
+    StoreError: listing or reading the store failed.
   """
   found = found if found is not None else await scan(store)
-  referenced = {e.object for r in found.records for e in r.encodings}
-  by_object: dict[str, list[str]] = collections.defaultdict(list)
-  kept = set(found.malformed)  # gc keeps the data of chunks whose record does not parse
-  for key in await _list(store, _DATA_PREFIX):
-    if key.count("/") >= 2 and key.split("/")[1] not in kept:
-      by_object[_object_of(key)].append(key)
-  path = local_dir(store) if store.kvstore_spec.get("driver") == "file" else None
-  root = await store.kvstore()
-  out = []
-  for obj in sorted(set(by_object) - referenced):
-    if path is not None:
-      nbytes = sum(_size(os.path.join(path, k)) for k in by_object[obj])
-    else:
-      values = await asyncio.gather(*(_op(store, root.read(k)) for k in by_object[obj]))
-      nbytes = sum(len(v.value) for v in values if v.state == "value")
-    out.append(Orphan(obj, nbytes))
-  return out
-
-
-def _size(path: str) -> int:
   try:
-    return os.stat(path).st_size
-  except OSError:
-    return 0
+    return await store.orphans(found)
+  except Exception as e:  # noqa: BLE001
+    raise StoreError(f"cannot list the data of {store.url!r}: {_one_line(e)}") from e
 
 
 def _walk_dir(path: str) -> tuple[int, int, int]:
@@ -283,7 +188,7 @@ async def disk_usage(store: ChunkStore, namespace: str = "") -> Usage:
                everything.malformed)
   per_ns = collections.Counter(r.namespace for r in found.records)
   orphans = await find_orphans(store, everything)
-  path = local_dir(store)
+  path = store.local_dir()
   files, nbytes, allocated = _walk_dir(path) if path is not None else (None, None, None)
   per_codec = collections.Counter()
   for r in found.records:
@@ -300,7 +205,7 @@ async def disk_usage(store: ChunkStore, namespace: str = "") -> Usage:
 
 async def verify(store: ChunkStore, namespace: str = "", *, delete_bad: bool = False,
                  concurrency: int = 8) -> tuple[int, list[BadChunk]]:
-  """Reads back every selected chunk through `ChunkStore.get` and collects the bad ones.
+  """Reads back every selected chunk (`ChunkStore.verify`) and collects the bad ones.
 
   Args:
     store: an open store.
@@ -315,17 +220,9 @@ async def verify(store: ChunkStore, namespace: str = "", *, delete_bad: bool = F
   sem = asyncio.Semaphore(max(1, concurrency))
 
   async def check(record: ChunkRecord) -> BadChunk | None:
-    known = [e for e in record.encodings
-             if codecs.is_decodable(e.codec, e.codec_version, e.level)] or [None]
-    for enc in known:  # None: no known encoding; get reports UNKNOWN_CODEC
-      async with sem:
-        result = await store.get(record.chunk_hash, record.token_ids, record.namespace,
-                                 record.layout, choose=_pick(enc))
-      if isinstance(result, ChunkMiss):
-        where = f"{enc.codec}/{enc.codec_version}/{enc.level}" if len(known) > 1 else ""
-        detail = ": ".join(x for x in (where, result.detail) if x)
-        return BadChunk(record.chunk_hash, result.reason, detail)
-    return None
+    async with sem:
+      miss = await store.verify(record)
+    return None if miss is None else BadChunk(record.chunk_hash, miss.reason, miss.detail)
 
   results = await asyncio.gather(*(check(r) for r in found.records))
   bad = [b for b in results if b is not None]
@@ -338,13 +235,6 @@ async def verify(store: ChunkStore, namespace: str = "", *, delete_bad: bool = F
       out.append(dataclasses.replace(b, deleted=deleted))
     bad = out
   return len(found.records) + len(found.malformed), bad
-
-
-def _pick(wanted: Encoding | None):
-  """A chooser that takes exactly `wanted` (by value) from a record's encodings."""
-  def choose(encodings):
-    return next((e for e in encodings if e == wanted), None)
-  return choose
 
 
 async def collect_garbage(store: ChunkStore, *, dry_run: bool = False) -> list[Orphan] | int:
@@ -488,7 +378,8 @@ async def _run(command: str, fv: flags.FlagValues, out: TextIO) -> int:
       result = await collect_garbage(store, dry_run=fv.dry_run)
       if isinstance(result, list):
         if fv.json:
-          _json({"dry_run": True, "orphans": [dataclasses.asdict(o) for o in result]}, out)
+          _json({"dry_run": True, "orphans": [
+              {"object": o.object, "nbytes": o.nbytes} for o in result]}, out)
         else:
           _print([f"would remove {o.object} ({o.nbytes} bytes)" for o in result], out)
           print(f"would remove {len(result)} unreferenced data objects "

@@ -61,10 +61,12 @@ class StoreAssertions:
     return sorted(k.decode() for k in await root.list() if k.decode().startswith(prefix))
 
   async def shard_key(self, store, chunk_hash):
-    shards = [k for k in await self.keys_under(store, f"data/{chunk_hash}/")
-              if k.endswith("/c/0/0/0/0/0")]
-    self.assertLen(shards, 1)
-    return shards[0]
+    """The key holding a chunk's raw values: one object `data/<hash>/raw-0-<checksum>` (record
+    format 2), or the shard `.../c/0/0/0/0/0` of a format 1 zarr3 array."""
+    raw = [k for k in await self.keys_under(store, f"data/{chunk_hash}/raw-")
+           if k.count("/") == 2 or k.endswith("/c/0/0/0/0/0")]
+    self.assertLen(raw, 1)
+    return raw[0]
 
   def assert_miss(self, store, result, reason):
     self.assertIsInstance(result, ChunkMiss)

@@ -7,21 +7,54 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax.engine.kv_store_client import KVStoreClient, SaveJob
-from kvjax.storage.types import ChunkHit, ChunkRecord, Encoding, KVLayout
+from kvjax.storage.tiers import KVStore
+from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout, MissReason
 
 LAYOUT = KVLayout(num_layers=2, chunk_size=4, num_kv_heads=1, head_dim=2, dtype="float32")
 
 
-class BlockingStore:
-  """Records puts; the first put waits until released."""
+class EmptyStore:
+  """The whole `kvjax.storage.KVStore` protocol over no chunks; fakes below override parts."""
 
   def __init__(self):
     self.tiers = []
+    self.limiters = {}
+
+  async def lookup(self, hashes):
+    return [f[0] if f is not None else None for f in await self.peek(hashes)]
+
+  async def peek(self, hashes):
+    return [None for _ in hashes]
+
+  async def get(self, chunk_hash, token_ids, namespace, layout, *, promote=True, choose=None):
+    return ChunkMiss(chunk_hash, MissReason.ABSENT)
+
+  async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
+                payloads=()):
+    return []
+
+  async def delete(self, chunk_hash):
+    return []
+
+  def hint(self, upcoming):
+    pass
+
+  @property
+  def stats(self):
+    return {}
+
+
+class BlockingStore(EmptyStore):
+  """Records puts; the first put waits until released."""
+
+  def __init__(self):
+    super().__init__()
     self.puts = []
     self.entered = threading.Event()
     self.release = threading.Event()
 
-  async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv):
+  async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
+                payloads=()):
     self.entered.set()
     await asyncio.get_running_loop().run_in_executor(None, self.release.wait)
     self.puts.append((chunk_hash, parent_hash, tuple(token_ids), kv.copy()))
@@ -40,6 +73,10 @@ def job(chunks=None, n_chunks=2, offset=0.0):
 
 
 class SaverTest(absltest.TestCase):
+
+  def test_fakes_implement_the_whole_store_protocol(self):
+    for store in (EmptyStore(), BlockingStore(), GatedStore({})):
+      self.assertIsInstance(store, KVStore)
 
   def test_full_queue_drops_and_counts_then_flush_writes_the_rest(self):
     store = BlockingStore()
@@ -76,23 +113,27 @@ class SaverTest(absltest.TestCase):
     client.close()
 
 
-class GatedStore:
+class GatedStore(EmptyStore):
   """Serves lookups and gets from a dict; each get waits for its own gate."""
 
   def __init__(self, chunks):
-    self.tiers = []
+    super().__init__()
     self.chunks = chunks  # hash -> kv
     self.gates = {h: threading.Event() for h in chunks}
 
-  async def lookup(self, hashes):
-    return ["disk" if h in self.chunks else None for h in hashes]
-
-  async def get(self, chunk_hash, token_ids, namespace, layout):
-    await asyncio.get_running_loop().run_in_executor(None, self.gates[chunk_hash].wait)
+  def _record(self, chunk_hash, token_ids=(), namespace="root"):
     kv = self.chunks[chunk_hash]
-    record = ChunkRecord(chunk_hash, "p", tuple(token_ids), namespace, layout, (
+    return ChunkRecord(chunk_hash, "p", tuple(token_ids), namespace, LAYOUT, (
         Encoding("raw", 1, 0, "o", kv.nbytes, "c"),))
-    return ChunkHit(record=record, encoding=record.encodings[0], kv=kv, tier="disk")
+
+  async def peek(self, hashes):
+    return [("disk", self._record(h)) if h in self.chunks else None for h in hashes]
+
+  async def get(self, chunk_hash, token_ids, namespace, layout, *, promote=True, choose=None):
+    await asyncio.get_running_loop().run_in_executor(None, self.gates[chunk_hash].wait)
+    record = self._record(chunk_hash, token_ids, namespace)
+    return ChunkHit(record=record, encoding=record.encodings[0], kv=self.chunks[chunk_hash],
+                    tier="disk")
 
 
 class LoaderTest(absltest.TestCase):

@@ -6,13 +6,13 @@ someone else's arrays or garbage.
 
 import asyncio
 import dataclasses
-import hashlib
 import io
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from kvjax.storage import checksum
 from kvjax.storage import chunk_store
 from kvjax.storage import codecs
 from kvjax.storage.host_tier import HostMemoryTier
@@ -256,7 +256,7 @@ class DamageTest(Base):
       data[-3] ^= 0xFF
       await root.write(enc.object, bytes(data))
       await self.rewrite_record(store, encodings=(dataclasses.replace(
-          enc, checksum=hashlib.sha256(bytes(data)).hexdigest()),))
+          enc, checksum=checksum.digest(bytes(data))),))
       return await store.get(HASHES[0], TOKENS[:C], ROOT, LAYOUT)
 
     self.assert_miss(store, run(body()), MissReason.CORRUPT)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import os
 import pathlib
+import shutil
 import threading
 from unittest import mock
 
@@ -18,11 +19,14 @@ import tensorstore as ts
 from kvjax.storage import chunk_store
 from kvjax.storage import keys
 from kvjax.storage import specs
+from kvjax.storage import tiers
+from kvjax.testing import codec_payloads
 from kvjax.testing.storage import (C, HASHES, NS, ROOT, TOKENS, StoreAssertions, bits as _bits,
                                    layout as _layout, run, values as _values)
 from kvjax.storage.types import (ChunkHit, ChunkRecord, Encoding, KVLayout,
                                  MissReason)
 
+TESTDATA = pathlib.Path(__file__).resolve().parent / "testdata"
 BACKENDS = (("memory",), ("file",), ("ocdbt",))
 
 
@@ -103,16 +107,23 @@ class RoundTripTest(StoreTestBase):
     self.assertEqual(run(self.keys_under(store, f"data/{HASHES[1]}/")), [])
     self.assertEqual(store.stats.put_conflicts, 1)
 
-  def test_one_layer_readable_alone(self):
-    store = self.make_store("file")
+  @parameterized.parameters(*BACKENDS)
+  def test_raw_object_is_the_little_endian_values(self, backend):
+    store = self.make_store(backend)
     layout = _layout()
 
     async def body():
       kv = await self.put0(store, layout)
-      obj = (await store.get(HASHES[0], TOKENS[:C], ROOT, layout)).encoding.object
-      spec = specs.chunk_array_spec(store.kvstore_spec, obj, layout, create=False)
-      arr = await ts.open(spec, context=store.context)
-      np.testing.assert_array_equal(await arr[1].read(), kv[1])
+      enc = (await store.get(HASHES[0], TOKENS[:C], ROOT, layout)).encoding
+      self.assertEqual((enc.codec_version, enc.checksum_algo), (1, "xxh3-128"))
+      self.assertLen(enc.checksum, 32)
+      root = await store.kvstore()
+      data = (await root.read(enc.object)).value
+      self.assertEqual(data, kv.astype("<f4").tobytes())
+      # One layer is a contiguous byte range.
+      per_layer = layout.nbytes // layout.num_layers
+      np.testing.assert_array_equal(
+          np.frombuffer(data[per_layer:2 * per_layer], "<f4").reshape(layout.shape[1:]), kv[1])
 
     run(body())
 
@@ -323,6 +334,7 @@ class FaultTest(StoreTestBase):
       ("not_json", b"{not json"),
       ("other_format", None),
       ("missing_field", b'{"format_version": 1}'),
+      ("format_2_without_checksum_algo", b"no_algo"),
   )
   def test_malformed_record(self, raw):
     store = self.make_store("memory")
@@ -332,8 +344,11 @@ class FaultTest(StoreTestBase):
       root = await store.kvstore()
       key = chunk_store.index_key(HASHES[0])
       data = raw
+      if data == b"no_algo":
+        data = (await root.read(key)).value.replace(b'"checksum_algo": "xxh3-128", ', b"")
+        self.assertNotIn(b"checksum_algo", data)
       if data is None:
-        data = (await root.read(key)).value.replace(b'"format_version": 1', b'"format_version": 99')
+        data = (await root.read(key)).value.replace(b'"format_version": 2', b'"format_version": 99')
       await root.write(key, data)
       return await store.get(HASHES[0], TOKENS[:C], ROOT, _layout())
 
@@ -526,6 +541,87 @@ class SpecsTest(parameterized.TestCase):
     x = _values(layout)
     arr.write(x).result()
     np.testing.assert_array_equal(_bits(arr.read().result()), _bits(x))
+
+
+class RecordFormat1Test(StoreAssertions, parameterized.TestCase):
+  """A store written by record format 1 (SHA-256 checksums, zarr3 raw arrays) still loads.
+
+  `testdata/v1_store` was written by that code: chunk 0 raw (values seed 0), chunk 1 raw (seed
+  1) plus int8/0 and cachegen/1 payloads of it.
+  """
+
+  def setUp(self):
+    super().setUp()
+    self.dir = os.path.join(self.create_tempdir().full_path, "store")
+    shutil.copytree(TESTDATA / "v1_store", self.dir)
+    self.store = chunk_store.ChunkStore(self.dir)
+    self.addCleanup(self.store.close)
+
+  def test_every_encoding_reads_and_verifies(self):
+    layout = _layout()
+    records = {r.chunk_hash: r for r in self.store.records_sync()}
+    self.assertEqual({r.format_version for r in records.values()}, {1})
+    self.assertEqual({e.checksum_algo for r in records.values() for e in r.encodings},
+                     {"sha256"})
+    for i in (0, 1):
+      hit = self.store.get_sync(HASHES[i], TOKENS[i * C:(i + 1) * C], ROOT, layout)
+      self.assertIsInstance(hit, ChunkHit)
+      np.testing.assert_array_equal(_bits(hit.kv), _bits(_values(layout, i)))
+      self.assertLen(hit.encoding.checksum, 64)
+    for codec, level in (("int8", 0), ("cachegen", 1)):
+      hit = self.store.get_sync(HASHES[1], TOKENS[C:2 * C], ROOT, layout,
+                                choose=chunk_store.choose_codec(codec, level))
+      want = codec_payloads.encode(codec, level, _values(layout, 1))
+      self.assertEqual(sorted(hit.payload), sorted(want))
+      for name, a in want.items():
+        np.testing.assert_array_equal(_bits(hit.payload[name]), _bits(a))
+    self.assertEqual([run(self.store.verify(r)) for r in records.values()], [None, None])
+    self.assertEqual(self.store.gc_sync(), 0)
+
+  def test_damaged_format1_shard_is_a_checksum_miss(self):
+    async def body():
+      root = await self.store.kvstore()
+      key = await self.shard_key(self.store, HASHES[0])
+      self.assertTrue(key.endswith("/c/0/0/0/0/0"))
+      data = bytearray((await root.read(key)).value)
+      data[5] ^= 0x40
+      await root.write(key, bytes(data))
+      return await self.store.get(HASHES[0], TOKENS[:C], ROOT, _layout())
+
+    self.assert_miss(self.store, run(body()), MissReason.CHECKSUM_MISMATCH)
+
+  def test_new_chunks_beside_old_ones_and_delete_of_old_arrays(self):
+    layout = _layout()
+    kv = _values(layout, 2)
+    self.assertTrue(self.store.put_sync(HASHES[2], HASHES[1], TOKENS[2 * C:], ROOT, kv))
+    new = next(r for r in self.store.records_sync() if r.chunk_hash == HASHES[2])
+    self.assertEqual((new.format_version, new.encodings[0].checksum_algo), (2, "xxh3-128"))
+    np.testing.assert_array_equal(
+        self.store.get_sync(HASHES[2], TOKENS[2 * C:], ROOT, layout).kv, kv)
+    self.assertTrue(self.store.delete_sync(HASHES[0]))
+    self.assertEqual(run(self.keys_under(self.store, f"data/{HASHES[0]}/")), [])
+    self.assertEqual(self.store.gc_sync(), 0)
+    # An orphaned format 1 array (its record gone) is collected as one object.
+    run(self._drop_record(HASHES[1]))
+    orphans = run(self.store.orphans())
+    self.assertEqual([(o.object.split("/")[2][:4], o.array) for o in orphans],
+                     [("cach", False), ("int8", False), ("raw-", True)])
+    self.assertEqual(self.store.gc_sync(), 3)
+    self.assertEqual(run(self.keys_under(self.store, f"data/{HASHES[1]}/")), [])
+
+  async def _drop_record(self, chunk_hash):
+    root = await self.store.kvstore()
+    await root.write(chunk_store.index_key(chunk_hash), None)
+
+  def test_promoted_into_host_tier_keeps_the_sha256(self):
+    layout = _layout()
+    host = tiers.HostMemoryTier(None)
+    store = tiers.TieredStore([host, self.store])
+    hit = run(store.get(HASHES[0], TOKENS[:C], ROOT, layout))
+    self.assertEqual(hit.tier, "disk")
+    (rec,) = run(host.records())
+    self.assertEqual((rec.encodings[0].checksum, rec.encodings[0].checksum_algo),
+                     (hit.encoding.checksum, "sha256"))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,17 @@
 """Host tier, tiered lookup/get/put, promotion, fall-through, capacity eviction and configs."""
 
 import asyncio
-import hashlib
 
 import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax._typing import ChunkHash
+from kvjax.storage import checksum
 from kvjax.storage.eviction import FIFOPolicy, LRUPolicy
 from kvjax.storage.link import LinkLimiter
-from kvjax.storage.tiers import (DEFAULT_DISK_CAPACITY_BYTES, HostMemoryTier, StoreConfig, Tier,
-                                 TierConfig, TieredStore, build_tiers, url_kind)
+from kvjax.storage.chunk_store import ChunkStore
+from kvjax.storage.tiers import (DEFAULT_DISK_CAPACITY_BYTES, HostMemoryTier, KVStore, StoreConfig,
+                                 Tier, TierConfig, TieredStore, build_tiers, url_kind)
 from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout,
                                  MissReason)
 
@@ -52,7 +53,10 @@ class FakeTier:
     self.contains_calls += 1
     return [h in self.data for h in hashes]
 
-  async def get(self, chunk_hash, token_ids, namespace, layout):
+  async def peek(self, hashes):
+    return [self.data[h][0] if h in self.data else None for h in hashes]
+
+  async def get(self, chunk_hash, token_ids, namespace, layout, *, choose=None):
     self.gets.append(chunk_hash)
     if chunk_hash not in self.data:
       return ChunkMiss(chunk_hash, MissReason.ABSENT)
@@ -63,11 +67,14 @@ class FakeTier:
       return ChunkMiss(chunk_hash, MissReason.CHECKSUM_MISMATCH)
     return ChunkHit(rec, rec.encodings[0], kv, self.name)
 
-  async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv):
+  async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
+                payloads=()):
+    if kv is None or payloads:
+      raise NotImplementedError("FakeTier holds raw KV only")
     if chunk_hash in self.data:
       return False
     enc = Encoding("raw", 1, 0, f"data/{chunk_hash}", int(kv.nbytes),
-                   hashlib.sha256(kv.tobytes()).hexdigest())
+                   checksum.digest(kv))
     rec = ChunkRecord(chunk_hash, parent_hash, tuple(token_ids), namespace,
                       KVLayout(kv.shape[0], kv.shape[2], kv.shape[3], kv.shape[4], kv.dtype.name),
                       (enc,))
@@ -81,12 +88,22 @@ class FakeTier:
   async def records(self):
     return [rec for rec, _ in self.data.values()]
 
+  def snapshot(self):
+    return {"chunks": len(self.data)}
+
 
 class HostMemoryTierTest(parameterized.TestCase):
+
+  def test_every_tier_and_fake_has_the_whole_protocol(self):
+    for t in (HostMemoryTier(None), FakeTier("d"), ChunkStore("memory://proto")):
+      self.assertIsInstance(t, Tier)
+    self.assertIsInstance(TieredStore([HostMemoryTier(None), FakeTier("d")]), KVStore)
 
   def test_is_a_tier_and_round_trips(self):
     t = HostMemoryTier(10 * NBYTES)
     self.assertIsInstance(t, Tier)
+    self.assertEqual(t.snapshot(), {"chunks": 0, "used_bytes": 0, "capacity_bytes": 10 * NBYTES,
+                                    "evictions": 0})
     kv = kv_of(3)
     self.assertTrue(run(t.put("h", "root", toks(0), NS, kv)))
     kv[...] = -1  # the tier holds its own copy
@@ -96,7 +113,7 @@ class HostMemoryTierTest(parameterized.TestCase):
     self.assertFalse(hit.kv.flags.writeable)
     self.assertEqual(hit.tier, "host")
     self.assertEqual(hit.record.layout, LAYOUT)
-    self.assertEqual(hit.encoding.checksum, hashlib.sha256(kv_of(3).tobytes()).hexdigest())
+    self.assertEqual(hit.encoding.checksum, checksum.digest(kv_of(3)))
     self.assertEqual(t.used_bytes, NBYTES)
     self.assertEqual(run(t.contains(["h", "x"])), [True, False])
     self.assertEqual([r.chunk_hash for r in run(t.records())], ["h"])
@@ -195,16 +212,19 @@ class TieredStoreTest(absltest.TestCase):
     host, disk, remote, store = three_tiers()
     run(fill(disk, ["a", "b"], ["root", "a"], [0, 1]))
     run(fill(remote, ["b", "c"], ["a", "b"], [1, 2]))
-    # FakeTier has no `peek`: disk is asked with `contains` and yields no record.
-    remote_recs = {h: rec for h, (rec, _) in remote.data.items()}
-
-    async def peek(hashes):
-      return [remote_recs.get(h) for h in hashes]
-
-    remote.peek = peek
     got = run(store.peek(["a", "b", "c", "d"]))
-    self.assertEqual(got, [("disk", None), ("disk", None), ("remote", remote_recs["c"]), None])
+    self.assertEqual(got, [("disk", disk.data["a"][0]), ("disk", disk.data["b"][0]),
+                           ("remote", remote.data["c"][0]), None])
     self.assertEqual(run(store.peek([])), [])
+
+  def test_delete_removes_from_every_tier(self):
+    host, disk, remote, store = three_tiers()
+    run(fill(disk, ["a"], ["root"], [0]))
+    run(fill(remote, ["a", "b"], ["root", "a"], [0, 1]))
+    run(store.get("a", toks(0), NS, LAYOUT))  # promoted into host
+    self.assertEqual(run(store.delete("a")), ["host", "disk", "remote"])
+    self.assertEqual(run(store.lookup(["a", "b"])), [None, "remote"])
+    self.assertEqual(run(store.delete("a")), [])
 
   def test_lower_hit_is_promoted_into_host(self):
     host, disk, remote, store = three_tiers()

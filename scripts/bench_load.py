@@ -1,0 +1,277 @@
+"""Loading a stored book prompt: cold, load_only and cake TTFT, plain and verified read rates.
+
+    python scripts/bench_load.py [--quick] [--book PATH] [--tokens 7400] [--repeats 8]
+
+One run, one local file store, default `LLM` settings (a plain store URL: one disk tier, no
+host tier, so every repeat reads the store), only the public API (`kvjax.LLM`, `SamplingParams`,
+`RequestOutput.metrics`):
+
+  1. cold: `kv_merge_mode="compute_only"` TTFT (compute only; the first run also saves the
+     prompt's chunks, `llm.flush()` waits for them); then the suffix alone: a prompt of just the
+     tokens after the stored prefix (attention over the suffix only: a lower bound of the suffix
+     compute a warm request does; the API has no number for that part of a warm TTFT).
+  2. plain read: every stored data file read sequentially (`open().read()`, page cache).
+  3. verified loads: every chunk through `ChunkStore.get` (read + size + checksum + token ids +
+     staging in host memory, no insertion), 1 and `kv_max_loads_in_flight` (2) at a time.
+  4. warm `load_only` and `cake`: `--repeats` requests each, one `LLM` per mode.
+  5. emulated link (`kv_link_bytes_per_s`, default 100 MB/s), `load_only`, default loads in
+     flight.
+
+Targets (issue 10), printed met / not met and stored in the JSON:
+  - cake median TTFT <= 1.05 x min(load_only median, cold median); no cake repeat above 1.25 x.
+  - verified loads >= 4 GB/s (2 loads in flight, 2 cores).
+  - link: load_only TTFT <= 1.1 x (stored bytes / link rate) + unlimited load_only TTFT.
+
+Writes `<out>.json` (settings, machine, versions, threads, git SHA, seeds, every repeat) and
+`<out>.png` (matplotlib, the `bench` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+_BOOK = flags.DEFINE_string(
+    "book", "../shared/data/books/pg1952_the_yellow_wallpaper_gilman.txt",
+    "Book text; a relative path is taken from the repository root.")
+_TOKENS = flags.DEFINE_integer("tokens", 7400, "Prompt tokens (the book's first ones).")
+_REPEATS = flags.DEFINE_integer("repeats", 8, "Warm requests per merge mode.")
+_LINK_MB_S = flags.DEFINE_float("link_mb_s", 100.0, "Emulated link rate, MB/s (1e6 bytes/s).")
+_LINK_REPEATS = flags.DEFINE_integer("link_repeats", 2, "Requests over the emulated link.")
+_STORE = flags.DEFINE_string("store", None, "Store directory (default: a fresh temp dir, "
+                             "removed at the end).")
+_OUT = flags.DEFINE_string("out", "benchmarks/results/bench_load",
+                           "Output path without extension (relative: from the repo root).")
+_SEED = flags.DEFINE_integer("seed", 0, "LLM seed.")
+_QUICK = flags.DEFINE_bool("quick", False, "Short run: 2048 tokens, 2 repeats, 1 link run.")
+
+
+def _git_sha() -> str:
+  try:
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    return sha + ("-dirty" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def _versions() -> dict[str, str]:
+  from importlib import metadata  # noqa: PLC0415
+  out = {"python": platform.python_version()}
+  for name in ("kvjax", "jax", "jaxlib", "numpy", "tensorstore", "xxhash", "matplotlib"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = "n/a"
+  return out
+
+
+def _machine() -> dict[str, object]:
+  import jax  # noqa: PLC0415
+  return {"platform": platform.platform(), "processor": platform.processor(),
+          "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+          "jax_backend": jax.default_backend(),
+          "threads": {k: os.environ.get(k) for k in ("XLA_FLAGS", "OMP_NUM_THREADS",
+                                                       "TF_NUM_INTEROP_THREADS")}}
+
+
+def _ttfts(llm, ids, params, n) -> list[dict[str, object]]:
+  out = []
+  for _ in range(n):
+    res = llm.generate({"prompt_token_ids": ids}, params)[0]
+    m = res.metrics
+    merge = m.merge
+    out.append({"ttft_s": m.ttft_s, "loaded_tokens": m.num_loaded_tokens,
+                "computed_tokens": m.num_computed_tokens, "rejected": m.num_rejected_chunks,
+                "tiers": sorted(set(m.loaded_from_tiers)),
+                "meeting_index": None if merge is None else merge.meeting_index,
+                "loaded_bytes": None if merge is None else merge.loaded_bytes})
+  return out
+
+
+def _median(runs) -> float:
+  return statistics.median(r["ttft_s"] for r in runs)
+
+
+def _plain_read(files: list[str]) -> tuple[int, float]:
+  best = float("inf")
+  nbytes = 0
+  for _ in range(3):  # page cache warm after the first pass
+    t0 = time.perf_counter()
+    nbytes = 0
+    for f in files:
+      with open(f, "rb") as fh:
+        nbytes += len(fh.read())
+    best = min(best, time.perf_counter() - t0)
+  return nbytes, best
+
+
+def _verified(store, records, in_flight: int) -> tuple[int, float]:
+  from kvjax.storage import ChunkHit  # noqa: PLC0415
+  from kvjax.storage.chunk_store import run_sync  # noqa: PLC0415
+
+  async def body():
+    sem = asyncio.Semaphore(in_flight)
+
+    async def one(r):
+      async with sem:
+        hit = await store.get(r.chunk_hash, r.token_ids, r.namespace, r.layout)
+      if not isinstance(hit, ChunkHit):
+        raise RuntimeError(f"stored chunk did not verify: {hit}")
+      return hit.encoding.nbytes
+
+    return sum(await asyncio.gather(*(one(r) for r in records)))
+
+  best, nbytes = float("inf"), 0
+  for _ in range(3):
+    t0 = time.perf_counter()
+    nbytes = run_sync(body())
+    best = min(best, time.perf_counter() - t0)
+  return nbytes, best
+
+
+def _plot(result: dict, path: pathlib.Path) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+  names = ["cold", "suffix", "load_only", "cake", "link"]
+  for i, name in enumerate(names):
+    ys = [r["ttft_s"] for r in result["runs"][name]]
+    a.bar(i, statistics.median(ys), color="C0" if name != "cake" else "C1", alpha=0.6)
+    a.scatter([i] * len(ys), ys, color="k", s=10, zorder=3)
+  a.set_xticks(range(len(names)), [n if n != "link" else f"load_only\n@{_LINK_MB_S.value:g} MB/s"
+                                   for n in names])
+  a.set_ylabel("TTFT, s (bar: median; dots: repeats)")
+  a.set_title(f"{result['prompt']['tokens']}-token book prompt")
+  rates = result["rates_gb_s"]
+  b.bar(range(len(rates)), list(rates.values()), color="C2")
+  b.axhline(4.0, color="r", ls="--", label="target: verified >= 4 GB/s")
+  b.set_xticks(range(len(rates)), [k.replace("_", "\n") for k in rates], fontsize=8)
+  b.set_ylabel("GB/s (1e9 bytes/s)")
+  b.set_title("store reads, page cache")
+  b.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  import kvjax  # noqa: PLC0415
+  from kvjax.storage.chunk_store import ChunkStore  # noqa: PLC0415
+
+  tokens = 2048 if _QUICK.value else _TOKENS.value
+  repeats = 2 if _QUICK.value else _REPEATS.value
+  link_repeats = 1 if _QUICK.value else _LINK_REPEATS.value
+  book = pathlib.Path(_BOOK.value)
+  book = book if book.is_absolute() else (REPO / book).resolve()
+  text = book.read_text(encoding="utf-8")
+  own_store = _STORE.value is None
+  store_dir = tempfile.mkdtemp(prefix="kvjax-bench-load-") if own_store else _STORE.value
+  params = kvjax.SamplingParams(max_tokens=1, temperature=0.0)
+  runs: dict[str, list] = {}
+  try:
+    def make(mode, **kw):
+      return kvjax.LLM(kv_store=store_dir, kv_merge_mode=mode, seed=_SEED.value, **kw)
+
+    llm = make("compute_only")
+    ids = llm.get_tokenizer().encode(text)[:tokens]
+    if len(ids) < tokens:
+      raise app.UsageError(f"{book} has {len(ids)} tokens, fewer than --tokens={tokens}")
+    c = 256
+    stored_tokens = c * ((len(ids) - 1) // c)
+    runs["cold"] = _ttfts(llm, ids, params, repeats)
+    llm.flush()
+    runs["suffix"] = _ttfts(llm, ids[stored_tokens:], params, repeats)
+    llm.close()
+
+    store = ChunkStore(store_dir)
+    records = store.records_sync()
+    files = [f for r in records for f in store.object_files(r)]
+    plain_bytes, plain_s = _plain_read(files)
+    v1_bytes, v1_s = _verified(store, records, 1)
+    v2_bytes, v2_s = _verified(store, records, 2)
+    store.close()
+
+    for mode in ("load_only", "cake"):
+      llm = make(mode)
+      runs[mode] = _ttfts(llm, ids, params, repeats)
+      llm.close()
+    rate = _LINK_MB_S.value * 1e6
+    llm = make("load_only", kv_link_bytes_per_s=rate)
+    runs["link"] = _ttfts(llm, ids, params, link_repeats)
+    llm.close()
+  finally:
+    if own_store:
+      shutil.rmtree(store_dir, ignore_errors=True)
+
+  med = {k: _median(v) for k, v in runs.items()}
+  better = min(med["load_only"], med["cold"])
+  cake_max = max(r["ttft_s"] for r in runs["cake"])
+  verified_gb_s = v2_bytes / v2_s / 1e9
+  link_bound = 1.1 * plain_bytes / rate + med["load_only"]
+  targets = {
+      "cake_median_le_1.05x_better": {"value": med["cake"], "bound": 1.05 * better,
+                                      "met": med["cake"] <= 1.05 * better},
+      "cake_max_le_1.25x_better": {"value": cake_max, "bound": 1.25 * better,
+                                   "met": cake_max <= 1.25 * better},
+      "verified_load_ge_4_gb_s": {"value": verified_gb_s, "bound": 4.0,
+                                  "met": verified_gb_s >= 4.0},
+      "link_load_only_le_1.1x_bytes_over_rate_plus_unlimited": {
+          "value": med["link"], "bound": link_bound, "met": med["link"] <= link_bound},
+  }
+  result = {
+      "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "git_sha": _git_sha(), "machine": _machine(), "versions": _versions(),
+      "seeds": {"llm_seed": _SEED.value, "sampling": "greedy"}, "quick": _QUICK.value,
+      "settings": {"repeats": repeats, "link_repeats": link_repeats,
+                   "link_bytes_per_s": rate, "kv_chunk_size": c,
+                   "kv_max_loads_in_flight": "default", "store": "local file store, one tier"},
+      "prompt": {"book": book.name, "tokens": len(ids), "stored_tokens": stored_tokens,
+                 "suffix_tokens": len(ids) - stored_tokens},
+      "store": {"chunks": len(records), "stored_bytes": plain_bytes, "files": len(files)},
+      "rates_gb_s": {"plain_read": plain_bytes / plain_s / 1e9,
+                     "verified_1_in_flight": v1_bytes / v1_s / 1e9,
+                     "verified_2_in_flight": verified_gb_s},
+      "median_ttft_s": med, "runs": runs, "targets": targets,
+  }
+  out = pathlib.Path(_OUT.value)
+  out = out if out.is_absolute() else REPO / out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+  _plot(result, out.with_suffix(".png"))
+
+  print(f"{len(ids)}-token prompt ({stored_tokens} stored in {len(records)} chunks, "
+        f"{plain_bytes / 1e6:.1f} MB), {repeats} repeats")
+  print(f"{'run':<28}{'median TTFT s':>14}{'min':>8}{'max':>8}  loaded tokens")
+  for k, v in runs.items():
+    ys = [r["ttft_s"] for r in v]
+    print(f"{k:<28}{med[k]:>14.3f}{min(ys):>8.3f}{max(ys):>8.3f}  "
+          f"{[r['loaded_tokens'] for r in v]}")
+  for k, v in result["rates_gb_s"].items():
+    print(f"{k:<28}{v:>10.2f} GB/s")
+  for k, t in targets.items():
+    print(f"target {k}: {t['value']:.3f} vs {t['bound']:.3f}: "
+          f"{'met' if t['met'] else 'NOT met'}")
+  print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+  app.run(main)
