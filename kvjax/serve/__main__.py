@@ -103,7 +103,9 @@ def config_from_flags() -> ServerConfig:
     store = None
   if _KV_TIERS.value is not None and flags.FLAGS["kv_store"].present:
     raise app.UsageError("give --kv_store or --kv_tiers, not both")
-  api_key = _API_KEY.value if _API_KEY.value is not None else (os.environ.get("KVJAX_API_KEY") or None)
+  api_key = _API_KEY.value
+  if api_key is None:
+    api_key = os.environ.get("KVJAX_API_KEY") or None
   if _AUTH_OPEN.value and not api_key:
     raise app.UsageError("--auth_health_and_metrics needs --api_key (or KVJAX_API_KEY)")
   try:

@@ -3,7 +3,8 @@
 Flow of one request (DESIGN.md section 3, step 1):
 
     parse (protocol) -> model name -> text length cap -> prompt ids (chat template for chat; in
-      a worker thread, off the event loop) -> context check -> SamplingParams -> AsyncEngine.submit -> outputs on an asyncio queue
+      a worker thread, off the event loop) -> context check -> SamplingParams
+      -> AsyncEngine.submit (429 when the waiting queue is full) -> outputs on an asyncio queue
       -> JSON body, or SSE chunks (`data: {...}` ... `data: [DONE]`)
 
 A client that disconnects gets its request aborted (slot freed): a non-streaming handler races

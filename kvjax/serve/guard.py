@@ -15,7 +15,8 @@ unlimited body lets one client stall the event loop. Rejections are OpenAI-style
 
 The body is read by `RequestGuard` (it yields to the event loop between network reads) and
 handed to the app in one piece; a body over the limit is read on and dropped, up to
-`DRAIN_FACTOR` times the limit, so the client receives the 413 rather than a reset connection.
+`DRAIN_FACTOR` times the limit, so the client receives the 413 rather than a reset connection
+(unless it sent `Expect: 100-continue` and so waits for the answer before sending the body).
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ class RequestGuard:
         f"{policy.max_request_bytes} bytes (--max_request_bytes).", code="request_too_large")
     if length is not None and length.strip().isdigit() and (
         int(length) > policy.max_request_bytes):
-      await self._drain(receive, 0)
+      if headers.get("expect", "").lower() != "100-continue":  # else the body was never sent
+        await self._drain(receive, 0)
       return await _reject(scope, receive, send, too_large, self.on_error)
     chunks: list[bytes] = []
     size = 0

@@ -150,6 +150,8 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
   tokenizer = llm.get_tokenizer()
   if tokenizer is None:
     raise ValueError(f"model {llm.model_name!r} has no tokenizer; the server needs one")
+  if tokenizer.max_token_chars < 1:  # computed once here, not on the first request
+    raise ValueError(f"model {llm.model_name!r}: its tokenizer has an empty vocabulary")
   if warm:
     builder.warmup(llm)
   max_unfinished = (None if max_waiting_requests is None else

@@ -11,8 +11,8 @@ import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM
-from kvjax.serve import HttpServer, ServeState, ServerConfig, create_app
-from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy, host_name
+from kvjax.serve import HttpPolicy, HttpServer, ServeState, ServerConfig, create_app
+from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, host_name
 from kvjax.testing.serve import ServedLLMTestCase, serving
 
 JSON = {"Content-Type": "application/json"}
