@@ -28,8 +28,8 @@ import time
 from typing import Any, Callable
 
 from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 

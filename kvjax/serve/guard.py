@@ -90,7 +90,7 @@ class HttpPolicy:
   max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
   allowed_hosts: tuple[str, ...] | None = None
   allowed_origins: tuple[str, ...] = ()
-  api_key: str | None = None
+  api_key: str | None = dataclasses.field(default=None, repr=False)  # never in logs
   auth_health_and_metrics: bool = False
 
   def __post_init__(self):

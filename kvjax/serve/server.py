@@ -94,7 +94,7 @@ class ServerConfig:
   allow_special_tokens_in_prompt: bool = False
   allowed_hosts: tuple[str, ...] | None = None
   allowed_origins: tuple[str, ...] = ()
-  api_key: str | None = None
+  api_key: str | None = dataclasses.field(default=None, repr=False)  # never in logs
   auth_health_and_metrics: bool = False
 
   def __post_init__(self):
@@ -150,8 +150,10 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
   tokenizer = llm.get_tokenizer()
   if tokenizer is None:
     raise ValueError(f"model {llm.model_name!r} has no tokenizer; the server needs one")
-  if tokenizer.max_token_chars < 1:  # computed once here, not on the first request
+  # Built lazily by the tokenizer: build them now rather than on the first request.
+  if tokenizer.max_token_chars < 1:
     raise ValueError(f"model {llm.model_name!r}: its tokenizer has an empty vocabulary")
+  tokenizer.encode("<", parse_special=False)
   if warm:
     builder.warmup(llm)
   max_unfinished = (None if max_waiting_requests is None else

@@ -455,6 +455,8 @@ class HttpPolicyTest(parameterized.TestCase):
         allowed_origins=("https://b.example",), api_key="k"))
     with self.assertRaisesRegex(ValueError, "max_waiting_requests"):
       ServerConfig(max_waiting_requests=-1)
+    self.assertNotIn("s3cret", repr(ServerConfig(api_key="s3cret")))
+    self.assertNotIn("s3cret", repr(HttpPolicy(api_key="s3cret")))
 
 
 @pytest.mark.slow
