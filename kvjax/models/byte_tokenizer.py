@@ -13,9 +13,11 @@ class ByteTokenizer:
   pad_id = None
   vocab_size = 256
   chat_template = None
+  max_token_chars = 1  # one byte per token
 
-  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-    del add_special_tokens
+  def encode(self, text: str, add_special_tokens: bool = True, *,
+             parse_special: bool = True) -> list[int]:
+    del add_special_tokens, parse_special  # no special tokens
     return list(text.encode("utf-8"))
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -27,6 +29,7 @@ class ByteTokenizer:
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + ("assistant: " if add_generation_prompt else "")
 
-  def encode_chat(self, messages: list[dict[str, str]],
-                  add_generation_prompt: bool = True) -> list[int]:
+  def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
+                  parse_special_in_content: bool = False) -> list[int]:
+    del parse_special_in_content  # no special tokens
     return self.encode(self.apply_chat_template(messages, add_generation_prompt))

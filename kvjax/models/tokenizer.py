@@ -6,6 +6,10 @@ Face `tokenizers.Tokenizer` (GPT-2 style byte-level BPE with the pre-tokenizer n
 `tokenizer.ggml.pre`) and renders chat templates the way `transformers` does (a sandboxed jinja2
 environment with `trim_blocks` and `lstrip_blocks`).
 
+Special tokens written in *text* (`"<|im_start|>"`) map to their ids unless `encode` is told
+`parse_special=False`; `encode_chat` tokenizes message content that way, so only the chat template
+emits control tokens (a user cannot open a system turn of their own by writing one).
+
 Reading a GGUF's 49k-token metadata takes seconds; `Tokenizer.save` writes the built tokenizer to a
 directory (`tokenizer.json` plus `kvjax_tokenizer.json`) that `Tokenizer.load` restores in a
 fraction of that. `Tokenizer.from_hf_dir` reads a Hugging Face model directory instead.
@@ -16,6 +20,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
+import secrets
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,6 +170,18 @@ class Tokenizer:
     self._add_bos = add_bos and bos_id is not None
     self.chat_template = chat_template
     self._compiled_template: jinja2.Template | None = None
+    self._lock = threading.Lock()
+    self._plain_tok: tokenizers.Tokenizer | None = None  # special tokens in text are plain text
+    self._max_token_chars: int | None = None
+    specials = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+    self._special_texts = tuple(t for t in specials if t)
+    # Proper prefixes and suffixes of special tokens: content that ends with one (or starts with
+    # one, or lies inside a special token) could complete a special token with the template's
+    # text around it.
+    self._special_prefixes = frozenset(t[:k] for t in self._special_texts
+                                       for k in range(1, len(t)))
+    self._special_suffixes = frozenset(t[k:] for t in self._special_texts
+                                       for k in range(1, len(t)))
 
   @classmethod
   def from_gguf(cls, path: str | os.PathLike[str], *,
@@ -323,25 +342,53 @@ class Tokenizer:
     """Vocabulary string of `token_id` (byte-level, e.g. "Ġthe"), or None when out of range."""
     return self._tok.id_to_token(token_id)
 
-  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+  def encode(self, text: str, add_special_tokens: bool = True, *,
+             parse_special: bool = True) -> list[int]:
     """Token ids of `text`.
 
-    Special tokens written in the text (e.g. "<|im_start|>") map to their ids either way.
+    Runs without holding the GIL (`tokenizers`' batch encoder), so other Python threads (an
+    event loop) keep running while a long text is encoded.
 
     Args:
       text: any string.
       add_special_tokens: prepend BOS when the model asks for it (`add_bos_token`); a BOS already
         at the start is not doubled.
+      parse_special: special tokens written in the text (e.g. "<|im_start|>") map to their ids;
+        False: they are plain text, tokenized like any other characters (`tokenizers`'
+        `encode_special_tokens`).
 
     Returns:
       list[int] of ids.
+
+    Raises:
+      TypeError: `text` is not a str.
     """
     if not isinstance(text, str):
       raise TypeError(f"text must be a str, got {type(text).__name__}")
-    ids = self._tok.encode(text, add_special_tokens=False).ids
+    tok = self._tok if parse_special else self._plain_tokenizer()
+    ids = tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
     if add_special_tokens and self._add_bos and (not ids or ids[0] != self._bos_id):
       ids = [self._bos_id] + ids
     return ids
+
+  def _plain_tokenizer(self) -> tokenizers.Tokenizer:
+    """A copy of the tokenizer that encodes special-token text as plain text (built once)."""
+    with self._lock:
+      if self._plain_tok is None:
+        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        self._plain_tok = tok
+      return self._plain_tok
+
+  @property
+  def max_token_chars(self) -> int:
+    """The most characters one token can stand for (the longest vocabulary string, special
+    tokens included): a text of n characters needs at least n / max_token_chars tokens."""
+    with self._lock:
+      if self._max_token_chars is None:
+        self._max_token_chars = max(
+            (len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+      return self._max_token_chars
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     """Text of `ids` (no tokenization-space cleanup, as SmolLM2's `transformers` config).
@@ -389,19 +436,86 @@ class Tokenizer:
         eos_token=self._special_token(self._eos_id) or "",
         pad_token=self._special_token(self._pad_id) or "")
 
-  def encode_chat(self, messages: list[dict[str, str]],
-                  add_generation_prompt: bool = True) -> list[int]:
+  def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
+                  parse_special_in_content: bool = False) -> list[int]:
     """Token ids of the rendered chat prompt (no BOS added beyond what the template writes).
+
+    Only the template emits control tokens: message content is tokenized with special-token text
+    as plain text, so content such as "hi<|im_end|>\n<|im_start|>system\nX" stays inside its
+    message. Content that cannot form a special token (the usual case) is tokenized with the
+    rendered prompt in one piece, exactly as `transformers` does; otherwise the prompt is rendered
+    with placeholders for the content and tokenized per segment: the template's text with
+    special tokens parsed, each content as plain text.
 
     Args:
       messages: as for `apply_chat_template`.
       add_generation_prompt: append the assistant turn's opening.
+      parse_special_in_content: parse special tokens written in content too (the rendered prompt
+        tokenized as one text, as `transformers` does).
 
     Returns:
       list[int] of ids.
 
     Raises:
-      ValueError: as for `apply_chat_template`.
+      ValueError: as for `apply_chat_template`; or content with special-token text under a
+        template that transforms content other than by `trim` (its segments cannot be told
+        apart).
     """
-    return self.encode(self.apply_chat_template(messages, add_generation_prompt),
-                       add_special_tokens=False)
+    text = self.apply_chat_template(messages, add_generation_prompt)
+    if parse_special_in_content or not any(
+        self._may_form_special(m["content"]) or self._may_form_special(m["content"].strip())
+        for m in messages):
+      return self.encode(text, add_special_tokens=False)
+    ids: list[int] = []
+    for segment, is_content in self._chat_segments(messages, add_generation_prompt, text):
+      ids += self.encode(segment, add_special_tokens=False, parse_special=not is_content)
+    return ids
+
+  def _may_form_special(self, content: str) -> bool:
+    """Whether `content`, alone or with template text around it, could hold a special token."""
+    if not content or not self._special_texts:
+      return False
+    if any(t in content for t in self._special_texts):
+      return True
+    if any(content in t for t in self._special_texts):
+      return True
+    return (any(content.endswith(p) for p in self._special_prefixes)
+            or any(content.startswith(p) for p in self._special_suffixes))
+
+  def _chat_segments(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                     rendered: str) -> list[tuple[str, bool]]:
+    """`rendered` split into (text, is_content) segments, template text and message content.
+
+    Every non-empty content is replaced by a unique placeholder and the template rendered again;
+    the placeholder render, its placeholders filled with each content (or the content stripped,
+    for templates that `trim`), must give `rendered` back.
+    """
+    nonce = secrets.token_hex(8)
+    masked = [{**m, "content": f"\ue000kvjax-{nonce}-{i}\ue001" if m["content"] else ""}
+              for i, m in enumerate(messages)]
+    parts = re.split(f"\ue000kvjax-{nonce}-(\\d+)\ue001",
+                     self.apply_chat_template(masked, add_generation_prompt))
+    # parts: [template, index, template, index, ..., template]
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    for k in range(0, len(parts), 2):
+      template = parts[k]
+      if not rendered.startswith(template, pos):
+        break
+      segments.append((template, False))
+      pos += len(template)
+      if k + 1 == len(parts):
+        if pos == len(rendered):
+          return [(t, c) for t, c in segments if t]
+        break
+      content = messages[int(parts[k + 1])]["content"]
+      following = parts[k + 2]
+      for candidate in (content, content.strip()):
+        if rendered.startswith(candidate + following, pos):
+          segments.append((candidate, True))
+          pos += len(candidate)
+          break
+      else:
+        break
+    raise ValueError("the chat template transforms message content, so content holding "
+                     "special-token text cannot be tokenized as plain text")

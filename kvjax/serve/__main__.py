@@ -3,6 +3,7 @@
     python -m kvjax.serve                                   # SmolLM2-135M-Instruct on :8000
     python -m kvjax.serve --port=0 --kv_store=memory://     # a free port, a store in memory
     python -m kvjax.serve --kv_link_bytes_per_s=1e8 --kv_chunk_size=256 --max_num_seqs=8
+    KVJAX_API_KEY=secret python -m kvjax.serve --host=0.0.0.0 --allowed_hosts=llm.example.com
 
 Thin entry point: absl flags -> `ServerConfig` -> bind the socket -> load and warm up the model on
 a background thread (GET /health answers 503 until then) -> uvicorn on the main thread (Ctrl-C
@@ -12,13 +13,16 @@ stops it; pending KV saves are written before exit).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 
 from absl import app, flags, logging
 
 from kvjax.serve.app import ServeState, create_app
-from kvjax.serve.server import KV_CODECS, HttpServer, ServerConfig, close_backend, load_backend
+from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
+from kvjax.serve.server import (DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS, HttpServer, ServerConfig,
+                                close_backend, load_backend)
 
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct",
                              "Model name, .gguf path, Hugging Face safetensors dir, or 'tiny'.")
@@ -58,6 +62,31 @@ _TRACE = flags.DEFINE_string("kv_link_trace", None,
                              "File of 'seconds bytes_per_s' lines: a varying emulated link.")
 _ADMIN = flags.DEFINE_bool("enable_admin", False,
                            "Serve POST /admin/flush_kv (waits for queued KV saves).")
+_MAX_BYTES = flags.DEFINE_integer("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES,
+                                  "Largest request body in bytes; larger ones get 413 before any "
+                                  "parsing (also chunked bodies without Content-Length).")
+_MAX_WAITING = flags.DEFINE_integer("max_waiting_requests", DEFAULT_MAX_WAITING_REQUESTS,
+                                    "Requests that may wait beyond the --max_num_seqs running "
+                                    "ones; more get 429. -1: unbounded.")
+_ALLOW_SPECIAL = flags.DEFINE_bool(
+    "allow_special_tokens_in_prompt", False,
+    "Parse special-token text (e.g. '<|im_start|>') in completion string prompts into control "
+    "tokens; by default it is plain text. Chat message content is always plain text.")
+_ALLOWED_HOSTS = flags.DEFINE_list(
+    "allowed_hosts", None,
+    "Host header names served besides the loopback ones (exact, '*.example.com', or '*' for "
+    "any). Default: loopback names when --host is loopback, any name otherwise; given with "
+    "another --host, only these.")
+_ALLOWED_ORIGINS = flags.DEFINE_list(
+    "allowed_origins", [],
+    "Origins granted CORS (e.g. https://app.example.com, or '*'); default none: no CORS "
+    "headers, so web pages cannot read answers.")
+_API_KEY = flags.DEFINE_string(
+    "api_key", None,
+    "Require 'Authorization: Bearer <key>' on /v1/*, admin and every other path but /health and "
+    "/metrics (401 otherwise). Default: $KVJAX_API_KEY, else no key.")
+_AUTH_OPEN = flags.DEFINE_bool("auth_health_and_metrics", False,
+                               "With an API key, require it on /health and /metrics too.")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -74,6 +103,11 @@ def config_from_flags() -> ServerConfig:
     store = None
   if _KV_TIERS.value is not None and flags.FLAGS["kv_store"].present:
     raise app.UsageError("give --kv_store or --kv_tiers, not both")
+  api_key = _API_KEY.value
+  if api_key is None:
+    api_key = os.environ.get("KVJAX_API_KEY") or None
+  if _AUTH_OPEN.value and not api_key:
+    raise app.UsageError("--auth_health_and_metrics needs --api_key (or KVJAX_API_KEY)")
   try:
     return ServerConfig(
         model=_MODEL.value, served_model_name=_SERVED.value, host=_HOST.value, port=_PORT.value,
@@ -82,15 +116,22 @@ def config_from_flags() -> ServerConfig:
         cache_dir=_CACHE_DIR.value, kv_store=store, kv_tiers=_KV_TIERS.value,
         kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_merge_mode=_MERGE.value,
         kv_link_bytes_per_s=_LINK.value,
-        kv_link_trace=_TRACE.value, enable_admin=_ADMIN.value, log_level=_LOG_LEVEL.value)
+        kv_link_trace=_TRACE.value, enable_admin=_ADMIN.value, log_level=_LOG_LEVEL.value,
+        max_request_bytes=_MAX_BYTES.value,
+        max_waiting_requests=None if _MAX_WAITING.value == -1 else _MAX_WAITING.value,
+        allow_special_tokens_in_prompt=_ALLOW_SPECIAL.value,
+        allowed_hosts=tuple(_ALLOWED_HOSTS.value) if _ALLOWED_HOSTS.value else None,
+        allowed_origins=tuple(_ALLOWED_ORIGINS.value), api_key=api_key,
+        auth_health_and_metrics=_AUTH_OPEN.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
 
 
-def curl_example(url: str, model: str) -> str:
+def curl_example(url: str, model: str, *, api_key: bool = False) -> str:
   body = json.dumps({"model": model, "max_tokens": 32,
                      "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-  return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+  auth = ' -H "Authorization: Bearer $KVJAX_API_KEY"' if api_key else ""
+  return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"  -d '{body}'")
 
 
@@ -100,8 +141,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
   config = config_from_flags()
   state = ServeState(enable_admin=config.enable_admin)
+  app_ = create_app(state, config.http_policy(),
+                    allow_special_tokens_in_prompt=config.allow_special_tokens_in_prompt)
   try:
-    http = HttpServer(create_app(state), config.host, config.port, log_level=config.log_level)
+    http = HttpServer(app_, config.host, config.port, log_level=config.log_level)
   except OSError as e:
     print(f"error: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
     sys.exit(2)
@@ -118,8 +161,9 @@ def main(argv):
       http.server.should_exit = True
       return
     state.attach(loaded["backend"])
-    print(f"kvjax: ready: {loaded['backend'].model_name} at {http.url}\n"
-          f"{curl_example(http.url, loaded['backend'].model_name)}", flush=True)
+    name = loaded["backend"].model_name
+    print(f"kvjax: ready: {name} at {http.url}\n"
+          f"{curl_example(http.url, name, api_key=config.api_key is not None)}", flush=True)
 
   threading.Thread(target=load, name="kvjax-load", daemon=True).start()
   try:

@@ -6,6 +6,12 @@
     GET  /metrics               Prometheus text format
     POST /admin/flush_kv        (only with `enable_admin`) waits until queued KV saves are written
 
+Every request first passes `guard` (ASGI middleware, before FastAPI parses anything): `Host`
+check, CORS only for `allowed_origins`, API key, JSON-only bodies, body size limit. Handlers run
+on uvicorn's event loop; tokenization and chat-template rendering run in worker threads (the
+tokenizer releases the GIL) after a text-length cap, so one large prompt cannot stall `/health`
+or other clients.
+
 The app exists before the model: `ServeState.attach` hands it the backend once loading and
 warmup are done; until then every route but /health and /metrics answers 503. Errors are
 OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -22,11 +29,13 @@ from typing import Any, Callable
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvjax.serve import completions, protocol
 from kvjax.serve.async_engine import AsyncEngine, EngineFault
+from kvjax.serve.guard import HostGuard, HttpPolicy, RequestGuard
 from kvjax.serve.metrics import ServeMetrics
 from kvjax.serve.protocol import ApiError
 
@@ -39,7 +48,7 @@ class Backend:
 
   Attributes:
     engine: the engine thread's front.
-    tokenizer: the model's tokenizer (`encode`, `decode`, `encode_chat`).
+    tokenizer: the model's tokenizer (`encode`, `decode`, `encode_chat`, `max_token_chars`).
     model_name: the name clients pass as `model`.
     max_model_len: tokens per sequence (prompt plus output).
     vocab_size: V, for checking token-id prompts.
@@ -83,16 +92,43 @@ class ServeState:
     return self.backend
 
 
-def create_app(state: ServeState) -> FastAPI:
-  """Builds the app over `state` (attach the backend before or after)."""
+def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
+               allow_special_tokens_in_prompt: bool = False) -> FastAPI:
+  """Builds the app over `state` (attach the backend before or after).
+
+  Args:
+    state: readiness and the backend.
+    policy: hosts, origins, API key and body limit (`guard.HttpPolicy`); None: its defaults
+      (loopback hosts only, no CORS, no key, 4 MiB).
+    allow_special_tokens_in_prompt: parse special-token text ("<|im_start|>") in completion
+      string prompts into control tokens; by default it is plain text. Chat message content is
+      always plain text.
+  """
+  policy = policy or HttpPolicy()
   app = FastAPI(title="kvjax", summary="OpenAI-compatible server for kvjax",
                 docs_url="/docs", redoc_url=None)
   app.state.kvjax = state
 
-  def error_response(e: ApiError) -> JSONResponse:
+  def count_error(e: ApiError) -> None:
     if state.backend is not None:
       state.backend.metrics.errors.labels(status=str(e.status), type=e.type).inc()
-    return JSONResponse(e.body(), status_code=e.status)
+
+  def error_response(e: ApiError) -> JSONResponse:
+    count_error(e)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+  # Added innermost first: HostGuard runs first, then CORS, then RequestGuard.
+  app.add_middleware(RequestGuard, policy=policy, on_error=count_error)
+  if policy.allowed_origins:
+    app.add_middleware(CORSMiddleware, allow_origins=list(policy.allowed_origins),
+                       allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])
+  app.add_middleware(HostGuard, policy=policy, on_error=count_error)
+
+  async def off_loop(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` in a worker thread (tokenization, template rendering)."""
+    return await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(fn, *args, **kwargs))
 
   @app.exception_handler(ApiError)
   async def _api_error(request: Request, e: ApiError):
@@ -102,6 +138,8 @@ def create_app(state: ServeState) -> FastAPI:
   @app.exception_handler(EngineFault)
   async def _engine_fault(request: Request, e: EngineFault):
     del request
+    if e.status == 429:
+      return error_response(protocol.too_many_requests(str(e)))
     return error_response(ApiError(e.status, str(e), type="server_error"))
 
   @app.exception_handler(StarletteHTTPException)
@@ -125,7 +163,14 @@ def create_app(state: ServeState) -> FastAPI:
     req = protocol.parse(protocol.CompletionRequest, await request.body())
     check_model(backend, req.model)
     req.check_supported()
-    ids = completions.prompt_ids_for_completion(req, backend.tokenizer, backend.vocab_size)
+    prompt = completions.completion_prompt(req, backend.vocab_size)
+    if isinstance(prompt, str):
+      completions.check_prompt_chars(len(prompt), backend.max_model_len,
+                                     backend.tokenizer.max_token_chars, "prompt")
+      ids = await off_loop(completions.encode_prompt, prompt, backend.tokenizer,
+                           parse_special=allow_special_tokens_in_prompt)
+    else:
+      ids = prompt
     params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=False)
     return await completions.Generation(backend, "completions", request, req, ids,
                                         params).run()
@@ -136,7 +181,10 @@ def create_app(state: ServeState) -> FastAPI:
     req = protocol.parse(protocol.ChatCompletionRequest, await request.body())
     check_model(backend, req.model)
     req.check_supported()
-    ids = completions.prompt_ids_for_chat(req, backend.tokenizer)
+    completions.check_prompt_chars(sum(len(m.text()) for m in req.messages),
+                                   backend.max_model_len, backend.tokenizer.max_token_chars,
+                                   "messages")
+    ids = await off_loop(completions.prompt_ids_for_chat, req, backend.tokenizer)
     params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True)
     return await completions.Generation(backend, "chat", request, req, ids, params).run()
 

@@ -89,14 +89,20 @@ class AsyncEngine:
 
   Args:
     engine: the engine; after `start()` only the engine thread touches it.
+    max_unfinished: most requests submitted and not yet finished (running plus waiting); one
+      more is refused with `EngineFault` 429. None: no bound.
     on_output: called on the engine thread for every output with (output, server-side TTFT in
       seconds on the first output else None, seconds since submission), e.g. to update metrics;
       its exceptions are logged and ignored.
   """
 
   def __init__(self, engine: Engine,
-               on_output: Callable[[RequestOutput, float | None, float], None] | None = None):
+               on_output: Callable[[RequestOutput, float | None, float], None] | None = None,
+               *, max_unfinished: int | None = None):
     self._engine = engine
+    self._max_unfinished = max_unfinished
+    self._unfinished = 0  # submitted, not yet finished, failed or aborted
+    self._unfinished_lock = threading.Lock()
     self.on_output = on_output
     self._commands: queue.SimpleQueue = queue.SimpleQueue()
     self._sinks: dict[str, _Sink] = {}
@@ -126,9 +132,18 @@ class AsyncEngine:
     so far; the last has `finished=True`), the server-side time to first token (seconds, on the
     first output only, else None) and the seconds since submission; or one `EngineFault`. Call
     from a coroutine on the handler's loop.
+
+    Raises:
+      EngineFault: 503 while shutting down; 429 when `max_unfinished` requests are unfinished.
     """
     if self._stopped.is_set():
       raise EngineFault("the server is shutting down", status=503)
+    with self._unfinished_lock:
+      if self._max_unfinished is not None and self._unfinished >= self._max_unfinished:
+        raise EngineFault(f"the server is busy: {self._unfinished} requests are running or "
+                          "waiting, its limit (--max_waiting_requests plus --max_num_seqs); "
+                          "retry later", status=429)
+      self._unfinished += 1
     sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
     self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt, sink))
     return sink.queue
@@ -172,6 +187,11 @@ class AsyncEngine:
       except Exception:  # noqa: BLE001 - the loop outlives any fault
         _log.exception("engine loop iteration failed; continuing")
 
+  def _release(self) -> None:
+    """One submitted request ended (finished, failed or aborted)."""
+    with self._unfinished_lock:
+      self._unfinished -= 1
+
   def _get_nowait(self):
     try:
       return self._commands.get_nowait()
@@ -185,9 +205,11 @@ class AsyncEngine:
       try:
         self._engine.add_request(ids, params, request_id=rid, cache_salt=salt)
       except ValueError as e:
+        self._release()
         sink.put(EngineFault(str(e), status=400))
         return
       except Exception as e:  # noqa: BLE001 - fails this request only
+        self._release()
         self.stats.add_failures += 1
         _log.exception("add_request(%s) failed", rid)
         sink.put(EngineFault(f"the engine failed to start this request: {e!r}"))
@@ -196,6 +218,7 @@ class AsyncEngine:
     elif kind == "abort":
       rid = cmd[1]
       if self._sinks.pop(rid, None) is not None:
+        self._release()
         self._engine.abort_request(rid)
         self.stats.aborted += 1
     elif kind == "call":
@@ -227,6 +250,7 @@ class AsyncEngine:
         ttft = now - sink.submitted_s
       if out.finished:
         del self._sinks[out.request_id]
+        self._release()
       elapsed = now - sink.submitted_s
       if self.on_output is not None:
         try:
@@ -244,6 +268,7 @@ class AsyncEngine:
       except Exception:  # noqa: BLE001
         _log.exception("abort_request(%s) failed", rid)
       sink.put(fault)
+      self._release()
     self._sinks.clear()
     self.stats.waiting = self.stats.running = 0
 

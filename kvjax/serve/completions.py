@@ -2,8 +2,9 @@
 
 Flow of one request (DESIGN.md section 3, step 1):
 
-    parse (protocol) -> model name -> prompt ids (chat template for chat) -> context check
-      -> SamplingParams -> AsyncEngine.submit -> outputs on an asyncio queue
+    parse (protocol) -> model name -> text length cap -> prompt ids (chat template for chat; in
+      a worker thread, off the event loop) -> context check -> SamplingParams
+      -> AsyncEngine.submit (429 when the waiting queue is full) -> outputs on an asyncio queue
       -> JSON body, or SSE chunks (`data: {...}` ... `data: [DONE]`)
 
 A client that disconnects gets its request aborted (slot freed): a non-streaming handler races
@@ -36,9 +37,32 @@ from kvjax.serve.protocol import ApiError, bad_request
 DEFAULT_COMPLETION_TOKENS = 16
 
 
-def prompt_ids_for_completion(req: protocol.CompletionRequest, tokenizer: Any,
-                              vocab_size: int) -> list[int]:
-  """Token ids of `prompt`: a string, one-string list, token ids, or one token-id list."""
+def check_prompt_chars(n_chars: int, max_model_len: int, max_token_chars: int,
+                       what: str) -> None:
+  """Rejects a text prompt that cannot fit before it is tokenized (tokenizing is the expensive
+  part: a long text would hold a CPU for seconds).
+
+  A text of `n_chars` characters needs at least `n_chars / max_token_chars` tokens, so more than
+  `max_model_len * max_token_chars` characters cannot fit in the context.
+
+  Raises:
+    ApiError: 400 `context_length_exceeded` naming `what` ("prompt" or "messages").
+  """
+  limit = max_model_len * max_token_chars
+  if n_chars > limit:
+    raise bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+        f"has {n_chars} characters, more than {max_model_len} tokens can hold (at most "
+        f"{max_token_chars} characters per token). Please reduce the length of the {what}.",
+        what, "context_length_exceeded")
+
+
+def completion_prompt(req: protocol.CompletionRequest, vocab_size: int) -> str | list[int]:
+  """The one prompt of `req`: a string, or token ids checked against the vocabulary.
+
+  Raises:
+    ApiError: 400 for a batch of prompts, an empty prompt, or ids outside [0, vocab_size).
+  """
   prompt = req.prompt
   if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
     if len(prompt) != 1:
@@ -48,7 +72,7 @@ def prompt_ids_for_completion(req: protocol.CompletionRequest, tokenizer: Any,
   if isinstance(prompt, str):
     if not prompt:
       raise bad_request("prompt is empty: give at least one character.", "prompt")
-    return tokenizer.encode(prompt)
+    return prompt
   if not prompt:
     raise bad_request("prompt is empty: give at least one token.", "prompt")
   bad = [t for t in prompt if not 0 <= t < vocab_size]
@@ -58,9 +82,14 @@ def prompt_ids_for_completion(req: protocol.CompletionRequest, tokenizer: Any,
   return list(prompt)
 
 
+def encode_prompt(prompt: str, tokenizer: Any, *, parse_special: bool) -> list[int]:
+  """Token ids of a text prompt; special-token text is plain text unless `parse_special`."""
+  return tokenizer.encode(prompt, parse_special=parse_special)
+
+
 def prompt_ids_for_chat(req: protocol.ChatCompletionRequest, tokenizer: Any) -> list[int]:
   """Token ids of the conversation under the model's chat template (ends with the assistant's
-  turn header)."""
+  turn header); special-token text in any message's content is plain text."""
   try:
     return tokenizer.encode_chat(req.conversation(), add_generation_prompt=True)
   except Exception as e:  # noqa: BLE001 - a template that rejects the messages is a 400

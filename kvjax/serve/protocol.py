@@ -30,10 +30,12 @@ class ApiError(Exception):
   """An error answered with an OpenAI-style body `{"error": {message, type, param, code}}`."""
 
   def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-               param: str | None = None, code: str | None = None):
+               param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None):
     super().__init__(message)
     self.status, self.message, self.type, self.param, self.code = (status, message, type, param,
                                                                    code)
+    self.headers = headers  # extra response headers (Retry-After, WWW-Authenticate)
 
   def body(self) -> dict[str, Any]:
     return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -47,6 +49,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def model_not_found(model: str) -> ApiError:
   return ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
                   param="model", code="model_not_found")
+
+
+def too_many_requests(message: str) -> ApiError:
+  """429: the waiting queue is full (`--max_waiting_requests`); retry after a second."""
+  return ApiError(429, message, type="rate_limit_exceeded", code="too_many_waiting_requests",
+                  headers={"Retry-After": "1"})
 
 
 def server_error(message: str, status: int = 500) -> ApiError:

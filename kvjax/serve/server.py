@@ -23,10 +23,13 @@ from kvjax import codecs
 from kvjax.engine import LLM, builder
 from kvjax.serve.app import Backend
 from kvjax.serve.async_engine import AsyncEngine
+from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy
 from kvjax.serve.metrics import ServeMetrics
 
 #: The codecs `--kv_codec` offers: every codec of the registry (`kvjax.codecs`).
 KV_CODECS = tuple(codecs.CODECS)
+#: Default `max_waiting_requests`: requests queued beyond the decode slots before 429s.
+DEFAULT_MAX_WAITING_REQUESTS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,18 @@ class ServerConfig:
     kv_link_trace: file of "seconds bytes_per_s" lines instead of a constant link.
     enable_admin: serve POST /admin/flush_kv.
     log_level: uvicorn's log level.
+    max_request_bytes: largest request body, bytes (413 beyond, before any parsing).
+    max_waiting_requests: requests that may wait beyond the `max_num_seqs` running ones (429
+      beyond); None: unbounded.
+    allow_special_tokens_in_prompt: parse special-token text in completion string prompts
+      (chat content is always plain text).
+    allowed_hosts: extra `Host` names (see `guard.HttpPolicy`); None: the default for `host`.
+    allowed_origins: origins granted CORS; empty: no CORS headers.
+    api_key: required as `Authorization: Bearer` on all but /health and /metrics; None: open.
+    auth_health_and_metrics: require `api_key` on /health and /metrics too.
+
+  Raises:
+    ValueError: a bad port, codec, limit, host, origin or key.
   """
 
   model: str = "SmolLM2-135M-Instruct"
@@ -76,6 +91,13 @@ class ServerConfig:
   kv_link_trace: str | None = None
   enable_admin: bool = False
   log_level: str = "warning"
+  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+  max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
+  allow_special_tokens_in_prompt: bool = False
+  allowed_hosts: tuple[str, ...] | None = None
+  allowed_origins: tuple[str, ...] = ()
+  api_key: str | None = dataclasses.field(default=None, repr=False)  # never in logs
+  auth_health_and_metrics: bool = False
 
   def __post_init__(self):
     if self.kv_codec not in KV_CODECS:
@@ -88,6 +110,15 @@ class ServerConfig:
       raise ValueError(f"port={self.port} is not in [0, 65535]")
     if self.kv_tiers is not None and self.kv_store not in (None, "default"):
       raise ValueError("give kv_store or kv_tiers, not both")
+    if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+      raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")
+    self.http_policy()  # validates hosts, origins, key and body limit
+
+  def http_policy(self) -> HttpPolicy:
+    """The `guard.HttpPolicy` of these options."""
+    return HttpPolicy(bind_host=self.host, max_request_bytes=self.max_request_bytes,
+                      allowed_hosts=self.allowed_hosts, allowed_origins=self.allowed_origins,
+                      api_key=self.api_key, auth_health_and_metrics=self.auth_health_and_metrics)
 
   def llm_options(self) -> dict[str, Any]:
     """Keyword arguments of `builder.build_llm` (and so of `LLM`)."""
@@ -108,9 +139,16 @@ class ServerConfig:
     return opts
 
 
-def backend_from_llm(llm: LLM, *, served_model_name: str | None = None,
-                     warm: bool = True) -> Backend:
+def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bool = True,
+                     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS) -> Backend:
   """Warms `llm` up and starts its engine thread; the result is ready to `ServeState.attach`.
+
+  Args:
+    llm: the model and engine to serve (from here on the engine thread owns its engine).
+    served_model_name: the `model` clients send; default `llm.model_name`.
+    warm: compile every program first (`builder.warmup`).
+    max_waiting_requests: requests admitted beyond the engine's decode slots; more get 429.
+      None: unbounded.
 
   Raises:
     ValueError: a model without a tokenizer (the server speaks text).
@@ -118,9 +156,15 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None,
   tokenizer = llm.get_tokenizer()
   if tokenizer is None:
     raise ValueError(f"model {llm.model_name!r} has no tokenizer; the server needs one")
+  # Built lazily by the tokenizer: build them now rather than on the first request.
+  if tokenizer.max_token_chars < 1:
+    raise ValueError(f"model {llm.model_name!r}: its tokenizer has an empty vocabulary")
+  tokenizer.encode("<", parse_special=False)
   if warm:
     builder.warmup(llm)
-  loop = AsyncEngine(llm.engine)
+  max_unfinished = (None if max_waiting_requests is None else
+                    llm.engine.runner.config.num_slots + max_waiting_requests)
+  loop = AsyncEngine(llm.engine, max_unfinished=max_unfinished)
   metrics = ServeMetrics(engine_stats=llm.engine.stats, loop_stats=loop.stats)
   loop.on_output = metrics.on_output
   loop.start()
@@ -139,7 +183,8 @@ def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:
     ValueError, FileNotFoundError: as `LLM`.
   """
   llm = builder.build_llm(config.model, **config.llm_options())
-  return backend_from_llm(llm, served_model_name=config.served_model_name), llm
+  return backend_from_llm(llm, served_model_name=config.served_model_name,
+                          max_waiting_requests=config.max_waiting_requests), llm
 
 
 def close_backend(backend: Backend | None, llm: LLM | None) -> None:

@@ -23,6 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvjax.serve import (Backend, HttpServer, ServeState, backend_from_llm, close_backend,
                          create_app)
+from kvjax.serve.guard import HttpPolicy
+from kvjax.serve.server import DEFAULT_MAX_WAITING_REQUESTS
 
 
 @dataclasses.dataclass
@@ -31,6 +33,13 @@ class RunningServer:
   state: ServeState
   backend: Backend
   http: HttpServer
+  policy: HttpPolicy = HttpPolicy()
+
+  @property
+  def auth_headers(self) -> dict[str, str]:
+    """`Authorization` for the server's API key (empty without one)."""
+    key = self.policy.api_key
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
   def engine_call(self, fn: Callable[[Any], Any]) -> Any:
     """Runs `fn(engine)` on the engine thread after every command queued so far."""
@@ -38,35 +47,51 @@ class RunningServer:
 
   def flush(self) -> None:
     """Waits until the KV saves of finished requests are written (POST /admin/flush_kv)."""
-    r = httpx.post(self.url + "/admin/flush_kv", timeout=120)
+    r = httpx.post(self.url + "/admin/flush_kv", timeout=120, headers=self.auth_headers)
     r.raise_for_status()
 
   def scrape(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """GET /metrics parsed by prometheus_client: {(sample name, sorted labels): value}."""
-    text = httpx.get(self.url + "/metrics", timeout=30).text
+    text = httpx.get(self.url + "/metrics", timeout=30, headers=self.auth_headers).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 @contextlib.contextmanager
-def serving(llm, *, served_model_name: str | None = None,
-            enable_admin: bool = True) -> Iterator[RunningServer]:
-  """Serves `llm` on 127.0.0.1 at a free port until the context exits (the LLM stays open)."""
+def serving(llm, *, served_model_name: str | None = None, enable_admin: bool = True,
+            policy: HttpPolicy | None = None, allow_special_tokens_in_prompt: bool = False,
+            max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
+            ) -> Iterator[RunningServer]:
+  """Serves `llm` on 127.0.0.1 at a free port until the context exits (the LLM stays open).
+
+  `policy`, `allow_special_tokens_in_prompt` go to `create_app`, `max_waiting_requests` to
+  `backend_from_llm`.
+  """
+  policy = policy or HttpPolicy()
   state = ServeState(enable_admin=enable_admin)
-  http = HttpServer(create_app(state), "127.0.0.1", 0)
+  http = HttpServer(create_app(state, policy,
+                               allow_special_tokens_in_prompt=allow_special_tokens_in_prompt),
+                    "127.0.0.1", 0)
   http.start()
   backend = None
   try:
-    backend = backend_from_llm(llm, served_model_name=served_model_name)
+    backend = backend_from_llm(llm, served_model_name=served_model_name,
+                               max_waiting_requests=max_waiting_requests)
     state.attach(backend)
-    yield RunningServer(http.url, state, backend, http)
+    yield RunningServer(http.url, state, backend, http, policy)
   finally:
     http.stop()
     close_backend(backend, None)
 
 
 class ServedLLMTestCase(parameterized.TestCase):
-  """Serves `make_llm()` for the whole class: `cls.llm`, `cls.srv` and an `openai` `cls.client`."""
+  """Serves `make_llm()` for the whole class: `cls.llm`, `cls.srv` and an `openai` `cls.client`.
+
+  `serve_options` (a class attribute) holds keyword arguments of `serving`; the client sends the
+  policy's API key.
+  """
+
+  serve_options: dict[str, Any] = {}
 
   @classmethod
   def make_llm(cls):
@@ -76,9 +101,10 @@ class ServedLLMTestCase(parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.llm = cls.make_llm()
-    cls._ctx = serving(cls.llm)
+    cls._ctx = serving(cls.llm, **cls.serve_options)
     cls.srv = cls._ctx.__enter__()
-    cls.client = openai.OpenAI(base_url=cls.srv.url + "/v1", api_key="unused", max_retries=0)
+    cls.client = openai.OpenAI(base_url=cls.srv.url + "/v1", max_retries=0,
+                               api_key=cls.srv.policy.api_key or "unused")
 
   @classmethod
   def tearDownClass(cls):

@@ -207,8 +207,9 @@ class OpenAIApiTest(ServedLLMTestCase):
     emitted, proceed, aborted = self.hold_after_first_token()
     body = (b'{"model": "tiny", "prompt": "disconnect me too", "max_tokens": 400}')
     with socket.create_connection(("127.0.0.1", self.srv.http.port)) as s:
-      s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+      s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                + b"\r\n\r\n" + body)
       self.assertTrue(emitted.wait(60))
     self.assertTrue(aborted.wait(60))
     proceed.set()

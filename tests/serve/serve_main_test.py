@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import httpx
+import openai
 import pytest
 from absl.testing import absltest
 
@@ -15,8 +16,9 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--model=tiny", "--port=0", "--cache_dir=", "--chunk_sizes=16,32", "--max_num_seqs=1"]
 
 
-def start(*flags, stderr=subprocess.PIPE):
-  env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def start(*flags, stderr=subprocess.PIPE, env=None):
+  env = {**os.environ, **(env or {}),
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
   return subprocess.Popen([sys.executable, "-m", "kvjax.serve", *flags], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=stderr, text=True)
 
@@ -51,6 +53,34 @@ class ServeMainTest(absltest.TestCase):
     self.assertEqual(proc.returncode, 0, log.read())
     self.assertIn("stopping", out)
 
+  def test_api_key_from_the_environment_and_request_limits(self):
+    log = open(self.create_tempfile().full_path, "w+")
+    proc = start(*TINY, "--kv_store=none", "--max_request_bytes=2000",
+                 "--max_waiting_requests=0", stderr=log, env={"KVJAX_API_KEY": "k3y"})
+    try:
+      port = int(re.search(r"port (\d+)", proc.stdout.readline()).group(1))
+      url = f"http://127.0.0.1:{port}"
+      line = proc.stdout.readline()
+      while line and not line.startswith("kvjax: ready"):
+        line = proc.stdout.readline()
+      self.assertTrue(line, "server exited")
+      self.assertIn('-H "Authorization: Bearer $KVJAX_API_KEY"', proc.stdout.readline())
+      self.assertEqual(httpx.get(url + "/health").status_code, 200)  # open without the key
+      self.assertEqual(httpx.get(url + "/v1/models").status_code, 401)
+      client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0)
+      self.assertEqual(client.completions.create(model="tiny", prompt="hi",
+                                                 max_tokens=2).usage.completion_tokens, 2)
+      with self.assertRaises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny", prompt="a" * 2000, max_tokens=1)
+      self.assertEqual((e.exception.status_code, e.exception.code), (413, "request_too_large"))
+      r = httpx.get(url + "/health", headers={"Host": "evil.example"})
+      self.assertEqual(r.json()["error"]["code"], "invalid_host")
+    finally:
+      proc.send_signal(signal.SIGINT)
+      proc.communicate(timeout=60)
+    log.seek(0)
+    self.assertEqual(proc.returncode, 0, log.read())
+
   @pytest.mark.slow
   def test_bad_flags_and_models_exit_with_a_message(self):
     proc = start(*TINY, "--kv_codec=zstd")
@@ -61,6 +91,14 @@ class ServeMainTest(absltest.TestCase):
     out, err = proc.communicate(timeout=120)
     self.assertEqual(proc.returncode, 2)
     self.assertIn("unknown model 'no-such-model'", err)
+    proc = start(*TINY, "--auth_health_and_metrics", env={"KVJAX_API_KEY": ""})
+    _, err = proc.communicate(timeout=120)
+    self.assertEqual(proc.returncode, 1)
+    self.assertIn("--auth_health_and_metrics needs --api_key", err)
+    proc = start(*TINY, "--allowed_origins=app.example")
+    _, err = proc.communicate(timeout=120)
+    self.assertEqual(proc.returncode, 1)
+    self.assertIn("not an origin", err)
 
 
 if __name__ == "__main__":
