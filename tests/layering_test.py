@@ -27,6 +27,10 @@ ALLOWED_KVJAX = {
     "serve": {"kvjax.serve", "kvjax.engine", "kvjax.scheduler.request", "kvjax._typing"},
 }
 
+# Bottom floors: kvjax modules outside every room that any room may import (the scheduler and
+# storage both hash blocks with kvjax.block_hash); a floor imports no room, only other floors.
+FLOORS = {"kvjax._typing", "kvjax.block_hash"}
+
 
 def imported_modules(path):
   tree = ast.parse(path.read_text(), filename=str(path))
@@ -56,6 +60,15 @@ class LayeringTest(absltest.TestCase):
           if (mod == "kvjax" or mod.startswith("kvjax.")) and not any(
               mod == a or mod.startswith(a + ".") for a in allowed):
             violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_floors_import_no_room(self):
+    violations = []
+    for floor in sorted(FLOORS):
+      path = PKG.parent / (floor.replace(".", "/") + ".py")
+      for mod in imported_modules(path):
+        if (mod == "kvjax" or mod.startswith("kvjax.")) and mod not in FLOORS:
+          violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")
     self.assertEqual(violations, [])
 
   def test_rooms_exist(self):
