@@ -185,6 +185,20 @@ class BlockPoolTest(absltest.TestCase):
     self.assertEqual(pool.allocate(3), [y, x, z])
     pool.verify()
 
+  def test_a_leaf_that_gains_a_child_waits_for_it(self):
+    pool = BlockPool(4, 4)
+    x, y, z, w = pool.allocate(4)
+    pool.cache_block(x, h(0), "root")
+    pool.free([x])  # an evictable leaf, released first
+    self.assertFalse(pool.cache_block(y, h(0), "root"))
+    pool.cache_block(z, h(1), h(0))  # now x has a cached child (z, in use)
+    pool.cache_block(w, h(5), "root")
+    pool.free([w])  # a leaf released after x
+    self.assertEqual(pool.allocate(1), [w])
+    pool.free([z])
+    self.assertEqual(pool.allocate(2), [z, x])  # z is a leaf again, then x
+    pool.verify()
+
   def test_bad_calls_raise(self):
     pool = BlockPool(2, 4)
     (a,) = pool.allocate(1)
