@@ -199,6 +199,20 @@ class BlockPoolTest(absltest.TestCase):
     self.assertEqual(pool.allocate(2), [z, x])  # z is a leaf again, then x
     pool.verify()
 
+  def test_repeated_hits_keep_the_lru_order_and_a_bounded_heap(self):
+    pool = BlockPool(3, 4)
+    a, b, c = pool.allocate(3)
+    for i, blk in enumerate((a, b, c)):
+      pool.cache_block(blk, h(i), "root")
+    pool.free([a, b, c])
+    for i in range(300):  # every hit and release leaves a stale heap entry behind
+      blk = (a, b, c)[i % 3] if i < 299 else a
+      pool.touch([blk])
+      pool.free([blk])
+    self.assertLessEqual(len(pool._leaf_heap), 4 * 3 + 64 + 1)
+    self.assertEqual(pool.allocate(3), [c, b, a])  # a was hit last
+    pool.verify()
+
   def test_bad_calls_raise(self):
     pool = BlockPool(2, 4)
     (a,) = pool.allocate(1)
