@@ -1,6 +1,6 @@
 """Holds the import direction between rooms (DESIGN.md section 2).
 
-Bottom floors (`kvjax/_typing.py`, `kvjax/codecs.py`, the codec registry) import no kvjax module
+Bottom floors (`kvjax/_typing.py`, `kvjax/codecs.py`, the codec registry, `kvjax/block_hash.py`) import no kvjax module
 but `kvjax._typing` and no array or storage library, so every room may import them.
 """
 
@@ -29,7 +29,8 @@ FORBIDDEN = {
 }
 
 # Bottom-floor modules -> the only kvjax modules they may import, and the libraries they must not.
-BOTTOM_FLOORS = {"_typing.py": set(), "codecs.py": {"kvjax._typing"}}
+BOTTOM_FLOORS = {"_typing.py": set(), "codecs.py": {"kvjax._typing"},
+                 "block_hash.py": {"kvjax._typing"}}
 BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"}
 
 # Room -> the only kvjax modules it may import (besides itself): serve sees the engine and the
