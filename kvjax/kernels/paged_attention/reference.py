@@ -90,7 +90,12 @@ def check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_
 
 
 def _is_concrete(*xs) -> bool:
-  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+  try:
+    for x in xs:
+      np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return False
+  return True
 
 
 def check_values(q_TNH, k_pool, block_tables, context_lens, query_start_loc, num_seqs) -> None:
