@@ -110,6 +110,9 @@ class MergeTrace:
     compute_s: cost-model seconds of every compute step planned (prefix and suffix), as predicted
       when planned.
     load_s: wall seconds during which at least one load was in flight.
+    chunk_writers: one letter per chunk (`CakeMerge.chunk_writers`), in snapshots of a merge that
+      keeps a writer map; "" otherwise.
+    unwritten_positions: prompt positions nobody wrote, in such snapshots (None otherwise).
   """
 
   num_chunks: int
@@ -124,6 +127,8 @@ class MergeTrace:
   wasted_bytes: int = 0
   compute_s: float = 0.0
   load_s: float = 0.0
+  chunk_writers: str = ""
+  unwritten_positions: int | None = None
 
 
 @dataclasses.dataclass
@@ -277,6 +282,11 @@ class CakeMerge:
     return tuple(self._states)
 
   @property
+  def keeps_writers(self) -> bool:
+    """Whether it keeps a per-position writer map (`check_writes`)."""
+    return self._writers is not None
+
+  @property
   def in_flight(self) -> tuple[int, ...]:
     """Chunks whose loads were issued and have not finished, in issue order."""
     return tuple(self._in_flight)
@@ -417,6 +427,21 @@ class CakeMerge:
         load.encoding.name if load.encoding is not None else None)
     self.trace.loaded_bytes += nbytes
     return LoadVerdict.INSERT
+
+  def load_dropped(self, index: int, now_s: float) -> None:
+    """A load the planner released before it started (compute took its chunk) never ran: it
+    leaves the in-flight set without counting as waste (no byte moved).
+
+    Raises:
+      ValueError: if chunk `index` has no load in flight.
+    """
+    if self._in_flight.pop(index, None) is None:
+      raise ValueError(f"chunk {index} has no load in flight")
+    if not self._in_flight and self._load_busy_since_s is not None:
+      self.trace.load_s += max(0.0, now_s - self._load_busy_since_s)
+      self._load_busy_since_s = None
+    if self._states[index] is ChunkState.LOADING:
+      self._states[index] = ChunkState.HIT
 
   def inserted(self, index: int) -> None:
     """The engine inserted chunk `index` (after an INSERT verdict); it is now RESIDENT.
@@ -583,13 +608,15 @@ class CakeMerge:
 
   def _late_at_s(self, cost: CostModel) -> dict[int, float]:
     """When each in-flight load turns late: `late_factor` times its latency as the current
-    model predicts it (link in issue order, busy until the last landing), after its issue."""
+    model predicts it (link in issue order, busy until the last landing), counted from when the
+    link would start it (a load queued behind others is not late for waiting its turn)."""
     out = {}
     xfer_end, dec_end = self._last_landing_s, -math.inf
     for j, ld in self._in_flight.items():
-      xfer_end = max(ld.issue_s, xfer_end) + cost.transfer_s_per_byte * ld.nbytes
+      xfer_start = max(ld.issue_s, xfer_end)
+      xfer_end = xfer_start + cost.transfer_s_per_byte * ld.nbytes
       dec_end = max(xfer_end, dec_end) + cost.decode_s_per_byte * ld.nbytes
-      out[j] = ld.issue_s + self.late_factor * (dec_end - ld.issue_s)
+      out[j] = xfer_start + self.late_factor * (dec_end - xfer_start)
     return out
 
   def _landings(self, now_s: float, cost: CostModel) -> tuple[dict[int, float], dict[int, float]]:
@@ -683,9 +710,12 @@ class CakeMerge:
     land = None
     late = self._late_at_s(cost)
     link_late = any(now_s >= t for t in late.values())
+    order = list(self._in_flight)
+    first_late = next((i for i, j in enumerate(order) if now_s >= late[j]), len(order))
+    behind_late = set(order[first_late + 1:])
     for j in range(p // c, min(self.num_chunks, (end - 1) // c + 1)):
       s = self._states[j]
-      if s is ChunkState.HIT and link_late:
+      if (s is ChunkState.HIT and link_late) or j in behind_late:
         continue  # queued behind a late load: its landing is anyone's guess
       if s not in (ChunkState.HIT, ChunkState.LOADING):
         continue

@@ -58,7 +58,7 @@ class PrefillChunk:
   start: int
   num_tokens: int
   is_last: bool
-  token_ids: tuple[int, ...] = ()
+  token_ids: tuple[int, ...] = dataclasses.field(default=(), compare=False)  # the request's
   saves: tuple[SaveItem, ...] = ()
 
 

@@ -47,11 +47,14 @@ import dataclasses
 import math
 
 from kvjax._typing import RequestId
-from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace
+from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace, Writer
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.output import (DecodeItem, InsertItem, LoadItem, PrefillChunk, SaveItem,
                                     SchedulerOutput, StepResult, StoredPrefix)
 from kvjax.scheduler.request import Request, RequestStatus
+
+#: `LoadReport.reason` of a load the executor dropped, at the plan's request, before it started.
+RELEASED = "released"
 
 #: Longest single wait for a load to land, seconds (the executor asks for a new plan after it).
 MAX_LOAD_WAIT_S = 1.0
@@ -87,8 +90,10 @@ class LoadConfig:
   Attributes:
     merge_mode: "cake" (compute from the front, load from the back), "compute_only" (ignore
       hits) or "load_only" (wait for every stored chunk): the baselines share the machinery.
-    max_loads_in_flight: a fixed number of loads issued ahead per request (also its reads at
-      once); None derives both from the link (`loads_ahead`, `reads_at_once`).
+    max_loads_in_flight: reads at once per request (the executor's concurrency); None derives
+      it from the link's bandwidth and latency (`reads_at_once`).
+    max_loads_ahead: loads issued ahead per request (queued or reading); None derives it from
+      the link's bandwidth-delay product over one step (`loads_ahead`).
     link_latency_s: the store link's latency prior, seconds (a read's fixed cost), for the
       bandwidth-delay product.
     staging_bytes: stored bytes a request may have issued and not yet inserted, at most.
@@ -99,6 +104,7 @@ class LoadConfig:
 
   merge_mode: str = "cake"
   max_loads_in_flight: int | None = None
+  max_loads_ahead: int | None = None
   link_latency_s: float = 1e-3
   staging_bytes: int = 1 << 30
   kv_ttft_target_s: float | None = None
@@ -110,11 +116,10 @@ class LoadConfig:
     except ValueError:
       raise ValueError(f"merge_mode={self.merge_mode!r}; use one of "
                        f"{[m.value for m in MergeMode]}") from None
-    if self.max_loads_in_flight is not None and (
-        isinstance(self.max_loads_in_flight, bool) or not isinstance(self.max_loads_in_flight, int)
-        or self.max_loads_in_flight < 1):
-      raise ValueError(f"max_loads_in_flight={self.max_loads_in_flight!r} must be None or an "
-                       "int >= 1")
+    for name in ("max_loads_in_flight", "max_loads_ahead"):
+      v = getattr(self, name)
+      if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"{name}={v!r} must be None or an int >= 1")
     if not self.link_latency_s >= 0 or not self.staging_bytes > 0:
       raise ValueError(f"link_latency_s={self.link_latency_s} must be >= 0 and staging_bytes="
                        f"{self.staging_bytes} > 0")
@@ -164,7 +169,7 @@ class _Prefix:
   merge: CakeMerge
   stored: StoredPrefix
   rejected: set[int] = dataclasses.field(default_factory=set)
-  outstanding: set[int] = dataclasses.field(default_factory=set)  # loads issued, not reported
+  outstanding: dict[int, int] = dataclasses.field(default_factory=dict)  # issued: planned bytes
 
 
 class Scheduler:
@@ -193,15 +198,20 @@ class Scheduler:
     self._releases: list[tuple[RequestId, int]] = []
     self._last_step_s = 0.0
     self._last_now_s: float | None = None
+    self._final_traces: dict[RequestId, MergeTrace] = {}
 
   # ----------------------------------------------------------------------------- requests
-  def add_request(self, request: Request, stored: StoredPrefix | None = None) -> None:
+  def add_request(self, request: Request, stored: StoredPrefix | None = None, *,
+                  merge_mode: MergeMode | str | None = None,
+                  kv_ttft_target_s: float | None = None) -> None:
     """Takes ownership of a new request (the caller keeps no reference to it).
 
     Args:
       request: the request, status WAITING.
       stored: the store lookup of its prefix; a Cake merge plans it when any chunk is stored
         (and the mode uses hits).
+      merge_mode: this request's merge mode instead of `load_config.merge_mode`.
+      kv_ttft_target_s: this request's TTFT target instead of `load_config.kv_ttft_target_s`.
 
     Raises:
       ValueError: a duplicate id, or a lookup that does not fit the prompt.
@@ -214,9 +224,11 @@ class Scheduler:
       lc = self.load_config
       encodings = [c.candidates if c is not None else None for c in stored.chunks]
       merge = CakeMerge(
-          request.num_prompt_tokens, stored.chunk_size, stored.hits, lc.merge_mode,
-          encodings=encodings, max_loads_in_flight=lc.max_loads_in_flight or 2,
-          kv_ttft_target_s=lc.kv_ttft_target_s, arrival_s=request.arrival_s,
+          request.num_prompt_tokens, stored.chunk_size, stored.hits,
+          merge_mode if merge_mode is not None else lc.merge_mode,
+          encodings=encodings, max_loads_in_flight=lc.max_loads_ahead or 2,
+          kv_ttft_target_s=kv_ttft_target_s if kv_ttft_target_s is not None
+          else lc.kv_ttft_target_s, arrival_s=request.arrival_s,
           check_writes=lc.check_writes)
       self._prefix[rid] = _Prefix(merge, stored)
     request.status = RequestStatus.WAITING
@@ -239,7 +251,15 @@ class Scheduler:
   def merge_trace(self, request_id: RequestId) -> MergeTrace | None:
     """A snapshot (a copy) of the request's merge trace, or None without a merge."""
     p = self._prefix.get(request_id)
-    return copy.deepcopy(p.merge.trace) if p is not None else None
+    return self._snapshot(p.merge) if p is not None else None
+
+  @staticmethod
+  def _snapshot(m: CakeMerge) -> MergeTrace:
+    trace = copy.deepcopy(m.trace)
+    if m.keeps_writers:
+      trace.chunk_writers = m.chunk_writers()
+      trace.unwritten_positions = m.writer_map().count(Writer.NONE)
+    return trace
 
   def cake_requests(self, include_waiting: bool = False) -> list[Request]:
     """Requests whose merge still prefills: running ones oldest first, then (with
@@ -264,7 +284,12 @@ class Scheduler:
         return None
     prefix = self._prefix.pop(request_id, None)
     if prefix is not None:
-      prefix.merge.cancel()  # no chunk of a freed slot may be inserted any more
+      m = prefix.merge
+      m.cancel()  # no chunk of a freed slot may be inserted any more
+      now = self._last_now_s if self._last_now_s is not None else 0.0
+      for j, nbytes in sorted(prefix.outstanding.items()):
+        m.load_done(j, False, nbytes, now)  # abandoned loads count as waste (planned bytes)
+      self._final_traces[request_id] = self._snapshot(m)
     if r.slot is not None:
       bisect.insort(self._free_slots, r.slot)
       r.slot = None
@@ -358,17 +383,18 @@ class Scheduler:
     for r in self.cake_requests(include_waiting=True):
       prefix = self._prefix[r.request_id]
       m = prefix.merge
-      if lc.max_loads_in_flight is None:
-        nbytes = max((c.candidates[0].nbytes for c in prefix.stored.chunks
-                      if c is not None and c.candidates), default=0)
-        m.max_loads_in_flight = loads_ahead(cost.bandwidth_bytes_per_s, self._last_step_s,
+      nbytes = max((max(c.nbytes for c in ch.candidates) for ch in prefix.stored.chunks
+                    if ch is not None and ch.candidates), default=0)
+      if lc.max_loads_ahead is None:
+        delay_s = max(self._last_step_s,
+                      cost.predict_compute_s(r.num_computed_tokens, self.config.chunk_sizes[-1]))
+        m.max_loads_in_flight = loads_ahead(cost.bandwidth_bytes_per_s, delay_s,
                                             lc.link_latency_s, nbytes, lc.staging_bytes)
-        reads = reads_at_once(cost.bandwidth_bytes_per_s, lc.link_latency_s, nbytes)
-      else:
-        reads = lc.max_loads_in_flight
+      reads = lc.max_loads_in_flight or reads_at_once(cost.bandwidth_bytes_per_s,
+                                                      lc.link_latency_s, nbytes)
       while (j := m.next_load(now_s, cost)) is not None:
         enc = m.load_encoding(j)
-        prefix.outstanding.add(j)
+        prefix.outstanding[j] = enc.nbytes if enc is not None else 0
         out.append(LoadItem(r.request_id, j, enc.name if enc is not None else None,
                             enc.nbytes if enc is not None else 0, reads))
     return tuple(out)
@@ -452,13 +478,16 @@ class Scheduler:
       prefix = self._prefix.get(rep.request_id)
       if prefix is None or rep.index not in prefix.outstanding:
         continue  # the request ended meanwhile: the executor has dropped the load
-      prefix.outstanding.discard(rep.index)
+      del prefix.outstanding[rep.index]
+      if not rep.ok and rep.reason == RELEASED:
+        prefix.merge.load_dropped(rep.index, rep.done_s or result.now_s)
+        continue
       if rep.ok:
         if rep.link_s > 0:
           cost.observe_load(rep.nbytes, rep.link_s)
         cost.observe_decode(rep.nbytes, rep.decode_s)
-      verdict = prefix.merge.load_done(rep.index, rep.ok, rep.nbytes, result.now_s,
-                                       level=rep.encoding)
+      verdict = prefix.merge.load_done(rep.index, rep.ok, rep.nbytes,
+                                       rep.done_s or result.now_s, level=rep.encoding)
       if verdict is LoadVerdict.REJECTED:
         prefix.rejected.add(rep.index)
       elif verdict is LoadVerdict.WASTED and rep.ok:
@@ -474,11 +503,9 @@ class Scheduler:
       if len(r.output_token_ids) == 1 and rid in self._prefix:
         traces[rid] = self.merge_trace(rid)
     for rid, reason in result.finished:
-      if rid in self._prefix:
-        traces[rid] = self.merge_trace(rid)
       self.finish_request(rid, reason)
     for rid, _ in result.failed:
-      if rid in self._prefix:
-        traces[rid] = self.merge_trace(rid)
       self.finish_request(rid, "error")
+    traces.update(self._final_traces)
+    self._final_traces = {}
     return traces

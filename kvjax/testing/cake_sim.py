@@ -1,15 +1,15 @@
 """A deterministic simulator of the Cake merge: fake clock, scripted link, per-chunk costs.
 
-It drives the real `Scheduler` and `CakeMerge` the way the engine does, with time advanced by a
-cost model instead of a device:
+It is a fake executor (`SimExecutor`) under the real `Scheduler`, run by the engine's own step
+loop (`kvjax.engine.core.EngineCore`): there is no second loop to drift from the engine's. Each
+plan is executed on a fake clock:
 
-    between steps   insert landed chunks of requests holding a slot (`inserted`); issue loads
-                    (`next_load`) of every merge, queued requests included (prefetch)
-    plan            `scheduler.schedule(now_s, token_budget)`
-    run             clock += sum of the plan's compute costs (+ decode step, + competing work)
-    meanwhile       loads land on the scripted link; each landing calls `load_done` at its own
-                    time and issues the next load at once (a loader thread), but inserts wait
-                    for the step boundary (only the engine thread writes the cache)
+    plan        `scheduler.schedule(now_s, token_budget)`: finished ids, releases, loads,
+                inserts, decodes, prefills, exactly as the engine gets them
+    run         clock += inserts' cost + the plan's compute costs (+ decode step, + competing
+                work); loads queue in plan order and refill the moment one lands
+    report      a `StepResult` with the landings (their own times), sampled tokens and the true
+                compute seconds, fed back through `scheduler.update`
 
 The link moves one chunk at a time in issue order at a piecewise-constant bandwidth; one host
 decoder follows in the same order; a chunk lands when decoded. With a compute-budget script, the
@@ -22,15 +22,18 @@ Everything is exact float arithmetic on the scripts: the same inputs give the sa
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import heapq
 import math
 from typing import Callable, Sequence
 
 from kvjax._typing import RequestId
-from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, LoadVerdict, MergeMode, MergeTrace,
-                             PrefillChunk, Request, SamplingParams, Scheduler, SchedulerConfig,
-                             Writer, chunk_tokens, ideal_merge_s)
+from kvjax.engine.core import EngineCore
+from kvjax.scheduler import (Candidate, ComputeTiming, CostModel, LoadConfig, LoadItem, LoadReport,
+                             MergeMode, MergeTrace, PrefillChunk, Request, SamplingParams, Scheduler,
+                             SchedulerConfig, SchedulerOutput, StepResult, StoredChunk,
+                             StoredPrefix, chunk_tokens, ideal_merge_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,17 +201,159 @@ class SimRun:
     return max((e - s for s, e in self.steps), default=0.0)
 
 
+class SimExecutor:
+  """A fake executor: runs each plan on a fake clock and a scripted link (the `Executor`
+  protocol of `kvjax.engine.core`). The real scheduler plans; this only moves time.
+
+  Loads run as the real store client runs them: in plan order, each request's
+  `LoadItem.max_in_flight` at a time, the next started the moment one lands; the link moves one
+  transfer at a time and one host decoder follows. Landings during a step are reported at the
+  step's end with their own times; inserts cost `costs.insert_s` each before the step.
+  """
+
+  def __init__(self, requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScript,
+               scheduler: Scheduler, chunk_size: int, budget: PiecewiseConstant | None,
+               competing_s: Callable[[int], float]):
+    self.costs, self.link, self.scheduler, self.chunk_size = costs, link, scheduler, chunk_size
+    self.budget = budget
+    self.competing = competing_s
+    self.t = 0.0
+    self.arrivals = sorted(requests, key=lambda r: r.arrival_s)
+    self.specs = {r.request_id: r for r in requests}
+    self.results = {r.request_id: SimResult(r.request_id) for r in requests}
+    self.outputs: dict[str, int] = {}
+    self.queue: list[LoadItem] = []
+    self.reading: dict[tuple[str, int], tuple[float, float, float, int]] = {}  # key: (land, ..)
+    self.reports: list[LoadReport] = []
+    self.link_free_s = self.decode_free_s = 0.0
+    self.steps: list[tuple[float, float]] = []
+    self.live: set[str] = set()
+
+  def now_s(self) -> float:
+    return self.t
+
+  def admit_arrivals(self) -> None:
+    while self.arrivals and self.arrivals[0].arrival_s <= self.t:
+      spec = self.arrivals.pop(0)
+      stored = None
+      if spec.hits is not None:
+        cands = []
+        for j, h in enumerate(spec.hits):
+          enc = spec.encodings[j] if spec.encodings is not None else None
+          if not h:
+            cands.append(None)
+          else:
+            cands.append(StoredChunk("sim", tuple(enc) if enc else (
+                Candidate("raw/0", spec.chunk_nbytes, 0),)))
+        stored = StoredPrefix(self.chunk_size, tuple(cands))
+        self.results[spec.request_id].chunk_done_s = [math.nan] * len(spec.hits)
+      self.scheduler.add_request(Request(RequestId(spec.request_id),
+                                         list(range(spec.num_prompt_tokens)),
+                                         SamplingParams(max_tokens=spec.max_tokens),
+                                         arrival_s=spec.arrival_s), stored,
+                                 merge_mode=spec.mode, kv_ttft_target_s=spec.kv_ttft_target_s)
+      self.live.add(spec.request_id)
+
+  def _pump(self, now: float) -> None:
+    per_req: dict[str, int] = collections.Counter(k[0] for k in self.reading)
+    for item in list(self.queue):
+      if per_req[item.request_id] >= item.max_in_flight:
+        continue
+      self.queue.remove(item)
+      xs = max(now, self.link_free_s)
+      xe = self.link.transfer_end_s(xs, item.nbytes)
+      self.link_free_s = xe
+      de = max(xe, self.decode_free_s) + self.costs.decode_chunk_s
+      self.decode_free_s = de
+      self.reading[(item.request_id, item.index)] = (de, xs, xe, item.nbytes)
+      per_req[item.request_id] += 1
+
+  def _land_until(self, t: float) -> None:
+    while self.reading:
+      key, (de, xs, xe, nbytes) = min(self.reading.items(), key=lambda kv: (kv[1][0], kv[0][1]))
+      if de > t:
+        return
+      del self.reading[key]
+      rid, index = key
+      ok = index not in self.specs[rid].reject
+      self.reports.append(LoadReport(rid, index, ok, nbytes if ok else 0, tier="sim",
+                                     encoding=None, started_s=xs, done_s=de,
+                                     link_s=xe - xs if ok else 0.0,
+                                     decode_s=self.costs.decode_chunk_s))
+      self._pump(de)
+
+  def execute(self, plan: SchedulerOutput) -> StepResult:
+    for rid in plan.finished_request_ids:  # drop their loads, as the store client does
+      self.queue = [q for q in self.queue if q.request_id != rid]
+      for key in [k for k in self.reading if k[0] == rid]:
+        del self.reading[key]
+      self.reports = [r for r in self.reports if r.request_id != rid]
+    for rid, index in plan.releases:
+      queued = [q for q in self.queue if (q.request_id, q.index) == (rid, index)]
+      for q in queued:
+        self.queue.remove(q)
+        self.reports.append(LoadReport(rid, index, False, 0, reason="released",
+                                       done_s=self.t))
+    self.queue.extend(plan.loads)
+    self._pump(self.t)
+    for ins in plan.inserts:
+      self.results[ins.request_id].chunk_done_s[ins.index] = self.t
+      self.t += self.costs.insert_s
+    tokens = self.scheduler_budget_tokens
+    rest = 0 if tokens is None else self.scheduler.config.token_budget - tokens
+    if plan.is_empty and rest <= 0:
+      nxt = [v[0] for v in self.reading.values()]
+      nxt += [self.arrivals[0].arrival_s] if self.arrivals else []
+      if plan.wait_s is not None:
+        nxt.append(self.t + plan.wait_s)
+      nxt = [x for x in nxt if x < math.inf]
+      if not nxt:
+        raise RuntimeError(f"deadlock at t={self.t}: nothing to run and nothing will land")
+      self.t = max(self.t, min(nxt))
+      self._land_until(self.t)
+      reports, self.reports = tuple(self.reports), []
+      return StepResult(now_s=self.t, loads=reports)
+    step_s = self.competing(rest) + (self.costs.decode_step_s if plan.decodes else 0.0)
+    chunk_s = [self.costs.compute_s(c.start, c.num_tokens) for c in plan.prefills]
+    step_s += sum(chunk_s)
+    t_end = self.t + step_s
+    self.steps.append((self.t, t_end))
+    self._land_until(t_end)
+    for c in plan.prefills:
+      _record_prefill(self.results[c.request_id], c, self.t, t_end, self.chunk_size,
+                      self.specs[c.request_id].hits is not None)
+    self.t = t_end
+    sampled, finished = [], []
+    for rid in [c.request_id for c in plan.prefills if c.is_last] + [
+        d.request_id for d in plan.decodes]:
+      sampled.append((rid, 0))
+      self.outputs[rid] = self.outputs.get(rid, 0) + 1
+      res = self.results[rid]
+      if res.first_token_s is None:
+        res.first_token_s, res.ttft_s = self.t, self.t - self.specs[rid].arrival_s
+      if self.outputs[rid] >= self.specs[rid].max_tokens:
+        finished.append((rid, "length"))
+    reports, self.reports = tuple(self.reports), []
+    return StepResult(now_s=self.t, sampled=tuple(sampled), finished=tuple(finished),
+                      loads=reports,
+                      compute=tuple(ComputeTiming(c.start, c.num_tokens, s)
+                                    for c, s in zip(plan.prefills, chunk_s)))
+
+  scheduler_budget_tokens: int | None = None
+
+
 def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScript,
              scheduler_config: SchedulerConfig, chunk_size: int,
              cost_model: CostModel | None = None, budget: PiecewiseConstant | None = None,
              competing_s: Callable[[int], float] | None = None,
              max_steps: int = 100_000) -> SimRun:
-  """Runs requests to their last token on a fake clock; see the module docstring.
+  """Runs requests to their last token on a fake clock: the real `Scheduler` under a
+  `SimExecutor`, through the engine's own step loop (`kvjax.engine.core.EngineCore`).
 
   Args:
     requests: what arrives, and when.
     costs: the simulated machine's true costs.
-    link: the scripted link.
+    link: the scripted link (`max_in_flight`: each merge's loads in flight, fixed).
     scheduler_config: slots, token budget, compiled chunk sizes.
     chunk_size: C, tokens per store chunk.
     cost_model: the planner's model (learns from the run); a fresh `CostModel()` when None.
@@ -224,136 +369,44 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
     RuntimeError: if nothing can run and nothing will land (a planner deadlock), or on
       `max_steps`.
   """
-  model = cost_model if cost_model is not None else CostModel()
-  sched = Scheduler(scheduler_config, model)
-  competing = competing_s or (lambda k: costs.compute_s(0, k) if k > 0 else 0.0)
-  arrivals = sorted(requests, key=lambda r: r.arrival_s)
-  by_id = {r.request_id: r for r in requests}
-  if len(by_id) != len(requests):
+  if len({r.request_id for r in requests}) != len(requests):
     raise ValueError("request ids must be distinct")
-  results = {r.request_id: SimResult(r.request_id) for r in requests}
-  live: dict[str, Request] = {}
-  landings: list[tuple[float, int, str, int, int, float]] = []  # (land, seq, id, idx, bytes, xfer)
-  to_insert: list[tuple[str, int]] = []
-  link_free_s = decode_free_s = 0.0
-  seq = 0
-  steps: list[tuple[float, float]] = []
-
-  def issue(rid: str, now: float) -> None:
-    nonlocal link_free_s, decode_free_s, seq
-    r, spec = live[rid], by_id[rid]
-    while (i := r.merge.next_load(now, model)) is not None:
-      enc = r.merge.load_encoding(i)
-      nbytes = enc.nbytes if enc is not None else spec.chunk_nbytes
-      xs = max(now, link_free_s)
-      xe = link.transfer_end_s(xs, nbytes)
-      link_free_s = xe
-      de = max(xe, decode_free_s) + costs.decode_chunk_s
-      decode_free_s = de
-      heapq.heappush(landings, (de, seq, rid, i, nbytes, xe - xs))
-      seq += 1
-
-  def land_until(t: float) -> None:
-    while landings and landings[0][0] <= t:
-      at, _, rid, i, nbytes, xfer_s = heapq.heappop(landings)
-      r = live.get(rid)
-      if r is None:
-        continue
-      if xfer_s > 0:
-        model.observe_load(nbytes, xfer_s)
-      model.observe_decode(nbytes, costs.decode_chunk_s)
-      verdict = r.merge.load_done(i, i not in by_id[rid].reject, nbytes, at)
-      if verdict is LoadVerdict.INSERT:
-        to_insert.append((rid, i))
-      if not r.is_finished and r.merge is not None:
-        issue(rid, at)
-
-  def issue_all(now: float) -> None:
-    for r in sched.cake_requests(include_waiting=True):
-      issue(r.request_id, now)
-
-  t = 0.0
-  while arrivals or sched.has_unfinished():
-    if len(steps) >= max_steps:
+  model = cost_model if cost_model is not None else CostModel()
+  sched = Scheduler(scheduler_config, model, load_config=LoadConfig(
+      max_loads_in_flight=link.max_in_flight, check_writes=True))
+  competing = competing_s or (lambda k: costs.compute_s(0, k) if k > 0 else 0.0)
+  ex = SimExecutor(requests, costs=costs, link=link, scheduler=sched, chunk_size=chunk_size,
+                   budget=budget, competing_s=competing)
+  core = EngineCore(sched, ex)
+  traces: dict[str, MergeTrace] = {}
+  steps = 0
+  while ex.arrivals or sched.has_unfinished():
+    steps += 1
+    if steps > max_steps:
       raise RuntimeError(f"no end after {max_steps} steps")
-    while arrivals and arrivals[0].arrival_s <= t:
-      spec = arrivals.pop(0)
-      merge = None
-      if spec.hits is not None:
-        merge = CakeMerge(spec.num_prompt_tokens, chunk_size, spec.hits, spec.mode,
-                          chunk_nbytes=spec.chunk_nbytes, encodings=spec.encodings,
-                          max_loads_in_flight=link.max_in_flight, arrival_s=spec.arrival_s,
-                          kv_ttft_target_s=spec.kv_ttft_target_s, check_writes=True)
-        results[spec.request_id].chunk_done_s = [math.nan] * merge.num_chunks
-      req = Request(RequestId(spec.request_id), list(range(spec.num_prompt_tokens)),
-                    SamplingParams(max_tokens=spec.max_tokens), arrival_s=spec.arrival_s,
-                    merge=merge)
-      live[spec.request_id] = req
-      sched.add_request(req)
-    held = []
-    for rid, i in to_insert:
-      r = live[rid]
-      if r.slot is None and not r.is_finished:
-        held.append((rid, i))  # staged until the request holds a slot
-      elif r.merge.states[i] is ChunkState.LANDED and not r.is_finished:
-        r.merge.inserted(i)
-        results[rid].chunk_done_s[i] = t
-        t += costs.insert_s
-    to_insert[:] = held
-    issue_all(t)
-    cake_tokens = None if budget is None else int(budget.at(t))
-    plan = sched.schedule(now_s=t, token_budget=cake_tokens)
-    rest = 0 if cake_tokens is None else scheduler_config.token_budget - cake_tokens
-    if plan.is_empty and rest <= 0:
-      nxt = [landings[0][0]] if landings else []
-      nxt += [arrivals[0].arrival_s] if arrivals else []
-      nxt += [w for r in sched.cake_requests() if (w := r.merge.recheck_s(t, model)) is not None]
-      if to_insert and any(live[rid].slot is not None for rid, _ in to_insert):
-        nxt.append(t)
-      nxt = [x for x in nxt if x < math.inf]
-      if not nxt:
-        raise RuntimeError(f"deadlock at t={t}: nothing to run and nothing will land")
-      t = min(nxt)
-      land_until(t)
+    ex.admit_arrivals()
+    if not sched.has_unfinished():
+      ex.t = ex.arrivals[0].arrival_s
       continue
-    step_s = competing(rest) + (costs.decode_step_s if plan.decodes else 0.0)
-    chunk_s = [costs.compute_s(c.start, c.num_tokens) for c in plan.prefills]
-    step_s += sum(chunk_s)
-    for c, s in zip(plan.prefills, chunk_s):
-      model.observe_compute(c.start, c.num_tokens, s)
-    t_end = t + step_s
-    steps.append((t, t_end))
-    land_until(t_end)
-    for c in plan.prefills:
-      _record_prefill(results[c.request_id], live[c.request_id], c, t, t_end, chunk_size)
-    t = t_end
-    for rid in [c.request_id for c in plan.prefills if c.is_last] + [
-        d.request_id for d in plan.decodes]:
-      r = live[rid]
-      r.output_token_ids.append(0)
-      res = results[rid]
-      if res.first_token_s is None:
-        res.first_token_s, res.ttft_s = t, t - r.arrival_s
-      if len(r.output_token_ids) >= r.sampling_params.max_tokens:
-        sched.finish_request(r.request_id, "length")
-  while landings and landings[0][0] < math.inf:  # loads still in flight land as waste
-    land_until(landings[0][0])
-  for rid, r in live.items():
-    if r.merge is not None:
-      res = results[rid]
-      res.trace, res.meeting_index = r.merge.trace, r.merge.trace.meeting_index
-      res.chunk_writers = r.merge.chunk_writers()
-      res.unwritten_positions = r.merge.writer_map().count(Writer.NONE)
-  return SimRun(results, steps, t)
+    tokens = None if budget is None else int(budget.at(ex.t))
+    ex.scheduler_budget_tokens = tokens
+    _, _, got = core.step(token_budget=tokens)
+    traces.update(got)
+  for rid, trace in traces.items():
+    res = ex.results[rid]
+    res.trace, res.meeting_index = trace, trace.meeting_index
+    res.chunk_writers = trace.chunk_writers
+    res.unwritten_positions = trace.unwritten_positions or 0
+  return SimRun(ex.results, ex.steps, ex.t)
 
 
-def _record_prefill(res: SimResult, r: Request, c: PrefillChunk, t: float, t_end: float,
-                    chunk_size: int) -> None:
+def _record_prefill(res: SimResult, c: PrefillChunk, t: float, t_end: float, chunk_size: int,
+                    has_merge: bool) -> None:
   res.prefills.append((t, c.start, c.num_tokens))
-  if r.merge is None:
+  if not has_merge:
     return
   end = c.start + c.num_tokens
-  for j in range(c.start // chunk_size, min(r.merge.num_chunks, (end - 1) // chunk_size + 1)):
+  for j in range(c.start // chunk_size, min(len(res.chunk_done_s), (end - 1) // chunk_size + 1)):
     if end >= (j + 1) * chunk_size:
       res.chunk_done_s[j] = t_end
 

@@ -8,6 +8,7 @@ them), SLOW loads never help.
 from absl.testing import absltest, parameterized
 
 from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, DecodeItem,
+                             LoadConfig, LoadReport, StepResult, StoredChunk, StoredPrefix,
                              DoubleWriteError, LoadVerdict, MergeMode, PrefillChunk, Request,
                              SamplingParams, Scheduler, SchedulerConfig, Writer, ideal_merge_s)
 
@@ -190,25 +191,36 @@ class CakeMergeTest(parameterized.TestCase):
       ideal_merge_s([0, 1], [0])
 
 
-def req(rid, n, merge=None, max_tokens=4):
-  return Request(rid, list(range(n)), SamplingParams(max_tokens=max_tokens), merge=merge)
+def req(rid, n, max_tokens=4):
+  return Request(rid, list(range(n)), SamplingParams(max_tokens=max_tokens))
+
+
+def stored(hits, nbytes):
+  """A lookup result: chunk j stored (one raw encoding of `nbytes`) where hits[j]."""
+  return StoredPrefix(C, tuple(StoredChunk("host", (Candidate("raw/0", nbytes, 0),)) if h
+                               else None for h in hits))
+
+
+def landed(rid, indices, now, nbytes=100):
+  return StepResult(now_s=now, loads=tuple(LoadReport(rid, j, True, nbytes, tier="host",
+                                                      done_s=now) for j in indices))
 
 
 class SchedulerCakeTest(absltest.TestCase):
 
   def test_cake_takes_what_decodes_and_ordinary_prefills_leave(self):
     s = Scheduler(SchedulerConfig(num_slots=3, token_budget=64, chunk_sizes=(16, 32, 64)), SLOW)
-    a = req("a", 20)
-    x = req("x", 66, CakeMerge(66, C, [F, T, T, T], chunk_nbytes=10))
+    a, x = req("a", 20), req("x", 66)
     s.add_request(a)
-    s.add_request(x)
+    s.add_request(x, stored([F, T, T, T], 10))
     plan = s.schedule(now_s=0.0)
     # a: 16 + a 4-token tail; x: 44 left -> 32 (12 fit no compiled size).
     self.assertEqual(plan.prefills, (PrefillChunk("a", 0, 0, 16, False),
                                      PrefillChunk("a", 0, 16, 4, True),
                                      PrefillChunk("x", 1, 0, 32, False)))
-    self.assertEqual(x.num_computed_tokens, 32)
-    a.output_token_ids.append(5)
+    self.assertEqual(plan.prefills[2].token_ids, tuple(range(32)))
+    self.assertEqual((x.num_computed_tokens, plan.loads), (32, ()))
+    s.update(StepResult(now_s=0.5, sampled=(("a", 5),)))
     b = req("b", 40)
     s.add_request(b)
     plan = s.schedule(now_s=1.0)
@@ -217,78 +229,78 @@ class SchedulerCakeTest(absltest.TestCase):
     self.assertEqual(plan.prefills, (PrefillChunk("b", 2, 0, 32, False),
                                      PrefillChunk("b", 2, 32, 8, True),
                                      PrefillChunk("x", 1, 32, 16, False)))
-    a.output_token_ids.append(6)
-    b.output_token_ids.append(7)
+    s.update(StepResult(now_s=1.5, sampled=(("a", 6), ("b", 7))))
     plan = s.schedule(now_s=2.0)
     # Two decodes; x: the last prefix chunk, then its 2-token suffix ends the prompt.
     self.assertEqual(plan.decodes, (DecodeItem("a", 0, 21, 6), DecodeItem("b", 2, 40, 7)))
     self.assertEqual(plan.prefills, (PrefillChunk("x", 1, 48, 16, False),
                                      PrefillChunk("x", 1, 64, 2, True)))
     self.assertEqual((x.num_computed_tokens, x.status.value), (66, "decoding"))
-    self.assertEqual(x.merge.trace.loads_issued, 0)  # the link could never have helped
-    x.output_token_ids.append(8)
+    self.assertEqual(s.merge("x").trace.loads_issued, 0)  # the link could never have helped
+    traces = s.update(StepResult(now_s=2.5, sampled=(("x", 8),)))
+    self.assertEqual(traces["x"].chunks_computed, [0, 1, 2, 3])  # a snapshot at the first token
     self.assertEqual(s.schedule(now_s=3.0).decodes,  # admission order
                      (DecodeItem("a", 0, 22, 6), DecodeItem("x", 1, 66, 8),
                       DecodeItem("b", 2, 41, 7)))
 
-  def test_resident_chunks_are_skipped_holes_computed(self):
-    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=32, chunk_sizes=(16, 32)), FAST)
-    d = req("d", 8)
-    x = req("x", 130, CakeMerge(130, C, [F, F, T, T, F, T, T, T], chunk_nbytes=100))
+  def test_loads_queue_ahead_land_and_are_inserted_by_plan(self):
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=32, chunk_sizes=(16, 32)), FAST,
+                  load_config=LoadConfig(max_loads_in_flight=2, max_loads_ahead=8,
+                                         check_writes=True))
+    d, x = req("d", 8), req("x", 130)
     s.add_request(d)
-    s.add_request(x)
+    s.add_request(x, stored([F, F, T, T, F, T, T, T], 100))
     plan = s.schedule(now_s=0.0)
     self.assertEqual(plan.prefills, (PrefillChunk("d", 0, 0, 8, True),
                                      PrefillChunk("x", 1, 0, 16, False)))
-    self.assertEqual([r.request_id for r in s.cake_requests()], ["x"])
-    self.assertEqual([x.merge.next_load(0.0, s.cost_model) for _ in range(3)], [7, 6, None])
-    d.output_token_ids.append(1)
+    # Every stored chunk is issued at once, last first: the executor refills as they land.
+    self.assertEqual([(ld.index, ld.max_in_flight) for ld in plan.loads],
+                     [(7, 2), (6, 2), (5, 2), (3, 2), (2, 2)])
+    s.update(StepResult(now_s=0.5, sampled=(("d", 1),)))
+    s.update(landed("x", (7, 6, 5, 3, 2), 0.6))
     plan = s.schedule(now_s=1.0)
-    # x: its second hole; then chunk 2 is stored and would land first: nothing more.
+    self.assertEqual([(i.index, i.slot, i.start) for i in plan.inserts],
+                     [(2, 1, 32), (3, 1, 48), (5, 1, 80), (6, 1, 96), (7, 1, 112)])
+    # x: its second hole; then chunks 2-3 are resident and the budget (31) fits no 16 more.
     self.assertEqual(plan.decodes, (DecodeItem("d", 0, 8, 1),))
     self.assertEqual(plan.prefills, (PrefillChunk("x", 1, 16, 16, False),))
-    for j in (7, 6):
-      land(x.merge, j, 1.5)
-    self.assertEqual([x.merge.next_load(1.5, s.cost_model) for _ in range(3)], [5, 3, None])
-    for j in (5, 3):
-      land(x.merge, j, 1.6)
-    self.assertEqual(x.merge.next_load(1.6, s.cost_model), 2)
-    land(x.merge, 2, 1.7)
-    d.output_token_ids.append(2)
+    s.update(StepResult(now_s=1.5, sampled=(("d", 2),)))
     plan = s.schedule(now_s=2.0, token_budget=64)
     self.assertEqual(plan.decodes, (DecodeItem("d", 0, 9, 2),))
     self.assertEqual(plan.prefills, (PrefillChunk("x", 1, 64, 16, False),
                                      PrefillChunk("x", 1, 128, 2, True)))
-    self.assertEqual(x.merge.chunk_writers(), "CCLLCLLL")
+    self.assertEqual(s.merge("x").chunk_writers(), "CCLLCLLL")
 
   def test_cake_requests_are_admitted_without_budget_and_cancelled_on_abort(self):
-    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=32, chunk_sizes=(16, 32)), FAST)
-    x = req("x", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1))
-    y = req("y", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1))
-    s.add_request(x)
-    s.add_request(y)
+    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=32, chunk_sizes=(16, 32)), FAST,
+                  load_config=LoadConfig(max_loads_ahead=1))
+    x, y = req("x", 65), req("y", 65)
+    s.add_request(x, stored([T] * 4, 1))
+    s.add_request(y, stored([T] * 4, 1))
     self.assertEqual([r.request_id for r in s.cake_requests(include_waiting=True)], ["x", "y"])
     plan = s.schedule(now_s=0.0, token_budget=0)
     self.assertTrue(plan.is_empty)
+    self.assertEqual([(ld.request_id, ld.index) for ld in plan.loads], [("x", 3), ("y", 3)])
     self.assertEqual((x.slot, [r.request_id for r in s.waiting]), (0, ["y"]))
-    self.assertEqual(x.merge.next_load(0.0, s.cost_model), 3)
+    self.assertIsNotNone(plan.wait_s)  # the executor may block until a load lands
     s.finish_request("x", "abort")
-    self.assertEqual(x.merge.cancel(), [3])
-    self.assertIs(x.merge.load_done(3, True, 1, 0.1), LoadVerdict.WASTED)
-    self.assertEqual(s.schedule(now_s=0.2).prefills, ())  # y admitted; FAST loads beat compute
+    traces = s.update(StepResult(now_s=0.1, loads=(LoadReport("x", 3, True, 1, done_s=0.1),
+                                                   LoadReport("y", 3, True, 1, done_s=0.1))))
+    self.assertEqual(traces["x"].chunks_wasted, [3])  # abandoned at the abort
+    plan = s.schedule(now_s=0.2)
+    self.assertEqual(plan.finished_request_ids, ("x",))
+    self.assertEqual(plan.prefills, ())  # y admitted; FAST loads beat compute
     self.assertEqual(y.slot, 0)
 
   def test_bad_requests_and_budgets(self):
     s = Scheduler(SchedulerConfig(num_slots=1, token_budget=32, chunk_sizes=(16, 32)))
-    r = req("x", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1))
-    r.num_cached_tokens = 16
-    with self.assertRaisesRegex(ValueError, "num_cached_tokens must be 0"):
-      s.add_request(r)
-    with self.assertRaisesRegex(ValueError, "planned for 65"):
-      s.add_request(req("y", 66, CakeMerge(65, C, [T] * 4, chunk_nbytes=1)))
+    with self.assertRaisesRegex(ValueError, "cover the last token"):
+      s.add_request(req("y", 64), stored([T] * 4, 1))
     with self.assertRaisesRegex(ValueError, "token_budget=-1"):
       s.schedule(token_budget=-1)
-    s.add_request(req("z", 65, CakeMerge(65, C, [T] * 4, chunk_nbytes=1)))
+    s.add_request(req("z", 65), stored([T] * 4, 1))
+    with self.assertRaisesRegex(ValueError, "already scheduled"):
+      s.add_request(req("z", 65))
     with self.assertRaisesRegex(ValueError, "needs now_s"):
       s.schedule()
     self.assertEqual([r.request_id for r in s.waiting], ["z"])  # nothing changed

@@ -2,7 +2,7 @@
 
 from absl.testing import absltest, parameterized
 
-from kvjax.scheduler import (DecodeItem, LoadItem, PrefillChunk, Request, RequestStatus, SamplingParams,
+from kvjax.scheduler import (DecodeItem, PrefillChunk, Request, RequestStatus, SamplingParams,
                              Scheduler, SchedulerConfig, chunk_tokens)
 
 SIZES = (16, 32, 64, 128, 256, 512)
@@ -83,23 +83,6 @@ class SchedulerTest(absltest.TestCase):
     self.assertEqual((a.status, a.finish_reason, a.slot), (RequestStatus.FINISHED, "length", None))
     self.assertEqual(s.schedule().prefills, (PrefillChunk("b", 0, 0, 8, True),))
     self.assertIsNone(s.finish_request("zzz", "abort"))
-
-  def test_cached_prefix_is_loaded_not_computed(self):
-    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=SIZES))
-    r = req("a", 600)
-    r.num_cached_tokens = 512
-    s.add_request(r)
-    plan = s.schedule()
-    self.assertEqual(plan.loads, (LoadItem("a", 0, 512),))
-    self.assertEqual(plan.prefills, (PrefillChunk("a", 0, 512, 64, False),))
-    plan = s.schedule()
-    self.assertEqual(plan.loads, ())
-    self.assertEqual(plan.prefills, (PrefillChunk("a", 0, 576, 16, False),
-                                     PrefillChunk("a", 0, 592, 8, True)))
-    bad = req("b", 256)
-    bad.num_cached_tokens = 256
-    with self.assertRaisesRegex(ValueError, "last prompt token"):
-      s.add_request(bad)
 
   def test_budget_below_the_smallest_chunk_is_rejected(self):
     with self.assertRaisesRegex(ValueError, "token_budget=8 is below"):
