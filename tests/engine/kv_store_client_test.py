@@ -1,4 +1,5 @@
-"""The store client's saver: bounded queue, drops under pressure, flush, chunk slicing."""
+"""The store client: the saver (bounded queue, drops, flush) and the load pipeline (queue,
+refill as reads land, staging, release, cancel)."""
 
 import asyncio
 import threading
@@ -61,15 +62,12 @@ class BlockingStore(EmptyStore):
     return ["disk"]
 
 
-def job(chunks=None, n_chunks=2, offset=0.0):
-  t = n_chunks * LAYOUT.chunk_size
-  k = np.arange(2 * t * 2, dtype=np.float32).reshape(2, t, 1, 2) + offset
-  v = -k
-  # Two pieces that split a chunk in the middle, as prefill chunks of other sizes do.
-  return SaveJob(namespace="root", hashes=[f"h{i}" for i in range(n_chunks)],
-                 token_ids=list(range(t)),
-                 chunks=list(range(n_chunks)) if chunks is None else chunks, replace=set(),
-                 pieces=[(0, k[:, :3], v[:, :3]), (3, k[:, 3:], v[:, 3:])])
+def job(index=0, offset=0.0, **kw):
+  """A save job of chunk `index` (hash "h<index>", parent "h<index-1>" or the root)."""
+  kv = np.arange(np.prod(LAYOUT.shape), dtype=np.float32).reshape(LAYOUT.shape) + offset
+  return SaveJob(namespace="root", chunk_hash=f"h{index}",
+                 parent=f"h{index - 1}" if index else "root",
+                 token_ids=tuple(range(index * 4, index * 4 + 4)), kv=kv, **kw)
 
 
 class SaverTest(absltest.TestCase):
@@ -90,26 +88,20 @@ class SaverTest(absltest.TestCase):
     store.release.set()
     client.flush()
     self.assertEqual(client.saver_stats.jobs_done, 2)
-    self.assertEqual(client.saver_stats.chunks_saved, 4)
+    self.assertEqual(client.saver_stats.chunks_saved, 2)
     client.close()
 
-  def test_chunks_are_sliced_from_pieces_with_parents(self):
+  def test_each_chunk_is_stored_with_its_parent_in_one_host_copy(self):
     store = BlockingStore()
     store.release.set()
     client = KVStoreClient(store, model_fingerprint="fp", layout=LAYOUT, kv_layout_version=1)
-    j = job()
-    k = np.concatenate([j.pieces[0][1], j.pieces[1][1]], axis=1)
-    client.submit_save(j)
+    jobs = [job(0), job(1, offset=100.0)]
+    for j in jobs:
+      client.submit_save(j)
     client.flush()
     self.assertEqual([p[:3] for p in store.puts],
                      [("h0", "root", (0, 1, 2, 3)), ("h1", "h0", (4, 5, 6, 7))])
-    np.testing.assert_array_equal(store.puts[1][3][:, 0], k[:, 4:8])
-    np.testing.assert_array_equal(store.puts[1][3][:, 1], -k[:, 4:8])
-    # Loaded chunks are not saved again.
-    store.puts.clear()
-    client.submit_save(job(chunks=[1]))
-    client.flush()
-    self.assertEqual([p[0] for p in store.puts], ["h1"])
+    np.testing.assert_array_equal(store.puts[1][3], jobs[1].kv)
     client.close()
 
 
@@ -160,34 +152,51 @@ class LoaderTest(absltest.TestCase):
   def test_loads_land_in_completion_order_and_release_staging_when_taken(self):
     lookup = self.client.lookup(self.prompt, None)
     for i in (2, 1):
-      self.client.start_load("r", i, lookup, self.prompt)
+      self.client.start_load("r", i, lookup, self.prompt, max_in_flight=2)
     self.assertEqual(self.client.loads_in_flight("r"), 2)
     self.store.gates[self.hashes[1]].set()
     first = self.client.landed(wait_s=30)
-    self.assertEqual([r.index for r in first], [1])
-    np.testing.assert_array_equal(first[0].result.kv, self.kv[self.hashes[1]])
+    self.assertEqual([(r.index, r.ok, r.tier) for r in first], [(1, True, "disk")])
+    np.testing.assert_array_equal(self.client.take("r", 1).kv, self.kv[self.hashes[1]])
     self.store.gates[self.hashes[2]].set()
     self.assertEqual([r.index for r in self.client.landed(wait_s=30)], [2])
+    self.assertEqual(self.client.loader_stats.staged_bytes, self.kv[self.hashes[2]].nbytes)
+    self.client.release("r", 2)  # unwanted after all: its staging is freed
     stats = self.client.loader_stats
     self.assertEqual((stats.started, stats.landed, stats.in_flight, stats.staged_bytes),
                      (2, 2, 0, 0))
 
-  def test_cancel_drops_in_flight_and_landed_loads(self):
+  def test_queued_loads_start_in_order_as_reads_land(self):
     lookup = self.client.lookup(self.prompt, None)
     for i in (2, 1, 0):
-      self.client.start_load("r", i, lookup, self.prompt)
+      self.client.start_load("r", i, lookup, self.prompt, max_in_flight=1)
+    stats = self.client.loader_stats
+    self.assertEqual((stats.in_flight, stats.queued), (1, 2))  # one read at once, two queued
+    self.client.release("r", 0)  # a queued load never starts; it is reported as released
+    for i in (2, 1):
+      self.store.gates[self.hashes[i]].set()
+    got = []
+    while len(got) < 3:
+      got += self.client.landed(wait_s=30)
+    self.assertEqual(sorted((r.index, r.ok, r.reason) for r in got),
+                     [(0, False, "released"), (1, True, ""), (2, True, "")])
+    self.assertEqual(self.client.loader_stats.started, 2)
+    self.assertGreater(min(r.link_s for r in got if r.ok), 0)
+
+  def test_cancel_drops_queued_reading_and_staged_loads(self):
+    lookup = self.client.lookup(self.prompt, None)
+    for i in (2, 1, 0):
+      self.client.start_load("r", i, lookup, self.prompt, max_in_flight=2)
     self.client.start_load("other", 0, lookup, self.prompt)
     self.store.gates[self.hashes[2]].set()
-    while self.client.loader_stats.staged_bytes == 0:  # wait for index 2 to land (event-driven)
-      self.client._landed_event.wait(30)
-    self.assertEqual(self.client.cancel_loads("r"), 3)
+    self.assertEqual([r.index for r in self.client.landed(wait_s=30)], [2])
+    self.assertEqual(self.client.cancel_loads("r"), 3)  # staged 2, reading 1, queued 0
     self.assertEqual(self.client.loader_stats.staged_bytes, 0)
     for g in self.store.gates.values():
       g.set()
     got = self.client.landed(wait_s=30)
     self.assertEqual([(r.request_id, r.index) for r in got], [("other", 0)])
     self.assertEqual(self.client.loads_in_flight(), 0)
-    self.assertEqual(self.client.loader_stats.in_flight, 0)
 
 
 if __name__ == "__main__":
