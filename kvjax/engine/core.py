@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvjax._typing import RequestId
 from kvjax.scheduler.cake import MergeTrace
@@ -30,6 +30,25 @@ class Executor(Protocol):
   def now_s(self) -> float: ...
 
   def execute(self, plan: SchedulerOutput) -> StepResult: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+  """One step as an observer sees it: both records and the loop's own timing.
+
+  Attributes:
+    plan: the step's `SchedulerOutput`.
+    result: what the executor reported.
+    started_s: `time.perf_counter()` before `schedule`.
+    ended_s: after `update`.
+    planner_s: seconds in `schedule` plus `update`.
+  """
+
+  plan: SchedulerOutput
+  result: StepResult
+  started_s: float
+  ended_s: float
+  planner_s: float
 
 
 @dataclasses.dataclass
@@ -59,6 +78,9 @@ class EngineCore:
     self.scheduler = scheduler
     self.executor = executor
     self.stats = LoopStats()
+    #: Called with a `StepRecord` after every step (benchmarks record the stream; no other
+    #: access to either side is needed).
+    self.observers: list[Callable[[StepRecord], None]] = []
 
   def step(self, token_budget: int | None = None
            ) -> tuple[SchedulerOutput, StepResult, dict[RequestId, MergeTrace]]:
@@ -69,7 +91,11 @@ class EngineCore:
     result = self.executor.execute(plan)
     t2 = time.perf_counter()
     traces = self.scheduler.update(result)
-    self.stats.planner_s += (t1 - t0) + (time.perf_counter() - t2)
+    t3 = time.perf_counter()
+    planner_s = (t1 - t0) + (t3 - t2)
+    self.stats.planner_s += planner_s
     self.stats.steps += 1
     self.stats.empty_steps += plan.is_empty
+    for observe in self.observers:
+      observe(StepRecord(plan, result, t0, t3, planner_s))
     return plan, result, traces

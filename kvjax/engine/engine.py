@@ -38,14 +38,14 @@ import numpy as np
 from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.engine import sampling
-from kvjax.engine.core import EngineCore, LoopStats
+from kvjax.engine.core import EngineCore, LoopStats, StepRecord
 from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefixLookup, SaveJob,
                                           SaverStats, TierSnapshot)
 from kvjax.models.runner import ModelRunner
 from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.level_policy import Candidate
-from kvjax.scheduler.output import (ComputeTiming, PrefillChunk, SchedulerOutput, StepResult,
+from kvjax.scheduler.output import (ComputeTiming, InsertTiming, PrefillChunk, SchedulerOutput, StepResult,
                                     StoredChunk, StoredPrefix)
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import LoadConfig, Scheduler, SchedulerConfig
@@ -105,6 +105,7 @@ class RequestMetrics:
     loaded_from_tiers: tier of each loaded chunk, in order.
     merge: the Cake merge trace (chunks computed, loaded and wasted, meeting index, level of each
       loaded chunk, seconds per side), or None when nothing was stored.
+    lookup_s: seconds of the batched store lookup at admission (0 without a store).
   """
 
   arrival_s: float
@@ -117,6 +118,7 @@ class RequestMetrics:
   num_wasted_chunks: int = 0
   loaded_from_tiers: list[str] = dataclasses.field(default_factory=list)
   merge: MergeTrace | None = None
+  lookup_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -266,8 +268,10 @@ class Engine:
     self._clock = clock
     self._live: dict[RequestId, _Live] = {}
     self._ids = itertools.count()
-    self._timed_sizes: set[int] = set()  # chunk sizes run once (the first run compiles)
     self._emitted: list[RequestOutput] = []
+    #: Block on the cache after each insert so `StepResult.inserts` times the device work
+    #: (benchmarks; the next prefill waits for it anyway).
+    self.timed_inserts = False
 
   # ----------------------------------------------------------------------------- requests
   @property
@@ -319,7 +323,9 @@ class Engine:
                  [] if params.logprobs is not None else None)
     stored = None
     if self.kv_store is not None:
+      t0 = time.perf_counter()
       lookup = live.lookup = self.kv_store.lookup(ids, cache_salt)
+      live.metrics.lookup_s = time.perf_counter() - t0
       raw_nbytes = self.kv_store.layout.nbytes
       chunks = []
       for tier, record in zip(lookup.present, lookup.records or [None] * len(lookup.present)):
@@ -356,6 +362,11 @@ class Engine:
     """Rebuilds the KV cache after a failed step consumed its buffers (requests are lost)."""
     self.runner.reset()
 
+  def add_step_observer(self, observe: Callable[[StepRecord], None]) -> None:
+    """Calls `observe` with every step's `StepRecord` (plan, result, timing): plain data for
+    benchmarks and traces."""
+    self._core.observers.append(observe)
+
   def merge_of(self, request_id: RequestId):
     """The live merge planner of a request (tests and debugging; read-only use), or None."""
     return self._scheduler.merge(request_id)
@@ -382,6 +393,7 @@ class Engine:
   def execute(self, plan: SchedulerOutput) -> StepResult:
     """Runs one plan in field order (the `Executor` protocol) and reports what happened."""
     kv = self.kv_store
+    insert_timings: list[InsertTiming] = []
     for rid in plan.finished_request_ids:
       self._forget(rid)
     if kv is not None:
@@ -396,16 +408,22 @@ class Engine:
                       choose=choose, nbytes=item.nbytes, max_in_flight=item.max_in_flight)
       for ins in plan.inserts:
         hit = kv.take(ins.request_id, ins.index)
+        t0, t0_clock = time.perf_counter(), self._clock()
         if hit.kv is not None:
           self.runner.insert_chunk(hit.kv, ins.slot, ins.start)
         else:
           self.runner.insert_payload(hit.encoding.codec, hit.payload, ins.slot, ins.start)
+        if self.timed_inserts:
+          self.runner.block_until_ready()
+        insert_timings.append(InsertTiming(ins.request_id, ins.index, t0_clock,
+                                           time.perf_counter() - t0))
         m = self._live[ins.request_id].metrics
         m.num_loaded_tokens += kv.chunk_size
         m.loaded_from_tiers.append(hit.tier)
     if plan.is_empty:
       reports = kv.landed(wait_s=plan.wait_s) if kv is not None and plan.wait_s else []
-      return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)))
+      return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)),
+                        inserts=tuple(insert_timings))
     sampled: list[tuple[RequestId, int]] = []
     finished: list[tuple[RequestId, str]] = []
     timings: list[ComputeTiming] = []
@@ -418,13 +436,13 @@ class Engine:
       for d in plan.decodes:
         self._sample(d.request_id, logits_BV[d.slot], sampled, finished)
     for chunk in plan.prefills:
+      compiled = self.runner.is_compiled(chunk.num_tokens)
       t0 = time.perf_counter()
+      t0_clock = self._clock()
       out = self.runner.prefill_chunk(list(chunk.token_ids), chunk.slot, chunk.start)
       out.logits.block_until_ready()  # the cost model needs this chunk's own time
-      size = self.runner.bucket_for(chunk.num_tokens)
-      if size in self._timed_sizes:  # a size's first run includes its compile
-        timings.append(ComputeTiming(chunk.start, chunk.num_tokens, time.perf_counter() - t0))
-      self._timed_sizes.add(size)
+      timings.append(ComputeTiming(chunk.start, chunk.num_tokens, time.perf_counter() - t0,
+                                   chunk.request_id, t0_clock, includes_compile=not compiled))
       live = self._live[chunk.request_id]
       live.metrics.num_computed_tokens += chunk.num_tokens
       if kv is not None:
@@ -433,7 +451,8 @@ class Engine:
         self._sample(chunk.request_id, np.asarray(out.logits), sampled, finished)
     reports = kv.landed() if kv is not None else []
     return StepResult(now_s=self._clock(), sampled=tuple(sampled), finished=tuple(finished),
-                      loads=tuple(self._log_misses(reports)), compute=tuple(timings))
+                      loads=tuple(self._log_misses(reports)), compute=tuple(timings),
+                      inserts=tuple(insert_timings))
 
   def _log_misses(self, reports):
     for rep in reports:

@@ -109,6 +109,7 @@ class ModelRunner:
     # compiles nothing for CPU; interpret mode is for tests).
     self.use_pallas_codecs = jax.default_backend() != "cpu"
     self._encoders: dict = {}
+    self._compiled_sizes: set[int] = set()
 
   def reset(self) -> None:
     """Zeroes the KV cache (every slot), keeping the compiled programs."""
@@ -122,6 +123,14 @@ class ModelRunner:
   @property
   def max_chunk_size(self) -> int:
     return self.config.chunk_sizes[-1]
+
+  def is_compiled(self, num_tokens: int) -> bool:
+    """Whether a prefill of `num_tokens` tokens runs an already compiled program."""
+    return self.bucket_for(num_tokens) in self._compiled_sizes
+
+  def block_until_ready(self) -> None:
+    """Waits for every pending write of the KV cache."""
+    jax.block_until_ready(self.cache)
 
   def bucket_for(self, num_tokens: int) -> int:
     """Smallest compiled chunk size holding `num_tokens`.
@@ -162,6 +171,7 @@ class ModelRunner:
     out = self._prefill(self.state, self.cache, tokens, np.int32(slot), np.int32(start),
                         np.int32(n), all_logits)
     self.cache = out.cache
+    self._compiled_sizes.add(bucket)
     return dataclasses.replace(
         out, logits=out.logits[:n] if all_logits else out.logits,
         k_pre_rope_LTKH=out.k_pre_rope_LTKH[:, :n], v_LTKH=out.v_LTKH[:, :n])

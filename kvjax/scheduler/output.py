@@ -176,10 +176,32 @@ class LoadReport:
 
 @dataclasses.dataclass(frozen=True)
 class ComputeTiming:
-  """Measured wall seconds of one prefill chunk (the executor omits a compile's first run)."""
+  """Measured wall seconds of one prefill chunk.
+
+  Attributes:
+    start: its first position.
+    num_tokens: its tokens.
+    seconds: wall seconds, the device work included.
+    request_id: the request ("" when unknown).
+    started_s: executor clock at its start.
+    includes_compile: the run compiled its program (the cost model ignores it).
+  """
 
   start: int
   num_tokens: int
+  seconds: float
+  request_id: RequestId = RequestId("")
+  started_s: float = 0.0
+  includes_compile: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class InsertTiming:
+  """Measured wall seconds of inserting one staged chunk (the device work included)."""
+
+  request_id: RequestId
+  index: int
+  started_s: float
   seconds: float
 
 
@@ -193,6 +215,7 @@ class StepResult:
     finished: (request_id, reason) of requests that ended at this step ("stop", "length").
     loads: loads that finished since the last step.
     compute: measured prefill timings (cost model observations).
+    inserts: measured insertion timings.
     failed: (request_id, message) of requests the executor could not serve (an exception in a
       jit call); the scheduler ends them with reason "error".
   """
@@ -202,6 +225,7 @@ class StepResult:
   finished: tuple[tuple[RequestId, str], ...] = ()
   loads: tuple[LoadReport, ...] = ()
   compute: tuple[ComputeTiming, ...] = ()
+  inserts: tuple[InsertTiming, ...] = ()
   failed: tuple[tuple[RequestId, str], ...] = ()
 
 
@@ -236,6 +260,6 @@ class StoredPrefix:
     return [c is not None for c in self.chunks]
 
 
-__all__ = ["ComputeTiming", "DecodeItem", "InsertItem", "LoadItem", "LoadReport",
+__all__ = ["ComputeTiming", "DecodeItem", "InsertItem", "InsertTiming", "LoadItem", "LoadReport",
            "PrefillChunk", "SaveItem", "SchedulerOutput", "StepResult", "StoredChunk",
            "StoredPrefix"]

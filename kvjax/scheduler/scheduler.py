@@ -493,7 +493,8 @@ class Scheduler:
       elif verdict is LoadVerdict.WASTED and rep.ok:
         self._releases.append((rep.request_id, rep.index))
     for t in result.compute:
-      cost.observe_compute(t.start, t.num_tokens, t.seconds)
+      if not t.includes_compile:
+        cost.observe_compute(t.start, t.num_tokens, t.seconds)
     traces = {}
     for rid, token in result.sampled:
       r = self.running.get(rid)

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvjax.engine import MergeTrace
 from kvjax.scheduler.request import MAX_LOGPROBS
 
 
@@ -274,10 +275,9 @@ def _json_value(x: Any) -> Any:
   return None
 
 
-#: Fields of the engine's merge trace (`kvjax.scheduler.cake.MergeTrace`) copied to `kvjax.merge`.
-MERGE_FIELDS = ("num_chunks", "chunks_computed", "chunks_loaded", "chunks_wasted",
-                "chunks_rejected", "meeting_index", "levels", "loaded_bytes", "wasted_bytes",
-                "compute_s", "load_s")
+#: Fields of the engine's merge trace copied to `kvjax.merge`: every field of `MergeTrace`, so the
+#: protocol cannot drift from the record it mirrors.
+MERGE_FIELDS = tuple(f.name for f in dataclasses.fields(MergeTrace))
 
 
 def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
@@ -291,18 +291,18 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
   `engine_metrics`, every field of the engine's `RequestMetrics` (engine clock).
   """
   tiers: dict[str, int] = {}
-  for t in getattr(metrics, "loaded_from_tiers", None) or []:
+  for t in metrics.loaded_from_tiers:
     tiers[str(t)] = tiers.get(str(t), 0) + 1
   out = {"request_id": request_id, "ttft_s": ttft_s, "e2e_s": e2e_s,
          "prompt_tokens": prompt_tokens,
-         "tokens_computed": getattr(metrics, "num_computed_tokens", None),
-         "tokens_loaded": getattr(metrics, "num_loaded_tokens", None),
+         "tokens_computed": metrics.num_computed_tokens,
+         "tokens_loaded": metrics.num_loaded_tokens,
          "cached_tokens": cached_tokens,
-         "rejected_chunks": getattr(metrics, "num_rejected_chunks", None),
+         "rejected_chunks": metrics.num_rejected_chunks,
          "loaded_from_tiers": tiers}
-  trace = getattr(metrics, "merge", None)
+  trace = metrics.merge
   out["merge"] = None if trace is None else {
-      name: _json_value(getattr(trace, name)) for name in MERGE_FIELDS if hasattr(trace, name)}
+      name: _json_value(getattr(trace, name)) for name in MERGE_FIELDS}
   out["meeting_index"] = None if trace is None else trace.meeting_index
   out["engine_metrics"] = _json_value(metrics) if dataclasses.is_dataclass(metrics) else None
   return out
