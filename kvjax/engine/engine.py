@@ -235,6 +235,10 @@ class Engine:
     check_writes: keep a per-position writer map per request and raise if a position of the KV
       cache would be written twice (debug; tests keep it on).
     link_latency_s: the store link's latency prior, seconds (file: 1 ms; S3: tens of ms).
+    consistent: with a lossy codec, make every output independent of which chunks were loaded
+      (issue: identical requests must get identical answers): each request reads only the first
+      stored level, and computed chunks pass through that same encode/decode, in steps of one
+      store chunk (`Scheduler(consistent=True)`).
 
   Raises:
     ValueError: unknown merge mode, or a scheduler config that does not match the runner.
@@ -245,7 +249,8 @@ class Engine:
                clock: Callable[[], float] = time.perf_counter,
                kv_store: KVStoreClient | None = None, merge_mode: str = "cake",
                max_loads_in_flight: int | None = None, kv_ttft_target_s: float | None = None,
-               check_writes: bool = False, link_latency_s: float = 1e-3):
+               check_writes: bool = False, link_latency_s: float = 1e-3,
+               consistent: bool = False):
     load_config = LoadConfig(merge_mode=merge_mode, max_loads_in_flight=max_loads_in_flight,
                              link_latency_s=link_latency_s, kv_ttft_target_s=kv_ttft_target_s,
                              check_writes=check_writes,
@@ -260,9 +265,13 @@ class Engine:
         scheduler_config.chunk_sizes != runner.chunk_sizes):
       raise ValueError("scheduler slots and chunk sizes must equal the runner's: "
                        f"{scheduler_config} vs {runner.config}")
+    consistent = consistent and kv_store is not None and kv_store.codec != codecs.RAW
+    self._fixed_encoding = (codecs.EncodingId(kv_store.codec, kv_store.codec_levels[0])
+                            if consistent else None)
     self._scheduler = Scheduler(
         scheduler_config, CostModel(), load_config=load_config,
-        save_chunk_size=kv_store.chunk_size if kv_store is not None else None)
+        save_chunk_size=kv_store.chunk_size if kv_store is not None else None,
+        consistent=consistent)
     self._core = EngineCore(self._scheduler, self)
     self._rng = np.random.default_rng(seed)
     self._clock = clock
@@ -330,6 +339,8 @@ class Engine:
       chunks = []
       for tier, record in zip(lookup.present, lookup.records or [None] * len(lookup.present)):
         cands = _candidates(record, raw_nbytes) if tier is not None else []
+        if self._fixed_encoding is not None:  # consistent: only the request's fixed encoding
+          cands = [cand for cand in cands if cand.name == self._fixed_encoding]
         chunks.append(StoredChunk(tier, tuple(cands)) if cands else None)
       stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks))
     self._scheduler.add_request(Request(rid, ids, params, arrival_s=arrival_s), stored)
@@ -361,6 +372,15 @@ class Engine:
   def reset_device(self) -> None:
     """Rebuilds the KV cache after a failed step consumed its buffers (requests are lost)."""
     self.runner.reset()
+
+  @property
+  def check_writes(self) -> bool:
+    """Whether new requests' merges keep a writer map (raising on a double write)."""
+    return self._scheduler.load_config.check_writes
+
+  @check_writes.setter
+  def check_writes(self, on: bool) -> None:
+    self._scheduler.set_check_writes(on)
 
   def add_step_observer(self, observe: Callable[[StepRecord], None]) -> None:
     """Calls `observe` with every step's `StepRecord` (plan, result, timing): plain data for
@@ -468,14 +488,17 @@ class Engine:
 
   # ----------------------------------------------------------------------------- saves
   def _save_chunks(self, live: _Live, chunk: PrefillChunk, k_LTKH, v_LTKH) -> None:
-    """Keeps this step's KV until its store chunks are complete; hands each completed chunk in
-    `chunk.saves` to the saver at once (one device array per chunk, every level encoded in one
-    device call; the saver makes the one device -> host copy)."""
+    """Keeps this step's KV until its store chunks are complete; then, per completed chunk:
+    passes it through the stored encoding when the plan says `roundtrip` (consistent codecs:
+    encode, decode back into the cache), and hands it to the saver when it is in `saves` (one
+    device array per chunk, every level encoded in one device call; the saver makes the one
+    device -> host copy)."""
     kv, c = self.kv_store, self.kv_store.chunk_size
     live.pieces.append((chunk.start, k_LTKH, v_LTKH))
     lookup = live.lookup
-    for item in chunk.saves:
-      lo, hi = item.index * c, (item.index + 1) * c
+    saves = {item.index: item for item in chunk.saves}
+    for index in sorted(set(saves) | set(chunk.roundtrip)):
+      lo, hi = index * c, (index + 1) * c
       ks, vs = [], []
       for start, k, v in live.pieces:
         a, b = max(start, lo), min(start + k.shape[1], hi)
@@ -484,16 +507,21 @@ class Engine:
           vs.append(v[:, a - start:b - start])
       kv_L2CKH = jnp.stack([jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)], axis=1)
       if kv_L2CKH.shape[2] != c:
-        raise ValueError(f"chunk {item.index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
+        raise ValueError(f"chunk {index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
       payloads = None
-      if kv.codec != "raw":
+      if kv.codec != codecs.RAW:
         payloads = self.runner.encode_levels(kv_L2CKH, kv.codec, kv.codec_levels)
-      kv.submit_save(SaveJob(
-          namespace=lookup.namespace, chunk_hash=lookup.hashes[item.index],
-          parent=lookup.hashes[item.index - 1] if item.index else lookup.namespace,
-          token_ids=tuple(live.prompt_token_ids[lo:hi]),
-          kv=kv_L2CKH if payloads is None else None, payloads=payloads,
-          replace=item.replace, verify_existing=item.verify_existing))
+      if index in chunk.roundtrip and payloads is not None:
+        # The first stored level is the request's fixed encoding (`_fixed_encoding`).
+        self.runner.insert_payload(kv.codec, payloads[0][2], chunk.slot, lo)
+      item = saves.get(index)
+      if item is not None:
+        kv.submit_save(SaveJob(
+            namespace=lookup.namespace, chunk_hash=lookup.hashes[index],
+            parent=lookup.hashes[index - 1] if index else lookup.namespace,
+            token_ids=tuple(live.prompt_token_ids[lo:hi]),
+            kv=kv_L2CKH if payloads is None else None, payloads=payloads,
+            replace=item.replace, verify_existing=item.verify_existing))
     end = chunk.start + chunk.num_tokens
     keep_from = (end // c) * c  # pieces wholly below the last completed chunk end are done
     live.pieces = [p for p in live.pieces if p[0] + p[1].shape[1] > keep_from]

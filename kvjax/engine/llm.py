@@ -150,6 +150,12 @@ class LLM:
       stays busy through long engine steps.
     kv_ttft_target_s: pick loaded chunks' encoding levels for this TTFT target, seconds (CacheGen
       section 5.3); default: for the time compute would finish each chunk (a later landing is useless).
+    kv_codec_consistent: make outputs independent of the Cake meeting point with a lossy codec:
+      every request reads only the first level of `kv_codec_levels`, and each chunk it computes
+      passes through that same encode/decode, in prefill steps of one store chunk
+      (`kv_chunk_size` must be a compiled chunk size and at most the token budget). None
+      (default): on for lossy codecs with a store. Costs one encode/decode per computed chunk
+      and smaller prefill steps; identical requests then get identical answers.
     compile_on_init: compile (or load from JAX's persistent cache) every program a request can
       run before returning (`warmup`), so no request's TTFT includes a compile.
 
@@ -166,7 +172,8 @@ class LLM:
                kv_link_trace: str | None = None, kv_codec: str = "raw",
                kv_codec_levels: Sequence[int] | None = None, kv_merge_mode: str = "cake",
                kv_max_loads_in_flight: int | None = None,
-               kv_ttft_target_s: float | None = None, compile_on_init: bool = True):
+               kv_ttft_target_s: float | None = None, kv_codec_consistent: bool | None = None,
+               compile_on_init: bool = True):
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
@@ -209,11 +216,27 @@ class LLM:
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
                          merge_mode=kv_merge_mode, max_loads_in_flight=kv_max_loads_in_flight,
                          kv_ttft_target_s=kv_ttft_target_s,
-                         link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S)
+                         link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S,
+                         consistent=self._consistent(kv_codec_consistent, kv_codec,
+                                                     kv_chunk_size, sched))
     self._warm = False
     self._closed = False
     if compile_on_init:
       self.warmup()
+
+  @staticmethod
+  def _consistent(option: bool | None, codec: str, chunk_size: int,
+                  sched: SchedulerConfig) -> bool:
+    """Resolves `kv_codec_consistent`: None is on for lossy codecs where the chunk size is a
+    compiled size within the token budget (else off); True requires that (ValueError)."""
+    feasible = chunk_size in sched.chunk_sizes and chunk_size <= sched.token_budget
+    if option is None:
+      return not codecs.CODECS[codec].lossless and feasible
+    if option and not feasible:
+      raise ValueError(f"kv_codec_consistent=True needs kv_chunk_size={chunk_size} among the "
+                       f"compiled chunk_sizes {sched.chunk_sizes} and <= max_num_batched_tokens "
+                       f"({sched.token_budget})")
+    return bool(option)
 
   def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
                          runner: ModelRunner, codec: str = "raw",

@@ -51,6 +51,9 @@ class PrefillChunk:
     is_last: the chunk completes the prompt: its logits give the first output token.
     token_ids: the `num_tokens` prompt tokens (plain data, so the executor needs no request).
     saves: store chunks whose last position is in this step and that must be saved.
+    roundtrip: with consistent codecs, the store chunks this step completes: their KV passes
+      through the stored encoding (encode, decode back into the cache) before the next step, so a
+      computed chunk holds exactly what a loaded one would.
   """
 
   request_id: RequestId
@@ -60,6 +63,7 @@ class PrefillChunk:
   is_last: bool
   token_ids: tuple[int, ...] = dataclasses.field(default=(), compare=False)  # the request's
   saves: tuple[SaveItem, ...] = ()
+  roundtrip: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

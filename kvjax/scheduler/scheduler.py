@@ -182,10 +182,27 @@ class Scheduler:
     load_config: how stored prefixes load (merge mode, loads ahead, TTFT target).
     save_chunk_size: tokens per store chunk when requests' chunks are saved (None: no store;
       requests then get no `saves`).
+    consistent: outputs must not depend on which chunks were loaded (lossy codecs): every prefill
+      step inside a full store chunk is exactly one chunk, and each completed chunk is listed in
+      `PrefillChunk.roundtrip` (it passes through the stored encoding), so a computed chunk
+      equals a loaded one bit for bit and the meeting point cannot change the answer.
+
+  Raises:
+    ValueError: `consistent` without a `save_chunk_size` among the compiled chunk sizes, or a
+      token budget below it.
   """
 
   def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None, *,
-               load_config: LoadConfig | None = None, save_chunk_size: int | None = None):
+               load_config: LoadConfig | None = None, save_chunk_size: int | None = None,
+               consistent: bool = False):
+    if consistent and (save_chunk_size not in config.chunk_sizes
+                       or config.token_budget < save_chunk_size):
+      raise ValueError(f"consistent codec outputs need the store chunk size {save_chunk_size} "
+                       f"among the compiled chunk sizes {config.chunk_sizes} and a token budget "
+                       f">= it (got {config.token_budget})")
+    self.consistent = consistent
+    # Consistent mode computes store chunks whole, one per step: the only compiled size used.
+    self._plan_sizes = (save_chunk_size,) if consistent else config.chunk_sizes
     self.config = config
     self.cost_model = cost_model if cost_model is not None else CostModel()
     self.load_config = load_config or LoadConfig()
@@ -233,6 +250,10 @@ class Scheduler:
       self._prefix[rid] = _Prefix(merge, stored)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
+
+  def set_check_writes(self, on: bool) -> None:
+    """Keep (or stop keeping) a writer map in the merges of requests added from now on."""
+    self.load_config = dataclasses.replace(self.load_config, check_writes=bool(on))
 
   def has_unfinished(self) -> bool:
     return bool(self.waiting or self.running)
@@ -335,7 +356,7 @@ class Scheduler:
     while self.waiting and self._free_slots:
       r = self.waiting[0]
       if r.request_id not in self._prefix and (budget <= 0 or not chunk_tokens(
-          r.remaining_prefill_tokens, budget, self.config.chunk_sizes)):
+          r.remaining_prefill_tokens, budget, self._plan_sizes)):
         break
       self.waiting.popleft()
       r.slot = self._free_slots.pop(0)
@@ -413,7 +434,7 @@ class Scheduler:
   def _plan_cake(self, r: Request, budget: int, now_s: float, out: list[PrefillChunk]) -> int:
     """Appends the compute steps of `r`'s merge that the budget allows; returns the budget left."""
     m = self._prefix[r.request_id].merge
-    while step := m.next_compute(budget, self.config.chunk_sizes, now_s, self.cost_model):
+    while step := m.next_compute(budget, self._plan_sizes, now_s, self.cost_model):
       start, n = step
       budget -= n
       is_last = start + n == r.num_prompt_tokens
@@ -426,7 +447,7 @@ class Scheduler:
 
   def _plan_chunks(self, r: Request, budget: int, out: list[PrefillChunk]) -> int:
     """Appends as many chunks of `r` as the budget allows; returns the budget left."""
-    while n := chunk_tokens(r.remaining_prefill_tokens, budget, self.config.chunk_sizes):
+    while n := chunk_tokens(r.remaining_prefill_tokens, budget, self._plan_sizes):
       start = r.num_computed_tokens
       r.num_computed_tokens += n
       budget -= n
@@ -437,8 +458,13 @@ class Scheduler:
     return budget
 
   def _chunk(self, r: Request, start: int, n: int, is_last: bool) -> PrefillChunk:
+    c = self.save_chunk_size
+    roundtrip = ()
+    if self.consistent:
+      roundtrip = tuple(range(start // c, (start + n) // c))  # chunks this step completes
     return PrefillChunk(r.request_id, r.slot, start, n, is_last,
-                        tuple(r.prompt_token_ids[start:start + n]), self._saves(r, start, n))
+                        tuple(r.prompt_token_ids[start:start + n]), self._saves(r, start, n),
+                        roundtrip)
 
   def _saves(self, r: Request, start: int, n: int) -> tuple[SaveItem, ...]:
     """Store chunks the step `[start, start + n)` completes that the store should get: chunks

@@ -1,0 +1,68 @@
+"""Lossy codecs with `kv_codec_consistent`: the answer does not depend on the meeting point.
+
+Every mix of computed and loaded chunks (compute-only, load-only, Cake at any timing, a missing
+chunk in the middle) must give the same greedy tokens and bit-identical log-probabilities as the
+cold run that stored the chunks (issue: identical requests get identical answers).
+"""
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from kvjax import LLM, SamplingParams
+
+C = 16
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5)
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, 256, 5 * C + 7)]
+
+
+def make_llm(store, codec, mode="cake", **kw):
+  llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+            kv_chunk_size=C, kv_merge_mode=mode, kv_codec=codec, **kw)
+  llm.engine.check_writes = True
+  return llm
+
+
+class ConsistentCodecTest(parameterized.TestCase):
+
+  @parameterized.parameters("int8", "cachegen")
+  def test_every_meeting_point_gives_the_cold_answer_bit_for_bit(self, codec):
+    store = self.create_tempdir().full_path
+    writer = make_llm(store, codec, "compute_only")
+    cold = writer.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    writer.flush()
+    outs = []
+    for mode in ("compute_only", "load_only", "cake", "cake"):
+      reader = make_llm(store, codec, mode)
+      outs.append((mode, reader.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]))
+      reader.close()
+    writer.close()
+    loaded = [len(o.metrics.merge.chunks_loaded) for _, o in outs]
+    self.assertEqual(loaded[0], 0)
+    self.assertEqual(loaded[1], (len(PROMPT) - 1) // C)  # load_only loads every stored chunk
+    for mode, out in outs:
+      self.assertEqual(out.token_ids, cold.token_ids, mode)
+      self.assertEqual(out.logprobs, cold.logprobs, mode)  # exactly, not within a tolerance
+
+  def test_inconsistent_mode_is_still_available_and_levels_are_fixed(self):
+    llm = make_llm("memory://consistent-off", "cachegen", kv_codec_levels=[1, 3],
+                   kv_codec_consistent=False)
+    out = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    self.assertLen(out.token_ids, PARAMS.max_tokens)
+    llm.close()
+    consistent = make_llm(self.create_tempdir().full_path, "cachegen", kv_codec_levels=[1, 3])
+    consistent.generate({"prompt_token_ids": PROMPT}, PARAMS)
+    consistent.flush()
+    out = consistent.generate({"prompt_token_ids": PROMPT},
+                              SamplingParams(max_tokens=1, temperature=0.0))[0]
+    levels = set(map(str, out.metrics.merge.levels.values()))
+    self.assertLessEqual(levels, {"cachegen/1"})  # never the coarser level, whatever the timing
+    consistent.close()
+
+  def test_consistent_needs_the_chunk_size_compiled(self):
+    with self.assertRaisesRegex(ValueError, "kv_codec_consistent=True needs kv_chunk_size=24"):
+      LLM("tiny", cache_dir="", chunk_sizes=(16, 32), kv_store="memory://x", kv_chunk_size=24,
+          kv_codec="int8", kv_codec_consistent=True, compile_on_init=False)
+
+
+if __name__ == "__main__":
+  absltest.main()
