@@ -56,6 +56,11 @@ _KV_CODEC = flags.DEFINE_enum("kv_codec", "raw", list(KV_CODECS), "Stored KV chu
 _MERGE = flags.DEFINE_enum("kv_merge_mode", "cake", ["cake", "load_only", "compute_only"],
                            "How a stored prefix becomes resident: compute the front while loading "
                            "the back (cake), or one side only (the baselines).")
+_CONSISTENT = flags.DEFINE_enum(
+    "kv_codec_consistent", "auto", ["auto", "true", "false"],
+    "Lossy codecs: make outputs independent of which chunks were loaded (a fixed encoding per "
+    "request, computed chunks pass through it); auto: on where kv_chunk_size is a compiled "
+    "chunk size within the token budget.")
 _LINK = flags.DEFINE_float("kv_link_bytes_per_s", None,
                            "Emulated store link bandwidth, bytes/s (default unlimited).")
 _TRACE = flags.DEFINE_string("kv_link_trace", None,
@@ -115,6 +120,7 @@ def config_from_flags() -> ServerConfig:
         max_num_batched_tokens=_BUDGET.value, chunk_sizes=sizes, seed=_SEED.value,
         cache_dir=_CACHE_DIR.value, kv_store=store, kv_tiers=_KV_TIERS.value,
         kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_merge_mode=_MERGE.value,
+        kv_codec_consistent={"auto": None, "true": True, "false": False}[_CONSISTENT.value],
         kv_link_bytes_per_s=_LINK.value,
         kv_link_trace=_TRACE.value, enable_admin=_ADMIN.value, log_level=_LOG_LEVEL.value,
         max_request_bytes=_MAX_BYTES.value,

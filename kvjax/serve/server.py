@@ -53,6 +53,8 @@ class ServerConfig:
     kv_chunk_size: tokens per stored chunk.
     kv_codec: stored chunk encoding, one of `KV_CODECS` ("raw", "int8", "int4", "cachegen").
     kv_merge_mode: "cake" (compute the front, load the back), "load_only" or "compute_only".
+    kv_codec_consistent: outputs independent of the meeting point with a lossy codec (None: on
+      where feasible; see `LLM`).
     kv_link_bytes_per_s: emulated store link, bytes/s; None: unlimited.
     kv_link_trace: file of "seconds bytes_per_s" lines instead of a constant link.
     enable_admin: serve POST /admin/flush_kv.
@@ -87,6 +89,7 @@ class ServerConfig:
   kv_chunk_size: int = 256
   kv_codec: str = "raw"
   kv_merge_mode: str = "cake"
+  kv_codec_consistent: bool | None = None
   kv_link_bytes_per_s: float | None = None
   kv_link_trace: str | None = None
   enable_admin: bool = False
@@ -135,7 +138,8 @@ class ServerConfig:
                           else self.kv_store)
     if "kv_store" in opts:
       opts.update(kv_chunk_size=self.kv_chunk_size, kv_link_bytes_per_s=self.kv_link_bytes_per_s,
-                  kv_link_trace=self.kv_link_trace, kv_merge_mode=self.kv_merge_mode)
+                  kv_link_trace=self.kv_link_trace, kv_merge_mode=self.kv_merge_mode,
+                  kv_codec_consistent=self.kv_codec_consistent)
     return opts
 
 
