@@ -36,15 +36,17 @@ Byte format, version 1 (little endian):
     "KVRA" u8 version (1) u8 scale_bits n (8..15) u8 flags (bit 0: explicit lengths) u8 0
     u32 M  u32 S  u32 T  u32 B  u32 A (1..65536)  u64 total bytes of the encoding
     16 B   xxh3-128 of every byte of the encoding except these 16 (`checksum.XXH3_128`)
-    per model: u32 lo  u32 count  u16 freq[count]     (symbols lo .. lo+count-1; the others 0;
-                                                       count 0: no stream of m has a symbol)
+    per model: u32 lo  u32 count  u8 freq[count]  u16 big[number of 255s in freq]
+                   (frequencies of symbols lo .. lo+count-1, the others 0; a byte 255 means
+                   "the next u16 of big", so small tail frequencies cost one byte; count 0: no
+                   stream of m has a symbol)
     u32 lengths[M * S]                                (only with flag bit 0; else all T)
     u32 state[streams with length > 0], in (m, s) order
     u32 words[M * J]                                  (16-bit words per block)
     u16 word arrays of the blocks, (m, j) order, back to back, nothing after
 
-Costs: 4 bytes per non-empty stream (its final state) on top of the words, 8 + 2 * count bytes
-per model, 52 bytes of header; measured against the empirical entropy and pcodec/zstd in
+Costs: 4 bytes per non-empty stream (its final state) on top of the words, 8 + count + 2 *
+(frequencies >= 255) bytes per model, 52 bytes of header; measured against the empirical entropy and pcodec/zstd in
 `tests/storage/rans_test.py` and `scripts/bench_rans.py`.
 """
 
@@ -74,6 +76,8 @@ WORD_BITS = 16
 MAX_SYMBOLS = 1 << 32
 
 _FLAG_LENGTHS = 1
+#: Frequencies below this take one byte in a table; the others the byte 255 and a u16.
+_ESCAPE = 255
 _HEAD = struct.Struct("<4sBBBBIIIIIQ")
 _HEAD_BYTES = _HEAD.size + 16
 _TABLE = struct.Struct("<II")
@@ -263,8 +267,9 @@ def encode(symbols_MTS: np.ndarray, lengths_MS: np.ndarray | None = None, *,
   for m in range(m_):
     nz = np.flatnonzero(freqs_MA[m])
     lo, count = (int(nz[0]), int(nz[-1] - nz[0] + 1)) if nz.size else (0, 0)
-    parts.append(_TABLE.pack(lo, count))
-    parts.append(freqs_MA[m, lo:lo + count].astype("<u2").tobytes())
+    f = freqs_MA[m, lo:lo + count]
+    parts += [_TABLE.pack(lo, count), np.minimum(f, _ESCAPE).astype(np.uint8).tobytes(),
+              f[f >= _ESCAPE].astype("<u2").tobytes()]
   if explicit:
     parts.append(lengths_MS.astype("<u4").tobytes())
   parts += [states.astype("<u4").tobytes(), num_words.astype("<u4").tobytes(),
@@ -327,7 +332,11 @@ def parse(data: bytes | memoryview, *, words_per_block: int | None = None) -> Ra
     lo, count = r.unpack(_TABLE)
     if lo + count > a_:
       raise RansError(f"model {m}: symbols {lo}..{lo + count - 1} leave the alphabet of {a_}")
-    f = r.array("<u2", count)
+    f = r.array("u1", count).astype(np.int64)
+    escaped = f == _ESCAPE
+    f[escaped] = r.array("<u2", int(escaped.sum()))
+    if (f[escaped] < _ESCAPE).any():
+      raise RansError(f"model {m}: escaped frequency below {_ESCAPE}")
     if count and int(f.sum()) != z:
       raise RansError(f"model {m}: frequencies sum to {int(f.sum())}, want {z}")
     freqs[m, lo:lo + count] = f
