@@ -366,7 +366,7 @@ def parse(data: bytes | memoryview, *, words_per_block: int | None = None) -> Ra
   elif words_per_block < longest:
     raise ValueError(f"words_per_block={words_per_block} < the longest block ({longest})")
   else:
-    w_ = int(words_per_block)
+    w_ = max(1, int(words_per_block))  # decoders want W >= 1
   k_ = m_ * j_
   words = np.zeros((k_, w_), np.uint16)
   cols = np.arange(w_)[None, :]
