@@ -1,0 +1,289 @@
+"""Interleaved rANS decoding on the device: a jit'd jnp reference and a Pallas kernel.
+
+Decodes the entropy format of `kvjax/storage/rans.py` (its docstring is the format's spec; rANS:
+Duda, arXiv 1311.2540; lanes sharing a word array: Giesen, arXiv 1402.3392, and DietGPU's warp
+layout). Kernels do not import storage: both decoders take the arrays storage's `parse` returns,
+by the same names, so a caller that sees both rooms writes
+
+    symbols_MTS, ok = rans_decode(**rans.parse(data)._asdict())
+
+Axis letters (the format's, not `kvjax._typing`'s): M models (frequency tables), T steps,
+S streams per model, J blocks per model, B lanes per block, W words per block, A alphabet,
+Z = 2**scale_bits slots.
+
+Kernel layout (written for a GPU; compiled nowhere yet, tested with `interpret=True` on CPU):
+
+    grid (M, J): one program per block of B lanes = one warp when B = 32 (DietGPU's choice)
+    in its memory:  words[W] (the block's interleaved 16-bit words, as int32)
+                    sym[Z], freq_bias[Z] (model m's slot -> symbol, freq | (slot - cum) << 16;
+                    8 * Z bytes: 32 KiB at Z = 4096, shared by the J programs of model m)
+                    state[B], length[B]
+    loop t = 0 .. T-1 (lax.fori_loop), all lanes at once:
+      slot = x & (Z-1); s = sym[slot]; x = freq * (x >> n) + bias     (two table gathers)
+      need = x < 2**16; x = x << 16 | words[pos + exclusive_cumsum(need)]; pos += sum(need)
+      out[t, :] = s                                                   (a coalesced row write)
+
+Each step is a dependent chain of about ten integer ops, two table lookups and one word read
+per lane (the reads of a step are consecutive words: coalesced); the exclusive prefix sum is a
+warp ballot + popcount on a GPU. The parallelism is the number of lanes: a SmolLM2 chunk as
+one stream per (layer, K/V, head, channel) is 11,520 lanes of 256 steps. The issue's target
+(4 GB/s of compressed input, what a 32 Gbps link delivers) is 4e9 / 11,520 lanes / (bytes per
+lane step ~ 0.5) ~ 0.7 M steps per lane per second, i.e. about 1.4 us per step: latency, not
+throughput, bounds it, and chunks can be batched along M for more lanes. No GPU number is
+claimed here.
+
+Both decoders return `ok`: every lane ended in the encoder's initial state 2**16 and every
+block consumed exactly its words. Parsing already checked the checksum; `ok` is false only for
+forged input or a decoder/encoder bug, and costs nothing to keep on the device.
+
+File order (STYLE.md "Kernels"): constants, tables, the jnp reference, validation, the kernel
+body, the jitted wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# ---------------------------------------------------------------------------------------------
+# Constants (the format's; storage's rans.py holds the same numbers).
+
+#: The state's lower bound, the encoder's initial state, and the word base: 2**16.
+STATE_LOWER = 1 << 16
+WORD_BITS = 16
+MIN_SCALE_BITS, MAX_SCALE_BITS = 8, 15
+
+# ---------------------------------------------------------------------------------------------
+# Decode tables (built on the device from the small frequency table).
+
+
+def decode_tables(freqs_MA: jax.Array, scale_bits: int) -> tuple[jax.Array, jax.Array]:
+  """Slot -> symbol and packed (frequency, bias) tables of each model.
+
+  Args:
+    freqs_MA: int32[M, A] frequencies, each row summing to 2**scale_bits (or all 0: unused).
+    scale_bits: n (static).
+
+  Returns:
+    (sym_MZ int32[M, Z], freq_bias_MZ uint32[M, Z]) with freq in the low 16 bits and
+    bias = slot - cumulative frequency of the symbol in the high 16 (both < 2**16 for n <= 15).
+  """
+  z = 1 << scale_bits
+  freqs = freqs_MA.astype(jnp.int32)
+  incl = jnp.cumsum(freqs, axis=1)
+  slots = jnp.arange(z, dtype=jnp.int32)
+  sym = jax.vmap(lambda row: jnp.searchsorted(row, slots, side="right"))(incl)
+  sym = jnp.minimum(sym, freqs.shape[1] - 1).astype(jnp.int32)
+  f = jnp.take_along_axis(freqs, sym, axis=1)
+  bias = slots[None] - jnp.take_along_axis(incl - freqs, sym, axis=1)
+  packed = f.astype(jnp.uint32) | (bias.astype(jnp.uint32) << WORD_BITS)
+  return sym, packed
+
+
+def _step(x, length, pos, t, slot_lookup, word_lookup, scale_bits):
+  """One decode step of a set of lanes.
+
+  x: uint32[..., B] states; length: int32[..., B]; pos: int32[...] words read per block.
+  slot_lookup(slot) -> (sym int32, freq_bias uint32); word_lookup(idx) -> uint32 words.
+  Returns (x, pos, sym int32[..., B] (0 on inactive lanes)).
+  """
+  active = t < length
+  slot = (x & jnp.uint32((1 << scale_bits) - 1)).astype(jnp.int32)
+  sym, fb = slot_lookup(slot)
+  x_dec = (fb & jnp.uint32(0xFFFF)) * (x >> scale_bits) + (fb >> WORD_BITS)
+  x = jnp.where(active, x_dec, x)
+  need = active & (x < jnp.uint32(STATE_LOWER))
+  need_i = need.astype(jnp.int32)
+  idx = pos[..., None] + jnp.cumsum(need_i, axis=-1) - need_i
+  w = word_lookup(idx)
+  x = jnp.where(need, (x << WORD_BITS) | w, x)
+  return x, pos + jnp.sum(need_i, axis=-1), jnp.where(active, sym, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-jnp reference (all blocks of all models at once; the oracle for the kernel, and the
+# CPU path).
+
+
+def rans_decode_reference(words, states, lengths, num_words, freqs, *, scale_bits: int,
+                          num_streams: int, num_steps: int) -> tuple[jax.Array, jax.Array]:
+  """Decodes every stream with jnp: lax.fori_loop over the T steps, vectorized over lanes.
+
+  Args:
+    words: uint16 (or int32/uint32 holding 16-bit words)[M, J, W] each block's word array,
+      zero-padded past num_words.
+    states: uint32[M, J, B] initial decoder states (2**16 on empty and padding lanes).
+    lengths: int32[M, J, B] symbols per lane (0 on padding lanes).
+    num_words: int32[M, J] words in each block.
+    freqs: int32[M, A] quantized frequencies (rows sum to 2**scale_bits or are all 0).
+    scale_bits: n, 8..15 (static).
+    num_streams: S <= J * B streams per model (static).
+    num_steps: T (static), the longest stream.
+
+  Returns:
+    (symbols_MTS int32[M, T, S], 0 past each stream's length; ok bool[]: see the module
+    docstring).
+
+  Raises:
+    ValueError: shapes, dtypes or static arguments that do not fit together.
+  """
+  _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
+  return _reference_jit(words, states, lengths, num_words, freqs, scale_bits=int(scale_bits),
+                        num_streams=int(num_streams), num_steps=int(num_steps))
+
+
+@functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps"))
+def _reference_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_streams,
+                   num_steps):
+  m_, j_, b_ = states.shape
+  w_ = words.shape[2]
+  sym_MZ, fb_MZ = decode_tables(freqs, scale_bits)
+  words_KW = words.astype(jnp.uint32).reshape(m_ * j_, w_)
+  lengths_KB = lengths.reshape(m_ * j_, b_)
+
+  def slot_lookup(slot_KB):
+    s = slot_KB.reshape(m_, j_ * b_)
+    return (jnp.take_along_axis(sym_MZ, s, axis=1).reshape(m_ * j_, b_),
+            jnp.take_along_axis(fb_MZ, s, axis=1).reshape(m_ * j_, b_))
+
+  def word_lookup(idx_KB):
+    return jnp.take_along_axis(words_KW, jnp.clip(idx_KB, 0, w_ - 1), axis=1)
+
+  def body(t, carry):
+    x, pos, out = carry
+    x, pos, sym = _step(x, lengths_KB, pos, t, slot_lookup, word_lookup, scale_bits)
+    return x, pos, lax.dynamic_update_index_in_dim(out, sym, t, axis=0)
+
+  x0 = states.reshape(m_ * j_, b_).astype(jnp.uint32)
+  pos0 = jnp.zeros((m_ * j_,), jnp.int32)
+  out0 = jnp.zeros((num_steps, m_ * j_, b_), jnp.int32)
+  x, pos, out_TKB = lax.fori_loop(0, num_steps, body, (x0, pos0, out0))
+  ok = jnp.all(x == STATE_LOWER) & jnp.all(pos == num_words.reshape(-1))
+  symbols = out_TKB.reshape(num_steps, m_, j_ * b_).transpose(1, 0, 2)[:, :, :num_streams]
+  return symbols, ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps):
+  if not isinstance(scale_bits, int) or not MIN_SCALE_BITS <= scale_bits <= MAX_SCALE_BITS:
+    raise ValueError(f"scale_bits must be an int in {MIN_SCALE_BITS}..{MAX_SCALE_BITS}, "
+                     f"got {scale_bits!r}")
+  if len(states.shape) != 3:
+    raise ValueError(f"states must be uint32[M, J, B], got {list(states.shape)}")
+  m_, j_, b_ = states.shape
+  want = {"words": (3, (m_, j_)), "lengths": (3, (m_, j_, b_)), "num_words": (2, (m_, j_)),
+          "freqs": (2, (m_,))}
+  for name, arr in (("words", words), ("lengths", lengths), ("num_words", num_words),
+                    ("freqs", freqs)):
+    ndim, lead = want[name]
+    if len(arr.shape) != ndim or tuple(arr.shape[:len(lead)]) != lead:
+      raise ValueError(f"{name} has shape {list(arr.shape)}; states are {list(states.shape)}")
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+      raise ValueError(f"{name} must be integer, got {arr.dtype}")
+  if jnp.dtype(states.dtype) != jnp.uint32:
+    raise ValueError(f"states must be uint32, got {states.dtype}")
+  if words.shape[2] < 1 or freqs.shape[1] < 1:
+    raise ValueError(f"words [.., W={words.shape[2]}] and freqs [.., A={freqs.shape[1]}] "
+                     f"need W, A >= 1")
+  if not isinstance(num_streams, int) or not 0 <= num_streams <= j_ * b_:
+    raise ValueError(f"num_streams={num_streams!r} must be an int in 0..J*B={j_ * b_}")
+  if not isinstance(num_steps, int) or num_steps < 0:
+    raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+
+
+def _check_backend(interpret: bool) -> None:
+  if not interpret and jax.default_backend() == "cpu":
+    raise ValueError("the compiled Pallas rANS decoder needs a GPU or TPU; on CPU use "
+                     "rans_decode_reference or interpret=True")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel body (one block of B lanes of one model)
+
+
+def _decode_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref, x_ref, pos_ref,
+                   *, scale_bits, num_steps):
+  """words_ref: int32[W]; states_ref: uint32[B]; lengths_ref: int32[B]; sym_ref: int32[Z];
+  fb_ref: uint32[Z]; out_ref: int32[T, B] symbols; x_ref: uint32[B] final states;
+  pos_ref: int32[B] words read (every lane holds the block's count)."""
+  length = lengths_ref[...]
+
+  def slot_lookup(slot):
+    return sym_ref[slot], fb_ref[slot]
+
+  def word_lookup(idx):
+    return words_ref[jnp.clip(idx, 0, words_ref.shape[0] - 1)].astype(jnp.uint32)
+
+  def body(t, carry):
+    x, pos = carry
+    x, pos, sym = _step(x, length, pos, t, slot_lookup, word_lookup, scale_bits)
+    out_ref[pl.ds(t, 1), :] = sym[None]
+    return x, pos
+
+  x, pos = lax.fori_loop(0, num_steps, body, (states_ref[...], jnp.zeros((), jnp.int32)))
+  x_ref[...] = x
+  pos_ref[...] = jnp.full(x.shape, pos, jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Jitted wrapper
+
+
+def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, num_streams: int,
+                num_steps: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Decodes every stream with the Pallas kernel `rans_decode` (grid over (model, block)).
+
+  Arguments, results and errors as `rans_decode_reference` (bit-identical symbols), plus:
+
+  Args:
+    interpret: run the kernel in Pallas interpret mode (CPU tests); False compiles it for the
+      default backend.
+
+  Raises:
+    ValueError: also for interpret=False on a CPU backend.
+  """
+  _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
+  _check_backend(interpret)
+  return _pallas_jit(words, states, lengths, num_words, freqs, scale_bits=int(scale_bits),
+                     num_streams=int(num_streams), num_steps=int(num_steps),
+                     interpret=bool(interpret))
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("scale_bits", "num_streams", "num_steps", "interpret"))
+def _pallas_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_streams, num_steps,
+                interpret):
+  m_, j_, b_ = states.shape
+  w_ = words.shape[2]
+  z = 1 << scale_bits
+  if m_ * j_ == 0:  # no lanes: nothing to decode (a zero-size grid is not a grid)
+    return jnp.zeros((m_, num_steps, num_streams), jnp.int32), jnp.bool_(True)
+  t_ = max(num_steps, 1)  # a zero-size block is not a block; T = 0 writes one unused row
+  sym_MZ, fb_MZ = decode_tables(freqs, scale_bits)
+  lane_spec = pl.BlockSpec((None, None, b_), lambda m, j: (m, j, 0))
+  table_spec = pl.BlockSpec((None, z), lambda m, j: (m, 0))
+  out_TB, x_MJB, pos_MJB = pl.pallas_call(
+      functools.partial(_decode_kernel, scale_bits=scale_bits, num_steps=num_steps),
+      out_shape=(jax.ShapeDtypeStruct((m_, j_, t_, b_), jnp.int32),
+                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.uint32),
+                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.int32)),
+      grid=(m_, j_),
+      in_specs=[pl.BlockSpec((None, None, w_), lambda m, j: (m, j, 0)), lane_spec, lane_spec,
+                table_spec, table_spec],
+      out_specs=(pl.BlockSpec((None, None, t_, b_), lambda m, j: (m, j, 0, 0)), lane_spec,
+                 lane_spec),
+      interpret=interpret,
+      name="rans_decode",
+  )(words.astype(jnp.int32), states, lengths.astype(jnp.int32), sym_MZ, fb_MZ)
+  if num_steps == 0:
+    out_TB = jnp.zeros((m_, j_, 0, b_), jnp.int32)
+  ok = jnp.all(x_MJB == STATE_LOWER) & jnp.all(pos_MJB == num_words[..., None])
+  symbols = out_TB.transpose(0, 2, 1, 3).reshape(m_, num_steps, j_ * b_)[:, :, :num_streams]
+  return symbols, ok
