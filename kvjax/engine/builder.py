@@ -18,9 +18,6 @@ import json
 import os
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from kvjax.engine.llm import LLM
 from kvjax.models.runner import default_cache_root

@@ -22,17 +22,16 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from kvjax import block_hash
 from kvjax._typing import ChunkHash
 
 _ROOT_DOMAIN = b"kvjax/chunk-key/root/v1"
-_CHUNK_DOMAIN = b"kvjax/chunk-key/chunk/v1"
 
 # Type tags of encoded fields.
 _T_NONE = b"N"
 _T_STR = b"S"
 _T_BYTES = b"B"
 _T_INT = b"I"
-_T_TOKENS = b"T"
 _T_LIST = b"L"
 
 
@@ -61,20 +60,6 @@ def _encode_value(value: str | bytes | int | None) -> bytes:
     n = (value.bit_length() + 8) // 8
     return _field(_T_INT, value.to_bytes(n, "big", signed=True))
   raise TypeError(f"key fields must be str, bytes, int or None, got {type(value).__name__}")
-
-
-def _encode_tokens(token_ids: Sequence[int]) -> bytes:
-  """Token ids as a typed field: int64 little-endian each, preceded by the count.
-
-  Raises:
-    ValueError: a token id outside int64.
-  """
-  ids = [int(t) for t in token_ids]
-  try:
-    payload = struct.pack(f"<{len(ids)}q", *ids)
-  except struct.error as e:
-    raise ValueError(f"token id out of int64 range: {e}") from e
-  return _field(_T_TOKENS, struct.pack(">Q", len(ids)) + payload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +111,9 @@ def hash_chunk(parent: ChunkHash, token_ids: Sequence[int],
     TypeError: an extra that is not str, bytes or int.
     ValueError: a token id outside int64.
   """
-  h = hashlib.sha256()
-  h.update(_field(_T_BYTES, _CHUNK_DOMAIN))
-  h.update(_encode_value(str(parent)))
-  h.update(_encode_tokens(token_ids))
-  encoded_extras = b"".join(_encode_value(e) for e in extras)
-  h.update(_field(_T_LIST, struct.pack(">Q", len(extras)) + encoded_extras))
-  return ChunkHash(h.hexdigest())
+  # One implementation of the chained hash for store chunks and device blocks (a block key equals
+  # the chunk key of the same tokens when the block size equals the chunk size).
+  return ChunkHash(block_hash.hash_block_tokens(str(parent), token_ids, extras))
 
 
 def chunk_hashes(namespace: KeyNamespace, token_ids: Sequence[int], *,

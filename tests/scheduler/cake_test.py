@@ -9,7 +9,7 @@ from absl.testing import absltest, parameterized
 
 from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, DecodeItem,
                              LoadConfig, LoadReport, StepResult, StoredChunk, StoredPrefix,
-                             DoubleWriteError, LoadVerdict, MergeMode, PrefillChunk, Request,
+                             DoubleWriteError, LoadVerdict, PrefillChunk, Request,
                              SamplingParams, Scheduler, SchedulerConfig, Writer, ideal_merge_s)
 
 T, F = True, False
