@@ -174,6 +174,17 @@ def cache_file_name(fingerprint: str) -> str:
   return f"kvtc-{fingerprint[:32]}-{text}-v{CALIBRATION_VERSION}.npz"
 
 
+def load_transform(path: str, num_kv_heads: int, head_dim: int) -> KVTCTransform:
+  """A transform saved by `load_or_calibrate` (an .npz of mean, basis, variance, sensitivity).
+
+  Raises:
+    OSError: unreadable file. KeyError: a missing array. ValueError: inconsistent arrays.
+  """
+  with np.load(path) as f:
+    return KVTCTransform(*(np.asarray(f[n], np.float32) for n in _ARRAYS), num_kv_heads,
+                         head_dim)
+
+
 def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None,
                       **kwargs) -> KVTCTransform:
   """The model's kvtc transform: from `cache_dir` if cached there, else calibrated (and cached).
@@ -195,9 +206,7 @@ def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None
   path = os.path.join(cache_dir, cache_file_name(fingerprint)) if cache_dir else None
   if path and os.path.isfile(path):
     try:
-      with np.load(path) as f:
-        t = KVTCTransform(*(np.asarray(f[n], np.float32) for n in _ARRAYS), cfg.n_kv_heads,
-                          cfg.head_dim)
+      t = load_transform(path, cfg.n_kv_heads, cfg.head_dim)
       if t.num_layers == cfg.n_layers:
         return t
     except (OSError, ValueError, KeyError) as e:
