@@ -145,7 +145,7 @@ class LLM:
       cached with the model fingerprint in the params cache). Loads read any encoding a chunk
       has (kvtc only with this model's transform).
     kv_codec_levels: levels stored side by side (cachegen, kvtc: 0 finest .. 3 coarsest); default
-      one level, `kvjax.codecs.DEFAULT_LEVELS` (cachegen 1, kvtc 1); each load picks one of the
+      one level, `kvjax.codecs.DEFAULT_LEVELS` (cachegen 1, kvtc 0); each load picks one of the
       stored levels for the bandwidth and deadline of the moment.
     kv_merge_mode: how a stored prefix becomes resident: "cake" (default: compute from the front
       while loading from the back, Cake arXiv 2410.03065), "load_only" or "compute_only" (the
