@@ -10,6 +10,7 @@ to store with) all read one table instead of four:
     int8      1        0       no        -                               LLM.int8() 2.1
     int4      1        0       no        G = int4_group_tokens(C)        KIVI 3, LLM.int8() 2.1
     cachegen  1        0..3    no        T = cachegen_anchor_stride(C)   CacheGen 5.2 (5.3)
+    kvtc      1        0..3    no        -                               KVTC; PCA (transform coding)
 
 (arXiv ids and details in each `Codec.reference`.)
 
@@ -17,8 +18,13 @@ An encoding is one (codec, level) pair, `EncodingId`; "cachegen/2" is only its d
 Accuracy ranks order the encodings by their relative L2 error measured on real SmolLM2-135M KV
 (1024 tokens, chunks of 256, f32; `scripts/codec_error.py`, max over chunks):
 
-    raw/0 0%  <  int8/0 0.54%  <  cachegen/0 1.6%  <  cachegen/1 3.2%  <  int4/0 5.1%
-              <  cachegen/2 6.3%  <  cachegen/3 12.6%
+    raw/0 0%  <  int8/0 0.54%  <  cachegen/0 1.6%  <  cachegen/1 3.2%  <  kvtc/0 4.3%
+              <  int4/0 5.1%  <  kvtc/1 5.9%  <  cachegen/2 6.3%  <  kvtc/2 8.0%  <  kvtc/3 10.8%
+              <  cachegen/3 12.6%
+
+(kvtc puts its error where the output is least sensitive, so its L2 error overstates its loss:
+kvtc/0 at 4.3% L2 has a perplexity ratio of 1.0016 where cachegen/1 at 3.2% has 1.013, in
+`benchmarks/results/kvtc_reduced/bench_codec.json`.)
 
 The chunk-size rule. A chunk holds C tokens. int4 keeps one scale and zero per group of G tokens
 (per channel) and CacheGen one anchor per group of T tokens; both must divide C. The one rule:
@@ -49,7 +55,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 
 __all__ = ["ACCURACY_RANK", "CACHEGEN", "CACHEGEN_ANCHOR_STRIDE", "CODECS", "CODEC_LEVELS",
-           "CODEC_VERSIONS", "ENCODINGS", "INT4", "INT4_GROUP_TOKENS", "INT8", "RAW", "Codec",
+           "CODEC_VERSIONS", "DEFAULT_LEVELS", "ENCODINGS", "INT4", "INT4_GROUP_TOKENS", "INT8",
+           "KVTC", "RAW", "Codec",
            "EncodingId", "cachegen_anchor_stride", "check_chunk_size", "check_codec",
            "int4_group_tokens", "is_decodable"]
 
@@ -58,6 +65,7 @@ RAW = "raw"
 INT8 = "int8"
 INT4 = "int4"
 CACHEGEN = "cachegen"
+KVTC = "kvtc"
 
 #: Most tokens per int4 scale/zero group, G (the rule takes the largest divisor of C up to it).
 INT4_GROUP_TOKENS = 64
@@ -123,6 +131,7 @@ class Codec:
     chunk_parameter: the per-chunk group size its format derives from C ("group_tokens",
       "anchor_stride"), or None.
     reference: the paper and section the algorithm follows.
+    default_level: the one level `LLM(kv_codec=...)` stores when `kv_codec_levels` is not given.
   """
 
   name: str
@@ -132,6 +141,7 @@ class Codec:
   rel_l2_error: tuple[float, ...]
   chunk_parameter: str | None
   reference: str
+  default_level: int = 0
 
   @property
   def encodings(self) -> tuple[EncodingId, ...]:
@@ -153,10 +163,18 @@ CODECS: Mapping[str, Codec] = {c.name: c for c in (
     Codec(CACHEGEN, 1, (0, 1, 2, 3), False, (0.016, 0.032, 0.063, 0.126), "anchor_stride",
           "CacheGen (arXiv 2310.07240, section 5.2): anchors per group of T tokens, deltas "
           "against the dequantized anchor, layer-wise bins growing with the level, entropy "
-          "coding per layer (levels: section 5.3)"),
+          "coding per layer (levels: section 5.3)", default_level=1),
+    Codec(KVTC, 1, (0, 1, 2, 3), False, (0.043, 0.059, 0.080, 0.108), None,
+          "KV transform coding (KVTC): a PCA basis per layer and K/V over the channels of all KV "
+          "heads, calibrated once per model (PCA: Pearson 1901, Hotelling 1933), uniform "
+          "quantization of the components with a step per layer and K/V from measured output "
+          "sensitivity (reverse water-filling: low-variance components fall to zero), and "
+          "entropy coding per band of components (`kvjax.kernels.kvtc`)", default_level=0),
 )}
 #: Codec id -> levels (0 is the finest).
 CODEC_LEVELS: Mapping[str, tuple[int, ...]] = {c.name: c.levels for c in CODECS.values()}
+#: Codec id -> the one level stored by default (`LLM(kv_codec_levels=None)`).
+DEFAULT_LEVELS: Mapping[str, int] = {c.name: c.default_level for c in CODECS.values()}
 #: Codec id -> the byte format version encoders write.
 CODEC_VERSIONS: Mapping[str, int] = {c.name: c.version for c in CODECS.values()}
 #: Every encoding, most accurate first (ties: codec name, level).

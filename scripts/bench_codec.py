@@ -76,7 +76,9 @@ VICUNA = ("A chat between a curious user and an artificial intelligence assistan
 #: (label, codec, level) of every codec level measured.
 ALL_CODECS = (("raw", "raw", 0), ("int8", "int8", 0), ("int4", "int4", 0),
               ("cachegen-0", "cachegen", 0), ("cachegen-1", "cachegen", 1),
-              ("cachegen-2", "cachegen", 2), ("cachegen-3", "cachegen", 3))
+              ("cachegen-2", "cachegen", 2), ("cachegen-3", "cachegen", 3),
+              ("kvtc-0", "kvtc", 0), ("kvtc-1", "kvtc", 1), ("kvtc-2", "kvtc", 2),
+              ("kvtc-3", "kvtc", 3))
 #: Environment of the one-thread throughput worker (set before it imports JAX).
 ONE_THREAD_ENV = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -109,6 +111,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the bootstrap intervals (nothin
 _WORKER = flags.DEFINE_enum("worker", "", ["", "throughput"], "Internal: run the one-thread "
                             "throughput worker.")
 _WORKER_IN = flags.DEFINE_string("worker_in", None, "Internal: worker input (.npz).")
+_WORKER_KVTC = flags.DEFINE_string("worker_kvtc", None, "Internal: the kvtc transform (.npz).")
 _WORKER_OUT = flags.DEFINE_string("worker_out", None, "Internal: worker output (.json).")
 _WORKER_CPU = flags.DEFINE_integer("worker_cpu", None, "Internal: the core the worker pins "
                                    "itself to.")
@@ -222,6 +225,7 @@ def throughput(bench: Bench, samples: dict, sweep_ids, s: Settings, progress) ->
   env = {**os.environ, **ONE_THREAD_ENV}
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker=throughput",
          f"--worker_in={npz}", f"--worker_out={out_json}", f"--chunk={s.chunk}",
+         f"--worker_kvtc={bench.kvtc_cache_file}",
          f"--tp_reps={s.tp_reps}", f"--codecs={','.join(c[0] for c in s.codecs)}"]
   if pinned:
     cmd.append(f"--worker_cpu={worker_cpu}")
@@ -303,7 +307,11 @@ def worker_main() -> None:
   samples = {int(k.split("_")[1]): data[k] for k in data.files}
   n_layers, _, c, n_kv, hd = next(iter(samples.values())).shape
   layout = KVLayout(n_layers, c, n_kv, hd, "float32")
-  inv_freq = rope_inv_freq(smollm2_135m())
+  cfg = smollm2_135m()
+  inv_freq = rope_inv_freq(cfg)
+  from bench_codec_lib import set_kvtc_transform  # noqa: PLC0415
+  from kvjax.models.kv_calibration import load_transform  # noqa: PLC0415
+  set_kvtc_transform(load_transform(_WORKER_KVTC.value, cfg.n_kv_heads, cfg.head_dim))
   results = {label: time_codec(samples, by_label[label][1], by_label[label][2], _TP_REPS.value,
                                layout, inv_freq) for label in _CODECS.value}
   report = {"results": results, "reps": _TP_REPS.value,

@@ -142,6 +142,36 @@ def rope_cos_sin(inv_freq: np.ndarray, start: int, c: int) -> tuple[np.ndarray, 
 # ---------------------------------------------------------------------------------------------
 # The model and the codec path.
 
+#: The kvtc transform (`kvjax.kernels.kvtc.KVTCTransform`) of the model, set by `Bench` or the
+#: throughput worker (`set_kvtc_transform`); kvtc encode/decode use it.
+_KVTC = {"transform": None, "device": None}
+
+
+def set_kvtc_transform(transform) -> None:
+  """Sets the kvtc transform the codec helpers below use."""
+  _KVTC["transform"] = transform
+  _KVTC["device"] = transform.device_arrays()
+
+
+def encode_host(kv_L2CKH, codec: str, level: int) -> dict:
+  """A chunk's payload arrays on the host (jnp path): `kv_encode_host` or `kvtc_encode_host`."""
+  from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
+  from kvjax.kernels import kvtc  # noqa: PLC0415
+  if codec == "kvtc":
+    return kvtc.kvtc_encode_host(kv_L2CKH, _KVTC["device"], level)
+  return kc.kv_encode_host(kv_L2CKH, codec, level, use_pallas=False)
+
+
+def decode_arrays(arrays: dict, codec: str, k, v, slot, start, cos, sin):
+  """Payload arrays -> `kv_decode` / `kvtc_decode` into (k, v) caches (jnp path)."""
+  from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
+  from kvjax.kernels import kvtc  # noqa: PLC0415
+  if codec == "kvtc":
+    return kvtc.kvtc_decode(kvtc.payload_from_arrays(arrays), _KVTC["device"], k, v, slot, start,
+                            cos, sin)
+  return kc.kv_decode(kc.payload_from_arrays(codec, arrays), k, v, slot, start, cos, sin,
+                      use_pallas=False)
+
 
 class Bench:
   """The real model on a two-slot runner plus the codec path from KV chunks to a cache slot.
@@ -177,6 +207,14 @@ class Bench:
     self.namespace = keys.KeyNamespace(str(self.loaded.fingerprint), "float32", KV_LAYOUT_VERSION,
                                        chunk)
     self.tokenizer = self.loaded.tokenizer
+    from kvjax.models import kv_calibration  # noqa: PLC0415
+    self.kvtc_transform = kv_calibration.load_or_calibrate(
+        self.runner, self.tokenizer, str(self.loaded.fingerprint),
+        os.path.join(default_cache_root(), "params"))
+    self.kvtc_cache_file = os.path.join(default_cache_root(), "params",
+                                        kv_calibration.cache_file_name(
+                                            str(self.loaded.fingerprint)))
+    set_kvtc_transform(self.kvtc_transform)
 
   def prefill_kv(self, ids, slot: int, progress=None):
     """Chunked prefill of `ids` (whole chunks) into `slot` from position 0.
@@ -202,14 +240,12 @@ class Bench:
 
   def encode(self, kv_L2CKH, codec: str, level: int) -> bytes:
     """A chunk's stored bytes: `kv_encode_host` (jnp path) then `encode_payload`."""
-    from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
     from kvjax.storage import codecs  # noqa: PLC0415
-    arrays = kc.kv_encode_host(kv_L2CKH, codec, level, use_pallas=False)
+    arrays = encode_host(kv_L2CKH, codec, level)
     return codecs.encode_payload(codec, level, arrays, self.layout)
 
   def decode_into(self, blobs, codec: str, level: int, slot: int) -> None:
     """Stored bytes of chunks 0..n-1 -> `decode_payload` -> `kv_decode` into `slot` at [0, nC)."""
-    from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
     from kvjax.storage import codecs  # noqa: PLC0415
     cache = self.runner.cache
     k, v = cache.k_LBSKH, cache.v_LBSKH
@@ -217,8 +253,7 @@ class Bench:
       arrays = codecs.decode_payload(codec, codecs.CURRENT_VERSION[codec], level, blob,
                                      self.layout)
       cos, sin = rope_cos_sin(self.inv_freq, i * self.chunk, self.chunk)
-      k, v = kc.kv_decode(kc.payload_from_arrays(codec, arrays), k, v, slot, i * self.chunk,
-                          cos, sin, use_pallas=False)
+      k, v = decode_arrays(arrays, codec, k, v, slot, i * self.chunk, cos, sin)
     self.runner.cache = dataclasses.replace(cache, k_LBSKH=k, v_LBSKH=v)
 
   def record_json_bytes(self, chunk_hash, parent_hash, token_ids, encodings) -> int:
@@ -329,7 +364,6 @@ def time_codec(samples: dict[int, np.ndarray], codec: str, level: int, reps: int
   """
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
-  from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
   from kvjax.storage import codecs  # noqa: PLC0415
 
   n_layers, _, c, n_kv, hd = next(iter(samples.values())).shape
@@ -345,14 +379,13 @@ def time_codec(samples: dict[int, np.ndarray], codec: str, level: int, reps: int
     blob = b""
     for rep in range(reps + 1):  # rep 0 compiles and warms up
       c0, t0 = time.process_time(), time.perf_counter()
-      arrays = kc.kv_encode_host(x, codec, level, use_pallas=False)
+      arrays = encode_host(x, codec, level)
       t1 = time.perf_counter()
       blob = codecs.encode_payload(codec, level, arrays, layout)
       t2, c2 = time.perf_counter(), time.process_time()
       dec = codecs.decode_payload(codec, codecs.CURRENT_VERSION[codec], level, blob, layout)
       t3 = time.perf_counter()
-      k_cache, v_cache = kc.kv_decode(kc.payload_from_arrays(codec, dec), k_cache, v_cache, 0, 0,
-                                      cos, sin, use_pallas=False)
+      k_cache, v_cache = decode_arrays(dec, codec, k_cache, v_cache, 0, 0, cos, sin)
       jax.block_until_ready((k_cache, v_cache))
       t4, c4 = time.perf_counter(), time.process_time()
       if rep:

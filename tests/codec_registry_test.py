@@ -8,6 +8,7 @@ from absl.testing import absltest, parameterized
 from kvjax import codecs
 from kvjax.codecs import EncodingId
 from kvjax.kernels import kv_codec as kc
+from kvjax.kernels import kvtc
 from kvjax.storage import codecs as stored
 from kvjax.storage.types import KVLayout
 
@@ -37,12 +38,15 @@ class RegistryTest(absltest.TestCase):
 
   def test_table(self):
     self.assertEqual(dict(codecs.CODEC_LEVELS), {"raw": (0,), "int8": (0,), "int4": (0,),
-                                                 "cachegen": (0, 1, 2, 3)})
-    self.assertEqual(dict(codecs.CODEC_VERSIONS), {"raw": 1, "int8": 1, "int4": 1, "cachegen": 1})
+                                                 "cachegen": (0, 1, 2, 3), "kvtc": (0, 1, 2, 3)})
+    self.assertEqual(dict(codecs.CODEC_VERSIONS), {"raw": 1, "int8": 1, "int4": 1, "cachegen": 1,
+                                                   "kvtc": 1})
+    self.assertEqual(dict(codecs.DEFAULT_LEVELS), {"raw": 0, "int8": 0, "int4": 0, "cachegen": 1,
+                                                   "kvtc": 0})
     self.assertEqual([c.name for c in codecs.CODECS.values() if c.lossless], ["raw"])
     self.assertEqual({c.name: c.chunk_parameter for c in codecs.CODECS.values()},
                      {"raw": None, "int8": None, "int4": "group_tokens",
-                      "cachegen": "anchor_stride"})
+                      "cachegen": "anchor_stride", "kvtc": None})
     self.assertIn("arXiv 2310.07240, section 5.2", codecs.CODECS["cachegen"].reference)
     for c in codecs.CODECS.values():
       self.assertEqual(len(c.rel_l2_error), len(c.levels), c.name)
@@ -50,10 +54,12 @@ class RegistryTest(absltest.TestCase):
   def test_accuracy_ranks_follow_the_measured_errors(self):
     # The ranks the engine used before the registry (engine.QUALITY_RANK), from the same errors.
     want = {("raw", 0): 0, ("int8", 0): 1, ("cachegen", 0): 2, ("cachegen", 1): 3,
-            ("int4", 0): 4, ("cachegen", 2): 5, ("cachegen", 3): 6}
+            ("kvtc", 0): 4, ("int4", 0): 5, ("kvtc", 1): 6, ("cachegen", 2): 7, ("kvtc", 2): 8,
+            ("kvtc", 3): 9, ("cachegen", 3): 10}
     self.assertEqual(codecs.ACCURACY_RANK, {EncodingId(*k): v for k, v in want.items()})
     self.assertEqual([str(e) for e in codecs.ENCODINGS],
-                     ["raw/0", "int8/0", "cachegen/0", "cachegen/1", "int4/0", "cachegen/2",
+                     ["raw/0", "int8/0", "cachegen/0", "cachegen/1", "kvtc/0", "int4/0", "kvtc/1",
+                      "cachegen/2", "kvtc/2", "kvtc/3",
                       "cachegen/3"])
 
   def test_check_codec_and_is_decodable(self):
@@ -126,8 +132,9 @@ class ChunkSizeRuleTest(absltest.TestCase):
 
   def test_storage_arrays_are_the_kernel_payload_fields(self):
     for codec in codecs.CODECS:
+      payload_type = kvtc.KVTCPayload if codec == "kvtc" else kc.PAYLOAD_TYPES[codec]
       self.assertEqual(stored.codec_info(codec, codecs.CODEC_VERSIONS[codec]).arrays,
-                       kc.PAYLOAD_TYPES[codec]._fields, codec)
+                       payload_type._fields, codec)
 
   def test_check_chunk_size(self):
     for codec, levels in codecs.CODEC_LEVELS.items():

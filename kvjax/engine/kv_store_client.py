@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from kvjax import codecs
 from kvjax._typing import ChunkHash
 from kvjax.scheduler.output import LoadReport
 from kvjax.storage import keys
@@ -187,12 +188,17 @@ class KVStoreClient:
     codec_levels: the levels stored side by side (cachegen: 0 finest .. 3 coarsest).
     staging_bytes: stored bytes of reads in flight plus landed chunks not yet inserted, at most
       (a read that would pass it waits; the first never does).
+    kvtc_transform_id: the 16-byte identity of this model's kvtc transform
+      (`KVTCTransform.transform_id`), or None; a loaded kvtc chunk coded with another transform
+      (or any kvtc chunk when None) is a miss (`MissReason.UNKNOWN_CODEC`), never decoded.
   """
 
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
-               codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30):
+               codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
+               kvtc_transform_id: bytes | None = None):
     self.codec = codec
+    self.kvtc_transform_id = kvtc_transform_id
     self.codec_levels = tuple(codec_levels)
     self.store = store
     self.layout = layout
@@ -315,7 +321,19 @@ class KVStoreClient:
                                  **({"choose": item.choose} if item.choose is not None else {}))
     except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
       got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
+    got = self._check_transform(got)
     self._on_land(item, got, time.perf_counter())
+
+  def _check_transform(self, got: ChunkHit | ChunkMiss) -> ChunkHit | ChunkMiss:
+    """A kvtc hit coded with another transform than this model's becomes a miss."""
+    if not isinstance(got, ChunkHit) or got.encoding.codec != codecs.KVTC:
+      return got
+    tid = got.payload.get("transform_id") if isinstance(got.payload, dict) else None
+    if tid is None or self.kvtc_transform_id is None or (
+        bytes(np.asarray(tid, np.uint8)) != self.kvtc_transform_id):
+      return ChunkMiss(got.record.chunk_hash, MissReason.UNKNOWN_CODEC,
+                       "kvtc chunk coded with another transform")
+    return got
 
   def _on_land(self, item: _Pending, got: ChunkHit | ChunkMiss, done_s: float) -> None:
     key = (item.request_id, item.index)

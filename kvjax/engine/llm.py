@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
+from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
 from kvjax.models.registry import DEFAULT_MODEL, load_model
@@ -89,7 +90,7 @@ def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tupl
   if not isinstance(codec, str) or codec not in codecs.CODECS:
     raise ValueError(f"kv_codec={codec!r}; use one of {sorted(codecs.CODECS)}")
   if levels is None:
-    levels = codecs.CODEC_LEVELS[codec]
+    levels = (codecs.DEFAULT_LEVELS[codec],)
   try:
     codecs.check_codec(codec, levels)
   except ValueError:
@@ -138,10 +139,14 @@ class LLM:
       with a URL store only.
     kv_link_trace: a trace file of "seconds bytes_per_s" steps instead of a constant.
     kv_codec: the encoding new chunks are stored with: "raw" (default; the KV dtype, lossless),
-      "int8", "int4" or "cachegen" (CacheGen, arXiv 2310.07240: anchor deltas, layer-wise bins,
-      entropy coding on the host). Loads read any encoding a chunk has.
-    kv_codec_levels: levels stored side by side (cachegen: 0 finest .. 3 coarsest; default all
-      levels of the codec); each load picks one for the bandwidth and deadline of the moment.
+      "int8", "int4", "cachegen" (CacheGen, arXiv 2310.07240: anchor deltas, layer-wise bins,
+      entropy coding on the host) or "kvtc" (KV transform coding: a per-model PCA per layer
+      over all KV heads, calibrated at construction from a text shipped in the package and
+      cached with the model fingerprint in the params cache). Loads read any encoding a chunk
+      has (kvtc only with this model's transform).
+    kv_codec_levels: levels stored side by side (cachegen, kvtc: 0 finest .. 3 coarsest); default
+      one level, `kvjax.codecs.DEFAULT_LEVELS` (cachegen 1, kvtc 0); each load picks one of the
+      stored levels for the bandwidth and deadline of the moment.
     kv_merge_mode: how a stored prefix becomes resident: "cake" (default: compute from the front
       while loading from the back, Cake arXiv 2410.03065), "load_only" or "compute_only" (the
       baselines; compute_only still saves).
@@ -206,6 +211,12 @@ class LLM:
         RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1])
+    self.kvtc_transform = None
+    if kv_store is not None and kv_codec == codecs.KVTC:
+      self.kvtc_transform = kv_calibration.load_or_calibrate(
+          runner, loaded.tokenizer, self.fingerprint,
+          os.path.join(cache_root, "params") if cache_root else None)
+      runner.set_kvtc_transform(self.kvtc_transform)
     self.kv_store = None
     if kv_store is not None:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
@@ -276,9 +287,10 @@ class LLM:
     layout = KVLayout(num_layers=cfg.n_layers, chunk_size=chunk_size,
                       num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                       dtype=jnp.dtype(runner.cache.k_LBSKH.dtype).name)
+    tid = runner.kvtc_transform.transform_id if runner.kvtc_transform is not None else None
     return KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
                          kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
-                         codec_levels=codec_levels)
+                         codec_levels=codec_levels, kvtc_transform_id=tid)
 
   def flush(self) -> None:
     """Waits until every queued KV save is written (a no-op without a store)."""

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.kernels import kv_codec
+from kvjax import codecs
+from kvjax.kernels import kv_codec, kvtc
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
 from kvjax.models.kv_cache import KVCache, init_kv_cache, insert_chunk
 from kvjax.models.llama import Llama, PrefillOutput
@@ -110,6 +111,29 @@ class ModelRunner:
     self.use_pallas_codecs = jax.default_backend() != "cpu"
     self._encoders: dict = {}
     self._compiled_sizes: set[int] = set()
+    self.kvtc_transform: kvtc.KVTCTransform | None = None
+    self._kvtc_device: kvtc.KVTCDeviceTransform | None = None
+
+  def set_kvtc_transform(self, transform: kvtc.KVTCTransform) -> None:
+    """Sets the model's kvtc transform (`kvjax.models.kv_calibration`), used by the "kvtc" codec.
+
+    Raises:
+      ValueError: a transform of another model shape.
+    """
+    cfg = self.model_config
+    if (transform.num_layers, transform.num_kv_heads, transform.head_dim) != (
+        cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
+      raise ValueError(f"kvtc transform for L={transform.num_layers}, K={transform.num_kv_heads},"
+                       f" H={transform.head_dim}; the model has L={cfg.n_layers}, "
+                       f"K={cfg.n_kv_heads}, H={cfg.head_dim}")
+    self.kvtc_transform = transform
+    self._kvtc_device = transform.device_arrays()
+    self._encoders = {k: v for k, v in self._encoders.items() if k[0] != codecs.KVTC}
+
+  def _need_kvtc(self) -> kvtc.KVTCDeviceTransform:
+    if self._kvtc_device is None:
+      raise ValueError("kv_codec 'kvtc' needs a calibrated transform (set_kvtc_transform)")
+    return self._kvtc_device
 
   def reset(self) -> None:
     """Zeroes the KV cache (every slot), keeping the compiled programs."""
@@ -213,28 +237,51 @@ class ModelRunner:
     the cache, in one jit'd call with the cache donated (`kvjax.kernels.kv_codec.kv_decode`).
 
     Args:
-      codec: "raw", "int8", "int4" or "cachegen".
-      arrays: the payload's arrays by name (`kvjax.kernels.kv_codec.payload_from_arrays`).
+      codec: "raw", "int8", "int4", "cachegen" or "kvtc" (needs `set_kvtc_transform`; the
+        payload's `transform_id` must be this runner's transform).
+      arrays: the payload's arrays by name (`kvjax.kernels.kv_codec.payload_from_arrays`,
+        `kvjax.kernels.kvtc.payload_from_arrays`).
       slot: decode slot.
       start: position of the chunk's first token.
 
     Raises:
-      ValueError: a payload that does not match the model or does not fit the slot.
+      ValueError: a payload that does not match the model or does not fit the slot, or a kvtc
+        payload without this runner's transform.
     """
+    cfg = self.model_config
+    if codec == codecs.KVTC:
+      self._insert_kvtc(arrays, slot, start)
+      return
     payload = kv_codec.payload_from_arrays(codec, arrays)
     n_layers, c, n_kv_heads, head_dim = kv_codec.validate_payload(payload)
-    cfg = self.model_config
     if (n_layers, n_kv_heads, head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
       raise ValueError(f"payload for L={n_layers}, K={n_kv_heads}, H={head_dim}; the model has "
                        f"L={cfg.n_layers}, K={cfg.n_kv_heads}, H={cfg.head_dim}")
     if not 0 <= slot < self.config.num_slots or start < 0 or start + c > self.max_seq_len:
       raise ValueError(f"chunk at slot {slot}, positions [{start}, {start + c}) does not fit "
                        f"{self.config.num_slots} slots of {self.max_seq_len}")
+    cos, sin = self._cos_sin(start, c)
+    k, v = kv_codec.kv_decode(payload, self.cache.k_LBSKH, self.cache.v_LBSKH, np.int32(slot),
+                              np.int32(start), cos, sin, use_pallas=self.use_pallas_codecs)
+    self.cache = KVCache(k, v, self.cache.lengths_B)
+
+  def _cos_sin(self, start: int, c: int) -> tuple[np.ndarray, np.ndarray]:
     angles = (start + np.arange(c, dtype=np.float32))[:, None] * np.asarray(self._inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)  # [C, H], HF rotate_half layout
-    k, v = kv_codec.kv_decode(payload, self.cache.k_LBSKH, self.cache.v_LBSKH, np.int32(slot),
-                              np.int32(start), np.cos(angles), np.sin(angles),
-                              use_pallas=self.use_pallas_codecs)
+    return np.cos(angles), np.sin(angles)
+
+  def _insert_kvtc(self, arrays, slot: int, start: int) -> None:
+    t = self._need_kvtc()
+    payload = kvtc.payload_from_arrays(arrays)
+    if bytes(np.asarray(payload.transform_id)) != self.kvtc_transform.transform_id:
+      raise ValueError("kvtc chunk coded with another transform than this runner's")
+    _, c, _ = kvtc.validate_payload(payload, t)
+    if not 0 <= slot < self.config.num_slots or start < 0 or start + c > self.max_seq_len:
+      raise ValueError(f"chunk at slot {slot}, positions [{start}, {start + c}) does not fit "
+                       f"{self.config.num_slots} slots of {self.max_seq_len}")
+    cos, sin = self._cos_sin(start, c)
+    k, v = kvtc.kvtc_decode(payload, t, self.cache.k_LBSKH, self.cache.v_LBSKH, np.int32(slot),
+                            np.int32(start), cos, sin)
     self.cache = KVCache(k, v, self.cache.lengths_B)
 
   def encode_chunk(self, kv_L2CKH, codec: str, level: int) -> dict[str, np.ndarray]:
@@ -245,6 +292,8 @@ class ModelRunner:
     Raises:
       ValueError: NaN/inf in the chunk, or an unknown codec or level.
     """
+    if codec == codecs.KVTC:
+      return kvtc.kvtc_encode_host(kv_L2CKH, self._need_kvtc(), level)
     return kv_codec.kv_encode_host(kv_L2CKH, codec, level, use_pallas=self.use_pallas_codecs)
 
   def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...]) -> list:
@@ -269,17 +318,25 @@ class ModelRunner:
     fn = self._encoders.get(key)
     if fn is None:
       use_pallas = self.use_pallas_codecs
+      if codec == codecs.KVTC:
+        self._need_kvtc()
+        for level in levels:
+          codecs.check_codec(codec, (level,))
 
-      def encode_all(kv):
+      def encode_all(kv, t):
         out = []
         for level in levels:
-          payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
+          if codec == codecs.KVTC:
+            payload, finite = kvtc.kvtc_encode(kv, t, level)
+          else:
+            payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
           out.append((payload._asdict(), finite))
         return out
 
       fn = self._encoders[key] = jax.jit(encode_all)
+    t = self._kvtc_device if codec == codecs.KVTC else None
     return [(codec, level, arrays, finite)
-            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH))]
+            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, t))]
 
   def close(self) -> None:
     """Frees the parameters and the KV cache on the device; the runner is unusable afterwards."""

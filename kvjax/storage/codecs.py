@@ -13,6 +13,8 @@ array names); this module validates them and turns them into one stored bytes ob
     int4      1        0       q: uint8[L, 2, C, K, H//2]; scale, zero: float16[L, 2, C//G, K, H]
     cachegen  1        0..3    anchor_q: int8[L, 2, A, K, H]; anchor_scale: float32[L, 2, K, H];
                                delta_q: int8[L, 2, C, K, H]; delta_step: float32[L, 2, K, H]
+    kvtc      1        0..3    q: int16[L, 2, C, K*H]; step: float32[L, 2];
+                               transform_id: uint8[16]
 
 G (int4 tokens per group) and T = C // A (cachegen anchor stride) are read from the shapes; they
 must divide C. Encoders use the registry's `int4_group_tokens(C)` and `cachegen_anchor_stride(C)`
@@ -32,7 +34,10 @@ Stored bytes (all integers little endian):
 Codings: "plain" (the C-order bytes), "zstd" (one zstandard frame, level 1), "pco" (int8 only:
 `entropy.encode_groups`, one pcodec model per (layer, K/V) group). The encoder picks per array:
 cachegen's `delta_q` and `anchor_q` are entropy-coded ("pco"); other arrays try "zstd"; either
-falls back to "plain" when it does not save at least `MIN_SAVING`. Decoders accept any coding
+falls back to "plain" when it does not save at least `MIN_SAVING`. kvtc's `q` is "pco-bands"
+(`entropy.encode_components`: one pcodec model per (layer, K/V, band of PCA components)).
+kvtc's `transform_id` names the transform the codes are in; storage stores it like any array and
+the store client rejects (as a miss) a chunk whose id is not its transform's. Decoders accept any coding
 for any array ("pco" for int8 arrays only).
 
 Entropy coder choice (CacheGen, arXiv 2310.07240, section 5.2). Measured with
@@ -100,7 +105,7 @@ CONTAINER_VERSION = 1
 ZSTD_LEVEL = 1
 #: A coding other than "plain" is kept only if it saves at least this fraction of the bytes.
 MIN_SAVING = 0.02
-CODINGS = ("plain", "zstd", "pco")
+CODINGS = ("plain", "zstd", "pco", "pco-bands")
 
 
 class UnknownCodec(ValueError):
@@ -131,7 +136,8 @@ class CodecInfo:
 #: Payload array names per codec, in stored order (the byte format's part of the contract).
 _ARRAYS = {registry.RAW: ("values",), registry.INT8: ("q", "scale"),
            registry.INT4: ("q", "scale", "zero"),
-           registry.CACHEGEN: ("anchor_q", "anchor_scale", "delta_q", "delta_step")}
+           registry.CACHEGEN: ("anchor_q", "anchor_scale", "delta_q", "delta_step"),
+           registry.KVTC: ("q", "step", "transform_id")}
 #: (codec, version) -> entry, for every codec of the registry.
 CODECS: dict[tuple[str, int], CodecInfo] = {
     (c.name, c.version): CodecInfo(c.name, c.version, c.levels, _ARRAYS[c.name])
@@ -188,6 +194,9 @@ def payload_spec(codec: str, version: int, level: int, layout: KVLayout, *,
     return {"values": (dt(layout.dtype), full)}
   if codec == "int8":
     return {"q": (dt(np.int8), full), "scale": (dt(np.float32), per_channel)}
+  if codec == "kvtc":
+    return {"q": (dt(np.int16), (n_layers, 2, c, n_kv_heads * head_dim)),
+            "step": (dt(np.float32), (n_layers, 2)), "transform_id": (dt(np.uint8), (16,))}
   if codec == "int4":
     g = group_tokens or int4_group_tokens(c)
     if g < 1 or c % g:
@@ -357,7 +366,9 @@ def _bytes_of(a: np.ndarray) -> memoryview:
 def _code(codec: str, name: str, a: np.ndarray) -> tuple[str, bytes]:
   """(coding, stored bytes) of one array: entropy-coded or zstd if that saves, else plain."""
   plain = _bytes_of(a)
-  if (codec, name) in _ENTROPY_CODED:
+  if (codec, name) == ("kvtc", "q"):
+    coded, coding = entropy.encode_components(a), "pco-bands"
+  elif (codec, name) in _ENTROPY_CODED:
     coded, coding = entropy.encode_groups(a, a.shape[0] * 2), "pco"
   elif codec != "raw" and a.size:
     coded, coding = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(plain), "zstd"
@@ -504,6 +515,13 @@ def _decode_array(entry: ArrayEntry, blob: memoryview, dtype: np.dtype) -> np.nd
       raise CorruptPayload(f"{entry.name}: pco coding of {dtype}")
     try:
       return entropy.decode_groups(blob, entry.shape)
+    except entropy.EntropyError as e:
+      raise CorruptPayload(f"{entry.name}: {e}") from e
+  if entry.coding == "pco-bands":
+    if dtype != np.int16:
+      raise CorruptPayload(f"{entry.name}: pco-bands coding of {dtype}")
+    try:
+      return entropy.decode_components(blob, entry.shape)
     except entropy.EntropyError as e:
       raise CorruptPayload(f"{entry.name}: {e}") from e
   raise CorruptPayload(f"{entry.name}: unknown coding {entry.coding!r}")

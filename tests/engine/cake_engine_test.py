@@ -122,7 +122,8 @@ class CakeEngineTest(parameterized.TestCase):
     llm.close()
 
   def test_a_tight_ttft_target_loads_the_smallest_level(self):
-    llm = make_llm("memory://", mode="load_only", kv_codec="cachegen", kv_ttft_target_s=1e-9,
+    llm = make_llm("memory://", mode="load_only", kv_codec="cachegen",
+                   kv_codec_levels=(0, 1, 2, 3), kv_ttft_target_s=1e-9,
                    kv_codec_consistent=False)  # a level chosen by timing, on purpose
     n = 3 * C + 17
     llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)

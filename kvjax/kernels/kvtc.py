@@ -1,0 +1,335 @@
+"""KV transform codec ("kvtc"): a calibrated PCA per layer over all KV heads, quantized per level.
+
+A stored chunk is `kv_L2CKH: [L, 2, C, K, H]` (axis 1: 0 = K before RoPE, 1 = V). Per layer l and
+K/V a (kv = 0, 1), its K * H channels of all KV heads form one vector per token, D = K * H:
+
+    y[l,a,t] = (x[l,a,t] - mean[l,a]) @ basis[l,a]          basis: f32[L, 2, D, D], orthonormal
+    q[l,a,t] = clip(round(y[l,a,t] / step[l,a]), +-32767)     int16, one step per layer and K/V
+    x̂[l,a,t] = (q[l,a,t] * step[l,a]) @ basis[l,a]^T + mean[l,a]
+
+The basis is the PCA of the layer's calibration KV (columns = components, variance descending;
+`kvjax.models.kv_calibration` fits it from a public-domain text shipped in the package). One
+uniform step per (layer, K/V) is the reverse water-filling bit allocation for an entropy-coded
+Gaussian source (Cover & Thomas, "Elements of Information Theory", 13.3.3): every component above
+the water level gets the same distortion step^2 / 12, so high-variance components get more bits
+(more distinct symbols after entropy coding) and components whose spread is below the step round
+to zero and cost almost nothing. The steps across layers and K/V come from the measured output
+sensitivity `s[l,a]` (KL per token per unit of per-element noise variance, measured at
+calibration by adding noise to one layer's K or V): minimising bits at a KL target gives
+distortion D[l,a] = c / s[l,a], with KL ~= sum s * D = 2 L c, so
+
+    step[level, l, a] = sqrt(12 * KVTC_LEVEL_KL[level] / (2 * L * s[l, a]))
+
+and V, measured 10-30x more sensitive than K on SmolLM2, gets finer steps than K by itself.
+Entropy coding of `q` (one model per band of components of a (layer, K/V)) is storage's job
+(`kvjax.storage.codecs`, `kvjax.storage.entropy.encode_components`).
+
+Payload (`KVTCPayload`): q: int16[L, 2, C, D]; step: f32[L, 2]; transform_id: uint8[16], the
+transform's identity (`KVTCTransform.transform_id`, a BLAKE2b-128 digest of its arrays). A chunk
+is decoded only with the transform it names (the store client turns a mismatch into a miss).
+
+Tensor parallelism. A transform spanning all KV heads of a layer is not block-diagonal per head,
+so a shard holding the KV heads S of a layer decodes as: the payload (small: about 1/8 of the
+bf16 KV) is replicated to every shard, and each shard computes only its own channels,
+`x̂_S = (q * step) @ basis[:, S]^T + mean_S`, with the row slice `basis[S_channels, :]` of the
+basis resident on that shard. No KV is gathered: decode cost per shard is C x D x |S| MACs.
+Encoding needs all heads: each shard computes the partial projection `(x_S - mean_S) @
+basis[S_channels, :]` and a psum over the tensor-parallel group gives `y` (one all-reduce of
+[L, 2, C, D] f32 per saved chunk); one shard then quantizes and stores it. Block-diagonal
+transforms per head group (PCA per group of heads on one shard) are the alternative if the
+all-reduce is too costly; the feasibility study measured per-head PCA about 10% larger.
+
+Not done here: prediction of a layer from the previous layer's reconstruction (the study's 2,885
+B/token point), protected first tokens, and a Pallas kernel (the jnp reference is jit'd and is
+the CPU path; a GPU kernel would be two matmuls per (layer, K/V) block).
+
+Sources: KVTC (KV cache transform coding, 2025); PCA (Pearson 1901, Hotelling 1933); CacheGen
+(arXiv 2310.07240) for comparison; KIVI (arXiv 2402.02750) for K/V asymmetry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.codecs import CODEC_LEVELS, KVTC as CODEC_KVTC
+from kvjax.kernels.kv_codec import _rope_CH, _write_chunk
+
+#: Predicted KL(raw || kvtc) per token, nats, at each level (finest first).
+KVTC_LEVEL_KL = (0.003, 0.006, 0.012, 0.024)
+#: Largest code magnitude (int16, symmetric).
+KVTC_QMAX = 32767
+#: Bytes of a transform identity.
+TRANSFORM_ID_BYTES = 16
+
+
+class KVTCPayload(NamedTuple):
+  """A kvtc-coded chunk, before entropy coding.
+
+  Attributes:
+    q: int16[L, 2, C, D] component codes (D = K * H, components by descending variance).
+    step: f32[L, 2] quantization step per layer and K/V (coefficient units).
+    transform_id: uint8[16] identity of the transform the codes are in.
+  """
+  q: jax.Array
+  step: jax.Array
+  transform_id: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KVTCTransform:
+  """A calibrated kvtc transform of one model (`kvjax.models.kv_calibration` fits it).
+
+  Attributes:
+    mean: f32[L, 2, D] per-layer, K/V channel means (D = K * H, channels in (k, h) order).
+    basis: f32[L, 2, D, D] orthonormal PCA bases; column j is component j (descending variance).
+    variance: f32[L, 2, D] calibration variance of each component.
+    sensitivity: f32[L, 2] KL per token per unit of per-element noise variance, > 0.
+    num_kv_heads: K.
+    head_dim: H.
+
+  Raises:
+    ValueError: shapes or dtypes that do not agree, or a non-positive sensitivity.
+  """
+
+  mean: np.ndarray
+  basis: np.ndarray
+  variance: np.ndarray
+  sensitivity: np.ndarray
+  num_kv_heads: int
+  head_dim: int
+
+  def __post_init__(self):
+    d = self.num_kv_heads * self.head_dim
+    l_ = self.mean.shape[0] if self.mean.ndim == 3 else -1
+    want = {"mean": (l_, 2, d), "basis": (l_, 2, d, d), "variance": (l_, 2, d),
+            "sensitivity": (l_, 2)}
+    for name, shape in want.items():
+      a = getattr(self, name)
+      if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape or l_ < 1:
+        raise ValueError(f"KVTCTransform.{name} must be float32{list(shape)} (L, D={d}), got "
+                         f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}")
+    if not (np.isfinite(self.sensitivity).all() and (self.sensitivity > 0).all()):
+      raise ValueError("KVTCTransform.sensitivity must be finite and > 0")
+
+  @property
+  def num_layers(self) -> int:
+    return self.mean.shape[0]
+
+  @functools.cached_property
+  def transform_id(self) -> bytes:
+    """16 bytes: BLAKE2b-128 over the shapes and the bytes of every array."""
+    h = hashlib.blake2b(digest_size=TRANSFORM_ID_BYTES, person=b"kvjax-kvtc-v1")
+    h.update(np.asarray([self.num_layers, self.num_kv_heads, self.head_dim], np.int64).tobytes())
+    for a in (self.mean, self.basis, self.variance, self.sensitivity):
+      h.update(np.ascontiguousarray(a).tobytes())
+    return h.digest()
+
+  def steps(self, level: int) -> np.ndarray:
+    """f32[L, 2] quantization steps at `level` (module docstring).
+
+    Raises:
+      ValueError: unknown level.
+    """
+    if level not in CODEC_LEVELS[CODEC_KVTC]:
+      raise ValueError(f"kvtc has levels {list(CODEC_LEVELS[CODEC_KVTC])}, got {level!r}")
+    kl = KVTC_LEVEL_KL[level]
+    return np.sqrt(12.0 * kl / (2 * self.num_layers * self.sensitivity.astype(np.float64))
+                   ).astype(np.float32)
+
+  def device_arrays(self) -> "KVTCDeviceTransform":
+    """The arrays encode and decode need, as device arrays (steps of every level stacked)."""
+    steps = np.stack([self.steps(level) for level in CODEC_LEVELS[CODEC_KVTC]])
+    return KVTCDeviceTransform(jnp.asarray(self.mean), jnp.asarray(self.basis),
+                               jnp.asarray(steps),
+                               jnp.asarray(np.frombuffer(self.transform_id, np.uint8)))
+
+
+class KVTCDeviceTransform(NamedTuple):
+  """Device copy of a transform: mean f32[L, 2, D], basis f32[L, 2, D, D], steps f32[levels, L,
+  2], transform_id uint8[16]."""
+  mean: jax.Array
+  basis: jax.Array
+  steps: jax.Array
+  transform_id: jax.Array
+
+
+def _as_device(transform) -> KVTCDeviceTransform:
+  if isinstance(transform, KVTCTransform):
+    return transform.device_arrays()
+  if isinstance(transform, KVTCDeviceTransform):
+    return transform
+  raise ValueError(f"want a KVTCTransform or KVTCDeviceTransform, got {type(transform).__name__}")
+
+
+def validate_payload(payload: KVTCPayload, transform: KVTCDeviceTransform | None = None
+                     ) -> tuple[int, int, int]:
+  """Checks a payload's shapes and dtypes (and its transform, if given); returns (L, C, D).
+
+  Raises:
+    ValueError: not a KVTCPayload, wrong shapes or dtypes, or a transform of another shape.
+  """
+  if not isinstance(payload, KVTCPayload):
+    raise ValueError(f"not a kvtc payload: {type(payload).__name__}")
+  q, step, tid = payload
+  if q.ndim != 4 or q.shape[1] != 2 or jnp.dtype(q.dtype) != jnp.int16 or min(q.shape) < 1:
+    raise ValueError(f"kvtc.q must be int16[L, 2, C, D], got {q.dtype}{list(q.shape)}")
+  l_, _, c, d = q.shape
+  if tuple(step.shape) != (l_, 2) or jnp.dtype(step.dtype) != jnp.float32:
+    raise ValueError(f"kvtc.step must be float32[{l_}, 2], got {step.dtype}{list(step.shape)}")
+  if tuple(tid.shape) != (TRANSFORM_ID_BYTES,) or jnp.dtype(tid.dtype) != jnp.uint8:
+    raise ValueError(f"kvtc.transform_id must be uint8[16], got {tid.dtype}{list(tid.shape)}")
+  if transform is not None and tuple(transform.basis.shape) != (l_, 2, d, d):
+    raise ValueError(f"kvtc payload for L={l_}, D={d}; transform basis "
+                     f"{list(transform.basis.shape)}")
+  return l_, c, d
+
+
+# ---------------------------------------------------------------------------------------------
+# jnp references (jit'd; the CPU path).
+
+
+def _encode(kv_L2CKH, t: KVTCDeviceTransform, level):
+  l_, _, c, k, h = kv_L2CKH.shape
+  x = kv_L2CKH.astype(jnp.float32).reshape(l_, 2, c, k * h)
+  y = jnp.einsum("lacd,lade->lace", x - t.mean[:, :, None], t.basis,
+                 precision=jax.lax.Precision.HIGHEST)
+  step = t.steps[level]                                                   # [L, 2]
+  q = jnp.clip(jnp.round(y / step[:, :, None, None]), -KVTC_QMAX, KVTC_QMAX)
+  finite = jnp.all(jnp.isfinite(kv_L2CKH))
+  return KVTCPayload(q.astype(jnp.int16), step, t.transform_id), finite
+
+
+def _dequantize(payload: KVTCPayload, t: KVTCDeviceTransform, k, h):
+  q, step, _ = payload
+  l_, _, c, d = q.shape
+  y = q.astype(jnp.float32) * step.astype(jnp.float32)[:, :, None, None]
+  x = jnp.einsum("lace,lade->lacd", y, t.basis, precision=jax.lax.Precision.HIGHEST)
+  return (x + t.mean[:, :, None]).reshape(l_, 2, c, k, h)
+
+
+@functools.partial(jax.jit, static_argnames=("level",))
+def _encode_jit(kv_L2CKH, t, *, level):
+  return _encode(kv_L2CKH, t, level)
+
+
+def kvtc_encode(kv_L2CKH: jax.Array, transform, level: int) -> tuple[KVTCPayload, jax.Array]:
+  """Encodes a chunk (K before RoPE) with a kvtc transform, on the device (jit'd jnp).
+
+  Callable inside another jit (the runner encodes all levels in one call).
+
+  Args:
+    kv_L2CKH: float32/bfloat16/float16[L, 2, C, K, H], K before RoPE, and V.
+    transform: a `KVTCTransform` or its `device_arrays()` (pass the latter in hot paths).
+    level: a kvtc level (0 finest .. 3 coarsest).
+
+  Returns:
+    (payload, finite): device arrays, and a bool scalar, False when the KV holds NaN/inf.
+
+  Raises:
+    ValueError: unknown level, or a chunk whose shape does not match the transform.
+  """
+  t = _as_device(transform)
+  if level not in CODEC_LEVELS[CODEC_KVTC]:
+    raise ValueError(f"kvtc has levels {list(CODEC_LEVELS[CODEC_KVTC])}, got {level!r}")
+  shape = tuple(kv_L2CKH.shape)
+  l_, _, d, _ = t.basis.shape
+  if len(shape) != 5 or shape[1] != 2 or shape[0] != l_ or shape[3] * shape[4] != d:
+    raise ValueError(f"kvtc chunk must be [L={l_}, 2, C, K, H] with K * H = {d}, got {shape}")
+  return _encode_jit(kv_L2CKH, t, level=int(level))
+
+
+def kvtc_encode_host(kv_L2CKH: jax.Array, transform, level: int) -> dict[str, np.ndarray]:
+  """`kvtc_encode`, then the payload on the host as `{name: np.ndarray}` (what storage codes).
+
+  Raises:
+    ValueError: NaN/inf in the chunk, or `kvtc_encode`'s errors.
+  """
+  payload, finite = kvtc_encode(kv_L2CKH, transform, level)
+  if not bool(finite):
+    raise ValueError(f"KV chunk {list(kv_L2CKH.shape)} holds NaN/inf; refusing to encode it")
+  return {name: np.asarray(v) for name, v in payload._asdict().items()}
+
+
+def payload_from_arrays(arrays: dict) -> KVTCPayload:
+  """A `KVTCPayload` from `{name: array}` (what storage hands the engine).
+
+  Raises:
+    ValueError: missing or unexpected names, or shapes/dtypes that break the contract.
+  """
+  if not isinstance(arrays, dict) or set(arrays) != set(KVTCPayload._fields):
+    got = sorted(arrays) if isinstance(arrays, dict) else type(arrays).__name__
+    raise ValueError(f"kvtc payload needs arrays {list(KVTCPayload._fields)}, got {got}")
+  payload = KVTCPayload(**{n: arrays[n] for n in KVTCPayload._fields})
+  validate_payload(payload)
+  return payload
+
+
+def dequantize_reference(payload: KVTCPayload, transform, num_kv_heads: int,
+                         head_dim: int) -> jax.Array:
+  """f32[L, 2, C, K, H]: a payload back to K (before RoPE) and V.
+
+  Raises:
+    ValueError: a payload that breaks the contract or does not match the transform.
+  """
+  t = _as_device(transform)
+  validate_payload(payload, t)
+  return _dequantize(payload, t, num_kv_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "h"), donate_argnums=(2, 3))
+def _decode_jit(payload, t, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH, *, k, h):
+  kv = _dequantize(payload, t, k, h)
+  k_LCKH = _rope_CH(kv[:, 0], cos_CH.astype(jnp.float32)[:, None],
+                    sin_CH.astype(jnp.float32)[:, None])
+  return _write_chunk(k_LBSKH, v_LBSKH, k_LCKH, kv[:, 1], slot, start)
+
+
+def kvtc_decode(payload: KVTCPayload, transform: KVTCDeviceTransform, k_LBSKH: jax.Array,
+                v_LBSKH: jax.Array, slot, start, cos_CH: jax.Array, sin_CH: jax.Array, *,
+                use_pallas: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Decodes a kvtc chunk into a cache slot: dequantize, inverse transform, RoPE K, cast, write.
+
+  One jit'd call with the caches donated (like `kv_codec.kv_decode`); `slot` and `start` are
+  traced. The payload must be in `transform` (same `transform_id`); the caller checks that.
+
+      cache [L, slots, S_max, K, H]:  slot `slot`, positions [start, start + C) <- the chunk
+
+  Args:
+    payload: a `KVTCPayload` of a chunk of C tokens.
+    transform: the device transform the payload is coded in.
+    k_LBSKH: [L, slots, S_max, K, H] key cache (after RoPE), float32/bfloat16/float16. Donated.
+    v_LBSKH: value cache, same shape and dtype. Donated.
+    slot: int32 scalar decode slot.
+    start: int32 scalar position of the chunk's first token.
+    cos_CH: float[C, H] RoPE cosines at positions start..start + C - 1 (HF rotate_half layout).
+    sin_CH: float[C, H] RoPE sines.
+    use_pallas: must be False (no Pallas kernel for kvtc yet; the jnp path runs everywhere).
+
+  Returns:
+    (k_LBSKH, v_LBSKH), updated.
+
+  Raises:
+    ValueError: a payload or cache that does not match the transform, wrong cos/sin shapes,
+      transform ids that differ, or use_pallas=True.
+  """
+  if use_pallas:
+    raise ValueError("kvtc has no Pallas kernel yet; use use_pallas=False (jit'd jnp)")
+  l_, c, d = validate_payload(payload, transform)
+  shape = tuple(k_LBSKH.shape)
+  if len(shape) != 5 or shape[0] != l_ or shape[3] * shape[4] != d or (
+      tuple(v_LBSKH.shape) != shape):
+    raise ValueError(f"caches {list(shape)} / {list(v_LBSKH.shape)} do not fit a kvtc payload "
+                     f"of L={l_}, D={d}")
+  if tuple(cos_CH.shape) != (c, shape[4]) or tuple(sin_CH.shape) != (c, shape[4]):
+    raise ValueError(f"cos/sin must be [C={c}, H={shape[4]}], got {list(cos_CH.shape)}")
+  if bytes(np.asarray(payload.transform_id)) != bytes(np.asarray(transform.transform_id)):
+    raise ValueError("kvtc payload was coded with another transform")
+  return _decode_jit(payload, transform, k_LBSKH, v_LBSKH, jnp.asarray(slot, jnp.int32),
+                     jnp.asarray(start, jnp.int32), cos_CH, sin_CH, k=shape[3], h=shape[4])

@@ -1,0 +1,220 @@
+"""Calibrates a model's kvtc transform (`kvjax.kernels.kvtc`) from real KV of the model.
+
+The text is `kvjax/data/calibration_text.txt`, public-domain US founding documents shipped in the
+package (so an installed kvjax calibrates without any data directory). Steps:
+
+1. Prefill passages of up to `passage_tokens` tokens of the text (slot 0, from position 0) and
+   collect every layer's K (before RoPE) and V: per (layer, K/V) the mean and covariance of the
+   D = K * H channels of all KV heads.
+2. PCA: eigenvectors of each covariance, by descending eigenvalue (the basis), and eigenvalues
+   (the component variances). Eigenvector signs are fixed (largest |entry| positive) so the
+   result does not depend on the LAPACK build's sign choice.
+3. Sensitivity: prefill a context of `sens_context` tokens, then for each (layer, K/V) add
+   Gaussian noise of variance `sigma^2 = (SENS_NOISE_REL)^2 * mean channel variance` to that
+   layer's K or V cache over the whole context and prefill the next `sens_tokens` tokens with
+   all logits; `s = mean KL(clean || noisy) per token / sigma^2`. Noise in the post-RoPE K cache
+   has the distribution of noise before RoPE (RoPE is a rotation of channel pairs). Values are
+   clamped below at 1e-3 of the median, so a layer that measured no loss still gets finite steps.
+
+`load_or_calibrate` caches the result as `kvtc-<fingerprint>-<text digest>-v<version>.npz` in the
+params cache dir and recomputes it when missing (or unreadable).
+
+Sources: KVTC (transform coding of the KV cache, calibrated once per model); PCA (Pearson 1901,
+Hotelling 1933).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.resources
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.kernels.kvtc import KVTCTransform
+
+_log = logging.getLogger(__name__)
+
+#: Bump when the calibration procedure changes (invalidates cached transforms).
+CALIBRATION_VERSION = 1
+#: Noise std of the sensitivity probe, relative to the RMS of the (layer, K/V) channels.
+SENS_NOISE_REL = 0.1
+#: Default sizes (tokens).
+PASSAGE_TOKENS = 1024
+MAX_CALIBRATION_TOKENS = 8192
+SENS_CONTEXT = 512
+SENS_TOKENS = 128
+
+
+def calibration_text() -> str:
+  """The shipped public-domain calibration text (Declaration of Independence, US Constitution)."""
+  return importlib.resources.files("kvjax.data").joinpath("calibration_text.txt").read_text(
+      encoding="utf-8")
+
+
+def _prefill(runner, ids, start: int, all_logits: bool = False):
+  """Prefills `ids` into slot 0 from `start`, in runner-sized pieces; returns the outputs."""
+  outs, pos = [], start
+  step = runner.max_chunk_size
+  for i in range(0, len(ids), step):
+    piece = ids[i:i + step]
+    outs.append(runner.prefill_chunk(piece, 0, pos, all_logits=all_logits))
+    pos += len(piece)
+  return outs
+
+
+def _fix_signs(basis_DD: np.ndarray) -> np.ndarray:
+  idx = np.argmax(np.abs(basis_DD), axis=0)
+  signs = np.sign(basis_DD[idx, np.arange(basis_DD.shape[1])])
+  signs[signs == 0] = 1
+  return basis_DD * signs
+
+
+def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
+                   max_tokens: int = MAX_CALIBRATION_TOKENS, sens_context: int = SENS_CONTEXT,
+                   sens_tokens: int = SENS_TOKENS, seed: int = 0) -> KVTCTransform:
+  """Fits a kvtc transform from the model's KV of `token_ids` (module docstring).
+
+  Uses slot 0 of `runner` and resets its cache afterwards (call before serving).
+
+  Args:
+    runner: a `kvjax.models.runner.ModelRunner`.
+    token_ids: the calibration tokens (at least sens_context + sens_tokens of them).
+    passage_tokens: tokens per prefilled passage (capped at the runner's max_seq_len).
+    max_tokens: at most this many tokens are used for the statistics.
+    sens_context: context tokens of the sensitivity probe.
+    sens_tokens: scored tokens of the sensitivity probe.
+    seed: PRNG seed of the probe noise.
+
+  Returns:
+    The transform (float32 arrays, deterministic for given weights, tokens and seed).
+
+  Raises:
+    ValueError: too few tokens.
+  """
+  cfg = runner.model_config
+  l_, k, h = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+  d = k * h
+  ids = list(token_ids)[:max_tokens]
+  passage = min(passage_tokens, runner.max_seq_len)
+  sens_context = min(sens_context, runner.max_seq_len // 2)
+  sens_tokens = min(sens_tokens, runner.max_seq_len - sens_context)
+  if len(ids) < max(sens_context + sens_tokens, 2 * d):
+    raise ValueError(f"calibration needs at least {max(sens_context + sens_tokens, 2 * d)} "
+                     f"tokens, got {len(ids)}")
+  # 1. Statistics (float64 sums on the host).
+  total = np.zeros((l_, 2, d), np.float64)
+  outer = np.zeros((l_, 2, d, d), np.float64)
+  n = 0
+  for p0 in range(0, len(ids), passage):
+    piece = ids[p0:p0 + passage]
+    if len(piece) < 16:
+      break
+    for out in _prefill(runner, piece, 0):
+      kk = np.asarray(out.k_pre_rope_LTKH, np.float64).reshape(l_, -1, d)
+      vv = np.asarray(out.v_LTKH, np.float64).reshape(l_, -1, d)
+      x = np.stack([kk, vv], axis=1)                                   # [L, 2, T, D]
+      total += x.sum(axis=2)
+      outer += np.einsum("latd,late->lade", x, x)
+      n += x.shape[2]
+  mean = total / n
+  cov = outer / n - np.einsum("lad,lae->lade", mean, mean)
+  # 2. PCA.
+  basis = np.empty((l_, 2, d, d), np.float64)
+  variance = np.empty((l_, 2, d), np.float64)
+  for li in range(l_):
+    for a in range(2):
+      w, v = np.linalg.eigh((cov[li, a] + cov[li, a].T) / 2)
+      order = np.argsort(-w, kind="stable")
+      variance[li, a] = np.maximum(w[order], 0)
+      basis[li, a] = _fix_signs(v[:, order])
+  # 3. Sensitivity.
+  ctx, tail = ids[:sens_context], ids[sens_context:sens_context + sens_tokens]
+  runner.reset()
+  _prefill(runner, ctx, 0)
+  base = jax.tree_util.tree_map(jnp.copy, runner.cache)
+
+  def logp(cache):
+    runner.cache = jax.tree_util.tree_map(jnp.copy, cache)
+    outs = _prefill(runner, tail, sens_context, all_logits=True)
+    logits = np.concatenate([np.asarray(o.logits, np.float64) for o in outs])
+    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+
+  clean = logp(base)
+  rng = np.random.default_rng(seed)
+  sens = np.empty((l_, 2), np.float64)
+  for li in range(l_):
+    for a in range(2):
+      sigma2 = SENS_NOISE_REL ** 2 * float(variance[li, a].sum() / d)
+      noise = rng.normal(size=(sens_context, k, h)) * np.sqrt(sigma2)
+      cache_arr = base.k_LBSKH if a == 0 else base.v_LBSKH
+      noisy = cache_arr.at[li, 0, :sens_context].add(jnp.asarray(noise, cache_arr.dtype))
+      cache = (dataclasses.replace(base, k_LBSKH=noisy) if a == 0
+               else dataclasses.replace(base, v_LBSKH=noisy))
+      lp = logp(cache)
+      kl = float(np.mean(np.sum(np.exp(clean) * (clean - lp), axis=-1)))
+      sens[li, a] = max(kl, 0.0) / sigma2 if sigma2 > 0 else 0.0
+  runner.reset()
+  floor = max(1e-3 * float(np.median(sens)), 1e-12)
+  sens = np.maximum(sens, floor)
+  return KVTCTransform(mean.astype(np.float32), basis.astype(np.float32),
+                       variance.astype(np.float32), sens.astype(np.float32), k, h)
+
+
+_ARRAYS = ("mean", "basis", "variance", "sensitivity")
+
+
+def cache_file_name(fingerprint: str) -> str:
+  """The cache file name of a model's transform: fingerprint, text digest, procedure version."""
+  text = hashlib.sha256(calibration_text().encode("utf-8")).hexdigest()[:12]
+  return f"kvtc-{fingerprint[:32]}-{text}-v{CALIBRATION_VERSION}.npz"
+
+
+def load_transform(path: str, num_kv_heads: int, head_dim: int) -> KVTCTransform:
+  """A transform saved by `load_or_calibrate` (an .npz of mean, basis, variance, sensitivity).
+
+  Raises:
+    OSError: unreadable file. KeyError: a missing array. ValueError: inconsistent arrays.
+  """
+  with np.load(path) as f:
+    return KVTCTransform(*(np.asarray(f[n], np.float32) for n in _ARRAYS), num_kv_heads,
+                         head_dim)
+
+
+def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None,
+                      **kwargs) -> KVTCTransform:
+  """The model's kvtc transform: from `cache_dir` if cached there, else calibrated (and cached).
+
+  Args:
+    runner: the model's `ModelRunner` (its slot 0 is used and reset when calibrating).
+    tokenizer: encodes the calibration text (`encode(text) -> list[int]`).
+    fingerprint: the model fingerprint (cache key).
+    cache_dir: the params cache directory; None caches nothing.
+    **kwargs: `calibrate_kvtc` sizes.
+
+  Returns:
+    The transform.
+
+  Raises:
+    ValueError: `calibrate_kvtc`'s errors.
+  """
+  cfg = runner.model_config
+  path = os.path.join(cache_dir, cache_file_name(fingerprint)) if cache_dir else None
+  if path and os.path.isfile(path):
+    try:
+      t = load_transform(path, cfg.n_kv_heads, cfg.head_dim)
+      if t.num_layers == cfg.n_layers:
+        return t
+    except (OSError, ValueError, KeyError) as e:
+      _log.warning("kvtc transform cache %s unreadable (%r); recalibrating", path, e)
+  t = calibrate_kvtc(runner, tokenizer.encode(calibration_text()), **kwargs)
+  if path:
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, **{n: getattr(t, n) for n in _ARRAYS})
+    os.replace(tmp, path)
+  return t

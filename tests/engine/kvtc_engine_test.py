@@ -1,0 +1,91 @@
+"""kvtc through the `LLM`: calibration at construction (cached with the model fingerprint,
+deterministic), stored chunks loaded back close to cold, a chunk of another transform is a miss,
+and bad options raise."""
+
+import os
+import tempfile
+
+import numpy as np
+from absl.testing import absltest
+
+from kvjax import LLM, SamplingParams
+from kvjax.models import kv_calibration
+from kvjax.models.llama import Llama
+from kvjax.models.registry import load_model
+from kvjax.models.runner import ModelRunner, RunnerConfig
+
+C = 32
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 256, 3 * C + 9)]
+
+
+def make_llm(cache_dir, store, **kw):
+  return LLM("tiny", cache_dir=cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
+             kv_store=store, kv_chunk_size=C, kv_codec="kvtc", kv_merge_mode="load_only", **kw)
+
+
+class KVTCEngineTest(absltest.TestCase):
+
+  def test_calibration_is_deterministic(self):
+    loaded = load_model("tiny")
+    ts = []
+    for _ in range(2):
+      runner = ModelRunner(Llama.from_params(loaded.config, loaded.params),
+                           RunnerConfig(num_slots=1, chunk_sizes=(32, 64)))
+      ts.append(kv_calibration.calibrate_kvtc(
+          runner, loaded.tokenizer.encode(kv_calibration.calibration_text()), max_tokens=2048))
+      runner.close()
+    self.assertEqual(ts[0].transform_id, ts[1].transform_id)
+    np.testing.assert_array_equal(ts[0].basis, ts[1].basis)
+    t = ts[0]
+    self.assertTrue((np.diff(t.variance, axis=-1) <= 1e-6).all())  # descending variance
+    eye = np.einsum("ladi,ladj->laij", t.basis, t.basis)
+    np.testing.assert_allclose(eye, np.broadcast_to(np.eye(24), eye.shape), atol=1e-4)
+    self.assertTrue((t.sensitivity > 0).all())
+
+  def test_stored_chunks_load_close_to_cold_and_other_transforms_miss(self):
+    tmp = tempfile.mkdtemp()
+    cache_dir, store = os.path.join(tmp, "cache"), os.path.join(tmp, "kv")
+    llm = make_llm(cache_dir, store)
+    tid = llm.kvtc_transform.transform_id
+    self.assertEqual(llm.kv_store.codec_levels, (0,))  # one default level
+    cached = [f for f in os.listdir(os.path.join(cache_dir, "params")) if f.startswith("kvtc-")]
+    self.assertLen(cached, 1)
+    cold = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    llm.flush()
+    warm = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    self.assertEqual(warm.num_cached_tokens, 3 * C)
+    self.assertEqual(warm.metrics.num_loaded_tokens, 3 * C)
+    self.assertEqual(set(warm.metrics.merge.levels.values()), {"kvtc/0"})
+    self.assertEqual(warm.token_ids[0], cold.token_ids[0])
+    for t, lp in cold.logprobs[0].items():
+      if t in warm.logprobs[0]:
+        self.assertAlmostEqual(warm.logprobs[0][t], lp, delta=0.1)
+    llm.close()
+
+    # A second LLM finds the cached transform (same identity, no recalibration needed).
+    llm2 = make_llm(cache_dir, store)
+    self.assertEqual(llm2.kvtc_transform.transform_id, tid)
+    llm2.close()
+
+    # Another transform (a cached file with other sensitivities): the stored chunks are misses.
+    path = os.path.join(cache_dir, "params", cached[0])
+    t = kv_calibration.load_transform(path, 3, 8)
+    np.savez(path, mean=t.mean, basis=t.basis, variance=t.variance,
+             sensitivity=t.sensitivity * 2)
+    llm3 = make_llm(cache_dir, store)
+    self.assertNotEqual(llm3.kvtc_transform.transform_id, tid)
+    out = llm3.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    self.assertEqual(out.metrics.num_loaded_tokens, 0)
+    self.assertEqual(out.token_ids, cold.token_ids)
+    llm3.close()
+
+  def test_bad_options(self):
+    with self.assertRaisesRegex(ValueError, "kv_codec_levels"):
+      LLM("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=(4,))
+    with self.assertRaisesRegex(ValueError, "kv_codec_levels"):
+      LLM("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=())
+
+
+if __name__ == "__main__":
+  absltest.main()
