@@ -37,8 +37,11 @@ Rules (DESIGN.md section 3):
     boundary inside the prefix ends on one. After the prefix, the suffix is ordinary chunked
     prefill; the step covering the last prompt token is the last.
 
-The merge is not thread-safe: the engine calls it (loaders' completions included) under one lock.
-Time is the engine's clock in seconds (`now_s`); a simulator passes a fake one.
+Ownership: the scheduler owns each request's merge and is its only caller (`schedule` plans
+loads, inserts and compute with it; `update` hands it every `LoadReport`); the executor never
+sees it, only the plain records the scheduler derives from it. It is not thread-safe and needs
+not be: the scheduler runs on one thread. Time is the executor's clock in seconds (`now_s`); the
+simulator passes a fake one.
 """
 
 from __future__ import annotations
