@@ -99,7 +99,9 @@ class CakeEngineTest(parameterized.TestCase):
     self.assertIn(1, trace.chunks_computed)
     self.assertIn(2, trace.chunks_computed)
     if mode == "load_only":
-      self.assertEqual((trace.chunks_loaded, trace.chunks_rejected), ([3, 0], [2]))
+      # Insertion order depends on when the reads land (they refill as they land, and chunks
+      # that land in one step are inserted in index order): compare the sets.
+      self.assertEqual((sorted(trace.chunks_loaded), trace.chunks_rejected), ([0, 3], [2]))
     llm.close()
 
   @parameterized.parameters(("raw", 0.0), ("int8", 1e-3), ("int4", 2e-2), ("cachegen", 2e-3))
