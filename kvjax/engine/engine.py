@@ -474,6 +474,8 @@ class Engine:
       if kv is not None:
         kv.cancel_loads(rid)
     for rid, tokens in plan.device_hits:
+      if rid not in self._live:
+        continue  # aborted since
       m = self._live[rid].metrics
       m.num_loaded_tokens += tokens
       m.num_device_cached_tokens += tokens
@@ -510,7 +512,7 @@ class Engine:
     sampled: list[tuple[RequestId, int]] = []
     finished: list[tuple[RequestId, str]] = []
     timings: list[ComputeTiming] = []
-    if self._paged:
+    if self._paged and (plan.decodes or plan.prefills):
       self._execute_ragged(plan, tables, sampled, finished, timings)
     if plan.decodes and not self._paged:
       b = self.runner.config.num_slots

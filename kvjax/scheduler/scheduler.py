@@ -264,16 +264,39 @@ class Scheduler:
     if stored is not None and any(stored.hits):
       lc = self.load_config
       encodings = [c.candidates if c is not None else None for c in stored.chunks]
+      resident = self._hold_device_prefix(request, stored.chunk_size, namespace_root)
       merge = CakeMerge(
           request.num_prompt_tokens, stored.chunk_size, stored.hits,
           merge_mode if merge_mode is not None else lc.merge_mode,
           encodings=encodings, max_loads_in_flight=lc.max_loads_ahead or 2,
           kv_ttft_target_s=kv_ttft_target_s if kv_ttft_target_s is not None
           else lc.kv_ttft_target_s, arrival_s=request.arrival_s,
-          check_writes=lc.check_writes)
+          check_writes=lc.check_writes, resident=resident)
       self._prefix[rid] = _Prefix(merge, stored)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
+
+  def _hold_device_prefix(self, r: Request, chunk_size: int, root: str | None) -> int:
+    """Paged layout, a request with a Cake merge: takes its device-resident whole store chunks
+    now (hit blocks shared, the rest of the prompt's blocks allocated), so the merge treats
+    them as resident from the start; returns how many chunks (0 when none, or the pool is
+    short: the blocks are then allocated at admission)."""
+    kvm = self.kv_cache
+    if kvm is None:
+      return 0
+    hits, _ = kvm.get_computed_blocks(r, namespace_root=root)
+    per_chunk = chunk_size // kvm.block_size
+    chunks = len(hits) // per_chunk
+    if not chunks:
+      return 0
+    hits = hits[:chunks * per_chunk]
+    tokens = chunks * chunk_size
+    if kvm.allocate_slots(r.request_id, r.num_prompt_tokens - tokens, num_computed_tokens=0,
+                          new_computed_blocks=hits) is None:
+      return 0
+    self._device_hit_tokens[r.request_id] = tokens
+    self._device_hits.append((r.request_id, tokens))
+    return chunks
 
   def check_fits(self, num_tokens: int) -> None:
     """Raises ValueError when a sequence of `num_tokens` tokens can never fit the pool (paged
@@ -449,6 +472,8 @@ class Scheduler:
       return True
     rid = r.request_id
     merge = rid in self._prefix
+    if merge and rid in self._device_hit_tokens:
+      return True  # its blocks were taken at `add_request` (`_hold_device_prefix`)
     hits, hit_tokens = ([], 0) if merge else kvm.get_computed_blocks(
         r, namespace_root=self._roots.get(rid))
     if self.consistent and self.save_chunk_size and hit_tokens % self.save_chunk_size:
