@@ -27,6 +27,7 @@ first. Only this thread writes the cache, and the merge guarantees no position i
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import time
@@ -41,9 +42,11 @@ from kvjax.engine import sampling
 from kvjax.engine.core import EngineCore, LoopStats, StepRecord
 from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefixLookup, SaveJob,
                                           SaverStats, TierSnapshot)
+from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
 from kvjax.models.runner import ModelRunner
 from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
+from kvjax.scheduler.kv_cache_manager import KVCacheManager, KVCacheStats
 from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.output import (ComputeTiming, InsertTiming, PrefillChunk, SchedulerOutput, StepResult,
                                     StoredChunk, StoredPrefix)
@@ -99,10 +102,13 @@ class RequestMetrics:
     finished_s: when the request finished.
     ttft_s: time to first token, seconds.
     num_computed_tokens: prompt tokens whose KV was computed by prefill.
-    num_loaded_tokens: prompt tokens whose KV was loaded from the store.
+    num_loaded_tokens: prompt tokens whose KV was loaded from the store or served from the
+      device prefix cache (paged layout).
+    num_device_cached_tokens: of those, tokens served from the device prefix cache.
     num_rejected_chunks: stored chunks that failed verification and were computed instead.
     num_wasted_chunks: loads that landed after compute had taken their chunk (dropped).
-    loaded_from_tiers: tier of each loaded chunk, in order.
+    loaded_from_tiers: tier of each loaded chunk, in order; "device" once per device prefix
+      hit (paged layout), first.
     merge: the Cake merge trace (chunks computed, loaded and wasted, meeting index, level of each
       loaded chunk, seconds per side), or None when nothing was stored.
     lookup_s: seconds of the batched store lookup at admission (0 without a store).
@@ -114,6 +120,7 @@ class RequestMetrics:
   ttft_s: float | None = None
   num_computed_tokens: int = 0
   num_loaded_tokens: int = 0
+  num_device_cached_tokens: int = 0
   num_rejected_chunks: int = 0
   num_wasted_chunks: int = 0
   loaded_from_tiers: list[str] = dataclasses.field(default_factory=list)
@@ -184,6 +191,8 @@ class EngineStats:
     link_bandwidth_bytes_per_s: the planner's estimate of the store link.
     kv_cache_ok: the KV cache buffers are alive (False after a failed step consumed them).
     tiers: per store tier, its counters (empty without a store).
+    kv_cache: the paged pool and device prefix cache (blocks, usage, hits, preemptions); None
+      for the slotted layout.
   """
 
   num_waiting: int
@@ -195,6 +204,13 @@ class EngineStats:
   link_bandwidth_bytes_per_s: float
   kv_cache_ok: bool
   tiers: tuple[TierSnapshot, ...] = ()
+  kv_cache: KVCacheStats | None = None
+
+
+def device_namespace_root(cache_salt: str | None) -> str:
+  """Root of device block hashes when there is no store: one engine holds one model, so only
+  the salt must separate tenants (with a store, its chunk-key namespace is used instead)."""
+  return hashlib.sha256(b"kvjax/device-prefix/v1\0" + repr(cache_salt).encode()).hexdigest()
 
 
 @dataclasses.dataclass
@@ -239,6 +255,11 @@ class Engine:
       (issue: identical requests must get identical answers): each request reads only the first
       stored level, and computed chunks pass through that same encode/decode, in steps of one
       store chunk (`Scheduler(consistent=True)`).
+    enable_prefix_caching: paged layout: keep finished requests' full blocks on the device and
+      share them with later requests of the same prefix (namespace and `cache_salt`).
+
+  A `PagedModelRunner` selects the paged layout (issue 11): the scheduler then owns a
+  `KVCacheManager` over the runner's pool and each step is one ragged jit call.
 
   Raises:
     ValueError: unknown merge mode, or a scheduler config that does not match the runner.
@@ -250,28 +271,36 @@ class Engine:
                kv_store: KVStoreClient | None = None, merge_mode: str = "cake",
                max_loads_in_flight: int | None = None, kv_ttft_target_s: float | None = None,
                check_writes: bool = False, link_latency_s: float = 1e-3,
-               consistent: bool = False):
+               consistent: bool = False, enable_prefix_caching: bool = True):
     load_config = LoadConfig(merge_mode=merge_mode, max_loads_in_flight=max_loads_in_flight,
                              link_latency_s=link_latency_s, kv_ttft_target_s=kv_ttft_target_s,
                              check_writes=check_writes,
                              staging_bytes=kv_store.staging_bytes if kv_store else 1 << 30)
     self.runner = runner
     self.kv_store = kv_store
+    self._paged = isinstance(runner, PagedModelRunner)
     self.tokenizer = tokenizer
     scheduler_config = scheduler_config or SchedulerConfig(
         num_slots=runner.config.num_slots, chunk_sizes=runner.chunk_sizes,
-        token_budget=runner.max_chunk_size)
+        token_budget=runner.config.max_num_batched_tokens if self._paged
+        else runner.max_chunk_size)
     if scheduler_config.num_slots != runner.config.num_slots or (
-        scheduler_config.chunk_sizes != runner.chunk_sizes):
-      raise ValueError("scheduler slots and chunk sizes must equal the runner's: "
-                       f"{scheduler_config} vs {runner.config}")
+        scheduler_config.chunk_sizes != runner.chunk_sizes) or (
+        self._paged and scheduler_config.token_budget > runner.config.max_num_batched_tokens):
+      raise ValueError("scheduler slots, chunk sizes (and, paged, token budget) must match the "
+                       f"runner's: {scheduler_config} vs {runner.config}")
     consistent = consistent and kv_store is not None and kv_store.codec != codecs.RAW
     self._fixed_encoding = (codecs.EncodingId(kv_store.codec, kv_store.codec_levels[0])
                             if consistent else None)
+    kv_cache = None
+    if self._paged:
+      kv_cache = KVCacheManager(runner.num_blocks, runner.block_size,
+                                namespace_root=self._namespace_root(None),
+                                enable_prefix_caching=enable_prefix_caching)
     self._scheduler = Scheduler(
         scheduler_config, CostModel(), load_config=load_config,
         save_chunk_size=kv_store.chunk_size if kv_store is not None else None,
-        consistent=consistent)
+        consistent=consistent, kv_cache=kv_cache)
     self._core = EngineCore(self._scheduler, self)
     self._rng = np.random.default_rng(seed)
     self._clock = clock
@@ -286,6 +315,21 @@ class Engine:
   @property
   def max_seq_len(self) -> int:
     return self.runner.max_seq_len
+
+  @property
+  def kv_cache_layout(self) -> str:
+    """"paged" (a block pool, `PagedModelRunner`) or "slotted"."""
+    return "paged" if self._paged else "slotted"
+
+  def _namespace_root(self, cache_salt: str | None) -> str:
+    if self.kv_store is not None:
+      return self.kv_store.namespace(cache_salt).root_hash()
+    return device_namespace_root(cache_salt)
+
+  def reset_prefix_cache(self) -> int:
+    """Empties the device prefix cache (paged layout): no block computed before is a hit
+    again. Returns blocks unindexed (0 for the slotted layout)."""
+    return self._scheduler.reset_prefix_cache()
 
   def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """Checks a request before it is queued; returns the prompt as a list of ints.
@@ -305,6 +349,7 @@ class Engine:
       raise ValueError(
           f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the context "
           f"length of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens")
+    self._scheduler.check_fits(len(ids) + params.max_tokens)
     return ids
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
@@ -343,7 +388,9 @@ class Engine:
           cands = [cand for cand in cands if cand.name == self._fixed_encoding]
         chunks.append(StoredChunk(tier, tuple(cands)) if cands else None)
       stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks))
-    self._scheduler.add_request(Request(rid, ids, params, arrival_s=arrival_s), stored)
+    self._scheduler.add_request(
+        Request(rid, ids, params, arrival_s=arrival_s), stored,
+        namespace_root=self._namespace_root(cache_salt) if self._paged else None)
     self._live[rid] = live
     return rid
 
@@ -367,11 +414,14 @@ class Engine:
         lookup_failures=kv.lookup_failures if kv is not None else 0,
         link_bandwidth_bytes_per_s=self._scheduler.cost_model.bandwidth_bytes_per_s,
         kv_cache_ok=self.runner.cache_ok(),
-        tiers=kv.tier_snapshots() if kv is not None else ())
+        tiers=kv.tier_snapshots() if kv is not None else (),
+        kv_cache=self._scheduler.kv_cache.stats() if self._paged else None)
 
   def reset_device(self) -> None:
-    """Rebuilds the KV cache after a failed step consumed its buffers (requests are lost)."""
+    """Rebuilds the KV cache after a failed step consumed its buffers (requests are lost; the
+    device prefix cache is emptied)."""
     self.runner.reset()
+    self._scheduler.reset_prefix_cache()
 
   @property
   def check_writes(self) -> bool:
@@ -416,6 +466,20 @@ class Engine:
     insert_timings: list[InsertTiming] = []
     for rid in plan.finished_request_ids:
       self._forget(rid)
+    tables = dict(plan.block_tables)
+    for rid in plan.preempted:
+      live = self._live.get(rid)
+      if live is not None:
+        live.pieces = []
+      if kv is not None:
+        kv.cancel_loads(rid)
+    for rid, tokens in plan.device_hits:
+      if rid not in self._live:
+        continue  # aborted since
+      m = self._live[rid].metrics
+      m.num_loaded_tokens += tokens
+      m.num_device_cached_tokens += tokens
+      m.loaded_from_tiers.append("device")
     if kv is not None:
       for rid, index in plan.releases:
         kv.release(rid, index)
@@ -429,10 +493,11 @@ class Engine:
       for ins in plan.inserts:
         hit = kv.take(ins.request_id, ins.index)
         t0, t0_clock = time.perf_counter(), self._clock()
+        where = self._where(tables, ins.request_id, ins.slot, ins.start, kv.chunk_size)
         if hit.kv is not None:
-          self.runner.insert_chunk(hit.kv, ins.slot, ins.start)
+          self.runner.insert_chunk(hit.kv, where, ins.start)
         else:
-          self.runner.insert_payload(hit.encoding.codec, hit.payload, ins.slot, ins.start)
+          self.runner.insert_payload(hit.encoding.codec, hit.payload, where, ins.start)
         if self.timed_inserts:
           self.runner.block_until_ready()
         insert_timings.append(InsertTiming(ins.request_id, ins.index, t0_clock,
@@ -447,7 +512,9 @@ class Engine:
     sampled: list[tuple[RequestId, int]] = []
     finished: list[tuple[RequestId, str]] = []
     timings: list[ComputeTiming] = []
-    if plan.decodes:
+    if self._paged and (plan.decodes or plan.prefills):
+      self._execute_ragged(plan, tables, sampled, finished, timings)
+    if plan.decodes and not self._paged:
       b = self.runner.config.num_slots
       tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
       for d in plan.decodes:
@@ -455,7 +522,7 @@ class Engine:
       logits_BV = np.asarray(self.runner.decode_step(tokens, positions, active))
       for d in plan.decodes:
         self._sample(d.request_id, logits_BV[d.slot], sampled, finished)
-    for chunk in plan.prefills:
+    for chunk in () if self._paged else plan.prefills:
       compiled = self.runner.is_compiled(chunk.num_tokens)
       t0 = time.perf_counter()
       t0_clock = self._clock()
@@ -466,13 +533,53 @@ class Engine:
       live = self._live[chunk.request_id]
       live.metrics.num_computed_tokens += chunk.num_tokens
       if kv is not None:
-        self._save_chunks(live, chunk, out.k_pre_rope_LTKH, out.v_LTKH)
+        self._save_chunks(live, chunk, out.k_pre_rope_LTKH, out.v_LTKH, chunk.slot)
       if chunk.is_last:
         self._sample(chunk.request_id, np.asarray(out.logits), sampled, finished)
     reports = kv.landed() if kv is not None else []
     return StepResult(now_s=self._clock(), sampled=tuple(sampled), finished=tuple(finished),
                       loads=tuple(self._log_misses(reports)), compute=tuple(timings),
                       inserts=tuple(insert_timings))
+
+  def _where(self, tables: dict, rid: RequestId, slot: int, start: int, n: int):
+    """Where a chunk at `[start, start + n)` goes: its slot (slotted) or its blocks (paged)."""
+    return self._chunk_blocks(tables[rid], start, n) if self._paged else slot
+
+  def _chunk_blocks(self, table, start: int, n: int) -> tuple[int, ...]:
+    """The blocks of a block table holding positions `[start, start + n)` (whole blocks)."""
+    b = self.runner.block_size
+    return tuple(table[start // b:(start + n) // b])
+
+  def _execute_ragged(self, plan: SchedulerOutput, tables: dict, sampled: list, finished: list,
+                      timings: list) -> None:
+    """Paged layout: every decode and prefill chunk of the plan in ONE jit call
+    (`PagedModelRunner.step`), then sampling, metrics and saves per chunk. Each prefill chunk's
+    `ComputeTiming` gets the step's seconds pro rata to its tokens."""
+    runner, kv = self.runner, self.kv_store
+    seqs = [SeqChunk((d.token_id,), d.position, tables[d.request_id]) for d in plan.decodes]
+    seqs += [SeqChunk(c.token_ids, c.start, tables[c.request_id]) for c in plan.prefills]
+    total = sum(len(s.token_ids) for s in seqs)
+    compiled = runner.is_compiled(total)
+    t0, t0_clock = time.perf_counter(), self._clock()
+    out = runner.step(seqs)
+    logits_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
+    seconds = time.perf_counter() - t0
+    for i, d in enumerate(plan.decodes):
+      self._sample(d.request_id, logits_SV[i], sampled, finished)
+    base = len(plan.decodes)
+    for j, chunk in enumerate(plan.prefills):
+      timings.append(ComputeTiming(chunk.start, chunk.num_tokens,
+                                   seconds * chunk.num_tokens / total, chunk.request_id,
+                                   t0_clock, includes_compile=not compiled))
+      live = self._live[chunk.request_id]
+      live.metrics.num_computed_tokens += chunk.num_tokens
+      if kv is not None:
+        o = out.offsets[base + j]
+        self._save_chunks(live, chunk, out.k_pre_rope_LTKH[:, o:o + chunk.num_tokens],
+                          out.v_LTKH[:, o:o + chunk.num_tokens],
+                          tables[chunk.request_id])
+      if chunk.is_last:
+        self._sample(chunk.request_id, logits_SV[base + j], sampled, finished)
 
   def _log_misses(self, reports):
     for rep in reports:
@@ -487,12 +594,12 @@ class Engine:
       self.kv_store.cancel_loads(rid)
 
   # ----------------------------------------------------------------------------- saves
-  def _save_chunks(self, live: _Live, chunk: PrefillChunk, k_LTKH, v_LTKH) -> None:
+  def _save_chunks(self, live: _Live, chunk: PrefillChunk, k_LTKH, v_LTKH, where) -> None:
     """Keeps this step's KV until its store chunks are complete; then, per completed chunk:
     passes it through the stored encoding when the plan says `roundtrip` (consistent codecs:
     encode, decode back into the cache), and hands it to the saver when it is in `saves` (one
     device array per chunk, every level encoded in one device call; the saver makes the one
-    device -> host copy)."""
+    device -> host copy). `where` is the request's slot (slotted) or block table (paged)."""
     kv, c = self.kv_store, self.kv_store.chunk_size
     live.pieces.append((chunk.start, k_LTKH, v_LTKH))
     lookup = live.lookup
@@ -513,7 +620,8 @@ class Engine:
         payloads = self.runner.encode_levels(kv_L2CKH, kv.codec, kv.codec_levels)
       if index in chunk.roundtrip and payloads is not None:
         # The first stored level is the request's fixed encoding (`_fixed_encoding`).
-        self.runner.insert_payload(kv.codec, payloads[0][2], chunk.slot, lo)
+        blocks = where if not self._paged else self._chunk_blocks(where, lo, c)
+        self.runner.insert_payload(kv.codec, payloads[0][2], blocks, lo)
       item = saves.get(index)
       if item is not None:
         kv.submit_save(SaveJob(

@@ -20,6 +20,7 @@ from kvjax.engine.kv_store_client import KVStoreClient
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
+from kvjax.models.paged_runner import build_paged_runner
 from kvjax.models.registry import DEFAULT_MODEL, load_model
 from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
                                  default_cache_root, enable_persistent_compilation_cache)
@@ -104,6 +105,24 @@ def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tupl
   return tuple(levels)
 
 
+def _check_paged_options(layout, block_size, kv_cache_memory_bytes, chunk_size, *,
+                         with_store: bool) -> None:
+  """Checks the paged-layout options (issue 11) by their user-facing names.
+
+  Raises:
+    ValueError: an unknown layout, a non-positive size, or (paged, with a store) a
+      `kv_chunk_size` that is not a whole number of blocks.
+  """
+  if layout not in ("slotted", "paged"):
+    raise ValueError(f"kv_cache_layout={layout!r}; use 'slotted' or 'paged'")
+  for name, v in (("block_size", block_size), ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+      raise ValueError(f"{name}={v!r} must be a positive int")
+  if layout == "paged" and with_store and isinstance(chunk_size, int) and chunk_size % block_size:
+    raise ValueError(f"kv_chunk_size={chunk_size} must be a whole number of blocks of "
+                     f"block_size={block_size}")
+
+
 def resolve_dtype(dtype: str):
   """'auto' is f32 on CPU (faster there) and bf16 on accelerators.
 
@@ -163,6 +182,14 @@ class LLM:
       and smaller prefill steps; identical requests then get identical answers.
     compile_on_init: compile (or load from JAX's persistent cache) every program a request can
       run before returning (`warmup`), so no request's TTFT includes a compile.
+    kv_cache_layout: "slotted" (default: `max_num_seqs` slots of `max_model_len` positions) or
+      "paged" (issue 11: one block pool shared by all sequences, one ragged jit call per step,
+      a device prefix cache; `max_num_seqs` then reserves no memory).
+    block_size: paged: tokens per pool block, B (`kv_chunk_size` must be a multiple).
+    kv_cache_memory_bytes: paged: the pool's size, bytes; default 2 GiB on CPU, 80% of free
+      device memory on an accelerator.
+    enable_prefix_caching: paged: keep finished prefixes' full blocks on the device and share
+      them with later requests (namespace + `cache_salt`); `reset_prefix_cache()` empties it.
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -178,7 +205,9 @@ class LLM:
                kv_codec_levels: Sequence[int] | None = None, kv_merge_mode: str = "cake",
                kv_max_loads_in_flight: int | None = None,
                kv_ttft_target_s: float | None = None, kv_codec_consistent: bool | None = None,
-               compile_on_init: bool = True):
+               compile_on_init: bool = True, kv_cache_layout: str = "slotted",
+               block_size: int = 16, kv_cache_memory_bytes: int | None = None,
+               enable_prefix_caching: bool = True):
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
@@ -192,6 +221,8 @@ class LLM:
         or not kv_ttft_target_s > 0):
       raise ValueError(f"kv_ttft_target_s={kv_ttft_target_s!r} must be a positive number of "
                        "seconds or None")
+    _check_paged_options(kv_cache_layout, block_size, kv_cache_memory_bytes, kv_chunk_size,
+                         with_store=kv_store is not None)
     cache_root = default_cache_root() if cache_dir is None else cache_dir
     if cache_root:
       enable_persistent_compilation_cache(os.path.join(cache_root, "jax"))
@@ -205,13 +236,24 @@ class LLM:
     if max_model_len is not None and max_model_len > loaded.config.max_seq_len:
       raise ValueError(f"max_model_len={max_model_len} exceeds {loaded.name}'s context of "
                        f"{loaded.config.max_seq_len} tokens")
-    runner = ModelRunner(
-        Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
-                          param_dtype=self.dtype),
-        RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes))
+    model_obj = Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
+                                  param_dtype=self.dtype)
+    if kv_cache_layout == "paged":
+      runner = build_paged_runner(
+          model_obj, block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+          max_num_seqs=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes,
+          max_num_batched_tokens=max_num_batched_tokens or chunk_sizes[-1])
+    else:
+      runner = ModelRunner(
+          model_obj,
+          RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len,
+                       chunk_sizes=chunk_sizes))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1])
     self.kvtc_transform = None
+    if kv_store is not None and kv_codec == codecs.KVTC and kv_cache_layout == "paged":
+      raise ValueError("kv_codec='kvtc' runs on the slotted KV cache for now: pass "
+                       "kv_cache_layout='slotted' (the default)")
     if kv_store is not None and kv_codec == codecs.KVTC:
       self.kvtc_transform = kv_calibration.load_or_calibrate(
           runner, loaded.tokenizer, self.fingerprint,
@@ -229,7 +271,8 @@ class LLM:
                          kv_ttft_target_s=kv_ttft_target_s,
                          link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S,
                          consistent=self._consistent(kv_codec_consistent, kv_codec,
-                                                     kv_chunk_size, sched))
+                                                     kv_chunk_size, sched),
+                         enable_prefix_caching=enable_prefix_caching)
     self._warm = False
     self._closed = False
     if compile_on_init:
@@ -286,8 +329,8 @@ class LLM:
     cfg = self.model_config
     layout = KVLayout(num_layers=cfg.n_layers, chunk_size=chunk_size,
                       num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                      dtype=jnp.dtype(runner.cache.k_LBSKH.dtype).name)
-    tid = runner.kvtc_transform.transform_id if runner.kvtc_transform is not None else None
+                      dtype=jnp.dtype(self.dtype).name)
+    tid = self.kvtc_transform.transform_id if self.kvtc_transform is not None else None
     return KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
                          kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
                          codec_levels=codec_levels, kvtc_transform_id=tid)
@@ -312,11 +355,14 @@ class LLM:
       layout = store.layout
       kv = jnp.zeros((layout.num_layers, 2, layout.chunk_size, layout.num_kv_heads,
                       layout.head_dim), jnp.dtype(layout.dtype))
-      runner.insert_chunk(kv, 0, 0)
+      # Slot 0 (slotted) or the first blocks (paged, free at warmup) at position 0.
+      where = 0 if self.engine.kv_cache_layout == "slotted" else tuple(
+          range(layout.chunk_size // runner.block_size))
+      runner.insert_chunk(kv, where, 0)
       if store.codec != "raw":
         _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels)[0]
-        runner.insert_payload(store.codec, jax.device_get(arrays), 0, 0)
-      jax.block_until_ready(runner.cache.k_LBSKH)
+        runner.insert_payload(store.codec, jax.device_get(arrays), where, 0)
+      runner.block_until_ready()
     self._warm = True
 
   def close(self) -> None:
@@ -328,6 +374,11 @@ class LLM:
     if self.kv_store is not None:
       self.kv_store.close()
     self.engine.runner.close()
+
+  def reset_prefix_cache(self) -> int:
+    """Empties the device prefix cache (paged layout): later requests recompute or load from
+    the store what was on the device. Returns blocks unindexed (0 for the slotted layout)."""
+    return self.engine.reset_prefix_cache()
 
   @property
   def max_model_len(self) -> int:

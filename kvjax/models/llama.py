@@ -24,7 +24,8 @@ from flax import nnx
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE, ragged_cache_attention_reference
 from kvjax.models import layers
 from kvjax.models.config import LlamaConfig
-from kvjax.models.kv_cache import KVCache
+from kvjax.kernels.paged_attention import paged_attention
+from kvjax.models.kv_cache import KVCache, PagedKVCache
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -227,6 +228,84 @@ class Llama(nnx.Module):
     lengths = cache.lengths_B.at[slot].set(kv_len)
     return PrefillOutput(logits=logits, cache=KVCache(k_cache, v_cache, lengths),
                          k_pre_rope_LTKH=k_pre_LBTKH[:, 0], v_LTKH=v_LBTKH[:, 0])
+
+  def ragged_step(self, pool: PagedKVCache, tokens_T: jax.Array, positions_T: jax.Array,
+                  slot_mapping_T: jax.Array, block_tables_SM: jax.Array,
+                  context_lens_S: jax.Array, query_start_loc_S1: jax.Array,
+                  num_seqs: jax.Array, logits_indices_S: jax.Array, *,
+                  attention_impl: str | None = None
+                  ) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
+    """One ragged batched step over the paged pool: every decode and prefill chunk together.
+
+    The step's tokens of all sequences are flattened (T padded to a compiled size). Each layer
+    first writes every real token's K (after RoPE) and V into its pool slot, then runs ragged
+    paged attention (`kvjax.kernels.paged_attention`), so a sequence's chunk sees its own
+    earlier tokens and any other chunk of the same sequence planned before it in this step.
+
+        tokens_T          |seq 0 (decode)|seq 1 chunk ......|seq 2 chunk ..|pad ....|
+        query_start_loc   0              1                  q1              q2 = qsl[num_seqs]
+        slot_mapping_T    block * B + offset of each token's position; -1 for padding
+
+    Layers share one flat view of the pool, [L * P, B, K, H]: layer i's block b is row i * P + b,
+    so attention reads the carried pool in place (no per-layer copy) through block tables
+    offset by i * P, and its cost follows each sequence's context, not the pool size.
+
+    Args:
+      pool: the paged pool (donated by the jitted caller).
+      tokens_T: int32[T] token ids.
+      positions_T: int32[T] absolute position of each token (0 for padding).
+      slot_mapping_T: int32[T] pool slot `block_id * B + position % B` of each token, -1 for
+        padding (never written).
+      block_tables_SM: int32[S, M] each sequence's blocks (rows past `num_seqs` are padding).
+      context_lens_S: int32[S] kv tokens of each sequence including this step's.
+      query_start_loc_S1: int32[S + 1] cumulative query lengths from 0.
+      num_seqs: int32 scalar, real sequences.
+      logits_indices_S: int32[S] row of each sequence's last token in T (its logits).
+      attention_impl: `paged_attention` implementation (static); None picks the backend's.
+
+    Returns:
+      (f32[S, V] logits at each sequence's last token, the updated pool,
+       [L, T, K, H] keys BEFORE RoPE of every token (what the store saves), [L, T, K, H] values).
+    """
+    cfg, dtype = self.cfg, self.dtype
+    l_, p_, b_, k_, h_ = pool.k_LPBKH.shape
+    inv_freq = self.inv_freq[...]
+    stacked = self.layers.stacked()
+    positions_1T = positions_T[None]
+    n_slots = l_ * p_ * b_
+
+    def layer(carry, xs):
+      x, k_flat, v_flat = carry
+      p, i = xs
+      p = {k: v.astype(dtype) for k, v in p.items()}
+      h = layers.rms_norm(x, p["attn_norm"], cfg.rms_eps)
+      q_1TNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
+      k_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
+      v_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
+      q_1TNH = layers.apply_rope(q_1TNH, positions_1T, inv_freq)
+      k_rot_1TKH = layers.apply_rope(k_1TKH, positions_1T, inv_freq)
+      where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
+      k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
+      v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
+      attn_TNH = paged_attention(
+          q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
+          block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs,
+          implementation=attention_impl)
+      x = x + jnp.einsum("BTNH,NHD->BTD", attn_TNH[None].astype(x.dtype), p["wo"])
+      h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+      x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+      return (x, k_flat, v_flat), (k_1TKH[0], v_1TKH[0])
+
+    x_1TD = jnp.take(self.embed[...], tokens_T, axis=0)[None].astype(dtype)
+    layer_ids = jnp.arange(l_, dtype=jnp.int32)
+    k_flat = pool.k_LPBKH.reshape(n_slots, k_, h_)
+    v_flat = pool.v_LPBKH.reshape(n_slots, k_, h_)
+    (x_1TD, k_flat, v_flat), (k_pre_LTKH, v_LTKH) = jax.lax.scan(
+        layer, (x_1TD, k_flat, v_flat), (stacked, layer_ids))
+    last_1SD = jnp.take(x_1TD, logits_indices_S, axis=1)
+    logits_SV = self._logits(last_1SD)[0]
+    new_pool = PagedKVCache(k_flat.reshape(pool.k_LPBKH.shape), v_flat.reshape(pool.v_LPBKH.shape))
+    return logits_SV, new_pool, k_pre_LTKH, v_LTKH
 
   def decode_step(self, cache: KVCache, tokens_B: jax.Array, positions_B: jax.Array,
                   active_B: jax.Array, *, block_size: int = DEFAULT_BLOCK_SIZE

@@ -189,6 +189,9 @@ class CakeMerge:
       over the largest compiled size (64 of 512 tokens: 1/8).
     check_writes: keep a per-position writer map and raise `DoubleWriteError` on a second write
       (one byte per prompt token; tests and simulations always keep it on).
+    resident: leading chunks already resident on the device (the paged layout's prefix cache,
+      issue 11): they start RESIDENT (written by "load" in the writer map), so the merge never
+      loads nor computes them and its frontier starts after them.
 
   Raises:
     ValueError: on inconsistent sizes, hits, byte counts or encodings.
@@ -200,7 +203,8 @@ class CakeMerge:
                encodings: Sequence[Sequence[Candidate] | None] | None = None,
                max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None,
                arrival_s: float = 0.0, late_factor: float = 2.0,
-               compute_share_prior: float | None = None, check_writes: bool = True):
+               compute_share_prior: float | None = None, check_writes: bool = True,
+               resident: int = 0):
     def positive_int(name, v):
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r} must be an int >= 1")
@@ -232,6 +236,14 @@ class CakeMerge:
     self.late_factor = float(late_factor)
     uses_hits = self.mode is not MergeMode.COMPUTE_ONLY
     self._states = [ChunkState.HIT if (h and uses_hits) else ChunkState.MISSING for h in hits]
+    # Device-resident leading chunks (the paged layout's prefix cache, issue 11): resident
+    # from the start, never loaded nor computed.
+    if isinstance(resident, bool) or not isinstance(resident, int) or not (
+        0 <= resident <= len(hits)):
+      raise ValueError(f"resident={resident!r} must be an int in [0, {len(hits)}]")
+    self.num_device_resident = resident
+    for j in range(resident):
+      self._states[j] = ChunkState.RESIDENT
     self._encodings: list[tuple[Candidate, ...] | None] | None = None
     if encodings is not None:
       if len(encodings) != self.num_chunks:
@@ -259,6 +271,8 @@ class CakeMerge:
     self._frontier = 0
     self._cancelled = False
     self._writers = bytearray(num_prompt_tokens) if check_writes else None
+    if self._writers is not None and resident:
+      self._writers[:resident * chunk_size] = bytes([Writer.LOAD]) * (resident * chunk_size)
     self.trace = MergeTrace(num_chunks=self.num_chunks, meeting_index=self.num_chunks)
     # Compute share: cost-model seconds of this request's compute per wall second of a step.
     self._share = 1.0 if compute_share_prior is None else float(compute_share_prior)

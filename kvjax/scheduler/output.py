@@ -125,6 +125,13 @@ class SchedulerOutput:
     prefills: prefill chunks, in order.
     wait_s: with nothing to compute, the longest the executor may block waiting for a load to
       land before asking again (None: do not wait).
+    block_tables: paged layout only: (request_id, block ids in position order) of every
+      running request after this plan's allocations; block i holds positions `[iB, (i+1)B)`.
+      The executor writes a request's new tokens, inserts and round trips into these blocks.
+    preempted: paged layout only: requests preempted by this plan (their blocks were freed):
+      the executor drops their loads and partial chunk pieces; they recompute later.
+    device_hits: paged layout only: (request_id, tokens) served from the device prefix cache
+      at this plan's admissions (whole blocks, shared without a copy).
   """
 
   finished_request_ids: tuple[RequestId, ...] = ()
@@ -134,6 +141,9 @@ class SchedulerOutput:
   decodes: tuple[DecodeItem, ...] = ()
   prefills: tuple[PrefillChunk, ...] = ()
   wait_s: float | None = None
+  block_tables: tuple[tuple[RequestId, tuple[int, ...]], ...] = ()
+  preempted: tuple[RequestId, ...] = ()
+  device_hits: tuple[tuple[RequestId, int], ...] = ()
 
   @property
   def num_scheduled_tokens(self) -> int:

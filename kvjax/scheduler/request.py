@@ -94,6 +94,9 @@ class Request:
     slot: decode slot while running, else None.
     status: lifecycle state.
     finish_reason: "stop", "length" or "abort" once finished.
+    prefill_len: tokens to prefill when not the prompt: after a preemption (paged layout) the
+      request recomputes prompt + output tokens, and its last prefill chunk samples the next
+      token. None means the prompt.
   """
 
   request_id: RequestId
@@ -105,6 +108,20 @@ class Request:
   slot: int | None = None
   status: RequestStatus = RequestStatus.WAITING
   finish_reason: str | None = None
+  prefill_len: int | None = None
+
+  @property
+  def num_prefill_tokens(self) -> int:
+    """Tokens the prefill covers: the prompt, or prompt + output after a preemption."""
+    return len(self.prompt_token_ids) if self.prefill_len is None else self.prefill_len
+
+  def token_ids(self, start: int, end: int) -> list[int]:
+    """Token ids `[start, end)` of prompt + output."""
+    n = len(self.prompt_token_ids)
+    if end <= n:
+      return list(self.prompt_token_ids[start:end])
+    return (list(self.prompt_token_ids[start:])
+            + list(self.output_token_ids[max(0, start - n):end - n]))
 
   @property
   def num_prompt_tokens(self) -> int:
@@ -117,7 +134,7 @@ class Request:
 
   @property
   def remaining_prefill_tokens(self) -> int:
-    return max(0, self.num_prompt_tokens - self.num_computed_tokens)
+    return max(0, self.num_prefill_tokens - self.num_computed_tokens)
 
   @property
   def is_finished(self) -> bool:

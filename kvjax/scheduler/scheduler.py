@@ -49,6 +49,7 @@ import math
 from kvjax._typing import RequestId
 from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace, Writer
 from kvjax.scheduler.cost_model import CostModel
+from kvjax.scheduler.kv_cache_manager import KVCacheManager
 from kvjax.scheduler.output import (DecodeItem, InsertItem, LoadItem, PrefillChunk, SaveItem,
                                     SchedulerOutput, StepResult, StoredPrefix)
 from kvjax.scheduler.request import Request, RequestStatus
@@ -186,6 +187,14 @@ class Scheduler:
       step inside a full store chunk is exactly one chunk, and each completed chunk is listed in
       `PrefillChunk.roundtrip` (it passes through the stored encoding), so a computed chunk
       equals a loaded one bit for bit and the meeting point cannot change the answer.
+    kv_cache: the paged layout's block manager (issue 11), None for the slotted layout. With
+      it the scheduler allocates blocks before planning a request's tokens (a request with a
+      Cake merge gets its whole prompt's blocks at admission, so loads can land anywhere),
+      lists every running request's block table in the plan, frees a finished request's
+      blocks (indexed ones stay cached), preempts the newest running request when the pool is
+      short (it recomputes prompt + output later, `Request.prefill_len`), and admits a request
+      with the longest device-resident prefix of whole blocks (`KVCacheManager`), shared
+      without a copy. `config.num_slots` then only caps running requests.
 
   Raises:
     ValueError: `consistent` without a `save_chunk_size` among the compiled chunk sizes, or a
@@ -194,7 +203,16 @@ class Scheduler:
 
   def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None, *,
                load_config: LoadConfig | None = None, save_chunk_size: int | None = None,
-               consistent: bool = False):
+               consistent: bool = False, kv_cache: KVCacheManager | None = None):
+    if kv_cache is not None and save_chunk_size is not None and (
+        save_chunk_size % kv_cache.block_size):
+      raise ValueError(f"kv_chunk_size={save_chunk_size} must be a whole number of blocks of "
+                       f"block_size={kv_cache.block_size}")
+    self.kv_cache = kv_cache
+    self._roots: dict[RequestId, str | None] = {}  # per-request namespace root (paged)
+    self._device_hit_tokens: dict[RequestId, int] = {}
+    self._preempted: list[RequestId] = []
+    self._device_hits: list[tuple[RequestId, int]] = []
     if consistent and (save_chunk_size not in config.chunk_sizes
                        or config.token_budget < save_chunk_size):
       raise ValueError(f"consistent codec outputs need the store chunk size {save_chunk_size} "
@@ -220,7 +238,8 @@ class Scheduler:
   # ----------------------------------------------------------------------------- requests
   def add_request(self, request: Request, stored: StoredPrefix | None = None, *,
                   merge_mode: MergeMode | str | None = None,
-                  kv_ttft_target_s: float | None = None) -> None:
+                  kv_ttft_target_s: float | None = None,
+                  namespace_root: str | None = None) -> None:
     """Takes ownership of a new request (the caller keeps no reference to it).
 
     Args:
@@ -229,27 +248,65 @@ class Scheduler:
         (and the mode uses hits).
       merge_mode: this request's merge mode instead of `load_config.merge_mode`.
       kv_ttft_target_s: this request's TTFT target instead of `load_config.kv_ttft_target_s`.
+      namespace_root: paged layout: the root of its block hashes (the store's namespace with
+        its `cache_salt`); None: the manager's default.
 
     Raises:
-      ValueError: a duplicate id, or a lookup that does not fit the prompt.
+      ValueError: a duplicate id, a lookup that does not fit the prompt, or (paged) a request
+        whose prompt + max_tokens can never fit the pool.
     """
     rid = request.request_id
     if rid in self.running or rid in self._prefix or any(
         r.request_id == rid for r in self.waiting):
       raise ValueError(f"request id {rid!r} is already scheduled")
+    self.check_fits(request.num_prompt_tokens + request.sampling_params.max_tokens)
+    self._roots[rid] = namespace_root
     if stored is not None and any(stored.hits):
       lc = self.load_config
       encodings = [c.candidates if c is not None else None for c in stored.chunks]
+      resident = self._hold_device_prefix(request, stored.chunk_size, namespace_root)
       merge = CakeMerge(
           request.num_prompt_tokens, stored.chunk_size, stored.hits,
           merge_mode if merge_mode is not None else lc.merge_mode,
           encodings=encodings, max_loads_in_flight=lc.max_loads_ahead or 2,
           kv_ttft_target_s=kv_ttft_target_s if kv_ttft_target_s is not None
           else lc.kv_ttft_target_s, arrival_s=request.arrival_s,
-          check_writes=lc.check_writes)
+          check_writes=lc.check_writes, resident=resident)
       self._prefix[rid] = _Prefix(merge, stored)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
+
+  def _hold_device_prefix(self, r: Request, chunk_size: int, root: str | None) -> int:
+    """Paged layout, a request with a Cake merge: takes its device-resident whole store chunks
+    now (hit blocks shared, the rest of the prompt's blocks allocated), so the merge treats
+    them as resident from the start; returns how many chunks (0 when none, or the pool is
+    short: the blocks are then allocated at admission)."""
+    kvm = self.kv_cache
+    if kvm is None:
+      return 0
+    hits, _ = kvm.get_computed_blocks(r, namespace_root=root)
+    per_chunk = chunk_size // kvm.block_size
+    chunks = len(hits) // per_chunk
+    if not chunks:
+      return 0
+    hits = hits[:chunks * per_chunk]
+    tokens = chunks * chunk_size
+    if kvm.allocate_slots(r.request_id, r.num_prompt_tokens - tokens, num_computed_tokens=0,
+                          new_computed_blocks=hits) is None:
+      return 0
+    self._device_hit_tokens[r.request_id] = tokens
+    self._device_hits.append((r.request_id, tokens))
+    return chunks
+
+  def check_fits(self, num_tokens: int) -> None:
+    """Raises ValueError when a sequence of `num_tokens` tokens can never fit the pool (paged
+    layout; a no-op for the slotted one)."""
+    if self.kv_cache is not None:
+      self.kv_cache.check_fits(num_tokens)
+
+  def reset_prefix_cache(self) -> int:
+    """Empties the device prefix cache (paged layout); returns blocks unindexed (0 slotted)."""
+    return self.kv_cache.reset_prefix_cache() if self.kv_cache is not None else 0
 
   def set_check_writes(self, on: bool) -> None:
     """Keep (or stop keeping) a writer map in the merges of requests added from now on."""
@@ -314,6 +371,10 @@ class Scheduler:
     if r.slot is not None:
       bisect.insort(self._free_slots, r.slot)
       r.slot = None
+    if self.kv_cache is not None:
+      self.kv_cache.free(request_id)
+    self._roots.pop(request_id, None)
+    self._device_hit_tokens.pop(request_id, None)
     r.status = RequestStatus.FINISHED
     r.finish_reason = reason
     self._finished_ids.append(request_id)
@@ -342,19 +403,25 @@ class Scheduler:
       if self._last_now_s is not None and now_s > self._last_now_s:
         self._last_step_s = now_s - self._last_now_s
       self._last_now_s = now_s
-    decodes = []
-    for r in self.running.values():
-      if r.status is RequestStatus.DECODING and budget > 0:
+    decodes: list[DecodeItem] = []
+    prefills: list[PrefillChunk] = []
+    self._planned = (decodes, prefills)
+    for r in list(self.running.values()):
+      if (r.request_id in self.running and r.status is RequestStatus.DECODING and budget > 0
+          and self._grow(r, 1)):
         decodes.append(DecodeItem(r.request_id, r.slot, r.num_computed_tokens,
                                   r.output_token_ids[-1]))
         r.num_computed_tokens += 1
         budget -= 1
-    prefills: list[PrefillChunk] = []
-    for r in self.running.values():
-      if r.status is RequestStatus.PREFILLING and r.request_id not in self._prefix:
+    for r in list(self.running.values()):
+      if (r.request_id in self.running and r.status is RequestStatus.PREFILLING
+          and r.request_id not in self._prefix):
         budget = self._plan_chunks(r, budget, prefills)
-    while self.waiting and self._free_slots:
+    # A plan that preempted admits nobody (vLLM's rule): the pool is short already.
+    while self.waiting and self._free_slots and not self._preempted:
       r = self.waiting[0]
+      if not self._admit_blocks(r, budget):
+        break
       if r.request_id not in self._prefix and (budget <= 0 or not chunk_tokens(
           r.remaining_prefill_tokens, budget, self._plan_sizes)):
         break
@@ -363,12 +430,24 @@ class Scheduler:
       r.status = RequestStatus.PREFILLING
       self.running[r.request_id] = r
       if r.request_id not in self._prefix:
-        budget = self._plan_chunks(r, budget, prefills)
+        budget = self._plan_chunks(r, budget, prefills, may_preempt=False)
     inserts = self._plan_inserts()
     loads = self._plan_loads(now_s)
     for r in self.cake_requests():
       budget = self._plan_cake(r, budget, now_s, prefills)
     releases = self._plan_releases()
+    block_tables: tuple = ()
+    preempted: tuple = ()
+    device_hits: tuple = ()
+    if self.kv_cache is not None:
+      kvm = self.kv_cache
+      for r in self.running.values():
+        # Index the blocks this plan fills (after admissions: a lookup never hits a block
+        # whose KV this very plan writes).
+        kvm.cache_full_blocks(r, min(r.num_computed_tokens, r.num_tokens))
+      block_tables = tuple((rid, kvm.block_table(rid)) for rid in self.running)
+      preempted, self._preempted = tuple(self._preempted), []
+      device_hits, self._device_hits = tuple(self._device_hits), []
     wait_s = None
     if not inserts and not decodes and not prefills and any(
         p.outstanding for p in self._prefix.values()):
@@ -380,7 +459,80 @@ class Scheduler:
     finished, self._finished_ids = tuple(self._finished_ids), []
     return SchedulerOutput(finished_request_ids=finished, releases=releases, loads=loads,
                            inserts=inserts, decodes=tuple(decodes), prefills=tuple(prefills),
-                           wait_s=wait_s)
+                           wait_s=wait_s, block_tables=block_tables, preempted=preempted,
+                           device_hits=device_hits)
+
+  # ----------------------------------------------------------------------------- blocks
+  def _admit_blocks(self, r: Request, budget: int) -> bool:
+    """Paged layout: looks up `r`'s device-resident prefix and allocates the blocks of its first
+    chunk (its whole prompt with a Cake merge); False when the pool is short (admission waits;
+    a new request never preempts a running one). True for the slotted layout."""
+    kvm = self.kv_cache
+    if kvm is None:
+      return True
+    rid = r.request_id
+    merge = rid in self._prefix
+    if merge and rid in self._device_hit_tokens:
+      return True  # its blocks were taken at `add_request` (`_hold_device_prefix`)
+    hits, hit_tokens = ([], 0) if merge else kvm.get_computed_blocks(
+        r, namespace_root=self._roots.get(rid))
+    if self.consistent and self.save_chunk_size and hit_tokens % self.save_chunk_size:
+      keep = hit_tokens // self.save_chunk_size * self.save_chunk_size // kvm.block_size
+      hits, hit_tokens = hits[:keep], keep * kvm.block_size
+    if merge:
+      want = r.num_prefill_tokens
+    else:
+      want = chunk_tokens(r.num_prefill_tokens - hit_tokens, budget, self._plan_sizes)
+      if want == 0:
+        return False
+    if kvm.allocate_slots(rid, want, num_computed_tokens=0, new_computed_blocks=hits) is None:
+      return False
+    r.num_computed_tokens = hit_tokens
+    if hit_tokens:
+      self._device_hit_tokens[rid] = hit_tokens
+      self._device_hits.append((rid, hit_tokens))
+    return True
+
+  def _grow(self, r: Request, n: int, may_preempt: bool = True) -> bool:
+    """Paged layout: blocks for `n` more tokens of `r` at `r.num_computed_tokens`, preempting
+    the newest running request while the pool is short (with `may_preempt`). False when the
+    pool stays short or `r` itself was preempted (it is then waiting again). True for the
+    slotted layout."""
+    kvm = self.kv_cache
+    if kvm is None:
+      return True
+    while kvm.allocate_slots(r.request_id, n, num_computed_tokens=r.num_computed_tokens) is None:
+      if not may_preempt:
+        return False
+      victim = self.running[kvm.choose_victim(list(self.running))]
+      self._preempt(victim)
+      if victim is r:
+        return False
+    return True
+
+  def _preempt(self, r: Request) -> None:
+    """Frees a running request's blocks and requeues it at the front (vLLM's recompute
+    preemption): this plan's items for it are dropped; it later prefills prompt + output, and
+    its last prefill chunk samples its next token. A Cake merge is dropped (the request
+    recomputes instead of loading)."""
+    rid = r.request_id
+    self.kv_cache.preempt(rid)
+    decodes, prefills = self._planned
+    decodes[:] = [d for d in decodes if d.request_id != rid]
+    prefills[:] = [c for c in prefills if c.request_id != rid]
+    del self.running[rid]
+    bisect.insort(self._free_slots, r.slot)
+    r.slot = None
+    prefix = self._prefix.pop(rid, None)
+    if prefix is not None:
+      prefix.merge.cancel()
+    self._releases = [x for x in self._releases if x[0] != rid]
+    self._device_hit_tokens.pop(rid, None)
+    r.num_computed_tokens = 0
+    r.prefill_len = r.num_tokens if r.output_token_ids else None
+    r.status = RequestStatus.WAITING
+    self.waiting.appendleft(r)
+    self._preempted.append(rid)
 
   def _plan_inserts(self) -> tuple[InsertItem, ...]:
     """Landed chunks of requests that hold a slot: inserted this step (marked resident now)."""
@@ -445,13 +597,17 @@ class Scheduler:
     r.num_computed_tokens = m.frontier
     return budget
 
-  def _plan_chunks(self, r: Request, budget: int, out: list[PrefillChunk]) -> int:
-    """Appends as many chunks of `r` as the budget allows; returns the budget left."""
+  def _plan_chunks(self, r: Request, budget: int, out: list[PrefillChunk],
+                   may_preempt: bool = True) -> int:
+    """Appends as many chunks of `r` as the budget (and, paged, the pool) allows; returns the
+    budget left."""
     while n := chunk_tokens(r.remaining_prefill_tokens, budget, self._plan_sizes):
+      if not self._grow(r, n, may_preempt):
+        break
       start = r.num_computed_tokens
       r.num_computed_tokens += n
       budget -= n
-      is_last = r.num_computed_tokens == r.num_prompt_tokens
+      is_last = r.num_computed_tokens == r.num_prefill_tokens
       if is_last:
         r.status = RequestStatus.DECODING
       out.append(self._chunk(r, start, n, is_last))
@@ -463,7 +619,7 @@ class Scheduler:
     if self.consistent:
       roundtrip = tuple(range(start // c, (start + n) // c))  # chunks this step completes
     return PrefillChunk(r.request_id, r.slot, start, n, is_last,
-                        tuple(r.prompt_token_ids[start:start + n]), self._saves(r, start, n),
+                        tuple(r.token_ids(start, start + n)), self._saves(r, start, n),
                         roundtrip)
 
   def _saves(self, r: Request, start: int, n: int) -> tuple[SaveItem, ...]:
@@ -476,9 +632,12 @@ class Scheduler:
     prefix = self._prefix.get(r.request_id)
     end = start + n
     out = []
+    hit = self._device_hit_tokens.get(r.request_id, 0)
     for j in range(start // c, end // c):
       if (j + 1) * c > end or (j + 1) * c <= start:
         continue
+      if j * c < hit or (j + 1) * c > r.num_prompt_tokens:
+        continue  # part of it is a device hit (not in this request's pieces), or past the prompt
       if prefix is None or j >= len(prefix.stored.chunks):
         out.append(SaveItem(j))
       elif j in prefix.rejected:

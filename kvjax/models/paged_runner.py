@@ -1,0 +1,442 @@
+"""The JIT boundary of the paged KV layout: a model plus its block pool behind ONE jit'd step.
+
+Issue 11. The pool `[L, P, B, K, H]` (`kvjax.models.kv_cache.PagedKVCache`) is shared by every
+sequence; the scheduler's `KVCacheManager` owns which block belongs to whom and hands the engine
+plain block tables each step. A step runs every decode and every planned prefill chunk in one
+call (`Llama.ragged_step`): their tokens are flattened and padded to the smallest compiled token
+count (`token_buckets`), the sequences to a fixed count per bucket, so compiles stay few:
+
+    step([SeqChunk(tokens, start, block_ids), ...])   ->  StepOutput(logits per sequence,
+                                                                     pre-RoPE K and V per token)
+
+Stored chunks (a whole number of blocks, `kv_chunk_size % block_size == 0`) are written into
+their blocks by `insert_chunk` (raw) and `insert_payload` (any codec, `kv_codec.kv_decode`).
+Only the engine thread calls a runner (the pool is donated on every call).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.kernels import kv_codec
+from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_block_nbytes,
+                                   write_chunk_blocks)
+from kvjax.models.layers import apply_rope
+from kvjax.models.llama import Llama
+from kvjax.models.runner import DEFAULT_CHUNK_SIZES
+
+#: Default pool size on CPU, bytes (issue 11); accelerators use a fraction of free memory.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+#: Fraction of an accelerator's free memory the pool takes by default (vLLM's idea of
+#: `gpu_memory_utilization`, applied after the weights are loaded).
+DEFAULT_ACCELERATOR_MEMORY_FRACTION = 0.8
+#: Smallest compiled token count of a step.
+MIN_TOKEN_BUCKET = 8
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+  """Compiled token counts of a step: powers of two from `MIN_TOKEN_BUCKET`, and `max_tokens`.
+
+  Raises:
+    ValueError: `max_tokens` < 1.
+  """
+  if max_tokens < 1:
+    raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+  out, b = [], MIN_TOKEN_BUCKET
+  while b < max_tokens:
+    out.append(b)
+    b *= 2
+  out.append(max_tokens)
+  return tuple(out)
+
+
+def default_kv_cache_bytes() -> int:
+  """The pool size when none is given: 2 GiB on CPU, else 80% of the device's free memory.
+
+  Falls back to the CPU default when the device reports no memory statistics.
+  """
+  if jax.default_backend() == "cpu":
+    return DEFAULT_CPU_KV_CACHE_BYTES
+  stats = jax.devices()[0].memory_stats() or {}
+  limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+  if not limit:
+    return DEFAULT_CPU_KV_CACHE_BYTES
+  return int((limit - used) * DEFAULT_ACCELERATOR_MEMORY_FRACTION)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedRunnerConfig:
+  """Device-side sizes of the paged layout.
+
+  Attributes:
+    num_blocks: P, blocks in the pool.
+    block_size: B, tokens per block.
+    max_num_seqs: running sequences at most (decodes per step).
+    max_num_batched_tokens: tokens per step at most (decodes count one each).
+    max_seq_len: tokens per sequence; None means the model's context.
+    chunk_sizes: the scheduler's prefill chunk sizes, ascending (they bound how many chunks a
+      step can hold).
+    cache_dtype: pool dtype; None means the compute dtype.
+    attention_impl: `paged_attention` implementation; None picks the backend's (jnp reference
+      on CPU, Pallas kernels on GPU and TPU).
+  """
+
+  num_blocks: int
+  block_size: int = 16
+  max_num_seqs: int = 4
+  max_num_batched_tokens: int = 512
+  max_seq_len: int | None = None
+  chunk_sizes: tuple[int, ...] = DEFAULT_CHUNK_SIZES
+  cache_dtype: object = None
+  attention_impl: str | None = None
+
+  def __post_init__(self):
+    for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name}={v!r} must be a positive int")
+    if not self.chunk_sizes or list(self.chunk_sizes) != sorted(set(self.chunk_sizes)) or (
+        self.chunk_sizes[0] <= 0):
+      raise ValueError(f"chunk_sizes must be ascending positive ints, got {self.chunk_sizes}")
+
+  @property
+  def num_slots(self) -> int:
+    """Running sequences at most (the slotted config's name for the same cap)."""
+    return self.max_num_seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqChunk:
+  """One sequence's tokens in a step: `token_ids` at positions `[start, start + n)`.
+
+  Attributes:
+    token_ids: the tokens (1 for a decode).
+    start: position of the first.
+    block_ids: the sequence's block table, covering at least `start + n` positions.
+  """
+
+  token_ids: Sequence[int]
+  start: int
+  block_ids: Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+  """What one ragged step returns (device arrays).
+
+  Attributes:
+    logits_SV: f32[S, V] next-token logits at each sequence's last token, in input order.
+    k_pre_rope_LTKH: [L, T, K, H] keys BEFORE RoPE of the step's tokens, sequences in input
+      order (padding trimmed); `offsets[s]` is sequence s's first row.
+    v_LTKH: [L, T, K, H] values, same rows.
+    offsets: first row of each sequence in T.
+  """
+
+  logits_SV: jax.Array
+  k_pre_rope_LTKH: jax.Array
+  v_LTKH: jax.Array
+  offsets: tuple[int, ...]
+
+
+class PagedModelRunner:
+  """Holds the model state and the paged pool on the device; runs one ragged step.
+
+  Args:
+    model: the model.
+    config: pool and step sizes.
+
+  Raises:
+    ValueError: `max_seq_len` beyond the model's context.
+  """
+
+  kv_cache_layout = "paged"
+
+  def __init__(self, model: Llama, config: PagedRunnerConfig):
+    self.model_config = model.cfg
+    self.config = config
+    self.dtype = model.dtype
+    max_seq_len = config.max_seq_len or model.cfg.max_seq_len
+    if max_seq_len > model.cfg.max_seq_len:
+      raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's context "
+                       f"{model.cfg.max_seq_len}")
+    self.max_seq_len = max_seq_len
+    self.block_size = config.block_size
+    self.max_blocks_per_seq = -(-max_seq_len // config.block_size)
+    self.buckets = token_buckets(config.max_num_batched_tokens)
+    # A step holds each running decode plus the prefill chunks the budget allows: every chunk
+    # but a request's last is at least the smallest chunk size.
+    self.max_step_seqs = (2 * config.max_num_seqs
+                          + config.max_num_batched_tokens // config.chunk_sizes[0] + 1)
+    graphdef, self.state = nnx.split(model)
+    self._cache_dtype = config.cache_dtype or model.dtype
+    self.pool = init_paged_kv_cache(model.cfg, config.num_blocks, config.block_size,
+                                    self._cache_dtype)
+    impl = config.attention_impl
+
+    def step(state, pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows):
+      return nnx.merge(graphdef, state).ragged_step(
+          pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows,
+          attention_impl=impl)
+
+    self._step = jax.jit(step, donate_argnums=(1,))
+    self._inv_freq = model.inv_freq[...]
+    self.use_pallas_codecs = jax.default_backend() != "cpu"
+    use_pallas = self.use_pallas_codecs
+
+    def insert_raw(pool, kv_L2CKH, block_ids, start):
+      c = kv_L2CKH.shape[2]
+      positions_1C = (start + jnp.arange(c, dtype=jnp.int32))[None]
+      k_LCKH = apply_rope(kv_L2CKH[:, 0], positions_1C, self._inv_freq)
+      return write_chunk_blocks(pool, k_LCKH, kv_L2CKH[:, 1], block_ids)
+
+    def insert_payload(pool, payload, block_ids, cos_CH, sin_CH):
+      cfg = self.model_config
+      c = cos_CH.shape[0]
+      scratch = jnp.zeros((cfg.n_layers, 1, c, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
+      k, v = kv_codec.kv_decode(payload, scratch, scratch, 0, 0, cos_CH, sin_CH,
+                                use_pallas=use_pallas)
+      return write_chunk_blocks(pool, k[:, 0], v[:, 0], block_ids)
+
+    self._insert = jax.jit(insert_raw, donate_argnums=(0,))
+    self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,))
+    self._encoders: dict = {}
+    self._compiled: set[int] = set()
+
+  # ----------------------------------------------------------------------------- sizes
+  @property
+  def chunk_sizes(self) -> tuple[int, ...]:
+    return self.config.chunk_sizes
+
+  @property
+  def max_chunk_size(self) -> int:
+    return self.config.chunk_sizes[-1]
+
+  @property
+  def num_blocks(self) -> int:
+    return self.config.num_blocks
+
+  @property
+  def kv_dtype(self):
+    return jnp.dtype(self._cache_dtype)
+
+  @staticmethod
+  def blocks_for_bytes(model_config, block_size: int, nbytes: int, dtype) -> int:
+    """Pool blocks that fit in `nbytes` (K and V of every layer), at least 1."""
+    return max(1, int(nbytes) // paged_block_nbytes(model_config, block_size, dtype))
+
+  def bucket_for(self, num_tokens: int) -> int:
+    """Smallest compiled token count holding `num_tokens`.
+
+    Raises:
+      ValueError: `num_tokens` outside [1, max_num_batched_tokens].
+    """
+    if not 1 <= num_tokens <= self.buckets[-1]:
+      raise ValueError(f"a step of {num_tokens} tokens; compiled sizes go from 1 to "
+                       f"{self.buckets[-1]} (max_num_batched_tokens)")
+    return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+  def is_compiled(self, num_tokens: int) -> bool:
+    """Whether a step of `num_tokens` tokens runs an already compiled program."""
+    return self.bucket_for(num_tokens) in self._compiled
+
+  # ----------------------------------------------------------------------------- compute
+  def step(self, seqs: Sequence[SeqChunk]) -> StepOutput:
+    """Runs every sequence's tokens in one jit call; writes their K/V into their blocks.
+
+    A sequence may appear more than once (two chunks of one prompt); a later entry sees the
+    earlier entries' tokens, since every layer writes all tokens before attending.
+
+    Args:
+      seqs: the step's sequences, decodes and prefill chunks, at least one.
+
+    Returns:
+      `StepOutput` (device arrays, padding trimmed). The runner keeps the updated pool.
+
+    Raises:
+      ValueError: no sequences, too many tokens or sequences for the compiled sizes, or a block
+        table that does not cover a sequence's positions.
+    """
+    if not seqs:
+      raise ValueError("a step needs at least one sequence")
+    b = self.block_size
+    n_tokens = sum(len(s.token_ids) for s in seqs)
+    t = self.bucket_for(n_tokens)
+    s_max = min(t, self.max_step_seqs)
+    if len(seqs) > s_max:
+      raise ValueError(f"{len(seqs)} sequences in a step of {t} tokens; at most {s_max}")
+    m = self.max_blocks_per_seq
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slots = np.full(t, -1, np.int32)
+    tables = np.zeros((s_max, m), np.int32)
+    lens = np.zeros(s_max, np.int32)
+    qsl = np.zeros(s_max + 1, np.int32)
+    rows = np.zeros(s_max, np.int32)
+    offsets = []
+    o = 0
+    for i, s in enumerate(seqs):
+      n = len(s.token_ids)
+      end = s.start + n
+      ids = np.asarray(s.block_ids, np.int32)
+      if n < 1 or s.start < 0 or end > self.max_seq_len or -(-end // b) > len(ids):
+        raise ValueError(f"sequence {i}: positions [{s.start}, {end}) with {len(ids)} blocks of "
+                         f"{b} (max_seq_len {self.max_seq_len})")
+      pos = np.arange(s.start, end, dtype=np.int32)
+      tokens[o:o + n] = s.token_ids
+      positions[o:o + n] = pos
+      slots[o:o + n] = ids[pos // b] * b + pos % b
+      tables[i, :len(ids)] = ids
+      lens[i] = end
+      offsets.append(o)
+      o += n
+      qsl[i + 1] = o
+      rows[i] = o - 1
+    qsl[len(seqs) + 1:] = o
+    logits, self.pool, k_pre, v = self._step(
+        self.state, self.pool, tokens, positions, slots, tables, lens, qsl,
+        np.int32(len(seqs)), rows)
+    self._compiled.add(t)
+    return StepOutput(logits_SV=logits[:len(seqs)], k_pre_rope_LTKH=k_pre[:, :n_tokens],
+                      v_LTKH=v[:, :n_tokens], offsets=tuple(offsets))
+
+  def _check_chunk(self, c: int, block_ids: Sequence[int], start: int) -> np.ndarray:
+    b = self.block_size
+    ids = np.asarray(block_ids, np.int32)
+    if c % b or start % b or len(ids) != c // b or start + c > self.max_seq_len or (
+        np.any((ids < 0) | (ids >= self.num_blocks))):
+      raise ValueError(f"a chunk of {c} tokens at position {start} needs {c // b} whole blocks "
+                       f"of {b} inside the pool of {self.num_blocks}, got {ids.tolist()}")
+    return ids
+
+  def insert_chunk(self, kv_L2CKH, block_ids: Sequence[int], start: int) -> None:
+    """Writes a stored chunk (K before RoPE, and V) into its blocks, rotating K to positions
+    `[start, start + C)`.
+
+    Args:
+      kv_L2CKH: [L, 2, C, K, H] host or device array, any float dtype; C a multiple of B.
+      block_ids: the C / B blocks holding those positions, in order.
+      start: position of the chunk's first token, a multiple of B.
+
+    Raises:
+      ValueError: a shape that does not match the model, or blocks that do not fit the chunk.
+    """
+    cfg = self.model_config
+    want = (cfg.n_layers, 2, kv_L2CKH.shape[2], cfg.n_kv_heads, cfg.head_dim)
+    if tuple(kv_L2CKH.shape) != want:
+      raise ValueError(f"chunk of shape {tuple(kv_L2CKH.shape)}, model wants {want}")
+    ids = self._check_chunk(kv_L2CKH.shape[2], block_ids, start)
+    self.pool = self._insert(self.pool, kv_L2CKH, ids, np.int32(start))
+
+  def insert_payload(self, codec: str, arrays, block_ids: Sequence[int], start: int) -> None:
+    """Decodes a stored chunk's payload (`kv_codec.kv_decode`: dequantize, RoPE K at
+    `[start, start + C)`) and writes it into its blocks, in one jit'd call.
+
+    Args:
+      codec: "raw", "int8", "int4" or "cachegen".
+      arrays: the payload's arrays by name (`kv_codec.payload_from_arrays`).
+      block_ids: the C / B blocks of the chunk, in order.
+      start: position of the chunk's first token, a multiple of B.
+
+    Raises:
+      ValueError: a payload that does not match the model, or blocks that do not fit it.
+    """
+    payload = kv_codec.payload_from_arrays(codec, arrays)
+    n_layers, c, n_kv_heads, head_dim = kv_codec.validate_payload(payload)
+    cfg = self.model_config
+    if (n_layers, n_kv_heads, head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
+      raise ValueError(f"payload for L={n_layers}, K={n_kv_heads}, H={head_dim}; the model has "
+                       f"L={cfg.n_layers}, K={cfg.n_kv_heads}, H={cfg.head_dim}")
+    ids = self._check_chunk(c, block_ids, start)
+    angles = (start + np.arange(c, dtype=np.float32))[:, None] * np.asarray(self._inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)  # [C, H], HF rotate_half layout
+    self.pool = self._insert_payload(self.pool, payload, ids, np.cos(angles), np.sin(angles))
+
+  def read_blocks(self, block_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """The K (after RoPE) and V of some blocks: ([L, n * B, K, H], [L, n * B, K, H]) (tests)."""
+    ids = np.asarray(block_ids, np.int32)
+    l_, _, b, k_, h_ = self.pool.k_LPBKH.shape
+    return (self.pool.k_LPBKH[:, ids].reshape(l_, len(ids) * b, k_, h_),
+            self.pool.v_LPBKH[:, ids].reshape(l_, len(ids) * b, k_, h_))
+
+  def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...]) -> list:
+    """Quantizes one device chunk at every level in one jit'd call (as `ModelRunner`'s).
+
+    Returns:
+      [(codec, level, {name: device array}, finite flag)] per level.
+    """
+    key = (codec, tuple(levels))
+    fn = self._encoders.get(key)
+    if fn is None:
+      use_pallas = self.use_pallas_codecs
+
+      def encode_all(kv):
+        out = []
+        for level in levels:
+          payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
+          out.append((payload._asdict(), finite))
+        return out
+
+      fn = self._encoders[key] = jax.jit(encode_all)
+    return [(codec, level, arrays, finite)
+            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH))]
+
+  # ----------------------------------------------------------------------------- lifetime
+  def reset(self) -> None:
+    """Zeroes the pool, keeping the compiled programs (the scheduler must forget its blocks)."""
+    self.pool = init_paged_kv_cache(self.model_config, self.config.num_blocks,
+                                    self.block_size, self._cache_dtype)
+
+  def block_until_ready(self) -> None:
+    jax.block_until_ready(self.pool)
+
+  def cache_ok(self) -> bool:
+    """The pool's buffers are alive (a failed donated call can leave them deleted)."""
+    return not self.pool.k_LPBKH.is_deleted()
+
+  def close(self) -> None:
+    """Frees the parameters and the pool on the device; the runner is unusable afterwards."""
+    for leaf in jax.tree_util.tree_leaves((self.state, self.pool)):
+      if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+        leaf.delete()
+
+  def warmup(self) -> None:
+    """Compiles every token bucket of the step. Writes nothing (every slot is padding)."""
+    for t in self.buckets:
+      # No real sequence (num_seqs = 0, every slot -1): compiles the bucket, writes nothing.
+      s_max = min(t, self.max_step_seqs)
+      logits, self.pool, _, _ = self._step(
+          self.state, self.pool, np.zeros(t, np.int32), np.zeros(t, np.int32),
+          np.full(t, -1, np.int32), np.zeros((s_max, self.max_blocks_per_seq), np.int32),
+          np.zeros(s_max, np.int32), np.zeros(s_max + 1, np.int32), np.int32(0),
+          np.zeros(s_max, np.int32))
+      jax.block_until_ready(logits)
+      self._compiled.add(t)
+
+
+def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: int | None,
+                       max_num_seqs: int, max_num_batched_tokens: int,
+                       max_seq_len: int | None, chunk_sizes: tuple[int, ...]
+                       ) -> PagedModelRunner:
+  """A `PagedModelRunner` whose pool fills `kv_cache_memory_bytes` (default
+  `default_kv_cache_bytes()`) in the model's dtype: `bytes // (2 * L * B * K * H * itemsize)`
+  blocks, at least one. A request that can never fit is refused at admission.
+
+  Raises:
+    ValueError: a non-positive size.
+  """
+  for name, v in (("block_size", block_size), ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+      raise ValueError(f"{name}={v!r} must be a positive int")
+  nbytes = default_kv_cache_bytes() if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+  num_blocks = PagedModelRunner.blocks_for_bytes(model.cfg, block_size, nbytes, model.dtype)
+  return PagedModelRunner(model, PagedRunnerConfig(
+      num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+      max_num_batched_tokens=max_num_batched_tokens, max_seq_len=max_seq_len,
+      chunk_sizes=tuple(chunk_sizes)))

@@ -1,0 +1,181 @@
+"""The paged KV layout (issue 11) on the tiny model: equal to the slotted engine, device prefix
+hits, store hits and cold runs agree, no block leaks through aborts and preemptions, shared
+blocks are never written."""
+
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+from kvjax import LLM, SamplingParams
+from kvjax.models.kv_cache import PagedKVCache, paged_block_nbytes
+from kvjax.models.registry import load_model
+
+B, C = 16, 32
+CHUNKS = (16, 32, 64)
+TINY = load_model("tiny")
+BLOCK_NBYTES = paged_block_nbytes(TINY.config, B, jnp.float32)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5)
+PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(0, 256, n)]
+           for i, n in enumerate((5, 40, 130))]
+
+
+def paged(num_blocks=256, **kw):
+  kw.setdefault("max_num_seqs", 4)
+  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, kv_cache_layout="paged", block_size=B,
+             kv_cache_memory_bytes=num_blocks * BLOCK_NBYTES, **kw)
+
+
+def ids(prompts):
+  return [{"prompt_token_ids": p} for p in prompts]
+
+
+class PagedEngineTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.slotted = LLM("tiny", cache_dir="", max_num_seqs=4, chunk_sizes=CHUNKS)
+
+  def want(self, prompts, params=GREEDY):
+    return self.slotted.generate(ids(prompts), params)
+
+  def assert_same(self, got, want):
+    self.assertEqual([o.token_ids for o in got], [o.token_ids for o in want])
+    for g, w in zip(got, want):
+      if w.logprobs:
+        self.assertEqual(set(g.logprobs[0]), set(w.logprobs[0]))
+        for k, v in w.logprobs[0].items():
+          self.assertAlmostEqual(g.logprobs[0][k], v, delta=1e-4)
+
+  def test_equals_slotted_alone_and_batched(self):
+    want = self.want(PROMPTS)
+    for seqs in (1, 2, 4):
+      llm = paged(max_num_seqs=seqs, enable_prefix_caching=False)
+      self.assertEqual(llm.engine.kv_cache_layout, "paged")
+      got = llm.generate(ids(PROMPTS), GREEDY)
+      self.assert_same(got, want)
+      for o, p in zip(got, PROMPTS):
+        self.assertEqual((o.num_cached_tokens, o.metrics.num_computed_tokens), (0, len(p)))
+      stats = llm.engine.stats().kv_cache
+      self.assertEqual(stats.num_free_blocks, stats.num_blocks)
+      self.assertEqual(stats.num_cached_blocks, 0)
+      llm.close()
+
+  def test_device_store_and_cold_agree_at_block_and_chunk_edges(self):
+    lengths = (1, B - 1, B, B + 1, C - 1, C, C + 1, 3 * C + 17)
+    prompts = [[int(t) for t in np.random.default_rng(100 + n).integers(0, 256, n)]
+               for n in lengths]
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3)
+    want = self.want(prompts, params)
+    llm = paged(kv_store="memory://", kv_chunk_size=C)
+    cold = [llm.generate(ids([p]), params)[0] for p in prompts]
+    self.assert_same(cold, want)
+    self.assertEqual([o.num_cached_tokens for o in cold], [0] * len(lengths))
+    llm.flush()
+    device = [llm.generate(ids([p]), params)[0] for p in prompts]
+    self.assert_same(device, want)
+    for o, n in zip(device, lengths):
+      hit = (n - 1) // B * B
+      if n - 1 >= C:  # the store holds chunks too: the merge starts after device chunks
+        hit = (n - 1) // C * C
+      self.assertEqual(o.metrics.num_device_cached_tokens, hit, n)
+      self.assertEqual(o.num_cached_tokens, hit, n)
+      self.assertEqual(o.metrics.loaded_from_tiers, ["device"] if hit else [], n)
+      self.assertEqual(o.metrics.num_computed_tokens, n - hit, n)
+    self.assertGreater(llm.reset_prefix_cache(), 0)
+    store = [llm.generate(ids([p]), params)[0] for p in prompts]
+    self.assert_same(store, want)
+    for o, n in zip(store, lengths):
+      self.assertEqual(o.metrics.num_device_cached_tokens, 0)
+      self.assertEqual(o.metrics.num_loaded_tokens + o.metrics.num_computed_tokens, n)
+      self.assertNotIn("device", o.metrics.loaded_from_tiers)
+    self.assertGreater(store[-1].metrics.num_loaded_tokens, 0)
+    llm.close()
+
+  def test_cache_salt_isolates_device_hits(self):
+    llm = paged()
+    p = PROMPTS[2]
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    first = llm.generate({"prompt_token_ids": p, "cache_salt": "a"}, params)[0]
+    other = llm.generate({"prompt_token_ids": p, "cache_salt": "b"}, params)[0]
+    again = llm.generate({"prompt_token_ids": p, "cache_salt": "a"}, params)[0]
+    self.assertEqual((first.num_cached_tokens, other.num_cached_tokens), (0, 0))
+    self.assertEqual(again.num_cached_tokens, (len(p) - 1) // B * B)
+    self.assertEqual(first.token_ids, again.token_ids)
+    self.assertEqual(first.token_ids, other.token_ids)
+
+  def test_request_that_can_never_fit_is_refused(self):
+    llm = paged(num_blocks=8)  # 128 tokens
+    with self.assertRaisesRegex(ValueError, "needs 9 KV blocks"):
+      llm.generate(ids([[1] * 120]), SamplingParams(max_tokens=10))
+    self.assertEqual(len(llm.generate(ids([[1] * 100]), SamplingParams(max_tokens=10))[0]
+                         .token_ids), 10)
+
+  def test_shared_blocks_are_never_written(self):
+    llm = paged(num_blocks=64)
+    tables = {}
+    llm.engine.add_step_observer(lambda rec: tables.update(rec.plan.block_tables))
+    rng = np.random.default_rng(7)
+    a = [int(t) for t in rng.integers(0, 256, 70)]
+    out_a = llm.generate(ids([a]), GREEDY)[0]
+    shared = list(tables[out_a.request_id][:4])  # positions [0, 64): full, indexed blocks
+    runner = llm.engine.runner
+    k0, v0 = (np.asarray(x) for x in runner.read_blocks(shared))
+    poison = np.setdiff1d(np.arange(runner.num_blocks), shared)  # every other block: NaN
+    pool = runner.pool
+    runner.pool = PagedKVCache(pool.k_LPBKH.at[:, poison].set(jnp.nan),
+                               pool.v_LPBKH.at[:, poison].set(jnp.nan))
+    b = a[:64] + [int(t) for t in rng.integers(0, 256, 20)]
+    c = a[:64] + [int(t) for t in rng.integers(0, 256, 9)]
+    got = llm.generate(ids([b, c, a]), GREEDY)
+    self.assert_same(got, self.want([b, c, a]))
+    self.assertEqual([o.num_cached_tokens for o in got], [64, 64, 64])
+    for o in got:
+      self.assertEqual(tuple(tables[o.request_id][:4]), tuple(shared))
+    k1, v1 = (np.asarray(x) for x in runner.read_blocks(shared))
+    np.testing.assert_array_equal(k1, k0)
+    np.testing.assert_array_equal(v1, v0)
+
+  def test_mixed_requests_with_aborts_and_preemptions_leak_no_block(self):
+    llm = paged(num_blocks=24, max_num_seqs=8)  # 384 tokens for 8 sequences: preemptions
+    eng = llm.engine
+    rng = np.random.default_rng(3)
+    bases = [[int(t) for t in rng.integers(0, 256, 48)] for _ in range(4)]
+    prompts, params = [], []
+    for i in range(100):
+      n = int(rng.integers(1, 90))
+      p = (bases[i % 4] + [int(t) for t in rng.integers(0, 256, n)])[:n] if i % 3 else [
+          int(t) for t in rng.integers(0, 256, n)]
+      prompts.append(p)
+      params.append(SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=0.0))
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:60], params[:60])]
+    done, aborted, steps = {}, set(), 0
+    while eng.has_unfinished_requests() or len(rids) < 100:
+      steps += 1
+      if len(rids) < 100 and steps % 3 == 0:
+        rids += [eng.add_request(p, sp) for p, sp in
+                 zip(prompts[len(rids):len(rids) + 8], params[len(rids):len(rids) + 8])]
+      if steps % 7 == 0:
+        victim = rids[int(rng.integers(0, len(rids)))]
+        if victim not in done and victim not in aborted:
+          eng.abort_request(victim)
+          aborted.add(victim)
+      for o in eng.step():
+        if o.finished:
+          done[o.request_id] = o
+      self.assertLess(steps, 5000)
+    stats = eng.stats().kv_cache
+    self.assertGreater(stats.preemptions, 0)
+    self.assertGreater(len(aborted), 3)
+    self.assertEqual(len(done) + len(aborted), 100)
+    self.assertEqual(stats.num_free_blocks, stats.num_blocks)  # every block free or cached
+    self.assertGreater(stats.num_cached_blocks, 0)
+    self.assertEqual(stats.usage, 0.0)
+    eng._scheduler.kv_cache.pool.verify()
+    finished = [(i, done[r]) for i, r in enumerate(rids) if r in done]
+    want = self.want([prompts[i] for i, _ in finished], [params[i] for i, _ in finished])
+    self.assertEqual([o.token_ids for _, o in finished], [w.token_ids for w in want])
+
+
+if __name__ == "__main__":
+  absltest.main()
