@@ -11,7 +11,7 @@ import os
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import LLM, SamplingParams, codecs
 
 C = 16
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
@@ -113,7 +113,8 @@ class CakeEngineTest(parameterized.TestCase):
     out = llm.generate({"prompt_token_ids": PROMPT[:n]}, PARAMS)[0]
     self.assertEqual(out.num_cached_tokens, 4 * C)
     levels = set(out.metrics.merge.levels.values())
-    self.assertEqual(levels, {f"{codec}/0"})  # no deadline: the most accurate level
+    # The one level stored by default (kvjax.codecs.DEFAULT_LEVELS) is the one loaded.
+    self.assertEqual(levels, {f"{codec}/{codecs.DEFAULT_LEVELS[codec]}"})
     want = self.cold[n]
     if codec == "raw":
       self.assert_equals_cold(out, n)  # lossless: identical to a cold run
