@@ -31,8 +31,9 @@ Rules (DESIGN.md section 3):
     steps shrink as the sides close in, and compute idles when loads finish everything first.
     Compute waits on a predicted landing only once the link's rate is known
     (`CostModel.load_rate_known`); before that it waits for the first landing at most one
-    compute step. A load that overstays `late_factor` times its predicted
-    latency stops holding compute back, and so do chunks not yet issued while any load is late.
+    compute step. A load that overstays both `late_factor` times its predicted latency and its
+    chunk's compute time past its predicted landing (ski rental: waiting longer than computing
+    would take never pays) stops holding compute back, and so do chunks queued behind it.
   * Compute steps are compiled sizes, aligned to store chunks: a step that crosses a chunk
     boundary inside the prefix ends on one. After the prefix, the suffix is ordinary chunked
     prefill; the step covering the last prompt token is the last.
@@ -626,14 +627,23 @@ class CakeMerge:
   def _late_at_s(self, cost: CostModel) -> dict[int, float]:
     """When each in-flight load turns late: `late_factor` times its latency as the current
     model predicts it (link in issue order, busy until the last landing), counted from when the
-    link would start it (a load queued behind others is not late for waiting its turn)."""
+    link would start it (a load queued behind others is not late for waiting its turn), and at
+    least the compute time of its chunk after its predicted landing.
+
+    The second bound is the ski-rental rule: giving up on a load costs computing its chunk, so
+    compute waits for an overdue load as long as that computation would take, never more (at
+    most twice the better choice in hindsight). A per-chunk latency of milliseconds against
+    compute steps of a second must not make jitter of a millisecond hand a chunk to compute.
+    """
     out = {}
     xfer_end, dec_end = self._last_landing_s, -math.inf
+    c = self.chunk_size
     for j, ld in self._in_flight.items():
       xfer_start = max(ld.issue_s, xfer_end)
       xfer_end = xfer_start + cost.transfer_s_per_byte * ld.nbytes
       dec_end = max(xfer_end, dec_end) + cost.decode_s_per_byte * ld.nbytes
-      out[j] = xfer_start + self.late_factor * (dec_end - xfer_start)
+      grace_s = cost.predict_compute_s(j * c, c) / self._share
+      out[j] = max(xfer_start + self.late_factor * (dec_end - xfer_start), dec_end + grace_s)
     return out
 
   def _landings(self, now_s: float, cost: CostModel) -> tuple[dict[int, float], dict[int, float]]:

@@ -659,6 +659,9 @@ class Scheduler:
       this step (for their outputs' metrics).
     """
     cost = self.cost_model
+    # The link is observed once per step, bytes over the step's link seconds (the reports' link
+    # times do not overlap): per-chunk samples of a fast link are milliseconds of jitter.
+    link_bytes, link_s = 0, 0.0
     for rep in result.loads:
       prefix = self._prefix.get(rep.request_id)
       if prefix is None or rep.index not in prefix.outstanding:
@@ -668,8 +671,8 @@ class Scheduler:
         prefix.merge.load_dropped(rep.index, rep.done_s or result.now_s)
         continue
       if rep.ok:
-        if rep.link_s > 0:
-          cost.observe_load(rep.nbytes, rep.link_s)
+        link_bytes += rep.nbytes
+        link_s += rep.link_s
         cost.observe_decode(rep.nbytes, rep.decode_s)
       verdict = prefix.merge.load_done(rep.index, rep.ok, rep.nbytes,
                                        rep.done_s or result.now_s, level=rep.encoding)
@@ -677,6 +680,8 @@ class Scheduler:
         prefix.rejected.add(rep.index)
       elif verdict is LoadVerdict.WASTED and rep.ok:
         self._releases.append((rep.request_id, rep.index))
+    if link_bytes > 0 and link_s > 0:
+      cost.observe_load(link_bytes, link_s)
     for t in result.compute:
       if not t.includes_compile:
         cost.observe_compute(t.start, t.num_tokens, t.seconds)

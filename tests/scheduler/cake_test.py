@@ -81,12 +81,13 @@ class CakeMergeTest(parameterized.TestCase):
     self.assertIsNone(m.next_load(0.0, cost))    # one load in flight at most
     # Chunk 0's load would land at 1.5, after compute finishes it at 1.0: compute takes it.
     self.assertEqual(steps(m, 16, 0.0, (16,), cost), [(0, 16)])
-    # Chunk 1 is overdue but within its grace (2 x 0.75 s): compute waits.
+    # Chunk 1 is overdue but within its grace: its compute time (1 s) after its predicted landing
+    # (0.75 s), which exceeds 2 x 0.75 s (the ski-rental rule): compute waits.
     self.assertEqual(steps(m, 16, 1.0, (16,), cost), [])
-    self.assertEqual(m.recheck_s(1.0, cost), 1.5)
-    self.assertEqual(steps(m, 16, 1.4, (16,), cost), [])
-    self.assertEqual(steps(m, 16, 1.5, (16,), cost), [(16, 16)])
-    self.assertEqual(steps(m, 16, 2.5, (16,), cost), [(32, 1)])
+    self.assertEqual(m.recheck_s(1.0, cost), 1.75)
+    self.assertEqual(steps(m, 16, 1.5, (16,), cost), [])
+    self.assertEqual(steps(m, 16, 1.75, (16,), cost), [(16, 16)])
+    self.assertEqual(steps(m, 16, 2.75, (16,), cost), [(32, 1)])
     self.assertIs(m.load_done(1, True, 3, 3.0), LoadVerdict.WASTED)
     self.assertEqual((m.trace.chunks_wasted, m.trace.wasted_bytes), ([1], 3))
     self.assertEqual(m.chunk_writers(), "CC")
