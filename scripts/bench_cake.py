@@ -11,14 +11,27 @@ link emulated by the store's own `LinkLimiter`.
     .venv/bin/python scripts/bench_cake.py --lengths 2048,4096 --shares 100 --ratios 1/2,1,2
 
 How each number is made:
-  * Modes. One engine; before each run the script sets `engine.merge_mode` ("compute_only",
-    "load_only", "cake") and re-arms the link in place with `LinkLimiter.reset(rate)` (a trace
-    is re-armed at the request's arrival, so it lines up with the request). Building a fresh
-    `LLM` per bandwidth would cost a model load and a compile per cell. The cost model is the
-    engine's own and stays warm across runs (a server that has been running).
-  * Warm-up. Every compiled prefill size and the decode step (`ModelRunner.warmup`), the store
-    run (the longest prompt computed once and saved, then flushed), and one load-only run on an
-    unlimited link (the insert/decode path) run before anything is timed.
+  * Modes. One engine; each run's long request carries its merge mode
+    (`Engine.add_request(..., merge_mode=...)`: "compute_only", "load_only", "cake"), and the
+    script re-arms the link in place with `LinkLimiter.reset(rate)` (a trace is re-armed at the
+    request's arrival, so it lines up with the request). Building a fresh `LLM` per bandwidth
+    would cost a model load and a compile per cell. The cost model is the engine's own and stays
+    warm across runs (a server that has been running).
+  * Timing: the engine's step records, nothing wrapped. `Engine.add_step_observer` gets one
+    `StepRecord` per step: the scheduler's plan (`SchedulerOutput`), the executor's `StepResult`
+    and the loop's own timing. Prefill calls are `StepResult.compute` (`ComputeTiming`: start,
+    tokens, measured seconds with the device work, request id), insertions `StepResult.inserts`
+    (`InsertTiming`; the bench sets `Engine.timed_inserts` so they include the device work),
+    landings `StepResult.loads` (`LoadReport`: start, landing, bytes, ok), planner time
+    `StepRecord.planner_s`; the lookup is `RequestMetrics.lookup_s`. The engine clock is
+    `time.perf_counter`, so all of them share the request's arrival as time origin. Each
+    `LLM`'s last `Engine.stats()` (loop, loader, saver accounting) is in the JSON's
+    `engine_stats`.
+  * Warm-up. `LLM(...)` compiles every prefill size, the decode step, the insert and the encode
+    at construction (`compile_on_init`; `warmup.compile_s` is that construction, model load
+    included); then the store run (the longest prompt computed once and saved, then flushed),
+    and one load-only run on an unlimited link (the insert/decode path) run before anything is
+    timed.
   * Compute share. A step's token budget is 512. At share s the long request gets s * 512
     tokens of each step: before every step the script submits real ShareGPT prompts whose
     lengths add up to exactly (1 - s) * 512 tokens (pieces of compiled sizes, each request under
@@ -35,11 +48,11 @@ How each number is made:
     all three modes, interleaved. TTFTs are medians over repetitions; the ideal bound uses the
     fastest compute-only run. Other work on the machine shows in each run's `cpu_cores` (this
     process's CPU seconds per wall second) and load average, both in the JSON.
-  * Loader depth. The engine issues new loads only between steps, so while a multi-second CPU
-    step runs the link idles once the loads in flight have landed. With LLM's default
-    kv_max_loads_in_flight=2 a 2K prompt at B* x 4 landed 6 chunks in 5.7 s against 4.1 s for
-    load-only (link busy 71% of the time; 4K at B* x 4: 76%). The benchmark runs with 8 loads in
-    flight (--max_loads_in_flight), deep enough to cover one step at these bandwidths.
+  * Loader depth. The default (--max_loads_in_flight unset: LLM's kv_max_loads_in_flight=None):
+    the scheduler queues each merge's loads ahead by the link's bandwidth-delay product over a
+    step and the store client starts the next the moment one lands, so a multi-second CPU step
+    no longer idles the link. (Before the one-loop engine, loads started only between steps and
+    this bench ran with 8 in flight.)
   * Censoring. A load-only run that passes --load_only_cap x the compute-only TTFT is stopped:
     its TTFT is reported as a lower bound (`ttft_load_only_s` null, `ttft_load_only_min_s`),
     which never changes the better baseline (compute-only is already faster there). This is
@@ -53,14 +66,23 @@ How each number is made:
   * Compute slowdown under loads: each prefill call of the long request is divided by a least
     squares fit t = a + b n + c n m to the compute-only run's calls; calls during which a load
     was in flight are compared with calls during which none was.
-  * Planner overhead: seconds in `Scheduler.schedule` and in all `CakeMerge` calls per engine
-    step of the kvjax runs (Cake section 5.8).
+  * Planner overhead: `StepRecord.planner_s`, seconds in `Scheduler.schedule` plus
+    `Scheduler.update` (all `CakeMerge` calls happen inside them) per engine step of the kvjax
+    runs (Cake section 5.8).
   * Fluctuation: random link traces (kv_link_trace format, written to --out) and a random
     compute-share trace (changed between steps). Adaptive burst: one long request with a stored
     prefix plus 22 ShareGPT requests of 32-448 tokens arriving together; time until all finish.
 
 Writes <out>/cake.json (`{"cells": [...], ...}`), <out>/cake.png (speedup heatmap in the shape
 of Cake's Table 3, and kvjax/ideal) and prints the tables.
+
+What changed with the one-loop engine (the JSON keys are otherwise those of earlier results):
+the script used to wrap about a dozen engine, runner, store and `CakeMerge` methods to time
+them; it now only reads the step records. `planner_overhead` has `planner_ms_mean/p50/p99/max`
+(schedule plus update) in place of the separate `schedule_ms_*` and `cakemerge_ms_*`; each run's
+`steps` are (t0, t1, planner_s); `settings.max_loads_in_flight` is null (derived) by default;
+`warmup.compile_s` is the `LLM(...)` construction; `engine_stats` is new. `--report` reads files
+of either shape.
 """
 
 from __future__ import annotations
@@ -74,6 +96,7 @@ import pathlib
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -83,6 +106,7 @@ from absl import app, flags, logging
 from benchlib import git_sha, machine  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's kvjax, not another one an editable install names
 # ../shared/data from the project root (a worktree one level deeper finds it one further up).
 DATA = next((d for d in (REPO.parent / "shared" / "data", REPO.parent.parent / "shared" / "data")
              if d.is_dir()), REPO.parent / "shared" / "data")
@@ -124,9 +148,9 @@ _BURST_MAX_TOKENS = flags.DEFINE_integer("burst_max_tokens", 8, "Output tokens p
 _BUDGET = flags.DEFINE_integer("budget", 512, "Token budget per engine step.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 256, "Tokens per stored chunk.")
 _IN_FLIGHT = flags.DEFINE_integer(
-    "max_loads_in_flight", 8, "LLM(kv_max_loads_in_flight): loads in flight per request. The "
-    "engine issues loads only between steps, so with LLM's default of 2 the link idles while a "
-    "multi-second CPU step runs (see the module docstring); 8 keeps it busy.")
+    "max_loads_in_flight", None, "LLM(kv_max_loads_in_flight): loads issued ahead per request "
+    "(and its reads at once). Default None: the engine derives them from the link's "
+    "bandwidth-delay product and the store client refills them as they land.")
 _COMPUTE_REPS = flags.DEFINE_integer("compute_reps", 2, "Compute-only runs per block (one before "
                                      "the bandwidth sweep, the rest after it).")
 _PROMPT_FILE = flags.DEFINE_string(
@@ -152,116 +176,41 @@ def fraction(text: str) -> float:
   return float(num) / float(den or 1)
 
 
-# ----------------------------------------------------------------------------- instrumentation
+# ----------------------------------------------------------------------------- the step stream
 @dataclasses.dataclass
 class Recorder:
-  """What the wrapped engine parts saw during one run (perf_counter seconds)."""
+  """What the engine's step records said during one run (perf_counter seconds, the engine clock).
 
-  prefills: list = dataclasses.field(default_factory=list)   # (slot, start, n, t0, t1)
-  inserts: list = dataclasses.field(default_factory=list)    # (t0, t1)
-  landings: list = dataclasses.field(default_factory=list)   # (rid, index, start, done, nbytes, ok)
-  lookups: list = dataclasses.field(default_factory=list)    # seconds
-  steps: list = dataclasses.field(default_factory=list)      # (t0, t1, schedule_s, merge_s)
-  schedule_s: float = 0.0   # in the current step
-  merge_s: float = 0.0      # in the current step
-
-
-class Instruments:
-  """Wraps the engine's runner, store client and scheduler of one LLM to time their calls.
-
-  Instance attributes are replaced (never the library's code): `runner.prefill_chunk` blocks on
-  its logits (the engine does so right after anyway), `runner.insert_chunk/insert_payload` block
-  on the cache (the next prefill would wait for it), `kv_store.lookup/landed`,
-  `scheduler.schedule` and `engine.step` are timed. `CakeMerge`'s methods are timed through a
-  class-level wrapper installed once.
+  `observe` is registered with `Engine.add_step_observer`: after every step it gets the step's
+  `StepRecord` (the scheduler's plan, the executor's `StepResult`, the loop's timing) and keeps
+  the plain numbers below. Nothing of the engine is wrapped or replaced.
   """
 
-  _merge_patched = False
-  current: "Instruments | None" = None
+  prefills: list = dataclasses.field(default_factory=list)   # (rid, start, n, t0, t1)
+  inserts: list = dataclasses.field(default_factory=list)    # (rid, index, t0, t1)
+  landings: list = dataclasses.field(default_factory=list)   # (rid, index, start, done, nbytes, ok)
+  steps: list = dataclasses.field(default_factory=list)      # (t0, t1, planner_s)
 
-  def __init__(self, llm):
-    import jax  # noqa: PLC0415
-    self.rec = Recorder()
-    eng, runner, store = llm.engine, llm.engine.runner, llm.kv_store
-    pc = time.perf_counter
+  def clear(self) -> None:
+    for f in dataclasses.fields(self):
+      getattr(self, f.name).clear()
 
-    def wrap_prefill(orig):
-      def prefill_chunk(token_ids, slot, start, **kw):
-        t0 = pc()
-        out = orig(token_ids, slot, start, **kw)
-        out.logits.block_until_ready()
-        self.rec.prefills.append((slot, start, len(token_ids), t0, pc()))
-        return out
-      return prefill_chunk
-
-    def wrap_insert(orig):
-      def insert(*args, **kw):
-        t0 = pc()
-        orig(*args, **kw)
-        jax.block_until_ready(runner.cache)
-        self.rec.inserts.append((t0, pc()))
-      return insert
-
-    def wrap_lookup(orig):
-      def lookup(*args, **kw):
-        t0 = pc()
-        out = orig(*args, **kw)
-        self.rec.lookups.append(pc() - t0)
-        return out
-      return lookup
-
-    def wrap_landed(orig):
-      def landed(*args, **kw):
-        out = orig(*args, **kw)
-        for r in out:
-          self.rec.landings.append((r.request_id, r.index, r.started_s, r.done_s, r.nbytes,
-                                    r.nbytes > 0))
-        return out
-      return landed
-
-    def wrap_schedule(orig):
-      def schedule(*args, **kw):
-        t0 = pc()
-        out = orig(*args, **kw)
-        self.rec.schedule_s += pc() - t0
-        return out
-      return schedule
-
-    def wrap_step(orig):
-      def step(*args, **kw):
-        self.rec.schedule_s = self.rec.merge_s = 0.0
-        t0 = pc()
-        out = orig(*args, **kw)
-        self.rec.steps.append((t0, pc(), self.rec.schedule_s, self.rec.merge_s))
-        return out
-      return step
-
-    runner.prefill_chunk = wrap_prefill(runner.prefill_chunk)
-    runner.insert_chunk = wrap_insert(runner.insert_chunk)
-    if hasattr(runner, "insert_payload"):
-      runner.insert_payload = wrap_insert(runner.insert_payload)
-    store.lookup = wrap_lookup(store.lookup)
-    store.landed = wrap_landed(store.landed)
-    eng.scheduler.schedule = wrap_schedule(eng.scheduler.schedule)
-    eng.step = wrap_step(eng.step)
-    Instruments.current = self
-    if not Instruments._merge_patched:
-      from kvjax.scheduler.cake import CakeMerge  # noqa: PLC0415
-      for name in ("next_load", "next_compute", "load_done", "inserted", "recheck_s"):
-        setattr(CakeMerge, name, _timed_merge_method(getattr(CakeMerge, name)))
-      Instruments._merge_patched = True
+  def observe(self, record) -> None:
+    """One `kvjax.engine.core.StepRecord`."""
+    res = record.result
+    for c in res.compute:  # ComputeTiming: measured wall seconds of one prefill chunk
+      self.prefills.append((c.request_id, c.start, c.num_tokens, c.started_s,
+                            c.started_s + c.seconds))
+    for i in res.inserts:  # InsertTiming (device work included: Engine.timed_inserts)
+      self.inserts.append((i.request_id, i.index, i.started_s, i.started_s + i.seconds))
+    for r in res.loads:    # LoadReport; a released load that never started has no times
+      if r.started_s > 0:
+        self.landings.append((r.request_id, r.index, r.started_s, r.done_s, r.nbytes, r.ok))
+    self.steps.append((record.started_s, record.ended_s, record.planner_s))
 
 
-def _timed_merge_method(fn):
-  def timed(*args, **kw):
-    t0 = time.perf_counter()
-    try:
-      return fn(*args, **kw)
-    finally:
-      if Instruments.current is not None:
-        Instruments.current.rec.merge_s += time.perf_counter() - t0
-  timed.__doc__ = fn.__doc__
-  return timed
+#: Cost of a prefill call when no call was measured to fit one (in proportion to tokens).
+_LINEAR_COST = (0.0, 1.0, 0.0)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -337,8 +286,8 @@ class Run:
   num_computed_tokens: int
   prefills: list      # (start, n, t0, t1) of the long request
   landings: list      # (index, start, done, nbytes, ok) of the long request
-  inserts: list       # (t0, t1)
-  steps: list         # (t0, t1, schedule_s, merge_s)
+  inserts: list       # (t0, t1) of every insert (the long request's: only it loads)
+  steps: list         # (t0, t1, planner_s) of every engine step
   other_prefills: list  # (start, n, t0, t1) of competing requests
   wall_s: float
   cpu_cores: float      # this process's CPU seconds per wall second (2.0: both cores ours)
@@ -356,7 +305,7 @@ class Run:
 
 
 class Bench:
-  """One LLM (one codec, one store) with its link, instruments and competing-prompt pool."""
+  """One LLM (one codec, one store) with its link, step recorder and competing-prompt pool."""
 
   def __init__(self, codec: str, store_root: pathlib.Path, pool: TokenPool):
     from kvjax import LLM  # noqa: PLC0415
@@ -366,13 +315,17 @@ class Bench:
     if codec != "raw":
       kw = {"kv_codec": codec, "kv_codec_levels": [0]}
     self.competitors_max = 3
+    t0 = time.perf_counter()  # LLM(...) loads the model and compiles everything (compile_on_init)
     self.llm = LLM(kv_store=self.store_url, kv_chunk_size=_CHUNK.value,
                    max_num_batched_tokens=_BUDGET.value, max_num_seqs=1 + self.competitors_max,
                    kv_max_loads_in_flight=_IN_FLIGHT.value, seed=_SEED.value, **kw)
+    self.init_s = time.perf_counter() - t0
     self.engine = self.llm.engine
+    self.engine.timed_inserts = True  # InsertTiming includes the device work
     self.tok = self.llm.get_tokenizer()
     (self.limiter,) = self.llm.kv_store.store.limiters.values()
-    self.inst = Instruments(self.llm)
+    self.rec = Recorder()
+    self.engine.add_step_observer(self.rec.observe)
     self.pool = pool
     self.chunk_sizes = tuple(self.engine.runner.chunk_sizes)
     self._rid = 0
@@ -387,7 +340,6 @@ class Bench:
     t0 = time.perf_counter()
     while self.llm.kv_store.loads_in_flight() and time.perf_counter() - t0 < 30:
       time.sleep(0.05)
-    self.llm.kv_store.landed()  # drop leftovers
     gc.collect()
 
   def prefix_bytes(self, ids: list[int]) -> tuple[int, list[int]]:
@@ -414,11 +366,9 @@ class Bench:
       cap_s: abort after this many seconds (the run is then `censored`).
     """
     from kvjax import SamplingParams  # noqa: PLC0415
-    from kvjax.scheduler import MergeMode  # noqa: PLC0415
-    eng, rec = self.engine, self.inst.rec
+    eng, rec = self.engine, self.rec
     self.quiesce()
-    eng.merge_mode = MergeMode(mode)
-    rec.__init__()
+    rec.clear()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     if link is None:
@@ -430,9 +380,10 @@ class Bench:
     load1 = os.getloadavg()[0]
     cpu0 = time.process_time()
     t_arr = time.perf_counter()
-    rid = eng.add_request(ids, greedy, request_id=self.rid(mode))
+    rid = eng.add_request(ids, greedy, request_id=self.rid(mode), merge_mode=mode)
+    add_s = time.perf_counter() - t_arr  # the lookup, for a run aborted before its metrics
     live: set[str] = set()
-    result, censored, slot = None, False, None
+    result, censored = None, False
     while result is None:
       el = time.perf_counter() - t_arr
       if cap_s is not None and el > cap_s:
@@ -444,8 +395,6 @@ class Bench:
         for n in competitor_sizes(tokens, _CHUNK.value, self.chunk_sizes) if tokens else []:
           live.add(eng.add_request(self.pool.take(n), one, request_id=self.rid("other")))
       outs = eng.step()
-      if slot is None and rid in eng.scheduler.running:
-        slot = eng.scheduler.running[rid].slot
       for o in outs:
         if o.finished:
           live.discard(o.request_id)
@@ -457,20 +406,20 @@ class Bench:
     cpu = time.process_time() - cpu0
     if result is not None:  # the engine's own arrival (same clock), so TTFT and times agree
       t_arr = result.metrics.arrival_s
-    mine = [(s, n, a - t_arr, b - t_arr) for sl, s, n, a, b in rec.prefills if sl == slot]
-    others = [(s, n, a - t_arr, b - t_arr) for sl, s, n, a, b in rec.prefills if sl != slot]
+    mine = [(s, n, a - t_arr, b - t_arr) for r, s, n, a, b in rec.prefills if r == rid]
+    others = [(s, n, a - t_arr, b - t_arr) for r, s, n, a, b in rec.prefills if r != rid]
     lands = [(j, a - t_arr, b - t_arr, nb, ok) for r, j, a, b, nb, ok in rec.landings if r == rid]
     m = result.metrics if result is not None else None
     return Run(
         mode=mode, seq_len=len(ids), ttft_s=m.ttft_s if m else None, censored=censored,
-        lookup_s=rec.lookups[0] if rec.lookups else 0.0,
+        lookup_s=m.lookup_s if m else add_s,
         first_token_id=result.token_ids[0] if result is not None else None,
         merge=dataclasses.asdict(m.merge) if m is not None and m.merge is not None else None,
         num_loaded_tokens=m.num_loaded_tokens if m else 0,
         num_computed_tokens=m.num_computed_tokens if m else 0,
         prefills=mine, landings=lands,
-        inserts=[(a - t_arr, b - t_arr) for a, b in rec.inserts],
-        steps=[(a - t_arr, b - t_arr, s, g) for a, b, s, g in rec.steps],
+        inserts=[(a - t_arr, b - t_arr) for _, _, a, b in rec.inserts],
+        steps=[(a - t_arr, b - t_arr, p) for a, b, p in rec.steps],
         other_prefills=others, wall_s=wall, cpu_cores=cpu / wall, loadavg_1m=load1)
 
   def store(self, ids: list[int]) -> float:
@@ -482,26 +431,31 @@ class Bench:
     return time.perf_counter() - t0
 
   def warm(self, ids: list[int], short: list[int]) -> dict:
-    """Compiles every chunk size and decode, stores `ids`, then runs one load-only request on an
-    unlimited link (the insert/decode path)."""
+    """Stores `ids`, then runs one load-only request on an unlimited link (the insert/decode
+    path). `LLM(...)` compiled every chunk size, decode, insert and encode already: `compile_s`
+    is its construction (model load included)."""
     t0 = time.perf_counter()
-    self.engine.runner.warmup()
-    t1 = time.perf_counter()
     store_s = self.store(ids)
     self.run("load_only", short)
-    return {"compile_s": t1 - t0, "store_s": store_s, "warm_s": time.perf_counter() - t0}
+    return {"compile_s": self.init_s, "store_s": store_s,
+            "warm_s": self.init_s + time.perf_counter() - t0}
 
-  def close(self):
+  def close(self) -> dict:
+    """Closes the LLM; returns its last `Engine.stats()` snapshot (loop, loader, saver), plain."""
+    stats = dataclasses.asdict(self.engine.stats())
     self.llm.close()
-    Instruments.current = None
+    return stats
 
 
 # ----------------------------------------------------------------------------- analysis
 def _fit(calls) -> tuple[float, float, float] | None:
-  """Least squares t = a + b n + c n m (m: mean position) over (start, n, t0, t1) calls."""
+  """Least squares t = a + b n + c n m (m: mean position) over (start, n, t0, t1) calls; with
+  fewer than 3 calls, seconds per token (b alone); None without calls."""
   import numpy as np  # noqa: PLC0415
-  if len(calls) < 3:
+  if not calls:
     return None
+  if len(calls) < 3:
+    return 0.0, sum(t1 - t0 for _, _, t0, t1 in calls) / sum(n for _, n, _, _ in calls), 0.0
   x = np.array([[1.0, n, n * (s + (n - 1) / 2)] for s, n, _, _ in calls])
   y = np.array([t1 - t0 for _, _, t0, t1 in calls])
   coef, *_ = np.linalg.lstsq(x, y, rcond=None)
@@ -587,7 +541,7 @@ def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: 
     bar.update(1)
 
   compute_only()
-  fallback = bench.engine.cost_model.compute_coefficients
+  fallback = _LINEAR_COST
   coef0 = _fit(co_runs[0].prefills + co_runs[0].other_prefills) or fallback
   b_star = pbytes / (done_at(co_runs[0], n_chunks * chunk, coef0) - co_runs[0].lookup_s)
   swept = []
@@ -695,7 +649,7 @@ def fluctuation(bench: Bench, ids_full: list[int], b_ref: float, out: pathlib.Pa
       runs[mode] = bench.run(mode, ids, share_at=share_at, link=("trace", steps), cap_s=cap)
       bar.update(1)
     co, lo, kv = runs["compute_only"], runs["load_only"], runs["cake"]
-    coef = _fit(co.prefills + co.other_prefills) or bench.engine.cost_model.compute_coefficients
+    coef = _fit(co.prefills + co.other_prefills) or _LINEAR_COST
     ana = cell_analysis(co, lo, kv, n_chunks, _CHUNK.value, coef)
     best = min(co.ttft_s, lo.ttft_s) if lo.ttft_s else co.ttft_s
     results.append({
@@ -719,7 +673,6 @@ def burst(bench: Bench, ids_full: list[int], b_ref: float, rng: random.Random, b
   compute side takes what is left of each step).
   """
   from kvjax import SamplingParams  # noqa: PLC0415
-  from kvjax.scheduler import MergeMode  # noqa: PLC0415
   n = _BURST_LENGTH.value
   ids = ids_full[:n]
   lens = [rng.randint(32, 448) for _ in range(_BURST_SHORTS.value)]
@@ -733,12 +686,11 @@ def burst(bench: Bench, ids_full: list[int], b_ref: float, rng: random.Random, b
                         ("adaptive_load_only", "load_only"), ("adaptive_kvjax", "cake")):
     bar.set_description(f"burst {variant}")
     bench.quiesce()
-    eng.merge_mode = MergeMode(mode)
-    bench.inst.rec.__init__()
+    bench.rec.clear()
     bench.limiter.reset(b_ref)
     salt = f"burst-{variant}-{time.time_ns()}"
     t0 = time.perf_counter()
-    long_id = eng.add_request(ids, params, request_id=bench.rid("long"),
+    long_id = eng.add_request(ids, params, request_id=bench.rid("long"), merge_mode=mode,
                               cache_salt=salt if variant == "fcfs_recompute" else None)
     rids = [long_id] + [eng.add_request(s, params, request_id=bench.rid("short"), cache_salt=salt)
                         for s in shorts]
@@ -761,19 +713,18 @@ def burst(bench: Bench, ids_full: list[int], b_ref: float, rng: random.Random, b
 
 
 def planner_overhead(kv_runs: list[Run]) -> dict:
-  sched = [s for r in kv_runs for _, _, s, _ in r.steps]
-  merge = [g for r in kv_runs for _, _, _, g in r.steps]
-  walls = [b - a for r in kv_runs for a, b, _, _ in r.steps]
-  if not sched:
+  """Planner seconds per engine step of the kvjax runs: `StepRecord.planner_s`, the time in
+  `Scheduler.schedule` plus `Scheduler.update` (every `CakeMerge` call happens inside them)."""
+  planner = [p for r in kv_runs for _, _, p in r.steps]
+  walls = [b - a for r in kv_runs for a, b, _ in r.steps]
+  if not planner:
     return {}
   q = lambda v, f: sorted(v)[int(f * (len(v) - 1))]  # noqa: E731
-  return {"steps": len(sched), "schedule_ms_mean": 1e3 * statistics.mean(sched),
-          "schedule_ms_p50": 1e3 * q(sched, 0.5), "schedule_ms_p99": 1e3 * q(sched, 0.99),
-          "schedule_ms_max": 1e3 * max(sched),
-          "cakemerge_ms_mean": 1e3 * statistics.mean(merge),
-          "cakemerge_ms_p99": 1e3 * q(merge, 0.99), "cakemerge_ms_max": 1e3 * max(merge),
+  return {"steps": len(planner), "planner_ms_mean": 1e3 * statistics.mean(planner),
+          "planner_ms_p50": 1e3 * q(planner, 0.5), "planner_ms_p99": 1e3 * q(planner, 0.99),
+          "planner_ms_max": 1e3 * max(planner),
           "step_ms_mean": 1e3 * statistics.mean(walls),
-          "planner_fraction_of_step_time": sum(sched) / sum(walls)}
+          "planner_fraction_of_step_time": sum(planner) / sum(walls)}
 
 
 # ----------------------------------------------------------------------------- report
@@ -964,7 +915,7 @@ def main(argv):
     if codec in benches:
       return benches[codec]
     for other in list(benches):  # one LLM at a time (memory, and the 2 cores)
-      benches.pop(other).close()
+      record.setdefault("engine_stats", {})[other] = benches.pop(other).close()
     gc.collect()
     bar.set_description(f"{codec}: load, compile, store, warm up")
     try:
@@ -989,7 +940,7 @@ def main(argv):
       return got
     ids = ids_full[:n]
     co = bench.run("compute_only", ids)
-    coef = _fit(co.prefills) or bench.engine.cost_model.compute_coefficients
+    coef = _fit(co.prefills) or _LINEAR_COST
     nc = (len(ids) - 1) // _CHUNK.value
     return bench.prefix_bytes(ids)[0] / (done_at(co, nc * _CHUNK.value, coef) - co.lookup_s)
 
@@ -1019,8 +970,8 @@ def main(argv):
       (out / "cake.json").write_text(json.dumps(record, indent=1, default=str))
   finally:
     bar.close()
-    for b in benches.values():
-      b.close()
+    for codec, b in benches.items():
+      record.setdefault("engine_stats", {})[codec] = b.close()
     if _STORE_DIR.value is None:
       shutil.rmtree(store_root, ignore_errors=True)
 
@@ -1045,8 +996,8 @@ def report(record: dict, out: pathlib.Path) -> None:
   s = record["settings"]
   print(f"\nCake on the real engine: SmolLM2-135M f32, {record['threads']} CPU threads, prompt "
         f"{record['prompt']['source']}, chunk {s['chunk_tokens']} tokens, budget "
-        f"{s['budget_tokens']} tokens/step, {s['max_loads_in_flight']} loads in flight; load "
-        f"average at start {record['machine']['loadavg_1_5_15'][0]:.1f}, at end "
+        f"{s['budget_tokens']} tokens/step, {s['max_loads_in_flight'] or 'derived'} loads in "
+        f"flight; load average at start {record['machine']['loadavg_1_5_15'][0]:.1f}, at end "
         f"{record.get('loadavg_end_1_5_15', [math.nan])[0]:.1f}")
   print("TTFT seconds; load '>x': stopped at x s (lower bound); speedup: vs the better "
         "baseline; meet: first loaded chunk / prefix chunks; cpu: min/max CPU cores this process "
@@ -1061,7 +1012,12 @@ def report(record: dict, out: pathlib.Path) -> None:
     print(f"\ncompute while loads run: median call time / compute-only fit "
           f"{statistics.median(w):.3f} with loads in flight, {statistics.median(wo):.3f} without")
   po = record.get("planner_overhead")
-  if po:
+  if po and "planner_ms_mean" in po:
+    print(f"planner per step (kvjax runs, {po['steps']} steps): schedule() + update() mean "
+          f"{po['planner_ms_mean']:.2f} ms, p99 {po['planner_ms_p99']:.2f} ms, max "
+          f"{po['planner_ms_max']:.2f} ms; {100 * po['planner_fraction_of_step_time']:.3f}% "
+          f"of step time (mean step {po['step_ms_mean']:.0f} ms)")
+  elif po:  # a result file written before the step records (schedule and merge timed apart)
     print(f"planner per step (kvjax runs, {po['steps']} steps): schedule() mean "
           f"{po['schedule_ms_mean']:.2f} ms, p99 {po['schedule_ms_p99']:.2f} ms, max "
           f"{po['schedule_ms_max']:.2f} ms; all CakeMerge calls mean "

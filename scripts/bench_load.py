@@ -22,6 +22,12 @@ Targets (issue 10), printed met / not met and stored in the JSON:
   - verified loads >= 4 GB/s (2 loads in flight, 2 cores).
   - link: load_only TTFT <= 1.1 x (stored bytes / link rate) + unlimited load_only TTFT.
 
+Every repeat also keeps the engine's step records (`Engine.add_step_observer`: per step the
+planned prefill pieces, loads issued, inserts and releases, the measured compute and the loads
+that landed, with their link seconds) and a summary of them (meeting index, what compute took,
+when loads landed, the planner's link estimate before the request), printed per repeat: what a
+missed target is diagnosed from.
+
 Writes `<out>.json` (settings, machine, versions, threads, git SHA, seeds, every repeat) and
 `<out>.png` (matplotlib, the `bench` extra).
 """
@@ -92,17 +98,89 @@ def _machine() -> dict[str, object]:
                                                        "TF_NUM_INTEROP_THREADS")}}
 
 
-def _ttfts(llm, ids, params, n) -> list[dict[str, object]]:
+class _StepLog:
+  """The engine's step records of one request (`Engine.add_step_observer`: plain data, public).
+
+  Keeps, per step, what the scheduler planned (prefill pieces, loads issued, inserts, releases,
+  the wait it allowed) and what the executor reported (measured compute, landed loads).
+  """
+
+  def __init__(self):
+    self.records = []
+
+  def __call__(self, record) -> None:
+    self.records.append(record)
+
+  def take(self, arrival_s: float) -> list[dict[str, object]]:
+    """The records since the last call, times in seconds since `arrival_s`."""
+    out = []
+    for rec in self.records:
+      plan, res = rec.plan, rec.result
+      out.append({
+          "t0": round(rec.started_s - arrival_s, 4), "t1": round(rec.ended_s - arrival_s, 4),
+          "planner_ms": round(1e3 * rec.planner_s, 3),
+          "prefills": [[c.start, c.num_tokens] for c in plan.prefills],
+          "loads_issued": [x.index for x in plan.loads],
+          "reads_at_once": max((x.max_in_flight for x in plan.loads), default=None),
+          "inserts": [x.index for x in plan.inserts],
+          "releases": [j for _, j in plan.releases],
+          "wait_s": plan.wait_s,
+          "compute": [[c.start, c.num_tokens, round(c.started_s - arrival_s, 4),
+                       round(c.seconds, 4)] for c in res.compute],
+          "landed": [[r.index, r.ok, r.nbytes, round(r.started_s - arrival_s, 4) if r.started_s
+                      else None, round(r.done_s - arrival_s, 4) if r.done_s else None,
+                      round(r.link_s, 5), r.reason] for r in res.loads]})
+    self.records = []
+    return out
+
+
+def _summary(steps: list[dict[str, object]]) -> dict[str, object]:
+  """What compute took and when loads landed, from one request's step records."""
+  compute = [c for s in steps for c in s["compute"]]
+  landed = [x for s in steps for x in s["landed"] if x[1]]
+  return {
+      "steps": len(steps), "empty_steps": sum(1 for s in steps if not s["prefills"]
+                                              and not s["inserts"]),
+      "compute_s": round(sum(c[3] for c in compute), 4),
+      "compute_tokens": sum(c[1] for c in compute),
+      "first_compute_start_s": compute[0][2] if compute else None,
+      "loads_issued": sum(len(s["loads_issued"]) for s in steps),
+      "loads_landed": len(landed),
+      "first_landing_s": min((x[4] for x in landed), default=None),
+      "last_landing_s": max((x[4] for x in landed), default=None),
+      "landed_bytes": sum(x[2] for x in landed),
+      "link_gb_s_from_link_s": (round(sum(x[2] for x in landed) / sum(x[5] for x in landed) / 1e9,
+                                      3) if landed and sum(x[5] for x in landed) > 0 else None),
+      "reads_at_once": max((s["reads_at_once"] or 0 for s in steps), default=0) or None}
+
+
+def _ttfts(llm, ids, params, n, log: _StepLog | None = None) -> list[dict[str, object]]:
   out = []
   for _ in range(n):
+    before = llm.engine.stats()
     res = llm.generate({"prompt_token_ids": ids}, params)[0]
+    after = llm.engine.stats()
     m = res.metrics
     merge = m.merge
-    out.append({"ttft_s": m.ttft_s, "loaded_tokens": m.num_loaded_tokens,
-                "computed_tokens": m.num_computed_tokens, "rejected": m.num_rejected_chunks,
-                "tiers": sorted(set(m.loaded_from_tiers)),
-                "meeting_index": None if merge is None else merge.meeting_index,
-                "loaded_bytes": None if merge is None else merge.loaded_bytes})
+    row = {"ttft_s": m.ttft_s, "loaded_tokens": m.num_loaded_tokens,
+           "computed_tokens": m.num_computed_tokens, "rejected": m.num_rejected_chunks,
+           "tiers": sorted(set(m.loaded_from_tiers)),
+           "meeting_index": None if merge is None else merge.meeting_index,
+           "loaded_bytes": None if merge is None else merge.loaded_bytes,
+           "lookup_s": m.lookup_s,
+           "link_estimate_before_gb_s": before.link_bandwidth_bytes_per_s / 1e9,
+           "link_estimate_after_gb_s": after.link_bandwidth_bytes_per_s / 1e9}
+    if merge is not None:
+      row["chunks_computed"] = list(merge.chunks_computed)
+      row["chunks_loaded"] = list(merge.chunks_loaded)
+      row["chunks_wasted"] = list(merge.chunks_wasted)
+    if before.loader is not None:
+      row["loader"] = {k: getattr(after.loader, k) - getattr(before.loader, k)
+                       for k in ("started", "landed", "cancelled", "read_bytes", "link_busy_s")}
+    if log is not None:
+      row["step_records"] = log.take(m.arrival_s)
+      row["summary"] = _summary(row["step_records"])
+    out.append(row)
   return out
 
 
@@ -189,17 +267,21 @@ def main(argv):
   runs: dict[str, list] = {}
   try:
     def make(mode, **kw):
-      return kvjax.LLM(kv_store=store_dir, kv_merge_mode=mode, seed=_SEED.value, **kw)
+      llm = kvjax.LLM(kv_store=store_dir, kv_merge_mode=mode, seed=_SEED.value, **kw)
+      log = _StepLog()
+      llm.engine.add_step_observer(log)
+      return llm, log
 
-    llm = make("compute_only")
+    llm, log = make("compute_only")
     ids = llm.get_tokenizer().encode(text)[:tokens]
     if len(ids) < tokens:
       raise app.UsageError(f"{book} has {len(ids)} tokens, fewer than --tokens={tokens}")
     c = 256
     stored_tokens = c * ((len(ids) - 1) // c)
-    runs["cold"] = _ttfts(llm, ids, params, repeats)
+    log.take(0.0)  # the tokenizer run and warm-up: no records wanted
+    runs["cold"] = _ttfts(llm, ids, params, repeats, log)
     llm.flush()
-    runs["suffix"] = _ttfts(llm, ids[stored_tokens:], params, repeats)
+    runs["suffix"] = _ttfts(llm, ids[stored_tokens:], params, repeats, log)
     llm.close()
 
     store = ChunkStore(store_dir)
@@ -211,12 +293,12 @@ def main(argv):
     store.close()
 
     for mode in ("load_only", "cake"):
-      llm = make(mode)
-      runs[mode] = _ttfts(llm, ids, params, repeats)
+      llm, log = make(mode)
+      runs[mode] = _ttfts(llm, ids, params, repeats, log)
       llm.close()
     rate = _LINK_MB_S.value * 1e6
-    llm = make("load_only", kv_link_bytes_per_s=rate)
-    runs["link"] = _ttfts(llm, ids, params, link_repeats)
+    llm, log = make("load_only", kv_link_bytes_per_s=rate)
+    runs["link"] = _ttfts(llm, ids, params, link_repeats, log)
     llm.close()
   finally:
     if own_store:
@@ -265,6 +347,20 @@ def main(argv):
     ys = [r["ttft_s"] for r in v]
     print(f"{k:<28}{med[k]:>14.3f}{min(ys):>8.3f}{max(ys):>8.3f}  "
           f"{[r['loaded_tokens'] for r in v]}")
+  print("\nper repeat, from the step records (times in s since arrival; link est.: the planner's "
+        "bandwidth estimate before the request, GB/s):")
+  print(f"{'run':<10}{'rep':>4}{'TTFT':>7}{'meet':>6}{'computed':>9}{'compute s':>10}"
+        f"{'loads':>7}{'landed':>7}{'1st land':>9}{'last land':>10}{'link est.':>10}"
+        f"{'reads':>6}{'steps':>6}")
+  for k in ("load_only", "cake", "link"):
+    for i, r in enumerate(runs[k]):
+      sm = r["summary"]
+      f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+      print(f"{k:<10}{i:>4}{r['ttft_s']:>7.3f}{str(r['meeting_index']):>6}"
+            f"{r['computed_tokens']:>9}{sm['compute_s']:>10.3f}{sm['loads_issued']:>7}"
+            f"{sm['loads_landed']:>7}{f(sm['first_landing_s']):>9}{f(sm['last_landing_s']):>10}"
+            f"{r['link_estimate_before_gb_s']:>10.3f}{str(sm['reads_at_once']):>6}"
+            f"{sm['steps']:>6}")
   for k, v in result["rates_gb_s"].items():
     print(f"{k:<28}{v:>10.2f} GB/s")
   for k, t in targets.items():

@@ -354,18 +354,23 @@ class Engine:
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                   prompt: str | None = None, request_id: str | None = None,
-                  cache_salt: str | None = None) -> RequestId:
+                  cache_salt: str | None = None, merge_mode: str | None = None) -> RequestId:
     """Validates and queues a request; returns its id.
 
     With a store, one batched lookup finds which prefix chunks are stored (no data is read
     here); the scheduler gets the answer as plain data and plans the merge. `cache_salt`
-    isolates tenants: prompts share stored KV only under equal salts.
+    isolates tenants: prompts share stored KV only under equal salts. `merge_mode` ("cake",
+    "load_only", "compute_only") overrides the engine's for this request (benchmarks compare the
+    modes on one warm engine).
 
     Raises:
-      ValueError: as `validate`, a duplicate id, or a `cache_salt` that is not a string.
+      ValueError: as `validate`, a duplicate id, a `cache_salt` that is not a string, or an
+        unknown `merge_mode`.
     """
     if cache_salt is not None and not isinstance(cache_salt, str):
       raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    if merge_mode is not None and merge_mode not in ("cake", "load_only", "compute_only"):
+      raise ValueError(f"merge_mode={merge_mode!r}; use 'cake', 'load_only' or 'compute_only'")
     ids = self.validate(prompt_token_ids, params)
     rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
     if rid in self._live:
@@ -389,7 +394,7 @@ class Engine:
         chunks.append(StoredChunk(tier, tuple(cands)) if cands else None)
       stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks))
     self._scheduler.add_request(
-        Request(rid, ids, params, arrival_s=arrival_s), stored,
+        Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
         namespace_root=self._namespace_root(cache_salt) if self._paged else None)
     self._live[rid] = live
     return rid
