@@ -38,6 +38,9 @@ _INCONSISTENT = flags.DEFINE_integer("inconsistent_repeats", 60,
                                      "Repeats with kv_codec_consistent=False (the baseline).")
 _CODEC = flags.DEFINE_string("codec", "int8", "Lossy codec of the stored chunks.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Greedy output tokens per request.")
+_LINK_MB_S = flags.DEFINE_float("link_mb_s", None,
+                                 "Emulated store link, MB/s (1e6 bytes/s): near the balance of "
+                                 "compute and load the meeting point moves from run to run.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/consistency",
                            "Output path without extension (relative: from the repo root).")
 
@@ -72,7 +75,8 @@ def main(argv):
       cold = tuple(writer.generate({"prompt_token_ids": ids}, params)[0].token_ids)
       writer.flush()
       writer.close()
-      llm = LLM(kv_store=store, kv_codec=_CODEC.value, kv_codec_consistent=consistent)
+      llm = LLM(kv_store=store, kv_codec=_CODEC.value, kv_codec_consistent=consistent,
+                kv_link_bytes_per_s=_LINK_MB_S.value * 1e6 if _LINK_MB_S.value else None)
       outs, meetings = _run(llm, ids, params, repeats)
       llm.close()
       counts = collections.Counter(outs)
@@ -87,7 +91,8 @@ def main(argv):
             f"{rows[consistent]['equal_to_cold']} equal to the cold run, meeting points "
             f"{dict(sorted(collections.Counter(meetings).items(), key=str))}", flush=True)
   result = {"settings": {"codec": _CODEC.value, "tokens": _TOKENS.value,
-                         "max_tokens": _MAX_TOKENS.value, "book": _BOOK.value},
+                         "max_tokens": _MAX_TOKENS.value, "book": _BOOK.value,
+                         "link_mb_s": _LINK_MB_S.value},
             "machine": benchlib.machine(), "git_sha": benchlib.git_sha(),
             "versions": {"jax": jax.__version__}, "threads": os.cpu_count(),
             "seed": 0, "consistent": rows[True], "inconsistent": rows[False]}
