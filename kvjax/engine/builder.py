@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 
-from kvjax.engine.llm import LLM
+from kvjax.engine.llm import DEFAULT_KV_CACHE_LAYOUT, LLM
 from kvjax.models.runner import default_cache_root
 from kvjax.storage.tiers import StoreConfig, TierConfig
 

@@ -32,6 +32,9 @@ from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
 
 
+#: `LLM(kv_cache_layout=...)` when none is given.
+DEFAULT_KV_CACHE_LAYOUT = "slotted"
+
 #: Latency priors of a store link, seconds, for the bandwidth-delay product of loads in flight.
 LOCAL_LINK_LATENCY_S = 1e-3
 REMOTE_LINK_LATENCY_S = 30e-3
@@ -205,7 +208,7 @@ class LLM:
                kv_codec_levels: Sequence[int] | None = None, kv_merge_mode: str = "cake",
                kv_max_loads_in_flight: int | None = None,
                kv_ttft_target_s: float | None = None, kv_codec_consistent: bool | None = None,
-               compile_on_init: bool = True, kv_cache_layout: str = "slotted",
+               compile_on_init: bool = True, kv_cache_layout: str = DEFAULT_KV_CACHE_LAYOUT,
                block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                enable_prefix_caching: bool = True):
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
