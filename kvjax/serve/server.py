@@ -146,8 +146,10 @@ class ServerConfig:
 
   @property
   def resolved_kv_cache_layout(self) -> str:
-    """`kv_cache_layout`, or `LLM`'s default layout when None."""
-    return self.kv_cache_layout or builder.DEFAULT_KV_CACHE_LAYOUT
+    """`kv_cache_layout`, or the layout `LLM` picks when None (`resolve_kv_cache_layout`)."""
+    return builder.resolve_kv_cache_layout(
+        self.kv_cache_layout, self.kv_codec,
+        with_store=self.kv_store is not None or self.kv_tiers is not None)
 
   @property
   def resolved_max_num_seqs(self) -> int:

@@ -198,6 +198,13 @@ class ServerConfigTest(absltest.TestCase):
     self.assertNotIn("block_size", slotted)
     self.assertEqual(ServerConfig(model="tiny", kv_cache_layout="paged",
                                   max_num_seqs=8).llm_options()["max_num_seqs"], 8)
+    default = ServerConfig(model="tiny").llm_options()
+    self.assertEqual((default["kv_cache_layout"], default["max_num_seqs"]), ("paged", 64))
+    for codec in ("kvtc", "int8"):  # lossy, with the default store
+      opts = ServerConfig(model="tiny", kv_codec=codec).llm_options()
+      self.assertEqual((opts["kv_cache_layout"], opts["max_num_seqs"]), ("slotted", 4))
+    opts = ServerConfig(model="tiny", kv_codec="int8", kv_store=None).llm_options()
+    self.assertEqual(opts["kv_cache_layout"], "paged")
 
   def test_bad_layout_options(self):
     with self.assertRaisesRegex(ValueError, "kv_cache_layout='ragged'"):
