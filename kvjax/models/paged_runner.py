@@ -445,8 +445,8 @@ def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: 
   nbytes = kv_cache_memory_bytes
   if nbytes is None:
     seq_blocks = -(-(max_seq_len or model.cfg.max_seq_len) // block_size)
-    nbytes = default_kv_cache_bytes(  # + 1: the null block
-        (max_num_seqs * seq_blocks + 1) * paged_block_nbytes(model.cfg, block_size, model.dtype))
+    nbytes = default_kv_cache_bytes(
+        max_num_seqs * seq_blocks * paged_block_nbytes(model.cfg, block_size, model.dtype))
   num_blocks = PagedModelRunner.blocks_for_bytes(model.cfg, block_size, nbytes, model.dtype)
   return PagedModelRunner(model, PagedRunnerConfig(
       num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,

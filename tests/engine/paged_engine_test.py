@@ -184,8 +184,8 @@ class DefaultLayoutTest(absltest.TestCase):
     llm = LLM("tiny", cache_dir="", max_num_seqs=2, max_model_len=64, chunk_sizes=CHUNKS,
               compile_on_init=False)
     self.assertEqual(llm.engine.kv_cache_layout, "paged")
-    # 2 sequences x 64 tokens = 8 blocks of 16, plus the null block; far below 2 GiB.
-    self.assertEqual(llm.engine.runner.num_blocks, 2 * 64 // B + 1)
+    # 2 sequences x 64 tokens = 8 blocks of 16 (every block usable); far below 2 GiB.
+    self.assertEqual(llm.engine.runner.num_blocks, 2 * 64 // B)
     self.assertEqual(llm.engine.stats().kv_cache.num_blocks, 2 * 64 // B)
     llm.close()
 
