@@ -7,7 +7,10 @@ Two real workloads from ../shared/data (see its README):
   sharegpt  ShareGPT multi-turn conversations replayed turn by turn: turn k sends the real
             earlier turns plus the next user message, so turn k's prompt extends turn k-1's.
 Each workload runs twice on one server: "cold" on an empty store, then, once its saves are
-written (POST /admin/flush_kv), "warm". N clients (the openai client, streaming) pull tasks from a
+written (POST /admin/flush_kv), "warm". With --kv_cache_layouts=slotted,paged the whole run is
+repeated on a fresh server (and an empty store) per device KV layout, in this one process, so the
+layouts are compared under the same machine load; "warm" on the paged layout is served from the
+device prefix cache where blocks are still resident, from the store otherwise. N clients (the openai client, streaming) pull tasks from a
 queue; a document's questions and a conversation's turns are one task, sent in order.
 
 TTFT is measured by the client (request sent to the first streamed event, which the server sends
@@ -16,6 +19,7 @@ token). Output tokens/s is all completion tokens over the phase's wall time.
 
     .venv/bin/python scripts/bench_serve.py --quick          # short run, real SmolLM2
     .venv/bin/python scripts/bench_serve.py --clients=8 --docs=4 --questions=4 --conversations=8
+    .venv/bin/python scripts/bench_serve.py --quick --kv_cache_layouts=slotted,paged
     .venv/bin/python scripts/bench_serve.py --url=http://host:8000   # an already running server
 
 Writes <out_dir>/bench_serve.json (machine, versions, git SHA, seeds, threads, settings,
@@ -57,7 +61,10 @@ _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct", "Model of the sta
 _SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [],
                                           "An extra flag of the started server, repeatable, "
                                           "e.g. --server_flag=kv_link_bytes_per_s=1e8.")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "Decode slots of the started server.")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", None, "Running requests of the started "
+                                     "server (default: the server's, 64 paged, 4 slotted).")
+_LAYOUTS = flags.DEFINE_list("kv_cache_layouts", [], "Device KV layouts to run, each on its own "
+                             "server (slotted, paged); default: the server's default only.")
 _KV_CHUNK = flags.DEFINE_integer("kv_chunk_size", 256, "Stored chunk size of the started server.")
 _WORKLOADS = flags.DEFINE_list("workloads", ["longchat", "sharegpt"], "Workloads to run.")
 _CLIENTS = flags.DEFINE_integer("clients", 4, "Concurrent clients.")
@@ -109,6 +116,7 @@ class Row:
   phase: str
   task: int
   step: int
+  layout: str | None = None
   ttft_s: float | None = None
   server_ttft_s: float | None = None
   e2e_s: float | None = None
@@ -179,14 +187,15 @@ def summarize(rows: list[Row], wall_s: float) -> dict:
 
 
 # ------------------------------------------------------------------------------- server
-def start_server(store_dir: str) -> tuple[subprocess.Popen, str, str]:
+def start_server(store_dir: str, layout: str | None) -> tuple[subprocess.Popen, str, str]:
   """Starts `python -m kvjax.serve` on a free port; returns (process, url, model name)."""
   env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
   cmd = [sys.executable, "-m", "kvjax.serve", f"--model={_MODEL.value}", "--port=0",
          f"--kv_store=file://{store_dir}", f"--kv_chunk_size={_KV_CHUNK.value}",
-         f"--max_num_seqs={_MAX_NUM_SEQS.value}", "--enable_admin",
+         *([f"--max_num_seqs={_MAX_NUM_SEQS.value}"] if _MAX_NUM_SEQS.value else []),
+         *([f"--kv_cache_layout={layout}"] if layout else []), "--enable_admin",
          *[f"--{f}" for f in _SERVER_FLAGS.value]]
-  log = open(os.path.join(store_dir, "..", "server.log"), "w")
+  log = open(os.path.join(store_dir, "..", f"server-{layout}.log"), "w")
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
   url = model = None
   for line in proc.stdout:
@@ -215,11 +224,12 @@ def versions() -> dict:
 
 
 def print_table(summaries: dict) -> None:
-  head = (f"{'workload':9} {'phase':5} {'req':>4} {'err':>3} {'TTFT p50':>9} {'p90':>7} "
+  head = (f"{'layout':7} {'workload':9} {'phase':5} {'req':>4} {'err':>3} {'TTFT p50':>9} {'p90':>7} "
           f"{'p99':>7} {'srv p50':>8} {'out tok/s':>9} {'cached':>7}")
   print("\n" + head + "\n" + "-" * len(head))
-  for (wl, phase), s in summaries.items():
-    print(f"{wl:9} {phase:5} {s['requests']:4d} {s['errors']:3d} {s['ttft_p50_s']:8.2f}s "
+  for key, s in summaries.items():
+    layout, wl, phase = key if len(key) == 3 else ("", *key)
+    print(f"{layout:7} {wl:9} {phase:5} {s['requests']:4d} {s['errors']:3d} {s['ttft_p50_s']:8.2f}s "
           f"{s['ttft_p90_s']:6.2f}s {s['ttft_p99_s']:6.2f}s {s['server_ttft_p50_s']:7.2f}s "
           f"{s['output_tokens_per_s']:9.2f} {100 * s['cached_fraction']:6.1f}%")
 
@@ -237,7 +247,7 @@ def plot(summaries: dict, path: pathlib.Path, title: str) -> bool:
   for j, (q, name) in enumerate([("ttft_p50_s", "p50"), ("ttft_p90_s", "p90"),
                                  ("ttft_p99_s", "p99")]):
     ax.bar(x + (j - 1) * 0.25, [summaries[k][q] for k in keys], 0.25, label=f"TTFT {name}")
-  ax.set_xticks(x, [f"{wl}\n{phase}" for wl, phase in keys])
+  ax.set_xticks(x, ["\n".join(k) for k in keys], fontsize=7)
   ax.set_ylabel("seconds")
   ax.set_title(title, fontsize=9)
   ax.legend()
@@ -263,29 +273,40 @@ def main(argv):
     raise app.UsageError(f"unknown workloads {sorted(unknown)}")
   tasks = {wl: workloads[wl]() for wl in _WORKLOADS.value}
   work = tempfile.mkdtemp(prefix="kvjax-bench-serve-")
-  proc, url, model = None, _URL.value, None
+  layouts = _LAYOUTS.value or [None]
+  if _URL.value is not None and _LAYOUTS.value:
+    raise app.UsageError("--kv_cache_layouts starts its own servers; drop --url")
   machine_at_start = machine()
+  rows, summaries, metrics = [], {}, {}
   try:
-    if url is None:
-      os.makedirs(os.path.join(work, "kv"))
-      proc, url, model = start_server(os.path.join(work, "kv"))
-    else:
-      model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    rows, summaries = [], {}
-    for wl, wl_tasks in tasks.items():
-      for phase in ("cold", "warm"):
-        got, wall = asyncio.run(run_phase(url, model, wl, phase, wl_tasks, clients, max_tokens))
-        rows += got
-        summaries[(wl, phase)] = summarize(got, wall)
-        print(f"{wl} {phase}: {summaries[(wl, phase)]}", flush=True)
-        r = httpx.post(url + "/admin/flush_kv", timeout=3600)
-        if r.status_code != 200:
-          print(f"  (no /admin/flush_kv: {r.status_code}; warm may miss unsaved chunks)")
-    metrics = httpx.get(url + "/metrics").text
+    for layout in layouts:
+      proc, url, model = None, _URL.value, None
+      try:
+        if url is None:
+          store = os.path.join(work, f"kv-{layout}")
+          os.makedirs(store)
+          proc, url, model = start_server(store, layout)
+        else:
+          model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        for wl, wl_tasks in tasks.items():
+          for phase in ("cold", "warm"):
+            got, wall = asyncio.run(run_phase(url, model, wl, phase, wl_tasks, clients,
+                                              max_tokens))
+            for r in got:
+              r.layout = layout
+            rows += got
+            key = (wl, phase) if layout is None else (layout, wl, phase)
+            summaries[key] = summarize(got, wall)
+            print(f"{layout or ''} {wl} {phase}: {summaries[key]}", flush=True)
+            r = httpx.post(url + "/admin/flush_kv", timeout=3600)
+            if r.status_code != 200:
+              print(f"  (no /admin/flush_kv: {r.status_code}; warm may miss unsaved chunks)")
+        metrics[layout or "server"] = httpx.get(url + "/metrics").text
+      finally:
+        if proc is not None:
+          proc.send_signal(signal.SIGINT)
+          proc.wait(120)
   finally:
-    if proc is not None:
-      proc.send_signal(signal.SIGINT)
-      proc.wait(120)
     shutil.rmtree(work, ignore_errors=True)
   print_table(summaries)
   out_dir = pathlib.Path(_OUT_DIR.value)
@@ -293,19 +314,21 @@ def main(argv):
   record = {
       "benchmark": "bench_serve", "machine": machine_at_start, "machine_at_end": machine(),
       "threads": {"cpu_count": os.cpu_count(), "clients": clients,
-                  "server_max_num_seqs": _MAX_NUM_SEQS.value},
+                  "server_max_num_seqs": _MAX_NUM_SEQS.value or "server default per layout"},
       "versions": versions(), "git_sha": git_sha(), "seeds": {"workload": _SEED.value,
                                                               "requests": 0},
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "settings": {"quick": quick, "url": _URL.value, "model": model,
-                   "server_flags": _SERVER_FLAGS.value, "kv_chunk_size": _KV_CHUNK.value,
+                   "server_flags": _SERVER_FLAGS.value, "kv_cache_layouts": _LAYOUTS.value,
+                   "kv_chunk_size": _KV_CHUNK.value,
                    "docs": docs, "questions": questions, "doc_chars": doc_chars,
                    "conversations": convs, "turns": turns, "turn_chars": _TURN_CHARS.value,
                    "max_tokens": max_tokens, "temperature": 0,
                    "ttft": "client: request sent to first SSE event (sent with the first token)"},
-      "summary": [{"workload": wl, "phase": ph, **s} for (wl, ph), s in summaries.items()],
+      "summary": [{**({"kv_cache_layout": k[0]} if len(k) == 3 else {}), "workload": k[-2],
+                   "phase": k[-1], **s} for k, s in summaries.items()],
       "requests": [dataclasses.asdict(r) for r in rows],
-      "server_metrics": metrics,
+      "server_metrics": metrics["server"] if list(metrics) == ["server"] else metrics,
   }
   (out_dir / "bench_serve.json").write_text(json.dumps(record, indent=1))
   title = (f"bench_serve: {model}, {clients} clients, {os.cpu_count()} CPU cores"

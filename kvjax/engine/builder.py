@@ -8,6 +8,7 @@ the three things it needs from below come through here:
     store_config_from_json(text)  a tier list (JSON) -> `kvjax.storage.StoreConfig`
     build_llm(model, **options)   `LLM(model, **options)`
     warmup(llm)                   compile every program a request can hit before serving
+    resolve_kv_cache_layout(...)  the device KV layout `LLM` picks for given options
 
 `LLM.__init__` stays the one construction path; nothing here duplicates it.
 """
@@ -19,7 +20,7 @@ import os
 from typing import Any
 
 
-from kvjax.engine.llm import LLM
+from kvjax.engine.llm import LLM, resolve_kv_cache_layout
 from kvjax.models.runner import default_cache_root
 from kvjax.storage.tiers import StoreConfig, TierConfig
 

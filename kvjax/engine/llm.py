@@ -32,6 +32,23 @@ from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
 
 
+#: `LLM(kv_cache_layout=...)` when none is given (see `resolve_kv_cache_layout`).
+DEFAULT_KV_CACHE_LAYOUT = "paged"
+
+
+def resolve_kv_cache_layout(layout: str | None, kv_codec: str, *, with_store: bool) -> str:
+  """The layout `LLM` builds: `layout`, or when None `DEFAULT_KV_CACHE_LAYOUT`, except
+  "slotted" with a store whose codec is lossy (int8, int4, cachegen, kvtc): kvtc's payload
+  inserts and the bit-exact `kv_codec_consistent` mode run on the slotted cache only so far
+  (on the paged one, first-token log-probs of a loaded prefix differ from its cold run by about
+  1e-5). Unknown codecs are left for `LLM`'s own check."""
+  if layout is not None:
+    return layout
+  codec = codecs.CODECS.get(kv_codec) if isinstance(kv_codec, str) else None
+  if with_store and codec is not None and not codec.lossless:
+    return "slotted"
+  return DEFAULT_KV_CACHE_LAYOUT
+
 #: Latency priors of a store link, seconds, for the bandwidth-delay product of loads in flight.
 LOCAL_LINK_LATENCY_S = 1e-3
 REMOTE_LINK_LATENCY_S = 30e-3
@@ -182,12 +199,15 @@ class LLM:
       and smaller prefill steps; identical requests then get identical answers.
     compile_on_init: compile (or load from JAX's persistent cache) every program a request can
       run before returning (`warmup`), so no request's TTFT includes a compile.
-    kv_cache_layout: "slotted" (default: `max_num_seqs` slots of `max_model_len` positions) or
-      "paged" (issue 11: one block pool shared by all sequences, one ragged jit call per step,
-      a device prefix cache; `max_num_seqs` then reserves no memory).
+    kv_cache_layout: "paged" (issue 11: one block pool shared by all sequences, one ragged jit
+      call per step, a device prefix cache, preemption when the pool is full; `max_num_seqs`
+      reserves no memory) or "slotted" (`max_num_seqs` slots of `max_model_len` positions).
+      None (default): paged, except slotted with a store and a lossy `kv_codec`
+      (`resolve_kv_cache_layout`).
     block_size: paged: tokens per pool block, B (`kv_chunk_size` must be a multiple).
-    kv_cache_memory_bytes: paged: the pool's size, bytes; default 2 GiB on CPU, 80% of free
-      device memory on an accelerator.
+    kv_cache_memory_bytes: paged: the pool's size, bytes; default on CPU the smaller of 2 GiB
+      and what `max_num_seqs` sequences of `max_model_len` tokens need (never more than the
+      slotted cache of the same options), on an accelerator 80% of free device memory.
     enable_prefix_caching: paged: keep finished prefixes' full blocks on the device and share
       them with later requests (namespace + `cache_salt`); `reset_prefix_cache()` empties it.
 
@@ -205,7 +225,7 @@ class LLM:
                kv_codec_levels: Sequence[int] | None = None, kv_merge_mode: str = "cake",
                kv_max_loads_in_flight: int | None = None,
                kv_ttft_target_s: float | None = None, kv_codec_consistent: bool | None = None,
-               compile_on_init: bool = True, kv_cache_layout: str = "slotted",
+               compile_on_init: bool = True, kv_cache_layout: str | None = None,
                block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                enable_prefix_caching: bool = True):
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -221,6 +241,8 @@ class LLM:
         or not kv_ttft_target_s > 0):
       raise ValueError(f"kv_ttft_target_s={kv_ttft_target_s!r} must be a positive number of "
                        "seconds or None")
+    kv_cache_layout = resolve_kv_cache_layout(kv_cache_layout, kv_codec,
+                                              with_store=kv_store is not None)
     _check_paged_options(kv_cache_layout, block_size, kv_cache_memory_bytes, kv_chunk_size,
                          with_store=kv_store is not None)
     cache_root = default_cache_root() if cache_dir is None else cache_dir
@@ -253,7 +275,7 @@ class LLM:
     self.kvtc_transform = None
     if kv_store is not None and kv_codec == codecs.KVTC and kv_cache_layout == "paged":
       raise ValueError("kv_codec='kvtc' runs on the slotted KV cache for now: pass "
-                       "kv_cache_layout='slotted' (the default)")
+                       "kv_cache_layout='slotted' (or None, which picks it for lossy codecs)")
     if kv_store is not None and kv_codec == codecs.KVTC:
       self.kvtc_transform = kv_calibration.load_or_calibrate(
           runner, loaded.tokenizer, self.fingerprint,

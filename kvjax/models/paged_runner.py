@@ -57,12 +57,20 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
   return tuple(out)
 
 
-def default_kv_cache_bytes() -> int:
-  """The pool size when none is given: 2 GiB on CPU, else 80% of the device's free memory.
+def default_kv_cache_bytes(cpu_need_bytes: int | None = None) -> int:
+  """The pool size when none is given, bytes: on CPU `min(2 GiB, cpu_need_bytes)`, else 80% of
+  the device's free memory.
 
-  Falls back to the CPU default when the device reports no memory statistics.
+  `cpu_need_bytes` is what every sequence at full length needs (`build_paged_runner`:
+  `max_num_seqs` x `max_model_len`): on CPU the pool is host memory that each `LLM` zero-fills
+  at construction, so a small configuration (the tiny test model, a short `max_model_len`) gets
+  no more than the slotted cache of the same options would hold, and a process with several
+  engines (the test suite) is not charged 2 GiB each. Falls back to the CPU default when the
+  device reports no memory statistics.
   """
   if jax.default_backend() == "cpu":
+    if cpu_need_bytes is not None:
+      return min(DEFAULT_CPU_KV_CACHE_BYTES, cpu_need_bytes)
     return DEFAULT_CPU_KV_CACHE_BYTES
   stats = jax.devices()[0].memory_stats() or {}
   limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
@@ -425,7 +433,7 @@ def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: 
                        max_seq_len: int | None, chunk_sizes: tuple[int, ...]
                        ) -> PagedModelRunner:
   """A `PagedModelRunner` whose pool fills `kv_cache_memory_bytes` (default
-  `default_kv_cache_bytes()`) in the model's dtype: `bytes // (2 * L * B * K * H * itemsize)`
+  `default_kv_cache_bytes(max_num_seqs x max_seq_len tokens)`) in the model's dtype: `bytes // (2 * L * B * K * H * itemsize)`
   blocks, at least one. A request that can never fit is refused at admission.
 
   Raises:
@@ -434,7 +442,11 @@ def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: 
   for name, v in (("block_size", block_size), ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
       raise ValueError(f"{name}={v!r} must be a positive int")
-  nbytes = default_kv_cache_bytes() if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+  nbytes = kv_cache_memory_bytes
+  if nbytes is None:
+    seq_blocks = -(-(max_seq_len or model.cfg.max_seq_len) // block_size)
+    nbytes = default_kv_cache_bytes(
+        max_num_seqs * seq_blocks * paged_block_nbytes(model.cfg, block_size, model.dtype))
   num_blocks = PagedModelRunner.blocks_for_bytes(model.cfg, block_size, nbytes, model.dtype)
   return PagedModelRunner(model, PagedRunnerConfig(
       num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,

@@ -3,6 +3,8 @@
     python -m kvjax.serve                                   # SmolLM2-135M-Instruct on :8000
     python -m kvjax.serve --port=0 --kv_store=memory://     # a free port, a store in memory
     python -m kvjax.serve --kv_link_bytes_per_s=1e8 --kv_chunk_size=256 --max_num_seqs=8
+    python -m kvjax.serve --kv_cache_layout=paged --kv_cache_memory_bytes=1073741824 \
+        --no_enable_prefix_caching                          # a 1 GiB pool, no device cache
     KVJAX_API_KEY=secret python -m kvjax.serve --host=0.0.0.0 --allowed_hosts=llm.example.com
 
 Thin entry point: absl flags -> `ServerConfig` -> bind the socket -> load and warm up the model on
@@ -21,8 +23,8 @@ from absl import app, flags, logging
 
 from kvjax.serve.app import ServeState, create_app
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
-from kvjax.serve.server import (DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS, HttpServer, ServerConfig,
-                                close_backend, load_backend)
+from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,
+                                HttpServer, ServerConfig, close_backend, load_backend)
 
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct",
                              "Model name, .gguf path, Hugging Face safetensors dir, or 'tiny'.")
@@ -35,7 +37,23 @@ _DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", None,
                                       "Tokens per sequence, prompt plus output (default: the "
                                       "model's context).")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "Decode slots (requests running at once).")
+_MAX_NUM_SEQS = flags.DEFINE_integer(
+    "max_num_seqs", None, "Requests running at once (default: "
+    + ", ".join(f"{n} {layout}" for layout, n in DEFAULT_MAX_NUM_SEQS.items()) + ").")
+_LAYOUT = flags.DEFINE_enum(
+    "kv_cache_layout", None, ["slotted", "paged"],
+    "Device KV cache: 'paged' (one block pool shared by all sequences, a device prefix cache, "
+    "preemption when full) or 'slotted' (max_num_seqs slots of max_model_len positions). "
+    "Default: LLM's default.")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Paged: tokens per pool block "
+                                   "(--kv_chunk_size must be a multiple).")
+_KV_BYTES = flags.DEFINE_integer(
+    "kv_cache_memory_bytes", None, "Paged: the block pool's size in bytes (default: on CPU "
+    "2 GiB or less, see LLM; on an accelerator 80% of free memory).")
+_PREFIX_CACHING = flags.DEFINE_bool(
+    "enable_prefix_caching", True, "Paged: keep finished prefixes' blocks on the device and "
+    "share them with later requests; --no_enable_prefix_caching (or --noenable_prefix_caching) "
+    "turns it off.")
 _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", None,
                                "Token budget of one engine step (default: the largest chunk).")
 _CHUNK_SIZES = flags.DEFINE_list("chunk_sizes", None,
@@ -122,7 +140,9 @@ def config_from_flags() -> ServerConfig:
         kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_merge_mode=_MERGE.value,
         kv_codec_consistent={"auto": None, "true": True, "false": False}[_CONSISTENT.value],
         kv_link_bytes_per_s=_LINK.value,
-        kv_link_trace=_TRACE.value, enable_admin=_ADMIN.value, log_level=_LOG_LEVEL.value,
+        kv_link_trace=_TRACE.value, kv_cache_layout=_LAYOUT.value,
+        block_size=_BLOCK_SIZE.value, kv_cache_memory_bytes=_KV_BYTES.value,
+        enable_prefix_caching=_PREFIX_CACHING.value, enable_admin=_ADMIN.value, log_level=_LOG_LEVEL.value,
         max_request_bytes=_MAX_BYTES.value,
         max_waiting_requests=None if _MAX_WAITING.value == -1 else _MAX_WAITING.value,
         allow_special_tokens_in_prompt=_ALLOW_SPECIAL.value,
@@ -139,6 +159,16 @@ def curl_example(url: str, model: str, *, api_key: bool = False) -> str:
   auth = ' -H "Authorization: Bearer $KVJAX_API_KEY"' if api_key else ""
   return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"  -d '{body}'")
+
+
+#: vLLM's spelling of a negated bool flag, rewritten to absl's (`--noNAME`) before parsing.
+_VLLM_NEGATIONS = {"--no_enable_prefix_caching": "--noenable_prefix_caching",
+                   "--no-enable-prefix-caching": "--noenable_prefix_caching"}
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser, accepting `--no_enable_prefix_caching` (vLLM's negation) as well."""
+  return app.parse_flags_with_usage([_VLLM_NEGATIONS.get(a, a) for a in argv])
 
 
 def main(argv):
@@ -183,4 +213,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

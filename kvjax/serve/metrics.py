@@ -1,8 +1,12 @@
 """Prometheus metrics of one server (its own registry, so several servers can share a process).
 
-Request metrics are updated on the engine thread as outputs appear (`on_output`); store, link,
-saver and queue figures are read when `/metrics` is scraped (`_StoreCollector`), by attribute
-access only, so an engine without some of them reports what it has. Store warnings (a failed
+Request metrics are updated on the engine thread as outputs appear (`on_output`); queue, KV pool,
+device prefix-cache, preemption, store, link and saver figures are read when `/metrics` is
+scraped (`_StoreCollector`), all from one `Engine.stats()` snapshot (`EngineStats`: its
+`kv_cache` is None for the slotted layout, its `saver` None without a store, and the families of
+an absent part are left out). vLLM's names of the figures vLLM has (`vllm:kv_cache_usage_perc`,
+`vllm:num_requests_waiting`, `vllm:prefix_cache_queries`/`hits`, `vllm:num_preemptions`) are
+served beside the `kvjax_` ones, with the same values. Store warnings (a failed
 lookup, read or save, each of which degrades to computing) are counted by a logging handler on
 the store's loggers.
 """
@@ -37,30 +41,39 @@ class _WarningCounter(logging.Handler):
 
 
 class _StoreCollector(Collector):
-  """Reads store, link, saver and engine-loop counters at scrape time."""
+  """Reads engine-loop counters and one engine snapshot (queue, KV pool, store) per scrape."""
 
   def __init__(self, engine_stats: Callable[[], Any] | None, loop_stats: Any):
     self._engine_stats = engine_stats
     self._loop_stats = loop_stats
 
   def collect(self):
-    stats = self._loop_stats
-    if stats is not None:
-      yield GaugeMetricFamily("kvjax_num_requests_waiting",
-                              "Requests queued in the engine without a slot.", stats.waiting)
-      yield GaugeMetricFamily("kvjax_num_requests_running", "Requests holding a decode slot.",
-                              stats.running)
+    loop = self._loop_stats
+    if loop is not None:
       yield CounterMetricFamily("kvjax_engine_step_failures", "Engine steps that raised.",
-                                stats.step_failures)
+                                loop.step_failures)
       yield CounterMetricFamily("kvjax_aborted_requests",
-                                "Unfinished requests aborted (client gone).", stats.aborted)
-    if self._engine_stats is None:
+                                "Unfinished requests aborted (client gone).", loop.aborted)
+    snap = None
+    if self._engine_stats is not None:
+      try:
+        snap = self._engine_stats()  # the one snapshot every engine figure below comes from
+      except Exception:  # noqa: BLE001 - a scrape must not fail on an engine in flux
+        _log.exception("reading engine stats failed")
+    if snap is not None:
+      waiting, running = snap.num_waiting, snap.num_running
+    elif loop is not None:
+      waiting, running = loop.waiting, loop.running
+    else:
       return
-    try:
-      snap = self._engine_stats()
-    except Exception:  # noqa: BLE001 - a scrape must not fail on an engine in flux
-      _log.exception("reading engine stats failed")
+    for name in ("kvjax_num_requests_waiting", "vllm:num_requests_waiting"):
+      yield GaugeMetricFamily(name, "Requests queued in the engine, not yet running.", waiting)
+    yield GaugeMetricFamily("kvjax_num_requests_running", "Requests running (decode slots or "
+                            "paged sequences).", running)
+    if snap is None:
       return
+    if snap.kv_cache is not None:
+      yield from _kv_cache_families(snap.kv_cache)
     if snap.saver is None:
       return  # no store
     rejected = CounterMetricFamily("kvjax_store_rejected_chunks",
@@ -93,6 +106,40 @@ class _StoreCollector(Collector):
     yield fam
 
 
+def _kv_cache_families(kv) -> list:
+  """The paged pool's and device prefix cache's families (`KVCacheStats`): usage as vLLM's
+  `kv_cache_usage_perc` (a fraction in [0, 1], under both names), blocks, device prefix-cache
+  lookups and tokens, evictions, preemptions."""
+  out = [GaugeMetricFamily(name, "Fraction of the KV block pool in use (1 = full), in [0, 1].",
+                           kv.usage)
+         for name in ("kvjax_kv_cache_usage_perc", "vllm:kv_cache_usage_perc")]
+  blocks = GaugeMetricFamily("kvjax_kv_cache_blocks", "KV pool blocks: all usable, free "
+                             "(allocatable now, evictable cached included), cached (indexed).",
+                             labels=["state"])
+  blocks.add_metric(["total"], kv.num_blocks)
+  blocks.add_metric(["free"], kv.num_free_blocks)
+  blocks.add_metric(["cached"], kv.num_cached_blocks)
+  out.append(blocks)
+  for name, doc, value in (
+      ("kvjax_device_prefix_cache_queries", "Device prefix-cache lookups (one per admission or "
+       "resumption).", kv.queries),
+      ("kvjax_device_prefix_cache_hits", "Device prefix-cache lookups that found a block.",
+       kv.hits),
+      ("kvjax_device_prefix_cache_query_tokens", "Tokens looked up in the device prefix cache.",
+       kv.query_tokens),
+      ("kvjax_device_prefix_cache_hit_tokens", "Tokens served from device-resident blocks.",
+       kv.hit_tokens),
+      ("vllm:prefix_cache_queries", "Tokens looked up in the device prefix cache (vLLM's name).",
+       kv.query_tokens),
+      ("vllm:prefix_cache_hits", "Tokens served from the device prefix cache (vLLM's name).",
+       kv.hit_tokens),
+      ("kvjax_kv_cache_evictions", "Cached blocks evicted to make room.", kv.evictions),
+      ("kvjax_num_preemptions", "Requests preempted because the pool ran out.", kv.preemptions),
+      ("vllm:num_preemptions", "Requests preempted (vLLM's name).", kv.preemptions)):
+    out.append(CounterMetricFamily(name, doc, value))
+  return out
+
+
 class ServeMetrics:
   """The server's metrics.
 
@@ -110,7 +157,9 @@ class ServeMetrics:
                          "Submission to the engine to the last token, seconds.", registry=r,
                          buckets=_TTFT_BUCKETS)
     self.prompt_tokens = Counter("kvjax_prompt_tokens",
-                                 "Prompt tokens of finished requests, by how their KV was made.",
+                                 "Prompt tokens of finished requests, by how their KV was made: "
+                                 "computed, loaded from the store, or device (prefix-cache "
+                                 "blocks already on the device).",
                                  ["source"], registry=r)
     self.generation_tokens = Counter("kvjax_generation_tokens", "Output tokens.", registry=r)
     self.prefix_queried = Counter("kvjax_prefix_cache_queried_tokens",
@@ -150,8 +199,9 @@ class ServeMetrics:
     self.e2e.observe(elapsed_s)
     m = out.metrics
     n_prompt = len(out.prompt_token_ids)
-    loaded = m.num_loaded_tokens
-    self.prompt_tokens.labels(source="loaded").inc(loaded)
+    device = m.num_device_cached_tokens
+    self.prompt_tokens.labels(source="device").inc(device)
+    self.prompt_tokens.labels(source="loaded").inc(m.num_loaded_tokens - device)
     self.prompt_tokens.labels(source="computed").inc(m.num_computed_tokens)
     self.generation_tokens.inc(len(out.token_ids))
     self.prefix_queried.inc(n_prompt)

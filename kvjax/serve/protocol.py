@@ -285,7 +285,8 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
   """The `kvjax` object of a response: per-request timing and the KV merge trace.
 
   Keys: `request_id`; `ttft_s` (server side: request received to first token, seconds);
-  `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded`, `cached_tokens`;
+  `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded` (store loads and device hits),
+  `tokens_device_cached` (of those, served from the device prefix cache), `cached_tokens`;
   `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); `merge`, the Cake merge trace
   (`MERGE_FIELDS`; null when nothing was stored) and its `meeting_index` at the top level; and
   `engine_metrics`, every field of the engine's `RequestMetrics` (engine clock).
@@ -297,6 +298,7 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
          "prompt_tokens": prompt_tokens,
          "tokens_computed": metrics.num_computed_tokens,
          "tokens_loaded": metrics.num_loaded_tokens,
+         "tokens_device_cached": metrics.num_device_cached_tokens,
          "cached_tokens": cached_tokens,
          "rejected_chunks": metrics.num_rejected_chunks,
          "loaded_from_tiers": tiers}

@@ -30,6 +30,9 @@ from kvjax.serve.metrics import ServeMetrics
 KV_CODECS = tuple(codecs.CODECS)
 #: Default `max_waiting_requests`: requests queued beyond the decode slots before 429s.
 DEFAULT_MAX_WAITING_REQUESTS = 256
+#: Default `max_num_seqs` per KV cache layout: paged sequences reserve no memory up front (the
+#: pool is shared; a full pool preempts), slotted ones reserve `max_model_len` positions each.
+DEFAULT_MAX_NUM_SEQS = {"paged": 64, "slotted": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +46,9 @@ class ServerConfig:
     port: TCP port; 0 picks a free one.
     dtype: compute and KV dtype ("auto", "float32", "bfloat16").
     max_model_len: tokens per sequence; None: the model's context.
-    max_num_seqs: decode slots.
+    max_num_seqs: requests running at once; None: 64 for the paged layout (the pool, not this
+      number, bounds memory; preemption handles a full pool), 4 for the slotted one (each slot
+      reserves `max_model_len` positions).
     max_num_batched_tokens: token budget of one engine step; None: the largest chunk size.
     chunk_sizes: compiled prefill chunk sizes; None: `LLM`'s default.
     seed: seeds requests that give no seed.
@@ -57,6 +62,12 @@ class ServerConfig:
       where feasible; see `LLM`).
     kv_link_bytes_per_s: emulated store link, bytes/s; None: unlimited.
     kv_link_trace: file of "seconds bytes_per_s" lines instead of a constant link.
+    kv_cache_layout: "paged" (a block pool shared by all sequences, a device prefix cache) or
+      "slotted" (`max_num_seqs` slots of `max_model_len` positions); None: `LLM`'s default.
+    block_size: paged: tokens per pool block (`kv_chunk_size` must be a multiple).
+    kv_cache_memory_bytes: paged: the pool's size, bytes; None: `LLM`'s default.
+    enable_prefix_caching: paged: keep finished prefixes' blocks on the device for later
+      requests.
     enable_admin: serve POST /admin/flush_kv.
     log_level: uvicorn's log level.
     max_request_bytes: largest request body, bytes (413 beyond, before any parsing).
@@ -79,7 +90,7 @@ class ServerConfig:
   port: int = 8000
   dtype: str = "auto"
   max_model_len: int | None = None
-  max_num_seqs: int = 4
+  max_num_seqs: int | None = None
   max_num_batched_tokens: int | None = None
   chunk_sizes: tuple[int, ...] | None = None
   seed: int = 0
@@ -92,6 +103,10 @@ class ServerConfig:
   kv_codec_consistent: bool | None = None
   kv_link_bytes_per_s: float | None = None
   kv_link_trace: str | None = None
+  kv_cache_layout: str | None = None
+  block_size: int = 16
+  kv_cache_memory_bytes: int | None = None
+  enable_prefix_caching: bool = True
   enable_admin: bool = False
   log_level: str = "warning"
   max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -109,6 +124,12 @@ class ServerConfig:
       codecs.check_chunk_size(self.kv_codec, None, self.kv_chunk_size)
     except ValueError as e:
       raise ValueError(f"kv_chunk_size={self.kv_chunk_size!r}: {e}") from e
+    if self.kv_cache_layout not in (None, "slotted", "paged"):
+      raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}; use 'slotted' or 'paged'")
+    for name in ("max_num_seqs", "block_size", "kv_cache_memory_bytes"):
+      v = getattr(self, name)
+      if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+        raise ValueError(f"{name}={v!r} must be a positive int")
     if not 0 <= self.port < 65536:
       raise ValueError(f"port={self.port} is not in [0, 65535]")
     if self.kv_tiers is not None and self.kv_store not in (None, "default"):
@@ -123,12 +144,31 @@ class ServerConfig:
                       allowed_hosts=self.allowed_hosts, allowed_origins=self.allowed_origins,
                       api_key=self.api_key, auth_health_and_metrics=self.auth_health_and_metrics)
 
+  @property
+  def resolved_kv_cache_layout(self) -> str:
+    """`kv_cache_layout`, or the layout `LLM` picks when None (`resolve_kv_cache_layout`)."""
+    return builder.resolve_kv_cache_layout(
+        self.kv_cache_layout, self.kv_codec,
+        with_store=self.kv_store is not None or self.kv_tiers is not None)
+
+  @property
+  def resolved_max_num_seqs(self) -> int:
+    """`max_num_seqs`, or its layout's default (`DEFAULT_MAX_NUM_SEQS`)."""
+    if self.max_num_seqs is not None:
+      return self.max_num_seqs
+    return DEFAULT_MAX_NUM_SEQS[self.resolved_kv_cache_layout]
+
   def llm_options(self) -> dict[str, Any]:
     """Keyword arguments of `builder.build_llm` (and so of `LLM`)."""
     opts: dict[str, Any] = dict(
-        dtype=self.dtype, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+        dtype=self.dtype, max_num_seqs=self.resolved_max_num_seqs,
+        max_model_len=self.max_model_len,
         max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed,
-        cache_dir=self.cache_dir, kv_codec=self.kv_codec)
+        cache_dir=self.cache_dir, kv_codec=self.kv_codec,
+        kv_cache_layout=self.resolved_kv_cache_layout)
+    if opts["kv_cache_layout"] == "paged":
+      opts.update(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                  enable_prefix_caching=self.enable_prefix_caching)
     if self.chunk_sizes is not None:
       opts["chunk_sizes"] = tuple(self.chunk_sizes)
     if self.kv_tiers is not None:

@@ -20,6 +20,7 @@ LENGTHS = (1, C - 1, C, C + 1, 3 * C, 3 * C + 17)
 
 
 def make_llm(store, mode="cake", **kw):
+  kw.setdefault("enable_prefix_caching", False)  # store loads are counted: no device hits
   llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
             kv_chunk_size=C, kv_merge_mode=mode, **kw)
   llm.engine.check_writes = True

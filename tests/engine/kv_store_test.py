@@ -22,6 +22,8 @@ def make_llm(store, **kw):
   # Load-only makes the chunk accounting exact (every stored chunk is loaded); the Cake merge's
   # own tests (cake_engine_test.py) cover the other modes.
   kw.setdefault("kv_merge_mode", "load_only")
+  # These tests count store hits: a device prefix hit (paged layout) would serve them instead.
+  kw.setdefault("enable_prefix_caching", False)
   return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
              kv_chunk_size=C, **kw)
 

@@ -7,6 +7,7 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
+from kvjax.engine.llm import resolve_kv_cache_layout
 from kvjax.models.kv_cache import PagedKVCache, paged_block_nbytes
 from kvjax.models.registry import load_model
 
@@ -175,6 +176,25 @@ class PagedEngineTest(absltest.TestCase):
     finished = [(i, done[r]) for i, r in enumerate(rids) if r in done]
     want = self.want([prompts[i] for i, _ in finished], [params[i] for i, _ in finished])
     self.assertEqual([o.token_ids for _, o in finished], [w.token_ids for w in want])
+
+
+class DefaultLayoutTest(absltest.TestCase):
+
+  def test_default_is_paged_with_a_cpu_pool_no_larger_than_the_slotted_cache(self):
+    llm = LLM("tiny", cache_dir="", max_num_seqs=2, max_model_len=64, chunk_sizes=CHUNKS,
+              compile_on_init=False)
+    self.assertEqual(llm.engine.kv_cache_layout, "paged")
+    # 2 sequences x 64 tokens = 8 blocks of 16 (every block usable); far below 2 GiB.
+    self.assertEqual(llm.engine.runner.num_blocks, 2 * 64 // B)
+    self.assertEqual(llm.engine.stats().kv_cache.num_blocks, 2 * 64 // B)
+    llm.close()
+
+  def test_lossy_codecs_with_a_store_resolve_to_slotted(self):
+    self.assertEqual([resolve_kv_cache_layout(None, c, with_store=True)
+                      for c in ("raw", "int8", "int4", "cachegen", "kvtc")],
+                     ["paged", "slotted", "slotted", "slotted", "slotted"])
+    self.assertEqual(resolve_kv_cache_layout(None, "int8", with_store=False), "paged")
+    self.assertEqual(resolve_kv_cache_layout("paged", "int8", with_store=True), "paged")
 
 
 if __name__ == "__main__":

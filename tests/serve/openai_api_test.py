@@ -28,7 +28,9 @@ class OpenAIApiTest(ServedLLMTestCase):
     cls.ref = tiny_llm(max_num_seqs=1)
     # Load-only makes "the whole stored prefix is loaded" exact; Cake's own timing-dependent
     # meeting point is covered by tests/engine/cake_engine_test.py and the notebook test.
+    # No device prefix cache: the store-hit tests count loads from the store.
     return tiny_llm(max_num_seqs=4, kv_store="memory://", kv_chunk_size=CHUNK,
+                    enable_prefix_caching=False,
                     kv_merge_mode="load_only")
 
   def ref_text(self, prompt, max_tokens=8):

@@ -8,9 +8,13 @@ import subprocess
 import sys
 
 import httpx
+import jax.numpy as jnp
 import openai
 import pytest
 from absl.testing import absltest
+
+from kvjax.models.kv_cache import paged_block_nbytes
+from kvjax.models.registry import load_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--model=tiny", "--port=0", "--cache_dir=", "--chunk_sizes=16,32", "--max_num_seqs=1"]
@@ -81,6 +85,35 @@ class ServeMainTest(absltest.TestCase):
     log.seek(0)
     self.assertEqual(proc.returncode, 0, log.read())
 
+  def test_paged_layout_flags(self):
+    block_nbytes = paged_block_nbytes(load_model("tiny").config, 16, jnp.float32)
+    log = open(self.create_tempfile().full_path, "w+")
+    proc = start(*TINY, "--kv_store=none", "--kv_cache_layout=paged", "--block_size=16",
+                 f"--kv_cache_memory_bytes={12 * block_nbytes}", "--no_enable_prefix_caching",
+                 stderr=log)
+    try:
+      port = int(re.search(r"port (\d+)", proc.stdout.readline()).group(1))
+      url = f"http://127.0.0.1:{port}"
+      line = proc.stdout.readline()
+      while line and not line.startswith("kvjax: ready"):
+        line = proc.stdout.readline()
+      log.seek(0)
+      self.assertTrue(line, f"server exited: {log.read()}")
+      body = {"model": "tiny", "prompt": list(range(40)), "max_tokens": 2}
+      exts = [httpx.post(url + "/v1/completions", json=body, timeout=60).json()["kvjax"]
+              for _ in range(2)]
+      self.assertEqual([e["tokens_device_cached"] for e in exts], [0, 0])
+      text = httpx.get(url + "/metrics").text
+      self.assertIn('kvjax_kv_cache_blocks{state="total"} 12.0', text)
+      self.assertIn("vllm:kv_cache_usage_perc 0.0", text)
+      self.assertIn("vllm:prefix_cache_queries_total 0.0", text)  # off: no lookups
+      self.assertIn("vllm:prefix_cache_hits_total 0.0", text)
+    finally:
+      proc.send_signal(signal.SIGINT)
+      proc.communicate(timeout=60)
+    log.seek(0)
+    self.assertEqual(proc.returncode, 0, log.read())
+
   @pytest.mark.slow
   def test_bad_flags_and_models_exit_with_a_message(self):
     proc = start(*TINY, "--kv_codec=zstd")
@@ -99,6 +132,10 @@ class ServeMainTest(absltest.TestCase):
     _, err = proc.communicate(timeout=120)
     self.assertEqual(proc.returncode, 1)
     self.assertIn("not an origin", err)
+    proc = start(*TINY, "--kv_cache_layout=ragged")
+    _, err = proc.communicate(timeout=120)
+    self.assertEqual(proc.returncode, 1)
+    self.assertIn("kv_cache_layout", err)
 
 
 if __name__ == "__main__":

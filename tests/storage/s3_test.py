@@ -374,7 +374,8 @@ class S3EngineTest(MotoTestCase):
     prompt = {"prompt_token_ids": [int(t) for t in
                                    np.random.default_rng(7).integers(0, 256, 150)]}
     llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64),
-              kv_store=self.url(), kv_chunk_size=32, kv_merge_mode="load_only")
+              kv_store=self.url(), kv_chunk_size=32, kv_merge_mode="load_only",
+              enable_prefix_caching=False)  # the second request must hit the store
     try:
       first = llm.generate(prompt, greedy)[0]
       llm.flush()
