@@ -156,6 +156,7 @@ def config_from_flags() -> ServerConfig:
 def curl_example(url: str, model: str, *, api_key: bool = False) -> str:
   body = json.dumps({"model": model, "max_tokens": 32,
                      "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+  # The key itself is never printed: the example names a variable the user sets to it.
   auth = ' -H "Authorization: Bearer $KVJAX_API_KEY"' if api_key else ""
   return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"  -d '{body}'")
