@@ -47,7 +47,9 @@ class EngineStreamTest(absltest.TestCase):
 
   def test_per_request_merge_mode_and_the_recorded_stream(self):
     llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-              kv_store="memory://", kv_chunk_size=C)
+              kv_store="memory://", kv_chunk_size=C,
+              enable_prefix_caching=False)  # every repeat reads the store
+
     eng = llm.engine
     eng.timed_inserts = True
     rec = bench.Recorder()
