@@ -56,17 +56,6 @@ from kvjax.storage.chunk_store import choose_codec
 
 _log = logging.getLogger(__name__)
 
-#: Accuracy order of the encodings this engine decodes (0 = exact): the registry's, from their
-#: measured errors (`kvjax.codecs.ACCURACY_RANK`). The level policy loads the most accurate
-#: encoding that lands in time (CacheGen, arXiv 2310.07240, section 5.3).
-QUALITY_RANK = codecs.ACCURACY_RANK
-
-
-def _encoding_name(codec: str, level: int) -> str:
-  """The display form ("cachegen/2") of an encoding, as the merge trace records it."""
-  return str(codecs.EncodingId(codec, level))
-
-
 def _candidates(record, raw_nbytes: int) -> list[Candidate]:
   """The encodings of a stored chunk this engine can decode, as level-policy candidates.
 
@@ -75,12 +64,12 @@ def _candidates(record, raw_nbytes: int) -> list[Candidate]:
   """
   if record is None:
     raw = codecs.EncodingId(codecs.RAW, 0)
-    return [Candidate(raw, raw_nbytes, QUALITY_RANK[raw])]
+    return [Candidate(raw, raw_nbytes, codecs.ACCURACY_RANK[raw])]
   out = []
   for e in record.encodings:
     if codecs.is_decodable(e.codec, e.codec_version, e.level):
       eid = codecs.EncodingId(e.codec, e.level)
-      out.append(Candidate(eid, int(e.nbytes), QUALITY_RANK[eid]))
+      out.append(Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid]))
   return out
 
 
@@ -441,10 +430,6 @@ class Engine:
     """Calls `observe` with every step's `StepRecord` (plan, result, timing): plain data for
     benchmarks and traces."""
     self._core.observers.append(observe)
-
-  def merge_of(self, request_id: RequestId):
-    """The live merge planner of a request (tests and debugging; read-only use), or None."""
-    return self._scheduler.merge(request_id)
 
   # ----------------------------------------------------------------------------- stepping
   def step(self) -> list[RequestOutput]:

@@ -284,18 +284,6 @@ class ModelRunner:
                             np.int32(start), cos, sin)
     self.cache = KVCache(k, v, self.cache.lengths_B)
 
-  def encode_chunk(self, kv_L2CKH, codec: str, level: int) -> dict[str, np.ndarray]:
-    """Quantizes one chunk (K before RoPE) on the device; returns the payload on the host.
-
-    Thread-safe (no cache access): the saver thread calls it.
-
-    Raises:
-      ValueError: NaN/inf in the chunk, or an unknown codec or level.
-    """
-    if codec == codecs.KVTC:
-      return kvtc.kvtc_encode_host(kv_L2CKH, self._need_kvtc(), level)
-    return kv_codec.kv_encode_host(kv_L2CKH, codec, level, use_pallas=self.use_pallas_codecs)
-
   def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...]) -> list:
     """Quantizes one device chunk (K before RoPE) at every level in one jit'd device call.
 

@@ -4,7 +4,6 @@ server's layout flags."""
 
 import concurrent.futures
 import threading
-import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -103,14 +102,24 @@ class PagedServeTest(ServedLLMTestCase):
       return step()
 
     engine.step = gated_step
-    self.addCleanup(lambda: (proceed.set(), engine.__dict__.pop("step", None)))
+    submit, queued, submitted = loop.submit, threading.Event(), []
+
+    def counted_submit(*args, **kw):  # the second call: b handed to the (held) engine thread
+      out = submit(*args, **kw)
+      submitted.append(1)
+      if len(submitted) == 2:
+        queued.set()
+      return out
+
+    loop.submit = counted_submit
+    self.addCleanup(lambda: (proceed.set(), engine.__dict__.pop("step", None),
+                             loop.__dict__.pop("submit", None)))
     before = self.srv.scrape()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       fa = pool.submit(self.complete, a, 80, cache_salt="together")
       self.assertTrue(entered.wait(60))
       fb = pool.submit(self.complete, b, 80, cache_salt="together")
-      while loop._unfinished < 2:  # b submitted to the engine thread (which is held)
-        time.sleep(0.01)
+      self.assertTrue(queued.wait(60))  # b submitted to the engine thread (which is held)
       del engine.step
       proceed.set()
       got = [fa.result(120).choices[0].text, fb.result(120).choices[0].text]
