@@ -26,11 +26,11 @@ import numpy as np
 from flax import nnx
 
 from kvjax.kernels import kv_codec
-from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_block_nbytes,
+from kvjax.models.kv_cache import (init_paged_kv_cache, paged_block_nbytes,
                                    write_chunk_blocks)
 from kvjax.models.layers import apply_rope
 from kvjax.models.llama import Llama
-from kvjax.models.runner import DEFAULT_CHUNK_SIZES
+from kvjax.models.runner import DEFAULT_CHUNK_SIZES, level_encoder
 
 #: Default pool size on CPU, bytes (issue 11); accelerators use a fraction of free memory.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -214,7 +214,6 @@ class PagedModelRunner:
 
     self._insert = jax.jit(insert_raw, donate_argnums=(0,))
     self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,))
-    self._encoders: dict = {}
     self._compiled: set[int] = set()
 
   # ----------------------------------------------------------------------------- sizes
@@ -379,21 +378,9 @@ class PagedModelRunner:
     Returns:
       [(codec, level, {name: device array}, finite flag)] per level.
     """
-    key = (codec, tuple(levels))
-    fn = self._encoders.get(key)
-    if fn is None:
-      use_pallas = self.use_pallas_codecs
-
-      def encode_all(kv):
-        out = []
-        for level in levels:
-          payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
-          out.append((payload._asdict(), finite))
-        return out
-
-      fn = self._encoders[key] = jax.jit(encode_all)
+    fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs)
     return [(codec, level, arrays, finite)
-            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH))]
+            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, None))]
 
   # ----------------------------------------------------------------------------- lifetime
   def reset(self) -> None:

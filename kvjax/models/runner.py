@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import os
 
 import jax
@@ -46,6 +47,30 @@ def enable_persistent_compilation_cache(path: str | None = None) -> str:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
+
+
+@functools.lru_cache(maxsize=None)
+def level_encoder(codec: str, levels: tuple[int, ...], use_pallas: bool):
+  """One jit'd function encoding a device chunk at every level of `levels` in one call.
+
+  Shared by both runner layouts (compiled once per codec, levels and backend choice).
+
+  Returns:
+    `fn(kv_L2CKH, kvtc_transform_or_None) -> [(payload arrays by name, finite flag)]`, one entry
+    per level (kvtc needs the device transform; other codecs ignore it).
+  """
+
+  def encode_all(kv, t):
+    out = []
+    for level in levels:
+      if codec == codecs.KVTC:
+        payload, finite = kvtc.kvtc_encode(kv, t, level)
+      else:
+        payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
+      out.append((payload._asdict(), finite))
+    return out
+
+  return jax.jit(encode_all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +134,6 @@ class ModelRunner:
     # Pallas codec kernels where they compile; XLA's build of the jnp reference on CPU (Pallas
     # compiles nothing for CPU; interpret mode is for tests).
     self.use_pallas_codecs = jax.default_backend() != "cpu"
-    self._encoders: dict = {}
     self._compiled_sizes: set[int] = set()
     self.kvtc_transform: kvtc.KVTCTransform | None = None
     self._kvtc_device: kvtc.KVTCDeviceTransform | None = None
@@ -128,7 +152,6 @@ class ModelRunner:
                        f"K={cfg.n_kv_heads}, H={cfg.head_dim}")
     self.kvtc_transform = transform
     self._kvtc_device = transform.device_arrays()
-    self._encoders = {k: v for k, v in self._encoders.items() if k[0] != codecs.KVTC}
 
   def _need_kvtc(self) -> kvtc.KVTCDeviceTransform:
     if self._kvtc_device is None:
@@ -302,26 +325,11 @@ class ModelRunner:
     Raises:
       ValueError: an unknown codec or level.
     """
-    key = (codec, tuple(levels))
-    fn = self._encoders.get(key)
-    if fn is None:
-      use_pallas = self.use_pallas_codecs
-      if codec == codecs.KVTC:
-        self._need_kvtc()
-        for level in levels:
-          codecs.check_codec(codec, (level,))
-
-      def encode_all(kv, t):
-        out = []
-        for level in levels:
-          if codec == codecs.KVTC:
-            payload, finite = kvtc.kvtc_encode(kv, t, level)
-          else:
-            payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
-          out.append((payload._asdict(), finite))
-        return out
-
-      fn = self._encoders[key] = jax.jit(encode_all)
+    if codec == codecs.KVTC:
+      self._need_kvtc()
+      for level in levels:
+        codecs.check_codec(codec, (level,))
+    fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs)
     t = self._kvtc_device if codec == codecs.KVTC else None
     return [(codec, level, arrays, finite)
             for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, t))]
