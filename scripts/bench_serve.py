@@ -15,7 +15,9 @@ queue; a document's questions and a conversation's turns are one task, sent in o
 
 TTFT is measured by the client (request sent to the first streamed event, which the server sends
 with the first token) and also reported by the server (`kvjax.ttft_s`, submission to the first
-token). Output tokens/s is all completion tokens over the phase's wall time.
+token). Output tokens/s is all completion tokens over the phase's wall time. Device KV memory
+per server (`kvjax_kv_cache_bytes` on /metrics): reserved, and the peak held by requests (paged:
+most pool blocks held at once; slotted: every slot is reserved whole).
 
     .venv/bin/python scripts/bench_serve.py --quick          # short run, real SmolLM2
     .venv/bin/python scripts/bench_serve.py --clients=8 --docs=4 --questions=4 --conversations=8
@@ -213,6 +215,15 @@ def start_server(store_dir: str, layout: str | None) -> tuple[subprocess.Popen, 
   return proc, url, model
 
 
+def kv_cache_bytes(metrics_text: str) -> dict:
+  """`kvjax_kv_cache_bytes` by state (reserved, peak_used) from a /metrics page."""
+  from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+  for fam in text_string_to_metric_families(metrics_text):
+    if fam.name == "kvjax_kv_cache_bytes":
+      return {s.labels["state"]: int(s.value) for s in fam.samples}
+  return {}
+
+
 def versions() -> dict:
   out = {}
   for pkg in ("kvjax", "jax", "jaxlib", "flax", "fastapi", "uvicorn", "openai", "tensorstore"):
@@ -277,7 +288,7 @@ def main(argv):
   if _URL.value is not None and _LAYOUTS.value:
     raise app.UsageError("--kv_cache_layouts starts its own servers; drop --url")
   machine_at_start = machine()
-  rows, summaries, metrics = [], {}, {}
+  rows, summaries, metrics, kv_memory = [], {}, {}, {}
   try:
     for layout in layouts:
       proc, url, model = None, _URL.value, None
@@ -302,6 +313,8 @@ def main(argv):
             if r.status_code != 200:
               print(f"  (no /admin/flush_kv: {r.status_code}; warm may miss unsaved chunks)")
         metrics[layout or "server"] = httpx.get(url + "/metrics").text
+        kv_memory[layout or "server"] = kv_cache_bytes(metrics[layout or "server"])
+        print(f"{layout or ''} KV memory: {kv_memory[layout or 'server']}", flush=True)
       finally:
         if proc is not None:
           proc.send_signal(signal.SIGINT)
@@ -309,6 +322,9 @@ def main(argv):
   finally:
     shutil.rmtree(work, ignore_errors=True)
   print_table(summaries)
+  for name, mem in kv_memory.items():
+    print(f"{name}: device KV reserved {mem.get('reserved', 0) / 2**20:.0f} MiB, "
+          f"peak held by requests {mem.get('peak_used', 0) / 2**20:.0f} MiB")
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   record = {
@@ -328,6 +344,7 @@ def main(argv):
       "summary": [{**({"kv_cache_layout": k[0]} if len(k) == 3 else {}), "workload": k[-2],
                    "phase": k[-1], **s} for k, s in summaries.items()],
       "requests": [dataclasses.asdict(r) for r in rows],
+      "kv_cache_bytes": kv_memory,
       "server_metrics": metrics["server"] if list(metrics) == ["server"] else metrics,
   }
   (out_dir / "bench_serve.json").write_text(json.dumps(record, indent=1))

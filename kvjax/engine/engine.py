@@ -182,6 +182,9 @@ class EngineStats:
     tiers: per store tier, its counters (empty without a store).
     kv_cache: the paged pool and device prefix cache (blocks, usage, hits, preemptions); None
       for the slotted layout.
+    kv_cache_bytes: device bytes reserved for KV (the pool, or every slot), int.
+    kv_cache_peak_used_bytes: bytes of the most pool blocks held at once (paged); for the
+      slotted layout every slot is reserved whole, so this equals `kv_cache_bytes`.
   """
 
   num_waiting: int
@@ -194,6 +197,8 @@ class EngineStats:
   kv_cache_ok: bool
   tiers: tuple[TierSnapshot, ...] = ()
   kv_cache: KVCacheStats | None = None
+  kv_cache_bytes: int = 0
+  kv_cache_peak_used_bytes: int = 0
 
 
 def device_namespace_root(cache_salt: str | None) -> str:
@@ -400,6 +405,10 @@ class Engine:
   def stats(self) -> EngineStats:
     """A snapshot of the engine's accounting (plain data)."""
     kv = self.kv_store
+    kv_cache = self._scheduler.kv_cache.stats() if self._paged else None
+    reserved = self.runner.kv_cache_nbytes() if self.runner.cache_ok() else 0
+    peak = (kv_cache.peak_used_blocks * self.runner.kv_block_nbytes()
+            if kv_cache is not None and reserved else reserved)
     return EngineStats(
         num_waiting=self._scheduler.num_waiting(), num_running=self._scheduler.num_running(),
         loop=dataclasses.replace(self._core.stats),
@@ -409,7 +418,7 @@ class Engine:
         link_bandwidth_bytes_per_s=self._scheduler.cost_model.bandwidth_bytes_per_s,
         kv_cache_ok=self.runner.cache_ok(),
         tiers=kv.tier_snapshots() if kv is not None else (),
-        kv_cache=self._scheduler.kv_cache.stats() if self._paged else None)
+        kv_cache=kv_cache, kv_cache_bytes=reserved, kv_cache_peak_used_bytes=peak)
 
   def reset_device(self) -> None:
     """Rebuilds the KV cache after a failed step consumed its buffers (requests are lost; the

@@ -391,6 +391,14 @@ class PagedModelRunner:
   def block_until_ready(self) -> None:
     jax.block_until_ready(self.pool)
 
+  def kv_cache_nbytes(self) -> int:
+    """Device bytes the pool's K and V buffers take (reserved whole at construction)."""
+    return int(self.pool.k_LPBKH.nbytes + self.pool.v_LPBKH.nbytes)
+
+  def kv_block_nbytes(self) -> int:
+    """Device bytes of one pool block over all layers, K and V."""
+    return self.kv_cache_nbytes() // self.num_blocks
+
   def cache_ok(self) -> bool:
     """The pool's buffers are alive (a failed donated call can leave them deleted)."""
     return not self.pool.k_LPBKH.is_deleted()

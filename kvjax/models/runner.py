@@ -340,6 +340,10 @@ class ModelRunner:
       if isinstance(leaf, jax.Array) and not leaf.is_deleted():
         leaf.delete()
 
+  def kv_cache_nbytes(self) -> int:
+    """Device bytes the slots' K and V buffers take (reserved whole at construction)."""
+    return int(self.cache.k_LBSKH.nbytes + self.cache.v_LBSKH.nbytes)
+
   def cache_ok(self) -> bool:
     """The KV cache buffers are alive (a failed donated call can leave them deleted)."""
     return not self.cache.k_LBSKH.is_deleted()

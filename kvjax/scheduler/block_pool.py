@@ -84,6 +84,7 @@ class BlockPool:
     self._children: collections.Counter[BlockHash] = collections.Counter()
     self._tick = 0
     self.num_evictions = 0
+    self.peak_used_blocks = 0  # most blocks held (ref > 0) at once since construction
 
   # -- counters ----------------------------------------------------------------------------------
 
@@ -161,7 +162,11 @@ class BlockPool:
       block = self._free.popleft() if self._free else self._evict_one()
       self._ref[block] = 1
       out.append(block)
+    self._note_peak()
     return out
+
+  def _note_peak(self) -> None:
+    self.peak_used_blocks = max(self.peak_used_blocks, self.num_usable_blocks - self.num_free)
 
   def _evict_one(self) -> BlockId:
     """Unindexes and returns one evictable block: the least recently released leaf, else (every
@@ -213,6 +218,7 @@ class BlockPool:
           raise ValueError(f"block {block} is free and uncached: allocate it, do not touch it")
         del self._evictable[block]
       self._ref[block] += 1
+    self._note_peak()
 
   def free(self, blocks: Iterable[BlockId]) -> None:
     """Drops one reference from each block, in the given order; a block reaching 0 joins the

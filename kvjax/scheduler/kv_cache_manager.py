@@ -56,6 +56,7 @@ class KVCacheStats:
     hit_tokens: tokens served from the device by those lookups.
     evictions: cached blocks evicted to make room.
     preemptions: requests preempted.
+    peak_used_blocks: most blocks in use (held by a request) at once since construction.
   """
 
   num_blocks: int
@@ -68,6 +69,7 @@ class KVCacheStats:
   hit_tokens: int
   evictions: int
   preemptions: int
+  peak_used_blocks: int = 0
 
   @property
   def hit_rate(self) -> float:
@@ -332,7 +334,8 @@ class KVCacheManager:
         num_blocks=self.pool.num_usable_blocks, num_free_blocks=self.pool.num_free,
         num_cached_blocks=self.pool.num_cached, usage=self.pool.usage, queries=self._queries,
         query_tokens=self._query_tokens, hits=self._hits, hit_tokens=self._hit_tokens,
-        evictions=self.pool.num_evictions, preemptions=self._preemptions)
+        evictions=self.pool.num_evictions, preemptions=self._preemptions,
+        peak_used_blocks=self.pool.peak_used_blocks)
 
   # -- release -----------------------------------------------------------------------------------
 

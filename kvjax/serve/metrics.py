@@ -72,6 +72,12 @@ class _StoreCollector(Collector):
                             "paged sequences).", running)
     if snap is None:
       return
+    kv_bytes = GaugeMetricFamily("kvjax_kv_cache_bytes", "Device KV memory: reserved (the pool "
+                                 "or every slot) and the peak held by requests since start.",
+                                 labels=["state"])
+    kv_bytes.add_metric(["reserved"], snap.kv_cache_bytes)
+    kv_bytes.add_metric(["peak_used"], snap.kv_cache_peak_used_bytes)
+    yield kv_bytes
     if snap.kv_cache is not None:
       yield from _kv_cache_families(snap.kv_cache)
     if snap.saver is None:
@@ -119,6 +125,7 @@ def _kv_cache_families(kv) -> list:
   blocks.add_metric(["total"], kv.num_blocks)
   blocks.add_metric(["free"], kv.num_free_blocks)
   blocks.add_metric(["cached"], kv.num_cached_blocks)
+  blocks.add_metric(["peak_used"], kv.peak_used_blocks)
   out.append(blocks)
   for name, doc, value in (
       ("kvjax_device_prefix_cache_queries", "Device prefix-cache lookups (one per admission or "

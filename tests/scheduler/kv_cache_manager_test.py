@@ -106,6 +106,19 @@ class BlockPoolTest(absltest.TestCase):
     self.assertEqual(pool.usage, 1.0)
     pool.verify()
 
+  def test_peak_used_blocks_counts_held_blocks_not_cached_ones(self):
+    pool = BlockPool(6, 4)
+    a = pool.allocate(3)
+    pool.cache_block(a[0], h(0), "root")
+    self.assertEqual(pool.peak_used_blocks, 3)
+    pool.free(a)  # a[0] stays cached at ref 0: free, not in use
+    self.assertEqual(pool.allocate(2), [3, 4])
+    self.assertEqual(pool.peak_used_blocks, 3)
+    pool.touch([a[0]])  # a hit revives the cached block: 3 held again, then 4
+    self.assertEqual(pool.peak_used_blocks, 3)
+    pool.allocate(1)
+    self.assertEqual(pool.peak_used_blocks, 4)
+
   def test_null_block_is_never_handed_out(self):
     pool = BlockPool(4, 16, reserve_null_block=True)
     self.assertEqual((pool.null_block, pool.num_usable_blocks), (0, 3))
@@ -273,7 +286,8 @@ class KVCacheManagerTest(parameterized.TestCase):
     self.assertEqual(mgr.free("b"), 3)
     self.assertEqual(mgr.stats(), KVCacheStats(
         num_blocks=6, num_free_blocks=6, num_cached_blocks=2, usage=0.0, queries=2,
-        query_tokens=21, hits=1, hit_tokens=8, evictions=0, preemptions=0))
+        query_tokens=21, hits=1, hit_tokens=8, evictions=0, preemptions=0,
+        peak_used_blocks=4))  # a's 3 blocks plus b's one new block, the shared two held once
     self.assertAlmostEqual(mgr.stats().hit_rate, 8 / 21)
     # Uncached blocks are reused first; the cached prefix survives.
     c = req("c", range(100, 116))

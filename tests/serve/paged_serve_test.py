@@ -86,6 +86,15 @@ class PagedServeTest(ServedLLMTestCase):
     self.assertEqual(got[("kvjax_kv_cache_blocks", (("state", "cached"),))],
                      kv.num_cached_blocks)
     self.assertGreater(kv.num_cached_blocks, 0)
+    self.assertEqual(got[("kvjax_kv_cache_blocks", (("state", "peak_used"),))],
+                     kv.peak_used_blocks)
+    self.assertGreater(kv.peak_used_blocks, 0)
+    stats = self.srv.engine_call(lambda e: e.stats())
+    self.assertEqual(got[("kvjax_kv_cache_bytes", (("state", "reserved"),))],
+                     stats.kv_cache_bytes)
+    self.assertIn(stats.kv_cache_bytes, (NUM_BLOCKS * BLOCK_NBYTES, (NUM_BLOCKS + 1) * BLOCK_NBYTES))
+    self.assertEqual(got[("kvjax_kv_cache_bytes", (("state", "peak_used"),))],
+                     kv.peak_used_blocks * BLOCK_NBYTES)
     for name in ("kvjax_num_requests_waiting", "vllm:num_requests_waiting",
                  "kvjax_num_requests_running"):
       self.assertEqual(got[(name, ())], 0)
