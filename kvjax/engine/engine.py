@@ -48,8 +48,8 @@ from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheManager, KVCacheStats
 from kvjax.scheduler.level_policy import Candidate
-from kvjax.scheduler.output import (ComputeTiming, InsertTiming, PrefillChunk, SchedulerOutput, StepResult,
-                                    StoredChunk, StoredPrefix)
+from kvjax.scheduler.output import (ComputeTiming, InsertTiming, SaveItem, SchedulerOutput,
+                                    StepResult, StoredChunk, StoredPrefix)
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import LoadConfig, Scheduler, SchedulerConfig
 from kvjax.storage.chunk_store import choose_codec
@@ -222,6 +222,7 @@ class _Live:
   text: str = ""
   lookup: PrefixLookup | None = None
   pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
+  hashes: list[str] = dataclasses.field(default_factory=list)  # chunk keys: prompt, then output
 
 
 class Engine:
@@ -378,6 +379,7 @@ class Engine:
     if self.kv_store is not None:
       t0 = time.perf_counter()
       lookup = live.lookup = self.kv_store.lookup(ids, cache_salt)
+      live.hashes = list(lookup.hashes)
       live.metrics.lookup_s = time.perf_counter() - t0
       raw_nbytes = self.kv_store.layout.nbytes
       chunks = []
@@ -532,7 +534,8 @@ class Engine:
       live = self._live[chunk.request_id]
       live.metrics.num_computed_tokens += chunk.num_tokens
       if kv is not None:
-        self._save_chunks(live, chunk, out.k_pre_rope_LTKH, out.v_LTKH, chunk.slot)
+        self._save_chunks(live, chunk.start, chunk.saves, chunk.roundtrip, out.k_pre_rope_LTKH,
+                          out.v_LTKH, chunk.slot)
       if chunk.is_last:
         self._sample(chunk.request_id, np.asarray(out.logits), sampled, finished)
     reports = kv.landed() if kv is not None else []
@@ -564,6 +567,11 @@ class Engine:
     logits_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
     seconds = time.perf_counter() - t0
     for i, d in enumerate(plan.decodes):
+      if kv is not None:  # every token's K before RoPE is kept until its chunk is complete
+        o = out.offsets[i]
+        self._save_chunks(self._live[d.request_id], d.position, d.saves, (),
+                          out.k_pre_rope_LTKH[:, o:o + 1], out.v_LTKH[:, o:o + 1],
+                          tables[d.request_id])
       self._sample(d.request_id, logits_SV[i], sampled, finished)
     base = len(plan.decodes)
     for j, chunk in enumerate(plan.prefills):
@@ -574,9 +582,9 @@ class Engine:
       live.metrics.num_computed_tokens += chunk.num_tokens
       if kv is not None:
         o = out.offsets[base + j]
-        self._save_chunks(live, chunk, out.k_pre_rope_LTKH[:, o:o + chunk.num_tokens],
-                          out.v_LTKH[:, o:o + chunk.num_tokens],
-                          tables[chunk.request_id])
+        self._save_chunks(live, chunk.start, chunk.saves, chunk.roundtrip,
+                          out.k_pre_rope_LTKH[:, o:o + chunk.num_tokens],
+                          out.v_LTKH[:, o:o + chunk.num_tokens], tables[chunk.request_id])
       if chunk.is_last:
         self._sample(chunk.request_id, logits_SV[base + j], sampled, finished)
 
@@ -593,17 +601,23 @@ class Engine:
       self.kv_store.cancel_loads(rid)
 
   # ----------------------------------------------------------------------------- saves
-  def _save_chunks(self, live: _Live, chunk: PrefillChunk, k_LTKH, v_LTKH, where) -> None:
-    """Keeps this step's KV until its store chunks are complete; then, per completed chunk:
-    passes it through the stored encoding when the plan says `roundtrip` (consistent codecs:
-    encode, decode back into the cache), and hands it to the saver when it is in `saves` (one
-    device array per chunk, every level encoded in one device call; the saver makes the one
-    device -> host copy). `where` is the request's slot (slotted) or block table (paged)."""
+  def _save_chunks(self, live: _Live, start: int, save_items: Sequence[SaveItem],
+                   roundtrip: Sequence[int], k_LTKH, v_LTKH, where) -> None:
+    """Keeps this step's KV of one request (a prefill chunk's rows, or a decode's one row at
+    `start`) until its store chunks are complete; then, per completed chunk: passes it through
+    the stored encoding when the plan says `roundtrip` (consistent codecs: encode, decode back
+    into the cache), and hands it to the saver when it is in `save_items` (one device array per
+    chunk, every level encoded in one device call; the saver makes the one device -> host copy).
+    A chunk's tokens are the prompt's, then the output's. `where` is the request's slot
+    (slotted) or block table (paged)."""
     kv, c = self.kv_store, self.kv_store.chunk_size
-    live.pieces.append((chunk.start, k_LTKH, v_LTKH))
+    live.pieces.append((start, k_LTKH, v_LTKH))
     lookup = live.lookup
-    saves = {item.index: item for item in chunk.saves}
-    for index in sorted(set(saves) | set(chunk.roundtrip)):
+    saves = {item.index: item for item in save_items}
+    if saves and max(saves) >= len(live.hashes):
+      live.hashes = kv.extend_chunk_hashes(lookup, live.hashes,
+                                           live.prompt_token_ids + live.token_ids, max(saves) + 1)
+    for index in sorted(set(saves) | set(roundtrip)):
       lo, hi = index * c, (index + 1) * c
       ks, vs = [], []
       for start, k, v in live.pieces:
@@ -617,19 +631,21 @@ class Engine:
       payloads = None
       if kv.codec != codecs.RAW:
         payloads = self.runner.encode_levels(kv_L2CKH, kv.codec, kv.codec_levels)
-      if index in chunk.roundtrip and payloads is not None:
+      if index in roundtrip and payloads is not None:
         # The first stored level is the request's fixed encoding (`_fixed_encoding`).
         blocks = where if not self._paged else self._chunk_blocks(where, lo, c)
         self.runner.insert_payload(kv.codec, payloads[0][2], blocks, lo)
       item = saves.get(index)
       if item is not None:
+        tokens = (live.prompt_token_ids[lo:hi] if hi <= len(live.prompt_token_ids)
+                  else (live.prompt_token_ids + live.token_ids)[lo:hi])
         kv.submit_save(SaveJob(
-            namespace=lookup.namespace, chunk_hash=lookup.hashes[index],
-            parent=lookup.hashes[index - 1] if index else lookup.namespace,
-            token_ids=tuple(live.prompt_token_ids[lo:hi]),
+            namespace=lookup.namespace, chunk_hash=live.hashes[index],
+            parent=live.hashes[index - 1] if index else lookup.namespace,
+            token_ids=tuple(tokens),
             kv=kv_L2CKH if payloads is None else None, payloads=payloads,
             replace=item.replace, verify_existing=item.verify_existing))
-    end = chunk.start + chunk.num_tokens
+    end = start + k_LTKH.shape[1]
     keep_from = (end // c) * c  # pieces wholly below the last completed chunk end are done
     live.pieces = [p for p in live.pieces if p[0] + p[1].shape[1] > keep_from]
 

@@ -261,6 +261,25 @@ class KVStoreClient:
     return PrefixLookup(hashes=hashes, namespace=ns.root_hash(), present=present,
                         records=records)
 
+  def extend_chunk_hashes(self, lookup: PrefixLookup, hashes: Sequence[ChunkHash],
+                          token_ids: Sequence[int], num_chunks: int) -> list[ChunkHash]:
+    """`hashes` (chained keys of the first chunks of `token_ids`, under `lookup`'s namespace)
+    extended to `num_chunks` keys: the keys of a sequence that grew past its prompt (output
+    tokens), chained from the prompt's.
+
+    Raises:
+      ValueError: `token_ids` shorter than `num_chunks` chunks.
+    """
+    c = self.chunk_size
+    if len(token_ids) < num_chunks * c:
+      raise ValueError(f"{num_chunks} chunks of {c} need {num_chunks * c} tokens, got "
+                       f"{len(token_ids)}")
+    out = list(hashes)
+    for j in range(len(out), num_chunks):
+      out.append(keys.hash_chunk(out[-1] if out else ChunkHash(lookup.namespace),
+                                 token_ids[j * c:(j + 1) * c]))
+    return out
+
   def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
                  prompt_ids: Sequence[int], *, choose=None, nbytes: int = 0,
                  max_in_flight: int = 2) -> None:

@@ -25,10 +25,11 @@ from kvjax._typing import RequestId
 @dataclasses.dataclass(frozen=True)
 class SaveItem:
   """Store chunk `index` of the request once its positions `[index * C, (index + 1) * C)` are
-  computed (they are, by the end of the prefill chunk that carries this item).
+  computed (they are, by the end of the prefill chunk or decode that carries this item). The
+  chunk's tokens are the request's prompt followed by its output tokens.
 
   Attributes:
-    index: the store chunk's index in the prompt.
+    index: the store chunk's index in the sequence (prompt, then output).
     replace: its stored copy failed verification: delete it, then write afresh.
     verify_existing: the request saw a rejected chunk, so this computed chunk's stored copy
       (a lookup hit that compute took) may be bad too: read it back and rewrite it if it is.
@@ -68,12 +69,20 @@ class PrefillChunk:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeItem:
-  """Feed `token_id` at `position` for the request in `slot`; sample its next token."""
+  """Feed `token_id` at `position` for the request in `slot`; sample its next token.
+
+  Attributes:
+    saves: store chunks this decode completes (its position is a chunk's last): chunks of the
+      generated tokens (or straddling the prompt's end), saved so the next turn of a
+      conversation reuses every historical token (CachedAttention, arXiv 2403.19708, section
+      3.2.2). Paged layout only (its steps return every token's K before RoPE).
+  """
 
   request_id: RequestId
   slot: int
   position: int
   token_id: int
+  saves: tuple[SaveItem, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -409,9 +409,9 @@ class Scheduler:
     for r in list(self.running.values()):
       if (r.request_id in self.running and r.status is RequestStatus.DECODING and budget > 0
           and self._grow(r, 1)):
-        decodes.append(DecodeItem(r.request_id, r.slot, r.num_computed_tokens,
-                                  r.output_token_ids[-1]))
         r.num_computed_tokens += 1
+        decodes.append(DecodeItem(r.request_id, r.slot, r.num_computed_tokens - 1,
+                                  r.output_token_ids[-1], self._decode_saves(r)))
         budget -= 1
     for r in list(self.running.values()):
       if (r.request_id in self.running and r.status is RequestStatus.PREFILLING
@@ -622,6 +622,20 @@ class Scheduler:
                         tuple(r.token_ids(start, start + n)), self._saves(r, start, n),
                         roundtrip)
 
+  def _decode_saves(self, r: Request) -> tuple[SaveItem, ...]:
+    """Paged layout with a store: the chunk a decode completes (its last position is this
+    decode's), when no prefill step saved it: a chunk of generated tokens, or the one
+    straddling the prompt's end. A chunk partly served from device blocks is skipped (this
+    request never held its K before RoPE)."""
+    c = self.save_chunk_size
+    end = r.num_computed_tokens
+    if c is None or self.kv_cache is None or end % c or end <= r.num_prefill_tokens:
+      return ()
+    j = end // c - 1
+    if j * c < self._device_hit_tokens.get(r.request_id, 0):
+      return ()
+    return (SaveItem(j),)
+
   def _saves(self, r: Request, start: int, n: int) -> tuple[SaveItem, ...]:
     """Store chunks the step `[start, start + n)` completes that the store should get: chunks
     no tier holds, chunks whose stored copy was rejected, and (after a rejection) computed hits,
@@ -636,8 +650,8 @@ class Scheduler:
     for j in range(start // c, end // c):
       if (j + 1) * c > end or (j + 1) * c <= start:
         continue
-      if j * c < hit or (j + 1) * c > r.num_prompt_tokens:
-        continue  # part of it is a device hit (not in this request's pieces), or past the prompt
+      if j * c < hit or (j + 1) * c > r.num_prefill_tokens:
+        continue  # part of it is a device hit (not in this request's pieces), or past the prefill
       if prefix is None or j >= len(prefix.stored.chunks):
         out.append(SaveItem(j))
       elif j in prefix.rejected:

@@ -93,6 +93,30 @@ class PagedEngineTest(absltest.TestCase):
     self.assertGreater(store[-1].metrics.num_loaded_tokens, 0)
     llm.close()
 
+  def test_generated_tokens_are_saved_and_the_next_turn_loads_them(self):
+    # Turn 1: 40 prompt tokens + 60 generated; KV exists for 99 positions: chunk 0 is saved by
+    # prefill, chunk 1 (straddling the prompt's end, [32, 64)) by the decode at 63, chunk 2 by
+    # the decode at 95. Turn 2 sends turn 1's exact ids plus 5 new tokens and loads all three.
+    llm = paged(kv_store="memory://", kv_chunk_size=C, enable_prefix_caching=False)
+    p1 = PROMPTS[1]
+    params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=3)
+    turn1 = llm.generate(ids([p1]), params)[0]
+    llm.flush()
+    saver = llm.engine.stats().saver
+    self.assertEqual((saver.chunks_saved, saver.jobs_dropped), (3, 0))
+    p2 = p1 + turn1.token_ids + [7, 8, 9, 10, 11]
+    turn2 = llm.generate(ids([p2]), params)[0]
+    self.assert_same([turn2], self.want([p2], params))
+    self.assertEqual(turn2.num_cached_tokens, 3 * C)
+    self.assertEqual(turn2.metrics.num_computed_tokens, len(p2) - 3 * C)
+    # A turn whose history differs in one generated token hits only the chunks before it.
+    other = list(p2)
+    other[70] = (other[70] + 1) % 256
+    got = llm.generate(ids([other]), params)[0]
+    self.assert_same([got], self.want([other], params))
+    self.assertEqual(got.num_cached_tokens, 2 * C)
+    llm.close()
+
   def test_cache_salt_isolates_device_hits(self):
     llm = paged()
     p = PROMPTS[2]
