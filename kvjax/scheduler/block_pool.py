@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NewType
 
 from kvjax.block_hash import BlockHash
@@ -82,6 +82,12 @@ class BlockPool:
     self._index: dict[BlockHash, BlockId] = {}
     # hash -> number of indexed blocks whose parent is that hash (indexed itself or not).
     self._children: collections.Counter[BlockHash] = collections.Counter()
+    # Parked partial blocks: the last, partly filled block of a finished sequence, at ref 0,
+    # keyed by the hash of the full block before it (or the root). A later sequence whose full
+    # blocks end at that parent and whose next tokens begin with the parked ones takes the block
+    # over (it is never shared: the taker writes the rest of it).
+    self._partial: dict[BlockHash, tuple[BlockId, tuple[int, ...]]] = {}
+    self._partial_of: dict[BlockId, BlockHash] = {}
     self._tick = 0
     self.num_evictions = 0
     self.peak_used_blocks = 0  # most blocks held (ref > 0) at once since construction
@@ -102,6 +108,11 @@ class BlockPool:
   def num_evictable(self) -> int:
     """Indexed blocks at reference count 0."""
     return len(self._evictable)
+
+  @property
+  def num_parked(self) -> int:
+    """Parked partial blocks (see `park_partial`), all evictable."""
+    return len(self._partial_of)
 
   @property
   def num_cached(self) -> int:
@@ -178,11 +189,16 @@ class BlockPool:
     else:
       block = next(iter(self._evictable))
     del self._evictable[block]
-    self._uncache(block)
+    if block in self._partial_of:
+      self._unpark(block)
+    else:
+      self._uncache(block)
     self.num_evictions += 1
     return block
 
   def _is_leaf(self, block: BlockId) -> bool:
+    if block in self._partial_of:
+      return True
     h = self._hash[block]
     return h is not None and self._children[h] == 0
 
@@ -197,6 +213,15 @@ class BlockPool:
     assert h is not None
     del self._index[h]
     self._hash[block] = self._parent[block] = None
+    self._drop_child(parent)
+
+  def _unpark(self, block: BlockId) -> None:
+    """Removes a parked partial block from the partial index (the caller owns it next)."""
+    parent = self._partial_of.pop(block)
+    del self._partial[parent]
+    self._drop_child(parent)
+
+  def _drop_child(self, parent: BlockHash) -> None:
     self._children[parent] -= 1
     if not self._children[parent]:
       del self._children[parent]
@@ -214,7 +239,9 @@ class BlockPool:
     for block in blocks:
       block = self._check_id(block)
       if self._ref[block] == 0:
-        if self._hash[block] is None:
+        if block in self._partial_of:
+          self._unpark(block)  # taken over: it leaves the partial index for good
+        elif self._hash[block] is None:
           raise ValueError(f"block {block} is free and uncached: allocate it, do not touch it")
         del self._evictable[block]
       self._ref[block] += 1
@@ -272,6 +299,66 @@ class BlockPool:
     self._children[BlockHash(parent_hash)] += 1
     return True
 
+  def park_partial(self, block: BlockId, parent_hash: str, token_ids: Sequence[int]) -> bool:
+    """Releases a sequence's last, partly filled block into the partial index instead of the free
+    list: at reference count 0 it is evictable (a leaf, LRU) like a cached block, and
+    `lookup_partial` finds it under `parent_hash` until a sequence takes it (`touch`) or it is
+    evicted. An entry already parked under the same parent is replaced (its block is freed).
+
+    Args:
+      block: a block held once (reference count 1), not indexed.
+      parent_hash: hash of the full block before it, or the namespace root for a first block.
+      token_ids: the tokens whose KV the block holds, 1 to B - 1 of them.
+
+    Returns:
+      True if parked; False (the block is freed instead) when `token_ids` is empty or full.
+
+    Raises:
+      ValueError: a bad id, a block not held exactly once, or an indexed block.
+    """
+    block = self._check_id(block)
+    if self._ref[block] != 1 or self._hash[block] is not None:
+      raise ValueError(f"block {block}: only an unindexed block held once can be parked "
+                       f"(ref {self._ref[block]}, hash {self._hash[block]})")
+    tokens = tuple(int(t) for t in token_ids)
+    if not 0 < len(tokens) < self.block_size:
+      self.free([block])
+      return False
+    parent = BlockHash(parent_hash)
+    old = self._partial.get(parent)
+    if old is not None:
+      self._unpark(old[0])
+      del self._evictable[old[0]]
+      self._free.append(old[0])
+    self._ref[block] = 0
+    self._partial[parent] = (block, tokens)
+    self._partial_of[block] = parent
+    self._children[parent] += 1
+    self._tick += 1
+    self._evictable[block] = self._tick
+    self._push_leaf(block)
+    return True
+
+  def lookup_partial(self, parent_hash: str, token_ids: Sequence[int]) -> tuple[BlockId, int] | None:
+    """The parked block under `parent_hash` and how many of `token_ids` it holds: the length of
+    the common prefix of its tokens and `token_ids` (KV of a token depends only on the tokens up
+    to it, so that prefix of the block is exact). None when nothing is parked there or not even
+    the first token matches. Nothing changes (take it with `touch`)."""
+    entry = self._partial.get(BlockHash(parent_hash))
+    if entry is None:
+      return None
+    block, parked = entry
+    n = 0
+    for a, b in zip(parked, token_ids):
+      if a != b:
+        break
+      n += 1
+    return (block, n) if n else None
+
+  def is_parked(self, block: BlockId) -> bool:
+    """Whether `block` is a parked partial block (see `park_partial`)."""
+    return self._check_id(block) in self._partial_of
+
   def reset_prefix_cache(self) -> int:
     """Unindexes every block: evictable ones move to the free list (in release order), blocks in
     use become plain blocks of their requests.
@@ -287,6 +374,8 @@ class BlockPool:
     self._leaf_heap.clear()
     self._index.clear()
     self._children.clear()
+    self._partial.clear()
+    self._partial_of.clear()
     return n
 
   def verify(self) -> None:
@@ -301,6 +390,10 @@ class BlockPool:
     if len(free) != len(self._free):
       problems.append("a block twice in the free list")
     children = collections.Counter(self._parent[b] for b in self._index.values())
+    children.update(self._partial_of.values())
+    if {b for b, _ in self._partial.values()} != set(self._partial_of) or any(
+        self._partial[p][0] != b for b, p in self._partial_of.items()):
+      problems.append("the partial index is out of step")
     if +children != +self._children:
       problems.append("child counts out of step with the index")
     for b in range(self._first, self.num_blocks):
@@ -310,8 +403,10 @@ class BlockPool:
         problems.append(f"block {b}: ref {ref}, free {b in free}, evictable {b in evictable}")
       if b in free and h is not None:
         problems.append(f"block {b} is free but indexed")
-      if b in evictable and h is None:
-        problems.append(f"block {b} is evictable but not indexed")
+      if b in evictable and h is None and b not in self._partial_of:
+        problems.append(f"block {b} is evictable but neither indexed nor parked")
+      if b in self._partial_of and (ref or h is not None or b not in evictable):
+        problems.append(f"block {b} is parked but held, indexed or not evictable")
       if h is not None and self._index.get(h) != b:
         problems.append(f"block {b} has hash {h} that indexes {self._index.get(h)}")
     if problems:

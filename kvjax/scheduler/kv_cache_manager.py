@@ -83,6 +83,7 @@ class _RequestBlocks:
   blocks: list[BlockId] = dataclasses.field(default_factory=list)
   hashes: list[BlockHash] = dataclasses.field(default_factory=list)  # full blocks seen so far
   num_indexed: int = 0  # leading blocks already offered to the index
+  partial_hit: tuple[BlockId, int] | None = None  # the last lookup's parked block, its tokens
   indexing: bool = True  # False after a reset_prefix_cache while the request held blocks
 
 
@@ -161,8 +162,15 @@ class KVCacheManager:
       request: a request holding no blocks (waiting or preempted).
       namespace_root: its namespace root (salted with its `cache_salt`); default: the manager's.
 
+    After the full blocks, a parked partial block (`BlockPool.park_partial`: the last block of
+    a finished sequence with the same prefix) whose first tokens equal the request's next ones
+    extends the hit by those tokens; `allocate_slots` then hands that block to this request (it
+    writes the block's remaining slots), so a follow-up turn reuses every token whose KV exists,
+    not only whole blocks (SGLang's token-granular radix cache gets the same by other means).
+
     Returns:
-      (hit block ids in prefix order, hit tokens = len(blocks) * B); ([], 0) with caching off.
+      (hit block ids in prefix order, hit tokens: len(full blocks) * B plus the partial block's
+      matching tokens); ([], 0) with caching off.
 
     Raises:
       ValueError: the request already holds blocks.
@@ -180,16 +188,27 @@ class KVCacheManager:
       state = self._requests[request.request_id] = _RequestBlocks(root)
     state.indexing = True
     hits: list[BlockId] = []
-    for i in range(max(0, (request.num_tokens - 1) // self.block_size)):
+    b = self.block_size
+    for i in range(max(0, (request.num_tokens - 1) // b)):
       block = self.pool.lookup(self._hash(state, request, i))
       if block is None:
         break
       hits.append(block)
+    hit_tokens = len(hits) * b
+    state.partial_hit = None
+    room = min(b - 1, request.num_tokens - 1 - hit_tokens)  # never the last token
+    if room > 0:
+      parent = state.hashes[len(hits) - 1] if hits else state.namespace_root
+      found = self.pool.lookup_partial(parent, _tokens(request, hit_tokens, hit_tokens + room))
+      if found is not None:
+        state.partial_hit = found
+        hits.append(found[0])
+        hit_tokens += found[1]
     self._queries += 1
     self._query_tokens += request.num_tokens
     self._hits += bool(hits)
-    self._hit_tokens += len(hits) * self.block_size
-    return hits, len(hits) * self.block_size
+    self._hit_tokens += hit_tokens
+    return hits, hit_tokens
 
   def _hash(self, state: _RequestBlocks, request: Request, i: int) -> BlockHash:
     """Hash of the request's block i, computing (and keeping) the chain up to it."""
@@ -231,7 +250,8 @@ class KVCacheManager:
       num_computed_tokens: tokens whose KV is already in the request's blocks (not counting
         `new_computed_blocks`).
       new_computed_blocks: prefix hits from `get_computed_blocks`, only on the first allocation
-        (no blocks held, `num_computed_tokens == 0`).
+        (no blocks held, `num_computed_tokens == 0`); a leading part of them may be passed
+        (whole chunks); the parked partial block counts only as the lookup's last hit.
       num_lookahead_tokens: extra slots beyond the new tokens (speculative drafts), >= 0.
 
     Returns:
@@ -259,18 +279,25 @@ class KVCacheManager:
       if state.blocks or num_computed_tokens:
         raise ValueError(f"request {request_id!r}: prefix hits only on the first allocation "
                          f"(it holds {len(state.blocks)} blocks, {num_computed_tokens} computed)")
-      for i, block in enumerate(hits):
-        if i >= len(state.hashes) or self.pool.block_hash(block) != state.hashes[i]:
-          raise ValueError(f"request {request_id!r}: block {block} is not its cached prefix "
-                           f"block {i} (stale lookup or another namespace)")
-    total = num_computed_tokens + len(hits) * b + num_new_tokens + num_lookahead_tokens
+    partial = 0
+    for i, block in enumerate(hits):
+      if (i == len(hits) - 1 and state.partial_hit is not None
+          and state.partial_hit[0] == block and self.pool.is_parked(block)):
+        partial = state.partial_hit[1]
+        continue
+      if i >= len(state.hashes) or self.pool.block_hash(block) != state.hashes[i]:
+        raise ValueError(f"request {request_id!r}: block {block} is not its cached prefix "
+                         f"block {i} (stale lookup or another namespace)")
+    full = len(hits) - bool(partial)
+    total = num_computed_tokens + full * b + partial + num_new_tokens + num_lookahead_tokens
     need = max(0, -(-total // b) - len(state.blocks) - len(hits))
     evictable_hits = sum(self.pool.ref_count(block) == 0 for block in hits)
     if need + evictable_hits > self.pool.num_free:
       return None
-    self.pool.touch(hits)
+    self.pool.touch(hits)  # a parked block is taken over: it is this request's alone now
     state.blocks.extend(hits)
-    state.num_indexed = max(state.num_indexed, len(hits))
+    state.partial_hit = None
+    state.num_indexed = max(state.num_indexed, full)
     new = self.pool.allocate(need)
     state.blocks.extend(new)
     return new
@@ -339,23 +366,42 @@ class KVCacheManager:
 
   # -- release -----------------------------------------------------------------------------------
 
-  def _release(self, state: _RequestBlocks) -> int:
+  def _release(self, state: _RequestBlocks, request: Request | None = None) -> int:
     # Tail first (vLLM's order): a sequence's last blocks are the first reused or evicted.
     n = len(state.blocks)
-    self.pool.free(reversed(state.blocks))
+    blocks = list(state.blocks)
+    b = self.block_size
+    done = request.num_computed_tokens if request is not None else 0
+    i, m = divmod(done, b)
+    if (request is not None and self.enable_prefix_caching and state.indexing and m
+        and done >= request.num_prefill_tokens and i < len(blocks)
+        and self.pool.ref_count(blocks[i]) == 1 and not self.pool.is_cached(blocks[i])):
+      # The last block holding KV is partly filled: park it for a follow-up turn.
+      self.pool.free(reversed(blocks[i + 1:]))
+      parent = self._hash(state, request, i - 1) if i else state.namespace_root
+      self.pool.park_partial(blocks[i], parent, _tokens(request, i * b, done))
+      self.pool.free(reversed(blocks[:i]))
+      blocks = []
+    self.pool.free(reversed(blocks))
     state.blocks = []
     state.num_indexed = 0
     state.indexing = True
     return n
 
-  def free(self, request_id: RequestId) -> int:
+  def free(self, request_id: RequestId, request: Request | None = None) -> int:
     """Releases a finished or aborted request's blocks; indexed ones stay cached at ref 0.
+
+    Args:
+      request_id: the request.
+      request: the request itself (its tokens and `num_computed_tokens`): when given, its prefill
+        is complete and its last block holding KV is partly filled and held only by it, that
+        block is parked (`BlockPool.park_partial`) so a follow-up turn reuses its tokens.
 
     Returns:
       Blocks released (0 for a request this manager never saw, e.g. aborted while waiting).
     """
     state = self._requests.pop(request_id, None)
-    return 0 if state is None else self._release(state)
+    return 0 if state is None else self._release(state, request)
 
   def preempt(self, request_id: RequestId) -> int:
     """Releases a running request's blocks so others can run (vLLM's recompute preemption).

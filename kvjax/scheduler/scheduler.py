@@ -284,9 +284,9 @@ class Scheduler:
     kvm = self.kv_cache
     if kvm is None:
       return 0
-    hits, _ = kvm.get_computed_blocks(r, namespace_root=root)
+    hits, hit_tokens = kvm.get_computed_blocks(r, namespace_root=root)
     per_chunk = chunk_size // kvm.block_size
-    chunks = len(hits) // per_chunk
+    chunks = hit_tokens // chunk_size  # whole chunks (a parked partial block is not one)
     if not chunks:
       return 0
     hits = hits[:chunks * per_chunk]
@@ -372,7 +372,8 @@ class Scheduler:
       bisect.insort(self._free_slots, r.slot)
       r.slot = None
     if self.kv_cache is not None:
-      self.kv_cache.free(request_id)
+      # A failed step may not have written its KV: only a clean finish parks its last block.
+      self.kv_cache.free(request_id, r if reason != "error" else None)
     self._roots.pop(request_id, None)
     self._device_hit_tokens.pop(request_id, None)
     r.status = RequestStatus.FINISHED

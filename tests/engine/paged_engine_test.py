@@ -77,6 +77,9 @@ class PagedEngineTest(absltest.TestCase):
     self.assert_same(device, want)
     for o, n in zip(device, lengths):
       hit = (n - 1) // B * B
+      kv_end = n + params.max_tokens - 1  # positions with KV after the cold run
+      if kv_end // B == (n - 1) // B:  # its parked last block holds the rest of the prompt
+        hit = n - 1
       if n - 1 >= C:  # the store holds chunks too: the merge starts after device chunks
         hit = (n - 1) // C * C
       self.assertEqual(o.metrics.num_device_cached_tokens, hit, n)
@@ -93,11 +96,33 @@ class PagedEngineTest(absltest.TestCase):
     self.assertGreater(store[-1].metrics.num_loaded_tokens, 0)
     llm.close()
 
+  def test_the_next_turn_reuses_every_token_with_kv_on_the_device(self):
+    # Turn 1: 40 prompt tokens + 6 generated: KV for 45 positions, blocks [16][16][13 of 16].
+    # The partly filled block is parked at finish; turn 2 (turn 1's ids + 5 new tokens) takes
+    # it over with both full blocks: 45 tokens from the device, 6 computed.
+    llm = paged()
+    p1 = PROMPTS[1]
+    turn1 = llm.generate(ids([p1]), GREEDY)[0]
+    p2 = p1 + turn1.token_ids + [7, 8, 9, 10, 11]
+    turn2 = llm.generate(ids([p2]), GREEDY)[0]
+    self.assert_same([turn2], self.want([p2]))
+    self.assertEqual((turn2.metrics.num_device_cached_tokens, turn2.metrics.num_computed_tokens),
+                     (45, 6))  # the last generated token (no KV yet) and the 5 new ones
+    # Turn 2 owns that block now; turn 2 of another branch gets the whole blocks only.
+    branch = p1 + turn1.token_ids[:3] + [1, 2, 3]
+    got = llm.generate(ids([branch]), GREEDY)[0]
+    self.assert_same([got], self.want([branch]))
+    self.assertEqual(got.metrics.num_device_cached_tokens, 32)
+    stats = llm.engine.stats().kv_cache
+    self.assertEqual(stats.num_free_blocks, stats.num_blocks)
+    llm.close()
+
   def test_generated_tokens_are_saved_and_the_next_turn_loads_them(self):
     # Turn 1: 40 prompt tokens + 60 generated; KV exists for 99 positions: chunk 0 is saved by
     # prefill, chunk 1 (straddling the prompt's end, [32, 64)) by the decode at 63, chunk 2 by
     # the decode at 95. Turn 2 sends turn 1's exact ids plus 5 new tokens and loads all three.
-    llm = paged(kv_store="memory://", kv_chunk_size=C, enable_prefix_caching=False)
+    llm = paged(kv_store="memory://", kv_chunk_size=C, enable_prefix_caching=False,
+                kv_merge_mode="load_only")  # every stored chunk loads: the count is exact
     p1 = PROMPTS[1]
     params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=3)
     turn1 = llm.generate(ids([p1]), params)[0]
@@ -125,7 +150,7 @@ class PagedEngineTest(absltest.TestCase):
     other = llm.generate({"prompt_token_ids": p, "cache_salt": "b"}, params)[0]
     again = llm.generate({"prompt_token_ids": p, "cache_salt": "a"}, params)[0]
     self.assertEqual((first.num_cached_tokens, other.num_cached_tokens), (0, 0))
-    self.assertEqual(again.num_cached_tokens, (len(p) - 1) // B * B)
+    self.assertEqual(again.num_cached_tokens, len(p) - 1)  # full blocks, then the parked one
     self.assertEqual(first.token_ids, again.token_ids)
     self.assertEqual(first.token_ids, other.token_ids)
 
@@ -142,7 +167,9 @@ class PagedEngineTest(absltest.TestCase):
     llm.engine.add_step_observer(lambda rec: tables.update(rec.plan.block_tables))
     rng = np.random.default_rng(7)
     a = [int(t) for t in rng.integers(0, 256, 70)]
-    out_a = llm.generate(ids([a]), GREEDY)[0]
+    # 70 + 10 positions with KV: five full blocks, nothing parked (every unshared block may be
+    # poisoned below).
+    out_a = llm.generate(ids([a]), SamplingParams(max_tokens=11, temperature=0.0))[0]
     shared = list(tables[out_a.request_id][:4])  # positions [0, 64): full, indexed blocks
     runner = llm.engine.runner
     k0, v0 = (np.asarray(x) for x in runner.read_blocks(shared))

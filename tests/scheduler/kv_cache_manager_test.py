@@ -296,6 +296,73 @@ class KVCacheManagerTest(parameterized.TestCase):
     self.assertEqual(mgr.get_computed_blocks(req("d", range(9))), ([0, 1], 8))
     mgr.pool.verify()
 
+  def test_a_finished_requests_partial_last_block_is_taken_over_by_the_next_turn(self):
+    mgr = KVCacheManager(8, 4, namespace_root=ROOT)
+    a = req("a", range(10))  # blocks [0 1 2 3][4 5 6 7][8 9 . .]
+    mgr.get_computed_blocks(a)
+    self.assertEqual(mgr.allocate_slots("a", 10, num_computed_tokens=0), [0, 1, 2])
+    a.num_computed_tokens = 10
+    mgr.cache_full_blocks(a, 10)
+    self.assertEqual(mgr.free("a", a), 3)
+    self.assertEqual((mgr.pool.num_parked, mgr.pool.num_free, mgr.pool.is_parked(2)),
+                     (1, 8, True))
+    # The next turn extends a: full blocks 0, 1 and the parked block's two tokens hit.
+    b = req("b", list(range(10)) + [60, 61, 62])
+    hits, n = mgr.get_computed_blocks(b)
+    self.assertEqual((hits, n), ([0, 1, 2], 10))
+    self.assertEqual(mgr.allocate_slots("b", 3, num_computed_tokens=0, new_computed_blocks=hits),
+                     [3])
+    self.assertEqual(mgr.block_table("b"), (0, 1, 2, 3))
+    self.assertEqual([mgr.pool.ref_count(i) for i in range(4)], [1, 1, 1, 1])
+    self.assertFalse(mgr.pool.is_parked(2))  # taken over: nobody else can take it
+    self.assertEqual(mgr.get_computed_blocks(req("c", list(range(10)) + [70])), ([0, 1], 8))
+    b.num_computed_tokens = 13
+    self.assertEqual(mgr.cache_full_blocks(b, 13), [2])  # full now: indexed like any block
+    mgr.pool.verify()
+
+  @parameterized.parameters(
+      (list(range(10)) + [60], [0, 1, 2], 10),  # the parked tokens, then one more to compute
+      (list(range(10)), [0, 1, 2], 9),  # never the last token
+      (list(range(9)) + [99, 5], [0, 1, 2], 9),  # the hit ends at the first differing token
+      (list(range(8)) + [99, 5, 6], [0, 1], 8))
+  def test_partial_hits_end_at_the_first_differing_token(self, tokens, want_blocks, want_n):
+    mgr = KVCacheManager(8, 4, namespace_root=ROOT)
+    a = req("a", range(10))
+    mgr.get_computed_blocks(a)
+    mgr.allocate_slots("a", 10, num_computed_tokens=0)
+    a.num_computed_tokens = 10
+    mgr.cache_full_blocks(a, 10)
+    mgr.free("a", a)
+    hits, n = mgr.get_computed_blocks(req("b", tokens))
+    self.assertEqual((hits, n), (want_blocks, want_n))
+
+  def test_parking_rules(self):
+    mgr = KVCacheManager(8, 4, namespace_root=ROOT)
+    for rid, n, done in (("full", 8, 8), ("unfinished", 10, 6), ("aborted", 10, 10)):
+      r = req(rid, range(100, 110))
+      mgr.get_computed_blocks(r)
+      mgr.allocate_slots(rid, n, num_computed_tokens=0)
+      r.num_computed_tokens = done
+      mgr.cache_full_blocks(r, min(done, 8))
+      mgr.free(rid, r if rid != "aborted" else None)
+    # A block-aligned end parks nothing; an unfinished prefill (6 of 10) parks nothing; a free
+    # without the request (an error) parks nothing.
+    self.assertEqual(mgr.pool.num_parked, 0)
+    # A second turn parked under the same parent replaces the first's block.
+    for rid, tail in (("t1", [1]), ("t2", [2, 3])):
+      r = req(rid, list(range(100, 104)) + tail)
+      hits, n = mgr.get_computed_blocks(r)
+      mgr.allocate_slots(rid, len(r.prompt_token_ids) - n, num_computed_tokens=0,
+                         new_computed_blocks=hits)
+      r.num_computed_tokens = len(r.prompt_token_ids)
+      mgr.free(rid, r)
+    self.assertEqual(mgr.pool.num_parked, 1)
+    self.assertEqual(mgr.get_computed_blocks(req("u", list(range(100, 104)) + [2, 3, 4]))[1], 6)
+    self.assertEqual(mgr.get_computed_blocks(req("v", list(range(100, 104)) + [1, 9]))[1], 4)
+    self.assertEqual(mgr.reset_prefix_cache(), 2)
+    self.assertEqual((mgr.pool.num_parked, mgr.pool.num_free), (0, 8))
+    mgr.pool.verify()
+
   @parameterized.parameters((1, 0), (3, 0), (4, 0), (5, 4), (8, 4), (9, 8), (12, 8), (13, 12),
                             (14, 12), (17, 12))
   def test_hits_never_cover_the_last_token(self, prompt_len, want_hit_tokens):
@@ -466,6 +533,8 @@ class RandomizedNoLeakTest(parameterized.TestCase):
     live = {}  # rid -> dict(req, root, computed, max_tokens)
     running, waiting = [], []
     counter = 0
+    parked_hits = [0]
+    histories = []  # (root, tokens with KV) of cleanly finished requests: follow-up turns
 
     def write(rid, start, n):
       st = live[rid]
@@ -502,9 +571,12 @@ class RandomizedNoLeakTest(parameterized.TestCase):
       st = live[rid]
       r = st["req"]
       hits, n_hit = mgr.get_computed_blocks(r, namespace_root=st["root"])
+      parked_hits[0] += bool(n_hit % b)
       tokens = r.prompt_token_ids + r.output_token_ids
       for i, blk in enumerate(hits):  # the device holds exactly this request's prefix
-        self.assertEqual(device[blk], [(st["root"], t) for t in tokens[i * b:(i + 1) * b]])
+        want = [(st["root"], t) for t in tokens[i * b:min((i + 1) * b, n_hit)]]
+        self.assertEqual(device[blk][:len(want)], want)  # a parked block: its first tokens
+      self.assertLess(n_hit, r.num_tokens)
       n = min(rng.choice((4, 8, 16, 64)), r.num_tokens - n_hit)
       new = mgr.allocate_slots(rid, n, num_computed_tokens=0, new_computed_blocks=hits)
       if new is None:
@@ -535,7 +607,14 @@ class RandomizedNoLeakTest(parameterized.TestCase):
           finish(rid)
 
     def finish(rid):
-      mgr.free(rid)
+      r = live[rid]["req"]
+      if rid in running and rng.random() < 0.7:  # a clean finish parks a partial last block
+        r.num_computed_tokens = live[rid]["computed"]
+        histories.append((live[rid]["root"], (r.prompt_token_ids + r.output_token_ids)[
+            :r.num_computed_tokens]))
+        mgr.free(rid, r if r.num_computed_tokens >= r.num_prefill_tokens else None)
+      else:
+        mgr.free(rid)
       for q in (running, waiting):
         if rid in q:
           q.remove(rid)
@@ -551,14 +630,19 @@ class RandomizedNoLeakTest(parameterized.TestCase):
         max_tokens = rng.randrange(1, 12)
         if rng.random() < 0.03:
           prompt = list(range(200))
+        root = rng.choice(roots)
+        follow_up = histories and rng.random() < 0.5
+        if follow_up:  # the next turn of the conversation that finished last, admitted first
+          root, history = histories.pop()
+          prompt = list(history) + [rng.randrange(30) for _ in range(rng.randrange(1, 8))]
         try:
           mgr.check_fits(len(prompt) + max_tokens)
         except ValueError:
           self.assertGreater(-(-(len(prompt) + max_tokens) // b), pool.num_usable_blocks)
           continue
-        live[rid] = dict(req=req(rid, prompt), root=rng.choice(roots), computed=0,
+        live[rid] = dict(req=req(rid, prompt), root=root, computed=0,
                          max_tokens=max_tokens)
-        waiting.append(rid)
+        waiting.insert(0 if follow_up else len(waiting), rid)
       elif op < 0.45 and waiting:
         admit()
       elif op < 0.93 and running:
@@ -580,11 +664,12 @@ class RandomizedNoLeakTest(parameterized.TestCase):
     self.assertGreater(stats.hits, 10)
     self.assertGreater(stats.preemptions, 5)
     self.assertGreater(stats.evictions, 10)
+    self.assertGreaterEqual(parked_hits[0], 2, "no follow-up turn took a parked block")
     for rid in sorted(live):
       finish(rid)
     pool.verify()
     self.assertEqual(pool.num_free, pool.num_usable_blocks)
-    self.assertEqual(pool.num_evictable, pool.num_cached)
+    self.assertEqual(pool.num_evictable, pool.num_cached + pool.num_parked)
     self.assertEqual(mgr.stats().usage, 0.0)
 
 
