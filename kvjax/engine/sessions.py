@@ -104,7 +104,7 @@ class SessionConfig:
     if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(
         self.ttl_s, (int, float)) or not self.ttl_s > 0):
       raise ValueError(f"session_ttl_s={self.ttl_s!r} must be a positive number of seconds "
-                       "(or None: sessions never expire)")
+                       "(None, or -1 on the server's command line: sessions never expire)")
     for name, option in (("max_sessions", "max_sessions"), ("max_tokens", "max_session_tokens")):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
