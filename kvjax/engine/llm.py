@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
+from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
+                                   DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry)
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
@@ -210,6 +212,11 @@ class LLM:
       slotted cache of the same options), on an accelerator 80% of free device memory.
     enable_prefix_caching: paged: keep finished prefixes' full blocks on the device and share
       them with later requests (namespace + `cache_salt`); `reset_prefix_cache()` empties it.
+    session_ttl_s: chat sessions (`chat(..., session_id=...)`, `kvjax.engine.sessions`): seconds
+      a session may stay idle before it expires; None: never.
+    max_sessions: sessions held at once (the least recently used idle one is dropped beyond).
+    max_session_tokens: token ids held over all sessions (idle sessions dropped, least recently
+      used first, beyond).
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -227,7 +234,12 @@ class LLM:
                kv_ttft_target_s: float | None = None, kv_codec_consistent: bool | None = None,
                compile_on_init: bool = True, kv_cache_layout: str | None = None,
                block_size: int = 16, kv_cache_memory_bytes: int | None = None,
-               enable_prefix_caching: bool = True):
+               enable_prefix_caching: bool = True,
+               session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
+               max_sessions: int = DEFAULT_MAX_SESSIONS,
+               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS):
+    session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
+                                   max_tokens=max_session_tokens)
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
@@ -254,6 +266,8 @@ class LLM:
     self.model_config = loaded.config
     self.fingerprint = loaded.fingerprint
     self._tokenizer = loaded.tokenizer
+    #: Chat sessions of this model (the server, serving this LLM, uses the same registry).
+    self.sessions = SessionRegistry(loaded.tokenizer, session_config)
     chunk_sizes = tuple(chunk_sizes)
     if max_model_len is not None and max_model_len > loaded.config.max_seq_len:
       raise ValueError(f"max_model_len={max_model_len} exceeds {loaded.name}'s context of "
@@ -486,25 +500,71 @@ class LLM:
     return [done[r] for r in rids]
 
   def chat(self, messages: Any, sampling_params: SamplingParams | None = None, *,
-           add_generation_prompt: bool = True,
-           cache_salt: str | None = None) -> list[RequestOutput]:
+           add_generation_prompt: bool = True, cache_salt: str | None = None,
+           session_id: str | None = None) -> list[RequestOutput]:
     """Applies the model's chat template, then generates.
 
     Args:
       messages: a conversation (list of {"role", "content"} dicts) or a list of them.
       add_generation_prompt: end the prompt with the assistant turn's header.
-      cache_salt: tenant key for the prefix cache (see `generate`).
+      cache_salt: tenant key for the prefix cache (see `generate`); with `session_id`, also part
+        of the session's key.
+      session_id: a chat session (1 to 128 characters from [A-Za-z0-9._:-];
+        `kvjax.engine.sessions`): when `messages` are the session's last turn's messages, its
+        reply (`text` of the last result) and new messages, the prompt is that turn's exact ids
+        plus the new part only, so the prefix cache hits on every earlier token; otherwise the
+        normal templated prompt (a miss). The finished turn becomes the session's last. One
+        conversation only.
 
     Raises:
-      ValueError: malformed messages or parameters.
+      ValueError: malformed messages or parameters, a bad session id, or several conversations
+        (or `add_generation_prompt=False`) with a session.
     """
     if isinstance(messages, list) and messages and isinstance(messages[0], dict):
       messages = [messages]
     if not isinstance(messages, list) or not messages:
       raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    if session_id is not None:
+      return [self._session_chat(messages, sampling_params, add_generation_prompt, cache_salt,
+                                 session_id)]
     prompts = [{"prompt_token_ids": self._tokenizer.encode_chat(
         conv, add_generation_prompt=add_generation_prompt)} for conv in messages]
     if cache_salt is not None:
       for p in prompts:
         p["cache_salt"] = cache_salt
     return self.generate(prompts, sampling_params)
+
+  def _session_chat(self, conversations: list, sampling_params: SamplingParams | None,
+                    add_generation_prompt: bool, cache_salt: str | None,
+                    session_id: str) -> RequestOutput:
+    """One turn of a chat session: lease, prompt by the extension rule, generate, record."""
+    if len(conversations) != 1:
+      raise ValueError(f"a session turn takes one conversation, got {len(conversations)}")
+    if not add_generation_prompt:
+      raise ValueError("a session turn needs add_generation_prompt=True (its reply is the next "
+                       "turn's assistant message)")
+    if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+      raise ValueError("with session_id, sampling_params must be one SamplingParams")
+    turn = self.sessions.begin(session_id, cache_salt)
+    try:
+      prompt = self.sessions.prompt(turn, conversations[0])
+      request = {"prompt_token_ids": list(prompt.token_ids)}
+      if cache_salt is not None:
+        request["cache_salt"] = cache_salt
+      out = self.generate(request, sampling_params)[0]
+    except BaseException:
+      self.sessions.release(turn)
+      raise
+    self.sessions.finish(turn, prompt, out.token_ids, out.text)
+    return out
+
+  def close_session(self, session_id: str, cache_salt: str | None = None) -> bool:
+    """Closes a chat session (`chat(..., session_id=...)`).
+
+    Returns:
+      Whether it was open (False: unknown or expired).
+
+    Raises:
+      ValueError: a bad session id or salt.
+    """
+    return self.sessions.close(session_id, cache_salt)

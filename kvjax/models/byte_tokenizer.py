@@ -33,3 +33,18 @@ class ByteTokenizer:
                   parse_special_in_content: bool = False) -> list[int]:
     del parse_special_in_content  # no special tokens
     return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+  def encode_chat_suffix(self, messages: list[dict[str, str]], start: int, *,
+                         add_generation_prompt: bool = True,
+                         rendered: str | None = None) -> list[int]:
+    """Token ids of the rendered chat prompt from character `start` on (see
+    `Tokenizer.encode_chat_suffix`).
+
+    Raises:
+      ValueError: `start` outside the rendered prompt.
+    """
+    text = (self.apply_chat_template(messages, add_generation_prompt) if rendered is None
+            else rendered)
+    if not 0 <= start <= len(text):
+      raise ValueError(f"start={start} is outside the rendered prompt of {len(text)} characters")
+    return self.encode(text[start:])

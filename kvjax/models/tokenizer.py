@@ -462,13 +462,49 @@ class Tokenizer:
         apart).
     """
     text = self.apply_chat_template(messages, add_generation_prompt)
-    if parse_special_in_content or not any(
-        self._may_form_special(m["content"]) or self._may_form_special(m["content"].strip())
-        for m in messages):
+    if parse_special_in_content:
       return self.encode(text, add_special_tokens=False)
+    return self.encode_chat_suffix(messages, 0, add_generation_prompt=add_generation_prompt,
+                                   rendered=text)
+
+  def encode_chat_suffix(self, messages: list[dict[str, str]], start: int, *,
+                         add_generation_prompt: bool = True,
+                         rendered: str | None = None) -> list[int]:
+    """Token ids of the rendered chat prompt from character `start` on, tokenized as
+    `encode_chat` tokenizes the whole prompt: special tokens the template writes are control
+    tokens, message content is plain text, and no BOS is added. `start=0` is `encode_chat`.
+
+    A session turn's prompt is the previous turn's exact ids followed by this suffix
+    (`kvjax.engine.sessions`), so `start` should fall on a boundary between a message's
+    content and the template's text.
+
+    Args:
+      messages: as for `apply_chat_template`.
+      start: offset in characters into the rendered prompt, in [0, len(rendered)].
+      add_generation_prompt: append the assistant turn's opening.
+      rendered: `apply_chat_template(messages, add_generation_prompt)` when already rendered.
+
+    Returns:
+      list[int] of ids (empty when `start` is the end of the prompt).
+
+    Raises:
+      ValueError: as for `encode_chat`, or `start` outside the rendered prompt.
+    """
+    text = (self.apply_chat_template(messages, add_generation_prompt) if rendered is None
+            else rendered)
+    if not 0 <= start <= len(text):
+      raise ValueError(f"start={start} is outside the rendered prompt of {len(text)} characters")
+    if not any(self._may_form_special(m["content"])
+               or self._may_form_special(m["content"].strip()) for m in messages):
+      return self.encode(text[start:], add_special_tokens=False)
     ids: list[int] = []
+    pos = 0
     for segment, is_content in self._chat_segments(messages, add_generation_prompt, text):
-      ids += self.encode(segment, add_special_tokens=False, parse_special=not is_content)
+      end = pos + len(segment)
+      if end > start:
+        ids += self.encode(segment[max(0, start - pos):], add_special_tokens=False,
+                           parse_special=not is_content)
+      pos = end
     return ids
 
   def _may_form_special(self, content: str) -> bool:

@@ -22,6 +22,8 @@ import threading
 from absl import app, flags, logging
 
 from kvjax.serve.app import ServeState, create_app
+from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
+                                   DEFAULT_SESSION_TTL_S)
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,
                                 HttpServer, ServerConfig, close_backend, load_backend)
@@ -110,6 +112,17 @@ _API_KEY = flags.DEFINE_string(
     "/metrics (401 otherwise). Default: $KVJAX_API_KEY, else no key.")
 _AUTH_OPEN = flags.DEFINE_bool("auth_health_and_metrics", False,
                                "With an API key, require it on /health and /metrics too.")
+_SESSION_TTL = flags.DEFINE_float(
+    "session_ttl_s", DEFAULT_SESSION_TTL_S,
+    "Chat sessions (session_id): seconds a session may stay idle before it expires (dropped on "
+    "the next access); -1: never.")
+_MAX_SESSIONS = flags.DEFINE_integer(
+    "max_sessions", DEFAULT_MAX_SESSIONS,
+    "Chat sessions held at once; beyond, the least recently used idle one is dropped.")
+_MAX_SESSION_TOKENS = flags.DEFINE_integer(
+    "max_session_tokens", DEFAULT_MAX_SESSION_TOKENS,
+    "Token ids held over all chat sessions (each: its last turn's prompt and output); beyond, "
+    "least recently used idle sessions are dropped.")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -148,7 +161,9 @@ def config_from_flags() -> ServerConfig:
         allow_special_tokens_in_prompt=_ALLOW_SPECIAL.value,
         allowed_hosts=tuple(_ALLOWED_HOSTS.value) if _ALLOWED_HOSTS.value else None,
         allowed_origins=tuple(_ALLOWED_ORIGINS.value), api_key=api_key,
-        auth_health_and_metrics=_AUTH_OPEN.value)
+        auth_health_and_metrics=_AUTH_OPEN.value,
+        session_ttl_s=None if _SESSION_TTL.value == -1 else _SESSION_TTL.value,
+        max_sessions=_MAX_SESSIONS.value, max_session_tokens=_MAX_SESSION_TOKENS.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
 

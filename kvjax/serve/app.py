@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions     (both: `"stream": true` for SSE)
     GET  /v1/models             GET  /v1/models/{model}
+    DELETE /v1/sessions/{session_id}[?cache_salt=...]   closes a chat session (404 if unknown)
     GET  /health                200 once the model is loaded and compiled, 503 before
     GET  /metrics               Prometheus text format
     POST /admin/flush_kv        (only with `enable_admin`) waits until queued KV saves are written
@@ -33,6 +34,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvjax.engine.sessions import SessionRegistry
 from kvjax.serve import completions, protocol
 from kvjax.serve.async_engine import AsyncEngine, EngineFault
 from kvjax.serve.guard import HostGuard, HttpPolicy, RequestGuard
@@ -55,6 +57,7 @@ class Backend:
     metrics: the server's metrics.
     flush: blocks until queued KV saves are written (None without a store).
     system_fingerprint: reported in responses (model fingerprint prefix).
+    sessions: the chat sessions (the served `LLM`'s registry); None: `session_id` is refused.
   """
 
   engine: AsyncEngine
@@ -65,6 +68,7 @@ class Backend:
   metrics: ServeMetrics
   flush: Callable[[], None] | None = None
   system_fingerprint: str | None = None
+  sessions: SessionRegistry | None = None
 
   def count(self, endpoint: str, finish_reason: str | None) -> None:
     self.metrics.requests.labels(endpoint=endpoint, finish_reason=str(finish_reason)).inc()
@@ -121,7 +125,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
   app.add_middleware(RequestGuard, policy=policy, on_error=count_error)
   if policy.allowed_origins:
     app.add_middleware(CORSMiddleware, allow_origins=list(policy.allowed_origins),
-                       allow_methods=["GET", "POST"],
+                       allow_methods=["GET", "POST", "DELETE"],
                        allow_headers=["Authorization", "Content-Type"])
   app.add_middleware(HostGuard, policy=policy, on_error=count_error)
 
@@ -184,9 +188,36 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     completions.check_prompt_chars(sum(len(m.text()) for m in req.messages),
                                    backend.max_model_len, backend.tokenizer.max_token_chars,
                                    "messages")
-    ids = await off_loop(completions.prompt_ids_for_chat, req, backend.tokenizer)
-    params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True)
-    return await completions.Generation(backend, "chat", request, req, ids, params).run()
+    if req.session_id is None:
+      ids = await off_loop(completions.prompt_ids_for_chat, req, backend.tokenizer)
+      params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True)
+      return await completions.Generation(backend, "chat", request, req, ids, params).run()
+    turn = completions.begin_session_turn(backend.sessions, req)  # 409 while it is leased
+    try:
+      prompt = await off_loop(completions.session_prompt, backend.sessions, turn, req)
+      params = completions.sampling_params(req, len(prompt.token_ids), backend.max_model_len,
+                                           chat=True)
+    except BaseException:
+      backend.sessions.release(turn)
+      raise
+    session = completions.SessionTurnState(backend.sessions, turn, prompt,
+                                           close=req.close_session)
+    return await completions.Generation(backend, "chat", request, req, list(prompt.token_ids),
+                                        params, session=session).run()
+
+  @app.delete("/v1/sessions/{session_id}")
+  async def delete_session(session_id: str, request: Request) -> dict:
+    """Closes a chat session; `?cache_salt=` names the salt it was opened under."""
+    backend = state.require()
+    unknown = sorted(set(request.query_params) - {"cache_salt"})
+    if unknown:
+      raise protocol.bad_request(f"Unrecognized request argument supplied: {unknown[0]}",
+                                 unknown[0])
+    salt = request.query_params.get("cache_salt")
+    protocol.check_session_params(session_id, salt)
+    if backend.sessions is None or not backend.sessions.close(session_id, salt):
+      raise protocol.session_not_found(session_id)
+    return {"id": session_id, "object": "session.deleted", "deleted": True}
 
   def model_card(backend: Backend) -> dict:
     return {"id": backend.model_name, "object": "model", "created": state.created,

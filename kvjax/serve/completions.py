@@ -11,6 +11,11 @@ A client that disconnects gets its request aborted (slot freed): a non-streaming
 the outputs against `http.disconnect`; a stream also ends when Starlette cancels it, and its
 `finally` aborts what is unfinished. Streams start only once the first output (or a fault) is
 known, so a request the engine rejects still gets a 4xx status, not a broken stream.
+
+A chat turn under a `session_id` (`kvjax.engine.sessions`) leases its session before its prompt
+is built (409 if leased), records its exact ids when its last output arrives (before the body or
+the last stream event goes out, so the client's next turn finds the session free), and releases
+the lease unrecorded on every other ending: a fault, a disconnect, a rejected request.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvjax.engine import RequestOutput
+from kvjax.engine.sessions import ChatPrompt, SessionBusy, SessionRegistry, SessionTurn
 from kvjax.scheduler.request import SamplingParams
 from kvjax.serve import protocol
 from kvjax.serve.async_engine import EngineFault
@@ -95,6 +101,66 @@ def prompt_ids_for_chat(req: protocol.ChatCompletionRequest, tokenizer: Any) -> 
   except Exception as e:  # noqa: BLE001 - a template that rejects the messages is a 400
     raise bad_request(f"messages cannot be rendered with the model's chat template: {e}",
                       "messages") from None
+
+
+def begin_session_turn(sessions: SessionRegistry | None,
+                       req: protocol.ChatCompletionRequest) -> SessionTurn:
+  """Leases the request's session for this turn.
+
+  Raises:
+    ApiError: 409 `session_busy` while a turn of the session runs; 400 without sessions.
+  """
+  if sessions is None:
+    raise bad_request("this server keeps no sessions.", "session_id")
+  try:
+    return sessions.begin(req.session_id, req.cache_salt)
+  except SessionBusy as e:
+    raise protocol.session_busy(str(e)) from None
+
+
+def session_prompt(sessions: SessionRegistry, turn: SessionTurn,
+                   req: protocol.ChatCompletionRequest) -> ChatPrompt:
+  """The turn's prompt by the sessions' extension rule (`SessionRegistry.prompt`).
+
+  Raises:
+    ApiError: 400 when the chat template rejects the messages.
+  """
+  try:
+    return sessions.prompt(turn, req.conversation())
+  except Exception as e:  # noqa: BLE001 - a template that rejects the messages is a 400
+    raise bad_request(f"messages cannot be rendered with the model's chat template: {e}",
+                      "messages") from None
+
+
+class SessionTurnState:
+  """A chat turn under a session between its lease and its end: records the finished turn once,
+  or releases the lease unrecorded (`end`); both idempotent.
+
+  Args:
+    sessions: the registry.
+    turn: the lease.
+    prompt: the turn's prompt.
+    close: close the session after this turn (`close_session`).
+  """
+
+  def __init__(self, sessions: SessionRegistry, turn: SessionTurn, prompt: ChatPrompt, *,
+               close: bool):
+    self.sessions, self.turn, self.prompt, self.close = sessions, turn, prompt, close
+    self.ended = False
+
+  def record(self, out: RequestOutput) -> None:
+    if not self.ended:
+      self.ended = True
+      self.sessions.finish(self.turn, self.prompt, out.token_ids, out.text, close=self.close)
+
+  def end(self) -> None:
+    if not self.ended:
+      self.ended = True
+      self.sessions.release(self.turn)
+
+  def extension(self) -> dict:
+    return protocol.session_extension(self.turn.session_id, self.turn.number, self.prompt,
+                                      closed=self.close)
 
 
 def sampling_params(req: protocol.CompletionRequest | protocol.ChatCompletionRequest,
@@ -179,11 +245,14 @@ class Generation:
     req: the parsed body.
     prompt_ids: prompt token ids.
     params: sampling parameters.
+    session: the session turn this request is (chat with `session_id`), or None; `run` ends it
+      (recorded when the last output arrives, released otherwise).
   """
 
   def __init__(self, backend, endpoint: str, request: Request, req, prompt_ids: list[int],
-               params: SamplingParams):
+               params: SamplingParams, session: SessionTurnState | None = None):
     self.b, self.endpoint, self.request, self.req = backend, endpoint, request, req
+    self.session = session
     self.chat = endpoint == "chat"
     self.prompt_ids, self.params = prompt_ids, params
     self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -230,28 +299,44 @@ class Generation:
       return None
     return self._latest(queue, self._take(get.result()))
 
+  def _end_session(self) -> None:
+    """Releases the session turn unless it was recorded (any ending but a finished turn)."""
+    if self.session is not None:
+      self.session.end()
+
   async def run(self) -> Response:
-    queue = self.b.engine.submit(self.id, self.prompt_ids, self.params, self.req.cache_salt)
-    out = await self._first(queue)
-    if out is None:
-      return Response(status_code=499)
-    if self.req.stream:
-      return StreamingResponse(self._stream(queue, out), media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache"})
-    gone = asyncio.ensure_future(self._disconnected())
+    streaming = False
     try:
-      while not out.finished:
-        get = asyncio.ensure_future(queue.get())
-        done, _ = await asyncio.wait({gone, get}, return_when=asyncio.FIRST_COMPLETED)
-        if get not in done:
-          get.cancel()
-          self.b.engine.abort(self.id)
-          return Response(status_code=499)
-        out = self._latest(queue, self._take(get.result()))
+      queue = self.b.engine.submit(self.id, self.prompt_ids, self.params, self.req.cache_salt)
+      out = await self._first(queue)
+      if out is None:
+        return Response(status_code=499)
+      if self.req.stream:
+        streaming = True
+        return _EventStream(self._stream(queue, out), on_close=self._end_session,
+                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+      gone = asyncio.ensure_future(self._disconnected())
+      try:
+        while not out.finished:
+          get = asyncio.ensure_future(queue.get())
+          done, _ = await asyncio.wait({gone, get}, return_when=asyncio.FIRST_COMPLETED)
+          if get not in done:
+            get.cancel()
+            self.b.engine.abort(self.id)
+            return Response(status_code=499)
+          out = self._latest(queue, self._take(get.result()))
+      finally:
+        gone.cancel()
+      self._record_session(out)
+      self.b.count(self.endpoint, out.finish_reason)
+      return JSONResponse(self._body(out))
     finally:
-      gone.cancel()
-    self.b.count(self.endpoint, out.finish_reason)
-    return JSONResponse(self._body(out))
+      if not streaming:
+        self._end_session()
+
+  def _record_session(self, out: RequestOutput) -> None:
+    if self.session is not None:
+      self.session.record(out)
 
   # -- bodies -------------------------------------------------------------------------------
   def _usage(self, out: RequestOutput) -> dict:
@@ -260,7 +345,8 @@ class Generation:
   def _extension(self, out: RequestOutput) -> dict:
     return protocol.kvjax_extension(
         self.id, out.metrics, ttft_s=self.ttft_s, prompt_tokens=len(self.prompt_ids),
-        cached_tokens=out.num_cached_tokens, e2e_s=self.elapsed_s)
+        cached_tokens=out.num_cached_tokens, e2e_s=self.elapsed_s,
+        session=self.session.extension() if self.session is not None else None)
 
   def _logprobs(self, token_ids, logprobs) -> dict | None:
     if logprobs is None:
@@ -321,6 +407,7 @@ class Generation:
         lp = self._logprobs(new_ids, out.logprobs[sent_tokens:]) if out.logprobs else None
         sent_tokens = len(out.token_ids)
         if out.finished:
+          self._record_session(out)  # before the client can read the end and send a turn
           last = self._chunk(text, lp, out.finish_reason)
           if self._include_usage:
             yield _sse(last)
@@ -340,6 +427,21 @@ class Generation:
     finally:
       if not self.finished:
         self.b.engine.abort(self.id)
+
+
+class _EventStream(StreamingResponse):
+  """A `StreamingResponse` that calls `on_close` however it ends (finished, client gone,
+  cancelled), even when its body iterator never started."""
+
+  def __init__(self, content, *, on_close, **kwargs):
+    super().__init__(content, **kwargs)
+    self._on_close = on_close
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self._on_close()
 
 
 def _sse(obj: dict) -> str:

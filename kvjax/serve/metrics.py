@@ -6,7 +6,8 @@ scraped (`_StoreCollector`), all from one `Engine.stats()` snapshot (`EngineStat
 `kv_cache` is None for the slotted layout, its `saver` None without a store, and the families of
 an absent part are left out). vLLM's names of the figures vLLM has (`vllm:kv_cache_usage_perc`,
 `vllm:num_requests_waiting`, `vllm:prefix_cache_queries`/`hits`, `vllm:num_preemptions`) are
-served beside the `kvjax_` ones, with the same values. Store warnings (a failed
+served beside the `kvjax_` ones, with the same values. Chat-session counters come from one
+`SessionRegistry.stats()` snapshot per scrape (`_SessionCollector`). Store warnings (a failed
 lookup, read or save, each of which degrades to computing) are counted by a logging handler on
 the store's loggers.
 """
@@ -112,6 +113,43 @@ class _StoreCollector(Collector):
     yield fam
 
 
+class _SessionCollector(Collector):
+  """Chat-session counters from one `SessionStats` snapshot per scrape."""
+
+  def __init__(self, session_stats: Callable[[], Any]):
+    self._session_stats = session_stats
+
+  def collect(self):
+    st = self._session_stats()
+    turns = CounterMetricFamily(
+        "kvjax_session_turns", "Chat turns under a session_id, by how their prompt was made: "
+        "first (no earlier turn), extended (the session's exact ids plus the new part), "
+        "not_extended (the messages did not extend the session: templated, a miss).",
+        labels=["outcome"])
+    for outcome in ("first", "extended", "not_extended"):
+      turns.add_metric([outcome], getattr(st, outcome))
+    yield turns
+    ended = CounterMetricFamily("kvjax_session_turns_ended", "Session turns that ended: "
+                                "recorded (finished) or abandoned (aborted, failed).",
+                                labels=["result"])
+    ended.add_metric(["recorded"], st.turns)
+    ended.add_metric(["abandoned"], st.abandoned)
+    yield ended
+    dropped = CounterMetricFamily("kvjax_sessions_dropped", "Sessions dropped: expired (idle "
+                                  "past the TTL), evicted (over max_sessions or "
+                                  "max_session_tokens), closed.", labels=["reason"])
+    for reason in ("expired", "evicted", "closed"):
+      dropped.add_metric([reason], getattr(st, reason))
+    yield dropped
+    yield CounterMetricFamily("kvjax_session_conflicts", "Turns refused with 409: their session "
+                              "was busy.", st.conflicts)
+    yield GaugeMetricFamily("kvjax_sessions_open", "Chat sessions held.", st.open_sessions)
+    yield GaugeMetricFamily("kvjax_sessions_busy", "Chat sessions with a turn in flight.",
+                            st.busy_sessions)
+    yield GaugeMetricFamily("kvjax_session_tokens", "Token ids held over all chat sessions.",
+                            st.open_tokens)
+
+
 def _kv_cache_families(kv) -> list:
   """The paged pool's and device prefix cache's families (`KVCacheStats`): usage as vLLM's
   `kv_cache_usage_perc` (a fraction in [0, 1], under both names), blocks, device prefix-cache
@@ -153,9 +191,11 @@ class ServeMetrics:
   Args:
     engine_stats: `Engine.stats` (or None): its snapshot gives the tier, link and saver counters.
     loop_stats: `AsyncEngine.stats` (queue depth, running, failures), or None.
+    session_stats: `SessionRegistry.stats` (or None: no session families).
   """
 
-  def __init__(self, engine_stats: Callable[[], Any] | None = None, loop_stats: Any = None):
+  def __init__(self, engine_stats: Callable[[], Any] | None = None, loop_stats: Any = None,
+               session_stats: Callable[[], Any] | None = None):
     self.registry = r = CollectorRegistry()
     self.ttft = Histogram("kvjax_time_to_first_token_seconds",
                           "Submission to the engine (after tokenizing) to first token, seconds.",
@@ -187,6 +227,8 @@ class ServeMetrics:
                                   "Store faults degraded to compute (warnings), by logger.",
                                   ["logger"], registry=r)
     r.register(_StoreCollector(engine_stats, loop_stats))
+    if session_stats is not None:
+      r.register(_SessionCollector(session_stats))
     self._handler = _WarningCounter(self.store_warnings)
     for name in STORE_LOGGERS:
       logging.getLogger(name).addHandler(self._handler)

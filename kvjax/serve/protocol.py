@@ -9,6 +9,14 @@ Extensions (accepted by kvjax, not by OpenAI; vLLM has the first three):
   cache_salt: str   tenant key for the prefix cache (stored KV is shared only within one salt).
   top_k: int        keep the k most likely tokens (-1 or 0: all).
   ignore_eos: bool  keep generating after the end-of-sequence token.
+Chat only (SGLang has `session_id`; `kvjax.engine.sessions`):
+  session_id: str      a chat session, 1 to 128 characters from [A-Za-z0-9._:-], keyed together
+                       with `cache_salt`. When the messages are the session's last turn's
+                       messages, its reply and new messages, the prompt is that turn's exact
+                       token ids plus the new part (the prefix cache then hits on every earlier
+                       token); otherwise the normal templated prompt (a miss). A second request
+                       while a turn of the session runs gets 409 (`conflict_error`).
+  close_session: bool  close the session after this turn (needs `session_id`).
 Responses add `usage.prompt_tokens_details.cached_tokens` (as OpenAI) and a `kvjax` object
 (see `kvjax_extension`).
 """
@@ -24,6 +32,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvjax.engine import MergeTrace
+from kvjax.engine.sessions import check_session_id
 from kvjax.scheduler.request import MAX_LOGPROBS
 
 
@@ -56,6 +65,27 @@ def too_many_requests(message: str) -> ApiError:
   """429: the waiting queue is full (`--max_waiting_requests`); retry after a second."""
   return ApiError(429, message, type="rate_limit_exceeded", code="too_many_waiting_requests",
                   headers={"Retry-After": "1"})
+
+
+def session_busy(message: str) -> ApiError:
+  """409: a turn of this session is still running (never queued behind it)."""
+  return ApiError(409, message, type="conflict_error", param="session_id", code="session_busy")
+
+
+def session_not_found(session_id: str) -> ApiError:
+  return ApiError(404, f"No open session {session_id!r} (under this cache_salt): it was never "
+                  "opened, or it was closed, expired or evicted.", param="session_id",
+                  code="session_not_found")
+
+
+def check_session_params(session_id: Any, cache_salt: Any) -> None:
+  """Raises `ApiError` 400 naming `session_id` or `cache_salt` when one is malformed."""
+  try:
+    check_session_id(session_id)
+  except ValueError as e:
+    raise bad_request(f"{e}.", "session_id") from None
+  if cache_salt is not None and not cache_salt:
+    raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
 
 
 def server_error(message: str, status: int = 500) -> ApiError:
@@ -222,9 +252,16 @@ class ChatCompletionRequest(_Sampling):
   store: bool | None = None
   metadata: dict[str, str] | None = None
   service_tier: str | None = None
+  # Extensions (sessions; SGLang's name).
+  session_id: str | None = None
+  close_session: bool = False
 
   def check_supported(self) -> None:
     super().check_supported()
+    if self.session_id is not None:
+      check_session_params(self.session_id, self.cache_salt)
+    elif self.close_session:
+      raise bad_request("close_session needs a session_id.", "close_session")
     if not self.messages:
       raise bad_request("messages must hold at least one message.", "messages")
     if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -280,16 +317,31 @@ def _json_value(x: Any) -> Any:
 MERGE_FIELDS = tuple(f.name for f in dataclasses.fields(MergeTrace))
 
 
+def session_extension(session_id: str, number: int, prompt: Any, *, closed: bool) -> dict:
+  """The `session` member of the `kvjax` object of a chat turn under a session.
+
+  Keys: `id`; `turn` (this turn's number in the session, from 1); `outcome` ("first",
+  "extended" or "not_extended"); `extended` (bool: the prompt starts with the session's exact
+  ids); `reused_tokens` (how many); `reason` (why not extended, else null); `closed` (the
+  session was closed after this turn).
+  """
+  return {"id": session_id, "turn": number, "outcome": prompt.outcome,
+          "extended": prompt.outcome == "extended", "reused_tokens": prompt.reused_tokens,
+          "reason": prompt.reason, "closed": closed}
+
+
 def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
-                    prompt_tokens: int, cached_tokens: int, e2e_s: float | None) -> dict:
+                    prompt_tokens: int, cached_tokens: int, e2e_s: float | None,
+                    session: dict | None = None) -> dict:
   """The `kvjax` object of a response: per-request timing and the KV merge trace.
 
   Keys: `request_id`; `ttft_s` (server side: request received to first token, seconds);
   `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded` (store loads and device hits),
   `tokens_device_cached` (of those, served from the device prefix cache), `cached_tokens`;
   `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); `merge`, the Cake merge trace
-  (`MERGE_FIELDS`; null when nothing was stored) and its `meeting_index` at the top level; and
-  `engine_metrics`, every field of the engine's `RequestMetrics` (engine clock).
+  (`MERGE_FIELDS`; null when nothing was stored) and its `meeting_index` at the top level;
+  `engine_metrics`, every field of the engine's `RequestMetrics` (engine clock); and `session`
+  (`session_extension`; null without a `session_id`).
   """
   tiers: dict[str, int] = {}
   for t in metrics.loaded_from_tiers:
@@ -307,4 +359,5 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
       name: _json_value(getattr(trace, name)) for name in MERGE_FIELDS}
   out["meeting_index"] = None if trace is None else trace.meeting_index
   out["engine_metrics"] = _json_value(metrics) if dataclasses.is_dataclass(metrics) else None
+  out["session"] = session
   return out

@@ -21,6 +21,8 @@ import uvicorn
 
 from kvjax import codecs
 from kvjax.engine import LLM, builder
+from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
+                                   DEFAULT_SESSION_TTL_S, SessionConfig)
 from kvjax.serve.app import Backend
 from kvjax.serve.async_engine import AsyncEngine
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy
@@ -79,9 +81,13 @@ class ServerConfig:
     allowed_origins: origins granted CORS; empty: no CORS headers.
     api_key: required as `Authorization: Bearer` on all but /health and /metrics; None: open.
     auth_health_and_metrics: require `api_key` on /health and /metrics too.
+    session_ttl_s: chat sessions (`session_id`): seconds a session may stay idle before it
+      expires; None: never.
+    max_sessions: sessions held at once (least recently used idle ones dropped beyond).
+    max_session_tokens: token ids held over all sessions (idle sessions dropped beyond).
 
   Raises:
-    ValueError: a bad port, codec, limit, host, origin or key.
+    ValueError: a bad port, codec, limit, host, origin, key or session limit.
   """
 
   model: str = "SmolLM2-135M-Instruct"
@@ -116,6 +122,9 @@ class ServerConfig:
   allowed_origins: tuple[str, ...] = ()
   api_key: str | None = dataclasses.field(default=None, repr=False)  # never in logs
   auth_health_and_metrics: bool = False
+  session_ttl_s: float | None = DEFAULT_SESSION_TTL_S
+  max_sessions: int = DEFAULT_MAX_SESSIONS
+  max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS
 
   def __post_init__(self):
     if self.kv_codec not in KV_CODECS:
@@ -137,6 +146,8 @@ class ServerConfig:
     if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
       raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")
     self.http_policy()  # validates hosts, origins, key and body limit
+    SessionConfig(ttl_s=self.session_ttl_s, max_sessions=self.max_sessions,
+                  max_tokens=self.max_session_tokens)  # validates the session limits
 
   def http_policy(self) -> HttpPolicy:
     """The `guard.HttpPolicy` of these options."""
@@ -165,7 +176,8 @@ class ServerConfig:
         max_model_len=self.max_model_len,
         max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed,
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
-        kv_cache_layout=self.resolved_kv_cache_layout)
+        kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
+        max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens)
     if opts["kv_cache_layout"] == "paged":
       opts.update(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                   enable_prefix_caching=self.enable_prefix_caching)
@@ -209,7 +221,8 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
   max_unfinished = (None if max_waiting_requests is None else
                     llm.engine.runner.config.num_slots + max_waiting_requests)
   loop = AsyncEngine(llm.engine, max_unfinished=max_unfinished)
-  metrics = ServeMetrics(engine_stats=llm.engine.stats, loop_stats=loop.stats)
+  metrics = ServeMetrics(engine_stats=llm.engine.stats, loop_stats=loop.stats,
+                         session_stats=llm.sessions.stats)
   loop.on_output = metrics.on_output
   loop.start()
   fingerprint = llm.fingerprint
@@ -217,7 +230,8 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
                  model_name=served_model_name or llm.model_name,
                  max_model_len=llm.max_model_len, vocab_size=llm.model_config.vocab_size,
                  metrics=metrics, flush=llm.flush,
-                 system_fingerprint=f"kvjax-{fingerprint[:12]}" if fingerprint else None)
+                 system_fingerprint=f"kvjax-{fingerprint[:12]}" if fingerprint else None,
+                 sessions=llm.sessions)
 
 
 def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:

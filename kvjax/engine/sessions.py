@@ -1,0 +1,543 @@
+"""Chat sessions: the exact token ids of a conversation's last turn, so that the next turn's
+prompt extends them instead of re-tokenizing the whole conversation (CachedAttention, arXiv
+2403.19708, section 3; the extension SGLang calls `session_id`).
+
+Why. Re-tokenizing a whole conversation need not give back the ids the model generated: BPE can
+merge across the turn boundary, and a generated "\\n" "\\n" re-tokenizes as "\\n\\n". The prefix
+cache (device blocks, stored chunks) is keyed by token ids, so such a drift cuts the hit short at
+the first differing token. A session keeps the ids of the last finished turn (its prompt ids
+followed by its output ids) and builds the next prompt as those ids plus the tokens of the new
+part only, so the hit covers every earlier token.
+
+The extension rule (`chat_prompt`). A new conversation EXTENDS the session's last turn when its
+messages are that turn's messages followed by one assistant message whose content equals that
+turn's output text (and more messages, usually the user's next one). Then, with the new
+conversation rendered by the model's chat template as `text`:
+
+    head   = last.prompt_text + last.output_text        text must start with head
+    start  = len(head) (+ len(eos text) when the last output ended with the EOS token: those
+             ids already hold the template's end-of-turn token, so it is not added twice)
+    prompt = last.token_ids + encode_chat_suffix(messages, start)
+
+The suffix is tokenized as `encode_chat` tokenizes a prompt (special tokens written by the
+TEMPLATE are control tokens, message content is plain text) with no BOS. An output that stopped
+on length has no end-of-turn token, so the template's one is added as tokens. Anything else
+(edited history, another reply text, fewer messages, a template that renders the earlier turns
+differently, a last turn whose output ids do not spell its text: a stop string, or special tokens
+generated inside the reply) is NOT an extension: the prompt is the normal templated one, and that
+turn is counted as a miss (`SessionStats.not_extended`).
+
+Ownership. `SessionRegistry` owns every session (one lock; plain Python, no timer thread); the
+offline `LLM` creates one and the server (`kvjax.serve`) uses that same registry, so both go
+through `SessionRegistry.prompt` (hence `chat_prompt`) and there is one extension rule. Sessions
+are keyed by `(cache_salt, session_id)`: a request under another salt never sees another salt's
+session. Each session holds its last finished turn (`Turn`), its last-use time and a busy flag
+(a turn in flight holds a lease; a second turn on a busy session is refused with `SessionBusy`).
+An aborted or failed turn is released, leaving the session as it was. Expired sessions (idle
+longer than the TTL) are dropped lazily, on access and admission; over `max_sessions` or
+`max_tokens` the least recently used idle session is dropped first, and a busy one never is.
+
+Seam for KV pinning (not implemented here): `SessionRegistry.sessions()` lists the open sessions
+with their salt and exact token ids, which is what a device pool or a tier would pin.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import re
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+#: Characters a session id may hold (1 to 128 of them).
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+DEFAULT_SESSION_TTL_S = 600.0
+DEFAULT_MAX_SESSIONS = 1024
+#: Token ids held over all sessions (8 Mi; as tuples of Python ints, 8 bytes of pointer plus up
+#: to 28 of int object per id: at most about 300 MB of host memory at the cap).
+DEFAULT_MAX_SESSION_TOKENS = 8 * 2**20
+
+#: `ChatPrompt.outcome` values.
+FIRST = "first"                # the session had no finished turn: the normal templated prompt
+EXTENDED = "extended"          # the prompt starts with the session's exact ids (a hit)
+NOT_EXTENDED = "not_extended"  # the messages do not extend the last turn: templated (a miss)
+
+#: (role, content) of one message.
+Message = tuple[str, str]
+
+
+def check_session_id(session_id: Any) -> str:
+  """Returns `session_id` if it is a valid session id.
+
+  Raises:
+    ValueError: not a string of 1 to 128 characters from [A-Za-z0-9._:-].
+  """
+  if not isinstance(session_id, str) or not SESSION_ID_RE.fullmatch(session_id):
+    shown = repr(session_id)[:40] if isinstance(session_id, str) else type(session_id).__name__
+    raise ValueError(f"session_id must be 1 to 128 characters from [A-Za-z0-9._:-], got "
+                     f"{shown}")
+  return session_id
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionConfig:
+  """Limits of a `SessionRegistry`.
+
+  Attributes:
+    ttl_s: seconds a session may stay idle before it expires (dropped on the next access);
+      None: never.
+    max_sessions: sessions held at once; beyond, the least recently used idle one is dropped.
+    max_tokens: token ids held over all sessions (each session: its last turn's prompt and
+      output ids); beyond, least recently used idle sessions are dropped.
+
+  Raises:
+    ValueError: a limit that is not positive (names the option).
+  """
+
+  ttl_s: float | None = DEFAULT_SESSION_TTL_S
+  max_sessions: int = DEFAULT_MAX_SESSIONS
+  max_tokens: int = DEFAULT_MAX_SESSION_TOKENS
+
+  def __post_init__(self):
+    if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(
+        self.ttl_s, (int, float)) or not self.ttl_s > 0):
+      raise ValueError(f"session_ttl_s={self.ttl_s!r} must be a positive number of seconds "
+                       "(None, or -1 on the server's command line: sessions never expire)")
+    for name, option in (("max_sessions", "max_sessions"), ("max_tokens", "max_session_tokens")):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{option}={v!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+  """A session's last finished turn, plain data.
+
+  Attributes:
+    messages: the turn's conversation, (role, content) per message.
+    prompt_text: the turn's prompt as the chat template rendered it (generation prompt
+      included).
+    token_ids: the exact ids the model saw and made: the prompt ids, then the output ids.
+    num_prompt_tokens: how many of `token_ids` are the prompt.
+    output_text: the reply as returned to the client.
+    ends_with_eos: the output's last id is the tokenizer's EOS (it stands for the template's
+      end-of-turn text).
+    exact: the output ids (without a final EOS) decode to exactly `output_text`; False when a
+      stop string cut the text short or special tokens inside the reply were skipped. Only an
+      exact turn can be extended.
+  """
+
+  messages: tuple[Message, ...]
+  prompt_text: str
+  token_ids: tuple[int, ...]
+  num_prompt_tokens: int
+  output_text: str
+  ends_with_eos: bool
+  exact: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+  """The prompt of one chat turn.
+
+  Attributes:
+    token_ids: the prompt's ids.
+    text: the conversation rendered by the chat template (generation prompt included).
+    messages: the conversation, (role, content) per message.
+    outcome: `FIRST`, `EXTENDED` or `NOT_EXTENDED`.
+    reused_tokens: leading ids taken verbatim from the session's last turn (0 unless extended).
+    reason: why the conversation does not extend the session (`NOT_EXTENDED` only), else None.
+  """
+
+  token_ids: tuple[int, ...]
+  text: str
+  messages: tuple[Message, ...]
+  outcome: str
+  reused_tokens: int = 0
+  reason: str | None = None
+
+
+def _messages(messages: Sequence[dict[str, str]]) -> tuple[Message, ...]:
+  return tuple((m["role"], m["content"]) for m in messages)
+
+
+def _extension(tokenizer: Any, conv: list[dict[str, str]], msgs: tuple[Message, ...],
+               text: str, last: Turn) -> tuple[tuple[int, ...] | None, str | None]:
+  """(the extended prompt's ids, None), or (None, why the conversation does not extend)."""
+  if not last.exact:
+    return None, ("the last turn's output ids do not spell its text (a stop string or a "
+                  "special token inside the reply)")
+  n = len(last.messages)
+  if len(msgs) < n + 1:
+    return None, (f"{len(msgs)} messages: extending a turn of {n} needs its {n} messages, the "
+                  "assistant's reply and the new ones")
+  if msgs[:n] != last.messages:
+    first = next(i for i in range(n) if msgs[i] != last.messages[i])
+    return None, f"messages[{first}] differs from the session's conversation"
+  if msgs[n] != ("assistant", last.output_text):
+    return None, (f"messages[{n}] is not the assistant's reply of the last turn (role "
+                  "'assistant', content equal to that turn's output text)")
+  head = last.prompt_text + last.output_text
+  if not text.startswith(head):
+    return None, "the chat template renders the earlier conversation differently now"
+  start = len(head)
+  if last.ends_with_eos:
+    eos_text = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
+    if not text.startswith(eos_text, start):
+      return None, ("the last output ends with the EOS token but the chat template does not "
+                    "close the reply with it")
+    start += len(eos_text)
+  suffix = tokenizer.encode_chat_suffix(conv, start, add_generation_prompt=True, rendered=text)
+  return last.token_ids + tuple(suffix), None
+
+
+def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, str]],
+                last: Turn | None) -> ChatPrompt:
+  """The prompt of a chat turn: the session's exact ids plus the new part when `messages`
+  extend `last` (see the module docstring), else the normal templated prompt.
+
+  Args:
+    tokenizer: has `apply_chat_template`, `encode_chat`, `encode_chat_suffix`, `decode` and
+      `eos_id` (`kvjax.models.tokenizer.Tokenizer`, or `ByteTokenizer`).
+    messages: the conversation, `[{"role": str, "content": str}, ...]`.
+    last: the session's last finished turn, or None (first turn, or no session).
+
+  Returns:
+    The `ChatPrompt` (outcome `FIRST` when `last` is None).
+
+  Raises:
+    ValueError: malformed messages, or a model without a chat template.
+    jinja2.TemplateError: the template rejected the messages.
+  """
+  if tokenizer is None:
+    raise ValueError("this model has no tokenizer: chat needs one")
+  conv = list(messages)
+  text = tokenizer.apply_chat_template(conv, add_generation_prompt=True)  # validates
+  msgs = _messages(conv)
+  if last is not None:
+    ids, reason = _extension(tokenizer, conv, msgs, text, last)
+    if ids is not None:
+      return ChatPrompt(ids, text, msgs, EXTENDED, reused_tokens=len(last.token_ids))
+  else:
+    reason = None
+  ids = tuple(tokenizer.encode_chat(conv, add_generation_prompt=True))
+  return ChatPrompt(ids, text, msgs, FIRST if last is None else NOT_EXTENDED, reason=reason)
+
+
+def record_turn(tokenizer: Any, prompt: ChatPrompt, output_ids: Sequence[int],
+                output_text: str) -> Turn:
+  """The `Turn` a finished chat turn leaves: its prompt, its output ids and text.
+
+  Args:
+    tokenizer: as for `chat_prompt`.
+    prompt: the turn's prompt.
+    output_ids: the generated ids (a final EOS included, as the engine returns them).
+    output_text: the reply as returned to the client (the engine's `RequestOutput.text`).
+  """
+  out = tuple(int(t) for t in output_ids)
+  eos = tokenizer.eos_id
+  ends = bool(out) and eos is not None and out[-1] == eos
+  body = out[:-1] if ends else out
+  exact = tokenizer.decode(list(body), skip_special_tokens=False) == output_text
+  return Turn(messages=prompt.messages, prompt_text=prompt.text,
+              token_ids=prompt.token_ids + out, num_prompt_tokens=len(prompt.token_ids),
+              output_text=output_text, ends_with_eos=ends, exact=exact)
+
+
+class SessionBusy(Exception):
+  """A turn of this session is in flight (the server answers 409)."""
+
+  def __init__(self, session_id: str, cache_salt: str | None):
+    super().__init__(f"session {session_id!r} is busy: a turn of it is still running; send the "
+                     "next turn after that one finished")
+    self.session_id, self.cache_salt = session_id, cache_salt
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionTurn:
+  """The lease of one turn in flight (from `SessionRegistry.begin`), plain data.
+
+  Attributes:
+    session_id: the session's id.
+    cache_salt: its salt (part of the key).
+    number: this turn's number in the session, from 1 (finished turns so far + 1).
+    last: the session's last finished turn, or None.
+    lease: identifies this lease; `finish` and `release` of a lease the session no longer
+      holds (it was closed meanwhile) do nothing.
+  """
+
+  session_id: str
+  cache_salt: str | None
+  number: int
+  last: Turn | None
+  lease: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionInfo:
+  """One open session, plain data.
+
+  Attributes:
+    session_id: its id.
+    cache_salt: its salt.
+    turns: finished turns recorded.
+    token_ids: the last finished turn's exact ids (prompt, then output); empty before the first.
+    busy: a turn is in flight.
+    idle_s: seconds since its last use (registry clock).
+  """
+
+  session_id: str
+  cache_salt: str | None
+  turns: int
+  token_ids: tuple[int, ...]
+  busy: bool
+  idle_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionStats:
+  """The registry's counters, plain data (a snapshot).
+
+  Attributes:
+    turns: turns finished and recorded (closing turns included).
+    first: turns planned without a previous turn (the normal templated prompt).
+    extended: turns whose prompt extended the session's exact ids (hits).
+    not_extended: turns of a session with a finished turn whose messages did not extend it
+      (misses: the normal templated prompt was used).
+    abandoned: turns released unrecorded (aborted, failed, or refused after planning).
+    expired: sessions dropped after idling longer than the TTL.
+    evicted: idle sessions dropped over `max_sessions` or `max_tokens`.
+    closed: sessions closed (DELETE, `close_session`, `LLM.close_session`).
+    conflicts: turns refused because their session was busy.
+    open_sessions: sessions held now.
+    busy_sessions: of those, with a turn in flight.
+    open_tokens: token ids held over all sessions.
+  """
+
+  turns: int = 0
+  first: int = 0
+  extended: int = 0
+  not_extended: int = 0
+  abandoned: int = 0
+  expired: int = 0
+  evicted: int = 0
+  closed: int = 0
+  conflicts: int = 0
+  open_sessions: int = 0
+  busy_sessions: int = 0
+  open_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _Session:
+  turn: Turn | None = None
+  turns: int = 0
+  last_used_s: float = 0.0
+  lease: int | None = None   # the turn in flight, or None (idle)
+  fresh: bool = False        # created by the lease in flight (released: the session goes)
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.turn.token_ids) if self.turn is not None else 0
+
+
+_COUNTERS = ("turns", "first", "extended", "not_extended", "abandoned", "expired", "evicted",
+             "closed", "conflicts")
+
+
+class SessionRegistry:
+  """Every open chat session of one model (see the module docstring); thread-safe.
+
+  A turn: `begin` (leases the session, creating it if new; `SessionBusy` if leased), `prompt`
+  (the extension rule), then `finish` (records the turn) or `release` (aborted or failed: the
+  session stays as it was).
+
+  Args:
+    tokenizer: the model's tokenizer (as for `chat_prompt`); None: `prompt` raises ValueError.
+    config: limits (TTL, sessions, tokens).
+    clock: seconds, monotonic (tests pass a fake).
+  """
+
+  def __init__(self, tokenizer: Any, config: SessionConfig | None = None, *,
+               clock: Callable[[], float] = time.monotonic):
+    self._tokenizer = tokenizer
+    self.config = config or SessionConfig()
+    self._clock = clock
+    self._lock = threading.Lock()
+    # In order of last use, least recent first (expiry and eviction walk from the front).
+    self._sessions: collections.OrderedDict[tuple[str | None, str], _Session] = (
+        collections.OrderedDict())
+    self._leases = itertools.count(1)
+    self._tokens = 0
+    self._counts = dict.fromkeys(_COUNTERS, 0)
+
+  # ----------------------------------------------------------------------------- turns
+  def begin(self, session_id: str, cache_salt: str | None = None) -> SessionTurn:
+    """Leases the session for one turn, creating it if it is new (or expired).
+
+    Raises:
+      ValueError: a bad session id, or a salt that is not a string.
+      SessionBusy: a turn of this session is in flight.
+    """
+    key = self._key(session_id, cache_salt)
+    with self._lock:
+      now = self._clock()
+      self._expire(now)
+      s = self._sessions.get(key)
+      if s is not None and s.lease is not None:
+        self._counts["conflicts"] += 1
+        raise SessionBusy(session_id, cache_salt)
+      if s is None:
+        s = self._sessions[key] = _Session(fresh=True)
+      else:
+        s.fresh = False
+      s.lease, s.last_used_s = next(self._leases), now
+      self._sessions.move_to_end(key)
+      self._enforce_caps()
+      return SessionTurn(session_id, cache_salt, s.turns + 1, s.turn, s.lease)
+
+  def prompt(self, turn: SessionTurn, messages: Sequence[dict[str, str]]) -> ChatPrompt:
+    """The turn's prompt by the extension rule (`chat_prompt` against `turn.last`); counts
+    the outcome.
+
+    Raises:
+      ValueError, jinja2.TemplateError: as `chat_prompt` (release the turn then).
+    """
+    prompt = chat_prompt(self._tokenizer, messages, turn.last)
+    with self._lock:
+      self._counts[prompt.outcome] += 1
+    return prompt
+
+  def finish(self, turn: SessionTurn, prompt: ChatPrompt, output_ids: Sequence[int],
+             output_text: str, *, close: bool = False) -> bool:
+    """Records a finished turn (`record_turn`) as the session's last and frees the session;
+    with `close`, closes the session instead.
+
+    Returns:
+      Whether the session stays open holding this turn (False: closed, or dropped at once
+      because this turn alone exceeds `max_tokens`, or the session had been closed while the
+      turn ran, in which case nothing is recorded).
+    """
+    record = record_turn(self._tokenizer, prompt, output_ids, output_text)
+    key = (turn.cache_salt, turn.session_id)
+    with self._lock:
+      s = self._sessions.get(key)
+      if s is None or s.lease != turn.lease:
+        return False
+      self._counts["turns"] += 1
+      s.lease, s.fresh, s.last_used_s = None, False, self._clock()
+      if close:
+        self._drop(key, "closed")
+        return False
+      self._tokens += len(record.token_ids) - s.num_tokens
+      s.turn, s.turns = record, s.turns + 1
+      self._sessions.move_to_end(key)
+      self._enforce_caps()
+      return key in self._sessions
+
+  def release(self, turn: SessionTurn) -> None:
+    """Ends a turn without recording it (aborted, failed): the session keeps its last
+    finished turn, and a session this turn created goes away again."""
+    key = (turn.cache_salt, turn.session_id)
+    with self._lock:
+      s = self._sessions.get(key)
+      if s is None or s.lease != turn.lease:
+        return
+      self._counts["abandoned"] += 1
+      s.lease = None
+      if s.fresh:
+        del self._sessions[key]
+      self._enforce_caps()
+
+  # ----------------------------------------------------------------------------- sessions
+  def close(self, session_id: str, cache_salt: str | None = None) -> bool:
+    """Closes a session (a turn in flight then finishes unrecorded).
+
+    Returns:
+      Whether the session was open (False: unknown, or expired).
+
+    Raises:
+      ValueError: a bad session id or salt.
+    """
+    key = self._key(session_id, cache_salt)
+    with self._lock:
+      self._expire(self._clock())
+      if key not in self._sessions:
+        return False
+      self._drop(key, "closed")
+      return True
+
+  def get(self, session_id: str, cache_salt: str | None = None) -> SessionInfo | None:
+    """The open session of this key, or None (unknown or expired).
+
+    Raises:
+      ValueError: a bad session id or salt.
+    """
+    key = self._key(session_id, cache_salt)
+    with self._lock:
+      now = self._clock()
+      self._expire(now)
+      s = self._sessions.get(key)
+      return None if s is None else self._info(key, s, now)
+
+  def sessions(self) -> tuple[SessionInfo, ...]:
+    """Every open session, least recently used first (after dropping expired ones): the seam
+    for pinning sessions' KV in a device pool or a tier."""
+    with self._lock:
+      now = self._clock()
+      self._expire(now)
+      return tuple(self._info(k, s, now) for k, s in self._sessions.items())
+
+  def stats(self) -> SessionStats:
+    """A snapshot of the counters (expired sessions still held count as open until an access
+    drops them)."""
+    with self._lock:
+      return SessionStats(**self._counts, open_sessions=len(self._sessions),
+                          busy_sessions=sum(s.lease is not None
+                                            for s in self._sessions.values()),
+                          open_tokens=self._tokens)
+
+  def __len__(self) -> int:
+    with self._lock:
+      return len(self._sessions)
+
+  # ----------------------------------------------------------------------------- internals
+  @staticmethod
+  def _key(session_id: str, cache_salt: str | None) -> tuple[str | None, str]:
+    check_session_id(session_id)
+    if cache_salt is not None and not isinstance(cache_salt, str):
+      raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    return (cache_salt, session_id)
+
+  @staticmethod
+  def _info(key, s: _Session, now: float) -> SessionInfo:
+    return SessionInfo(session_id=key[1], cache_salt=key[0], turns=s.turns,
+                       token_ids=s.turn.token_ids if s.turn is not None else (),
+                       busy=s.lease is not None, idle_s=now - s.last_used_s)
+
+  def _drop(self, key, counter: str) -> None:
+    s = self._sessions.pop(key)
+    self._tokens -= s.num_tokens
+    self._counts[counter] += 1
+
+  def _expire(self, now: float) -> None:
+    """Drops idle sessions unused for longer than the TTL (the front of the LRU order)."""
+    ttl = self.config.ttl_s
+    if ttl is None:
+      return
+    for key, s in list(self._sessions.items()):
+      if now - s.last_used_s <= ttl:
+        break  # every later session was used more recently
+      if s.lease is None:
+        self._drop(key, "expired")
+
+  def _enforce_caps(self) -> None:
+    """Drops least recently used idle sessions while over `max_sessions` or `max_tokens`."""
+    cfg = self.config
+    while len(self._sessions) > cfg.max_sessions or self._tokens > cfg.max_tokens:
+      victim = next((k for k, s in self._sessions.items() if s.lease is None), None)
+      if victim is None:
+        return  # every session is busy: none is dropped
+      self._drop(victim, "evicted")
