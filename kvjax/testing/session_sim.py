@@ -172,6 +172,10 @@ class Schedule:
     mean_queue_len: time-averaged number of waiting requests.
     max_queue_len: most requests waiting at once.
     utilization: busy slot-seconds / (slots x duration).
+    mean_active_conversations: time-averaged number of conversations in progress (from their
+      first arrival to their last turn's finish).
+    mean_live_kv_tokens: time-averaged tokens of finished turns of conversations in progress
+      (the KV a cache must keep to serve every next turn: the live working set).
   """
 
   requests: tuple[Request, ...]
@@ -183,12 +187,15 @@ class Schedule:
   mean_queue_len: float
   max_queue_len: int
   utilization: float
+  mean_active_conversations: float
+  mean_live_kv_tokens: float
 
   def summary(self) -> dict:
     """The queueing figures as plain data (no request list)."""
-    return {k: getattr(self, k) for k in ("duration_s", "mean_wait_s", "p90_wait_s",
-                                          "waited_fraction", "mean_queue_len", "max_queue_len",
-                                          "utilization")} | {"requests": len(self.requests)}
+    return {k: getattr(self, k) for k in (
+        "duration_s", "mean_wait_s", "p90_wait_s", "waited_fraction", "mean_queue_len",
+        "max_queue_len", "utilization", "mean_active_conversations",
+        "mean_live_kv_tokens")} | {"requests": len(self.requests)}
 
 
 def _service_s(cfg: SimConfig, history: int, turn: Turn) -> float:
@@ -249,9 +256,13 @@ def build_schedule(conversations: Sequence[Conversation], cfg: SimConfig,
   free = cfg.num_slots
   busy_s = 0.0
   queue_area, last_t, max_q = 0.0, 0.0, 0
+  active, live = 0, 0  # conversations in progress, their finished turns' tokens
+  active_area, live_area = 0.0, 0.0
   while heap:
     t, _, kind, c, k = heapq.heappop(heap)
     queue_area += len(queue) * (t - last_t)
+    active_area += active * (t - last_t)
+    live_area += live * (t - last_t)
     last_t = t
     if kind == "finish":
       free += 1
@@ -260,8 +271,13 @@ def build_schedule(conversations: Sequence[Conversation], cfg: SimConfig,
       turn = conversations[c].turns[k]
       history[c] += turn.prompt_tokens + turn.reply_tokens
       if k + 1 < len(conversations[c].turns):
+        live += turn.prompt_tokens + turn.reply_tokens
         push(t + think[c][k], "arrive", c, k + 1)
+      else:  # the conversation is over: its KV is never read again
+        active -= 1
+        live -= history[c] - turn.prompt_tokens - turn.reply_tokens
     else:
+      active += k == 0
       r = len(fields)
       req_of[(c, k)] = r
       turn = conversations[c].turns[k]
@@ -291,7 +307,9 @@ def build_schedule(conversations: Sequence[Conversation], cfg: SimConfig,
       waited_fraction=sum(w > 0 for w in waits) / len(waits) if waits else 0.0,
       mean_queue_len=queue_area / duration if duration > 0 else 0.0,
       max_queue_len=max_q,
-      utilization=busy_s / (cfg.num_slots * duration) if duration > 0 else 0.0)
+      utilization=busy_s / (cfg.num_slots * duration) if duration > 0 else 0.0,
+      mean_active_conversations=active_area / duration if duration > 0 else 0.0,
+      mean_live_kv_tokens=live_area / duration if duration > 0 else 0.0)
 
 
 @dataclasses.dataclass

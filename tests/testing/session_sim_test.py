@@ -51,10 +51,14 @@ class ScheduleTest(absltest.TestCase):
     self.assertEqual(s.requests[3], ss.Request(conv=0, turn=1, history_tokens=8, prompt_tokens=4,
                                                reply_tokens=1, arrival_s=5.0, dispatch_s=12.0,
                                                finish_s=13.0))
-    # Waits 0, 3.5, 7, 7, 4; queue-length area 21.5 over 14 s; the slot is never idle.
+    # Waits 0, 3.5, 7, 7, 4; queue-length area 21.5 over 14 s; the slot is never idle. A, B and
+    # C are in progress 13 + 13.5 + 11 s; A's 8 finished tokens are live from 4 to 13, B's from
+    # 8 to 14, C's never (its only turn is its last).
     self.assertEqual(s.summary(), {
         "duration_s": 14.0, "mean_wait_s": 4.3, "p90_wait_s": 7.0, "waited_fraction": 0.8,
-        "mean_queue_len": 21.5 / 14, "max_queue_len": 2, "utilization": 1.0, "requests": 5})
+        "mean_queue_len": 21.5 / 14, "max_queue_len": 2, "utilization": 1.0,
+        "mean_active_conversations": 37.5 / 14, "mean_live_kv_tokens": (8 * 9 + 8 * 6) / 14,
+        "requests": 5})
 
   def test_poisson_arrivals_are_seeded(self):
     cfg = dataclasses.replace(CFG, think_time_dist="exponential", num_slots=4)
