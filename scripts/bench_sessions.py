@@ -4,8 +4,8 @@ Mode `--sim` (the default, and the only one so far): a trace-driven simulation w
 (`kvjax.testing.session_sim`). The 1,000 ShareGPT conversations of
 ../shared/data/sharegpt/sharegpt_v3_multiturn_1000.json, token counts from SmolLM2's tokenizer
 (chat template included; counted once per run, in memory), arrive as a Poisson process (1 new
-conversation per second); each next turn arrives an exponential think time (mean 10 s) after
-the previous reply; `--slots` requests run at once from one FCFS queue, each for 0.1 ms per
+conversation per second); each next turn arrives an exponential think time (mean 10 s; the
+paper's distribution was not checked; `--think_time_dist=fixed`) after the previous reply; `--slots` requests run at once from one FCFS queue, each for 0.1 ms per
 prompt token (history + new) + 25 ms per reply token. The KV of each turn's history is kept in
 a host tier over a disk tier (the AttentionStore of CachedAttention, arXiv 2403.19708),
 managed by `kvjax.storage.placement.TierHierarchy` under each policy:
@@ -215,7 +215,9 @@ def run_sim() -> None:
                 "tokens": sum(c.total_tokens for c in convs), "token_counts": counts_how,
                 "system_tokens": system, "footprint_bytes": footprint},
       "paper": {"source": "CachedAttention / AttentionStore, arXiv 2403.19708",
-                "hit_rate": {"lookahead": 0.86, "lru": 0.58, "fifo": 0.48}},
+                "hit_rate": {"lookahead": 0.86, "lru": 0.58, "fifo": 0.48},
+                "note": "as cited for this project; the paper's workload and capacities are "
+                        "not reproduced here, see findings"},
       "findings": FINDINGS, "wall_s": wall, "loads": loads}
   (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
   plot(loads, sweep, labels, out / f"{stem}.png", len(convs), base.window)

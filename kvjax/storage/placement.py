@@ -38,7 +38,7 @@ Policies (`POLICIES`, by name) decide the victims and whether to prefetch:
     Prefetch moves the window's chunks toward the top tier in queue order, under each tier's
     capacity and optional link budget (bytes into the tier per `lookahead` call).
   * "lru" / "fifo": the same cascade with victims by least recent use / first insertion, no
-    window, no prefix order, no prefetch (the baselines of section 4).
+    window, no prefix order, no prefetch (the paper's baselines).
   * "none": nothing is stored; every access misses.
 
 "Leaf" is judged within the tier for demotions, and across all tiers for drops from the bottom

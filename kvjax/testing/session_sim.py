@@ -6,7 +6,7 @@ the way CachedAttention's AttentionStore serves them (arXiv 2403.19708, sections
   * New conversations arrive as a Poisson process (`SimConfig.arrival_rate_per_s`, default 1
     per second). Turn k + 1 of a conversation arrives a think time after turn k finishes
     (`think_time_s`, default 10 s; exponential by default, `think_time_dist="fixed"` for a
-    constant).
+    constant; which distribution the paper uses was not checked for this simulator).
   * Service: `num_slots` requests run at once (default 32), first come first served from one
     waiting queue; a request holds its slot for `prefill_s_per_token` x (history + new prompt
     tokens) + `decode_s_per_token` x reply tokens (defaults 0.1 ms and 25 ms: a busy
