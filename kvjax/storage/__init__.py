@@ -1,6 +1,6 @@
 """kvjax storage: chunk keys, codec byte formats, tensorstore specs, the verified chunk store,
-tiers, link emulation and eviction (numpy, tensorstore, zstandard, pcodec and xxhash only, no
-JAX). See DESIGN.md sections 3-5.
+tiers, link emulation, eviction and the tier placement planner (numpy, tensorstore, zstandard,
+pcodec and xxhash only, no JAX). See DESIGN.md sections 3-5.
 """
 
 from kvjax.storage.chunk_store import (ByteLimiter, ChunkStore, StoreStats, choose_codec,
@@ -11,6 +11,7 @@ from kvjax.storage.eviction import EntryInfo, EvictionPolicy, FIFOPolicy, LRUPol
 from kvjax.storage.keys import (KeyNamespace, chunk_hashes, hash_chunk,
                                 prefix_chunk_hashes_for_prompt)
 from kvjax.storage.link import LinkLimiter, gbps, load_trace, mbps
+from kvjax.storage.placement import PlacementStats, TierHierarchy, TierSpec
 from kvjax.storage.specs import chunk_array_spec, kvstore_spec
 from kvjax.storage.tiers import (HostMemoryTier, KVStore, StoreConfig, Tier, TierConfig,
                                  TieredStore, build_tiers, url_kind)
@@ -21,7 +22,8 @@ __all__ = [
     "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit", "ChunkMiss", "ChunkRecord", "ChunkStore",
     "CorruptPayload", "EncodedPayload", "Encoding", "EntryInfo", "EvictionPolicy", "FIFOPolicy",
     "HostMemoryTier", "KVLayout", "KVStore", "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason",
-    "StoreConfig", "StoreStats", "Tier", "TierConfig", "TieredStore", "UnknownCodec", "build_tiers",
+    "PlacementStats", "StoreConfig", "StoreStats", "Tier", "TierConfig", "TierHierarchy",
+    "TierSpec", "TieredStore", "UnknownCodec", "build_tiers",
     "choose_codec", "chunk_array_spec", "chunk_hashes", "decode_payload", "default_choose",
     "encode_payload", "gbps", "hash_chunk", "kvstore_spec", "load_trace", "mbps", "payload_spec",
     "prefix_chunk_hashes_for_prompt", "url_kind",

@@ -1,0 +1,649 @@
+"""Scheduler-aware KV placement across a tier hierarchy (pure Python, no I/O).
+
+CachedAttention / AttentionStore (Gao et al., arXiv 2403.19708, section 3.3) keeps every
+session's KV in a hierarchy of tiers (HBM, host DRAM, SSD) and places it with hints from the
+job scheduler: chunks that the next requests of the waiting queue need are fetched toward the
+top before those requests run (look-ahead prefetching, section 3.3.1), and eviction never
+pushes out what that window needs while something else can go, demoting victims to the next
+tier rather than discarding them (look-ahead eviction, section 3.3.2).
+
+`TierHierarchy` is that planner over an ordered list of tiers (top first, e.g. device, host,
+disk; the bottom one may be unbounded, e.g. a remote store). It owns all placement state
+(which key lives in which tier, bytes used per tier, recency, the current window) and answers
+three events with plain data, a list of moves for a data mover to carry out:
+
+    save(key, nbytes, parent)   a new chunk enters the top tier it fits   -> [Demote.., Insert]
+    access(keys)                a scheduled request reads its chunks      -> AccessResult
+                                (hits per tier; hits below the top are promoted into it)
+    lookahead(window)           the keys of the next requests, queue order -> [Promote.., ...]
+
+Tiers are exclusive: a key lives in exactly one tier, and a move takes it out of its source.
+Making room in tier t cascades downward (section 3.3.2): each victim of t is demoted into t+1
+after room is made there, by t+1's own victims, and only the bottom bounded tier drops (one
+exception: a victim that tier t+1 cannot take without displacing chunks the window needs
+sooner is dropped from t).
+
+    save/promote into t ──> victims of t ──Demote──> t+1 ──> victims of t+1 ──Demote──> ...
+                                                                   bottom bounded tier: Drop
+
+Policies (`POLICIES`, by name) decide the victims and whether to prefetch:
+
+  * "lookahead": victims are chosen in three phases, stopping once enough bytes are freed:
+      1. chunks outside the window, least recently used first, suffixes before the prefixes
+         they extend (only a leaf of the prefix forest is a candidate; taking it may expose its
+         parent, which then competes on its own recency; see `kvjax.storage.eviction`);
+      2. the same chunks ignoring the leaf rule (a prefix whose suffix must stay);
+      3. window chunks whose next use is farther than the incoming chunk's (farthest first,
+         suffixes first): an incoming chunk outside the window never displaces a window chunk.
+    Prefetch moves the window's chunks toward the top tier in queue order, under each tier's
+    capacity and optional link budget (bytes into the tier per `lookahead` call).
+  * "lru" / "fifo": the same cascade with victims by least recent use / first insertion, no
+    window, no prefix order, no prefetch (the paper's baselines).
+  * "none": nothing is stored; every access misses.
+
+"Leaf" is judged within the tier for demotions, and across all tiers for drops from the bottom
+tier (a chunk that a cached suffix extends anywhere goes last). Keys are opaque strings, e.g.
+the chained chunk hashes of `kvjax.storage.keys` (a chunk's parent is its prefix chunk); the
+engine's real tiers (`kvjax.storage.tiers`) are not driven by this planner yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+__all__ = ["POLICIES", "AccessResult", "Demote", "Drop", "FIFOPlacement", "Insert",
+           "LRUPlacement", "LookaheadPlacement", "Move", "NoCache", "PlacementPolicy",
+           "PlacementStats", "Promote", "TierHierarchy", "TierSpec", "make_policy"]
+
+_INF = math.inf
+_NOW = -1  # rank of the request being scheduled: nearer than any window position
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSpec:
+  """One tier of the hierarchy.
+
+  Attributes:
+    name: distinct tier name (e.g. "host").
+    capacity_bytes: bytes the tier may hold; None: unbounded (the bottom tier only).
+    prefetch_bytes_per_interval: bytes that prefetching may move INTO this tier per
+      `TierHierarchy.lookahead` call (its link budget); None: unlimited.
+  """
+
+  name: str
+  capacity_bytes: int | None
+  prefetch_bytes_per_interval: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Insert:
+  """A saved chunk is written into `tier` (`nbytes` bytes)."""
+
+  key: str
+  tier: str
+  nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Promote:
+  """Move `key` up from tier `src` into tier `dst` (on access, or a prefetch)."""
+
+  key: str
+  src: str
+  dst: str
+  nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Demote:
+  """Move `key` down from tier `src` into tier `dst` to make room in `src`."""
+
+  key: str
+  src: str
+  dst: str
+  nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+  """Delete `key` from `tier`: it leaves the hierarchy."""
+
+  key: str
+  tier: str
+  nbytes: int
+
+
+Move = Insert | Promote | Demote | Drop
+
+
+@dataclasses.dataclass(frozen=True)
+class AccessResult:
+  """What one `TierHierarchy.access` found and moved.
+
+  Attributes:
+    tiers: per requested key, the tier it was found in before any move, or None (a miss).
+    moves: the promotions (and the demotions and drops that made room for them), in order.
+  """
+
+  tiers: tuple[str | None, ...]
+  moves: tuple[Move, ...]
+
+
+@dataclasses.dataclass
+class PlacementStats:
+  """Counters and occupancy of a `TierHierarchy` (a snapshot; chunk counts, bytes).
+
+  Attributes:
+    hits: per tier, accessed chunks found there.
+    misses: accessed chunks found in no tier.
+    saves: chunks inserted by `save`.
+    rejected_saves: saves that found no tier (all of them under "none").
+    promotions: chunks promoted by `access`.
+    prefetches_issued: chunks promoted by `lookahead`.
+    prefetches_useful: prefetched chunks accessed before being demoted or dropped.
+    prefetches_wasted: prefetched chunks demoted or dropped before being accessed.
+    demotions: chunks moved down a tier to make room.
+    drops: per tier, chunks deleted from it to make room.
+    chunks: per tier, chunks held now.
+    used_bytes: per tier, bytes held now.
+    capacity_bytes: per tier, its capacity (None: unbounded).
+  """
+
+  hits: dict[str, int]
+  misses: int = 0
+  saves: int = 0
+  rejected_saves: int = 0
+  promotions: int = 0
+  prefetches_issued: int = 0
+  prefetches_useful: int = 0
+  prefetches_wasted: int = 0
+  demotions: int = 0
+  drops: dict[str, int] = dataclasses.field(default_factory=dict)
+  chunks: dict[str, int] = dataclasses.field(default_factory=dict)
+  used_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+  capacity_bytes: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+  @property
+  def prefetches_pending(self) -> int:
+    """Prefetched chunks neither accessed nor moved away yet."""
+    return self.prefetches_issued - self.prefetches_useful - self.prefetches_wasted
+
+
+class PlacementPolicy:
+  """What a policy decides; `TierHierarchy` carries it out.
+
+  Attributes:
+    name: the registry name.
+    caches: stores anything at all.
+    window_aware: `lookahead` windows protect chunks from eviction (phase 3 only).
+    prefetches: `lookahead` promotes window chunks toward the top tier.
+    chain_aware: suffixes are evicted before the prefixes they extend.
+  """
+
+  name = ""
+  caches = True
+  window_aware = False
+  prefetches = False
+  chain_aware = False
+
+  def order(self, last_access: int, inserted: int) -> int:
+    """Eviction order among unprotected chunks; the lowest goes first.
+
+    Args:
+      last_access: logical time of the chunk's last save or access (higher: more recent).
+      inserted: logical time it entered the hierarchy.
+    """
+    return last_access
+
+
+class LookaheadPlacement(PlacementPolicy):
+  """CachedAttention's scheduler-aware placement (arXiv 2403.19708, sections 3.3.1 and 3.3.2):
+  prefetch the window, never evict it while anything else can go, farthest next use first,
+  suffixes before prefixes, least recently used among the rest."""
+
+  name = "lookahead"
+  window_aware = True
+  prefetches = True
+  chain_aware = True
+
+
+class LRUPlacement(PlacementPolicy):
+  """Least recently used first, through the same demotion cascade; no window, no prefetch."""
+
+  name = "lru"
+
+
+class FIFOPlacement(PlacementPolicy):
+  """First inserted first, through the same demotion cascade; no window, no prefetch."""
+
+  name = "fifo"
+
+  def order(self, last_access: int, inserted: int) -> int:
+    return inserted
+
+
+class NoCache(PlacementPolicy):
+  """No KV cache: saves are not stored and every access misses."""
+
+  name = "none"
+  caches = False
+
+
+#: Policy name -> class. `make_policy` builds one.
+POLICIES: dict[str, type[PlacementPolicy]] = {
+    p.name: p for p in (LookaheadPlacement, LRUPlacement, FIFOPlacement, NoCache)}
+
+
+def make_policy(name: str) -> PlacementPolicy:
+  """A new policy by registry name.
+
+  Raises:
+    ValueError: an unknown name (the message lists the known ones).
+  """
+  try:
+    return POLICIES[name]()
+  except KeyError:
+    raise ValueError(f"unknown placement policy {name!r}; known: {sorted(POLICIES)}") from None
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+  key: str
+  parent: str | None
+  nbytes: int
+  tier: int | None  # None while detached (being promoted)
+  last_access: int
+  inserted: int
+  stamp: int = 0  # the heap item that is current for this entry
+
+
+class TierHierarchy:
+  """The placement planner: owns which key lives in which tier and emits moves as plain data.
+
+  Not thread-safe; one owner calls it (e.g. the scheduler, or a simulation loop).
+
+  Args:
+    tiers: top first; names distinct; every tier but the last bounded.
+    policy: a registry name (`POLICIES`) or a `PlacementPolicy`.
+    promote_on_access: an access promotes hits below the top tier into the highest tier that
+      can take them (as `TieredStore.get` copies lower-tier hits into the host tier).
+
+  Raises:
+    ValueError: no tiers, repeated names, a capacity or link budget that is not a positive int
+      (or None), an unbounded tier above the bottom, or an unknown policy name.
+  """
+
+  def __init__(self, tiers: Sequence[TierSpec], policy: str | PlacementPolicy = "lookahead", *,
+               promote_on_access: bool = True):
+    self.tiers = tuple(tiers)
+    if not self.tiers:
+      raise ValueError("a TierHierarchy needs at least one tier")
+    names = [t.name for t in self.tiers]
+    if len(set(names)) != len(names):
+      raise ValueError(f"tier names must be distinct, got {names}")
+    for i, t in enumerate(self.tiers):
+      for field, v in (("capacity_bytes", t.capacity_bytes),
+                       ("prefetch_bytes_per_interval", t.prefetch_bytes_per_interval)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+          raise ValueError(f"tier {t.name!r}: {field} must be a positive int or None, got {v!r}")
+      if t.capacity_bytes is None and i != len(self.tiers) - 1:
+        raise ValueError(f"tier {t.name!r} is unbounded but not the bottom tier")
+    self.policy = make_policy(policy) if isinstance(policy, str) else policy
+    self.promote_on_access = promote_on_access
+    self._names = names
+    self._caps = [t.capacity_bytes for t in self.tiers]
+    self._used = [0] * len(self.tiers)
+    self._members: list[dict[str, None]] = [{} for _ in self.tiers]  # insertion-ordered sets
+    self._heaps: list[list[tuple[int, int, str]]] = [[] for _ in self.tiers]
+    self._entries: dict[str, _Entry] = {}
+    self._children: dict[str, set[str]] = {}  # parent key -> cached children (parent may be gone)
+    self._rank: dict[str, int] = {}  # window key -> position of the first request needing it
+    self._prefetched: set[str] = set()  # prefetched, not yet accessed or moved away
+    self._clock = itertools.count(1)
+    self._stamps = itertools.count(1)
+    self._stats = PlacementStats(hits={n: 0 for n in names}, drops={n: 0 for n in names})
+
+  # -- reading -----------------------------------------------------------------------------------
+
+  def where(self, key: str) -> str | None:
+    """The tier holding `key`, or None."""
+    e = self._entries.get(key)
+    return None if e is None or e.tier is None else self._names[e.tier]
+
+  def tier_keys(self, tier: str) -> list[str]:
+    """Keys held by `tier`, in the order they entered it.
+
+    Raises:
+      ValueError: an unknown tier name.
+    """
+    if tier not in self._names:
+      raise ValueError(f"unknown tier {tier!r}; tiers: {self._names}")
+    return list(self._members[self._names.index(tier)])
+
+  def stats(self) -> PlacementStats:
+    """A snapshot of the counters and each tier's occupancy (plain data; safe to keep)."""
+    s = self._stats
+    return dataclasses.replace(
+        s, hits=dict(s.hits), drops=dict(s.drops),
+        chunks={n: len(m) for n, m in zip(self._names, self._members)},
+        used_bytes=dict(zip(self._names, self._used)),
+        capacity_bytes=dict(zip(self._names, self._caps)))
+
+  # -- events ------------------------------------------------------------------------------------
+
+  def save(self, key: str, nbytes: int, parent: str | None = None) -> list[Move]:
+    """A new chunk: it enters the highest tier that fits it, room made by the cascade.
+
+    A key already held is only refreshed (its recency), with no move. Under "lookahead" a chunk
+    outside the window never displaces a window chunk (it goes to a lower tier instead), and
+    never displaces its own cached prefix chain; it is rejected if no tier has room without
+    that.
+
+    Args:
+      key: the chunk's key (e.g. its chained chunk hash).
+      nbytes: its size in bytes (> 0).
+      parent: the key of the prefix chunk it extends, or None for a first chunk.
+
+    Returns:
+      The moves, room first, ending with the `Insert`; [] if already held or rejected (counted
+      in `PlacementStats.rejected_saves`).
+
+    Raises:
+      ValueError: `nbytes` not a positive int.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+      raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+    if not self.policy.caches:
+      self._stats.rejected_saves += 1
+      return []
+    held = self._entries.get(key)
+    if held is not None:
+      self._touch(held)
+      return []
+    now = next(self._clock)
+    e = _Entry(key, parent, nbytes, None, now, now)
+    rank = self._rank.get(key, _INF)
+    pinned = {key}
+    p = parent
+    while self.policy.chain_aware and p in self._entries and p not in pinned:
+      pinned.add(p)  # never evict the chunk's own prefix to make room for it
+      p = self._entries[p].parent
+    moves: list[Move] = []
+    for t in range(len(self.tiers)):
+      if self._fits(t, nbytes) and self._make_room(t, nbytes, pinned, rank, moves):
+        self._entries[key] = e
+        if parent is not None:
+          self._children.setdefault(parent, set()).add(key)
+        self._attach(e, t)
+        self._stats.saves += 1
+        moves.append(Insert(key, self._names[t], nbytes))
+        return moves
+    self._stats.rejected_saves += 1
+    return moves
+
+  def access(self, keys: Sequence[str]) -> AccessResult:
+    """A scheduled request reads `keys`: counts hits per tier and misses, refreshes recency,
+    and (with `promote_on_access`) promotes hits below the top tier, in order.
+
+    Args:
+      keys: the chunks the request needs, prefix first.
+
+    Returns:
+      Where each key was found (None: a miss) and the moves made.
+    """
+    keys = list(keys)
+    if not self.policy.caches:
+      self._stats.misses += len(keys)
+      return AccessResult((None,) * len(keys), ())
+    found: list[str | None] = []
+    for k in keys:
+      e = self._entries.get(k)
+      if e is None:
+        self._stats.misses += 1
+        found.append(None)
+        continue
+      self._stats.hits[self._names[e.tier]] += 1
+      found.append(self._names[e.tier])
+      if k in self._prefetched:
+        self._prefetched.discard(k)
+        self._stats.prefetches_useful += 1
+      self._touch(e)
+    moves: list[Move] = []
+    if self.promote_on_access:
+      pinned, failed = set(keys), {}
+      for k in keys:
+        e = self._entries.get(k)
+        if e is not None and e.tier and self._promote(e, pinned, _NOW, None, failed, moves):
+          self._stats.promotions += 1
+    return AccessResult(tuple(found), tuple(moves))
+
+  def lookahead(self, window: Sequence[Sequence[str]],
+                budgets: Mapping[str, int | None] | None = None) -> list[Move]:
+    """The next requests of the waiting queue, in queue order: sets the window that eviction
+    protects and (policy "lookahead") prefetches its chunks toward the top tier.
+
+    The window replaces the previous one. Prefetch walks the window in queue order, each
+    request's keys in the order given, and promotes every chunk below the top tier into the
+    highest tier that takes it: within that tier's capacity (room is made only from chunks
+    outside the window or needed later than this request), and within its link budget.
+
+    Args:
+      window: per upcoming request, the keys it needs; [] clears the window.
+      budgets: tier name -> bytes prefetch may move into it during this call, overriding
+        `TierSpec.prefetch_bytes_per_interval` (None: unlimited).
+
+    Returns:
+      The moves (promotions and the room made for them), in order; [] for policies without
+      prefetch.
+
+    Raises:
+      ValueError: a budget for an unknown tier, or a negative budget.
+    """
+    budget = [t.prefetch_bytes_per_interval for t in self.tiers]
+    for name, b in (budgets or {}).items():
+      if name not in self._names:
+        raise ValueError(f"budget for unknown tier {name!r}; tiers: {self._names}")
+      if b is not None and b < 0:
+        raise ValueError(f"budget for tier {name!r} must be >= 0 or None, got {b!r}")
+      budget[self._names.index(name)] = b
+    self._rank = {}
+    if not self.policy.window_aware:
+      return []
+    for i, req in enumerate(window):
+      for k in req:
+        self._rank.setdefault(k, i)
+    moves: list[Move] = []
+    if not (self.policy.caches and self.policy.prefetches):
+      return moves
+    failed: dict[int, tuple[float, int]] = {}
+    for i, req in enumerate(window):
+      for k in req:
+        e = self._entries.get(k)
+        if e is None or not e.tier or self._rank[k] != i:
+          continue
+        if self._promote(e, {k}, i, budget, failed, moves):
+          self._stats.prefetches_issued += 1
+          self._prefetched.add(k)
+    return moves
+
+  # -- mechanics ---------------------------------------------------------------------------------
+
+  def _fits(self, t: int, nbytes: int) -> bool:
+    return self._caps[t] is None or nbytes <= self._caps[t]
+
+  def _push(self, e: _Entry) -> None:
+    e.stamp = next(self._stamps)
+    heap = self._heaps[e.tier]
+    heapq.heappush(heap, (self.policy.order(e.last_access, e.inserted), e.stamp, e.key))
+    if len(heap) > 2 * len(self._members[e.tier]) + 64:  # drop stale items
+      live = [self._entries[k] for k in self._members[e.tier]]
+      heap[:] = [(self.policy.order(x.last_access, x.inserted), x.stamp, x.key) for x in live]
+      heapq.heapify(heap)
+
+  def _attach(self, e: _Entry, t: int) -> None:
+    e.tier = t
+    self._used[t] += e.nbytes
+    self._members[t][e.key] = None
+    self._push(e)
+
+  def _detach(self, e: _Entry) -> int:
+    t = e.tier
+    self._used[t] -= e.nbytes
+    del self._members[t][e.key]
+    e.tier = None  # its heap items are stale now
+    return t
+
+  def _touch(self, e: _Entry) -> None:
+    e.last_access = next(self._clock)
+    if e.tier is not None:
+      self._push(e)
+
+  def _valid(self, item: tuple[int, int, str], t: int) -> _Entry | None:
+    e = self._entries.get(item[2])
+    return e if e is not None and e.tier == t and e.stamp == item[1] else None
+
+  def _is_leaf(self, e: _Entry, across_tiers: bool, gone: set[str]) -> bool:
+    """No cached chunk extends `e` (in its tier, or anywhere), ignoring chunks in `gone`."""
+    for c in self._children.get(e.key, ()):
+      if c not in gone and (across_tiers or self._entries[c].tier == e.tier):
+        return False
+    return True
+
+  def _victims(self, t: int, need: int, pinned: set[str], rank: float) -> list[_Entry] | None:
+    """Chunks of tier `t` to move out, in order, freeing at least `need` bytes, or None.
+
+    `rank` is the incoming chunk's next use (a window position; -1: now; inf: not in the
+    window): window chunks are eligible only when needed later than that. See the module
+    docstring for the three phases. Nothing is moved here.
+    """
+    chain = self.policy.chain_aware
+    across = t == len(self.tiers) - 1  # victims of the bottom tier are dropped
+    heap = self._heaps[t]
+    chosen: list[_Entry] = []
+    gone: set[str] = set()
+    freed = 0
+    popped: list[tuple[int, int, str]] = []
+    blocked: dict[str, _Entry] = {}  # passed over as non-leaves, in eviction order
+    windowed: list[_Entry] = []
+
+    def take(e: _Entry, waiting: dict[str, _Entry]) -> None:
+      nonlocal freed
+      chosen.append(e)
+      gone.add(e.key)
+      freed += e.nbytes
+      p = e.parent
+      while freed < need and p in waiting and self._is_leaf(waiting[p], across, gone):
+        pe = waiting.pop(p)  # passed over earlier, so it comes before anything still queued
+        chosen.append(pe)
+        gone.add(pe.key)
+        freed += pe.nbytes
+        p = pe.parent
+
+    # Phase 1: outside the window, policy order, leaves first.
+    while freed < need and heap:
+      item = heapq.heappop(heap)
+      e = self._valid(item, t)
+      if e is None:
+        continue  # stale
+      popped.append(item)
+      if e.key in pinned:
+        continue
+      if e.key in self._rank:
+        windowed.append(e)
+      elif chain and not self._is_leaf(e, across, gone):
+        blocked[e.key] = e
+      else:
+        take(e, blocked)
+    # Phase 2: prefixes whose suffixes must stay.
+    for e in list(blocked.values()):
+      if freed >= need:
+        break
+      if e.key not in gone:
+        take(e, {})
+    # Phase 3: window chunks needed later than the incoming one, farthest first.
+    if freed < need:
+      order = self.policy.order
+      later = sorted((e for e in windowed if self._rank[e.key] > rank),
+                     key=lambda e: (-self._rank[e.key], order(e.last_access, e.inserted)))
+      waiting: dict[str, _Entry] = {}
+      for e in later:
+        if freed >= need:
+          break
+        if chain and not self._is_leaf(e, across, gone):
+          waiting[e.key] = e
+        else:
+          take(e, waiting)
+      for e in list(waiting.values()):
+        if freed >= need:
+          break
+        if e.key not in gone:
+          take(e, {})
+    for item in popped:
+      if item[2] not in gone:
+        heapq.heappush(heap, item)
+    return chosen if freed >= need else None
+
+  def _make_room(self, t: int, need: int, pinned: set[str], rank: float,
+                 moves: list[Move]) -> bool:
+    """Frees `need` bytes in tier `t` (victims demoted, room made below first; the bottom
+    bounded tier drops). False, with nothing moved, if the victims cannot free enough."""
+    cap = self._caps[t]
+    if cap is None or cap - self._used[t] >= need:
+      return True
+    victims = self._victims(t, need - (cap - self._used[t]), pinned, rank)
+    if victims is None:
+      return False
+    for e in victims:
+      self._detach(e)
+      below = t + 1
+      if below < len(self.tiers) and self._fits(below, e.nbytes) and self._make_room(
+          below, e.nbytes, pinned, self._rank.get(e.key, _INF), moves):
+        self._attach(e, below)
+        self._stats.demotions += 1
+        moves.append(Demote(e.key, self._names[t], self._names[below], e.nbytes))
+      else:  # the bottom bounded tier, or a lower tier that keeps better chunks
+        del self._entries[e.key]
+        if e.parent is not None:
+          self._children[e.parent].discard(e.key)
+          if not self._children[e.parent]:
+            del self._children[e.parent]
+        self._stats.drops[self._names[t]] += 1
+        moves.append(Drop(e.key, self._names[t], e.nbytes))
+      if e.key in self._prefetched:
+        self._prefetched.discard(e.key)
+        self._stats.prefetches_wasted += 1
+    return True
+
+  def _promote(self, e: _Entry, pinned: set[str], rank: float, budget: list[int | None] | None,
+               failed: dict[int, tuple[float, int]], moves: list[Move]) -> bool:
+    """Moves `e` into the highest tier above it that takes it (within `budget`, bytes per tier,
+    consumed here); False if none does. `e` leaves its tier first, so a victim demoted into
+    that tier may take its place.
+
+    `failed` remembers, per tier, the (rank, bytes) of a promotion that found no room: within
+    one planning call a chunk needed no sooner and no smaller cannot find room either (the
+    chunks it may displace are a subset), so the scan is skipped.
+    """
+    src = e.tier
+    for dst in range(src):
+      if not self._fits(dst, e.nbytes):
+        continue
+      if budget is not None and budget[dst] is not None and budget[dst] < e.nbytes:
+        continue
+      f = failed.get(dst)
+      if f is not None and rank >= f[0] and e.nbytes >= f[1]:
+        continue
+      self._detach(e)
+      if self._make_room(dst, e.nbytes, pinned, rank, moves):
+        self._attach(e, dst)
+        if budget is not None and budget[dst] is not None:
+          budget[dst] -= e.nbytes
+        moves.append(Promote(e.key, self._names[src], self._names[dst], e.nbytes))
+        return True
+      self._attach(e, src)
+      failed[dst] = (rank, e.nbytes)
+    return False
