@@ -400,7 +400,7 @@ class LLMSessionTest(absltest.TestCase):
     head = out1.prompt_token_ids + out1.token_ids
     self.assertEqual(out2.prompt_token_ids, head + list(b"\nuser: and then?\nassistant: "))
     n = len(head)
-    self.assertEqual(out2.num_cached_tokens, (n - 1) // 16 * 16)  # every full block of turn 1
+    self.assertEqual(out2.num_cached_tokens, n - 1)  # every token of turn 1 with KV
     info = self.llm.sessions.get("story", "llm")
     self.assertEqual((info.turns, info.token_ids),
                      (2, tuple(out2.prompt_token_ids + out2.token_ids)))
