@@ -59,21 +59,22 @@ class PagedServeTest(ServedLLMTestCase):
 
     self.assertEqual(warm.choices[0].text, cold.choices[0].text)
     ext = [r.model_extra["kvjax"] for r in (cold, warm, other)]
-    # Two full blocks of 40 tokens are shared; the third holds the last token, computed.
-    self.assertEqual([e["tokens_device_cached"] for e in ext], [0, 32, 0])
-    self.assertEqual([e["tokens_computed"] for e in ext], [40, 8, 40])
+    # Two full blocks of the 40 tokens are shared, then the cold run's parked third block (its
+    # 40 + 3 positions with KV: [32, 43)) up to the last prompt token, which is computed.
+    self.assertEqual([e["tokens_device_cached"] for e in ext], [0, 39, 0])
+    self.assertEqual([e["tokens_computed"] for e in ext], [40, 1, 40])
     self.assertEqual([e["loaded_from_tiers"] for e in ext], [{}, {"device": 1}, {}])
-    self.assertEqual(warm.usage.prompt_tokens_details.cached_tokens, 32)
+    self.assertEqual(warm.usage.prompt_tokens_details.cached_tokens, 39)
     for name in ("vllm:prefix_cache_hits_total", "kvjax_device_prefix_cache_hit_tokens_total"):
-      self.assertEqual(delta(name), 32)
+      self.assertEqual(delta(name), 39)
     for name in ("vllm:prefix_cache_queries_total",
                  "kvjax_device_prefix_cache_query_tokens_total"):
       self.assertEqual(delta(name), 3 * 40)
     self.assertEqual(delta("kvjax_device_prefix_cache_queries_total"), 3)
     self.assertEqual(delta("kvjax_device_prefix_cache_hits_total"), 1)
-    self.assertEqual(delta("kvjax_prompt_tokens_total", source="device"), 32)
+    self.assertEqual(delta("kvjax_prompt_tokens_total", source="device"), 39)
     self.assertEqual(delta("kvjax_prompt_tokens_total", source="loaded"), 0)
-    self.assertEqual(delta("kvjax_prompt_tokens_total", source="computed"), 88)
+    self.assertEqual(delta("kvjax_prompt_tokens_total", source="computed"), 81)
 
   def test_idle_pool_gauges_equal_the_engine_snapshot(self):
     self.complete(tokens(2, 20))
