@@ -1,6 +1,13 @@
 """Multi-turn session caching across tiers: KV hit rates of placement policies.
 
-Mode `--sim` (the default, and the only one so far): a trace-driven simulation with no model
+Mode `--server` (scripts/session_replay.py): ShareGPT conversations replayed turn by turn on
+the real server (`python -m kvjax.serve`), with `session_id` vs prefix hits vs recompute; see that
+module's docstring. Writes <out_dir>/bench_sessions_server.json and prints a table.
+
+    .venv/bin/python scripts/bench_sessions.py --nosim --server                # 50 convs x 4
+    .venv/bin/python scripts/bench_sessions.py --nosim --server --server_quick  # 6 convs x 3
+
+Mode `--sim` (the default): a trace-driven simulation with no model
 (`kvjax.testing.session_sim`). The 1,000 ShareGPT conversations of
 ../shared/data/sharegpt/sharegpt_v3_multiturn_1000.json, token counts from SmolLM2's tokenizer
 (chat template included; counted once per run, in memory), arrive as a Poisson process (1 new
@@ -44,6 +51,7 @@ import time
 
 from absl import app, flags
 
+import session_replay  # scripts/session_replay.py
 from benchlib import git_sha, machine  # scripts/benchlib.py
 from kvjax.storage.placement import POLICIES, TierSpec
 from kvjax.testing import session_sim as ss
@@ -84,6 +92,17 @@ _LINK = flags.DEFINE_float("prefetch_bytes_per_s", 0.0,
 _COUNTS = flags.DEFINE_enum("token_counts", "smollm2", ["smollm2", "chars4"],
                             "Token counts: SmolLM2's tokenizer, or characters / 4 (an estimate).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the arrivals and think times.")
+_SERVER = flags.DEFINE_bool("server", False, "Replay conversations on the real server.")
+_SERVER_QUICK = flags.DEFINE_bool("server_quick", False, "Server mode, short: 6 conversations x "
+                                  "3 turns, 2 clients, 16 output tokens.")
+_SERVER_CONVS = flags.DEFINE_integer("server_conversations", 50, "Server mode: conversations.")
+_SERVER_CLIENTS = flags.DEFINE_integer("server_clients", 8, "Server mode: concurrent sessions.")
+_SERVER_TURNS = flags.DEFINE_integer("server_turns", 4, "Server mode: turns per conversation.")
+_SERVER_CHARS = flags.DEFINE_integer("server_turn_chars", 600, "Server mode: characters kept of "
+                                     "each user message.")
+_SERVER_MAX_TOKENS = flags.DEFINE_integer("server_max_tokens", 48, "Server mode: reply tokens.")
+_SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [], "Server mode: an extra flag of the "
+                                          "started servers, repeatable.")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 
 FINDINGS = """\
@@ -267,7 +286,51 @@ def plot(loads, sweep, labels, path, n_convs, window) -> None:
   fig.savefig(path, dpi=120)
 
 
-MODES = {"sim": (_SIM, run_sim)}
+def run_server() -> None:
+  quick = _SERVER_QUICK.value
+  cfg = session_replay.ReplayConfig(
+      conversations=6 if quick else _SERVER_CONVS.value, clients=2 if quick else
+      _SERVER_CLIENTS.value, turns=3 if quick else _SERVER_TURNS.value,
+      turn_chars=_SERVER_CHARS.value, max_tokens=16 if quick else _SERVER_MAX_TOKENS.value,
+      seed=_SEED.value, server_flags=tuple(f"--{f}" for f in _SERVER_FLAGS.value))
+  at_start = machine()
+  got = session_replay.run_replay(cfg, pathlib.Path(_DATA.value))
+  session_replay.print_table(got["summary"])
+  record = {"benchmark": "bench_sessions_server", "machine": at_start, "machine_at_end": machine(),
+            "threads": {"cpu_count": os.cpu_count(), "clients": cfg.clients},
+            "versions": versions(), "git_sha": git_sha(),
+            "seeds": {"conversations": cfg.seed, "requests": 0},
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **got}
+  out = pathlib.Path(_OUT_DIR.value)
+  out.mkdir(parents=True, exist_ok=True)
+  name = "bench_sessions_server" + ("_quick" if quick else "")
+  (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+  plot_server(got["summary"], out / f"{name}.png", cfg)
+  print(f"wrote {out / (name + '.json')} and .png")
+
+
+def plot_server(summaries: dict, path: pathlib.Path, cfg) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  modes = list(summaries)
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  x = range(len(modes))
+  ax.bar([i - 0.2 for i in x], [summaries[m]["ttft_ge2_p50_s"] for m in modes], 0.4,
+         label="TTFT p50, turns >= 2")
+  ax.bar([i + 0.2 for i in x], [summaries[m]["ttft_ge2_p99_s"] for m in modes], 0.4,
+         label="TTFT p99, turns >= 2")
+  ax.set_xticks(list(x), modes)
+  ax.set_ylabel("seconds")
+  ax.set_title(f"bench_sessions --server: {cfg.conversations} ShareGPT conversations x "
+               f"{cfg.turns} turns, {cfg.clients} clients, {os.cpu_count()} CPU cores",
+               fontsize=8)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+MODES = {"sim": (_SIM, run_sim), "server": (_SERVER, run_server)}
 
 
 def main(argv):
