@@ -9,7 +9,8 @@ one after the other (so they meet the same machine):
   session    paged KV, device prefix cache on, a file store, `session_id` per conversation: the
              server builds turn k's prompt from turn k-1's exact token ids plus the new part
   prefix     the same server, no `session_id`: hits by prefix only (re-tokenized history)
-  recompute  no store, device prefix cache off: every turn computes its whole prompt
+  recompute  no store (`--kv_store=none`), device prefix cache off: every turn computes its
+             whole prompt
 
 Per turn: client TTFT (request sent to the first streamed event), the server's `kvjax.ttft_s`,
 prompt / cached / completion tokens. For turns >= 2, the tokens shared with the previous turn are
@@ -199,7 +200,7 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
   summaries, rows = {}, []
   for mode in modes:
     if mode == "recompute":
-      flags = ["--no_enable_prefix_caching"]
+      flags = ["--no_enable_prefix_caching", "--kv_store=none"]
     else:
       store = os.path.join(work, f"kv-{mode}")
       os.makedirs(store)
