@@ -37,11 +37,9 @@ import json
 import os
 import pathlib
 import random
-import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -50,7 +48,8 @@ import numpy as np
 import openai
 from absl import app, flags, logging
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import git_sha, machine
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
@@ -191,28 +190,13 @@ def summarize(rows: list[Row], wall_s: float) -> dict:
 # ------------------------------------------------------------------------------- server
 def start_server(store_dir: str, layout: str | None) -> tuple[subprocess.Popen, str, str]:
   """Starts `python -m kvjax.serve` on a free port; returns (process, url, model name)."""
-  env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-  cmd = [sys.executable, "-m", "kvjax.serve", f"--model={_MODEL.value}", "--port=0",
-         f"--kv_store=file://{store_dir}", f"--kv_chunk_size={_KV_CHUNK.value}",
-         *([f"--max_num_seqs={_MAX_NUM_SEQS.value}"] if _MAX_NUM_SEQS.value else []),
-         *([f"--kv_cache_layout={layout}"] if layout else []), "--enable_admin",
-         *[f"--{f}" for f in _SERVER_FLAGS.value]]
-  log = open(os.path.join(store_dir, "..", f"server-{layout}.log"), "w")
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-  url = model = None
-  for line in proc.stdout:
-    print("  server:", line.rstrip())
-    if m := re.search(r"listening on (http://\S+)", line):
-      url = m.group(1)
-    if m := re.match(r"kvjax: ready: (\S+) at", line):
-      model = m.group(1)
-      break
-  if url is None or model is None:
-    proc.wait(60)
-    log.close()
-    tail = open(log.name, encoding="utf-8").read()[-3000:]
-    raise RuntimeError(f"the server did not start:\n{tail}")
-  return proc, url, model
+  flags = [f"--model={_MODEL.value}", f"--kv_store=file://{store_dir}",
+           f"--kv_chunk_size={_KV_CHUNK.value}",
+           *([f"--max_num_seqs={_MAX_NUM_SEQS.value}"] if _MAX_NUM_SEQS.value else []),
+           *([f"--kv_cache_layout={layout}"] if layout else []), "--enable_admin",
+           *[f"--{f}" for f in _SERVER_FLAGS.value]]
+  return benchlib.start_server(flags, os.path.join(store_dir, "..", f"server-{layout}.log"),
+                               echo=True)
 
 
 def kv_cache_bytes(metrics_text: str) -> dict:

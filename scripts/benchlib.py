@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 
@@ -30,3 +31,33 @@ def machine() -> dict:
     pass
   return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
           "python": sys.version.split()[0], "loadavg_1_5_15": list(os.getloadavg())}
+
+
+def start_server(flags: list[str], log_path: str, *, echo: bool = False):
+  """Starts `python -m kvjax.serve --port=0 <flags>` from this checkout and waits until it is
+  ready (compiled); its stderr goes to `log_path`.
+
+  Returns:
+    (process, url, served model name).
+
+  Raises:
+    RuntimeError: the server exited before it was ready (with its log's tail).
+  """
+  env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  cmd = [sys.executable, "-m", "kvjax.serve", "--port=0", *flags]
+  log = open(log_path, "w")
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+  url = model = None
+  for line in proc.stdout:
+    if echo:
+      print("  server:", line.rstrip())
+    if m := re.search(r"listening on (http://\S+)", line):
+      url = m.group(1)
+    if m := re.match(r"kvjax: ready: (\S+) at", line):
+      model = m.group(1)
+      break
+  if url is None or model is None:
+    proc.wait(60)
+    log.close()
+    raise RuntimeError("the server did not start:\n" + open(log_path, encoding="utf-8").read()[-3000:])
+  return proc, url, model

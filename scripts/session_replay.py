@@ -27,16 +27,13 @@ import json
 import os
 import pathlib
 import random
-import re
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+import benchlib  # scripts/benchlib.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,26 +78,6 @@ def load_conversations(path: pathlib.Path, n: int, turns: int, turn_chars: int,
       convs.append(users[:turns])
   random.Random(seed).shuffle(convs)
   return convs[:n]
-
-
-def start_server(flags: list[str], log_path: str, model: str):
-  """Starts `python -m kvjax.serve` on a free port; returns (process, url, model name)."""
-  env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-  cmd = [sys.executable, "-m", "kvjax.serve", f"--model={model}", "--port=0", *flags]
-  log = open(log_path, "w")
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-  url = name = None
-  for line in proc.stdout:
-    if m := re.search(r"listening on (http://\S+)", line):
-      url = m.group(1)
-    if m := re.match(r"kvjax: ready: (\S+) at", line):
-      name = m.group(1)
-      break
-  if url is None or name is None:
-    proc.wait(60)
-    log.close()
-    raise RuntimeError("the server did not start:\n" + open(log_path).read()[-3000:])
-  return proc, url, name
 
 
 async def _turn(client, model, messages, max_tokens, row: TurnRow, session_id) -> str:
@@ -205,8 +182,8 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
       store = os.path.join(work, f"kv-{mode}")
       os.makedirs(store)
       flags = [f"--kv_store=file://{store}"]
-    proc, url, model = start_server([*flags, *cfg.server_flags],
-                                    os.path.join(work, f"server-{mode}.log"), cfg.model)
+    proc, url, model = benchlib.start_server([f"--model={cfg.model}", *flags, *cfg.server_flags],
+                                             os.path.join(work, f"server-{mode}.log"))
     try:
       got, wall = asyncio.run(_replay(url, model, mode, convs, cfg))
     finally:
