@@ -620,6 +620,14 @@ class Engine:
     for index in sorted(set(saves) | set(roundtrip)):
       lo, hi = index * c, (index + 1) * c
       ks, vs = [], []
+      first = min((p[0] for p in live.pieces if p[0] + p[1].shape[1] > lo), default=hi)
+      if self._paged and lo < first:
+        # The chunk's head is device-resident (a prefix hit this request did not compute): read
+        # it back from its blocks, K un-rotated (`PagedModelRunner.read_pre_rope`).
+        b = self.runner.block_size
+        k, v = self.runner.read_pre_rope(where[lo // b:-(-first // b)], lo, first - lo)
+        ks.append(k)
+        vs.append(v)
       for start, k, v in live.pieces:
         a, b = max(start, lo), min(start + k.shape[1], hi)
         if a < b:

@@ -212,6 +212,15 @@ class PagedModelRunner:
                                 use_pallas=use_pallas)
       return write_chunk_blocks(pool, k[:, 0], v[:, 0], block_ids)
 
+    def read_pre_rope(pool, block_ids, start):
+      l_, _, b, k_, h_ = pool.k_LPBKH.shape
+      n = block_ids.shape[0] * b
+      k = pool.k_LPBKH[:, block_ids].reshape(l_, n, k_, h_)
+      v = pool.v_LPBKH[:, block_ids].reshape(l_, n, k_, h_)
+      positions_1N = (start + jnp.arange(n, dtype=jnp.int32))[None]
+      return apply_rope(k, positions_1N, self._inv_freq, inverse=True), v
+
+    self._read_pre_rope = jax.jit(read_pre_rope)
     self._insert = jax.jit(insert_raw, donate_argnums=(0,))
     self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,))
     self._compiled: set[int] = set()
@@ -364,6 +373,32 @@ class PagedModelRunner:
     angles = (start + np.arange(c, dtype=np.float32))[:, None] * np.asarray(self._inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)  # [C, H], HF rotate_half layout
     self.pool = self._insert_payload(self.pool, payload, ids, np.cos(angles), np.sin(angles))
+
+  def read_pre_rope(self, block_ids: Sequence[int], start: int, n: int) -> tuple[jax.Array,
+                                                                                 jax.Array]:
+    """K before RoPE and V of positions `[start, start + n)` held in the pool (a sequence's
+    device-resident prefix, e.g. a device hit the request never computed itself), for saving
+    them to the store. K is recovered by the inverse rotation, so it equals the K before RoPE
+    the model computed within float32 rounding (about 1e-7 relative), not bit for bit.
+
+    Args:
+      block_ids: the blocks holding those positions, in order (the first holds `start`).
+      start: the first position, a multiple of the block size.
+      n: how many positions, 1 to `len(block_ids) * B`.
+
+    Returns:
+      ([L, n, K, H] K before RoPE, [L, n, K, H] V), device arrays in the pool's dtype.
+
+    Raises:
+      ValueError: `start` not block-aligned, or `n` outside the blocks given.
+    """
+    b = self.block_size
+    ids = np.asarray(block_ids, np.int32)
+    if start % b or not 1 <= n <= len(ids) * b or np.any((ids < 0) | (ids >= self.num_blocks)):
+      raise ValueError(f"positions [{start}, {start + n}) from blocks {ids.tolist()} of {b} "
+                       "tokens: start must be block-aligned and the blocks must cover them")
+    k, v = self._read_pre_rope(self.pool, ids, np.int32(start))
+    return k[:, :n], v[:, :n]
 
   def read_blocks(self, block_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
     """The K (after RoPE) and V of some blocks: ([L, n * B, K, H], [L, n * B, K, H]) (tests)."""

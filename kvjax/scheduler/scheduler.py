@@ -626,14 +626,14 @@ class Scheduler:
   def _decode_saves(self, r: Request) -> tuple[SaveItem, ...]:
     """Paged layout with a store: the chunk a decode completes (its last position is this
     decode's), when no prefill step saved it: a chunk of generated tokens, or the one
-    straddling the prompt's end. A chunk partly served from device blocks is skipped (this
-    request never held its K before RoPE)."""
+    straddling the prompt's end. A chunk partly served from device blocks is saved too (the
+    engine reads that part back from the pool); one wholly served from them is not."""
     c = self.save_chunk_size
     end = r.num_computed_tokens
     if c is None or self.kv_cache is None or end % c or end <= r.num_prefill_tokens:
       return ()
     j = end // c - 1
-    if j * c < self._device_hit_tokens.get(r.request_id, 0):
+    if (j + 1) * c <= self._device_hit_tokens.get(r.request_id, 0):
       return ()
     return (SaveItem(j),)
 
@@ -651,8 +651,8 @@ class Scheduler:
     for j in range(start // c, end // c):
       if (j + 1) * c > end or (j + 1) * c <= start:
         continue
-      if j * c < hit or (j + 1) * c > r.num_prefill_tokens:
-        continue  # part of it is a device hit (not in this request's pieces), or past the prefill
+      if (j + 1) * c <= hit or (j + 1) * c > r.num_prefill_tokens:
+        continue  # wholly a device hit (stored when it was computed), or past the prefill
       if prefix is None or j >= len(prefix.stored.chunks):
         out.append(SaveItem(j))
       elif j in prefix.rejected:

@@ -142,6 +142,29 @@ class PagedEngineTest(absltest.TestCase):
     self.assertEqual(got.num_cached_tokens, 2 * C)
     llm.close()
 
+  def test_a_chunk_partly_served_from_device_blocks_is_saved_too(self):
+    # b shares only a's first block (16 tokens, like a common system prompt): b's chunk 0 is
+    # half a device hit, half computed. It is saved all the same (its head read back from the
+    # pool, K un-rotated), so after the device forgets, c loads it from the store.
+    llm = paged(kv_store="memory://", kv_chunk_size=C, kv_merge_mode="load_only")
+    rng = np.random.default_rng(11)
+    a = [int(t) for t in rng.integers(0, 256, 46)]
+    b = a[:B] + [int(t) for t in rng.integers(0, 256, 30)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)
+    llm.generate(ids([a]), params)
+    llm.flush()
+    saved = llm.engine.stats().saver.chunks_saved
+    got_b = llm.generate(ids([b]), params)[0]
+    self.assertEqual(got_b.metrics.num_device_cached_tokens, B)
+    llm.flush()
+    self.assertEqual(llm.engine.stats().saver.chunks_saved, saved + 1)
+    llm.reset_prefix_cache()
+    c = b[:40] + [1, 2, 3]
+    got_c = llm.generate(ids([c]), params)[0]
+    self.assertEqual((got_c.metrics.num_device_cached_tokens, got_c.num_cached_tokens), (0, C))
+    self.assert_same([got_c], self.want([c], params))
+    llm.close()
+
   def test_cache_salt_isolates_device_hits(self):
     llm = paged()
     p = PROMPTS[2]
