@@ -372,6 +372,7 @@ class SessionRegistry:
     self._leases = itertools.count(1)
     self._tokens = 0
     self._counts = dict.fromkeys(_COUNTERS, 0)
+    self._orphans: set = set()  # leases of turns whose session was dropped while they ran
 
   # ----------------------------------------------------------------------------- turns
   def begin(self, session_id: str, cache_salt: str | None = None) -> SessionTurn:
@@ -425,6 +426,7 @@ class SessionRegistry:
     with self._lock:
       s = self._sessions.get(key)
       if s is None or s.lease != turn.lease:
+        self._end_orphan(turn)
         return False
       self._counts["turns"] += 1
       s.lease, s.fresh, s.last_used_s = None, False, self._clock()
@@ -444,6 +446,7 @@ class SessionRegistry:
     with self._lock:
       s = self._sessions.get(key)
       if s is None or s.lease != turn.lease:
+        self._end_orphan(turn)
         return
       self._counts["abandoned"] += 1
       s.lease = None
@@ -519,8 +522,17 @@ class SessionRegistry:
 
   def _drop(self, key, counter: str) -> None:
     s = self._sessions.pop(key)
+    if s.lease is not None:
+      self._orphans.add(s.lease)  # its turn will end unrecorded: counted then
     self._tokens -= s.num_tokens
     self._counts[counter] += 1
+
+  def _end_orphan(self, turn: SessionTurn) -> None:
+    """A turn whose session was closed or dropped while it ran ends unrecorded: counted as
+    abandoned, once."""
+    if turn.lease in self._orphans:
+      self._orphans.discard(turn.lease)
+      self._counts["abandoned"] += 1
 
   def _expire(self, now: float) -> None:
     """Drops idle sessions unused for longer than the TTL (the front of the LRU order)."""

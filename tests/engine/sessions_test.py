@@ -354,9 +354,11 @@ class RegistryTest(absltest.TestCase):
     self.assertTrue(reg.close("s"))  # while busy: the turn in flight is not recorded
     self.assertFalse(reg.close("s"))
     self.assertFalse(reg.finish(turn, prompt, [1], "\x01"))
+    reg.release(turn)  # after finish: nothing more to count
     self.assertIsNone(reg.get("s"))
     st = reg.stats()
-    self.assertEqual((st.closed, st.turns, st.open_sessions), (2, 2, 0))
+    # The turn in flight ended unrecorded: counted abandoned, once.
+    self.assertEqual((st.closed, st.turns, st.open_sessions, st.abandoned), (2, 2, 0, 1))
 
   def test_bad_ids_and_options(self):
     reg = self.registry()
