@@ -149,8 +149,8 @@ class KVCacheManager:
           "lower max_tokens")
     return need
 
-  def get_computed_blocks(self, request: Request, *,
-                          namespace_root: str | None = None) -> tuple[list[BlockId], int]:
+  def get_computed_blocks(self, request: Request, *, namespace_root: str | None = None,
+                          record_stats: bool = True) -> tuple[list[BlockId], int]:
     """The longest device-resident prefix of full blocks of the request's tokens.
 
     Looks at prompt + output tokens (a preempted request resumes from both) and never covers the
@@ -161,6 +161,7 @@ class KVCacheManager:
     Args:
       request: a request holding no blocks (waiting or preempted).
       namespace_root: its namespace root (salted with its `cache_salt`); default: the manager's.
+      record_stats: count this lookup in `stats()` (False for a probe before admission).
 
     After the full blocks, a parked partial block (`BlockPool.park_partial`: the last block of
     a finished sequence with the same prefix) whose first tokens equal the request's next ones
@@ -204,10 +205,11 @@ class KVCacheManager:
         state.partial_hit = found
         hits.append(found[0])
         hit_tokens += found[1]
-    self._queries += 1
-    self._query_tokens += request.num_tokens
-    self._hits += bool(hits)
-    self._hit_tokens += hit_tokens
+    if record_stats:
+      self._queries += 1
+      self._query_tokens += request.num_tokens
+      self._hits += bool(hits)
+      self._hit_tokens += hit_tokens
     return hits, hit_tokens
 
   def _hash(self, state: _RequestBlocks, request: Request, i: int) -> BlockHash:

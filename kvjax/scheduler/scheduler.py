@@ -261,6 +261,9 @@ class Scheduler:
       raise ValueError(f"request id {rid!r} is already scheduled")
     self.check_fits(request.num_prompt_tokens + request.sampling_params.max_tokens)
     self._roots[rid] = namespace_root
+    if stored is not None and any(stored.hits) and self._device_covers(request, stored,
+                                                                       namespace_root):
+      stored = None  # the device holds every stored chunk: its blocks (and parked block) serve
     if stored is not None and any(stored.hits):
       lc = self.load_config
       encodings = [c.candidates if c is not None else None for c in stored.chunks]
@@ -275,6 +278,16 @@ class Scheduler:
       self._prefix[rid] = _Prefix(merge, stored)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
+
+  def _device_covers(self, r: Request, stored: StoredPrefix, root: str | None) -> bool:
+    """Paged layout: whether the device-resident prefix reaches past the last stored hit, so
+    the store has nothing the device lacks; the request then takes the device path (whole
+    blocks and a parked partial block, token-granular) instead of a Cake merge (whole chunks)."""
+    if self.kv_cache is None:
+      return False
+    _, hit_tokens = self.kv_cache.get_computed_blocks(r, namespace_root=root, record_stats=False)
+    last = max(j for j, hit in enumerate(stored.hits) if hit)
+    return (last + 1) * stored.chunk_size <= hit_tokens
 
   def _hold_device_prefix(self, r: Request, chunk_size: int, root: str | None) -> int:
     """Paged layout, a request with a Cake merge: takes its device-resident whole store chunks

@@ -80,8 +80,8 @@ class PagedEngineTest(absltest.TestCase):
       kv_end = n + params.max_tokens - 1  # positions with KV after the cold run
       if kv_end // B == (n - 1) // B:  # its parked last block holds the rest of the prompt
         hit = n - 1
-      if n - 1 >= C:  # the store holds chunks too: the merge starts after device chunks
-        hit = (n - 1) // C * C
+      # The store holds whole chunks too, but the device holds all of them and more: no Cake
+      # merge (whole chunks), the device serves token-granular.
       self.assertEqual(o.metrics.num_device_cached_tokens, hit, n)
       self.assertEqual(o.num_cached_tokens, hit, n)
       self.assertEqual(o.metrics.loaded_from_tiers, ["device"] if hit else [], n)
@@ -100,14 +100,21 @@ class PagedEngineTest(absltest.TestCase):
     # Turn 1: 40 prompt tokens + 6 generated: KV for 45 positions, blocks [16][16][13 of 16].
     # The partly filled block is parked at finish; turn 2 (turn 1's ids + 5 new tokens) takes
     # it over with both full blocks: 45 tokens from the device, 6 computed.
-    llm = paged()
-    p1 = PROMPTS[1]
-    turn1 = llm.generate(ids([p1]), GREEDY)[0]
-    p2 = p1 + turn1.token_ids + [7, 8, 9, 10, 11]
-    turn2 = llm.generate(ids([p2]), GREEDY)[0]
-    self.assert_same([turn2], self.want([p2]))
-    self.assertEqual((turn2.metrics.num_device_cached_tokens, turn2.metrics.num_computed_tokens),
-                     (45, 6))  # the last generated token (no KV yet) and the 5 new ones
+    for store in (None, "memory://"):
+      # With a store too: turn 1's chunk 0 is stored, but the device holds it and more, so
+      # turn 2 takes the device path (token-granular), not a Cake merge (whole chunks).
+      llm = paged(kv_store=store, kv_chunk_size=C)
+      p1 = PROMPTS[1]
+      turn1 = llm.generate(ids([p1]), GREEDY)[0]
+      llm.flush()
+      p2 = p1 + turn1.token_ids + [7, 8, 9, 10, 11]
+      turn2 = llm.generate(ids([p2]), GREEDY)[0]
+      self.assert_same([turn2], self.want([p2]))
+      self.assertEqual((turn2.metrics.num_device_cached_tokens,
+                        turn2.metrics.num_computed_tokens, turn2.metrics.loaded_from_tiers),
+                       (45, 6, ["device"]), store)  # the last generated token, 5 new ones
+      if store is None:
+        llm.close()  # the one with a store goes on below
     # Turn 2 owns that block now; turn 2 of another branch gets the whole blocks only.
     branch = p1 + turn1.token_ids[:3] + [1, 2, 3]
     got = llm.generate(ids([branch]), GREEDY)[0]
