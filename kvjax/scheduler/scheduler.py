@@ -643,7 +643,7 @@ class Scheduler:
     engine reads that part back from the pool); one wholly served from them is not."""
     c = self.save_chunk_size
     end = r.num_computed_tokens
-    if c is None or self.kv_cache is None or end % c or end <= r.num_prefill_tokens:
+    if c is None or self.kv_cache is None or end % c:  # a decode always ends past the prefill
       return ()
     j = end // c - 1
     if (j + 1) * c <= self._device_hit_tokens.get(r.request_id, 0):

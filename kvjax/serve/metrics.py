@@ -126,8 +126,9 @@ class _SessionCollector(Collector):
         "first (no earlier turn), extended (the session's exact ids plus the new part), "
         "not_extended (the messages did not extend the session: templated, a miss).",
         labels=["outcome"])
-    for outcome in ("first", "extended", "not_extended"):
-      turns.add_metric([outcome], getattr(st, outcome))
+    for outcome, n in (("first", st.first), ("extended", st.extended),
+                       ("not_extended", st.not_extended)):
+      turns.add_metric([outcome], n)
     yield turns
     ended = CounterMetricFamily("kvjax_session_turns_ended", "Session turns that ended: "
                                 "recorded (finished) or abandoned (aborted, failed).",
@@ -138,8 +139,8 @@ class _SessionCollector(Collector):
     dropped = CounterMetricFamily("kvjax_sessions_dropped", "Sessions dropped: expired (idle "
                                   "past the TTL), evicted (over max_sessions or "
                                   "max_session_tokens), closed.", labels=["reason"])
-    for reason in ("expired", "evicted", "closed"):
-      dropped.add_metric([reason], getattr(st, reason))
+    for reason, n in (("expired", st.expired), ("evicted", st.evicted), ("closed", st.closed)):
+      dropped.add_metric([reason], n)
     yield dropped
     yield CounterMetricFamily("kvjax_session_conflicts", "Turns refused with 409: their session "
                               "was busy.", st.conflicts)
