@@ -143,6 +143,23 @@ class PagedAttentionTest(parameterized.TestCase):
     args = args[:6] + (jnp.int32(0),)
     np.testing.assert_array_equal(run(impl, args), 0.0)
 
+  @parameterized.parameters(1, 3, 16)
+  def test_reference_batched_decodes_match_oracle(self, items_per_iter):
+    # Twelve decodes of 1 .. 5 kv steps each beside two prefill chunks: the split-KV work list
+    # cuts one decode's steps across loop iterations and mixes decodes in one gather.
+    seqs = [(1, L) for L in (1, 7, 8, 9, 15, 16, 17, 23, 31, 33, 40, 12)] + [(5, 13), (9, 20)]
+    args, oracle, real = make_batch(seqs, HEADS["g3"], jnp.float32, num_blocks=64)
+    out, n = pa.paged_attention_reference(*args, query_block=4, kv_tokens_per_step=2 * BS,
+                                          decode_items_per_iter=items_per_iter,
+                                          return_num_kv_steps=True)
+    np.testing.assert_allclose(np.asarray(out)[real], oracle[real], **TOL["float32"])
+    np.testing.assert_array_equal(np.asarray(out)[~real], 0.0)
+    decode_items = sum(-(-L // (2 * BS)) for q, L in seqs if q == 1)
+    # Tiles of (5, 13): 4 + 1 rows seeing 12, 13 positions; of (9, 20): 4 + 4 + 1 rows seeing
+    # 15, 19, 20 positions; 16 kv tokens per step.
+    prefill_steps = 1 + 1 + 1 + 2 + 2
+    self.assertEqual(int(n), decode_items + prefill_steps)
+
   def test_reference_cost_follows_real_length(self):
     # Count kv loop iterations: each (sequence, query tile) runs cdiv(visible kv, step) of them,
     # whatever the pool size, the table width or the longest sequence in the batch.
