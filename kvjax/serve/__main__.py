@@ -261,6 +261,11 @@ def main(argv):
       http.server.should_exit = True
       return
     state.attach(loaded["backend"])
+    publisher = loaded["backend"].kv_event_publisher
+    if publisher is not None:
+      replay = publisher.bound_replay_endpoint()
+      print(f"kvjax: KV cache events on {publisher.bound_endpoint()} (topic "
+            f"{publisher.topic!r})" + (f", replays on {replay}" if replay else ""), flush=True)
     name = loaded["backend"].model_name
     print(f"kvjax: ready: {name} at {http.url}\n"
           f"{curl_example(http.url, name, api_key=config.api_key is not None)}", flush=True)

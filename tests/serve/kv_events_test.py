@@ -1,6 +1,6 @@
 """KV cache events in vLLM's schema through the server, read with a real ZMQ SUB socket (issue
-14): block hashes equal an independent computation of vLLM's sha256_cbor chain (CBOR written by
-hand here, not cbor2), a reset is `AllBlocksCleared`, an eviction `BlockRemoved`, a salted
+14): block hashes equal an independent computation of vLLM's sha256_cbor chain
+(`kvjax.testing.vllm_hash`: CBOR written by hand, not cbor2), a reset is `AllBlocksCleared`, an eviction `BlockRemoved`, a salted
 prompt is not advertised, replays return the published batches; and the llm-d routing gauges."""
 
 import hashlib
@@ -19,6 +19,7 @@ from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.registry import load_model
 from kvjax.serve import ServerConfig
 from kvjax.serve import kv_events
+from kvjax.testing import vllm_hash
 from kvjax.testing.serve import serving
 
 B = 16
@@ -32,28 +33,8 @@ def tokens(seed, n):
   return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
 
 
-def _head(major: int, n: int) -> bytes:
-  """A CBOR head (RFC 8949 section 3), shortest form as canonical encoding requires."""
-  if n < 24:
-    return bytes([major << 5 | n])
-  for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
-    if n < 1 << (8 * size):
-      return bytes([major << 5 | info]) + n.to_bytes(size, "big")
-  raise ValueError(n)
-
-
 def vllm_block_keys(ids, seed=SEED, block_size=B):
-  """vLLM's sha256_cbor block hashes of the full blocks of `ids`, low 64 bits (what llm-d's
-  indexer computes): NONE_HASH = sha256(cbor(seed)); h = sha256(cbor([parent, tokens, None]))."""
-  parent = hashlib.sha256(_head(3, len(seed)) + seed.encode()).digest()
-  out = []
-  for i in range(0, len(ids) - block_size + 1, block_size):
-    block = ids[i:i + block_size]
-    enc = (_head(4, 3) + _head(2, 32) + parent + _head(4, len(block))
-           + b"".join(_head(0, t) for t in block) + b"\xf6")
-    parent = hashlib.sha256(enc).digest()
-    out.append(int.from_bytes(parent[-8:], "big"))
-  return out
+  return vllm_hash.block_keys(ids, seed, block_size)
 
 
 class HasherTest(absltest.TestCase):

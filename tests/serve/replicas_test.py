@@ -18,8 +18,10 @@ import sys
 from unittest import mock
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
+import zmq
 from absl.testing import absltest
 
 try:
@@ -30,6 +32,8 @@ except ImportError as e:
                     "pip install -e '.[test]'") from e
 
 from kvjax import LLM, SamplingParams
+from kvjax.serve import kv_events
+from kvjax.testing import vllm_hash
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUCKET = "kvjax-replicas"
@@ -115,13 +119,13 @@ def start_server(env, *flags, log):
                            "--enable_admin", *flags], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=log, text=True)
   port = int(re.search(r"port (\d+)", proc.stdout.readline()).group(1))
-  line = proc.stdout.readline()
-  while line and not line.startswith("kvjax: ready"):
-    line = proc.stdout.readline()
-  if not line:
+  lines = [proc.stdout.readline()]
+  while lines[-1] and not lines[-1].startswith("kvjax: ready"):
+    lines.append(proc.stdout.readline())
+  if not lines[-1]:
     log.seek(0)
     raise AssertionError(f"server exited: {log.read()}")
-  return proc, f"http://127.0.0.1:{port}"
+  return proc, f"http://127.0.0.1:{port}", "".join(lines)
 
 
 def stop_server(proc):
@@ -133,6 +137,25 @@ def stop_server(proc):
 @pytest.mark.slow
 class TwoServersOneStoreTest(SharedS3TestCase):
 
+  def replayed_stored_hashes(self, endpoint):
+    """Block hashes of every `BlockStored` a replay from sequence 0 returns, in order."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    hashes = []
+    try:
+      sock.send_multipart([b"", (0).to_bytes(8, "big")])
+      while True:
+        self.assertTrue(sock.poll(30_000), "no replay answer")
+        _, seq, payload = sock.recv_multipart()
+        if seq == kv_events.END_SEQ:
+          return hashes
+        for ev in msgpack.unpackb(payload)[1]:
+          if ev[0] == "BlockStored":
+            hashes.extend(ev[1])
+    finally:
+      sock.close()
+
   def test_replica_b_serves_replica_as_document(self):
     flags = (f"--kv_store=s3://{BUCKET}/servers", f"--kv_chunk_size={C}",
              "--kv_merge_mode=load_only",
@@ -140,11 +163,13 @@ class TwoServersOneStoreTest(SharedS3TestCase):
     logs = [open(self.create_tempfile().full_path, "w+") for _ in range(2)]
     procs = []
     try:
-      for log in logs:
-        procs.append(start_server(self.aws_env, *flags, log=log))
+      events = ("--kv_events_endpoint=tcp://127.0.0.1:*", "--kv_events_topic=kv@pod-a@tiny",
+                "--kv_events_replay_endpoint=tcp://127.0.0.1:*", "--kv_events_hash_seed=42")
+      procs.append(start_server(self.aws_env, *flags, *events, log=logs[0]))
+      procs.append(start_server(self.aws_env, *flags, log=logs[1]))
       body = {"model": "tiny", "prompt": document(), "max_tokens": 8, "temperature": 0,
               "ignore_eos": True}
-      (_, url_a), (_, url_b) = procs
+      (_, url_a, out_a), (_, url_b, _) = procs
       cold = httpx.post(url_a + "/v1/completions", json=body, timeout=120).json()
       self.assertEqual(httpx.post(url_a + "/admin/flush_kv", timeout=120).status_code, 200)
       warm = httpx.post(url_b + "/v1/completions", json=body, timeout=120).json()
@@ -152,8 +177,12 @@ class TwoServersOneStoreTest(SharedS3TestCase):
       self.assertEqual(warm["usage"]["prompt_tokens_details"]["cached_tokens"], 96)
       self.assertEqual(warm["kvjax"]["loaded_from_tiers"], {"remote": 96 // C})
       self.assertEqual(warm["choices"][0]["text"], cold["choices"][0]["text"])
+      # Replica A published its device blocks; a replay from 0 returns them (no slow joiner).
+      replay = re.search(r"replays on (\S+)", out_a).group(1)
+      stored = self.replayed_stored_hashes(replay)
+      self.assertEqual(stored[:6], vllm_hash.block_keys(document(), "42", 16)[:6])
     finally:
-      codes = [stop_server(p) for p, _ in procs]
+      codes = [stop_server(p) for p, _, _ in procs]
     for code, log in zip(codes, logs):
       log.seek(0)
       self.assertEqual(code, 0, log.read())
