@@ -253,6 +253,10 @@ class ZmqKVEventPublisher:
     except Exception:
       self._close_sockets()
       raise
+    # Read now: after the thread starts, only it touches the sockets (they are not thread-safe).
+    self._bound = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    self._bound_replay = (None if self._replay is None
+                          else self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
     self._seq = 0
@@ -265,12 +269,12 @@ class ZmqKVEventPublisher:
     self._thread.start()
 
   def bound_endpoint(self) -> str:
-    """The publisher socket's last bound endpoint (with the port a "tcp://*:0" got)."""
-    return self._pub.getsockopt_string(self._zmq.LAST_ENDPOINT)
+    """The publisher socket's endpoint, with the port a wildcard ("tcp://127.0.0.1:*") got."""
+    return self._bound
 
   def bound_replay_endpoint(self) -> str | None:
-    return (None if self._replay is None
-            else self._replay.getsockopt_string(self._zmq.LAST_ENDPOINT))
+    """The replay socket's endpoint (wildcard port resolved), or None without replays."""
+    return self._bound_replay
 
   def publish(self, batch: KVCacheEvents) -> None:
     """Queues one drained batch (any thread); empty batches are dropped."""
