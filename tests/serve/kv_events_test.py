@@ -15,6 +15,8 @@ import zmq
 from absl.testing import absltest
 
 from kvjax import LLM
+from kvjax.engine import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
+                          KVCacheEvents)
 from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.registry import load_model
 from kvjax.serve import ServerConfig
@@ -70,6 +72,47 @@ class HasherTest(absltest.TestCase):
                    kv_events_endpoint="tcp://*:5557")
     with self.assertRaisesRegex(ValueError, "kv_events_hash_algo"):
       ServerConfig(model="tiny", kv_events_hash_algo="xxhash")
+
+
+class PublisherTest(absltest.TestCase):
+  """The publisher without a model: synthetic index events, 32-byte hashes."""
+
+  def test_groups_runs_skips_salted_chains_and_sends_bytes_hashes(self):
+    ctx = zmq.Context.instance()
+    hasher = kv_events.VllmBlockHasher("sha256_cbor", SEED)
+    pub = kv_events.ZmqKVEventPublisher("tcp://127.0.0.1:*", hasher=hasher, int_hashes=False)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(pub.bound_endpoint())
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+      self.assertTrue(pub.wait_for_subscriber(30))
+      root, salted = "r" * 64, "s" * 64
+      ids = tokens(5, 3 * B)
+      blocks = [ids[i * B:(i + 1) * B] for i in range(3)]
+      pub.publish(KVCacheEvents(root, B, (
+          BlockStoredEvent("k0", root, tuple(blocks[0])),
+          BlockStoredEvent("k1", "k0", tuple(blocks[1])),
+          BlockStoredEvent("x0", salted, tuple(blocks[0])),  # another namespace: skipped
+          BlockStoredEvent("x1", "x0", tuple(blocks[1])),
+          BlockStoredEvent("k2", "k1", tuple(blocks[2])),  # still k0's run
+          BlockRemovedEvent("x1"),  # never published: no event
+          BlockRemovedEvent("k2"),
+          BlockStoredEvent("k2", "k1", tuple(blocks[2])),  # re-indexed: parent k1 is known
+          AllBlocksClearedEvent())))
+      self.assertTrue(sub.poll(TIMEOUT_MS))
+      _, seq, payload = sub.recv_multipart()
+      self.assertEqual(seq, bytes(8))
+      h = hasher.hash_prompt(ids, B)
+      self.assertEqual(msgpack.unpackb(payload)[1], [
+          ["BlockStored", h, None, ids, B, None, "GPU", None],
+          ["BlockRemoved", [h[2]], "GPU"],
+          ["BlockStored", [h[2]], h[1], blocks[2], B, None, "GPU", None],
+          ["AllBlocksCleared"]])
+      self.assertEqual(pub.translator.num_tracked, 0)
+    finally:
+      pub.close()
+      sub.close()
 
 
 class KVEventsServeTest(absltest.TestCase):
