@@ -11,7 +11,10 @@
 #   4. runs a small ChunkStore check (put/get/contains/verify, a concurrent-put race, the
 #      conditional-PUT probe) with plain zarr3 over s3://, then tries ocdbt+s3:// and reports
 #      whether it works;
-#   5. stops every daemon it started (by pid) and removes the cluster directory.
+#   5. two replicas on the bucket (issue 14): two `LLM("tiny")` engines, each with its own store
+#      client on s3://kvjax-rgw/replicas, serve each other's documents with loaded chunks and the
+#      same tokens (the check tests/serve/replicas_test.py runs against moto);
+#   6. stops every daemon it started (by pid) and removes the cluster directory.
 #
 # Measured here (Debian 12, ceph 16.2.15 pacific, 2 CPU cores, no IPv6): install ~2 min; the
 # cluster and RGW are up in ~5 s; the zarr3 check passes in ~3.5 s: RGW honours
@@ -227,5 +230,34 @@ try:
   check(f"ocdbt+s3://{bucket}/ocdbt", "ocdbt over s3")
 except Exception as e:  # noqa: BLE001  (reported, not fatal: DESIGN.md says RGW fails here)
   print(f"[ocdbt over s3] FAILED: {e!r}"[:2000])
+PY
+
+# -- 5. two replicas on one bucket ----------------------------------------------------------------
+"$PY" - <<'PY'
+import time
+
+import numpy as np
+
+from kvjax import LLM, SamplingParams
+
+C = 16
+url = "s3://kvjax-rgw/replicas"
+q = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+t0 = time.monotonic()
+a, b = (LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2, kv_store=url,
+            kv_chunk_size=C, kv_merge_mode="load_only") for _ in range(2))
+for seed, (first, second) in ((0, (a, b)), (1, (b, a))):
+  doc = {"prompt_token_ids": [int(t) for t in np.random.default_rng(seed).integers(0, 256, 100)]}
+  cold = first.generate(doc, q)[0]
+  first.flush()
+  warm = second.generate(doc, q)[0]
+  assert warm.num_cached_tokens == C * (99 // C), warm.num_cached_tokens
+  assert set(warm.metrics.loaded_from_tiers) == {"remote"}, warm.metrics.loaded_from_tiers
+  assert warm.token_ids == cold.token_ids, (warm.token_ids, cold.token_ids)
+  print(f"[replicas] document {seed}: {warm.num_cached_tokens} tokens loaded by the other "
+        "replica, same tokens")
+a.close()
+b.close()
+print(f"[replicas] OK in {time.monotonic() - t0:.1f}s")
 PY
 log "done"

@@ -46,7 +46,7 @@ from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
 from kvjax.models.runner import ModelRunner
 from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
-from kvjax.scheduler.kv_cache_manager import KVCacheManager, KVCacheStats
+from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager, KVCacheStats
 from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.output import (ComputeTiming, InsertTiming, SaveItem, SchedulerOutput,
                                     StepResult, StoredChunk, StoredPrefix)
@@ -325,6 +325,17 @@ class Engine:
     """Empties the device prefix cache (paged layout): no block computed before is a hit
     again. Returns blocks unindexed (0 for the slotted layout)."""
     return self._scheduler.reset_prefix_cache()
+
+  def set_kv_events(self, on: bool) -> None:
+    """Paged layout: record the device prefix cache's index changes for `drain_kv_events`
+    (off by default, so nothing accumulates). No effect for the slotted layout."""
+    if self._paged:
+      self._scheduler.kv_cache.set_record_events(on)
+
+  def drain_kv_events(self) -> KVCacheEvents | None:
+    """The device prefix cache's index changes since the last drain (blocks stored, evicted,
+    all cleared; see `KVCacheEvents`); None for the slotted layout."""
+    return self._scheduler.kv_cache.drain_events() if self._paged else None
 
   def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """Checks a request before it is queued; returns the prompt as a list of ints.

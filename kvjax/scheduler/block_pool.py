@@ -35,14 +35,47 @@ Not thread-safe: the scheduler calls it from one thread.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 from collections.abc import Iterable, Sequence
-from typing import NewType
+from typing import NewType, Union
 
 from kvjax.block_hash import BlockHash
 
 #: Index of one block in the device KV pool, `[0, num_blocks)`.
 BlockId = NewType("BlockId", int)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStoredEvent:
+  """A full block entered the prefix-cache index (`cache_block` indexed it).
+
+  Attributes:
+    block_hash: its chained hash (`kvjax.block_hash`, hex).
+    parent_hash: the previous block's hash, or the namespace root for a sequence's first block.
+    token_ids: the block's B token ids.
+  """
+
+  block_hash: BlockHash
+  parent_hash: str
+  token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRemovedEvent:
+  """An indexed block was evicted to make room: its prefix is no longer on the device."""
+
+  block_hash: BlockHash
+
+
+@dataclasses.dataclass(frozen=True)
+class AllBlocksClearedEvent:
+  """`reset_prefix_cache`: no block indexed before is on the device any more."""
+
+
+#: One prefix-cache index change, in the order it happened (vLLM's `BlockStored`,
+#: `BlockRemoved`, `AllBlocksCleared` of `vllm/distributed/kv_events.py`, with kvjax's hashes).
+BlockEvent = Union[BlockStoredEvent, BlockRemovedEvent, AllBlocksClearedEvent]
 
 
 class BlockPool:
@@ -91,6 +124,26 @@ class BlockPool:
     self._tick = 0
     self.num_evictions = 0
     self.peak_used_blocks = 0  # most blocks held (ref > 0) at once since construction
+    self._events: list[BlockEvent] | None = None  # None: not recorded
+
+  # -- index events ------------------------------------------------------------------------------
+
+  def set_record_events(self, on: bool) -> None:
+    """Starts (or stops, dropping what is pending) recording index events for `drain_events`:
+    a `BlockStoredEvent` per indexed block, a `BlockRemovedEvent` per evicted indexed block, an
+    `AllBlocksClearedEvent` per `reset_prefix_cache`. Off by default (nothing accumulates)."""
+    self._events = ([] if self._events is None else self._events) if on else None
+
+  @property
+  def records_events(self) -> bool:
+    return self._events is not None
+
+  def drain_events(self) -> list[BlockEvent]:
+    """The index events since the last drain, oldest first (empty when not recording)."""
+    if not self._events:
+      return []
+    out, self._events = self._events, []
+    return out
 
   # -- counters ----------------------------------------------------------------------------------
 
@@ -192,6 +245,8 @@ class BlockPool:
     if block in self._partial_of:
       self._unpark(block)
     else:
+      if self._events is not None:
+        self._events.append(BlockRemovedEvent(self._hash[block]))
       self._uncache(block)
     self.num_evictions += 1
     return block
@@ -271,13 +326,15 @@ class BlockPool:
 
   # -- the prefix-cache index --------------------------------------------------------------------
 
-  def cache_block(self, block: BlockId, block_hash: BlockHash, parent_hash: str) -> bool:
+  def cache_block(self, block: BlockId, block_hash: BlockHash, parent_hash: str,
+                  token_ids: Sequence[int] = ()) -> bool:
     """Indexes a full, written block under its chained hash.
 
     Args:
       block: a block in use (reference count >= 1), not yet indexed.
       block_hash: the chained hash of the prefix ending with this block.
       parent_hash: the previous block's hash, or the namespace root for a first block.
+      token_ids: the block's tokens, for the `BlockStoredEvent` (when recording events).
 
     Returns:
       True if indexed; False if another block already holds `block_hash` (this block stays
@@ -297,6 +354,9 @@ class BlockPool:
     self._hash[block] = block_hash
     self._parent[block] = BlockHash(parent_hash)
     self._children[BlockHash(parent_hash)] += 1
+    if self._events is not None:
+      self._events.append(BlockStoredEvent(block_hash, parent_hash,
+                                           tuple(int(t) for t in token_ids)))
     return True
 
   def park_partial(self, block: BlockId, parent_hash: str, token_ids: Sequence[int]) -> bool:
@@ -376,6 +436,8 @@ class BlockPool:
     self._children.clear()
     self._partial.clear()
     self._partial_of.clear()
+    if self._events is not None:
+      self._events.append(AllBlocksClearedEvent())
     return n
 
   def verify(self) -> None:

@@ -37,8 +37,26 @@ from collections.abc import Sequence
 
 from kvjax._typing import RequestId
 from kvjax.block_hash import BlockHash, hash_block_tokens
-from kvjax.scheduler.block_pool import BlockId, BlockPool
+from kvjax.scheduler.block_pool import BlockEvent, BlockId, BlockPool
 from kvjax.scheduler.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheEvents:
+  """The device prefix cache's index changes since the last drain (`drain_events`), plain data
+  for whoever publishes them (the server's KV event publisher, in vLLM's schema).
+
+  Attributes:
+    namespace_root: the manager's default namespace root: a `BlockStoredEvent` whose
+      `parent_hash` equals it is the first block of a sequence without `cache_salt`; a first
+      block under another root is a salted (tenant-isolated) sequence.
+    block_size: B, tokens per block.
+    events: `BlockStoredEvent` / `BlockRemovedEvent` / `AllBlocksClearedEvent`, oldest first.
+  """
+
+  namespace_root: str
+  block_size: int
+  events: tuple[BlockEvent, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +75,8 @@ class KVCacheStats:
     evictions: cached blocks evicted to make room.
     preemptions: requests preempted.
     peak_used_blocks: most blocks in use (held by a request) at once since construction.
+    block_size: B, tokens per block (0: not given).
+    enable_prefix_caching: whether full blocks are indexed and shared.
   """
 
   num_blocks: int
@@ -70,6 +90,8 @@ class KVCacheStats:
   evictions: int
   preemptions: int
   peak_used_blocks: int = 0
+  block_size: int = 0
+  enable_prefix_caching: bool = True
 
   @property
   def hit_rate(self) -> float:
@@ -332,7 +354,9 @@ class KVCacheManager:
       if self.pool.block_hash(block) is not None:  # a hit block, indexed already
         continue
       parent = state.hashes[i - 1] if i else state.namespace_root
-      if self.pool.cache_block(block, h, parent):
+      tokens = (_tokens(request, i * self.block_size, (i + 1) * self.block_size)
+                if self.pool.records_events else ())
+      if self.pool.cache_block(block, h, parent, tokens):
         out.append(block)
     state.num_indexed = max(state.num_indexed, num_tokens // self.block_size)
     return out
@@ -364,7 +388,17 @@ class KVCacheManager:
         num_cached_blocks=self.pool.num_cached, usage=self.pool.usage, queries=self._queries,
         query_tokens=self._query_tokens, hits=self._hits, hit_tokens=self._hit_tokens,
         evictions=self.pool.num_evictions, preemptions=self._preemptions,
-        peak_used_blocks=self.pool.peak_used_blocks)
+        peak_used_blocks=self.pool.peak_used_blocks, block_size=self.block_size,
+        enable_prefix_caching=self.enable_prefix_caching)
+
+  def set_record_events(self, on: bool) -> None:
+    """Records (or stops recording) the index changes `drain_events` returns; off by default."""
+    self.pool.set_record_events(on)
+
+  def drain_events(self) -> KVCacheEvents:
+    """The index changes since the last drain (blocks stored, evicted, all cleared), oldest
+    first; empty `events` when not recording (`set_record_events`)."""
+    return KVCacheEvents(self.namespace_root, self.block_size, tuple(self.pool.drain_events()))
 
   # -- release -----------------------------------------------------------------------------------
 

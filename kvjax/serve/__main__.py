@@ -5,6 +5,9 @@
     python -m kvjax.serve --kv_link_bytes_per_s=1e8 --kv_chunk_size=256 --max_num_seqs=8
     python -m kvjax.serve --kv_cache_layout=paged --kv_cache_memory_bytes=1073741824 \
         --no_enable_prefix_caching                          # a 1 GiB pool, no device cache
+    python -m kvjax.serve --kv_store=s3://kv/llm --s3_endpoint_url=http://rgw:7480 \
+        --kv_cache_layout=paged --kv_events_endpoint='tcp://*:5557' \
+        --kv_events_topic=kv@pod-a@SmolLM2-135M-Instruct    # a replica for llm-d's router
     KVJAX_API_KEY=secret python -m kvjax.serve --host=0.0.0.0 --allowed_hosts=llm.example.com
 
 Thin entry point: absl flags -> `ServerConfig` -> bind the socket -> load and warm up the model on
@@ -123,6 +126,38 @@ _MAX_SESSION_TOKENS = flags.DEFINE_integer(
     "max_session_tokens", DEFAULT_MAX_SESSION_TOKENS,
     "Token ids held over all chat sessions (each: its last turn's prompt and output); beyond, "
     "least recently used idle sessions are dropped.")
+# -- Scale out: a shared S3 store, KV cache events for llm-d's precise prefix-cache routing ----
+_S3_ENDPOINT = flags.DEFINE_string(
+    "s3_endpoint_url", None,
+    "S3-compatible endpoint of an s3:// --kv_store (MinIO, Ceph RGW, ...); sets AWS_ENDPOINT_URL "
+    "for this process. Default: $AWS_ENDPOINT_URL, else AWS. Credentials come from the usual "
+    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment or AWS config, never from flags.")
+_S3_REGION = flags.DEFINE_string("s3_region", None,
+                                 "Region of an s3:// --kv_store; sets AWS_REGION. Default: "
+                                 "$AWS_REGION, else $AWS_DEFAULT_REGION.")
+_EVENTS = flags.DEFINE_string(
+    "kv_events_endpoint", None,
+    "Publish KV cache events (blocks stored, removed, all cleared) of the device prefix cache in "
+    "vLLM's schema on this ZMQ address, e.g. tcp://*:5557 (bound; an address without '*' is "
+    "connected to). Needs --kv_cache_layout=paged with prefix caching. Default: off.")
+_EVENTS_TOPIC = flags.DEFINE_string("kv_events_topic", "",
+                                    "Topic frame of every event message; llm-d's indexer reads "
+                                    "'kv@<pod>@<model>'.")
+_EVENTS_REPLAY = flags.DEFINE_string(
+    "kv_events_replay_endpoint", None,
+    "ZMQ ROUTER address (bound) answering replay requests: send an 8-byte big-endian start "
+    "sequence number, get the buffered (seq, payload) frames from there, then (-1, '').")
+_EVENTS_ALGO = flags.DEFINE_enum(
+    "kv_events_hash_algo", "sha256_cbor", ["sha256_cbor", "sha256"],
+    "vLLM's block hash for the events (its --prefix-caching-hash-algo): sha256_cbor (what "
+    "llm-d's indexer recomputes) or sha256 (pickle). Blocks are --block_size tokens.")
+_EVENTS_SEED = flags.DEFINE_string(
+    "kv_events_hash_seed", None,
+    "vLLM's NONE_HASH seed (its PYTHONHASHSEED; llm-d's hashSeed). Default: $PYTHONHASHSEED, "
+    "else '0'.")
+_EVENTS_INT = flags.DEFINE_bool(
+    "kv_events_int_hashes", True,
+    "Block hashes as 64-bit ints (the low 8 bytes; vLLM's default) rather than 32 raw bytes.")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -163,9 +198,22 @@ def config_from_flags() -> ServerConfig:
         allowed_origins=tuple(_ALLOWED_ORIGINS.value), api_key=api_key,
         auth_health_and_metrics=_AUTH_OPEN.value,
         session_ttl_s=None if _SESSION_TTL.value == -1 else _SESSION_TTL.value,
-        max_sessions=_MAX_SESSIONS.value, max_session_tokens=_MAX_SESSION_TOKENS.value)
+        max_sessions=_MAX_SESSIONS.value, max_session_tokens=_MAX_SESSION_TOKENS.value,
+        **_scale_out_options())
   except ValueError as e:
     raise app.UsageError(str(e)) from e
+
+
+def _scale_out_options() -> dict:
+  """ServerConfig fields of the KV-event flags; the S3 flags go to the environment (read where
+  the store spec is built, `kvjax.storage.specs.kvstore_spec`)."""
+  for value, var in ((_S3_ENDPOINT.value, "AWS_ENDPOINT_URL"), (_S3_REGION.value, "AWS_REGION")):
+    if value:
+      os.environ[var] = value
+  return dict(kv_events_endpoint=_EVENTS.value or None, kv_events_topic=_EVENTS_TOPIC.value,
+              kv_events_replay_endpoint=_EVENTS_REPLAY.value or None,
+              kv_events_hash_algo=_EVENTS_ALGO.value, kv_events_hash_seed=_EVENTS_SEED.value,
+              kv_events_int_hashes=_EVENTS_INT.value)
 
 
 def curl_example(url: str, model: str, *, api_key: bool = False) -> str:
@@ -213,6 +261,11 @@ def main(argv):
       http.server.should_exit = True
       return
     state.attach(loaded["backend"])
+    publisher = loaded["backend"].kv_event_publisher
+    if publisher is not None:
+      replay = publisher.bound_replay_endpoint()
+      print(f"kvjax: KV cache events on {publisher.bound_endpoint()} (topic "
+            f"{publisher.topic!r})" + (f", replays on {replay}" if replay else ""), flush=True)
     name = loaded["backend"].model_name
     print(f"kvjax: ready: {name} at {http.url}\n"
           f"{curl_example(http.url, name, api_key=config.api_key is not None)}", flush=True)

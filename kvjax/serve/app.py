@@ -6,6 +6,7 @@
     GET  /health                200 once the model is loaded and compiled, 503 before
     GET  /metrics               Prometheus text format
     POST /admin/flush_kv        (only with `enable_admin`) waits until queued KV saves are written
+    POST /reset_prefix_cache    (only with `enable_admin`) empties the device prefix cache
 
 Every request first passes `guard` (ASGI middleware, before FastAPI parses anything): `Host`
 check, CORS only for `allowed_origins`, API key, JSON-only bodies, body size limit. Handlers run
@@ -58,6 +59,7 @@ class Backend:
     flush: blocks until queued KV saves are written (None without a store).
     system_fingerprint: reported in responses (model fingerprint prefix).
     sessions: the chat sessions (the served `LLM`'s registry); None: `session_id` is refused.
+    kv_event_publisher: publishes KV cache events (`kv_events.ZmqKVEventPublisher`); None: off.
   """
 
   engine: AsyncEngine
@@ -69,6 +71,7 @@ class Backend:
   flush: Callable[[], None] | None = None
   system_fingerprint: str | None = None
   sessions: SessionRegistry | None = None
+  kv_event_publisher: Any = None
 
   def count(self, endpoint: str, finish_reason: str | None) -> None:
     self.metrics.requests.labels(endpoint=endpoint, finish_reason=str(finish_reason)).inc()
@@ -259,5 +262,12 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
       if backend.flush is not None:
         await asyncio.to_thread(backend.flush)
       return {"status": "flushed"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+      """Empties the device prefix cache (vLLM's route; an `AllBlocksCleared` KV event)."""
+      backend = state.require()
+      blocks = await backend.engine.call(lambda engine: engine.reset_prefix_cache())
+      return {"status": "reset", "blocks_unindexed": blocks}
 
   return app

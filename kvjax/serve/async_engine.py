@@ -94,6 +94,10 @@ class AsyncEngine:
     on_output: called on the engine thread for every output with (output, server-side TTFT in
       seconds on the first output else None, seconds since submission), e.g. to update metrics;
       its exceptions are logged and ignored.
+    on_kv_events: called on the engine thread with the device prefix cache's index changes
+      (`Engine.drain_kv_events()`, a `KVCacheEvents`) after every step and every `call` that
+      produced some, e.g. to publish them (`kv_events.ZmqKVEventPublisher.publish`); set it
+      before `start()` and turn recording on with `Engine.set_kv_events(True)`.
   """
 
   def __init__(self, engine: Engine,
@@ -104,6 +108,7 @@ class AsyncEngine:
     self._unfinished = 0  # submitted, not yet finished, failed or aborted
     self._unfinished_lock = threading.Lock()
     self.on_output = on_output
+    self.on_kv_events: Callable[[Any], None] | None = None
     self._commands: queue.SimpleQueue = queue.SimpleQueue()
     self._sinks: dict[str, _Sink] = {}
     self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
@@ -227,6 +232,7 @@ class AsyncEngine:
         result, error = fn(self._engine), None
       except Exception as e:  # noqa: BLE001 - handed to the caller
         result, error = None, e
+      self._emit_kv_events()  # e.g. a reset_prefix_cache
       reply(result, error)
 
   def _step(self) -> None:
@@ -260,6 +266,17 @@ class AsyncEngine:
       sink.put((out, ttft, elapsed))
     snap = self._engine.stats()
     self.stats.waiting, self.stats.running = snap.num_waiting, snap.num_running
+    self._emit_kv_events()
+
+  def _emit_kv_events(self) -> None:
+    if self.on_kv_events is None:
+      return
+    try:
+      batch = self._engine.drain_kv_events()
+      if batch is not None and batch.events:
+        self.on_kv_events(batch)
+    except Exception:  # noqa: BLE001 - events must not break serving
+      _log.exception("publishing KV cache events failed")
 
   def _fail_all(self, fault: EngineFault) -> None:
     for rid, sink in list(self._sinks.items()):

@@ -5,11 +5,15 @@ device prefix-cache, preemption, store, link and saver figures are read when `/m
 scraped (`_StoreCollector`), all from one `Engine.stats()` snapshot (`EngineStats`: its
 `kv_cache` is None for the slotted layout, its `saver` None without a store, and the families of
 an absent part are left out). vLLM's names of the figures vLLM has (`vllm:kv_cache_usage_perc`,
-`vllm:num_requests_waiting`, `vllm:prefix_cache_queries`/`hits`, `vllm:num_preemptions`) are
-served beside the `kvjax_` ones, with the same values. Chat-session counters come from one
-`SessionRegistry.stats()` snapshot per scrape (`_SessionCollector`). Store warnings (a failed
-lookup, read or save, each of which degrades to computing) are counted by a logging handler on
-the store's loggers.
+`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:prefix_cache_queries`/`hits`,
+`vllm:num_preemptions`, and the paged layout's `vllm:cache_config_info{block_size,
+num_gpu_blocks}`) are served beside the `kvjax_` ones, with the same values: what the Gateway
+API Inference Extension's model-server protocol asks for (queue depth, running requests, KV
+cache utilisation; block size and pool blocks for its approximate prefix-cache scorer), so
+llm-d's inference scheduler can route to kvjax replicas as to vLLM pods. Chat-session counters
+come from one `SessionRegistry.stats()` snapshot per scrape (`_SessionCollector`). Store warnings
+(a failed lookup, read or save, each of which degrades to computing) are counted by a logging
+handler on the store's loggers.
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class _StoreCollector(Collector):
       return
     for name in ("kvjax_num_requests_waiting", "vllm:num_requests_waiting"):
       yield GaugeMetricFamily(name, "Requests queued in the engine, not yet running.", waiting)
-    yield GaugeMetricFamily("kvjax_num_requests_running", "Requests running (decode slots or "
-                            "paged sequences).", running)
+    for name in ("kvjax_num_requests_running", "vllm:num_requests_running"):
+      yield GaugeMetricFamily(name, "Requests running (decode slots or paged sequences).",
+                              running)
     if snap is None:
       return
     kv_bytes = GaugeMetricFamily("kvjax_kv_cache_bytes", "Device KV memory: reserved (the pool "
@@ -158,6 +163,13 @@ def _kv_cache_families(kv) -> list:
   out = [GaugeMetricFamily(name, "Fraction of the KV block pool in use (1 = full), in [0, 1].",
                            kv.usage)
          for name in ("kvjax_kv_cache_usage_perc", "vllm:kv_cache_usage_perc")]
+  # vLLM's info gauge (value 1, the configuration in labels): the inference scheduler's
+  # approximate prefix-cache scorer reads `block_size` and `num_gpu_blocks` from it.
+  info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (vLLM's info "
+                           "gauge): tokens per block, blocks in the device pool.",
+                           labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+  info.add_metric([str(kv.block_size), str(kv.num_blocks), str(kv.enable_prefix_caching)], 1.0)
+  out.append(info)
   blocks = GaugeMetricFamily("kvjax_kv_cache_blocks", "KV pool blocks: all usable, free "
                              "(allocatable now, evictable cached included), cached (indexed).",
                              labels=["state"])

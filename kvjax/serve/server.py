@@ -23,6 +23,7 @@ from kvjax import codecs
 from kvjax.engine import LLM, builder
 from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
                                    DEFAULT_SESSION_TTL_S, SessionConfig)
+from kvjax.serve import kv_events
 from kvjax.serve.app import Backend
 from kvjax.serve.async_engine import AsyncEngine
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy
@@ -85,9 +86,19 @@ class ServerConfig:
       expires; None: never.
     max_sessions: sessions held at once (least recently used idle ones dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped beyond).
+    kv_events_endpoint: publish the device prefix cache's KV events in vLLM's schema on this
+      ZMQ address (e.g. "tcp://*:5557"; `kv_events.ZmqKVEventPublisher`); None: off. Needs the
+      paged layout with prefix caching.
+    kv_events_topic: the events' topic frame (llm-d reads "kv@<pod>@<model>").
+    kv_events_replay_endpoint: a ZMQ ROUTER address serving replays of buffered batches.
+    kv_events_hash_algo: vLLM's block hash: "sha256_cbor" (default) or "sha256".
+    kv_events_hash_seed: vLLM's NONE_HASH seed (its PYTHONHASHSEED); None: $PYTHONHASHSEED,
+      else "0".
+    kv_events_int_hashes: hashes as 64-bit ints (vLLM's default) or 32 raw bytes.
 
   Raises:
-    ValueError: a bad port, codec, limit, host, origin, key or session limit.
+    ValueError: a bad port, codec, limit, host, origin, key or session limit, or KV events
+      asked for without the paged layout's prefix cache.
   """
 
   model: str = "SmolLM2-135M-Instruct"
@@ -125,6 +136,12 @@ class ServerConfig:
   session_ttl_s: float | None = DEFAULT_SESSION_TTL_S
   max_sessions: int = DEFAULT_MAX_SESSIONS
   max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS
+  kv_events_endpoint: str | None = None
+  kv_events_topic: str = ""
+  kv_events_replay_endpoint: str | None = None
+  kv_events_hash_algo: str = "sha256_cbor"
+  kv_events_hash_seed: str | None = None
+  kv_events_int_hashes: bool = True
 
   def __post_init__(self):
     if self.kv_codec not in KV_CODECS:
@@ -145,6 +162,13 @@ class ServerConfig:
       raise ValueError("give kv_store or kv_tiers, not both")
     if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
       raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")
+    if self.kv_events_hash_algo not in kv_events.HASH_ALGOS:
+      raise ValueError(f"kv_events_hash_algo={self.kv_events_hash_algo!r}; use one of "
+                       f"{kv_events.HASH_ALGOS}")
+    if self.kv_events_endpoint is not None and (
+        self.resolved_kv_cache_layout != "paged" or not self.enable_prefix_caching):
+      raise ValueError("kv_events_endpoint publishes the device prefix cache's blocks: it needs "
+                       "kv_cache_layout='paged' with enable_prefix_caching")
     self.http_policy()  # validates hosts, origins, key and body limit
     SessionConfig(ttl_s=self.session_ttl_s, max_sessions=self.max_sessions,
                   max_tokens=self.max_session_tokens)  # validates the session limits
@@ -195,8 +219,26 @@ class ServerConfig:
     return opts
 
 
+def kv_event_publisher(config: ServerConfig) -> kv_events.ZmqKVEventPublisher | None:
+  """The KV event publisher of `config` (bound now), or None when events are off.
+
+  Raises:
+    ImportError: pyzmq, msgpack or cbor2 missing.
+    zmq.ZMQError: the endpoint cannot be bound.
+  """
+  if config.kv_events_endpoint is None:
+    return None
+  return kv_events.ZmqKVEventPublisher(
+      config.kv_events_endpoint, topic=config.kv_events_topic,
+      replay_endpoint=config.kv_events_replay_endpoint,
+      hasher=kv_events.VllmBlockHasher(config.kv_events_hash_algo, config.kv_events_hash_seed),
+      int_hashes=config.kv_events_int_hashes)
+
+
 def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bool = True,
-                     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS) -> Backend:
+                     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+                     kv_event_publisher: kv_events.ZmqKVEventPublisher | None = None
+                     ) -> Backend:
   """Warms `llm` up and starts its engine thread; the result is ready to `ServeState.attach`.
 
   Args:
@@ -205,6 +247,8 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
     warm: compile every program first (`builder.warmup`).
     max_waiting_requests: requests admitted beyond the engine's decode slots; more get 429.
       None: unbounded.
+    kv_event_publisher: publishes the device prefix cache's index changes (KV events in vLLM's
+      schema) drained after every step; the backend closes it. None: no events.
 
   Raises:
     ValueError: a model without a tokenizer (the server speaks text).
@@ -224,6 +268,11 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
   metrics = ServeMetrics(engine_stats=llm.engine.stats, loop_stats=loop.stats,
                          session_stats=llm.sessions.stats)
   loop.on_output = metrics.on_output
+  if kv_event_publisher is not None:
+    # Subscribers start from an empty view: drop warmup's blocks before recording starts.
+    llm.engine.reset_prefix_cache()
+    llm.engine.set_kv_events(True)
+    loop.on_kv_events = kv_event_publisher.publish
   loop.start()
   fingerprint = llm.fingerprint
   return Backend(engine=loop, tokenizer=tokenizer,
@@ -231,7 +280,7 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
                  max_model_len=llm.max_model_len, vocab_size=llm.model_config.vocab_size,
                  metrics=metrics, flush=llm.flush,
                  system_fingerprint=f"kvjax-{fingerprint[:12]}" if fingerprint else None,
-                 sessions=llm.sessions)
+                 sessions=llm.sessions, kv_event_publisher=kv_event_publisher)
 
 
 def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:
@@ -241,8 +290,14 @@ def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:
     ValueError, FileNotFoundError: as `LLM`.
   """
   llm = builder.build_llm(config.model, **config.llm_options())
+  try:
+    publisher = kv_event_publisher(config)
+  except Exception:
+    llm.close()
+    raise
   return backend_from_llm(llm, served_model_name=config.served_model_name,
-                          max_waiting_requests=config.max_waiting_requests), llm
+                          max_waiting_requests=config.max_waiting_requests,
+                          kv_event_publisher=publisher), llm
 
 
 def close_backend(backend: Backend | None, llm: LLM | None) -> None:
@@ -250,6 +305,8 @@ def close_backend(backend: Backend | None, llm: LLM | None) -> None:
   if backend is not None:
     backend.engine.shutdown()
     backend.metrics.close()
+    if backend.kv_event_publisher is not None:
+      backend.kv_event_publisher.close()
   if llm is not None:
     llm.close()
 

@@ -60,12 +60,12 @@ class RunningServer:
 @contextlib.contextmanager
 def serving(llm, *, served_model_name: str | None = None, enable_admin: bool = True,
             policy: HttpPolicy | None = None, allow_special_tokens_in_prompt: bool = False,
-            max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
-            ) -> Iterator[RunningServer]:
+            max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+            kv_event_publisher: Any = None) -> Iterator[RunningServer]:
   """Serves `llm` on 127.0.0.1 at a free port until the context exits (the LLM stays open).
 
-  `policy`, `allow_special_tokens_in_prompt` go to `create_app`, `max_waiting_requests` to
-  `backend_from_llm`.
+  `policy`, `allow_special_tokens_in_prompt` go to `create_app`, `max_waiting_requests` and
+  `kv_event_publisher` (closed at exit) to `backend_from_llm`.
   """
   policy = policy or HttpPolicy()
   state = ServeState(enable_admin=enable_admin)
@@ -76,7 +76,8 @@ def serving(llm, *, served_model_name: str | None = None, enable_admin: bool = T
   backend = None
   try:
     backend = backend_from_llm(llm, served_model_name=served_model_name,
-                               max_waiting_requests=max_waiting_requests)
+                               max_waiting_requests=max_waiting_requests,
+                               kv_event_publisher=kv_event_publisher)
     state.attach(backend)
     yield RunningServer(http.url, state, backend, http, policy)
   finally:

@@ -5,7 +5,8 @@ import random
 from absl.testing import absltest, parameterized
 
 from kvjax import block_hash as bh
-from kvjax.scheduler.block_pool import BlockPool
+from kvjax.scheduler.block_pool import (AllBlocksClearedEvent, BlockPool, BlockRemovedEvent,
+                                        BlockStoredEvent)
 from kvjax.scheduler.kv_cache_manager import KVCacheManager, KVCacheStats
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.storage import keys
@@ -287,7 +288,7 @@ class KVCacheManagerTest(parameterized.TestCase):
     self.assertEqual(mgr.stats(), KVCacheStats(
         num_blocks=6, num_free_blocks=6, num_cached_blocks=2, usage=0.0, queries=2,
         query_tokens=21, hits=1, hit_tokens=8, evictions=0, preemptions=0,
-        peak_used_blocks=4))  # a's 3 blocks plus b's one new block, the shared two held once
+        peak_used_blocks=4, block_size=4))  # a: 3 blocks, b: one new one, the shared two once
     self.assertAlmostEqual(mgr.stats().hit_rate, 8 / 21)
     # Uncached blocks are reused first; the cached prefix survives.
     c = req("c", range(100, 116))
@@ -515,6 +516,71 @@ class KVCacheManagerTest(parameterized.TestCase):
     self.assertEqual(mgr.stats().num_cached_blocks, 0)
     self.assertEqual(mgr.pool.num_free, 8)
     mgr.pool.verify()
+
+
+class KVCacheEventsTest(absltest.TestCase):
+  """The index changes the manager records for the KV event publisher (issue 14)."""
+
+  def test_stored_removed_and_cleared_in_order(self):
+    mgr = KVCacheManager(4, 4, namespace_root=ROOT)
+    a = req("a", range(9))  # [0 1 2 3][4 5 6 7][8 . . .]
+    mgr.get_computed_blocks(a)
+    mgr.allocate_slots("a", 9, num_computed_tokens=0)
+    a.num_computed_tokens = 9
+    mgr.cache_full_blocks(a, 9)
+    self.assertEqual(mgr.drain_events().events, ())  # off by default: nothing accumulates
+    mgr.free("a")
+    mgr.set_record_events(True)
+    a2 = req("a2", range(9))
+    hits, _ = mgr.get_computed_blocks(a2)
+    mgr.allocate_slots("a2", 1, num_computed_tokens=0, new_computed_blocks=hits)
+    a2.num_computed_tokens = 9
+    self.assertEqual(mgr.cache_full_blocks(a2, 9), [])  # hits: indexed already, no event
+    self.assertEqual(mgr.drain_events().events, ())
+    mgr.free("a2")
+    mgr.reset_prefix_cache()
+    self.assertEqual(mgr.drain_events().events, (AllBlocksClearedEvent(),))
+
+    a3 = req("a3", range(9))
+    mgr.get_computed_blocks(a3)
+    self.assertEqual(mgr.allocate_slots("a3", 9, num_computed_tokens=0), [2, 3, 1])
+    a3.num_computed_tokens = 9
+    mgr.cache_full_blocks(a3, 9)
+    ha = bh.block_hashes(ROOT, list(range(9)), 4)
+    batch = mgr.drain_events()
+    self.assertEqual((batch.namespace_root, batch.block_size), (ROOT, 4))
+    self.assertEqual(batch.events, (BlockStoredEvent(ha[0], ROOT, (0, 1, 2, 3)),
+                                    BlockStoredEvent(ha[1], ha[0], (4, 5, 6, 7))))
+    self.assertEqual(mgr.drain_events().events, ())  # drained
+    mgr.free("a3")  # no request given: nothing parked; blocks 2, 3 cached, 1 free
+    b = req("b", range(100, 116))  # 4 blocks: the free ones, then evictions, leaves first
+    mgr.get_computed_blocks(b)
+    mgr.allocate_slots("b", 16, num_computed_tokens=0)
+    self.assertEqual(mgr.drain_events().events,
+                     (BlockRemovedEvent(ha[1]), BlockRemovedEvent(ha[0])))
+    b.num_computed_tokens = 16
+    mgr.cache_full_blocks(b, 16)
+    hb = bh.block_hashes(ROOT, list(range(100, 116)), 4)
+    self.assertEqual([e.block_hash for e in mgr.drain_events().events], hb)
+    mgr.free("b")
+    mgr.reset_prefix_cache()
+    mgr.set_record_events(False)
+    mgr.reset_prefix_cache()
+    self.assertEqual(mgr.drain_events().events, ())  # stopping drops what was pending
+
+  def test_a_salted_sequence_chains_from_its_own_root(self):
+    mgr = KVCacheManager(4, 4, namespace_root=ROOT)
+    mgr.set_record_events(True)
+    salted = ns("t1").root_hash()
+    r = req("r", range(5))
+    mgr.get_computed_blocks(r, namespace_root=salted)
+    mgr.allocate_slots("r", 5, num_computed_tokens=0)
+    r.num_computed_tokens = 5
+    mgr.cache_full_blocks(r, 5)
+    batch = mgr.drain_events()
+    self.assertEqual(batch.namespace_root, ROOT)
+    self.assertEqual(batch.events, (BlockStoredEvent(bh.block_hashes(salted, [0, 1, 2, 3], 4)[0],
+                                                     salted, (0, 1, 2, 3)),))
 
 
 class RandomizedNoLeakTest(parameterized.TestCase):
