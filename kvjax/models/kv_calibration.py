@@ -8,7 +8,9 @@ data directory). The prose is there because the transform fitted on the founding
 alone codes other text less well: on 2,048 tokens of book text (Alice in Wonderland, not part of
 either file) kvtc level 1 takes 4,306 B/token with the transform fitted on the founding
 documents, 3,880 with the prose added, and 3,756 with a transform fitted on 4,096 tokens of two
-other novels (`scripts/kvtc_design.py`). Steps:
+other novels (development measurements, `kvjax/kernels/kvtc.py`). Cost on the 2-core VM: the
+statistics prefill and the fit (about 80 s of ridge solves and eigendecompositions) plus 60
+sensitivity probes, a few minutes once; far longer when the machine is shared. Steps:
 
 1. Prefill passages of up to `passage_tokens` tokens of the text (slot 0, from position 0) and
    collect every layer's K (before RoPE) and V (f32[L, 2, T, D] on the host, D = K * H channels
@@ -95,8 +97,9 @@ def _fix_signs(basis_DD: np.ndarray) -> np.ndarray:
   return basis_DD * signs
 
 
-def _fit(x):
-  """Steps 2-3 on the calibration KV x: f32[L, 2, T, D], centred in place.
+def _fit(x, predict: bool = True):
+  """Steps 2-3 on the calibration KV x: f32[L, 2, T, D], centred in place (predict=False: a zero
+  predictor, i.e. the PCA of the KV itself, kvtc version 1's transform).
 
   Returns:
     (channel variance f64[L, 2], mean f64[L, 2, D], basis, variance, predictor).
@@ -123,7 +126,7 @@ def _fit(x):
       lam = RIDGE * max(float(np.trace(gram)) / nf, 1e-12)
       live = np.diag(gram) > 0                                          # rows of real features
       p = np.zeros((nf, d))
-      if live.any():
+      if live.any() and predict:
         g = gram[np.ix_(live, live)] + lam * np.eye(int(live.sum()))
         p[live] = np.linalg.solve(g, feats[:, live].T @ target)
       predictor[li, a] = p
@@ -137,13 +140,14 @@ def _fit(x):
 
 
 def fit_transform(kv_L2TD: np.ndarray, sensitivity: np.ndarray, num_kv_heads: int,
-                  head_dim: int) -> KVTCTransform:
+                  head_dim: int, *, predict: bool = True) -> KVTCTransform:
   """A kvtc transform fitted to given KV (steps 2-3) with given sensitivities (for tests, and for
   transforms fitted on other data than the shipped text).
 
   Args:
     kv_L2TD: float[L, 2, T, D] KV (K before RoPE, and V), D = num_kv_heads * head_dim.
     sensitivity: float[L, 2] > 0.
+    predict: False fits no predictor (zeros; the basis is the PCA of the KV itself).
 
   Raises:
     ValueError: inconsistent shapes, or `KVTCTransform`'s errors.
@@ -151,7 +155,7 @@ def fit_transform(kv_L2TD: np.ndarray, sensitivity: np.ndarray, num_kv_heads: in
   x = np.array(kv_L2TD, np.float32)
   if x.ndim != 4 or x.shape[1] != 2 or x.shape[3] != num_kv_heads * head_dim:
     raise ValueError(f"kv must be [L, 2, T, {num_kv_heads * head_dim}], got {list(x.shape)}")
-  _, mean, basis, variance, predictor = _fit(x)
+  _, mean, basis, variance, predictor = _fit(x, predict)
   return KVTCTransform(mean.astype(np.float32), basis.astype(np.float32),
                        variance.astype(np.float32), np.asarray(sensitivity, np.float32),
                        predictor.astype(np.float32), num_kv_heads, head_dim)

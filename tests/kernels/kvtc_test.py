@@ -128,13 +128,9 @@ class KVTCTest(parameterized.TestCase):
   def test_prediction_saves_bytes_at_the_same_steps(self):
     t0 = kvtc.KVTCTransform(self.t.mean, self.t.basis, self.t.variance, self.t.sensitivity,
                             np.zeros_like(self.t.predictor), K, H)
-    base = fit(correlated_kv(512, seed=0), SENS)
-    # The same data fitted without prediction: the PCA of the raw KV.
-    x = correlated_kv(512, seed=0).reshape(L, 2, -1, D).astype(np.float64)
-    raw_basis = np.stack([[np.linalg.eigh(np.cov(x[l, a].T, bias=True))[1][:, ::-1]
-                           for a in range(2)] for l in range(L)]).astype(np.float32)
-    flat = kvtc.KVTCTransform(base.mean, raw_basis, base.variance, base.sensitivity,
-                              np.zeros_like(base.predictor), K, H)
+    flat = kv_calibration.fit_transform(correlated_kv(512, seed=0).reshape(L, 2, -1, D), SENS,
+                                        K, H, predict=False)
+    np.testing.assert_array_equal(flat.predictor, 0)
     sizes = {}
     for name, t in (("predicted", self.t), ("flat", flat)):
       arrays = kvtc.kvtc_encode_host(self.kv, t, 1)
