@@ -65,8 +65,9 @@ PCA about 10% larger).
 Not done here: protected first tokens, per-component sensitivity, and a Pallas kernel (the jnp
 reference is jit'd and is the CPU path; on a GPU the scan is two matmuls per layer and K/V).
 
-Sources: KVTC (KV cache transform coding, 2025); DPCM (Jayant & Noll 1984); PCA (Pearson 1901, Hotelling 1933); CacheGen
-(arXiv 2310.07240) for comparison; KIVI (arXiv 2402.02750) for K/V asymmetry.
+Sources: KVTC (KV cache transform coding, 2025); DPCM (Jayant & Noll 1984); PCA (Pearson 1901,
+Hotelling 1933); CacheGen (arXiv 2310.07240) for comparison; KIVI (arXiv 2402.02750) for K/V
+asymmetry.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool):
     encode: which of the two.
 
   Returns:
-    (q int16[L, 2, C, D] or None, r f32[L, 2, C, D] centred reconstruction).
+    (q int16[L, 2, C, D] codes (decode: the given codes), r f32[L, 2, C, D] centred
+    reconstruction).
   """
   _, _, c, d = code_LaCD.shape
   zero = jnp.zeros((2, c, d), jnp.float32)
