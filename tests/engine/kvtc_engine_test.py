@@ -72,7 +72,7 @@ class KVTCEngineTest(absltest.TestCase):
     path = os.path.join(cache_dir, "params", cached[0])
     t = kv_calibration.load_transform(path, 3, 8)
     np.savez(path, mean=t.mean, basis=t.basis, variance=t.variance,
-             sensitivity=t.sensitivity * 2)
+             sensitivity=t.sensitivity * 2, predictor=t.predictor)
     llm3 = make_llm(cache_dir, store)
     self.assertNotEqual(llm3.kvtc_transform.transform_id, tid)
     out = llm3.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]

@@ -1,5 +1,6 @@
-"""kvtc (`kvjax.kernels.kvtc`): encode -> stored bytes -> decode, error bounds per level, RoPE and
-the cache write, and the transform identity."""
+"""kvtc (`kvjax.kernels.kvtc`): encode -> stored bytes -> decode, error bounds per level, the
+closed-loop inter-layer prediction against a numpy reference, RoPE and the cache write, the
+transform identity, and version-1 chunks rejected."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,37 +9,54 @@ from absl.testing import absltest, parameterized
 from kvjax import codecs
 from kvjax.kernels import kv_codec as kc
 from kvjax.kernels import kvtc
+from kvjax.models import kv_calibration
 from kvjax.storage import codecs as stored
 from kvjax.storage import entropy
 from kvjax.storage.types import KVLayout
 
-L, K, H, C = 2, 3, 8, 32
+L, K, H, C = 3, 3, 8, 32
 D = K * H
+#: The same mixing for every seed (the transform is fitted on one seed, applied to another).
+_MIX = np.random.default_rng(100).normal(size=(L, 2, D, D)) * (0.7 ** np.arange(D))[:, None]
+_LINK = np.random.default_rng(101).normal(size=(L, 2, 2 * D, D)) / np.sqrt(2 * D)
+_MEAN = np.random.default_rng(102).normal(size=(L, 2, 1, D))
 
 
 def correlated_kv(c, seed):
-  """[L, 2, C, K, H] with a few strong directions per (layer, K/V), like real KV."""
+  """[L, 2, C, K, H] with a few strong directions per (layer, K/V) and each layer partly a
+  linear function of the layer before, like real KV."""
   rng = np.random.default_rng(seed)
-  mix = rng.normal(size=(L, 2, D, D)) * (0.7 ** np.arange(D))[:, None]
-  z = rng.normal(size=(L, 2, c, D))
-  x = np.einsum("lacd,lade->lace", z, mix) + rng.normal(size=(L, 2, 1, D))
-  return x.reshape(L, 2, c, K, H).astype(np.float32)
+  x = np.einsum("lacd,lade->lace", rng.normal(size=(L, 2, c, D)), _MIX)
+  for l in range(1, L):
+    prev = np.concatenate([x[l - 1, 0], x[l - 1, 1]], -1)
+    x[l] = 0.4 * x[l] + np.einsum("cf,afd->acd", prev, _LINK[l])
+  return (x + _MEAN).reshape(L, 2, c, K, H).astype(np.float32)
 
 
 def fit(kv, sensitivity):
-  x = kv.reshape(L, 2, -1, D).astype(np.float64)
-  mean = x.mean(axis=2)
-  basis, var = np.empty((L, 2, D, D)), np.empty((L, 2, D))
+  return kv_calibration.fit_transform(kv.reshape(L, 2, -1, D), sensitivity, K, H)
+
+
+def reference_codes(kv, t, level, codes=None):
+  """numpy float64 of the module docstring's closed loop: (q, x̂); decodes `codes` if given."""
+  x = kv.reshape(L, 2, -1, D).astype(np.float64) - t.mean[:, :, None]
+  step = t.steps(level).astype(np.float64)
+  q, r = np.zeros(x.shape), np.zeros(x.shape)
+  if codes is not None:
+    q[...] = codes
   for l in range(L):
+    prev = [r[l - j, a] if l >= j else np.zeros_like(x[0, 0]) for j in (1, 2) for a in (0, 1)]
     for a in range(2):
-      w, v = np.linalg.eigh(np.cov(x[l, a].T, bias=True))
-      order = np.argsort(-w)
-      basis[l, a], var[l, a] = v[:, order], np.maximum(w[order], 0)
-  return kvtc.KVTCTransform(mean.astype(np.float32), basis.astype(np.float32),
-                            var.astype(np.float32), np.asarray(sensitivity, np.float32), K, H)
+      f = np.concatenate(prev + [r[l, 0] if a else np.zeros_like(x[0, 0])], -1)
+      p = f @ t.predictor[l, a]
+      if codes is None:
+        q[l, a] = np.round((x[l, a] - p) @ t.basis[l, a] / step[l, a])
+      r[l, a] = p + (q[l, a] * step[l, a]) @ t.basis[l, a].T
+  return q, (r + t.mean[:, :, None]).reshape(kv.shape)
 
 
-SENS = np.array([[0.5, 10.0], [1.0, 20.0]])  # V more sensitive than K, as on SmolLM2
+SENS = np.array([[0.5, 10.0], [1.0, 20.0], [2.0, 30.0]])  # V more sensitive than K (SmolLM2)
+VERSION = codecs.CODEC_VERSIONS["kvtc"]
 
 
 class KVTCTest(parameterized.TestCase):
@@ -54,10 +72,10 @@ class KVTCTest(parameterized.TestCase):
   def test_bytes_round_trip_and_decode_into_the_cache(self, level):
     arrays = kvtc.kvtc_encode_host(self.kv, self.t, level)
     self.assertEqual({n: (a.dtype, a.shape) for n, a in arrays.items()},
-                     stored.payload_spec("kvtc", 1, level, self.layout))
+                     stored.payload_spec("kvtc", VERSION, level, self.layout))
     blob = stored.encode_payload("kvtc", level, arrays, self.layout)
     self.assertEqual([e.coding for e in stored.read_header(blob).arrays][0], "pco-bands")
-    back = stored.decode_payload("kvtc", 1, level, blob, self.layout)
+    back = stored.decode_payload("kvtc", VERSION, level, blob, self.layout)
     for name, a in arrays.items():
       np.testing.assert_array_equal(back[name], a, err_msg=name)
     self.assertEqual(bytes(back["transform_id"]), self.t.transform_id)
@@ -92,6 +110,49 @@ class KVTCTest(parameterized.TestCase):
     np.testing.assert_allclose(
         s1, np.sqrt(12 * kvtc.KVTC_LEVEL_KL[1] / (2 * L * SENS)), rtol=1e-5)
 
+  @parameterized.parameters(0, 3)
+  def test_closed_loop_prediction_matches_the_numpy_reference(self, level):
+    arrays = kvtc.kvtc_encode_host(self.kv, self.t, level)
+    q_ref, x_ref = reference_codes(self.kv, self.t, level)
+    # f32 vs f64 may round a code that sits on a .5 boundary the other way: at most a few.
+    diff = arrays["q"].astype(np.float64) - q_ref
+    self.assertLessEqual(np.abs(diff).max(), 1)
+    self.assertLess(np.count_nonzero(diff), 0.002 * diff.size + 2)
+    # Decoding the stored codes: the decoder predicts from the layers it decoded.
+    x_hat = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), self.t, K, H))
+    _, x_dec = reference_codes(self.kv, self.t, level, codes=arrays["q"])
+    np.testing.assert_allclose(x_hat, x_dec, rtol=1e-4, atol=1e-4)
+    if not diff.any():
+      np.testing.assert_allclose(x_hat, x_ref, rtol=1e-4, atol=1e-4)
+
+  def test_prediction_saves_bytes_at_the_same_steps(self):
+    t0 = kvtc.KVTCTransform(self.t.mean, self.t.basis, self.t.variance, self.t.sensitivity,
+                            np.zeros_like(self.t.predictor), K, H)
+    flat = kv_calibration.fit_transform(correlated_kv(512, seed=0).reshape(L, 2, -1, D), SENS,
+                                        K, H, predict=False)
+    np.testing.assert_array_equal(flat.predictor, 0)
+    sizes = {}
+    for name, t in (("predicted", self.t), ("flat", flat)):
+      arrays = kvtc.kvtc_encode_host(self.kv, t, 1)
+      sizes[name] = len(stored.encode_payload("kvtc", 1, arrays, self.layout))
+      err = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), t, K, H)
+                       ) - self.kv
+      bound = np.sqrt(D) * t.steps(1)[:, :, None] / 2 * (1 + 1e-4) + 1e-5
+      self.assertTrue((np.linalg.norm(err.reshape(L, 2, C, D), axis=-1) <= bound).all(), name)
+    self.assertLess(sizes["predicted"], 0.9 * sizes["flat"])
+    self.assertNotEqual(t0.transform_id, self.t.transform_id)
+    np.testing.assert_array_equal(self.t.predictor[0, 0], 0)   # layer 0's K has nothing before
+    self.assertTrue(self.t.predictor[0, 1, 4 * D:].any())     # layer 0's V sees its own K
+
+  def test_version_1_chunks_are_unknown(self):
+    arrays = kvtc.kvtc_encode_host(self.kv, self.t, 0)
+    blob = stored.encode_payload("kvtc", 0, arrays, self.layout)
+    self.assertEqual(stored.read_header(blob).version, VERSION)
+    self.assertGreater(VERSION, 1)
+    with self.assertRaises(stored.UnknownCodec):
+      stored.decode_payload("kvtc", 1, 0, blob, self.layout)
+    self.assertFalse(stored.is_decodable("kvtc", 1, 0))
+
   def test_rope_at_the_positions(self):
     arrays = kvtc.kvtc_encode_host(self.kv, self.t, 0)
     payload = kvtc.payload_from_arrays(arrays)
@@ -107,9 +168,9 @@ class KVTCTest(parameterized.TestCase):
 
   def test_the_transform_identity(self):
     other = kvtc.KVTCTransform(self.t.mean, self.t.basis, self.t.variance,
-                               self.t.sensitivity * 2, K, H)
+                               self.t.sensitivity * 2, self.t.predictor, K, H)
     same = kvtc.KVTCTransform(self.t.mean.copy(), self.t.basis.copy(), self.t.variance.copy(),
-                              self.t.sensitivity.copy(), K, H)
+                              self.t.sensitivity.copy(), self.t.predictor.copy(), K, H)
     self.assertLen(self.t.transform_id, 16)
     self.assertEqual(same.transform_id, self.t.transform_id)
     self.assertNotEqual(other.transform_id, self.t.transform_id)
@@ -129,7 +190,11 @@ class KVTCTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "needs arrays"):
       kvtc.payload_from_arrays({"q": np.zeros((L, 2, C, D), np.int16)})
     with self.assertRaisesRegex(ValueError, "sensitivity"):
-      kvtc.KVTCTransform(self.t.mean, self.t.basis, self.t.variance, self.t.sensitivity * 0, K, H)
+      kvtc.KVTCTransform(self.t.mean, self.t.basis, self.t.variance, self.t.sensitivity * 0,
+                         self.t.predictor, K, H)
+    with self.assertRaisesRegex(ValueError, "predictor"):
+      kvtc.KVTCTransform(self.t.mean, self.t.basis, self.t.variance, self.t.sensitivity,
+                         self.t.predictor[:, :, :D], K, H)
     payload = kvtc.payload_from_arrays(kvtc.kvtc_encode_host(self.kv, self.t, 0))
     cache = jnp.zeros((L, 1, C, K, H), jnp.float32)
     with self.assertRaisesRegex(ValueError, "Pallas"):
