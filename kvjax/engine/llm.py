@@ -24,6 +24,7 @@ from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
 from kvjax.models.paged_runner import build_paged_runner
 from kvjax.models.registry import DEFAULT_MODEL, load_model
+from kvjax.models.sharding import TensorParallel, check_tensor_parallel_size
 from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
                                  default_cache_root, enable_persistent_compilation_cache)
 from kvjax.scheduler.request import SamplingParams
@@ -217,6 +218,13 @@ class LLM:
     max_sessions: sessions held at once (the least recently used idle one is dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped, least recently
       used first, beyond).
+    tensor_parallel_size: N, devices the model is split over (issue 14, paged layout only): a
+      `tp` mesh over the first N devices, parameters sharded Megatron-style, the pool by KV head
+      (`kvjax.models.sharding`). N must divide the attention heads and the MLP width, and the KV
+      heads must be a multiple of N or N a multiple of them (vLLM's rule). The pool keeps the
+      blocks `kv_cache_memory_bytes` gives one device, so plans do not depend on N; each device
+      holds its heads of them. The store is unchanged: chunks stay `[L, 2, C, K, H]` whole, so
+      replicas of any N share one store. 1 (default): no mesh, the single-device program.
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -237,7 +245,8 @@ class LLM:
                enable_prefix_caching: bool = True,
                session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
                max_sessions: int = DEFAULT_MAX_SESSIONS,
-               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS):
+               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS,
+               tensor_parallel_size: int = 1):
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
                                    max_tokens=max_session_tokens)
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -272,13 +281,22 @@ class LLM:
     if max_model_len is not None and max_model_len > loaded.config.max_seq_len:
       raise ValueError(f"max_model_len={max_model_len} exceeds {loaded.name}'s context of "
                        f"{loaded.config.max_seq_len} tokens")
+    check_tensor_parallel_size(loaded.config, tensor_parallel_size)
+    if tensor_parallel_size > 1 and kv_cache_layout != "paged":
+      raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the paged KV cache "
+                       f"only; got kv_cache_layout={kv_cache_layout!r}")
+    if tensor_parallel_size > 1 and kv_store is not None and kv_codec == codecs.KVTC:
+      raise ValueError("kv_codec='kvtc' does not run with tensor_parallel_size > 1")
+    self.tensor_parallel_size = tensor_parallel_size
     model_obj = Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
                                   param_dtype=self.dtype)
     if kv_cache_layout == "paged":
       runner = build_paged_runner(
           model_obj, block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
           max_num_seqs=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes,
-          max_num_batched_tokens=max_num_batched_tokens or chunk_sizes[-1])
+          max_num_batched_tokens=max_num_batched_tokens or chunk_sizes[-1],
+          tensor_parallel=None if tensor_parallel_size == 1 else TensorParallel.build(
+              loaded.config, tensor_parallel_size))
     else:
       runner = ModelRunner(
           model_obj,

@@ -26,11 +26,12 @@ import numpy as np
 from flax import nnx
 
 from kvjax.kernels import kv_codec
-from kvjax.models.kv_cache import (init_paged_kv_cache, paged_block_nbytes,
+from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_block_nbytes,
                                    write_chunk_blocks)
 from kvjax.models.layers import apply_rope
 from kvjax.models.llama import Llama
 from kvjax.models.runner import DEFAULT_CHUNK_SIZES, level_encoder
+from kvjax.models.sharding import TensorParallel, put
 
 #: Default pool size on CPU, bytes (issue 11); accelerators use a fraction of free memory.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -159,6 +160,9 @@ class PagedModelRunner:
   Args:
     model: the model.
     config: pool and step sizes.
+    tensor_parallel: a `tp` mesh (`kvjax.models.sharding`, issue 14): parameters sharded
+      Megatron-style, the pool by KV head, the step one GSPMD program with attention per shard.
+      None (default): one device, no mesh (the program of a single-device run).
 
   Raises:
     ValueError: `max_seq_len` beyond the model's context.
@@ -166,7 +170,8 @@ class PagedModelRunner:
 
   kv_cache_layout = "paged"
 
-  def __init__(self, model: Llama, config: PagedRunnerConfig):
+  def __init__(self, model: Llama, config: PagedRunnerConfig,
+               tensor_parallel: TensorParallel | None = None):
     self.model_config = model.cfg
     self.config = config
     self.dtype = model.dtype
@@ -184,16 +189,32 @@ class PagedModelRunner:
                           + config.max_num_batched_tokens // config.chunk_sizes[0] + 1)
     graphdef, self.state = nnx.split(model)
     self._cache_dtype = config.cache_dtype or model.dtype
-    self.pool = init_paged_kv_cache(model.cfg, config.num_blocks, config.block_size,
-                                    self._cache_dtype)
+    self.tp = tp = tensor_parallel
+    #: r: copies of each KV head in the pool (tensor parallelism over more devices than heads).
+    self.kv_head_repeat = r = 1 if tp is None else tp.kv_head_repeat
+    if tp is not None:
+      self.state = jax.tree_util.tree_map(put, self.state, tp.state_shardings(self.state))
+    self.pool = self._new_pool()
     impl = config.attention_impl
+    mesh = None if tp is None else tp.mesh
 
     def step(state, pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows):
+      if tp is None:
+        return nnx.merge(graphdef, state).ragged_step(
+            pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows,
+            attention_impl=impl)
       return nnx.merge(graphdef, state).ragged_step(
           pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows,
-          attention_impl=impl)
+          attention_impl=impl, kv_head_repeat=r, tp_mesh=mesh)
 
-    self._step = jax.jit(step, donate_argnums=(1,))
+    if tp is None:
+      self._step = jax.jit(step, donate_argnums=(1,))
+    else:
+      rep_, pool_sh, kv_sh = tp.replicated, self._pool_shardings(), tp.kv_out_sharding
+      self._step = jax.jit(
+          step, donate_argnums=(1,),
+          in_shardings=(tp.state_shardings(self.state), pool_sh) + (rep_,) * 8,
+          out_shardings=(rep_, pool_sh, kv_sh, kv_sh))
     self._inv_freq = model.inv_freq[...]
     self.use_pallas_codecs = jax.default_backend() != "cpu"
     use_pallas = self.use_pallas_codecs
@@ -210,20 +231,52 @@ class PagedModelRunner:
       scratch = jnp.zeros((cfg.n_layers, 1, c, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
       k, v = kv_codec.kv_decode(payload, scratch, scratch, 0, 0, cos_CH, sin_CH,
                                 use_pallas=use_pallas)
-      return write_chunk_blocks(pool, k[:, 0], v[:, 0], block_ids)
+      k, v = k[:, 0], v[:, 0]
+      if r > 1:
+        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+      return write_chunk_blocks(pool, k, v, block_ids)
 
     def read_pre_rope(pool, block_ids, start):
       l_, _, b, k_, h_ = pool.k_LPBKH.shape
       n = block_ids.shape[0] * b
       k = pool.k_LPBKH[:, block_ids].reshape(l_, n, k_, h_)
       v = pool.v_LPBKH[:, block_ids].reshape(l_, n, k_, h_)
+      if r > 1:  # one copy of each KV head
+        k, v = k[:, :, ::r], v[:, :, ::r]
       positions_1N = (start + jnp.arange(n, dtype=jnp.int32))[None]
       return apply_rope(k, positions_1N, self._inv_freq, inverse=True), v
 
-    self._read_pre_rope = jax.jit(read_pre_rope)
-    self._insert = jax.jit(insert_raw, donate_argnums=(0,))
-    self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,))
+    if tp is None:
+      self._read_pre_rope = jax.jit(read_pre_rope)
+      self._insert = jax.jit(insert_raw, donate_argnums=(0,))
+      self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,))
+    else:
+      rep_, pool_sh, kv_sh = tp.replicated, self._pool_shardings(), tp.kv_out_sharding
+      self._read_pre_rope = jax.jit(read_pre_rope, out_shardings=(kv_sh, kv_sh))
+      self._insert = jax.jit(insert_raw, donate_argnums=(0,),
+                             in_shardings=(pool_sh, tp.chunk_sharding, rep_, rep_),
+                             out_shardings=pool_sh)
+      self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,),
+                                     out_shardings=pool_sh)
     self._compiled: set[int] = set()
+
+  def _pool_shardings(self):
+    sh = self.tp.pool_sharding
+    return PagedKVCache(sh, sh)
+
+  def _new_pool(self) -> PagedKVCache:
+    """A zeroed pool: `[L, P, B, K, H]` on one device, or `[L, P, B, K * r, H]` sharded by
+    head over `tp` (each device zero-fills its own heads; no host copy)."""
+    cfg, cdt = self.model_config, self._cache_dtype
+    if self.tp is None:
+      return init_paged_kv_cache(cfg, self.config.num_blocks, self.block_size, cdt)
+    wide = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * self.kv_head_repeat)
+    return jax.jit(lambda: init_paged_kv_cache(wide, self.config.num_blocks, self.block_size, cdt),
+                   out_shardings=self._pool_shardings())()
+
+  @property
+  def tensor_parallel_size(self) -> int:
+    return 1 if self.tp is None else self.tp.size
 
   # ----------------------------------------------------------------------------- sizes
   @property
@@ -348,6 +401,13 @@ class PagedModelRunner:
     if tuple(kv_L2CKH.shape) != want:
       raise ValueError(f"chunk of shape {tuple(kv_L2CKH.shape)}, model wants {want}")
     ids = self._check_chunk(kv_L2CKH.shape[2], block_ids, start)
+    if self.tp is not None:
+      # The chunk stays whole in the store; here each device receives only its pool heads
+      # (a KV head repeated r times on the host first when the pool repeats heads).
+      host = np.asarray(kv_L2CKH)
+      if self.kv_head_repeat > 1:
+        host = np.repeat(host, self.kv_head_repeat, axis=3)
+      kv_L2CKH = put(host, self.tp.chunk_sharding)
     self.pool = self._insert(self.pool, kv_L2CKH, ids, np.int32(start))
 
   def insert_payload(self, codec: str, arrays, block_ids: Sequence[int], start: int) -> None:
@@ -404,8 +464,9 @@ class PagedModelRunner:
     """The K (after RoPE) and V of some blocks: ([L, n * B, K, H], [L, n * B, K, H]) (tests)."""
     ids = np.asarray(block_ids, np.int32)
     l_, _, b, k_, h_ = self.pool.k_LPBKH.shape
-    return (self.pool.k_LPBKH[:, ids].reshape(l_, len(ids) * b, k_, h_),
-            self.pool.v_LPBKH[:, ids].reshape(l_, len(ids) * b, k_, h_))
+    r = self.kv_head_repeat
+    return (self.pool.k_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_),
+            self.pool.v_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_))
 
   def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...]) -> list:
     """Quantizes one device chunk at every level in one jit'd call (as `ModelRunner`'s).
@@ -420,14 +481,14 @@ class PagedModelRunner:
   # ----------------------------------------------------------------------------- lifetime
   def reset(self) -> None:
     """Zeroes the pool, keeping the compiled programs (the scheduler must forget its blocks)."""
-    self.pool = init_paged_kv_cache(self.model_config, self.config.num_blocks,
-                                    self.block_size, self._cache_dtype)
+    self.pool = self._new_pool()
 
   def block_until_ready(self) -> None:
     jax.block_until_ready(self.pool)
 
   def kv_cache_nbytes(self) -> int:
-    """Device bytes the pool's K and V buffers take (reserved whole at construction)."""
+    """Device bytes the pool's K and V buffers take (reserved whole at construction), over all
+    devices of the mesh (a repeated KV head counts once per copy)."""
     return int(self.pool.k_LPBKH.nbytes + self.pool.v_LPBKH.nbytes)
 
   def kv_block_nbytes(self) -> int:
@@ -460,8 +521,8 @@ class PagedModelRunner:
 
 def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: int | None,
                        max_num_seqs: int, max_num_batched_tokens: int,
-                       max_seq_len: int | None, chunk_sizes: tuple[int, ...]
-                       ) -> PagedModelRunner:
+                       max_seq_len: int | None, chunk_sizes: tuple[int, ...],
+                       tensor_parallel: TensorParallel | None = None) -> PagedModelRunner:
   """A `PagedModelRunner` whose pool fills `kv_cache_memory_bytes` (default
   `default_kv_cache_bytes(max_num_seqs x max_seq_len tokens)`) in the model's dtype: `bytes // (2 * L * B * K * H * itemsize)`
   blocks, at least one. A request that can never fit is refused at admission.
@@ -481,4 +542,4 @@ def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: 
   return PagedModelRunner(model, PagedRunnerConfig(
       num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
       max_num_batched_tokens=max_num_batched_tokens, max_seq_len=max_seq_len,
-      chunk_sizes=tuple(chunk_sizes)))
+      chunk_sizes=tuple(chunk_sizes)), tensor_parallel)
