@@ -31,6 +31,7 @@ from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_bloc
 from kvjax.models.layers import apply_rope
 from kvjax.models.llama import Llama
 from kvjax.models.runner import DEFAULT_CHUNK_SIZES, level_encoder
+from kvjax.models import multihost
 from kvjax.models.sharding import TensorParallel, put
 
 #: Default pool size on CPU, bytes (issue 11); accelerators use a fraction of free memory.
@@ -190,6 +191,9 @@ class PagedModelRunner:
     graphdef, self.state = nnx.split(model)
     self._cache_dtype = config.cache_dtype or model.dtype
     self.tp = tp = tensor_parallel
+    #: Multi-host (issue 14): process 0 sends every device call to the other processes.
+    self._channel = (multihost.Channel() if tp is not None and jax.process_count() > 1
+                     else None)
     #: r: copies of each KV head in the pool (tensor parallelism over more devices than heads).
     self.kv_head_repeat = r = 1 if tp is None else tp.kv_head_repeat
     if tp is not None:
@@ -368,12 +372,75 @@ class PagedModelRunner:
       qsl[i + 1] = o
       rows[i] = o - 1
     qsl[len(seqs) + 1:] = o
-    logits, self.pool, k_pre, v = self._step(
-        self.state, self.pool, tokens, positions, slots, tables, lens, qsl,
-        np.int32(len(seqs)), rows)
+    logits, k_pre, v = self._device_step(tokens, positions, slots, tables, lens, qsl,
+                                         np.int32(len(seqs)), rows)
     self._compiled.add(t)
     return StepOutput(logits_SV=logits[:len(seqs)], k_pre_rope_LTKH=k_pre[:, :n_tokens],
                       v_LTKH=v[:, :n_tokens], offsets=tuple(offsets))
+
+  def _device_step(self, *host):
+    """The jit'd step on host inputs (sent to every process first when multi-host); outputs
+    host arrays when multi-host (process 0 reads them without another collective)."""
+    if self._channel is not None:
+      host = self._channel.send(multihost.STEP, *host)
+    logits, self.pool, k_pre, v = self._step(self.state, self.pool, *host)
+    if self._channel is not None:
+      return np.asarray(logits), np.asarray(k_pre), np.asarray(v)
+    return logits, k_pre, v
+
+  def _device_insert(self, kv_L2CKH, ids, start) -> None:
+    if self._channel is not None:
+      kv_L2CKH, ids, start = self._channel.send(multihost.INSERT, kv_L2CKH, ids, start)
+    if self.tp is not None:
+      # The chunk stays whole in the store; here each device receives only its pool heads
+      # (a KV head repeated r times on the host first when the pool repeats heads).
+      host = np.asarray(kv_L2CKH)
+      if self.kv_head_repeat > 1:
+        host = np.repeat(host, self.kv_head_repeat, axis=3)
+      kv_L2CKH = put(host, self.tp.chunk_sharding)
+    self.pool = self._insert(self.pool, kv_L2CKH, ids, start)
+
+  def _device_read(self, ids, start):
+    if self._channel is not None:
+      ids, start = self._channel.send(multihost.READ, ids, start)
+    k, v = self._read_pre_rope(self.pool, ids, start)
+    if self._channel is not None:
+      return np.asarray(k), np.asarray(v)
+    return k, v
+
+  @property
+  def is_follower(self) -> bool:
+    """Multi-host, a process other than 0: it runs `follow()`, not the engine."""
+    return self._channel is not None and not self._channel.is_leader
+
+  def follow(self) -> None:
+    """A process other than 0 (multi-host): runs every device call process 0 sends, in order,
+    until process 0 closes its runner; then closes this one.
+
+    Raises:
+      RuntimeError: on process 0 or in a single-process run.
+    """
+    if not self.is_follower:
+      raise RuntimeError("follow() runs on processes other than 0 of a multi-host run")
+    ch = self._channel
+    while True:
+      op, arrays = ch.receive()
+      if op == multihost.STEP:
+        _, self.pool, _, _ = self._step(self.state, self.pool, *arrays)
+      elif op == multihost.INSERT:
+        kv, ids, start = arrays
+        if self.kv_head_repeat > 1:
+          kv = np.repeat(kv, self.kv_head_repeat, axis=3)
+        self.pool = self._insert(self.pool, put(kv, self.tp.chunk_sharding), ids, start)
+      elif op == multihost.READ:
+        self._read_pre_rope(self.pool, *arrays)
+      elif op == multihost.RESET:
+        self.pool = self._new_pool()
+      elif op == multihost.CLOSE:
+        self._close_local()
+        return
+      else:
+        raise RuntimeError(f"unknown multi-host opcode {op}")
 
   def _check_chunk(self, c: int, block_ids: Sequence[int], start: int) -> np.ndarray:
     b = self.block_size
@@ -401,14 +468,10 @@ class PagedModelRunner:
     if tuple(kv_L2CKH.shape) != want:
       raise ValueError(f"chunk of shape {tuple(kv_L2CKH.shape)}, model wants {want}")
     ids = self._check_chunk(kv_L2CKH.shape[2], block_ids, start)
-    if self.tp is not None:
-      # The chunk stays whole in the store; here each device receives only its pool heads
-      # (a KV head repeated r times on the host first when the pool repeats heads).
-      host = np.asarray(kv_L2CKH)
-      if self.kv_head_repeat > 1:
-        host = np.repeat(host, self.kv_head_repeat, axis=3)
-      kv_L2CKH = put(host, self.tp.chunk_sharding)
-    self.pool = self._insert(self.pool, kv_L2CKH, ids, np.int32(start))
+    if self.tp is None:
+      self.pool = self._insert(self.pool, kv_L2CKH, ids, np.int32(start))
+    else:
+      self._device_insert(kv_L2CKH, ids, np.int32(start))
 
   def insert_payload(self, codec: str, arrays, block_ids: Sequence[int], start: int) -> None:
     """Decodes a stored chunk's payload (`kv_codec.kv_decode`: dequantize, RoPE K at
@@ -423,6 +486,8 @@ class PagedModelRunner:
     Raises:
       ValueError: a payload that does not match the model, or blocks that do not fit it.
     """
+    if self._channel is not None:
+      raise ValueError("multi-host runs store raw chunks only (kv_codec='raw')")
     payload = kv_codec.payload_from_arrays(codec, arrays)
     n_layers, c, n_kv_heads, head_dim = kv_codec.validate_payload(payload)
     cfg = self.model_config
@@ -457,7 +522,7 @@ class PagedModelRunner:
     if start % b or not 1 <= n <= len(ids) * b or np.any((ids < 0) | (ids >= self.num_blocks)):
       raise ValueError(f"positions [{start}, {start + n}) from blocks {ids.tolist()} of {b} "
                        "tokens: start must be block-aligned and the blocks must cover them")
-    k, v = self._read_pre_rope(self.pool, ids, np.int32(start))
+    k, v = self._device_read(ids, np.int32(start))
     return k[:, :n], v[:, :n]
 
   def read_blocks(self, block_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
@@ -474,6 +539,8 @@ class PagedModelRunner:
     Returns:
       [(codec, level, {name: device array}, finite flag)] per level.
     """
+    if self._channel is not None:
+      raise ValueError("multi-host runs store raw chunks only (kv_codec='raw')")
     fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs)
     return [(codec, level, arrays, finite)
             for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, None))]
@@ -481,6 +548,8 @@ class PagedModelRunner:
   # ----------------------------------------------------------------------------- lifetime
   def reset(self) -> None:
     """Zeroes the pool, keeping the compiled programs (the scheduler must forget its blocks)."""
+    if self._channel is not None:
+      self._channel.send(multihost.RESET)
     self.pool = self._new_pool()
 
   def block_until_ready(self) -> None:
@@ -500,7 +569,13 @@ class PagedModelRunner:
     return not self.pool.k_LPBKH.is_deleted()
 
   def close(self) -> None:
-    """Frees the parameters and the pool on the device; the runner is unusable afterwards."""
+    """Frees the parameters and the pool on the device; the runner is unusable afterwards.
+    Multi-host: process 0's close also ends the other processes' `follow()`."""
+    if self._channel is not None and self._channel.is_leader:
+      self._channel.send(multihost.CLOSE)
+    self._close_local()
+
+  def _close_local(self) -> None:
     for leaf in jax.tree_util.tree_leaves((self.state, self.pool)):
       if isinstance(leaf, jax.Array) and not leaf.is_deleted():
         leaf.delete()
@@ -510,8 +585,8 @@ class PagedModelRunner:
     for t in self.buckets:
       # No real sequence (num_seqs = 0, every slot -1): compiles the bucket, writes nothing.
       s_max = min(t, self.max_step_seqs)
-      logits, self.pool, _, _ = self._step(
-          self.state, self.pool, np.zeros(t, np.int32), np.zeros(t, np.int32),
+      logits, _, _ = self._device_step(
+          np.zeros(t, np.int32), np.zeros(t, np.int32),
           np.full(t, -1, np.int32), np.zeros((s_max, self.max_blocks_per_seq), np.int32),
           np.zeros(s_max, np.int32), np.zeros(s_max + 1, np.int32), np.int32(0),
           np.zeros(s_max, np.int32))
