@@ -235,10 +235,7 @@ class PagedModelRunner:
       scratch = jnp.zeros((cfg.n_layers, 1, c, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
       k, v = kv_codec.kv_decode(payload, scratch, scratch, 0, 0, cos_CH, sin_CH,
                                 use_pallas=use_pallas)
-      k, v = k[:, 0], v[:, 0]
-      if r > 1:
-        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
-      return write_chunk_blocks(pool, k, v, block_ids)
+      return write_chunk_blocks(pool, k[:, 0], v[:, 0], block_ids)
 
     def read_pre_rope(pool, block_ids, start):
       l_, _, b, k_, h_ = pool.k_LPBKH.shape
@@ -250,6 +247,25 @@ class PagedModelRunner:
       positions_1N = (start + jnp.arange(n, dtype=jnp.int32))[None]
       return apply_rope(k, positions_1N, self._inv_freq, inverse=True), v
 
+    def insert_payload_sharded(pool, payload, block_ids, cos_CH, sin_CH):
+      # The codec kernel per shard: each device decodes its own heads of the payload (placed
+      # by head, repeated r times on the host when the pool repeats heads).
+      from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+      heads5, heads4 = P(None, None, None, "tp", None), P(None, None, "tp", None)
+
+      def per_shard(payload, cos_CH, sin_CH):
+        l_, k_ = payload[0].shape[0], payload[0].shape[3]  # every payload's [L, 2, *, K, *]
+        c, h_ = cos_CH.shape
+        scratch = jnp.zeros((l_, 1, c, k_, h_), jnp.float32)
+        k, v = kv_codec.kv_decode(payload, scratch, scratch, 0, 0, cos_CH, sin_CH,
+                                  use_pallas=use_pallas)
+        return k[:, 0], v[:, 0]
+
+      specs = type(payload)(*(heads5 if x.ndim == 5 else heads4 for x in payload))
+      k, v = jax.shard_map(per_shard, mesh=tp.mesh, in_specs=(specs, P(), P()),
+                           out_specs=(heads4, heads4), check_vma=False)(payload, cos_CH, sin_CH)
+      return write_chunk_blocks(pool, k, v, block_ids)
+
     if tp is None:
       self._read_pre_rope = jax.jit(read_pre_rope)
       self._insert = jax.jit(insert_raw, donate_argnums=(0,))
@@ -260,7 +276,7 @@ class PagedModelRunner:
       self._insert = jax.jit(insert_raw, donate_argnums=(0,),
                              in_shardings=(pool_sh, tp.chunk_sharding, rep_, rep_),
                              out_shardings=pool_sh)
-      self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,),
+      self._insert_payload = jax.jit(insert_payload_sharded, donate_argnums=(0,),
                                      out_shardings=pool_sh)
     self._compiled: set[int] = set()
 
@@ -497,6 +513,12 @@ class PagedModelRunner:
     ids = self._check_chunk(c, block_ids, start)
     angles = (start + np.arange(c, dtype=np.float32))[:, None] * np.asarray(self._inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)  # [C, H], HF rotate_half layout
+    if self.tp is not None:  # each device receives its heads of every payload array
+      r, heads5 = self.kv_head_repeat, self.tp.chunk_sharding
+      heads4 = self.tp.sharding(jax.sharding.PartitionSpec(None, None, "tp", None))
+      payload = type(payload)(*(
+          put(np.repeat(np.asarray(x), r, axis=x.ndim - 2) if r > 1 else x,
+              heads5 if x.ndim == 5 else heads4) for x in payload))
     self.pool = self._insert_payload(self.pool, payload, ids, np.cos(angles), np.sin(angles))
 
   def read_pre_rope(self, block_ids: Sequence[int], start: int, n: int) -> tuple[jax.Array,

@@ -26,6 +26,9 @@ _LENGTHS = flags.DEFINE_list("lengths", ["5", "40", "130"], "Prompt lengths, tok
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 6, "Greedy tokens per prompt.")
 _CHUNK = flags.DEFINE_integer("kv_chunk_size", 32, "Store chunk size, tokens.")
 _REFUSE = flags.DEFINE_list("refuse", [], "model:N[:layout] that LLM(...) must refuse (ValueError).")
+_PAYLOADS = flags.DEFINE_list(
+    "payload_codecs", [], "Codecs whose stored payload each size decodes per shard into the "
+    "pool (`insert_payload`); the blocks read back are compared with N = 1.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path.", required=True)
 
 
@@ -41,6 +44,22 @@ def _run(llm, prompts, params) -> list[dict]:
            "num_cached_tokens": o.num_cached_tokens} for o in outs]
 
 
+def _decode_payloads(llm) -> dict:
+  """Decodes one random chunk's payload of each codec into the pool (`insert_payload`: the codec
+  kernel per shard), returning the K and V blocks read back (after the engine's last request)."""
+  from kvjax.testing import codec_payloads  # noqa: PLC0415
+  cfg, runner = llm.model_config, llm.engine.runner
+  c = _CHUNK.value
+  kv = codec_payloads.random_kv((cfg.n_layers, 2, c, cfg.n_kv_heads, cfg.head_dim), seed=7)
+  blocks = list(range(runner.num_blocks - c // runner.block_size, runner.num_blocks))
+  out = {}
+  for codec in _PAYLOADS.value:
+    level = 1 if codec == "cachegen" else 0
+    runner.insert_payload(codec, codec_payloads.encode(codec, level, kv), blocks, 2 * c)
+    out[codec] = np.stack([np.asarray(a) for a in runner.read_blocks(blocks)]).tolist()
+  return out
+
+
 def main(argv):
   del argv
   import jax  # noqa: PLC0415
@@ -50,7 +69,7 @@ def main(argv):
   params = SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0.0, logprobs=5)
   opts = dict(cache_dir="", chunk_sizes=(16, 32, 64), block_size=16, max_num_seqs=4,
               max_model_len=512, kv_chunk_size=_CHUNK.value)
-  result = {"devices": jax.device_count(), "runs": {}, "refused": {}}
+  result = {"devices": jax.device_count(), "runs": {}, "refused": {}, "payload_blocks": {}}
   with tempfile.TemporaryDirectory() as root:
     prompts = None
     for i, n in enumerate(sizes):
@@ -69,6 +88,8 @@ def main(argv):
       m = sizes[(i + 1) % len(sizes)]
       llm = LLM(_MODEL.value, tensor_parallel_size=m, kv_store=store, **opts)
       hit = _run(llm, prompts, params)
+      if _PAYLOADS.value:
+        result["payload_blocks"][str(m)] = _decode_payloads(llm)
       llm.close()
       result["runs"][str(n)] = {"cold": cold, "hit_by": m, "hit": hit, **shardings}
   for pair in _REFUSE.value:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 from absl.testing import absltest
 
@@ -71,16 +72,24 @@ class TensorParallelTest(TPAssertions):
     with self.assertRaisesRegex(ValueError, "KV heads"):  # 12 q heads, 3 KV heads, N = 2
       sharding.check_tensor_parallel_size(tiny(n_heads=12, n_kv_heads=3), 2, num_devices=8)
 
-  def test_tiny_at_2_and_8_cold_and_across_store(self):
-    lengths = ("5", "40", "130")
-    r = run_driver(8, "--model=tiny-tp", "--sizes=1,2,8", f"--lengths={','.join(lengths)}",
-                   "--refuse=tiny:4,tiny-tp:3,tiny-tp:16,tiny-tp:2:slotted")
+  def test_tiny_at_8_cold_and_across_store(self):
+    """The default-suite check: N = 8 over 2 KV heads (each repeated 4 times), one subprocess."""
+    lengths = ("5", "130")
+    r = run_driver(8, "--model=tiny-tp", "--sizes=1,8", f"--lengths={','.join(lengths)}",
+                   "--refuse=tiny:4,tiny-tp:3,tiny-tp:16,tiny-tp:2:slotted",
+                   "--payload_codecs=raw,int8,int4,cachegen")
     self.assertEqual(r["devices"], 8)
-    self.assert_ring(r, (1, 2, 8), [int(n) for n in lengths], 32)
-    # K = 2 heads split over 2 devices; over 8, each device holds one copy of its KV head.
-    self.assertEqual(r["runs"]["2"]["pool_shard_shape"][3], 1)
+    self.assert_ring(r, (1, 8), [int(n) for n in lengths], 32)
+    # Over 8 devices, the pool holds 4 copies of each of the 2 KV heads, one per device.
     self.assertEqual(r["runs"]["8"]["pool_shape"][3], 8)
     self.assertEqual(r["runs"]["8"]["pool_shard_shape"][3], 1)
+    # Stored payloads decoded per shard (the codec kernel on each device's heads) give the
+    # blocks one device decodes, for every codec.
+    want = r["payload_blocks"]["1"]
+    for n in ("8",):
+      for codec, blocks in r["payload_blocks"][n].items():
+        np.testing.assert_allclose(blocks, want[codec], atol=1e-5, rtol=0,
+                                   err_msg=f"{codec} at N={n}")
     refused = r["refused"]
     self.assertIn("does not divide tiny's 6 attention heads", refused["tiny:4"])
     self.assertIn("does not divide tiny-tp's 8 attention heads", refused["tiny-tp:3"])
@@ -88,9 +97,16 @@ class TensorParallelTest(TPAssertions):
     self.assertIn("paged KV cache only", refused["tiny-tp:2:slotted"])
 
   @pytest.mark.slow
-  def test_tiny_at_4(self):
-    r = run_driver(8, "--model=tiny-tp", "--sizes=1,4", "--lengths=40,130")
-    self.assert_ring(r, (1, 4), [40, 130], 32)
+  def test_tiny_at_2_and_4(self):
+    r = run_driver(8, "--model=tiny-tp", "--sizes=1,2,4", "--lengths=5,40,130",
+                   "--payload_codecs=raw,int8,int4,cachegen")
+    self.assert_ring(r, (1, 2, 4), [5, 40, 130], 32)
+    self.assertEqual(r["runs"]["2"]["pool_shard_shape"][3], 1)  # 2 KV heads split over 2
+    self.assertEqual(r["runs"]["4"]["pool_shape"][3], 4)  # each repeated twice over 4
+    for n in ("2", "4"):
+      for codec, blocks in r["payload_blocks"][n].items():
+        np.testing.assert_allclose(blocks, r["payload_blocks"]["1"][codec], atol=1e-5, rtol=0,
+                                   err_msg=f"{codec} at N={n}")
 
   @pytest.mark.slow
   def test_smollm2_at_3_cold_and_across_store(self):
