@@ -16,8 +16,8 @@ query heads over its own KV heads, no communication).
 The paged pool `[L, P, B, K', H]` is sharded over its head axis K'. K' = K when K % tp == 0 (each
 device holds K / tp KV heads); when tp > K (tp % K == 0, e.g. LLaMA's 8 KV heads at tp = 16) each
 KV head is repeated r = tp / K times, K' = tp, and each device holds the one KV head its query
-heads read, as vLLM does. Query head j reads pool head j // (N / K') = (j // (N / K)) * r + ...,
-i.e. a copy of its own KV head, so the attention is the same sum as on one device.
+heads read, as vLLM does. Query head j reads pool head j // (N / K'), whose KV head is
+(j // (N / K')) // r = j // (N / K): a copy of its own, so attention sums what one device sums.
 
 Valid sizes (vLLM's rule): tp divides N, tp divides F, and K % tp == 0 or tp % K == 0.
 """
@@ -104,7 +104,7 @@ class TensorParallel:
 
   @property
   def pool_sharding(self) -> NamedSharding:
-    """The pool `[L, P, B, K', H]` (and a chunk `[L, 2, C, K', H]`... see `chunk_sharding`)."""
+    """The pool's K and V `[L, P, B, K', H]`, by head."""
     return self.sharding(P(None, None, None, TP_AXIS, None))
 
   @property
