@@ -183,6 +183,7 @@ def main_tp(sizes: list[int]) -> None:
             "prompt_tokens": len(ids), "chunk_size": chunk, "decode_tokens": _DECODE.value,
             "repeats": _REPEATS.value, "host_devices": base["devices"],
             "xla_flags": os.environ.get("XLA_FLAGS"), "machine": machine(), "threads": threads,
+            "load_average_1_5_15min_at_end": list(os.getloadavg()),
             "versions": {"kvjax": kvjax.__version__, "jax": jax.__version__,
                          "backend": jax.default_backend()},
             "git_sha": git_sha(), "seeds": {"weights": 0},
