@@ -306,19 +306,20 @@ class Llama(nnx.Module):
       q_1TNH = layers.apply_rope(q_1TNH, positions_1T, inv_freq)
       k_rot_1TKH = layers.apply_rope(k_1TKH, positions_1T, inv_freq)
       where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
-      k_w_TKH, v_w_TKH = k_rot_1TKH[0], v_1TKH[0]
-      if kv_head_repeat > 1:  # the pool's K' = K * r heads: each KV head r times, in order
-        k_w_TKH = jnp.repeat(k_w_TKH, kv_head_repeat, axis=1)
-        v_w_TKH = jnp.repeat(v_w_TKH, kv_head_repeat, axis=1)
-      k_flat = k_flat.at[where_T].set(k_w_TKH.astype(k_flat.dtype), mode="drop")
-      v_flat = v_flat.at[where_T].set(v_w_TKH.astype(v_flat.dtype), mode="drop")
-      attn_args = (q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_),
-                   v_flat.reshape(l_ * p_, b_, k_, h_), block_tables_SM + i * p_,
-                   context_lens_S, query_start_loc_S1, num_seqs)
-      if tp_mesh is None:
-        attn_TNH = paged_attention(*attn_args, implementation=attention_impl)
-      else:
-        attn_TNH = _sharded_paged_attention(tp_mesh, attention_impl)(*attn_args)
+      if kv_head_repeat == 1:
+        k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
+        v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
+      else:  # the pool's K' = K * r heads: each KV head r times, in order
+        k_w_TKH = jnp.repeat(k_rot_1TKH[0], kv_head_repeat, axis=1)
+        v_w_TKH = jnp.repeat(v_1TKH[0], kv_head_repeat, axis=1)
+        k_flat = k_flat.at[where_T].set(k_w_TKH.astype(k_flat.dtype), mode="drop")
+        v_flat = v_flat.at[where_T].set(v_w_TKH.astype(v_flat.dtype), mode="drop")
+      attention = (paged_attention if tp_mesh is None
+                   else _sharded_paged_attention(tp_mesh, attention_impl))
+      attn_TNH = attention(
+          q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
+          block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs,
+          **({"implementation": attention_impl} if tp_mesh is None else {}))
       x = x + jnp.einsum("BTNH,NHD->BTD", attn_TNH[None].astype(x.dtype), p["wo"])
       h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
       x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
