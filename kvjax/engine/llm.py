@@ -24,6 +24,8 @@ from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
 from kvjax.models.paged_runner import build_paged_runner
 from kvjax.models.registry import DEFAULT_MODEL, load_model
+from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
+                                   initialize_distributed)
 from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
                                  default_cache_root, enable_persistent_compilation_cache)
 from kvjax.scheduler.request import SamplingParams
@@ -217,6 +219,20 @@ class LLM:
     max_sessions: sessions held at once (the least recently used idle one is dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped, least recently
       used first, beyond).
+    tensor_parallel_size: N, devices the model is split over (issue 14, paged layout only): a
+      `tp` mesh over the first N devices, parameters sharded Megatron-style, the pool by KV head
+      (`kvjax.models.sharding`). N must divide the attention heads and the MLP width, and the KV
+      heads must be a multiple of N or N a multiple of them (vLLM's rule). The pool keeps the
+      blocks `kv_cache_memory_bytes` gives one device, so plans do not depend on N; each device
+      holds its heads of them. The store is unchanged: chunks stay `[L, 2, C, K, H]` whole, so
+      replicas of any N share one store. 1 (default): no mesh, the single-device program.
+    coordinator_address, num_processes, process_id: multi-host as one program (issue 14):
+      `jax.distributed.initialize` with these (host:port of process 0; CPU collectives through
+      gloo) before anything else; every process constructs the same `LLM`, and
+      `tensor_parallel_size` must then be the global device count. Process 0 runs the engine
+      (`generate`, the server); every other process calls `follow()`, which runs each device
+      call process 0 sends it until process 0 closes (`kvjax.models.multihost`). A store
+      (raw codec only) is read and written by process 0. None (default): one process.
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -237,7 +253,10 @@ class LLM:
                enable_prefix_caching: bool = True,
                session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
                max_sessions: int = DEFAULT_MAX_SESSIONS,
-               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS):
+               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS,
+               tensor_parallel_size: int = 1, coordinator_address: str | None = None,
+               num_processes: int | None = None, process_id: int | None = None):
+    multihost_run = initialize_distributed(coordinator_address, num_processes, process_id)
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
                                    max_tokens=max_session_tokens)
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -272,13 +291,32 @@ class LLM:
     if max_model_len is not None and max_model_len > loaded.config.max_seq_len:
       raise ValueError(f"max_model_len={max_model_len} exceeds {loaded.name}'s context of "
                        f"{loaded.config.max_seq_len} tokens")
+    check_tensor_parallel_size(loaded.config, tensor_parallel_size)
+    if tensor_parallel_size > 1 and kv_cache_layout != "paged":
+      raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the paged KV cache "
+                       f"only; got kv_cache_layout={kv_cache_layout!r}")
+    if tensor_parallel_size > 1 and kv_store is not None and kv_codec == codecs.KVTC:
+      raise ValueError("kv_codec='kvtc' does not run with tensor_parallel_size > 1")
+    if multihost_run and tensor_parallel_size != jax.device_count():
+      raise ValueError(f"a multi-host run shards the model over every device: "
+                       f"tensor_parallel_size={tensor_parallel_size}, but {jax.process_count()} "
+                       f"processes hold {jax.device_count()} devices")
+    if multihost_run and kv_store is not None and kv_codec != codecs.RAW:
+      raise ValueError(f"a multi-host run stores raw chunks only; got kv_codec={kv_codec!r}")
+    self.tensor_parallel_size = tensor_parallel_size
+    #: Multi-host, a process other than 0: it runs `follow()`, never the engine.
+    self.is_follower = multihost_run and jax.process_index() != 0
+    if self.is_follower:
+      kv_store = None  # process 0 alone reads and writes the store
     model_obj = Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
                                   param_dtype=self.dtype)
     if kv_cache_layout == "paged":
       runner = build_paged_runner(
           model_obj, block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
           max_num_seqs=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes,
-          max_num_batched_tokens=max_num_batched_tokens or chunk_sizes[-1])
+          max_num_batched_tokens=max_num_batched_tokens or chunk_sizes[-1],
+          tensor_parallel=None if tensor_parallel_size == 1 else TensorParallel.build(
+              loaded.config, tensor_parallel_size))
     else:
       runner = ModelRunner(
           model_obj,
@@ -311,7 +349,7 @@ class LLM:
                          enable_prefix_caching=enable_prefix_caching)
     self._warm = False
     self._closed = False
-    if compile_on_init:
+    if compile_on_init and not self.is_follower:
       self.warmup()
 
   @staticmethod
@@ -371,6 +409,18 @@ class LLM:
                          kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
                          codec_levels=codec_levels, kvtc_transform_id=tid)
 
+  def follow(self) -> None:
+    """Multi-host, processes other than 0: runs the device calls process 0 sends (its steps,
+    chunk inserts, warmup) until process 0 closes its `LLM`; then this one is closed too.
+
+    Raises:
+      RuntimeError: on process 0 or in a single-process run.
+    """
+    if not self.is_follower:
+      raise RuntimeError("follow() runs on processes other than 0 of a multi-host run")
+    self.engine.runner.follow()
+    self._closed = True
+
   def flush(self) -> None:
     """Waits until every queued KV save is written (a no-op without a store)."""
     if self.kv_store is not None:
@@ -384,6 +434,8 @@ class LLM:
     """
     if self._warm:
       return
+    if self.is_follower:
+      raise RuntimeError("a multi-host process other than 0 follows process 0 (follow())")
     runner = self.engine.runner
     runner.warmup()
     store = self.kv_store
@@ -466,6 +518,9 @@ class LLM:
     Raises:
       ValueError: bad prompt or parameters (nothing is queued then).
     """
+    if self.is_follower:
+      raise RuntimeError("a multi-host process other than 0 follows process 0 (follow()); "
+                         "generate on process 0")
     if isinstance(prompts, (str, dict)):
       prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:

@@ -81,6 +81,23 @@ class PrefillOutput:
   v_LTKH: jax.Array
 
 
+def _sharded_paged_attention(mesh, implementation):
+  """`paged_attention` per `tp` shard (`shard_map`): q [T, N / tp, H] of the shard's query
+  heads over the pool's [P, B, K' / tp, H] heads of the same shard; block tables, lengths and
+  query starts replicated. No communication: a query head's KV head lives on its shard."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  tp = mesh.axis_names[0]
+
+  def per_shard(q, k_pool, v_pool, tables, lens, qsl, num_seqs):
+    return paged_attention(q, k_pool, v_pool, tables, lens, qsl, num_seqs,
+                           implementation=implementation)
+
+  heads = P(None, tp, None)
+  pool = P(None, None, tp, None)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(heads, pool, pool, P(), P(), P(), P()),
+                       out_specs=heads, check_vma=False)
+
+
 class Llama(nnx.Module):
   """LLaMA decoder: token embedding, L x (RMSNorm, GQA with RoPE, RMSNorm, SwiGLU), RMSNorm, head.
 
@@ -233,8 +250,8 @@ class Llama(nnx.Module):
                   slot_mapping_T: jax.Array, block_tables_SM: jax.Array,
                   context_lens_S: jax.Array, query_start_loc_S1: jax.Array,
                   num_seqs: jax.Array, logits_indices_S: jax.Array, *,
-                  attention_impl: str | None = None
-                  ) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
+                  attention_impl: str | None = None, kv_head_repeat: int = 1,
+                  tp_mesh=None) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
     """One ragged batched step over the paged pool: every decode and prefill chunk together.
 
     The step's tokens of all sequences are flattened (T padded to a compiled size). Each layer
@@ -262,6 +279,10 @@ class Llama(nnx.Module):
       num_seqs: int32 scalar, real sequences.
       logits_indices_S: int32[S] row of each sequence's last token in T (its logits).
       attention_impl: `paged_attention` implementation (static); None picks the backend's.
+      kv_head_repeat: r (static): the pool holds each KV head r times, K' = K * r heads
+        (tensor parallelism over more devices than KV heads, `kvjax.models.sharding`).
+      tp_mesh: a `tp` mesh (static): attention runs per shard under `shard_map`, each shard's
+        query heads over its pool heads; None (one device): a plain call.
 
     Returns:
       (f32[S, V] logits at each sequence's last token, the updated pool,
@@ -285,12 +306,20 @@ class Llama(nnx.Module):
       q_1TNH = layers.apply_rope(q_1TNH, positions_1T, inv_freq)
       k_rot_1TKH = layers.apply_rope(k_1TKH, positions_1T, inv_freq)
       where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
-      k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
-      v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
-      attn_TNH = paged_attention(
+      if kv_head_repeat == 1:
+        k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
+        v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
+      else:  # the pool's K' = K * r heads: each KV head r times, in order
+        k_w_TKH = jnp.repeat(k_rot_1TKH[0], kv_head_repeat, axis=1)
+        v_w_TKH = jnp.repeat(v_1TKH[0], kv_head_repeat, axis=1)
+        k_flat = k_flat.at[where_T].set(k_w_TKH.astype(k_flat.dtype), mode="drop")
+        v_flat = v_flat.at[where_T].set(v_w_TKH.astype(v_flat.dtype), mode="drop")
+      attention = (paged_attention if tp_mesh is None
+                   else _sharded_paged_attention(tp_mesh, attention_impl))
+      attn_TNH = attention(
           q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
           block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs,
-          implementation=attention_impl)
+          **({"implementation": attention_impl} if tp_mesh is None else {}))
       x = x + jnp.einsum("BTNH,NHD->BTD", attn_TNH[None].astype(x.dtype), p["wo"])
       h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
       x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])

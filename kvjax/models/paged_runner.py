@@ -26,11 +26,13 @@ import numpy as np
 from flax import nnx
 
 from kvjax.kernels import kv_codec
-from kvjax.models.kv_cache import (init_paged_kv_cache, paged_block_nbytes,
+from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_block_nbytes,
                                    write_chunk_blocks)
 from kvjax.models.layers import apply_rope
 from kvjax.models.llama import Llama
 from kvjax.models.runner import DEFAULT_CHUNK_SIZES, level_encoder
+from kvjax.models import multihost
+from kvjax.models.sharding import TensorParallel, put
 
 #: Default pool size on CPU, bytes (issue 11); accelerators use a fraction of free memory.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -159,6 +161,9 @@ class PagedModelRunner:
   Args:
     model: the model.
     config: pool and step sizes.
+    tensor_parallel: a `tp` mesh (`kvjax.models.sharding`, issue 14): parameters sharded
+      Megatron-style, the pool by KV head, the step one GSPMD program with attention per shard.
+      None (default): one device, no mesh (the program of a single-device run).
 
   Raises:
     ValueError: `max_seq_len` beyond the model's context.
@@ -166,7 +171,8 @@ class PagedModelRunner:
 
   kv_cache_layout = "paged"
 
-  def __init__(self, model: Llama, config: PagedRunnerConfig):
+  def __init__(self, model: Llama, config: PagedRunnerConfig,
+               tensor_parallel: TensorParallel | None = None):
     self.model_config = model.cfg
     self.config = config
     self.dtype = model.dtype
@@ -184,16 +190,35 @@ class PagedModelRunner:
                           + config.max_num_batched_tokens // config.chunk_sizes[0] + 1)
     graphdef, self.state = nnx.split(model)
     self._cache_dtype = config.cache_dtype or model.dtype
-    self.pool = init_paged_kv_cache(model.cfg, config.num_blocks, config.block_size,
-                                    self._cache_dtype)
+    self.tp = tp = tensor_parallel
+    #: Multi-host (issue 14): process 0 sends every device call to the other processes.
+    self._channel = (multihost.Channel() if tp is not None and jax.process_count() > 1
+                     else None)
+    #: r: copies of each KV head in the pool (tensor parallelism over more devices than heads).
+    self.kv_head_repeat = r = 1 if tp is None else tp.kv_head_repeat
+    if tp is not None:
+      self.state = jax.tree_util.tree_map(put, self.state, tp.state_shardings(self.state))
+    self.pool = self._new_pool()
     impl = config.attention_impl
+    mesh = None if tp is None else tp.mesh
 
     def step(state, pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows):
+      if tp is None:
+        return nnx.merge(graphdef, state).ragged_step(
+            pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows,
+            attention_impl=impl)
       return nnx.merge(graphdef, state).ragged_step(
           pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows,
-          attention_impl=impl)
+          attention_impl=impl, kv_head_repeat=r, tp_mesh=mesh)
 
-    self._step = jax.jit(step, donate_argnums=(1,))
+    if tp is None:
+      self._step = jax.jit(step, donate_argnums=(1,))
+    else:
+      rep_, pool_sh, kv_sh = tp.replicated, self._pool_shardings(), tp.kv_out_sharding
+      self._step = jax.jit(
+          step, donate_argnums=(1,),
+          in_shardings=(tp.state_shardings(self.state), pool_sh) + (rep_,) * 8,
+          out_shardings=(rep_, pool_sh, kv_sh, kv_sh))
     self._inv_freq = model.inv_freq[...]
     self.use_pallas_codecs = jax.default_backend() != "cpu"
     use_pallas = self.use_pallas_codecs
@@ -217,13 +242,61 @@ class PagedModelRunner:
       n = block_ids.shape[0] * b
       k = pool.k_LPBKH[:, block_ids].reshape(l_, n, k_, h_)
       v = pool.v_LPBKH[:, block_ids].reshape(l_, n, k_, h_)
+      if r > 1:  # one copy of each KV head
+        k, v = k[:, :, ::r], v[:, :, ::r]
       positions_1N = (start + jnp.arange(n, dtype=jnp.int32))[None]
       return apply_rope(k, positions_1N, self._inv_freq, inverse=True), v
 
-    self._read_pre_rope = jax.jit(read_pre_rope)
-    self._insert = jax.jit(insert_raw, donate_argnums=(0,))
-    self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,))
+    def insert_payload_sharded(pool, payload, block_ids, cos_CH, sin_CH):
+      # The codec kernel per shard: each device decodes its own heads of the payload (placed
+      # by head, repeated r times on the host when the pool repeats heads).
+      from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+      heads5, heads4 = P(None, None, None, "tp", None), P(None, None, "tp", None)
+
+      def per_shard(payload, cos_CH, sin_CH):
+        l_, k_ = payload[0].shape[0], payload[0].shape[3]  # every payload's [L, 2, *, K, *]
+        c, h_ = cos_CH.shape
+        scratch = jnp.zeros((l_, 1, c, k_, h_), jnp.float32)
+        k, v = kv_codec.kv_decode(payload, scratch, scratch, 0, 0, cos_CH, sin_CH,
+                                  use_pallas=use_pallas)
+        return k[:, 0], v[:, 0]
+
+      specs = type(payload)(*(heads5 if x.ndim == 5 else heads4 for x in payload))
+      k, v = jax.shard_map(per_shard, mesh=tp.mesh, in_specs=(specs, P(), P()),
+                           out_specs=(heads4, heads4), check_vma=False)(payload, cos_CH, sin_CH)
+      return write_chunk_blocks(pool, k, v, block_ids)
+
+    if tp is None:
+      self._read_pre_rope = jax.jit(read_pre_rope)
+      self._insert = jax.jit(insert_raw, donate_argnums=(0,))
+      self._insert_payload = jax.jit(insert_payload, donate_argnums=(0,))
+    else:
+      rep_, pool_sh, kv_sh = tp.replicated, self._pool_shardings(), tp.kv_out_sharding
+      self._read_pre_rope = jax.jit(read_pre_rope, out_shardings=(kv_sh, kv_sh))
+      self._insert = jax.jit(insert_raw, donate_argnums=(0,),
+                             in_shardings=(pool_sh, tp.chunk_sharding, rep_, rep_),
+                             out_shardings=pool_sh)
+      self._insert_payload = jax.jit(insert_payload_sharded, donate_argnums=(0,),
+                                     out_shardings=pool_sh)
     self._compiled: set[int] = set()
+
+  def _pool_shardings(self):
+    sh = self.tp.pool_sharding
+    return PagedKVCache(sh, sh)
+
+  def _new_pool(self) -> PagedKVCache:
+    """A zeroed pool: `[L, P, B, K, H]` on one device, or `[L, P, B, K * r, H]` sharded by
+    head over `tp` (each device zero-fills its own heads; no host copy)."""
+    cfg, cdt = self.model_config, self._cache_dtype
+    if self.tp is None:
+      return init_paged_kv_cache(cfg, self.config.num_blocks, self.block_size, cdt)
+    wide = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * self.kv_head_repeat)
+    return jax.jit(lambda: init_paged_kv_cache(wide, self.config.num_blocks, self.block_size, cdt),
+                   out_shardings=self._pool_shardings())()
+
+  @property
+  def tensor_parallel_size(self) -> int:
+    return 1 if self.tp is None else self.tp.size
 
   # ----------------------------------------------------------------------------- sizes
   @property
@@ -315,12 +388,75 @@ class PagedModelRunner:
       qsl[i + 1] = o
       rows[i] = o - 1
     qsl[len(seqs) + 1:] = o
-    logits, self.pool, k_pre, v = self._step(
-        self.state, self.pool, tokens, positions, slots, tables, lens, qsl,
-        np.int32(len(seqs)), rows)
+    logits, k_pre, v = self._device_step(tokens, positions, slots, tables, lens, qsl,
+                                         np.int32(len(seqs)), rows)
     self._compiled.add(t)
     return StepOutput(logits_SV=logits[:len(seqs)], k_pre_rope_LTKH=k_pre[:, :n_tokens],
                       v_LTKH=v[:, :n_tokens], offsets=tuple(offsets))
+
+  def _device_step(self, *host):
+    """The jit'd step on host inputs (sent to every process first when multi-host); outputs
+    host arrays when multi-host (process 0 reads them without another collective)."""
+    if self._channel is not None:
+      host = self._channel.send(multihost.STEP, *host)
+    logits, self.pool, k_pre, v = self._step(self.state, self.pool, *host)
+    if self._channel is not None:
+      return np.asarray(logits), np.asarray(k_pre), np.asarray(v)
+    return logits, k_pre, v
+
+  def _device_insert(self, kv_L2CKH, ids, start) -> None:
+    if self._channel is not None:
+      kv_L2CKH, ids, start = self._channel.send(multihost.INSERT, kv_L2CKH, ids, start)
+    if self.tp is not None:
+      # The chunk stays whole in the store; here each device receives only its pool heads
+      # (a KV head repeated r times on the host first when the pool repeats heads).
+      host = np.asarray(kv_L2CKH)
+      if self.kv_head_repeat > 1:
+        host = np.repeat(host, self.kv_head_repeat, axis=3)
+      kv_L2CKH = put(host, self.tp.chunk_sharding)
+    self.pool = self._insert(self.pool, kv_L2CKH, ids, start)
+
+  def _device_read(self, ids, start):
+    if self._channel is not None:
+      ids, start = self._channel.send(multihost.READ, ids, start)
+    k, v = self._read_pre_rope(self.pool, ids, start)
+    if self._channel is not None:
+      return np.asarray(k), np.asarray(v)
+    return k, v
+
+  @property
+  def is_follower(self) -> bool:
+    """Multi-host, a process other than 0: it runs `follow()`, not the engine."""
+    return self._channel is not None and not self._channel.is_leader
+
+  def follow(self) -> None:
+    """A process other than 0 (multi-host): runs every device call process 0 sends, in order,
+    until process 0 closes its runner; then closes this one.
+
+    Raises:
+      RuntimeError: on process 0 or in a single-process run.
+    """
+    if not self.is_follower:
+      raise RuntimeError("follow() runs on processes other than 0 of a multi-host run")
+    ch = self._channel
+    while True:
+      op, arrays = ch.receive()
+      if op == multihost.STEP:
+        _, self.pool, _, _ = self._step(self.state, self.pool, *arrays)
+      elif op == multihost.INSERT:
+        kv, ids, start = arrays
+        if self.kv_head_repeat > 1:
+          kv = np.repeat(kv, self.kv_head_repeat, axis=3)
+        self.pool = self._insert(self.pool, put(kv, self.tp.chunk_sharding), ids, start)
+      elif op == multihost.READ:
+        self._read_pre_rope(self.pool, *arrays)
+      elif op == multihost.RESET:
+        self.pool = self._new_pool()
+      elif op == multihost.CLOSE:
+        self._close_local()
+        return
+      else:
+        raise RuntimeError(f"unknown multi-host opcode {op}")
 
   def _check_chunk(self, c: int, block_ids: Sequence[int], start: int) -> np.ndarray:
     b = self.block_size
@@ -348,7 +484,10 @@ class PagedModelRunner:
     if tuple(kv_L2CKH.shape) != want:
       raise ValueError(f"chunk of shape {tuple(kv_L2CKH.shape)}, model wants {want}")
     ids = self._check_chunk(kv_L2CKH.shape[2], block_ids, start)
-    self.pool = self._insert(self.pool, kv_L2CKH, ids, np.int32(start))
+    if self.tp is None:
+      self.pool = self._insert(self.pool, kv_L2CKH, ids, np.int32(start))
+    else:
+      self._device_insert(kv_L2CKH, ids, np.int32(start))
 
   def insert_payload(self, codec: str, arrays, block_ids: Sequence[int], start: int) -> None:
     """Decodes a stored chunk's payload (`kv_codec.kv_decode`: dequantize, RoPE K at
@@ -363,6 +502,8 @@ class PagedModelRunner:
     Raises:
       ValueError: a payload that does not match the model, or blocks that do not fit it.
     """
+    if self._channel is not None:
+      raise ValueError("multi-host runs store raw chunks only (kv_codec='raw')")
     payload = kv_codec.payload_from_arrays(codec, arrays)
     n_layers, c, n_kv_heads, head_dim = kv_codec.validate_payload(payload)
     cfg = self.model_config
@@ -372,6 +513,12 @@ class PagedModelRunner:
     ids = self._check_chunk(c, block_ids, start)
     angles = (start + np.arange(c, dtype=np.float32))[:, None] * np.asarray(self._inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)  # [C, H], HF rotate_half layout
+    if self.tp is not None:  # each device receives its heads of every payload array
+      r, heads5 = self.kv_head_repeat, self.tp.chunk_sharding
+      heads4 = self.tp.sharding(jax.sharding.PartitionSpec(None, None, "tp", None))
+      payload = type(payload)(*(
+          put(np.repeat(np.asarray(x), r, axis=x.ndim - 2) if r > 1 else x,
+              heads5 if x.ndim == 5 else heads4) for x in payload))
     self.pool = self._insert_payload(self.pool, payload, ids, np.cos(angles), np.sin(angles))
 
   def read_pre_rope(self, block_ids: Sequence[int], start: int, n: int) -> tuple[jax.Array,
@@ -397,15 +544,16 @@ class PagedModelRunner:
     if start % b or not 1 <= n <= len(ids) * b or np.any((ids < 0) | (ids >= self.num_blocks)):
       raise ValueError(f"positions [{start}, {start + n}) from blocks {ids.tolist()} of {b} "
                        "tokens: start must be block-aligned and the blocks must cover them")
-    k, v = self._read_pre_rope(self.pool, ids, np.int32(start))
+    k, v = self._device_read(ids, np.int32(start))
     return k[:, :n], v[:, :n]
 
   def read_blocks(self, block_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
     """The K (after RoPE) and V of some blocks: ([L, n * B, K, H], [L, n * B, K, H]) (tests)."""
     ids = np.asarray(block_ids, np.int32)
     l_, _, b, k_, h_ = self.pool.k_LPBKH.shape
-    return (self.pool.k_LPBKH[:, ids].reshape(l_, len(ids) * b, k_, h_),
-            self.pool.v_LPBKH[:, ids].reshape(l_, len(ids) * b, k_, h_))
+    r = self.kv_head_repeat
+    return (self.pool.k_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_),
+            self.pool.v_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_))
 
   def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...]) -> list:
     """Quantizes one device chunk at every level in one jit'd call (as `ModelRunner`'s).
@@ -413,6 +561,8 @@ class PagedModelRunner:
     Returns:
       [(codec, level, {name: device array}, finite flag)] per level.
     """
+    if self._channel is not None:
+      raise ValueError("multi-host runs store raw chunks only (kv_codec='raw')")
     fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs)
     return [(codec, level, arrays, finite)
             for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, None))]
@@ -420,14 +570,16 @@ class PagedModelRunner:
   # ----------------------------------------------------------------------------- lifetime
   def reset(self) -> None:
     """Zeroes the pool, keeping the compiled programs (the scheduler must forget its blocks)."""
-    self.pool = init_paged_kv_cache(self.model_config, self.config.num_blocks,
-                                    self.block_size, self._cache_dtype)
+    if self._channel is not None:
+      self._channel.send(multihost.RESET)
+    self.pool = self._new_pool()
 
   def block_until_ready(self) -> None:
     jax.block_until_ready(self.pool)
 
   def kv_cache_nbytes(self) -> int:
-    """Device bytes the pool's K and V buffers take (reserved whole at construction)."""
+    """Device bytes the pool's K and V buffers take (reserved whole at construction), over all
+    devices of the mesh (a repeated KV head counts once per copy)."""
     return int(self.pool.k_LPBKH.nbytes + self.pool.v_LPBKH.nbytes)
 
   def kv_block_nbytes(self) -> int:
@@ -439,7 +591,13 @@ class PagedModelRunner:
     return not self.pool.k_LPBKH.is_deleted()
 
   def close(self) -> None:
-    """Frees the parameters and the pool on the device; the runner is unusable afterwards."""
+    """Frees the parameters and the pool on the device; the runner is unusable afterwards.
+    Multi-host: process 0's close also ends the other processes' `follow()`."""
+    if self._channel is not None and self._channel.is_leader:
+      self._channel.send(multihost.CLOSE)
+    self._close_local()
+
+  def _close_local(self) -> None:
     for leaf in jax.tree_util.tree_leaves((self.state, self.pool)):
       if isinstance(leaf, jax.Array) and not leaf.is_deleted():
         leaf.delete()
@@ -449,8 +607,8 @@ class PagedModelRunner:
     for t in self.buckets:
       # No real sequence (num_seqs = 0, every slot -1): compiles the bucket, writes nothing.
       s_max = min(t, self.max_step_seqs)
-      logits, self.pool, _, _ = self._step(
-          self.state, self.pool, np.zeros(t, np.int32), np.zeros(t, np.int32),
+      logits, _, _ = self._device_step(
+          np.zeros(t, np.int32), np.zeros(t, np.int32),
           np.full(t, -1, np.int32), np.zeros((s_max, self.max_blocks_per_seq), np.int32),
           np.zeros(s_max, np.int32), np.zeros(s_max + 1, np.int32), np.int32(0),
           np.zeros(s_max, np.int32))
@@ -460,8 +618,8 @@ class PagedModelRunner:
 
 def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: int | None,
                        max_num_seqs: int, max_num_batched_tokens: int,
-                       max_seq_len: int | None, chunk_sizes: tuple[int, ...]
-                       ) -> PagedModelRunner:
+                       max_seq_len: int | None, chunk_sizes: tuple[int, ...],
+                       tensor_parallel: TensorParallel | None = None) -> PagedModelRunner:
   """A `PagedModelRunner` whose pool fills `kv_cache_memory_bytes` (default
   `default_kv_cache_bytes(max_num_seqs x max_seq_len tokens)`) in the model's dtype: `bytes // (2 * L * B * K * H * itemsize)`
   blocks, at least one. A request that can never fit is refused at admission.
@@ -481,4 +639,4 @@ def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: 
   return PagedModelRunner(model, PagedRunnerConfig(
       num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
       max_num_batched_tokens=max_num_batched_tokens, max_seq_len=max_seq_len,
-      chunk_sizes=tuple(chunk_sizes)))
+      chunk_sizes=tuple(chunk_sizes)), tensor_parallel)

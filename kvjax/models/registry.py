@@ -4,6 +4,8 @@
     "/path/model.gguf"                  any LLaMA-architecture GGUF
     "/path/hf_dir/"                     Hugging Face safetensors + config.json (+ tokenizer.json)
     "tiny"                              a random 2-layer model with a byte tokenizer (tests)
+    "tiny-tp"                           the same with 8 query and 2 KV heads (tensor-parallel
+                                        tests at 2, 4 and 8 devices)
 
 Nothing is ever fetched from a model hub.
 """
@@ -71,10 +73,11 @@ def load_model(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None) -> L
   """
   if not isinstance(model, str) or not model:
     raise ValueError(f"model must be a non-empty string, got {model!r}")
-  if model == "tiny":
-    cfg = config_lib.tiny()
+  if model in ("tiny", "tiny-tp"):
+    cfg = config_lib.tiny() if model == "tiny" else config_lib.tiny(
+        name="tiny-tp", n_heads=8, n_kv_heads=2)
     params = tiny_params(cfg)
-    return LoadedModel("tiny", cfg, params, ByteTokenizer(), model_fingerprint(cfg, params))
+    return LoadedModel(model, cfg, params, ByteTokenizer(), model_fingerprint(cfg, params))
   if model.lower() in _SMOLLM2_NAMES:
     return _load_gguf(gguf_loader.find_smollm2_gguf(), DEFAULT_MODEL, cache_dir)
   if model.endswith(".gguf"):

@@ -9,6 +9,8 @@
         --kv_cache_layout=paged --kv_events_endpoint='tcp://*:5557' \
         --kv_events_topic=kv@pod-a@SmolLM2-135M-Instruct    # a replica for llm-d's router
     KVJAX_API_KEY=secret python -m kvjax.serve --host=0.0.0.0 --allowed_hosts=llm.example.com
+    python -m kvjax.serve --tensor_parallel_size=8 --num_processes=2 --process_id=$RANK \
+        --coordinator_address=host0:1234             # 2 hosts x 4 devices; HTTP on process 0
 
 Thin entry point: absl flags -> `ServerConfig` -> bind the socket -> load and warm up the model on
 a background thread (GET /health answers 503 until then) -> uvicorn on the main thread (Ctrl-C
@@ -29,7 +31,8 @@ from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSI
                                    DEFAULT_SESSION_TTL_S)
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,
-                                HttpServer, ServerConfig, close_backend, load_backend)
+                                HttpServer, ServerConfig, build_follower, close_backend,
+                                load_backend)
 
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct",
                              "Model name, .gguf path, Hugging Face safetensors dir, or 'tiny'.")
@@ -158,6 +161,14 @@ _EVENTS_SEED = flags.DEFINE_string(
 _EVENTS_INT = flags.DEFINE_bool(
     "kv_events_int_hashes", True,
     "Block hashes as 64-bit ints (the low 8 bytes; vLLM's default) rather than 32 raw bytes.")
+_TP = flags.DEFINE_integer(
+    "tensor_parallel_size", 1, "Devices the model is split over (a tp mesh; paged layout).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-host: host:port of process 0 (jax.distributed).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Multi-host: processes in the run (jax.distributed).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "Multi-host: this process; 0 serves HTTP, the others follow it.")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -199,6 +210,8 @@ def config_from_flags() -> ServerConfig:
         auth_health_and_metrics=_AUTH_OPEN.value,
         session_ttl_s=None if _SESSION_TTL.value == -1 else _SESSION_TTL.value,
         max_sessions=_MAX_SESSIONS.value, max_session_tokens=_MAX_SESSION_TOKENS.value,
+        tensor_parallel_size=_TP.value, coordinator_address=_COORDINATOR.value,
+        num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
         **_scale_out_options())
   except ValueError as e:
     raise app.UsageError(str(e)) from e
@@ -240,6 +253,13 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
   config = config_from_flags()
+  if config.is_follower:
+    # Multi-host, not process 0: no HTTP; run process 0's device calls until it stops.
+    llm = build_follower(config)
+    print(f"kvjax: process {config.process_id} of {config.num_processes} follows process 0",
+          flush=True)
+    llm.follow()
+    return
   state = ServeState(enable_admin=config.enable_admin)
   app_ = create_app(state, config.http_policy(),
                     allow_special_tokens_in_prompt=config.allow_special_tokens_in_prompt)

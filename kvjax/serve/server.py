@@ -95,6 +95,9 @@ class ServerConfig:
     kv_events_hash_seed: vLLM's NONE_HASH seed (its PYTHONHASHSEED); None: $PYTHONHASHSEED,
       else "0".
     kv_events_int_hashes: hashes as 64-bit ints (vLLM's default) or 32 raw bytes.
+    tensor_parallel_size: devices the model is split over (`LLM`, issue 14).
+    coordinator_address, num_processes, process_id: multi-host as one program
+      (`jax.distributed`, see `LLM`): process 0 serves HTTP, the others follow it.
 
   Raises:
     ValueError: a bad port, codec, limit, host, origin, key or session limit, or KV events
@@ -142,6 +145,15 @@ class ServerConfig:
   kv_events_hash_algo: str = "sha256_cbor"
   kv_events_hash_seed: str | None = None
   kv_events_int_hashes: bool = True
+  tensor_parallel_size: int = 1
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+
+  @property
+  def is_follower(self) -> bool:
+    """A multi-host process other than 0: no HTTP, it follows process 0's device calls."""
+    return (self.num_processes or 1) > 1 and self.process_id != 0
 
   def __post_init__(self):
     if self.kv_codec not in KV_CODECS:
@@ -202,6 +214,11 @@ class ServerConfig:
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
         kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
         max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens)
+    if self.tensor_parallel_size != 1:
+      opts["tensor_parallel_size"] = self.tensor_parallel_size
+    if (self.num_processes or 1) > 1:
+      opts.update(coordinator_address=self.coordinator_address,
+                  num_processes=self.num_processes, process_id=self.process_id)
     if opts["kv_cache_layout"] == "paged":
       opts.update(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                   enable_prefix_caching=self.enable_prefix_caching)
@@ -298,6 +315,11 @@ def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:
   return backend_from_llm(llm, served_model_name=config.served_model_name,
                           max_waiting_requests=config.max_waiting_requests,
                           kv_event_publisher=publisher), llm
+
+
+def build_follower(config: ServerConfig) -> LLM:
+  """The `LLM` of a multi-host process other than 0 (`LLM.follow()` then serves process 0)."""
+  return builder.build_llm(config.model, **config.llm_options())
 
 
 def close_backend(backend: Backend | None, llm: LLM | None) -> None:
