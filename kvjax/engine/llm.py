@@ -29,6 +29,7 @@ from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
 from kvjax.scheduler.request import SamplingParams
 from kvjax.scheduler.scheduler import SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
+from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
 from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
@@ -217,6 +218,14 @@ class LLM:
     max_sessions: sessions held at once (the least recently used idle one is dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped, least recently
       used first, beyond).
+    kv_layerwise_groups: paged, with a store: layer-wise pre-loading (CachedAttention, arXiv
+      2403.19708, section 3.2.1): a step that inserts stored raw chunks runs its compute as this
+      many layer groups, moving each chunk to the device group by group and inserting group g
+      just before the step's tokens run through it, so the transfer overlaps the compute.
+      1 (default): off (chunks are inserted whole, then the step runs in one call).
+    kv_device_link_bytes_per_s: emulated host -> device bandwidth, bytes/s, that every stored
+      chunk pays on its way into the KV cache (a `LinkLimiter`; the CPU has no such link);
+      None (default): not emulated.
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -237,7 +246,8 @@ class LLM:
                enable_prefix_caching: bool = True,
                session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
                max_sessions: int = DEFAULT_MAX_SESSIONS,
-               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS):
+               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS,
+               kv_layerwise_groups: int = 1, kv_device_link_bytes_per_s: float | None = None):
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
                                    max_tokens=max_session_tokens)
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -296,10 +306,21 @@ class LLM:
           os.path.join(cache_root, "params") if cache_root else None)
       runner.set_kvtc_transform(self.kvtc_transform)
     self.kv_store = None
+    if isinstance(kv_layerwise_groups, bool) or not isinstance(kv_layerwise_groups, int) or (
+        not 1 <= kv_layerwise_groups <= loaded.config.n_layers):
+      raise ValueError(f"kv_layerwise_groups={kv_layerwise_groups!r} must be an int in [1, "
+                       f"{loaded.config.n_layers}] (the model's layers)")
+    if kv_device_link_bytes_per_s is not None and (
+        isinstance(kv_device_link_bytes_per_s, bool)
+        or not isinstance(kv_device_link_bytes_per_s, (int, float))
+        or not kv_device_link_bytes_per_s > 0):
+      raise ValueError(f"kv_device_link_bytes_per_s={kv_device_link_bytes_per_s!r} must be a "
+                       "positive number of bytes/s or None")
     if kv_store is not None:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
                                               kv_link_trace, runner, kv_codec,
-                                              kv_codec_levels)
+                                              kv_codec_levels,
+                                              device_link_bytes_per_s=kv_device_link_bytes_per_s)
     remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
         kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
@@ -308,7 +329,8 @@ class LLM:
                          link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S,
                          consistent=self._consistent(kv_codec_consistent, kv_codec,
                                                      kv_chunk_size, sched),
-                         enable_prefix_caching=enable_prefix_caching)
+                         enable_prefix_caching=enable_prefix_caching,
+                         layerwise_groups=kv_layerwise_groups)
     self._warm = False
     self._closed = False
     if compile_on_init:
@@ -330,7 +352,8 @@ class LLM:
 
   def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
                          runner: ModelRunner, codec: str = "raw",
-                         codec_levels: tuple[int, ...] = (0,)) -> KVStoreClient:
+                         codec_levels: tuple[int, ...] = (0,), *,
+                         device_link_bytes_per_s: float | None = None) -> KVStoreClient:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
         0 < chunk_size < runner.max_seq_len):
       raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
@@ -369,7 +392,9 @@ class LLM:
     tid = self.kvtc_transform.transform_id if self.kvtc_transform is not None else None
     return KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
                          kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
-                         codec_levels=codec_levels, kvtc_transform_id=tid)
+                         codec_levels=codec_levels, kvtc_transform_id=tid,
+                         device_link=(LinkLimiter(device_link_bytes_per_s)
+                                      if device_link_bytes_per_s is not None else None))
 
   def flush(self) -> None:
     """Waits until every queued KV save is written (a no-op without a store)."""
