@@ -568,9 +568,9 @@ class KVStoreClient:
       try:
         if self.device_link is not None:
           self.device_link.acquire_blocking(int(piece.nbytes))
-        arr = jax.device_put(np.ascontiguousarray(piece))
-        arr.block_until_ready()
-        t._set(g, arr)
+        # Not waited for here: on a CPU backend the copy would queue behind the step's compute
+        # and pace the emulated link by the engine (an accelerator's copy engine does not).
+        t._set(g, jax.device_put(np.ascontiguousarray(piece)))
       except Exception as e:  # noqa: BLE001 - reported to the waiter
         t._set(g, error=e)
 

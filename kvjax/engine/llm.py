@@ -22,7 +22,7 @@ from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSI
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import build_paged_runner
+from kvjax.models.paged_runner import build_paged_runner, layer_groups
 from kvjax.models.registry import DEFAULT_MODEL, load_model
 from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
                                  default_cache_root, enable_persistent_compilation_cache)
@@ -331,6 +331,7 @@ class LLM:
                                                      kv_chunk_size, sched),
                          enable_prefix_caching=enable_prefix_caching,
                          layerwise_groups=kv_layerwise_groups)
+    self._layerwise_groups = kv_layerwise_groups
     self._warm = False
     self._closed = False
     if compile_on_init:
@@ -420,6 +421,11 @@ class LLM:
       where = 0 if self.engine.kv_cache_layout == "slotted" else tuple(
           range(layout.chunk_size // runner.block_size))
       runner.insert_chunk(kv, where, 0)
+      if self._layerwise_groups > 1 and self.engine.kv_cache_layout == "paged":
+        runner.warmup_layerwise(self._layerwise_groups)
+        for l0, l1 in sorted({(0, l1 - l0) for l0, l1 in
+                              layer_groups(layout.num_layers, self._layerwise_groups)}):
+          runner.insert_chunk_layers(kv[l0:l1], where, 0, 0)
       if store.codec != "raw":
         _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels)[0]
         runner.insert_payload(store.codec, jax.device_get(arrays), where, 0)

@@ -356,7 +356,8 @@ def ragged_logits(model: Llama, x_1TD: jax.Array, logits_indices_S: jax.Array) -
 def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_T: jax.Array,
                   slot_mapping_T: jax.Array, block_tables_SM: jax.Array,
                   context_lens_S: jax.Array, query_start_loc_S1: jax.Array, num_seqs: jax.Array,
-                  layer_start: jax.Array, *, num_layers: int, attention_impl: str | None = None
+                  layer_start: jax.Array, *, num_layers: int, attention_impl: str | None = None,
+                  group_params: Mapping[str, jax.Array] | None = None
                   ) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
   """Layers `[layer_start, layer_start + num_layers)` of `Llama.ragged_step`, scanned.
 
@@ -374,6 +375,9 @@ def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_
     layer_start: int32 scalar, the group's first layer.
     num_layers: layers in the group (static), `layer_start + num_layers <= L`.
     attention_impl: `paged_attention` implementation (static).
+    group_params: the group's stacked layer parameters `{name: [num_layers, ...]}`, sliced
+      ahead of time; None slices them here (a dynamic slice that XLA's CPU backend fuses into
+      the matmuls, about 2x slower per layer on the 2-core VM, so the runner passes them).
 
   Returns:
     ([1, T, D] hidden states after the group, the updated pool, [num_layers, T, K, H] keys
@@ -382,8 +386,9 @@ def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_
   cfg, dtype = model.cfg, model.dtype
   l_, p_, b_, k_, h_ = pool.k_LPBKH.shape
   inv_freq = model.inv_freq[...]
-  stacked = {k: jax.lax.dynamic_slice_in_dim(v, layer_start, num_layers, axis=0)
-             for k, v in model.layers.stacked().items()}
+  stacked = dict(group_params) if group_params is not None else {
+      k: jax.lax.dynamic_slice_in_dim(v, layer_start, num_layers, axis=0)
+      for k, v in model.layers.stacked().items()}
   positions_1T = positions_T[None]
   n_slots = l_ * p_ * b_
 

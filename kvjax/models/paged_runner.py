@@ -29,7 +29,8 @@ from kvjax.kernels import kv_codec
 from kvjax.models.kv_cache import (init_paged_kv_cache, paged_block_nbytes,
                                    write_chunk_blocks)
 from kvjax.models.layers import apply_rope
-from kvjax.models.llama import Llama, ragged_embed, ragged_layers, ragged_logits
+from kvjax.models.llama import (LAYER_PARAMS, Llama, ragged_embed, ragged_layers,
+                                ragged_logits)
 from kvjax.models.runner import DEFAULT_CHUNK_SIZES, level_encoder
 
 #: Default pool size on CPU, bytes (issue 11); accelerators use a fraction of free memory.
@@ -228,6 +229,7 @@ class PagedModelRunner:
     graphdef, self.state = nnx.split(model)
     self._graphdef = graphdef  # for the layer-group programs (`_layerwise_jits`)
     self._lw_jits: dict | None = None
+    self._lw_params: dict[tuple[int, int], dict] = {}
     self._cache_dtype = config.cache_dtype or model.dtype
     self.pool = init_paged_kv_cache(model.cfg, config.num_blocks, config.block_size,
                                     self._cache_dtype)
@@ -440,7 +442,8 @@ class PagedModelRunner:
       raise ValueError(f"all {len(st.groups)} layer groups of this step have run")
     l0, l1 = st.groups[st.next_group]
     fn = self._layerwise_jits()["layers"](l1 - l0)
-    st.x, self.pool, k_pre, v = fn(self.state, self.pool, st.x, *st.arrays[1:], np.int32(l0))
+    st.x, self.pool, k_pre, v = fn(self.state, self._group_params(l0, l1), self.pool, st.x,
+                                   *st.arrays[1:], np.int32(l0))
     st.k_pre.append(k_pre)
     st.v.append(v)
     st.next_group += 1
@@ -486,10 +489,11 @@ class PagedModelRunner:
 
     def layers(n: int):
       if n not in per_size:
-        def run(state, pool, x, positions, slots, tables, lens, qsl, num_seqs, l0):
+        def run(state, params, pool, x, positions, slots, tables, lens, qsl, num_seqs, l0):
           return ragged_layers(nnx.merge(graphdef, state), pool, x, positions, slots, tables,
-                               lens, qsl, num_seqs, l0, num_layers=n, attention_impl=impl)
-        per_size[n] = jax.jit(run, donate_argnums=(1,))
+                               lens, qsl, num_seqs, l0, num_layers=n, attention_impl=impl,
+                               group_params=params)
+        per_size[n] = jax.jit(run, donate_argnums=(2,))
       return per_size[n]
 
     def insert_layers(pool, kv_G2CKH, block_ids, start, l0):
@@ -509,6 +513,16 @@ class PagedModelRunner:
             "insert": jax.jit(insert_layers, donate_argnums=(0,))}
     self._lw_jits = jits
     return jits
+
+  def _group_params(self, l0: int, l1: int) -> dict:
+    """Layers `[l0, l1)`'s stacked parameters as their own device arrays (sliced once, then
+    kept: a group's copy of the weights; the whole model's for every group)."""
+    key = (l0, l1)
+    if key not in self._lw_params:
+      layers_state = self.state["layers"]
+      self._lw_params[key] = {name: jnp.asarray(layers_state[name][...][l0:l1])
+                              for name in LAYER_PARAMS}
+    return self._lw_params[key]
 
   def insert_chunk_layers(self, kv_G2CKH, block_ids: Sequence[int], start: int,
                           layer_start: int) -> None:
@@ -657,6 +671,25 @@ class PagedModelRunner:
     for leaf in jax.tree_util.tree_leaves((self.state, self.pool)):
       if isinstance(leaf, jax.Array) and not leaf.is_deleted():
         leaf.delete()
+
+  def warmup_layerwise(self, groups: int) -> None:
+    """Compiles the layer-group programs of every token bucket (`step_begin`, each group size
+    of `layer_groups(L, groups)`, `step_finish`). Writes nothing (every slot is padding)."""
+    fns = self._layerwise_jits()
+    sizes = sorted({l1 - l0 for l0, l1 in layer_groups(self.model_config.n_layers, groups)})
+    for t in self.buckets:
+      s_max = min(t, self.max_step_seqs)
+      arrays = (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32),
+                np.zeros((s_max, self.max_blocks_per_seq), np.int32),
+                np.zeros(s_max, np.int32), np.zeros(s_max + 1, np.int32), np.int32(0))
+      x = fns["begin"](self.state, arrays[0])
+      todo = list(sizes)
+      for l0, l1 in layer_groups(self.model_config.n_layers, groups):
+        if l1 - l0 in todo:
+          todo.remove(l1 - l0)
+          _, self.pool, _, _ = fns["layers"](l1 - l0)(
+              self.state, self._group_params(l0, l1), self.pool, x, *arrays[1:], np.int32(l0))
+      jax.block_until_ready(fns["finish"](self.state, x, np.zeros(s_max, np.int32)))
 
   def warmup(self) -> None:
     """Compiles every token bucket of the step. Writes nothing (every slot is padding)."""
