@@ -14,7 +14,7 @@ new tokens, whole-chunk vs layer-wise, on an emulated host -> device link.
                    group g of every chunk inserted just before layer group g runs.
      The target: layer-wise TTFT <= 1.15 x max(transfer, compute) + first token.
   3. What the split costs: the same step (M tokens at context N + M) as one call vs G layer-group
-     calls (`PagedModelRunner.step_grouped`), no inserts, for G in --split_groups.
+     calls (`PagedModelRunner.step_grouped`), no inserts, for each G in --groups.
 
     nice -n 19 .venv/bin/python scripts/bench_layerwise.py
     nice -n 19 .venv/bin/python scripts/bench_layerwise.py --history_tokens=4096 --groups=6,10
@@ -46,10 +46,8 @@ _BOOK = flags.DEFINE_string(
 _N = flags.DEFINE_integer("history_tokens", 2048, "N: history tokens (a multiple of the chunk).")
 _M = flags.DEFINE_integer("new_tokens", 256, "M: new tokens after the history.")
 _CHUNK = flags.DEFINE_integer("chunk_tokens", 256, "Store chunk size C.")
-_GROUPS = flags.DEFINE_list("groups", ["10"], "Layer-wise group counts to measure.")
-_SPLIT = flags.DEFINE_list("split_groups", ["1", "2", "3", "5", "10", "15", "30"],
-                           "Group counts for the split-cost part.")
-_REPS = flags.DEFINE_integer("reps", 5, "Repetitions (medians are reported).")
+_GROUPS = flags.DEFINE_list("groups", ["10", "15", "30"], "Layer-wise group counts to measure.")
+_REPS = flags.DEFINE_integer("reps", 3, "Repetitions (medians are reported).")
 _RATIO = flags.DEFINE_float("link_ratio", 1.0, "Emulated transfer seconds / compute seconds.")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 
@@ -103,24 +101,28 @@ def run_turn2(llm, probe: Probe, prompt: list[int], rate: float | None) -> dict:
           "chunks_computed": list(m.merge.chunks_computed) if m.merge else []}
 
 
-def split_cost(llm, history: int, new_ids: list[int], groups: list[int], reps: int) -> dict:
-  """Seconds of the same M-token step at context N + M: one call vs G layer-group calls."""
+def split_cost(modes: dict, history: int, new_ids: list[int], reps: int) -> dict:
+  """Seconds of the same M-token step at context N + M (no inserts): one call (the G=1
+  engine's runner) vs G layer-group calls (each layer-wise engine's runner, whose group
+  programs and per-group parameters the TTFT runs used), interleaved per repetition."""
   import jax  # noqa: PLC0415
   from kvjax.models.paged_runner import SeqChunk  # noqa: PLC0415
-  runner = llm.engine.runner
-  blocks = list(range(-(-(history + len(new_ids)) // runner.block_size)))
-  seqs = [SeqChunk(new_ids, history, blocks)]
-  out = {}
-  for g in groups:
-    fn = (lambda: runner.step(seqs)) if g == 1 else (lambda g=g: runner.step_grouped(seqs, g))
-    jax.block_until_ready(fn().logits_SV)  # compile
-    times = []
-    for _ in range(reps):
+  fns = {}
+  for g, llm in modes.items():
+    runner = llm.engine.runner
+    blocks = list(range(-(-(history + len(new_ids)) // runner.block_size)))
+    seqs = [SeqChunk(new_ids, history, blocks)]
+    fns[g] = ((lambda r=runner, s=seqs: r.step(s)) if g == 1
+              else (lambda r=runner, s=seqs, g=g: r.step_grouped(s, g)))
+    jax.block_until_ready(fns[g]().logits_SV)  # compiled already; warms the buffers
+  out = {g: [] for g in modes}
+  for _ in range(reps):
+    for g, fn in fns.items():
       t0 = time.perf_counter()
       jax.block_until_ready(fn().logits_SV)
-      times.append(time.perf_counter() - t0)
-    out[g] = times
-  runner.reset()
+      out[g].append(time.perf_counter() - t0)
+  for llm in modes.values():
+    llm.engine.runner.reset()
   return out
 
 
@@ -174,7 +176,7 @@ def main(argv):
   first_token_s = med["unlimited"]["ttft_s"] - compute_s
   bound_s = 1.15 * max(transfer_s, compute_s) + first_token_s
   ideal_s = max(transfer_s, compute_s) + first_token_s
-  split = split_cost(modes[1], n, ids[n:], [int(g) for g in _SPLIT.value], _REPS.value)
+  split = split_cost(modes, n, ids[n:], _REPS.value)
   split_med = {g: statistics.median(t) for g, t in split.items()}
   ref = rows["whole"][0]
   same_tokens = all(r["token"] == ref["token"] for v in rows.values() for r in v)
