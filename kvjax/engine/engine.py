@@ -252,6 +252,8 @@ class Engine:
       store chunk (`Scheduler(consistent=True)`).
     enable_prefix_caching: paged layout: keep finished requests' full blocks on the device and
       share them with later requests of the same prefix (namespace and `cache_salt`).
+    layerwise_groups: paged layout: layer-wise pre-loading (`LoadConfig.layerwise_groups`;
+      capped at the model's layers); 1 (default) inserts stored chunks whole before the step.
 
   A `PagedModelRunner` selects the paged layout (issue 11): the scheduler then owns a
   `KVCacheManager` over the runner's pool and each step is one ragged jit call.
@@ -266,10 +268,12 @@ class Engine:
                kv_store: KVStoreClient | None = None, merge_mode: str = "cake",
                max_loads_in_flight: int | None = None, kv_ttft_target_s: float | None = None,
                check_writes: bool = False, link_latency_s: float = 1e-3,
-               consistent: bool = False, enable_prefix_caching: bool = True):
+               consistent: bool = False, enable_prefix_caching: bool = True,
+               layerwise_groups: int = 1):
     load_config = LoadConfig(merge_mode=merge_mode, max_loads_in_flight=max_loads_in_flight,
                              link_latency_s=link_latency_s, kv_ttft_target_s=kv_ttft_target_s,
                              check_writes=check_writes,
+                             layerwise_groups=min(layerwise_groups, runner.model_config.n_layers),
                              staging_bytes=kv_store.staging_bytes if kv_store else 1 << 30)
     self.runner = runner
     self.kv_store = kv_store
@@ -305,6 +309,8 @@ class Engine:
     #: Block on the cache after each insert so `StepResult.inserts` times the device work
     #: (benchmarks; the next prefill waits for it anyway).
     self.timed_inserts = False
+    #: A list to record layer-wise steps' order of inserts and layer groups in (tests), or None.
+    self.layerwise_trace: list | None = None
 
   # ----------------------------------------------------------------------------- requests
   @property
@@ -476,6 +482,7 @@ class Engine:
     """Runs one plan in field order (the `Executor` protocol) and reports what happened."""
     kv = self.kv_store
     insert_timings: list[InsertTiming] = []
+    layered: list = []  # (InsertItem, ChunkHit, blocks) inserted layer-wise by the step
     for rid in plan.finished_request_ids:
       self._forget(rid)
     tables = dict(plan.block_tables)
@@ -502,10 +509,15 @@ class Engine:
           choose = choose_codec(item.encoding.codec, item.encoding.level)
         kv.start_load(item.request_id, item.index, live.lookup, live.prompt_token_ids,
                       choose=choose, nbytes=item.nbytes, max_in_flight=item.max_in_flight)
+      layerwise = plan.layer_groups > 1 and self._paged and bool(plan.decodes or plan.prefills)
       for ins in plan.inserts:
         hit = kv.take(ins.request_id, ins.index)
         t0, t0_clock = time.perf_counter(), self._clock()
         where = self._where(tables, ins.request_id, ins.slot, ins.start, kv.chunk_size)
+        if layerwise and hit.kv is not None:
+          layered.append((ins, hit, where))  # inserted group by group inside the step
+          continue
+        kv.charge_device(hit.encoding.nbytes)  # the host -> device link, whole chunk
         if hit.kv is not None:
           self.runner.insert_chunk(hit.kv, where, ins.start)
         else:
@@ -525,7 +537,7 @@ class Engine:
     finished: list[tuple[RequestId, str]] = []
     timings: list[ComputeTiming] = []
     if self._paged and (plan.decodes or plan.prefills):
-      self._execute_ragged(plan, tables, sampled, finished, timings)
+      self._execute_ragged(plan, tables, sampled, finished, timings, layered, insert_timings)
     if plan.decodes and not self._paged:
       b = self.runner.config.num_slots
       tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
@@ -564,17 +576,23 @@ class Engine:
     return tuple(table[start // b:(start + n) // b])
 
   def _execute_ragged(self, plan: SchedulerOutput, tables: dict, sampled: list, finished: list,
-                      timings: list) -> None:
+                      timings: list, layered: Sequence = (),
+                      insert_timings: list | None = None) -> None:
     """Paged layout: every decode and prefill chunk of the plan in ONE jit call
     (`PagedModelRunner.step`), then sampling, metrics and saves per chunk. Each prefill chunk's
-    `ComputeTiming` gets the step's seconds pro rata to its tokens."""
+    `ComputeTiming` gets the step's seconds pro rata to its tokens. With `layered` inserts
+    (layer-wise pre-loading) the step runs as `plan.layer_groups` layer-group calls instead
+    (`_step_layerwise`)."""
     runner, kv = self.runner, self.kv_store
     seqs = [SeqChunk((d.token_id,), d.position, tables[d.request_id]) for d in plan.decodes]
     seqs += [SeqChunk(c.token_ids, c.start, tables[c.request_id]) for c in plan.prefills]
     total = sum(len(s.token_ids) for s in seqs)
     compiled = runner.is_compiled(total)
     t0, t0_clock = time.perf_counter(), self._clock()
-    out = runner.step(seqs)
+    if layered:
+      out = self._step_layerwise(seqs, plan.layer_groups, layered, insert_timings)
+    else:
+      out = runner.step(seqs)
     logits_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
     seconds = time.perf_counter() - t0
     for i, d in enumerate(plan.decodes):
@@ -598,6 +616,40 @@ class Engine:
                           out.v_LTKH[:, o:o + chunk.num_tokens], tables[chunk.request_id])
       if chunk.is_last:
         self._sample(chunk.request_id, logits_SV[base + j], sampled, finished)
+
+  def _step_layerwise(self, seqs: Sequence[SeqChunk], groups: int, layered: Sequence,
+                      insert_timings: list) -> Any:
+    """Layer-wise pre-loading (CachedAttention, arXiv 2403.19708, section 3.2.1): the step's
+    raw inserted chunks move host -> device layer group by layer group on the store client's
+    transfer thread (each group charged to the emulated link) while the step runs: for each
+    group g, wait for group g of every chunk, insert it (`insert_chunk_layers`), run layer
+    group g (`PagedModelRunner.step_layers`). So the step's compute overlaps the transfer:
+    about max(transfer, compute) instead of their sum. `layerwise_trace`, when a list, gets
+    ("insert", request_id, chunk index, g) and ("layers", g) events in execution order."""
+    runner, kv = self.runner, self.kv_store
+    st = runner.step_begin(seqs, groups)
+    transfers = kv.transfer([hit.kv for _, hit, _ in layered], st.groups)
+    spent = [0.0] * len(layered)
+    started = self._clock()
+    trace = self.layerwise_trace
+    for g, (l0, _) in enumerate(st.groups):
+      for i, ((ins, _, where), tr) in enumerate(zip(layered, transfers)):
+        arr = tr.wait(g, timeout_s=60.0)
+        t0 = time.perf_counter()
+        runner.insert_chunk_layers(arr, where, ins.start, l0)
+        spent[i] += time.perf_counter() - t0
+        if trace is not None:
+          trace.append(("insert", ins.request_id, ins.index, g))
+      runner.step_layers(st)
+      if trace is not None:
+        trace.append(("layers", g))
+    for (ins, hit, _), sec in zip(layered, spent):
+      insert_timings.append(InsertTiming(ins.request_id, ins.index, started, sec))
+      live = self._live.get(ins.request_id)
+      if live is not None:
+        live.metrics.num_loaded_tokens += kv.chunk_size
+        live.metrics.loaded_from_tiers.append(hit.tier)
+    return runner.step_finish(st)
 
   def _log_misses(self, reports):
     for rep in reports:

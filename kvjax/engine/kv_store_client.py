@@ -164,6 +164,50 @@ class SaveJob:
   verify_existing: bool = False
 
 
+class LayerTransfer:
+  """One staged chunk moving host -> device layer group by layer group (layer-wise
+  pre-loading, CachedAttention arXiv 2403.19708, section 3.2.1), on the client's transfer
+  thread, each group's bytes charged to the host -> device link (`KVStoreClient(device_link=)`)
+  before it is put on the device.
+
+  Attributes:
+    groups: the layer ranges `(l0, l1)`, in transfer order.
+  """
+
+  def __init__(self, groups: Sequence[tuple[int, int]]):
+    self.groups = tuple(groups)
+    self._arrays: list[Any] = [None] * len(self.groups)
+    self._error: BaseException | None = None
+    self._cond = threading.Condition()
+
+  def _set(self, g: int, array: Any = None, error: BaseException | None = None) -> None:
+    with self._cond:
+      if error is not None:
+        self._error = error
+      else:
+        self._arrays[g] = array
+      self._cond.notify_all()
+
+  def ready(self, g: int) -> bool:
+    """Whether group `g` is on the device."""
+    with self._cond:
+      return self._arrays[g] is not None
+
+  def wait(self, g: int, timeout_s: float | None = None):
+    """Blocks until layer group `g` is on the device; returns it, `[l1 - l0, 2, C, K, H]`.
+
+    Raises:
+      RuntimeError: its transfer failed, or `timeout_s` passed.
+    """
+    with self._cond:
+      if not self._cond.wait_for(lambda: self._arrays[g] is not None or self._error is not None,
+                                 timeout_s):
+        raise RuntimeError(f"layer group {g} of a chunk did not reach the device in {timeout_s} s")
+      if self._error is not None:
+        raise RuntimeError(f"moving a chunk to the device failed: {self._error!r}")
+      return self._arrays[g]
+
+
 @dataclasses.dataclass
 class SaverStats:
   jobs_done: int = 0
@@ -196,8 +240,13 @@ class KVStoreClient:
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
-               kvtc_transform_id: bytes | None = None):
+               kvtc_transform_id: bytes | None = None, device_link=None):
     self.codec = codec
+    #: The emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or None: every
+    #: staged chunk's bytes pass it on their way into the KV cache (`transfer`, `charge_device`).
+    self.device_link = device_link
+    self._transfers: queue.Queue = queue.Queue()
+    self._transfer_thread: threading.Thread | None = None
     self.kvtc_transform_id = kvtc_transform_id
     self.codec_levels = tuple(codec_levels)
     self.store = store
@@ -480,6 +529,51 @@ class KVStoreClient:
       return dataclasses.replace(self._stats, queued=len(self._queue),
                                  in_flight=len(self._reading))
 
+  # ----------------------------------------------------------------------------- host -> device
+  def transfer(self, chunks: Sequence[np.ndarray], groups: Sequence[tuple[int, int]]
+               ) -> list[LayerTransfer]:
+    """Starts moving staged raw chunks to the device in layer groups, group-major (group 0 of
+    every chunk, then group 1, ...), on one transfer thread (the link is one pipe). Each piece
+    is charged to `device_link` (when set), then put on the device. Never blocks.
+
+    Args:
+      chunks: `[L, 2, C, K, H]` host arrays (a `ChunkHit.kv`).
+      groups: layer ranges `(l0, l1)` tiling the chunks' layers, in order.
+
+    Returns:
+      One `LayerTransfer` per chunk, in order.
+    """
+    if self._transfer_thread is None:
+      self._transfer_thread = threading.Thread(target=self._transfer_loop,
+                                               name="kvjax-host-to-device", daemon=True)
+      self._transfer_thread.start()
+    out = [LayerTransfer(groups) for _ in chunks]
+    for g, (l0, l1) in enumerate(groups):
+      for t, kv in zip(out, chunks):
+        self._transfers.put((t, g, kv[l0:l1]))
+    return out
+
+  def charge_device(self, nbytes: int) -> None:
+    """Charges `nbytes` to the host -> device link (blocking), when one is set: a chunk
+    inserted whole pays its transfer before the insertion."""
+    if self.device_link is not None:
+      self.device_link.acquire_blocking(int(nbytes))
+
+  def _transfer_loop(self) -> None:
+    while True:
+      job = self._transfers.get()
+      if job is None:
+        return
+      t, g, piece = job
+      try:
+        if self.device_link is not None:
+          self.device_link.acquire_blocking(int(piece.nbytes))
+        # Not waited for here: on a CPU backend the copy would queue behind the step's compute
+        # and pace the emulated link by the engine (an accelerator's copy engine does not).
+        t._set(g, jax.device_put(np.ascontiguousarray(piece)))
+      except Exception as e:  # noqa: BLE001 - reported to the waiter
+        t._set(g, error=e)
+
   # ----------------------------------------------------------------------------- saves
   def submit_save(self, job: SaveJob) -> bool:
     """Queues a save without blocking; returns False (and counts it) when the queue is full."""
@@ -545,6 +639,9 @@ class KVStoreClient:
     if self._closed:
       return
     self._closed = True
+    if self._transfer_thread is not None:
+      self._transfers.put(None)
+      self._transfer_thread.join()
     self._jobs.put(None)
     self._saver.join()
     self._loop.call_soon_threadsafe(self._loop.stop)

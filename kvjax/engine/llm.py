@@ -22,7 +22,7 @@ from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSI
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import build_paged_runner
+from kvjax.models.paged_runner import build_paged_runner, layer_groups
 from kvjax.models.registry import DEFAULT_MODEL, load_model
 from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
@@ -31,6 +31,7 @@ from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
 from kvjax.scheduler.request import SamplingParams
 from kvjax.scheduler.scheduler import SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
+from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
 from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
@@ -233,6 +234,14 @@ class LLM:
       (`generate`, the server); every other process calls `follow()`, which runs each device
       call process 0 sends it until process 0 closes (`kvjax.models.multihost`). A store
       (raw codec only) is read and written by process 0. None (default): one process.
+    kv_layerwise_groups: paged, with a store: layer-wise pre-loading (CachedAttention, arXiv
+      2403.19708, section 3.2.1): a step that inserts stored raw chunks runs its compute as this
+      many layer groups, moving each chunk to the device group by group and inserting group g
+      just before the step's tokens run through it, so the transfer overlaps the compute.
+      1 (default): off (chunks are inserted whole, then the step runs in one call).
+    kv_device_link_bytes_per_s: emulated host -> device bandwidth, bytes/s, that every stored
+      chunk pays on its way into the KV cache (a `LinkLimiter`; the CPU has no such link);
+      None (default): not emulated.
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -255,7 +264,8 @@ class LLM:
                max_sessions: int = DEFAULT_MAX_SESSIONS,
                max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS,
                tensor_parallel_size: int = 1, coordinator_address: str | None = None,
-               num_processes: int | None = None, process_id: int | None = None):
+               num_processes: int | None = None, process_id: int | None = None,
+               kv_layerwise_groups: int = 1, kv_device_link_bytes_per_s: float | None = None):
     multihost_run = initialize_distributed(coordinator_address, num_processes, process_id)
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
                                    max_tokens=max_session_tokens)
@@ -334,10 +344,25 @@ class LLM:
           os.path.join(cache_root, "params") if cache_root else None)
       runner.set_kvtc_transform(self.kvtc_transform)
     self.kv_store = None
+    if isinstance(kv_layerwise_groups, bool) or not isinstance(kv_layerwise_groups, int) or (
+        not 1 <= kv_layerwise_groups <= loaded.config.n_layers):
+      raise ValueError(f"kv_layerwise_groups={kv_layerwise_groups!r} must be an int in [1, "
+                       f"{loaded.config.n_layers}] (the model's layers)")
+    if kv_layerwise_groups > 1 and tensor_parallel_size > 1:
+      raise ValueError(f"kv_layerwise_groups={kv_layerwise_groups} runs on one device; "
+                       f"tensor_parallel_size={tensor_parallel_size} shards the layers' "
+                       "parameters, which the layer-group programs do not")
+    if kv_device_link_bytes_per_s is not None and (
+        isinstance(kv_device_link_bytes_per_s, bool)
+        or not isinstance(kv_device_link_bytes_per_s, (int, float))
+        or not kv_device_link_bytes_per_s > 0):
+      raise ValueError(f"kv_device_link_bytes_per_s={kv_device_link_bytes_per_s!r} must be a "
+                       "positive number of bytes/s or None")
     if kv_store is not None:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
                                               kv_link_trace, runner, kv_codec,
-                                              kv_codec_levels)
+                                              kv_codec_levels,
+                                              device_link_bytes_per_s=kv_device_link_bytes_per_s)
     remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
         kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
@@ -346,7 +371,9 @@ class LLM:
                          link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S,
                          consistent=self._consistent(kv_codec_consistent, kv_codec,
                                                      kv_chunk_size, sched),
-                         enable_prefix_caching=enable_prefix_caching)
+                         enable_prefix_caching=enable_prefix_caching,
+                         layerwise_groups=kv_layerwise_groups)
+    self._layerwise_groups = kv_layerwise_groups
     self._warm = False
     self._closed = False
     if compile_on_init and not self.is_follower:
@@ -368,7 +395,8 @@ class LLM:
 
   def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
                          runner: ModelRunner, codec: str = "raw",
-                         codec_levels: tuple[int, ...] = (0,)) -> KVStoreClient:
+                         codec_levels: tuple[int, ...] = (0,), *,
+                         device_link_bytes_per_s: float | None = None) -> KVStoreClient:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
         0 < chunk_size < runner.max_seq_len):
       raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
@@ -407,7 +435,9 @@ class LLM:
     tid = self.kvtc_transform.transform_id if self.kvtc_transform is not None else None
     return KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
                          kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
-                         codec_levels=codec_levels, kvtc_transform_id=tid)
+                         codec_levels=codec_levels, kvtc_transform_id=tid,
+                         device_link=(LinkLimiter(device_link_bytes_per_s)
+                                      if device_link_bytes_per_s is not None else None))
 
   def follow(self) -> None:
     """Multi-host, processes other than 0: runs the device calls process 0 sends (its steps,
@@ -447,6 +477,11 @@ class LLM:
       where = 0 if self.engine.kv_cache_layout == "slotted" else tuple(
           range(layout.chunk_size // runner.block_size))
       runner.insert_chunk(kv, where, 0)
+      if self._layerwise_groups > 1 and self.engine.kv_cache_layout == "paged":
+        runner.warmup_layerwise(self._layerwise_groups)
+        for l0, l1 in sorted({(0, l1 - l0) for l0, l1 in
+                              layer_groups(layout.num_layers, self._layerwise_groups)}):
+          runner.insert_chunk_layers(kv[l0:l1], where, 0, 0)
       if store.codec != "raw":
         _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels)[0]
         runner.insert_payload(store.codec, jax.device_get(arrays), where, 0)

@@ -363,3 +363,90 @@ class Llama(nnx.Module):
     logits_BV = self._logits(x_BTD)[:, 0]
     lengths = jnp.where(active_B, positions_B + 1, cache.lengths_B)
     return logits_BV, KVCache(k_cache, v_cache, lengths)
+
+
+# ------------------------------------------------------------------------------- layer groups
+# Layer-wise pre-loading (CachedAttention, arXiv 2403.19708, section 3.2.1): a ragged step run
+# as embed -> layer groups -> logits, so the engine can insert layer group g of a stored chunk
+# just before the step's tokens run through group g. Additive to `ragged_step` (which is left
+# as it is); `PagedModelRunner.step_begin/step_layers/step_finish` call these.
+
+
+def ragged_embed(model: Llama, tokens_T: jax.Array) -> jax.Array:
+  """The step's hidden states before layer 0: [1, T, D] in the compute dtype."""
+  return jnp.take(model.embed[...], tokens_T, axis=0)[None].astype(model.dtype)
+
+
+def ragged_logits(model: Llama, x_1TD: jax.Array, logits_indices_S: jax.Array) -> jax.Array:
+  """f32[S, V] logits (final norm, head) at each sequence's last token row of `x_1TD`."""
+  return model._logits(jnp.take(x_1TD, logits_indices_S, axis=1))[0]
+
+
+def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_T: jax.Array,
+                  slot_mapping_T: jax.Array, block_tables_SM: jax.Array,
+                  context_lens_S: jax.Array, query_start_loc_S1: jax.Array, num_seqs: jax.Array,
+                  layer_start: jax.Array, *, num_layers: int, attention_impl: str | None = None,
+                  group_params: Mapping[str, jax.Array] | None = None
+                  ) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
+  """Layers `[layer_start, layer_start + num_layers)` of `Llama.ragged_step`, scanned.
+
+  The same per-layer computation as `ragged_step` (write the step's K after RoPE and V into the
+  pool, then paged attention over the flat `[L * P, B, K, H]` view) over a static-size slice of
+  the stacked layer parameters starting at a traced layer index, so groups of equal size share
+  one compiled program. Running groups that tile `[0, L)` in order between `ragged_embed` and
+  `ragged_logits` computes what one `ragged_step` call does.
+
+  Args:
+    model: the model.
+    pool: the paged pool (donated by the jitted caller).
+    x_1TD: [1, T, D] hidden states entering layer `layer_start`.
+    positions_T .. num_seqs: as `Llama.ragged_step`.
+    layer_start: int32 scalar, the group's first layer.
+    num_layers: layers in the group (static), `layer_start + num_layers <= L`.
+    attention_impl: `paged_attention` implementation (static).
+    group_params: the group's stacked layer parameters `{name: [num_layers, ...]}`, sliced
+      ahead of time; None slices them here (a dynamic slice that XLA's CPU backend fuses into
+      the matmuls, about 2x slower per layer on the 2-core VM, so the runner passes them).
+
+  Returns:
+    ([1, T, D] hidden states after the group, the updated pool, [num_layers, T, K, H] keys
+     before RoPE, [num_layers, T, K, H] values).
+  """
+  cfg, dtype = model.cfg, model.dtype
+  l_, p_, b_, k_, h_ = pool.k_LPBKH.shape
+  inv_freq = model.inv_freq[...]
+  stacked = dict(group_params) if group_params is not None else {
+      k: jax.lax.dynamic_slice_in_dim(v, layer_start, num_layers, axis=0)
+      for k, v in model.layers.stacked().items()}
+  positions_1T = positions_T[None]
+  n_slots = l_ * p_ * b_
+
+  def layer(carry, xs):
+    x, k_flat, v_flat = carry
+    p, i = xs
+    p = {k: v.astype(dtype) for k, v in p.items()}
+    h = layers.rms_norm(x, p["attn_norm"], cfg.rms_eps)
+    q_1TNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
+    k_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
+    v_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
+    q_1TNH = layers.apply_rope(q_1TNH, positions_1T, inv_freq)
+    k_rot_1TKH = layers.apply_rope(k_1TKH, positions_1T, inv_freq)
+    where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
+    k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
+    v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
+    attn_TNH = paged_attention(
+        q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
+        block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs,
+        implementation=attention_impl)
+    x = x + jnp.einsum("BTNH,NHD->BTD", attn_TNH[None].astype(x.dtype), p["wo"])
+    h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+    x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+    return (x, k_flat, v_flat), (k_1TKH[0], v_1TKH[0])
+
+  layer_ids = layer_start + jnp.arange(num_layers, dtype=jnp.int32)
+  k_flat = pool.k_LPBKH.reshape(n_slots, k_, h_)
+  v_flat = pool.v_LPBKH.reshape(n_slots, k_, h_)
+  (x_1TD, k_flat, v_flat), (k_pre_GTKH, v_GTKH) = jax.lax.scan(
+      layer, (x_1TD, k_flat, v_flat), (stacked, layer_ids))
+  new_pool = PagedKVCache(k_flat.reshape(pool.k_LPBKH.shape), v_flat.reshape(pool.v_LPBKH.shape))
+  return x_1TD, new_pool, k_pre_GTKH, v_GTKH

@@ -29,7 +29,8 @@ from kvjax.kernels import kv_codec
 from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_block_nbytes,
                                    write_chunk_blocks)
 from kvjax.models.layers import apply_rope
-from kvjax.models.llama import Llama
+from kvjax.models.llama import (LAYER_PARAMS, Llama, ragged_embed, ragged_layers,
+                                ragged_logits)
 from kvjax.models.runner import DEFAULT_CHUNK_SIZES, level_encoder
 from kvjax.models import multihost
 from kvjax.models.sharding import TensorParallel, put
@@ -137,6 +138,49 @@ class SeqChunk:
   block_ids: Sequence[int]
 
 
+def layer_groups(num_layers: int, groups: int) -> tuple[tuple[int, int], ...]:
+  """Splits layers `[0, num_layers)` into `groups` contiguous ranges `(l0, l1)`, in order, of
+  at most two sizes (`ceil(L / G)` first, then one smaller), so at most two group programs
+  compile per token bucket.
+
+  Raises:
+    ValueError: `groups` outside [1, num_layers].
+  """
+  if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= num_layers:
+    raise ValueError(f"layer groups={groups!r} must be an int in [1, {num_layers}]")
+  size = -(-num_layers // groups)
+  big = num_layers - groups * (size - 1)  # groups of `size`; the rest have size - 1
+  out, l0 = [], 0
+  for g in range(groups):
+    n = size if g < big else size - 1
+    out.append((l0, l0 + n))
+    l0 += n
+  return tuple(out)
+
+
+@dataclasses.dataclass
+class LayerwiseStep:
+  """A ragged step in progress, run layer group by layer group (`PagedModelRunner.step_begin`).
+
+  Attributes:
+    groups: the layer ranges `(l0, l1)`, in order.
+    next_group: the index of the group `step_layers` runs next.
+    n_seqs: the step's sequences; n_tokens: its real tokens; offsets: first row of each.
+  """
+
+  groups: tuple[tuple[int, int], ...]
+  n_seqs: int
+  n_tokens: int
+  offsets: tuple[int, ...]
+  arrays: tuple = ()
+  x: object = None
+  rows: object = None
+  k_pre: list = dataclasses.field(default_factory=list)
+  v: list = dataclasses.field(default_factory=list)
+  next_group: int = 0
+  bucket: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
   """What one ragged step returns (device arrays).
@@ -189,6 +233,9 @@ class PagedModelRunner:
     self.max_step_seqs = (2 * config.max_num_seqs
                           + config.max_num_batched_tokens // config.chunk_sizes[0] + 1)
     graphdef, self.state = nnx.split(model)
+    self._graphdef = graphdef  # for the layer-group programs (`_layerwise_jits`)
+    self._lw_jits: dict | None = None
+    self._lw_params: dict[tuple[int, int], dict] = {}
     self._cache_dtype = config.cache_dtype or model.dtype
     self.tp = tp = tensor_parallel
     #: Multi-host (issue 14): process 0 sends every device call to the other processes.
@@ -458,6 +505,187 @@ class PagedModelRunner:
       else:
         raise RuntimeError(f"unknown multi-host opcode {op}")
 
+  # ----------------------------------------------------------------------------- layer groups
+  def _pack(self, seqs: Sequence[SeqChunk]):
+    """The step's padded arrays (as `step` builds them): (bucket, arrays, rows, offsets)."""
+    if not seqs:
+      raise ValueError("a step needs at least one sequence")
+    b = self.block_size
+    n_tokens = sum(len(s.token_ids) for s in seqs)
+    t = self.bucket_for(n_tokens)
+    s_max = min(t, self.max_step_seqs)
+    if len(seqs) > s_max:
+      raise ValueError(f"{len(seqs)} sequences in a step of {t} tokens; at most {s_max}")
+    m = self.max_blocks_per_seq
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slots = np.full(t, -1, np.int32)
+    tables = np.zeros((s_max, m), np.int32)
+    lens = np.zeros(s_max, np.int32)
+    qsl = np.zeros(s_max + 1, np.int32)
+    rows = np.zeros(s_max, np.int32)
+    offsets = []
+    o = 0
+    for i, s in enumerate(seqs):
+      n = len(s.token_ids)
+      end = s.start + n
+      ids = np.asarray(s.block_ids, np.int32)
+      if n < 1 or s.start < 0 or end > self.max_seq_len or -(-end // b) > len(ids):
+        raise ValueError(f"sequence {i}: positions [{s.start}, {end}) with {len(ids)} blocks of "
+                         f"{b} (max_seq_len {self.max_seq_len})")
+      pos = np.arange(s.start, end, dtype=np.int32)
+      tokens[o:o + n] = s.token_ids
+      positions[o:o + n] = pos
+      slots[o:o + n] = ids[pos // b] * b + pos % b
+      tables[i, :len(ids)] = ids
+      lens[i] = end
+      offsets.append(o)
+      o += n
+      qsl[i + 1] = o
+      rows[i] = o - 1
+    qsl[len(seqs) + 1:] = o
+    return t, n_tokens, (tokens, positions, slots, tables, lens, qsl, np.int32(len(seqs))), (
+        rows, tuple(offsets))
+
+  def step_begin(self, seqs: Sequence[SeqChunk], groups: int) -> LayerwiseStep:
+    """Starts a step run as `groups` layer-group calls (layer-wise pre-loading, CachedAttention
+    arXiv 2403.19708 section 3.2.1): embeds the tokens. Then call `step_layers` once per group
+    (inserting a stored chunk's layers `[l0, l1)` before group `(l0, l1)` runs, with
+    `insert_chunk_layers`), then `step_finish`. The result equals `step(seqs)`'s (same
+    per-layer computation; within float rounding of a different XLA fusion).
+
+    Args:
+      seqs: as `step`.
+      groups: layer groups, 1 to L (`layer_groups`).
+
+    Raises:
+      ValueError: as `step`, or a bad `groups`.
+    """
+    fns = self._layerwise_jits()
+    t, n_tokens, arrays, (rows, offsets) = self._pack(seqs)
+    x = fns["begin"](self.state, arrays[0])
+    return LayerwiseStep(groups=layer_groups(self.model_config.n_layers, groups),
+                         n_seqs=len(seqs), n_tokens=n_tokens, offsets=offsets, arrays=arrays,
+                         x=x, rows=rows, bucket=t)
+
+  def step_layers(self, st: LayerwiseStep) -> tuple[int, int]:
+    """Runs the step's next layer group (one jit'd scan over its layers); returns its range.
+
+    Raises:
+      ValueError: every group has run already.
+    """
+    if st.next_group >= len(st.groups):
+      raise ValueError(f"all {len(st.groups)} layer groups of this step have run")
+    l0, l1 = st.groups[st.next_group]
+    fn = self._layerwise_jits()["layers"](l1 - l0)
+    st.x, self.pool, k_pre, v = fn(self.state, self._group_params(l0, l1), self.pool, st.x,
+                                   *st.arrays[1:], np.int32(l0))
+    st.k_pre.append(k_pre)
+    st.v.append(v)
+    st.next_group += 1
+    return l0, l1
+
+  def step_finish(self, st: LayerwiseStep) -> StepOutput:
+    """Final norm and logits after the last group: the step's `StepOutput`.
+
+    Raises:
+      ValueError: some layer group has not run.
+    """
+    if st.next_group != len(st.groups):
+      raise ValueError(f"{st.next_group} of {len(st.groups)} layer groups have run")
+    logits = self._layerwise_jits()["finish"](self.state, st.x, st.rows)
+    n = st.n_tokens
+    k_pre = jnp.concatenate(st.k_pre, axis=0) if len(st.k_pre) > 1 else st.k_pre[0]
+    v = jnp.concatenate(st.v, axis=0) if len(st.v) > 1 else st.v[0]
+    return StepOutput(logits_SV=logits[:st.n_seqs], k_pre_rope_LTKH=k_pre[:, :n],
+                      v_LTKH=v[:, :n], offsets=st.offsets)
+
+  def step_grouped(self, seqs: Sequence[SeqChunk], groups: int) -> StepOutput:
+    """`step_begin`, every `step_layers`, `step_finish`: a step in `groups` calls (tests,
+    benchmarks of the split's cost)."""
+    st = self.step_begin(seqs, groups)
+    while st.next_group < len(st.groups):
+      self.step_layers(st)
+    return self.step_finish(st)
+
+  def _layerwise_jits(self) -> dict:
+    if self._lw_jits is not None:
+      return self._lw_jits
+    graphdef = self._graphdef
+    impl = self.config.attention_impl
+    inv_freq = self._inv_freq
+
+    def begin(state, tokens):
+      return ragged_embed(nnx.merge(graphdef, state), tokens)
+
+    def finish(state, x, rows):
+      return ragged_logits(nnx.merge(graphdef, state), x, rows)
+
+    per_size: dict[int, object] = {}
+
+    def layers(n: int):
+      if n not in per_size:
+        def run(state, params, pool, x, positions, slots, tables, lens, qsl, num_seqs, l0):
+          return ragged_layers(nnx.merge(graphdef, state), pool, x, positions, slots, tables,
+                               lens, qsl, num_seqs, l0, num_layers=n, attention_impl=impl,
+                               group_params=params)
+        per_size[n] = jax.jit(run, donate_argnums=(2,))
+      return per_size[n]
+
+    def insert_layers(pool, kv_G2CKH, block_ids, start, l0):
+      g, _, c = kv_G2CKH.shape[:3]
+      positions_1C = (start + jnp.arange(c, dtype=jnp.int32))[None]
+      k = apply_rope(kv_G2CKH[:, 0], positions_1C, inv_freq)
+      r, b = block_ids.shape[0], pool.block_size
+      k_, h_ = k.shape[2:]
+      li = (l0 + jnp.arange(g, dtype=jnp.int32))[:, None]
+      kp = pool.k_LPBKH.at[li, block_ids[None]].set(
+          k.reshape(g, r, b, k_, h_).astype(pool.k_LPBKH.dtype))
+      vp = pool.v_LPBKH.at[li, block_ids[None]].set(
+          kv_G2CKH[:, 1].reshape(g, r, b, k_, h_).astype(pool.v_LPBKH.dtype))
+      return type(pool)(kp, vp)
+
+    jits = {"begin": jax.jit(begin), "finish": jax.jit(finish), "layers": layers,
+            "insert": jax.jit(insert_layers, donate_argnums=(0,))}
+    self._lw_jits = jits
+    return jits
+
+  def _group_params(self, l0: int, l1: int) -> dict:
+    """Layers `[l0, l1)`'s stacked parameters as their own device arrays (sliced once, then
+    kept: a group's copy of the weights; the whole model's for every group)."""
+    key = (l0, l1)
+    if key not in self._lw_params:
+      layers_state = self.state["layers"]
+      self._lw_params[key] = {name: jnp.asarray(layers_state[name][...][l0:l1])
+                              for name in LAYER_PARAMS}
+    return self._lw_params[key]
+
+  def insert_chunk_layers(self, kv_G2CKH, block_ids: Sequence[int], start: int,
+                          layer_start: int) -> None:
+    """Writes layers `[layer_start, layer_start + G)` of a stored chunk (K before RoPE, and V)
+    into its blocks, rotating K to positions `[start, start + C)`; other layers are untouched.
+    Inserting every group of a chunk writes what `insert_chunk` writes.
+
+    Args:
+      kv_G2CKH: [G, 2, C, K, H] those layers of the chunk, host or device, any float dtype.
+      block_ids: the C / B blocks holding those positions, in order.
+      start: position of the chunk's first token, a multiple of B.
+      layer_start: the first layer, `layer_start + G <= L`.
+
+    Raises:
+      ValueError: a shape that does not match the model, or blocks that do not fit the chunk.
+    """
+    cfg = self.model_config
+    g = kv_G2CKH.shape[0]
+    want = (g, 2, kv_G2CKH.shape[2], cfg.n_kv_heads, cfg.head_dim)
+    if tuple(kv_G2CKH.shape) != want or not 0 <= layer_start <= cfg.n_layers - g or g < 1:
+      raise ValueError(f"layers [{layer_start}, {layer_start + g}) of shape "
+                       f"{tuple(kv_G2CKH.shape)}; the model wants {want} within "
+                       f"{cfg.n_layers} layers")
+    ids = self._check_chunk(kv_G2CKH.shape[2], block_ids, start)
+    self.pool = self._layerwise_jits()["insert"](self.pool, kv_G2CKH, ids, np.int32(start),
+                                                np.int32(layer_start))
+
   def _check_chunk(self, c: int, block_ids: Sequence[int], start: int) -> np.ndarray:
     b = self.block_size
     ids = np.asarray(block_ids, np.int32)
@@ -601,6 +829,25 @@ class PagedModelRunner:
     for leaf in jax.tree_util.tree_leaves((self.state, self.pool)):
       if isinstance(leaf, jax.Array) and not leaf.is_deleted():
         leaf.delete()
+
+  def warmup_layerwise(self, groups: int) -> None:
+    """Compiles the layer-group programs of every token bucket (`step_begin`, each group size
+    of `layer_groups(L, groups)`, `step_finish`). Writes nothing (every slot is padding)."""
+    fns = self._layerwise_jits()
+    sizes = sorted({l1 - l0 for l0, l1 in layer_groups(self.model_config.n_layers, groups)})
+    for t in self.buckets:
+      s_max = min(t, self.max_step_seqs)
+      arrays = (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32),
+                np.zeros((s_max, self.max_blocks_per_seq), np.int32),
+                np.zeros(s_max, np.int32), np.zeros(s_max + 1, np.int32), np.int32(0))
+      x = fns["begin"](self.state, arrays[0])
+      todo = list(sizes)
+      for l0, l1 in layer_groups(self.model_config.n_layers, groups):
+        if l1 - l0 in todo:
+          todo.remove(l1 - l0)
+          _, self.pool, _, _ = fns["layers"](l1 - l0)(
+              self.state, self._group_params(l0, l1), self.pool, x, *arrays[1:], np.int32(l0))
+      jax.block_until_ready(fns["finish"](self.state, x, np.zeros(s_max, np.int32)))
 
   def warmup(self) -> None:
     """Compiles every token bucket of the step. Writes nothing (every slot is padding)."""

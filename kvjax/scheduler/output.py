@@ -141,6 +141,10 @@ class SchedulerOutput:
       the executor drops their loads and partial chunk pieces; they recompute later.
     device_hits: paged layout only: (request_id, tokens) served from the device prefix cache
       at this plan's admissions (whole blocks, shared without a copy).
+    layer_groups: paged layout: run this step's compute as this many layer-group calls and
+      insert each raw inserted chunk layer group by layer group, group g of every chunk before
+      the step's tokens run through layer group g (layer-wise pre-loading, CachedAttention
+      arXiv 2403.19708 section 3.2.1); 1: inserts first, then one step call.
   """
 
   finished_request_ids: tuple[RequestId, ...] = ()
@@ -153,6 +157,7 @@ class SchedulerOutput:
   block_tables: tuple[tuple[RequestId, tuple[int, ...]], ...] = ()
   preempted: tuple[RequestId, ...] = ()
   device_hits: tuple[tuple[RequestId, int], ...] = ()
+  layer_groups: int = 1
 
   @property
   def num_scheduled_tokens(self) -> int:

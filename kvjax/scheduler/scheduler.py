@@ -101,6 +101,12 @@ class LoadConfig:
     kv_ttft_target_s: pick encodings for this TTFT target instead of for the time compute would
       finish each chunk (CacheGen, arXiv 2310.07240, section 5.3).
     check_writes: keep each merge's per-position writer map (raises on a double write).
+    layerwise_groups: layer-wise pre-loading (CachedAttention, arXiv 2403.19708, section
+      3.2.1): a step that inserts stored chunks and computes runs as this many layer groups,
+      each chunk's group g inserted just before group g runs, so the host -> device transfer
+      overlaps the step's compute; a request's landed chunks wait staged while its other loads
+      are in flight (when the staging budget holds them), so they go in with the step that
+      computes after them. 1 (default): off.
   """
 
   merge_mode: str = "cake"
@@ -110,8 +116,12 @@ class LoadConfig:
   staging_bytes: int = 1 << 30
   kv_ttft_target_s: float | None = None
   check_writes: bool = False
+  layerwise_groups: int = 1
 
   def __post_init__(self):
+    g = self.layerwise_groups
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+      raise ValueError(f"layerwise_groups={g!r} must be an int >= 1")
     try:
       MergeMode(self.merge_mode)
     except ValueError:
@@ -471,10 +481,12 @@ class Scheduler:
         if t is not None:
           wait_s = min(wait_s, max(0.0, t - now_s))
     finished, self._finished_ids = tuple(self._finished_ids), []
+    layer_groups = (self.load_config.layerwise_groups
+                    if inserts and (decodes or prefills) and self.kv_cache is not None else 1)
     return SchedulerOutput(finished_request_ids=finished, releases=releases, loads=loads,
                            inserts=inserts, decodes=tuple(decodes), prefills=tuple(prefills),
                            wait_s=wait_s, block_tables=block_tables, preempted=preempted,
-                           device_hits=device_hits)
+                           device_hits=device_hits, layer_groups=layer_groups)
 
   # ----------------------------------------------------------------------------- blocks
   def _admit_blocks(self, r: Request, budget: int) -> bool:
@@ -551,16 +563,40 @@ class Scheduler:
   def _plan_inserts(self) -> tuple[InsertItem, ...]:
     """Landed chunks of requests that hold a slot: inserted this step (marked resident now)."""
     out = []
+    held = 0  # staged bytes the deferring requests hold or will, at most the staging budget
     for r in self.running.values():
       prefix = self._prefix.get(r.request_id)
       if prefix is None:
         continue
       m = prefix.merge
+      if self.load_config.layerwise_groups > 1 and self.kv_cache is not None:
+        need = self._defer_bytes(prefix)
+        if need is not None and held + need <= self.load_config.staging_bytes:
+          held += need
+          continue  # layer-wise: insert them with the step that computes after them
       for j, st in enumerate(m.states):
         if st is ChunkState.LANDED:
           m.inserted(j)
           out.append(InsertItem(r.request_id, j, r.slot, j * m.chunk_size))
     return tuple(out)
+
+  @staticmethod
+  def _defer_bytes(prefix) -> int | None:
+    """Layer-wise pre-loading: the stored bytes (landed plus in flight) a request holds while
+    its landed chunks wait for its other loads, or None when they must go in now (nothing
+    landed, no load in flight, or compute waits at a landed chunk)."""
+    m = prefix.merge
+    states = m.states
+    landed = sum(s is ChunkState.LANDED for s in states)
+    if not landed or not m.in_flight:
+      return None
+    p, c = m.frontier, m.chunk_size
+    if (m.mode is MergeMode.CAKE and p < m.prefix_tokens and p % c == 0
+        and states[p // c] is ChunkState.LANDED):
+      return None  # compute waits at it: it goes in now
+    nbytes = max((max(ch.nbytes for ch in st.candidates) for st in prefix.stored.chunks
+                  if st is not None and st.candidates), default=0)
+    return (landed + len(m.in_flight)) * nbytes
 
   def _plan_loads(self, now_s: float | None) -> tuple[LoadItem, ...]:
     """Each merge's next loads (last chunk first), running requests first, then queued ones."""

@@ -1,0 +1,117 @@
+"""Layer-wise pre-loading (CachedAttention, arXiv 2403.19708, section 3.2.1) on the tiny model:
+a store hit inserted layer group by layer group inside the step gives the same greedy tokens and
+first-token log-probs as the whole-chunk path, the order is group g of every chunk before layer
+group g runs, and the split step equals the one-call step."""
+
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from kvjax import LLM, SamplingParams
+from kvjax.models.kv_cache import paged_block_nbytes
+from kvjax.models.llama import Llama
+from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig, SeqChunk,
+                                       layer_groups)
+from kvjax.models.registry import load_model
+from kvjax.storage import StoreConfig, TierConfig
+
+B, C = 16, 32
+CHUNKS = (16, 32, 64)
+TINY = load_model("tiny")
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, logprobs=5)
+RNG = np.random.default_rng(7)
+HISTORY = [int(t) for t in RNG.integers(0, 256, 130)]
+NEW = [int(t) for t in RNG.integers(0, 256, 20)]
+
+
+def llm(groups, **kw):
+  store = StoreConfig((TierConfig("host", capacity_bytes=64 << 20),
+                       TierConfig("disk", url="memory://")))
+  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, kv_cache_layout="paged", block_size=B,
+             kv_cache_memory_bytes=256 * paged_block_nbytes(TINY.config, B, jnp.float32),
+             kv_store=store, kv_chunk_size=C, enable_prefix_caching=False,
+             kv_layerwise_groups=groups, **kw)
+
+
+def run_hit(engine_llm):
+  """Stores HISTORY's chunks (turn 1), then serves HISTORY + NEW from the store (turn 2)."""
+  engine_llm.generate([{"prompt_token_ids": HISTORY}], SamplingParams(max_tokens=1))
+  engine_llm.flush()
+  return engine_llm.generate([{"prompt_token_ids": HISTORY + NEW}], GREEDY)[0]
+
+
+class LayerGroupsTest(parameterized.TestCase):
+
+  def test_layer_groups_tile_in_order(self):
+    self.assertEqual(layer_groups(30, 4), ((0, 8), (8, 16), (16, 23), (23, 30)))
+    self.assertEqual(layer_groups(30, 1), ((0, 30),))
+    self.assertEqual(layer_groups(2, 2), ((0, 1), (1, 2)))
+    for bad in (0, 31, True):
+      with self.assertRaises(ValueError):
+        layer_groups(30, bad)
+
+  def test_split_step_equals_one_call(self):
+    model = Llama.from_params(TINY.config, TINY.params)
+    cfg = PagedRunnerConfig(num_blocks=64, block_size=B, chunk_sizes=CHUNKS,
+                            max_num_batched_tokens=128)
+    one, split = PagedModelRunner(model, cfg), PagedModelRunner(model, cfg)
+    toks = [int(t) for t in RNG.integers(0, 256, 70)]
+    kv = RNG.standard_normal((TINY.config.n_layers, 2, C, TINY.config.n_kv_heads,
+                              TINY.config.head_dim)).astype(np.float32)
+    one.insert_chunk(kv, [20, 21], 0)
+    for l0, l1 in layer_groups(TINY.config.n_layers, 2):
+      split.insert_chunk_layers(kv[l0:l1], [20, 21], 0, l0)
+    seqs = [SeqChunk(toks[:40], C, [20, 21] + list(range(2, 8))),
+            SeqChunk(toks[40:], 0, list(range(8, 16)))]
+    a, b = one.step(seqs), split.step_grouped(seqs, 2)
+    np.testing.assert_allclose(np.asarray(b.logits_SV), np.asarray(a.logits_SV), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(b.k_pre_rope_LTKH), np.asarray(a.k_pre_rope_LTKH),
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(split.pool.k_LPBKH), np.asarray(one.pool.k_LPBKH),
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(split.pool.v_LPBKH), np.asarray(one.pool.v_LPBKH))
+    with self.assertRaises(ValueError):
+      split.insert_chunk_layers(kv, [20, 21], 0, 1)  # layers [1, 3) of a 2-layer model
+
+
+class LayerwiseEngineTest(parameterized.TestCase):
+
+  @parameterized.parameters("cake", "load_only")
+  def test_equals_whole_chunk_path(self, mode):
+    want = run_hit(llm(1, kv_merge_mode=mode))
+    lw = llm(2, kv_merge_mode=mode)
+    lw.engine.layerwise_trace = trace = []
+    got = run_hit(lw)
+    self.assertIn(("layers", 1), trace)  # the hit did go in layer-wise
+    self.assertEqual(got.token_ids, want.token_ids)
+    self.assertGreater(want.num_cached_tokens, 0)
+    self.assertEqual(got.num_cached_tokens, want.num_cached_tokens)
+    self.assertIn("host", got.metrics.loaded_from_tiers)
+    for g, w in zip(got.logprobs, want.logprobs):
+      self.assertEqual(set(g), set(w))
+      for k, v in w.items():
+        self.assertAlmostEqual(g[k], v, delta=1e-5)
+
+  def test_group_order_trace(self):
+    lw = llm(2, kv_merge_mode="load_only", kv_device_link_bytes_per_s=2e9)
+    trace = []
+    lw.engine.layerwise_trace = trace
+    out = run_hit(lw)
+    rid = out.request_id
+    n = (len(HISTORY) + len(NEW) - 1) // C  # stored chunks of the prompt: 0 .. n-1
+    want = []
+    for g in range(2):
+      want += [("insert", rid, j, g) for j in range(n)] + [("layers", g)]
+    self.assertEqual(trace, want)  # one layer-wise step: every chunk's group g, then group g
+    self.assertEqual(out.num_cached_tokens, n * C)
+    self.assertEqual(lw.kv_store.device_link.bytes_granted,
+                     n * lw.kv_store.layout.nbytes)
+
+  def test_bad_option(self):
+    for bad in (0, 3, True):
+      with self.assertRaises(ValueError):
+        llm(bad)
+
+
+if __name__ == "__main__":
+  absltest.main()
