@@ -98,6 +98,50 @@ def _sharded_paged_attention(mesh, implementation):
                        out_specs=heads, check_vma=False)
 
 
+def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool_shape, positions_T, slot_mapping_T,
+                 block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs, *,
+                 attention_impl, kv_head_repeat: int = 1, tp_mesh=None):
+  """The `lax.scan` body of one decoder layer over the paged pool (`Llama.ragged_step` and
+  `ragged_layers` share it): writes the step's K (after RoPE) and V into the flat pool view
+  `[L * P * B, K', H]`, runs paged attention, then the MLP. Carry (x, k_flat, v_flat), scanned
+  inputs (the layer's parameters, its layer index); outputs its pre-RoPE K and V `[T, K, H]`."""
+  l_, p_, b_, k_, h_ = pool_shape
+  positions_1T = positions_T[None]
+  n_slots = l_ * p_ * b_
+  attention = (paged_attention if tp_mesh is None
+               else _sharded_paged_attention(tp_mesh, attention_impl))
+  attention_kw = {"implementation": attention_impl} if tp_mesh is None else {}
+
+  def layer(carry, xs):
+    x, k_flat, v_flat = carry
+    p, i = xs
+    p = {k: v.astype(dtype) for k, v in p.items()}
+    h = layers.rms_norm(x, p["attn_norm"], cfg.rms_eps)
+    q_1TNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
+    k_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
+    v_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
+    q_1TNH = layers.apply_rope(q_1TNH, positions_1T, inv_freq)
+    k_rot_1TKH = layers.apply_rope(k_1TKH, positions_1T, inv_freq)
+    where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
+    if kv_head_repeat == 1:
+      k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
+      v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
+    else:  # the pool's K' = K * r heads: each KV head r times, in order
+      k_w_TKH = jnp.repeat(k_rot_1TKH[0], kv_head_repeat, axis=1)
+      v_w_TKH = jnp.repeat(v_1TKH[0], kv_head_repeat, axis=1)
+      k_flat = k_flat.at[where_T].set(k_w_TKH.astype(k_flat.dtype), mode="drop")
+      v_flat = v_flat.at[where_T].set(v_w_TKH.astype(v_flat.dtype), mode="drop")
+    attn_TNH = attention(
+        q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
+        block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs, **attention_kw)
+    x = x + jnp.einsum("BTNH,NHD->BTD", attn_TNH[None].astype(x.dtype), p["wo"])
+    h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+    x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+    return (x, k_flat, v_flat), (k_1TKH[0], v_1TKH[0])
+
+  return layer
+
+
 class Llama(nnx.Module):
   """LLaMA decoder: token embedding, L x (RMSNorm, GQA with RoPE, RMSNorm, SwiGLU), RMSNorm, head.
 
@@ -292,38 +336,11 @@ class Llama(nnx.Module):
     l_, p_, b_, k_, h_ = pool.k_LPBKH.shape
     inv_freq = self.inv_freq[...]
     stacked = self.layers.stacked()
-    positions_1T = positions_T[None]
     n_slots = l_ * p_ * b_
-
-    def layer(carry, xs):
-      x, k_flat, v_flat = carry
-      p, i = xs
-      p = {k: v.astype(dtype) for k, v in p.items()}
-      h = layers.rms_norm(x, p["attn_norm"], cfg.rms_eps)
-      q_1TNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
-      k_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
-      v_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
-      q_1TNH = layers.apply_rope(q_1TNH, positions_1T, inv_freq)
-      k_rot_1TKH = layers.apply_rope(k_1TKH, positions_1T, inv_freq)
-      where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
-      if kv_head_repeat == 1:
-        k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
-        v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
-      else:  # the pool's K' = K * r heads: each KV head r times, in order
-        k_w_TKH = jnp.repeat(k_rot_1TKH[0], kv_head_repeat, axis=1)
-        v_w_TKH = jnp.repeat(v_1TKH[0], kv_head_repeat, axis=1)
-        k_flat = k_flat.at[where_T].set(k_w_TKH.astype(k_flat.dtype), mode="drop")
-        v_flat = v_flat.at[where_T].set(v_w_TKH.astype(v_flat.dtype), mode="drop")
-      attention = (paged_attention if tp_mesh is None
-                   else _sharded_paged_attention(tp_mesh, attention_impl))
-      attn_TNH = attention(
-          q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
-          block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs,
-          **({"implementation": attention_impl} if tp_mesh is None else {}))
-      x = x + jnp.einsum("BTNH,NHD->BTD", attn_TNH[None].astype(x.dtype), p["wo"])
-      h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-      x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
-      return (x, k_flat, v_flat), (k_1TKH[0], v_1TKH[0])
+    layer = _paged_layer(cfg, dtype, inv_freq, pool.k_LPBKH.shape, positions_T, slot_mapping_T,
+                         block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs,
+                         attention_impl=attention_impl, kv_head_repeat=kv_head_repeat,
+                         tp_mesh=tp_mesh)
 
     x_1TD = jnp.take(self.embed[...], tokens_T, axis=0)[None].astype(dtype)
     layer_ids = jnp.arange(l_, dtype=jnp.int32)
@@ -418,30 +435,10 @@ def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_
   stacked = dict(group_params) if group_params is not None else {
       k: jax.lax.dynamic_slice_in_dim(v, layer_start, num_layers, axis=0)
       for k, v in model.layers.stacked().items()}
-  positions_1T = positions_T[None]
   n_slots = l_ * p_ * b_
-
-  def layer(carry, xs):
-    x, k_flat, v_flat = carry
-    p, i = xs
-    p = {k: v.astype(dtype) for k, v in p.items()}
-    h = layers.rms_norm(x, p["attn_norm"], cfg.rms_eps)
-    q_1TNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
-    k_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
-    v_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
-    q_1TNH = layers.apply_rope(q_1TNH, positions_1T, inv_freq)
-    k_rot_1TKH = layers.apply_rope(k_1TKH, positions_1T, inv_freq)
-    where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
-    k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
-    v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
-    attn_TNH = paged_attention(
-        q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
-        block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs,
-        implementation=attention_impl)
-    x = x + jnp.einsum("BTNH,NHD->BTD", attn_TNH[None].astype(x.dtype), p["wo"])
-    h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-    x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
-    return (x, k_flat, v_flat), (k_1TKH[0], v_1TKH[0])
+  layer = _paged_layer(cfg, dtype, inv_freq, pool.k_LPBKH.shape, positions_T, slot_mapping_T,
+                       block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs,
+                       attention_impl=attention_impl)
 
   layer_ids = layer_start + jnp.arange(num_layers, dtype=jnp.int32)
   k_flat = pool.k_LPBKH.reshape(n_slots, k_, h_)

@@ -399,47 +399,11 @@ class PagedModelRunner:
       ValueError: no sequences, too many tokens or sequences for the compiled sizes, or a block
         table that does not cover a sequence's positions.
     """
-    if not seqs:
-      raise ValueError("a step needs at least one sequence")
-    b = self.block_size
-    n_tokens = sum(len(s.token_ids) for s in seqs)
-    t = self.bucket_for(n_tokens)
-    s_max = min(t, self.max_step_seqs)
-    if len(seqs) > s_max:
-      raise ValueError(f"{len(seqs)} sequences in a step of {t} tokens; at most {s_max}")
-    m = self.max_blocks_per_seq
-    tokens = np.zeros(t, np.int32)
-    positions = np.zeros(t, np.int32)
-    slots = np.full(t, -1, np.int32)
-    tables = np.zeros((s_max, m), np.int32)
-    lens = np.zeros(s_max, np.int32)
-    qsl = np.zeros(s_max + 1, np.int32)
-    rows = np.zeros(s_max, np.int32)
-    offsets = []
-    o = 0
-    for i, s in enumerate(seqs):
-      n = len(s.token_ids)
-      end = s.start + n
-      ids = np.asarray(s.block_ids, np.int32)
-      if n < 1 or s.start < 0 or end > self.max_seq_len or -(-end // b) > len(ids):
-        raise ValueError(f"sequence {i}: positions [{s.start}, {end}) with {len(ids)} blocks of "
-                         f"{b} (max_seq_len {self.max_seq_len})")
-      pos = np.arange(s.start, end, dtype=np.int32)
-      tokens[o:o + n] = s.token_ids
-      positions[o:o + n] = pos
-      slots[o:o + n] = ids[pos // b] * b + pos % b
-      tables[i, :len(ids)] = ids
-      lens[i] = end
-      offsets.append(o)
-      o += n
-      qsl[i + 1] = o
-      rows[i] = o - 1
-    qsl[len(seqs) + 1:] = o
-    logits, k_pre, v = self._device_step(tokens, positions, slots, tables, lens, qsl,
-                                         np.int32(len(seqs)), rows)
+    t, n_tokens, arrays, (rows, offsets) = self._pack(seqs)
+    logits, k_pre, v = self._device_step(*arrays, rows)
     self._compiled.add(t)
     return StepOutput(logits_SV=logits[:len(seqs)], k_pre_rope_LTKH=k_pre[:, :n_tokens],
-                      v_LTKH=v[:, :n_tokens], offsets=tuple(offsets))
+                      v_LTKH=v[:, :n_tokens], offsets=offsets)
 
   def _device_step(self, *host):
     """The jit'd step on host inputs (sent to every process first when multi-host); outputs
