@@ -18,7 +18,8 @@ from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
 from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
-                                   DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry)
+                                   DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry,
+                                   check_client_salt)
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
@@ -217,6 +218,13 @@ class LLM:
     max_sessions: sessions held at once (the least recently used idle one is dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped, least recently
       used first, beyond).
+    session_truncation: a session turn whose prompt passes the context (minus `max_tokens`) or
+      its `truncate_prompt_tokens`: "none" (an error, or a plain left cut when
+      `truncate_prompt_tokens` is set) or "drop_oldest_turns" (keep the system prompt and the
+      last turn, drop whole oldest turns; CachedAttention section 3.4).
+    session_rerotate: with "drop_oldest_turns" and a store, the kept turns' stored KV is
+      re-rotated to its new positions instead of recomputed (approximate: it was computed with
+      the dropped turns in context; kept in a private namespace, never an ordinary prefix hit).
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -237,9 +245,14 @@ class LLM:
                enable_prefix_caching: bool = True,
                session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
                max_sessions: int = DEFAULT_MAX_SESSIONS,
-               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS):
+               max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS,
+               session_truncation: str = "none", session_rerotate: bool = False):
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
-                                   max_tokens=max_session_tokens)
+                                   max_tokens=max_session_tokens, truncation=session_truncation,
+                                   rerotate=session_rerotate)
+    if session_rerotate and kv_store is None:
+      raise ValueError("session_rerotate=True needs a kv_store (the kept turns' KV is read "
+                       "from it)")
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
@@ -311,6 +324,8 @@ class LLM:
                          enable_prefix_caching=enable_prefix_caching)
     self._warm = False
     self._closed = False
+    #: The last session turn's `ChatPrompt` (its truncation and re-rotation; tests, benchmarks).
+    self.last_session_prompt = None
     if compile_on_init:
       self.warmup()
 
@@ -430,6 +445,7 @@ class LLM:
       salt = prompt.get("cache_salt")
       if salt is not None and not isinstance(salt, str):
         raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+      check_client_salt(salt)
       if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
         raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
       if "prompt" in prompt:
@@ -484,7 +500,10 @@ class LLM:
                        f"{type(sampling_params).__name__} (build one: SamplingParams(max_tokens=...))")
     if len(params) != len(prompts):
       raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    encoded = [self._prompt_ids(p) for p in prompts]
+    return self._run([self._prompt_ids(p) for p in prompts], params)
+
+  def _run(self, encoded: list, params: list) -> list[RequestOutput]:
+    """Validates, queues and runs `(ids, text, salt)` prompts (salts already checked)."""
     for (ids, _, _), sp in zip(encoded, params):  # validate all before queueing any
       self.engine.validate(ids, sp)
     rids = [self.engine.add_request(ids, sp, prompt=text, cache_salt=salt)
@@ -520,6 +539,7 @@ class LLM:
       ValueError: malformed messages or parameters, a bad session id, or several conversations
         (or `add_generation_prompt=False`) with a session.
     """
+    check_client_salt(cache_salt)
     if isinstance(messages, list) and messages and isinstance(messages[0], dict):
       messages = [messages]
     if not isinstance(messages, list) or not messages:
@@ -545,13 +565,18 @@ class LLM:
                        "turn's assistant message)")
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
       raise ValueError("with session_id, sampling_params must be one SamplingParams")
+    sp = sampling_params or SamplingParams()
+    limit = sp.truncate_prompt_tokens
+    if self.sessions.config.truncation != "none":
+      limit = min(limit or self.max_model_len, self.max_model_len - sp.max_tokens)
     turn = self.sessions.begin(session_id, cache_salt)
     try:
-      prompt = self.sessions.prompt(turn, conversations[0])
-      request = {"prompt_token_ids": list(prompt.token_ids)}
-      if cache_salt is not None:
-        request["cache_salt"] = cache_salt
-      out = self.generate(request, sampling_params)[0]
+      prompt = self.sessions.prompt(turn, conversations[0], limit=limit,
+                                    cut=sp.truncate_prompt_tokens is not None)
+      prompt = self.sessions.rerotate(turn, prompt, self.engine.stage_rerotated
+                                      if self.kv_store is not None else None)
+      self.last_session_prompt = prompt
+      out = self._run([(list(prompt.token_ids), None, prompt.kv_salt)], [sp])[0]
     except BaseException:
       self.sessions.release(turn)
       raise

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 import re
 import threading
@@ -91,14 +92,23 @@ class SessionConfig:
     max_sessions: sessions held at once; beyond, the least recently used idle one is dropped.
     max_tokens: token ids held over all sessions (each session: its last turn's prompt and
       output ids); beyond, least recently used idle sessions are dropped.
+    truncation: what a turn whose prompt passes its limit (the context minus `max_tokens`, or
+      `truncate_prompt_tokens`) does: "none" (an error, or a plain left cut when
+      `truncate_prompt_tokens` asks for one) or "drop_oldest_turns" (CachedAttention section
+      3.4: keep the system prompt and the last turn, drop whole oldest turns;
+      `truncate_prompt`).
+    rerotate: with "drop_oldest_turns" and a store, re-rotate the kept turns' stored KV to
+      their new positions instead of recomputing them (approximate; private namespace).
 
   Raises:
-    ValueError: a limit that is not positive (names the option).
+    ValueError: a limit that is not positive or an unknown policy (names the option).
   """
 
   ttl_s: float | None = DEFAULT_SESSION_TTL_S
   max_sessions: int = DEFAULT_MAX_SESSIONS
   max_tokens: int = DEFAULT_MAX_SESSION_TOKENS
+  truncation: str = "none"
+  rerotate: bool = False
 
   def __post_init__(self):
     if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(
@@ -109,6 +119,13 @@ class SessionConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{option}={v!r} must be a positive int")
+    if self.truncation not in ("none", "drop_oldest_turns"):
+      raise ValueError(f"session_truncation={self.truncation!r}; use 'none' or "
+                       "'drop_oldest_turns'")
+    if not isinstance(self.rerotate, bool):
+      raise ValueError(f"session_rerotate={self.rerotate!r} must be a bool")
+    if self.rerotate and self.truncation != "drop_oldest_turns":
+      raise ValueError("session_rerotate=True needs session_truncation='drop_oldest_turns'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +144,9 @@ class Turn:
     exact: the output ids (without a final EOS) decode to exactly `output_text`; False when a
       stop string cut the text short or special tokens inside the reply were skipped. Only an
       exact turn can be extended.
+    kv_salt: the cache salt the turn's KV lives under: the session's own salt, or a private
+      re-rotated namespace (`REROTATED_SALT_PREFIX`) once a truncation re-rotated kept KV;
+      the next turn that extends this one runs under it.
   """
 
   messages: tuple[Message, ...]
@@ -136,6 +156,7 @@ class Turn:
   output_text: str
   ends_with_eos: bool
   exact: bool
+  kv_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +170,10 @@ class ChatPrompt:
     outcome: `FIRST`, `EXTENDED` or `NOT_EXTENDED`.
     reused_tokens: leading ids taken verbatim from the session's last turn (0 unless extended).
     reason: why the conversation does not extend the session (`NOT_EXTENDED` only), else None.
+    truncation: how the prompt was cut to its limit (`token_ids` are then the cut ids), or
+      None.
+    kv_salt: the cache salt the request runs under (`Turn.kv_salt`).
+    rerotated_tokens: leading prompt tokens whose KV was staged re-rotated (0 unless re-rotated).
   """
 
   token_ids: tuple[int, ...]
@@ -157,6 +182,9 @@ class ChatPrompt:
   outcome: str
   reused_tokens: int = 0
   reason: str | None = None
+  truncation: Truncation | None = None
+  kv_salt: str | None = None
+  rerotated_tokens: int = 0
 
 
 def _messages(messages: Sequence[dict[str, str]]) -> tuple[Message, ...]:
@@ -243,7 +271,8 @@ def record_turn(tokenizer: Any, prompt: ChatPrompt, output_ids: Sequence[int],
   exact = tokenizer.decode(list(body), skip_special_tokens=False) == output_text
   return Turn(messages=prompt.messages, prompt_text=prompt.text,
               token_ids=prompt.token_ids + out, num_prompt_tokens=len(prompt.token_ids),
-              output_text=output_text, ends_with_eos=ends, exact=exact)
+              output_text=output_text, ends_with_eos=ends, exact=exact,
+              kv_salt=prompt.kv_salt)
 
 
 class SessionBusy(Exception):
@@ -311,6 +340,10 @@ class SessionStats:
     evicted: idle sessions dropped over `max_sessions` or `max_tokens`.
     closed: sessions closed (DELETE, `close_session`, `LLM.close_session`).
     conflicts: turns refused because their session was busy.
+    truncated: turns whose prompt was cut to its limit.
+    dropped_turns: whole turns dropped by those cuts ("drop_oldest_turns").
+    rerotated: truncated turns that ran on re-rotated kept KV (`session_rerotate`).
+    rerotated_tokens: prompt tokens those turns loaded re-rotated (staged) instead of computing.
     open_sessions: sessions held now.
     busy_sessions: of those, with a turn in flight.
     open_tokens: token ids held over all sessions.
@@ -325,6 +358,10 @@ class SessionStats:
   evicted: int = 0
   closed: int = 0
   conflicts: int = 0
+  truncated: int = 0
+  dropped_turns: int = 0
+  rerotated: int = 0
+  rerotated_tokens: int = 0
   open_sessions: int = 0
   busy_sessions: int = 0
   open_tokens: int = 0
@@ -344,7 +381,7 @@ class _Session:
 
 
 _COUNTERS = ("turns", "first", "extended", "not_extended", "abandoned", "expired", "evicted",
-             "closed", "conflicts")
+             "closed", "conflicts", "truncated", "dropped_turns", "rerotated", "rerotated_tokens")
 
 
 class SessionRegistry:
@@ -399,9 +436,25 @@ class SessionRegistry:
       self._enforce_caps()
       return SessionTurn(session_id, cache_salt, s.turns + 1, s.turn, s.lease)
 
-  def prompt(self, turn: SessionTurn, messages: Sequence[dict[str, str]]) -> ChatPrompt:
+  def prompt(self, turn: SessionTurn, messages: Sequence[dict[str, str]], *,
+             limit: int | None = None, cut: bool = False) -> ChatPrompt:
     """The turn's prompt by the extension rule (`chat_prompt` against `turn.last`); counts
-    the outcome.
+    the outcome; then its truncation to `limit` tokens, if it passes it.
+
+    Args:
+      turn: the lease.
+      messages: the whole conversation, as the client sends it.
+      limit: prompt tokens allowed (the context minus `max_tokens`, or the request's
+        `truncate_prompt_tokens`); None: no limit.
+      cut: the request asked for truncation (`truncate_prompt_tokens`): with policy "none", a
+        plain left cut; without it, a prompt over `limit` is returned as is (the caller's
+        context check refuses it).
+
+    Returns:
+      The `ChatPrompt`: `kv_salt` is the session's salt, or, for an extension of a re-rotated
+      turn that needs no new truncation, that turn's private namespace; `truncation` is set
+      when the ids were cut (a truncated prompt runs under the session's salt unless the caller
+      stages re-rotated KV, `rerotation_salt`).
 
     Raises:
       ValueError, jinja2.TemplateError: as `chat_prompt` (release the turn then).
@@ -409,7 +462,36 @@ class SessionRegistry:
     prompt = chat_prompt(self._tokenizer, messages, turn.last)
     with self._lock:
       self._counts[prompt.outcome] += 1
-    return prompt
+    salt = turn.cache_salt
+    if prompt.outcome == EXTENDED and turn.last is not None:
+      salt = turn.last.kv_salt if turn.last.kv_salt is not None else turn.cache_salt
+    prompt = dataclasses.replace(prompt, kv_salt=salt)
+    policy = self.config.truncation
+    if limit is None or len(prompt.token_ids) <= limit or (policy == TRUNCATE_NONE and not cut):
+      return prompt
+    tr = truncate_prompt(self._tokenizer, prompt.token_ids, limit, policy=policy)
+    with self._lock:
+      self._counts["truncated"] += 1
+      self._counts["dropped_turns"] += tr.dropped_turns
+    # A cut prompt is a new sequence: its KV is exact only under the session's own salt.
+    return dataclasses.replace(prompt, token_ids=tr.token_ids,
+                               truncation=dataclasses.replace(tr, source_kv_salt=salt),
+                               kv_salt=turn.cache_salt)
+
+  def rerotate(self, turn: SessionTurn, prompt: ChatPrompt,
+               stage: Callable[..., int] | None) -> ChatPrompt:
+    """With `rerotate` on and a truncated prompt, stages the kept tokens' stored KV re-rotated
+    under a private namespace (`stage`: `Engine.stage_rerotated`, blocking) and returns the
+    prompt running under it; else (or when nothing could be staged) the prompt unchanged."""
+    tr = prompt.truncation
+    if tr is None or not self.config.rerotate or stage is None:
+      return prompt
+    salt = rerotation_salt(turn.cache_salt, tr.source_kv_salt, tr)
+    staged = stage(tr.source_ids, tr.source_kv_salt, tr.token_ids, tr.spans, salt)
+    if not staged:
+      return prompt
+    self.count_rerotated(staged)
+    return dataclasses.replace(prompt, kv_salt=salt, rerotated_tokens=staged)
 
   def finish(self, turn: SessionTurn, prompt: ChatPrompt, output_ids: Sequence[int],
              output_text: str, *, close: bool = False) -> bool:
@@ -453,6 +535,12 @@ class SessionRegistry:
       if s.fresh:
         del self._sessions[key]
       self._enforce_caps()
+
+  def count_rerotated(self, tokens: int) -> None:
+    """Counts one truncated turn that runs on `tokens` re-rotated prompt tokens."""
+    with self._lock:
+      self._counts["rerotated"] += 1
+      self._counts["rerotated_tokens"] += int(tokens)
 
   # ----------------------------------------------------------------------------- sessions
   def close(self, session_id: str, cache_salt: str | None = None) -> bool:
@@ -565,6 +653,17 @@ TRUNCATION_POLICIES = (TRUNCATE_NONE, DROP_OLDEST_TURNS)
 REROTATED_SALT_PREFIX = "kvjax-rerotated:"
 
 
+def rerotation_salt(cache_salt: str | None, source_salt: str | None,
+                    truncation: "Truncation") -> str:
+  """The private namespace salt of a truncation's re-rotated KV: a digest of the tenant's salt,
+  the namespace the source KV lives under, the source ids and the kept spans, so that the
+  same truncation of the same conversation finds the same chunks again, and nothing else does.
+  """
+  h = hashlib.sha256(repr((cache_salt, source_salt, truncation.source_ids,
+                           tuple(dataclasses.astuple(sp) for sp in truncation.spans))).encode())
+  return REROTATED_SALT_PREFIX + h.hexdigest()
+
+
 def check_client_salt(cache_salt: Any) -> None:
   """Raises ValueError for a client `cache_salt` in the reserved re-rotated namespace."""
   if isinstance(cache_salt, str) and cache_salt.startswith(REROTATED_SALT_PREFIX):
@@ -592,6 +691,8 @@ class Truncation:
     spans: the kept runs, in prompt order; together they are all of `token_ids`.
     dropped_turns: whole turns dropped (0 for a plain left cut).
     dropped_tokens: `len(source_ids) - len(token_ids)`.
+    source_kv_salt: the cache salt the source ids' KV lives under (the session's salt, or the
+      last turn's re-rotated namespace when the prompt extends it).
   """
 
   source_ids: tuple[int, ...]
@@ -599,6 +700,7 @@ class Truncation:
   spans: tuple[KeptSpan, ...]
   dropped_turns: int
   dropped_tokens: int
+  source_kv_salt: str | None = None
 
 
 def message_segments(tokenizer: Any, ids: Sequence[int]) -> list[tuple[int, int, str]] | None:

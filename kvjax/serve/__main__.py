@@ -123,6 +123,16 @@ _MAX_SESSION_TOKENS = flags.DEFINE_integer(
     "max_session_tokens", DEFAULT_MAX_SESSION_TOKENS,
     "Token ids held over all chat sessions (each: its last turn's prompt and output); beyond, "
     "least recently used idle sessions are dropped.")
+_SESSION_TRUNCATION = flags.DEFINE_enum(
+    "session_truncation", "none", ["none", "drop_oldest_turns"],
+    "A chat session turn whose prompt passes the context (minus max_tokens) or its "
+    "truncate_prompt_tokens: 'none' (400, or a plain left cut with truncate_prompt_tokens) or "
+    "'drop_oldest_turns' (keep the system prompt and the last turn, drop whole oldest turns).")
+_SESSION_REROTATE = flags.DEFINE_bool(
+    "session_rerotate", False,
+    "With --session_truncation=drop_oldest_turns and a store: re-rotate the kept turns' stored "
+    "KV to their new positions instead of recomputing them (approximate; a private namespace, "
+    "never an ordinary prefix hit).")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -163,7 +173,8 @@ def config_from_flags() -> ServerConfig:
         allowed_origins=tuple(_ALLOWED_ORIGINS.value), api_key=api_key,
         auth_health_and_metrics=_AUTH_OPEN.value,
         session_ttl_s=None if _SESSION_TTL.value == -1 else _SESSION_TTL.value,
-        max_sessions=_MAX_SESSIONS.value, max_session_tokens=_MAX_SESSION_TOKENS.value)
+        max_sessions=_MAX_SESSIONS.value, max_session_tokens=_MAX_SESSION_TOKENS.value,
+        session_truncation=_SESSION_TRUNCATION.value, session_rerotate=_SESSION_REROTATE.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
 

@@ -85,6 +85,8 @@ class ServerConfig:
       expires; None: never.
     max_sessions: sessions held at once (least recently used idle ones dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped beyond).
+    session_truncation, session_rerotate: as `LLM(...)` (a session turn over the context drops
+      its oldest turns; re-rotate the kept turns' stored KV).
 
   Raises:
     ValueError: a bad port, codec, limit, host, origin, key or session limit.
@@ -125,6 +127,8 @@ class ServerConfig:
   session_ttl_s: float | None = DEFAULT_SESSION_TTL_S
   max_sessions: int = DEFAULT_MAX_SESSIONS
   max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS
+  session_truncation: str = "none"
+  session_rerotate: bool = False
 
   def __post_init__(self):
     if self.kv_codec not in KV_CODECS:
@@ -147,7 +151,8 @@ class ServerConfig:
       raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")
     self.http_policy()  # validates hosts, origins, key and body limit
     SessionConfig(ttl_s=self.session_ttl_s, max_sessions=self.max_sessions,
-                  max_tokens=self.max_session_tokens)  # validates the session limits
+                  max_tokens=self.max_session_tokens, truncation=self.session_truncation,
+                  rerotate=self.session_rerotate)  # validates the session limits
 
   def http_policy(self) -> HttpPolicy:
     """The `guard.HttpPolicy` of these options."""
@@ -177,7 +182,8 @@ class ServerConfig:
         max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed,
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
         kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
-        max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens)
+        max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,
+        session_truncation=self.session_truncation, session_rerotate=self.session_rerotate)
     if opts["kv_cache_layout"] == "paged":
       opts.update(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                   enable_prefix_caching=self.enable_prefix_caching)
@@ -231,7 +237,9 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
                  max_model_len=llm.max_model_len, vocab_size=llm.model_config.vocab_size,
                  metrics=metrics, flush=llm.flush,
                  system_fingerprint=f"kvjax-{fingerprint[:12]}" if fingerprint else None,
-                 sessions=llm.sessions)
+                 sessions=llm.sessions,
+                 stage_rerotated=llm.engine.stage_rerotated if llm.kv_store is not None
+                 else None)
 
 
 def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:
