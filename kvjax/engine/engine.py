@@ -98,6 +98,8 @@ class RequestMetrics:
     num_wasted_chunks: loads that landed after compute had taken their chunk (dropped).
     loaded_from_tiers: tier of each loaded chunk, in order; "device" once per device prefix
       hit (paged layout), first.
+    loaded_chunks: `(chunk index, tier)` of each store chunk inserted, in insertion order (the
+      Cake merge inserts from the last chunk back).
     merge: the Cake merge trace (chunks computed, loaded and wasted, meeting index, level of each
       loaded chunk, seconds per side), or None when nothing was stored.
     lookup_s: seconds of the batched store lookup at admission (0 without a store).
@@ -113,6 +115,7 @@ class RequestMetrics:
   num_rejected_chunks: int = 0
   num_wasted_chunks: int = 0
   loaded_from_tiers: list[str] = dataclasses.field(default_factory=list)
+  loaded_chunks: list[tuple[int, str]] = dataclasses.field(default_factory=list)
   merge: MergeTrace | None = None
   lookup_s: float = 0.0
 
@@ -565,6 +568,7 @@ class Engine:
         m = self._live[ins.request_id].metrics
         m.num_loaded_tokens += kv.chunk_size
         m.loaded_from_tiers.append(hit.tier)
+        m.loaded_chunks.append((ins.index, hit.tier))
     if plan.is_empty:
       reports = kv.landed(wait_s=plan.wait_s) if kv is not None and plan.wait_s else []
       return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)),

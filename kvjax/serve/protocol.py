@@ -351,7 +351,9 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
   Keys: `request_id`; `ttft_s` (server side: request received to first token, seconds);
   `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded` (store loads and device hits),
   `tokens_device_cached` (of those, served from the device prefix cache), `cached_tokens`;
-  `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); `merge`, the Cake merge trace
+  `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); `loaded_chunks` (per store chunk
+  inserted, `{"index", "tier"}`: which tier each came from; device hits are blocks, counted in
+  `tokens_device_cached`); `merge`, the Cake merge trace
   (`MERGE_FIELDS`; null when nothing was stored) and its `meeting_index` at the top level;
   `engine_metrics`, every field of the engine's `RequestMetrics` (engine clock); and `session`
   (`session_extension`; null without a `session_id`).
@@ -366,7 +368,9 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
          "tokens_device_cached": metrics.num_device_cached_tokens,
          "cached_tokens": cached_tokens,
          "rejected_chunks": metrics.num_rejected_chunks,
-         "loaded_from_tiers": tiers}
+         "loaded_from_tiers": tiers,
+         "loaded_chunks": [{"index": int(i), "tier": str(t)}
+                           for i, t in metrics.loaded_chunks]}
   trace = metrics.merge
   out["merge"] = None if trace is None else {
       name: _json_value(getattr(trace, name)) for name in MERGE_FIELDS}
