@@ -98,8 +98,7 @@ class RequestMetrics:
     num_wasted_chunks: loads that landed after compute had taken their chunk (dropped).
     loaded_from_tiers: tier of each loaded chunk, in order; "device" once per device prefix
       hit (paged layout), first.
-    loaded_chunks: `(chunk index, tier)` of each store chunk inserted, in insertion order (the
-      Cake merge inserts from the last chunk back).
+    loaded_chunks: `(chunk index, tier)` of each store chunk inserted, in insertion order.
     merge: the Cake merge trace (chunks computed, loaded and wasted, meeting index, level of each
       loaded chunk, seconds per side), or None when nothing was stored.
     lookup_s: seconds of the batched store lookup at admission (0 without a store).

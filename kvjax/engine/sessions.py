@@ -467,7 +467,8 @@ class SessionRegistry:
       salt = turn.last.kv_salt if turn.last.kv_salt is not None else turn.cache_salt
     prompt = dataclasses.replace(prompt, kv_salt=salt)
     policy = self.config.truncation
-    if limit is None or len(prompt.token_ids) <= limit or (policy == TRUNCATE_NONE and not cut):
+    if limit is None or limit < 1 or len(prompt.token_ids) <= limit or (
+        policy == TRUNCATE_NONE and not cut):
       return prompt
     tr = truncate_prompt(self._tokenizer, prompt.token_ids, limit, policy=policy)
     with self._lock:

@@ -63,6 +63,41 @@ class TruncatePromptTest(absltest.TestCase):
     self.assertEqual(tr.token_ids, ids[250:300])
 
 
+class RegistryTruncationTest(absltest.TestCase):
+  """`SessionRegistry.prompt(limit=)`: the session goes on from the cut ids."""
+
+  def test_the_next_turn_extends_the_truncated_ids(self):
+    tok = smollm2_tokenizer()
+    reg = sessions.SessionRegistry(tok, sessions.SessionConfig(truncation="drop_oldest_turns"))
+    msgs = conv("one " * 80)
+    t = reg.begin("s")
+    p1 = reg.prompt(t, msgs, limit=1000)
+    self.assertIsNone(p1.truncation)
+    reply = tok.encode("Fine.", add_special_tokens=False) + [tok.eos_id]
+    reg.finish(t, p1, reply, "Fine.")
+    msgs += [{"role": "assistant", "content": "Fine."}, {"role": "user", "content": "two " * 80}]
+    t = reg.begin("s")
+    full = reg.prompt(t, msgs)  # no limit: the whole extension
+    reg.release(t)
+    t = reg.begin("s")
+    p2 = reg.prompt(t, msgs, limit=len(full.token_ids) - 10)
+    self.assertEqual(p2.truncation.dropped_turns, 1)
+    self.assertEqual(p2.truncation.source_ids, full.token_ids)
+    self.assertEqual(p2.token_ids, tuple(tok.encode_chat(msgs[2:])))  # default system + turn 2
+    reg.finish(t, p2, reply, "Fine.")
+    msgs += [{"role": "assistant", "content": "Fine."}, {"role": "user", "content": "three"}]
+    t = reg.begin("s")
+    p3 = reg.prompt(t, msgs, limit=10_000)
+    self.assertEqual(p3.outcome, sessions.EXTENDED)
+    self.assertEqual(p3.token_ids[:len(p2.token_ids) + len(reply)],
+                     p2.token_ids + tuple(reply))
+    self.assertIsNone(p3.truncation)
+    st = reg.stats()
+    self.assertEqual((st.truncated, st.dropped_turns, st.rerotated), (1, 1, 0))
+    # A limit below 1 (max_tokens past the context) leaves the prompt to the context check.
+    self.assertIsNone(reg.prompt(t, msgs, limit=0).truncation)
+
+
 class TruncatePromptTokensTest(absltest.TestCase):
   """`SamplingParams.truncate_prompt_tokens` and re-rotation on the tiny model (its byte
   tokenizer has no message marks: the session policy is a left cut, one shifted span)."""
