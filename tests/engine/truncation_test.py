@@ -98,6 +98,20 @@ class RegistryTruncationTest(absltest.TestCase):
     self.assertIsNone(reg.prompt(t, msgs, limit=0).truncation)
 
 
+class SessionMetricsTest(absltest.TestCase):
+
+  def test_session_hit_rate_and_truncation_families(self):
+    from kvjax.serve.metrics import _SessionCollector  # pylint: disable=g-import-not-at-top
+    st = sessions.SessionStats(first=2, extended=3, not_extended=1, truncated=2, rerotated=1,
+                               rerotated_tokens=128, dropped_turns=3)
+    got = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+           for f in _SessionCollector(lambda: st).collect() for smp in f.samples}
+    self.assertEqual(got[("kvjax_session_hit_rate", ())], 0.75)
+    self.assertEqual(got[("kvjax_session_truncations_total", (("kind", "rerotated"),))], 1)
+    self.assertEqual(got[("kvjax_session_dropped_turns_total", ())], 3)
+    self.assertEqual(got[("kvjax_session_rerotated_tokens_total", ())], 128)
+
+
 class TruncatePromptTokensTest(absltest.TestCase):
   """`SamplingParams.truncate_prompt_tokens` and re-rotation on the tiny model (its byte
   tokenizer has no message marks: the session policy is a left cut, one shifted span)."""
