@@ -121,7 +121,8 @@ class TruncatePromptTokensTest(absltest.TestCase):
     super().setUpClass()
     cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
                   max_model_len=256, kv_store="memory://", kv_chunk_size=16,
-                  session_truncation="drop_oldest_turns", session_rerotate=True)
+                  session_truncation="drop_oldest_turns", session_rerotate=True,
+                  kv_merge_mode="load_only")  # every stored chunk loads: exact hit counts
 
   @classmethod
   def tearDownClass(cls):
