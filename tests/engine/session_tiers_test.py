@@ -45,8 +45,10 @@ class SessionsOnDiskTest(absltest.TestCase):
     store = StoreConfig((TierConfig("host", capacity_bytes=3 * chunk_bytes),
                          TierConfig("disk", url=f"{tmp}/kv")))
     # Sessions never expire here: on a busy 2-core machine turn 1 of all 8 takes minutes.
+    # Load-only: every stored chunk is loaded (with Cake, compute may take the front chunks under
+    # load, which made a first run's hit count timing-dependent: 13 of 15 chunks).
     llm = LLM(kv_store=store, kv_chunk_size=CHUNK, max_model_len=4608, max_num_seqs=4,
-              session_ttl_s=None)
+              session_ttl_s=None, kv_merge_mode="load_only")
     try:
       tok = llm.get_tokenizer()
       ask = "What is the secret code word? Reply with the code word only."
@@ -74,13 +76,14 @@ class SessionsOnDiskTest(absltest.TestCase):
       colds = llm.generate([{"prompt_token_ids": list(pr.token_ids), "cache_salt": f"cold-{w}"}
                             for w, pr in zip(WORDS, prompts)], p)
       for word, out, cold in zip(WORDS, outs, colds):
-        tiers = out.metrics.loaded_from_tiers
-        # Loaded from the store, most of it from disk (the host tier holds 3 chunks).
-        self.assertGreaterEqual(out.num_cached_tokens, 15 * CHUNK)
-        self.assertGreaterEqual(tiers.count("disk"), 10, tiers)
-        self.assertIn(word.lower(), out.text.lower(), (word, out.text))
-        self.assertEqual(cold.num_cached_tokens, 0)
-        self.assertEqual(out.token_ids, cold.token_ids, word)
+        with self.subTest(word=word):
+          self.assertEqual(out.token_ids, cold.token_ids, (word, out.text, cold.text))
+          self.assertIn(word.lower(), out.text.lower(), (word, out.text))
+          self.assertEqual(cold.num_cached_tokens, 0)
+          # Loaded from the store, most of it from disk (the host tier holds 3 chunks).
+          tiers = out.metrics.loaded_from_tiers
+          self.assertGreaterEqual(out.num_cached_tokens, 15 * CHUNK)
+          self.assertGreaterEqual(tiers.count("disk"), 10, tiers)
       disk = next(t for t in llm.engine.stats().tiers if t.name == "disk")
       self.assertGreaterEqual(disk.loaded_chunks, 10 * len(WORDS))
     finally:
