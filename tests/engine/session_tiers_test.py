@@ -52,7 +52,8 @@ class SessionsOnDiskTest(absltest.TestCase):
     try:
       tok = llm.get_tokenizer()
       ask = "What is the secret code word? Reply with the code word only."
-      p = SamplingParams(max_tokens=6, temperature=0)
+      # 12 tokens: "The code word is MARIGOLD" (6 tokens cut the word: "... is MARIG").
+      p = SamplingParams(max_tokens=12, temperature=0)
       convs = []
       for i, doc in enumerate(documents(tok)):
         msgs = [{"role": "user", "content": f"{doc}\n\n{ask}"}]
