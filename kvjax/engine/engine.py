@@ -98,6 +98,7 @@ class RequestMetrics:
     num_wasted_chunks: loads that landed after compute had taken their chunk (dropped).
     loaded_from_tiers: tier of each loaded chunk, in order; "device" once per device prefix
       hit (paged layout), first.
+    loaded_chunks: `(chunk index, tier)` of each store chunk inserted, in insertion order.
     merge: the Cake merge trace (chunks computed, loaded and wasted, meeting index, level of each
       loaded chunk, seconds per side), or None when nothing was stored.
     lookup_s: seconds of the batched store lookup at admission (0 without a store).
@@ -113,6 +114,7 @@ class RequestMetrics:
   num_rejected_chunks: int = 0
   num_wasted_chunks: int = 0
   loaded_from_tiers: list[str] = dataclasses.field(default_factory=list)
+  loaded_chunks: list[tuple[int, str]] = dataclasses.field(default_factory=list)
   merge: MergeTrace | None = None
   lookup_s: float = 0.0
 
@@ -344,7 +346,8 @@ class Engine:
     return self._scheduler.kv_cache.drain_events() if self._paged else None
 
   def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-    """Checks a request before it is queued; returns the prompt as a list of ints.
+    """Checks a request before it is queued; returns the prompt as a list of ints, cut to
+    its last `params.truncate_prompt_tokens` tokens when that is set.
 
     Raises:
       ValueError: empty prompt, token ids outside the vocabulary, or prompt plus `max_tokens`
@@ -353,6 +356,8 @@ class Engine:
     ids = [int(t) for t in prompt_token_ids]
     if not ids:
       raise ValueError("the prompt is empty: give at least one token")
+    if params.truncate_prompt_tokens is not None:
+      ids = ids[-params.truncate_prompt_tokens:]
     vocab = self.runner.model_config.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
@@ -411,6 +416,62 @@ class Engine:
         namespace_root=self._namespace_root(cache_salt) if self._paged else None)
     self._live[rid] = live
     return rid
+
+  def stage_rerotated(self, source_ids: Sequence[int], source_salt: str | None,
+                      target_ids: Sequence[int], spans: Sequence[Any],
+                      target_salt: str) -> int:
+    """Stores the KV of a truncated session prompt's kept tokens, re-rotated, under a private
+    namespace (CachedAttention, arXiv 2403.19708, section 3.4; `docs/architecture.md`,
+    "Truncation that keeps the cache").
+
+    `target_ids` is `source_ids` with tokens dropped: each kept span (`KeptSpan`: `src_start`,
+    `dst_start`, `length`) maps `source_ids[src:src + n]` to `target_ids[dst:dst + n]`. The
+    source's stored chunks (under `source_salt`; raw encodings only) are read synchronously
+    after the queued saves are written; each target position's K (before RoPE) and V are
+    gathered token by token from them, so spans need not be chunk- or block-aligned, and the
+    target's full chunks up to the first position whose source KV is not stored are written as
+    new chunks chained from `target_salt`'s root (new parent chains; RoPE is applied at the new
+    positions when they are inserted, like any chunk). The KV is approximate (computed with the
+    dropped tokens in context), so `target_salt` must be a namespace no ordinary request uses
+    (`kvjax.engine.sessions.REROTATED_SALT_PREFIX`); a request under it then loads these chunks
+    through the normal merge and computes the rest. Blocks the caller (store reads and writes).
+
+    Returns:
+      Target tokens staged (a multiple of the chunk size, < len(target_ids)); 0 without a
+      store.
+
+    Raises:
+      ValueError: spans that do not lie within the ids.
+    """
+    kv = self.kv_store
+    if kv is None:
+      return 0
+    c = kv.chunk_size
+    n_src, n_dst = len(source_ids), len(target_ids)
+    src_of = np.full(n_dst, -1, np.int64)
+    for sp in spans:
+      if not (0 <= sp.src_start and sp.src_start + sp.length <= n_src and 0 <= sp.dst_start
+              and sp.dst_start + sp.length <= n_dst):
+        raise ValueError(f"span {sp} outside {n_src} source / {n_dst} target tokens")
+      if list(source_ids[sp.src_start:sp.src_start + sp.length]) != list(
+          target_ids[sp.dst_start:sp.dst_start + sp.length]):
+        raise ValueError(f"span {sp}: the kept tokens differ between source and target")
+      src_of[sp.dst_start:sp.dst_start + sp.length] = np.arange(sp.src_start,
+                                                                 sp.src_start + sp.length)
+    kv.flush()  # the previous turn's chunks (its reply's too) are readable
+    lookup = kv.lookup(list(source_ids), source_salt)
+    n_chunks = (n_dst - 1) // c  # never the last prompt token, as any hit
+    needed = sorted({int(s) // c for s in src_of[:n_chunks * c] if s >= 0})
+    got = kv.read_raw_chunks(lookup, list(source_ids), needed)
+    chunks = []
+    for j in range(n_chunks):
+      src = src_of[j * c:(j + 1) * c]
+      if (src < 0).any() or any(int(s) // c not in got for s in src):
+        break
+      chunks.append(np.stack([got[int(s) // c][:, :, int(s) % c] for s in src], axis=2))
+    if chunks:
+      kv.put_raw_chunks(target_salt, list(target_ids), chunks)
+    return len(chunks) * c
 
   def abort_request(self, request_id: RequestId) -> None:
     """Ends a request wherever it is (queued, prefilling, decoding); its loads are cancelled and
@@ -529,6 +590,7 @@ class Engine:
         m = self._live[ins.request_id].metrics
         m.num_loaded_tokens += kv.chunk_size
         m.loaded_from_tiers.append(hit.tier)
+        m.loaded_chunks.append((ins.index, hit.tier))
     if plan.is_empty:
       reports = kv.landed(wait_s=plan.wait_s) if kv is not None and plan.wait_s else []
       return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)),

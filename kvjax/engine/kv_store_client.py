@@ -329,6 +329,46 @@ class KVStoreClient:
                                  token_ids[j * c:(j + 1) * c]))
     return out
 
+  def read_raw_chunks(self, lookup: PrefixLookup, token_ids: Sequence[int],
+                      indices: Sequence[int]) -> dict[int, np.ndarray]:
+    """Reads prefix chunks synchronously (verified like every load; not through the load
+    pipeline, no staging): `{index: [L, 2, C, K, H] K before RoPE and V}` for each of `indices`
+    the lookup found stored with a raw encoding and that verified; the others are left out (a
+    lossy-only chunk, a miss). Used by session re-rotation (`Engine.stage_rerotated`).
+    """
+    c = self.chunk_size
+    want = [i for i in indices if i < len(lookup.present) and lookup.present[i] is not None]
+    if not want:
+      return {}
+
+    async def read_all():
+      return await asyncio.gather(*(self.store.get(
+          lookup.hashes[i], tuple(token_ids[i * c:(i + 1) * c]), lookup.namespace, self.layout,
+          choose=lambda encs: next((e for e in encs if e.codec == codecs.RAW), None))
+          for i in want), return_exceptions=True)
+
+    out = {}
+    for i, got in zip(want, self._run(read_all())):
+      if isinstance(got, ChunkHit) and got.kv is not None:
+        out[i] = np.asarray(got.kv)
+    return out
+
+  def put_raw_chunks(self, cache_salt: str | None, token_ids: Sequence[int],
+                     chunks: Sequence[np.ndarray]) -> int:
+    """Writes `chunks` (`[L, 2, C, K, H]` each, K before RoPE) synchronously as the first
+    `len(chunks)` chunks of `token_ids` under `cache_salt`'s namespace (chained keys as every
+    chunk); returns how many the store published or already held."""
+    ns = self.namespace(cache_salt)
+    hashes = keys.chunk_hashes(ns, token_ids, max_tokens=len(chunks) * self.chunk_size)
+    root, c = ns.root_hash(), self.chunk_size
+
+    async def put_all():
+      return await asyncio.gather(*(self.store.put(
+          hashes[i], hashes[i - 1] if i else root, tuple(token_ids[i * c:(i + 1) * c]), root,
+          np.asarray(chunks[i])) for i in range(len(chunks))), return_exceptions=True)
+
+    return sum(not isinstance(r, BaseException) for r in self._run(put_all()))
+
   def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
                  prompt_ids: Sequence[int], *, choose=None, nbytes: int = 0,
                  max_in_flight: int = 2) -> None:

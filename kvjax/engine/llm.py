@@ -18,7 +18,8 @@ from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
 from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
-                                   DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry)
+                                   DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry,
+                                   check_client_salt)
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
@@ -242,6 +243,13 @@ class LLM:
     kv_device_link_bytes_per_s: emulated host -> device bandwidth, bytes/s, that every stored
       chunk pays on its way into the KV cache (a `LinkLimiter`; the CPU has no such link);
       None (default): not emulated.
+    session_truncation: a session turn whose prompt passes the context (minus `max_tokens`) or
+      its `truncate_prompt_tokens`: "none" (an error, or a plain left cut when
+      `truncate_prompt_tokens` is set) or "drop_oldest_turns" (keep the system prompt and the
+      last turn, drop whole oldest turns; CachedAttention section 3.4).
+    session_rerotate: with "drop_oldest_turns" and a store, the kept turns' stored KV is
+      re-rotated to its new positions instead of recomputed (approximate: it was computed with
+      the dropped turns in context; kept in a private namespace, never an ordinary prefix hit).
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -265,10 +273,15 @@ class LLM:
                max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS,
                tensor_parallel_size: int = 1, coordinator_address: str | None = None,
                num_processes: int | None = None, process_id: int | None = None,
-               kv_layerwise_groups: int = 1, kv_device_link_bytes_per_s: float | None = None):
+               kv_layerwise_groups: int = 1, kv_device_link_bytes_per_s: float | None = None,
+               session_truncation: str = "none", session_rerotate: bool = False):
     multihost_run = initialize_distributed(coordinator_address, num_processes, process_id)
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
-                                   max_tokens=max_session_tokens)
+                                   max_tokens=max_session_tokens, truncation=session_truncation,
+                                   rerotate=session_rerotate)
+    if session_rerotate and kv_store is None:
+      raise ValueError("session_rerotate=True needs a kv_store (the kept turns' KV is read "
+                       "from it)")
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
@@ -376,6 +389,8 @@ class LLM:
     self._layerwise_groups = kv_layerwise_groups
     self._warm = False
     self._closed = False
+    #: The last session turn's `ChatPrompt` (its truncation and re-rotation; tests, benchmarks).
+    self.last_session_prompt = None
     if compile_on_init and not self.is_follower:
       self.warmup()
 
@@ -517,6 +532,7 @@ class LLM:
       salt = prompt.get("cache_salt")
       if salt is not None and not isinstance(salt, str):
         raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+      check_client_salt(salt)
       if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
         raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
       if "prompt" in prompt:
@@ -574,7 +590,10 @@ class LLM:
                        f"{type(sampling_params).__name__} (build one: SamplingParams(max_tokens=...))")
     if len(params) != len(prompts):
       raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    encoded = [self._prompt_ids(p) for p in prompts]
+    return self._run([self._prompt_ids(p) for p in prompts], params)
+
+  def _run(self, encoded: list, params: list) -> list[RequestOutput]:
+    """Validates, queues and runs `(ids, text, salt)` prompts (salts already checked)."""
     for (ids, _, _), sp in zip(encoded, params):  # validate all before queueing any
       self.engine.validate(ids, sp)
     rids = [self.engine.add_request(ids, sp, prompt=text, cache_salt=salt)
@@ -610,6 +629,7 @@ class LLM:
       ValueError: malformed messages or parameters, a bad session id, or several conversations
         (or `add_generation_prompt=False`) with a session.
     """
+    check_client_salt(cache_salt)
     if isinstance(messages, list) and messages and isinstance(messages[0], dict):
       messages = [messages]
     if not isinstance(messages, list) or not messages:
@@ -635,13 +655,18 @@ class LLM:
                        "turn's assistant message)")
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
       raise ValueError("with session_id, sampling_params must be one SamplingParams")
+    sp = sampling_params or SamplingParams()
+    limit = sp.truncate_prompt_tokens
+    if self.sessions.config.truncation != "none":
+      limit = min(limit or self.max_model_len, self.max_model_len - sp.max_tokens)
     turn = self.sessions.begin(session_id, cache_salt)
     try:
-      prompt = self.sessions.prompt(turn, conversations[0])
-      request = {"prompt_token_ids": list(prompt.token_ids)}
-      if cache_salt is not None:
-        request["cache_salt"] = cache_salt
-      out = self.generate(request, sampling_params)[0]
+      prompt = self.sessions.prompt(turn, conversations[0], limit=limit,
+                                    cut=sp.truncate_prompt_tokens is not None)
+      prompt = self.sessions.rerotate(turn, prompt, self.engine.stage_rerotated
+                                      if self.kv_store is not None else None)
+      self.last_session_prompt = prompt
+      out = self._run([(list(prompt.token_ids), None, prompt.kv_salt)], [sp])[0]
     except BaseException:
       self.sessions.release(turn)
       raise

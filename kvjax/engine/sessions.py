@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 import re
 import threading
@@ -91,14 +92,23 @@ class SessionConfig:
     max_sessions: sessions held at once; beyond, the least recently used idle one is dropped.
     max_tokens: token ids held over all sessions (each session: its last turn's prompt and
       output ids); beyond, least recently used idle sessions are dropped.
+    truncation: what a turn whose prompt passes its limit (the context minus `max_tokens`, or
+      `truncate_prompt_tokens`) does: "none" (an error, or a plain left cut when
+      `truncate_prompt_tokens` asks for one) or "drop_oldest_turns" (CachedAttention section
+      3.4: keep the system prompt and the last turn, drop whole oldest turns;
+      `truncate_prompt`).
+    rerotate: with "drop_oldest_turns" and a store, re-rotate the kept turns' stored KV to
+      their new positions instead of recomputing them (approximate; private namespace).
 
   Raises:
-    ValueError: a limit that is not positive (names the option).
+    ValueError: a limit that is not positive or an unknown policy (names the option).
   """
 
   ttl_s: float | None = DEFAULT_SESSION_TTL_S
   max_sessions: int = DEFAULT_MAX_SESSIONS
   max_tokens: int = DEFAULT_MAX_SESSION_TOKENS
+  truncation: str = "none"
+  rerotate: bool = False
 
   def __post_init__(self):
     if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(
@@ -109,6 +119,13 @@ class SessionConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{option}={v!r} must be a positive int")
+    if self.truncation not in ("none", "drop_oldest_turns"):
+      raise ValueError(f"session_truncation={self.truncation!r}; use 'none' or "
+                       "'drop_oldest_turns'")
+    if not isinstance(self.rerotate, bool):
+      raise ValueError(f"session_rerotate={self.rerotate!r} must be a bool")
+    if self.rerotate and self.truncation != "drop_oldest_turns":
+      raise ValueError("session_rerotate=True needs session_truncation='drop_oldest_turns'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +144,9 @@ class Turn:
     exact: the output ids (without a final EOS) decode to exactly `output_text`; False when a
       stop string cut the text short or special tokens inside the reply were skipped. Only an
       exact turn can be extended.
+    kv_salt: the cache salt the turn's KV lives under: the session's own salt, or a private
+      re-rotated namespace (`REROTATED_SALT_PREFIX`) once a truncation re-rotated kept KV;
+      the next turn that extends this one runs under it.
   """
 
   messages: tuple[Message, ...]
@@ -136,6 +156,7 @@ class Turn:
   output_text: str
   ends_with_eos: bool
   exact: bool
+  kv_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +170,10 @@ class ChatPrompt:
     outcome: `FIRST`, `EXTENDED` or `NOT_EXTENDED`.
     reused_tokens: leading ids taken verbatim from the session's last turn (0 unless extended).
     reason: why the conversation does not extend the session (`NOT_EXTENDED` only), else None.
+    truncation: how the prompt was cut to its limit (`token_ids` are then the cut ids), or
+      None.
+    kv_salt: the cache salt the request runs under (`Turn.kv_salt`).
+    rerotated_tokens: leading prompt tokens whose KV was staged re-rotated (0 unless re-rotated).
   """
 
   token_ids: tuple[int, ...]
@@ -157,6 +182,9 @@ class ChatPrompt:
   outcome: str
   reused_tokens: int = 0
   reason: str | None = None
+  truncation: Truncation | None = None
+  kv_salt: str | None = None
+  rerotated_tokens: int = 0
 
 
 def _messages(messages: Sequence[dict[str, str]]) -> tuple[Message, ...]:
@@ -243,7 +271,8 @@ def record_turn(tokenizer: Any, prompt: ChatPrompt, output_ids: Sequence[int],
   exact = tokenizer.decode(list(body), skip_special_tokens=False) == output_text
   return Turn(messages=prompt.messages, prompt_text=prompt.text,
               token_ids=prompt.token_ids + out, num_prompt_tokens=len(prompt.token_ids),
-              output_text=output_text, ends_with_eos=ends, exact=exact)
+              output_text=output_text, ends_with_eos=ends, exact=exact,
+              kv_salt=prompt.kv_salt)
 
 
 class SessionBusy(Exception):
@@ -311,6 +340,10 @@ class SessionStats:
     evicted: idle sessions dropped over `max_sessions` or `max_tokens`.
     closed: sessions closed (DELETE, `close_session`, `LLM.close_session`).
     conflicts: turns refused because their session was busy.
+    truncated: turns whose prompt was cut to its limit.
+    dropped_turns: whole turns dropped by those cuts ("drop_oldest_turns").
+    rerotated: truncated turns that ran on re-rotated kept KV (`session_rerotate`).
+    rerotated_tokens: prompt tokens those turns loaded re-rotated (staged) instead of computing.
     open_sessions: sessions held now.
     busy_sessions: of those, with a turn in flight.
     open_tokens: token ids held over all sessions.
@@ -325,6 +358,10 @@ class SessionStats:
   evicted: int = 0
   closed: int = 0
   conflicts: int = 0
+  truncated: int = 0
+  dropped_turns: int = 0
+  rerotated: int = 0
+  rerotated_tokens: int = 0
   open_sessions: int = 0
   busy_sessions: int = 0
   open_tokens: int = 0
@@ -344,7 +381,7 @@ class _Session:
 
 
 _COUNTERS = ("turns", "first", "extended", "not_extended", "abandoned", "expired", "evicted",
-             "closed", "conflicts")
+             "closed", "conflicts", "truncated", "dropped_turns", "rerotated", "rerotated_tokens")
 
 
 class SessionRegistry:
@@ -399,9 +436,25 @@ class SessionRegistry:
       self._enforce_caps()
       return SessionTurn(session_id, cache_salt, s.turns + 1, s.turn, s.lease)
 
-  def prompt(self, turn: SessionTurn, messages: Sequence[dict[str, str]]) -> ChatPrompt:
+  def prompt(self, turn: SessionTurn, messages: Sequence[dict[str, str]], *,
+             limit: int | None = None, cut: bool = False) -> ChatPrompt:
     """The turn's prompt by the extension rule (`chat_prompt` against `turn.last`); counts
-    the outcome.
+    the outcome; then its truncation to `limit` tokens, if it passes it.
+
+    Args:
+      turn: the lease.
+      messages: the whole conversation, as the client sends it.
+      limit: prompt tokens allowed (the context minus `max_tokens`, or the request's
+        `truncate_prompt_tokens`); None: no limit.
+      cut: the request asked for truncation (`truncate_prompt_tokens`): with policy "none", a
+        plain left cut; without it, a prompt over `limit` is returned as is (the caller's
+        context check refuses it).
+
+    Returns:
+      The `ChatPrompt`: `kv_salt` is the session's salt, or, for an extension of a re-rotated
+      turn that needs no new truncation, that turn's private namespace; `truncation` is set
+      when the ids were cut (a truncated prompt runs under the session's salt unless the caller
+      stages re-rotated KV, `rerotation_salt`).
 
     Raises:
       ValueError, jinja2.TemplateError: as `chat_prompt` (release the turn then).
@@ -409,7 +462,37 @@ class SessionRegistry:
     prompt = chat_prompt(self._tokenizer, messages, turn.last)
     with self._lock:
       self._counts[prompt.outcome] += 1
-    return prompt
+    salt = turn.cache_salt
+    if prompt.outcome == EXTENDED and turn.last is not None:
+      salt = turn.last.kv_salt if turn.last.kv_salt is not None else turn.cache_salt
+    prompt = dataclasses.replace(prompt, kv_salt=salt)
+    policy = self.config.truncation
+    if limit is None or limit < 1 or len(prompt.token_ids) <= limit or (
+        policy == TRUNCATE_NONE and not cut):
+      return prompt
+    tr = truncate_prompt(self._tokenizer, prompt.token_ids, limit, policy=policy)
+    with self._lock:
+      self._counts["truncated"] += 1
+      self._counts["dropped_turns"] += tr.dropped_turns
+    # A cut prompt is a new sequence: its KV is exact only under the session's own salt.
+    return dataclasses.replace(prompt, token_ids=tr.token_ids,
+                               truncation=dataclasses.replace(tr, source_kv_salt=salt),
+                               kv_salt=turn.cache_salt)
+
+  def rerotate(self, turn: SessionTurn, prompt: ChatPrompt,
+               stage: Callable[..., int] | None) -> ChatPrompt:
+    """With `rerotate` on and a truncated prompt, stages the kept tokens' stored KV re-rotated
+    under a private namespace (`stage`: `Engine.stage_rerotated`, blocking) and returns the
+    prompt running under it; else (or when nothing could be staged) the prompt unchanged."""
+    tr = prompt.truncation
+    if tr is None or not self.config.rerotate or stage is None:
+      return prompt
+    salt = rerotation_salt(turn.cache_salt, tr.source_kv_salt, tr)
+    staged = stage(tr.source_ids, tr.source_kv_salt, tr.token_ids, tr.spans, salt)
+    if not staged:
+      return prompt
+    self.count_rerotated(staged)
+    return dataclasses.replace(prompt, kv_salt=salt, rerotated_tokens=staged)
 
   def finish(self, turn: SessionTurn, prompt: ChatPrompt, output_ids: Sequence[int],
              output_text: str, *, close: bool = False) -> bool:
@@ -453,6 +536,12 @@ class SessionRegistry:
       if s.fresh:
         del self._sessions[key]
       self._enforce_caps()
+
+  def count_rerotated(self, tokens: int) -> None:
+    """Counts one truncated turn that runs on `tokens` re-rotated prompt tokens."""
+    with self._lock:
+      self._counts["rerotated"] += 1
+      self._counts["rerotated_tokens"] += int(tokens)
 
   # ----------------------------------------------------------------------------- sessions
   def close(self, session_id: str, cache_salt: str | None = None) -> bool:
@@ -553,3 +642,124 @@ class SessionRegistry:
       if victim is None:
         return  # every session is busy: none is dropped
       self._drop(victim, "evicted")
+
+
+# ------------------------------------------------------------------------------- truncation
+#: `SessionConfig.truncation` values.
+TRUNCATE_NONE = "none"                     # a prompt over the limit is an error (as without sessions)
+DROP_OLDEST_TURNS = "drop_oldest_turns"    # drop whole oldest turns, keep the system prompt
+TRUNCATION_POLICIES = (TRUNCATE_NONE, DROP_OLDEST_TURNS)
+#: Namespace salts of re-rotated (approximate) KV start with this; a client's `cache_salt` may
+#: not (`check_client_salt`), so no ordinary request can ever reach such a namespace.
+REROTATED_SALT_PREFIX = "kvjax-rerotated:"
+
+
+def rerotation_salt(cache_salt: str | None, source_salt: str | None,
+                    truncation: "Truncation") -> str:
+  """The private namespace salt of a truncation's re-rotated KV: a digest of the tenant's salt,
+  the namespace the source KV lives under, the source ids and the kept spans, so that the
+  same truncation of the same conversation finds the same chunks again, and nothing else does.
+  """
+  h = hashlib.sha256(repr((cache_salt, source_salt, truncation.source_ids,
+                           tuple(dataclasses.astuple(sp) for sp in truncation.spans))).encode())
+  return REROTATED_SALT_PREFIX + h.hexdigest()
+
+
+def check_client_salt(cache_salt: Any) -> None:
+  """Raises ValueError for a client `cache_salt` in the reserved re-rotated namespace."""
+  if isinstance(cache_salt, str) and cache_salt.startswith(REROTATED_SALT_PREFIX):
+    raise ValueError(f"cache_salt may not start with {REROTATED_SALT_PREFIX!r} (reserved for "
+                     "re-rotated session KV)")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptSpan:
+  """A run of kept tokens: `source_ids[src_start:src_start + length]` is
+  `token_ids[dst_start:dst_start + length]` of the truncated prompt. Positions, tokens."""
+
+  src_start: int
+  dst_start: int
+  length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Truncation:
+  """How a prompt over the limit was cut (CachedAttention, arXiv 2403.19708, section 3.4).
+
+  Attributes:
+    source_ids: the prompt before truncation (the session's exact ids plus the new part).
+    token_ids: the truncated prompt.
+    spans: the kept runs, in prompt order; together they are all of `token_ids`.
+    dropped_turns: whole turns dropped (0 for a plain left cut).
+    dropped_tokens: `len(source_ids) - len(token_ids)`.
+    source_kv_salt: the cache salt the source ids' KV lives under (the session's salt, or the
+      last turn's re-rotated namespace when the prompt extends it).
+  """
+
+  source_ids: tuple[int, ...]
+  token_ids: tuple[int, ...]
+  spans: tuple[KeptSpan, ...]
+  dropped_turns: int
+  dropped_tokens: int
+  source_kv_salt: str | None = None
+
+
+def message_segments(tokenizer: Any, ids: Sequence[int]) -> list[tuple[int, int, str]] | None:
+  """`(start, end, role)` of each message of a templated prompt (ChatML: each message starts
+  with the `<|im_start|>` control token), or None when the tokenizer has no such token or `ids`
+  does not start with one."""
+  try:
+    start_ids = tokenizer.encode("<|im_start|>", add_special_tokens=False)
+  except Exception:  # noqa: BLE001 - a tokenizer without it cannot segment
+    return None
+  if len(start_ids) != 1 or not ids or ids[0] != start_ids[0]:
+    return None
+  marks = [i for i, t in enumerate(ids) if t == start_ids[0]] + [len(ids)]
+  out = []
+  for a, b in zip(marks, marks[1:]):
+    head = tokenizer.decode(list(ids[a + 1:min(b, a + 4)]), skip_special_tokens=False)
+    role = head.split("\n", 1)[0] if "\n" in head else ""
+    out.append((a, b, role))
+  return out
+
+
+def truncate_prompt(tokenizer: Any, ids: Sequence[int], limit: int, *,
+                    policy: str = DROP_OLDEST_TURNS) -> Truncation:
+  """Cuts a templated chat prompt to at most `limit` tokens.
+
+  `DROP_OLDEST_TURNS` (CachedAttention section 3.4): the messages are found in token space (the
+  `<|im_start|>` control tokens; a session's exact ids need not re-tokenize the same); the
+  system message (when first) and the last turn (the last user message onwards, generation
+  prompt included) are kept; whole turns (a user message and the messages up to the next user
+  message) are dropped oldest first until the prompt fits. When even that does not fit, or the
+  prompt cannot be segmented, or `policy` is `TRUNCATE_NONE`: a plain left cut (vLLM's
+  `truncate_prompt_tokens`: keep the last `limit` tokens).
+
+  Args:
+    tokenizer: as for `chat_prompt`.
+    ids: the prompt, int token ids.
+    limit: tokens to keep at most, >= 1.
+    policy: `DROP_OLDEST_TURNS` or `TRUNCATE_NONE` (left cut only).
+
+  Returns:
+    The `Truncation` (unchanged ids, one span, when they already fit).
+  """
+  ids = tuple(int(t) for t in ids)
+  n = len(ids)
+  if n <= limit:
+    return Truncation(ids, ids, (KeptSpan(0, 0, n),), 0, 0)
+  segs = message_segments(tokenizer, ids) if policy == DROP_OLDEST_TURNS else None
+  if segs:
+    head = segs[0][1] if segs[0][2] == "system" else 0
+    users = [s[0] for s in segs if s[2] == "user" and s[0] >= head]
+    if users:
+      tail = users[-1]
+      starts = [u for u in users if u < tail] + [tail]  # turn boundaries within [head, n)
+      for k, keep_from in enumerate(starts):
+        if keep_from > head and head + (n - keep_from) <= limit:
+          spans = [KeptSpan(0, 0, head)] if head else []
+          spans.append(KeptSpan(keep_from, head, n - keep_from))
+          out = ids[:head] + ids[keep_from:]
+          return Truncation(ids, out, tuple(spans), k, n - len(out))
+  out = ids[n - limit:]
+  return Truncation(ids, out, (KeptSpan(n - limit, 0, limit),), 0, n - limit)

@@ -27,6 +27,9 @@ class SamplingParams:
     ignore_eos: keep generating after the end-of-sequence token.
     logprobs: return the top-`logprobs` log-probabilities of each generated token (plus the
       sampled token's), 0..20; None returns none.
+    truncate_prompt_tokens: keep at most this many prompt tokens, the LAST ones (vLLM's name;
+      a plain left cut, so the cache stays exact: the truncated ids hit by prefix like any
+      prompt); None keeps the whole prompt.
   """
 
   max_tokens: int = 16
@@ -38,6 +41,7 @@ class SamplingParams:
   stop_token_ids: Sequence[int] | None = None
   ignore_eos: bool = False
   logprobs: int | None = None
+  truncate_prompt_tokens: int | None = None
 
   def __post_init__(self):
     def bad(field, want):
@@ -60,6 +64,10 @@ class SamplingParams:
         isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
         or not 0 <= self.logprobs <= MAX_LOGPROBS):
       bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+    if self.truncate_prompt_tokens is not None and (
+        isinstance(self.truncate_prompt_tokens, bool)
+        or not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < 1):
+      bad("truncate_prompt_tokens", "must be None or an int >= 1")
     stop = self.stop
     if isinstance(stop, str):
       stop = (stop,)

@@ -169,6 +169,16 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
                                       "Multi-host: processes in the run (jax.distributed).")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "Multi-host: this process; 0 serves HTTP, the others follow it.")
+_SESSION_TRUNCATION = flags.DEFINE_enum(
+    "session_truncation", "none", ["none", "drop_oldest_turns"],
+    "A chat session turn whose prompt passes the context (minus max_tokens) or its "
+    "truncate_prompt_tokens: 'none' (400, or a plain left cut with truncate_prompt_tokens) or "
+    "'drop_oldest_turns' (keep the system prompt and the last turn, drop whole oldest turns).")
+_SESSION_REROTATE = flags.DEFINE_bool(
+    "session_rerotate", False,
+    "With --session_truncation=drop_oldest_turns and a store: re-rotate the kept turns' stored "
+    "KV to their new positions instead of recomputing them (approximate; a private namespace, "
+    "never an ordinary prefix hit).")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -212,6 +222,7 @@ def config_from_flags() -> ServerConfig:
         max_sessions=_MAX_SESSIONS.value, max_session_tokens=_MAX_SESSION_TOKENS.value,
         tensor_parallel_size=_TP.value, coordinator_address=_COORDINATOR.value,
         num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
+        session_truncation=_SESSION_TRUNCATION.value, session_rerotate=_SESSION_REROTATE.value,
         **_scale_out_options())
   except ValueError as e:
     raise app.UsageError(str(e)) from e

@@ -60,6 +60,8 @@ class Backend:
     system_fingerprint: reported in responses (model fingerprint prefix).
     sessions: the chat sessions (the served `LLM`'s registry); None: `session_id` is refused.
     kv_event_publisher: publishes KV cache events (`kv_events.ZmqKVEventPublisher`); None: off.
+    stage_rerotated: `Engine.stage_rerotated` (store reads and writes only; run off the event
+      loop), or None without a store.
   """
 
   engine: AsyncEngine
@@ -72,6 +74,7 @@ class Backend:
   system_fingerprint: str | None = None
   sessions: SessionRegistry | None = None
   kv_event_publisher: Any = None
+  stage_rerotated: Callable[..., int] | None = None
 
   def count(self, endpoint: str, finish_reason: str | None) -> None:
     self.metrics.requests.labels(endpoint=endpoint, finish_reason=str(finish_reason)).inc()
@@ -178,6 +181,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
                            parse_special=allow_special_tokens_in_prompt)
     else:
       ids = prompt
+    ids = completions.truncate(ids, req)
     params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=False)
     return await completions.Generation(backend, "completions", request, req, ids,
                                         params).run()
@@ -193,11 +197,13 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
                                    "messages")
     if req.session_id is None:
       ids = await off_loop(completions.prompt_ids_for_chat, req, backend.tokenizer)
+      ids = completions.truncate(ids, req)
       params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True)
       return await completions.Generation(backend, "chat", request, req, ids, params).run()
     turn = completions.begin_session_turn(backend.sessions, req)  # 409 while it is leased
     try:
-      prompt = await off_loop(completions.session_prompt, backend.sessions, turn, req)
+      prompt = await off_loop(completions.session_prompt, backend.sessions, turn, req,
+                              backend.max_model_len, backend.stage_rerotated)
       params = completions.sampling_params(req, len(prompt.token_ids), backend.max_model_len,
                                            chat=True)
     except BaseException:

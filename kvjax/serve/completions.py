@@ -118,18 +118,34 @@ def begin_session_turn(sessions: SessionRegistry | None,
     raise protocol.session_busy(str(e)) from None
 
 
+def truncate(ids: list[int], req) -> list[int]:
+  """`ids` cut to the request's last `truncate_prompt_tokens` (a plain left cut), if given."""
+  k = req.truncate_prompt_tokens
+  return list(ids) if k is None else list(ids)[-k:]
+
+
 def session_prompt(sessions: SessionRegistry, turn: SessionTurn,
-                   req: protocol.ChatCompletionRequest) -> ChatPrompt:
-  """The turn's prompt by the sessions' extension rule (`SessionRegistry.prompt`).
+                   req: protocol.ChatCompletionRequest, max_model_len: int | None = None,
+                   stage_rerotated=None) -> ChatPrompt:
+  """The turn's prompt by the sessions' extension rule (`SessionRegistry.prompt`), truncated
+  to its limit (`truncate_prompt_tokens`, or with a truncation policy the context minus the
+  output limit) and, with `session_rerotate`, its kept KV staged re-rotated
+  (`SessionRegistry.rerotate`; blocking store reads and writes: call it off the event loop).
 
   Raises:
     ApiError: 400 when the chat template rejects the messages.
   """
   try:
-    return sessions.prompt(turn, req.conversation())
+    limit = req.truncate_prompt_tokens
+    if sessions.config.truncation != "none" and max_model_len is not None:
+      room = max_model_len - (req.output_limit or 1)
+      limit = min(limit or max_model_len, room)
+    prompt = sessions.prompt(turn, req.conversation(), limit=limit,
+                             cut=req.truncate_prompt_tokens is not None)
   except Exception as e:  # noqa: BLE001 - a template that rejects the messages is a 400
     raise bad_request(f"messages cannot be rendered with the model's chat template: {e}",
                       "messages") from None
+  return sessions.rerotate(turn, prompt, stage_rerotated)
 
 
 class SessionTurnState:
@@ -307,7 +323,8 @@ class Generation:
   async def run(self) -> Response:
     streaming = False
     try:
-      queue = self.b.engine.submit(self.id, self.prompt_ids, self.params, self.req.cache_salt)
+      salt = self.session.prompt.kv_salt if self.session is not None else self.req.cache_salt
+      queue = self.b.engine.submit(self.id, self.prompt_ids, self.params, salt)
       out = await self._first(queue)
       if out is None:
         return Response(status_code=499)

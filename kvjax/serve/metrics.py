@@ -154,6 +154,20 @@ class _SessionCollector(Collector):
                             st.busy_sessions)
     yield GaugeMetricFamily("kvjax_session_tokens", "Token ids held over all chat sessions.",
                             st.open_tokens)
+    later = st.extended + st.not_extended
+    yield GaugeMetricFamily("kvjax_session_hit_rate", "Of the session turns with an earlier "
+                            "turn, the fraction whose prompt extended the session's exact ids "
+                            "(NaN before any).", st.extended / later if later else math.nan)
+    trunc = CounterMetricFamily("kvjax_session_truncations", "Session turns cut to their limit: "
+                                "truncated (all), rerotated (of those, on re-rotated kept KV).",
+                                labels=["kind"])
+    trunc.add_metric(["truncated"], st.truncated)
+    trunc.add_metric(["rerotated"], st.rerotated)
+    yield trunc
+    yield CounterMetricFamily("kvjax_session_dropped_turns", "Whole turns dropped by session "
+                              "truncation (drop_oldest_turns).", st.dropped_turns)
+    yield CounterMetricFamily("kvjax_session_rerotated_tokens", "Prompt tokens loaded as "
+                              "re-rotated kept KV instead of computed.", st.rerotated_tokens)
 
 
 def _kv_cache_families(kv) -> list:
@@ -232,6 +246,10 @@ class ServeMetrics:
                                     "Stored chunks rejected while serving requests.", registry=r)
     self.loaded_chunks = Counter("kvjax_store_loaded_chunks", "Chunks loaded, by tier.",
                                  ["tier"], registry=r)
+    self.hit_tokens = Counter("kvjax_prefix_cache_hit_tokens_by_tier",
+                              "Prompt tokens served from the cache, by tier (device: the device "
+                              "prefix cache; else the store tier each chunk was loaded from).",
+                              ["tier"], registry=r)
     self.requests = Counter("kvjax_requests", "Finished requests, by endpoint and reason.",
                             ["endpoint", "finish_reason"], registry=r)
     self.errors = Counter("kvjax_request_errors", "Error responses, by status and type.",
@@ -271,6 +289,10 @@ class ServeMetrics:
     self.request_rejected.inc(m.num_rejected_chunks)
     for tier in m.loaded_from_tiers:
       self.loaded_chunks.labels(tier=str(tier)).inc()
+    self.hit_tokens.labels(tier="device").inc(device)
+    stored = [t for t in m.loaded_from_tiers if t != "device"]
+    for tier in stored:  # every store chunk holds the same number of tokens
+      self.hit_tokens.labels(tier=str(tier)).inc((m.num_loaded_tokens - device) / len(stored))
     with self._lock:
       self._queried += n_prompt
       self._hits += out.num_cached_tokens

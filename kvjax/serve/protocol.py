@@ -32,7 +32,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvjax.engine import MergeTrace
-from kvjax.engine.sessions import check_session_id
+from kvjax.engine.sessions import REROTATED_SALT_PREFIX, check_session_id
 from kvjax.scheduler.request import MAX_LOGPROBS
 
 
@@ -175,6 +175,7 @@ class _Sampling(_Strict):
   cache_salt: str | None = None
   top_k: int = -1
   ignore_eos: bool = False
+  truncate_prompt_tokens: int | None = None
 
   def check_supported(self) -> None:
     """Rejects OpenAI features kvjax does not implement (400 naming the field)."""
@@ -195,6 +196,13 @@ class _Sampling(_Strict):
       raise bad_request(f"max_tokens={self.max_tokens} must be at least 1.", "max_tokens")
     if self.cache_salt is not None and not self.cache_salt:
       raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
+    if self.cache_salt is not None and self.cache_salt.startswith(REROTATED_SALT_PREFIX):
+      raise bad_request(f"cache_salt may not start with {REROTATED_SALT_PREFIX!r} (reserved).",
+                        "cache_salt")
+    if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+      raise bad_request(f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be at "
+                        "least 1 (keep that many of the prompt's last tokens).",
+                        "truncate_prompt_tokens")
 
 
 class CompletionRequest(_Sampling):
@@ -323,11 +331,16 @@ def session_extension(session_id: str, number: int, prompt: Any, *, closed: bool
   Keys: `id`; `turn` (this turn's number in the session, from 1); `outcome` ("first",
   "extended" or "not_extended"); `extended` (bool: the prompt starts with the session's exact
   ids); `reused_tokens` (how many); `reason` (why not extended, else null); `closed` (the
-  session was closed after this turn).
+  session was closed after this turn); `truncation` (null, or `dropped_turns`,
+  `dropped_tokens` and `rerotated_tokens`: leading prompt tokens served by re-rotated kept KV).
   """
+  tr = prompt.truncation
   return {"id": session_id, "turn": number, "outcome": prompt.outcome,
           "extended": prompt.outcome == "extended", "reused_tokens": prompt.reused_tokens,
-          "reason": prompt.reason, "closed": closed}
+          "reason": prompt.reason, "closed": closed,
+          "truncation": None if tr is None else {
+              "dropped_turns": tr.dropped_turns, "dropped_tokens": tr.dropped_tokens,
+              "rerotated_tokens": prompt.rerotated_tokens}}
 
 
 def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
@@ -338,7 +351,9 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
   Keys: `request_id`; `ttft_s` (server side: request received to first token, seconds);
   `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded` (store loads and device hits),
   `tokens_device_cached` (of those, served from the device prefix cache), `cached_tokens`;
-  `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); `merge`, the Cake merge trace
+  `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); `loaded_chunks` (per store chunk
+  inserted, `{"index", "tier"}`: which tier each came from; device hits are blocks, counted in
+  `tokens_device_cached`); `merge`, the Cake merge trace
   (`MERGE_FIELDS`; null when nothing was stored) and its `meeting_index` at the top level;
   `engine_metrics`, every field of the engine's `RequestMetrics` (engine clock); and `session`
   (`session_extension`; null without a `session_id`).
@@ -353,7 +368,9 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
          "tokens_device_cached": metrics.num_device_cached_tokens,
          "cached_tokens": cached_tokens,
          "rejected_chunks": metrics.num_rejected_chunks,
-         "loaded_from_tiers": tiers}
+         "loaded_from_tiers": tiers,
+         "loaded_chunks": [{"index": int(i), "tier": str(t)}
+                           for i, t in metrics.loaded_chunks]}
   trace = metrics.merge
   out["merge"] = None if trace is None else {
       name: _json_value(getattr(trace, name)) for name in MERGE_FIELDS}

@@ -98,6 +98,8 @@ class ServerConfig:
     tensor_parallel_size: devices the model is split over (`LLM`, issue 14).
     coordinator_address, num_processes, process_id: multi-host as one program
       (`jax.distributed`, see `LLM`): process 0 serves HTTP, the others follow it.
+    session_truncation, session_rerotate: as `LLM(...)` (a session turn over the context drops
+      its oldest turns; re-rotate the kept turns' stored KV).
 
   Raises:
     ValueError: a bad port, codec, limit, host, origin, key or session limit, or KV events
@@ -149,6 +151,8 @@ class ServerConfig:
   coordinator_address: str | None = None
   num_processes: int | None = None
   process_id: int | None = None
+  session_truncation: str = "none"
+  session_rerotate: bool = False
 
   @property
   def is_follower(self) -> bool:
@@ -183,7 +187,8 @@ class ServerConfig:
                        "kv_cache_layout='paged' with enable_prefix_caching")
     self.http_policy()  # validates hosts, origins, key and body limit
     SessionConfig(ttl_s=self.session_ttl_s, max_sessions=self.max_sessions,
-                  max_tokens=self.max_session_tokens)  # validates the session limits
+                  max_tokens=self.max_session_tokens, truncation=self.session_truncation,
+                  rerotate=self.session_rerotate)  # validates the session limits
 
   def http_policy(self) -> HttpPolicy:
     """The `guard.HttpPolicy` of these options."""
@@ -213,7 +218,8 @@ class ServerConfig:
         max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed,
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
         kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
-        max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens)
+        max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,
+        session_truncation=self.session_truncation, session_rerotate=self.session_rerotate)
     if self.tensor_parallel_size != 1:
       opts["tensor_parallel_size"] = self.tensor_parallel_size
     if (self.num_processes or 1) > 1:
@@ -297,7 +303,9 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
                  max_model_len=llm.max_model_len, vocab_size=llm.model_config.vocab_size,
                  metrics=metrics, flush=llm.flush,
                  system_fingerprint=f"kvjax-{fingerprint[:12]}" if fingerprint else None,
-                 sessions=llm.sessions, kv_event_publisher=kv_event_publisher)
+                 sessions=llm.sessions, kv_event_publisher=kv_event_publisher,
+                 stage_rerotated=llm.engine.stage_rerotated if llm.kv_store is not None
+                 else None)
 
 
 def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:

@@ -133,6 +133,38 @@ class OpenAIApiTest(ServedLLMTestCase):
     self.assertEqual(other.usage.prompt_tokens_details.cached_tokens, 0)
     self.assertEqual(other.choices[0].text, first.choices[0].text)
 
+  def test_truncate_prompt_tokens_cuts_exactly_and_bad_values_are_400(self):
+    prompt = DOC * 2
+    cut = list(prompt.encode())[-100:]  # the byte tokenizer: one id per byte
+    kw = dict(model="tiny", prompt=prompt, **GREEDY)
+    first = self.client.completions.create(
+        **kw, extra_body={"cache_salt": "trunc", "truncate_prompt_tokens": 100})
+    self.assertEqual(first.usage.prompt_tokens, 100)
+    want = self.ref.generate({"prompt_token_ids": cut},
+                             SamplingParams(temperature=0.0, max_tokens=8))[0]
+    self.assertEqual(first.choices[0].text, want.text)
+    self.srv.flush()
+    before = self.srv.scrape()
+    second = self.client.completions.create(
+        **kw, extra_body={"cache_salt": "trunc", "truncate_prompt_tokens": 100})
+    self.assertEqual(second.choices[0].text, want.text)
+    ext = second.model_extra["kvjax"]
+    n = 99 // CHUNK
+    self.assertEqual(sorted(ext["loaded_chunks"], key=lambda c: c["index"]),
+                     [{"index": i, "tier": "disk"} for i in range(n)])
+    after = self.srv.scrape()
+    key = ("kvjax_prefix_cache_hit_tokens_by_tier_total", (("tier", "disk"),))
+    self.assertEqual(after.get(key, 0) - before.get(key, 0), n * CHUNK)
+    for bad in (0, -1):
+      with self.assertRaises(openai.BadRequestError) as e:
+        self.client.completions.create(**kw, extra_body={"truncate_prompt_tokens": bad})
+      self.assertIn("truncate_prompt_tokens", str(e.exception))
+    with self.assertRaises(openai.BadRequestError) as e:
+      self.client.chat.completions.create(
+          model="tiny", messages=[{"role": "user", "content": "hi"}], **GREEDY,
+          extra_body={"cache_salt": "kvjax-rerotated:abc"})
+    self.assertIn("reserved", str(e.exception))
+
   # ----------------------------------------------------------------------------- concurrency
   def test_sixteen_concurrent_streams_equal_each_run_alone(self):
     prompts = [f"Client {i} asks: " + DOC[:20 + 7 * i] for i in range(16)]

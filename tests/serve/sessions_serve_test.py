@@ -58,7 +58,7 @@ class SessionsServeTest(ServedLLMTestCase):
     r1 = self.chat(m1, "ext", "s-ext")
     self.assertEqual(r1.model_extra["kvjax"]["session"],
                      {"id": "ext", "turn": 1, "outcome": "first", "extended": False,
-                      "reused_tokens": 0, "reason": None, "closed": False})
+                      "reused_tokens": 0, "reason": None, "closed": False, "truncation": None})
     n1 = r1.usage.prompt_tokens + r1.usage.completion_tokens
     m2 = self.next_messages(m1, r1, "and then?")
     r2 = self.chat(m2, "ext", "s-ext")

@@ -1,0 +1,252 @@
+"""Truncation that keeps the cache (CachedAttention, arXiv 2403.19708, section 3.4):
+`truncate_prompt` in token space with SmolLM2's tokenizer, `truncate_prompt_tokens` (a plain
+left cut that stays exact), and session re-rotation (`session_rerotate`): the staged chunks are
+the kept tokens' stored KV, gathered token by token, under a private namespace no ordinary
+request reaches. The tiny model runs by default; the real model's turn dropping is slow."""
+
+import numpy as np
+import pytest
+from absl.testing import absltest
+
+from kvjax import LLM, SamplingParams
+from kvjax.engine import sessions
+from kvjax.engine.sessions import KeptSpan, truncate_prompt
+
+from tests.engine.sessions_test import smollm2_tokenizer
+
+
+def conv(*turns, system=None):
+  msgs = [{"role": "system", "content": system}] if system else []
+  for i, t in enumerate(turns):
+    msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": t})
+  return msgs
+
+
+class TruncatePromptTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tok = smollm2_tokenizer()
+
+  def test_drops_whole_oldest_turns_and_keeps_the_system_prompt(self):
+    msgs = conv("first question " * 20, "first answer " * 20, "second question " * 20,
+                "second answer " * 20, "third question", system="Be brief.")
+    ids = tuple(self.tok.encode_chat(msgs))
+    sys_ids = self.tok.encode_chat(msgs[:1], add_generation_prompt=False)
+    last_two = self.tok.encode_chat(msgs[:1] + msgs[3:])
+    # Dropping turn 1 leaves: system + turn 2 + the last user message.
+    tr = truncate_prompt(self.tok, ids, len(last_two))
+    self.assertEqual(tr.token_ids, tuple(last_two))
+    self.assertEqual(tr.dropped_turns, 1)
+    n_sys = len(sys_ids)
+    self.assertEqual(tr.spans, (KeptSpan(0, 0, n_sys),
+                                KeptSpan(len(ids) - (len(last_two) - n_sys), n_sys,
+                                         len(last_two) - n_sys)))
+    for sp in tr.spans:
+      self.assertEqual(ids[sp.src_start:sp.src_start + sp.length],
+                       tr.token_ids[sp.dst_start:sp.dst_start + sp.length])
+    # One token less: turn 2 goes too.
+    tr2 = truncate_prompt(self.tok, ids, len(last_two) - 1)
+    self.assertEqual(tr2.token_ids,
+                     tuple(self.tok.encode_chat(msgs[:1] + msgs[5:])))
+    self.assertEqual(tr2.dropped_turns, 2)
+    # Fits: unchanged.
+    self.assertEqual(truncate_prompt(self.tok, ids, len(ids)).token_ids, ids)
+
+  def test_a_last_turn_over_the_limit_is_a_plain_left_cut(self):
+    ids = tuple(self.tok.encode_chat(conv("a " * 100, "b", "c " * 300)))
+    tr = truncate_prompt(self.tok, ids, 200)
+    self.assertEqual(tr.token_ids, ids[-200:])
+    self.assertEqual((tr.dropped_turns, tr.spans), (0, (KeptSpan(len(ids) - 200, 0, 200),)))
+    tr = truncate_prompt(self.tok, ids[:300], 50, policy=sessions.TRUNCATE_NONE)
+    self.assertEqual(tr.token_ids, ids[250:300])
+
+
+class RegistryTruncationTest(absltest.TestCase):
+  """`SessionRegistry.prompt(limit=)`: the session goes on from the cut ids."""
+
+  def test_the_next_turn_extends_the_truncated_ids(self):
+    tok = smollm2_tokenizer()
+    reg = sessions.SessionRegistry(tok, sessions.SessionConfig(truncation="drop_oldest_turns"))
+    msgs = conv("one " * 80)
+    t = reg.begin("s")
+    p1 = reg.prompt(t, msgs, limit=1000)
+    self.assertIsNone(p1.truncation)
+    reply = tok.encode("Fine.", add_special_tokens=False) + [tok.eos_id]
+    reg.finish(t, p1, reply, "Fine.")
+    msgs += [{"role": "assistant", "content": "Fine."}, {"role": "user", "content": "two " * 80}]
+    t = reg.begin("s")
+    full = reg.prompt(t, msgs)  # no limit: the whole extension
+    reg.release(t)
+    t = reg.begin("s")
+    p2 = reg.prompt(t, msgs, limit=len(full.token_ids) - 10)
+    self.assertEqual(p2.truncation.dropped_turns, 1)
+    self.assertEqual(p2.truncation.source_ids, full.token_ids)
+    self.assertEqual(p2.token_ids, tuple(tok.encode_chat(msgs[2:])))  # default system + turn 2
+    reg.finish(t, p2, reply, "Fine.")
+    msgs += [{"role": "assistant", "content": "Fine."}, {"role": "user", "content": "three"}]
+    t = reg.begin("s")
+    p3 = reg.prompt(t, msgs, limit=10_000)
+    self.assertEqual(p3.outcome, sessions.EXTENDED)
+    self.assertEqual(p3.token_ids[:len(p2.token_ids) + len(reply)],
+                     p2.token_ids + tuple(reply))
+    self.assertIsNone(p3.truncation)
+    st = reg.stats()
+    self.assertEqual((st.truncated, st.dropped_turns, st.rerotated), (1, 1, 0))
+    # A limit below 1 (max_tokens past the context) leaves the prompt to the context check.
+    self.assertIsNone(reg.prompt(t, msgs, limit=0).truncation)
+
+
+class SessionMetricsTest(absltest.TestCase):
+
+  def test_session_hit_rate_and_truncation_families(self):
+    from kvjax.serve.metrics import _SessionCollector  # pylint: disable=g-import-not-at-top
+    st = sessions.SessionStats(first=2, extended=3, not_extended=1, truncated=2, rerotated=1,
+                               rerotated_tokens=128, dropped_turns=3)
+    got = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+           for f in _SessionCollector(lambda: st).collect() for smp in f.samples}
+    self.assertEqual(got[("kvjax_session_hit_rate", ())], 0.75)
+    self.assertEqual(got[("kvjax_session_truncations_total", (("kind", "rerotated"),))], 1)
+    self.assertEqual(got[("kvjax_session_dropped_turns_total", ())], 3)
+    self.assertEqual(got[("kvjax_session_rerotated_tokens_total", ())], 128)
+
+
+class TruncatePromptTokensTest(absltest.TestCase):
+  """`SamplingParams.truncate_prompt_tokens` and re-rotation on the tiny model (its byte
+  tokenizer has no message marks: the session policy is a left cut, one shifted span)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
+                  max_model_len=256, kv_store="memory://", kv_chunk_size=16,
+                  session_truncation="drop_oldest_turns", session_rerotate=True,
+                  kv_merge_mode="load_only")  # every stored chunk loads: exact hit counts
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.llm.close()
+    super().tearDownClass()
+
+  def test_bad_values_raise(self):
+    for bad in (0, -1, True, 1.5, "3"):
+      with self.assertRaisesRegex(ValueError, "truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=bad)
+    with self.assertRaisesRegex(ValueError, "may not start with"):
+      self.llm.generate({"prompt_token_ids": [1, 2, 3],
+                         "cache_salt": sessions.REROTATED_SALT_PREFIX + "x"})
+    with self.assertRaisesRegex(ValueError, "needs a kv_store"):
+      LLM("tiny", cache_dir="", compile_on_init=False, session_truncation="drop_oldest_turns",
+          session_rerotate=True)
+    with self.assertRaisesRegex(ValueError, "needs session_truncation"):
+      LLM("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
+          session_rerotate=True)
+
+  def test_plain_truncation_keeps_the_last_tokens_and_stays_exact(self):
+    ids = [int(x) for x in np.random.default_rng(0).integers(3, 250, 120)]
+    p = SamplingParams(max_tokens=6, temperature=0, logprobs=2, truncate_prompt_tokens=70)
+    cold = self.llm.generate({"prompt_token_ids": ids, "cache_salt": "cold-plain"}, p)[0]
+    self.assertEqual(cold.prompt_token_ids, ids[-70:])
+    self.llm.flush()
+    warm = self.llm.generate({"prompt_token_ids": ids, "cache_salt": "cold-plain"}, p)[0]
+    self.assertEqual(warm.num_cached_tokens, 69)  # a prefix hit on the truncated ids
+    plain = self.llm.generate({"prompt_token_ids": ids[-70:], "cache_salt": "other"},
+                              SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
+    self.assertEqual(warm.token_ids, cold.token_ids)
+    self.assertEqual(plain.token_ids, cold.token_ids)
+    np.testing.assert_allclose([d[t] for d, t in zip(warm.logprobs, warm.token_ids)],
+                               [d[t] for d, t in zip(cold.logprobs, cold.token_ids)],
+                               atol=1e-5)
+
+  def test_a_rerotated_session_turn_loads_the_kept_kv_from_a_private_namespace(self):
+    llm, c = self.llm, 16
+    p = SamplingParams(max_tokens=8, temperature=0)
+    msgs = [{"role": "user", "content": "x" * 150}]
+    out1 = llm.chat(msgs, p, session_id="rr", cache_salt="t")[0]
+    llm.flush()
+    msgs += [{"role": "assistant", "content": out1.text}, {"role": "user", "content": "y" * 60}]
+    limit = llm.max_model_len - 8 - 40
+    out2 = llm.chat(msgs, SamplingParams(max_tokens=8, temperature=0,
+                                         truncate_prompt_tokens=limit),
+                    session_id="rr", cache_salt="t")[0]
+    pr = llm.last_session_prompt
+    tr = pr.truncation
+    self.assertEqual(len(out2.prompt_token_ids), limit)
+    self.assertEqual(list(tr.token_ids), out2.prompt_token_ids)
+    (span,) = tr.spans
+    self.assertGreater(span.src_start, 0)
+    self.assertTrue(pr.kv_salt.startswith(sessions.REROTATED_SALT_PREFIX))
+    # Staged: target chunks whose every token's source chunk is stored (turn 1's full
+    # chunks of prompt + output: every token but the last sampled one has KV).
+    stored_end = (len(out1.prompt_token_ids) + len(out1.token_ids) - 1) // c * c
+    want = min((stored_end - span.src_start) // c, (limit - 1) // c) * c
+    self.assertEqual(pr.rerotated_tokens, want)
+    self.assertGreaterEqual(out2.num_cached_tokens, want)
+    # The staged chunks hold the source tokens' stored KV, token for token.
+    kv = llm.kv_store
+    src = kv.read_raw_chunks(kv.lookup(list(tr.source_ids), "t"), list(tr.source_ids),
+                             range(len(tr.source_ids) // c))
+    dst = kv.read_raw_chunks(kv.lookup(list(tr.token_ids), pr.kv_salt), list(tr.token_ids),
+                             range(want // c))
+    self.assertLen(dst, want // c)
+    for j, chunk in dst.items():
+      for t in range(c):
+        s = span.src_start + j * c + t
+        np.testing.assert_array_equal(chunk[:, :, t], src[s // c][:, :, s % c])
+    # Never an ordinary hit: the same ids under the tenant's salt find none of it in the store
+    # and answer as a cold run does.
+    ordinary = llm.generate({"prompt_token_ids": list(tr.token_ids), "cache_salt": "t"}, p)[0]
+    cold = llm.generate({"prompt_token_ids": list(tr.token_ids), "cache_salt": "cold-rr"}, p)[0]
+    self.assertEqual(ordinary.metrics.num_loaded_tokens
+                     - ordinary.metrics.num_device_cached_tokens, 0)
+    self.assertEqual(ordinary.token_ids, cold.token_ids)
+    # The next turn extends the re-rotated one under its private namespace.
+    llm.flush()
+    msgs += [{"role": "assistant", "content": out2.text}, {"role": "user", "content": "z"}]
+    out3 = llm.chat(msgs, p, session_id="rr", cache_salt="t")[0]
+    self.assertEqual(llm.last_session_prompt.kv_salt, pr.kv_salt)
+    self.assertIsNone(llm.last_session_prompt.truncation)
+    # Every token of turn 2's prompt (its reply's partial last block is not stored, and a
+    # request with store hits takes whole device chunks only).
+    self.assertGreaterEqual(out3.num_cached_tokens, limit)
+    stats = llm.sessions.stats()
+    self.assertEqual((stats.truncated, stats.rerotated, stats.rerotated_tokens), (1, 1, want))
+
+
+@pytest.mark.slow
+class RealModelTruncationTest(absltest.TestCase):
+  """SmolLM2: a session over its context drops whole oldest turns; re-rotated or not."""
+
+  def test_turns_are_dropped_and_rerotation_is_off_by_default(self):
+    book = ("The schoolmaster was a lank, tall man with narrow shoulders and long arms, and "
+            "he taught the children of the hollow to read and to fear the rod. ") * 6
+    for rerotate in (False, True):
+      llm = LLM(kv_store="memory://", kv_chunk_size=32, max_model_len=512,
+                chunk_sizes=(16, 32, 64, 128), max_num_seqs=2,
+                session_truncation="drop_oldest_turns", session_rerotate=rerotate)
+      p = SamplingParams(max_tokens=8, temperature=0)
+      msgs, outs = [], []
+      for i in range(4):
+        msgs.append({"role": "user", "content": f"Part {i}. {book}\nSummarize part {i}."})
+        outs.append(llm.chat(msgs, p, session_id="s")[0])
+        llm.flush()
+        msgs.append({"role": "assistant", "content": outs[-1].text})
+      pr = llm.last_session_prompt
+      self.assertGreaterEqual(pr.truncation.dropped_turns, 1)
+      tok = llm.get_tokenizer()
+      self.assertTrue(tok.decode(outs[-1].prompt_token_ids[:3]).startswith("<|im_start|>system"))
+      if rerotate:
+        self.assertTrue(pr.kv_salt.startswith(sessions.REROTATED_SALT_PREFIX))
+        self.assertGreater(pr.rerotated_tokens, 0)
+      else:
+        # Exact: the truncated prompt computed (or hit by prefix) as any prompt.
+        self.assertIsNone(pr.kv_salt)
+        cold = llm.generate({"prompt_token_ids": outs[-1].prompt_token_ids,
+                             "cache_salt": "cold"}, p)[0]
+        self.assertEqual(outs[-1].token_ids, cold.token_ids)
+      llm.close()
+
+
+if __name__ == "__main__":
+  absltest.main()
