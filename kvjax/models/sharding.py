@@ -42,18 +42,12 @@ def check_tensor_parallel_size(cfg: LlamaConfig, size: Any, num_devices: int | N
   """Checks that `size` devices can split `cfg` Megatron-style.
 
   Raises:
-    ValueError: `size` not a positive int, more than the devices there are, or a head / MLP
-      count it does not divide (vLLM's rule: `size` divides the query heads and the MLP width,
-      and the KV heads are a multiple of `size` or `size` a multiple of them).
+    ValueError: `size` not a positive int, a head / MLP count it does not divide (vLLM's rule:
+      `size` divides the query heads and the MLP width, and the KV heads are a multiple of
+      `size` or `size` a multiple of them), or more than the devices there are (checked last).
   """
   if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
     raise ValueError(f"tensor_parallel_size={size!r} must be a positive int")
-  if num_devices is None:
-    num_devices = jax.device_count()
-  if size > num_devices:
-    raise ValueError(f"tensor_parallel_size={size} needs {size} devices; {num_devices} "
-                     f"{jax.default_backend()} device(s) are visible (on CPU, set "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={size} before jax starts)")
   n, k, f = cfg.n_heads, cfg.n_kv_heads, cfg.mlp_dim
   if n % size:
     raise ValueError(f"tensor_parallel_size={size} does not divide {cfg.name}'s {n} attention "
@@ -63,6 +57,13 @@ def check_tensor_parallel_size(cfg: LlamaConfig, size: Any, num_devices: int | N
                      "divide the other")
   if f % size:
     raise ValueError(f"tensor_parallel_size={size} does not divide {cfg.name}'s MLP width {f}")
+  # After the shape rules, so the device advice is only given for a size the model accepts.
+  if num_devices is None:
+    num_devices = jax.device_count()
+  if size > num_devices:
+    raise ValueError(f"tensor_parallel_size={size} needs {size} devices; {num_devices} "
+                     f"{jax.default_backend()} device(s) are visible (on CPU, set "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={size} before jax starts)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,9 +66,14 @@ class TensorParallelTest(TPAssertions):
     cfg = tiny(n_heads=8, n_kv_heads=2)
     for n in (1, 2, 4, 8):
       sharding.check_tensor_parallel_size(cfg, n, num_devices=8)
-    for n, why in ((3, "attention heads"), (16, "needs 16 devices"), (0, "positive int")):
+    for n, why in ((3, "attention heads"), (16, "attention heads"), (0, "positive int")):
       with self.assertRaisesRegex(ValueError, why):
         sharding.check_tensor_parallel_size(cfg, n, num_devices=8)
+    with self.assertRaisesRegex(ValueError, "needs 8 devices"):
+      sharding.check_tensor_parallel_size(cfg, 8, num_devices=4)
+    # A size the model refuses is named as such, not with advice to add devices.
+    with self.assertRaisesRegex(ValueError, "attention heads"):
+      sharding.check_tensor_parallel_size(cfg, 3, num_devices=1)
     with self.assertRaisesRegex(ValueError, "KV heads"):  # 12 q heads, 3 KV heads, N = 2
       sharding.check_tensor_parallel_size(tiny(n_heads=12, n_kv_heads=3), 2, num_devices=8)
 
@@ -93,7 +98,7 @@ class TensorParallelTest(TPAssertions):
     refused = r["refused"]
     self.assertIn("does not divide tiny's 6 attention heads", refused["tiny:4"])
     self.assertIn("does not divide tiny-tp's 8 attention heads", refused["tiny-tp:3"])
-    self.assertIn("needs 16 devices", refused["tiny-tp:16"])
+    self.assertIn("does not divide tiny-tp's 8 attention heads", refused["tiny-tp:16"])
     self.assertIn("paged KV cache only", refused["tiny-tp:2:slotted"])
 
   @pytest.mark.slow
