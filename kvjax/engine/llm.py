@@ -317,7 +317,8 @@ class LLM:
     check_tensor_parallel_size(loaded.config, tensor_parallel_size)
     if tensor_parallel_size > 1 and kv_cache_layout != "paged":
       raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the paged KV cache "
-                       f"only; got kv_cache_layout={kv_cache_layout!r}")
+                       f"only; got kv_cache_layout={kv_cache_layout!r} (a lossy codec with a "
+                       "store picks 'slotted' unless kv_cache_layout='paged' is given)")
     if tensor_parallel_size > 1 and kv_store is not None and kv_codec == codecs.KVTC:
       raise ValueError("kv_codec='kvtc' does not run with tensor_parallel_size > 1")
     if multihost_run and tensor_parallel_size != jax.device_count():
