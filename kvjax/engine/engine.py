@@ -587,10 +587,7 @@ class Engine:
           self.runner.block_until_ready()
         insert_timings.append(InsertTiming(ins.request_id, ins.index, t0_clock,
                                            time.perf_counter() - t0))
-        m = self._live[ins.request_id].metrics
-        m.num_loaded_tokens += kv.chunk_size
-        m.loaded_from_tiers.append(hit.tier)
-        m.loaded_chunks.append((ins.index, hit.tier))
+        self._record_loaded(ins.request_id, ins.index, hit.tier)
     if plan.is_empty:
       reports = kv.landed(wait_s=plan.wait_s) if kv is not None and plan.wait_s else []
       return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)),
@@ -707,11 +704,18 @@ class Engine:
         trace.append(("layers", g))
     for (ins, hit, _), sec in zip(layered, spent):
       insert_timings.append(InsertTiming(ins.request_id, ins.index, started, sec))
-      live = self._live.get(ins.request_id)
-      if live is not None:
-        live.metrics.num_loaded_tokens += kv.chunk_size
-        live.metrics.loaded_from_tiers.append(hit.tier)
+      self._record_loaded(ins.request_id, ins.index, hit.tier)
     return runner.step_finish(st)
+
+  def _record_loaded(self, request_id: RequestId, index: int, tier: str) -> None:
+    """A store chunk inserted into a request's KV: its metrics count it (whole-chunk and
+    layer-wise inserts alike)."""
+    live = self._live.get(request_id)
+    if live is not None:
+      m = live.metrics
+      m.num_loaded_tokens += self.kv_store.chunk_size
+      m.loaded_from_tiers.append(tier)
+      m.loaded_chunks.append((index, tier))
 
   def _log_misses(self, reports):
     for rep in reports:
