@@ -419,13 +419,17 @@ class PagedModelRunner:
     if self._channel is not None:
       kv_L2CKH, ids, start = self._channel.send(multihost.INSERT, kv_L2CKH, ids, start)
     if self.tp is not None:
-      # The chunk stays whole in the store; here each device receives only its pool heads
-      # (a KV head repeated r times on the host first when the pool repeats heads).
-      host = np.asarray(kv_L2CKH)
-      if self.kv_head_repeat > 1:
-        host = np.repeat(host, self.kv_head_repeat, axis=3)
-      kv_L2CKH = put(host, self.tp.chunk_sharding)
+      kv_L2CKH = self._place_chunk(kv_L2CKH)
     self.pool = self._insert(self.pool, kv_L2CKH, ids, start)
+
+  def _place_chunk(self, kv_L2CKH) -> jax.Array:
+    """Tensor parallel: a whole stored chunk placed by head. The chunk stays whole in the
+    store; each device receives only its pool heads (a KV head repeated r times on the host
+    first when the pool repeats heads)."""
+    host = np.asarray(kv_L2CKH)
+    if self.kv_head_repeat > 1:
+      host = np.repeat(host, self.kv_head_repeat, axis=3)
+    return put(host, self.tp.chunk_sharding)
 
   def _device_read(self, ids, start):
     if self._channel is not None:
@@ -456,9 +460,7 @@ class PagedModelRunner:
         _, self.pool, _, _ = self._step(self.state, self.pool, *arrays)
       elif op == multihost.INSERT:
         kv, ids, start = arrays
-        if self.kv_head_repeat > 1:
-          kv = np.repeat(kv, self.kv_head_repeat, axis=3)
-        self.pool = self._insert(self.pool, put(kv, self.tp.chunk_sharding), ids, start)
+        self.pool = self._insert(self.pool, self._place_chunk(kv), ids, start)
       elif op == multihost.READ:
         self._read_pre_rope(self.pool, *arrays)
       elif op == multihost.RESET:
