@@ -188,11 +188,6 @@ class LayerTransfer:
         self._arrays[g] = array
       self._cond.notify_all()
 
-  def ready(self, g: int) -> bool:
-    """Whether group `g` is on the device."""
-    with self._cond:
-      return self._arrays[g] is not None
-
   def wait(self, g: int, timeout_s: float | None = None):
     """Blocks until layer group `g` is on the device; returns it, `[l1 - l0, 2, C, K, H]`.
 
