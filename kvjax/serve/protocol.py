@@ -24,10 +24,12 @@ Responses add `usage.prompt_tokens_details.cached_tokens` (as OpenAI) and a `kvj
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -311,9 +313,9 @@ def _json_value(x: Any) -> Any:
     return [_json_value(v) for v in x]
   if isinstance(x, dict):
     return {str(k): _json_value(v) for k, v in x.items()}
-  if hasattr(x, "value") and isinstance(x.value, (str, int)):  # enums
+  if isinstance(x, enum.Enum) and isinstance(x.value, (str, int)):
     return x.value
-  if hasattr(x, "item"):  # numpy scalars
+  if isinstance(x, np.generic):  # numpy scalars
     return _json_value(x.item())
   if dataclasses.is_dataclass(x):
     return {f.name: _json_value(getattr(x, f.name)) for f in dataclasses.fields(x)}
