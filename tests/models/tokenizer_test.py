@@ -1,5 +1,6 @@
 """Tests of the GGUF-built tokenizer against `transformers` fixtures and on its own."""
 
+import functools
 import json
 import os
 
@@ -34,9 +35,16 @@ TRICKY = [
 
 def _load():
   try:
-    return Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
+    return _load_once()
   except FileNotFoundError as e:
     raise absltest.SkipTest(str(e))
+
+
+@functools.cache
+def _load_once() -> Tokenizer:
+  # One parse of the GGUF's vocabulary for the four classes below (seconds each); no test
+  # changes the tokenizer it is given.
+  return Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
 
 
 class TokenizerTest(parameterized.TestCase):
