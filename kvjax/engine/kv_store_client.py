@@ -40,8 +40,9 @@ import numpy as np
 
 from kvjax import codecs
 from kvjax._typing import ChunkHash
+from kvjax.kernels import kvtc_rans
 from kvjax.scheduler.output import LoadReport
-from kvjax.storage import keys
+from kvjax.storage import entropy, keys
 from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, KVLayout,
                                 MissReason)
 
@@ -88,6 +89,8 @@ class LoaderStats:
     staged_bytes: stored bytes landed on the host and not yet taken (inserted) or released.
     link_busy_s: seconds with at least one read in flight.
     read_bytes: stored bytes of every landed read.
+    device_decoded: landed chunks whose entropy coding was decoded on the device (kvtc
+      "rans-bands"), including those whose decode failed its check (a CORRUPT miss).
   """
 
   started: int = 0
@@ -100,6 +103,7 @@ class LoaderStats:
   staged_bytes: int = 0
   link_busy_s: float = 0.0
   read_bytes: int = 0
+  device_decoded: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,13 +234,22 @@ class KVStoreClient:
     kvtc_transform_id: the 16-byte identity of this model's kvtc transform
       (`KVTCTransform.transform_id`), or None; a loaded kvtc chunk coded with another transform
       (or any kvtc chunk when None) is a miss (`MissReason.UNKNOWN_CODEC`), never decoded.
+    use_pallas_entropy: how a landed chunk whose arrays the reader left entropy-coded
+      (`storage.entropy.RansCodes`: kvtc's "rans-bands" `q`) is decoded on the device: the Pallas
+      rANS kernel (True) or the jit'd jnp reference (False); None: Pallas on GPU/TPU, the jnp
+      reference on CPU (measured faster there than the numpy host decoder,
+      `scripts/bench_rans.py`). A chunk whose streams fail the decoder's `ok` check is a miss
+      (`MissReason.CORRUPT`), recomputed like any bad chunk.
   """
 
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
-               kvtc_transform_id: bytes | None = None, device_link=None):
+               kvtc_transform_id: bytes | None = None, device_link=None,
+               use_pallas_entropy: bool | None = None):
     self.codec = codec
+    self.use_pallas_entropy = (jax.default_backend() != "cpu" if use_pallas_entropy is None
+                               else bool(use_pallas_entropy))
     #: The emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or None: every
     #: staged chunk's bytes pass it on their way into the KV cache (`transfer`, `charge_device`).
     self.device_link = device_link
@@ -425,7 +438,34 @@ class KVStoreClient:
     except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
       got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
     got = self._check_transform(got)
+    if isinstance(got, ChunkHit) and any(isinstance(a, entropy.RansCodes)
+                                         for a in got.payload.values()):
+      got = await asyncio.to_thread(self._decode_on_device, got)
     self._on_land(item, got, time.perf_counter())
+
+  def _decode_on_device(self, got: ChunkHit) -> ChunkHit | ChunkMiss:
+    """Host bytes -> device -> rANS decode of every entropy-coded array (one jit'd call each,
+    `kvtc_rans.decode_codes`); a failed `ok` check is a CORRUPT miss. The staged payload then
+    holds the int16 codes as a device array, for the runner's dequantize -> inverse transform ->
+    RoPE -> cache write."""
+    with self._lock:
+      self._stats.device_decoded += 1
+    arrays = dict(got.payload)
+    for name, a in got.payload.items():
+      if not isinstance(a, entropy.RansCodes):
+        continue
+      try:
+        q, ok = kvtc_rans.decode_codes(a.shape, kvtc_rans.band_inputs(a.bands, a.offsets,
+                                                                      a.arrays),
+                                       use_pallas=self.use_pallas_entropy)
+        ok = bool(ok)
+      except ValueError as e:
+        return ChunkMiss(got.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")
+      if not ok:
+        return ChunkMiss(got.record.chunk_hash, MissReason.CORRUPT,
+                         f"{name}: rANS streams did not decode to their initial state")
+      arrays[name] = q
+    return dataclasses.replace(got, payload=arrays)
 
   def _check_transform(self, got: ChunkHit | ChunkMiss) -> ChunkHit | ChunkMiss:
     """A kvtc hit coded with another transform than this model's becomes a miss."""

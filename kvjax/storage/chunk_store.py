@@ -719,9 +719,9 @@ class ChunkStore:
     if digest != encoding.checksum:
       return miss(MissReason.CHECKSUM_MISMATCH, encoding.object)
     try:  # Entropy decoding is CPU work: off the event loop.
-      payload = await asyncio.to_thread(codecs.decode_payload, encoding.codec,
-                                        encoding.codec_version, encoding.level,
-                                        memoryview(buf), layout)
+      payload = await asyncio.to_thread(functools.partial(
+          codecs.decode_payload, defer_entropy=True), encoding.codec, encoding.codec_version,
+          encoding.level, memoryview(buf), layout)
     except codecs.UnknownCodec as e:
       return miss(MissReason.UNKNOWN_CODEC, str(e))
     except ValueError as e:  # CorruptPayload
