@@ -455,9 +455,8 @@ class KVStoreClient:
       if not isinstance(a, entropy.RansCodes):
         continue
       try:
-        q, ok = kvtc_rans.decode_codes(a.shape, kvtc_rans.band_inputs(a.bands, a.offsets,
-                                                                      a.arrays),
-                                       use_pallas=self.use_pallas_entropy)
+        packed = kvtc_rans.pack_bands(a.shape, a.bands, a.offsets, a.arrays)
+        q, ok = kvtc_rans.decode_codes(packed, use_pallas=self.use_pallas_entropy)
         ok = bool(ok)
       except ValueError as e:
         return ChunkMiss(got.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")

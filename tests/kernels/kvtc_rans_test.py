@@ -20,7 +20,7 @@ def parsed(q, steps=entropy.RANS_STEPS):
 
 
 def inputs(p):
-  return kvtc_rans.band_inputs(p.bands, p.offsets, p.arrays)
+  return kvtc_rans.pack_bands(p.shape, p.bands, p.offsets, p.arrays)
 
 
 def forge(p):
@@ -42,7 +42,7 @@ class KVTCRansTest(parameterized.TestCase):
   def test_reference_is_byte_exact(self, shape, steps):
     q = codes(shape, seed=shape[3])
     p = parsed(q, steps)
-    got, ok = kvtc_rans.decode_codes(p.shape, inputs(p))
+    got, ok = kvtc_rans.decode_codes(inputs(p))
     self.assertTrue(bool(ok))
     self.assertEqual(got.dtype, np.int16)
     np.testing.assert_array_equal(np.asarray(got), entropy.decode_rans_codes(p))
@@ -53,26 +53,26 @@ class KVTCRansTest(parameterized.TestCase):
   def test_pallas_interpret_is_byte_exact(self):
     q = codes((1, 2, 8, 8), seed=1)
     p = parsed(q, steps=8)
-    ref, ok_ref = kvtc_rans.decode_codes(p.shape, inputs(p))
-    got, ok = kvtc_rans.decode_codes(p.shape, inputs(p), use_pallas=True, interpret=True)
+    ref, ok_ref = kvtc_rans.decode_codes(inputs(p))
+    got, ok = kvtc_rans.decode_codes(inputs(p), use_pallas=True, interpret=True)
     self.assertTrue(bool(ok) and bool(ok_ref))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(got), q)
-    _, ok_forged = kvtc_rans.decode_codes(p.shape, inputs(forge(p)), use_pallas=True,
+    _, ok_forged = kvtc_rans.decode_codes(inputs(forge(p)), use_pallas=True,
                                           interpret=True)
     self.assertFalse(bool(ok_forged))
 
   def test_forged_streams_are_flagged(self):
     q = codes((3, 2, 32, 24), seed=2)
     p = forge(parsed(q))
-    got, ok = kvtc_rans.decode_codes(p.shape, inputs(p))
+    got, ok = kvtc_rans.decode_codes(inputs(p))
     self.assertFalse(bool(ok))
     with self.assertRaises(entropy.EntropyError):
       entropy.decode_rans_codes(p)
     # A block that claims fewer words than it reads is flagged too.
     a = p.arrays[0]
     short = p._replace(arrays=(a._replace(num_words=a.num_words - 1),) + p.arrays[1:])
-    _, ok = kvtc_rans.decode_codes(short.shape, inputs(short))
+    _, ok = kvtc_rans.decode_codes(inputs(short))
     self.assertFalse(bool(ok))
     # So is a damaged initial state (even of a model whose codes are all one value: no words).
     q0 = np.zeros((1, 2, 8, 3), np.int16)
@@ -81,23 +81,34 @@ class KVTCRansTest(parameterized.TestCase):
     states = p0.arrays[0].states.copy()
     states[1, 0, 0] += 1
     p0 = p0._replace(arrays=(p0.arrays[0]._replace(states=states),) + p0.arrays[1:])
-    got, ok = kvtc_rans.decode_codes(p0.shape, inputs(p0))
+    got, ok = kvtc_rans.decode_codes(inputs(p0))
     self.assertFalse(bool(ok))
 
   def test_bad_layouts_raise(self):
     q = codes((3, 2, 32, 24), seed=3)
     p = parsed(q)
-    bands = inputs(p)
+    packed = inputs(p)
+    bands = packed.bands
     with self.assertRaisesRegex(ValueError, "tile"):
-      kvtc_rans.decode_codes(p.shape, bands[1:])
+      kvtc_rans.decode_codes(packed._replace(bands=bands[1:]))
     with self.assertRaisesRegex(ValueError, "end at"):
-      kvtc_rans.decode_codes(p.shape, bands[:-1])
+      kvtc_rans.decode_codes(packed._replace(bands=bands[:-1]))
     with self.assertRaisesRegex(ValueError, "cover"):
-      kvtc_rans.decode_codes((3, 2, 16, 24), bands)
+      kvtc_rans.decode_codes(packed._replace(shape=(3, 2, 16, 24)))
     with self.assertRaisesRegex(ValueError, "shape"):
-      kvtc_rans.decode_codes((3, 1, 32, 24), bands)
+      kvtc_rans.decode_codes(packed._replace(shape=(3, 1, 32, 24)))
     with self.assertRaisesRegex(ValueError, "bands"):
-      kvtc_rans.band_inputs(p.bands, p.offsets[:-1], p.arrays)
+      kvtc_rans.pack_bands(p.shape, p.bands, p.offsets[:-1], p.arrays)
+
+  def test_shapes_do_not_depend_on_contents(self):
+    # Two chunks of one shape with different spreads pack to the same shapes (one compile).
+    a = inputs(parsed(codes((3, 2, 32, 24), seed=8, top=4.0)))
+    b = inputs(parsed(codes((3, 2, 32, 24), seed=9, top=30.0)))
+    shapes = lambda p: [np.shape(x) for band in p.bands for x in band[2:8]]
+    self.assertEqual(shapes(a), shapes(b))
+    self.assertEqual(a.words.shape, (4096,))
+    self.assertEqual([kvtc_rans._bucket(n) for n in (1, 4096, 4097, 5000, 10 ** 6)],
+                     [4096, 4096, 4871, 5793, 1048576])
 
 
 if __name__ == "__main__":
