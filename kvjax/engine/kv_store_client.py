@@ -42,6 +42,7 @@ from kvjax import codecs
 from kvjax._typing import ChunkHash
 from kvjax.kernels import kvtc_rans
 from kvjax.scheduler.output import LoadReport
+from kvjax.storage import codecs as storage_codecs
 from kvjax.storage import entropy, keys
 from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, KVLayout,
                                 MissReason)
@@ -442,6 +443,26 @@ class KVStoreClient:
                                          for a in got.payload.values()):
       got = await asyncio.to_thread(self._decode_on_device, got)
     self._on_land(item, got, time.perf_counter())
+
+  def warmup_entropy(self, codec: str, level: int, arrays) -> None:
+    """Compiles the device entropy decoder a landed chunk of this layout would use: codes
+    `arrays` (a host payload of `codec`, e.g. of a zero chunk) into stored bytes, reads them
+    back as the store does and decodes what the reader left coded. No-op for codecs the reader
+    decodes on the host.
+
+    Raises:
+      ValueError: a payload that does not match the layout; RuntimeError: the decode failed.
+    """
+    blob = storage_codecs.encode_payload(codec, level, arrays, self.layout)
+    payload = storage_codecs.decode_payload(codec, storage_codecs.CURRENT_VERSION[codec], level,
+                                            blob, self.layout, defer_entropy=True)
+    for name, a in payload.items():
+      if isinstance(a, entropy.RansCodes):
+        q, ok = kvtc_rans.decode_codes(kvtc_rans.pack_bands(a.shape, a.bands, a.offsets,
+                                                            a.arrays),
+                                       use_pallas=self.use_pallas_entropy)
+        if not bool(ok):
+          raise RuntimeError(f"warming up the device entropy decoder: {name} did not decode")
 
   def _decode_on_device(self, got: ChunkHit) -> ChunkHit | ChunkMiss:
     """Host bytes -> device -> rANS decode of every entropy-coded array (one jit'd call each,

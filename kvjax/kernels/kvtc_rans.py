@@ -122,7 +122,8 @@ def pack_bands(shape: Sequence[int], bands: Sequence[tuple[int, int]], offsets: 
                          np.asarray(a.states, np.uint32), np.asarray(a.lengths, np.int32),
                          counts.astype(np.int32), freqs, int(a.scale_bits),
                          int(a.num_streams), int(a.num_steps)))
-  words = np.zeros(_bucket(start), np.uint16)
+  capacity = sum(int(np.prod(np.shape(b.states))) * b.num_steps for b in out)
+  words = np.zeros(min(_bucket(start), max(capacity, start)), np.uint16)
   if start:
     words[:start] = np.concatenate(flat)
   return PackedCodes(tuple(int(x) for x in shape), words, tuple(out))
@@ -175,8 +176,21 @@ def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bo
   _check(shape, bands)
   static = tuple(tuple(int(getattr(b, n)) for n in _STATIC) for b in bands)
   arrays = tuple(tuple(getattr(b, n) for n in _ARRAYS) for b in bands)
-  return _decode_jit(packed.words, arrays, shape=shape, static=static,
-                     use_pallas=bool(use_pallas), interpret=bool(interpret))
+  # The words travel in their size bucket; on the device they are padded to the most words a
+  # chunk of this shape can have (one word per symbol per lane), so the decoder compiles once
+  # per shape (the pad is a small program per bucket).
+  capacity = sum(b.states.shape[0] * b.states.shape[1] * b.states.shape[2] * b.num_steps
+                 for b in bands)
+  words = packed.words
+  if words.shape[0] > capacity:
+    raise ValueError(f"{words.shape[0]} words for a chunk of at most {capacity}")
+  return _decode_jit(_pad_words(words, capacity=int(capacity)), arrays, shape=shape,
+                     static=static, use_pallas=bool(use_pallas), interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def _pad_words(words, *, capacity):
+  return jnp.zeros((capacity,), jnp.uint16).at[:words.shape[0]].set(words.astype(jnp.uint16))
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "static", "use_pallas", "interpret"))
