@@ -5,8 +5,9 @@ thread that owns the device. This client runs the store's coroutines on its own 
 and adds a saver thread:
 
     engine thread ── lookup() ─────> event loop: which prefix chunks does any tier hold
-                  ├─ start_load() ─> queue ─> event loop: get + verify + entropy-decode, a few
-                  │                           reads at once; the next starts as one lands
+                  ├─ start_load() ─> queue ─> event loop: get + verify + entropy-decode (on the
+                  │                           device for kvtc's rANS codes), a few reads at
+                  │                           once; the next starts as one lands
                   │  landed() <──── LoadReports (plain data for the scheduler)
                   │  take() <────── a staged chunk, when the scheduler plans its insertion
                   ├─ release() / cancel_loads(): unwanted loads never start, staging is freed

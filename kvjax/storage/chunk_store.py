@@ -718,7 +718,9 @@ class ChunkStore:
       return miss(_data_error_reason(e), f"{encoding.object}: {e!r}")
     if digest != encoding.checksum:
       return miss(MissReason.CHECKSUM_MISMATCH, encoding.object)
-    try:  # Entropy decoding is CPU work: off the event loop.
+    # Entropy decoding is CPU work: off the event loop. Device codings (kvtc's "rans-bands") are
+    # only parsed and verified here; the engine decodes them on the device.
+    try:
       payload = await asyncio.to_thread(functools.partial(
           codecs.decode_payload, defer_entropy=True), encoding.codec, encoding.codec_version,
           encoding.level, memoryview(buf), layout)

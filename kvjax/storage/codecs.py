@@ -34,13 +34,24 @@ Stored bytes (all integers little endian):
 Codings: "plain" (the C-order bytes), "zstd" (one zstandard frame, level 1), "pco" (int8 only:
 `entropy.encode_groups`, one pcodec model per (layer, K/V) group). The encoder picks per array:
 cachegen's `delta_q` and `anchor_q` are entropy-coded ("pco"); other arrays try "zstd"; either
-falls back to "plain" when it does not save at least `MIN_SAVING`. kvtc's `q` is "pco-bands"
-(`entropy.encode_components`: one pcodec model per (layer, K/V, band of PCA components)).
+falls back to "plain" when it does not save at least `MIN_SAVING`. kvtc's `q` is "rans-bands"
+(`KVTC_Q_CODING`; `entropy.encode_components_rans`: one static rANS model per (layer, K/V, band
+of PCA components), each band one interleaved-rANS encoding of `kvjax.storage.rans`, streams of
+about 512 symbols, decodable on the device) or, for chunks stored before it (and if a model had
+more than 2**15 distinct codes), "pco-bands" (`entropy.encode_components`: pcodec with the same
+models). On real SmolLM2 KV "rans-bands" stores 1.2-1.3% more bytes per token than "pco-bands"
+at every kvtc level (`scripts/bench_rans.py`, kvtc phase). `decode_payload(defer_entropy=True)`
+(what `ChunkStore` reads with) returns a "rans-bands" array parsed and verified but not decoded,
+as `entropy.RansCodes` (plain numpy), for the kernels' device decoder (`kvjax.kernels.kvtc_rans`,
+run by the engine's store client); without it the array is decoded on the host (numpy rANS) and
+CRC-checked like any other. A deferred array's CRC-32 is not checked (the rANS checksum of each
+band and the device decoder's `ok` flag stand for it); the host tier keeps it in that form, and
+`encode_payload` re-codes it from its decoded values.
 kvtc's `transform_id` names the transform the codes are in; storage stores it like any array and
 the store client rejects (as a miss) a chunk whose id is not its transform's. kvtc version 1 (the
 same arrays, coded without inter-layer prediction) is no longer read: its chunks are
 `UnknownCodec`, a miss that is recomputed. Decoders accept any coding
-for any array ("pco" for int8 arrays only).
+for any array ("pco" for int8 arrays only, "pco-bands" and "rans-bands" for int16 ones).
 
 Entropy coder choice (CacheGen, arXiv 2310.07240, section 5.2). Measured with
 `scripts/measure_entropy_coders.py` on real SmolLM2-135M KV (two 256-token chunks of book text,

@@ -27,7 +27,10 @@ first to the last, so one model per (layer, K/V) would waste bits on the quiet o
     u32 nbytes[L * 2 * B] length of each group's pcodec standalone file, (l, kv, band) order
     the files, back to back (each codes the band's codes component-major: [width, C])
 
-This is the one function pair to swap for another entropy coder (e.g. a device-decodable rANS).
+kvtc components with interleaved rANS (`encode_components_rans`, the "rans-bands" coding, what
+new kvtc chunks store): the same models, each band one `kvjax.storage.rans` encoding, decoded on
+the device (`parse_components_rans` -> `RansCodes` -> `kvjax.kernels.kvtc_rans`) or here
+(`decode_rans_codes`); format in `encode_components_rans`.
 
 A damaged file can decode to wrong symbols without an error from pcodec, so callers check a CRC
 of the decoded values (`codecs` does).
