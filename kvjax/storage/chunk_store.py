@@ -73,6 +73,7 @@ import tensorstore as ts
 from kvjax._typing import ChunkHash
 from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
+from kvjax.storage import entropy
 from kvjax.storage import specs
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  Encoding, KVLayout, MissReason)
@@ -405,6 +406,18 @@ def _data_error_reason(e: BaseException) -> MissReason:
   if status in ("DATA_LOSS", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"):
     return MissReason.CORRUPT
   return MissReason.READ_ERROR
+
+
+def _decode_deferred(hit: ChunkHit) -> ChunkHit | ChunkMiss:
+  """`hit`, or a CORRUPT miss if an array left coded for the device does not decode on the host
+  (`entropy.decode_rans_codes`: streams that do not end where they began)."""
+  for name, a in hit.payload.items():
+    if isinstance(a, entropy.RansCodes):
+      try:
+        entropy.decode_rans_codes(a)
+      except entropy.EntropyError as e:
+        return ChunkMiss(hit.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")
+  return hit
 
 
 class ChunkStore:
@@ -987,7 +1000,9 @@ class ChunkStore:
 
   async def verify(self, record: ChunkRecord) -> ChunkMiss | None:
     """Reads back every encoding of `record` this reader can decode, as a server would
-    (`get` with the record's own token ids, namespace and layout: sizes, checksums, decode).
+    (`get` with the record's own token ids, namespace and layout: sizes, checksums, decode;
+    arrays `get` leaves coded for the device, kvtc's "rans-bands", are decoded here on the host
+    with the checks the device decoder makes).
 
     Returns:
       None if all of them verify; else the first miss (its detail prefixed with the encoding
@@ -1001,6 +1016,8 @@ class ChunkStore:
       got = await self.get(record.chunk_hash, record.token_ids, record.namespace, record.layout,
                            choose=lambda encodings, want=enc: next(
                                (e for e in encodings if e == want), None))
+      if isinstance(got, ChunkHit):
+        got = await asyncio.to_thread(_decode_deferred, got)
       if isinstance(got, ChunkMiss):
         where = f"{enc.codec}/{enc.codec_version}/{enc.level}" if len(known) > 1 else ""
         return dataclasses.replace(got, detail=": ".join(x for x in (where, got.detail) if x))

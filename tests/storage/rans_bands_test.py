@@ -8,8 +8,10 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from kvjax.storage import codecs, entropy, rans
+from kvjax.storage import codecs, entropy
+from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.host_tier import HostMemoryTier
+from kvjax.storage.tiers import TieredStore
 from kvjax.storage.types import EncodedPayload, KVLayout
 
 L, K, H, C = 3, 3, 8, 32
@@ -147,6 +149,48 @@ class RansBandsTest(parameterized.TestCase):
     self.assertFalse(held.arrays[0].words.flags.writeable)
     np.testing.assert_array_equal(entropy.decode_rans_codes(held), q)
     self.assertEqual(hit.encoding.nbytes, codecs.payload_nbytes(deferred))
+
+  def test_store_reads_deferred_and_promotes_the_coded_form(self):
+    q = codes(seed=8)
+    host = HostMemoryTier(1 << 22)
+    store = TieredStore([host, ChunkStore("memory://rans-bands-promote")])
+    ids = list(range(C))
+    disk = store.tiers[1]
+    put = disk.put("h" * 32, "p" * 32, ids, "ns", layout=LAYOUT,
+                   payloads=[EncodedPayload("kvtc", 0, payload(q))])
+    self.assertTrue(asyncio.run(put))
+    hit = asyncio.run(store.get("h" * 32, ids, "ns", LAYOUT))
+    self.assertEqual(hit.tier, disk.name)
+    self.assertIsInstance(hit.payload["q"], entropy.RansCodes)
+    np.testing.assert_array_equal(entropy.decode_rans_codes(hit.payload["q"]), q)
+    again = asyncio.run(store.get("h" * 32, ids, "ns", LAYOUT))  # promoted into the host tier
+    self.assertEqual(again.tier, "host")
+    self.assertIsInstance(again.payload["q"], entropy.RansCodes)
+    np.testing.assert_array_equal(entropy.decode_rans_codes(again.payload["q"]), q)
+    np.testing.assert_array_equal(again.payload["step"], payload(q)["step"])
+
+  def test_verify_decodes_the_deferred_codes_on_the_host(self):
+    q = codes(seed=9)
+    store = ChunkStore("memory://rans-bands-verify")
+    ids = list(range(C))
+    put = store.put("h" * 32, "p" * 32, ids, "ns", layout=LAYOUT,
+                    payloads=[EncodedPayload("kvtc", 0, payload(q))])
+    self.assertTrue(asyncio.run(put))
+    record = asyncio.run(store.get("h" * 32, ids, "ns", LAYOUT)).record
+    self.assertIsNone(asyncio.run(store.verify(record)))
+    parse = entropy.parse_components_rans
+
+    def forged(data, shape):  # damage past the checksum: only a decoder sees it
+      p = parse(data, shape)
+      a = p.arrays[0]
+      states = a.states.copy()
+      states[0, 0, 0] += 1
+      return p._replace(arrays=(a._replace(states=states),) + p.arrays[1:])
+
+    with mock.patch.object(entropy, "parse_components_rans", forged):
+      miss = asyncio.run(store.verify(record))
+    self.assertEqual(miss.reason.value, "corrupt")
+    self.assertIn("q:", miss.detail)
 
 
 if __name__ == "__main__":
