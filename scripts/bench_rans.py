@@ -214,6 +214,36 @@ def sizes(symbols, **kw):
                 "over_entropy": len(data) / bound - 1.0}
 
 
+def plot(kv: dict, path: pathlib.Path) -> bool:
+  """Bytes per token (pco-bands vs rans-bands per level) and q decode rates; False without
+  matplotlib."""
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return False
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+  levels = sorted(kv["size"])
+  x = np.arange(len(levels))
+  for i, coding in enumerate(("pco-bands", "rans-bands")):
+    a.bar(x + (i - 0.5) * 0.4, [kv["size"][lv][coding]["bytes_per_token"] for lv in levels], 0.4,
+          label=coding)
+  a.set_xticks(x, [lv.replace("level_", "level ") for lv in levels])
+  a.set_ylabel("stored bytes / token (kvtc payload)")
+  a.set_title(f"kvtc on {kv['held_out']['tokens']} tokens of SmolLM2-135M KV")
+  a.legend()
+  names = [n for n, v in kv["throughput"].items() if isinstance(v, dict)]
+  b.barh(names, [kv["throughput"][n]["MB_per_s"] for n in names])
+  b.set_xscale("log")
+  b.set_xlabel(f"MB/s of coded q, level {kv['throughput_level']} chunk (2-core CPU VM)")
+  b.set_title("decode of one 256-token chunk's codes")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
 def main(argv):
   del argv
   reps = _REPS.value
@@ -316,6 +346,8 @@ def main(argv):
       print(f"{name:28s} {v['s']:9.4f} {v['MB_per_s']:8.1f} {v['Msymbols_per_s']:8.1f}")
   print(f"jnp compile + first decode {t_compile:.2f} s; Pallas interpret {list(small.shape)}: "
         f"byte-exact={pallas_exact} ({t_interp:.1f} s)")
+  if _KVTC.value and plot(result["kvtc"], out / "bench_rans.png"):
+    print(f"wrote {out / 'bench_rans.png'}")
   if _KVTC.value:
     kv = result["kvtc"]
     print(f"kvtc on {kv['held_out']['tokens']} tokens of {kv['held_out']['book']} "
