@@ -242,12 +242,19 @@ def _streams(n: int, steps: int) -> int:
   return min(divisors, key=lambda s: (abs(s - want), s))
 
 
+def _lanes(streams: int) -> int:
+  """Lanes per block: the streams rounded up to a power of two, at most a warp (32): a GPU
+  kernel's block shapes stay powers of two (with T a power of two, so is a block's T * B)."""
+  return min(rans.DEFAULT_LANES, 1 << max(streams - 1, 0).bit_length())
+
+
 def encode_components_rans(q_L2CD: np.ndarray, *, steps: int = RANS_STEPS) -> bytes:
   """Entropy-codes kvtc codes with interleaved rANS, one model per (layer, K/V, band).
 
   The models are `encode_components`' (bands `COMPONENT_BANDS`); each band is one rANS
   encoding (`kvjax.storage.rans`, format version 1) of L * 2 models whose values are split into
-  S streams of T = (hi - lo) * C / S symbols, S chosen so that T is near `steps`. Format:
+  S streams of T = (hi - lo) * C / S symbols, S chosen so that T is near `steps`, in blocks of
+  B = min(32, S rounded up to a power of two) lanes. Format:
 
       u32 B                                      bands actually used (after clipping to D)
       per band: u32 S  u32 nbytes                streams per model, bytes of its rANS encoding
@@ -284,7 +291,7 @@ def encode_components_rans(q_L2CD: np.ndarray, *, steps: int = RANS_STEPS) -> by
                        f"not fit one rANS model")
     sym_MTS = sym.reshape(l_ * 2, s_, n // s_).transpose(0, 2, 1)
     blob = rans.encode(sym_MTS.astype(np.uint16), scale_bits=scale_bits,
-                       lanes=min(s_, rans.DEFAULT_LANES), alphabet=alphabet)
+                       lanes=_lanes(s_), alphabet=alphabet)
     head.append((s_, len(blob)))
     offsets.append(off.astype("<i4"))
     blobs.append(blob)

@@ -61,6 +61,8 @@ class RansBandsTest(parameterized.TestCase):
     parsed = entropy.parse_components_rans(entropy.encode_components_rans(q), q.shape)
     self.assertEqual([a.num_streams for a in parsed.arrays], [1, 2, 5, 12, 28, 48])
     self.assertEqual({a.num_steps for a in parsed.arrays}, {512})
+    self.assertEqual([a.states.shape[1:] for a in parsed.arrays],  # (blocks, lanes): powers of 2
+                     [(1, 1), (1, 2), (1, 8), (1, 16), (1, 32), (2, 32)])
 
   def test_extreme_and_constant_codes(self):
     q = np.zeros((L, 2, C, D), np.int16)
