@@ -442,7 +442,10 @@ class KVStoreClient:
     got = self._check_transform(got)
     if isinstance(got, ChunkHit) and any(isinstance(a, entropy.RansCodes)
                                          for a in got.payload.values()):
-      got = await asyncio.to_thread(self._decode_on_device, got)
+      try:
+        got = await asyncio.to_thread(self._decode_on_device, got)
+      except Exception as e:  # noqa: BLE001 - a failed decode is a miss, never a user error
+        got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, f"device entropy decode: {e!r}")
     self._on_land(item, got, time.perf_counter())
 
   def warmup_entropy(self, codec: str, level: int, arrays) -> None:
