@@ -41,8 +41,8 @@ about 512 symbols, decodable on the device) or, for chunks stored before it (and
 more than 2**15 distinct codes), "pco-bands" (`entropy.encode_components`: pcodec with the same
 models). On real SmolLM2 KV "rans-bands" stores 1.2-1.3% more bytes per token than "pco-bands"
 at every kvtc level (`scripts/bench_rans.py`, kvtc phase; its decode on a 2-core CPU: 5-9 MB/s
-with the jit'd jnp reference against pcodec's 92-122 MB/s on the host). `decode_payload(defer_entropy=True)`
-(what `ChunkStore` reads with) returns a "rans-bands" array parsed and verified but not decoded,
+with the jit'd jnp reference against pcodec's 92-122 MB/s on the host).
+`decode_payload(defer_entropy=True)` (what `ChunkStore` reads with) returns a "rans-bands" array parsed and verified but not decoded,
 as `entropy.RansCodes` (plain numpy), for the kernels' device decoder (`kvjax.kernels.kvtc_rans`,
 run by the engine's store client); without it the array is decoded on the host (numpy rANS) and
 CRC-checked like any other. A deferred array's CRC-32 is not checked (the rANS checksum of each
