@@ -13,6 +13,8 @@ real model computes from real text (../shared/data), this measures:
   speed       on ONE pinned thread, in compressed (stored) bytes per second:
                 encode = `kv_encode_host` (jnp path, device -> host) + `encode_payload`
                 decode = `decode_payload` (entropy decode, CRCs) + `kv_decode` into a cache slot
+                         (kvtc: its rANS-coded `q` is only parsed on the host and decoded on
+                         the device, `kvtc_rans.decode_codes`, as a load does)
               measured in a child process pinned to one core (XLA single-thread flags, BLAS/OMP
               threads 1) while this process runs a prefill loop on the other core (its threads
               pinned there); per wall second, and per CPU second of the worker (what one
@@ -739,7 +741,9 @@ def main(argv):
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "encode_path": "kv_encode(use_pallas=False) jnp reference on CPU, then "
                      "storage.codecs.encode_payload",
-      "decode_path": "storage.codecs.decode_payload, then kv_decode(use_pallas=False)",
+      "decode_path": "storage.codecs.decode_payload(defer_entropy=True), then kv_decode("
+                     "use_pallas=False); kvtc: rANS codes decoded by the jit'd jnp reference "
+                     "(kvtc_rans.decode_codes), then kvtc_decode",
       "note": ("2-core VM shared with other jobs: throughput and compute times may be affected "
                "by their load (see loadavg per phase)."),
       "compute_sweep": sweep, "sizes": sizes, "throughput": tp, "balance": bal,

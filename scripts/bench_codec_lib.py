@@ -162,11 +162,30 @@ def encode_host(kv_L2CKH, codec: str, level: int) -> dict:
   return kc.kv_encode_host(kv_L2CKH, codec, level, use_pallas=False)
 
 
+def device_entropy(arrays: dict) -> dict:
+  """Arrays `decode_payload(defer_entropy=True)` left rANS-coded (kvtc's "rans-bands" `q`)
+  decoded on the device, as the store client does for a landed chunk (`kvjax.kernels.kvtc_rans`;
+  the jnp reference on CPU)."""
+  import jax  # noqa: PLC0415
+  from kvjax.kernels import kvtc_rans  # noqa: PLC0415
+  from kvjax.storage import entropy  # noqa: PLC0415
+  out = dict(arrays)
+  for name, a in arrays.items():
+    if isinstance(a, entropy.RansCodes):
+      q, ok = kvtc_rans.decode_codes(kvtc_rans.pack_bands(a.shape, a.bands, a.offsets, a.arrays),
+                                     use_pallas=jax.default_backend() != "cpu")
+      if not bool(ok):
+        raise RuntimeError(f"{name}: rANS codes did not decode")
+      out[name] = q
+  return out
+
+
 def decode_arrays(arrays: dict, codec: str, k, v, slot, start, cos, sin):
   """Payload arrays -> `kv_decode` / `kvtc_decode` into (k, v) caches (jnp path)."""
   from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
   from kvjax.kernels import kvtc  # noqa: PLC0415
   if codec == "kvtc":
+    arrays = device_entropy(arrays)
     return kvtc.kvtc_decode(kvtc.payload_from_arrays(arrays), _KVTC["device"], k, v, slot, start,
                             cos, sin)
   return kc.kv_decode(kc.payload_from_arrays(codec, arrays), k, v, slot, start, cos, sin,
@@ -251,7 +270,7 @@ class Bench:
     k, v = cache.k_LBSKH, cache.v_LBSKH
     for i, blob in enumerate(blobs):
       arrays = codecs.decode_payload(codec, codecs.CURRENT_VERSION[codec], level, blob,
-                                     self.layout)
+                                     self.layout, defer_entropy=True)
       cos, sin = rope_cos_sin(self.inv_freq, i * self.chunk, self.chunk)
       k, v = decode_arrays(arrays, codec, k, v, slot, i * self.chunk, cos, sin)
     self.runner.cache = dataclasses.replace(cache, k_LBSKH=k, v_LBSKH=v)
@@ -383,7 +402,8 @@ def time_codec(samples: dict[int, np.ndarray], codec: str, level: int, reps: int
       t1 = time.perf_counter()
       blob = codecs.encode_payload(codec, level, arrays, layout)
       t2, c2 = time.perf_counter(), time.process_time()
-      dec = codecs.decode_payload(codec, codecs.CURRENT_VERSION[codec], level, blob, layout)
+      dec = codecs.decode_payload(codec, codecs.CURRENT_VERSION[codec], level, blob, layout,
+                                  defer_entropy=True)
       t3 = time.perf_counter()
       k_cache, v_cache = decode_arrays(dec, codec, k_cache, v_cache, 0, 0, cos, sin)
       jax.block_until_ready((k_cache, v_cache))

@@ -20,9 +20,22 @@ per model: 2.95 M symbols), each model with its own spread (0.5..8 steps, log-un
   pallas   `rans_decode` in interpret mode on a slice (2 models x 64 steps x 64 streams):
            byte-exact against numpy (interpret mode is a correctness check, not a speed).
 
+  kvtc     (--kvtc, default on) real SmolLM2-135M KV: a held-out passage (--book, --offset,
+           --tokens; chunks of 256, fresh sequence from position 0) coded by kvtc at every level
+           (transform: the model's cached calibration, or --transform FILE); kvtc's `q` stored as
+           "pco-bands" (pcodec, host-decoded) and "rans-bands" (this format, device-decoded):
+           stored bytes per token of the whole payload (`storage.codecs.encode_payload`) for both,
+           and, per chunk at --kvtc_level, decode throughput in MB/s of the coded `q`: host
+           pcodec (`entropy.decode_components`), numpy rANS (`entropy.decode_rans_codes`), the
+           jit'd jnp rANS reference (`kvtc_rans.decode_codes`, arrays on the device; and
+           parse + pack + transfer + decode, what a load runs), byte-exact checked; the Pallas
+           kernel in interpret mode on a slice of one chunk (2 layers x 16 tokens x 40 components).
+
 No GPU was used; the kernel's layout for one (kvjax/kernels/rans_decode.py docstring) targets
 the issue's 4 GB/s (a 32 Gbps link) and is not measured here. Writes <out>/bench_rans.json
 (machine, versions, threads, git SHA, seed) and prints a table.
+
+    PYTHONPATH=. nice -n 19 .venv/bin/python scripts/bench_rans.py
 """
 
 from __future__ import annotations
@@ -54,6 +67,126 @@ _OUT = flags.DEFINE_string("out", str(REPO / "benchmarks" / "results"), "Output 
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the synthetic symbols.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions (best is reported).")
 _LAYERS = flags.DEFINE_integer("layers", 30, "Layers (models = 2 x layers).")
+_KVTC = flags.DEFINE_bool("kvtc", True, "Run the kvtc phase on real SmolLM2 KV.")
+_DATA = flags.DEFINE_string("data_dir", None, "The shared data folder (default ../shared/data).")
+_BOOK = flags.DEFINE_string("book", "pg11_alice_in_wonderland_carroll.txt", "Held-out book.")
+_OFFSET = flags.DEFINE_integer("offset", 1000, "First token of the held-out passage.")
+_TOKENS = flags.DEFINE_integer("tokens", 2048, "Tokens of the held-out passage (x 256).")
+_TRANSFORM = flags.DEFINE_string("transform", None, "A kvtc transform .npz (default: the "
+                                 "model's cached calibration, calibrated if missing).")
+_KVTC_LEVEL = flags.DEFINE_integer("kvtc_level", 0, "kvtc level of the throughput phase.")
+C = 256
+
+
+def kvtc_phase(reps: int) -> dict:
+  """Stored bytes and decode rates of kvtc's q as pco-bands and rans-bands (module docstring)."""
+  from unittest import mock  # noqa: PLC0415
+  from bench_codec_lib import MODEL  # noqa: PLC0415
+  from kvjax.kernels import kvtc, kvtc_rans  # noqa: PLC0415
+  from kvjax.models import kv_calibration as kc  # noqa: PLC0415
+  from kvjax.models.llama import Llama  # noqa: PLC0415
+  from kvjax.models.registry import load_model  # noqa: PLC0415
+  from kvjax.models.runner import ModelRunner, RunnerConfig, default_cache_root  # noqa: PLC0415
+  from kvjax.storage import codecs  # noqa: PLC0415
+  from kvjax.storage.types import KVLayout  # noqa: PLC0415
+
+  params_dir = os.path.join(default_cache_root(), "params")
+  lm = load_model(MODEL, cache_dir=params_dir)
+  cfg = lm.config
+  l_, k, h = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+  runner = ModelRunner(Llama.from_params(cfg, lm.params),
+                       RunnerConfig(num_slots=1, max_seq_len=max(_TOKENS.value, 1024),
+                                    chunk_sizes=(C,)))
+  if _TRANSFORM.value:
+    t = kc.load_transform(_TRANSFORM.value, k, h)
+    transform_source = pathlib.Path(_TRANSFORM.value).name
+  else:
+    t = kc.load_or_calibrate(runner, lm.tokenizer, str(lm.fingerprint), params_dir)
+    transform_source = kc.cache_file_name(str(lm.fingerprint))
+  dt = t.device_arrays()
+  data_dir = pathlib.Path(_DATA.value or REPO.parent / "shared" / "data")
+  book = lm.tokenizer.encode((data_dir / "books" / _BOOK.value).read_text(encoding="utf-8"))
+  held = book[_OFFSET.value:_OFFSET.value + _TOKENS.value]
+  held = held[:len(held) // C * C]
+  layout = KVLayout(l_, C, k, h, "float32")
+  levels = list(range(len(kvtc.KVTC_LEVEL_KL)))
+  payloads = {level: [] for level in levels}
+  runner.reset()
+  for s0 in range(0, len(held), C):
+    o = runner.prefill_chunk(held[s0:s0 + C], 0, s0)
+    kv = np.stack([np.asarray(o.k_pre_rope_LTKH, np.float32),
+                   np.asarray(o.v_LTKH, np.float32)], axis=1)
+    for level in levels:
+      payloads[level].append(kvtc.kvtc_encode_host(kv, dt, level))
+  runner.close()
+  tokens = len(held)
+  size = {}
+  for level in levels:
+    row = {}
+    for coding in ("pco-bands", "rans-bands"):
+      with mock.patch.object(codecs, "KVTC_Q_CODING", coding):
+        blobs = [codecs.encode_payload("kvtc", level, p, layout) for p in payloads[level]]
+      assert {codecs.read_header(b).arrays[0].coding for b in blobs} == {coding}
+      q_bytes = sum(codecs.read_header(b).arrays[0].nbytes for b in blobs)
+      row[coding] = {"bytes_per_token": sum(map(len, blobs)) / tokens,
+                     "q_bytes_per_token": q_bytes / tokens}
+    row["rans_over_pco"] = (row["rans-bands"]["bytes_per_token"] /
+                            row["pco-bands"]["bytes_per_token"] - 1.0)
+    size[f"level_{level}"] = row
+
+  level = _KVTC_LEVEL.value
+  qs = [p["q"] for p in payloads[level]]
+  pco = [entropy.encode_components(q) for q in qs]
+  rb = [entropy.encode_components_rans(q) for q in qs]
+  parsed = [entropy.parse_components_rans(b, q.shape) for b, q in zip(rb, qs)]
+  use_pallas = jax.default_backend() != "cpu"
+  t0 = time.perf_counter()
+  got, ok = kvtc_rans.decode_codes(kvtc_rans.pack_bands(parsed[0].shape, *parsed[0][1:]),
+                                   use_pallas=use_pallas)
+  jax.block_until_ready(got)
+  t_compile = time.perf_counter() - t0
+  dev = [jax.device_put(kvtc_rans.pack_bands(p.shape, *p[1:])) for p in parsed]
+  exact = bool(ok)
+  for q, d in zip(qs, dev):
+    g, ok = kvtc_rans.decode_codes(d, use_pallas=use_pallas)
+    exact &= bool(ok) and bool(np.array_equal(np.asarray(g), q))
+  for q, p in zip(qs, parsed):
+    exact &= bool(np.array_equal(entropy.decode_rans_codes(p), q))
+  assert exact, "rANS decoders are not byte-exact"
+
+  def per_chunk(fn, blobs, r=reps):
+    return sum(best_of(lambda i=i: fn(i), r)[0] for i in range(len(blobs))), sum(map(len, blobs))
+
+  def load(i):
+    p = entropy.parse_components_rans(rb[i], qs[i].shape)
+    return jax.block_until_ready(kvtc_rans.decode_codes(kvtc_rans.pack_bands(p.shape, *p[1:]),
+                                                        use_pallas=use_pallas))
+
+  timings = {
+      "pcodec_host": per_chunk(lambda i: entropy.decode_components(pco[i], qs[i].shape), pco),
+      "rans_numpy_host": per_chunk(lambda i: entropy.decode_rans_codes(parsed[i]), rb, 1),
+      "rans_jnp_device": per_chunk(lambda i: jax.block_until_ready(
+          kvtc_rans.decode_codes(dev[i], use_pallas=use_pallas)), rb),
+      "rans_parse_pack_transfer_jnp": per_chunk(load, rb),
+  }
+  speed = {name: {"s_per_chunk": secs / len(qs), "MB_per_s": nbytes / secs / 1e6}
+           for name, (secs, nbytes) in timings.items()}
+  speed["compile_and_first_s"] = t_compile
+
+  small = np.ascontiguousarray(qs[0][:2, :, :16, :40])
+  sp = entropy.parse_components_rans(entropy.encode_components_rans(small), small.shape)
+  t0 = time.perf_counter()
+  gp, okp = kvtc_rans.decode_codes(kvtc_rans.pack_bands(sp.shape, *sp[1:]), use_pallas=True,
+                                   interpret=True)
+  pallas = {"shape": list(small.shape), "s_including_compile": time.perf_counter() - t0,
+            "byte_exact": bool(okp) and bool(np.array_equal(np.asarray(gp), small))}
+  return {"model": MODEL, "transform": transform_source,
+          "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": tokens,
+                       "chunk": C},
+          "rans_steps_per_stream": entropy.RANS_STEPS, "size": size,
+          "throughput_level": level, "throughput": speed, "byte_exact": exact,
+          "decoder": "pallas" if use_pallas else "jnp reference",
+          "pallas_interpret": pallas}
 
 
 def chunk_symbols(seed: int, models: int, steps: int, streams: int) -> np.ndarray:
@@ -79,6 +212,36 @@ def sizes(symbols, **kw):
   bound = rans.empirical_entropy_bits(symbols) / 8
   return data, {"bytes": len(data), "bits_per_symbol": 8 * len(data) / symbols.size,
                 "over_entropy": len(data) / bound - 1.0}
+
+
+def plot(kv: dict, path: pathlib.Path) -> bool:
+  """Bytes per token (pco-bands vs rans-bands per level) and q decode rates; False without
+  matplotlib."""
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return False
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+  levels = sorted(kv["size"])
+  x = np.arange(len(levels))
+  for i, coding in enumerate(("pco-bands", "rans-bands")):
+    a.bar(x + (i - 0.5) * 0.4, [kv["size"][lv][coding]["bytes_per_token"] for lv in levels], 0.4,
+          label=coding)
+  a.set_xticks(x, [lv.replace("level_", "level ") for lv in levels])
+  a.set_ylabel("stored bytes / token (kvtc payload)")
+  a.set_title(f"kvtc on {kv['held_out']['tokens']} tokens of SmolLM2-135M KV")
+  a.legend()
+  names = [n for n, v in kv["throughput"].items() if isinstance(v, dict)]
+  b.barh(names, [kv["throughput"][n]["MB_per_s"] for n in names])
+  b.set_xscale("log")
+  b.set_xlabel(f"MB/s of coded q, level {kv['throughput_level']} chunk (2-core CPU VM)")
+  b.set_title("decode of one 256-token chunk's codes")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
 
 
 def main(argv):
@@ -165,6 +328,8 @@ def main(argv):
       "pallas_interpret": {"shape": list(small.shape), "byte_exact": pallas_exact,
                            "s_including_compile": t_interp},
   }
+  if _KVTC.value:
+    result["kvtc"] = kvtc_phase(reps)
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   (out / "bench_rans.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -181,6 +346,23 @@ def main(argv):
       print(f"{name:28s} {v['s']:9.4f} {v['MB_per_s']:8.1f} {v['Msymbols_per_s']:8.1f}")
   print(f"jnp compile + first decode {t_compile:.2f} s; Pallas interpret {list(small.shape)}: "
         f"byte-exact={pallas_exact} ({t_interp:.1f} s)")
+  if _KVTC.value and plot(result["kvtc"], out / "bench_rans.png"):
+    print(f"wrote {out / 'bench_rans.png'}")
+  if _KVTC.value:
+    kv = result["kvtc"]
+    print(f"kvtc on {kv['held_out']['tokens']} tokens of {kv['held_out']['book']} "
+          f"(transform {kv['transform']}): bytes per token of the stored payload")
+    for name, row in kv["size"].items():
+      print(f"  {name}: pco-bands {row['pco-bands']['bytes_per_token']:8.1f}  rans-bands "
+            f"{row['rans-bands']['bytes_per_token']:8.1f}  ({100 * row['rans_over_pco']:+.2f}%)")
+    print(f"kvtc level {kv['throughput_level']} q decode, MB/s of coded q (byte-exact: "
+          f"{kv['byte_exact']}):")
+    for name, v in kv["throughput"].items():
+      if isinstance(v, dict):
+        print(f"  {name:32s} {1e3 * v['s_per_chunk']:8.1f} ms/chunk {v['MB_per_s']:8.1f} MB/s")
+    print(f"  compile + first decode {kv['throughput']['compile_and_first_s']:.2f} s; Pallas "
+          f"interpret {kv['pallas_interpret']['shape']}: byte-exact="
+          f"{kv['pallas_interpret']['byte_exact']}")
   print(f"wrote {out / 'bench_rans.json'}")
 
 

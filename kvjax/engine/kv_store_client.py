@@ -5,8 +5,9 @@ thread that owns the device. This client runs the store's coroutines on its own 
 and adds a saver thread:
 
     engine thread ── lookup() ─────> event loop: which prefix chunks does any tier hold
-                  ├─ start_load() ─> queue ─> event loop: get + verify + entropy-decode, a few
-                  │                           reads at once; the next starts as one lands
+                  ├─ start_load() ─> queue ─> event loop: get + verify + entropy-decode (on the
+                  │                           device for kvtc's rANS codes), a few reads at
+                  │                           once; the next starts as one lands
                   │  landed() <──── LoadReports (plain data for the scheduler)
                   │  take() <────── a staged chunk, when the scheduler plans its insertion
                   ├─ release() / cancel_loads(): unwanted loads never start, staging is freed
@@ -40,8 +41,10 @@ import numpy as np
 
 from kvjax import codecs
 from kvjax._typing import ChunkHash
+from kvjax.kernels import kvtc_rans
 from kvjax.scheduler.output import LoadReport
-from kvjax.storage import keys
+from kvjax.storage import codecs as storage_codecs
+from kvjax.storage import entropy, keys
 from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, KVLayout,
                                 MissReason)
 
@@ -88,6 +91,8 @@ class LoaderStats:
     staged_bytes: stored bytes landed on the host and not yet taken (inserted) or released.
     link_busy_s: seconds with at least one read in flight.
     read_bytes: stored bytes of every landed read.
+    device_decoded: landed chunks whose entropy coding was decoded on the device (kvtc
+      "rans-bands"), including those whose decode failed its check (a CORRUPT miss).
   """
 
   started: int = 0
@@ -100,6 +105,7 @@ class LoaderStats:
   staged_bytes: int = 0
   link_busy_s: float = 0.0
   read_bytes: int = 0
+  device_decoded: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,13 +236,22 @@ class KVStoreClient:
     kvtc_transform_id: the 16-byte identity of this model's kvtc transform
       (`KVTCTransform.transform_id`), or None; a loaded kvtc chunk coded with another transform
       (or any kvtc chunk when None) is a miss (`MissReason.UNKNOWN_CODEC`), never decoded.
+    use_pallas_entropy: how a landed chunk whose arrays the reader left entropy-coded
+      (`storage.entropy.RansCodes`: kvtc's "rans-bands" `q`) is decoded on the device: the Pallas
+      rANS kernel (True) or the jit'd jnp reference (False); None: Pallas on GPU/TPU, the jnp
+      reference on CPU (measured faster there than the numpy host decoder,
+      `scripts/bench_rans.py`). A chunk whose streams fail the decoder's `ok` check is a miss
+      (`MissReason.CORRUPT`), recomputed like any bad chunk.
   """
 
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
-               kvtc_transform_id: bytes | None = None, device_link=None):
+               kvtc_transform_id: bytes | None = None, device_link=None,
+               use_pallas_entropy: bool | None = None):
     self.codec = codec
+    self.use_pallas_entropy = (jax.default_backend() != "cpu" if use_pallas_entropy is None
+                               else bool(use_pallas_entropy))
     #: The emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or None: every
     #: staged chunk's bytes pass it on their way into the KV cache (`transfer`, `charge_device`).
     self.device_link = device_link
@@ -425,7 +440,56 @@ class KVStoreClient:
     except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
       got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
     got = self._check_transform(got)
+    if isinstance(got, ChunkHit) and any(isinstance(a, entropy.RansCodes)
+                                         for a in got.payload.values()):
+      try:
+        got = await asyncio.to_thread(self._decode_on_device, got)
+      except Exception as e:  # noqa: BLE001 - a failed decode is a miss, never a user error
+        got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, f"device entropy decode: {e!r}")
     self._on_land(item, got, time.perf_counter())
+
+  def warmup_entropy(self, codec: str, level: int, arrays) -> None:
+    """Compiles the device entropy decoder a landed chunk of this layout would use: codes
+    `arrays` (a host payload of `codec`, e.g. of a zero chunk) into stored bytes, reads them
+    back as the store does and decodes what the reader left coded. No-op for codecs the reader
+    decodes on the host.
+
+    Raises:
+      ValueError: a payload that does not match the layout; RuntimeError: the decode failed.
+    """
+    blob = storage_codecs.encode_payload(codec, level, arrays, self.layout)
+    payload = storage_codecs.decode_payload(codec, storage_codecs.CURRENT_VERSION[codec], level,
+                                            blob, self.layout, defer_entropy=True)
+    for name, a in payload.items():
+      if isinstance(a, entropy.RansCodes):
+        q, ok = kvtc_rans.decode_codes(kvtc_rans.pack_bands(a.shape, a.bands, a.offsets,
+                                                            a.arrays),
+                                       use_pallas=self.use_pallas_entropy)
+        if not bool(ok):
+          raise RuntimeError(f"warming up the device entropy decoder: {name} did not decode")
+
+  def _decode_on_device(self, got: ChunkHit) -> ChunkHit | ChunkMiss:
+    """Host bytes -> device -> rANS decode of every entropy-coded array (one jit'd call each,
+    `kvtc_rans.decode_codes`); a failed `ok` check is a CORRUPT miss. The staged payload then
+    holds the int16 codes as a device array, for the runner's dequantize -> inverse transform ->
+    RoPE -> cache write."""
+    with self._lock:
+      self._stats.device_decoded += 1
+    arrays = dict(got.payload)
+    for name, a in got.payload.items():
+      if not isinstance(a, entropy.RansCodes):
+        continue
+      try:
+        packed = kvtc_rans.pack_bands(a.shape, a.bands, a.offsets, a.arrays)
+        q, ok = kvtc_rans.decode_codes(packed, use_pallas=self.use_pallas_entropy)
+        ok = bool(ok)
+      except ValueError as e:
+        return ChunkMiss(got.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")
+      if not ok:
+        return ChunkMiss(got.record.chunk_hash, MissReason.CORRUPT,
+                         f"{name}: rANS streams did not decode to their initial state")
+      arrays[name] = q
+    return dataclasses.replace(got, payload=arrays)
 
   def _check_transform(self, got: ChunkHit | ChunkMiss) -> ChunkHit | ChunkMiss:
     """A kvtc hit coded with another transform than this model's becomes a miss."""

@@ -501,6 +501,7 @@ class LLM:
       if store.codec != "raw":
         _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels)[0]
         runner.insert_payload(store.codec, jax.device_get(arrays), where, 0)
+        store.warmup_entropy(store.codec, level, jax.device_get(arrays))
       runner.block_until_ready()
     self._warm = True
 

@@ -73,6 +73,7 @@ import tensorstore as ts
 from kvjax._typing import ChunkHash
 from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
+from kvjax.storage import entropy
 from kvjax.storage import specs
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  Encoding, KVLayout, MissReason)
@@ -407,6 +408,18 @@ def _data_error_reason(e: BaseException) -> MissReason:
   return MissReason.READ_ERROR
 
 
+def _decode_deferred(hit: ChunkHit) -> ChunkHit | ChunkMiss:
+  """`hit`, or a CORRUPT miss if an array left coded for the device does not decode on the host
+  (`entropy.decode_rans_codes`: streams that do not end where they began)."""
+  for name, a in hit.payload.items():
+    if isinstance(a, entropy.RansCodes):
+      try:
+        entropy.decode_rans_codes(a)
+      except entropy.EntropyError as e:
+        return ChunkMiss(hit.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")
+  return hit
+
+
 class ChunkStore:
   """Stored KV chunks under one kvstore root, verified on every read.
 
@@ -718,10 +731,12 @@ class ChunkStore:
       return miss(_data_error_reason(e), f"{encoding.object}: {e!r}")
     if digest != encoding.checksum:
       return miss(MissReason.CHECKSUM_MISMATCH, encoding.object)
-    try:  # Entropy decoding is CPU work: off the event loop.
-      payload = await asyncio.to_thread(codecs.decode_payload, encoding.codec,
-                                        encoding.codec_version, encoding.level,
-                                        memoryview(buf), layout)
+    # Entropy decoding is CPU work: off the event loop. Device codings (kvtc's "rans-bands") are
+    # only parsed and verified here; the engine decodes them on the device.
+    try:
+      payload = await asyncio.to_thread(functools.partial(
+          codecs.decode_payload, defer_entropy=True), encoding.codec, encoding.codec_version,
+          encoding.level, memoryview(buf), layout)
     except codecs.UnknownCodec as e:
       return miss(MissReason.UNKNOWN_CODEC, str(e))
     except ValueError as e:  # CorruptPayload
@@ -985,7 +1000,9 @@ class ChunkStore:
 
   async def verify(self, record: ChunkRecord) -> ChunkMiss | None:
     """Reads back every encoding of `record` this reader can decode, as a server would
-    (`get` with the record's own token ids, namespace and layout: sizes, checksums, decode).
+    (`get` with the record's own token ids, namespace and layout: sizes, checksums, decode;
+    arrays `get` leaves coded for the device, kvtc's "rans-bands", are decoded here on the host
+    with the checks the device decoder makes).
 
     Returns:
       None if all of them verify; else the first miss (its detail prefixed with the encoding
@@ -999,6 +1016,8 @@ class ChunkStore:
       got = await self.get(record.chunk_hash, record.token_ids, record.namespace, record.layout,
                            choose=lambda encodings, want=enc: next(
                                (e for e in encodings if e == want), None))
+      if isinstance(got, ChunkHit):
+        got = await asyncio.to_thread(_decode_deferred, got)
       if isinstance(got, ChunkMiss):
         where = f"{enc.codec}/{enc.codec_version}/{enc.level}" if len(known) > 1 else ""
         return dataclasses.replace(got, detail=": ".join(x for x in (where, got.detail) if x))

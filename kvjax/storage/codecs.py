@@ -34,13 +34,25 @@ Stored bytes (all integers little endian):
 Codings: "plain" (the C-order bytes), "zstd" (one zstandard frame, level 1), "pco" (int8 only:
 `entropy.encode_groups`, one pcodec model per (layer, K/V) group). The encoder picks per array:
 cachegen's `delta_q` and `anchor_q` are entropy-coded ("pco"); other arrays try "zstd"; either
-falls back to "plain" when it does not save at least `MIN_SAVING`. kvtc's `q` is "pco-bands"
-(`entropy.encode_components`: one pcodec model per (layer, K/V, band of PCA components)).
+falls back to "plain" when it does not save at least `MIN_SAVING`. kvtc's `q` is "rans-bands"
+(`KVTC_Q_CODING`; `entropy.encode_components_rans`: one static rANS model per (layer, K/V, band
+of PCA components), each band one interleaved-rANS encoding of `kvjax.storage.rans`, streams of
+about 512 symbols, decodable on the device) or, for chunks stored before it (and if a model had
+more than 2**15 distinct codes), "pco-bands" (`entropy.encode_components`: pcodec with the same
+models). On real SmolLM2 KV "rans-bands" stores 1.2-1.3% more bytes per token than "pco-bands"
+at every kvtc level (`scripts/bench_rans.py`, kvtc phase; its decode on a 2-core CPU: 5-9 MB/s
+with the jit'd jnp reference against pcodec's 92-122 MB/s on the host).
+`decode_payload(defer_entropy=True)` (what `ChunkStore` reads with) returns a "rans-bands" array parsed and verified but not decoded,
+as `entropy.RansCodes` (plain numpy), for the kernels' device decoder (`kvjax.kernels.kvtc_rans`,
+run by the engine's store client); without it the array is decoded on the host (numpy rANS) and
+CRC-checked like any other. A deferred array's CRC-32 is not checked (the rANS checksum of each
+band and the device decoder's `ok` flag stand for it); the host tier keeps it in that form, and
+`encode_payload` re-codes it from its decoded values.
 kvtc's `transform_id` names the transform the codes are in; storage stores it like any array and
 the store client rejects (as a miss) a chunk whose id is not its transform's. kvtc version 1 (the
 same arrays, coded without inter-layer prediction) is no longer read: its chunks are
 `UnknownCodec`, a miss that is recomputed. Decoders accept any coding
-for any array ("pco" for int8 arrays only).
+for any array ("pco" for int8 arrays only, "pco-bands" and "rans-bands" for int16 ones).
 
 Entropy coder choice (CacheGen, arXiv 2310.07240, section 5.2). Measured with
 `scripts/measure_entropy_coders.py` on real SmolLM2-135M KV (two 256-token chunks of book text,
@@ -107,7 +119,13 @@ CONTAINER_VERSION = 1
 ZSTD_LEVEL = 1
 #: A coding other than "plain" is kept only if it saves at least this fraction of the bytes.
 MIN_SAVING = 0.02
-CODINGS = ("plain", "zstd", "pco", "pco-bands")
+CODINGS = ("plain", "zstd", "pco", "pco-bands", "rans-bands")
+#: The coding `encode_payload` gives kvtc's `q` ("rans-bands": decodable on the device;
+#: "pco-bands" chunks stored before it keep decoding on the host).
+KVTC_Q_CODING = "rans-bands"
+#: Codings whose arrays `decode_payload(defer_entropy=True)` returns parsed, not decoded (the
+#: kernels room decodes them on the device).
+DEVICE_CODINGS = ("rans-bands",)
 
 
 class UnknownCodec(ValueError):
@@ -258,7 +276,8 @@ def validate_payload(codec: str, version: int, level: int, arrays: Mapping[str, 
       in a float side array, or -128 in an int8 code array.
   """
   codec_info(codec, version, level)
-  arrays = {k: np.asarray(v) for k, v in arrays.items()}
+  arrays = {k: v if isinstance(v, entropy.RansCodes) else np.asarray(v)
+            for k, v in arrays.items()}
   spec = _spec_for_shapes(codec, version, level, layout,
                           {k: tuple(v.shape) for k, v in arrays.items()})
   if set(arrays) != set(spec):
@@ -266,6 +285,12 @@ def validate_payload(codec: str, version: int, level: int, arrays: Mapping[str, 
   out = {}
   for name, (dtype, shape) in spec.items():
     a = arrays[name]
+    if isinstance(a, entropy.RansCodes):  # codes a reader left coded (`decode_payload`)
+      if dtype != np.int16 or tuple(a.shape) != shape:
+        raise ValueError(f"{codec}.{name} must be {dtype}{list(shape)}, got rANS codes of "
+                         f"{list(a.shape)}")
+      out[name] = a
+      continue
     if a.dtype != dtype or tuple(a.shape) != shape:
       raise ValueError(f"{codec}.{name} must be {dtype}{list(shape)}, got "
                        f"{a.dtype}{list(a.shape)}")
@@ -276,15 +301,23 @@ def validate_payload(codec: str, version: int, level: int, arrays: Mapping[str, 
   return out
 
 
-def payload_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
-  """Bytes of a payload's arrays in memory."""
-  return sum(int(np.asarray(a).nbytes) for a in arrays.values())
+def _leaves(arrays: Mapping[str, np.ndarray | entropy.RansCodes]) -> list[np.ndarray]:
+  out = []
+  for a in arrays.values():
+    out += a.leaves() if isinstance(a, entropy.RansCodes) else [np.asarray(a)]
+  return out
 
 
-def payload_checksum(arrays: Mapping[str, np.ndarray], algo: str = checksum.CURRENT) -> str:
+def payload_nbytes(arrays: Mapping[str, np.ndarray | entropy.RansCodes]) -> int:
+  """Bytes of a payload's arrays in memory (`RansCodes`: its parsed arrays)."""
+  return sum(int(a.nbytes) for a in _leaves(arrays))
+
+
+def payload_checksum(arrays: Mapping[str, np.ndarray | entropy.RansCodes],
+                     algo: str = checksum.CURRENT) -> str:
   """Hex checksum (`storage.checksum`, xxh3-128 by default) over the arrays' C-order bytes in the
-  given order (raw: the values' checksum)."""
-  return checksum.digest_arrays(arrays.values(), algo)
+  given order (raw: the values' checksum; `RansCodes`: its parsed arrays)."""
+  return checksum.digest_arrays(_leaves(arrays), algo)
 
 
 def check_encodings(token_ids: tuple[int, ...], kv: np.ndarray | None, layout: KVLayout | None,
@@ -369,7 +402,14 @@ def _code(codec: str, name: str, a: np.ndarray) -> tuple[str, bytes]:
   """(coding, stored bytes) of one array: entropy-coded or zstd if that saves, else plain."""
   plain = _bytes_of(a)
   if (codec, name) == ("kvtc", "q"):
-    coded, coding = entropy.encode_components(a), "pco-bands"
+    coded, coding = None, KVTC_Q_CODING
+    if coding == "rans-bands":
+      try:
+        coded = entropy.encode_components_rans(a)
+      except ValueError:  # a model with more distinct codes than one rANS table holds
+        coding = "pco-bands"
+    if coded is None:
+      coded, coding = entropy.encode_components(a), "pco-bands"
   elif (codec, name) in _ENTROPY_CODED:
     coded, coding = entropy.encode_groups(a, a.shape[0] * 2), "pco"
   elif codec != "raw" and a.size:
@@ -402,6 +442,8 @@ def encode_payload(codec: str, level: int, arrays: Mapping[str, np.ndarray],
     raise UnknownCodec(f"unknown codec {codec!r}")
   version = CURRENT_VERSION[codec]
   checked = validate_payload(codec, version, level, arrays, layout)
+  checked = {name: entropy.decode_rans_codes(a) if isinstance(a, entropy.RansCodes) else a
+             for name, a in checked.items()}  # codes a reader left coded: re-coded from values
   head = [MAGIC, struct.pack("<B", CONTAINER_VERSION), _str(codec),
           struct.pack("<HBB", version, level, len(checked))]
   blobs = []
@@ -498,7 +540,8 @@ def read_header(data: bytes | memoryview) -> PayloadHeader:
   return PayloadHeader(codec, version, level, tuple(entries), r.pos)
 
 
-def _decode_array(entry: ArrayEntry, blob: memoryview, dtype: np.dtype) -> np.ndarray:
+def _decode_array(entry: ArrayEntry, blob: memoryview, dtype: np.dtype, defer: bool = False
+                  ) -> np.ndarray | entropy.RansCodes:
   size = math.prod(entry.shape) * dtype.itemsize
   if entry.coding == "plain":
     if len(blob) != size:
@@ -519,27 +562,36 @@ def _decode_array(entry: ArrayEntry, blob: memoryview, dtype: np.dtype) -> np.nd
       return entropy.decode_groups(blob, entry.shape)
     except entropy.EntropyError as e:
       raise CorruptPayload(f"{entry.name}: {e}") from e
-  if entry.coding == "pco-bands":
+  if entry.coding in ("pco-bands", "rans-bands"):
     if dtype != np.int16:
-      raise CorruptPayload(f"{entry.name}: pco-bands coding of {dtype}")
+      raise CorruptPayload(f"{entry.name}: {entry.coding} coding of {dtype}")
     try:
-      return entropy.decode_components(blob, entry.shape)
+      if entry.coding == "pco-bands":
+        return entropy.decode_components(blob, entry.shape)
+      codes = entropy.parse_components_rans(blob, entry.shape)
+      return codes if defer else entropy.decode_rans_codes(codes)
     except entropy.EntropyError as e:
       raise CorruptPayload(f"{entry.name}: {e}") from e
   raise CorruptPayload(f"{entry.name}: unknown coding {entry.coding!r}")
 
 
 def decode_payload(codec: str, version: int, level: int, data: bytes | memoryview,
-                   layout: KVLayout) -> dict[str, np.ndarray]:
+                   layout: KVLayout, *, defer_entropy: bool = False
+                   ) -> dict[str, np.ndarray | entropy.RansCodes]:
   """Stored payload bytes back to the payload's arrays (bit-exact).
 
   Args:
     codec, version, level: the encoding the index record says these bytes are.
     data: the stored bytes.
     layout: the raw layout the payload decodes to.
+    defer_entropy: arrays of a device coding (`DEVICE_CODINGS`: kvtc's "rans-bands" `q`) come
+      back parsed and verified but not decoded, as `entropy.RansCodes` (plain numpy), for the
+      device decoder (`kvjax.kernels.kvtc_rans`); their CRC-32 of decoded values is not checked
+      (the rANS checksum and the decoder's `ok` flag stand for it). False: decoded on the host
+      (numpy rANS), CRC-checked like every array.
 
   Returns:
-    {name: array} in stored order (fresh, writable arrays).
+    {name: array} in stored order (fresh, writable arrays; `RansCodes` where deferred).
 
   Raises:
     UnknownCodec: `codec`/`version`/`level` is not one this reader knows.
@@ -568,8 +620,11 @@ def decode_payload(codec: str, version: int, level: int, data: bytes | memoryvie
     if entry.dtype != dtype.name or entry.shape != shape:
       raise CorruptPayload(f"{entry.name} is {entry.dtype}{list(entry.shape)}, want "
                            f"{dtype.name}{list(shape)}")
-    a = _decode_array(entry, view[pos:pos + entry.nbytes], dtype)
+    a = _decode_array(entry, view[pos:pos + entry.nbytes], dtype, defer_entropy)
     pos += entry.nbytes
+    if isinstance(a, entropy.RansCodes):
+      out[entry.name] = a
+      continue
     if zlib.crc32(_bytes_of(a)) != entry.crc32:
       raise CorruptPayload(f"{entry.name}: CRC mismatch after decoding")
     bad = _check_values(codec, entry.name, a)

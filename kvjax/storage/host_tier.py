@@ -22,6 +22,7 @@ import numpy as np
 from kvjax._typing import ChunkHash
 from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
+from kvjax.storage import entropy
 from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  Encoding, KVLayout, MissReason)
@@ -76,6 +77,9 @@ class _HostEntry:
 def _frozen_copy(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   out = {}
   for name, a in arrays.items():
+    if isinstance(a, entropy.RansCodes):  # kept coded: host memory holds compressed chunks
+      out[name] = a.frozen_copy()
+      continue
     c = np.array(a, copy=True, order="C")
     c.setflags(write=False)
     out[name] = c

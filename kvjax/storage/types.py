@@ -197,7 +197,8 @@ class ChunkHit:
       the other codecs (decode `payload` with the kernels' `kv_decode`).
     tier: name of the tier it came from.
     payload: the encoding's arrays, bit-exact as stored (raw: {"values": kv}). Defaults to
-      {"values": kv} when only `kv` is given.
+      {"values": kv} when only `kv` is given. An array of a device coding (kvtc's "rans-bands"
+      `q`) is an `entropy.RansCodes` (parsed and verified, not decoded; `codecs.DEVICE_CODINGS`).
   """
 
   record: ChunkRecord

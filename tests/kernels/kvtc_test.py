@@ -74,7 +74,8 @@ class KVTCTest(parameterized.TestCase):
     self.assertEqual({n: (a.dtype, a.shape) for n, a in arrays.items()},
                      stored.payload_spec("kvtc", VERSION, level, self.layout))
     blob = stored.encode_payload("kvtc", level, arrays, self.layout)
-    self.assertEqual([e.coding for e in stored.read_header(blob).arrays][0], "pco-bands")
+    self.assertEqual([e.coding for e in stored.read_header(blob).arrays][0],
+                     stored.KVTC_Q_CODING)
     back = stored.decode_payload("kvtc", VERSION, level, blob, self.layout)
     for name, a in arrays.items():
       np.testing.assert_array_equal(back[name], a, err_msg=name)
