@@ -10,7 +10,7 @@ to store with) all read one table instead of four:
     int8      1        0       no        -                               LLM.int8() 2.1
     int4      1        0       no        G = int4_group_tokens(C)        KIVI 3, LLM.int8() 2.1
     cachegen  1        0..3    no        T = cachegen_anchor_stride(C)   CacheGen 5.2 (5.3)
-    kvtc      2        0..3    no        -                               KVTC; PCA; DPCM over layers
+    kvtc      3        0..3    no        -                               KVTC; PCA; DPCM over layers
 
 (arXiv ids and details in each `Codec.reference`.)
 
@@ -164,14 +164,14 @@ CODECS: Mapping[str, Codec] = {c.name: c for c in (
           "CacheGen (arXiv 2310.07240, section 5.2): anchors per group of T tokens, deltas "
           "against the dequantized anchor, layer-wise bins growing with the level, entropy "
           "coding per layer (levels: section 5.3)", default_level=1),
-    Codec(KVTC, 2, (0, 1, 2, 3), False, (0.043, 0.059, 0.080, 0.108), None,
+    Codec(KVTC, 3, (0, 1, 2, 3), False, (0.043, 0.059, 0.080, 0.108), None,
           "KV transform coding (KVTC): each layer predicted from the reconstruction of the two "
           "layers before (closed-loop DPCM over layers, Jayant & Noll 1984, ch. 6), then a PCA "
           "basis of the remainder per layer and K/V over the channels of all KV "
           "heads, calibrated once per model (PCA: Pearson 1901, Hotelling 1933), uniform "
           "quantization of the components with a step per layer and K/V from measured output "
           "sensitivity (reverse water-filling: low-variance components fall to zero), and "
-          "entropy coding per band of components (`kvjax.kernels.kvtc`)", default_level=0),
+          "entropy coding per band of components (`kvjax.kernels.kvtc`)", default_level=2),
 )}
 #: Codec id -> levels (0 is the finest).
 CODEC_LEVELS: Mapping[str, tuple[int, ...]] = {c.name: c.levels for c in CODECS.values()}

@@ -85,7 +85,17 @@ from kvjax.codecs import CODEC_LEVELS, KVTC as CODEC_KVTC
 from kvjax.kernels.kv_codec import _rope_CH, _write_chunk
 
 #: Predicted KL(raw || kvtc) per token, nats, at each level (finest first).
-KVTC_LEVEL_KL = (0.003, 0.006, 0.012, 0.024)
+KVTC_LEVEL_KL = (0.006, 0.012, 0.024, 0.036)
+#: Encoder rounding offset: q = sign(y) * floor(|y| / step + KVTC_ROUNDING) (0.5: round to nearest;
+#: below 0.5 widens the zero bin, a deadzone quantizer). Not stored: only the encoder uses it.
+KVTC_ROUNDING = 0.42
+#: Decoder reconstruction offset toward zero: y^ = sign(q) * (|q| - KVTC_RECON_OFFSET) * step.
+#: Part of what a payload means (the codec version).
+KVTC_RECON_OFFSET = 0.0
+#: Protected first tokens: the first KVTC_PROTECT_TOKENS positions of a sequence (the attention
+#: sinks of StreamingLLM, arXiv 2309.17453, section 3) are coded at KVTC_PROTECT_STEP x the step.
+KVTC_PROTECT_TOKENS = 1
+KVTC_PROTECT_STEP = 1.0 / 16
 #: Largest code magnitude (int16, symmetric).
 KVTC_QMAX = 32767
 #: Bytes of a transform identity.
@@ -233,7 +243,26 @@ def validate_payload(payload: KVTCPayload, transform: KVTCDeviceTransform | None
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool):
+def _quantize(y, step, rounding):
+  """Deadzone quantizer (module docstring): int codes of coefficients y, as f32."""
+  return jnp.clip(jnp.sign(y) * jnp.floor(jnp.abs(y) / step + rounding), -KVTC_QMAX, KVTC_QMAX)
+
+
+def _reconstruct(q, step, offset):
+  """Coefficients of codes q (f32): sign(q) * (|q| - offset) * step, and 0 for q = 0."""
+  return jnp.sign(q) * jnp.maximum(jnp.abs(q) - offset, 0.0) * step
+
+
+def token_step_scale(start, c: int) -> jax.Array:
+  """f32[C]: the step multiplier of each token of a chunk of C tokens at position `start` (a
+  traced int is fine): KVTC_PROTECT_STEP for the first KVTC_PROTECT_TOKENS positions of a
+  sequence, 1 elsewhere."""
+  pos = jnp.asarray(start, jnp.int32) + jnp.arange(c, dtype=jnp.int32)
+  return jnp.where(pos < KVTC_PROTECT_TOKENS, jnp.float32(KVTC_PROTECT_STEP), jnp.float32(1))
+
+
+def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool, scale_C,
+                 rounding: float = None, offset: float = None):
   """The closed-loop scan over layers (module docstring).
 
   Args:
@@ -241,21 +270,27 @@ def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool):
     step_L2: f32[L, 2] steps.
     code_LaCD: encode: f32[L, 2, C, D] centred KV; decode: int16[L, 2, C, D] codes.
     encode: which of the two.
+    scale_C: f32[C] step multiplier per token (`token_step_scale`).
+    rounding: the encoder's rounding offset (default `KVTC_ROUNDING`).
+    offset: the decoder's reconstruction offset (default `KVTC_RECON_OFFSET`).
 
   Returns:
     (q int16[L, 2, C, D] codes (decode: the given codes), r f32[L, 2, C, D] centred
     reconstruction).
   """
+  rounding = KVTC_ROUNDING if rounding is None else rounding
+  offset = KVTC_RECON_OFFSET if offset is None else offset
   _, _, c, d = code_LaCD.shape
   zero = jnp.zeros((2, c, d), jnp.float32)
 
   def one(x_or_q, pred, basis, step):
+    step = step * scale_C[:, None]                                      # [C, 1] (or [C, D])
     if encode:
       y = jnp.einsum("cd,de->ce", x_or_q - pred, basis, precision=_HI)
-      q = jnp.clip(jnp.round(y / step), -KVTC_QMAX, KVTC_QMAX)
+      q = _quantize(y, step, rounding)
     else:
       q = x_or_q.astype(jnp.float32)
-    rec = pred + jnp.einsum("ce,de->cd", q * step, basis, precision=_HI)
+    rec = pred + jnp.einsum("ce,de->cd", _reconstruct(q, step, offset), basis, precision=_HI)
     return q.astype(jnp.int16), rec
 
   def body(carry, inp):
@@ -273,28 +308,46 @@ def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool):
   return q, r
 
 
-def _encode(kv_L2CKH, t: KVTCDeviceTransform, level):
+def _encode(kv_L2CKH, t: KVTCDeviceTransform, level, start):
   l_, _, c, k, h = kv_L2CKH.shape
   x = kv_L2CKH.astype(jnp.float32).reshape(l_, 2, c, k * h) - t.mean[:, :, None]
   step = t.steps[level]                                                   # [L, 2]
-  q, _ = _scan_layers(t, step, x, encode=True)
+  q, _ = _scan_layers(t, step, x, True, token_step_scale(start, c))
   finite = jnp.all(jnp.isfinite(kv_L2CKH))
   return KVTCPayload(q, step, t.transform_id), finite
 
 
-def _dequantize(payload: KVTCPayload, t: KVTCDeviceTransform, k, h):
+def _dequantize(payload: KVTCPayload, t: KVTCDeviceTransform, k, h, start):
   q, step, _ = payload
   l_, _, c, d = q.shape
-  _, r = _scan_layers(t, step.astype(jnp.float32), q, encode=False)
+  _, r = _scan_layers(t, step.astype(jnp.float32), q, False, token_step_scale(start, c))
   return (r + t.mean[:, :, None]).reshape(l_, 2, c, k, h)
 
 
+@functools.partial(jax.jit, static_argnames=("rounding", "offset"))
+def experiment_round_trip(kv_L2CKH, t: KVTCDeviceTransform, step_L2, start=0, *,
+                          rounding: float, offset: float):
+  """Design experiments only (`scripts/kvtc_design.py`): codes and reconstruction of a chunk at
+  position `start` at given steps (f32[L, 2], or f32[L, 2, D] per component) and
+  rounding/reconstruction offsets, none of which is a stored format.
+
+  Returns:
+    (q int16[L, 2, C, D], x̂ f32[L, 2, C, K, H]).
+  """
+  l_, _, c, k, h = kv_L2CKH.shape
+  x = kv_L2CKH.astype(jnp.float32).reshape(l_, 2, c, k * h) - t.mean[:, :, None]
+  q, r = _scan_layers(t, step_L2, x, True, token_step_scale(start, c), rounding=rounding,
+                      offset=offset)
+  return q, (r + t.mean[:, :, None]).reshape(l_, 2, c, k, h)
+
+
 @functools.partial(jax.jit, static_argnames=("level",))
-def _encode_jit(kv_L2CKH, t, *, level):
-  return _encode(kv_L2CKH, t, level)
+def _encode_jit(kv_L2CKH, t, start, *, level):
+  return _encode(kv_L2CKH, t, level, start)
 
 
-def kvtc_encode(kv_L2CKH: jax.Array, transform, level: int) -> tuple[KVTCPayload, jax.Array]:
+def kvtc_encode(kv_L2CKH: jax.Array, transform, level: int, *, start
+                ) -> tuple[KVTCPayload, jax.Array]:
   """Encodes a chunk (K before RoPE) with a kvtc transform, on the device (jit'd jnp).
 
   Callable inside another jit (the runner encodes all levels in one call).
@@ -303,30 +356,45 @@ def kvtc_encode(kv_L2CKH: jax.Array, transform, level: int) -> tuple[KVTCPayload
     kv_L2CKH: float32/bfloat16/float16[L, 2, C, K, H], K before RoPE, and V.
     transform: a `KVTCTransform` or its `device_arrays()` (pass the latter in hot paths).
     level: a kvtc level (0 finest .. 3 coarsest).
+    start: position of the chunk's first token in its sequence, int >= 0 (may be traced): the
+      first KVTC_PROTECT_TOKENS positions are coded at a finer step, and the decoder must be
+      given the same start.
 
   Returns:
     (payload, finite): device arrays, and a bool scalar, False when the KV holds NaN/inf.
 
   Raises:
-    ValueError: unknown level, or a chunk whose shape does not match the transform.
+    ValueError: unknown level, a negative start, or a chunk whose shape does not match the
+      transform.
   """
   t = _as_device(transform)
+  _check_start(start)
   if level not in CODEC_LEVELS[CODEC_KVTC]:
     raise ValueError(f"kvtc has levels {list(CODEC_LEVELS[CODEC_KVTC])}, got {level!r}")
   shape = tuple(kv_L2CKH.shape)
   l_, _, d, _ = t.basis.shape
   if len(shape) != 5 or shape[1] != 2 or shape[0] != l_ or shape[3] * shape[4] != d:
     raise ValueError(f"kvtc chunk must be [L={l_}, 2, C, K, H] with K * H = {d}, got {shape}")
-  return _encode_jit(kv_L2CKH, t, level=int(level))
+  return _encode_jit(kv_L2CKH, t, jnp.asarray(start, jnp.int32), level=int(level))
 
 
-def kvtc_encode_host(kv_L2CKH: jax.Array, transform, level: int) -> dict[str, np.ndarray]:
+def _check_start(start) -> None:
+  if isinstance(start, jax.core.Tracer):
+    return
+  if isinstance(start, bool) or not isinstance(start, (int, np.integer, np.ndarray, jax.Array)
+                                               ) or np.ndim(start) != 0 or int(start) < 0:
+    raise ValueError(f"kvtc start must be an int >= 0 (the chunk's first position), got "
+                     f"{start!r}")
+
+
+def kvtc_encode_host(kv_L2CKH: jax.Array, transform, level: int, *, start
+                     ) -> dict[str, np.ndarray]:
   """`kvtc_encode`, then the payload on the host as `{name: np.ndarray}` (what storage codes).
 
   Raises:
     ValueError: NaN/inf in the chunk, or `kvtc_encode`'s errors.
   """
-  payload, finite = kvtc_encode(kv_L2CKH, transform, level)
+  payload, finite = kvtc_encode(kv_L2CKH, transform, level, start=start)
   if not bool(finite):
     raise ValueError(f"KV chunk {list(kv_L2CKH.shape)} holds NaN/inf; refusing to encode it")
   return {name: np.asarray(v) for name, v in payload._asdict().items()}
@@ -347,20 +415,23 @@ def payload_from_arrays(arrays: dict) -> KVTCPayload:
 
 
 def dequantize_reference(payload: KVTCPayload, transform, num_kv_heads: int,
-                         head_dim: int) -> jax.Array:
-  """f32[L, 2, C, K, H]: a payload back to K (before RoPE) and V.
+                         head_dim: int, *, start) -> jax.Array:
+  """f32[L, 2, C, K, H]: a payload of the chunk at position `start` back to K (before RoPE)
+  and V.
 
   Raises:
-    ValueError: a payload that breaks the contract or does not match the transform.
+    ValueError: a payload that breaks the contract or does not match the transform, or a
+      negative start.
   """
   t = _as_device(transform)
   validate_payload(payload, t)
-  return _dequantize(payload, t, num_kv_heads, head_dim)
+  _check_start(start)
+  return _dequantize(payload, t, num_kv_heads, head_dim, jnp.asarray(start, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "h"), donate_argnums=(2, 3))
 def _decode_jit(payload, t, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH, *, k, h):
-  kv = _dequantize(payload, t, k, h)
+  kv = _dequantize(payload, t, k, h, start)
   k_LCKH = _rope_CH(kv[:, 0], cos_CH.astype(jnp.float32)[:, None],
                     sin_CH.astype(jnp.float32)[:, None])
   return _write_chunk(k_LBSKH, v_LBSKH, k_LCKH, kv[:, 1], slot, start)
@@ -382,7 +453,7 @@ def kvtc_decode(payload: KVTCPayload, transform: KVTCDeviceTransform, k_LBSKH: j
     k_LBSKH: [L, slots, S_max, K, H] key cache (after RoPE), float32/bfloat16/float16. Donated.
     v_LBSKH: value cache, same shape and dtype. Donated.
     slot: int32 scalar decode slot.
-    start: int32 scalar position of the chunk's first token.
+    start: int32 scalar position of the chunk's first token (the encoder's `start`).
     cos_CH: float[C, H] RoPE cosines at positions start..start + C - 1 (HF rotate_half layout).
     sin_CH: float[C, H] RoPE sines.
     use_pallas: must be False (no Pallas kernel for kvtc yet; the jnp path runs everywhere).
