@@ -15,6 +15,21 @@ encode_payload` at every level. Printed and written to <out>/kvtc_design.json: s
 token and the sensitivity-weighted error (the KL the steps predict) per transform and level.
 
     PYTHONPATH=. nice -n 19 .venv/bin/python scripts/kvtc_design.py
+
+Version-3 quantization modes (the predict-shipped transform only; `--work_cache F.npz` keeps its
+fit and the held-out KV between runs, `--sensitivity_from` takes the sensitivities of a cached
+transform instead of calibrating):
+
+  --rounding_sweep                    bytes of q (entropy-coded) and predicted KL per
+                                      (--kls, --roundings, --offsets): deadzone rounding offset
+                                      and reconstruction offset (kvtc_rounding_sweep.json)
+  --rounding_sweep --component_sweep  per-component step multipliers by sigma / step at
+                                      KVTC_ROUNDING (kvtc_component_sweep.json)
+  --rel_l2                            relative L2 error per level, max over chunks (the
+                                      registry's rel_l2_error; kvtc_rel_l2.json)
+
+    PYTHONPATH=.:scripts nice -n 19 .venv/bin/python scripts/kvtc_design.py --rounding_sweep \
+        --work_cache /tmp/kvtc_work.npz --kls 0.009,0.012,0.018 --roundings 0.5,0.42,0.35,0.28
 """
 
 from __future__ import annotations
@@ -41,6 +56,9 @@ _SWEEP = flags.DEFINE_bool("rounding_sweep", False, "Instead: with the predict-s
                             "reconstruction offset and the level KL (bytes vs predicted KL).")
 _CACHE = flags.DEFINE_string("work_cache", None, "An .npz to keep the held-out KV and the "
                              "predict-shipped transform in between runs (development only).")
+_COMPONENT = flags.DEFINE_bool("component_sweep", False, "With --rounding_sweep: instead of the "
+                                "rounding grid, per-component step multipliers by the "
+                                "component's spread relative to the step (at KVTC_ROUNDING).")
 _ROUNDINGS = flags.DEFINE_list("roundings", ["0.5", "0.4", "0.33", "0.25"], "Rounding offsets.")
 _OFFSETS = flags.DEFINE_list("offsets", ["0", "0.1", "0.2"], "Reconstruction offsets.")
 _KLS = flags.DEFINE_list("kls", ["0.006", "0.009", "0.012", "0.016", "0.024"], "Level KLs.")
@@ -195,7 +213,34 @@ def rounding_sweep(kv_of, held, shipped, lm, dims, t0):
                predictor=t.predictor)
   dt = t.device_arrays()
   rows = []
-  for kl in (float(v) for v in _KLS.value):
+  sigma = np.sqrt(t.variance.astype(np.float64))                           # [L, 2, D]
+  # (name, [(lo, hi, multiplier)] over sigma / step): the per-component rules tried.
+  rules = {"uniform": [], "sigma/step<0.5 x2": [(0, 0.5, 2.0)], "<1 x1.3": [(0, 1, 1.3)],
+           "<1 x0.8": [(0, 1, 0.8)], "1-4 x1.2": [(1, 4, 1.2)], ">4 x1.2": [(4, 1e9, 1.2)],
+           ">4 x0.85": [(4, 1e9, 0.85)]}
+  if _COMPONENT.value:
+    for kl in (float(v) for v in _KLS.value):
+      base = np.sqrt(12.0 * kl / (2 * l_ * sens.astype(np.float64)))[:, :, None]
+      for name, rule in rules.items():
+        mult = np.ones_like(sigma)
+        for lo, hi, m in rule:
+          mult[(sigma / base >= lo) & (sigma / base < hi)] = m
+        step = jnp.asarray(base * mult, jnp.float32)                         # [L, 2, D]
+        nbytes, err = 0, 0.0
+        for s in range(0, x_held.shape[2], C):
+          kv = jnp.asarray(x_held[:, :, s:s + C].reshape(l_, 2, C, k, h))
+          q, rec = kvtc.experiment_round_trip(kv, dt, step, s, rounding=kvtc.KVTC_ROUNDING,
+                                              offset=kvtc.KVTC_RECON_OFFSET)
+          nbytes += len(entropy.encode_components(np.asarray(q)))
+          e2 = np.square(np.asarray(rec) - np.asarray(kv)).reshape(l_, 2, -1).mean(-1)
+          err += float((e2 * sens).sum())
+        n = x_held.shape[2] // C
+        row = {"level_kl": kl, "rule": name, "q_bytes_per_token": nbytes / x_held.shape[2],
+               "predicted_kl": err / n}
+        rows.append(row)
+        print(f"kl {kl:.4f} {name:18s}: {row['q_bytes_per_token']:8.1f} B/token  predicted KL "
+              f"{row['predicted_kl']:.5f}", flush=True)
+  for kl in (float(v) for v in _KLS.value) if not _COMPONENT.value else ():
     step = jnp.asarray(np.sqrt(12.0 * kl / (2 * l_ * sens.astype(np.float64))), jnp.float32)
     for rounding in (float(v) for v in _ROUNDINGS.value):
       for offset in (float(v) for v in _OFFSETS.value):
@@ -215,7 +260,8 @@ def rounding_sweep(kv_of, held, shipped, lm, dims, t0):
               flush=True)
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "kvtc_rounding_sweep.json").write_text(json.dumps({
+  name = "kvtc_component_sweep.json" if _COMPONENT.value else "kvtc_rounding_sweep.json"
+  (out / name).write_text(json.dumps({
       "benchmark": "kvtc_design --rounding_sweep", "model": "SmolLM2-135M-Instruct",
       "dtype": "float32", "machine": machine(), "git_sha": git_sha(),
       "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": len(held)},

@@ -1,4 +1,4 @@
-"""KV transform codec ("kvtc", version 2): inter-layer prediction + a calibrated PCA per layer.
+"""KV transform codec ("kvtc", version 3): inter-layer prediction + a calibrated PCA per layer.
 
 A stored chunk is `kv_L2CKH: [L, 2, C, K, H]` (axis 1: 0 = K before RoPE, 1 = V). Per layer l and
 K/V a (a = 0, 1), its K * H channels of all KV heads form one vector per token, D = K * H. The
@@ -7,14 +7,16 @@ codec is closed-loop predictive transform coding (DPCM over the layer axis, Jaya
 foundations of transform coding", IEEE SPM 2001): each layer is predicted from the
 *reconstruction* of the layers before it, so encoder and decoder make the same prediction and the
 quantization error of one layer is not carried into the next. Per token, with centred
-reconstructions r[l] = x̂[l] - mean[l] (r[-1] = r[-2] = 0):
+reconstructions r[l] = x̂[l] - mean[l] (r[-1] = r[-2] = 0) and the token's step
+st[l, a] = step[l, a] * g (g = KVTC_PROTECT_STEP for the first KVTC_PROTECT_TOKENS positions of a
+sequence, 1 elsewhere; "Quantization" below):
 
     f[l, K] = [r[l-1, K], r[l-1, V], r[l-2, K], r[l-2, V], 0]          (5 D features)
     f[l, V] = [r[l-1, K], r[l-1, V], r[l-2, K], r[l-2, V], r[l, K]]    (V also sees its own K)
     p[l, a] = f[l, a] @ predictor[l, a]                                 predictor: f32[L, 2, 5D, D]
     y[l, a] = (x[l, a] - mean[l, a] - p[l, a]) @ basis[l, a]           basis: f32[L, 2, D, D]
-    q[l, a] = clip(round(y[l, a] / step[l, a]), +-32767)               int16
-    r[l, a] = p[l, a] + (q[l, a] * step[l, a]) @ basis[l, a]^T;  x̂ = r + mean
+    q[l, a] = clip(sign(y) * floor(|y| / st[l, a] + rho), +-32767)      int16, rho = 0.42
+    r[l, a] = p[l, a] + (q[l, a] * st[l, a]) @ basis[l, a]^T;  x̂ = r + mean
 
 The predictor is a ridge regression of each layer's centred KV on those features, and the basis
 the PCA of the regression's remainder (columns = components, variance descending); both are
@@ -43,14 +45,42 @@ Predicting from one layer before instead of two costs 5% more bytes; without V's
 Entropy coding of `q` (one model per band of components of a (layer, K/V)) is storage's job
 (`kvjax.storage.entropy.encode_components`).
 
+Quantization (version 3; each measured on the same Alice passage with `scripts/kvtc_design.py
+--rounding_sweep`, bytes vs the sensitivity-weighted error, then with the reduced bench_codec
+protocol, `scripts/bench_codec_reduced.py`, 5 book passages x 2,048 + 256 scored tokens):
+
+  - Deadzone rounding. The encoder rounds toward zero with offset rho = KVTC_ROUNDING = 0.42
+    instead of 0.5 (a uniform threshold quantizer with a wider zero bin, as H.264 encoders do:
+    Sullivan & Wiegand, "Rate-distortion optimization for video compression", IEEE SPM 1998;
+    the decoder is unchanged): about 2% fewer bytes at the same predicted KL (0.35: 1%, 0.28:
+    worse). A decoder reconstruction offset toward zero (KVTC_RECON_OFFSET) saved about 1.5%
+    with rho = 0.5 and nothing on top of rho = 0.42, so it is 0.
+  - Per-component steps: multiplying the step of components by their spread relative to the
+    step (x0.8 / x1.2 / x1.3 / x2 for sigma/step below 0.5, below 1, 1-4 or above 4) moved along
+    the same bytes-vs-KL curve or below it (e.g. coarser steps for sigma/step < 1: 7% fewer bytes
+    for 39% more predicted KL, where the uniform step gives 9% fewer bytes for that KL), so the
+    step stays one per (layer, K/V), as reverse water-filling says. The sensitivity model has no
+    per-component term (the probe adds isotropic noise), so nothing finer is supported by it.
+  - Protected first token. The first position of a sequence (the attention sink, StreamingLLM,
+    arXiv 2309.17453, section 3) is coded at 1/16 of the step. Measured at level 2: keeping the
+    first 1, 4 or 16 tokens exact halves the KL per token (0.0151 -> 0.0097 at the same bytes
+    with 4), and 1 exact token does the same as 4 or 16; at 1/16 of the step the KL equals the
+    exact one, for about 6 B/token on a 2,048-token prefix (chunk 0 only). A chunk is always
+    decoded at the position it was encoded at (its prefix hash fixes it), so `start` tells both
+    sides which tokens are protected; `kvtc_encode` and the decoders take it.
+  - Level ladder: KVTC_LEVEL_KL (predicted KL per token, nats) 0.006 / 0.012 / 0.024 / 0.036;
+    measured in the reduced protocol (`benchmarks/results/kvtc_v3_reduced/`) level 2 is the best
+    level within 1% of raw and the codec's default level.
+
 Encode and decode are one `lax.scan` over layers each (the prediction is sequential), jit'd jnp:
 the CPU path and the reference of any device kernel.
 
 Payload (`KVTCPayload`): q: int16[L, 2, C, D]; step: f32[L, 2]; transform_id: uint8[16], the
 transform's identity (`KVTCTransform.transform_id`, a BLAKE2b-128 digest of its arrays, with a
-version-2 personalisation). A chunk is decoded only with the transform it names (the store client
-turns a mismatch into a miss); chunks of version 1 (no prediction) are `UnknownCodec` for the
-storage reader, so the store client recomputes them.
+version-2 personalisation: the transform's arrays did not change in version 3). A chunk is decoded
+only with the transform it names (the store client turns a mismatch into a miss); chunks of
+version 1 (no prediction) and version 2 (round to nearest, no protected token, another level
+ladder) are `UnknownCodec` for the storage reader, so the store client recomputes them.
 
 Tensor parallelism. The transform spans all KV heads of a layer and the prediction all channels
 of the two layers before, so a shard holding the KV heads S cannot decode its heads alone: the
@@ -62,8 +92,9 @@ all-gather of the chunk's KV (or every shard encodes and one stores). A per-shar
 restrict the predictor and basis to block-diagonal per head group (the study measured per-head
 PCA about 10% larger).
 
-Not done here: protected first tokens, per-component sensitivity, and a Pallas kernel (the jnp
-reference is jit'd and is the CPU path; on a GPU the scan is two matmuls per layer and K/V).
+Not done here: rate-distortion optimized (trellis) quantization with the entropy coder's code
+lengths, per-component sensitivity, and a Pallas kernel (the jnp reference is jit'd and is the
+CPU path; on a GPU the scan is two matmuls per layer and K/V).
 
 Sources: KVTC (KV cache transform coding, 2025); DPCM (Jayant & Noll 1984); PCA (Pearson 1901,
 Hotelling 1933); CacheGen (arXiv 2310.07240) for comparison; KIVI (arXiv 2402.02750) for K/V
