@@ -24,7 +24,6 @@ import os
 import pathlib
 import time
 
-import numpy as np
 from absl import app, flags
 
 import bench_codec as bc  # scripts/
@@ -68,7 +67,6 @@ class ProtectBench(Bench):
 
 def main(argv):
   del argv
-  from kvjax.kernels.kvtc import KVTCTransform  # noqa: PLC0415
   from kvjax.models import kv_calibration  # noqa: PLC0415
   if _TRANSFORM.value:
     path = _TRANSFORM.value

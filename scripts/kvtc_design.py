@@ -160,12 +160,12 @@ def rel_l2(kv_of, held, shipped, lm, dims, t0):
   """Per level: max over chunks of ||x̂ - x|| / ||x|| (whole chunk, K before RoPE and V) through
   the shipped encoder (`kvtc_encode_host`, position of each chunk) and decoder."""
   from kvjax.kernels import kvtc  # noqa: PLC0415
-  from kvjax.models import kv_calibration as kc  # noqa: PLC0415
   l_, k, h = dims
+  if not _CACHE.value or not os.path.isfile(_CACHE.value):
+    raise app.UsageError("--rel_l2 needs --work_cache from an earlier --rounding_sweep run")
   with np.load(_CACHE.value) as f:
     t = kvtc.KVTCTransform(*(f[n] for n in ("mean", "basis", "variance")), shipped.sensitivity,
                            f["predictor"], k, h)
-  del kc
   x = kv_of(held, len(held))
   dt = t.device_arrays()
   out = {}
@@ -196,7 +196,6 @@ def rounding_sweep(kv_of, held, shipped, lm, dims, t0):
   from kvjax.models import kv_calibration as kc  # noqa: PLC0415
   from kvjax.storage import entropy  # noqa: PLC0415
   l_, k, h = dims
-  d = k * h
   sens = shipped.sensitivity
   cache = pathlib.Path(_CACHE.value) if _CACHE.value else None
   if cache is not None and cache.is_file():
