@@ -29,7 +29,7 @@ transform instead of calibrating):
                                       registry's rel_l2_error; kvtc_rel_l2.json)
 
     PYTHONPATH=.:scripts nice -n 19 .venv/bin/python scripts/kvtc_design.py --rounding_sweep \
-        --work_cache /tmp/kvtc_work.npz --kls 0.009,0.012,0.018 --roundings 0.5,0.42,0.35,0.28
+        --work_cache kvtc_work.npz --kls 0.009,0.012,0.018 --roundings 0.5,0.42,0.35,0.28
 """
 
 from __future__ import annotations
