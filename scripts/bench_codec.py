@@ -355,7 +355,7 @@ def quality(bench: Bench, books: dict, s: Settings, progress) -> tuple[dict, dic
     first_blobs = {}
     row = {"book": book, "offset_tokens": offset, "prefix_prefill_s": prefill_s, "codecs": {}}
     for label, codec, level in s.codecs:
-      blobs = [bench.encode(kv, codec, level) for kv in chunks]
+      blobs = [bench.encode(kv, codec, level, i * c) for i, kv in enumerate(chunks)]
       st = sizes[label]
       for i, blob in enumerate(blobs):
         enc = bench.encoding(hashes[i], codec, level, blob, chunks[i] if codec == "raw" else None)
@@ -474,7 +474,7 @@ def longchat(bench: Bench, path: pathlib.Path, s: Settings, progress) -> dict:
     progress.update(1)
     raw_gen = None
     for label, codec, level in s.codecs:
-      blobs = [bench.encode(kv, codec, level) for kv in chunks]
+      blobs = [bench.encode(kv, codec, level, i * c) for i, kv in enumerate(chunks)]
       bench.decode_into(blobs, codec, level, 1)
       first = bench.runner.prefill_chunk(tail, 1, m * c).logits
       gen_c = bench.greedy(first, 1, len(ids), s.longchat_max_new_tokens)

@@ -153,12 +153,13 @@ def set_kvtc_transform(transform) -> None:
   _KVTC["device"] = transform.device_arrays()
 
 
-def encode_host(kv_L2CKH, codec: str, level: int) -> dict:
-  """A chunk's payload arrays on the host (jnp path): `kv_encode_host` or `kvtc_encode_host`."""
+def encode_host(kv_L2CKH, codec: str, level: int, start: int) -> dict:
+  """A chunk's payload arrays on the host (jnp path): `kv_encode_host` or `kvtc_encode_host`
+  (of the chunk at position `start`)."""
   from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
   from kvjax.kernels import kvtc  # noqa: PLC0415
   if codec == "kvtc":
-    return kvtc.kvtc_encode_host(kv_L2CKH, _KVTC["device"], level)
+    return kvtc.kvtc_encode_host(kv_L2CKH, _KVTC["device"], level, start=start)
   return kc.kv_encode_host(kv_L2CKH, codec, level, use_pallas=False)
 
 
@@ -257,10 +258,11 @@ class Bench:
         progress.update(1)
     return chunks, times, cpu
 
-  def encode(self, kv_L2CKH, codec: str, level: int) -> bytes:
-    """A chunk's stored bytes: `kv_encode_host` (jnp path) then `encode_payload`."""
+  def encode(self, kv_L2CKH, codec: str, level: int, start: int) -> bytes:
+    """A chunk's stored bytes (chunk at position `start`): `kv_encode_host` (jnp path) then
+    `encode_payload`."""
     from kvjax.storage import codecs  # noqa: PLC0415
-    arrays = encode_host(kv_L2CKH, codec, level)
+    arrays = encode_host(kv_L2CKH, codec, level, start)
     return codecs.encode_payload(codec, level, arrays, self.layout)
 
   def decode_into(self, blobs, codec: str, level: int, slot: int) -> None:
@@ -398,7 +400,7 @@ def time_codec(samples: dict[int, np.ndarray], codec: str, level: int, reps: int
     blob = b""
     for rep in range(reps + 1):  # rep 0 compiles and warms up
       c0, t0 = time.process_time(), time.perf_counter()
-      arrays = encode_host(x, codec, level)
+      arrays = encode_host(x, codec, level, 0)  # decoded at position 0 below
       t1 = time.perf_counter()
       blob = codecs.encode_payload(codec, level, arrays, layout)
       t2, c2 = time.perf_counter(), time.process_time()

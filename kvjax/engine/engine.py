@@ -767,7 +767,7 @@ class Engine:
         raise ValueError(f"chunk {index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
       payloads = None
       if kv.codec != codecs.RAW:
-        payloads = self.runner.encode_levels(kv_L2CKH, kv.codec, kv.codec_levels)
+        payloads = self.runner.encode_levels(kv_L2CKH, kv.codec, kv.codec_levels, lo)
       if index in roundtrip and payloads is not None:
         # The first stored level is the request's fixed encoding (`_fixed_encoding`).
         blocks = where if not self._paged else self._chunk_blocks(where, lo, c)

@@ -499,7 +499,7 @@ class LLM:
                               layer_groups(layout.num_layers, self._layerwise_groups)}):
           runner.insert_chunk_layers(kv[l0:l1], where, 0, 0)
       if store.codec != "raw":
-        _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels)[0]
+        _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels, 0)[0]
         runner.insert_payload(store.codec, jax.device_get(arrays), where, 0)
         store.warmup_entropy(store.codec, level, jax.device_get(arrays))
       runner.block_until_ready()

@@ -1,4 +1,4 @@
-"""KV transform codec ("kvtc", version 2): inter-layer prediction + a calibrated PCA per layer.
+"""KV transform codec ("kvtc", version 3): inter-layer prediction + a calibrated PCA per layer.
 
 A stored chunk is `kv_L2CKH: [L, 2, C, K, H]` (axis 1: 0 = K before RoPE, 1 = V). Per layer l and
 K/V a (a = 0, 1), its K * H channels of all KV heads form one vector per token, D = K * H. The
@@ -7,14 +7,16 @@ codec is closed-loop predictive transform coding (DPCM over the layer axis, Jaya
 foundations of transform coding", IEEE SPM 2001): each layer is predicted from the
 *reconstruction* of the layers before it, so encoder and decoder make the same prediction and the
 quantization error of one layer is not carried into the next. Per token, with centred
-reconstructions r[l] = x̂[l] - mean[l] (r[-1] = r[-2] = 0):
+reconstructions r[l] = x̂[l] - mean[l] (r[-1] = r[-2] = 0) and the token's step
+st[l, a] = step[l, a] * g (g = KVTC_PROTECT_STEP for the first KVTC_PROTECT_TOKENS positions of a
+sequence, 1 elsewhere; "Quantization" below):
 
     f[l, K] = [r[l-1, K], r[l-1, V], r[l-2, K], r[l-2, V], 0]          (5 D features)
     f[l, V] = [r[l-1, K], r[l-1, V], r[l-2, K], r[l-2, V], r[l, K]]    (V also sees its own K)
     p[l, a] = f[l, a] @ predictor[l, a]                                 predictor: f32[L, 2, 5D, D]
     y[l, a] = (x[l, a] - mean[l, a] - p[l, a]) @ basis[l, a]           basis: f32[L, 2, D, D]
-    q[l, a] = clip(round(y[l, a] / step[l, a]), +-32767)               int16
-    r[l, a] = p[l, a] + (q[l, a] * step[l, a]) @ basis[l, a]^T;  x̂ = r + mean
+    q[l, a] = clip(sign(y) * floor(|y| / st[l, a] + rho), +-32767)      int16, rho = 0.42
+    r[l, a] = p[l, a] + (q[l, a] * st[l, a]) @ basis[l, a]^T;  x̂ = r + mean
 
 The predictor is a ridge regression of each layer's centred KV on those features, and the basis
 the PCA of the regression's remainder (columns = components, variance descending); both are
@@ -35,22 +37,57 @@ so
 and V, measured 10-30x more sensitive than K on SmolLM2, gets finer steps than K by itself.
 Prediction leaves the steps (so the error) as they were and shrinks what is coded: the remainder
 keeps 5-25% of the KV's variance, and on real SmolLM2 KV (2,048 tokens of Alice in Wonderland from
-token 1,000, chunks of 256, not part of any calibration text) the stored bytes per token at level
-0 / 1 / 3 go from 6,200 / 5,506 / 4,157 (version 1) to 4,937 / 4,306 / 3,170 with prediction
-(transform fitted on the founding documents) and to 4,482 / 3,880 / 2,826 with the CC0 prose
-added to the calibration text (development measurements; `scripts/kvtc_design.py` repeats them).
+token 1,000, chunks of 256, not part of any calibration text) the stored bytes per token at
+version 2's levels 0 / 1 / 3 (predicted KL 0.003 / 0.006 / 0.024, round to nearest) go from
+6,200 / 5,506 / 4,157 (version 1) to 4,937 / 4,306 / 3,170 with prediction (transform fitted on
+the founding documents) and to 4,482 / 3,880 / 2,826 with the CC0 prose added to the calibration
+text (development measurements; `scripts/kvtc_design.py` repeats them).
 Predicting from one layer before instead of two costs 5% more bytes; without V's own K, 12% more.
 Entropy coding of `q` (one model per band of components of a (layer, K/V)) is storage's job
 (`kvjax.storage.entropy.encode_components`).
+
+Quantization (version 3; each measured on the same Alice passage with `scripts/kvtc_design.py
+--rounding_sweep`, bytes vs the sensitivity-weighted error, then with the reduced bench_codec
+protocol, `scripts/bench_codec_reduced.py`, 5 book passages x 2,048 + 256 scored tokens):
+
+  - Deadzone rounding. The encoder rounds toward zero with offset rho = KVTC_ROUNDING = 0.42
+    instead of 0.5 (a uniform threshold quantizer with a wider zero bin, as H.264 encoders do:
+    Sullivan & Wiegand, "Rate-distortion optimization for video compression", IEEE SPM 1998;
+    the decoder is unchanged): about 2% fewer bytes at the same predicted KL (0.35: 1%, 0.28:
+    worse). A decoder reconstruction offset toward zero (KVTC_RECON_OFFSET) saved about 1.5%
+    with rho = 0.5 and nothing on top of rho = 0.42, so it is 0.
+  - Per-component steps: multiplying the step of components by their spread relative to the
+    step (x0.8 / x1.2 / x1.3 / x2 for sigma/step below 0.5, below 1, 1-4 or above 4) moved along
+    the same bytes-vs-KL curve or below it (e.g. coarser steps for sigma/step < 1: 7% fewer bytes
+    for 39% more predicted KL, where the uniform step gives 9% fewer bytes for that KL), so the
+    step stays one per (layer, K/V), as reverse water-filling says. The sensitivity model has no
+    per-component term (the probe adds isotropic noise), so nothing finer is supported by it.
+  - Protected first token. The first position of a sequence (the attention sink, StreamingLLM,
+    arXiv 2309.17453, section 3) is coded at 1/16 of the step. Measured (KL per token, same
+    bytes): the first 4 tokens kept exact take the KL from 0.0087 / 0.0151 / 0.0174 to 0.0048 /
+    0.0097 / 0.0110 at predicted KL 0.012 / 0.018 / 0.024; 16 exact tokens gain nothing more, and
+    token 0 alone at 1/16 of the step gives the KL of 4 exact tokens (0.01095 at 0.024) for
+    about 6 B/token on a 2,048-token prefix (chunk 0 only;
+    `benchmarks/results/kvtc_v3_reduced/development/`). A chunk is always
+    decoded at the position it was encoded at (its prefix hash fixes it), so `start` tells both
+    sides which tokens are protected; `kvtc_encode` and the decoders take it.
+  - Level ladder: KVTC_LEVEL_KL (predicted KL per token, nats) 0.006 / 0.012 / 0.024 / 0.036;
+    measured in the reduced protocol (`benchmarks/results/kvtc_v3_reduced/`) 3,702 / 3,139 /
+    2,629 / 2,359 stored B/token at perplexity x1.0043 / x1.0004 / x1.0050 / x1.0140 (KL
+    0.0028 / 0.0048 / 0.011 / 0.014). Level 2 is the best level within 1% of raw by the mean of
+    5 passages (95% t interval up to x1.021; x1.0078 with the model's own calibration of the
+    shipped text) and the codec's default level. Greedy outputs on 5.5K-token LongChat prompts
+    are identical to raw less often than int8's (level 0: 3/5, level 2: 1/5; int8 4/5).
 
 Encode and decode are one `lax.scan` over layers each (the prediction is sequential), jit'd jnp:
 the CPU path and the reference of any device kernel.
 
 Payload (`KVTCPayload`): q: int16[L, 2, C, D]; step: f32[L, 2]; transform_id: uint8[16], the
 transform's identity (`KVTCTransform.transform_id`, a BLAKE2b-128 digest of its arrays, with a
-version-2 personalisation). A chunk is decoded only with the transform it names (the store client
-turns a mismatch into a miss); chunks of version 1 (no prediction) are `UnknownCodec` for the
-storage reader, so the store client recomputes them.
+version-2 personalisation: the transform's arrays did not change in version 3). A chunk is decoded
+only with the transform it names (the store client turns a mismatch into a miss); chunks of
+version 1 (no prediction) and version 2 (round to nearest, no protected token, another level
+ladder) are `UnknownCodec` for the storage reader, so the store client recomputes them.
 
 Tensor parallelism. The transform spans all KV heads of a layer and the prediction all channels
 of the two layers before, so a shard holding the KV heads S cannot decode its heads alone: the
@@ -62,8 +99,9 @@ all-gather of the chunk's KV (or every shard encodes and one stores). A per-shar
 restrict the predictor and basis to block-diagonal per head group (the study measured per-head
 PCA about 10% larger).
 
-Not done here: protected first tokens, per-component sensitivity, and a Pallas kernel (the jnp
-reference is jit'd and is the CPU path; on a GPU the scan is two matmuls per layer and K/V).
+Not done here: rate-distortion optimized (trellis) quantization with the entropy coder's code
+lengths, per-component sensitivity, and a Pallas kernel (the jnp reference is jit'd and is the
+CPU path; on a GPU the scan is two matmuls per layer and K/V).
 
 Sources: KVTC (KV cache transform coding, 2025); DPCM (Jayant & Noll 1984); PCA (Pearson 1901,
 Hotelling 1933); CacheGen (arXiv 2310.07240) for comparison; KIVI (arXiv 2402.02750) for K/V
@@ -85,7 +123,17 @@ from kvjax.codecs import CODEC_LEVELS, KVTC as CODEC_KVTC
 from kvjax.kernels.kv_codec import _rope_CH, _write_chunk
 
 #: Predicted KL(raw || kvtc) per token, nats, at each level (finest first).
-KVTC_LEVEL_KL = (0.003, 0.006, 0.012, 0.024)
+KVTC_LEVEL_KL = (0.006, 0.012, 0.024, 0.036)
+#: Encoder rounding offset: q = sign(y) * floor(|y| / step + KVTC_ROUNDING) (0.5: round to nearest;
+#: below 0.5 widens the zero bin, a deadzone quantizer). Not stored: only the encoder uses it.
+KVTC_ROUNDING = 0.42
+#: Decoder reconstruction offset toward zero: y^ = sign(q) * (|q| - KVTC_RECON_OFFSET) * step.
+#: Part of what a payload means (the codec version).
+KVTC_RECON_OFFSET = 0.0
+#: Protected first tokens: the first KVTC_PROTECT_TOKENS positions of a sequence (the attention
+#: sinks of StreamingLLM, arXiv 2309.17453, section 3) are coded at KVTC_PROTECT_STEP x the step.
+KVTC_PROTECT_TOKENS = 1
+KVTC_PROTECT_STEP = 1.0 / 16
 #: Largest code magnitude (int16, symmetric).
 KVTC_QMAX = 32767
 #: Bytes of a transform identity.
@@ -233,7 +281,26 @@ def validate_payload(payload: KVTCPayload, transform: KVTCDeviceTransform | None
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool):
+def _quantize(y, step, rounding):
+  """Deadzone quantizer (module docstring): int codes of coefficients y, as f32."""
+  return jnp.clip(jnp.sign(y) * jnp.floor(jnp.abs(y) / step + rounding), -KVTC_QMAX, KVTC_QMAX)
+
+
+def _reconstruct(q, step, offset):
+  """Coefficients of codes q (f32): sign(q) * (|q| - offset) * step, and 0 for q = 0."""
+  return jnp.sign(q) * jnp.maximum(jnp.abs(q) - offset, 0.0) * step
+
+
+def token_step_scale(start, c: int) -> jax.Array:
+  """f32[C]: the step multiplier of each token of a chunk of C tokens at position `start` (a
+  traced int is fine): KVTC_PROTECT_STEP for the first KVTC_PROTECT_TOKENS positions of a
+  sequence, 1 elsewhere."""
+  pos = jnp.asarray(start, jnp.int32) + jnp.arange(c, dtype=jnp.int32)
+  return jnp.where(pos < KVTC_PROTECT_TOKENS, jnp.float32(KVTC_PROTECT_STEP), jnp.float32(1))
+
+
+def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool, scale_C,
+                 rounding: float = None, offset: float = None):
   """The closed-loop scan over layers (module docstring).
 
   Args:
@@ -241,21 +308,27 @@ def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool):
     step_L2: f32[L, 2] steps.
     code_LaCD: encode: f32[L, 2, C, D] centred KV; decode: int16[L, 2, C, D] codes.
     encode: which of the two.
+    scale_C: f32[C] step multiplier per token (`token_step_scale`).
+    rounding: the encoder's rounding offset (default `KVTC_ROUNDING`).
+    offset: the decoder's reconstruction offset (default `KVTC_RECON_OFFSET`).
 
   Returns:
     (q int16[L, 2, C, D] codes (decode: the given codes), r f32[L, 2, C, D] centred
     reconstruction).
   """
+  rounding = KVTC_ROUNDING if rounding is None else rounding
+  offset = KVTC_RECON_OFFSET if offset is None else offset
   _, _, c, d = code_LaCD.shape
   zero = jnp.zeros((2, c, d), jnp.float32)
 
   def one(x_or_q, pred, basis, step):
+    step = step * scale_C[:, None]                                      # [C, 1] (or [C, D])
     if encode:
       y = jnp.einsum("cd,de->ce", x_or_q - pred, basis, precision=_HI)
-      q = jnp.clip(jnp.round(y / step), -KVTC_QMAX, KVTC_QMAX)
+      q = _quantize(y, step, rounding)
     else:
       q = x_or_q.astype(jnp.float32)
-    rec = pred + jnp.einsum("ce,de->cd", q * step, basis, precision=_HI)
+    rec = pred + jnp.einsum("ce,de->cd", _reconstruct(q, step, offset), basis, precision=_HI)
     return q.astype(jnp.int16), rec
 
   def body(carry, inp):
@@ -273,28 +346,46 @@ def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool):
   return q, r
 
 
-def _encode(kv_L2CKH, t: KVTCDeviceTransform, level):
+def _encode(kv_L2CKH, t: KVTCDeviceTransform, level, start):
   l_, _, c, k, h = kv_L2CKH.shape
   x = kv_L2CKH.astype(jnp.float32).reshape(l_, 2, c, k * h) - t.mean[:, :, None]
   step = t.steps[level]                                                   # [L, 2]
-  q, _ = _scan_layers(t, step, x, encode=True)
+  q, _ = _scan_layers(t, step, x, True, token_step_scale(start, c))
   finite = jnp.all(jnp.isfinite(kv_L2CKH))
   return KVTCPayload(q, step, t.transform_id), finite
 
 
-def _dequantize(payload: KVTCPayload, t: KVTCDeviceTransform, k, h):
+def _dequantize(payload: KVTCPayload, t: KVTCDeviceTransform, k, h, start):
   q, step, _ = payload
   l_, _, c, d = q.shape
-  _, r = _scan_layers(t, step.astype(jnp.float32), q, encode=False)
+  _, r = _scan_layers(t, step.astype(jnp.float32), q, False, token_step_scale(start, c))
   return (r + t.mean[:, :, None]).reshape(l_, 2, c, k, h)
 
 
+@functools.partial(jax.jit, static_argnames=("rounding", "offset"))
+def experiment_round_trip(kv_L2CKH, t: KVTCDeviceTransform, step_L2, start=0, *,
+                          rounding: float, offset: float):
+  """Design experiments only (`scripts/kvtc_design.py`): codes and reconstruction of a chunk at
+  position `start` at given steps (f32[L, 2], or f32[L, 2, D] per component) and
+  rounding/reconstruction offsets, none of which is a stored format.
+
+  Returns:
+    (q int16[L, 2, C, D], x̂ f32[L, 2, C, K, H]).
+  """
+  l_, _, c, k, h = kv_L2CKH.shape
+  x = kv_L2CKH.astype(jnp.float32).reshape(l_, 2, c, k * h) - t.mean[:, :, None]
+  q, r = _scan_layers(t, step_L2, x, True, token_step_scale(start, c), rounding=rounding,
+                      offset=offset)
+  return q, (r + t.mean[:, :, None]).reshape(l_, 2, c, k, h)
+
+
 @functools.partial(jax.jit, static_argnames=("level",))
-def _encode_jit(kv_L2CKH, t, *, level):
-  return _encode(kv_L2CKH, t, level)
+def _encode_jit(kv_L2CKH, t, start, *, level):
+  return _encode(kv_L2CKH, t, level, start)
 
 
-def kvtc_encode(kv_L2CKH: jax.Array, transform, level: int) -> tuple[KVTCPayload, jax.Array]:
+def kvtc_encode(kv_L2CKH: jax.Array, transform, level: int, *, start
+                ) -> tuple[KVTCPayload, jax.Array]:
   """Encodes a chunk (K before RoPE) with a kvtc transform, on the device (jit'd jnp).
 
   Callable inside another jit (the runner encodes all levels in one call).
@@ -303,30 +394,45 @@ def kvtc_encode(kv_L2CKH: jax.Array, transform, level: int) -> tuple[KVTCPayload
     kv_L2CKH: float32/bfloat16/float16[L, 2, C, K, H], K before RoPE, and V.
     transform: a `KVTCTransform` or its `device_arrays()` (pass the latter in hot paths).
     level: a kvtc level (0 finest .. 3 coarsest).
+    start: position of the chunk's first token in its sequence, int >= 0 (may be traced): the
+      first KVTC_PROTECT_TOKENS positions are coded at a finer step, and the decoder must be
+      given the same start.
 
   Returns:
     (payload, finite): device arrays, and a bool scalar, False when the KV holds NaN/inf.
 
   Raises:
-    ValueError: unknown level, or a chunk whose shape does not match the transform.
+    ValueError: unknown level, a negative start, or a chunk whose shape does not match the
+      transform.
   """
   t = _as_device(transform)
+  _check_start(start)
   if level not in CODEC_LEVELS[CODEC_KVTC]:
     raise ValueError(f"kvtc has levels {list(CODEC_LEVELS[CODEC_KVTC])}, got {level!r}")
   shape = tuple(kv_L2CKH.shape)
   l_, _, d, _ = t.basis.shape
   if len(shape) != 5 or shape[1] != 2 or shape[0] != l_ or shape[3] * shape[4] != d:
     raise ValueError(f"kvtc chunk must be [L={l_}, 2, C, K, H] with K * H = {d}, got {shape}")
-  return _encode_jit(kv_L2CKH, t, level=int(level))
+  return _encode_jit(kv_L2CKH, t, jnp.asarray(start, jnp.int32), level=int(level))
 
 
-def kvtc_encode_host(kv_L2CKH: jax.Array, transform, level: int) -> dict[str, np.ndarray]:
+def _check_start(start) -> None:
+  if isinstance(start, jax.core.Tracer):
+    return
+  if isinstance(start, bool) or not isinstance(start, (int, np.integer, np.ndarray, jax.Array)
+                                               ) or np.ndim(start) != 0 or int(start) < 0:
+    raise ValueError(f"kvtc start must be an int >= 0 (the chunk's first position), got "
+                     f"{start!r}")
+
+
+def kvtc_encode_host(kv_L2CKH: jax.Array, transform, level: int, *, start
+                     ) -> dict[str, np.ndarray]:
   """`kvtc_encode`, then the payload on the host as `{name: np.ndarray}` (what storage codes).
 
   Raises:
     ValueError: NaN/inf in the chunk, or `kvtc_encode`'s errors.
   """
-  payload, finite = kvtc_encode(kv_L2CKH, transform, level)
+  payload, finite = kvtc_encode(kv_L2CKH, transform, level, start=start)
   if not bool(finite):
     raise ValueError(f"KV chunk {list(kv_L2CKH.shape)} holds NaN/inf; refusing to encode it")
   return {name: np.asarray(v) for name, v in payload._asdict().items()}
@@ -347,20 +453,23 @@ def payload_from_arrays(arrays: dict) -> KVTCPayload:
 
 
 def dequantize_reference(payload: KVTCPayload, transform, num_kv_heads: int,
-                         head_dim: int) -> jax.Array:
-  """f32[L, 2, C, K, H]: a payload back to K (before RoPE) and V.
+                         head_dim: int, *, start) -> jax.Array:
+  """f32[L, 2, C, K, H]: a payload of the chunk at position `start` back to K (before RoPE)
+  and V.
 
   Raises:
-    ValueError: a payload that breaks the contract or does not match the transform.
+    ValueError: a payload that breaks the contract or does not match the transform, or a
+      negative start.
   """
   t = _as_device(transform)
   validate_payload(payload, t)
-  return _dequantize(payload, t, num_kv_heads, head_dim)
+  _check_start(start)
+  return _dequantize(payload, t, num_kv_heads, head_dim, jnp.asarray(start, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "h"), donate_argnums=(2, 3))
 def _decode_jit(payload, t, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH, *, k, h):
-  kv = _dequantize(payload, t, k, h)
+  kv = _dequantize(payload, t, k, h, start)
   k_LCKH = _rope_CH(kv[:, 0], cos_CH.astype(jnp.float32)[:, None],
                     sin_CH.astype(jnp.float32)[:, None])
   return _write_chunk(k_LBSKH, v_LBSKH, k_LCKH, kv[:, 1], slot, start)
@@ -382,7 +491,7 @@ def kvtc_decode(payload: KVTCPayload, transform: KVTCDeviceTransform, k_LBSKH: j
     k_LBSKH: [L, slots, S_max, K, H] key cache (after RoPE), float32/bfloat16/float16. Donated.
     v_LBSKH: value cache, same shape and dtype. Donated.
     slot: int32 scalar decode slot.
-    start: int32 scalar position of the chunk's first token.
+    start: int32 scalar position of the chunk's first token (the encoder's `start`).
     cos_CH: float[C, H] RoPE cosines at positions start..start + C - 1 (HF rotate_half layout).
     sin_CH: float[C, H] RoPE sines.
     use_pallas: must be False (no Pallas kernel for kvtc yet; the jnp path runs everywhere).

@@ -6,7 +6,7 @@ domain (CC0): two short stories with dialogue, a user/assistant chat, a letter a
 expository piece; both are shipped in the package (so an installed kvjax calibrates without any
 data directory). The prose is there because the transform fitted on the founding documents
 alone codes other text less well: on 2,048 tokens of book text (Alice in Wonderland, not part of
-either file) kvtc level 1 takes 4,306 B/token with the transform fitted on the founding
+either file) kvtc version 2 level 1 takes 4,306 B/token with the transform fitted on the founding
 documents, 3,880 with the prose added, and 3,756 with a transform fitted on 4,096 tokens of two
 other novels (development measurements, `kvjax/kernels/kvtc.py`). Cost on the 2-core VM: the
 statistics prefill and the fit (about 80 s of ridge solves and eigendecompositions) plus 60

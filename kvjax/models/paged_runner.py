@@ -749,8 +749,9 @@ class PagedModelRunner:
     return (self.pool.k_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_),
             self.pool.v_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_))
 
-  def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...]) -> list:
-    """Quantizes one device chunk at every level in one jit'd call (as `ModelRunner`'s).
+  def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...], start: int) -> list:
+    """Quantizes one device chunk at every level in one jit'd call (as `ModelRunner`'s; `start`
+    is the chunk's first position).
 
     Returns:
       [(codec, level, {name: device array}, finite flag)] per level.
@@ -759,7 +760,7 @@ class PagedModelRunner:
       raise ValueError("multi-host runs store raw chunks only (kv_codec='raw')")
     fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs)
     return [(codec, level, arrays, finite)
-            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, None))]
+            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, None, np.int32(start)))]
 
   # ----------------------------------------------------------------------------- lifetime
   def reset(self) -> None:

@@ -56,15 +56,16 @@ def level_encoder(codec: str, levels: tuple[int, ...], use_pallas: bool):
   Shared by both runner layouts (compiled once per codec, levels and backend choice).
 
   Returns:
-    `fn(kv_L2CKH, kvtc_transform_or_None) -> [(payload arrays by name, finite flag)]`, one entry
-    per level (kvtc needs the device transform; other codecs ignore it).
+    `fn(kv_L2CKH, kvtc_transform_or_None, start) -> [(payload arrays by name, finite flag)]`,
+    one entry per level (kvtc needs the device transform and the chunk's first position; other
+    codecs ignore both).
   """
 
-  def encode_all(kv, t):
+  def encode_all(kv, t, start):
     out = []
     for level in levels:
       if codec == codecs.KVTC:
-        payload, finite = kvtc.kvtc_encode(kv, t, level)
+        payload, finite = kvtc.kvtc_encode(kv, t, level, start=start)
       else:
         payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
       out.append((payload._asdict(), finite))
@@ -307,7 +308,7 @@ class ModelRunner:
                             np.int32(start), cos, sin)
     self.cache = KVCache(k, v, self.cache.lengths_B)
 
-  def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...]) -> list:
+  def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...], start: int) -> list:
     """Quantizes one device chunk (K before RoPE) at every level in one jit'd device call.
 
     Thread-safe (no cache access). Dispatches asynchronously: the arrays stay on the device
@@ -317,6 +318,8 @@ class ModelRunner:
       kv_L2CKH: [L, 2, C, K, H] device array.
       codec: a codec other than "raw".
       levels: the levels to store side by side.
+      start: position of the chunk's first token (kvtc codes the first tokens of a sequence
+        finer; the chunk must be decoded at the same position).
 
     Returns:
       [(codec, level, {name: device array}, finite flag)] per level; store a level only when its
@@ -332,7 +335,7 @@ class ModelRunner:
     fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs)
     t = self._kvtc_device if codec == codecs.KVTC else None
     return [(codec, level, arrays, finite)
-            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, t))]
+            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, t, np.int32(start)))]
 
   def close(self) -> None:
     """Frees the parameters and the KV cache on the device; the runner is unusable afterwards."""

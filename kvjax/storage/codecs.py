@@ -13,7 +13,7 @@ array names); this module validates them and turns them into one stored bytes ob
     int4      1        0       q: uint8[L, 2, C, K, H//2]; scale, zero: float16[L, 2, C//G, K, H]
     cachegen  1        0..3    anchor_q: int8[L, 2, A, K, H]; anchor_scale: float32[L, 2, K, H];
                                delta_q: int8[L, 2, C, K, H]; delta_step: float32[L, 2, K, H]
-    kvtc      2        0..3    q: int16[L, 2, C, K*H]; step: float32[L, 2];
+    kvtc      3        0..3    q: int16[L, 2, C, K*H]; step: float32[L, 2];
                                transform_id: uint8[16]
 
 G (int4 tokens per group) and T = C // A (cachegen anchor stride) are read from the shapes; they
@@ -49,10 +49,10 @@ CRC-checked like any other. A deferred array's CRC-32 is not checked (the rANS c
 band and the device decoder's `ok` flag stand for it); the host tier keeps it in that form, and
 `encode_payload` re-codes it from its decoded values.
 kvtc's `transform_id` names the transform the codes are in; storage stores it like any array and
-the store client rejects (as a miss) a chunk whose id is not its transform's. kvtc version 1 (the
-same arrays, coded without inter-layer prediction) is no longer read: its chunks are
-`UnknownCodec`, a miss that is recomputed. Decoders accept any coding
-for any array ("pco" for int8 arrays only, "pco-bands" and "rans-bands" for int16 ones).
+the store client rejects (as a miss) a chunk whose id is not its transform's. kvtc versions 1 (the
+same arrays, coded without inter-layer prediction) and 2 (another level ladder and rounding) are
+no longer read: their chunks are `UnknownCodec`, a miss that is recomputed. Decoders accept any
+coding for any array ("pco" for int8 arrays only, "pco-bands" and "rans-bands" for int16 ones).
 
 Entropy coder choice (CacheGen, arXiv 2310.07240, section 5.2). Measured with
 `scripts/measure_entropy_coders.py` on real SmolLM2-135M KV (two 256-token chunks of book text,

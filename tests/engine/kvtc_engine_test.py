@@ -48,7 +48,7 @@ class KVTCEngineTest(absltest.TestCase):
     cache_dir, store = os.path.join(tmp, "cache"), os.path.join(tmp, "kv")
     llm = make_llm(cache_dir, store)
     tid = llm.kvtc_transform.transform_id
-    self.assertEqual(llm.kv_store.codec_levels, (0,))  # one default level
+    self.assertEqual(llm.kv_store.codec_levels, (2,))  # one default level
     cached = [f for f in os.listdir(os.path.join(cache_dir, "params")) if f.startswith("kvtc-")]
     self.assertLen(cached, 1)
     cold = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
@@ -56,7 +56,7 @@ class KVTCEngineTest(absltest.TestCase):
     warm = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
     self.assertEqual(warm.num_cached_tokens, 3 * C)
     self.assertEqual(warm.metrics.num_loaded_tokens, 3 * C)
-    self.assertEqual(set(warm.metrics.merge.levels.values()), {"kvtc/0"})
+    self.assertEqual(set(warm.metrics.merge.levels.values()), {"kvtc/2"})
     self.assertEqual(warm.token_ids[0], cold.token_ids[0])
     for t, lp in cold.logprobs[0].items():
       if t in warm.logprobs[0]:
@@ -79,6 +79,44 @@ class KVTCEngineTest(absltest.TestCase):
     self.assertEqual(out.metrics.num_loaded_tokens, 0)
     self.assertEqual(out.token_ids, cold.token_ids)
     llm3.close()
+
+  def test_runner_codes_a_chunk_at_its_position(self):
+    # ModelRunner.encode_levels codes the first token of a sequence finer (start=0) and
+    # insert_payload decodes it at the same position: the cache then holds exactly the numpy
+    # reference's reconstruction (RoPE applied), and the same KV coded as a later chunk differs
+    # only in the protected token.
+    import jax.numpy as jnp  # noqa: PLC0415
+    from kvjax.kernels import kvtc  # noqa: PLC0415
+    loaded = load_model("tiny")
+    cfg = loaded.config
+    runner = ModelRunner(Llama.from_params(cfg, loaded.params),
+                         RunnerConfig(num_slots=2, max_seq_len=4 * C, chunk_sizes=(32, 64)))
+    out = runner.prefill_chunk(PROMPT[:2 * C], 0, 0)
+    kv = jnp.stack([out.k_pre_rope_LTKH, out.v_LTKH], axis=1)               # [L, 2, 2C, K, H]
+    d = cfg.n_kv_heads * cfg.head_dim
+    runner.set_kvtc_transform(kv_calibration.fit_transform(
+        np.asarray(kv).reshape(cfg.n_layers, 2, -1, d),
+        np.ones((cfg.n_layers, 2)), cfg.n_kv_heads, cfg.head_dim))
+    chunk = kv[:, :, :C]
+    _, _, first, _ = runner.encode_levels(chunk, "kvtc", (2,), 0)[0]
+    _, _, later, _ = runner.encode_levels(chunk, "kvtc", (2,), C)[0]
+    first = {n: np.asarray(a) for n, a in first.items()}
+    later = {n: np.asarray(a) for n, a in later.items()}
+    n = kvtc.KVTC_PROTECT_TOKENS
+    np.testing.assert_array_equal(first["q"][:, :, n:], later["q"][:, :, n:])
+    self.assertFalse(np.array_equal(first["q"][:, :, :n], later["q"][:, :, :n]))
+    runner.insert_payload("kvtc", first, 1, 0)
+    want = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(first),
+                                                runner.kvtc_transform, cfg.n_kv_heads,
+                                                cfg.head_dim, start=0))
+    np.testing.assert_allclose(np.asarray(runner.cache.v_LBSKH)[:, 1, :C], want[:, 1],
+                               rtol=1e-5, atol=1e-5)
+    exact = np.asarray(chunk)[:, 1, :n]
+    err_first = np.abs(np.asarray(runner.cache.v_LBSKH)[:, 1, :n] - exact).max()
+    runner.insert_payload("kvtc", later, 1, C)
+    err_later = np.abs(np.asarray(runner.cache.v_LBSKH)[:, 1, C:C + n] - exact).max()
+    self.assertLess(err_first, err_later / 4)
+    runner.close()
 
   def test_bad_options(self):
     with self.assertRaisesRegex(ValueError, "kv_codec_levels"):

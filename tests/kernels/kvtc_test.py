@@ -37,10 +37,13 @@ def fit(kv, sensitivity):
   return kv_calibration.fit_transform(kv.reshape(L, 2, -1, D), sensitivity, K, H)
 
 
-def reference_codes(kv, t, level, codes=None):
+def reference_codes(kv, t, level, codes=None, rounding=kvtc.KVTC_ROUNDING,
+                    offset=kvtc.KVTC_RECON_OFFSET, start=0):
   """numpy float64 of the module docstring's closed loop: (q, x̂); decodes `codes` if given."""
   x = kv.reshape(L, 2, -1, D).astype(np.float64) - t.mean[:, :, None]
-  step = t.steps(level).astype(np.float64)
+  protect = start + np.arange(x.shape[2]) < kvtc.KVTC_PROTECT_TOKENS
+  row = np.where(protect, kvtc.KVTC_PROTECT_STEP, 1.0)[:, None]          # [C, 1]
+  step = t.steps(level).astype(np.float64)[:, :, None, None] * row       # [L, 2, C, 1]
   q, r = np.zeros(x.shape), np.zeros(x.shape)
   if codes is not None:
     q[...] = codes
@@ -50,13 +53,18 @@ def reference_codes(kv, t, level, codes=None):
       f = np.concatenate(prev + [r[l, 0] if a else np.zeros_like(x[0, 0])], -1)
       p = f @ t.predictor[l, a]
       if codes is None:
-        q[l, a] = np.round((x[l, a] - p) @ t.basis[l, a] / step[l, a])
-      r[l, a] = p + (q[l, a] * step[l, a]) @ t.basis[l, a].T
+        y = (x[l, a] - p) @ t.basis[l, a] / step[l, a]
+        q[l, a] = np.sign(y) * np.floor(np.abs(y) + rounding)
+      y_hat = np.sign(q[l, a]) * np.maximum(np.abs(q[l, a]) - offset, 0) * step[l, a]
+      r[l, a] = p + y_hat @ t.basis[l, a].T
   return q, (r + t.mean[:, :, None]).reshape(kv.shape)
 
 
 SENS = np.array([[0.5, 10.0], [1.0, 20.0], [2.0, 30.0]])  # V more sensitive than K (SmolLM2)
 VERSION = codecs.CODEC_VERSIONS["kvtc"]
+#: Largest coefficient error in steps: |y| - (q - offset) lies in [offset - rounding,
+#: 1 - rounding + offset) for q != 0, and |y| < 1 - rounding for q = 0.
+MAX_ERR = 1 - kvtc.KVTC_ROUNDING + kvtc.KVTC_RECON_OFFSET
 
 
 class KVTCTest(parameterized.TestCase):
@@ -70,7 +78,7 @@ class KVTCTest(parameterized.TestCase):
 
   @parameterized.parameters(0, 1, 2, 3)
   def test_bytes_round_trip_and_decode_into_the_cache(self, level):
-    arrays = kvtc.kvtc_encode_host(self.kv, self.t, level)
+    arrays = kvtc.kvtc_encode_host(self.kv, self.t, level, start=2)
     self.assertEqual({n: (a.dtype, a.shape) for n, a in arrays.items()},
                      stored.payload_spec("kvtc", VERSION, level, self.layout))
     blob = stored.encode_payload("kvtc", level, arrays, self.layout)
@@ -81,7 +89,7 @@ class KVTCTest(parameterized.TestCase):
       np.testing.assert_array_equal(back[name], a, err_msg=name)
     self.assertEqual(bytes(back["transform_id"]), self.t.transform_id)
     payload = kvtc.payload_from_arrays(back)
-    ref = np.asarray(kvtc.dequantize_reference(payload, self.t, K, H))
+    ref = np.asarray(kvtc.dequantize_reference(payload, self.t, K, H, start=2))
     cache = jnp.full((L, 2, C + 3, K, H), jnp.nan, jnp.float32)
     k, v = kvtc.kvtc_decode(payload, self.t.device_arrays(), cache, cache.copy(), 1, 2,
                             jnp.ones((C, H)), jnp.zeros((C, H)))
@@ -93,14 +101,15 @@ class KVTCTest(parameterized.TestCase):
   def test_error_bounds_per_level(self):
     errs = []
     for level in codecs.CODEC_LEVELS["kvtc"]:
-      arrays = kvtc.kvtc_encode_host(self.kv, self.t, level)
+      arrays = kvtc.kvtc_encode_host(self.kv, self.t, level, start=0)
       step = self.t.steps(level)
       np.testing.assert_array_equal(arrays["step"], step)
       x_hat = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), self.t, K,
-                                                   H))
+                                                   H, start=0))
       err = (x_hat - self.kv).reshape(L, 2, C, D)
-      # Orthonormal basis: per token, ||error|| <= sqrt(D) * step / 2 (rounding, no clipping).
-      bound = np.sqrt(D) * step[:, :, None] / 2 * (1 + 1e-4) + 1e-5
+      # Orthonormal basis: per token, ||error|| <= sqrt(D) * step * E (no clipping), E the
+      # largest coefficient error in steps (1/2 for rounding to nearest).
+      bound = np.sqrt(D) * step[:, :, None] * MAX_ERR * (1 + 1e-4) + 1e-5
       self.assertTrue((np.linalg.norm(err, axis=-1) <= bound).all(), level)
       errs.append(float(np.linalg.norm(err) / np.linalg.norm(self.kv)))
     self.assertEqual(errs, sorted(errs))
@@ -113,14 +122,15 @@ class KVTCTest(parameterized.TestCase):
 
   @parameterized.parameters(0, 3)
   def test_closed_loop_prediction_matches_the_numpy_reference(self, level):
-    arrays = kvtc.kvtc_encode_host(self.kv, self.t, level)
+    arrays = kvtc.kvtc_encode_host(self.kv, self.t, level, start=0)
     q_ref, x_ref = reference_codes(self.kv, self.t, level)
     # f32 vs f64 may round a code that sits on a .5 boundary the other way: at most a few.
     diff = arrays["q"].astype(np.float64) - q_ref
     self.assertLessEqual(np.abs(diff).max(), 1)
     self.assertLess(np.count_nonzero(diff), 0.002 * diff.size + 2)
     # Decoding the stored codes: the decoder predicts from the layers it decoded.
-    x_hat = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), self.t, K, H))
+    x_hat = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), self.t, K, H,
+                                                 start=0))
     _, x_dec = reference_codes(self.kv, self.t, level, codes=arrays["q"])
     np.testing.assert_allclose(x_hat, x_dec, rtol=1e-4, atol=1e-4)
     if not diff.any():
@@ -134,35 +144,109 @@ class KVTCTest(parameterized.TestCase):
     np.testing.assert_array_equal(flat.predictor, 0)
     sizes = {}
     for name, t in (("predicted", self.t), ("flat", flat)):
-      arrays = kvtc.kvtc_encode_host(self.kv, t, 1)
+      arrays = kvtc.kvtc_encode_host(self.kv, t, 1, start=0)
       sizes[name] = len(stored.encode_payload("kvtc", 1, arrays, self.layout))
-      err = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), t, K, H)
-                       ) - self.kv
-      bound = np.sqrt(D) * t.steps(1)[:, :, None] / 2 * (1 + 1e-4) + 1e-5
+      err = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), t, K, H,
+                                                 start=0)) - self.kv
+      bound = np.sqrt(D) * t.steps(1)[:, :, None] * MAX_ERR * (1 + 1e-4) + 1e-5
       self.assertTrue((np.linalg.norm(err.reshape(L, 2, C, D), axis=-1) <= bound).all(), name)
     self.assertLess(sizes["predicted"], 0.9 * sizes["flat"])
     self.assertNotEqual(t0.transform_id, self.t.transform_id)
     np.testing.assert_array_equal(self.t.predictor[0, 0], 0)   # layer 0's K has nothing before
     self.assertTrue(self.t.predictor[0, 1, 4 * D:].any())     # layer 0's V sees its own K
 
-  def test_version_1_chunks_are_unknown(self):
-    arrays = kvtc.kvtc_encode_host(self.kv, self.t, 0)
+  @parameterized.parameters((0.5, 0.0), (0.3, 0.15), (kvtc.KVTC_ROUNDING, kvtc.KVTC_RECON_OFFSET))
+  def test_deadzone_rounding_matches_the_numpy_reference(self, rounding, offset):
+    step = self.t.steps(1)
+    q, x_hat = kvtc.experiment_round_trip(jnp.asarray(self.kv), self.t.device_arrays(),
+                                          jnp.asarray(step), rounding=rounding, offset=offset)
+    q_ref, x_ref = reference_codes(self.kv, self.t, 1, rounding=rounding, offset=offset)
+    diff = np.asarray(q, np.float64) - q_ref
+    self.assertLessEqual(np.abs(diff).max(), 1)
+    self.assertLess(np.count_nonzero(diff), 0.002 * diff.size + 2)
+    if not diff.any():
+      np.testing.assert_allclose(np.asarray(x_hat), x_ref, rtol=1e-4, atol=1e-4)
+    # The shipped encoder is this rule at the module's constants.
+    if (rounding, offset) == (kvtc.KVTC_ROUNDING, kvtc.KVTC_RECON_OFFSET):
+      np.testing.assert_array_equal(kvtc.kvtc_encode_host(self.kv, self.t, 1, start=0)["q"],
+                                    np.asarray(q))
+
+  def test_deadzone_codes_are_smaller_than_rounded_ones(self):
+    self.assertLess(kvtc.KVTC_ROUNDING, 0.5)
+    step, dt = jnp.asarray(self.t.steps(2)), self.t.device_arrays()
+    kv = jnp.asarray(self.kv)
+    q_dz, _ = kvtc.experiment_round_trip(kv, dt, step, rounding=kvtc.KVTC_ROUNDING,
+                                         offset=kvtc.KVTC_RECON_OFFSET)
+    q_rn, _ = kvtc.experiment_round_trip(kv, dt, step, rounding=0.5, offset=0.0)
+    q_dz, q_rn = np.asarray(q_dz), np.asarray(q_rn)
+    self.assertGreater(np.count_nonzero(q_dz == 0), np.count_nonzero(q_rn == 0))
+    dz = stored.encode_payload("kvtc", 2, kvtc.kvtc_encode_host(self.kv, self.t, 2, start=0),
+                               self.layout)
+    rn = {"q": q_rn, "step": np.asarray(step), "transform_id": np.frombuffer(
+        self.t.transform_id, np.uint8)}
+    self.assertLess(len(dz), len(stored.encode_payload("kvtc", 2, rn, self.layout)))
+
+  def test_protected_first_tokens(self):
+    # The same chunk at position 0 and at position C: the first KVTC_PROTECT_TOKENS tokens of a
+    # sequence are coded at KVTC_PROTECT_STEP x the step, the other tokens alike.
+    n = kvtc.KVTC_PROTECT_TOKENS
+    first = kvtc.kvtc_encode_host(self.kv, self.t, 2, start=0)
+    later = kvtc.kvtc_encode_host(self.kv, self.t, 2, start=C)
+    x0 = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(first), self.t, K, H,
+                                              start=0))
+    x1 = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(later), self.t, K, H,
+                                              start=C))
+    err0 = np.square(x0 - self.kv).mean(axis=(0, 1, 3, 4))               # per token
+    err1 = np.square(x1 - self.kv).mean(axis=(0, 1, 3, 4))
+    self.assertLess(err0[:n].max(), 0.05 * err1[:n].min())
+    # Tokens are coded independently of each other (the scan runs over layers per token).
+    np.testing.assert_array_equal(first["q"][:, :, n:], later["q"][:, :, n:])
+    self.assertGreater(np.abs(first["q"][:, :, :n]).sum(), 8 * np.abs(later["q"][:, :, :n]).sum())
+    q_ref, x_ref = reference_codes(self.kv, self.t, 2, start=0)
+    diff = first["q"].astype(np.float64) - q_ref
+    self.assertLessEqual(np.abs(diff).max(), 1)
+    # Decoded at the wrong position, the first tokens come out 16x too large: the decoder must
+    # be given the encoder's start.
+    wrong = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(first), self.t, K, H,
+                                                 start=C))
+    self.assertGreater(np.square(wrong - self.kv)[:, :, :n].mean(), 10 * err1[:n].mean())
+    # A chunk at position 2 protects its first n - 2 tokens only.
+    mid = kvtc.kvtc_encode_host(self.kv, self.t, 2, start=2)
+    q_mid, _ = reference_codes(self.kv, self.t, 2, start=2)
+    self.assertLessEqual(np.abs(mid["q"] - q_mid).max(), 1)
+    # Cost: a few protected tokens of a chunk of C.
+    b0 = len(stored.encode_payload("kvtc", 2, first, self.layout))
+    b1 = len(stored.encode_payload("kvtc", 2, later, self.layout))
+    self.assertGreater(b0, b1)
+    self.assertLess(b0, 1.5 * b1)
+
+  def test_older_versions_are_unknown(self):
+    # Version 1 (no prediction) and 2 (rounding to nearest, another level ladder) chunks are
+    # misses to the storage reader, recomputed; a v2 header is refused before any decoding.
+    arrays = kvtc.kvtc_encode_host(self.kv, self.t, 0, start=0)
     blob = stored.encode_payload("kvtc", 0, arrays, self.layout)
     self.assertEqual(stored.read_header(blob).version, VERSION)
-    self.assertGreater(VERSION, 1)
-    with self.assertRaises(stored.UnknownCodec):
-      stored.decode_payload("kvtc", 1, 0, blob, self.layout)
-    self.assertFalse(stored.is_decodable("kvtc", 1, 0))
+    self.assertEqual(VERSION, 3)
+    for old in (1, 2):
+      with self.assertRaises(stored.UnknownCodec):
+        stored.decode_payload("kvtc", old, 0, blob, self.layout)
+      self.assertFalse(stored.is_decodable("kvtc", old, 0))
+    v2 = bytearray(blob)
+    at = blob.index(b"kvtc") + 4
+    self.assertEqual(v2[at:at + 2], VERSION.to_bytes(2, "little"))
+    v2[at:at + 2] = (2).to_bytes(2, "little")
+    with self.assertRaises((stored.UnknownCodec, stored.CorruptPayload)):
+      stored.decode_payload("kvtc", VERSION, 0, bytes(v2), self.layout)
 
   def test_rope_at_the_positions(self):
-    arrays = kvtc.kvtc_encode_host(self.kv, self.t, 0)
+    arrays = kvtc.kvtc_encode_host(self.kv, self.t, 0, start=5)
     payload = kvtc.payload_from_arrays(arrays)
     angles = (5 + np.arange(C))[:, None] * (1.0 / 10000 ** (np.arange(H // 2) / (H // 2)))
     angles = np.concatenate([angles, angles], -1)
     cache = jnp.zeros((L, 1, C + 5, K, H), jnp.float32)
     k, _ = kvtc.kvtc_decode(payload, self.t.device_arrays(), cache, cache.copy(), 0, 5,
                             np.cos(angles), np.sin(angles))
-    x = np.asarray(kvtc.dequantize_reference(payload, self.t, K, H))[:, 0]
+    x = np.asarray(kvtc.dequantize_reference(payload, self.t, K, H, start=5))[:, 0]
     rot = np.concatenate([-x[..., H // 2:], x[..., :H // 2]], -1)
     want = x * np.cos(angles)[:, None] + rot * np.sin(angles)[:, None]
     np.testing.assert_allclose(np.asarray(k)[:, 0, 5:], want, rtol=1e-5, atol=1e-5)
@@ -175,7 +259,7 @@ class KVTCTest(parameterized.TestCase):
     self.assertLen(self.t.transform_id, 16)
     self.assertEqual(same.transform_id, self.t.transform_id)
     self.assertNotEqual(other.transform_id, self.t.transform_id)
-    payload = kvtc.payload_from_arrays(kvtc.kvtc_encode_host(self.kv, self.t, 1))
+    payload = kvtc.payload_from_arrays(kvtc.kvtc_encode_host(self.kv, self.t, 1, start=0))
     cache = jnp.zeros((L, 1, C, K, H), jnp.float32)
     with self.assertRaisesRegex(ValueError, "another transform"):
       kvtc.kvtc_decode(payload, other.device_arrays(), cache, cache.copy(), 0, 0,
@@ -183,11 +267,13 @@ class KVTCTest(parameterized.TestCase):
 
   def test_bad_inputs_raise(self):
     with self.assertRaisesRegex(ValueError, "levels"):
-      kvtc.kvtc_encode(self.kv, self.t, 4)
+      kvtc.kvtc_encode(self.kv, self.t, 4, start=0)
     with self.assertRaisesRegex(ValueError, "K \\* H"):
-      kvtc.kvtc_encode(self.kv[:, :, :, :2], self.t, 0)
+      kvtc.kvtc_encode(self.kv[:, :, :, :2], self.t, 0, start=0)
+    with self.assertRaisesRegex(ValueError, "start"):
+      kvtc.kvtc_encode(self.kv, self.t, 0, start=-1)
     with self.assertRaisesRegex(ValueError, "NaN"):
-      kvtc.kvtc_encode_host(np.full_like(self.kv, np.nan), self.t, 0)
+      kvtc.kvtc_encode_host(np.full_like(self.kv, np.nan), self.t, 0, start=0)
     with self.assertRaisesRegex(ValueError, "needs arrays"):
       kvtc.payload_from_arrays({"q": np.zeros((L, 2, C, D), np.int16)})
     with self.assertRaisesRegex(ValueError, "sensitivity"):
@@ -196,7 +282,7 @@ class KVTCTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "predictor"):
       kvtc.KVTCTransform(self.t.mean, self.t.basis, self.t.variance, self.t.sensitivity,
                          self.t.predictor[:, :, :D], K, H)
-    payload = kvtc.payload_from_arrays(kvtc.kvtc_encode_host(self.kv, self.t, 0))
+    payload = kvtc.payload_from_arrays(kvtc.kvtc_encode_host(self.kv, self.t, 0, start=0))
     cache = jnp.zeros((L, 1, C, K, H), jnp.float32)
     with self.assertRaisesRegex(ValueError, "Pallas"):
       kvtc.kvtc_decode(payload, self.t.device_arrays(), cache, cache.copy(), 0, 0,
