@@ -116,16 +116,16 @@ _SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [], "Server mode: an ex
 _LLM = flags.DEFINE_bool("llm_lookahead", False, "Replay conversations on the real engine "
                          "(LLM API) with a tight host tier over a disk tier, look-ahead window "
                          "0 vs --llm_window: host hits, prefetch counters, TTFT of turns >= 2.")
-_LLM_CONVS = flags.DEFINE_integer("llm_conversations", 6, "LLM mode: conversations.")
+_LLM_CONVS = flags.DEFINE_integer("llm_conversations", 8, "LLM mode: conversations.")
 _LLM_TURNS = flags.DEFINE_integer("llm_turns", 3, "LLM mode: turns per conversation.")
-_LLM_CHARS = flags.DEFINE_integer("llm_turn_chars", 600, "LLM mode: characters kept of each "
+_LLM_CHARS = flags.DEFINE_integer("llm_turn_chars", 2400, "LLM mode: characters kept of each "
                                   "user message.")
-_LLM_MAX_TOKENS = flags.DEFINE_integer("llm_max_tokens", 16, "LLM mode: reply tokens.")
+_LLM_MAX_TOKENS = flags.DEFINE_integer("llm_max_tokens", 64, "LLM mode: reply tokens.")
 _LLM_SEQS = flags.DEFINE_integer("llm_max_num_seqs", 2, "LLM mode: requests running at once "
                                  "(the rest of a round waits in the queue).")
-_LLM_CHUNK = flags.DEFINE_integer("llm_chunk_tokens", 64, "LLM mode: tokens per stored chunk.")
-_LLM_HOST = flags.DEFINE_integer("llm_host_chunks", 12, "LLM mode: host tier capacity, chunks.")
-_LLM_DISK_BW = flags.DEFINE_float("llm_disk_bytes_per_s", 2e8, "LLM mode: emulated disk read "
+_LLM_CHUNK = flags.DEFINE_integer("llm_chunk_tokens", 32, "LLM mode: tokens per stored chunk.")
+_LLM_HOST = flags.DEFINE_integer("llm_host_chunks", 8, "LLM mode: host tier capacity, chunks.")
+_LLM_DISK_BW = flags.DEFINE_float("llm_disk_bytes_per_s", 2e7, "LLM mode: emulated disk read "
                                   "link, bytes/s (0: unlimited).")
 _LLM_WINDOW = flags.DEFINE_integer("llm_window", 8, "LLM mode: the look-ahead window compared "
                                    "with 0.")
@@ -360,85 +360,94 @@ def plot_server(summaries: dict, path: pathlib.Path, cfg) -> None:
   fig.savefig(path, dpi=110)
 
 
-def replay_llm(window: int, convs: list[list[str]], disk: pathlib.Path) -> dict:
-  """One replay on a fresh `LLM`: every conversation's turn t runs in one batch (the requests
-  beyond `--llm_max_num_seqs` wait in the queue, the look-ahead window's domain), turn by turn,
-  each turn a session turn (`LLM.sessions`: its exact ids plus the new message). The device
+class _Replay:
+  """One engine of the `--llm_lookahead` comparison: a fresh `LLM` on its own disk tier, whose
+  conversations advance one round (every conversation's next turn, in one batch: the requests
+  beyond `--llm_max_num_seqs` wait in the queue, the look-ahead window's domain) per `round`
+  call, each turn a session turn (`LLM.sessions`: its exact ids plus the new message). The device
   prefix cache is off, so every history hit comes from the host or disk tier."""
-  from kvjax import LLM, SamplingParams  # noqa: PLC0415
-  from kvjax.storage import StoreConfig, TierConfig  # noqa: PLC0415
 
-  kw = {"model": _LLM_MODEL.value} if _LLM_MODEL.value else {}
-  probe = LLM(**kw, compile_on_init=False)
-  cfg = probe.model_config
-  dtype_bytes = np.dtype(probe.dtype).itemsize
-  probe.close()
-  c = _LLM_CHUNK.value
-  chunk_bytes = cfg.n_layers * 2 * c * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
-  store = StoreConfig((TierConfig("host", capacity_bytes=_LLM_HOST.value * chunk_bytes),
-                       TierConfig("disk", url=f"file://{disk}",
-                                  link_bytes_per_s=_LLM_DISK_BW.value or None)))
-  llm = LLM(**kw, kv_store=store, kv_chunk_size=c, max_num_seqs=_LLM_SEQS.value,
-            enable_prefix_caching=False, kv_lookahead_window=window, session_ttl_s=None,
-            max_pinned_sessions=0, kv_merge_mode=_LLM_MERGE.value)
-  p = SamplingParams(max_tokens=_LLM_MAX_TOKENS.value, temperature=0.0)
-  rows, history = [], [[] for _ in convs]
-  t0 = time.perf_counter()
-  try:
-    for t in range(max(len(cv) for cv in convs)):
-      live = [i for i, cv in enumerate(convs) if t < len(cv)]
-      turns, prompts = [], []
-      for i in live:
-        history[i].append({"role": "user", "content": convs[i][t]})
-        turn = llm.sessions.begin(f"conv{i}")
-        turns.append(turn)
-        prompts.append(llm.sessions.prompt(turn, history[i]))
-      outs = llm.generate([{"prompt_token_ids": list(pr.token_ids)} for pr in prompts],
-                          [p] * len(prompts))
-      for i, turn, pr, out in zip(live, turns, prompts, outs):
-        llm.sessions.finish(turn, pr, out.token_ids, out.text)
-        history[i].append({"role": "assistant", "content": out.text})
-        m = out.metrics
-        rows.append({"conversation": i, "turn": t + 1, "prompt_tokens": len(pr.token_ids),
-                     "session_outcome": pr.outcome, "ttft_s": m.ttft_s,
-                     "cached_tokens": out.num_cached_tokens,
-                     "computed_tokens": m.num_computed_tokens,
-                     "completion_tokens": len(out.token_ids),
-                     "loaded_from_tiers": list(m.loaded_from_tiers)})
-      llm.flush()
-    wall = time.perf_counter() - t0
-    st = llm.engine.stats()
-  finally:
-    llm.close()
-  later = [r for r in rows if r["turn"] >= 2]
-  tiers = [x for r in later for x in r["loaded_from_tiers"]]
-  # History chunks: full chunks of the previous turn's prompt + reply (what a hit can reuse;
-  # never the new prompt's last token).
-  prev = {(r["conversation"], r["turn"]): r["prompt_tokens"] + r["completion_tokens"]
-          for r in rows}
-  hist_chunks = sum(min(r["prompt_tokens"] - 1, prev[(r["conversation"], r["turn"] - 1)]) // c
-                    for r in later)
-  ttfts = sorted(r["ttft_s"] for r in later)
-  pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
-  return {
-      "window": window, "wall_s": wall, "rows": rows,
-      "summary": {
-          "turns_ge2": len(later), "history_chunks_ge2": hist_chunks,
-          "loaded_chunks_ge2": len(tiers), "host_loaded_chunks_ge2": tiers.count("host"),
-          "disk_loaded_chunks_ge2": tiers.count("disk"),
-          "host_hit_rate_of_history_chunks": tiers.count("host") / hist_chunks if hist_chunks
-          else None,
-          "any_hit_rate_of_history_chunks": len(tiers) / hist_chunks if hist_chunks else None,
-          "ttft_ge2_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
-          "ttft_ge2_p50_s": pct(0.5), "ttft_ge2_p90_s": pct(0.9),
-          "prefetch": dataclasses.asdict(st.prefetch),
-          "tiers": {t.name: {"hits": t.hits, "evictions": t.evictions,
-                             "promotions": t.promotions, "loaded_chunks": t.loaded_chunks}
-                    for t in st.tiers}},
-      "settings": {"chunk_tokens": c, "chunk_bytes": chunk_bytes,
-                   "host_chunks": _LLM_HOST.value, "disk_bytes_per_s": _LLM_DISK_BW.value,
-                   "max_num_seqs": _LLM_SEQS.value, "max_tokens": _LLM_MAX_TOKENS.value,
-                   "dtype_bytes": dtype_bytes}}
+  def __init__(self, window: int, convs: list[list[str]], disk: pathlib.Path):
+    from kvjax import LLM, SamplingParams  # noqa: PLC0415
+    from kvjax.storage import StoreConfig, TierConfig  # noqa: PLC0415
+
+    kw = {"model": _LLM_MODEL.value} if _LLM_MODEL.value else {}
+    probe = LLM(**kw, compile_on_init=False)
+    cfg = probe.model_config
+    self.dtype_bytes = np.dtype(probe.dtype).itemsize
+    probe.close()
+    self.c = c = _LLM_CHUNK.value
+    self.chunk_bytes = cfg.n_layers * 2 * c * cfg.n_kv_heads * cfg.head_dim * self.dtype_bytes
+    store = StoreConfig((TierConfig("host", capacity_bytes=_LLM_HOST.value * self.chunk_bytes),
+                         TierConfig("disk", url=f"file://{disk}",
+                                    link_bytes_per_s=_LLM_DISK_BW.value or None)))
+    self.llm = LLM(**kw, kv_store=store, kv_chunk_size=c, max_num_seqs=_LLM_SEQS.value,
+                   enable_prefix_caching=False, kv_lookahead_window=window, session_ttl_s=None,
+                   max_pinned_sessions=0, kv_merge_mode=_LLM_MERGE.value)
+    self.params = SamplingParams(max_tokens=_LLM_MAX_TOKENS.value, temperature=0.0)
+    self.window, self.convs = window, convs
+    self.rows, self.history = [], [[] for _ in convs]
+    self.busy_s = 0.0
+
+  def round(self, t: int) -> None:
+    llm = self.llm
+    live = [i for i, cv in enumerate(self.convs) if t < len(cv)]
+    turns, prompts = [], []
+    for i in live:
+      self.history[i].append({"role": "user", "content": self.convs[i][t]})
+      turn = llm.sessions.begin(f"conv{i}")
+      turns.append(turn)
+      prompts.append(llm.sessions.prompt(turn, self.history[i]))
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": list(pr.token_ids)} for pr in prompts],
+                        [self.params] * len(prompts))
+    self.busy_s += time.perf_counter() - t0
+    for i, turn, pr, out in zip(live, turns, prompts, outs):
+      llm.sessions.finish(turn, pr, out.token_ids, out.text)
+      self.history[i].append({"role": "assistant", "content": out.text})
+      m = out.metrics
+      self.rows.append({"conversation": i, "turn": t + 1, "prompt_tokens": len(pr.token_ids),
+                        "session_outcome": pr.outcome, "ttft_s": m.ttft_s,
+                        "cached_tokens": out.num_cached_tokens,
+                        "computed_tokens": m.num_computed_tokens,
+                        "completion_tokens": len(out.token_ids),
+                        "output_token_ids": list(out.token_ids),
+                        "loaded_from_tiers": list(m.loaded_from_tiers)})
+    llm.flush()
+
+  def result(self) -> dict:
+    st = self.llm.engine.stats()
+    self.llm.close()
+    c, rows = self.c, self.rows
+    later = [r for r in rows if r["turn"] >= 2]
+    tiers = [x for r in later for x in r["loaded_from_tiers"]]
+    # History chunks: full chunks of the previous turn's prompt + reply (what a hit can reuse;
+    # never the new prompt's last token).
+    prev = {(r["conversation"], r["turn"]): r["prompt_tokens"] + r["completion_tokens"]
+            for r in rows}
+    hist_chunks = sum(min(r["prompt_tokens"] - 1, prev[(r["conversation"], r["turn"] - 1)]) // c
+                      for r in later)
+    ttfts = sorted(r["ttft_s"] for r in later)
+    pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
+    return {
+        "window": self.window, "generate_wall_s": self.busy_s, "rows": rows,
+        "summary": {
+            "turns_ge2": len(later), "history_chunks_ge2": hist_chunks,
+            "loaded_chunks_ge2": len(tiers), "host_loaded_chunks_ge2": tiers.count("host"),
+            "disk_loaded_chunks_ge2": tiers.count("disk"),
+            "host_hit_rate_of_history_chunks": tiers.count("host") / hist_chunks if hist_chunks
+            else None,
+            "any_hit_rate_of_history_chunks": len(tiers) / hist_chunks if hist_chunks else None,
+            "ttft_ge2_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
+            "ttft_ge2_p50_s": pct(0.5), "ttft_ge2_p90_s": pct(0.9),
+            "prefetch": dataclasses.asdict(st.prefetch),
+            "tiers": {t.name: {"hits": t.hits, "evictions": t.evictions,
+                               "promotions": t.promotions, "loaded_chunks": t.loaded_chunks}
+                      for t in st.tiers}},
+        "settings": {"chunk_tokens": c, "chunk_bytes": self.chunk_bytes,
+                     "host_chunks": _LLM_HOST.value, "disk_bytes_per_s": _LLM_DISK_BW.value,
+                     "max_num_seqs": _LLM_SEQS.value, "max_tokens": _LLM_MAX_TOKENS.value,
+                     "dtype_bytes": self.dtype_bytes}}
 
 
 def run_llm() -> None:
@@ -451,8 +460,19 @@ def run_llm() -> None:
   try:
     # A first, discarded replay compiles every program shape (later LLMs load them from the
     # compilation cache), so neither measured run pays compilation.
-    warm = replay_llm(_LLM_WINDOW.value, convs, tmp / "warmup")
-    runs = [replay_llm(w, convs, tmp / f"disk-w{w}") for w in (0, _LLM_WINDOW.value)]
+    rounds = range(max(len(cv) for cv in convs))
+    warm = _Replay(_LLM_WINDOW.value, convs, tmp / "warmup")
+    for t in rounds:
+      warm.round(t)
+    warm = warm.result()
+    # The two engines advance round by round in turn, so the shared machine's load falls on both.
+    reps = [_Replay(w, convs, tmp / f"disk-{k}") for k, w in enumerate((0, _LLM_WINDOW.value))]
+    for t in rounds:
+      for rep in reps:
+        rep.round(t)
+    runs = [rep.result() for rep in reps]
+    same = all(a["output_token_ids"] == b["output_token_ids"]
+               for a, b in zip(runs[0]["rows"], runs[1]["rows"]))
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   print(f"bench_sessions --llm_lookahead: {len(convs)} ShareGPT conversations x up to "
@@ -470,15 +490,17 @@ def run_llm() -> None:
           f"{pf['useful']:>6} {pf['wasted']:>6}")
   base, la = runs[0]["summary"], runs[1]["summary"]
   ratio = la["ttft_ge2_p50_s"] / base["ttft_ge2_p50_s"] if base["ttft_ge2_p50_s"] else None
-  print(f"TTFT p50 of turns >= 2, window {_LLM_WINDOW.value} / window 0: {ratio:.3f}")
+  print(f"TTFT p50 of turns >= 2, window {_LLM_WINDOW.value} / window 0: {ratio:.3f}; "
+        f"greedy outputs identical across the two: {same}")
   record = {"benchmark": "bench_sessions_llm_lookahead", "machine": at_start,
             "machine_at_end": machine(), "threads": {"cpu_count": os.cpu_count()},
             "versions": versions(), "git_sha": git_sha(),
             "seeds": {"conversations": _SEED.value, "sampling": "greedy"},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "conversations": len(convs), "ttft_p50_ratio_window_over_0": ratio,
-            "merge_mode": _LLM_MERGE.value,
-            "warmup_run": {"window": warm["window"], "wall_s": warm["wall_s"],
+            "merge_mode": _LLM_MERGE.value, "outputs_identical": same,
+            "order": "the two engines alternate round by round (both in one process)",
+            "warmup_run": {"window": warm["window"], "generate_wall_s": warm["generate_wall_s"],
                            "note": "discarded: compiles every program shape"},
             "runs": runs}
   out = pathlib.Path(_OUT_DIR.value)

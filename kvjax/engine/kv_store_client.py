@@ -33,7 +33,8 @@ sessions' token ids (`set_pins`). On the event loop, the union of their chunk ha
 store's hint (`TieredStore.hint`: no tier evicts them), and chunks of windowed requests that only
 a lower tier holds are copied up to the host tier (`TieredStore.prefetch`), in window order,
 at most `prefetch_bytes` in flight, and only while the window's chunks plus the pinned ones fit
-the host tier. A load of a chunk whose prefetch is in flight waits for it and reads the host
+the host tier; a chunk that a load is already reading is left to it (a load promotes what it
+reads), and a load that starts while its chunk's prefetch is in flight waits for it. A load of a chunk whose prefetch is in flight waits for it and reads the host
 copy (one read of the lower tier, not two). Outcomes (`prefetch_stats`): issued (a copy made),
 useful (a load later read it from the host tier), wasted (it left the window unread: evicted,
 computed instead, or its request ended).
@@ -352,6 +353,7 @@ class KVStoreClient:
     self._prefetching: dict[ChunkHash, tuple[asyncio.Task, int]] = {}
     self._prefetched: set[ChunkHash] = set()  # issued, not yet read from the host or wasted
     self._tried: set[ChunkHash] = set()       # started for the current window
+    self._store_reads: collections.Counter = collections.Counter()  # loads reading a chunk now
     self._pf = PrefetchStats()
 
   # ----------------------------------------------------------------------------- keys
@@ -504,11 +506,16 @@ class KVStoreClient:
     pending = self._prefetching.get(item.chunk_hash)
     if pending is not None:  # its prefetch is moving it up: read the host copy it makes
       await asyncio.wait({pending[0]})
+    self._store_reads[item.chunk_hash] += 1  # no prefetch of it starts meanwhile
     try:
       got = await self.store.get(item.chunk_hash, item.token_ids, item.namespace, self.layout,
                                  **({"choose": item.choose} if item.choose is not None else {}))
     except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
       got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
+    finally:
+      self._store_reads[item.chunk_hash] -= 1
+      if not self._store_reads[item.chunk_hash]:
+        del self._store_reads[item.chunk_hash]
     got = self._check_transform(got)
     self._on_land(item, got, time.perf_counter())
 
@@ -722,6 +729,7 @@ class KVStoreClient:
     room = None if cap is None else cap - len({h for p in pins for h in p}) * self.layout.nbytes
     in_flight = sum(n for _, n in self._prefetching.values())
     seen: set[ChunkHash] = {h for p in pins for h in p}
+    loading = self._store_reads  # a load reads them from its tier now and promotes them
     need = 0
     for r in window:
       for h, tier, nb, j in zip(r.hashes, r.present, r.nbytes, itertools.count()):
@@ -731,7 +739,7 @@ class KVStoreClient:
         need += nb
         if room is not None and need > room:
           return  # the window's chunks beyond this would not fit the host tier
-        if tier == name or h in self._tried:
+        if tier == name or h in self._tried or h in loading:
           continue
         if in_flight and in_flight + nb > self.prefetch_bytes:
           return

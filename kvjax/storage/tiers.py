@@ -260,11 +260,14 @@ class TieredStore:
 
     Returns:
       The name of the tier the chunk was read from when the host tier now holds a copy made by
-      this call; None when there is no host tier, the host already held it, no lower tier has a
+      this call; None when there is no host tier, the host already held it, it has no room for
+      a raw chunk without evicting a hinted one (checked before reading), no lower tier has a
       good copy, or the host declined it.
     """
     if self.host is None or (await self.host.contains([chunk_hash]))[0]:
       return None
+    if not self.host.can_admit(layout.nbytes):
+      return None  # only hinted chunks could make room: do not spend the link on it
     before = self._stats[self.host.name].promotions
     got = await self.get(chunk_hash, token_ids, namespace, layout, promote=True)
     if not isinstance(got, ChunkHit) or got.tier == self.host.name:
