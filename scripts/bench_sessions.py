@@ -505,7 +505,8 @@ def run_llm() -> None:
             "runs": runs}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
-  name = "bench_sessions_llm_lookahead"
+  name = "bench_sessions_llm_lookahead" + (
+      "" if _LLM_HOST.value == _LLM_HOST.default else f"_host{_LLM_HOST.value}")
   (out / f"{name}.json").write_text(json.dumps(record, indent=1))
   plot_llm(runs, out / f"{name}.png", len(convs))
   print(f"wrote {out / (name + '.json')} and .png")
