@@ -35,6 +35,15 @@ windows of `--window_sweep` (0: no window, i.e. suffix-first LRU with the same c
                                                            # 100 s of arrivals, no queue)
     .venv/bin/python scripts/bench_sessions.py             # all 1,000 (about 25 s, 1 core)
 
+Mode `--llm_lookahead`: the real engine (LLM API) replays a handful of ShareGPT conversations
+turn by turn as chat sessions, each round's turns in one batch so that those beyond
+`--llm_max_num_seqs` wait in the queue, with a tight host tier over a disk tier (emulated read
+link) and the device prefix cache off; once with the look-ahead window off (0: plain LRU) and once
+at `--llm_window`: host hit rate of history chunks, prefetch counters, TTFT of turns >= 2.
+Writes <out_dir>/bench_sessions_llm_lookahead.json and .png.
+
+    nice -n 19 .venv/bin/python scripts/bench_sessions.py --nosim --llm_lookahead
+
 Writes <out_dir>/bench_sessions_sim.json (bench_sessions_sim_quick.json with --quick): machine,
 versions, git SHA, seeds, settings, the trace's size, each load's queueing figures and every
 run's hit counts and planner stats; and a plot of hit rate vs capacity per policy (.png).
@@ -49,6 +58,7 @@ import os
 import pathlib
 import time
 
+import numpy as np
 from absl import app, flags
 
 import session_replay  # scripts/session_replay.py
@@ -103,6 +113,26 @@ _SERVER_CHARS = flags.DEFINE_integer("server_turn_chars", 600, "Server mode: cha
 _SERVER_MAX_TOKENS = flags.DEFINE_integer("server_max_tokens", 48, "Server mode: reply tokens.")
 _SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [], "Server mode: an extra flag of the "
                                           "started servers, repeatable.")
+_LLM = flags.DEFINE_bool("llm_lookahead", False, "Replay conversations on the real engine "
+                         "(LLM API) with a tight host tier over a disk tier, look-ahead window "
+                         "0 vs --llm_window: host hits, prefetch counters, TTFT of turns >= 2.")
+_LLM_CONVS = flags.DEFINE_integer("llm_conversations", 8, "LLM mode: conversations.")
+_LLM_TURNS = flags.DEFINE_integer("llm_turns", 3, "LLM mode: turns per conversation.")
+_LLM_CHARS = flags.DEFINE_integer("llm_turn_chars", 2400, "LLM mode: characters kept of each "
+                                  "user message.")
+_LLM_MAX_TOKENS = flags.DEFINE_integer("llm_max_tokens", 64, "LLM mode: reply tokens.")
+_LLM_SEQS = flags.DEFINE_integer("llm_max_num_seqs", 2, "LLM mode: requests running at once "
+                                 "(the rest of a round waits in the queue).")
+_LLM_CHUNK = flags.DEFINE_integer("llm_chunk_tokens", 32, "LLM mode: tokens per stored chunk.")
+_LLM_HOST = flags.DEFINE_integer("llm_host_chunks", 8, "LLM mode: host tier capacity, chunks.")
+_LLM_DISK_BW = flags.DEFINE_float("llm_disk_bytes_per_s", 2e7, "LLM mode: emulated disk read "
+                                  "link, bytes/s (0: unlimited).")
+_LLM_WINDOW = flags.DEFINE_integer("llm_window", 8, "LLM mode: the look-ahead window compared "
+                                   "with 0.")
+_LLM_MERGE = flags.DEFINE_enum("llm_merge_mode", "load_only", ["load_only", "cake"],
+                               "LLM mode: merge mode (load_only: every stored history chunk is "
+                               "loaded, so the tier counts are exact).")
+_LLM_MODEL = flags.DEFINE_string("llm_model", None, "LLM mode: model (default: SmolLM2-135M).")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 
 FINDINGS = """\
@@ -330,7 +360,184 @@ def plot_server(summaries: dict, path: pathlib.Path, cfg) -> None:
   fig.savefig(path, dpi=110)
 
 
-MODES = {"sim": (_SIM, run_sim), "server": (_SERVER, run_server)}
+class _Replay:
+  """One engine of the `--llm_lookahead` comparison: a fresh `LLM` on its own disk tier, whose
+  conversations advance one round (every conversation's next turn, in one batch: the requests
+  beyond `--llm_max_num_seqs` wait in the queue, the look-ahead window's domain) per `round`
+  call, each turn a session turn (`LLM.sessions`: its exact ids plus the new message). The device
+  prefix cache is off, so every history hit comes from the host or disk tier."""
+
+  def __init__(self, window: int, convs: list[list[str]], disk: pathlib.Path):
+    from kvjax import LLM, SamplingParams  # noqa: PLC0415
+    from kvjax.storage import StoreConfig, TierConfig  # noqa: PLC0415
+
+    kw = {"model": _LLM_MODEL.value} if _LLM_MODEL.value else {}
+    probe = LLM(**kw, compile_on_init=False)
+    cfg = probe.model_config
+    self.dtype_bytes = np.dtype(probe.dtype).itemsize
+    probe.close()
+    self.c = c = _LLM_CHUNK.value
+    self.chunk_bytes = cfg.n_layers * 2 * c * cfg.n_kv_heads * cfg.head_dim * self.dtype_bytes
+    store = StoreConfig((TierConfig("host", capacity_bytes=_LLM_HOST.value * self.chunk_bytes),
+                         TierConfig("disk", url=f"file://{disk}",
+                                    link_bytes_per_s=_LLM_DISK_BW.value or None)))
+    self.llm = LLM(**kw, kv_store=store, kv_chunk_size=c, max_num_seqs=_LLM_SEQS.value,
+                   enable_prefix_caching=False, kv_lookahead_window=window, session_ttl_s=None,
+                   max_pinned_sessions=0, kv_merge_mode=_LLM_MERGE.value)
+    self.params = SamplingParams(max_tokens=_LLM_MAX_TOKENS.value, temperature=0.0)
+    self.window, self.convs = window, convs
+    self.rows, self.history = [], [[] for _ in convs]
+    self.busy_s = 0.0
+
+  def round(self, t: int) -> None:
+    llm = self.llm
+    live = [i for i, cv in enumerate(self.convs) if t < len(cv)]
+    turns, prompts = [], []
+    for i in live:
+      self.history[i].append({"role": "user", "content": self.convs[i][t]})
+      turn = llm.sessions.begin(f"conv{i}")
+      turns.append(turn)
+      prompts.append(llm.sessions.prompt(turn, self.history[i]))
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": list(pr.token_ids)} for pr in prompts],
+                        [self.params] * len(prompts))
+    self.busy_s += time.perf_counter() - t0
+    for i, turn, pr, out in zip(live, turns, prompts, outs):
+      llm.sessions.finish(turn, pr, out.token_ids, out.text)
+      self.history[i].append({"role": "assistant", "content": out.text})
+      m = out.metrics
+      self.rows.append({"conversation": i, "turn": t + 1, "prompt_tokens": len(pr.token_ids),
+                        "session_outcome": pr.outcome, "ttft_s": m.ttft_s,
+                        "cached_tokens": out.num_cached_tokens,
+                        "computed_tokens": m.num_computed_tokens,
+                        "completion_tokens": len(out.token_ids),
+                        "output_token_ids": list(out.token_ids),
+                        "loaded_from_tiers": list(m.loaded_from_tiers)})
+    llm.flush()
+
+  def result(self) -> dict:
+    st = self.llm.engine.stats()
+    self.llm.close()
+    c, rows = self.c, self.rows
+    later = [r for r in rows if r["turn"] >= 2]
+    tiers = [x for r in later for x in r["loaded_from_tiers"]]
+    # History chunks: full chunks of the previous turn's prompt + reply (what a hit can reuse;
+    # never the new prompt's last token).
+    prev = {(r["conversation"], r["turn"]): r["prompt_tokens"] + r["completion_tokens"]
+            for r in rows}
+    hist_chunks = sum(min(r["prompt_tokens"] - 1, prev[(r["conversation"], r["turn"] - 1)]) // c
+                      for r in later)
+    ttfts = sorted(r["ttft_s"] for r in later)
+    pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
+    return {
+        "window": self.window, "generate_wall_s": self.busy_s, "rows": rows,
+        "summary": {
+            "turns_ge2": len(later), "history_chunks_ge2": hist_chunks,
+            "loaded_chunks_ge2": len(tiers), "host_loaded_chunks_ge2": tiers.count("host"),
+            "disk_loaded_chunks_ge2": tiers.count("disk"),
+            "host_hit_rate_of_history_chunks": tiers.count("host") / hist_chunks if hist_chunks
+            else None,
+            "any_hit_rate_of_history_chunks": len(tiers) / hist_chunks if hist_chunks else None,
+            "ttft_ge2_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
+            "ttft_ge2_p50_s": pct(0.5), "ttft_ge2_p90_s": pct(0.9),
+            "prefetch": dataclasses.asdict(st.prefetch),
+            "tiers": {t.name: {"hits": t.hits, "evictions": t.evictions,
+                               "promotions": t.promotions, "loaded_chunks": t.loaded_chunks}
+                      for t in st.tiers}},
+        "settings": {"chunk_tokens": c, "chunk_bytes": self.chunk_bytes,
+                     "host_chunks": _LLM_HOST.value, "disk_bytes_per_s": _LLM_DISK_BW.value,
+                     "max_num_seqs": _LLM_SEQS.value, "max_tokens": _LLM_MAX_TOKENS.value,
+                     "dtype_bytes": self.dtype_bytes}}
+
+
+def run_llm() -> None:
+  import tempfile  # noqa: PLC0415
+  import shutil  # noqa: PLC0415
+  convs = session_replay.load_conversations(pathlib.Path(_DATA.value) / TRACE, _LLM_CONVS.value,
+                                            _LLM_TURNS.value, _LLM_CHARS.value, _SEED.value)
+  at_start = machine()
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-bench-lookahead-"))
+  try:
+    # A first, discarded replay compiles every program shape (later LLMs load them from the
+    # compilation cache), so neither measured run pays compilation.
+    rounds = range(max(len(cv) for cv in convs))
+    warm = _Replay(_LLM_WINDOW.value, convs, tmp / "warmup")
+    for t in rounds:
+      warm.round(t)
+    warm = warm.result()
+    # The two engines advance round by round in turn, so the shared machine's load falls on both.
+    reps = [_Replay(w, convs, tmp / f"disk-{k}") for k, w in enumerate((0, _LLM_WINDOW.value))]
+    for t in rounds:
+      for rep in reps:
+        rep.round(t)
+    runs = [rep.result() for rep in reps]
+    same = all(a["output_token_ids"] == b["output_token_ids"]
+               for a, b in zip(runs[0]["rows"], runs[1]["rows"]))
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  print(f"bench_sessions --llm_lookahead: {len(convs)} ShareGPT conversations x up to "
+        f"{_LLM_TURNS.value} turns, {_LLM_SEQS.value} running at once, host tier "
+        f"{_LLM_HOST.value} chunks of {_LLM_CHUNK.value} tokens over disk "
+        f"({_LLM_DISK_BW.value / 1e6:g} MB/s emulated), device prefix cache off")
+  head = (f"{'window':>6} {'hist chunks':>11} {'host':>5} {'disk':>5} {'host rate':>9} "
+          f"{'TTFT p50':>9} {'TTFT mean':>9} {'issued':>6} {'useful':>6} {'wasted':>6}")
+  print(head)
+  for r in runs:
+    s, pf = r["summary"], r["summary"]["prefetch"]
+    print(f"{r['window']:>6} {s['history_chunks_ge2']:>11} {s['host_loaded_chunks_ge2']:>5} "
+          f"{s['disk_loaded_chunks_ge2']:>5} {s['host_hit_rate_of_history_chunks']:>9.3f} "
+          f"{s['ttft_ge2_p50_s']:>9.3f} {s['ttft_ge2_mean_s']:>9.3f} {pf['issued']:>6} "
+          f"{pf['useful']:>6} {pf['wasted']:>6}")
+  base, la = runs[0]["summary"], runs[1]["summary"]
+  ratio = la["ttft_ge2_p50_s"] / base["ttft_ge2_p50_s"] if base["ttft_ge2_p50_s"] else None
+  print(f"TTFT p50 of turns >= 2, window {_LLM_WINDOW.value} / window 0: {ratio:.3f}; "
+        f"greedy outputs identical across the two: {same}")
+  record = {"benchmark": "bench_sessions_llm_lookahead", "machine": at_start,
+            "machine_at_end": machine(), "threads": {"cpu_count": os.cpu_count()},
+            "versions": versions(), "git_sha": git_sha(),
+            "seeds": {"conversations": _SEED.value, "sampling": "greedy"},
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "conversations": len(convs), "ttft_p50_ratio_window_over_0": ratio,
+            "merge_mode": _LLM_MERGE.value, "outputs_identical": same,
+            "order": "the two engines alternate round by round (both in one process)",
+            "warmup_run": {"window": warm["window"], "generate_wall_s": warm["generate_wall_s"],
+                           "note": "discarded: compiles every program shape"},
+            "runs": runs}
+  out = pathlib.Path(_OUT_DIR.value)
+  out.mkdir(parents=True, exist_ok=True)
+  name = "bench_sessions_llm_lookahead" + (
+      "" if _LLM_HOST.value == _LLM_HOST.default else f"_host{_LLM_HOST.value}")
+  (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+  plot_llm(runs, out / f"{name}.png", len(convs))
+  print(f"wrote {out / (name + '.json')} and .png")
+
+
+def plot_llm(runs, path: pathlib.Path, n_convs: int) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+  labels = [f"window {r['window']}" for r in runs]
+  host = [r["summary"]["host_loaded_chunks_ge2"] for r in runs]
+  disk = [r["summary"]["disk_loaded_chunks_ge2"] for r in runs]
+  a.bar(labels, host, label="from host")
+  a.bar(labels, disk, bottom=host, label="from disk")
+  a.set_ylabel("history chunks loaded, turns >= 2")
+  a.legend(fontsize=8)
+  for i, r in enumerate(runs):
+    ys = sorted(x["ttft_s"] for x in r["rows"] if x["turn"] >= 2)
+    b.plot([j / max(1, len(ys) - 1) for j in range(len(ys))], ys, marker=".",
+           label=labels[i])
+  b.set_xlabel("quantile")
+  b.set_ylabel("TTFT, turns >= 2 (s)")
+  b.legend(fontsize=8)
+  fig.suptitle(f"bench_sessions --llm_lookahead: {n_convs} ShareGPT conversations, real engine, "
+               f"{os.cpu_count()} CPU cores", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+MODES = {"sim": (_SIM, run_sim), "server": (_SERVER, run_server), "llm": (_LLM, run_llm)}
 
 
 def main(argv):

@@ -40,8 +40,9 @@ from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.engine import sampling
 from kvjax.engine.core import EngineCore, LoopStats, StepRecord
-from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefixLookup, SaveJob,
-                                          SaverStats, TierSnapshot)
+from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, LookaheadRequest,
+                                          PrefetchStats, PrefixLookup, SaveJob, SaverStats,
+                                          TierSnapshot)
 from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
 from kvjax.models.runner import ModelRunner
 from kvjax.scheduler.cake import MergeTrace
@@ -187,6 +188,7 @@ class EngineStats:
     kv_cache_bytes: device bytes reserved for KV (the pool, or every slot), int.
     kv_cache_peak_used_bytes: bytes of the most pool blocks held at once (paged); for the
       slotted layout every slot is reserved whole, so this equals `kv_cache_bytes`.
+    prefetch: look-ahead prefetch accounting (issued, useful, wasted; None without a store).
   """
 
   num_waiting: int
@@ -201,6 +203,7 @@ class EngineStats:
   kv_cache: KVCacheStats | None = None
   kv_cache_bytes: int = 0
   kv_cache_peak_used_bytes: int = 0
+  prefetch: PrefetchStats | None = None
 
 
 def device_namespace_root(cache_salt: str | None) -> str:
@@ -256,6 +259,9 @@ class Engine:
       share them with later requests of the same prefix (namespace and `cache_salt`).
     layerwise_groups: paged layout: layer-wise pre-loading (`LoadConfig.layerwise_groups`;
       capped at the model's layers); 1 (default) inserts stored chunks whole before the step.
+    lookahead_window: with a store, waiting requests whose stored chunks are kept from
+      eviction and prefetched toward the host tier (`LoadConfig.lookahead_window`; CachedAttention
+      arXiv 2403.19708, section 3.3); 0: off (plain LRU, no prefetch).
 
   A `PagedModelRunner` selects the paged layout (issue 11): the scheduler then owns a
   `KVCacheManager` over the runner's pool and each step is one ragged jit call.
@@ -271,8 +277,9 @@ class Engine:
                max_loads_in_flight: int | None = None, kv_ttft_target_s: float | None = None,
                check_writes: bool = False, link_latency_s: float = 1e-3,
                consistent: bool = False, enable_prefix_caching: bool = True,
-               layerwise_groups: int = 1):
+               layerwise_groups: int = 1, lookahead_window: int = 0):
     load_config = LoadConfig(merge_mode=merge_mode, max_loads_in_flight=max_loads_in_flight,
+                             lookahead_window=lookahead_window if kv_store is not None else 0,
                              link_latency_s=link_latency_s, kv_ttft_target_s=kv_ttft_target_s,
                              check_writes=check_writes,
                              layerwise_groups=min(layerwise_groups, runner.model_config.n_layers),
@@ -313,6 +320,7 @@ class Engine:
     self.timed_inserts = False
     #: A list to record layer-wise steps' order of inserts and layer groups in (tests), or None.
     self.layerwise_trace: list | None = None
+    self._window_ids: tuple[RequestId, ...] = ()  # the look-ahead window last handed over
 
   # ----------------------------------------------------------------------------- requests
   @property
@@ -498,7 +506,8 @@ class Engine:
         link_bandwidth_bytes_per_s=self._scheduler.cost_model.bandwidth_bytes_per_s,
         kv_cache_ok=self.runner.cache_ok(),
         tiers=kv.tier_snapshots() if kv is not None else (),
-        kv_cache=kv_cache, kv_cache_bytes=reserved, kv_cache_peak_used_bytes=peak)
+        kv_cache=kv_cache, kv_cache_bytes=reserved, kv_cache_peak_used_bytes=peak,
+        prefetch=kv.prefetch_stats if kv is not None else None)
 
   def reset_device(self) -> None:
     """Rebuilds the KV cache after a failed step consumed its buffers (requests are lost; the
@@ -561,6 +570,10 @@ class Engine:
       m.num_device_cached_tokens += tokens
       m.loaded_from_tiers.append("device")
     if kv is not None:
+      if plan.lookahead != self._window_ids:  # before the loads: a load may wait on a prefetch
+        self._window_ids = plan.lookahead
+        kv.set_lookahead([self._lookahead_request(rid) for rid in plan.lookahead
+                          if rid in self._live and self._live[rid].lookup is not None])
       for rid, index in plan.releases:
         kv.release(rid, index)
       for item in plan.loads:
@@ -624,6 +637,17 @@ class Engine:
     return StepResult(now_s=self._clock(), sampled=tuple(sampled), finished=tuple(finished),
                       loads=tuple(self._log_misses(reports)), compute=tuple(timings),
                       inserts=tuple(insert_timings))
+
+  def _lookahead_request(self, rid: RequestId) -> LookaheadRequest:
+    """What the store client needs of one windowed request: its lookup's chunks and tokens."""
+    live, kv = self._live[rid], self.kv_store
+    lookup, c = live.lookup, kv.chunk_size
+    n = len(lookup.present)
+    records = lookup.records or [None] * n
+    nbytes = tuple(kv.layout.nbytes if rec is None or kv.codec == codecs.RAW
+                   else max(e.nbytes for e in rec.encodings) for rec in records)
+    return LookaheadRequest(rid, lookup.namespace, tuple(lookup.hashes[:n]),
+                            tuple(lookup.present), tuple(live.prompt_token_ids[:n * c]), nbytes)
 
   def _where(self, tables: dict, rid: RequestId, slot: int, start: int, n: int):
     """Where a chunk at `[start, start + n)` goes: its slot (slotted) or its blocks (paged)."""

@@ -11,8 +11,12 @@ and adds a saver thread:
                   │  landed() <──── LoadReports (plain data for the scheduler)
                   │  take() <────── a staged chunk, when the scheduler plans its insertion
                   ├─ release() / cancel_loads(): unwanted loads never start, staging is freed
-                  └─ submit_save() ─> bounded queue ─> saver thread: one device -> host copy
-                                                       per chunk, put (data, then record)
+                  ├─ submit_save() ─> bounded queue ─> saver thread: one device -> host copy
+                  │                                    per chunk, put (data, then record)
+                  ├─ set_lookahead() ─> event loop: hint the window's chunks (never evicted),
+                  │                     prefetch those only a lower tier holds into the host
+                  │                     tier, a few bytes in flight, within the host's room
+                  └─ set_pins() ──────> event loop: open sessions' chunks join the hint
 
 The client owns the load pipeline's state (queue, reads in flight, staged payloads) and its
 accounting (`loader_stats`); the scheduler owns which loads exist and what they mean. Loads never
@@ -22,6 +26,19 @@ measured here, from the read's start or the previous landing (whichever is later
 link's (and verifier's) rate, not the engine's pacing. Saves never block the engine either: when
 the queue is full the job is dropped and counted. `flush()` waits until every queued save is
 written (tests and `LLM.flush()` use it).
+
+Look-ahead (CachedAttention, arXiv 2403.19708, section 3.3). The scheduler names the requests
+that will read stored chunks next (`SchedulerOutput.lookahead`); the engine hands their prefix
+lookups here when the window changes (`set_lookahead`), and the session registry hands the open
+sessions' token ids (`set_pins`). On the event loop, the union of their chunk hashes becomes the
+store's hint (`TieredStore.hint`: no tier evicts them), and chunks of windowed requests that only
+a lower tier holds are copied up to the host tier (`TieredStore.prefetch`), in window order,
+at most `prefetch_bytes` in flight, and only while the window's chunks plus the pinned ones fit
+the host tier; a chunk that a load is already reading is left to it (a load promotes what it
+reads), and a load that starts while its chunk's prefetch is in flight waits for it. A load of a chunk whose prefetch is in flight waits for it and reads the host
+copy (one read of the lower tier, not two). Outcomes (`prefetch_stats`): issued (a copy made),
+useful (a load later read it from the host tier), wasted (it left the window unread: evicted,
+computed instead, or its request ended).
 """
 
 from __future__ import annotations
@@ -29,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import math
 import logging
 import queue
@@ -119,6 +137,9 @@ class TierSnapshot:
     loaded_chunks: chunks loaded from it.
     link_bytes_per_s: its emulated link's rate now (inf: unlimited; None: no limiter).
     link_granted_bytes: bytes its link limiter let through.
+    hits: verified reads it served (loads, prefetches and re-rotation reads).
+    evictions: chunks it evicted for capacity.
+    promotions: chunks copied into it from a lower tier (reads and prefetches).
   """
 
   name: str
@@ -127,6 +148,54 @@ class TierSnapshot:
   loaded_chunks: int
   link_bytes_per_s: float | None
   link_granted_bytes: int
+  hits: int = 0
+  evictions: int = 0
+  promotions: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LookaheadRequest:
+  """One request of the look-ahead window, as the store client needs it (plain data).
+
+  Attributes:
+    request_id: the request.
+    namespace: its key namespace root (hex).
+    hashes: keys of its candidate prefix chunks (`PrefixLookup.present`'s), in order.
+    present: per chunk, the tier its lookup found it in, or None.
+    token_ids: its prompt's first `len(hashes) * C` tokens.
+    nbytes: per chunk, the host bytes a copy takes.
+  """
+
+  request_id: Any
+  namespace: str
+  hashes: tuple[ChunkHash, ...]
+  present: tuple[str | None, ...]
+  token_ids: tuple[int, ...]
+  nbytes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchStats:
+  """Look-ahead prefetch accounting (a snapshot; `KVStoreClient.prefetch_stats`).
+
+  Attributes:
+    issued: chunks copied from a lower tier into the host tier ahead of their loads.
+    useful: of those, chunks a load later read from the host tier.
+    wasted: of those, chunks that left the window unread (evicted, computed, request ended).
+    started: prefetch reads started (a read that found the host already holding the chunk, no
+      good lower copy, or no room in the host tier copies nothing and is not issued).
+    in_flight: prefetch reads not yet done.
+    hinted_chunks: chunks in the store's hint now (window plus pinned sessions).
+    pinned_chunks: of those, chunks of pinned sessions.
+  """
+
+  issued: int = 0
+  useful: int = 0
+  wasted: int = 0
+  started: int = 0
+  in_flight: int = 0
+  hinted_chunks: int = 0
+  pinned_chunks: int = 0
 
 
 @dataclasses.dataclass
@@ -242,13 +311,16 @@ class KVStoreClient:
       reference on CPU (measured faster there than the numpy host decoder,
       `scripts/bench_rans.py`). A chunk whose streams fail the decoder's `ok` check is a miss
       (`MissReason.CORRUPT`), recomputed like any bad chunk.
+    prefetch_bytes: look-ahead prefetch reads' bytes in flight at most (the first never
+      waits); None: 4 raw chunks.
   """
 
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
                kvtc_transform_id: bytes | None = None, device_link=None,
-               use_pallas_entropy: bool | None = None):
+               use_pallas_entropy: bool | None = None,
+               prefetch_bytes: int | None = None):
     self.codec = codec
     self.use_pallas_entropy = (jax.default_backend() != "cpu" if use_pallas_entropy is None
                                else bool(use_pallas_entropy))
@@ -286,6 +358,18 @@ class KVStoreClient:
     self._last_done_s = -math.inf
     self._loaded_by_tier: dict[str, tuple[int, int]] = {}
     self._busy_since_s = 0.0
+    # Look-ahead state. `_window`, `_pins` are replaced under `_lock` by the engine and the
+    # session registry; everything else below is touched on the event loop only.
+    self.prefetch_bytes = (int(prefetch_bytes) if prefetch_bytes is not None
+                           else 4 * layout.nbytes)
+    self._window: tuple[LookaheadRequest, ...] = ()
+    self._pins: tuple[tuple[ChunkHash, ...], ...] = ()
+    self._hint_key: tuple | None = None
+    self._prefetching: dict[ChunkHash, tuple[asyncio.Task, int]] = {}
+    self._prefetched: set[ChunkHash] = set()  # issued, not yet read from the host or wasted
+    self._tried: set[ChunkHash] = set()       # started for the current window
+    self._store_reads: collections.Counter = collections.Counter()  # loads reading a chunk now
+    self._pf = PrefetchStats()
 
   # ----------------------------------------------------------------------------- keys
   def namespace(self, cache_salt: str | None) -> keys.KeyNamespace:
@@ -434,11 +518,19 @@ class KVStoreClient:
         item.future = asyncio.run_coroutine_threadsafe(self._read(item), self._loop)
 
   async def _read(self, item: _Pending) -> None:
+    pending = self._prefetching.get(item.chunk_hash)
+    if pending is not None:  # its prefetch is moving it up: read the host copy it makes
+      await asyncio.wait({pending[0]})
+    self._store_reads[item.chunk_hash] += 1  # no prefetch of it starts meanwhile
     try:
       got = await self.store.get(item.chunk_hash, item.token_ids, item.namespace, self.layout,
                                  **({"choose": item.choose} if item.choose is not None else {}))
     except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
       got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
+    finally:
+      self._store_reads[item.chunk_hash] -= 1
+      if not self._store_reads[item.chunk_hash]:
+        del self._store_reads[item.chunk_hash]
     got = self._check_transform(got)
     if isinstance(got, ChunkHit) and any(isinstance(a, entropy.RansCodes)
                                          for a in got.payload.values()):
@@ -519,6 +611,9 @@ class KVStoreClient:
       if ok:
         b, n = self._loaded_by_tier.get(got.tier, (0, 0))
         self._loaded_by_tier[got.tier] = (b + nbytes, n + 1)
+        if item.chunk_hash in self._prefetched and got.tier == self._host_name():
+          self._prefetched.discard(item.chunk_hash)
+          self._pf = dataclasses.replace(self._pf, useful=self._pf.useful + 1)
       if ok and not item.released:
         self._staged[key] = got
         self._stats.staged_bytes += nbytes
@@ -618,7 +713,9 @@ class KVStoreClient:
       out.append(TierSnapshot(
           tier.name, dict(s.misses) if s is not None else {}, nbytes, nchunks,
           float(limiter.current_rate()) if limiter is not None else None,
-          int(limiter.bytes_granted) if limiter is not None else 0))
+          int(limiter.bytes_granted) if limiter is not None else 0,
+          s.hits if s is not None else 0, s.evictions if s is not None else 0,
+          s.promotions if s is not None else 0))
     return tuple(out)
 
   @property
@@ -627,6 +724,126 @@ class KVStoreClient:
     with self._lock:
       return dataclasses.replace(self._stats, queued=len(self._queue),
                                  in_flight=len(self._reading))
+
+  # ----------------------------------------------------------------------------- look-ahead
+  def set_lookahead(self, requests: Sequence[LookaheadRequest]) -> None:
+    """Replaces the look-ahead window (the engine calls it when the scheduler's window
+    changed): its chunks join the store's hint and those only a lower tier holds are
+    prefetched into the host tier, on the event loop. Never blocks."""
+    with self._lock:
+      self._window = tuple(requests)
+    self._loop.call_soon_threadsafe(self._refresh)
+
+  def set_pins(self, sessions: Sequence[tuple[str | None, Sequence[int]]]) -> None:
+    """Replaces the pinned sessions: per session, most important first, its `cache_salt` and
+    exact token ids (its last turn's prompt and output). Their full chunks join the store's hint
+    (never evicted), as many whole sessions as fit half the host tier (the other half is the
+    window's). The
+    session registry owns which sessions are pinned (`SessionRegistry.pinned`). Never blocks on
+    the store."""
+    host = self.store.host_capacity()
+    cap = host[1] // 2 if host is not None and host[1] is not None else None
+    pins, used = [], 0
+    for salt, ids in sessions:
+      hashes = tuple(keys.chunk_hashes(self.namespace(salt), list(ids)))
+      nbytes = len(hashes) * self.layout.nbytes
+      if cap is not None and used + nbytes > cap:
+        continue
+      used += nbytes
+      pins.append(hashes)
+    with self._lock:
+      self._pins = tuple(pins)
+    self._loop.call_soon_threadsafe(self._refresh)
+
+  def _host_name(self) -> str | None:
+    host = self.store.host_capacity()
+    return host[0] if host is not None else None
+
+  def _refresh(self) -> None:
+    """Event loop: applies the window and pins as the store's hint (when they changed), counts
+    prefetched chunks that left the window unread as wasted, and starts prefetches."""
+    with self._lock:
+      window, pins = self._window, self._pins
+    upcoming = [r.hashes for r in window] + [p for p in pins]
+    key = tuple(upcoming)
+    if key != self._hint_key:
+      self._hint_key = key
+      self.store.hint(upcoming)
+    wanted = {h for r in window for h in r.hashes}
+    gone = self._prefetched - wanted
+    self._prefetched -= gone
+    self._tried &= wanted
+    with self._lock:
+      self._pf = dataclasses.replace(
+          self._pf, wasted=self._pf.wasted + len(gone),
+          hinted_chunks=len({h for hs in upcoming for h in hs}),
+          pinned_chunks=len({h for hs in pins for h in hs}))
+    self._fill_prefetch()
+
+  def _fill_prefetch(self) -> None:
+    """Event loop: starts prefetches of windowed chunks that only a lower tier holds, in window
+    order, while the window's chunks (and the pinned ones) fit the host tier and the bytes in
+    flight stay within `prefetch_bytes`."""
+    host = self.store.host_capacity()
+    if host is None:
+      return
+    name, cap = host
+    with self._lock:
+      window, pins = self._window, self._pins
+    room = None if cap is None else cap - len({h for p in pins for h in p}) * self.layout.nbytes
+    in_flight = sum(n for _, n in self._prefetching.values())
+    seen: set[ChunkHash] = {h for p in pins for h in p}
+    loading = self._store_reads  # a load reads them from its tier now and promotes them
+    need = 0
+    for r in window:
+      for h, tier, nb, j in zip(r.hashes, r.present, r.nbytes, itertools.count()):
+        if tier is None or h in seen:
+          continue
+        seen.add(h)
+        need += nb
+        if room is not None and need > room:
+          return  # the window's chunks beyond this would not fit the host tier
+        if tier == name or h in self._tried or h in loading:
+          continue
+        if in_flight and in_flight + nb > self.prefetch_bytes:
+          return
+        c = self.chunk_size
+        self._tried.add(h)
+        task = self._loop.create_task(self.store.prefetch(
+            h, r.token_ids[j * c:(j + 1) * c], r.namespace, self.layout))
+        self._prefetching[h] = (task, nb)
+        in_flight += nb
+        with self._lock:
+          self._pf = dataclasses.replace(self._pf, started=self._pf.started + 1)
+        task.add_done_callback(lambda t, h=h: self._prefetch_done(h, t))
+
+  def _prefetch_done(self, chunk_hash: ChunkHash, task: asyncio.Task) -> None:
+    self._prefetching.pop(chunk_hash, None)
+    err = None if task.cancelled() else task.exception()
+    if err is not None:  # a failed prefetch only costs the read: the load falls through
+      _log.warning("prefetch of a KV chunk failed: %r", err)
+    copied = not task.cancelled() and err is None and task.result() is not None
+    if copied:
+      with self._lock:
+        still = any(chunk_hash in r.hashes for r in self._window)
+        self._pf = dataclasses.replace(self._pf, issued=self._pf.issued + 1,
+                                       wasted=self._pf.wasted + (not still))
+      if still:
+        self._prefetched.add(chunk_hash)
+    self._fill_prefetch()
+
+  def wait_prefetches(self, timeout_s: float | None = None) -> None:
+    """Blocks until no prefetch is in flight or startable (tests, benchmarks)."""
+    async def idle():
+      while self._prefetching:
+        await asyncio.wait([t for t, _ in self._prefetching.values()])
+    asyncio.run_coroutine_threadsafe(idle(), self._loop).result(timeout_s or self._timeout_s)
+
+  @property
+  def prefetch_stats(self) -> PrefetchStats:
+    """A snapshot of the look-ahead prefetch accounting."""
+    with self._lock:
+      return dataclasses.replace(self._pf, in_flight=len(self._prefetching))
 
   # ----------------------------------------------------------------------------- host -> device
   def transfer(self, chunks: Sequence[np.ndarray], groups: Sequence[tuple[int, int]]

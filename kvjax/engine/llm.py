@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
-from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
-                                   DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry,
-                                   check_client_salt)
+from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
+                                   DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionConfig,
+                                   SessionRegistry, check_client_salt)
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
@@ -250,6 +250,16 @@ class LLM:
     session_rerotate: with "drop_oldest_turns" and a store, the kept turns' stored KV is
       re-rotated to its new positions instead of recomputed (approximate: it was computed with
       the dropped turns in context; kept in a private namespace, never an ordinary prefix hit).
+    kv_lookahead_window: with a store, the look-ahead window (CachedAttention, arXiv
+      2403.19708, section 3.3): the stored chunks of the requests about to run (those
+      prefilling from the store, then this many waiting ones) are never evicted from any tier,
+      and the ones only a lower tier (disk, remote) holds are prefetched into the host tier off
+      the step path; 0: off (plain LRU eviction, no prefetch). Default 8.
+    max_pinned_sessions: with a store, open chat sessions whose last turn's stored chunks are
+      pinned in the host tier (kept against eviction; the most recently used first, unpinned
+      when closed or expired); 0: none. Pins never take more than half the host tier.
+    max_pinned_session_bytes: bytes of pinned sessions' chunks at most (None: half the host
+      tier bounds them).
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -274,11 +284,19 @@ class LLM:
                tensor_parallel_size: int = 1, coordinator_address: str | None = None,
                num_processes: int | None = None, process_id: int | None = None,
                kv_layerwise_groups: int = 1, kv_device_link_bytes_per_s: float | None = None,
-               session_truncation: str = "none", session_rerotate: bool = False):
+               session_truncation: str = "none", session_rerotate: bool = False,
+               kv_lookahead_window: int = 8,
+               max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS,
+               max_pinned_session_bytes: int | None = None):
     multihost_run = initialize_distributed(coordinator_address, num_processes, process_id)
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
                                    max_tokens=max_session_tokens, truncation=session_truncation,
-                                   rerotate=session_rerotate)
+                                   rerotate=session_rerotate,
+                                   max_pinned_sessions=max_pinned_sessions,
+                                   max_pinned_bytes=max_pinned_session_bytes)
+    if isinstance(kv_lookahead_window, bool) or not isinstance(kv_lookahead_window, int) or (
+        kv_lookahead_window < 0):
+      raise ValueError(f"kv_lookahead_window={kv_lookahead_window!r} must be an int >= 0")
     if session_rerotate and kv_store is None:
       raise ValueError("session_rerotate=True needs a kv_store (the kept turns' KV is read "
                        "from it)")
@@ -386,7 +404,11 @@ class LLM:
                          consistent=self._consistent(kv_codec_consistent, kv_codec,
                                                      kv_chunk_size, sched),
                          enable_prefix_caching=enable_prefix_caching,
-                         layerwise_groups=kv_layerwise_groups)
+                         layerwise_groups=kv_layerwise_groups,
+                         lookahead_window=kv_lookahead_window)
+    if self.kv_store is not None:  # the registry says which sessions are pinned; the client pins
+      self.sessions.set_pin_sink(self.kv_store.set_pins, chunk_size=self.kv_store.chunk_size,
+                                 chunk_nbytes=self.kv_store.layout.nbytes)
     self._layerwise_groups = kv_layerwise_groups
     self._warm = False
     self._closed = False

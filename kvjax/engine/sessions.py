@@ -37,8 +37,14 @@ An aborted or failed turn is released, leaving the session as it was. Expired se
 longer than the TTL) are dropped lazily, on access and admission; over `max_sessions` or
 `max_tokens` the least recently used idle session is dropped first, and a busy one never is.
 
-Seam for KV pinning (not implemented here): `SessionRegistry.sessions()` lists the open sessions
-with their salt and exact token ids, which is what a device pool or a tier would pin.
+KV pinning (CachedAttention, arXiv 2403.19708, section 3.3: the KV of a conversation that will
+come back is kept in the fast tier). The registry says which sessions are pinned
+(`SessionRegistry.pinned`): open sessions with a finished turn, most recently used first, at most
+`max_pinned_sessions` of them and `max_pinned_bytes` of their full chunks (the least recently
+used, i.e. the oldest idle, go first). Whenever that list changes (a turn finished, a session
+closed, expired or dropped) it is handed to a sink (`set_pin_sink`; the `LLM` passes the store
+client's `set_pins`, which keeps those sessions' chunks in the host tier against eviction), so
+closing or expiring a session unpins its KV.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ DEFAULT_MAX_SESSIONS = 1024
 #: Token ids held over all sessions (8 Mi; as tuples of Python ints, 8 bytes of pointer plus up
 #: to 28 of int object per id: at most about 300 MB of host memory at the cap).
 DEFAULT_MAX_SESSION_TOKENS = 8 * 2**20
+#: Sessions whose KV is pinned in the host tier at most.
+DEFAULT_MAX_PINNED_SESSIONS = 64
 
 #: `ChatPrompt.outcome` values.
 FIRST = "first"                # the session had no finished turn: the normal templated prompt
@@ -99,6 +107,10 @@ class SessionConfig:
       `truncate_prompt`).
     rerotate: with "drop_oldest_turns" and a store, re-rotate the kept turns' stored KV to
       their new positions instead of recomputing them (approximate; private namespace).
+    max_pinned_sessions: open sessions whose stored chunks are pinned in the host tier at most
+      (0: none pinned); the most recently used are pinned.
+    max_pinned_bytes: bytes of pinned sessions' full chunks at most (None: only the host tier's
+      room bounds them).
 
   Raises:
     ValueError: a limit that is not positive or an unknown policy (names the option).
@@ -109,8 +121,16 @@ class SessionConfig:
   max_tokens: int = DEFAULT_MAX_SESSION_TOKENS
   truncation: str = "none"
   rerotate: bool = False
+  max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS
+  max_pinned_bytes: int | None = None
 
   def __post_init__(self):
+    v = self.max_pinned_sessions
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+      raise ValueError(f"max_pinned_sessions={v!r} must be an int >= 0")
+    v = self.max_pinned_bytes
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+      raise ValueError(f"max_pinned_session_bytes={v!r} must be None or a positive int")
     if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(
         self.ttl_s, (int, float)) or not self.ttl_s > 0):
       raise ValueError(f"session_ttl_s={self.ttl_s!r} must be a positive number of seconds "
@@ -326,6 +346,21 @@ class SessionInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class PinnedSession:
+  """One session whose KV is pinned, plain data.
+
+  Attributes:
+    session_id: its id.
+    kv_salt: the cache salt its last turn's KV lives under (`Turn.kv_salt`, else its salt).
+    token_ids: its last finished turn's exact ids (prompt, then output).
+  """
+
+  session_id: str
+  kv_salt: str | None
+  token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class SessionStats:
   """The registry's counters, plain data (a snapshot).
 
@@ -410,6 +445,9 @@ class SessionRegistry:
     self._tokens = 0
     self._counts = dict.fromkeys(_COUNTERS, 0)
     self._orphans: set = set()  # leases of turns whose session was dropped while they ran
+    self._pin_sink: Callable[[tuple[PinnedSession, ...]], None] | None = None
+    self._pin_chunk = (1, 0)  # (tokens, bytes) of one stored chunk
+    self._pinned: tuple[PinnedSession, ...] = ()
 
   # ----------------------------------------------------------------------------- turns
   def begin(self, session_id: str, cache_salt: str | None = None) -> SessionTurn:
@@ -434,6 +472,7 @@ class SessionRegistry:
       s.lease, s.last_used_s = next(self._leases), now
       self._sessions.move_to_end(key)
       self._enforce_caps()
+      self._publish_pins()  # its use makes it the most recent
       return SessionTurn(session_id, cache_salt, s.turns + 1, s.turn, s.lease)
 
   def prompt(self, turn: SessionTurn, messages: Sequence[dict[str, str]], *,
@@ -520,6 +559,7 @@ class SessionRegistry:
       s.turn, s.turns = record, s.turns + 1
       self._sessions.move_to_end(key)
       self._enforce_caps()
+      self._publish_pins()
       return key in self._sessions
 
   def release(self, turn: SessionTurn) -> None:
@@ -595,6 +635,55 @@ class SessionRegistry:
     with self._lock:
       return len(self._sessions)
 
+  # ----------------------------------------------------------------------------- pinning
+  def set_pin_sink(self, sink: Callable[[tuple[PinnedSession, ...]], None] | None, *,
+                   chunk_size: int, chunk_nbytes: int) -> None:
+    """Hands the pinned sessions (`pinned`) to `sink` now and whenever they change (called
+    under the registry's lock: the sink must not call back into the registry).
+
+    Args:
+      sink: e.g. `KVStoreClient.set_pins` (takes `(kv_salt, token_ids)` pairs); None: stop.
+      chunk_size: tokens per stored chunk (only full chunks are stored, so pinned).
+      chunk_nbytes: bytes of one stored chunk (for `max_pinned_bytes`).
+    """
+    with self._lock:
+      self._pin_sink = sink
+      self._pin_chunk = (int(chunk_size), int(chunk_nbytes))
+      self._pinned = ()
+      self._publish_pins(force=True)
+
+  def pinned(self) -> tuple[PinnedSession, ...]:
+    """The sessions whose KV is pinned now, most recently used first (see the module
+    docstring)."""
+    with self._lock:
+      self._expire(self._clock())
+      return self._pins_locked()
+
+  def _pins_locked(self) -> tuple[PinnedSession, ...]:
+    cfg = self.config
+    c, nbytes = self._pin_chunk
+    out, used = [], 0
+    for (salt, sid), s in reversed(self._sessions.items()):
+      if len(out) >= cfg.max_pinned_sessions:
+        break
+      if s.turn is None:
+        continue
+      b = len(s.turn.token_ids) // c * nbytes
+      if cfg.max_pinned_bytes is not None and used + b > cfg.max_pinned_bytes:
+        break  # older sessions are less recent still: they go first
+      used += b
+      out.append(PinnedSession(sid, s.turn.kv_salt if s.turn.kv_salt is not None else salt,
+                               s.turn.token_ids))
+    return tuple(out)
+
+  def _publish_pins(self, force: bool = False) -> None:
+    if self._pin_sink is None:
+      return
+    pins = self._pins_locked()
+    if force or pins != self._pinned:
+      self._pinned = pins
+      self._pin_sink(tuple((p.kv_salt, p.token_ids) for p in pins))
+
   # ----------------------------------------------------------------------------- internals
   @staticmethod
   def _key(session_id: str, cache_salt: str | None) -> tuple[str | None, str]:
@@ -615,6 +704,7 @@ class SessionRegistry:
       self._orphans.add(s.lease)  # its turn will end unrecorded: counted then
     self._tokens -= s.num_tokens
     self._counts[counter] += 1
+    self._publish_pins()  # a pinned session's KV is unpinned
 
   def _end_orphan(self, turn: SessionTurn) -> None:
     """A turn whose session was closed or dropped while it ran ends unrecorded: counted as

@@ -145,6 +145,11 @@ class SchedulerOutput:
       insert each raw inserted chunk layer group by layer group, group g of every chunk before
       the step's tokens run through layer group g (layer-wise pre-loading, CachedAttention
       arXiv 2403.19708 section 3.2.1); 1: inserts first, then one step call.
+    lookahead: the look-ahead window (CachedAttention, arXiv 2403.19708, section 3.3): ids of
+      the requests that will read stored chunks next, in the order they will run: running
+      requests whose merge still prefills, then the first `LoadConfig.lookahead_window` waiting
+      requests with stored chunks. The executor keeps their chunks from eviction and
+      prefetches them toward the host tier; () when the window is off (plain LRU).
   """
 
   finished_request_ids: tuple[RequestId, ...] = ()
@@ -158,6 +163,7 @@ class SchedulerOutput:
   preempted: tuple[RequestId, ...] = ()
   device_hits: tuple[tuple[RequestId, int], ...] = ()
   layer_groups: int = 1
+  lookahead: tuple[RequestId, ...] = ()
 
   @property
   def num_scheduled_tokens(self) -> int:

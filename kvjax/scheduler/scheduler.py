@@ -107,6 +107,9 @@ class LoadConfig:
       overlaps the step's compute; a request's landed chunks wait staged while its other loads
       are in flight (when the staging budget holds them), so they go in with the step that
       computes after them. 1 (default): off.
+    lookahead_window: waiting requests with stored chunks whose chunks the executor hints
+      (never evicted) and prefetches toward the host tier (CachedAttention, arXiv 2403.19708,
+      section 3.3; `SchedulerOutput.lookahead`); 0: off (plain LRU, no prefetch).
   """
 
   merge_mode: str = "cake"
@@ -117,8 +120,12 @@ class LoadConfig:
   kv_ttft_target_s: float | None = None
   check_writes: bool = False
   layerwise_groups: int = 1
+  lookahead_window: int = 0
 
   def __post_init__(self):
+    w = self.lookahead_window
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+      raise ValueError(f"lookahead_window={w!r} must be an int >= 0")
     g = self.layerwise_groups
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
       raise ValueError(f"layerwise_groups={g!r} must be an int >= 1")
@@ -486,7 +493,18 @@ class Scheduler:
     return SchedulerOutput(finished_request_ids=finished, releases=releases, loads=loads,
                            inserts=inserts, decodes=tuple(decodes), prefills=tuple(prefills),
                            wait_s=wait_s, block_tables=block_tables, preempted=preempted,
-                           device_hits=device_hits, layer_groups=layer_groups)
+                           device_hits=device_hits, layer_groups=layer_groups,
+                           lookahead=self._lookahead())
+
+  def _lookahead(self) -> tuple[RequestId, ...]:
+    """The look-ahead window (`SchedulerOutput.lookahead`): running requests whose merge still
+    prefills, then the first `lookahead_window` waiting requests with stored chunks."""
+    w = self.load_config.lookahead_window
+    if not w:
+      return ()
+    out = [r.request_id for r in self.cake_requests()]
+    out += [r.request_id for r in self.waiting if r.request_id in self._prefix][:w]
+    return tuple(out)
 
   # ----------------------------------------------------------------------------- blocks
   def _admit_blocks(self, r: Request, budget: int) -> bool:

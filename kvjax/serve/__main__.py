@@ -27,7 +27,8 @@ import threading
 from absl import app, flags, logging
 
 from kvjax.serve.app import ServeState, create_app
-from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
+from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
+                                   DEFAULT_MAX_SESSIONS,
                                    DEFAULT_SESSION_TTL_S)
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,
@@ -179,6 +180,18 @@ _SESSION_REROTATE = flags.DEFINE_bool(
     "With --session_truncation=drop_oldest_turns and a store: re-rotate the kept turns' stored "
     "KV to their new positions instead of recomputing them (approximate; a private namespace, "
     "never an ordinary prefix hit).")
+_LOOKAHEAD = flags.DEFINE_integer(
+    "kv_lookahead_window", 8,
+    "With a store: waiting requests whose stored chunks are kept from eviction and prefetched "
+    "from disk/remote into the host tier ahead of scheduling (CachedAttention look-ahead); 0: "
+    "off (plain LRU, no prefetch).")
+_MAX_PINNED = flags.DEFINE_integer(
+    "max_pinned_sessions", DEFAULT_MAX_PINNED_SESSIONS,
+    "With a store: open chat sessions whose last turn's stored chunks are pinned in the host "
+    "tier (most recently used first; unpinned when closed or expired); 0: none.")
+_MAX_PINNED_BYTES = flags.DEFINE_integer(
+    "max_pinned_session_bytes", None,
+    "Bytes of pinned sessions' chunks at most (default: half the host tier).")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -223,6 +236,8 @@ def config_from_flags() -> ServerConfig:
         tensor_parallel_size=_TP.value, coordinator_address=_COORDINATOR.value,
         num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
         session_truncation=_SESSION_TRUNCATION.value, session_rerotate=_SESSION_REROTATE.value,
+        kv_lookahead_window=_LOOKAHEAD.value, max_pinned_sessions=_MAX_PINNED.value,
+        max_pinned_session_bytes=_MAX_PINNED_BYTES.value,
         **_scale_out_options())
   except ValueError as e:
     raise app.UsageError(str(e)) from e

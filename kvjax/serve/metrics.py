@@ -111,6 +111,24 @@ class _StoreCollector(Collector):
     yield read
     yield rate
     yield granted
+    evictions = CounterMetricFamily("kvjax_store_evictions",
+                                    "Stored chunks evicted for capacity, by tier.",
+                                    labels=["tier"])
+    hits = CounterMetricFamily("kvjax_store_tier_hits", "Verified chunk reads served, by tier "
+                               "(loads, prefetches, re-rotation reads).", labels=["tier"])
+    for t in snap.tiers:
+      evictions.add_metric([t.name], t.evictions)
+      hits.add_metric([t.name], t.hits)
+    yield evictions
+    yield hits
+    if snap.prefetch is not None:
+      pf = CounterMetricFamily(
+          "kvjax_kv_prefetch", "Look-ahead prefetches into the host tier: issued (a chunk copied "
+          "up ahead of its load), useful (later loaded from the host), wasted (left the window "
+          "unread).", labels=["outcome"])
+      for outcome in ("issued", "useful", "wasted"):
+        pf.add_metric([outcome], getattr(snap.prefetch, outcome))
+      yield pf
     fam = CounterMetricFamily("kvjax_kv_saver", "Asynchronous KV saves, by outcome.",
                               labels=["outcome"])
     for field in dataclasses.fields(snap.saver):

@@ -21,7 +21,8 @@ import uvicorn
 
 from kvjax import codecs
 from kvjax.engine import LLM, builder
-from kvjax.engine.sessions import (DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_SESSIONS,
+from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
+                                   DEFAULT_MAX_SESSIONS,
                                    DEFAULT_SESSION_TTL_S, SessionConfig)
 from kvjax.serve import kv_events
 from kvjax.serve.app import Backend
@@ -100,6 +101,8 @@ class ServerConfig:
       (`jax.distributed`, see `LLM`): process 0 serves HTTP, the others follow it.
     session_truncation, session_rerotate: as `LLM(...)` (a session turn over the context drops
       its oldest turns; re-rotate the kept turns' stored KV).
+    kv_lookahead_window, max_pinned_sessions, max_pinned_session_bytes: as `LLM(...)` (the
+      look-ahead window of prefetch and eviction; sessions' KV pinned in the host tier).
 
   Raises:
     ValueError: a bad port, codec, limit, host, origin, key or session limit, or KV events
@@ -153,6 +156,9 @@ class ServerConfig:
   process_id: int | None = None
   session_truncation: str = "none"
   session_rerotate: bool = False
+  kv_lookahead_window: int = 8
+  max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS
+  max_pinned_session_bytes: int | None = None
 
   @property
   def is_follower(self) -> bool:
@@ -188,7 +194,11 @@ class ServerConfig:
     self.http_policy()  # validates hosts, origins, key and body limit
     SessionConfig(ttl_s=self.session_ttl_s, max_sessions=self.max_sessions,
                   max_tokens=self.max_session_tokens, truncation=self.session_truncation,
-                  rerotate=self.session_rerotate)  # validates the session limits
+                  rerotate=self.session_rerotate, max_pinned_sessions=self.max_pinned_sessions,
+                  max_pinned_bytes=self.max_pinned_session_bytes)  # validates the session limits
+    w = self.kv_lookahead_window
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+      raise ValueError(f"kv_lookahead_window={w!r} must be an int >= 0")
 
   def http_policy(self) -> HttpPolicy:
     """The `guard.HttpPolicy` of these options."""
@@ -219,7 +229,10 @@ class ServerConfig:
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
         kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
         max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,
-        session_truncation=self.session_truncation, session_rerotate=self.session_rerotate)
+        session_truncation=self.session_truncation, session_rerotate=self.session_rerotate,
+        kv_lookahead_window=self.kv_lookahead_window,
+        max_pinned_sessions=self.max_pinned_sessions,
+        max_pinned_session_bytes=self.max_pinned_session_bytes)
     if self.tensor_parallel_size != 1:
       opts["tensor_parallel_size"] = self.tensor_parallel_size
     if (self.num_processes or 1) > 1:

@@ -249,6 +249,19 @@ class HostMemoryTier:
       self._used += nbytes
       return True
 
+  def can_admit(self, nbytes: int) -> bool:
+    """Whether a new chunk of `nbytes` would fit now, evicting only what the policy may evict
+    (never a hinted chunk); evicts nothing."""
+    with self._lock:
+      if self.capacity_bytes is None:
+        return True
+      need = self._used + int(nbytes) - self.capacity_bytes
+      if need <= 0:
+        return True
+      infos = self._infos_locked()
+      sizes = {i.chunk_hash: i.nbytes for i in infos}
+      return sum(sizes.get(v, 0) for v in self.policy.victims(infos, need)) >= need
+
   def _evict_locked(self, need: int, keep: ChunkHash | None = None) -> bool:
     """Evicts at least `need` bytes by the policy (never `keep`), or nothing if it cannot."""
     infos = [i for i in self._infos_locked() if i.chunk_hash != keep]

@@ -114,6 +114,13 @@ class KVStore(Protocol):
   def hint(self, upcoming: Sequence[Sequence[ChunkHash]]) -> None:
     """The look-ahead window for eviction."""
 
+  async def prefetch(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
+                     layout: KVLayout) -> str | None:
+    """Copies a chunk held only below the host tier up into it; the tier it came from."""
+
+  def host_capacity(self) -> tuple[str, int | None] | None:
+    """(name, capacity in bytes or None) of the host tier, or None without one."""
+
   @property
   def stats(self) -> dict[str, TierStats]:
     """A snapshot of each tier's counters, by tier name."""
@@ -232,6 +239,42 @@ class TieredStore:
       self.host.hint(upcoming)
     for p in self._persist.values():
       p.policy.hint(upcoming)
+
+  def host_capacity(self) -> tuple[str, int | None] | None:
+    """(name, byte capacity or None for unbounded) of the host tier; None without one."""
+    if self.host is None:
+      return None
+    return self.host.name, self.host.capacity_bytes
+
+  async def prefetch(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
+                     layout: KVLayout) -> str | None:
+    """Look-ahead prefetch (CachedAttention, arXiv 2403.19708, section 3.3.1): copies one chunk
+    that only a tier below the host holds up into the host tier, verified like any read.
+
+    The host tier makes room by its policy (hinted chunks are never evicted: `hint` first), and
+    declines the copy when it cannot. Counted as a promotion of the host tier and a hit of the
+    tier read.
+
+    Args:
+      chunk_hash, token_ids, namespace, layout: as `get`.
+
+    Returns:
+      The name of the tier the chunk was read from when the host tier now holds a copy made by
+      this call; None when there is no host tier, the host already held it, it has no room for
+      a raw chunk without evicting a hinted one (checked before reading), no lower tier has a
+      good copy, or the host declined it.
+    """
+    if self.host is None or (await self.host.contains([chunk_hash]))[0]:
+      return None
+    if not self.host.can_admit(layout.nbytes):
+      return None  # only hinted chunks could make room: do not spend the link on it
+    before = self._stats[self.host.name].promotions
+    got = await self.get(chunk_hash, token_ids, namespace, layout, promote=True)
+    if not isinstance(got, ChunkHit) or got.tier == self.host.name:
+      return None
+    with self._lock:
+      promoted = self._stats[self.host.name].promotions > before
+    return got.tier if promoted and (await self.host.contains([chunk_hash]))[0] else None
 
   # -- reads ------------------------------------------------------------------------------------
 

@@ -40,6 +40,12 @@ class EmptyStore:
   def hint(self, upcoming):
     pass
 
+  async def prefetch(self, chunk_hash, token_ids, namespace, layout):
+    return None
+
+  def host_capacity(self):
+    return None
+
   @property
   def stats(self):
     return {}

@@ -229,6 +229,49 @@ class RegistryTest(absltest.TestCase):
     reg.finish(turn, prompt, self.tok.encode(reply), reply, close=close)
     return prompt
 
+  def test_pinned_sessions_most_recent_first_capped_and_unpinned_on_close(self):
+    # Chunks of 4 tokens of 10 bytes; at most 2 sessions and 1000 bytes pinned.
+    reg = self.registry(max_pinned_sessions=2, max_pinned_bytes=1000)
+    got = []
+    reg.set_pin_sink(got.append, chunk_size=4, chunk_nbytes=10)
+    self.assertEqual(got, [()])
+    p1 = self.run_turn(reg, "a", user="x" * 8)
+    ids_a = reg.get("a").token_ids
+    self.assertEqual(got[-1], ((None, ids_a),))
+    self.clock.now += 1
+    self.run_turn(reg, "b", "t", user="y" * 2)
+    self.clock.now += 1
+    self.run_turn(reg, "c", user="z" * 2)
+    pins = reg.pinned()
+    # Most recent first; 2 sessions at most: "a" (the oldest idle) went out first.
+    self.assertEqual([(p.session_id, p.kv_salt) for p in pins], [("c", None), ("b", "t")])
+    self.assertEqual(got[-1], tuple((p.kv_salt, p.token_ids) for p in pins))
+    self.assertTrue(reg.close("c"))
+    self.assertEqual([p.session_id for p in reg.pinned()], ["b", "a"])
+    self.assertEqual(got[-1], tuple((p.kv_salt, p.token_ids) for p in reg.pinned()))
+    del p1
+
+  def test_pinned_bytes_cap_drops_older_sessions(self):
+    probe = self.registry()
+    self.run_turn(probe, "p", user="q" * 40)
+    one = len(probe.get("p").token_ids) // 4 * 10  # bytes of one such session's full chunks
+    reg = self.registry(max_pinned_sessions=8, max_pinned_bytes=one + 9)
+    reg.set_pin_sink(lambda pins: None, chunk_size=4, chunk_nbytes=10)
+    self.run_turn(reg, "old", user="q" * 40)
+    self.clock.now += 1
+    self.run_turn(reg, "new", user="q" * 40)
+    self.assertEqual([p.session_id for p in reg.pinned()], ["new"])
+
+  def test_expired_session_is_unpinned(self):
+    reg = self.registry(ttl_s=5.0)
+    got = []
+    reg.set_pin_sink(got.append, chunk_size=4, chunk_nbytes=1)
+    self.run_turn(reg, "s")
+    self.assertLen(got[-1], 1)
+    self.clock.now += 10
+    self.assertEqual(reg.pinned(), ())
+    self.assertEqual(got[-1], ())
+
   def test_turns_extend_and_count(self):
     reg = self.registry()
     p1 = self.run_turn(reg, "s1")

@@ -4,6 +4,9 @@ from absl.testing import absltest, parameterized
 
 from kvjax.scheduler import (DecodeItem, PrefillChunk, Request, RequestStatus, SamplingParams,
                              Scheduler, SchedulerConfig, chunk_tokens)
+from kvjax.scheduler.level_policy import Candidate
+from kvjax.scheduler.output import StoredChunk, StoredPrefix
+from kvjax.scheduler.scheduler import LoadConfig
 
 SIZES = (16, 32, 64, 128, 256, 512)
 
@@ -111,6 +114,38 @@ class SamplingParamsTest(parameterized.TestCase):
   def test_stop_string_is_normalised_to_tuple(self):
     self.assertEqual(SamplingParams(stop="\n").stop, ("\n",))
     self.assertEqual(SamplingParams().stop, ())
+
+
+class LookaheadWindowTest(absltest.TestCase):
+
+  def stored(self, n):
+    return StoredPrefix(16, tuple(StoredChunk("disk", (Candidate("raw/0", 100, 0),))
+                                  for _ in range(n)))
+
+  def test_window_lists_prefilling_merges_then_waiting_requests_with_stored_chunks(self):
+    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=64, chunk_sizes=SIZES),
+                  load_config=LoadConfig(lookahead_window=2, merge_mode="load_only"),
+                  save_chunk_size=16)
+    s.add_request(req("a", 70), self.stored(4))   # runs (its merge loads)
+    s.add_request(req("b", 70))                   # nothing stored: not in the window
+    s.add_request(req("c", 70), self.stored(2))
+    s.add_request(req("d", 70), self.stored(2))
+    s.add_request(req("e", 70), self.stored(2))   # beyond the window of 2
+    self.assertEqual(s.schedule(now_s=0.0).lookahead, ("a", "c", "d"))
+    s.finish_request("a", "abort")
+    s.finish_request("c", "abort")
+    self.assertEqual(s.schedule(now_s=1.0).lookahead[-2:], ("d", "e"))
+
+  def test_window_zero_is_off(self):
+    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=64, chunk_sizes=SIZES),
+                  save_chunk_size=16)
+    s.add_request(req("a", 70), self.stored(4))
+    s.add_request(req("c", 70), self.stored(2))
+    self.assertEqual(s.schedule(now_s=0.0).lookahead, ())
+
+  def test_negative_window_is_rejected(self):
+    with self.assertRaisesRegex(ValueError, "lookahead_window"):
+      LoadConfig(lookahead_window=-1)
 
 
 if __name__ == "__main__":

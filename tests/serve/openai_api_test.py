@@ -272,6 +272,9 @@ class OpenAIApiTest(ServedLLMTestCase):
       self.assertEqual(after[(name, ())], 0)
     self.assertIn(("kvjax_link_bandwidth_bytes_per_second", (("tier", "disk"),)), after)
     self.assertIn(("kvjax_store_read_bytes_total", (("tier", "disk"),)), after)
+    for outcome in ("issued", "useful", "wasted"):
+      self.assertIn(("kvjax_kv_prefetch_total", (("outcome", outcome),)), after)
+    self.assertIn(("kvjax_store_evictions_total", (("tier", "disk"),)), after)
 
 
 if __name__ == "__main__":

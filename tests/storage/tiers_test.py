@@ -243,6 +243,25 @@ class TieredStoreTest(absltest.TestCase):
     self.assertEqual(stats["host"].misses, {"absent": 1})
     self.assertEqual(stats["disk"].misses, {"absent": 1})
 
+  def test_prefetch_copies_a_lower_chunk_up_once(self):
+    host, _, remote, store = three_tiers()
+    run(fill(remote, ["c"], ["root"], [5]))
+    self.assertEqual(store.host_capacity(), ("host", host.capacity_bytes))
+    self.assertEqual(run(store.prefetch("c", toks(5), NS, LAYOUT)), "remote")
+    self.assertEqual(run(store.lookup(["c"])), ["host"])
+    self.assertIsNone(run(store.prefetch("c", toks(5), NS, LAYOUT)))  # already in host
+    self.assertIsNone(run(store.prefetch("x", toks(5), NS, LAYOUT)))  # nowhere
+    self.assertIsNone(run(store.prefetch("c", toks(6), NS, LAYOUT)))  # host copy: not read
+    self.assertEqual(store.stats["host"].promotions, 1)
+
+  def test_prefetch_is_declined_when_only_hinted_chunks_could_make_room(self):
+    host, disk, _, store = three_tiers(host_capacity=NBYTES)
+    run(host.put("a", "root", toks(1), NS, kv_of(1)))
+    store.hint([["a"]])
+    run(fill(disk, ["c"], ["root"], [5]))
+    self.assertIsNone(run(store.prefetch("c", toks(5), NS, LAYOUT)))
+    self.assertEqual(run(host.contains(["a", "c"])), [True, False])
+
   def test_no_promotion_when_asked_not_to(self):
     host, _, remote, store = three_tiers()
     run(fill(remote, ["c"], ["root"], [5]))
