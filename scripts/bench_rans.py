@@ -117,7 +117,7 @@ def kvtc_phase(reps: int) -> dict:
     kv = np.stack([np.asarray(o.k_pre_rope_LTKH, np.float32),
                    np.asarray(o.v_LTKH, np.float32)], axis=1)
     for level in levels:
-      payloads[level].append(kvtc.kvtc_encode_host(kv, dt, level))
+      payloads[level].append(kvtc.kvtc_encode_host(kv, dt, level, start=s0))
   runner.close()
   tokens = len(held)
   size = {}
