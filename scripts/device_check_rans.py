@@ -8,7 +8,8 @@ reference on the same device; both must equal the codes byte for byte. Measured:
 one chunk's decode (arrays already on the device) and of pack + transfer + decode, in
 GB/s of coded bytes, against the 4 GB/s a 32 Gbps link delivers (issue 13). `--cpu` runs the same
 code at a tiny size in Pallas interpret mode (proof that it runs). JSON to $OUT/ (or
-benchmarks/results/) device_check_rans.json; a table is printed.
+benchmarks/results/) device_check_rans.json (device_check_rans_cpu.json with --cpu); a table is
+printed.
 
     PYTHONPATH=. python scripts/device_check_rans.py [--cpu] [--iters 20]
 
@@ -143,7 +144,8 @@ def main(argv):
             "steps_per_stream": [a.num_steps for a in band_arrays], "results": rows}
   out = pathlib.Path(os.environ.get("OUT") or REPO / "benchmarks" / "results")
   out.mkdir(parents=True, exist_ok=True)
-  (out / ("device_check_rans_cpu.json" if interpret else "device_check_rans.json")).write_text(json.dumps(result, indent=1) + "\n")
+  name = "device_check_rans_cpu.json" if interpret else "device_check_rans.json"
+  (out / name).write_text(json.dumps(result, indent=1) + "\n")
   print(f"{jax.default_backend()} {shape} coded {coded_bytes} bytes")
   for name, r in rows.items():
     print(f"  {name:14s} exact={r['byte_exact']} decode {1e3 * r['decode_s']:8.2f} ms "
