@@ -31,7 +31,7 @@ import pathlib
 import sys
 import pickle
 import time
-from typing import NamedTuple
+import types
 
 import jax
 import numpy as np
@@ -56,18 +56,6 @@ _CODES = flags.DEFINE_string("codes", str(REPO / "benchmarks" / "device_inputs" 
 _PREPARE = flags.DEFINE_bool("prepare", False, "Only code the chunk(s) into --codes and exit.")
 
 
-class _Band(NamedTuple):
-  """A band's rANS arrays by `kvjax.storage.rans.RansArrays`' field names (plain numpy)."""
-  words: np.ndarray
-  states: np.ndarray
-  lengths: np.ndarray
-  num_words: np.ndarray
-  freqs: np.ndarray
-  scale_bits: int
-  num_streams: int
-  num_steps: int
-
-
 def _codes(shape) -> np.ndarray:
   rng = np.random.default_rng(_SEED.value)
   spread = np.geomspace(_TOP.value, 0.05, shape[3])
@@ -81,7 +69,7 @@ def _code(q: np.ndarray) -> dict:
   parsed = entropy.parse_components_rans(blob, q.shape)
   return {"q": q, "coded_bytes": len(blob), "bands": [tuple(b) for b in parsed.bands],
           "offsets": [np.asarray(o) for o in parsed.offsets],
-          "arrays": [{f: getattr(a, f) for f in _Band._fields} for a in parsed.arrays]}
+          "arrays": [a._asdict() for a in parsed.arrays]}
 
 
 def median_s(fn, iters: int) -> float:
@@ -115,7 +103,8 @@ def main(argv):
     c, source = _code(_codes(shape)), "coded in this run"
   q, coded_bytes = c["q"], c["coded_bytes"]
   assert tuple(q.shape) == shape, (q.shape, shape)
-  band_arrays = [_Band(**a) for a in c["arrays"]]
+  # Each band's `kvjax.storage.rans.RansArrays` fields, by name, as `pack_bands` reads them.
+  band_arrays = [types.SimpleNamespace(**a) for a in c["arrays"]]
   packed = jax.device_put(kvtc_rans.pack_bands(q.shape, c["bands"], c["offsets"], band_arrays))
   rows = {}
   for name, use_pallas in (("pallas", True), ("jnp_reference", False)):
