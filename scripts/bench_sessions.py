@@ -110,6 +110,10 @@ _SERVER_CLIENTS = flags.DEFINE_integer("server_clients", 8, "Server mode: concur
 _SERVER_TURNS = flags.DEFINE_integer("server_turns", 4, "Server mode: turns per conversation.")
 _SERVER_CHARS = flags.DEFINE_integer("server_turn_chars", 600, "Server mode: characters kept of "
                                      "each user message.")
+_SERVER_MIN_TURNS = flags.DEFINE_integer("server_min_turns", 2, "Server mode: replay only "
+                                         "conversations with at least this many user turns.")
+_SERVER_TAG = flags.DEFINE_string("server_tag", "", "Server mode: suffix of the output files' "
+                                  "names (bench_sessions_server_<tag>.json).")
 _SERVER_MAX_TOKENS = flags.DEFINE_integer("server_max_tokens", 48, "Server mode: reply tokens.")
 _SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [], "Server mode: an extra flag of the "
                                           "started servers, repeatable.")
@@ -322,6 +326,7 @@ def run_server() -> None:
       conversations=6 if quick else _SERVER_CONVS.value, clients=2 if quick else
       _SERVER_CLIENTS.value, turns=3 if quick else _SERVER_TURNS.value,
       turn_chars=_SERVER_CHARS.value, max_tokens=16 if quick else _SERVER_MAX_TOKENS.value,
+      min_turns=_SERVER_MIN_TURNS.value,
       seed=_SEED.value, server_flags=tuple(f"--{f}" for f in _SERVER_FLAGS.value))
   at_start = machine()
   got = session_replay.run_replay(cfg, pathlib.Path(_DATA.value))
@@ -333,7 +338,8 @@ def run_server() -> None:
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **got}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
-  name = "bench_sessions_server" + ("_quick" if quick else "")
+  name = ("bench_sessions_server" + ("_quick" if quick else "") +
+          (f"_{_SERVER_TAG.value}" if _SERVER_TAG.value else ""))
   (out / f"{name}.json").write_text(json.dumps(record, indent=1))
   plot_server(got["summary"], out / f"{name}.png", cfg)
   print(f"wrote {out / (name + '.json')} and .png")

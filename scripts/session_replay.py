@@ -45,6 +45,7 @@ class ReplayConfig:
   turns: int = 4
   turn_chars: int = 600
   max_tokens: int = 48
+  min_turns: int = 2
   seed: int = 0
   model: str = "SmolLM2-135M-Instruct"
   server_flags: tuple[str, ...] = ()
@@ -67,14 +68,15 @@ class TurnRow:
 
 
 def load_conversations(path: pathlib.Path, n: int, turns: int, turn_chars: int,
-                       seed: int) -> list[list[str]]:
-  """User messages of `n` ShareGPT conversations with at least two user turns (first `turns`)."""
+                       seed: int, min_turns: int = 2) -> list[list[str]]:
+  """User messages of `n` ShareGPT conversations with at least `min_turns` (>= 2) non-empty user
+  turns (their first `turns`)."""
   data = json.loads(path.read_text(encoding="utf-8"))
   convs = []
   for conv in data:
     users = [m["value"][:turn_chars] for m in conv["conversations"] if m["from"] == "human"]
     users = [u for u in users if u.strip()]
-    if len(users) >= 2:
+    if len(users) >= max(2, min_turns):
       convs.append(users[:turns])
   random.Random(seed).shuffle(convs)
   return convs[:n]
@@ -172,7 +174,8 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
                modes=("session", "prefix", "recompute")) -> dict:
   """Replays on one fresh server per mode; returns settings, summaries and per-turn rows."""
   convs = load_conversations(data_dir / "sharegpt" / "sharegpt_v3_multiturn_1000.json",
-                             cfg.conversations, cfg.turns, cfg.turn_chars, cfg.seed)
+                             cfg.conversations, cfg.turns, cfg.turn_chars, cfg.seed,
+                             cfg.min_turns)
   work = tempfile.mkdtemp(prefix="kvjax-bench-sessions-")
   summaries, rows = {}, []
   for mode in modes:
