@@ -288,7 +288,11 @@ def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None
         return t
     except (OSError, ValueError, KeyError) as e:
       _log.warning("kvtc transform cache %s unreadable (%r); recalibrating", path, e)
-  t = calibrate_kvtc(runner, tokenizer.encode(calibration_text()), **kwargs)
+  ids = tokenizer.encode(calibration_text())
+  _log.warning("calibrating the kvtc transform of this model on %d tokens of shipped text (once "
+               "per model: a few minutes on a 2-core CPU; cached as %s)", len(ids),
+               path or "nothing: no cache_dir")
+  t = calibrate_kvtc(runner, ids, **kwargs)
   if path:
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp.npz"

@@ -93,7 +93,9 @@ _LINK = flags.DEFINE_float("kv_link_bytes_per_s", None,
 _TRACE = flags.DEFINE_string("kv_link_trace", None,
                              "File of 'seconds bytes_per_s' lines: a varying emulated link.")
 _ADMIN = flags.DEFINE_bool("enable_admin", False,
-                           "Serve POST /admin/flush_kv (waits for queued KV saves).")
+                           "Serve the admin endpoints: POST /admin/flush_kv (waits for "
+                           "queued KV saves) and POST /reset_prefix_cache (drops the device "
+                           "prefix cache).")
 _MAX_BYTES = flags.DEFINE_integer("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES,
                                   "Largest request body in bytes; larger ones get 413 before any "
                                   "parsing (also chunked bodies without Content-Length).")

@@ -58,7 +58,7 @@ def check_prompt_chars(n_chars: int, max_model_len: int, max_token_chars: int,
   if n_chars > limit:
     raise bad_request(
         f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
-        f"has {n_chars} characters, more than {max_model_len} tokens can hold (at most "
+        f"{'have' if what == 'messages' else 'has'} {n_chars} characters, more than {max_model_len} tokens can hold (at most "
         f"{max_token_chars} characters per token). Please reduce the length of the {what}.",
         what, "context_length_exceeded")
 
