@@ -115,6 +115,8 @@ def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tupl
     raise ValueError(f"kv_codec={codec!r}; use one of {sorted(codecs.CODECS)}")
   if levels is None:
     levels = (codecs.DEFAULT_LEVELS[codec],)
+  if isinstance(levels, (str, bytes)) or not isinstance(levels, (tuple, list)):
+    raise ValueError(f"kv_codec_levels={levels!r} must be a tuple of int levels, e.g. (0,)")
   try:
     codecs.check_codec(codec, levels)
   except ValueError:

@@ -17,7 +17,9 @@ class CodecChunkSizeTest(parameterized.TestCase):
                         (dict(kv_chunk_size=2.5, kv_codec="int4"), r"kv_chunk_size=2\.5"),
                         (dict(kv_chunk_size=True), "kv_chunk_size=True"),
                         (dict(kv_codec="zip"), "kv_codec='zip'"),
-                        (dict(kv_codec="int8", kv_codec_levels=(1,)), "kv_codec_levels=")):
+                        (dict(kv_codec="int8", kv_codec_levels=(1,)), "kv_codec_levels="),
+                        (dict(kv_codec="kvtc", kv_codec_levels="2"),
+                         r"kv_codec_levels='2' must be a tuple of int levels")):
       with self.subTest(**kwargs), self.assertRaisesRegex(ValueError, msg):
         LLM("gpt-5", cache_dir="", kv_store="memory://", **kwargs)
     # Without a store the chunk size is unused and not checked; the model name is.
