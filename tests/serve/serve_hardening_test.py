@@ -165,7 +165,7 @@ class LimitsTest(ServedLLMTestCase):
       self.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
     self.assertEqual((e.exception.code, e.exception.param),
                      ("context_length_exceeded", "messages"))
-    self.assertIn("has 513 characters", str(e.exception))
+    self.assertIn("your messages have 513 characters", str(e.exception))
     self.assertEqual(gated.calls, [])
 
   def test_prompt_at_the_character_cap_is_tokenized(self):
