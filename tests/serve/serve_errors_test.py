@@ -46,6 +46,8 @@ BAD = [
     ("temperature_as_string", "chat/completions", chat(temperature="hot"), 400, "temperature",
      None),
     ("temperature_too_high", "chat/completions", chat(temperature=3), 400, "temperature", None),
+    ("temperature_nan", "chat/completions", chat(temperature=float("nan")), 400, "temperature",
+     None),
     ("top_p_zero", "completions", completion(top_p=0), 400, "top_p", None),
     ("top_p_bool", "completions", completion(top_p=True), 400, "top_p", None),
     ("stream_as_string", "completions", completion(stream="yes"), 400, "stream", None),
