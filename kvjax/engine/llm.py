@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Sequence
 
@@ -36,6 +37,8 @@ from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
 from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
+
+_log = logging.getLogger(__name__)
 
 
 #: `LLM(kv_cache_layout=...)` when none is given (see `resolve_kv_cache_layout`).
@@ -307,6 +310,9 @@ class LLM:
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
     kv_codec_levels = _check_codec_options(kv_codec, kv_codec_levels, kv_chunk_size,
                                            with_store=kv_store is not None)
+    if kv_store is None and kv_codec != "raw":
+      _log.warning("kv_codec=%r does nothing without a kv_store (it codes stored chunks only)",
+                   kv_codec)
     if kv_merge_mode not in ("cake", "load_only", "compute_only"):
       raise ValueError(f"kv_merge_mode={kv_merge_mode!r}; use 'cake', 'load_only' or "
                        "'compute_only'")

@@ -1,4 +1,4 @@
-"""`python -m kvjax.serve`: the OpenAI-compatible server.
+r"""`python -m kvjax.serve`: the OpenAI-compatible server.
 
     python -m kvjax.serve                                   # SmolLM2-135M-Instruct on :8000
     python -m kvjax.serve --port=0 --kv_store=memory://     # a free port, a store in memory
