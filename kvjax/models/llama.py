@@ -98,6 +98,24 @@ def _sharded_paged_attention(mesh, implementation):
                        out_specs=heads, check_vma=False)
 
 
+def _attention_inputs(cfg: LlamaConfig, p, x_BTD, positions_BT, inv_freq):
+  """A layer's attention inputs: (q after RoPE [B, T, N, H], K before RoPE, K after RoPE and V,
+  each [B, T, K, H]); `p` is the layer's parameters in the compute dtype."""
+  h = layers.rms_norm(x_BTD, p["attn_norm"], cfg.rms_eps)
+  q_BTNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
+  k_BTKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
+  v_BTKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
+  return (layers.apply_rope(q_BTNH, positions_BT, inv_freq), k_BTKH,
+          layers.apply_rope(k_BTKH, positions_BT, inv_freq), v_BTKH)
+
+
+def _attention_output_and_mlp(cfg: LlamaConfig, p, x_BTD, attn_BTNH):
+  """The rest of a layer after attention: output projection, residual, RMSNorm, SwiGLU."""
+  x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, p["wo"])
+  h = layers.rms_norm(x_BTD, p["mlp_norm"], cfg.rms_eps)
+  return x_BTD + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+
+
 def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool_shape, positions_T, slot_mapping_T,
                  block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs, *,
                  attention_impl, kv_head_repeat: int = 1, tp_mesh=None):
@@ -116,12 +134,7 @@ def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool_shape, positions_T, slo
     x, k_flat, v_flat = carry
     p, i = xs
     p = {k: v.astype(dtype) for k, v in p.items()}
-    h = layers.rms_norm(x, p["attn_norm"], cfg.rms_eps)
-    q_1TNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
-    k_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
-    v_1TKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
-    q_1TNH = layers.apply_rope(q_1TNH, positions_1T, inv_freq)
-    k_rot_1TKH = layers.apply_rope(k_1TKH, positions_1T, inv_freq)
+    q_1TNH, k_1TKH, k_rot_1TKH, v_1TKH = _attention_inputs(cfg, p, x, positions_1T, inv_freq)
     where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
     if kv_head_repeat == 1:
       k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
@@ -134,9 +147,7 @@ def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool_shape, positions_T, slo
     attn_TNH = attention(
         q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
         block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs, **attention_kw)
-    x = x + jnp.einsum("BTNH,NHD->BTD", attn_TNH[None].astype(x.dtype), p["wo"])
-    h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-    x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+    x = _attention_output_and_mlp(cfg, p, x, attn_TNH[None].astype(x.dtype))
     return (x, k_flat, v_flat), (k_1TKH[0], v_1TKH[0])
 
   return layer
@@ -225,12 +236,7 @@ class Llama(nnx.Module):
       x, k_cache, v_cache = carry
       p, i = xs
       p = {k: v.astype(dtype) for k, v in p.items()}
-      h = layers.rms_norm(x, p["attn_norm"], cfg.rms_eps)
-      q_BTNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
-      k_BTKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
-      v_BTKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
-      q_BTNH = layers.apply_rope(q_BTNH, positions_BT, inv_freq)
-      k_rot_BTKH = layers.apply_rope(k_BTKH, positions_BT, inv_freq)
+      q_BTNH, k_BTKH, k_rot_BTKH, v_BTKH = _attention_inputs(cfg, p, x, positions_BT, inv_freq)
       k_cache = k_cache.at[i, write_slot_BT, write_pos_BT].set(
           k_rot_BTKH.astype(k_cache.dtype), mode="drop")
       v_cache = v_cache.at[i, write_slot_BT, write_pos_BT].set(
@@ -238,9 +244,7 @@ class Llama(nnx.Module):
       attn_BTNH = ragged_cache_attention_reference(
           q_BTNH, k_cache, v_cache, i, first_slot, positions_BT, kv_lens_B,
           block_size=block_size)
-      x = x + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, p["wo"])
-      h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-      x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+      x = _attention_output_and_mlp(cfg, p, x, attn_BTNH)
       return (x, k_cache, v_cache), (k_BTKH, v_BTKH)
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
