@@ -40,9 +40,8 @@ from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.engine import sampling
 from kvjax.engine.core import EngineCore, LoopStats, StepRecord
-from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, LookaheadRequest,
-                                          PrefetchStats, PrefixLookup, SaveJob, SaverStats,
-                                          TierSnapshot)
+from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefetchStats,
+                                          PrefixLookup, SaveJob, SaverStats, TierSnapshot)
 from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
 from kvjax.models.runner import ModelRunner
 from kvjax.scheduler.cake import MergeTrace
@@ -572,7 +571,9 @@ class Engine:
     if kv is not None:
       if plan.lookahead != self._window_ids:  # before the loads: a load may wait on a prefetch
         self._window_ids = plan.lookahead
-        kv.set_lookahead([self._lookahead_request(rid) for rid in plan.lookahead
+        kv.set_lookahead([kv.lookahead_request(rid, self._live[rid].lookup,
+                                               self._live[rid].prompt_token_ids)
+                          for rid in plan.lookahead
                           if rid in self._live and self._live[rid].lookup is not None])
       for rid, index in plan.releases:
         kv.release(rid, index)
@@ -637,17 +638,6 @@ class Engine:
     return StepResult(now_s=self._clock(), sampled=tuple(sampled), finished=tuple(finished),
                       loads=tuple(self._log_misses(reports)), compute=tuple(timings),
                       inserts=tuple(insert_timings))
-
-  def _lookahead_request(self, rid: RequestId) -> LookaheadRequest:
-    """What the store client needs of one windowed request: its lookup's chunks and tokens."""
-    live, kv = self._live[rid], self.kv_store
-    lookup, c = live.lookup, kv.chunk_size
-    n = len(lookup.present)
-    records = lookup.records or [None] * n
-    nbytes = tuple(kv.layout.nbytes if rec is None or kv.codec == codecs.RAW
-                   else max(e.nbytes for e in rec.encodings) for rec in records)
-    return LookaheadRequest(rid, lookup.namespace, tuple(lookup.hashes[:n]),
-                            tuple(lookup.present), tuple(live.prompt_token_ids[:n * c]), nbytes)
 
   def _where(self, tables: dict, rid: RequestId, slot: int, start: int, n: int):
     """Where a chunk at `[start, start + n)` goes: its slot (slotted) or its blocks (paged)."""

@@ -726,6 +726,18 @@ class KVStoreClient:
                                  in_flight=len(self._reading))
 
   # ----------------------------------------------------------------------------- look-ahead
+  def lookahead_request(self, request_id: Any, lookup: PrefixLookup,
+                        prompt_ids: Sequence[int]) -> LookaheadRequest:
+    """One request of the look-ahead window from its own lookup: its candidate chunks, where
+    each was found, their tokens and their stored bytes (the largest encoding; raw chunks: the
+    layout's)."""
+    n, c = len(lookup.present), self.chunk_size
+    records = lookup.records or [None] * n
+    nbytes = tuple(self.layout.nbytes if rec is None or self.codec == codecs.RAW
+                   else max(e.nbytes for e in rec.encodings) for rec in records)
+    return LookaheadRequest(request_id, lookup.namespace, tuple(lookup.hashes[:n]),
+                            tuple(lookup.present), tuple(prompt_ids[:n * c]), nbytes)
+
   def set_lookahead(self, requests: Sequence[LookaheadRequest]) -> None:
     """Replaces the look-ahead window (the engine calls it when the scheduler's window
     changed): its chunks join the store's hint and those only a lower tier holds are

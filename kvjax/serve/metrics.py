@@ -99,6 +99,11 @@ class _StoreCollector(Collector):
     granted = CounterMetricFamily("kvjax_link_granted_bytes",
                                   "Bytes the link limiter let through, by tier (rate() of it is "
                                   "the bandwidth in use).", labels=["tier"])
+    evictions = CounterMetricFamily("kvjax_store_evictions",
+                                    "Stored chunks evicted for capacity, by tier.",
+                                    labels=["tier"])
+    hits = CounterMetricFamily("kvjax_store_tier_hits", "Verified chunk reads served, by tier "
+                               "(loads, prefetches, re-rotation reads).", labels=["tier"])
     for t in snap.tiers:
       for reason, n in t.misses.items():
         if reason != "absent":
@@ -107,32 +112,22 @@ class _StoreCollector(Collector):
       if t.link_bytes_per_s is not None:
         rate.add_metric([t.name], t.link_bytes_per_s)
         granted.add_metric([t.name], t.link_granted_bytes)
-    yield rejected
-    yield read
-    yield rate
-    yield granted
-    evictions = CounterMetricFamily("kvjax_store_evictions",
-                                    "Stored chunks evicted for capacity, by tier.",
-                                    labels=["tier"])
-    hits = CounterMetricFamily("kvjax_store_tier_hits", "Verified chunk reads served, by tier "
-                               "(loads, prefetches, re-rotation reads).", labels=["tier"])
-    for t in snap.tiers:
       evictions.add_metric([t.name], t.evictions)
       hits.add_metric([t.name], t.hits)
-    yield evictions
-    yield hits
+    yield from (rejected, read, rate, granted, evictions, hits)
     if snap.prefetch is not None:
       pf = CounterMetricFamily(
           "kvjax_kv_prefetch", "Look-ahead prefetches into the host tier: issued (a chunk copied "
           "up ahead of its load), useful (later loaded from the host), wasted (left the window "
           "unread).", labels=["outcome"])
-      for outcome in ("issued", "useful", "wasted"):
-        pf.add_metric([outcome], getattr(snap.prefetch, outcome))
+      for outcome, n in (("issued", snap.prefetch.issued), ("useful", snap.prefetch.useful),
+                         ("wasted", snap.prefetch.wasted)):
+        pf.add_metric([outcome], n)
       yield pf
     fam = CounterMetricFamily("kvjax_kv_saver", "Asynchronous KV saves, by outcome.",
                               labels=["outcome"])
-    for field in dataclasses.fields(snap.saver):
-      fam.add_metric([field.name], getattr(snap.saver, field.name))
+    for outcome, n in dataclasses.asdict(snap.saver).items():
+      fam.add_metric([outcome], n)
     yield fam
 
 
