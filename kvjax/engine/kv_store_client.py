@@ -553,12 +553,17 @@ class KVStoreClient:
     payload = storage_codecs.decode_payload(codec, storage_codecs.CURRENT_VERSION[codec], level,
                                             blob, self.layout, defer_entropy=True)
     for name, a in payload.items():
-      if isinstance(a, entropy.RansCodes):
-        q, ok = kvtc_rans.decode_codes(kvtc_rans.pack_bands(a.shape, a.bands, a.offsets,
-                                                            a.arrays),
-                                       use_pallas=self.use_pallas_entropy)
-        if not bool(ok):
-          raise RuntimeError(f"warming up the device entropy decoder: {name} did not decode")
+      if isinstance(a, entropy.RansCodes) and not self._rans_decode(a)[1]:
+        raise RuntimeError(f"warming up the device entropy decoder: {name} did not decode")
+
+  def _rans_decode(self, a: entropy.RansCodes):
+    """(codes on the device, ok: bool) of one array the reader left rANS-coded.
+
+    Raises:
+      ValueError: band arrays that do not fit together (`kvtc_rans.pack_bands`)."""
+    packed = kvtc_rans.pack_bands(a.shape, a.bands, a.offsets, a.arrays)
+    q, ok = kvtc_rans.decode_codes(packed, use_pallas=self.use_pallas_entropy)
+    return q, bool(ok)
 
   def _decode_on_device(self, got: ChunkHit) -> ChunkHit | ChunkMiss:
     """Host bytes -> device -> rANS decode of every entropy-coded array (one jit'd call each,
@@ -572,9 +577,7 @@ class KVStoreClient:
       if not isinstance(a, entropy.RansCodes):
         continue
       try:
-        packed = kvtc_rans.pack_bands(a.shape, a.bands, a.offsets, a.arrays)
-        q, ok = kvtc_rans.decode_codes(packed, use_pallas=self.use_pallas_entropy)
-        ok = bool(ok)
+        q, ok = self._rans_decode(a)
       except ValueError as e:
         return ChunkMiss(got.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")
       if not ok:
