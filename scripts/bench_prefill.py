@@ -36,7 +36,7 @@ import time
 
 from absl import app, flags, logging
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -207,12 +207,8 @@ def main_tp(sizes: list[int]) -> None:
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "results": results}
   (out_dir / "bench_prefill_tp.json").write_text(json.dumps(record, indent=1))
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
-    print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
+  plt = pyplot()
+  if plt is None:
     return
   fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
   labels = [str(n) for n in rows]
@@ -293,12 +289,8 @@ def main(argv):
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "results": results}
   (out_dir / "bench_prefill.json").write_text(json.dumps(record, indent=1))
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
-    print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
+  plt = pyplot()
+  if plt is None:
     return
   fig, ax = plt.subplots(figsize=(7, 4))
   for chunk, row in results.items():

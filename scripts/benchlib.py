@@ -1,4 +1,5 @@
-"""Shared bits of the benchmark scripts: the run's provenance (machine, git SHA)."""
+"""Shared bits of the benchmark scripts: the run's provenance (machine, git SHA), the server
+starter and the plotting import."""
 
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ def machine() -> dict:
     pass
   return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
           "python": sys.version.split()[0], "loadavg_1_5_15": list(os.getloadavg())}
+
+
+def pyplot():
+  """matplotlib's pyplot with the file-only Agg backend, or None (with a message) when matplotlib
+  is not installed: the JSON is written either way."""
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
+    return None
+  return plt
 
 
 def start_server(flags: list[str], log_path: str, *, echo: bool = False):
