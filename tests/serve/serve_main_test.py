@@ -57,6 +57,9 @@ class ServeMainTest(absltest.TestCase):
     self.assertEqual(proc.returncode, 0, log.read())
     self.assertIn("stopping", out)
 
+  # A server subprocess (~8 s); the key and the limits are also tested in-process
+  # (serve_hardening_test), the environment variable only here.
+  @pytest.mark.slow
   def test_api_key_from_the_environment_and_request_limits(self):
     log = open(self.create_tempfile().full_path, "w+")
     proc = start(*TINY, "--kv_store=none", "--max_request_bytes=2000",
@@ -85,6 +88,8 @@ class ServeMainTest(absltest.TestCase):
     log.seek(0)
     self.assertEqual(proc.returncode, 0, log.read())
 
+  # A server subprocess (~8 s); the paged server is also tested in-process (paged_serve_test).
+  @pytest.mark.slow
   def test_paged_layout_flags(self):
     block_nbytes = paged_block_nbytes(load_model("tiny").config, 16, jnp.float32)
     log = open(self.create_tempfile().full_path, "w+")
