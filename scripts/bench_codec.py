@@ -80,7 +80,7 @@ ALL_CODECS = (("raw", "raw", 0), ("int8", "int8", 0), ("int4", "int4", 0),
               ("cachegen-0", "cachegen", 0), ("cachegen-1", "cachegen", 1),
               ("cachegen-2", "cachegen", 2), ("cachegen-3", "cachegen", 3),
               ("kvtc-0", "kvtc", 0), ("kvtc-1", "kvtc", 1), ("kvtc-2", "kvtc", 2),
-              ("kvtc-3", "kvtc", 3))
+              ("kvtc-3", "kvtc", 3), ("kvtc-4", "kvtc", 4))
 #: Environment of the one-thread throughput worker (set before it imports JAX).
 ONE_THREAD_ENV = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",

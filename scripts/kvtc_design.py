@@ -26,7 +26,8 @@ transform instead of calibrating):
   --rounding_sweep --component_sweep  per-component step multipliers by sigma / step at
                                       KVTC_ROUNDING (kvtc_component_sweep.json)
   --rel_l2                            relative L2 error per level, max over chunks (the
-                                      registry's rel_l2_error; kvtc_rel_l2.json)
+                                      registry's rel_l2_error; kvtc_rel_l2.json); without
+                                      --work_cache, of the model's calibrated transform
 
     PYTHONPATH=.:scripts nice -n 19 .venv/bin/python scripts/kvtc_design.py --rounding_sweep \
         --work_cache kvtc_work.npz --kls 0.009,0.012,0.018 --roundings 0.5,0.42,0.35,0.28
@@ -161,11 +162,12 @@ def rel_l2(kv_of, held, shipped, lm, dims, t0):
   the shipped encoder (`kvtc_encode_host`, position of each chunk) and decoder."""
   from kvjax.kernels import kvtc  # noqa: PLC0415
   l_, k, h = dims
-  if not _CACHE.value or not os.path.isfile(_CACHE.value):
-    raise app.UsageError("--rel_l2 needs --work_cache from an earlier --rounding_sweep run")
-  with np.load(_CACHE.value) as f:
-    t = kvtc.KVTCTransform(*(f[n] for n in ("mean", "basis", "variance")), shipped.sensitivity,
-                           f["predictor"], k, h)
+  if _CACHE.value and os.path.isfile(_CACHE.value):  # the predict-shipped fit of a sweep
+    with np.load(_CACHE.value) as f:
+      t = kvtc.KVTCTransform(*(f[n] for n in ("mean", "basis", "variance")),
+                             shipped.sensitivity, f["predictor"], k, h)
+  else:  # the model's calibrated transform (what an installed kvtc uses)
+    t = shipped
   x = kv_of(held, len(held))
   dt = t.device_arrays()
   out = {}

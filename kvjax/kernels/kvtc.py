@@ -1,4 +1,4 @@
-"""KV transform codec ("kvtc", version 3): inter-layer prediction + a calibrated PCA per layer.
+"""KV transform codec ("kvtc", version 4): inter-layer prediction + a calibrated PCA per layer.
 
 A stored chunk is `kv_L2CKH: [L, 2, C, K, H]` (axis 1: 0 = K before RoPE, 1 = V). Per layer l and
 K/V a (a = 0, 1), its K * H channels of all KV heads form one vector per token, D = K * H. The
@@ -71,23 +71,28 @@ protocol, `scripts/bench_codec_reduced.py`, 5 book passages x 2,048 + 256 scored
     `benchmarks/results/kvtc_v3_reduced/development/`). A chunk is always
     decoded at the position it was encoded at (its prefix hash fixes it), so `start` tells both
     sides which tokens are protected; `kvtc_encode` and the decoders take it.
-  - Level ladder: KVTC_LEVEL_KL (predicted KL per token, nats) 0.006 / 0.012 / 0.024 / 0.036;
-    measured in the reduced protocol (`benchmarks/results/kvtc_v3_reduced/`) 3,702 / 3,139 /
-    2,629 / 2,359 stored B/token at perplexity x1.0043 / x1.0004 / x1.0050 / x1.0140 (KL
-    0.0028 / 0.0048 / 0.011 / 0.014). Level 2 is the best level within 1% of raw by the mean of
-    5 passages (95% t interval up to x1.021; x1.0078 with the model's own calibration of the
-    shipped text) and the codec's default level. Greedy outputs on 5.5K-token LongChat prompts
-    are identical to raw less often than int8's (level 0: 3/5, level 2: 1/5; int8 4/5).
+  - Level ladder (version 4): KVTC_LEVEL_KL (predicted KL per token, nats) 0.001 / 0.006 /
+    0.012 / 0.024 / 0.036. Version 3 had the last four; version 4 adds level 0, a near-lossless
+    level for the outputs that must not change: on 5.5K-token LongChat prompts (32 greedy
+    tokens, 5 prompts) a level at predicted KL 0.001 gave outputs identical to raw 5/5 (int8 4/5
+    in the same run) at 5,456 B/token (2x below int8), where predicted KL 0.006 gave 3/5 and
+    0.024 1/5 (`benchmarks/results/kvtc_v4/`). Measured in the reduced protocol
+    (`benchmarks/results/kvtc_v3_reduced/`, version 3's levels, now 1-4) 3,702 / 3,139 / 2,629 /
+    2,359 stored B/token at perplexity x1.0043 / x1.0004 / x1.0050 / x1.0140 (KL 0.0028 /
+    0.0048 / 0.011 / 0.014). Level 3 (predicted KL 0.024) is the best level within 1% of raw
+    and the codec's default level; the full 20-passage protocol is in
+    `benchmarks/results/bench_codec_kvtc_v4.json`.
 
 Encode and decode are one `lax.scan` over layers each (the prediction is sequential), jit'd jnp:
 the CPU path and the reference of any device kernel.
 
 Payload (`KVTCPayload`): q: int16[L, 2, C, D]; step: f32[L, 2]; transform_id: uint8[16], the
 transform's identity (`KVTCTransform.transform_id`, a BLAKE2b-128 digest of its arrays, with a
-version-2 personalisation: the transform's arrays did not change in version 3). A chunk is decoded
+version-2 personalisation: the transform's arrays did not change in versions 3 and 4). A chunk is decoded
 only with the transform it names (the store client turns a mismatch into a miss); chunks of
-version 1 (no prediction) and version 2 (round to nearest, no protected token, another level
-ladder) are `UnknownCodec` for the storage reader, so the store client recomputes them.
+version 1 (no prediction), version 2 (round to nearest, no protected token, another level
+ladder) and version 3 (another level ladder: its level 2 is version 4's level 3, so a stored
+level would not match a computed chunk's under `kv_codec_consistent`) are `UnknownCodec` for the storage reader, so the store client recomputes them.
 
 Tensor parallelism. The transform spans all KV heads of a layer and the prediction all channels
 of the two layers before, so a shard holding the KV heads S cannot decode its heads alone: the
@@ -123,7 +128,7 @@ from kvjax.codecs import CODEC_LEVELS, KVTC as CODEC_KVTC
 from kvjax.kernels.kv_codec import _rope_CH, _write_chunk
 
 #: Predicted KL(raw || kvtc) per token, nats, at each level (finest first).
-KVTC_LEVEL_KL = (0.006, 0.012, 0.024, 0.036)
+KVTC_LEVEL_KL = (0.001, 0.006, 0.012, 0.024, 0.036)
 #: Encoder rounding offset: q = sign(y) * floor(|y| / step + KVTC_ROUNDING) (0.5: round to nearest;
 #: below 0.5 widens the zero bin, a deadzone quantizer). Not stored: only the encoder uses it.
 KVTC_ROUNDING = 0.42
