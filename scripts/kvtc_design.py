@@ -28,6 +28,11 @@ transform instead of calibrating):
   --rel_l2                            relative L2 error per level, max over chunks (the
                                       registry's rel_l2_error; kvtc_rel_l2.json); without
                                       --work_cache, of the model's calibrated transform
+  --delta_sweep                       CacheGen's token deltas (arXiv 2310.07240, section 5.2)
+                                      on kvtc's components: order-0 entropy of the codes q vs
+                                      of q[t] - q[anchor] (anchor every --anchor_strides tokens)
+                                      per band model, the same reconstruction; the model's
+                                      calibrated transform (kvtc_delta_sweep.json)
 
     PYTHONPATH=.:scripts nice -n 19 .venv/bin/python scripts/kvtc_design.py --rounding_sweep \
         --work_cache kvtc_work.npz --kls 0.009,0.012,0.018 --roundings 0.5,0.42,0.35,0.28
@@ -67,6 +72,10 @@ _REL_L2 = flags.DEFINE_bool("rel_l2", False, "Instead: the relative L2 error of 
                             "level (max over chunks, as scripts/codec_error.py measures the other "
                             "codecs: the registry's rel_l2_error) on the held-out passage, with "
                             "the predict-shipped transform of --work_cache.")
+_DELTA = flags.DEFINE_bool("delta_sweep", False, "Instead: order-0 entropy of kvtc's codes "
+                           "with and without CacheGen's token deltas against anchors.")
+_STRIDES = flags.DEFINE_list("anchor_strides", ["2", "4", "16"], "Anchor strides (tokens) of "
+                             "--delta_sweep.")
 _SENS_FROM = flags.DEFINE_string("sensitivity_from", None, "A cached transform (.npz) whose "
                                  "sensitivities to use instead of the model's calibration.")
 C = 256
@@ -111,6 +120,9 @@ def main(_):
   data_dir = pathlib.Path(_DATA.value or REPO.parent / "shared" / "data")
   book = lm.tokenizer.encode((data_dir / "books" / _BOOK.value).read_text(encoding="utf-8"))
   held = book[_OFFSET.value:_OFFSET.value + _TOKENS.value]
+  if _DELTA.value:
+    delta_sweep(kv_of, held, shipped, (l_, k, h), t0)
+    return
   if _SWEEP.value or _REL_L2.value:
     (rel_l2 if _REL_L2.value else rounding_sweep)(kv_of, held, shipped, lm, (l_, k, h), t0)
     return
@@ -187,6 +199,55 @@ def rel_l2(kv_of, held, shipped, lm, dims, t0):
       "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": len(held)},
       "level_kl": list(kvtc.KVTC_LEVEL_KL), "results": out, "elapsed_s": time.time() - t0},
       indent=1))
+
+
+def _entropy_bits(sym: np.ndarray) -> float:
+  """Order-0 entropy of `sym` (any ints), total bits."""
+  _, counts = np.unique(sym, return_counts=True)
+  p = counts / counts.sum()
+  return float(-(counts * np.log2(p)).sum())
+
+
+def delta_sweep(kv_of, held, t, dims, t0):
+  """Per level: bits per token of kvtc's codes q (order-0 entropy, one model per layer, K/V and
+  band of components, as rans-bands codes them) against CacheGen's token deltas on the same codes:
+  within each group of S tokens the first is the anchor, kept as is, and the others are coded as
+  q[t] - q[anchor] (CacheGen, arXiv 2310.07240, section 5.2, here in kvtc's transform domain: an
+  integer difference of the codes, so the reconstruction, hence the quality, is the same)."""
+  from kvjax.kernels import kvtc  # noqa: PLC0415
+  from kvjax.storage.entropy import COMPONENT_BANDS  # noqa: PLC0415
+  l_, k, h = dims
+  d = k * h
+  x = kv_of(held, len(held))
+  dt = t.device_arrays()
+  edges = [e for e in COMPONENT_BANDS if e < d] + [d]
+  strides = [int(v) for v in _STRIDES.value]
+  out = {}
+  for level in range(len(kvtc.KVTC_LEVEL_KL)):
+    q = np.concatenate([
+        kvtc.kvtc_encode_host(x[:, :, s:s + C].reshape(l_, 2, C, k, h), dt, level, start=s)["q"]
+        for s in range(0, x.shape[2], C)], axis=2).astype(np.int32)       # [L, 2, T, D]
+    n_tok = q.shape[2]
+    row = {}
+    for name, stride in [("direct", 0)] + [(f"delta_{v}", v) for v in strides]:
+      c = q
+      if stride:
+        anchor = q[:, :, (np.arange(n_tok) // stride) * stride]
+        c = np.where((np.arange(n_tok) % stride == 0)[None, None, :, None], q, q - anchor)
+      bits = sum(_entropy_bits(c[l, a, :, lo:hi]) for l in range(l_) for a in range(2)
+                 for lo, hi in zip(edges[:-1], edges[1:]))
+      row[name] = bits / 8 / n_tok
+    out[level] = {"bytes_per_token": row,
+                  "delta_vs_direct": {n: v / row["direct"] for n, v in row.items()}}
+    print(f"kvtc level {level}: q entropy B/token " +
+          "  ".join(f"{n} {v:,.0f} ({v / row['direct']:.3f}x)" for n, v in row.items()))
+  pathlib.Path(_OUT.value).mkdir(parents=True, exist_ok=True)
+  (pathlib.Path(_OUT.value) / "kvtc_delta_sweep.json").write_text(json.dumps({
+      "benchmark": "kvtc_design --delta_sweep", "machine": machine(), "git_sha": git_sha(),
+      "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": len(held)},
+      "level_kl": list(kvtc.KVTC_LEVEL_KL), "anchor_strides": strides,
+      "measure": "order-0 entropy per (layer, K/V, band of components) model, bytes per token",
+      "results": out, "elapsed_s": time.time() - t0}, indent=1))
 
 
 def rounding_sweep(kv_of, held, shipped, lm, dims, t0):
