@@ -106,7 +106,10 @@ class LoaderStats:
     released_staged: landed chunks freed without being inserted.
     queued: loads handed over and not yet started.
     in_flight: reads started and not yet landed.
-    staged_bytes: stored bytes landed on the host and not yet taken (inserted) or released.
+    staged_bytes: bytes held by landed chunks not yet taken (inserted) or released: their stored
+      bytes, plus the arrays decoded on the device (kvtc's int16 codes from "rans-bands", 5.9 MB
+      for a SmolLM2 chunk, several times its stored bytes), so the staging budget bounds what
+      staging holds on the device too.
     link_busy_s: seconds with at least one read in flight.
     read_bytes: stored bytes of every landed read.
     device_decoded: landed chunks whose entropy coding was decoded on the device (kvtc
@@ -287,6 +290,13 @@ class SaverStats:
   failures: int = 0
 
 
+
+def _held_nbytes(hit: ChunkHit) -> int:
+  """Bytes a staged chunk holds: its stored bytes plus every array already decoded on the device
+  (`KVStoreClient._decode_on_device`)."""
+  return int(hit.encoding.nbytes) + sum(int(a.nbytes) for a in hit.payload.values()
+                                        if isinstance(a, jax.Array))
+
 class KVStoreClient:
   """Keys, loads and saves for one model's KV layout over a `TieredStore`.
 
@@ -353,6 +363,7 @@ class KVStoreClient:
     self._queue: collections.deque[_Pending] = collections.deque()
     self._reading: dict[tuple[Any, int], _Pending] = {}
     self._staged: dict[tuple[Any, int], ChunkHit] = {}
+    self._staged_held: dict[tuple[Any, int], int] = {}  # bytes each staged chunk holds
     self._reports: list[LoadReport] = []
     self._reported = threading.Event()
     self._last_done_s = -math.inf
@@ -619,7 +630,8 @@ class KVStoreClient:
           self._pf = dataclasses.replace(self._pf, useful=self._pf.useful + 1)
       if ok and not item.released:
         self._staged[key] = got
-        self._stats.staged_bytes += nbytes
+        self._staged_held[key] = held = _held_nbytes(got)
+        self._stats.staged_bytes += held
       self._reports.append(LoadReport(
           request_id=item.request_id, index=item.index, ok=ok, nbytes=nbytes,
           tier=got.tier if ok else "",
@@ -650,7 +662,7 @@ class KVStoreClient:
     """
     with self._lock:
       hit = self._staged.pop((request_id, index))
-      self._stats.staged_bytes -= int(hit.encoding.nbytes)
+      self._stats.staged_bytes -= self._staged_held.pop((request_id, index))
     self._pump()
     return hit
 
@@ -670,7 +682,8 @@ class KVStoreClient:
       elif key in self._reading:
         self._reading[key].released = True
       elif key in self._staged:
-        self._stats.staged_bytes -= int(self._staged.pop(key).encoding.nbytes)
+        del self._staged[key]
+        self._stats.staged_bytes -= self._staged_held.pop(key)
         self._stats.released_staged += 1
     self._pump()
 
@@ -686,7 +699,8 @@ class KVStoreClient:
         self._reading.pop(k).future.cancel()
       staged = [k for k in self._staged if k[0] == request_id]
       for k in staged:
-        self._stats.staged_bytes -= int(self._staged.pop(k).encoding.nbytes)
+        del self._staged[k]
+        self._stats.staged_bytes -= self._staged_held.pop(k)
       self._reports = [r for r in self._reports if r.request_id != request_id]
       n = len(queued) + len(reading) + len(staged)
       self._stats.cancelled += len(queued) + len(reading)

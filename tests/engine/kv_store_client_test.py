@@ -4,10 +4,11 @@ refill as reads land, staging, release, cancel)."""
 import asyncio
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from kvjax.engine.kv_store_client import KVStoreClient, SaveJob
+from kvjax.engine.kv_store_client import KVStoreClient, SaveJob, _held_nbytes
 from kvjax.storage.tiers import KVStore
 from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout, MissReason
 
@@ -203,6 +204,19 @@ class LoaderTest(absltest.TestCase):
     got = self.client.landed(wait_s=30)
     self.assertEqual([(r.request_id, r.index) for r in got], [("other", 0)])
     self.assertEqual(self.client.loads_in_flight(), 0)
+
+
+class StagedBytesTest(absltest.TestCase):
+
+  def test_device_decoded_arrays_count_toward_staging(self):
+    # A chunk whose codes were rANS-decoded on the device holds them there (int16, several times
+    # its stored bytes): the staging budget charges both; a host-only payload, its stored bytes.
+    enc = Encoding("kvtc", 4, 3, "obj", 100, "0" * 32)
+    on_device = ChunkHit(None, enc, None, "disk",
+                         {"q": jnp.zeros((4, 8), jnp.int16), "step": np.zeros(2, np.float32)})
+    on_host = ChunkHit(None, enc, None, "disk", {"q": np.zeros((4, 8), np.int16)})
+    self.assertEqual(_held_nbytes(on_device), 100 + 4 * 8 * 2)
+    self.assertEqual(_held_nbytes(on_host), 100)
 
 
 if __name__ == "__main__":

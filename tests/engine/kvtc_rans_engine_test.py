@@ -58,6 +58,7 @@ class KVTCRansEngineTest(absltest.TestCase):
     self.assertEqual(warm_r.metrics.num_loaded_tokens, 3 * C)
     self.assertEqual(warm_p.metrics.num_loaded_tokens, 3 * C)
     self.assertEqual(stats_r.device_decoded, 3)  # every loaded chunk decoded on the device
+    self.assertEqual((stats_r.staged_bytes, stats_p.staged_bytes), (0, 0))  # all released
     self.assertEqual(stats_p.device_decoded, 0)  # pco-bands: decoded on the host
     self.assertEqual(cold_r.token_ids, cold_p.token_ids)
     self.assertEqual(warm_r.token_ids, warm_p.token_ids)
