@@ -176,7 +176,7 @@ CODECS: Mapping[str, Codec] = {c.name: c for c in (
           "measured output sensitivity (reverse water-filling: low-variance components fall to "
           "zero; Sullivan & Wiegand, IEEE SPM 1998, for the deadzone), the first token of a "
           "sequence (the attention sink, StreamingLLM arXiv 2309.17453) at 1/16 of the step, "
-          "and entropy coding per band of components (`kvjax.kernels.kvtc`)", default_level=3),
+          "and entropy coding per band of components (`kvjax.kernels.kvtc`)", default_level=1),
 )}
 #: Codec id -> levels (0 is the finest).
 CODEC_LEVELS: Mapping[str, tuple[int, ...]] = {c.name: c.levels for c in CODECS.values()}

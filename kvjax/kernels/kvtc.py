@@ -73,15 +73,15 @@ protocol, `scripts/bench_codec_reduced.py`, 5 book passages x 2,048 + 256 scored
     sides which tokens are protected; `kvtc_encode` and the decoders take it.
   - Level ladder (version 4): KVTC_LEVEL_KL (predicted KL per token, nats) 0.001 / 0.006 /
     0.012 / 0.024 / 0.036. Version 3 had the last four; version 4 adds level 0, a near-lossless
-    level for the outputs that must not change: on 5.5K-token LongChat prompts (32 greedy
-    tokens, 5 prompts) a level at predicted KL 0.001 gave outputs identical to raw 5/5 (int8 4/5
-    in the same run) at 5,456 B/token (2x below int8), where predicted KL 0.006 gave 3/5 and
-    0.024 1/5 (`benchmarks/results/kvtc_v4/`). Measured in the reduced protocol
-    (`benchmarks/results/kvtc_v3_reduced/`, version 3's levels, now 1-4) 3,702 / 3,139 / 2,629 /
-    2,359 stored B/token at perplexity x1.0043 / x1.0004 / x1.0050 / x1.0140 (KL 0.0028 /
-    0.0048 / 0.011 / 0.014). Level 3 (predicted KL 0.024) is the best level within 1% of raw
-    and the codec's default level; the full 20-passage protocol is in
-    `benchmarks/results/bench_codec_kvtc_v4.json`.
+    level for outputs that must not change. The issue-13 protocol (20 passages x 4,096-token
+    prefix + 256 scored, chunks of 256, the model's calibrated transform, rans-bands bytes;
+    `benchmarks/results/kvtc_v4/bench_codec.json`): 5,468 / 3,768 / 3,198 / 2,685 / 2,412
+    stored B/token at perplexity x1.0011 / x1.0020 / x1.0100 / x1.0156 / x1.0133 (95% t upper
+    ends 1.0024 / 1.0052 / 1.0156 / 1.0218 / 1.0212; KL 0.00055 / 0.0040 / 0.0087 / 0.015 /
+    0.016). Level 1 is the default: the best level within 1% of raw with confidence (level 2
+    sits on the line). On 5.5K-token LongChat prompts (32 greedy tokens, 5 prompts) outputs
+    identical to raw: level 0 5/5, levels 1-4 2/5, 1/5, 1/5, 2/5, int8 4/5 in the same run
+    (`benchmarks/results/kvtc_v4/longchat.json`).
 
 Encode and decode are one `lax.scan` over layers each (the prediction is sequential), jit'd jnp:
 the CPU path and the reference of any device kernel.

@@ -48,7 +48,7 @@ class KVTCEngineTest(absltest.TestCase):
     cache_dir, store = os.path.join(tmp, "cache"), os.path.join(tmp, "kv")
     llm = make_llm(cache_dir, store)
     tid = llm.kvtc_transform.transform_id
-    self.assertEqual(llm.kv_store.codec_levels, (3,))  # one default level
+    self.assertEqual(llm.kv_store.codec_levels, (1,))  # one default level
     cached = [f for f in os.listdir(os.path.join(cache_dir, "params")) if f.startswith("kvtc-")]
     self.assertLen(cached, 1)
     cold = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
@@ -56,7 +56,7 @@ class KVTCEngineTest(absltest.TestCase):
     warm = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
     self.assertEqual(warm.num_cached_tokens, 3 * C)
     self.assertEqual(warm.metrics.num_loaded_tokens, 3 * C)
-    self.assertEqual(set(warm.metrics.merge.levels.values()), {"kvtc/3"})
+    self.assertEqual(set(warm.metrics.merge.levels.values()), {"kvtc/1"})
     self.assertEqual(warm.token_ids[0], cold.token_ids[0])
     for t, lp in cold.logprobs[0].items():
       if t in warm.logprobs[0]:
