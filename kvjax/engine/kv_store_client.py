@@ -143,6 +143,7 @@ class TierSnapshot:
     demotions_in: chunks written into it by a demotion from the tier above (write-back).
     demotions_out: chunks it evicted that the tier below took by a demotion.
     demotion_drops: chunks it evicted and lost (the demotion failed or was declined).
+    written_bytes: bytes of chunks published into it (saves, promotions, demotions).
   """
 
   name: str
@@ -157,6 +158,7 @@ class TierSnapshot:
   demotions_in: int = 0
   demotions_out: int = 0
   demotion_drops: int = 0
+  written_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -725,7 +727,8 @@ class KVStoreClient:
           int(limiter.bytes_granted) if limiter is not None else 0,
           s.hits if s is not None else 0, s.evictions if s is not None else 0,
           s.promotions if s is not None else 0, s.demotions_in if s is not None else 0,
-          s.demotions_out if s is not None else 0, s.demotion_drops if s is not None else 0))
+          s.demotions_out if s is not None else 0, s.demotion_drops if s is not None else 0,
+          s.bytes_written if s is not None else 0))
     return tuple(out)
 
   @property

@@ -97,6 +97,8 @@ class TierStats:
       declined it, or there is no tier below (a later request recomputes them).
     orphans_dropped: chunks this tier evicted without demoting them (or chose first as victims)
       because no tier holds their parent: they can never hit.
+    bytes_written: bytes of the chunks published into this tier (puts, promotions, demotions;
+      the arrays given, before a tier's own encoding).
   """
 
   hits: int = 0
@@ -112,6 +114,7 @@ class TierStats:
   demotions_unneeded: int = 0
   demotion_drops: int = 0
   orphans_dropped: int = 0
+  bytes_written: int = 0
 
 
 @runtime_checkable
@@ -454,6 +457,7 @@ class TieredStore:
           payloads=[EncodedPayload(hit.encoding.codec, hit.encoding.level, hit.payload)])
     if stored:
       self._count(self.host.name, "promotions")
+      self._count(self.host.name, "bytes_written", int(hit.encoding.nbytes))
     self._start_demotions()
 
   async def delete(self, chunk_hash: ChunkHash) -> list[str]:
@@ -541,6 +545,7 @@ class TieredStore:
         self._touch(t.name, chunk_hash, new=bool(ok))
       if ok:
         self._count(t.name, "puts")
+        self._count(t.name, "bytes_written", nbytes)
         p = self._persist.get(t.name)
         if p is not None:
           with self._lock:
@@ -664,6 +669,7 @@ class TieredStore:
       return False
     self._count(src, "demotions_out")
     self._count(lower.name, "demotions_in")
+    self._count(lower.name, "bytes_written", int(nbytes))
     self._touch(lower.name, rec.chunk_hash, new=True)
     p = self._persist[lower.name]
     with self._lock:

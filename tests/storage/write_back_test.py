@@ -86,6 +86,8 @@ class WriteBackTest(absltest.TestCase):
     self.assertEqual(stats["disk"].demotions_in, 3)
     self.assertEqual(stats["host"].demotion_drops, 0)
     self.assertEqual(stats["host"].promotions, 1)
+    self.assertEqual(stats["disk"].bytes_written, 3 * NBYTES)
+    self.assertEqual(stats["host"].bytes_written, 6 * NBYTES)  # 5 puts and 1 promotion
 
   def test_write_through_writes_every_put_to_disk(self):
     host, disk = HostMemoryTier(2 * NBYTES), mem("disk")
@@ -99,6 +101,7 @@ class WriteBackTest(absltest.TestCase):
 
     self.assertEqual(asyncio.run(body()), ["A", "B", "C"])
     self.assertEqual(store.stats["host"].demotions_out, 0)
+    self.assertEqual(store.stats["disk"].bytes_written, 3 * NBYTES)
 
   def test_hinted_chunk_is_neither_evicted_nor_demoted(self):
     store = store_of(host_chunks=2)
