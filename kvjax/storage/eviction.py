@@ -115,9 +115,9 @@ class EvictionPolicy(abc.ABC):
     """Returns chunks to evict, in eviction order, freeing at least `need_bytes`.
 
     Hinted chunks and `keep` (e.g. chunks a load is reading now) are never chosen, and like
-    hinted ones they keep their ancestors. When the unhinted chunks (or, for a chain-aware policy, the
-    ones reachable leaf by leaf) cannot free `need_bytes`, all of them are returned: the caller
-    compares the freed bytes with what it needs.
+    hinted ones they keep their ancestors. When the other chunks (or, for a chain-aware policy,
+    the ones reachable leaf by leaf) cannot free `need_bytes`, all of them are returned: the
+    caller compares the freed bytes with what it needs.
 
     Args:
       entries: every chunk in the tier.
