@@ -647,7 +647,8 @@ def plot_llm_placement(runs, path: pathlib.Path, n_convs: int) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
-  labels = [r["label"].replace(":", "\n") for r in runs]
+  short = {"write_through": "WT", "write_back": "WB"}
+  labels = [":".join(short.get(x, x) for x in r["label"].split(":")) for r in runs]
   host = [r["summary"]["host_loaded_chunks_ge2"] for r in runs]
   disk = [r["summary"]["disk_loaded_chunks_ge2"] for r in runs]
   a.bar(labels, host, label="from host")
@@ -659,6 +660,7 @@ def plot_llm_placement(runs, path: pathlib.Path, n_convs: int) -> None:
   b.set_ylabel("disk MB written")
   c.bar(labels, [r["summary"]["ttft_ge2_p50_s"] or 0 for r in runs])
   c.set_ylabel("TTFT p50, turns >= 2 (s)")
+  c.set_title("runs in sequence on a shared machine: noisy", fontsize=8)
   for ax in (a, b, c):
     ax.tick_params(axis="x", labelsize=7)
   fig.suptitle(f"bench_sessions --llm_placement: {n_convs} ShareGPT conversations, real engine, "
