@@ -44,6 +44,17 @@ Writes <out_dir>/bench_sessions_llm_lookahead.json and .png.
 
     nice -n 19 .venv/bin/python scripts/bench_sessions.py --nosim --llm_lookahead
 
+Mode `--llm_placement`: the same replay on the real engine, once per configuration of
+`--llm_configs` (placement:eviction:window, run one after another, each on a fresh LLM and disk
+tier, after a discarded warm-up replay): write_through vs write_back (`StoreConfig.placement`:
+write-back saves go to the host tier only and its victims are demoted to disk), LRU vs FIFO
+eviction (`StoreConfig.eviction`), look-ahead window 0 vs `--llm_window`, and "none" (no store:
+recompute). Reports host hit share of history chunks, disk bytes written, demotions, TTFT, and
+whether every configuration's greedy outputs are identical. Writes
+<out_dir>/bench_sessions_llm_placement.json and .png.
+
+    nice -n 19 .venv/bin/python scripts/bench_sessions.py --nosim --llm_placement
+
 Writes <out_dir>/bench_sessions_sim.json (bench_sessions_sim_quick.json with --quick): machine,
 versions, git SHA, seeds, settings, the trace's size, each load's queueing figures and every
 run's hit counts and planner stats; and a plot of hit rate vs capacity per policy (.png).
@@ -136,6 +147,12 @@ _LLM_WINDOW = flags.DEFINE_integer("llm_window", 8, "LLM mode: the look-ahead wi
 _LLM_MERGE = flags.DEFINE_enum("llm_merge_mode", "load_only", ["load_only", "cake"],
                                "LLM mode: merge mode (load_only: every stored history chunk is "
                                "loaded, so the tier counts are exact).")
+_LLM_PLACEMENT = flags.DEFINE_bool("llm_placement", False, "Replay conversations on the real "
+                                   "engine under each configuration of --llm_configs.")
+_LLM_CONFIGS = flags.DEFINE_list(
+    "llm_configs", ["write_through:lru:0", "write_back:lru:0", "write_through:lru:8",
+                    "write_back:lru:8", "write_through:fifo:0", "write_back:fifo:0", "none"],
+    "LLM placement mode: placement:eviction:window per run, or none (no store: recompute).")
 _LLM_MODEL = flags.DEFINE_string("llm_model", None, "LLM mode: model (default: SmolLM2-135M).")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 
@@ -373,7 +390,8 @@ class _Replay:
   call, each turn a session turn (`LLM.sessions`: its exact ids plus the new message). The device
   prefix cache is off, so every history hit comes from the host or disk tier."""
 
-  def __init__(self, window: int, convs: list[list[str]], disk: pathlib.Path):
+  def __init__(self, window: int, convs: list[list[str]], disk: pathlib.Path, *,
+               placement: str = "write_through", eviction: str = "lru", store_on: bool = True):
     from kvjax import LLM, SamplingParams  # noqa: PLC0415
     from kvjax.storage import StoreConfig, TierConfig  # noqa: PLC0415
 
@@ -386,8 +404,11 @@ class _Replay:
     self.chunk_bytes = cfg.n_layers * 2 * c * cfg.n_kv_heads * cfg.head_dim * self.dtype_bytes
     store = StoreConfig((TierConfig("host", capacity_bytes=_LLM_HOST.value * self.chunk_bytes),
                          TierConfig("disk", url=f"file://{disk}",
-                                    link_bytes_per_s=_LLM_DISK_BW.value or None)))
-    self.llm = LLM(**kw, kv_store=store, kv_chunk_size=c, max_num_seqs=_LLM_SEQS.value,
+                                    link_bytes_per_s=_LLM_DISK_BW.value or None)),
+                        placement=placement, eviction=eviction)
+    self.label = f"{placement}:{eviction}:{window}" if store_on else "none"
+    self.llm = LLM(**kw, kv_store=store if store_on else None, kv_chunk_size=c,
+                   max_num_seqs=_LLM_SEQS.value,
                    enable_prefix_caching=False, kv_lookahead_window=window, session_ttl_s=None,
                    max_pinned_sessions=0, kv_merge_mode=_LLM_MERGE.value)
     self.params = SamplingParams(max_tokens=_LLM_MAX_TOKENS.value, temperature=0.0)
@@ -436,7 +457,8 @@ class _Replay:
     ttfts = sorted(r["ttft_s"] for r in later)
     pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
     return {
-        "window": self.window, "generate_wall_s": self.busy_s, "rows": rows,
+        "window": self.window, "label": self.label, "generate_wall_s": self.busy_s,
+        "rows": rows,
         "summary": {
             "turns_ge2": len(later), "history_chunks_ge2": hist_chunks,
             "loaded_chunks_ge2": len(tiers), "host_loaded_chunks_ge2": tiers.count("host"),
@@ -446,9 +468,12 @@ class _Replay:
             "any_hit_rate_of_history_chunks": len(tiers) / hist_chunks if hist_chunks else None,
             "ttft_ge2_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
             "ttft_ge2_p50_s": pct(0.5), "ttft_ge2_p90_s": pct(0.9),
-            "prefetch": dataclasses.asdict(st.prefetch),
+            "prefetch": dataclasses.asdict(st.prefetch) if st.prefetch is not None else None,
             "tiers": {t.name: {"hits": t.hits, "evictions": t.evictions,
-                               "promotions": t.promotions, "loaded_chunks": t.loaded_chunks}
+                               "promotions": t.promotions, "loaded_chunks": t.loaded_chunks,
+                               "demotions_in": t.demotions_in, "demotions_out": t.demotions_out,
+                               "demotion_drops": t.demotion_drops,
+                               "written_bytes": t.written_bytes}
                       for t in st.tiers}},
         "settings": {"chunk_tokens": c, "chunk_bytes": self.chunk_bytes,
                      "host_chunks": _LLM_HOST.value, "disk_bytes_per_s": _LLM_DISK_BW.value,
@@ -543,7 +568,109 @@ def plot_llm(runs, path: pathlib.Path, n_convs: int) -> None:
   fig.savefig(path, dpi=110)
 
 
-MODES = {"sim": (_SIM, run_sim), "server": (_SERVER, run_server), "llm": (_LLM, run_llm)}
+def run_llm_placement() -> None:
+  import tempfile  # noqa: PLC0415
+  import shutil  # noqa: PLC0415
+  convs = session_replay.load_conversations(pathlib.Path(_DATA.value) / TRACE, _LLM_CONVS.value,
+                                            _LLM_TURNS.value, _LLM_CHARS.value, _SEED.value)
+  configs = []
+  for spec in _LLM_CONFIGS.value:
+    if spec == "none":
+      configs.append(dict(window=0, store_on=False))
+      continue
+    try:
+      placement, eviction, window = spec.split(":")
+      configs.append(dict(window=int(window), placement=placement, eviction=eviction))
+    except ValueError as e:
+      raise app.UsageError(f"--llm_configs entry {spec!r}: want placement:eviction:window "
+                           f"or none ({e})") from e
+  at_start = machine()
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-bench-placement-"))
+  rounds = range(max(len(cv) for cv in convs))
+  runs = []
+  try:
+    warm = _Replay(_LLM_WINDOW.value, convs, tmp / "warmup")  # compiles every program shape
+    for t in rounds:
+      warm.round(t)
+    warm = warm.result()
+    for k, cfg in enumerate(configs):
+      rep = _Replay(convs=convs, disk=tmp / f"disk-{k}", **cfg)
+      for t in rounds:
+        rep.round(t)
+      runs.append(rep.result())
+      print(f"  done {runs[-1]['label']}: {runs[-1]['generate_wall_s']:.0f} s", flush=True)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  ref = runs[0]["rows"]
+  same = all([a["output_token_ids"] for a in r["rows"]] == [a["output_token_ids"] for a in ref]
+             for r in runs)
+  print(f"bench_sessions --llm_placement: {len(convs)} ShareGPT conversations x up to "
+        f"{_LLM_TURNS.value} turns, {_LLM_SEQS.value} running at once, host tier "
+        f"{_LLM_HOST.value} chunks of {_LLM_CHUNK.value} tokens over disk "
+        f"({_LLM_DISK_BW.value / 1e6:g} MB/s emulated), device prefix cache off")
+  head = (f"{'config':>22} {'hist':>5} {'host':>5} {'disk':>5} {'host share':>10} "
+          f"{'disk MB written':>15} {'demoted':>7} {'TTFT p50':>9} {'TTFT mean':>9}")
+  print(head)
+  for r in runs:
+    s = r["summary"]
+    disk = s["tiers"].get("disk", {})
+    host = s["tiers"].get("host", {})
+    r["summary"]["disk_written_bytes"] = disk.get("written_bytes", 0)
+    share = s["host_hit_rate_of_history_chunks"] or 0.0
+    print(f"{r['label']:>22} {s['history_chunks_ge2']:>5} {s['host_loaded_chunks_ge2']:>5} "
+          f"{s['disk_loaded_chunks_ge2']:>5} {share:>10.3f} "
+          f"{disk.get('written_bytes', 0) / 1e6:>15.2f} {host.get('demotions_out', 0):>7} "
+          f"{s['ttft_ge2_p50_s']:>9.3f} {s['ttft_ge2_mean_s']:>9.3f}")
+  print(f"greedy outputs identical across all {len(runs)} configurations: {same}")
+  record = {"benchmark": "bench_sessions_llm_placement", "machine": at_start,
+            "machine_at_end": machine(), "threads": {"cpu_count": os.cpu_count()},
+            "versions": versions(), "git_sha": git_sha(),
+            "seeds": {"conversations": _SEED.value, "sampling": "greedy"},
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "conversations": len(convs), "configs": list(_LLM_CONFIGS.value),
+            "merge_mode": _LLM_MERGE.value, "outputs_identical": same,
+            "order": "one configuration after another, each a fresh LLM in this process",
+            "warmup_run": {"label": warm["label"], "generate_wall_s": warm["generate_wall_s"],
+                           "note": "discarded: compiles every program shape"},
+            "runs": runs}
+  out = pathlib.Path(_OUT_DIR.value)
+  out.mkdir(parents=True, exist_ok=True)
+  name = "bench_sessions_llm_placement" + (
+      "" if _LLM_HOST.value == _LLM_HOST.default else f"_host{_LLM_HOST.value}")
+  (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+  plot_llm_placement(runs, out / f"{name}.png", len(convs))
+  print(f"wrote {out / (name + '.json')} and .png")
+
+
+def plot_llm_placement(runs, path: pathlib.Path, n_convs: int) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
+  short = {"write_through": "WT", "write_back": "WB"}
+  labels = [":".join(short.get(x, x) for x in r["label"].split(":")) for r in runs]
+  host = [r["summary"]["host_loaded_chunks_ge2"] for r in runs]
+  disk = [r["summary"]["disk_loaded_chunks_ge2"] for r in runs]
+  a.bar(labels, host, label="from host")
+  a.bar(labels, disk, bottom=host, label="from disk")
+  a.set_ylabel("history chunks loaded, turns >= 2")
+  a.legend(fontsize=8)
+  b.bar(labels, [r["summary"]["tiers"].get("disk", {}).get("written_bytes", 0) / 1e6
+                 for r in runs])
+  b.set_ylabel("disk MB written")
+  c.bar(labels, [r["summary"]["ttft_ge2_p50_s"] or 0 for r in runs])
+  c.set_ylabel("TTFT p50, turns >= 2 (s)")
+  c.set_title("runs in sequence on a shared machine: noisy", fontsize=8)
+  for ax in (a, b, c):
+    ax.tick_params(axis="x", labelsize=7)
+  fig.suptitle(f"bench_sessions --llm_placement: {n_convs} ShareGPT conversations, real engine, "
+               f"{os.cpu_count()} CPU cores", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+MODES = {"sim": (_SIM, run_sim), "server": (_SERVER, run_server), "llm": (_LLM, run_llm),
+         "llm_placement": (_LLM_PLACEMENT, run_llm_placement)}
 
 
 def main(argv):

@@ -143,6 +143,10 @@ class TierSnapshot:
     hits: verified reads it served (loads, prefetches and re-rotation reads).
     evictions: chunks it evicted for capacity.
     promotions: chunks copied into it from a lower tier (reads and prefetches).
+    demotions_in: chunks written into it by a demotion from the tier above (write-back).
+    demotions_out: chunks it evicted that the tier below took by a demotion.
+    demotion_drops: chunks it evicted and lost (the demotion failed or was declined).
+    written_bytes: bytes of chunks published into it (saves, promotions, demotions).
   """
 
   name: str
@@ -154,6 +158,10 @@ class TierSnapshot:
   hits: int = 0
   evictions: int = 0
   promotions: int = 0
+  demotions_in: int = 0
+  demotions_out: int = 0
+  demotion_drops: int = 0
+  written_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -732,7 +740,9 @@ class KVStoreClient:
           float(limiter.current_rate()) if limiter is not None else None,
           int(limiter.bytes_granted) if limiter is not None else 0,
           s.hits if s is not None else 0, s.evictions if s is not None else 0,
-          s.promotions if s is not None else 0))
+          s.promotions if s is not None else 0, s.demotions_in if s is not None else 0,
+          s.demotions_out if s is not None else 0, s.demotion_drops if s is not None else 0,
+          s.bytes_written if s is not None else 0))
     return tuple(out)
 
   @property
@@ -930,8 +940,10 @@ class KVStoreClient:
       return False
 
   def flush(self) -> None:
-    """Blocks until every queued save has been written (or has failed and been counted)."""
+    """Blocks until every queued save has been written (or has failed and been counted), and
+    every demotion those saves started (write-back placement) is done."""
     self._jobs.join()
+    self._run(self.store.drain())
 
   def _save_loop(self) -> None:
     while True:
@@ -989,5 +1001,9 @@ class KVStoreClient:
       self._transfer_thread.join()
     self._jobs.put(None)
     self._saver.join()
+    try:  # demotions in flight (write-back) are written before the loop stops
+      self._run(self.store.drain())
+    except Exception as e:  # noqa: BLE001 - closing must not fail on a stuck tier
+      _log.warning("waiting for demotions at close failed: %r", e)
     self._loop.call_soon_threadsafe(self._loop.stop)
     self._loop_thread.join()

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Sequence
@@ -35,6 +36,7 @@ from kvjax.scheduler.scheduler import SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
+from kvjax.storage.store_config import PLACEMENTS
 from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
 
@@ -265,6 +267,10 @@ class LLM:
       when closed or expired); 0: none. Pins never take more than half the host tier.
     max_pinned_session_bytes: bytes of pinned sessions' chunks at most (None: half the host
       tier bounds them).
+    kv_placement: with a store, how chunks are placed in its tiers (`StoreConfig.placement`):
+      "write_through" (every save goes to the host tier and the disk) or "write_back" (saves go
+      to the host tier; what it evicts is demoted to the disk, and disk victims to a remote
+      tier); None (default): the `StoreConfig`'s own (write-through for a URL).
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -292,7 +298,8 @@ class LLM:
                session_truncation: str = "none", session_rerotate: bool = False,
                kv_lookahead_window: int = 8,
                max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS,
-               max_pinned_session_bytes: int | None = None):
+               max_pinned_session_bytes: int | None = None,
+               kv_placement: str | None = None):
     multihost_run = initialize_distributed(coordinator_address, num_processes, process_id)
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
                                    max_tokens=max_session_tokens, truncation=session_truncation,
@@ -402,7 +409,8 @@ class LLM:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
                                               kv_link_trace, runner, kv_codec,
                                               kv_codec_levels,
-                                              device_link_bytes_per_s=kv_device_link_bytes_per_s)
+                                              device_link_bytes_per_s=kv_device_link_bytes_per_s,
+                                              placement=kv_placement)
     remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
         kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
@@ -442,7 +450,8 @@ class LLM:
   def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
                          runner: ModelRunner, codec: str = "raw",
                          codec_levels: tuple[int, ...] = (0,), *,
-                         device_link_bytes_per_s: float | None = None) -> KVStoreClient:
+                         device_link_bytes_per_s: float | None = None,
+                         placement: str | None = None) -> KVStoreClient:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
         0 < chunk_size < runner.max_seq_len):
       raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
@@ -469,6 +478,10 @@ class LLM:
     else:
       raise ValueError(f"kv_store must be a URL string or a StoreConfig, got "
                        f"{type(kv_store).__name__}")
+    if placement is not None:
+      if not isinstance(placement, str) or placement not in PLACEMENTS:
+        raise ValueError(f"kv_placement={placement!r}; use one of {PLACEMENTS} or None")
+      config = dataclasses.replace(config, placement=placement)
     for tier in config.tiers:
       if tier.url is not None:
         _check_local_store_writable(tier.url)

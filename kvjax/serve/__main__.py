@@ -194,6 +194,11 @@ _MAX_PINNED = flags.DEFINE_integer(
 _MAX_PINNED_BYTES = flags.DEFINE_integer(
     "max_pinned_session_bytes", None,
     "Bytes of pinned sessions' chunks at most (default: half the host tier).")
+_PLACEMENT = flags.DEFINE_enum(
+    "kv_placement", None, ["write_through", "write_back"],
+    "With a store: write_through (default: saves go to the host tier and the disk) or "
+    "write_back (saves go to the host tier; its victims are demoted to the disk, the disk's to "
+    "a remote tier). Matters with a host tier (--kv_tiers).")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -239,7 +244,7 @@ def config_from_flags() -> ServerConfig:
         num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
         session_truncation=_SESSION_TRUNCATION.value, session_rerotate=_SESSION_REROTATE.value,
         kv_lookahead_window=_LOOKAHEAD.value, max_pinned_sessions=_MAX_PINNED.value,
-        max_pinned_session_bytes=_MAX_PINNED_BYTES.value,
+        max_pinned_session_bytes=_MAX_PINNED_BYTES.value, kv_placement=_PLACEMENT.value,
         **_scale_out_options())
   except ValueError as e:
     raise app.UsageError(str(e)) from e

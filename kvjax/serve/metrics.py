@@ -104,6 +104,12 @@ class _StoreCollector(Collector):
                                     labels=["tier"])
     hits = CounterMetricFamily("kvjax_store_tier_hits", "Verified chunk reads served, by tier "
                                "(loads, prefetches, re-rotation reads).", labels=["tier"])
+    demotions = CounterMetricFamily("kvjax_store_demotions", "Chunks a tier evicted and demoted "
+                                    "to the tier below (write-back placement), by tier.",
+                                    labels=["tier"])
+    demotion_drops = CounterMetricFamily("kvjax_store_demotion_drops", "Chunks a tier evicted "
+                                         "whose demotion failed (lost), by tier.",
+                                         labels=["tier"])
     for t in snap.tiers:
       for reason, n in t.misses.items():
         if reason != "absent":
@@ -114,7 +120,9 @@ class _StoreCollector(Collector):
         granted.add_metric([t.name], t.link_granted_bytes)
       evictions.add_metric([t.name], t.evictions)
       hits.add_metric([t.name], t.hits)
-    yield from (rejected, read, rate, granted, evictions, hits)
+      demotions.add_metric([t.name], t.demotions_out)
+      demotion_drops.add_metric([t.name], t.demotion_drops)
+    yield from (rejected, read, rate, granted, evictions, hits, demotions, demotion_drops)
     if snap.prefetch is not None:
       pf = CounterMetricFamily(
           "kvjax_kv_prefetch", "Look-ahead prefetches into the host tier: issued (a chunk copied "

@@ -103,6 +103,7 @@ class ServerConfig:
       its oldest turns; re-rotate the kept turns' stored KV).
     kv_lookahead_window, max_pinned_sessions, max_pinned_session_bytes: as `LLM(...)` (the
       look-ahead window of prefetch and eviction; sessions' KV pinned in the host tier).
+    kv_placement: as `LLM(...)`: "write_through", "write_back" or None (the tiers' default).
 
   Raises:
     ValueError: a bad port, codec, limit, host, origin, key or session limit, or KV events
@@ -159,6 +160,7 @@ class ServerConfig:
   kv_lookahead_window: int = 8
   max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS
   max_pinned_session_bytes: int | None = None
+  kv_placement: str | None = None
 
   @property
   def is_follower(self) -> bool:
@@ -199,6 +201,9 @@ class ServerConfig:
     w = self.kv_lookahead_window
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
       raise ValueError(f"kv_lookahead_window={w!r} must be an int >= 0")
+    if self.kv_placement not in (None, "write_through", "write_back"):
+      raise ValueError(f"kv_placement={self.kv_placement!r}; use 'write_through' or "
+                       "'write_back'")
 
   def http_policy(self) -> HttpPolicy:
     """The `guard.HttpPolicy` of these options."""
@@ -252,6 +257,8 @@ class ServerConfig:
       opts.update(kv_chunk_size=self.kv_chunk_size, kv_link_bytes_per_s=self.kv_link_bytes_per_s,
                   kv_link_trace=self.kv_link_trace, kv_merge_mode=self.kv_merge_mode,
                   kv_codec_consistent=self.kv_codec_consistent)
+      if self.kv_placement is not None:
+        opts["kv_placement"] = self.kv_placement
     return opts
 
 

@@ -110,20 +110,23 @@ class EvictionPolicy(abc.ABC):
   def order_key(self, entry: EntryInfo) -> tuple:
     """Sort key among candidates; lowest goes first."""
 
-  def victims(self, entries: Sequence[EntryInfo], need_bytes: int) -> list[ChunkHash]:
+  def victims(self, entries: Sequence[EntryInfo], need_bytes: int,
+              keep: frozenset[ChunkHash] | set[ChunkHash] = frozenset()) -> list[ChunkHash]:
     """Returns chunks to evict, in eviction order, freeing at least `need_bytes`.
 
-    Hinted chunks are never chosen. When the unhinted chunks (or, for a chain-aware policy, the
-    ones reachable leaf by leaf) cannot free `need_bytes`, all of them are returned: the caller
-    compares the freed bytes with what it needs.
+    Hinted chunks and `keep` (e.g. chunks a load is reading now) are never chosen, and like
+    hinted ones they keep their ancestors. When the other chunks (or, for a chain-aware policy,
+    the ones reachable leaf by leaf) cannot free `need_bytes`, all of them are returned: the
+    caller compares the freed bytes with what it needs.
 
     Args:
       entries: every chunk in the tier.
       need_bytes: bytes to free; <= 0 returns [].
+      keep: chunks not to choose this time.
     """
     if need_bytes <= 0:
       return []
-    hinted = self._hinted
+    hinted = self._hinted | frozenset(keep) if keep else self._hinted
     if not self.chain_aware:
       order = sorted((e for e in entries if e.chunk_hash not in hinted), key=self.order_key)
       return _take(order, need_bytes)

@@ -7,6 +7,11 @@ encodings (raw and codec payloads): the host keeps each encoding's arrays as giv
 codecs stay quantized, so host memory holds compressed chunks; entropy coding is a byte format
 and is not kept here), and counts their bytes against the capacity. `Tier` is the async
 interface every tier shares.
+
+With `demote=True` (the write-back placement of `TieredStore`) an evicted chunk is not dropped
+at once: it leaves the capacity count and waits, still readable, as an `Evicted` record until
+the store has written it to the next tier down (`take_evicted`, then `release`), so a read
+racing a demotion finds either this copy or the lower one.
 """
 
 from __future__ import annotations
@@ -74,6 +79,21 @@ class _HostEntry:
   inserted: int
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Evicted:
+  """A chunk the host tier evicted and holds, still readable, until its demotion is done.
+
+  Attributes:
+    record: its record (encodings as held here).
+    payloads: every encoding held, as `EncodedPayload`s (raw: `{"values": kv}`), read-only.
+    nbytes: bytes of those arrays.
+  """
+
+  record: ChunkRecord
+  payloads: tuple[EncodedPayload, ...]
+  nbytes: int
+
+
 def _frozen_copy(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   out = {}
   for name, a in arrays.items():
@@ -101,8 +121,15 @@ class HostMemoryTier:
   """
 
   def __init__(self, capacity_bytes: int | None, name: str = "host",
-               policy: EvictionPolicy | None = None):
+               policy: EvictionPolicy | None = None, *, demote: bool = False):
     """Creates an empty tier.
+
+    Args:
+      capacity_bytes: byte limit (None: unbounded).
+      name: tier name.
+      policy: eviction policy (default `LRUPolicy`).
+      demote: keep each evicted chunk readable, outside the capacity count, until `release`
+        (the write-back placement demotes it to the next tier; see `take_evicted`).
 
     Raises:
       ValueError: `capacity_bytes` <= 0.
@@ -113,7 +140,10 @@ class HostMemoryTier:
     self.capacity_bytes = capacity_bytes
     self.policy = policy if policy is not None else LRUPolicy()
     self.evictions = 0
+    self.demote = demote
     self._entries: dict[ChunkHash, _HostEntry] = {}
+    self._leaving: dict[ChunkHash, _HostEntry] = {}  # evicted, demotion not yet done
+    self._evicted: list[tuple[ChunkHash, _HostEntry]] = []  # not yet taken by take_evicted
     self._used = 0
     self._counter = itertools.count(1)
     self._lock = threading.Lock()
@@ -132,12 +162,16 @@ class HostMemoryTier:
 
   async def contains(self, hashes: Sequence[ChunkHash]) -> list[bool]:
     with self._lock:
-      return [h in self._entries for h in hashes]
+      return [h in self._entries or h in self._leaving for h in hashes]
 
   async def peek(self, hashes: Sequence[ChunkHash]) -> list[ChunkRecord | None]:
     """Each held chunk's record (listing the encodings held here), or None."""
     with self._lock:
-      return [self._entries[h].record if h in self._entries else None for h in hashes]
+      out = []
+      for h in hashes:
+        e = self._entries.get(h) or self._leaving.get(h)
+        out.append(e.record if e is not None else None)
+      return out
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                 layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
@@ -152,7 +186,7 @@ class HostMemoryTier:
       ValueError: `choose` returned something that is not one of the encodings it was given.
     """
     with self._lock:
-      entry = self._entries.get(chunk_hash)
+      entry = self._entries.get(chunk_hash) or self._leaving.get(chunk_hash)
       if entry is None:
         return ChunkMiss(chunk_hash, MissReason.ABSENT)
       rec = entry.record
@@ -270,9 +304,39 @@ class HostMemoryTier:
     if any(v not in sizes for v in victims) or sum(sizes[v] for v in victims) < need:
       return False
     for v in victims:
-      self._used -= self._entries.pop(v).nbytes
+      entry = self._entries.pop(v)
+      self._used -= entry.nbytes
       self.evictions += 1
+      if self.demote:
+        self._leaving[v] = entry
+        self._evicted.append((v, entry))
     return True
+
+  def take_evicted(self) -> list[Evicted]:
+    """The chunks evicted since the last call, in eviction order (with `demote`; else []).
+
+    Each stays readable here until `release`: the caller writes it to the next tier first.
+    """
+    with self._lock:
+      taken, self._evicted = self._evicted, []
+    return [Evicted(e.record, tuple(EncodedPayload(c, l, a) for (c, l), a in e.arrays.items()),
+                    e.nbytes) for _, e in taken]
+
+  def is_leaving(self, chunk_hash: ChunkHash) -> bool:
+    """Whether an evicted chunk is held for its demotion (not yet released or deleted)."""
+    with self._lock:
+      return chunk_hash in self._leaving
+
+  def release(self, chunk_hash: ChunkHash) -> bool:
+    """Forgets an evicted chunk (its demotion is done, or failed); True if it was held."""
+    with self._lock:
+      return self._leaving.pop(chunk_hash, None) is not None
+
+  @property
+  def leaving_bytes(self) -> int:
+    """Bytes of evicted chunks still held for their demotion."""
+    with self._lock:
+      return sum(e.nbytes for e in self._leaving.values())
 
   def _infos_locked(self) -> list[EntryInfo]:
     depths = chain_depths({h: e.record.parent_hash for h, e in self._entries.items()})
@@ -286,18 +350,22 @@ class HostMemoryTier:
 
   async def delete(self, chunk_hash: ChunkHash) -> bool:
     with self._lock:
+      leaving = self._leaving.pop(chunk_hash, None)
       entry = self._entries.pop(chunk_hash, None)
       if entry is None:
-        return False
+        return leaving is not None
       self._used -= entry.nbytes
       return True
 
   async def records(self) -> list[ChunkRecord]:
     with self._lock:
-      return [e.record for e in self._entries.values()]
+      return [e.record for e in self._entries.values()] + [
+          e.record for h, e in self._leaving.items() if h not in self._entries]
 
   def snapshot(self) -> dict[str, Any]:
-    """{"chunks", "used_bytes", "capacity_bytes" (None: unbounded), "evictions"}."""
+    """{"chunks", "used_bytes", "capacity_bytes" (None: unbounded), "evictions",
+    "demoting_chunks" (evicted, held until their demotion is done)}."""
     with self._lock:
       return {"chunks": len(self._entries), "used_bytes": self._used,
-              "capacity_bytes": self.capacity_bytes, "evictions": self.evictions}
+              "capacity_bytes": self.capacity_bytes, "evictions": self.evictions,
+              "demoting_chunks": len(self._leaving)}

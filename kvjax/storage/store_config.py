@@ -10,8 +10,16 @@ from typing import Literal
 DEFAULT_DISK_CAPACITY_BYTES = 20 * 2**30
 
 
+#: Bytes of demotions (host -> disk, disk -> remote) in flight at most, when a config gives none
+#: (64 MiB: about 11 raw 256-token chunks of SmolLM2-135M in bf16).
+DEFAULT_DEMOTION_BYTES_IN_FLIGHT = 64 * 2**20
+
 TierKind = Literal["host", "disk", "remote"]
 _KINDS = ("host", "disk", "remote")
+#: How `TieredStore.put` places a chunk (see `StoreConfig.placement`).
+PLACEMENTS = ("write_through", "write_back")
+#: Eviction policies a config can name (`StoreConfig.eviction`).
+EVICTIONS = ("lru", "fifo")
 
 
 def url_kind(url: str) -> Literal["disk", "remote"]:
@@ -89,11 +97,33 @@ class StoreConfig:
 
   Attributes:
     tiers: at least one; a host tier, if any, comes first and alone; names are distinct.
+    placement: "write_through" (default): a put writes the host tier and the first persistent
+      tier (inclusive copies; a host eviction drops the host copy only). "write_back": a put
+      writes the host tier only, and a chunk a tier evicts is demoted to the next tier down
+      unless that tier holds it (CachedAttention, arXiv 2403.19708, section 3.3.2; see
+      `TieredStore`).
+    eviction: every tier's eviction policy: "lru" (chain-aware LRU, `LRUPolicy`) or "fifo"
+      (insertion order, `FIFOPolicy`: the baseline).
+    demotion_bytes_in_flight: write-back only: bytes of demotions being written at most (None:
+      `DEFAULT_DEMOTION_BYTES_IN_FLIGHT`).
   """
 
   tiers: tuple[TierConfig, ...]
+  placement: Literal["write_through", "write_back"] = "write_through"
+  eviction: Literal["lru", "fifo"] = "lru"
+  demotion_bytes_in_flight: int | None = None
 
   def __post_init__(self):
+    if self.placement not in PLACEMENTS:
+      raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+    if self.eviction not in EVICTIONS:
+      raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
+    if self.demotion_bytes_in_flight is not None and (
+        isinstance(self.demotion_bytes_in_flight, bool)
+        or not isinstance(self.demotion_bytes_in_flight, int)
+        or self.demotion_bytes_in_flight <= 0):
+      raise ValueError("demotion_bytes_in_flight must be a positive int or None, got "
+                       f"{self.demotion_bytes_in_flight!r}")
     tiers = tuple(self.tiers)
     object.__setattr__(self, "tiers", tiers)
     if not tiers:
@@ -123,7 +153,8 @@ class StoreConfig:
   @classmethod
   def from_url(cls, url: str, *, host_capacity_bytes: int | None = None,
                capacity_bytes: int | None = None,
-               link_bytes_per_s: float | None = None) -> "StoreConfig":
+               link_bytes_per_s: float | None = None,
+               placement: str = "write_through") -> "StoreConfig":
     """The simple `LLM(kv_store=url)` form: one tier, "disk" for local URLs, "remote" for s3.
 
     Args:
@@ -131,6 +162,7 @@ class StoreConfig:
       host_capacity_bytes: if given, a host tier of this size goes on top.
       capacity_bytes: the store tier's byte limit (default: by kind, see `TierConfig`).
       link_bytes_per_s: emulated read bandwidth of the store tier.
+      placement: see `StoreConfig.placement`.
 
     Raises:
       ValueError: an unknown URL scheme or bad sizes.
@@ -139,4 +171,4 @@ class StoreConfig:
                         link_bytes_per_s=link_bytes_per_s)]
     if host_capacity_bytes is not None:
       tiers.insert(0, TierConfig("host", capacity_bytes=host_capacity_bytes))
-    return cls(tuple(tiers))
+    return cls(tuple(tiers), placement=placement)

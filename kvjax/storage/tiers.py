@@ -14,7 +14,24 @@ Architecture:
                                                  (the encoding that was read)
            ── put(hash, ...) ─► host tier and the first persistent tier (write-through; raw KV
                                 and/or codec payloads, all encodings in one put)
+                                write-back: the host tier only; what it evicts is demoted
            ── hint(window) ──► every tier's policy: hinted chunks are not evicted
+
+Write-back placement (`placement="write_back"`, CachedAttention section 3.3.2): a put goes to the
+host tier only (to the first persistent tier when the host declines it). A chunk the host evicts
+is DEMOTED: written, in the encodings the host holds, to the first persistent tier, unless that
+tier already holds it (a chunk promoted from disk costs no write) or it can never hit (its parent
+is a non-root chunk that no tier holds). A persistent tier over its capacity evicts orphans
+(chunks whose prefix chain is broken in every tier) first, then by its policy, and demotes each
+victim to the next persistent tier (if any) before deleting it. Demotions run as tasks on the
+store's event loop, off the load path, with at most `demotion_bytes_in_flight` bytes being
+written (a put waits for room; a promotion is skipped when there is none); a demotion that fails
+is counted in `demotion_drops` and the chunk is lost (a later request recomputes it).
+
+Races: an evicted host chunk stays readable in the host tier (outside its capacity count) until
+the lower tier has published it, so a read finds the host copy or the lower one, never neither; a
+persistent tier's victim is written below before it is deleted, and reads fall through top down;
+a chunk a load is reading from a persistent tier is not chosen as its victim.
 
 A `Tier` is anything with the async chunk-store interface: `HostMemoryTier` here, and the
 tensorstore `ChunkStore` for disk and remote tiers (reads paced by a `LinkLimiter`). The host tier
@@ -39,11 +56,13 @@ import numpy as np
 
 from kvjax._typing import ChunkHash
 from kvjax.storage import codecs
-from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
-from kvjax.storage.host_tier import HostMemoryTier, Tier
+from kvjax.storage.eviction import (EntryInfo, EvictionPolicy, FIFOPolicy, LRUPolicy,
+                                    chain_depths)
+from kvjax.storage.host_tier import Evicted, HostMemoryTier, Tier
 from kvjax.storage.link import LinkLimiter, load_trace
-from kvjax.storage.store_config import (DEFAULT_DISK_CAPACITY_BYTES, StoreConfig, TierConfig,
-                                        url_kind)
+from kvjax.storage.store_config import (DEFAULT_DEMOTION_BYTES_IN_FLIGHT,
+                                        DEFAULT_DISK_CAPACITY_BYTES, PLACEMENTS, StoreConfig,
+                                        TierConfig, url_kind)
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  KVLayout, MissReason)
 
@@ -71,6 +90,15 @@ class TierStats:
     puts: chunks published by `TieredStore.put` or promotion.
     put_errors: writes that raised.
     dropped: bad copies (corrupt, checksum mismatch, missing data) deleted after a read.
+    demotions_in: chunks written into this tier by a demotion from the tier above (write-back).
+    demotions_out: chunks this tier evicted that the tier below took by a demotion.
+    demotions_unneeded: chunks this tier evicted that the tier below already held (no write).
+    demotion_drops: chunks this tier evicted and lost: the demotion failed, the tier below
+      declined it, or there is no tier below (a later request recomputes them).
+    orphans_dropped: chunks this tier evicted without demoting them (or chose first as victims)
+      because no tier holds their parent: they can never hit.
+    bytes_written: bytes of the chunks published into this tier (puts, promotions, demotions;
+      the arrays given, before a tier's own encoding).
   """
 
   hits: int = 0
@@ -81,6 +109,12 @@ class TierStats:
   puts: int = 0
   put_errors: int = 0
   dropped: int = 0
+  demotions_in: int = 0
+  demotions_out: int = 0
+  demotions_unneeded: int = 0
+  demotion_drops: int = 0
+  orphans_dropped: int = 0
+  bytes_written: int = 0
 
 
 @runtime_checkable
@@ -110,6 +144,9 @@ class KVStore(Protocol):
 
   async def delete(self, chunk_hash: ChunkHash) -> list[str]:
     """Removes a chunk from every tier; the names of the tiers that held it."""
+
+  async def drain(self) -> None:
+    """Waits until every demotion started so far is done (write-back; else returns at once)."""
 
   def hint(self, upcoming: Sequence[Sequence[ChunkHash]]) -> None:
     """The look-ahead window for eviction."""
@@ -143,18 +180,23 @@ def _record_nbytes(rec: ChunkRecord) -> int:
 
 
 class TieredStore:
-  """Tiers searched from the top, with promotion, write-through and capacity eviction.
+  """Tiers searched from the top, with promotion, write-through or write-back, and capacity
+  eviction (demotion in write-back; see the module docstring).
 
   Attributes:
     tiers: the tiers, top first.
     host: the host tier (the first `HostMemoryTier`), or None.
     limiters: tier name -> its link limiter (set by `build_tiers`).
+    placement: "write_through" or "write_back".
+    demotion_bytes_in_flight: write-back: bytes of demotions being written at most.
   """
 
   def __init__(self, tiers: Sequence[Tier], *,
                policies: Sequence[EvictionPolicy | None] | None = None,
                capacities: Sequence[int | None] | None = None,
-               write_all_persistent: bool = False, drop_bad_copies: bool = True):
+               write_all_persistent: bool = False, drop_bad_copies: bool = True,
+               placement: str = "write_through",
+               demotion_bytes_in_flight: int = DEFAULT_DEMOTION_BYTES_IN_FLIGHT):
     """Creates a store over `tiers`.
 
     Args:
@@ -165,10 +207,15 @@ class TieredStore:
         for a `HostMemoryTier` (it has its own).
       write_all_persistent: `put` writes every persistent tier, not only the first.
       drop_bad_copies: delete a copy whose read found it corrupt, so a good one can replace it.
+      placement: "write_through" or "write_back" (`StoreConfig.placement`). Write-back turns on
+        the host tier's `demote` (this store then owns its evicted chunks).
+      demotion_bytes_in_flight: write-back: bytes of demotions being written at most (a put
+        waits for room; at least one demotion always runs).
 
     Raises:
       ValueError: no tiers, repeated names, lengths that do not match, a policy or capacity given
-        for a host tier, or a non-positive capacity.
+        for a host tier, a non-positive capacity, an unknown placement, write-back with
+        `write_all_persistent`, or a non-positive `demotion_bytes_in_flight`.
       TypeError: a tier without the `Tier` interface.
     """
     self.tiers = list(tiers)
@@ -195,12 +242,25 @@ class TieredStore:
       if c is not None and c <= 0:
         raise ValueError(f"capacity of tier {t.name!r} must be positive, got {c}")
       self._persist[t.name] = _Persistent(c, p if p is not None else LRUPolicy())
+    if placement not in PLACEMENTS:
+      raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement == "write_back" and write_all_persistent:
+      raise ValueError("write_all_persistent writes every tier: it is write-through only")
+    if demotion_bytes_in_flight <= 0:
+      raise ValueError(f"demotion_bytes_in_flight must be positive, got "
+                       f"{demotion_bytes_in_flight}")
     self.write_all_persistent = write_all_persistent
     self.drop_bad_copies = drop_bad_copies
+    self.placement = placement
+    self.demotion_bytes_in_flight = int(demotion_bytes_in_flight)
+    if placement == "write_back" and self.host is not None:
+      self.host.demote = True
     self.limiters: dict[str, LinkLimiter] = {}
     self._stats = {name: TierStats() for name in names}
     self._lock = threading.Lock()
     self._counter = itertools.count(1)
+    self._demotions: dict[asyncio.Task, int] = {}  # in flight -> its bytes
+    self._reading: dict[tuple[str, ChunkHash], int] = {}  # (tier, chunk) -> reads in progress
 
   # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -352,11 +412,19 @@ class TieredStore:
     """
     first_miss: ChunkMiss | None = None
     for i, t in enumerate(self.tiers):
+      key = (t.name, chunk_hash)
+      with self._lock:  # a persistent tier does not choose a chunk being read as a victim
+        self._reading[key] = self._reading.get(key, 0) + 1
       try:
         res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose)
       except Exception as e:  # noqa: BLE001  (a failing tier is a miss, never a user error)
         log.warning("get failed on tier %s", t.name, exc_info=True)
         res = ChunkMiss(chunk_hash, MissReason.READ_ERROR, repr(e))
+      finally:
+        with self._lock:
+          n = self._reading.pop(key) - 1
+          if n:
+            self._reading[key] = n
       if isinstance(res, ChunkHit):
         self._count(t.name, "hits")
         self._count(t.name, "bytes_read", int(res.encoding.nbytes))
@@ -376,6 +444,8 @@ class TieredStore:
     return first_miss
 
   async def _promote(self, hit: ChunkHit) -> None:
+    if self.host.demote and self._demoting_bytes() >= self.demotion_bytes_in_flight:
+      return  # the load path never waits for demotions: no copy now, no eviction
     rec = hit.record
     if hit.encoding.codec == "raw":
       stored = await self.host.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace,
@@ -387,6 +457,8 @@ class TieredStore:
           payloads=[EncodedPayload(hit.encoding.codec, hit.encoding.level, hit.payload)])
     if stored:
       self._count(self.host.name, "promotions")
+      self._count(self.host.name, "bytes_written", int(hit.encoding.nbytes))
+    self._start_demotions()
 
   async def delete(self, chunk_hash: ChunkHash) -> list[str]:
     """Removes a chunk from every tier (e.g. before rewriting a bad copy).
@@ -457,8 +529,9 @@ class TieredStore:
         codecs.payload_nbytes(p.arrays) for p in payloads)
     persistent = [t for t in self.tiers if t.name in self._persist]
     targets = persistent if self.write_all_persistent else persistent[:1]
+    write_back = self.placement == "write_back" and self.host is not None
     if self.host is not None:
-      targets = [self.host, *targets]
+      targets = [self.host] if write_back else [self.host, *targets]
 
     async def one(t: Tier) -> bool:
       try:
@@ -472,6 +545,7 @@ class TieredStore:
         self._touch(t.name, chunk_hash, new=bool(ok))
       if ok:
         self._count(t.name, "puts")
+        self._count(t.name, "bytes_written", nbytes)
         p = self._persist.get(t.name)
         if p is not None:
           with self._lock:
@@ -480,8 +554,151 @@ class TieredStore:
           await self._enforce_capacity(t)
       return bool(ok)
 
+    if write_back:
+      await self._demotion_room()
+      if await one(self.host):
+        self._start_demotions()
+        return [self.host.name]
+      self._start_demotions()
+      if (await self.host.contains([chunk_hash]))[0] or not persistent:
+        return []
+      # The host declined it (no room but hinted chunks, or larger than the host): the first
+      # persistent tier takes it, so write-back never loses a save the host cannot hold.
+      return [persistent[0].name] if await one(persistent[0]) else []
     done = await asyncio.gather(*(one(t) for t in targets))
     return [t.name for t, ok in zip(targets, done) if ok]
+
+  # -- demotion (write-back) --------------------------------------------------------------------
+
+  def _demoting_bytes(self) -> int:
+    with self._lock:
+      return sum(n for task, n in self._demotions.items() if not task.done())
+
+  async def _demotion_room(self) -> None:
+    """Waits (a put's caller: the saver) while the demotions in flight hold the byte bound."""
+    loop = asyncio.get_running_loop()
+    while True:
+      with self._lock:
+        mine = [t for t in self._demotions if t.get_loop() is loop and not t.done()]
+        nbytes = sum(self._demotions[t] for t in mine)
+      if not mine or nbytes < self.demotion_bytes_in_flight:
+        return
+      await asyncio.wait(mine, return_when=asyncio.FIRST_COMPLETED)
+
+  def _start_demotions(self) -> None:
+    """Starts one demotion task per chunk the host tier evicted since the last call."""
+    if self.host is None or not self.host.demote:
+      return
+    evicted = self.host.take_evicted()
+    if not evicted:
+      return
+    loop = asyncio.get_running_loop()
+    for ev in evicted:
+      task = loop.create_task(self._demote_host_chunk(ev))
+      with self._lock:
+        self._demotions[task] = ev.nbytes
+      task.add_done_callback(self._demotion_done)
+
+  def _demotion_done(self, task: asyncio.Task) -> None:
+    with self._lock:
+      self._demotions.pop(task, None)
+
+  async def drain(self) -> None:
+    """Waits until every demotion started so far (on this event loop) is done."""
+    loop = asyncio.get_running_loop()
+    while True:
+      with self._lock:
+        mine = [t for t in self._demotions if t.get_loop() is loop and not t.done()]
+      if not mine:
+        return
+      await asyncio.gather(*mine, return_exceptions=True)
+
+  def _below(self, tier_name: str) -> Tier | None:
+    """The next persistent tier under `tier_name`, or None."""
+    names = [t.name for t in self.tiers]
+    return next((t for t in self.tiers[names.index(tier_name) + 1:]
+                 if t.name in self._persist), None)
+
+  async def _held_anywhere(self, hashes: Sequence[ChunkHash]) -> list[bool]:
+    return [t is not None for t in await self.lookup(hashes)]
+
+  async def _demote_host_chunk(self, ev: Evicted) -> None:
+    """Writes one chunk the host evicted to the first persistent tier, then releases the host
+    copy (which served reads meanwhile). Never raises: a failure is counted and the chunk lost."""
+    rec, host = ev.record, self.host
+    h = rec.chunk_hash
+    try:
+      lower = self._below(host.name)
+      if lower is None:
+        self._count(host.name, "demotion_drops")
+        return
+      if (await lower.contains([h]))[0]:
+        self._count(host.name, "demotions_unneeded")
+        self._touch(lower.name, h)
+        return
+      if not host.is_leaving(h):
+        return  # deleted meanwhile (e.g. a bad copy being replaced): nothing to demote
+      if rec.parent_hash != rec.namespace and not (await self._held_anywhere(
+          [rec.parent_hash]))[0]:
+        self._count(host.name, "orphans_dropped")
+        return
+      if await self._demote_into(host.name, lower, rec, ev.payloads, ev.nbytes):
+        return
+      if not (await lower.contains([h]))[0]:
+        self._count(host.name, "demotion_drops")
+    except Exception:  # noqa: BLE001  (a demotion is best effort; counted)
+      log.warning("demotion of %s from %s failed", h, host.name, exc_info=True)
+      self._count(host.name, "demotion_drops")
+    finally:
+      host.release(h)
+
+  async def _demote_into(self, src: str, lower: Tier, rec: ChunkRecord,
+                         payloads: Sequence[EncodedPayload], nbytes: int) -> bool:
+    """Writes `payloads` of `rec` into persistent tier `lower` and counts the demotion; True if
+    it published them (its capacity is enforced afterwards, which may demote further down)."""
+    raw = next((q.arrays["values"] for q in payloads if q.codec == "raw"), None)
+    coded = tuple(q for q in payloads if q.codec != "raw")
+    try:
+      ok = await lower.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace, raw,
+                           layout=rec.layout, payloads=coded)
+    except Exception:  # noqa: BLE001
+      log.warning("demotion put failed on tier %s", lower.name, exc_info=True)
+      self._count(lower.name, "put_errors")
+      return False
+    if not ok:
+      return False
+    self._count(src, "demotions_out")
+    self._count(lower.name, "demotions_in")
+    self._count(lower.name, "bytes_written", int(nbytes))
+    self._touch(lower.name, rec.chunk_hash, new=True)
+    p = self._persist[lower.name]
+    with self._lock:
+      if p.mirror is not None:
+        p.mirror[rec.chunk_hash] = nbytes
+    await self._enforce_capacity(lower)
+    return True
+
+  async def _demote_persistent(self, t: Tier, lower: Tier, rec: ChunkRecord) -> None:
+    """Copies one victim of persistent tier `t` (every encoding it can read) into `lower`
+    before `t` deletes it; a chunk it cannot copy is counted as dropped."""
+    h = rec.chunk_hash
+    if (await lower.contains([h]))[0]:
+      self._count(t.name, "demotions_unneeded")
+      return
+    payloads, nbytes = [], 0
+    for e in rec.encodings:
+      pick = lambda encs, e=e: next((x for x in encs if (x.codec, x.level) == (e.codec, e.level)),
+                                    None)
+      try:
+        got = await t.get(h, rec.token_ids, rec.namespace, rec.layout, choose=pick)
+      except Exception:  # noqa: BLE001
+        log.warning("demotion read failed on tier %s", t.name, exc_info=True)
+        continue
+      if isinstance(got, ChunkHit):
+        payloads.append(EncodedPayload(got.encoding.codec, got.encoding.level, got.payload))
+        nbytes += int(got.encoding.nbytes)
+    if not payloads or not await self._demote_into(t.name, lower, rec, payloads, nbytes):
+      self._count(t.name, "demotion_drops")
 
   async def enforce_capacity(self) -> None:
     """Brings every bounded persistent tier under its capacity (rescanning its records)."""
@@ -506,6 +723,7 @@ class TieredStore:
       if p.mirror is not None and sum(p.mirror.values()) <= p.capacity_bytes:
         return
       p.evicting = True
+    progress = False
     try:
       recs = await t.records()
       with self._lock:
@@ -517,7 +735,34 @@ class TieredStore:
         infos = [EntryInfo(r.chunk_hash, r.parent_hash, p.mirror[r.chunk_hash],
                            p.access.get(r.chunk_hash, 0), depths[r.chunk_hash],
                            p.inserted.get(r.chunk_hash, 0)) for r in recs]
-      for v in p.policy.victims(infos, total - p.capacity_bytes):
+        reading = {h for (name, h) in self._reading if name == t.name}
+      need = total - p.capacity_bytes
+      by_hash = {r.chunk_hash: r for r in recs}
+      orphans: list[ChunkHash] = []
+      write_back = self.placement == "write_back"
+      if write_back:  # across the hierarchy: a chunk whose prefix is broken everywhere goes first
+        dead_order = await self._orphans(t, recs, p.policy, infos, reading)
+        sizes = {i.chunk_hash: i.nbytes for i in infos}
+        freed = 0
+        for h in dead_order:
+          if freed >= need:
+            break
+          orphans.append(h)
+          freed += sizes[h]
+        dead = set(orphans)
+        rest = [i for i in infos if i.chunk_hash not in dead]
+        victims = orphans + p.policy.victims(rest, need - freed, keep=reading)
+      else:
+        victims = p.policy.victims(infos, need, keep=reading)
+      lower = self._below(t.name) if write_back else None
+      for v in victims:
+        with self._lock:
+          if (t.name, v) in self._reading:
+            continue  # a load began reading it: not this pass
+        if v in orphans:
+          self._count(t.name, "orphans_dropped")
+        elif lower is not None:
+          await self._demote_persistent(t, lower, by_hash[v])
         try:
           gone = await t.delete(v)
         except Exception:  # noqa: BLE001
@@ -525,16 +770,60 @@ class TieredStore:
           continue
         if gone:
           self._count(t.name, "evictions")
+          progress = True
         self._forget(t.name, v)
     finally:
       with self._lock:
         p.evicting = False
+        again = p.mirror is not None and sum(p.mirror.values()) > p.capacity_bytes
+    if again and progress and self.placement == "write_back":  # demotions landed during this pass
+      await self._enforce_capacity(t)
+
+  async def _orphans(self, t: Tier, recs: Sequence[ChunkRecord], policy: EvictionPolicy,
+                     infos: Sequence[EntryInfo], reading: set[ChunkHash]) -> list[ChunkHash]:
+    """Chunks of persistent tier `t` that can never hit: a parent that is not the namespace
+    root and that no tier holds, or an orphan parent within `t`. In the policy's order; hinted
+    chunks and chunks being read are left out."""
+    parents = {r.chunk_hash: r.parent_hash for r in recs}
+    roots = {r.chunk_hash: r.namespace for r in recs}
+    outside = sorted({pa for h, pa in parents.items()
+                      if pa not in parents and pa != roots[h]})
+    held = dict(zip(outside, await self._held_anywhere(outside))) if outside else {}
+    dead: dict[ChunkHash, bool] = {}
+
+    def is_dead(h: ChunkHash) -> bool:
+      path = []
+      while h not in dead:
+        pa = parents[h]
+        if pa == roots[h] or (pa not in parents and held.get(pa, False)):
+          dead[h] = False
+          break
+        if pa not in parents:
+          dead[h] = True
+          break
+        if pa in path or pa == h:  # a cycle (not trusted never to happen): not dead
+          dead[h] = False
+          break
+        path.append(h)
+        h = pa
+      for x in path:
+        dead[x] = dead[h]
+      return dead[h]
+
+    skip = policy.hinted | reading
+    order = sorted((i for i in infos if i.chunk_hash not in skip and is_dead(i.chunk_hash)),
+                   key=policy.order_key)
+    return [i.chunk_hash for i in order]
+
+
+_POLICY_FACTORIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy,
+                                                               "fifo": FIFOPolicy}
 
 
 def build_tiers(config: StoreConfig, *,
                 make_chunk_store: Callable[[str, str, LinkLimiter], Tier],
                 host_policy: EvictionPolicy | None = None,
-                policy_factory: Callable[[], EvictionPolicy] = LRUPolicy,
+                policy_factory: Callable[[], EvictionPolicy] | None = None,
                 write_all_persistent: bool = False) -> TieredStore:
   """Builds a `TieredStore` from its configuration.
 
@@ -542,8 +831,9 @@ def build_tiers(config: StoreConfig, *,
     config: the tiers, top first.
     make_chunk_store: `(url, name, limiter) -> Tier` for disk and remote tiers (the engine passes
       the tensorstore `ChunkStore`).
-    host_policy: eviction policy of the host tier (default `LRUPolicy`).
-    policy_factory: makes the eviction policy of each persistent tier.
+    host_policy: eviction policy of the host tier (default: by `config.eviction`).
+    policy_factory: makes the eviction policy of each persistent tier (default: by
+      `config.eviction`).
     write_all_persistent: see `TieredStore`.
 
   Returns:
@@ -558,9 +848,11 @@ def build_tiers(config: StoreConfig, *,
   policies: list[EvictionPolicy | None] = []
   capacities: list[int | None] = []
   limiters: dict[str, LinkLimiter] = {}
+  factory = policy_factory or _POLICY_FACTORIES[config.eviction]
   for tc, name in zip(config.tiers, config.tier_names):
     if tc.kind == "host":
-      tiers.append(HostMemoryTier(tc.capacity_bytes, name=name, policy=host_policy))
+      tiers.append(HostMemoryTier(tc.capacity_bytes, name=name,
+                                  policy=host_policy if host_policy is not None else factory()))
       policies.append(None)
       capacities.append(None)
       continue
@@ -570,9 +862,11 @@ def build_tiers(config: StoreConfig, *,
       limiter = LinkLimiter(tc.link_bytes_per_s)
     limiters[name] = limiter
     tiers.append(make_chunk_store(tc.url, name, limiter))
-    policies.append(policy_factory())
+    policies.append(factory())
     capacities.append(tc.effective_capacity_bytes)
   store = TieredStore(tiers, policies=policies, capacities=capacities,
-                      write_all_persistent=write_all_persistent)
+                      write_all_persistent=write_all_persistent, placement=config.placement,
+                      demotion_bytes_in_flight=(config.demotion_bytes_in_flight
+                                                or DEFAULT_DEMOTION_BYTES_IN_FLIGHT))
   store.limiters = limiters
   return store

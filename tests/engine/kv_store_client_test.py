@@ -38,6 +38,9 @@ class EmptyStore:
   async def delete(self, chunk_hash):
     return []
 
+  async def drain(self):
+    pass
+
   def hint(self, upcoming):
     pass
 

@@ -275,6 +275,8 @@ class OpenAIApiTest(ServedLLMTestCase):
     for outcome in ("issued", "useful", "wasted"):
       self.assertIn(("kvjax_kv_prefetch_total", (("outcome", outcome),)), after)
     self.assertIn(("kvjax_store_evictions_total", (("tier", "disk"),)), after)
+    self.assertIn(("kvjax_store_demotions_total", (("tier", "disk"),)), after)
+    self.assertIn(("kvjax_store_demotion_drops_total", (("tier", "disk"),)), after)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,15 @@ class LRUPolicyTest(absltest.TestCase):
     self.assertEqual(LRUPolicy().victims(es, 101), ["big", "s1"])
 
 
+class KeepTest(absltest.TestCase):
+
+  def test_kept_chunks_are_not_chosen_and_keep_their_parent(self):
+    es = [EntryInfo("a", "root", 10, 1, 0), EntryInfo("b", "a", 10, 2, 1),
+          EntryInfo("x", "root", 10, 3, 0)]
+    self.assertEqual(LRUPolicy().victims(es, 20), ["b", "a"])
+    self.assertEqual(LRUPolicy().victims(es, 20, keep={"b"}), ["x"])
+
+
 class FIFOPolicyTest(absltest.TestCase):
 
   def test_insertion_order_ignores_recency_and_chains(self):

@@ -103,7 +103,7 @@ class HostMemoryTierTest(parameterized.TestCase):
     t = HostMemoryTier(10 * NBYTES)
     self.assertIsInstance(t, Tier)
     self.assertEqual(t.snapshot(), {"chunks": 0, "used_bytes": 0, "capacity_bytes": 10 * NBYTES,
-                                    "evictions": 0})
+                                    "evictions": 0, "demoting_chunks": 0})
     kv = kv_of(3)
     self.assertTrue(run(t.put("h", "root", toks(0), NS, kv)))
     kv[...] = -1  # the tier holds its own copy

@@ -1,0 +1,26 @@
+"""`ServerConfig.kv_placement` (`--kv_placement`): checked, and passed to `LLM` with a store."""
+
+from absl.testing import absltest
+
+from kvjax.serve.server import ServerConfig
+
+TIERS = '[{"kind": "host", "capacity_bytes": 1048576}, {"kind": "disk", "url": "memory://p"}]'
+
+
+class PlacementOptionTest(absltest.TestCase):
+
+  def test_passed_with_a_store_only(self):
+    opts = ServerConfig(model="tiny", kv_tiers=TIERS, kv_placement="write_back").llm_options()
+    self.assertEqual(opts["kv_placement"], "write_back")
+    self.assertEqual(opts["kv_store"].placement, "write_through")  # LLM applies the option
+    self.assertNotIn("kv_placement", ServerConfig(model="tiny", kv_tiers=TIERS).llm_options())
+    self.assertNotIn("kv_placement", ServerConfig(model="tiny", kv_store=None,
+                                                  kv_placement="write_back").llm_options())
+
+  def test_bad_value(self):
+    with self.assertRaisesRegex(ValueError, "kv_placement"):
+      ServerConfig(model="tiny", kv_placement="write_around")
+
+
+if __name__ == "__main__":
+  absltest.main()
