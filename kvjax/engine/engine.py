@@ -769,6 +769,10 @@ class Engine:
     A chunk's tokens are the prompt's, then the output's. `where` is the request's slot
     (slotted) or block table (paged)."""
     kv, c = self.kv_store, self.kv_store.chunk_size
+    host = isinstance(k_LTKH, np.ndarray)  # the runner's `host_outputs` (CPU backend)
+    xp = np if host else jnp
+    if host:  # own copies: a view would keep the whole step's output alive
+      k_LTKH, v_LTKH = np.array(k_LTKH), np.array(v_LTKH)
     live.pieces.append((start, k_LTKH, v_LTKH))
     lookup = live.lookup
     saves = {item.index: item for item in save_items}
@@ -791,7 +795,7 @@ class Engine:
         if a < b:
           ks.append(k[:, a - start:b - start])
           vs.append(v[:, a - start:b - start])
-      kv_L2CKH = jnp.stack([jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)], axis=1)
+      kv_L2CKH = xp.stack([xp.concatenate(ks, axis=1), xp.concatenate(vs, axis=1)], axis=1)
       if kv_L2CKH.shape[2] != c:
         raise ValueError(f"chunk {index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
       payloads = None
