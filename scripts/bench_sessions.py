@@ -366,11 +366,11 @@ def run_server() -> None:
   name = ("bench_sessions_server" + ("_quick" if quick else "") +
           (f"_{_SERVER_TAG.value}" if _SERVER_TAG.value else ""))
   (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-  plot_server(got["summary"], out / f"{name}.png", cfg)
+  plot_server(got["summary"], out / f"{name}.png", cfg, got["conversations_used"])
   print(f"wrote {out / (name + '.json')} and .png")
 
 
-def plot_server(summaries: dict, path: pathlib.Path, cfg) -> None:
+def plot_server(summaries: dict, path: pathlib.Path, cfg, n_convs: int) -> None:
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -393,7 +393,7 @@ def plot_server(summaries: dict, path: pathlib.Path, cfg) -> None:
   bx.set_ylabel("prompt tokens / s, turns >= 2")
   bx.set_yscale("log")
   bx.legend(fontsize=8)
-  fig.suptitle(f"bench_sessions --server: {cfg.conversations} ShareGPT conversations (up to "
+  fig.suptitle(f"bench_sessions --server: {n_convs} ShareGPT conversations (up to "
                f"{cfg.turns} turns), {cfg.clients} clients, {os.cpu_count()}-core CPU, f32",
                fontsize=9)
   fig.tight_layout()
