@@ -126,6 +126,27 @@ _SERVER_MIN_TURNS = flags.DEFINE_integer("server_min_turns", 2, "Server mode: re
 _SERVER_TAG = flags.DEFINE_string("server_tag", "", "Server mode: suffix of the output files' "
                                   "names (bench_sessions_server_<tag>.json).")
 _SERVER_MAX_TOKENS = flags.DEFINE_integer("server_max_tokens", 48, "Server mode: reply tokens.")
+_SERVER_MODES = flags.DEFINE_list("server_modes", ["session", "prefix", "recompute"],
+                                  "Server mode: modes replayed, one fresh server each.")
+_SERVER_HIST = flags.DEFINE_integer("server_history_tokens", 0, "Server mode: > 0 replays "
+                                    "history-dominant conversations (scripts/session_replay.py): "
+                                    "ShareGPT's first rounds up to this many templated tokens "
+                                    "are turn 1's history.")
+_SERVER_MAX_HIST = flags.DEFINE_integer("server_max_history_tokens", 4096, "Server mode: the "
+                                        "longest such history.")
+_SERVER_SHARE = flags.DEFINE_float("server_history_share", 0.88, "Server mode: the least share "
+                                   "of history in each replayed turn >= 2's prompt.")
+_SERVER_MAX_PROMPT = flags.DEFINE_integer("server_max_prompt_tokens", 4608, "Server mode: the "
+                                          "longest replayed prompt.")
+_SERVER_HOST = flags.DEFINE_integer("server_host_bytes", 0, "Server mode: > 0: the store is a "
+                                    "host tier of this many bytes over the disk tier.")
+_SERVER_DISK = flags.DEFINE_integer("server_disk_bytes", 0, "Server mode: the disk tier's "
+                                    "capacity, bytes (0: its default).")
+_SERVER_HOST_RATIO = flags.DEFINE_float("server_host_ratio", 0.0, "Server mode, history "
+                                         "replay: host tier = this x the replay's KV footprint "
+                                         "(overrides --server_host_bytes).")
+_SERVER_DISK_RATIO = flags.DEFINE_float("server_disk_ratio", 0.0, "Server mode, history replay: "
+                                        "disk tier = this x the footprint.")
 _SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [], "Server mode: an extra flag of the "
                                           "started servers, repeatable.")
 _LLM = flags.DEFINE_bool("llm_lookahead", False, "Replay conversations on the real engine "
@@ -344,9 +365,13 @@ def run_server() -> None:
       _SERVER_CLIENTS.value, turns=3 if quick else _SERVER_TURNS.value,
       turn_chars=_SERVER_CHARS.value, max_tokens=16 if quick else _SERVER_MAX_TOKENS.value,
       min_turns=_SERVER_MIN_TURNS.value,
-      seed=_SEED.value, server_flags=tuple(f"--{f}" for f in _SERVER_FLAGS.value))
+      seed=_SEED.value, server_flags=tuple(f"--{f}" for f in _SERVER_FLAGS.value),
+      history_tokens=_SERVER_HIST.value, max_history_tokens=_SERVER_MAX_HIST.value,
+      history_share=_SERVER_SHARE.value, max_prompt_tokens=_SERVER_MAX_PROMPT.value,
+      host_bytes=_SERVER_HOST.value, disk_bytes=_SERVER_DISK.value,
+      host_ratio=_SERVER_HOST_RATIO.value, disk_ratio=_SERVER_DISK_RATIO.value)
   at_start = machine()
-  got = session_replay.run_replay(cfg, pathlib.Path(_DATA.value))
+  got = session_replay.run_replay(cfg, pathlib.Path(_DATA.value), modes=tuple(_SERVER_MODES.value))
   session_replay.print_table(got["summary"])
   record = {"benchmark": "bench_sessions_server", "machine": at_start, "machine_at_end": machine(),
             "threads": {"cpu_count": os.cpu_count(), "clients": cfg.clients},
@@ -358,16 +383,16 @@ def run_server() -> None:
   name = ("bench_sessions_server" + ("_quick" if quick else "") +
           (f"_{_SERVER_TAG.value}" if _SERVER_TAG.value else ""))
   (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-  plot_server(got["summary"], out / f"{name}.png", cfg)
+  plot_server(got["summary"], out / f"{name}.png", cfg, got["conversations_used"])
   print(f"wrote {out / (name + '.json')} and .png")
 
 
-def plot_server(summaries: dict, path: pathlib.Path, cfg) -> None:
+def plot_server(summaries: dict, path: pathlib.Path, cfg, n_convs: int) -> None:
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   modes = list(summaries)
-  fig, ax = plt.subplots(figsize=(6, 3.5))
+  fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
   x = range(len(modes))
   ax.bar([i - 0.2 for i in x], [summaries[m]["ttft_ge2_p50_s"] for m in modes], 0.4,
          label="TTFT p50, turns >= 2")
@@ -375,10 +400,19 @@ def plot_server(summaries: dict, path: pathlib.Path, cfg) -> None:
          label="TTFT p99, turns >= 2")
   ax.set_xticks(list(x), modes)
   ax.set_ylabel("seconds")
-  ax.set_title(f"bench_sessions --server: {cfg.conversations} ShareGPT conversations x "
-               f"{cfg.turns} turns, {cfg.clients} clients, {os.cpu_count()} CPU cores",
-               fontsize=8)
+  ax.set_yscale("log")
   ax.legend(fontsize=8)
+  bx.bar([i - 0.2 for i in x], [summaries[m].get("prefill_tokens_per_prefill_s_ge2") or 0
+                                for m in modes], 0.4, label="per prefill wall second")
+  bx.bar([i + 0.2 for i in x], [summaries[m]["prefill_tokens_per_s_ge2"] or 0 for m in modes],
+         0.4, label="per server TTFT second")
+  bx.set_xticks(list(x), modes)
+  bx.set_ylabel("prompt tokens / s, turns >= 2")
+  bx.set_yscale("log")
+  bx.legend(fontsize=8)
+  fig.suptitle(f"bench_sessions --server: {n_convs} ShareGPT conversations (up to "
+               f"{cfg.turns} turns), {cfg.clients} clients, {os.cpu_count()}-core CPU, f32",
+               fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 

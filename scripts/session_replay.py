@@ -12,11 +12,25 @@ one after the other (so they meet the same machine):
   recompute  no store (`--kv_store=none`), device prefix cache off: every turn computes its
              whole prompt
 
-Per turn: client TTFT (request sent to the first streamed event), the server's `kvjax.ttft_s`,
-prompt / cached / completion tokens. For turns >= 2, the tokens shared with the previous turn are
-its prompt + its completion; all but the last sampled one have KV, so "reusable" = that - 1.
-Prefill throughput = prompt tokens of turns >= 2 / the sum of their server TTFTs (seconds from
-submission to the first token, which is prefill plus queueing: a lower bound on the rate).
+History-dominant replay (`ReplayConfig.history_tokens` > 0; `pick_history_dominant`): ShareGPT's
+user messages are short (median ~20 tokens) and its replies long (median ~240), so with the
+model's own short replies a replayed history stays small. Instead each conversation's first real
+rounds (ShareGPT's user and assistant messages, as the client's history) up to the first round
+that brings the templated history to `history_tokens` are sent with the next user message as
+turn 1 (cold in every mode); turns 2.. continue live with the model's own replies. A conversation
+is chosen by rule: that history lies in [history_tokens, max_history_tokens], and each replayed
+turn k >= 2 keeps history (turn k-1's prompt + a `max_tokens` reply) >= `history_share` of its
+prompt and the prompt <= `max_prompt_tokens`; its replay stops before the first turn that fails,
+and it needs at least `min_turns` turns. (Token counts use SmolLM2's tokenizer and ChatML.)
+
+Per turn: client TTFT (request sent to the first streamed event), the server's `kvjax.ttft_s`
+and `kvjax.prefill_s` (the engine's prefill wall time: the request's first scheduled step to its
+first token, queueing before admission excluded), prompt / cached / completion tokens, the tier
+of each loaded chunk. For turns >= 2, the tokens shared with the previous turn are its prompt +
+its completion; all but the last sampled one have KV, so "reusable" = that - 1. Prefill
+throughput = prompt tokens of turns >= 2 (computed plus loaded) / the sum of their prefill wall
+times (`prefill_tokens_per_prefill_s_ge2`), and / the sum of their server TTFTs
+(`prefill_tokens_per_s_ge2`: prefill plus queueing, a lower bound on the rate).
 """
 
 from __future__ import annotations
@@ -49,6 +63,15 @@ class ReplayConfig:
   seed: int = 0
   model: str = "SmolLM2-135M-Instruct"
   server_flags: tuple[str, ...] = ()
+  history_tokens: int = 0  # > 0: the history-dominant replay (`pick_history_dominant`)
+  max_history_tokens: int = 4096
+  history_share: float = 0.88
+  max_prompt_tokens: int = 4608
+  host_bytes: int = 0  # > 0: the store is a host tier of this capacity over a disk tier
+  disk_bytes: int = 0  # the disk tier's capacity (0: its default)
+  host_ratio: float = 0.0  # > 0: host_bytes = this x the replay's KV footprint (history mode)
+  disk_ratio: float = 0.0  # > 0: disk_bytes = this x the footprint
+  kv_bytes_per_token: int = 46080  # SmolLM2-135M, float32 KV (the CPU default): 30 x 2 x 3 x 64 x 4
 
 
 @dataclasses.dataclass
@@ -65,6 +88,65 @@ class TurnRow:
   reusable_tokens: int | None = None  # previous turn's prompt + completion - 1 (turn >= 2)
   session_outcome: str | None = None
   error: str | None = None
+  prefill_s: float | None = None  # the engine's prefill wall time (kvjax.prefill_s)
+  tokens_device_cached: int = 0
+  loaded_from_tiers: dict | None = None  # {tier: chunks} of store loads
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+  """What a client replays: `history` (role/content messages sent before the first replayed
+  user message; empty for the plain replay) and the user messages of its turns."""
+
+  users: tuple[str, ...]
+  history: tuple[dict, ...] = ()
+  history_tokens: int = 0  # templated tokens of `history` (system prompt included)
+  source_index: int = -1  # its index in the ShareGPT file
+
+
+def pick_history_dominant(data: list, count, system_tokens: int, cfg: "ReplayConfig"
+                          ) -> list[Conversation]:
+  """The conversations the history-dominant rule admits (module docstring), in file order.
+
+  Args:
+    data: the ShareGPT records (`conversations`: alternating human / gpt messages).
+    count: `count(role, content)`: a message's templated tokens (ChatML).
+    system_tokens: the default system prompt's tokens.
+    cfg: `history_tokens`, `max_history_tokens`, `history_share`, `max_prompt_tokens`,
+      `max_tokens`, `turns`, `min_turns`.
+  """
+  reply = count("assistant", "") + cfg.max_tokens  # a reply's tokens at most (template + body)
+  head = count("assistant", "") - count("user", "") + 1  # generation prompt, approx. upper
+  out = []
+  for idx, conv in enumerate(data):
+    msgs = conv["conversations"]
+    roles = [m["from"] for m in msgs]
+    if not msgs or any(r != ("human" if i % 2 == 0 else "gpt") for i, r in enumerate(roles)):
+      continue  # only strictly alternating conversations starting with the user
+    if any(not m["value"].strip() for m in msgs):
+      continue
+    hist, n, j = [], system_tokens, 0
+    while j + 1 < len(msgs) and n < cfg.history_tokens:
+      hist += [{"role": "user", "content": msgs[j]["value"]},
+               {"role": "assistant", "content": msgs[j + 1]["value"]}]
+      n += count("user", msgs[j]["value"]) + count("assistant", msgs[j + 1]["value"])
+      j += 2
+    if not cfg.history_tokens <= n <= cfg.max_history_tokens:
+      continue
+    users = [m["value"] for m in msgs[j::2]][:cfg.turns]
+    if not users:
+      continue
+    prompt = n + count("user", users[0]) + head
+    kept = 1
+    for u in users[1:]:
+      history = prompt + reply
+      new = count("user", u) + head
+      if history / (history + new) < cfg.history_share or history + new > cfg.max_prompt_tokens:
+        break
+      prompt, kept = history + new, kept + 1
+    if kept >= max(2, cfg.min_turns) and prompt <= cfg.max_prompt_tokens:
+      out.append(Conversation(tuple(users[:kept]), tuple(hist), n, idx))
+  return out
 
 
 def load_conversations(path: pathlib.Path, n: int, turns: int, turn_chars: int,
@@ -103,6 +185,9 @@ async def _turn(client, model, messages, max_tokens, row: TurnRow, session_id) -
       ext = (chunk.model_extra or {}).get("kvjax")
       if ext:
         row.server_ttft_s = ext.get("ttft_s")
+        row.prefill_s = ext.get("prefill_s")
+        row.tokens_device_cached = ext.get("tokens_device_cached") or 0
+        row.loaded_from_tiers = ext.get("loaded_from_tiers")
         if ext.get("session"):
           row.session_outcome = ext["session"].get("outcome")
   except Exception as e:  # noqa: BLE001 - counted, the run goes on
@@ -120,8 +205,10 @@ async def _replay(url, model, mode, convs, cfg: ReplayConfig) -> tuple[list[Turn
 
   async def worker(client):
     while not queue.empty():
-      i, users = queue.get_nowait()
-      messages, prev = [], None
+      i, conv = queue.get_nowait()
+      if not isinstance(conv, Conversation):
+        conv = Conversation(tuple(conv))
+      users, messages, prev = conv.users, list(conv.history), None
       for k, user in enumerate(users):
         messages = messages + [{"role": "user", "content": user}]
         row = TurnRow(mode, i, k + 1)
@@ -150,6 +237,12 @@ def summarize(rows: list[TurnRow], wall_s: float) -> dict:
   reusable = [r for r in later if r.reusable_tokens is not None]
   sum_reusable = sum(r.reusable_tokens for r in reusable)
   sum_cached = sum(min(r.cached_tokens, r.reusable_tokens) for r in reusable)
+  timed = [r for r in later if r.prefill_s is not None]
+  prefill = [r.prefill_s for r in timed]
+  tiers: dict[str, int] = {}
+  for r in later:
+    for t, k in (r.loaded_from_tiers or {}).items():
+      tiers[t] = tiers.get(t, 0) + k
   return {
       "turns": len(rows), "errors": len(rows) - len(ok), "turns_ge2": len(later),
       "wall_s": wall_s,
@@ -165,6 +258,15 @@ def summarize(rows: list[TurnRow], wall_s: float) -> dict:
                                     / len(reusable) if reusable else None),
       "prefill_tokens_per_s_ge2": (sum(r.prompt_tokens for r in later) / sum(server)
                                    if server else None),
+      "prefill_wall_ge2_p50_s": float(np.median(prefill)) if prefill else None,
+      "prefill_wall_ge2_sum_s": sum(prefill) if prefill else None,
+      "prefill_tokens_per_prefill_s_ge2": (
+          sum(r.prompt_tokens for r in timed) / sum(prefill) if prefill else None),
+      "history_share_ge2": (sum(r.reusable_tokens for r in reusable)
+                            / sum(r.prompt_tokens for r in reusable) if reusable else None),
+      "prompt_tokens_ge2_p50": float(np.median([r.prompt_tokens for r in later] or [np.nan])),
+      "device_cached_tokens_ge2": sum(r.tokens_device_cached for r in later),
+      "loaded_chunks_ge2_by_tier": tiers,
       "session_outcomes": {o: sum(r.session_outcome == o for r in ok)
                            for o in sorted({r.session_outcome for r in ok} - {None})},
   }
@@ -173,9 +275,28 @@ def summarize(rows: list[TurnRow], wall_s: float) -> dict:
 def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
                modes=("session", "prefix", "recompute")) -> dict:
   """Replays on one fresh server per mode; returns settings, summaries and per-turn rows."""
-  convs = load_conversations(data_dir / "sharegpt" / "sharegpt_v3_multiturn_1000.json",
-                             cfg.conversations, cfg.turns, cfg.turn_chars, cfg.seed,
-                             cfg.min_turns)
+  path = data_dir / "sharegpt" / "sharegpt_v3_multiturn_1000.json"
+  chosen = None
+  if cfg.history_tokens:
+    from kvjax.testing import session_sim  # noqa: PLC0415 - SmolLM2's tokenizer as a counter
+    count, system = session_sim.smollm2_token_counter()
+    chosen = pick_history_dominant(json.loads(path.read_text(encoding="utf-8")), count, system,
+                                   cfg)
+    convs = list(chosen)
+    random.Random(cfg.seed).shuffle(convs)
+    convs = convs[:cfg.conversations]
+    # The replay's KV footprint (every token of every replayed conversation, replies at
+    # max_tokens): the capacity ratios' base, as in CachedAttention's cache-capacity ratio.
+    reply = count("assistant", "") + cfg.max_tokens
+    footprint_tokens = sum(c.history_tokens + sum(count("user", u) + reply for u in c.users)
+                           for c in convs)
+    footprint = footprint_tokens * cfg.kv_bytes_per_token
+    if cfg.host_ratio:
+      cfg = dataclasses.replace(cfg, host_bytes=int(cfg.host_ratio * footprint),
+                                disk_bytes=int(cfg.disk_ratio * footprint) or cfg.disk_bytes)
+  else:
+    convs = load_conversations(path, cfg.conversations, cfg.turns, cfg.turn_chars, cfg.seed,
+                               cfg.min_turns)
   work = tempfile.mkdtemp(prefix="kvjax-bench-sessions-")
   summaries, rows = {}, []
   for mode in modes:
@@ -185,6 +306,12 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
       store = os.path.join(work, f"kv-{mode}")
       os.makedirs(store)
       flags = [f"--kv_store=file://{store}"]
+      if cfg.host_bytes:
+        disk = {"kind": "disk", "url": f"file://{store}"}
+        if cfg.disk_bytes:
+          disk["capacity_bytes"] = cfg.disk_bytes
+        flags = ["--kv_tiers=" + json.dumps([{"kind": "host", "capacity_bytes": cfg.host_bytes},
+                                             disk])]
     proc, url, model = benchlib.start_server([f"--model={cfg.model}", *flags, *cfg.server_flags],
                                              os.path.join(work, f"server-{mode}.log"))
     try:
@@ -199,22 +326,46 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
   for mode, s in summaries.items():
     if rec and mode != "recompute":
       s["ttft_ge2_p50_vs_recompute"] = s["ttft_ge2_p50_s"] / rec["ttft_ge2_p50_s"]
+      s["ttft_ge2_p99_vs_recompute"] = s["ttft_ge2_p99_s"] / rec["ttft_ge2_p99_s"]
       if s["prefill_tokens_per_s_ge2"] and rec["prefill_tokens_per_s_ge2"]:
         s["prefill_rate_vs_recompute"] = (s["prefill_tokens_per_s_ge2"]
                                           / rec["prefill_tokens_per_s_ge2"])
-  return {"settings": dataclasses.asdict(cfg), "conversations_used": len(convs),
-          "summary": summaries, "turns": [dataclasses.asdict(r) for r in rows]}
+      if s["prefill_tokens_per_prefill_s_ge2"] and rec["prefill_tokens_per_prefill_s_ge2"]:
+        s["prefill_wall_rate_vs_recompute"] = (s["prefill_tokens_per_prefill_s_ge2"]
+                                               / rec["prefill_tokens_per_prefill_s_ge2"])
+  out = {"settings": dataclasses.asdict(cfg), "conversations_used": len(convs),
+         "summary": summaries, "turns": [dataclasses.asdict(r) for r in rows]}
+  if chosen is not None:
+    out["selection"] = {
+        "rule": "history-dominant (scripts/session_replay.py docstring)",
+        "footprint_tokens": footprint_tokens, "footprint_bytes": footprint,
+        "admitted": len(chosen), "used": len(convs),
+        "source_indices": [c.source_index for c in convs],
+        "history_tokens": [c.history_tokens for c in convs],
+        "replayed_turns": [len(c.users) for c in convs]}
+  return out
 
 
 def print_table(summaries: dict) -> None:
   head = (f"{'mode':10} {'turns':>5} {'err':>3} {'TTFT>=2 p50':>11} {'p99':>7} {'vs recomp':>9} "
-          f"{'cached/reusable':>15} {'all reused':>10} {'prefill tok/s':>13}")
+          f"{'cached/reusable':>15} {'all reused':>10} {'tok/s TTFT':>10} {'tok/s prefill':>13} "
+          f"{'prefill p50':>11}")
   print("\n" + head + "\n" + "-" * len(head))
   for mode, s in summaries.items():
     ratio = s.get("ttft_ge2_p50_vs_recompute")
     cr, every = s["cached_of_reusable"], s["turns_reusing_every_token"]
+    pw = s.get("prefill_wall_ge2_p50_s")
     print(f"{mode:10} {s['turns']:5d} {s['errors']:3d} {s['ttft_ge2_p50_s']:10.2f}s "
           f"{s['ttft_ge2_p99_s']:6.2f}s {'' if ratio is None else f'{ratio:.3f}':>9} "
           f"{'' if cr is None else f'{100 * cr:.1f}%':>15} "
           f"{'' if every is None else f'{100 * every:.0f}%':>10} "
-          f"{s['prefill_tokens_per_s_ge2'] or 0:13.0f}")
+          f"{s['prefill_tokens_per_s_ge2'] or 0:10.0f} "
+          f"{s.get('prefill_tokens_per_prefill_s_ge2') or 0:13.0f} "
+          f"{'' if pw is None else f'{pw:.3f}s':>11}")
+  rec = summaries.get("recompute")
+  for mode, s in summaries.items():
+    if rec and mode != "recompute":
+      print(f"{mode} vs recompute: TTFT p50 of turns >= 2 "
+            f"{100 * (1 - s['ttft_ge2_p50_vs_recompute']):.1f}% lower (target >= 87%); prefill "
+            f"throughput per prefill wall second {s.get('prefill_wall_rate_vs_recompute') or 0:.2f}x"
+            f" (target >= 7.8x), per TTFT second {s.get('prefill_rate_vs_recompute') or 0:.2f}x")

@@ -87,9 +87,16 @@ class RequestMetrics:
 
   Attributes:
     arrival_s: when the engine accepted the request (engine clock, seconds).
+    scheduled_s: when its first scheduled step began: the executor's clock as it starts the
+      plan that first admitted the request from the waiting queue (given a slot); None while it
+      waits.
     first_token_s: when the first output token was sampled.
     finished_s: when the request finished.
-    ttft_s: time to first token, seconds.
+    ttft_s: time to first token, seconds (`first_token_s - arrival_s`: queueing included).
+    prefill_s: prefill wall time, seconds: `first_token_s - scheduled_s`, from the request's
+      first scheduled step to its first token (loads, inserts, its prefill chunks and the steps
+      it shared with other requests; not the queueing before it was admitted), so
+      0 <= prefill_s <= ttft_s. None until the first token.
     num_computed_tokens: prompt tokens whose KV was computed by prefill.
     num_loaded_tokens: prompt tokens whose KV was loaded from the store or served from the
       device prefix cache (paged layout).
@@ -105,9 +112,11 @@ class RequestMetrics:
   """
 
   arrival_s: float
+  scheduled_s: float | None = None
   first_token_s: float | None = None
   finished_s: float | None = None
   ttft_s: float | None = None
+  prefill_s: float | None = None
   num_computed_tokens: int = 0
   num_loaded_tokens: int = 0
   num_device_cached_tokens: int = 0
@@ -554,6 +563,12 @@ class Engine:
     layered: list = []  # (InsertItem, ChunkHit, blocks) inserted layer-wise by the step
     for rid in plan.finished_request_ids:
       self._forget(rid)
+    if plan.admitted:
+      started_s = self._clock()
+      for rid in plan.admitted:
+        live = self._live.get(rid)
+        if live is not None and live.metrics.scheduled_s is None:
+          live.metrics.scheduled_s = started_s
     tables = dict(plan.block_tables)
     for rid in plan.preempted:
       live = self._live.get(rid)
@@ -754,6 +769,10 @@ class Engine:
     A chunk's tokens are the prompt's, then the output's. `where` is the request's slot
     (slotted) or block table (paged)."""
     kv, c = self.kv_store, self.kv_store.chunk_size
+    host = isinstance(k_LTKH, np.ndarray)  # the runner's `host_outputs` (CPU backend)
+    xp = np if host else jnp
+    if host:  # own copies: a view would keep the whole step's output alive
+      k_LTKH, v_LTKH = np.array(k_LTKH), np.array(v_LTKH)
     live.pieces.append((start, k_LTKH, v_LTKH))
     lookup = live.lookup
     saves = {item.index: item for item in save_items}
@@ -776,7 +795,7 @@ class Engine:
         if a < b:
           ks.append(k[:, a - start:b - start])
           vs.append(v[:, a - start:b - start])
-      kv_L2CKH = jnp.stack([jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)], axis=1)
+      kv_L2CKH = xp.stack([xp.concatenate(ks, axis=1), xp.concatenate(vs, axis=1)], axis=1)
       if kv_L2CKH.shape[2] != c:
         raise ValueError(f"chunk {index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
       payloads = None
@@ -810,6 +829,8 @@ class Engine:
     if live.metrics.first_token_s is None:
       live.metrics.first_token_s = now
       live.metrics.ttft_s = now - live.metrics.arrival_s
+      if live.metrics.scheduled_s is not None:
+        live.metrics.prefill_s = now - live.metrics.scheduled_s
     if live.logprobs is not None:
       live.logprobs.append(sampling.top_logprobs(logits_V, live.params.logprobs, token))
     reason = self._finish_reason(live)

@@ -183,7 +183,8 @@ class LayerwiseStep:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-  """What one ragged step returns (device arrays).
+  """What one ragged step returns: device arrays, or numpy arrays on the CPU backend
+  (`PagedModelRunner.host_outputs`).
 
   Attributes:
     logits_SV: f32[S, V] next-token logits at each sequence's last token, in input order.
@@ -268,6 +269,12 @@ class PagedModelRunner:
           out_shardings=(rep_, pool_sh, kv_sh, kv_sh))
     self._inv_freq = model.inv_freq[...]
     self.use_pallas_codecs = jax.default_backend() != "cpu"
+    #: On the CPU backend a step's outputs are returned as numpy arrays (device memory is host
+    #: memory there): trimming the padding and cutting each request's rows out of jax arrays
+    #: ran one eager XLA op per new shape, and nearly every step has new shapes (its token
+    #: count), so each compiled a few small programs first (50-150 ms each on the 2-core VM; a
+    #: session hit's one-step prefill paid several). Numpy slices compile nothing.
+    self.host_outputs = jax.default_backend() == "cpu"
     use_pallas = self.use_pallas_codecs
 
     def insert_raw(pool, kv_L2CKH, block_ids, start):
@@ -402,7 +409,13 @@ class PagedModelRunner:
     t, n_tokens, arrays, (rows, offsets) = self._pack(seqs)
     logits, k_pre, v = self._device_step(*arrays, rows)
     self._compiled.add(t)
-    return StepOutput(logits_SV=logits[:len(seqs)], k_pre_rope_LTKH=k_pre[:, :n_tokens],
+    return self._output(logits, k_pre, v, len(seqs), n_tokens, offsets)
+
+  def _output(self, logits, k_pre, v, n_seqs: int, n_tokens: int, offsets) -> StepOutput:
+    """The step's `StepOutput`, padding trimmed (numpy views with `host_outputs`)."""
+    if self.host_outputs:
+      logits, k_pre, v = np.asarray(logits), np.asarray(k_pre), np.asarray(v)
+    return StepOutput(logits_SV=logits[:n_seqs], k_pre_rope_LTKH=k_pre[:, :n_tokens],
                       v_LTKH=v[:, :n_tokens], offsets=offsets)
 
   def _device_step(self, *host):
@@ -560,11 +573,10 @@ class PagedModelRunner:
     if st.next_group != len(st.groups):
       raise ValueError(f"{st.next_group} of {len(st.groups)} layer groups have run")
     logits = self._layerwise_jits()["finish"](self.state, st.x, st.rows)
-    n = st.n_tokens
-    k_pre = jnp.concatenate(st.k_pre, axis=0) if len(st.k_pre) > 1 else st.k_pre[0]
-    v = jnp.concatenate(st.v, axis=0) if len(st.v) > 1 else st.v[0]
-    return StepOutput(logits_SV=logits[:st.n_seqs], k_pre_rope_LTKH=k_pre[:, :n],
-                      v_LTKH=v[:, :n], offsets=st.offsets)
+    xp = np if self.host_outputs else jnp
+    k_pre = xp.concatenate(st.k_pre, axis=0) if len(st.k_pre) > 1 else st.k_pre[0]
+    v = xp.concatenate(st.v, axis=0) if len(st.v) > 1 else st.v[0]
+    return self._output(logits, k_pre, v, st.n_seqs, st.n_tokens, st.offsets)
 
   def step_grouped(self, seqs: Sequence[SeqChunk], groups: int) -> StepOutput:
     """`step_begin`, every `step_layers`, `step_finish`: a step in `groups` calls (tests,
@@ -728,7 +740,8 @@ class PagedModelRunner:
       n: how many positions, 1 to `len(block_ids) * B`.
 
     Returns:
-      ([L, n, K, H] K before RoPE, [L, n, K, H] V), device arrays in the pool's dtype.
+      ([L, n, K, H] K before RoPE, [L, n, K, H] V) in the pool's dtype: device arrays, numpy
+      arrays with `host_outputs` (the CPU backend).
 
     Raises:
       ValueError: `start` not block-aligned, or `n` outside the blocks given.
@@ -739,6 +752,8 @@ class PagedModelRunner:
       raise ValueError(f"positions [{start}, {start + n}) from blocks {ids.tolist()} of {b} "
                        "tokens: start must be block-aligned and the blocks must cover them")
     k, v = self._device_read(ids, np.int32(start))
+    if self.host_outputs:
+      k, v = np.asarray(k), np.asarray(v)
     return k[:, :n], v[:, :n]
 
   def read_blocks(self, block_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:

@@ -150,6 +150,10 @@ class SchedulerOutput:
       requests whose merge still prefills, then the first `LoadConfig.lookahead_window` waiting
       requests with stored chunks. The executor keeps their chunks from eviction and
       prefetches them toward the host tier; () when the window is off (plain LRU).
+    admitted: requests this plan admitted from the waiting queue (given a slot), in admission
+      order; a preempted request appears again when it is admitted anew. The executor stamps a
+      request's first admission as its `scheduled_s` (the start of its prefill wall time: the
+      queueing before it is not prefill).
   """
 
   finished_request_ids: tuple[RequestId, ...] = ()
@@ -164,6 +168,7 @@ class SchedulerOutput:
   device_hits: tuple[tuple[RequestId, int], ...] = ()
   layer_groups: int = 1
   lookahead: tuple[RequestId, ...] = ()
+  admitted: tuple[RequestId, ...] = ()
 
   @property
   def num_scheduled_tokens(self) -> int:

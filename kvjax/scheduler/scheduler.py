@@ -448,6 +448,7 @@ class Scheduler:
       if (r.request_id in self.running and r.status is RequestStatus.PREFILLING
           and r.request_id not in self._prefix):
         budget = self._plan_chunks(r, budget, prefills)
+    admitted: list[RequestId] = []
     # A plan that preempted admits nobody (vLLM's rule): the pool is short already.
     while self.waiting and self._free_slots and not self._preempted:
       r = self.waiting[0]
@@ -460,6 +461,7 @@ class Scheduler:
       r.slot = self._free_slots.pop(0)
       r.status = RequestStatus.PREFILLING
       self.running[r.request_id] = r
+      admitted.append(r.request_id)
       if r.request_id not in self._prefix:
         budget = self._plan_chunks(r, budget, prefills, may_preempt=False)
     inserts = self._plan_inserts()
@@ -494,7 +496,7 @@ class Scheduler:
                            inserts=inserts, decodes=tuple(decodes), prefills=tuple(prefills),
                            wait_s=wait_s, block_tables=block_tables, preempted=preempted,
                            device_hits=device_hits, layer_groups=layer_groups,
-                           lookahead=self._lookahead())
+                           lookahead=self._lookahead(), admitted=tuple(admitted))
 
   def _lookahead(self) -> tuple[RequestId, ...]:
     """The look-ahead window (`SchedulerOutput.lookahead`): running requests whose merge still

@@ -248,6 +248,10 @@ class ServeMetrics:
     self.ttft = Histogram("kvjax_time_to_first_token_seconds",
                           "Submission to the engine (after tokenizing) to first token, seconds.",
                           registry=r, buckets=_TTFT_BUCKETS)
+    self.prefill = Histogram("kvjax_prefill_time_seconds",
+                             "Prefill wall time: a request's first scheduled step to its first "
+                             "token (queueing before admission excluded), seconds.",
+                             registry=r, buckets=_TTFT_BUCKETS)
     self.e2e = Histogram("kvjax_e2e_request_latency_seconds",
                          "Submission to the engine to the last token, seconds.", registry=r,
                          buckets=_TTFT_BUCKETS)
@@ -295,6 +299,8 @@ class ServeMetrics:
     """Engine-thread hook: TTFT on the first output, latency and token accounting on the last."""
     if ttft_s is not None:
       self.ttft.observe(ttft_s)
+      if out.metrics.prefill_s is not None:
+        self.prefill.observe(out.metrics.prefill_s)
     if not out.finished:
       return
     self.e2e.observe(elapsed_s)

@@ -351,7 +351,9 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
   """The `kvjax` object of a response: per-request timing and the KV merge trace.
 
   Keys: `request_id`; `ttft_s` (server side: request received to first token, seconds);
-  `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded` (store loads and device hits),
+  `prefill_s` (the engine's prefill wall time, `RequestMetrics.prefill_s`: its first scheduled
+  step to its first token, seconds; queueing before admission excluded; null before the first
+  token); `e2e_s`; `prompt_tokens`, `tokens_computed`, `tokens_loaded` (store loads and device hits),
   `tokens_device_cached` (of those, served from the device prefix cache), `cached_tokens`;
   `rejected_chunks`; `loaded_from_tiers` ({tier: chunks}); `loaded_chunks` (per store chunk
   inserted, `{"index", "tier"}`: which tier each came from; device hits are blocks, counted in
@@ -363,7 +365,8 @@ def kvjax_extension(request_id: str, metrics: Any, *, ttft_s: float | None,
   tiers: dict[str, int] = {}
   for t in metrics.loaded_from_tiers:
     tiers[str(t)] = tiers.get(str(t), 0) + 1
-  out = {"request_id": request_id, "ttft_s": ttft_s, "e2e_s": e2e_s,
+  out = {"request_id": request_id, "ttft_s": ttft_s, "prefill_s": metrics.prefill_s,
+         "e2e_s": e2e_s,
          "prompt_tokens": prompt_tokens,
          "tokens_computed": metrics.num_computed_tokens,
          "tokens_loaded": metrics.num_loaded_tokens,

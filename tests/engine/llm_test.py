@@ -55,6 +55,25 @@ class LLMTest(absltest.TestCase):
     alone = self.llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY)
     self.assertEqual(alone[0].token_ids, self.want[2])
 
+  def test_prefill_time_starts_at_admission_cold_and_hit(self):
+    # One slot: the second and third requests wait in the queue until the one before finishes;
+    # the third repeats the 130-token prompt, so all its tokens but the last are served from the device prefix cache.
+    llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64))
+    outs = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[2], PROMPTS[1], PROMPTS[2])],
+                        GREEDY)
+    self.assertEqual([o.token_ids for o in outs], [self.want[2], self.want[1], self.want[2]])
+    self.assertEqual([o.metrics.num_device_cached_tokens for o in outs], [0, 0, 129])
+    for o in outs:
+      m = o.metrics
+      self.assertIsNotNone(m.scheduled_s)
+      self.assertEqual(m.prefill_s, m.first_token_s - m.scheduled_s)
+      self.assertEqual(m.ttft_s, m.first_token_s - m.arrival_s)
+      self.assertBetween(m.prefill_s, 0.0, m.ttft_s)
+    for before, after in zip(outs, outs[1:]):  # admitted only once the slot was free
+      self.assertGreaterEqual(after.metrics.scheduled_s, before.metrics.finished_s)
+      self.assertGreaterEqual(after.metrics.ttft_s - after.metrics.prefill_s,
+                              before.metrics.finished_s - after.metrics.arrival_s)
+
   def test_one_chunk_size_gives_the_same_tokens(self):
     llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)

@@ -61,9 +61,11 @@ class SchedulerTest(absltest.TestCase):
                                      PrefillChunk("b", 1, 0, 64, False),
                                      PrefillChunk("b", 1, 64, 16, False)))
     self.assertEqual(list(s.waiting), [c])
+    self.assertEqual(plan.admitted, ("a", "b"))  # c waits: not scheduled yet
     a.output_token_ids.append(1)
     plan = s.schedule()
     self.assertEqual(plan.decodes, (DecodeItem("a", 0, 10, 1),))
+    self.assertEqual(plan.admitted, ())
     self.assertEqual(plan.prefills, (PrefillChunk("b", 1, 80, 64, False),
                                      PrefillChunk("b", 1, 144, 32, False)))
     self.assertEqual(plan.num_scheduled_tokens, 97)
@@ -74,6 +76,7 @@ class SchedulerTest(absltest.TestCase):
                                      PrefillChunk("c", 2, 0, 64 // 2, False),
                                      PrefillChunk("c", 2, 32, 8, True)))
     self.assertEqual(plan.num_scheduled_tokens, 1 + 16 + 8 + 32 + 8)
+    self.assertEqual(plan.admitted, ("c",))
 
   def test_finish_frees_slot_for_waiting_request(self):
     s = Scheduler(SchedulerConfig(num_slots=1, token_budget=64, chunk_sizes=SIZES))
@@ -84,7 +87,8 @@ class SchedulerTest(absltest.TestCase):
     self.assertEqual(list(s.waiting), [b])
     self.assertIs(s.finish_request("a", "length"), a)
     self.assertEqual((a.status, a.finish_reason, a.slot), (RequestStatus.FINISHED, "length", None))
-    self.assertEqual(s.schedule().prefills, (PrefillChunk("b", 0, 0, 8, True),))
+    plan = s.schedule()
+    self.assertEqual((plan.prefills, plan.admitted), ((PrefillChunk("b", 0, 0, 8, True),), ("b",)))
     self.assertIsNone(s.finish_request("zzz", "abort"))
 
   def test_budget_below_the_smallest_chunk_is_rejected(self):

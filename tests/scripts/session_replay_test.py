@@ -12,10 +12,21 @@ import session_replay as sr  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def row(conv, turn, *, prompt, cached, completion, reusable=None, ttft=1.0, server=0.5,
-        outcome=None, error=None):
+        outcome=None, error=None, prefill=None, tiers=None):
   return sr.TurnRow("session", conv, turn, ttft_s=ttft, server_ttft_s=server, e2e_s=2.0,
                     prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
-                    reusable_tokens=reusable, session_outcome=outcome, error=error)
+                    reusable_tokens=reusable, session_outcome=outcome, error=error,
+                    prefill_s=prefill, loaded_from_tiers=tiers)
+
+
+def count(role, content):
+  """A fake templated-token counter: one token per character plus 3 of template."""
+  return len(content) + 3
+
+
+def conv(*texts, roles=None):
+  roles = roles or ["human" if i % 2 == 0 else "gpt" for i in range(len(texts))]
+  return {"conversations": [{"from": r, "value": t} for r, t in zip(roles, texts)]}
 
 
 class SummarizeTest(absltest.TestCase):
@@ -37,6 +48,44 @@ class SummarizeTest(absltest.TestCase):
     self.assertEqual(s["ttft_ge2_p50_s"], 1.0)
     self.assertEqual(s["ttft_turn1_p50_s"], 2.5)
     self.assertEqual(s["session_outcomes"], {"extended": 1, "first": 2, "not_extended": 1})
+    self.assertIsNone(s["prefill_tokens_per_prefill_s_ge2"])  # no prefill times reported
+
+  def test_prefill_throughput_is_per_prefill_wall_second(self):
+    rows = [row(0, 1, prompt=100, cached=0, completion=20, prefill=2.0),
+            row(0, 2, prompt=140, cached=119, completion=20, reusable=119, server=0.4,
+                prefill=0.25, tiers={"device": 1}),
+            row(0, 3, prompt=200, cached=159, completion=20, reusable=159, server=0.6,
+                prefill=0.15, tiers={"device": 1, "host": 2})]
+    s = sr.summarize(rows, wall_s=5.0)
+    self.assertAlmostEqual(s["prefill_tokens_per_prefill_s_ge2"], 340 / 0.4)
+    self.assertAlmostEqual(s["prefill_tokens_per_s_ge2"], 340 / 1.0)
+    self.assertAlmostEqual(s["prefill_wall_ge2_sum_s"], 0.4)
+    self.assertAlmostEqual(s["prefill_wall_ge2_p50_s"], 0.2)
+    self.assertAlmostEqual(s["history_share_ge2"], 278 / 340)
+    self.assertEqual(s["loaded_chunks_ge2_by_tier"], {"device": 2, "host": 2})
+
+  def test_history_dominant_rule(self):
+    cfg = sr.ReplayConfig(history_tokens=100, max_history_tokens=400, history_share=0.8,
+                          max_prompt_tokens=600, max_tokens=10, turns=4, min_turns=2)
+    data = [
+        # 0: history 10 (system) + 53 + 63 = 126 >= 100 after one round; the replayed user
+        #    messages follow (the gpt ones are replaced by the model's replies): turn 1 is 160
+        #    tokens, turn 2 adds 24 to a history of 173 (88%), turn 3 24 to 210 (90%); 'd' * 300
+        #    would be 304 new tokens to 247 (45% < 80%), so the replay stops before it.
+        conv("a" * 50, "x" * 60, "q" * 30, "y" * 10, "b" * 20, "z" * 10, "c" * 20, "w" * 5,
+             "d" * 300),
+        conv("a" * 500, "x" * 60, "q", "y", "b"),  # its first round passes 400 tokens
+        conv("a" * 50, "x" * 60, "q" * 5),  # no turn after the first replayed one
+        conv("a" * 50, "x" * 60, "q", "y", "b", roles=["human", "gpt", "gpt", "human",
+                                                      "human"]),  # not alternating
+    ]
+    got = sr.pick_history_dominant(data, count, 10, cfg)
+    self.assertLen(got, 1)
+    c = got[0]
+    self.assertEqual((c.source_index, c.history_tokens), (0, 10 + 53 + 63))
+    self.assertEqual(c.history, ({"role": "user", "content": "a" * 50},
+                                 {"role": "assistant", "content": "x" * 60}))
+    self.assertEqual(c.users, ("q" * 30, "b" * 20, "c" * 20))  # 'd' * 300 breaks the share
 
   def test_conversations_need_two_user_turns_and_are_cut(self):
     data = [{"conversations": [{"from": "human", "value": "a" * 50},

@@ -128,6 +128,13 @@ class OpenAIApiTest(ServedLLMTestCase):
     ext = second.model_extra["kvjax"]
     self.assertEqual(ext["tokens_loaded"], CHUNK * ((n - 1) // CHUNK))
     self.assertEqual(ext["loaded_from_tiers"], {"disk": (n - 1) // CHUNK})
+    for resp in (first, second):  # the prefill wall time, cold and hit: the engine's figure
+      got = resp.model_extra["kvjax"]
+      em = got["engine_metrics"]
+      self.assertEqual(got["prefill_s"], em["prefill_s"])
+      self.assertEqual(em["prefill_s"], em["first_token_s"] - em["scheduled_s"])
+      self.assertBetween(got["prefill_s"], 0.0, em["ttft_s"])
+      self.assertLessEqual(em["ttft_s"], got["ttft_s"])  # the server's TTFT includes tokenizing
     other = self.client.completions.create(model="tiny", prompt=prompt, **GREEDY,
                                            extra_body={"cache_salt": "tenant-b"})
     self.assertEqual(other.usage.prompt_tokens_details.cached_tokens, 0)
@@ -266,6 +273,9 @@ class OpenAIApiTest(ServedLLMTestCase):
     self.assertEqual(delta("kvjax_generation_tokens_total"), resp.usage.completion_tokens)
     self.assertEqual(delta("kvjax_prefix_cache_queried_tokens_total"), resp.usage.prompt_tokens)
     self.assertEqual(delta("kvjax_time_to_first_token_seconds_count"), 1)
+    self.assertEqual(delta("kvjax_prefill_time_seconds_count"), 1)
+    self.assertAlmostEqual(delta("kvjax_prefill_time_seconds_sum"),
+                           resp.model_extra["kvjax"]["prefill_s"])
     self.assertEqual(delta("kvjax_requests_total", endpoint="completions",
                            finish_reason="length"), 1)
     for name in ("kvjax_num_requests_waiting", "kvjax_num_requests_running"):
