@@ -24,12 +24,12 @@ reply. Variants (what fills positions `[0, n_kept)`):
   naive       as rerotate, but K keeps the rotation of its OLD positions (no re-rotation)
   head<N>     as rerotate, but the first N kept-turn tokens after the cut (the seam) are
               recomputed on top of the system prompt (N = 16, 64, 256)
-  staged      what `session_rerotate` does: the truncated prompt's whole store chunks
-              (`--chunk`) whose source KV is stored (the previous turn's full chunks; never the
-              last prompt token) are re-rotated, the rest (the kept tail of the last partial
-              chunk, then the new part) is computed
-  staged_c1   as staged, but the truncated prompt's first chunk (system + the seam) computed
-              (`session_rerotate_boundary_chunks=1`)
+  staged_b0   what `session_rerotate` does with `session_rerotate_boundary_chunks=0`: the
+              truncated prompt's whole store chunks (`--chunk`) whose source KV is stored (the
+              previous turn's full chunks; never the last prompt token) are re-rotated, the
+              rest (the kept tail of the last partial chunk, then the new part) is computed
+  staged_b1   as staged_b0, but the truncated prompt's first chunk (system + the seam)
+              computed: `session_rerotate`'s default (`session_rerotate_boundary_chunks=1`)
 
 Pooled perplexity = exp(mean NLL over all scored tokens of all conversations). Side by side:
 pooled ppl minus recompute's with a 95% bootstrap interval (conversations resampled, seed 0),
@@ -80,7 +80,7 @@ flags.DEFINE_string("tag", "", "suffix of the output files")
 PIECE = 256  # insertion pieces (one compiled insert size)
 HEADS = (16, 64, 256)
 VARIANTS = ("full", "recompute", "self", "rerotate", "naive",
-            *(f"head{n}" for n in HEADS), "staged", "staged_c1")
+            *(f"head{n}" for n in HEADS), "staged_b0", "staged_b1")
 POS_BUCKETS = ((0, 8), (8, 32), (32, 128))
 SEAM_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 256), (256, 1 << 30))
 
@@ -254,7 +254,7 @@ def main(argv):
     k_staged = 0
     while k_staged < n_chunks and (n_src[k_staged * c:(k_staged + 1) * c] < prev_stored).all():
       k_staged += 1
-    for v, first in (("staged", 0), ("staged_c1", 1)):
+    for v, first in (("staged_b0", 0), ("staged_b1", 1)):
       m = np.ones(n_kept, bool)
       if k_staged > first:
         m[first * c:k_staged * c] = False
