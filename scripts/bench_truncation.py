@@ -22,6 +22,9 @@ reply. Variants (what fills positions `[0, n_kept)`):
               computed with the dropped turns in context), inserted with RoPE at the NEW
               positions; the system prompt's KV (same positions, causal: exact) as is
   naive       as rerotate, but K keeps the rotation of its OLD positions (no re-rotation)
+  roundtrip   as rerotate, with K rotated at its old positions and un-rotated again first (the
+              paged layout's save path, `read_pre_rope`): the float32 rounding of that round
+              trip; should equal rerotate
   head<N>     as rerotate, but the first N kept-turn tokens after the cut (the seam) are
               recomputed on top of the system prompt (N = 16, 64, 256)
   staged_b0   what `session_rerotate` does with `session_rerotate_boundary_chunks=0`: the
@@ -79,7 +82,7 @@ flags.DEFINE_string("tag", "", "suffix of the output files")
 
 PIECE = 256  # insertion pieces (one compiled insert size)
 HEADS = (16, 64, 256)
-VARIANTS = ("full", "recompute", "self", "rerotate", "naive",
+VARIANTS = ("full", "recompute", "self", "rerotate", "naive", "roundtrip",
             *(f"head{n}" for n in HEADS), "staged_b0", "staged_b1")
 POS_BUCKETS = ((0, 8), (8, 32), (32, 128))
 SEAM_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 256), (256, 1 << 30))
@@ -237,7 +240,12 @@ def main(argv):
     k_old = np.asarray(layers.apply_rope(jnp.asarray(k_kept), jnp.broadcast_to(
         delta, k_kept.shape[:2]), inv_freq))
     nll["naive"] = _score(runner, ids, k_old, v_kept, none, targets, 3)
-    cost = {"full": None, "recompute": n_kept, "self": 0, "rerotate": 0, "naive": 0}
+    old_pos = jnp.broadcast_to(jnp.asarray(src, jnp.int32)[None, :], k_kept.shape[:2])
+    k_rt = np.asarray(layers.apply_rope(layers.apply_rope(jnp.asarray(k_kept), old_pos, inv_freq),
+                                        old_pos, inv_freq, inverse=True))
+    nll["roundtrip"] = _score(runner, ids, k_rt, v_kept, none, targets, 3)
+    cost = {"full": None, "recompute": n_kept, "self": 0, "rerotate": 0, "naive": 0,
+            "roundtrip": 0}
     for n in HEADS:
       m = none.copy()
       m[s_len:s_len + n] = True
@@ -262,6 +270,8 @@ def main(argv):
       cost[v] = int(m.sum())
     # deviation of the re-rotated (source) KV from the recomputed one, by distance from the seam
     for name, a, b in (("k", k_kept, k_rec), ("v", v_kept, v_rec)):
+      if n_kept == s_len:  # every older turn dropped: nothing re-rotated
+        continue
       dev = _rel_dev(a[:, s_len:], b[:, s_len:])  # [L, kept-turn tokens]
       layer_dev[name].append(dev.mean(1))
       for bi, (lo, hi) in enumerate(SEAM_BUCKETS):
