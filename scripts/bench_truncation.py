@@ -178,6 +178,135 @@ def main(argv):
   seam_dev = {"k": [[] for _ in SEAM_BUCKETS], "v": [[] for _ in SEAM_BUCKETS]}
   layer_dev = {"k": [], "v": []}
   sys_kv_max_abs = 0.0
+  def report(final: bool) -> None:
+    """Summarizes the rows so far and writes the JSON and plot (after every conversation, so
+    an interrupted run leaves its rows; `complete` says whether all were scored); prints the
+    tables when `final`."""
+    say = print if final else (lambda *a, **k: None)
+    elapsed = time.perf_counter() - t0
+    n_tok = sum(r["reply_tokens"] for r in rows)
+    pooled = {v: _pooled(rows, v) for v in VARIANTS}
+    rng = np.random.default_rng(0)
+    boots = [rng.integers(0, len(rows), len(rows)) for _ in range(FLAGS.bootstrap)]
+    ci = {}
+    for v in VARIANTS:
+      d = np.array([_pooled(rows, v, b) - _pooled(rows, "recompute", b) for b in boots])
+      ci[v] = [float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))]
+    mean_abs = {v: float(np.mean([abs(r[f"ppl_{v}"] - r["ppl_recompute"]) for r in rows]))
+                for v in VARIANTS}
+    cost = {v: (None if v == "full" else float(np.mean([r["computed_kept_tokens"][v] for r in rows])))
+            for v in VARIANTS}
+    # TTFT estimate: the kept tokens a variant computes at this run's prefill rate (the kept
+    # prefix prefilled alone), the rest at its insert rate (K re-rotated and written from host
+    # arrays; no store read or link), plus the new part (the same in every variant).
+    s_per_tok = timing["prefill_s"] / max(timing["prefill_tokens"], 1)
+    s_per_ins = timing["insert_s"] / max(timing["insert_tokens"], 1)
+    mean_kept = float(np.mean([r["system_tokens"] + r["kept_turn_tokens"] for r in rows]))
+    mean_new = float(np.mean([r["new_tokens"] for r in rows]))
+    ttft = {v: (None if cost[v] is None else
+                cost[v] * s_per_tok + (mean_kept - cost[v]) * s_per_ins + mean_new * s_per_tok)
+            for v in VARIANTS}
+    by_pos = {}
+    for v in VARIANTS:
+      by_pos[v] = []
+      for lo, hi in POS_BUCKETS:
+        d = [x for arr in per_pos[v] for x in arr[lo:hi]]
+        by_pos[v].append({"positions": [lo, hi], "tokens": len(d),
+                          "mean_dnll": float(np.mean(d)) if d else None})
+    excess = sorted(((r["sum_nll"]["rerotate"] - r["sum_nll"]["recompute"], r["id"]) for r in rows),
+                    reverse=True)
+    total_excess = sum(e for e, _ in excess)
+    seam = {name: [{"seam_distance": [lo, hi], "tokens": len(d),
+                    "mean_rel_dev": float(np.mean(d)) if d else None}
+                   for (lo, hi), d in zip(SEAM_BUCKETS, seam_dev[name])] for name in seam_dev}
+    layers_mean = {name: np.mean(layer_dev[name], 0).tolist() for name in layer_dev}
+    say(f"\n{len(rows)} conversations, {n_tok} scored reply tokens, max_context "
+          f"{FLAGS.max_context}, chunk {c}, {elapsed:.0f} s")
+    say(f"{'variant':10s} {'pooled ppl':>10s} {'- recompute':>12s} {'95% CI':>18s} "
+          f"{'mean |dppl|':>11s} {'computed':>9s} {'TTFT est':>9s}")
+    for v in VARIANTS:
+      cst = "" if cost[v] is None else f"{cost[v]:9.0f}"
+      tt = "" if ttft[v] is None else f"{ttft[v] * 1e3:7.0f}ms"
+      say(f"{v:10s} {pooled[v]:10.4f} {pooled[v] - pooled['recompute']:+12.4f} "
+            f"[{ci[v][0]:+.4f}, {ci[v][1]:+.4f}] {mean_abs[v]:11.4f} {cst:>9s} {tt:>9s}")
+    say("\nmean NLL difference vs recompute by reply position (nats/token):")
+    say(f"{'variant':10s} " + " ".join(f"{f'[{lo},{hi})':>10s}" for lo, hi in POS_BUCKETS))
+    for v in VARIANTS:
+      say(f"{v:10s} " + " ".join(f"{b['mean_dnll']:+10.4f}" if b["mean_dnll"] is not None
+                                    else f"{'':10s}" for b in by_pos[v]))
+    say(f"\nrerotate's excess NLL over recompute: {total_excess:.1f} nats; largest: " +
+          ", ".join(f"{cid} {e:+.1f}" for e, cid in excess[:5]))
+    say("relative deviation of the re-rotated KV from the recomputed KV by distance from the "
+          "seam (mean over layers):")
+    for name in ("k", "v"):
+      say(f"  {name}: " + "  ".join(f"[{b['seam_distance'][0]},{b['seam_distance'][1]}) "
+                                      f"{b['mean_rel_dev']:.4f}" for b in seam[name]
+                                      if b["mean_rel_dev"] is not None))
+    say(f"system prompt KV, re-rotated source vs recompute: max |diff| {sys_kv_max_abs:.2e}")
+    out = pathlib.Path(FLAGS.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "bench_truncation" + (f"_{FLAGS.tag}" if FLAGS.tag else "")
+    result = {
+        "machine": machine(), "git_sha": git_sha(), "jax": jax.__version__,
+        "kvjax": importlib.metadata.version("kvjax"), "backend": jax.default_backend(),
+        "dtype": "float32", "threads": os.cpu_count(), "seed": 0, "elapsed_s": elapsed,
+        "complete": final, "conversations_scored": len(rows),
+        "settings": {k: FLAGS[k].value for k in ("conversations", "max_context", "max_history",
+                                                  "max_reply", "min_reply", "chunk",
+                                                  "bootstrap")},
+        "data": "sharegpt/sharegpt_v3_multiturn_1000.json (first conversations in file order "
+                "that qualify)",
+        "variants": list(VARIANTS),
+        "pooled_ppl": pooled,
+        "pooled_ppl_diff_vs_recompute": {v: pooled[v] - pooled["recompute"] for v in VARIANTS},
+        "pooled_ppl_diff_ci95": ci,
+        "mean_abs_ppl_diff_vs_recompute": mean_abs,
+        "mean_computed_kept_tokens": cost, "mean_kept_tokens": mean_kept,
+        "mean_new_tokens": mean_new,
+        "ttft_estimate_s": ttft,
+        "rates": {"prefill_s_per_token": s_per_tok, "insert_s_per_kept_token": s_per_ins},
+        "dnll_by_reply_position": by_pos,
+        "rerotate_excess_nll": {"total": total_excess,
+                                "by_conversation": [[cid, e] for e, cid in excess]},
+        "kv_rel_dev_by_seam_distance": seam, "kv_rel_dev_by_layer": layers_mean,
+        "system_kv_max_abs_diff": sys_kv_max_abs,
+        "scored_tokens": n_tok, "rows": rows}
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plt = pyplot()
+    if plt is not None:
+      fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+      shown = [v for v in VARIANTS if v not in ("full", "naive")]
+      d = [pooled[v] - pooled["recompute"] for v in shown]
+      err = np.array([[d[i] - ci[v][0], ci[v][1] - d[i]] for i, v in enumerate(shown)]).T
+      axes[0].bar(shown, d, yerr=err, capsize=3)
+      axes[0].axhline(0.02, color="r", ls=":", lw=1, label="target +-0.02")
+      axes[0].axhline(-0.02, color="r", ls=":", lw=1)
+      axes[0].set_ylabel("pooled ppl - recompute (95% CI)")
+      axes[0].tick_params(axis="x", rotation=45)
+      axes[0].legend()
+      axes[0].set_title(f"naive {pooled['naive']:.1f}, full {pooled['full']:.3f}, "
+                        f"recompute {pooled['recompute']:.3f}")
+      for v in shown[2:]:
+        axes[1].scatter([cost[v]], [pooled[v] - pooled["recompute"]], label=v)
+      axes[1].axhline(0.0, color="k", lw=0.5)
+      axes[1].set_xlabel("kept tokens computed per conversation (mean)")
+      axes[1].set_ylabel("pooled ppl - recompute")
+      axes[1].set_title(f"cost (recompute computes {cost['recompute']:.0f})")
+      axes[1].legend(fontsize=7)
+      for kv_name, mark in (("k", "o-"), ("v", "x-")):
+        bs = [b for b in seam[kv_name] if b["mean_rel_dev"] is not None]
+        xs = [f"[{b['seam_distance'][0]},{min(b['seam_distance'][1], 9999)})" for b in bs]
+        axes[2].plot(xs, [b["mean_rel_dev"] for b in bs], mark, label=kv_name.upper())
+      axes[2].set_xlabel("kept-token distance from the cut")
+      axes[2].set_ylabel("||re-rotated - recomputed|| / ||recomputed||")
+      axes[2].legend()
+      axes[2].set_title("KV deviation by distance from the seam")
+      fig.suptitle(f"Truncation keeping the cache: {len(rows)} ShareGPT conversations, context "
+                   f"{FLAGS.max_context} (SmolLM2-135M, f32, 2-core CPU)")
+      fig.tight_layout()
+      fig.savefig(out / f"{name}.png", dpi=120)
+    say(f"wrote {out / name}.json" + (" and .png" if plt is not None else ""))
+
   for cid, msgs in _conversations(path):
     if len(rows) >= FLAGS.conversations:
       break
@@ -292,128 +421,8 @@ def main(argv):
           f"{row['kept_turn_tokens']} moved by {row['shift']}, staged {k_staged}) reply "
           f"{len(targets):3d} ppl " + " ".join(f"{v} {row['ppl_' + v]:.3f}" for v in VARIANTS),
           flush=True)
-  elapsed = time.perf_counter() - t0
-  n_tok = sum(r["reply_tokens"] for r in rows)
-  pooled = {v: _pooled(rows, v) for v in VARIANTS}
-  rng = np.random.default_rng(0)
-  boots = [rng.integers(0, len(rows), len(rows)) for _ in range(FLAGS.bootstrap)]
-  ci = {}
-  for v in VARIANTS:
-    d = np.array([_pooled(rows, v, b) - _pooled(rows, "recompute", b) for b in boots])
-    ci[v] = [float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))]
-  mean_abs = {v: float(np.mean([abs(r[f"ppl_{v}"] - r["ppl_recompute"]) for r in rows]))
-              for v in VARIANTS}
-  cost = {v: (None if v == "full" else float(np.mean([r["computed_kept_tokens"][v] for r in rows])))
-          for v in VARIANTS}
-  # TTFT estimate: the kept tokens a variant computes at this run's prefill rate (the kept
-  # prefix prefilled alone), the rest at its insert rate (K re-rotated and written from host
-  # arrays; no store read or link), plus the new part (the same in every variant).
-  s_per_tok = timing["prefill_s"] / max(timing["prefill_tokens"], 1)
-  s_per_ins = timing["insert_s"] / max(timing["insert_tokens"], 1)
-  mean_kept = float(np.mean([r["system_tokens"] + r["kept_turn_tokens"] for r in rows]))
-  mean_new = float(np.mean([r["new_tokens"] for r in rows]))
-  ttft = {v: (None if cost[v] is None else
-              cost[v] * s_per_tok + (mean_kept - cost[v]) * s_per_ins + mean_new * s_per_tok)
-          for v in VARIANTS}
-  by_pos = {}
-  for v in VARIANTS:
-    by_pos[v] = []
-    for lo, hi in POS_BUCKETS:
-      d = [x for arr in per_pos[v] for x in arr[lo:hi]]
-      by_pos[v].append({"positions": [lo, hi], "tokens": len(d),
-                        "mean_dnll": float(np.mean(d)) if d else None})
-  excess = sorted(((r["sum_nll"]["rerotate"] - r["sum_nll"]["recompute"], r["id"]) for r in rows),
-                  reverse=True)
-  total_excess = sum(e for e, _ in excess)
-  seam = {name: [{"seam_distance": [lo, hi], "tokens": len(d),
-                  "mean_rel_dev": float(np.mean(d)) if d else None}
-                 for (lo, hi), d in zip(SEAM_BUCKETS, seam_dev[name])] for name in seam_dev}
-  layers_mean = {name: np.mean(layer_dev[name], 0).tolist() for name in layer_dev}
-  print(f"\n{len(rows)} conversations, {n_tok} scored reply tokens, max_context "
-        f"{FLAGS.max_context}, chunk {c}, {elapsed:.0f} s")
-  print(f"{'variant':10s} {'pooled ppl':>10s} {'- recompute':>12s} {'95% CI':>18s} "
-        f"{'mean |dppl|':>11s} {'computed':>9s} {'TTFT est':>9s}")
-  for v in VARIANTS:
-    cst = "" if cost[v] is None else f"{cost[v]:9.0f}"
-    tt = "" if ttft[v] is None else f"{ttft[v] * 1e3:7.0f}ms"
-    print(f"{v:10s} {pooled[v]:10.4f} {pooled[v] - pooled['recompute']:+12.4f} "
-          f"[{ci[v][0]:+.4f}, {ci[v][1]:+.4f}] {mean_abs[v]:11.4f} {cst:>9s} {tt:>9s}")
-  print("\nmean NLL difference vs recompute by reply position (nats/token):")
-  print(f"{'variant':10s} " + " ".join(f"{f'[{lo},{hi})':>10s}" for lo, hi in POS_BUCKETS))
-  for v in VARIANTS:
-    print(f"{v:10s} " + " ".join(f"{b['mean_dnll']:+10.4f}" if b["mean_dnll"] is not None
-                                  else f"{'':10s}" for b in by_pos[v]))
-  print(f"\nrerotate's excess NLL over recompute: {total_excess:.1f} nats; largest: " +
-        ", ".join(f"{cid} {e:+.1f}" for e, cid in excess[:5]))
-  print("relative deviation of the re-rotated KV from the recomputed KV by distance from the "
-        "seam (mean over layers):")
-  for name in ("k", "v"):
-    print(f"  {name}: " + "  ".join(f"[{b['seam_distance'][0]},{b['seam_distance'][1]}) "
-                                    f"{b['mean_rel_dev']:.4f}" for b in seam[name]
-                                    if b["mean_rel_dev"] is not None))
-  print(f"system prompt KV, re-rotated source vs recompute: max |diff| {sys_kv_max_abs:.2e}")
-  out = pathlib.Path(FLAGS.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  name = "bench_truncation" + (f"_{FLAGS.tag}" if FLAGS.tag else "")
-  result = {
-      "machine": machine(), "git_sha": git_sha(), "jax": jax.__version__,
-      "kvjax": importlib.metadata.version("kvjax"), "backend": jax.default_backend(),
-      "dtype": "float32", "threads": os.cpu_count(), "seed": 0, "elapsed_s": elapsed,
-      "settings": {k: FLAGS[k].value for k in ("conversations", "max_context", "max_history",
-                                                "max_reply", "min_reply", "chunk",
-                                                "bootstrap")},
-      "data": "sharegpt/sharegpt_v3_multiturn_1000.json (first conversations in file order "
-              "that qualify)",
-      "variants": list(VARIANTS),
-      "pooled_ppl": pooled,
-      "pooled_ppl_diff_vs_recompute": {v: pooled[v] - pooled["recompute"] for v in VARIANTS},
-      "pooled_ppl_diff_ci95": ci,
-      "mean_abs_ppl_diff_vs_recompute": mean_abs,
-      "mean_computed_kept_tokens": cost, "mean_kept_tokens": mean_kept,
-      "mean_new_tokens": mean_new,
-      "ttft_estimate_s": ttft,
-      "rates": {"prefill_s_per_token": s_per_tok, "insert_s_per_kept_token": s_per_ins},
-      "dnll_by_reply_position": by_pos,
-      "rerotate_excess_nll": {"total": total_excess,
-                              "by_conversation": [[cid, e] for e, cid in excess]},
-      "kv_rel_dev_by_seam_distance": seam, "kv_rel_dev_by_layer": layers_mean,
-      "system_kv_max_abs_diff": sys_kv_max_abs,
-      "scored_tokens": n_tok, "rows": rows}
-  (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-  plt = pyplot()
-  if plt is not None:
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    shown = [v for v in VARIANTS if v not in ("full", "naive")]
-    d = [pooled[v] - pooled["recompute"] for v in shown]
-    err = np.array([[d[i] - ci[v][0], ci[v][1] - d[i]] for i, v in enumerate(shown)]).T
-    axes[0].bar(shown, d, yerr=err, capsize=3)
-    axes[0].axhline(0.02, color="r", ls=":", lw=1, label="target +-0.02")
-    axes[0].axhline(-0.02, color="r", ls=":", lw=1)
-    axes[0].set_ylabel("pooled ppl - recompute (95% CI)")
-    axes[0].tick_params(axis="x", rotation=45)
-    axes[0].legend()
-    axes[0].set_title(f"naive {pooled['naive']:.1f}, full {pooled['full']:.3f}, "
-                      f"recompute {pooled['recompute']:.3f}")
-    for v in shown[2:]:
-      axes[1].scatter([cost[v]], [pooled[v] - pooled["recompute"]], label=v)
-    axes[1].axhline(0.0, color="k", lw=0.5)
-    axes[1].set_xlabel("kept tokens computed per conversation (mean)")
-    axes[1].set_ylabel("pooled ppl - recompute")
-    axes[1].set_title(f"cost (recompute computes {cost['recompute']:.0f})")
-    axes[1].legend(fontsize=7)
-    for kv_name, mark in (("k", "o-"), ("v", "x-")):
-      bs = [b for b in seam[kv_name] if b["mean_rel_dev"] is not None]
-      xs = [f"[{b['seam_distance'][0]},{min(b['seam_distance'][1], 9999)})" for b in bs]
-      axes[2].plot(xs, [b["mean_rel_dev"] for b in bs], mark, label=kv_name.upper())
-    axes[2].set_xlabel("kept-token distance from the cut")
-    axes[2].set_ylabel("||re-rotated - recomputed|| / ||recomputed||")
-    axes[2].legend()
-    axes[2].set_title("KV deviation by distance from the seam")
-    fig.suptitle(f"Truncation keeping the cache: {len(rows)} ShareGPT conversations, context "
-                 f"{FLAGS.max_context} (SmolLM2-135M, f32, 2-core CPU)")
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=120)
-  print(f"wrote {out / name}.json" + (" and .png" if plt is not None else ""))
+    report(final=False)
+  report(final=True)
   llm.close()
 
 
