@@ -27,12 +27,12 @@ reply. Variants (what fills positions `[0, n_kept)`):
               trip; should equal rerotate
   head<N>     as rerotate, but the first N kept-turn tokens after the cut (the seam) are
               recomputed on top of the system prompt (N = 16, 64, 256)
-  staged_b0   what `session_rerotate` does with `session_rerotate_boundary_chunks=0`: the
-              truncated prompt's whole store chunks (`--chunk`) whose source KV is stored (the
-              previous turn's full chunks; never the last prompt token) are re-rotated, the
-              rest (the kept tail of the last partial chunk, then the new part) is computed
+  staged_b0   what `session_rerotate` does by default (`session_rerotate_boundary_chunks=0`):
+              the truncated prompt's whole store chunks (`--chunk`) whose source KV is stored
+              (the previous turn's full chunks; never the last prompt token) are re-rotated,
+              the rest (the kept tail of the last partial chunk, then the new part) computed
   staged_b1   as staged_b0, but the truncated prompt's first chunk (system + the seam)
-              computed: `session_rerotate`'s default (`session_rerotate_boundary_chunks=1`)
+              computed (`session_rerotate_boundary_chunks=1`)
 
 Pooled perplexity = exp(mean NLL over all scored tokens of all conversations). Side by side:
 pooled ppl minus recompute's with a 95% bootstrap interval (conversations resampled, seed 0),

@@ -223,8 +223,8 @@ class TruncatePromptTokensTest(absltest.TestCase):
 
 
 class BoundaryRerotationTest(absltest.TestCase):
-  """The default re-rotation (`session_rerotate_boundary_chunks=1`): the truncated prompt's
-  first store chunk (the seam) is computed, the next ones load re-rotated, under a load-only
+  """`session_rerotate_boundary_chunks=1`: the truncated prompt's first store chunk (the
+  seam) is computed, the next ones load re-rotated, under a load-only
   merge whatever the engine's merge mode (a Cake meeting point would make the answer depend on
   timing); the answer equals a runner-level reference built from those pieces."""
 
@@ -233,7 +233,7 @@ class BoundaryRerotationTest(absltest.TestCase):
     llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
               max_model_len=256, kv_store="memory://", kv_chunk_size=c,
               kv_cache_layout="slotted", session_truncation="drop_oldest_turns",
-              session_rerotate=True)  # the engine's merge mode stays "cake"
+              session_rerotate=True, session_rerotate_boundary_chunks=1)  # merge mode: cake
     try:
       limit = llm.max_model_len - n_out - 40
       p = SamplingParams(max_tokens=n_out, temperature=0)
