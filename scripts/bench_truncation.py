@@ -1,6 +1,7 @@
 """Truncation quality (CachedAttention, arXiv 2403.19708, section 3.4): perplexity of a
 conversation's next reply after its oldest turns are dropped, with the kept turns' KV
-re-rotated to their new positions vs recomputing the truncated prompt vs naive truncation.
+re-rotated to their new positions vs recomputing the truncated prompt vs naive truncation, and
+what the gap between re-rotated and recomputed KV is made of.
 
 For each ShareGPT conversation (../shared/data/sharegpt/sharegpt_v3_multiturn_1000.json,
 SmolLM2's chat template, its default system prompt) we take the last round whose history (every
@@ -8,21 +9,37 @@ message before the assistant's reply, generation prompt included) exceeds `--max
 tokens, truncate that history with the sessions' rule (`kvjax.engine.sessions.truncate_prompt`,
 `drop_oldest_turns`: keep the system prompt and the last user message, drop whole oldest turns
 until it fits) and score the reply's first `--max_reply` tokens (mean negative log-likelihood,
-perplexity = exp of it) four ways, on the same slotted model runner:
+perplexity = exp of it) on the same slotted model runner. The truncated prompt is
+`[system | kept turns | new part]`: `S` system tokens, `n_kept - S` kept-turn tokens, then the
+last user message and the generation prompt (the new part, computed in every variant), then the
+reply. Variants (what fills positions `[0, n_kept)`):
 
-  full       the untruncated history (reference; not what a bounded context can do)
-  recompute  the truncated prompt computed from scratch (the exact answer for that prompt)
-  rerotate   the kept turns' KV taken from the full history's prefill (K before RoPE, computed
-             with the dropped turns in context), inserted with RoPE at the NEW positions
-             (`ModelRunner.insert_chunk`: what a session with `session_rerotate` does with the
-             stored chunks); the system prompt's KV (same positions) as is; the new user message,
-             the generation prompt and the reply computed on top
-  naive      as rerotate, but K keeps the rotation of its OLD positions (no re-rotation: K is
-             rotated by old - new before the insert)
+  full        the untruncated history (reference; not what a bounded context can do)
+  recompute   the truncated prompt computed from scratch (the exact answer for that prompt)
+  self        recompute's own K (before RoPE) and V written back with `insert_chunk` (RoPE at
+              the same positions): the insert path's float32 rounding; should equal recompute
+  rerotate    every kept token's KV taken from the full history's prefill (K before RoPE,
+              computed with the dropped turns in context), inserted with RoPE at the NEW
+              positions; the system prompt's KV (same positions, causal: exact) as is
+  naive       as rerotate, but K keeps the rotation of its OLD positions (no re-rotation)
+  roundtrip   as rerotate, with K rotated at its old positions and un-rotated again first (the
+              paged layout's save path, `read_pre_rope`): the float32 rounding of that round
+              trip; should equal rerotate
+  head<N>     as rerotate, but the first N kept-turn tokens after the cut (the seam) are
+              recomputed on top of the system prompt (N = 16, 64, 256)
+  staged_b0   what `session_rerotate` does by default (`session_rerotate_boundary_chunks=0`):
+              the truncated prompt's whole store chunks (`--chunk`) whose source KV is stored
+              (the previous turn's full chunks; never the last prompt token) are re-rotated,
+              the rest (the kept tail of the last partial chunk, then the new part) computed
+  staged_b1   as staged_b0, but the truncated prompt's first chunk (system + the seam)
+              computed (`session_rerotate_boundary_chunks=1`)
 
-Pooled perplexity = exp(mean NLL over all scored tokens of all conversations); the table also
-gives the mean over conversations of |ppl(variant) - ppl(recompute)|. The paper's target is a
-difference below 0.02 against recompute.
+Pooled perplexity = exp(mean NLL over all scored tokens of all conversations). Side by side:
+pooled ppl minus recompute's with a 95% bootstrap interval (conversations resampled, seed 0),
+mean |ppl - ppl_recompute| over conversations, the kept tokens each variant computes (its cost
+over the re-rotated KV; recompute computes all of them), a TTFT estimate from this run's measured
+prefill and insert rates, the gap by reply position, the conversations that dominate it, and the
+relative K/V deviation of the re-rotated KV from the recomputed one by distance from the seam.
 
     .venv/bin/python scripts/bench_truncation.py                     # 24 conversations, 1024
     .venv/bin/python scripts/bench_truncation.py --conversations=8 --max_context=2048
@@ -45,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
 from kvjax import LLM
 from kvjax.engine import sessions as sess
 from kvjax.models import layers
@@ -58,11 +75,17 @@ flags.DEFINE_integer("max_context", 1024, "prompt tokens kept at most (the trunc
 flags.DEFINE_integer("max_history", 3072, "skip conversations whose history passes this")
 flags.DEFINE_integer("max_reply", 128, "reply tokens scored at most")
 flags.DEFINE_integer("min_reply", 16, "skip replies shorter than this")
+flags.DEFINE_integer("chunk", 256, "store chunk size (kv_chunk_size) of the staged variants")
+flags.DEFINE_integer("bootstrap", 2000, "bootstrap resamples of the conversations")
 flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "where results go")
 flags.DEFINE_string("tag", "", "suffix of the output files")
 
 PIECE = 256  # insertion pieces (one compiled insert size)
-VARIANTS = ("full", "recompute", "rerotate", "naive")
+HEADS = (16, 64, 256)
+VARIANTS = ("full", "recompute", "self", "rerotate", "naive", "roundtrip",
+            *(f"head{n}" for n in HEADS), "staged_b0", "staged_b1")
+POS_BUCKETS = ((0, 8), (8, 32), (32, 128))
+SEAM_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 256), (256, 1 << 30))
 
 
 def _conversations(path: pathlib.Path):
@@ -102,11 +125,43 @@ def _insert(runner, k_LTKH, v_LTKH, slot, start):
     runner.insert_chunk(np.stack([k, v], axis=1), slot, start + a)
 
 
-def _score_on_kept(runner, kept_k, kept_v, rest_ids, targets, slot, n_kept):
-  _insert(runner, kept_k, kept_v, slot, 0)
-  logits, _ = _prefill(runner, rest_ids, slot, n_kept, all_logits=True)
-  rows = np.concatenate(logits)[len(rest_ids) - len(targets) - 1:-1]
+def _score(runner, ids, kept_k, kept_v, computed, targets, slot):
+  """NLL of `targets` (the last tokens of `ids`) when positions p < n_kept with computed[p]
+  False hold the given KV and every other position is computed in order."""
+  n_kept = kept_k.shape[1]
+  if not computed.all():
+    _insert(runner, kept_k, kept_v, slot, 0)
+  # computed runs inside the kept prefix, in order; the run reaching n_kept merges with the rest
+  first_tail = n_kept
+  while first_tail > 0 and computed[first_tail - 1]:
+    first_tail -= 1
+  p = 0
+  while p < first_tail:
+    if not computed[p]:
+      p += 1
+      continue
+    q = p
+    while q < first_tail and computed[q]:
+      q += 1
+    _prefill(runner, list(ids[p:q]), slot, p)
+    p = q
+  logits, _ = _prefill(runner, list(ids[first_tail:]), slot, first_tail, all_logits=True)
+  rows = np.concatenate(logits)[len(ids) - first_tail - len(targets) - 1:-1]
   return _nll(rows, targets)
+
+
+def _rel_dev(a_LTKH, b_LTKH):
+  """Per token, mean over layers of ||a - b|| / ||b|| (over heads and head dim)."""
+  num = np.linalg.norm((a_LTKH - b_LTKH).reshape(*a_LTKH.shape[:2], -1), axis=-1)
+  den = np.linalg.norm(b_LTKH.reshape(*b_LTKH.shape[:2], -1), axis=-1) + 1e-12
+  return num / den  # [L, T]
+
+
+def _pooled(rows, v, idx=None):
+  idx = range(len(rows)) if idx is None else idx
+  s = sum(rows[i]["sum_nll"][v] for i in idx)
+  n = sum(rows[i]["reply_tokens"] for i in idx)
+  return math.exp(s / n)
 
 
 def main(argv):
@@ -116,7 +171,142 @@ def main(argv):
             max_model_len=FLAGS.max_history + FLAGS.max_reply + PIECE, compile_on_init=False)
   tok, runner = llm.get_tokenizer(), llm.engine.runner
   inv_freq = jnp.asarray(layers.rope_inv_freq(llm.model_config))
+  c = FLAGS.chunk
   rows, t0 = [], time.perf_counter()
+  timing = {"prefill_tokens": 0, "prefill_s": 0.0, "insert_tokens": 0, "insert_s": 0.0}
+  per_pos = {v: [] for v in VARIANTS}  # per-token NLL minus recompute's, by reply position
+  seam_dev = {"k": [[] for _ in SEAM_BUCKETS], "v": [[] for _ in SEAM_BUCKETS]}
+  layer_dev = {"k": [], "v": []}
+  sys_kv_max_abs = 0.0
+  def report(final: bool) -> None:
+    """Summarizes the rows so far and writes the JSON and plot (after every conversation, so
+    an interrupted run leaves its rows; `complete` says whether all were scored); prints the
+    tables when `final`."""
+    say = print if final else (lambda *a, **k: None)
+    elapsed = time.perf_counter() - t0
+    n_tok = sum(r["reply_tokens"] for r in rows)
+    pooled = {v: _pooled(rows, v) for v in VARIANTS}
+    rng = np.random.default_rng(0)
+    boots = [rng.integers(0, len(rows), len(rows)) for _ in range(FLAGS.bootstrap)]
+    ci = {}
+    for v in VARIANTS:
+      d = np.array([_pooled(rows, v, b) - _pooled(rows, "recompute", b) for b in boots])
+      ci[v] = [float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))]
+    mean_abs = {v: float(np.mean([abs(r[f"ppl_{v}"] - r["ppl_recompute"]) for r in rows]))
+                for v in VARIANTS}
+    cost = {v: (None if v == "full" else float(np.mean([r["computed_kept_tokens"][v] for r in rows])))
+            for v in VARIANTS}
+    # TTFT estimate: the kept tokens a variant computes at this run's prefill rate (the kept
+    # prefix prefilled alone), the rest at its insert rate (K re-rotated and written from host
+    # arrays; no store read or link), plus the new part (the same in every variant).
+    s_per_tok = timing["prefill_s"] / max(timing["prefill_tokens"], 1)
+    s_per_ins = timing["insert_s"] / max(timing["insert_tokens"], 1)
+    mean_kept = float(np.mean([r["system_tokens"] + r["kept_turn_tokens"] for r in rows]))
+    mean_new = float(np.mean([r["new_tokens"] for r in rows]))
+    ttft = {v: (None if cost[v] is None else
+                cost[v] * s_per_tok + (mean_kept - cost[v]) * s_per_ins + mean_new * s_per_tok)
+            for v in VARIANTS}
+    by_pos = {}
+    for v in VARIANTS:
+      by_pos[v] = []
+      for lo, hi in POS_BUCKETS:
+        d = [x for arr in per_pos[v] for x in arr[lo:hi]]
+        by_pos[v].append({"positions": [lo, hi], "tokens": len(d),
+                          "mean_dnll": float(np.mean(d)) if d else None})
+    excess = sorted(((r["sum_nll"]["rerotate"] - r["sum_nll"]["recompute"], r["id"]) for r in rows),
+                    reverse=True)
+    total_excess = sum(e for e, _ in excess)
+    seam = {name: [{"seam_distance": [lo, hi], "tokens": len(d),
+                    "mean_rel_dev": float(np.mean(d)) if d else None}
+                   for (lo, hi), d in zip(SEAM_BUCKETS, seam_dev[name])] for name in seam_dev}
+    layers_mean = {name: np.mean(layer_dev[name], 0).tolist() for name in layer_dev}
+    say(f"\n{len(rows)} conversations, {n_tok} scored reply tokens, max_context "
+          f"{FLAGS.max_context}, chunk {c}, {elapsed:.0f} s")
+    say(f"{'variant':10s} {'pooled ppl':>10s} {'- recompute':>12s} {'95% CI':>18s} "
+          f"{'mean |dppl|':>11s} {'computed':>9s} {'TTFT est':>9s}")
+    for v in VARIANTS:
+      cst = "" if cost[v] is None else f"{cost[v]:9.0f}"
+      tt = "" if ttft[v] is None else f"{ttft[v] * 1e3:7.0f}ms"
+      say(f"{v:10s} {pooled[v]:10.4f} {pooled[v] - pooled['recompute']:+12.4f} "
+            f"[{ci[v][0]:+.4f}, {ci[v][1]:+.4f}] {mean_abs[v]:11.4f} {cst:>9s} {tt:>9s}")
+    say("\nmean NLL difference vs recompute by reply position (nats/token):")
+    say(f"{'variant':10s} " + " ".join(f"{f'[{lo},{hi})':>10s}" for lo, hi in POS_BUCKETS))
+    for v in VARIANTS:
+      say(f"{v:10s} " + " ".join(f"{b['mean_dnll']:+10.4f}" if b["mean_dnll"] is not None
+                                    else f"{'':10s}" for b in by_pos[v]))
+    say(f"\nrerotate's excess NLL over recompute: {total_excess:.1f} nats; largest: " +
+          ", ".join(f"{cid} {e:+.1f}" for e, cid in excess[:5]))
+    say("relative deviation of the re-rotated KV from the recomputed KV by distance from the "
+          "seam (mean over layers):")
+    for name in ("k", "v"):
+      say(f"  {name}: " + "  ".join(f"[{b['seam_distance'][0]},{b['seam_distance'][1]}) "
+                                      f"{b['mean_rel_dev']:.4f}" for b in seam[name]
+                                      if b["mean_rel_dev"] is not None))
+    say(f"system prompt KV, re-rotated source vs recompute: max |diff| {sys_kv_max_abs:.2e}")
+    out = pathlib.Path(FLAGS.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "bench_truncation" + (f"_{FLAGS.tag}" if FLAGS.tag else "")
+    result = {
+        "machine": machine(), "git_sha": git_sha(), "jax": jax.__version__,
+        "kvjax": importlib.metadata.version("kvjax"), "backend": jax.default_backend(),
+        "dtype": "float32", "threads": os.cpu_count(), "seed": 0, "elapsed_s": elapsed,
+        "complete": final, "conversations_scored": len(rows),
+        "settings": {k: FLAGS[k].value for k in ("conversations", "max_context", "max_history",
+                                                  "max_reply", "min_reply", "chunk",
+                                                  "bootstrap")},
+        "data": "sharegpt/sharegpt_v3_multiturn_1000.json (first conversations in file order "
+                "that qualify)",
+        "variants": list(VARIANTS),
+        "pooled_ppl": pooled,
+        "pooled_ppl_diff_vs_recompute": {v: pooled[v] - pooled["recompute"] for v in VARIANTS},
+        "pooled_ppl_diff_ci95": ci,
+        "mean_abs_ppl_diff_vs_recompute": mean_abs,
+        "mean_computed_kept_tokens": cost, "mean_kept_tokens": mean_kept,
+        "mean_new_tokens": mean_new,
+        "ttft_estimate_s": ttft,
+        "rates": {"prefill_s_per_token": s_per_tok, "insert_s_per_kept_token": s_per_ins},
+        "dnll_by_reply_position": by_pos,
+        "rerotate_excess_nll": {"total": total_excess,
+                                "by_conversation": [[cid, e] for e, cid in excess]},
+        "kv_rel_dev_by_seam_distance": seam, "kv_rel_dev_by_layer": layers_mean,
+        "system_kv_max_abs_diff": sys_kv_max_abs,
+        "scored_tokens": n_tok, "rows": rows}
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plt = pyplot()
+    if plt is not None:
+      fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+      shown = [v for v in VARIANTS if v not in ("full", "naive")]
+      d = [pooled[v] - pooled["recompute"] for v in shown]
+      err = np.array([[d[i] - ci[v][0], ci[v][1] - d[i]] for i, v in enumerate(shown)]).T
+      axes[0].bar(shown, d, yerr=err, capsize=3)
+      axes[0].axhline(0.02, color="r", ls=":", lw=1, label="target +-0.02")
+      axes[0].axhline(-0.02, color="r", ls=":", lw=1)
+      axes[0].set_ylabel("pooled ppl - recompute (95% CI)")
+      axes[0].tick_params(axis="x", rotation=45)
+      axes[0].legend()
+      axes[0].set_title(f"naive {pooled['naive']:.1f}, full {pooled['full']:.3f}, "
+                        f"recompute {pooled['recompute']:.3f}")
+      for v in shown[2:]:
+        axes[1].scatter([cost[v]], [pooled[v] - pooled["recompute"]], label=v)
+      axes[1].axhline(0.0, color="k", lw=0.5)
+      axes[1].set_xlabel("kept tokens computed per conversation (mean)")
+      axes[1].set_ylabel("pooled ppl - recompute")
+      axes[1].set_title(f"cost (recompute computes {cost['recompute']:.0f})")
+      axes[1].legend(fontsize=7)
+      for kv_name, mark in (("k", "o-"), ("v", "x-")):
+        bs = [b for b in seam[kv_name] if b["mean_rel_dev"] is not None]
+        xs = [f"[{b['seam_distance'][0]},{min(b['seam_distance'][1], 9999)})" for b in bs]
+        axes[2].plot(xs, [b["mean_rel_dev"] for b in bs], mark, label=kv_name.upper())
+      axes[2].set_xlabel("kept-token distance from the cut")
+      axes[2].set_ylabel("||re-rotated - recomputed|| / ||recomputed||")
+      axes[2].legend()
+      axes[2].set_title("KV deviation by distance from the seam")
+      fig.suptitle(f"Truncation keeping the cache: {len(rows)} ShareGPT conversations, context "
+                   f"{FLAGS.max_context} (SmolLM2-135M, f32, 2-core CPU)")
+      fig.tight_layout()
+      fig.savefig(out / f"{name}.png", dpi=120)
+    say(f"wrote {out / name}.json" + (" and .png" if plt is not None else ""))
+
   for cid, msgs in _conversations(path):
     if len(rows) >= FLAGS.conversations:
       break
@@ -138,11 +328,10 @@ def main(argv):
     if tr.dropped_turns == 0 or len(tr.spans) != 2:
       continue  # a plain cut (one huge message): not a turn truncation
     sys_span, kept = tr.spans
-    # The new part (the last user message + generation prompt) is computed in every variant;
-    # the kept KV is everything before it: the system prompt and the kept older turns.
+    s_len = sys_span.length
     users = [a for a, _, role in sess.message_segments(tok, tr.token_ids) if role == "user"]
-    n_kept = users[-1]
-    rest = list(tr.token_ids[n_kept:]) + list(reply)
+    n_kept = users[-1]  # [0, n_kept): system + kept turns; the new part starts there
+    ids = list(tr.token_ids) + list(reply)
     targets = list(reply)
     nll = {}
     # full: the whole history, then the reply; its KV is the "stored" KV of every old token.
@@ -151,80 +340,89 @@ def main(argv):
     k_all = np.concatenate([k for k, _ in kvs], axis=1)
     v_all = np.concatenate([v for _, v in kvs], axis=1)
     # recompute: the truncated prompt from scratch.
-    logits, _ = _prefill(runner, list(tr.token_ids) + list(reply), 1, 0, all_logits=True)
+    logits, kvs = _prefill(runner, ids, 1, 0, all_logits=True)
     nll["recompute"] = _nll(np.concatenate(logits)[len(tr.token_ids) - 1:-1], targets)
-    # The kept prefix [0, n_kept) of the truncated prompt maps to old positions: the system
-    # span in place, the kept turns from kept.src_start.
-    src = np.concatenate([np.arange(sys_span.length),
-                          kept.src_start + np.arange(n_kept - sys_span.length)])
+    k_rec = np.concatenate([k for k, _ in kvs], axis=1)[:, :n_kept]
+    v_rec = np.concatenate([v for _, v in kvs], axis=1)[:, :n_kept]
+    # The kept prefix [0, n_kept) maps to old positions: the system span in place, the kept
+    # turns from kept.src_start.
+    src = np.concatenate([np.arange(s_len), kept.src_start + np.arange(n_kept - s_len)])
     k_kept, v_kept = k_all[:, src], v_all[:, src]
-    nll["rerotate"] = _score_on_kept(runner, k_kept, v_kept, rest, targets, 2, n_kept)
-    # naive: K keeps its old rotation: pre-rotate by (old - new) so that RoPE(new) on insert
-    # gives RoPE(old).
+    sys_kv_max_abs = max(sys_kv_max_abs, float(np.abs(k_kept[:, :s_len] - k_rec[:, :s_len]).max()),
+                         float(np.abs(v_kept[:, :s_len] - v_rec[:, :s_len]).max()))
+    none = np.zeros(n_kept, bool)
+    nll["self"] = _score(runner, ids, k_rec, v_rec, none, targets, 2)
+    nll["rerotate"] = _score(runner, ids, k_kept, v_kept, none, targets, 2)
+    if rows:  # rates for the TTFT estimate (the first conversation compiles)
+      ta = time.perf_counter()
+      _prefill(runner, list(tr.token_ids[:n_kept]), 3, 0)
+      runner.block_until_ready()
+      tb = time.perf_counter()
+      _insert(runner, k_kept, v_kept, 3, 0)
+      runner.block_until_ready()
+      timing["prefill_s"] += tb - ta
+      timing["insert_s"] += time.perf_counter() - tb
+      timing["prefill_tokens"] += n_kept
+      timing["insert_tokens"] += n_kept
+    # naive: K keeps its old rotation: pre-rotate by (old - new) so RoPE(new) gives RoPE(old).
     delta = jnp.asarray(src - np.arange(n_kept), jnp.int32)[None, :]
     k_old = np.asarray(layers.apply_rope(jnp.asarray(k_kept), jnp.broadcast_to(
         delta, k_kept.shape[:2]), inv_freq))
-    nll["naive"] = _score_on_kept(runner, k_old, v_kept, rest, targets, 3, n_kept)
+    nll["naive"] = _score(runner, ids, k_old, v_kept, none, targets, 3)
+    old_pos = jnp.broadcast_to(jnp.asarray(src, jnp.int32)[None, :], k_kept.shape[:2])
+    k_rt = np.asarray(layers.apply_rope(layers.apply_rope(jnp.asarray(k_kept), old_pos, inv_freq),
+                                        old_pos, inv_freq, inverse=True))
+    nll["roundtrip"] = _score(runner, ids, k_rt, v_kept, none, targets, 3)
+    cost = {"full": None, "recompute": n_kept, "self": 0, "rerotate": 0, "naive": 0,
+            "roundtrip": 0}
+    for n in HEADS:
+      m = none.copy()
+      m[s_len:s_len + n] = True
+      nll[f"head{n}"] = _score(runner, ids, k_kept, v_kept, m, targets, 2)
+      cost[f"head{n}"] = int(m.sum())
+    # staged, as `Engine.stage_rerotated`: the truncated prompt's chunk j is staged when all
+    # its source positions lie in the previous turn's stored full chunks (that turn ends where
+    # the new user message starts in the source) and it ends before the last prompt token.
+    prev_stored = (len(hist) - (len(tr.token_ids) - n_kept)) // c * c
+    n_chunks = (len(tr.token_ids) - 1) // c
+    n_src = np.full(len(tr.token_ids), 1 << 40)
+    n_src[:n_kept] = src
+    n_src[n_kept:] = kept.src_start + np.arange(n_kept - s_len, len(tr.token_ids) - s_len)
+    k_staged = 0
+    while k_staged < n_chunks and (n_src[k_staged * c:(k_staged + 1) * c] < prev_stored).all():
+      k_staged += 1
+    for v, first in (("staged_b0", 0), ("staged_b1", 1)):
+      m = np.ones(n_kept, bool)
+      if k_staged > first:
+        m[first * c:k_staged * c] = False
+      nll[v] = _score(runner, ids, k_kept, v_kept, m, targets, 2)
+      cost[v] = int(m.sum())
+    # deviation of the re-rotated (source) KV from the recomputed one, by distance from the seam
+    for name, a, b in (("k", k_kept, k_rec), ("v", v_kept, v_rec)):
+      if n_kept == s_len:  # every older turn dropped: nothing re-rotated
+        continue
+      dev = _rel_dev(a[:, s_len:], b[:, s_len:])  # [L, kept-turn tokens]
+      layer_dev[name].append(dev.mean(1))
+      for bi, (lo, hi) in enumerate(SEAM_BUCKETS):
+        if dev.shape[1] > lo:
+          seam_dev[name][bi].extend(dev[:, lo:hi].mean(0).tolist())
+    for v in VARIANTS:
+      per_pos[v].append(nll[v] - nll["recompute"])
     row = {"id": cid, "round": j, "history_tokens": len(hist),
            "truncated_tokens": len(tr.token_ids), "dropped_turns": tr.dropped_turns,
-           "kept_turn_tokens": n_kept - sys_span.length, "shift": int(kept.src_start - kept.dst_start),
+           "system_tokens": s_len, "kept_turn_tokens": n_kept - s_len,
+           "shift": int(kept.src_start - kept.dst_start),
            "new_tokens": len(tr.token_ids) - n_kept, "reply_tokens": len(targets),
-           **{f"nll_{v}": float(nll[v].mean()) for v in VARIANTS},
+           "staged_chunks": k_staged, "computed_kept_tokens": cost,
            **{f"ppl_{v}": float(math.exp(nll[v].mean())) for v in VARIANTS},
            "sum_nll": {v: float(nll[v].sum()) for v in VARIANTS}}
     rows.append(row)
     print(f"{len(rows):3d} {cid:>12s} hist {len(hist):5d} -> {len(tr.token_ids):5d} (kept "
-          f"{row['kept_turn_tokens']} turn tokens moved by {row['shift']}) reply "
-          f"{len(targets):3d}  ppl " + "  ".join(f"{v} {row['ppl_' + v]:.4f}" for v in VARIANTS),
+          f"{row['kept_turn_tokens']} moved by {row['shift']}, staged {k_staged}) reply "
+          f"{len(targets):3d} ppl " + " ".join(f"{v} {row['ppl_' + v]:.3f}" for v in VARIANTS),
           flush=True)
-  n_tok = sum(r["reply_tokens"] for r in rows)
-  pooled = {v: math.exp(sum(r["sum_nll"][v] for r in rows) / n_tok) for v in VARIANTS}
-  mean_abs = {v: float(np.mean([abs(r[f"ppl_{v}"] - r["ppl_recompute"]) for r in rows]))
-              for v in VARIANTS}
-  print(f"\n{len(rows)} conversations, {n_tok} scored reply tokens, max_context "
-        f"{FLAGS.max_context}, {time.perf_counter() - t0:.0f} s")
-  print(f"{'variant':10s} {'pooled ppl':>10s} {'- recompute':>12s} {'mean |dppl|':>12s}")
-  for v in VARIANTS:
-    print(f"{v:10s} {pooled[v]:10.4f} {pooled[v] - pooled['recompute']:+12.4f} "
-          f"{mean_abs[v]:12.4f}")
-  out = pathlib.Path(FLAGS.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  name = "bench_truncation" + (f"_{FLAGS.tag}" if FLAGS.tag else "")
-  result = {
-      "machine": machine(), "git_sha": git_sha(), "jax": jax.__version__,
-      "kvjax": importlib.metadata.version("kvjax"), "backend": jax.default_backend(),
-      "dtype": "float32", "threads": os.cpu_count(), "seed": 0,
-      "settings": {k: FLAGS[k].value for k in ("conversations", "max_context", "max_history",
-                                                "max_reply", "min_reply")},
-      "data": "sharegpt/sharegpt_v3_multiturn_1000.json (first conversations in file order "
-              "that qualify)",
-      "pooled_ppl": pooled, "mean_abs_ppl_diff_vs_recompute": mean_abs,
-      "scored_tokens": n_tok, "rows": rows}
-  (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  base = np.array([r["ppl_recompute"] for r in rows])
-  for v, mark in (("rerotate", "o"), ("naive", "x"), ("full", ".")):
-    axes[0].scatter(base, [r[f"ppl_{v}"] for r in rows], marker=mark, label=v)
-  lim = [min(base.min(), 1), base.max() * 1.1]
-  axes[0].plot(lim, lim, "k:", lw=1)
-  axes[0].set_xlabel("ppl, recompute the truncated prompt")
-  axes[0].set_ylabel("ppl")
-  axes[0].set_xscale("log")
-  axes[0].set_yscale("log")
-  axes[0].legend()
-  axes[0].set_title("per conversation")
-  axes[1].bar(VARIANTS, [pooled[v] for v in VARIANTS])
-  for i, v in enumerate(VARIANTS):
-    axes[1].text(i, pooled[v], f"{pooled[v]:.3f}", ha="center", va="bottom")
-  axes[1].set_ylabel("pooled perplexity of the next reply")
-  axes[1].set_title(f"{len(rows)} ShareGPT conversations, context {FLAGS.max_context}")
-  fig.suptitle("Truncation keeping the cache (SmolLM2-135M, f32, 2-core CPU)")
-  fig.tight_layout()
-  fig.savefig(out / f"{name}.png", dpi=120)
-  print(f"wrote {out / name}.json and .png")
+    report(final=False)
+  report(final=True)
   llm.close()
 
 

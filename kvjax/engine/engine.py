@@ -38,7 +38,7 @@ import numpy as np
 
 from kvjax import codecs
 from kvjax._typing import RequestId
-from kvjax.engine import sampling
+from kvjax.engine import sampling, sessions
 from kvjax.engine.core import EngineCore, LoopStats, StepRecord
 from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefetchStats,
                                           PrefixLookup, SaveJob, SaverStats, TierSnapshot)
@@ -394,7 +394,11 @@ class Engine:
     here); the scheduler gets the answer as plain data and plans the merge. `cache_salt`
     isolates tenants: prompts share stored KV only under equal salts. `merge_mode` ("cake",
     "load_only", "compute_only") overrides the engine's for this request (benchmarks compare the
-    modes on one warm engine).
+    modes on one warm engine). A request under a re-rotated session namespace
+    (`sessions.REROTATED_SALT_PREFIX`) runs "load_only" unless told otherwise: its stored KV is
+    not what compute would give, so a Cake merge, whose meeting point depends on timing, would
+    make the answer depend on it; load-only computes exactly the holes (the boundary chunks,
+    `stage_rerotated`) and the suffix.
 
     Raises:
       ValueError: as `validate`, a duplicate id, a `cache_salt` that is not a string, or an
@@ -404,6 +408,9 @@ class Engine:
       raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
     if merge_mode is not None and merge_mode not in ("cake", "load_only", "compute_only"):
       raise ValueError(f"merge_mode={merge_mode!r}; use 'cake', 'load_only' or 'compute_only'")
+    if merge_mode is None and cache_salt is not None and cache_salt.startswith(
+        sessions.REROTATED_SALT_PREFIX):
+      merge_mode = "load_only"
     ids = self.validate(prompt_token_ids, params)
     rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
     if rid in self._live:
@@ -435,7 +442,7 @@ class Engine:
 
   def stage_rerotated(self, source_ids: Sequence[int], source_salt: str | None,
                       target_ids: Sequence[int], spans: Sequence[Any],
-                      target_salt: str) -> int:
+                      target_salt: str, *, boundary_chunks: int = 0) -> int:
     """Stores the KV of a truncated session prompt's kept tokens, re-rotated, under a private
     namespace (CachedAttention, arXiv 2403.19708, section 3.4; `docs/architecture.md`,
     "Truncation that keeps the cache").
@@ -450,15 +457,25 @@ class Engine:
     positions when they are inserted, like any chunk). The KV is approximate (computed with the
     dropped tokens in context), so `target_salt` must be a namespace no ordinary request uses
     (`kvjax.engine.sessions.REROTATED_SALT_PREFIX`); a request under it then loads these chunks
-    through the normal merge and computes the rest. Blocks the caller (store reads and writes).
+    through a load-only merge (`add_request`) and computes the rest. Blocks the caller (store
+    reads and writes).
+
+    `boundary_chunks` b: the target's first b chunks (the system prompt and the seam, the kept
+    tokens right after the dropped ones, whose KV deviates most from a recompute) are not
+    staged; they stay holes that the request computes exactly (`docs/architecture.md`,
+    "Truncation that keeps the cache": measured by `scripts/bench_truncation.py`).
 
     Returns:
-      Target tokens staged (a multiple of the chunk size, < len(target_ids)); 0 without a
-      store.
+      Target tokens staged (a multiple of the chunk size, < len(target_ids)): chunks
+      `[b, k)` where k is the first target chunk that could not be staged; 0 without a store
+      or when k <= b.
 
     Raises:
-      ValueError: spans that do not lie within the ids.
+      ValueError: spans that do not lie within the ids, or a negative `boundary_chunks`.
     """
+    if isinstance(boundary_chunks, bool) or not isinstance(boundary_chunks, int) or (
+        boundary_chunks < 0):
+      raise ValueError(f"boundary_chunks={boundary_chunks!r} must be an int >= 0")
     kv = self.kv_store
     if kv is None:
       return 0
@@ -477,6 +494,7 @@ class Engine:
     kv.flush()  # the previous turn's chunks (its reply's too) are readable
     lookup = kv.lookup(list(source_ids), source_salt)
     n_chunks = (n_dst - 1) // c  # never the last prompt token, as any hit
+    b = min(boundary_chunks, n_chunks)
     needed = sorted({int(s) // c for s in src_of[:n_chunks * c] if s >= 0})
     got = kv.read_raw_chunks(lookup, list(source_ids), needed)
     chunks = []
@@ -484,9 +502,10 @@ class Engine:
       src = src_of[j * c:(j + 1) * c]
       if (src < 0).any() or any(int(s) // c not in got for s in src):
         break
-      chunks.append(np.stack([got[int(s) // c][:, :, int(s) % c] for s in src], axis=2))
+      if j >= b:
+        chunks.append(np.stack([got[int(s) // c][:, :, int(s) % c] for s in src], axis=2))
     if chunks:
-      kv.put_raw_chunks(target_salt, list(target_ids), chunks)
+      kv.put_raw_chunks(target_salt, list(target_ids), chunks, first=b)
     return len(chunks) * c
 
   def abort_request(self, request_id: RequestId) -> None:

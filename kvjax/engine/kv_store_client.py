@@ -467,18 +467,28 @@ class KVStoreClient:
     return out
 
   def put_raw_chunks(self, cache_salt: str | None, token_ids: Sequence[int],
-                     chunks: Sequence[np.ndarray]) -> int:
-    """Writes `chunks` (`[L, 2, C, K, H]` each, K before RoPE) synchronously as the first
-    `len(chunks)` chunks of `token_ids` under `cache_salt`'s namespace (chained keys as every
-    chunk); returns how many the store published or already held."""
+                     chunks: Sequence[np.ndarray], *, first: int = 0) -> int:
+    """Writes `chunks` (`[L, 2, C, K, H]` each, K before RoPE) synchronously as chunks
+    `[first, first + len(chunks))` of `token_ids` under `cache_salt`'s namespace (chained keys
+    as every chunk: the chunks before `first` need not be stored, keys chain through token
+    ids); returns how many the store published or already held.
+
+    Raises:
+      ValueError: `first` < 0 or chunks past the end of `token_ids`.
+    """
+    c = self.chunk_size
+    if first < 0 or (first + len(chunks)) * c > len(token_ids):
+      raise ValueError(f"chunks [{first}, {first + len(chunks)}) of {c} tokens do not fit "
+                       f"{len(token_ids)} tokens")
     ns = self.namespace(cache_salt)
-    hashes = keys.chunk_hashes(ns, token_ids, max_tokens=len(chunks) * self.chunk_size)
-    root, c = ns.root_hash(), self.chunk_size
+    hashes = keys.chunk_hashes(ns, token_ids, max_tokens=(first + len(chunks)) * c)
+    root = ns.root_hash()
 
     async def put_all():
       return await asyncio.gather(*(self.store.put(
           hashes[i], hashes[i - 1] if i else root, tuple(token_ids[i * c:(i + 1) * c]), root,
-          np.asarray(chunks[i])) for i in range(len(chunks))), return_exceptions=True)
+          np.asarray(chunks[i - first])) for i in range(first, first + len(chunks))),
+          return_exceptions=True)
 
     return sum(not isinstance(r, BaseException) for r in self._run(put_all()))
 

@@ -20,8 +20,9 @@ from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
 from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
-                                   DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionConfig,
-                                   SessionRegistry, check_client_salt)
+                                   DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
+                                   DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry,
+                                   check_client_salt)
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
@@ -257,6 +258,11 @@ class LLM:
     session_rerotate: with "drop_oldest_turns" and a store, the kept turns' stored KV is
       re-rotated to its new positions instead of recomputed (approximate: it was computed with
       the dropped turns in context; kept in a private namespace, never an ordinary prefix hit).
+    session_rerotate_boundary_chunks: with `session_rerotate`, the truncated prompt's first
+      store chunks (the system prompt and the seam after the dropped turns) computed exactly
+      instead of re-rotated. Default 1 (`scripts/bench_truncation.py`: pooled perplexity
+      difference to a recompute +0.034 instead of +0.081, for one chunk of compute more);
+      0: every stored kept chunk re-rotated.
     kv_lookahead_window: with a store, the look-ahead window (CachedAttention, arXiv
       2403.19708, section 3.3): the stored chunks of the requests about to run (those
       prefilling from the store, then this many waiting ones) are never evicted from any tier,
@@ -296,6 +302,7 @@ class LLM:
                num_processes: int | None = None, process_id: int | None = None,
                kv_layerwise_groups: int = 1, kv_device_link_bytes_per_s: float | None = None,
                session_truncation: str = "none", session_rerotate: bool = False,
+               session_rerotate_boundary_chunks: int = DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                kv_lookahead_window: int = 8,
                max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS,
                max_pinned_session_bytes: int | None = None,
@@ -304,6 +311,7 @@ class LLM:
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
                                    max_tokens=max_session_tokens, truncation=session_truncation,
                                    rerotate=session_rerotate,
+                                   rerotate_boundary_chunks=session_rerotate_boundary_chunks,
                                    max_pinned_sessions=max_pinned_sessions,
                                    max_pinned_bytes=max_pinned_session_bytes)
     if isinstance(kv_lookahead_window, bool) or not isinstance(kv_lookahead_window, int) or (

@@ -67,6 +67,9 @@ DEFAULT_MAX_SESSIONS = 1024
 DEFAULT_MAX_SESSION_TOKENS = 8 * 2**20
 #: Sessions whose KV is pinned in the host tier at most.
 DEFAULT_MAX_PINNED_SESSIONS = 64
+#: Leading store chunks of a truncated prompt computed rather than re-rotated
+#: (`SessionConfig.rerotate_boundary_chunks`; `scripts/bench_truncation.py`).
+DEFAULT_REROTATE_BOUNDARY_CHUNKS = 1
 
 #: `ChatPrompt.outcome` values.
 FIRST = "first"                # the session had no finished turn: the normal templated prompt
@@ -107,6 +110,9 @@ class SessionConfig:
       `truncate_prompt`).
     rerotate: with "drop_oldest_turns" and a store, re-rotate the kept turns' stored KV to
       their new positions instead of recomputing them (approximate; private namespace).
+    rerotate_boundary_chunks: with `rerotate`, the truncated prompt's first store chunks that
+      are computed instead of re-rotated (the system prompt and the seam right after the
+      dropped turns, where the re-rotated KV deviates most; `Engine.stage_rerotated`).
     max_pinned_sessions: open sessions whose stored chunks are pinned in the host tier at most
       (0: none pinned); the most recently used are pinned.
     max_pinned_bytes: bytes of pinned sessions' full chunks at most (None: only the host tier's
@@ -121,6 +127,7 @@ class SessionConfig:
   max_tokens: int = DEFAULT_MAX_SESSION_TOKENS
   truncation: str = "none"
   rerotate: bool = False
+  rerotate_boundary_chunks: int = DEFAULT_REROTATE_BOUNDARY_CHUNKS
   max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS
   max_pinned_bytes: int | None = None
 
@@ -146,6 +153,9 @@ class SessionConfig:
       raise ValueError(f"session_rerotate={self.rerotate!r} must be a bool")
     if self.rerotate and self.truncation != "drop_oldest_turns":
       raise ValueError("session_rerotate=True needs session_truncation='drop_oldest_turns'")
+    v = self.rerotate_boundary_chunks
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+      raise ValueError(f"session_rerotate_boundary_chunks={v!r} must be an int >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +203,8 @@ class ChatPrompt:
     truncation: how the prompt was cut to its limit (`token_ids` are then the cut ids), or
       None.
     kv_salt: the cache salt the request runs under (`Turn.kv_salt`).
-    rerotated_tokens: leading prompt tokens whose KV was staged re-rotated (0 unless re-rotated).
+    rerotated_tokens: prompt tokens whose KV was staged re-rotated, the chunks after the
+      computed boundary (0 unless re-rotated).
   """
 
   token_ids: tuple[int, ...]
@@ -526,8 +537,10 @@ class SessionRegistry:
     tr = prompt.truncation
     if tr is None or not self.config.rerotate or stage is None:
       return prompt
-    salt = rerotation_salt(turn.cache_salt, tr.source_kv_salt, tr)
-    staged = stage(tr.source_ids, tr.source_kv_salt, tr.token_ids, tr.spans, salt)
+    b = self.config.rerotate_boundary_chunks
+    salt = rerotation_salt(turn.cache_salt, tr.source_kv_salt, tr, b)
+    staged = stage(tr.source_ids, tr.source_kv_salt, tr.token_ids, tr.spans, salt,
+                   boundary_chunks=b)
     if not staged:
       return prompt
     self.count_rerotated(staged)
@@ -745,13 +758,15 @@ REROTATED_SALT_PREFIX = "kvjax-rerotated:"
 
 
 def rerotation_salt(cache_salt: str | None, source_salt: str | None,
-                    truncation: "Truncation") -> str:
+                    truncation: "Truncation", boundary_chunks: int = 0) -> str:
   """The private namespace salt of a truncation's re-rotated KV: a digest of the tenant's salt,
-  the namespace the source KV lives under, the source ids and the kept spans, so that the
-  same truncation of the same conversation finds the same chunks again, and nothing else does.
+  the namespace the source KV lives under, the source ids, the kept spans and the boundary
+  chunks computed instead of re-rotated, so that the same truncation of the same conversation
+  finds the same chunks again, and nothing else does.
   """
   h = hashlib.sha256(repr((cache_salt, source_salt, truncation.source_ids,
-                           tuple(dataclasses.astuple(sp) for sp in truncation.spans))).encode())
+                           tuple(dataclasses.astuple(sp) for sp in truncation.spans),
+                           int(boundary_chunks))).encode())
   return REROTATED_SALT_PREFIX + h.hexdigest()
 
 

@@ -28,7 +28,7 @@ from absl import app, flags, logging
 
 from kvjax.serve.app import ServeState, create_app
 from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
-                                   DEFAULT_MAX_SESSIONS,
+                                   DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                                    DEFAULT_SESSION_TTL_S)
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,
@@ -182,6 +182,10 @@ _SESSION_REROTATE = flags.DEFINE_bool(
     "With --session_truncation=drop_oldest_turns and a store: re-rotate the kept turns' stored "
     "KV to their new positions instead of recomputing them (approximate; a private namespace, "
     "never an ordinary prefix hit).")
+_SESSION_REROTATE_BOUNDARY = flags.DEFINE_integer(
+    "session_rerotate_boundary_chunks", DEFAULT_REROTATE_BOUNDARY_CHUNKS,
+    "With --session_rerotate: the truncated prompt's first store chunks (the system prompt and "
+    "the seam after the dropped turns) computed exactly instead of re-rotated; 0: none.")
 _LOOKAHEAD = flags.DEFINE_integer(
     "kv_lookahead_window", 8,
     "With a store: waiting requests whose stored chunks are kept from eviction and prefetched "
@@ -243,6 +247,7 @@ def config_from_flags() -> ServerConfig:
         tensor_parallel_size=_TP.value, coordinator_address=_COORDINATOR.value,
         num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
         session_truncation=_SESSION_TRUNCATION.value, session_rerotate=_SESSION_REROTATE.value,
+        session_rerotate_boundary_chunks=_SESSION_REROTATE_BOUNDARY.value,
         kv_lookahead_window=_LOOKAHEAD.value, max_pinned_sessions=_MAX_PINNED.value,
         max_pinned_session_bytes=_MAX_PINNED_BYTES.value, kv_placement=_PLACEMENT.value,
         **_scale_out_options())

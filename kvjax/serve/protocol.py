@@ -334,7 +334,8 @@ def session_extension(session_id: str, number: int, prompt: Any, *, closed: bool
   "extended" or "not_extended"); `extended` (bool: the prompt starts with the session's exact
   ids); `reused_tokens` (how many); `reason` (why not extended, else null); `closed` (the
   session was closed after this turn); `truncation` (null, or `dropped_turns`,
-  `dropped_tokens` and `rerotated_tokens`: leading prompt tokens served by re-rotated kept KV).
+  `dropped_tokens` and `rerotated_tokens`: prompt tokens served by re-rotated kept KV, after
+  the computed boundary chunks).
   """
   tr = prompt.truncation
   return {"id": session_id, "turn": number, "outcome": prompt.outcome,

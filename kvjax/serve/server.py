@@ -22,7 +22,7 @@ import uvicorn
 from kvjax import codecs
 from kvjax.engine import LLM, builder
 from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
-                                   DEFAULT_MAX_SESSIONS,
+                                   DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                                    DEFAULT_SESSION_TTL_S, SessionConfig)
 from kvjax.serve import kv_events
 from kvjax.serve.app import Backend
@@ -99,8 +99,9 @@ class ServerConfig:
     tensor_parallel_size: devices the model is split over (`LLM`, issue 14).
     coordinator_address, num_processes, process_id: multi-host as one program
       (`jax.distributed`, see `LLM`): process 0 serves HTTP, the others follow it.
-    session_truncation, session_rerotate: as `LLM(...)` (a session turn over the context drops
-      its oldest turns; re-rotate the kept turns' stored KV).
+    session_truncation, session_rerotate, session_rerotate_boundary_chunks: as `LLM(...)` (a
+      session turn over the context drops its oldest turns; re-rotate the kept turns' stored
+      KV, the first chunks computed).
     kv_lookahead_window, max_pinned_sessions, max_pinned_session_bytes: as `LLM(...)` (the
       look-ahead window of prefetch and eviction; sessions' KV pinned in the host tier).
     kv_placement: as `LLM(...)`: "write_through", "write_back" or None (the tiers' default).
@@ -157,6 +158,7 @@ class ServerConfig:
   process_id: int | None = None
   session_truncation: str = "none"
   session_rerotate: bool = False
+  session_rerotate_boundary_chunks: int = DEFAULT_REROTATE_BOUNDARY_CHUNKS
   kv_lookahead_window: int = 8
   max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS
   max_pinned_session_bytes: int | None = None
@@ -196,7 +198,9 @@ class ServerConfig:
     self.http_policy()  # validates hosts, origins, key and body limit
     SessionConfig(ttl_s=self.session_ttl_s, max_sessions=self.max_sessions,
                   max_tokens=self.max_session_tokens, truncation=self.session_truncation,
-                  rerotate=self.session_rerotate, max_pinned_sessions=self.max_pinned_sessions,
+                  rerotate=self.session_rerotate,
+                  rerotate_boundary_chunks=self.session_rerotate_boundary_chunks,
+                  max_pinned_sessions=self.max_pinned_sessions,
                   max_pinned_bytes=self.max_pinned_session_bytes)  # validates the session limits
     w = self.kv_lookahead_window
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
@@ -235,6 +239,7 @@ class ServerConfig:
         kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
         max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,
         session_truncation=self.session_truncation, session_rerotate=self.session_rerotate,
+        session_rerotate_boundary_chunks=self.session_rerotate_boundary_chunks,
         kv_lookahead_window=self.kv_lookahead_window,
         max_pinned_sessions=self.max_pinned_sessions,
         max_pinned_session_bytes=self.max_pinned_session_bytes)

@@ -122,6 +122,7 @@ class TruncatePromptTokensTest(absltest.TestCase):
     cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
                   max_model_len=256, kv_store="memory://", kv_chunk_size=16,
                   session_truncation="drop_oldest_turns", session_rerotate=True,
+                  session_rerotate_boundary_chunks=0,  # every staged chunk from the first
                   kv_merge_mode="load_only")  # every stored chunk loads: exact hit counts
 
   @classmethod
@@ -142,6 +143,13 @@ class TruncatePromptTokensTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "needs session_truncation"):
       LLM("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
           session_rerotate=True)
+    for bad in (-1, True, 1.5):
+      with self.assertRaisesRegex(ValueError, "session_rerotate_boundary_chunks"):
+        LLM("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
+            session_truncation="drop_oldest_turns", session_rerotate=True,
+            session_rerotate_boundary_chunks=bad)
+    with self.assertRaisesRegex(ValueError, "boundary_chunks"):
+      self.llm.engine.stage_rerotated([1, 2], None, [1, 2], [], "x", boundary_chunks=-1)
 
   def test_plain_truncation_keeps_the_last_tokens_and_stays_exact(self):
     ids = [int(x) for x in np.random.default_rng(0).integers(3, 250, 120)]
@@ -212,6 +220,78 @@ class TruncatePromptTokensTest(absltest.TestCase):
     self.assertGreaterEqual(out3.num_cached_tokens, limit)
     stats = llm.sessions.stats()
     self.assertEqual((stats.truncated, stats.rerotated, stats.rerotated_tokens), (1, 1, want))
+
+
+class BoundaryRerotationTest(absltest.TestCase):
+  """`session_rerotate_boundary_chunks=1`: the truncated prompt's first store chunk (the
+  seam) is computed, the next ones load re-rotated, under a load-only
+  merge whatever the engine's merge mode (a Cake meeting point would make the answer depend on
+  timing); the answer equals a runner-level reference built from those pieces."""
+
+  def test_first_chunk_computed_then_rerotated_chunks_equals_the_reference(self):
+    c, n_out = 16, 8
+    llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
+              max_model_len=256, kv_store="memory://", kv_chunk_size=c,
+              kv_cache_layout="slotted", session_truncation="drop_oldest_turns",
+              session_rerotate=True, session_rerotate_boundary_chunks=1)  # merge mode: cake
+    try:
+      limit = llm.max_model_len - n_out - 40
+      p = SamplingParams(max_tokens=n_out, temperature=0)
+      p2 = SamplingParams(max_tokens=n_out, temperature=0, logprobs=1,
+                          truncate_prompt_tokens=limit)
+
+      def two_turns(session_id):
+        msgs = [{"role": "user", "content": "x" * 150}]
+        out1 = llm.chat(msgs, p, session_id=session_id, cache_salt="t")[0]
+        llm.flush()
+        msgs += [{"role": "assistant", "content": out1.text},
+                 {"role": "user", "content": "y" * 60}]
+        out2 = llm.chat(msgs, p2, session_id=session_id, cache_salt="t")[0]
+        return out1, out2, llm.last_session_prompt
+
+      out1, out2, pr = two_turns("b")
+      tr = pr.truncation
+      (span,) = tr.spans
+      stored_end = (len(out1.prompt_token_ids) + len(out1.token_ids) - 1) // c * c
+      k = min((stored_end - span.src_start) // c, (limit - 1) // c)
+      self.assertGreater(k, 2)
+      self.assertTrue(pr.kv_salt.startswith(sessions.REROTATED_SALT_PREFIX))
+      self.assertEqual(pr.rerotated_tokens, (k - 1) * c)
+      merge = out2.metrics.merge  # chunks past k: the source's unstored tail, computed
+      self.assertEqual(merge.chunks_computed, [0, *range(k, (len(tr.token_ids) - 1) // c)])
+      self.assertEqual(sorted(merge.chunks_loaded), list(range(1, k)))
+      self.assertEqual(out2.num_cached_tokens, (k - 1) * c)
+      # Reference on the runner: chunk 0 computed, chunks [1, k) the source tokens' stored KV
+      # inserted at their new positions, the rest computed, then greedy decode.
+      kv, runner = llm.kv_store, llm.engine.runner
+      src_ids = list(tr.source_ids)
+      src = kv.read_raw_chunks(kv.lookup(src_ids, "t"), src_ids, range(len(src_ids) // c))
+      ids = list(tr.token_ids)
+      for j in range(1, k):
+        pos = [span.src_start + j * c + t for t in range(c)]
+        runner.insert_chunk(np.stack([src[s // c][:, :, s % c] for s in pos], axis=2), 0, j * c)
+      runner.prefill_chunk(ids[:c], 0, 0)
+      for a in range(k * c, len(ids), 64):
+        logits = np.asarray(runner.prefill_chunk(ids[a:a + 64], 0, a).logits, np.float64)
+      first_lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+      want = []
+      for step in range(n_out):
+        want.append(int(np.argmax(logits)))
+        logits = np.asarray(runner.decode_step(np.array([want[-1], 0]),
+                                               np.array([len(ids) + step, 0]),
+                                               np.array([True, False])))[0]
+      self.assertEqual(out2.token_ids, want)
+      np.testing.assert_allclose(out2.logprobs[0][want[0]], first_lp[want[0]], atol=1e-4)
+      # The same turn again (another session, same history): the same private namespace, now
+      # with chunk 0 stored as computed; the same answer.
+      llm.flush()
+      _, again, pr_again = two_turns("b2")
+      self.assertEqual(pr_again.kv_salt, pr.kv_salt)
+      self.assertEqual(again.token_ids, out2.token_ids)
+      self.assertEqual(sorted(again.metrics.merge.chunks_loaded),
+                       list(range((len(tr.token_ids) - 1) // c)))  # turn 2 saved the rest
+    finally:
+      llm.close()
 
 
 @pytest.mark.slow
