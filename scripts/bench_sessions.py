@@ -557,23 +557,30 @@ def run_llm() -> None:
   ratio = la["ttft_ge2_p50_s"] / base["ttft_ge2_p50_s"] if base["ttft_ge2_p50_s"] else None
   print(f"TTFT p50 of turns >= 2, window {_LLM_WINDOW.value} / window 0: {ratio:.3f}; "
         f"greedy outputs identical across the two: {same}")
-  record = {"benchmark": "bench_sessions_llm_lookahead", "machine": at_start,
+  write_llm_record("bench_sessions_llm_lookahead", at_start, len(convs), same, runs, plot_llm,
+                   ttft_p50_ratio_window_over_0=ratio,
+                   order="the two engines alternate round by round (both in one process)",
+                   warmup_run={"window": warm["window"],
+                               "generate_wall_s": warm["generate_wall_s"],
+                               "note": "discarded: compiles every program shape"})
+
+
+def write_llm_record(benchmark: str, at_start: dict, n_convs: int, same: bool, runs: list,
+                     plot, **fields) -> None:
+  """Writes <out>/<benchmark>[_host<N>].json (machine, versions, git SHA, seeds, `fields`,
+  runs) and its plot (`plot(runs, path, n_convs)`)."""
+  record = {"benchmark": benchmark, "machine": at_start,
             "machine_at_end": machine(), "threads": {"cpu_count": os.cpu_count()},
             "versions": versions(), "git_sha": git_sha(),
             "seeds": {"conversations": _SEED.value, "sampling": "greedy"},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "conversations": len(convs), "ttft_p50_ratio_window_over_0": ratio,
-            "merge_mode": _LLM_MERGE.value, "outputs_identical": same,
-            "order": "the two engines alternate round by round (both in one process)",
-            "warmup_run": {"window": warm["window"], "generate_wall_s": warm["generate_wall_s"],
-                           "note": "discarded: compiles every program shape"},
-            "runs": runs}
+            "conversations": n_convs, "merge_mode": _LLM_MERGE.value,
+            "outputs_identical": same, **fields, "runs": runs}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
-  name = "bench_sessions_llm_lookahead" + (
-      "" if _LLM_HOST.value == _LLM_HOST.default else f"_host{_LLM_HOST.value}")
+  name = benchmark + ("" if _LLM_HOST.value == _LLM_HOST.default else f"_host{_LLM_HOST.value}")
   (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-  plot_llm(runs, out / f"{name}.png", len(convs))
+  plot(runs, out / f"{name}.png", n_convs)
   print(f"wrote {out / (name + '.json')} and .png")
 
 
@@ -656,24 +663,11 @@ def run_llm_placement() -> None:
           f"{disk.get('written_bytes', 0) / 1e6:>15.2f} {host.get('demotions_out', 0):>7} "
           f"{s['ttft_ge2_p50_s']:>9.3f} {s['ttft_ge2_mean_s']:>9.3f}")
   print(f"greedy outputs identical across all {len(runs)} configurations: {same}")
-  record = {"benchmark": "bench_sessions_llm_placement", "machine": at_start,
-            "machine_at_end": machine(), "threads": {"cpu_count": os.cpu_count()},
-            "versions": versions(), "git_sha": git_sha(),
-            "seeds": {"conversations": _SEED.value, "sampling": "greedy"},
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "conversations": len(convs), "configs": list(_LLM_CONFIGS.value),
-            "merge_mode": _LLM_MERGE.value, "outputs_identical": same,
-            "order": "one configuration after another, each a fresh LLM in this process",
-            "warmup_run": {"label": warm["label"], "generate_wall_s": warm["generate_wall_s"],
-                           "note": "discarded: compiles every program shape"},
-            "runs": runs}
-  out = pathlib.Path(_OUT_DIR.value)
-  out.mkdir(parents=True, exist_ok=True)
-  name = "bench_sessions_llm_placement" + (
-      "" if _LLM_HOST.value == _LLM_HOST.default else f"_host{_LLM_HOST.value}")
-  (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-  plot_llm_placement(runs, out / f"{name}.png", len(convs))
-  print(f"wrote {out / (name + '.json')} and .png")
+  write_llm_record("bench_sessions_llm_placement", at_start, len(convs), same, runs,
+                   plot_llm_placement, configs=list(_LLM_CONFIGS.value),
+                   order="one configuration after another, each a fresh LLM in this process",
+                   warmup_run={"label": warm["label"], "generate_wall_s": warm["generate_wall_s"],
+                               "note": "discarded: compiles every program shape"})
 
 
 def plot_llm_placement(runs, path: pathlib.Path, n_convs: int) -> None:
