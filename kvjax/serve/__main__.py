@@ -268,7 +268,8 @@ def _scale_out_options() -> dict:
 
 
 def curl_example(url: str, model: str, *, api_key: bool = False) -> str:
-  body = json.dumps({"model": model, "max_tokens": 32,
+  # temperature 0: greedy. At the OpenAI default (1.0) a 135M model's samples ramble.
+  body = json.dumps({"model": model, "max_tokens": 32, "temperature": 0,
                      "messages": [{"role": "user", "content": "What is the capital of France?"}]})
   # The key itself is never printed: the example names a variable the user sets to it.
   auth = ' -H "Authorization: Bearer $KVJAX_API_KEY"' if api_key else ""
