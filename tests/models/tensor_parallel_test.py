@@ -77,8 +77,9 @@ class TensorParallelTest(TPAssertions):
     with self.assertRaisesRegex(ValueError, "KV heads"):  # 12 q heads, 3 KV heads, N = 2
       sharding.check_tensor_parallel_size(tiny(n_heads=12, n_kv_heads=3), 2, num_devices=8)
 
+  @pytest.mark.slow  # about 36 s of the default suite's 10 minutes; run with -m slow
   def test_tiny_at_8_cold_and_across_store(self):
-    """The default-suite check: N = 8 over 2 KV heads (each repeated 4 times), one subprocess."""
+    """N = 8 over 2 KV heads (each repeated 4 times), one subprocess."""
     lengths = ("5", "130")
     r = run_driver(8, "--model=tiny-tp", "--sizes=1,8", f"--lengths={','.join(lengths)}",
                    "--refuse=tiny:4,tiny-tp:3,tiny-tp:16,tiny-tp:2:slotted",
