@@ -570,17 +570,22 @@ class TieredStore:
 
   # -- demotion (write-back) --------------------------------------------------------------------
 
-  def _demoting_bytes(self) -> int:
+  def _pending_demotions(self, loop: asyncio.AbstractEventLoop | None = None
+                         ) -> tuple[list[asyncio.Task], int]:
+    """(demotion tasks not done yet, their bytes), of `loop`'s tasks only if given."""
     with self._lock:
-      return sum(n for task, n in self._demotions.items() if not task.done())
+      tasks = [t for t in self._demotions
+               if not t.done() and (loop is None or t.get_loop() is loop)]
+      return tasks, sum(self._demotions[t] for t in tasks)
+
+  def _demoting_bytes(self) -> int:
+    return self._pending_demotions()[1]
 
   async def _demotion_room(self) -> None:
     """Waits (a put's caller: the saver) while the demotions in flight hold the byte bound."""
     loop = asyncio.get_running_loop()
     while True:
-      with self._lock:
-        mine = [t for t in self._demotions if t.get_loop() is loop and not t.done()]
-        nbytes = sum(self._demotions[t] for t in mine)
+      mine, nbytes = self._pending_demotions(loop)
       if not mine or nbytes < self.demotion_bytes_in_flight:
         return
       await asyncio.wait(mine, return_when=asyncio.FIRST_COMPLETED)
@@ -607,8 +612,7 @@ class TieredStore:
     """Waits until every demotion started so far (on this event loop) is done."""
     loop = asyncio.get_running_loop()
     while True:
-      with self._lock:
-        mine = [t for t in self._demotions if t.get_loop() is loop and not t.done()]
+      mine, _ = self._pending_demotions(loop)
       if not mine:
         return
       await asyncio.gather(*mine, return_exceptions=True)
