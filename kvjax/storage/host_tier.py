@@ -143,7 +143,7 @@ class HostMemoryTier:
     self.demote = demote
     self._entries: dict[ChunkHash, _HostEntry] = {}
     self._leaving: dict[ChunkHash, _HostEntry] = {}  # evicted, demotion not yet done
-    self._evicted: list[tuple[ChunkHash, _HostEntry]] = []  # not yet taken by take_evicted
+    self._evicted: list[_HostEntry] = []  # not yet taken by take_evicted
     self._used = 0
     self._counter = itertools.count(1)
     self._lock = threading.Lock()
@@ -309,7 +309,7 @@ class HostMemoryTier:
       self.evictions += 1
       if self.demote:
         self._leaving[v] = entry
-        self._evicted.append((v, entry))
+        self._evicted.append(entry)
     return True
 
   def take_evicted(self) -> list[Evicted]:
@@ -320,7 +320,7 @@ class HostMemoryTier:
     with self._lock:
       taken, self._evicted = self._evicted, []
     return [Evicted(e.record, tuple(EncodedPayload(c, l, a) for (c, l), a in e.arrays.items()),
-                    e.nbytes) for _, e in taken]
+                    e.nbytes) for e in taken]
 
   def is_leaving(self, chunk_hash: ChunkHash) -> bool:
     """Whether an evicted chunk is held for its demotion (not yet released or deleted)."""
