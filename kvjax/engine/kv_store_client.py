@@ -371,7 +371,6 @@ class KVStoreClient:
     self._queue: collections.deque[_Pending] = collections.deque()
     self._reading: dict[tuple[Any, int], _Pending] = {}
     self._staged: dict[tuple[Any, int], ChunkHit] = {}
-    self._staged_held: dict[tuple[Any, int], int] = {}  # bytes each staged chunk holds
     self._reports: list[LoadReport] = []
     self._reported = threading.Event()
     self._last_done_s = -math.inf
@@ -648,8 +647,7 @@ class KVStoreClient:
           self._pf = dataclasses.replace(self._pf, useful=self._pf.useful + 1)
       if ok and not item.released:
         self._staged[key] = got
-        self._staged_held[key] = held = _held_nbytes(got)
-        self._stats.staged_bytes += held
+        self._stats.staged_bytes += _held_nbytes(got)
       self._reports.append(LoadReport(
           request_id=item.request_id, index=item.index, ok=ok, nbytes=nbytes,
           tier=got.tier if ok else "",
@@ -680,7 +678,7 @@ class KVStoreClient:
     """
     with self._lock:
       hit = self._staged.pop((request_id, index))
-      self._stats.staged_bytes -= self._staged_held.pop((request_id, index))
+      self._stats.staged_bytes -= _held_nbytes(hit)
     self._pump()
     return hit
 
@@ -700,8 +698,7 @@ class KVStoreClient:
       elif key in self._reading:
         self._reading[key].released = True
       elif key in self._staged:
-        del self._staged[key]
-        self._stats.staged_bytes -= self._staged_held.pop(key)
+        self._stats.staged_bytes -= _held_nbytes(self._staged.pop(key))
         self._stats.released_staged += 1
     self._pump()
 
@@ -717,8 +714,7 @@ class KVStoreClient:
         self._reading.pop(k).future.cancel()
       staged = [k for k in self._staged if k[0] == request_id]
       for k in staged:
-        del self._staged[k]
-        self._stats.staged_bytes -= self._staged_held.pop(k)
+        self._stats.staged_bytes -= _held_nbytes(self._staged.pop(k))
       self._reports = [r for r in self._reports if r.request_id != request_id]
       n = len(queued) + len(reading) + len(staged)
       self._stats.cancelled += len(queued) + len(reading)
