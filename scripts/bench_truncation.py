@@ -33,16 +33,35 @@ reply. Variants (what fills positions `[0, n_kept)`):
               the rest (the kept tail of the last partial chunk, then the new part) computed
   staged_b1   as staged_b0, but the truncated prompt's first chunk (system + the seam)
               computed (`session_rerotate_boundary_chunks=1`)
+  blend_r<P>  staged_b1 plus selective recompute of P% of its re-rotated tokens chosen the way
+              of CacheBlend (arXiv 2405.16444, sections 4.2-4.3): after the first chunk is
+              computed, every re-rotated token runs layer 0 exactly (its layer-0 KV does not
+              depend on context, so its input to layer 1 is exact) and layer 1's K/V is
+              projected fresh; that fresh layer-1 KV is written for all of them (free: it is
+              computed anyway), the tokens whose fresh layer-1 V deviates most from the
+              re-rotated one (mean squared difference over heads and head dim, CacheBlend's
+              reference choice; ties by position) are picked, and only those run layers
+              1..L-1, each attending causally over the cache (re-rotated KV for the others) and
+              writing its fresh KV before each layer's attention; then the kept tail and the
+              rest are computed as in staged_b1 (P = 10, 20, 30)
+  rand_r<P>   ablation: as blend_r<P> with the same count picked uniformly at random (seeded by
+              the conversation's index)
+  near_r<P>   ablation: as blend_r<P> with the re-rotated tokens nearest the seam picked
+  blend_all   every re-rotated token through the selective path (soundness: should equal
+              recompute up to float32 rounding)
 
 Pooled perplexity = exp(mean NLL over all scored tokens of all conversations). Side by side:
 pooled ppl minus recompute's with a 95% bootstrap interval (conversations resampled, seed 0),
 mean |ppl - ppl_recompute| over conversations, the kept tokens each variant computes (its cost
-over the re-rotated KV; recompute computes all of them), a TTFT estimate from this run's measured
+over the re-rotated KV; recompute computes all of them; a selective variant counts each
+selected token whole and each re-rotated token's layer-0 pass as 1/L), a TTFT estimate from this run's measured
 prefill and insert rates, the gap by reply position, the conversations that dominate it, and the
 relative K/V deviation of the re-rotated KV from the recomputed one by distance from the seam.
 
     .venv/bin/python scripts/bench_truncation.py                     # 24 conversations, 1024
     .venv/bin/python scripts/bench_truncation.py --conversations=8 --max_context=2048
+    .venv/bin/python scripts/bench_truncation.py --variants=recompute,staged_b1,blend_r20 \
+        --conversations=4 --tag=dev                                  # a quick subset
 
 Writes <out_dir>/bench_truncation.json (machine, versions, git SHA, settings, per-conversation
 rows) and bench_truncation.png.
@@ -65,7 +84,9 @@ import numpy as np
 from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
 from kvjax import LLM
 from kvjax.engine import sessions as sess
-from kvjax.models import layers
+from kvjax.kernels.attention import ragged_cache_attention_reference
+from kvjax.models import layers, llama
+from kvjax.models.kv_cache import KVCache
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = flags.FLAGS
@@ -79,11 +100,17 @@ flags.DEFINE_integer("chunk", 256, "store chunk size (kv_chunk_size) of the stag
 flags.DEFINE_integer("bootstrap", 2000, "bootstrap resamples of the conversations")
 flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "where results go")
 flags.DEFINE_string("tag", "", "suffix of the output files")
+flags.DEFINE_list("variants", [], "variants scored (default: all); recompute is always scored")
 
 PIECE = 256  # insertion pieces (one compiled insert size)
 HEADS = (16, 64, 256)
-VARIANTS = ("full", "recompute", "self", "rerotate", "naive", "roundtrip",
-            *(f"head{n}" for n in HEADS), "staged_b0", "staged_b1")
+BLEND_RATIOS = (10, 20, 30)  # percent of the re-rotated tokens recomputed
+BLEND = {**{f"blend_r{p}": ("dev", p) for p in BLEND_RATIOS},
+         **{f"rand_r{p}": ("random", p) for p in BLEND_RATIOS},
+         **{f"near_r{p}": ("seam", p) for p in BLEND_RATIOS}, "blend_all": ("dev", 100)}
+ALL_VARIANTS = ("full", "recompute", "self", "rerotate", "naive", "roundtrip",
+                *(f"head{n}" for n in HEADS), "staged_b0", "staged_b1", *BLEND)
+VARIANTS = ALL_VARIANTS  # the scored ones (`--variants`), set in main
 POS_BUCKETS = ((0, 8), (8, 32), (32, 128))
 SEAM_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 256), (256, 1 << 30))
 
@@ -125,9 +152,11 @@ def _insert(runner, k_LTKH, v_LTKH, slot, start):
     runner.insert_chunk(np.stack([k, v], axis=1), slot, start + a)
 
 
-def _score(runner, ids, kept_k, kept_v, computed, targets, slot):
+def _score(runner, ids, kept_k, kept_v, computed, targets, slot, before_tail=None):
   """NLL of `targets` (the last tokens of `ids`) when positions p < n_kept with computed[p]
-  False hold the given KV and every other position is computed in order."""
+  False hold the given KV and every other position is computed in order; `before_tail()`, when
+  given, runs after the computed runs inside the kept prefix and before the kept tail (the last
+  computed run, which merges with the rest) is computed."""
   n_kept = kept_k.shape[1]
   if not computed.all():
     _insert(runner, kept_k, kept_v, slot, 0)
@@ -145,9 +174,118 @@ def _score(runner, ids, kept_k, kept_v, computed, targets, slot):
       q += 1
     _prefill(runner, list(ids[p:q]), slot, p)
     p = q
+  if before_tail is not None:
+    before_tail()
   logits, _ = _prefill(runner, list(ids[first_tail:]), slot, first_tail, all_logits=True)
   rows = np.concatenate(logits)[len(ids) - first_tail - len(targets) - 1:-1]
   return _nll(rows, targets)
+
+
+def _bucket(n: int) -> int:
+  """Padded token count of a selective pass: a power of two >= 16 (few compiles)."""
+  return max(16, 1 << (n - 1).bit_length())
+
+
+class _Blend:
+  """Selective recompute over the slotted runner's cache (CacheBlend, arXiv 2405.16444, sections
+  4.2-4.3), for the `blend_*`, `rand_*` and `near_*` variants.
+
+  `select` runs tokens at positions `pos` (whose re-rotated KV is in the cache) through layer 0
+  exactly, writing their layer-0 KV, then projects their layer-1 K (before RoPE) and V from
+  that exact input and writes them too; it returns the layer-1 input and the fresh layer-1 K/V.
+  `recompute` runs a subset through layers 1..L-1 from that input: each layer writes the
+  subset's K (after RoPE) and V at their positions, then attends causally over the cache (the
+  other positions keep what they hold), as `Llama._decoder` does for contiguous tokens.
+  """
+
+  def __init__(self, runner, inv_freq):
+    cfg = runner.model_config
+    bs = runner.config.block_size
+    self.runner, self.n_layers = runner, cfg.n_layers
+    self.s_max = runner.cache.k_LBSKH.shape[2]
+    st = runner.state
+    stacked = {n: jnp.asarray(st["layers"][n][...]) for n in llama.LAYER_PARAMS}
+    self.p0 = {n: v[:1] for n, v in stacked.items()}
+    self.p1 = {n: v[1] for n, v in stacked.items()}
+    self.rest = {n: v[1:] for n, v in stacked.items()}
+    self.embed = jnp.asarray(st["embed"][...])
+
+    def run_layers(params, cache, x_1TD, pos_T, write_T, slot, kv_len, l0):
+      pos_1T = pos_T[None]
+
+      def layer(carry, xs):
+        x, kc, vc = carry
+        p, i = xs
+        q, _, k_rot, v = llama._attention_inputs(cfg, p, x, pos_1T, inv_freq)
+        kc = kc.at[i, slot, write_T].set(k_rot[0].astype(kc.dtype), mode="drop")
+        vc = vc.at[i, slot, write_T].set(v[0].astype(vc.dtype), mode="drop")
+        attn = ragged_cache_attention_reference(q, kc, vc, i, slot, pos_1T, kv_len[None],
+                                                block_size=bs)
+        return (llama._attention_output_and_mlp(cfg, p, x, attn), kc, vc), None
+
+      n = params["wq"].shape[0]
+      (x, kc, vc), _ = jax.lax.scan(layer, (x_1TD, cache.k_LBSKH, cache.v_LBSKH),
+                                    (params, l0 + jnp.arange(n, dtype=jnp.int32)))
+      return x, KVCache(kc, vc, cache.lengths_B)
+
+    def select(p0, p1, embed, cache, tokens_T, pos_T, write_T, slot, kv_len):
+      x = jnp.take(embed, tokens_T, axis=0)[None]
+      x, cache = run_layers(p0, cache, x, pos_T, write_T, slot, kv_len, jnp.int32(0))
+      _, k1, k1_rot, v1 = llama._attention_inputs(cfg, p1, x, pos_T[None], inv_freq)
+      kc = cache.k_LBSKH.at[1, slot, write_T].set(k1_rot[0].astype(cache.k_LBSKH.dtype),
+                                                  mode="drop")
+      vc = cache.v_LBSKH.at[1, slot, write_T].set(v1[0].astype(cache.v_LBSKH.dtype),
+                                                  mode="drop")
+      return x, KVCache(kc, vc, cache.lengths_B), k1[0], v1[0]
+
+    self._select = jax.jit(select, donate_argnums=(3,))
+    self._recompute = jax.jit(run_layers, donate_argnums=(1,))
+
+  def _pad(self, pos: np.ndarray):
+    t = _bucket(len(pos))
+    pos_T = np.zeros(t, np.int32)
+    pos_T[:len(pos)] = pos
+    write_T = np.full(t, self.s_max, np.int32)  # past the cache: dropped
+    write_T[:len(pos)] = pos
+    return pos_T, write_T
+
+  def select(self, tokens, pos: np.ndarray, slot: int):
+    """Layer 0 and layer 1's K/V of `tokens` at positions `pos` (ascending). Returns (the
+    [1, T', D] layer-1 input, padded; [n, K, H] fresh layer-1 K before RoPE; [n, K, H] V)."""
+    r = self.runner
+    pos_T, write_T = self._pad(pos)
+    tok = np.zeros(len(pos_T), np.int32)
+    tok[:len(pos)] = tokens
+    x, r.cache, k1, v1 = self._select(self.p0, self.p1, self.embed, r.cache, tok, pos_T,
+                                      write_T, np.int32(slot), np.int32(pos[-1] + 1))
+    return x, np.asarray(k1)[:len(pos)], np.asarray(v1)[:len(pos)]
+
+  def recompute(self, x_1TD, rows: np.ndarray, pos: np.ndarray, slot: int) -> None:
+    """Runs `x_1TD[:, rows]` (tokens at positions `pos`, ascending) through layers 1..L-1."""
+    if not len(rows):
+      return
+    r = self.runner
+    pos_T, write_T = self._pad(pos)
+    idx = np.zeros(len(pos_T), np.int32)
+    idx[:len(rows)] = rows
+    x = jnp.take(x_1TD, idx, axis=1)
+    _, r.cache = self._recompute(self.rest, r.cache, x, pos_T, write_T, np.int32(slot),
+                                 np.int32(pos[-1] + 1), np.int32(1))
+
+
+def _pick(kind: str, percent: int, dev: np.ndarray, seed: int) -> np.ndarray:
+  """Rows (ascending) of the re-rotated tokens to recompute: round(percent% of them), the
+  largest deviations first (ties: lower position first), uniformly at random, or the nearest
+  the seam."""
+  n = len(dev)
+  k = int(round(n * percent / 100))
+  if kind == "dev":
+    order = np.lexsort((np.arange(n), -dev))  # last key is primary: -dev, then position
+  elif kind == "random":
+    order = np.random.default_rng(seed).permutation(n)
+  else:
+    order = np.arange(n)
+  return np.sort(order[:k])
 
 
 def _rel_dev(a_LTKH, b_LTKH):
@@ -166,11 +304,20 @@ def _pooled(rows, v, idx=None):
 
 def main(argv):
   del argv
+  global VARIANTS
+  if FLAGS.variants:
+    unknown = sorted(set(FLAGS.variants) - set(ALL_VARIANTS))
+    if unknown:
+      raise app.UsageError(f"unknown variants {unknown}; known: {', '.join(ALL_VARIANTS)}")
+    VARIANTS = tuple(v for v in ALL_VARIANTS
+                     if v in set(FLAGS.variants) | {"full", "recompute"})
   path = pathlib.Path(FLAGS.data_dir) / "sharegpt" / "sharegpt_v3_multiturn_1000.json"
   llm = LLM(kv_cache_layout="slotted", max_num_seqs=4,
             max_model_len=FLAGS.max_history + FLAGS.max_reply + PIECE, compile_on_init=False)
   tok, runner = llm.get_tokenizer(), llm.engine.runner
   inv_freq = jnp.asarray(layers.rope_inv_freq(llm.model_config))
+  blend = _Blend(runner, inv_freq)
+  n_layers = llm.model_config.n_layers
   c = FLAGS.chunk
   rows, t0 = [], time.perf_counter()
   timing = {"prefill_tokens": 0, "prefill_s": 0.0, "insert_tokens": 0, "insert_s": 0.0}
@@ -213,8 +360,18 @@ def main(argv):
         d = [x for arr in per_pos[v] for x in arr[lo:hi]]
         by_pos[v].append({"positions": [lo, hi], "tokens": len(d),
                           "mean_dnll": float(np.mean(d)) if d else None})
-    excess = sorted(((r["sum_nll"]["rerotate"] - r["sum_nll"]["recompute"], r["id"]) for r in rows),
-                    reverse=True)
+    blended = [v for v in VARIANTS if v in BLEND]
+    selection = {v: {
+        "mean_rerotated": float(np.mean([r["blend"][v]["rerotated"] for r in rows])),
+        "mean_selected": float(np.mean([r["blend"][v]["selected"] for r in rows])),
+        "mean_seam_distance_selected": float(np.mean(
+            [d for r in rows for d in r["blend"][v]["seam_distances"]] or [np.nan])),
+        "mean_v1_dev_selected": float(np.mean(
+            [d for r in rows for d in r["blend"][v]["v1_dev"]] or [np.nan]))}
+        for v in blended}
+    v1_all = [d for r in rows for d in r.get("v1_dev_rerotated", [])]
+    excess = sorted(((r["sum_nll"]["rerotate"] - r["sum_nll"]["recompute"], r["id"])
+                     for r in rows), reverse=True) if "rerotate" in VARIANTS else []
     total_excess = sum(e for e, _ in excess)
     seam = {name: [{"seam_distance": [lo, hi], "tokens": len(d),
                     "mean_rel_dev": float(np.mean(d)) if d else None}
@@ -234,6 +391,15 @@ def main(argv):
     for v in VARIANTS:
       say(f"{v:10s} " + " ".join(f"{b['mean_dnll']:+10.4f}" if b["mean_dnll"] is not None
                                     else f"{'':10s}" for b in by_pos[v]))
+    if blended:
+      say(f"\nselective recompute (layer-1 V deviation of all re-rotated tokens: mean "
+          f"{np.mean(v1_all) if v1_all else float('nan'):.3g}):")
+      say(f"{'variant':10s} {'re-rotated':>10s} {'selected':>9s} {'seam dist':>10s} "
+          f"{'V1 dev':>9s}")
+      for v in blended:
+        b = selection[v]
+        say(f"{v:10s} {b['mean_rerotated']:10.1f} {b['mean_selected']:9.1f} "
+            f"{b['mean_seam_distance_selected']:10.1f} {b['mean_v1_dev_selected']:9.3g}")
     say(f"\nrerotate's excess NLL over recompute: {total_excess:.1f} nats; largest: " +
           ", ".join(f"{cid} {e:+.1f}" for e, cid in excess[:5]))
     say("relative deviation of the re-rotated KV from the recomputed KV by distance from the "
@@ -268,6 +434,12 @@ def main(argv):
         "dnll_by_reply_position": by_pos,
         "rerotate_excess_nll": {"total": total_excess,
                                 "by_conversation": [[cid, e] for e, cid in excess]},
+        "selective_recompute": {
+            "selection": selection,
+            "deviation": "mean over KV heads and head dim of (fresh - re-rotated V)^2 at "
+                         "layer 1 (CacheBlend's reference choice); ties by position",
+            "mean_v1_dev_rerotated": float(np.mean(v1_all)) if v1_all else None,
+            "random_seed": "1000 + conversation index"},
         "kv_rel_dev_by_seam_distance": seam, "kv_rel_dev_by_layer": layers_mean,
         "system_kv_max_abs_diff": sys_kv_max_abs,
         "scored_tokens": n_tok, "rows": rows}
@@ -284,9 +456,11 @@ def main(argv):
       axes[0].set_ylabel("pooled ppl - recompute (95% CI)")
       axes[0].tick_params(axis="x", rotation=45)
       axes[0].legend()
-      axes[0].set_title(f"naive {pooled['naive']:.1f}, full {pooled['full']:.3f}, "
-                        f"recompute {pooled['recompute']:.3f}")
-      for v in shown[2:]:
+      axes[0].set_title(f"full {pooled['full']:.3f}, recompute {pooled['recompute']:.3f}" +
+                        (f", naive {pooled['naive']:.1f}" if "naive" in pooled else ""))
+      for v in shown:
+        if v in ("recompute", "self"):
+          continue
         axes[1].scatter([cost[v]], [pooled[v] - pooled["recompute"]], label=v)
       axes[1].axhline(0.0, color="k", lw=0.5)
       axes[1].set_xlabel("kept tokens computed per conversation (mean)")
@@ -351,8 +525,10 @@ def main(argv):
     sys_kv_max_abs = max(sys_kv_max_abs, float(np.abs(k_kept[:, :s_len] - k_rec[:, :s_len]).max()),
                          float(np.abs(v_kept[:, :s_len] - v_rec[:, :s_len]).max()))
     none = np.zeros(n_kept, bool)
-    nll["self"] = _score(runner, ids, k_rec, v_rec, none, targets, 2)
-    nll["rerotate"] = _score(runner, ids, k_kept, v_kept, none, targets, 2)
+    if "self" in VARIANTS:
+      nll["self"] = _score(runner, ids, k_rec, v_rec, none, targets, 2)
+    if "rerotate" in VARIANTS:
+      nll["rerotate"] = _score(runner, ids, k_kept, v_kept, none, targets, 2)
     if rows:  # rates for the TTFT estimate (the first conversation compiles)
       ta = time.perf_counter()
       _prefill(runner, list(tr.token_ids[:n_kept]), 3, 0)
@@ -368,17 +544,20 @@ def main(argv):
     delta = jnp.asarray(src - np.arange(n_kept), jnp.int32)[None, :]
     k_old = np.asarray(layers.apply_rope(jnp.asarray(k_kept), jnp.broadcast_to(
         delta, k_kept.shape[:2]), inv_freq))
-    nll["naive"] = _score(runner, ids, k_old, v_kept, none, targets, 3)
+    if "naive" in VARIANTS:
+      nll["naive"] = _score(runner, ids, k_old, v_kept, none, targets, 3)
     old_pos = jnp.broadcast_to(jnp.asarray(src, jnp.int32)[None, :], k_kept.shape[:2])
     k_rt = np.asarray(layers.apply_rope(layers.apply_rope(jnp.asarray(k_kept), old_pos, inv_freq),
                                         old_pos, inv_freq, inverse=True))
-    nll["roundtrip"] = _score(runner, ids, k_rt, v_kept, none, targets, 3)
+    if "roundtrip" in VARIANTS:
+      nll["roundtrip"] = _score(runner, ids, k_rt, v_kept, none, targets, 3)
     cost = {"full": None, "recompute": n_kept, "self": 0, "rerotate": 0, "naive": 0,
             "roundtrip": 0}
     for n in HEADS:
       m = none.copy()
       m[s_len:s_len + n] = True
-      nll[f"head{n}"] = _score(runner, ids, k_kept, v_kept, m, targets, 2)
+      if f"head{n}" in VARIANTS:
+        nll[f"head{n}"] = _score(runner, ids, k_kept, v_kept, m, targets, 2)
       cost[f"head{n}"] = int(m.sum())
     # staged, as `Engine.stage_rerotated`: the truncated prompt's chunk j is staged when all
     # its source positions lie in the previous turn's stored full chunks (that turn ends where
@@ -395,8 +574,37 @@ def main(argv):
       m = np.ones(n_kept, bool)
       if k_staged > first:
         m[first * c:k_staged * c] = False
-      nll[v] = _score(runner, ids, k_kept, v_kept, m, targets, 2)
+      if v in VARIANTS:
+        nll[v] = _score(runner, ids, k_kept, v_kept, m, targets, 2)
       cost[v] = int(m.sum())
+    # selective recompute on top of staged_b1: the re-rotated tokens are chunks [1, k_staged)
+    rr = np.arange(c, max(k_staged, 1) * c)
+    blend_rows, v1_dev = {}, []
+    for v, (kind, percent) in BLEND.items():
+      if v not in VARIANTS:
+        continue
+      picked = {}
+
+      def blend_pass(kind=kind, percent=percent, picked=picked):
+        if not len(rr):
+          picked["rows"], picked["dev"] = np.zeros(0, np.int64), np.zeros(0)
+          return
+        x1, _, v1 = blend.select(ids[rr[0]:rr[-1] + 1], rr, 2)
+        dev = np.mean((v1 - v_kept[1, rr]) ** 2, axis=(1, 2))
+        rows_ = _pick(kind, percent, dev, 1000 + len(rows))
+        blend.recompute(x1, rows_, rr[rows_], 2)
+        picked["rows"], picked["dev"] = rows_, dev
+
+      m = np.ones(n_kept, bool)
+      if k_staged > 1:
+        m[c:k_staged * c] = False
+      nll[v] = _score(runner, ids, k_kept, v_kept, m, targets, 2, before_tail=blend_pass)
+      sel = picked["rows"]
+      v1_dev = picked["dev"].tolist()
+      cost[v] = float(m.sum() + len(sel) * (n_layers - 1) / n_layers + len(rr) / n_layers)
+      blend_rows[v] = {"rerotated": int(len(rr)), "selected": int(len(sel)),
+                       "seam_distances": (rr[sel] - s_len).tolist(),
+                       "v1_dev": picked["dev"][sel].tolist()}
     # deviation of the re-rotated (source) KV from the recomputed one, by distance from the seam
     for name, a, b in (("k", k_kept, k_rec), ("v", v_kept, v_rec)):
       if n_kept == s_len:  # every older turn dropped: nothing re-rotated
@@ -414,6 +622,7 @@ def main(argv):
            "shift": int(kept.src_start - kept.dst_start),
            "new_tokens": len(tr.token_ids) - n_kept, "reply_tokens": len(targets),
            "staged_chunks": k_staged, "computed_kept_tokens": cost,
+           "blend": blend_rows, "v1_dev_rerotated": v1_dev,
            **{f"ppl_{v}": float(math.exp(nll[v].mean())) for v in VARIANTS},
            "sum_nll": {v: float(nll[v].sum()) for v in VARIANTS}}
     rows.append(row)
