@@ -43,10 +43,11 @@ reply. Variants (what fills positions `[0, n_kept)`):
               reference choice; ties by position) are picked, and only those run layers
               1..L-1, each attending causally over the cache (re-rotated KV for the others) and
               writing its fresh KV before each layer's attention; then the kept tail and the
-              rest are computed as in staged_b1 (P = 10, 20, 30)
+              rest are computed as in staged_b1 (P = 10, 20, 30, 50)
   rand_r<P>   ablation: as blend_r<P> with the same count picked uniformly at random (seeded by
-              the conversation's index)
+              the conversation's index; P = 10, 20, 30)
   near_r<P>   ablation: as blend_r<P> with the re-rotated tokens nearest the seam picked
+              (P = 10, 20, 30)
   blend_all   every re-rotated token through the selective path (soundness: should equal
               recompute up to float32 rounding)
 
@@ -54,9 +55,12 @@ Pooled perplexity = exp(mean NLL over all scored tokens of all conversations). S
 pooled ppl minus recompute's with a 95% bootstrap interval (conversations resampled, seed 0),
 mean |ppl - ppl_recompute| over conversations, the kept tokens each variant computes (its cost
 over the re-rotated KV; recompute computes all of them; a selective variant counts each
-selected token whole and each re-rotated token's layer-0 pass as 1/L), a TTFT estimate from this run's measured
-prefill and insert rates, the gap by reply position, the conversations that dominate it, and the
-relative K/V deviation of the re-rotated KV from the recomputed one by distance from the seam.
+selected token whole and each re-rotated token's layer-0 pass as 1/L), a TTFT estimate from
+this run's measured prefill and insert rates, the gap by reply position, the conversations that
+dominate it, the relative K/V deviation of the re-rotated KV from the recomputed one by distance
+from the seam, and what the selective variants picked (count, distance from the seam, layer-1 V
+deviation, the share of that deviation the top tokens hold) and how they compare with their base,
+staged_b1, paired by conversation (same bootstrap).
 
     .venv/bin/python scripts/bench_truncation.py                     # 24 conversations, 1024
     .venv/bin/python scripts/bench_truncation.py --conversations=8 --max_context=2048
@@ -101,13 +105,15 @@ flags.DEFINE_integer("bootstrap", 2000, "bootstrap resamples of the conversation
 flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "where results go")
 flags.DEFINE_string("tag", "", "suffix of the output files")
 flags.DEFINE_list("variants", [], "variants scored (default: all); recompute is always scored")
+flags.DEFINE_bool("replot", False, "only redraw <out_dir>/bench_truncation[_tag].png from its JSON")
 
 PIECE = 256  # insertion pieces (one compiled insert size)
 HEADS = (16, 64, 256)
-BLEND_RATIOS = (10, 20, 30)  # percent of the re-rotated tokens recomputed
+BLEND_RATIOS = (10, 20, 30, 50)  # percent of the re-rotated tokens recomputed
+ABLATION_RATIOS = (10, 20, 30)
 BLEND = {**{f"blend_r{p}": ("dev", p) for p in BLEND_RATIOS},
-         **{f"rand_r{p}": ("random", p) for p in BLEND_RATIOS},
-         **{f"near_r{p}": ("seam", p) for p in BLEND_RATIOS}, "blend_all": ("dev", 100)}
+         **{f"rand_r{p}": ("random", p) for p in ABLATION_RATIOS},
+         **{f"near_r{p}": ("seam", p) for p in ABLATION_RATIOS}, "blend_all": ("dev", 100)}
 ALL_VARIANTS = ("full", "recompute", "self", "rerotate", "naive", "roundtrip",
                 *(f"head{n}" for n in HEADS), "staged_b0", "staged_b1", *BLEND)
 VARIANTS = ALL_VARIANTS  # the scored ones (`--variants`), set in main
@@ -302,9 +308,61 @@ def _pooled(rows, v, idx=None):
   return math.exp(s / n)
 
 
+def _plot(result: dict, path: pathlib.Path):
+  """Draws a result (the JSON's dict) into `path`: ppl gap with CIs, gap against cost, KV
+  deviation by seam distance. Returns pyplot, or None when matplotlib is missing."""
+  plt = pyplot()
+  if plt is None:
+    return None
+  variants = result["variants"]
+  pooled, ci = result["pooled_ppl"], result["pooled_ppl_diff_ci95"]
+  cost, seam = result["mean_computed_kept_tokens"], result["kv_rel_dev_by_seam_distance"]
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  shown = [v for v in variants if v not in ("full", "naive")]
+  d = [pooled[v] - pooled["recompute"] for v in shown]
+  err = np.array([[d[i] - ci[v][0], ci[v][1] - d[i]] for i, v in enumerate(shown)]).T
+  axes[0].bar(shown, d, yerr=err, capsize=3)
+  axes[0].axhline(0.02, color="r", ls=":", lw=1, label="target +-0.02")
+  axes[0].axhline(-0.02, color="r", ls=":", lw=1)
+  axes[0].set_ylabel("pooled ppl - recompute (95% CI)")
+  axes[0].tick_params(axis="x", rotation=60)
+  axes[0].legend()
+  axes[0].set_title(f"full {pooled['full']:.3f}, recompute {pooled['recompute']:.3f}" +
+                    (f", naive {pooled['naive']:.1f}" if "naive" in pooled else ""))
+  markers = "osD^vPX*<>"
+  for i, v in enumerate(v for v in shown if v not in ("recompute", "self")):
+    axes[1].scatter([cost[v]], [pooled[v] - pooled["recompute"]], label=v,
+                    color=plt.cm.tab20(i % 20), marker=markers[i % len(markers)])
+  axes[1].axhline(0.0, color="k", lw=0.5)
+  axes[1].axhline(0.02, color="r", ls=":", lw=1)
+  axes[1].set_xlabel("kept tokens computed per conversation (mean)")
+  axes[1].set_ylabel("pooled ppl - recompute")
+  axes[1].set_title(f"cost (recompute computes {cost['recompute']:.0f})")
+  axes[1].legend(fontsize=6, ncol=2)
+  for kv_name, mark in (("k", "o-"), ("v", "x-")):
+    bs = [b for b in seam[kv_name] if b["mean_rel_dev"] is not None]
+    xs = [f"[{b['seam_distance'][0]},{min(b['seam_distance'][1], 9999)})" for b in bs]
+    axes[2].plot(xs, [b["mean_rel_dev"] for b in bs], mark, label=kv_name.upper())
+  axes[2].set_xlabel("kept-token distance from the cut")
+  axes[2].set_ylabel("||re-rotated - recomputed|| / ||recomputed||")
+  axes[2].legend()
+  axes[2].set_title("KV deviation by distance from the seam")
+  fig.suptitle(f"Truncation keeping the cache: {result['conversations_scored']} ShareGPT "
+               f"conversations, context {result['settings']['max_context']} (SmolLM2-135M, f32, "
+               "2-core CPU)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return plt
+
+
 def main(argv):
   del argv
   global VARIANTS
+  if FLAGS.replot:
+    out = pathlib.Path(FLAGS.out_dir) / ("bench_truncation"
+                                        + (f"_{FLAGS.tag}" if FLAGS.tag else ""))
+    _plot(json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".png"))
+    return
   if FLAGS.variants:
     unknown = sorted(set(FLAGS.variants) - set(ALL_VARIANTS))
     if unknown:
@@ -361,15 +419,34 @@ def main(argv):
         by_pos[v].append({"positions": [lo, hi], "tokens": len(d),
                           "mean_dnll": float(np.mean(d)) if d else None})
     blended = [v for v in VARIANTS if v in BLEND]
-    selection = {v: {
-        "mean_rerotated": float(np.mean([r["blend"][v]["rerotated"] for r in rows])),
-        "mean_selected": float(np.mean([r["blend"][v]["selected"] for r in rows])),
-        "mean_seam_distance_selected": float(np.mean(
-            [d for r in rows for d in r["blend"][v]["seam_distances"]] or [np.nan])),
-        "mean_v1_dev_selected": float(np.mean(
-            [d for r in rows for d in r["blend"][v]["v1_dev"]] or [np.nan]))}
-        for v in blended}
-    v1_all = [d for r in rows for d in r.get("v1_dev_rerotated", [])]
+
+    def ratio(a, b):
+      return float(a / b) if b else None
+
+    selection = {}
+    for v in blended:
+      n_sel = sum(r["blend"][v]["selected"] for r in rows)
+      selection[v] = {
+          "mean_selected": float(np.mean([r["blend"][v]["selected"] for r in rows])),
+          "mean_seam_distance_selected": ratio(
+              sum(r["blend"][v]["sum_seam_distance"] for r in rows), n_sel),
+          "mean_v1_dev_selected": ratio(sum(r["blend"][v]["sum_v1_dev"] for r in rows), n_sel)}
+    n_rr = sum(r["rerotated_tokens"] for r in rows)
+    v1_sum = sum(r["v1_dev"]["sum"] for r in rows if r["v1_dev"] is not None)
+    v1_top_share = {p: ratio(sum(r["v1_dev"]["top_sum"][str(p)] for r in rows
+                                 if r["v1_dev"] is not None), v1_sum) for p in BLEND_RATIOS}
+    # each selective variant against staged_b1 (its base), paired by conversation
+    paired = {}
+    if "staged_b1" in VARIANTS:
+      for v in blended:
+        d = np.array([_pooled(rows, v, b) - _pooled(rows, "staged_b1", b) for b in boots])
+        paired[v] = {
+            "diff": pooled[v] - pooled["staged_b1"],
+            "ci95": [float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))],
+            "conversations_better": sum(r["sum_nll"][v] < r["sum_nll"]["staged_b1"]
+                                        for r in rows),
+            "conversations_unchanged": sum(r["sum_nll"][v] == r["sum_nll"]["staged_b1"]
+                                           for r in rows)}
     excess = sorted(((r["sum_nll"]["rerotate"] - r["sum_nll"]["recompute"], r["id"])
                      for r in rows), reverse=True) if "rerotate" in VARIANTS else []
     total_excess = sum(e for e, _ in excess)
@@ -392,15 +469,22 @@ def main(argv):
       say(f"{v:10s} " + " ".join(f"{b['mean_dnll']:+10.4f}" if b["mean_dnll"] is not None
                                     else f"{'':10s}" for b in by_pos[v]))
     if blended:
-      say(f"\nselective recompute (layer-1 V deviation of all re-rotated tokens: mean "
-          f"{np.mean(v1_all) if v1_all else float('nan'):.3g}):")
-      say(f"{'variant':10s} {'re-rotated':>10s} {'selected':>9s} {'seam dist':>10s} "
-          f"{'V1 dev':>9s}")
+      say(f"\nselective recompute: {n_rr / len(rows):.1f} re-rotated tokens per conversation, "
+          f"layer-1 V deviation mean {ratio(v1_sum, n_rr) or float('nan'):.3g}; share of its "
+          "total in the top " + ", ".join(f"{p}%: {v1_top_share[p] or float('nan'):.3f}"
+                                          for p in BLEND_RATIOS))
+      say(f"{'variant':10s} {'selected':>9s} {'seam dist':>10s} {'V1 dev':>9s} "
+          f"{'- staged_b1':>12s} {'95% CI':>18s} {'better':>7s} {'same':>5s}")
       for v in blended:
-        b = selection[v]
-        say(f"{v:10s} {b['mean_rerotated']:10.1f} {b['mean_selected']:9.1f} "
-            f"{b['mean_seam_distance_selected']:10.1f} {b['mean_v1_dev_selected']:9.3g}")
-    say(f"\nrerotate's excess NLL over recompute: {total_excess:.1f} nats; largest: " +
+        b, q = selection[v], paired.get(v)
+        pv = "" if q is None else (f"{q['diff']:+12.4f} [{q['ci95'][0]:+.4f}, "
+                                   f"{q['ci95'][1]:+.4f}] {q['conversations_better']:7d} "
+                                   f"{q['conversations_unchanged']:5d}")
+        say(f"{v:10s} {b['mean_selected']:9.1f} "
+            f"{b['mean_seam_distance_selected'] or float('nan'):10.1f} "
+            f"{b['mean_v1_dev_selected'] or float('nan'):9.3g} {pv}")
+    if excess:
+      say(f"\nrerotate's excess NLL over recompute: {total_excess:.1f} nats; largest: " +
           ", ".join(f"{cid} {e:+.1f}" for e, cid in excess[:5]))
     say("relative deviation of the re-rotated KV from the recomputed KV by distance from the "
           "seam (mean over layers):")
@@ -436,49 +520,18 @@ def main(argv):
                                 "by_conversation": [[cid, e] for e, cid in excess]},
         "selective_recompute": {
             "selection": selection,
+            "paired_vs_staged_b1": paired,
+            "mean_rerotated_tokens": n_rr / len(rows),
             "deviation": "mean over KV heads and head dim of (fresh - re-rotated V)^2 at "
                          "layer 1 (CacheBlend's reference choice); ties by position",
-            "mean_v1_dev_rerotated": float(np.mean(v1_all)) if v1_all else None,
+            "mean_v1_dev_rerotated": ratio(v1_sum, n_rr),
+            "v1_dev_top_share": {str(p): x for p, x in v1_top_share.items()},
             "random_seed": "1000 + conversation index"},
         "kv_rel_dev_by_seam_distance": seam, "kv_rel_dev_by_layer": layers_mean,
         "system_kv_max_abs_diff": sys_kv_max_abs,
         "scored_tokens": n_tok, "rows": rows}
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    plt = pyplot()
-    if plt is not None:
-      fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-      shown = [v for v in VARIANTS if v not in ("full", "naive")]
-      d = [pooled[v] - pooled["recompute"] for v in shown]
-      err = np.array([[d[i] - ci[v][0], ci[v][1] - d[i]] for i, v in enumerate(shown)]).T
-      axes[0].bar(shown, d, yerr=err, capsize=3)
-      axes[0].axhline(0.02, color="r", ls=":", lw=1, label="target +-0.02")
-      axes[0].axhline(-0.02, color="r", ls=":", lw=1)
-      axes[0].set_ylabel("pooled ppl - recompute (95% CI)")
-      axes[0].tick_params(axis="x", rotation=45)
-      axes[0].legend()
-      axes[0].set_title(f"full {pooled['full']:.3f}, recompute {pooled['recompute']:.3f}" +
-                        (f", naive {pooled['naive']:.1f}" if "naive" in pooled else ""))
-      for v in shown:
-        if v in ("recompute", "self"):
-          continue
-        axes[1].scatter([cost[v]], [pooled[v] - pooled["recompute"]], label=v)
-      axes[1].axhline(0.0, color="k", lw=0.5)
-      axes[1].set_xlabel("kept tokens computed per conversation (mean)")
-      axes[1].set_ylabel("pooled ppl - recompute")
-      axes[1].set_title(f"cost (recompute computes {cost['recompute']:.0f})")
-      axes[1].legend(fontsize=7)
-      for kv_name, mark in (("k", "o-"), ("v", "x-")):
-        bs = [b for b in seam[kv_name] if b["mean_rel_dev"] is not None]
-        xs = [f"[{b['seam_distance'][0]},{min(b['seam_distance'][1], 9999)})" for b in bs]
-        axes[2].plot(xs, [b["mean_rel_dev"] for b in bs], mark, label=kv_name.upper())
-      axes[2].set_xlabel("kept-token distance from the cut")
-      axes[2].set_ylabel("||re-rotated - recomputed|| / ||recomputed||")
-      axes[2].legend()
-      axes[2].set_title("KV deviation by distance from the seam")
-      fig.suptitle(f"Truncation keeping the cache: {len(rows)} ShareGPT conversations, context "
-                   f"{FLAGS.max_context} (SmolLM2-135M, f32, 2-core CPU)")
-      fig.tight_layout()
-      fig.savefig(out / f"{name}.png", dpi=120)
+    plt = _plot(result, out / f"{name}.png")
     say(f"wrote {out / name}.json" + (" and .png" if plt is not None else ""))
 
   for cid, msgs in _conversations(path):
@@ -579,7 +632,7 @@ def main(argv):
       cost[v] = int(m.sum())
     # selective recompute on top of staged_b1: the re-rotated tokens are chunks [1, k_staged)
     rr = np.arange(c, max(k_staged, 1) * c)
-    blend_rows, v1_dev = {}, []
+    blend_rows, v1_dev = {}, None
     for v, (kind, percent) in BLEND.items():
       if v not in VARIANTS:
         continue
@@ -599,12 +652,15 @@ def main(argv):
       if k_staged > 1:
         m[c:k_staged * c] = False
       nll[v] = _score(runner, ids, k_kept, v_kept, m, targets, 2, before_tail=blend_pass)
-      sel = picked["rows"]
-      v1_dev = picked["dev"].tolist()
+      sel, dev = picked["rows"], picked["dev"]
+      top = np.sort(dev)[::-1]
+      v1_dev = {"sum": float(dev.sum()),  # the same in every pass
+                "top_sum": {str(p): float(top[:int(round(len(dev) * p / 100))].sum())
+                            for p in BLEND_RATIOS}}
       cost[v] = float(m.sum() + len(sel) * (n_layers - 1) / n_layers + len(rr) / n_layers)
-      blend_rows[v] = {"rerotated": int(len(rr)), "selected": int(len(sel)),
-                       "seam_distances": (rr[sel] - s_len).tolist(),
-                       "v1_dev": picked["dev"][sel].tolist()}
+      blend_rows[v] = {"selected": int(len(sel)),
+                       "sum_seam_distance": int((rr[sel] - s_len).sum()),
+                       "sum_v1_dev": float(dev[sel].sum())}
     # deviation of the re-rotated (source) KV from the recomputed one, by distance from the seam
     for name, a, b in (("k", k_kept, k_rec), ("v", v_kept, v_rec)):
       if n_kept == s_len:  # every older turn dropped: nothing re-rotated
@@ -622,7 +678,7 @@ def main(argv):
            "shift": int(kept.src_start - kept.dst_start),
            "new_tokens": len(tr.token_ids) - n_kept, "reply_tokens": len(targets),
            "staged_chunks": k_staged, "computed_kept_tokens": cost,
-           "blend": blend_rows, "v1_dev_rerotated": v1_dev,
+           "rerotated_tokens": int(len(rr)), "blend": blend_rows, "v1_dev": v1_dev,
            **{f"ppl_{v}": float(math.exp(nll[v].mean())) for v in VARIANTS},
            "sum_nll": {v: float(nll[v].sum()) for v in VARIANTS}}
     rows.append(row)
