@@ -352,6 +352,7 @@ def _plot(result: dict, path: pathlib.Path):
                "2-core CPU)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+  plt.close(fig)  # drawn after every conversation: pyplot would keep each figure open
   return plt
 
 
