@@ -156,6 +156,8 @@ _SERVER_HOST_RATIO = flags.DEFINE_float("server_host_ratio", 0.0, "Server mode, 
                                          "(overrides --server_host_bytes).")
 _SERVER_DISK_RATIO = flags.DEFINE_float("server_disk_ratio", 0.0, "Server mode, history replay: "
                                         "disk tier = this x the footprint.")
+_SERVER_CHUNK = flags.DEFINE_integer("server_kv_chunk_size", 256, "Server mode: tokens per "
+                                     "stored KV chunk (the servers' --kv_chunk_size).")
 _SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [], "Server mode: an extra flag of the "
                                           "started servers, repeatable.")
 _LLM = flags.DEFINE_bool("llm_lookahead", False, "Replay conversations on the real engine "
@@ -609,7 +611,8 @@ def run_server() -> None:
       history_tokens=_SERVER_HIST.value, max_history_tokens=_SERVER_MAX_HIST.value,
       history_share=_SERVER_SHARE.value, max_prompt_tokens=_SERVER_MAX_PROMPT.value,
       host_bytes=_SERVER_HOST.value, disk_bytes=_SERVER_DISK.value,
-      host_ratio=_SERVER_HOST_RATIO.value, disk_ratio=_SERVER_DISK_RATIO.value)
+      host_ratio=_SERVER_HOST_RATIO.value, disk_ratio=_SERVER_DISK_RATIO.value,
+      kv_chunk_size=_SERVER_CHUNK.value)
   at_start = machine()
   got = session_replay.run_replay(cfg, pathlib.Path(_DATA.value), modes=tuple(_SERVER_MODES.value))
   session_replay.print_table(got["summary"])
