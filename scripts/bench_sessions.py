@@ -540,6 +540,9 @@ def plot_gap(loads, labels, path, n_convs) -> None:
         ax.plot([r["live_multiple"] for r in rs], ys, marker="o", ms=3,
                 label=lab.replace("lookahead_w", "lookahead w"))
       ax.set_xscale("log")
+      xs = sorted({r["value"] for r in runs})
+      ax.set_xticks(xs, [f"{x:g}" for x in xs], fontsize=7)
+      ax.minorticks_off()
       ax.set_ylim(-0.02, 1.02)
       ax.grid(alpha=0.3)
       if i == 0:
