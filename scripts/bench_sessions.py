@@ -60,7 +60,8 @@ simulation above over load levels (`--gap_slots`), capacities (host + disk split
 `--host_ratio` : `--disk_ratio`, at the `--sweep` footprint ratios and at `--gap_live_multiples`
 of each load's mean live KV) and windows (`--gap_windows`; "all" is the whole waiting queue):
 prefix hit rate and host-tier share per policy, the largest look-ahead - LRU and - FIFO gaps and
-their settings. Writes <out_dir>/bench_sessions_sim_gap.{json,png} (about 10-30 min on 1 core).
+their settings. Writes <out_dir>/bench_sessions_sim_gap.{json,png} (35 min at nice 19 on a loaded
+2-core VM).
 
     .venv/bin/python scripts/bench_sessions.py --nosim --gap
 
