@@ -73,6 +73,7 @@ run's hit counts and planner stats; and a plot of hit rate vs capacity per polic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -221,6 +222,13 @@ What drives the differences (read with the tables):
   hits from disk to host (the host-share table)."""
 
 
+@functools.cache
+def start_sha() -> str:
+  """HEAD when this run started (`main` reads it first), so that a long run's record names the
+  code it ran rather than a later commit."""
+  return git_sha()
+
+
 def versions() -> dict:
   out = {}
   for pkg in ("kvjax", "tokenizers", "matplotlib", "absl-py"):
@@ -267,7 +275,7 @@ def sim_record(convs, base, footprint, counts_how, system, path) -> dict:
     trace = str(TRACE)
   return {
       "machine": machine(), "versions": versions(),
-      "git_sha": git_sha(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "git_sha": start_sha(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "seeds": {"arrivals": f"{base.seed}/arrivals", "think": f"{base.seed}/think",
                 "rng": "python random.Random(str seed)"},
       "trace": {"path": trace, "conversations": len(convs),
@@ -622,7 +630,7 @@ def run_server() -> None:
   session_replay.print_table(got["summary"])
   record = {"benchmark": "bench_sessions_server", "machine": at_start, "machine_at_end": machine(),
             "threads": {"cpu_count": os.cpu_count(), "clients": cfg.clients},
-            "versions": versions(), "git_sha": git_sha(),
+            "versions": versions(), "git_sha": start_sha(),
             "seeds": {"conversations": cfg.seed, "requests": 0},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **got}
   out = pathlib.Path(_OUT_DIR.value)
@@ -818,7 +826,7 @@ def write_llm_record(benchmark: str, at_start: dict, n_convs: int, same: bool, r
   runs) and its plot (`plot(runs, path, n_convs)`)."""
   record = {"benchmark": benchmark, "machine": at_start,
             "machine_at_end": machine(), "threads": {"cpu_count": os.cpu_count()},
-            "versions": versions(), "git_sha": git_sha(),
+            "versions": versions(), "git_sha": start_sha(),
             "seeds": {"conversations": _SEED.value, "sampling": "greedy"},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "conversations": n_convs, "merge_mode": _LLM_MERGE.value,
@@ -951,6 +959,7 @@ MODES = {"sim": (_SIM, run_sim), "gap": (_GAP, run_gap), "server": (_SERVER, run
 
 def main(argv):
   del argv
+  start_sha()
   chosen = [run for flag, run in MODES.values() if flag.value]
   if not chosen:
     raise app.UsageError(f"no mode selected; pass one of: {', '.join('--' + m for m in MODES)}")

@@ -95,6 +95,11 @@ class TurnRow:
   prefill_s: float | None = None  # the engine's prefill wall time (kvjax.prefill_s)
   tokens_device_cached: int = 0
   loaded_from_tiers: dict | None = None  # {tier: chunks} of store loads
+  # The engine's clock (kvjax.engine_metrics): arrival, first scheduled step, first token, so
+  # what a turn shared its prefill steps with can be read afterwards.
+  engine_arrival_s: float | None = None
+  engine_scheduled_s: float | None = None
+  engine_first_token_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +197,10 @@ async def _turn(client, model, messages, max_tokens, row: TurnRow, session_id) -
         row.prefill_s = ext.get("prefill_s")
         row.tokens_device_cached = ext.get("tokens_device_cached") or 0
         row.loaded_from_tiers = ext.get("loaded_from_tiers")
+        em = ext.get("engine_metrics") or {}
+        row.engine_arrival_s = em.get("arrival_s")
+        row.engine_scheduled_s = em.get("scheduled_s")
+        row.engine_first_token_s = em.get("first_token_s")
         if ext.get("session"):
           row.session_outcome = ext["session"].get("outcome")
   except Exception as e:  # noqa: BLE001 - counted, the run goes on
