@@ -83,6 +83,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+import session_gap  # scripts/session_gap.py
 import session_replay  # scripts/session_replay.py
 from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
 from kvjax.storage.placement import POLICIES, TierSpec
@@ -426,7 +427,7 @@ def run_gap() -> None:
             flush=True)
     loads.append({"slots": slots, "schedule": summary, "points": len(points), "runs": runs})
   wall = time.perf_counter() - t0
-  gaps = gap_summary(loads)
+  gaps = session_gap.gap_summary(loads)
 
   print(f"bench_sessions --gap: {len(convs)} ShareGPT conversations, KV footprint "
         f"{footprint / 1e9:.2f} GB; arrivals {base.arrival_rate_per_s}/s, think "
@@ -442,7 +443,7 @@ def run_gap() -> None:
     for title, key in (("prefix hit rate (host + disk)", "token_hit_rate"),
                        ("host-tier share of history tokens", "host")):
       print(title)
-      print(gap_table(load["runs"], labels, key))
+      print(session_gap.gap_table(load["runs"], labels, key))
   print("\nlargest gaps (prefix hit rate, points):")
   for name, g in gaps["largest"].items():
     print(f"  {name}: {100 * g['gap']:+.1f} at {g['slots']} slots, {g['basis']} {g['value']:g} "
@@ -471,64 +472,6 @@ def run_gap() -> None:
   (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
   plot_gap(loads, labels, out / f"{stem}.png", len(convs))
   print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
-
-
-def gap_summary(loads) -> dict:
-  """Per load and capacity point, look-ahead's gaps over LRU and FIFO (prefix hit rate and host
-  share); the largest of each over the whole sweep, with their settings."""
-  points, largest = [], {}
-  for load in loads:
-    by_point: dict = {}
-    for r in load["runs"]:
-      by_point.setdefault((r["basis"], r["value"]), {})[r["label"]] = r
-    for (basis, value), runs in by_point.items():
-      lru, fifo = runs["lru"], runs["fifo"]
-      las = [r for r in runs.values() if r["policy"] == "lookahead"]
-      best = max(las, key=lambda r: r["token_hit_rate"])
-      p = {"slots": load["slots"], "basis": basis, "value": value,
-           "capacity_ratio": lru["capacity_ratio"], "live_multiple": lru["live_multiple"],
-           "lru": lru["token_hit_rate"], "fifo": fifo["token_hit_rate"],
-           "lru_host": lru["tier_hit_rate"]["host"], "fifo_host": fifo["tier_hit_rate"]["host"],
-           "lookahead": {r["label"]: r["token_hit_rate"] for r in las},
-           "lookahead_host": {r["label"]: r["tier_hit_rate"]["host"] for r in las},
-           "best_lookahead_label": best["label"],
-           "best_minus_lru": best["token_hit_rate"] - lru["token_hit_rate"],
-           "best_minus_fifo": best["token_hit_rate"] - fifo["token_hit_rate"]}
-      points.append(p)
-      for name, la, key in [(f"{r['label']}_minus_{b}", r, b) for r in las for b in ("lru", "fifo")]:
-        gap = la["token_hit_rate"] - p[key]
-        if name not in largest or gap > largest[name]["gap"]:
-          largest[name] = {"gap": gap, "slots": load["slots"], "basis": basis, "value": value,
-                           "capacity_ratio": p["capacity_ratio"],
-                           "live_multiple": p["live_multiple"], "lookahead_label": la["label"],
-                           "lookahead": la["token_hit_rate"], "lru": p["lru"], "fifo": p["fifo"],
-                           "lookahead_host": la["tier_hit_rate"]["host"],
-                           "lru_host": p["lru_host"], "fifo_host": p["fifo_host"]}
-  for b in ("lru", "fifo"):
-    name = f"any_window_minus_{b}"
-    best = max((v for k, v in largest.items() if k.endswith(f"_minus_{b}")),
-               key=lambda v: v["gap"])
-    largest[name] = best
-  both = max(points, key=lambda p: min(p["best_minus_lru"] - 0.20, p["best_minus_fifo"] - 0.30))
-  return {"points": points, "largest": largest,
-          "closest_to_target": {**both, "target": "lookahead >= lru + 0.20 and >= fifo + 0.30",
-                                "met": both["best_minus_lru"] >= 0.20
-                                and both["best_minus_fifo"] >= 0.30}}
-
-
-def gap_table(runs, labels, key) -> str:
-  def val(r):
-    return r["tier_hit_rate"]["host"] if key == "host" else r[key]
-  head = (f"{'basis':>9} {'value':>6} {'cap/fp':>7} {'x live':>6} "
-          + " ".join(f"{lab.replace('lookahead_', 'la_'):>8}" for lab in labels))
-  rows, seen = [head], {}
-  for r in runs:
-    seen.setdefault((r["basis"], r["value"]), {})[r["label"]] = r
-  for (basis, value), by in seen.items():
-    r0 = by[labels[0]]
-    rows.append(f"{basis:>9} {value:>6g} {r0['capacity_ratio']:>7.4f} {r0['live_multiple']:>6.2f} "
-                + " ".join(f"{val(by[lab]):>8.3f}" for lab in labels))
-  return "\n".join(rows)
 
 
 def plot_gap(loads, labels, path, n_convs) -> None:
