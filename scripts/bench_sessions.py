@@ -55,6 +55,16 @@ whether every configuration's greedy outputs are identical. Writes
 
     nice -n 19 .venv/bin/python scripts/bench_sessions.py --nosim --llm_placement
 
+Mode `--gap` (with --nosim): where the look-ahead policy's gain over LRU and FIFO shows. The
+simulation above over load levels (`--gap_slots`), capacities (host + disk split as
+`--host_ratio` : `--disk_ratio`, at the `--sweep` footprint ratios and at `--gap_live_multiples`
+of each load's mean live KV) and windows (`--gap_windows`; "all" is the whole waiting queue):
+prefix hit rate and host-tier share per policy, the largest look-ahead - LRU and - FIFO gaps and
+their settings. Writes <out_dir>/bench_sessions_sim_gap.{json,png} (35 min at nice 19 on a loaded
+2-core VM).
+
+    .venv/bin/python scripts/bench_sessions.py --nosim --gap
+
 Writes <out_dir>/bench_sessions_sim.json (bench_sessions_sim_quick.json with --quick): machine,
 versions, git SHA, seeds, settings, the trace's size, each load's queueing figures and every
 run's hit counts and planner stats; and a plot of hit rate vs capacity per policy (.png).
@@ -63,6 +73,7 @@ run's hit counts and planner stats; and a plot of hit rate vs capacity per polic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -72,8 +83,9 @@ import time
 import numpy as np
 from absl import app, flags
 
+import session_gap  # scripts/session_gap.py
 import session_replay  # scripts/session_replay.py
-from benchlib import git_sha, machine  # scripts/benchlib.py
+from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
 from kvjax.storage.placement import POLICIES, TierSpec
 from kvjax.testing import session_sim as ss
 
@@ -147,6 +159,8 @@ _SERVER_HOST_RATIO = flags.DEFINE_float("server_host_ratio", 0.0, "Server mode, 
                                          "(overrides --server_host_bytes).")
 _SERVER_DISK_RATIO = flags.DEFINE_float("server_disk_ratio", 0.0, "Server mode, history replay: "
                                         "disk tier = this x the footprint.")
+_SERVER_CHUNK = flags.DEFINE_integer("server_kv_chunk_size", 256, "Server mode: tokens per "
+                                     "stored KV chunk (the servers' --kv_chunk_size).")
 _SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [], "Server mode: an extra flag of the "
                                           "started servers, repeatable.")
 _LLM = flags.DEFINE_bool("llm_lookahead", False, "Replay conversations on the real engine "
@@ -175,6 +189,18 @@ _LLM_CONFIGS = flags.DEFINE_list(
                     "write_back:lru:8", "write_through:fifo:0", "write_back:fifo:0", "none"],
     "LLM placement mode: placement:eviction:window per run, or none (no store: recompute).")
 _LLM_MODEL = flags.DEFINE_string("llm_model", None, "LLM mode: model (default: SmolLM2-135M).")
+_GAP = flags.DEFINE_bool("gap", False, "Simulation: the placement-gap sweep (where look-ahead "
+                         "beats LRU and FIFO): load levels x capacities x windows; writes "
+                         "bench_sessions_sim_gap.{json,png}.")
+_GAP_SLOTS = flags.DEFINE_list("gap_slots", ["40", "32", "28", "24", "20"],
+                               "Gap sweep: load levels, requests served at once.")
+_GAP_LIVE = flags.DEFINE_list("gap_live_multiples", ["0.25", "0.5", "1", "1.5", "2", "3", "4",
+                                                     "6"],
+                              "Gap sweep: host + disk capacity as multiples of the load's mean "
+                              "live KV, split host : disk as --host_ratio : --disk_ratio.")
+_GAP_WINDOWS = flags.DEFINE_list("gap_windows", ["0", "4", "16", "64", "all"],
+                                 "Gap sweep: look-ahead windows (requests; all: the whole "
+                                 "waiting queue).")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 
 FINDINGS = """\
@@ -195,6 +221,13 @@ What drives the differences (read with the tables):
   it.
 - Prefetch does not change the any-tier hit rate (host and disk both count as hits); it moves
   hits from disk to host (the host-share table)."""
+
+
+@functools.cache
+def start_sha() -> str:
+  """HEAD when this run started (`main` reads it first), so that a long run's record names the
+  code it ran rather than a later commit."""
+  return git_sha()
 
 
 def versions() -> dict:
@@ -218,20 +251,48 @@ def token_counter(kind: str):
   return (lambda role, text: (len(text) + 3) // 4 + 5), 21, "characters / 4 + 5 per message"
 
 
-def run_sim() -> None:
+def sim_inputs():
+  """The simulation's trace and base config from the flags: (conversations, SimConfig,
+  footprint bytes, how tokens were counted, system tokens, trace path, seconds to load)."""
   t0 = time.perf_counter()
-  quick = _QUICK.value
-  limit = _CONVS.value or (100 if quick else None)
+  limit = _CONVS.value or (100 if _QUICK.value else None)
   path = pathlib.Path(_DATA.value) / TRACE
   count, system, counts_how = token_counter(_COUNTS.value)
   convs = ss.load_sharegpt(str(path), count, system_tokens=system, limit=limit)
-  load_s = time.perf_counter() - t0
   base = ss.SimConfig(
       chunk_tokens=_CHUNK.value, kv_bytes_per_token=_KV_BYTES.value, arrival_rate_per_s=_RATE.value,
       think_time_s=_THINK.value, think_time_dist=_THINK_DIST.value, num_slots=_SLOTS.value,
       prefill_s_per_token=_PREFILL.value, decode_s_per_token=_DECODE.value, window=_WINDOW.value,
       prefetch_bytes_per_s=_LINK.value or None, seed=_SEED.value)
   footprint = ss.footprint_bytes(convs, base.kv_bytes_per_token)
+  return convs, base, footprint, counts_how, system, path, time.perf_counter() - t0
+
+
+def sim_record(convs, base, footprint, counts_how, system, path) -> dict:
+  """The provenance and trace fields both simulation records carry."""
+  try:
+    trace = os.path.relpath(path, REPO)
+  except ValueError:
+    trace = str(TRACE)
+  return {
+      "machine": machine(), "versions": versions(),
+      "git_sha": start_sha(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "seeds": {"arrivals": f"{base.seed}/arrivals", "think": f"{base.seed}/think",
+                "rng": "python random.Random(str seed)"},
+      "trace": {"path": trace, "conversations": len(convs),
+                "turns": sum(len(c.turns) for c in convs),
+                "tokens": sum(c.total_tokens for c in convs), "token_counts": counts_how,
+                "system_tokens": system, "footprint_bytes": footprint},
+      "paper": {"source": "CachedAttention / AttentionStore, arXiv 2403.19708",
+                "hit_rate": {"lookahead": 0.86, "lru": 0.58, "fifo": 0.48},
+                "note": "as cited for this project; the paper's workload and capacities are "
+                        "not reproduced here, see findings"}}
+
+
+def run_sim() -> None:
+  t0 = time.perf_counter()
+  quick = _QUICK.value
+  convs, base, footprint, counts_how, system, path, load_s = sim_inputs()
   sweep = [float(r) for r in _SWEEP.value]
   windows = [int(w) for w in _WINDOWS.value if int(w) != base.window]
   slot_levels = [_SLOTS.value] + ([_BUSY.value] if _BUSY.value else [])
@@ -285,15 +346,9 @@ def run_sim() -> None:
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
   stem = "bench_sessions_sim_quick" if quick else "bench_sessions_sim"
-  try:
-    trace = os.path.relpath(path, REPO)
-  except ValueError:
-    trace = str(TRACE)
+  head = sim_record(convs, base, footprint, counts_how, system, path)
   record = {
-      "benchmark": "bench_sessions", "mode": "sim", "machine": machine(), "versions": versions(),
-      "git_sha": git_sha(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      "seeds": {"arrivals": f"{base.seed}/arrivals", "think": f"{base.seed}/think",
-                "rng": "python random.Random(str seed)"},
+      "benchmark": "bench_sessions", "mode": "sim", **head,
       "settings": {"quick": quick, "conversations": len(convs), "policies": _POLICIES.value,
                    "sweep_disk_ratios": sweep, "host_ratio": _HOST.value,
                    "disk_ratio": _DISK.value, "window_sweep": windows,
@@ -301,18 +356,160 @@ def run_sim() -> None:
                    "service_time": "prefill_s_per_token x (history + prompt tokens) + "
                                    "decode_s_per_token x reply tokens; independent of hits",
                    "capacity": "ratio x footprint_bytes, host and disk exclusive"},
-      "trace": {"path": trace, "conversations": len(convs),
-                "turns": sum(len(c.turns) for c in convs),
-                "tokens": sum(c.total_tokens for c in convs), "token_counts": counts_how,
-                "system_tokens": system, "footprint_bytes": footprint},
-      "paper": {"source": "CachedAttention / AttentionStore, arXiv 2403.19708",
-                "hit_rate": {"lookahead": 0.86, "lru": 0.58, "fifo": 0.48},
-                "note": "as cited for this project; the paper's workload and capacities are "
-                        "not reproduced here, see findings"},
       "findings": FINDINGS, "wall_s": wall, "loads": loads}
   (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
   plot(loads, sweep, labels, out / f"{stem}.png", len(convs), base.window)
   print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+
+
+GAP_FINDINGS = """\
+How to read the gap sweep:
+- Capacities are host + disk together, split host : disk as at the issue's defaults (1 : 5),
+  given both as a ratio of the whole trace's KV footprint and as a multiple of the load's mean
+  live KV (the finished turns' KV of conversations still in progress, time-averaged: what a
+  cache must hold to serve every next turn). Below 1x no policy can serve every next turn;
+  every policy reaches ~100% once the capacity is a few times it.
+- The look-ahead window sees only requests that have arrived and wait; a conversation in think
+  time is not in it. Its gain over LRU therefore needs a queue: none at 40 slots (no waiting),
+  and it grows with the queue (fewer slots) and with the window (all: the whole queue).
+- The host share is the fraction of history tokens served from the host (fast) tier: prefetch
+  moves the window's chunks there before the request runs, which LRU and FIFO never do."""
+
+
+def gap_window(w: str, schedule) -> int:
+  """A --gap_windows entry as a window size: "all" covers any queue (every request)."""
+  return len(schedule.requests) if w == "all" else int(w)
+
+
+def run_gap() -> None:
+  t0 = time.perf_counter()
+  convs, base, footprint, counts_how, system, path, load_s = sim_inputs()
+  host_share = _HOST.value / (_HOST.value + _DISK.value)  # host's part of host + disk
+  windows = [w.strip() for w in _GAP_WINDOWS.value]
+  for w in windows:
+    if w != "all" and not (w.isdigit()):
+      raise app.UsageError(f"--gap_windows entry {w!r}: an int >= 0 or all")
+  variants = [("lru", "lru", None), ("fifo", "fifo", None)] + [
+      (f"lookahead_w{w}", "lookahead", w) for w in windows]
+  # Capacity points: (basis, value) -> total host + disk bytes (footprint: the --sweep disk
+  # ratios with host at --host_ratio / --disk_ratio of it, the issue's default among them).
+  fp_points = sorted({float(r) for r in _SWEEP.value} | {_DISK.value})
+  loads = []
+  for slots in [int(x) for x in _GAP_SLOTS.value]:
+    cfg = dataclasses.replace(base, num_slots=slots)
+    schedule = ss.build_schedule(convs, cfg)
+    live = schedule.mean_live_kv_tokens * base.kv_bytes_per_token
+    summary = schedule.summary() | {"live_kv_bytes": live, "live_kv_ratio": live / footprint}
+    points = [("footprint", r, r * (_HOST.value + _DISK.value) / _DISK.value * footprint)
+              for r in fp_points]
+    points += [("live", float(m), float(m) * live) for m in _GAP_LIVE.value]
+    runs = []
+    for basis, value, total in points:
+      host = max(1, int(total * host_share))
+      disk = max(1, int(total) - host)
+      tiers = [TierSpec("host", host), TierSpec("disk", disk)]
+      for label, policy, w in variants:
+        c = cfg if w is None else dataclasses.replace(cfg, window=gap_window(w, schedule))
+        res = ss.simulate(convs, schedule, policy, tiers, c)
+        d = res.to_dict()
+        runs.append({
+            "label": label, "policy": policy, "window": w, "basis": basis, "value": value,
+            "host_bytes": host, "disk_bytes": disk, "host_ratio": host / footprint,
+            "disk_ratio": disk / footprint, "capacity_ratio": (host + disk) / footprint,
+            "live_multiple": (host + disk) / live,
+            **{k: d[k] for k in ("token_hit_rate", "token_hit_rate_any", "turn_hit_rate",
+                                 "tier_hit_rate", "chunk_tokens", "hit_tokens",
+                                 "hit_tokens_any", "hit_tokens_by_tier")},
+            "placement": {k: d["placement"][k] for k in (
+                "prefetches_issued", "prefetches_useful", "prefetches_wasted", "demotions",
+                "drops", "rejected_saves")}})
+      print(f"  {slots} slots, {basis} {value:g}: done ({time.perf_counter() - t0:.0f} s)",
+            flush=True)
+    loads.append({"slots": slots, "schedule": summary, "points": len(points), "runs": runs})
+  wall = time.perf_counter() - t0
+  gaps = session_gap.gap_summary(loads)
+
+  print(f"bench_sessions --gap: {len(convs)} ShareGPT conversations, KV footprint "
+        f"{footprint / 1e9:.2f} GB; arrivals {base.arrival_rate_per_s}/s, think "
+        f"{base.think_time_dist} mean {base.think_time_s} s; host : disk = {_HOST.value} : "
+        f"{_DISK.value}; prefetch link "
+        f"{'unlimited' if base.prefetch_bytes_per_s is None else base.prefetch_bytes_per_s}")
+  labels = [v[0] for v in variants]
+  for load in loads:
+    s = load["schedule"]
+    print(f"\n== {load['slots']} slots: mean queue {s['mean_queue_len']:.1f} (max "
+          f"{s['max_queue_len']}), mean wait {s['mean_wait_s']:.1f} s, live KV "
+          f"{s['live_kv_ratio']:.4f} of the footprint ==")
+    for title, key in (("prefix hit rate (host + disk)", "token_hit_rate"),
+                       ("host-tier share of history tokens", "host")):
+      print(title)
+      print(session_gap.gap_table(load["runs"], labels, key))
+  print("\nlargest gaps (prefix hit rate, points):")
+  for name, g in gaps["largest"].items():
+    print(f"  {name}: {100 * g['gap']:+.1f} at {g['slots']} slots, {g['basis']} {g['value']:g} "
+          f"(capacity {g['capacity_ratio']:.4f} of the footprint, {g['live_multiple']:.2f}x live "
+          f"KV), {g['lookahead_label']} {g['lookahead']:.3f} vs lru {g['lru']:.3f} / fifo "
+          f"{g['fifo']:.3f}")
+  print(f"\n{GAP_FINDINGS}\n\nsimulated in {wall:.1f} s (trace and token counts {load_s:.1f} s)")
+
+  out = pathlib.Path(_OUT_DIR.value)
+  out.mkdir(parents=True, exist_ok=True)
+  stem = "bench_sessions_sim_gap" + ("_quick" if _QUICK.value else "")
+  record = {
+      "benchmark": "bench_sessions", "mode": "gap",
+      **sim_record(convs, base, footprint, counts_how, system, path),
+      "settings": {"conversations": len(convs), "slot_levels": [int(x) for x in _GAP_SLOTS.value],
+                   "footprint_points_disk_ratio": fp_points,
+                   "live_multiples": [float(m) for m in _GAP_LIVE.value],
+                   "windows": windows, "host_ratio": _HOST.value, "disk_ratio": _DISK.value,
+                   "sim_config": dataclasses.asdict(base),
+                   "window_all": "the window covers every request (the whole waiting queue)",
+                   "capacity": "host + disk, exclusive, split host_ratio : disk_ratio; basis "
+                               "footprint: disk = value x footprint, host = value x host_ratio "
+                               "/ disk_ratio x footprint; basis live: host + disk = value x "
+                               "the load's mean live KV"},
+      "findings": GAP_FINDINGS, "gaps": gaps, "wall_s": wall, "loads": loads}
+  (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+  plot_gap(loads, labels, out / f"{stem}.png", len(convs))
+  print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+
+
+def plot_gap(loads, labels, path, n_convs) -> None:
+  plt = pyplot()
+  if plt is None:
+    return
+  shown = [lab for lab in labels if lab in ("lru", "fifo", "lookahead_w16", "lookahead_wall")]
+  fig, axes = plt.subplots(2, len(loads), figsize=(3.6 * len(loads), 6.4), squeeze=False,
+                           sharey="row")
+  for j, load in enumerate(loads):
+    runs = [r for r in load["runs"] if r["basis"] == "live"]
+    s = load["schedule"]
+    for i, key in enumerate(("token_hit_rate", "host")):
+      ax = axes[i][j]
+      for lab in shown:
+        rs = sorted((r for r in runs if r["label"] == lab), key=lambda r: r["live_multiple"])
+        ys = [r["tier_hit_rate"]["host"] if key == "host" else r[key] for r in rs]
+        ax.plot([r["live_multiple"] for r in rs], ys, marker="o", ms=3,
+                label=lab.replace("lookahead_w", "lookahead w"))
+      ax.set_xscale("log")
+      xs = sorted({r["value"] for r in runs})
+      ax.set_xticks(xs, [f"{x:g}" for x in xs], fontsize=7)
+      ax.minorticks_off()
+      ax.set_ylim(-0.02, 1.02)
+      ax.grid(alpha=0.3)
+      if i == 0:
+        ax.set_title(f"{load['slots']} slots: queue {s['mean_queue_len']:.0f}, wait "
+                     f"{s['mean_wait_s']:.0f} s\nlive KV {s['live_kv_ratio']:.3f} of footprint",
+                     fontsize=8)
+      else:
+        ax.set_xlabel("host + disk / mean live KV")
+      if j == 0:
+        ax.set_ylabel("prefix hit rate (host + disk)" if i == 0 else "served from host")
+  axes[0][0].legend(fontsize=7)
+  fig.suptitle(f"bench_sessions --gap: {n_convs} ShareGPT conversations, simulated placement "
+               f"(host : disk = 1 : 5)", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
 
 
 def cell(runs, ratio, label, key) -> float:
@@ -369,13 +566,14 @@ def run_server() -> None:
       history_tokens=_SERVER_HIST.value, max_history_tokens=_SERVER_MAX_HIST.value,
       history_share=_SERVER_SHARE.value, max_prompt_tokens=_SERVER_MAX_PROMPT.value,
       host_bytes=_SERVER_HOST.value, disk_bytes=_SERVER_DISK.value,
-      host_ratio=_SERVER_HOST_RATIO.value, disk_ratio=_SERVER_DISK_RATIO.value)
+      host_ratio=_SERVER_HOST_RATIO.value, disk_ratio=_SERVER_DISK_RATIO.value,
+      kv_chunk_size=_SERVER_CHUNK.value)
   at_start = machine()
   got = session_replay.run_replay(cfg, pathlib.Path(_DATA.value), modes=tuple(_SERVER_MODES.value))
   session_replay.print_table(got["summary"])
   record = {"benchmark": "bench_sessions_server", "machine": at_start, "machine_at_end": machine(),
             "threads": {"cpu_count": os.cpu_count(), "clients": cfg.clients},
-            "versions": versions(), "git_sha": git_sha(),
+            "versions": versions(), "git_sha": start_sha(),
             "seeds": {"conversations": cfg.seed, "requests": 0},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **got}
   out = pathlib.Path(_OUT_DIR.value)
@@ -571,7 +769,7 @@ def write_llm_record(benchmark: str, at_start: dict, n_convs: int, same: bool, r
   runs) and its plot (`plot(runs, path, n_convs)`)."""
   record = {"benchmark": benchmark, "machine": at_start,
             "machine_at_end": machine(), "threads": {"cpu_count": os.cpu_count()},
-            "versions": versions(), "git_sha": git_sha(),
+            "versions": versions(), "git_sha": start_sha(),
             "seeds": {"conversations": _SEED.value, "sampling": "greedy"},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "conversations": n_convs, "merge_mode": _LLM_MERGE.value,
@@ -697,12 +895,14 @@ def plot_llm_placement(runs, path: pathlib.Path, n_convs: int) -> None:
   fig.savefig(path, dpi=110)
 
 
-MODES = {"sim": (_SIM, run_sim), "server": (_SERVER, run_server), "llm": (_LLM, run_llm),
+MODES = {"sim": (_SIM, run_sim), "gap": (_GAP, run_gap), "server": (_SERVER, run_server),
+         "llm": (_LLM, run_llm),
          "llm_placement": (_LLM_PLACEMENT, run_llm_placement)}
 
 
 def main(argv):
   del argv
+  start_sha()
   chosen = [run for flag, run in MODES.values() if flag.value]
   if not chosen:
     raise app.UsageError(f"no mode selected; pass one of: {', '.join('--' + m for m in MODES)}")

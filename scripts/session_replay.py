@@ -27,7 +27,9 @@ Per turn: client TTFT (request sent to the first streamed event), the server's `
 and `kvjax.prefill_s` (the engine's prefill wall time: the request's first scheduled step to its
 first token, queueing before admission excluded), prompt / cached / completion tokens, the tier
 of each loaded chunk. For turns >= 2, the tokens shared with the previous turn are its prompt +
-its completion; all but the last sampled one have KV, so "reusable" = that - 1. Prefill
+its completion; all but the last sampled one have KV, so "reusable" = that - 1; of those, the
+store holds only full chunks (`kv_chunk_size`), so a turn served from the store computes its last
+partial chunk (`cached_of_reusable_chunks`: the share of reusable full-chunk tokens served). Prefill
 throughput = prompt tokens of turns >= 2 (computed plus loaded) / the sum of their prefill wall
 times (`prefill_tokens_per_prefill_s_ge2`), and / the sum of their server TTFTs
 (`prefill_tokens_per_s_ge2`: prefill plus queueing, a lower bound on the rate).
@@ -41,6 +43,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import tempfile
 import time
@@ -72,6 +75,7 @@ class ReplayConfig:
   host_ratio: float = 0.0  # > 0: host_bytes = this x the replay's KV footprint (history mode)
   disk_ratio: float = 0.0  # > 0: disk_bytes = this x the footprint
   kv_bytes_per_token: int = 46080  # SmolLM2-135M, float32 KV (the CPU default): 30 x 2 x 3 x 64 x 4
+  kv_chunk_size: int = 256  # tokens per stored chunk (the servers' --kv_chunk_size)
 
 
 @dataclasses.dataclass
@@ -91,6 +95,11 @@ class TurnRow:
   prefill_s: float | None = None  # the engine's prefill wall time (kvjax.prefill_s)
   tokens_device_cached: int = 0
   loaded_from_tiers: dict | None = None  # {tier: chunks} of store loads
+  # The engine's clock (kvjax.engine_metrics): arrival, first scheduled step, first token, so
+  # what a turn shared its prefill steps with can be read afterwards.
+  engine_arrival_s: float | None = None
+  engine_scheduled_s: float | None = None
+  engine_first_token_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +197,10 @@ async def _turn(client, model, messages, max_tokens, row: TurnRow, session_id) -
         row.prefill_s = ext.get("prefill_s")
         row.tokens_device_cached = ext.get("tokens_device_cached") or 0
         row.loaded_from_tiers = ext.get("loaded_from_tiers")
+        em = ext.get("engine_metrics") or {}
+        row.engine_arrival_s = em.get("arrival_s")
+        row.engine_scheduled_s = em.get("scheduled_s")
+        row.engine_first_token_s = em.get("first_token_s")
         if ext.get("session"):
           row.session_outcome = ext["session"].get("outcome")
   except Exception as e:  # noqa: BLE001 - counted, the run goes on
@@ -229,7 +242,10 @@ async def _replay(url, model, mode, convs, cfg: ReplayConfig) -> tuple[list[Turn
   return rows, time.perf_counter() - t0
 
 
-def summarize(rows: list[TurnRow], wall_s: float) -> dict:
+def summarize(rows: list[TurnRow], wall_s: float, chunk_tokens: int | None = None) -> dict:
+  """The replay's figures (module docstring). With `chunk_tokens` (the store's chunk size), also
+  the reusable tokens in full chunks (what the store can hold: a turn's last partial chunk is
+  computed) and the share of them served (`cached_of_reusable_chunks`; device hits count too)."""
   ok = [r for r in rows if r.error is None]
   later = [r for r in ok if r.turn >= 2]
   ttft = np.array([r.ttft_s for r in later] or [np.nan])
@@ -243,6 +259,15 @@ def summarize(rows: list[TurnRow], wall_s: float) -> dict:
   for r in later:
     for t, k in (r.loaded_from_tiers or {}).items():
       tiers[t] = tiers.get(t, 0) + k
+  chunked = {}
+  if chunk_tokens:
+    full = [(r.reusable_tokens // chunk_tokens) * chunk_tokens for r in reusable]
+    got = sum(min(r.cached_tokens, f) for r, f in zip(reusable, full))
+    chunked = {"reusable_chunk_tokens_ge2": sum(full),
+               "cached_of_reusable_chunks": got / sum(full) if sum(full) else None,
+               "turns_reusing_every_chunk": (sum(r.cached_tokens >= f for r, f in
+                                                 zip(reusable, full)) / len(reusable)
+                                             if reusable else None)}
   return {
       "turns": len(rows), "errors": len(rows) - len(ok), "turns_ge2": len(later),
       "wall_s": wall_s,
@@ -266,7 +291,7 @@ def summarize(rows: list[TurnRow], wall_s: float) -> dict:
                             / sum(r.prompt_tokens for r in reusable) if reusable else None),
       "prompt_tokens_ge2_p50": float(np.median([r.prompt_tokens for r in later] or [np.nan])),
       "device_cached_tokens_ge2": sum(r.tokens_device_cached for r in later),
-      "loaded_chunks_ge2_by_tier": tiers,
+      "loaded_chunks_ge2_by_tier": tiers, **chunked,
       "session_outcomes": {o: sum(r.session_outcome == o for r in ok)
                            for o in sorted({r.session_outcome for r in ok} - {None})},
   }
@@ -300,6 +325,7 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
   work = tempfile.mkdtemp(prefix="kvjax-bench-sessions-")
   summaries, rows = {}, []
   for mode in modes:
+    store = None
     if mode == "recompute":
       flags = ["--no_enable_prefix_caching", "--kv_store=none"]
     else:
@@ -312,16 +338,20 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
           disk["capacity_bytes"] = cfg.disk_bytes
         flags = ["--kv_tiers=" + json.dumps([{"kind": "host", "capacity_bytes": cfg.host_bytes},
                                              disk])]
-    proc, url, model = benchlib.start_server([f"--model={cfg.model}", *flags, *cfg.server_flags],
-                                             os.path.join(work, f"server-{mode}.log"))
+    proc, url, model = benchlib.start_server(
+        [f"--model={cfg.model}", f"--kv_chunk_size={cfg.kv_chunk_size}", *flags,
+         *cfg.server_flags], os.path.join(work, f"server-{mode}.log"))
     try:
       got, wall = asyncio.run(_replay(url, model, mode, convs, cfg))
     finally:
       proc.send_signal(signal.SIGINT)
       proc.wait(120)
+      if store is not None:
+        shutil.rmtree(store, ignore_errors=True)  # the disk tier: up to GBs per mode
     rows += got
-    summaries[mode] = summarize(got, wall)
+    summaries[mode] = summarize(got, wall, cfg.kv_chunk_size)
     print(f"{mode}: {summaries[mode]}", flush=True)
+  print(f"server logs: {work}", flush=True)
   rec = summaries.get("recompute")
   for mode, s in summaries.items():
     if rec and mode != "recompute":
@@ -349,19 +379,21 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
 def print_table(summaries: dict) -> None:
   head = (f"{'mode':10} {'turns':>5} {'err':>3} {'TTFT>=2 p50':>11} {'p99':>7} {'vs recomp':>9} "
           f"{'cached/reusable':>15} {'all reused':>10} {'tok/s TTFT':>10} {'tok/s prefill':>13} "
-          f"{'prefill p50':>11}")
+          f"{'prefill p50':>11} {'chunks reused':>13}  tiers")
   print("\n" + head + "\n" + "-" * len(head))
   for mode, s in summaries.items():
     ratio = s.get("ttft_ge2_p50_vs_recompute")
     cr, every = s["cached_of_reusable"], s["turns_reusing_every_token"]
     pw = s.get("prefill_wall_ge2_p50_s")
+    cc = s.get("cached_of_reusable_chunks")
     print(f"{mode:10} {s['turns']:5d} {s['errors']:3d} {s['ttft_ge2_p50_s']:10.2f}s "
           f"{s['ttft_ge2_p99_s']:6.2f}s {'' if ratio is None else f'{ratio:.3f}':>9} "
           f"{'' if cr is None else f'{100 * cr:.1f}%':>15} "
           f"{'' if every is None else f'{100 * every:.0f}%':>10} "
           f"{s['prefill_tokens_per_s_ge2'] or 0:10.0f} "
           f"{s.get('prefill_tokens_per_prefill_s_ge2') or 0:13.0f} "
-          f"{'' if pw is None else f'{pw:.3f}s':>11}")
+          f"{'' if pw is None else f'{pw:.3f}s':>11} "
+          f"{'' if cc is None else f'{100 * cc:.1f}%':>13}  {s['loaded_chunks_ge2_by_tier']}")
   rec = summaries.get("recompute")
   for mode, s in summaries.items():
     if rec and mode != "recompute":

@@ -299,6 +299,11 @@ class TierHierarchy:
     self._used = [0] * len(self.tiers)
     self._members: list[dict[str, None]] = [{} for _ in self.tiers]  # insertion-ordered sets
     self._heaps: list[list[tuple[int, int, str]]] = [[] for _ in self.tiers]
+    # Per tier, window chunks that `_victims` took out of the heap (phase 1 skips them): key ->
+    # their heap item; back into the heap when they leave the window (`lookahead`), so a victim
+    # search does not pop every window chunk again. A valid item is in the heap or here, never
+    # both.
+    self._parked: list[dict[str, tuple[int, int, str]]] = [{} for _ in self.tiers]
     self._entries: dict[str, _Entry] = {}
     self._children: dict[str, set[str]] = {}  # parent key -> cached children (parent may be gone)
     self._rank: dict[str, int] = {}  # window key -> position of the first request needing it
@@ -456,6 +461,11 @@ class TierHierarchy:
     for i, req in enumerate(window):
       for k in req:
         self._rank.setdefault(k, i)
+    for t, parked in enumerate(self._parked):  # chunks that left the window compete again
+      for k in [k for k in parked if k not in self._rank]:
+        item = parked.pop(k)
+        if self._valid(item, t) is not None:
+          heapq.heappush(self._heaps[t], item)
     moves: list[Move] = []
     if not (self.policy.caches and self.policy.prefetches):
       return moves
@@ -483,6 +493,7 @@ class TierHierarchy:
       live = [self._entries[k] for k in self._members[e.tier]]
       heap[:] = [(self.policy.order(x.last_access, x.inserted), x.stamp, x.key) for x in live]
       heapq.heapify(heap)
+      self._parked[e.tier].clear()  # every member is in the heap again
 
   def _attach(self, e: _Entry, t: int) -> None:
     e.tier = t
@@ -528,7 +539,7 @@ class TierHierarchy:
     freed = 0
     popped: list[tuple[int, int, str]] = []
     blocked: dict[str, _Entry] = {}  # passed over as non-leaves, in eviction order
-    windowed: list[_Entry] = []
+    parked = self._parked[t]
 
     def take(e: _Entry, waiting: dict[str, _Entry]) -> None:
       nonlocal freed
@@ -549,12 +560,14 @@ class TierHierarchy:
       e = self._valid(item, t)
       if e is None:
         continue  # stale
-      popped.append(item)
       if e.key in pinned:
+        popped.append(item)
         continue
       if e.key in self._rank:
-        windowed.append(e)
-      elif chain and not self._is_leaf(e, across, gone):
+        parked[e.key] = item  # out of the heap while it is in the window
+        continue
+      popped.append(item)
+      if chain and not self._is_leaf(e, across, gone):
         blocked[e.key] = e
       else:
         take(e, blocked)
@@ -565,7 +578,14 @@ class TierHierarchy:
       if e.key not in gone:
         take(e, {})
     # Phase 3: window chunks needed later than the incoming one, farthest first.
-    if freed < need:
+    if freed < need:  # phase 1 emptied the heap: every window chunk of the tier is parked
+      windowed = []
+      for k, item in list(parked.items()):
+        e = self._valid(item, t)
+        if e is None:
+          del parked[k]  # moved or gone since it was parked
+        elif k not in pinned:
+          windowed.append(e)
       order = self.policy.order
       later = sorted((e for e in windowed if self._rank[e.key] > rank),
                      key=lambda e: (-self._rank[e.key], order(e.last_access, e.inserted)))

@@ -64,6 +64,22 @@ class SummarizeTest(absltest.TestCase):
     self.assertAlmostEqual(s["history_share_ge2"], 278 / 340)
     self.assertEqual(s["loaded_chunks_ge2_by_tier"], {"device": 2, "host": 2})
 
+  def test_store_hits_are_counted_against_the_full_chunks_of_the_history(self):
+    # Chunks of 16 tokens: turn 2 can reuse 119 tokens, 112 of them in full chunks (7), and got
+    # them all from the store; turn 3 can reuse 159 (144 in 9 chunks) and got 8 chunks (128).
+    rows = [row(0, 1, prompt=100, cached=0, completion=20, prefill=2.0),
+            row(0, 2, prompt=140, cached=112, completion=20, reusable=119, prefill=0.3,
+                tiers={"host": 5, "disk": 2}),
+            row(0, 3, prompt=200, cached=128, completion=20, reusable=159, prefill=0.5,
+                tiers={"host": 8})]
+    s = sr.summarize(rows, wall_s=5.0, chunk_tokens=16)
+    self.assertEqual(s["reusable_chunk_tokens_ge2"], 112 + 144)
+    self.assertAlmostEqual(s["cached_of_reusable_chunks"], (112 + 128) / (112 + 144))
+    self.assertEqual(s["turns_reusing_every_chunk"], 0.5)
+    self.assertAlmostEqual(s["cached_of_reusable"], 240 / 278)
+    self.assertEqual(s["loaded_chunks_ge2_by_tier"], {"host": 13, "disk": 2})
+    self.assertNotIn("cached_of_reusable_chunks", sr.summarize(rows, wall_s=5.0))
+
   def test_history_dominant_rule(self):
     cfg = sr.ReplayConfig(history_tokens=100, max_history_tokens=400, history_share=0.8,
                           max_prompt_tokens=600, max_tokens=10, turns=4, min_turns=2)

@@ -61,6 +61,38 @@ class WindowTest(absltest.TestCase):
     saves(lru, "a", "b", "c")
     self.assertEqual(lru.save("d", N), [Demote("a", "host", "disk", N), Insert("d", "host", N)])
 
+  def test_chunk_that_left_the_window_is_a_victim_again_in_recency_order(self):
+    # The victim search sets window chunks aside (a is skipped while c is saved); once the
+    # window moves on, a is again the least recently used and goes first.
+    h = TierHierarchy(tiers(host=2), "lookahead")
+    saves(h, "a", "b")
+    h.lookahead([["a"]])
+    self.assertEqual(h.save("c", N), [Drop("b", "host", N), Insert("c", "host", N)])
+    h.lookahead([["c"]])
+    self.assertEqual(h.save("d", N), [Drop("a", "host", N), Insert("d", "host", N)])
+    h.lookahead([])
+    self.assertEqual(h.save("e", N), [Drop("c", "host", N), Insert("e", "host", N)])
+    self.assertEqual(h.tier_keys("host"), ["d", "e"])
+
+  def test_window_chunk_set_aside_is_taken_once_across_heap_rebuilds(self):
+    # Many refreshes rebuild the tier's heap while a window chunk is set aside; it must still
+    # be evicted exactly once, and the bytes held must match the chunks held.
+    h = TierHierarchy(tiers(host=3), "lookahead")
+    saves(h, "a", "b", "c")
+    h.lookahead([["a"]])
+    self.assertEqual(h.save("d", N), [Drop("b", "host", N), Insert("d", "host", N)])
+    for _ in range(200):  # 2 x 3 members + 64 items: the heap is rebuilt several times
+      h.save("c", N)
+      h.save("d", N)
+    h.lookahead([])
+    # A chunk of two chunks' size needs two victims in one search: a (least recent) and c.
+    self.assertEqual(h.save("e", 2 * N),
+                     [Drop("a", "host", N), Drop("c", "host", N), Insert("e", "host", 2 * N)])
+    st = h.stats()
+    self.assertEqual((st.chunks["host"], st.used_bytes["host"]), (2, 3 * N))
+    self.assertEqual(st.drops["host"], 3)
+    self.assertEqual(h.tier_keys("host"), ["d", "e"])
+
   def test_save_rejected_when_every_tier_keeps_window_chunks(self):
     h = TierHierarchy(tiers(host=1, disk=1), "lookahead")
     saves(h, "a", "b")  # b in host, a demoted to disk
