@@ -10,7 +10,7 @@ to store with) all read one table instead of four:
     int8      1        0       no        -                               LLM.int8() 2.1
     int4      1        0       no        G = int4_group_tokens(C)        KIVI 3, LLM.int8() 2.1
     cachegen  1        0..3    no        T = cachegen_anchor_stride(C)   CacheGen 5.2 (5.3)
-    kvtc      4        0..4    no        -                               KVTC; PCA; DPCM over layers
+    kvtc      5        0..4    no        -                               KVTC; PCA; DPCM over layers
 
 (arXiv ids and details in each `Codec.reference`.)
 
@@ -167,7 +167,7 @@ CODECS: Mapping[str, Codec] = {c.name: c for c in (
           "CacheGen (arXiv 2310.07240, section 5.2): anchors per group of T tokens, deltas "
           "against the dequantized anchor, layer-wise bins growing with the level, entropy "
           "coding per layer (levels: section 5.3)", default_level=1),
-    Codec(KVTC, 4, (0, 1, 2, 3, 4), False, (0.027, 0.061, 0.082, 0.109, 0.128), None,
+    Codec(KVTC, 5, (0, 1, 2, 3, 4), False, (0.027, 0.061, 0.082, 0.109, 0.128), None,
           "KV transform coding (KVTC): each layer predicted from the reconstruction of the two "
           "layers before (closed-loop DPCM over layers, Jayant & Noll 1984, ch. 6), then a PCA "
           "basis of the remainder per layer and K/V over the channels of all KV "

@@ -16,6 +16,12 @@ token and the sensitivity-weighted error (the KL the steps predict) per transfor
 
     PYTHONPATH=. nice -n 19 .venv/bin/python scripts/kvtc_design.py
 
+These are version 1-4 design measurements: the transforms fitted here are plain (orthonormal)
+PCAs stepped by a per-(layer, K/V) sensitivity. Version 5's cached transform is whitened by the
+model's Fisher metric and its sensitivity is D everywhere, which would step these plain PCAs
+uniformly; to repeat the version-4 figures pass `--sensitivity_from` a version-4 transform file
+(calibration version 2). `--rel_l2` measures whatever transform the model has now.
+
 Version-3 quantization modes (the predict-shipped transform only; `--work_cache F.npz` keeps its
 fit and the held-out KV between runs, `--sensitivity_from` takes the sensitivities of a cached
 transform instead of calibrating):

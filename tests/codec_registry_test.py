@@ -40,7 +40,7 @@ class RegistryTest(absltest.TestCase):
     self.assertEqual(dict(codecs.CODEC_LEVELS), {"raw": (0,), "int8": (0,), "int4": (0,),
                                                  "cachegen": (0, 1, 2, 3), "kvtc": (0, 1, 2, 3, 4)})
     self.assertEqual(dict(codecs.CODEC_VERSIONS), {"raw": 1, "int8": 1, "int4": 1, "cachegen": 1,
-                                                   "kvtc": 4})
+                                                   "kvtc": 5})
     self.assertEqual(dict(codecs.DEFAULT_LEVELS), {"raw": 0, "int8": 0, "int4": 0, "cachegen": 1,
                                                    "kvtc": 1})
     self.assertEqual([c.name for c in codecs.CODECS.values() if c.lossless], ["raw"])

@@ -1,4 +1,5 @@
-"""KV transform codec ("kvtc", version 4): inter-layer prediction + a calibrated PCA per layer.
+"""KV transform codec ("kvtc", version 5): inter-layer prediction + a PCA whitened by the
+model's Fisher metric.
 
 A stored chunk is `kv_L2CKH: [L, 2, C, K, H]` (axis 1: 0 = K before RoPE, 1 = V). Per layer l and
 K/V a (a = 0, 1), its K * H channels of all KV heads form one vector per token, D = K * H. The
@@ -14,29 +15,48 @@ sequence, 1 elsewhere; "Quantization" below):
     f[l, K] = [r[l-1, K], r[l-1, V], r[l-2, K], r[l-2, V], 0]          (5 D features)
     f[l, V] = [r[l-1, K], r[l-1, V], r[l-2, K], r[l-2, V], r[l, K]]    (V also sees its own K)
     p[l, a] = f[l, a] @ predictor[l, a]                                 predictor: f32[L, 2, 5D, D]
-    y[l, a] = (x[l, a] - mean[l, a] - p[l, a]) @ basis[l, a]           basis: f32[L, 2, D, D]
+    y[l, a] = (x[l, a] - mean[l, a] - p[l, a]) @ basis[l, a]           basis (analysis): [L,2,D,D]
     q[l, a] = clip(sign(y) * floor(|y| / st[l, a] + rho), +-32767)      int16, rho = 0.42
-    r[l, a] = p[l, a] + (q[l, a] * st[l, a]) @ basis[l, a]^T;  x̂ = r + mean
+    r[l, a] = p[l, a] + (q[l, a] * st[l, a]) @ synthesis[l, a];  x̂ = r + mean
 
-The predictor is a ridge regression of each layer's centred KV on those features, and the basis
-the PCA of the regression's remainder (columns = components, variance descending); both are
-fitted on the model's calibration KV (`kvjax.models.kv_calibration`, a public-domain text shipped
-in the package). Since the basis is orthonormal, the error of x̂[l, a] is the error of the
-quantized remainder, `(y - q * step) @ basis^T`: per element step^2 / 12 for components above
-the step, their variance for those below. One uniform step per (layer, K/V) is the reverse
+The predictor is a ridge regression of each layer's centred KV on those features, fitted on the
+model's calibration KV (`kvjax.models.kv_calibration`, a public-domain text shipped in the
+package). What the codec minimises is not the squared error of the KV but what the error costs
+the model's next-token distributions: for small noise e on one token's KV of a (layer, K/V), the
+KL of the next tokens grows as e^T G[l, a] e, G the Fisher information of the next tokens'
+log-likelihood with respect to that KV (calibrated once per model by gradients,
+`kv_calibration.kv_fisher`; Amari, Neural Computation 1998). Version 5 codes in coordinates
+where that cost is plain squared error (transform coding under a weighted squared error: whiten
+by the weight, then the KLT; Gersho & Gray, "Vector Quantization and Signal Compression", 1992,
+ch. 8): with W = (G + eps * mean eigenvalue * I)^(1/2) and V the PCA basis of the whitened
+remainder `(x - mean - p) @ W` (variance descending),
+
+    basis = W V,   synthesis = V^T W^-1   (exact inverses; for an orthonormal transform, as
+                                           version 4's, synthesis = basis^T)
+
+so a component's quantization error e_y costs KL |e_y|^2 whichever layer, K or V and component
+it is in. Then one uniform step for every component of every layer and K/V is the reverse
 water-filling bit allocation for an entropy-coded Gaussian source (Cover & Thomas, "Elements of
-Information Theory", 13.3.3): every component above the water level gets the same distortion,
-components whose spread is below the step round to zero and cost almost nothing. The steps
-across layers and K/V come from the measured output sensitivity `s[l,a]` (KL per token per unit of
-per-element noise variance, measured at calibration by adding noise to one layer's K or V):
-minimising bits at a KL target gives distortion D[l,a] = c / s[l,a], with KL ~= sum s * D = 2 L c,
-so
+Information Theory", 13.3.3): every component above the water level gets the same cost in KL,
+components whose spread is below the step round to zero and cost almost nothing. With per-element
+noise step^2 / 12 in all D components of 2 L (layer, K/V) pairs, KL ~= 2 L D step^2 / 12, so
 
-    step[level, l, a] = sqrt(12 * KVTC_LEVEL_KL[level] / (2 * L * s[l, a]))
+    step[level] = sqrt(12 * KVTC_LEVEL_KL[level] / (2 * L * s)),  s = D      (f32[L, 2], equal)
 
-and V, measured 10-30x more sensitive than K on SmolLM2, gets finer steps than K by itself.
-Prediction leaves the steps (so the error) as they were and shrinks what is coded: the remainder
-keeps 5-25% of the KV's variance, and on real SmolLM2 KV (2,048 tokens of Alice in Wonderland from
+(`KVTCTransform.sensitivity` holds s per (layer, K/V): D for a whitened transform, the
+isotropic probe's measurement in version 4, which whitened nothing). eps = 0.1 bounds how much
+the synthesis amplifies the error of a direction the calibration saw as nearly free (at most
+1 / sqrt(eps) times the mean). What it changed, measured: see "Version 5" below.
+
+Version 4 and before coded an orthonormal PCA with one step per (layer, K/V) from an isotropic
+probe (noise added to a whole layer's K or V). The probe's number was dominated by the attention
+sink (position 0, which kvtc codes apart: on SmolLM2 the sink's V carries 19-538x the Fisher
+information of the other 511 tokens of a 512-token context together in layers 12-29), so every
+token's V in those layers got fine steps for the sink's sake; and within a (layer, K/V) the
+metric's eigenvalues spread over 3-5 orders of magnitude, which one step cannot follow.
+
+Prediction (version 2) leaves the steps (so the error) as they were and shrinks what is coded:
+the remainder keeps 5-25% of the KV's variance, and on real SmolLM2 KV (2,048 tokens of Alice in Wonderland from
 token 1,000, chunks of 256, not part of any calibration text) the stored bytes per token at
 version 2's levels 0 / 1 / 3 (predicted KL 0.003 / 0.006 / 0.024, round to nearest) go from
 6,200 / 5,506 / 4,157 (version 1) to 4,937 / 4,306 / 3,170 with prediction (transform fitted on
@@ -128,7 +148,7 @@ from kvjax.codecs import CODEC_LEVELS, KVTC as CODEC_KVTC
 from kvjax.kernels.kv_codec import _rope_CH, _write_chunk
 
 #: Predicted KL(raw || kvtc) per token, nats, at each level (finest first).
-KVTC_LEVEL_KL = (0.001, 0.006, 0.012, 0.024, 0.036)
+KVTC_LEVEL_KL = (0.0005, 0.003, 0.006, 0.009, 0.018)
 #: Encoder rounding offset: q = sign(y) * floor(|y| / step + KVTC_ROUNDING) (0.5: round to nearest;
 #: below 0.5 widens the zero bin, a deadzone quantizer). Not stored: only the encoder uses it.
 KVTC_ROUNDING = 0.42
@@ -138,7 +158,7 @@ KVTC_RECON_OFFSET = 0.0
 #: Protected first tokens: the first KVTC_PROTECT_TOKENS positions of a sequence (the attention
 #: sinks of StreamingLLM, arXiv 2309.17453, section 3) are coded at KVTC_PROTECT_STEP x the step.
 KVTC_PROTECT_TOKENS = 1
-KVTC_PROTECT_STEP = 1.0 / 16
+KVTC_PROTECT_STEP = 1.0 / 64
 #: Largest code magnitude (int16, symmetric).
 KVTC_QMAX = 32767
 #: Bytes of a transform identity.
@@ -189,12 +209,21 @@ class KVTCTransform:
   predictor: np.ndarray
   num_kv_heads: int
   head_dim: int
+  synthesis: np.ndarray | None = None
 
   def __post_init__(self):
+    if self.synthesis is None and isinstance(self.basis, np.ndarray) and self.basis.ndim == 4:
+      # An orthonormal analysis basis is its own inverse (transposed).
+      object.__setattr__(self, "synthesis",
+                         np.ascontiguousarray(np.swapaxes(self.basis, -1, -2)))
+    self._validate()
+
+  def _validate(self):
     d = self.num_kv_heads * self.head_dim
     l_ = self.mean.shape[0] if self.mean.ndim == 3 else -1
-    want = {"mean": (l_, 2, d), "basis": (l_, 2, d, d), "variance": (l_, 2, d),
-            "sensitivity": (l_, 2), "predictor": (l_, 2, PREDICT_FEATURES * d, d)}
+    want = {"mean": (l_, 2, d), "basis": (l_, 2, d, d), "synthesis": (l_, 2, d, d),
+            "variance": (l_, 2, d), "sensitivity": (l_, 2),
+            "predictor": (l_, 2, PREDICT_FEATURES * d, d)}
     for name, shape in want.items():
       a = getattr(self, name)
       if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape or l_ < 1:
@@ -210,10 +239,11 @@ class KVTCTransform:
   @functools.cached_property
   def transform_id(self) -> bytes:
     """16 bytes: BLAKE2b-128 over the shapes and the bytes of every array."""
-    h = hashlib.blake2b(digest_size=TRANSFORM_ID_BYTES, person=b"kvjax-kvtc-v2")
+    h = hashlib.blake2b(digest_size=TRANSFORM_ID_BYTES, person=b"kvjax-kvtc-v5")
     h.update(np.asarray([self.num_layers, self.num_kv_heads, self.head_dim, PREDICT_DEPTH],
                         np.int64).tobytes())
-    for a in (self.mean, self.basis, self.variance, self.sensitivity, self.predictor):
+    for a in (self.mean, self.basis, self.synthesis, self.variance, self.sensitivity,
+              self.predictor):
       h.update(np.ascontiguousarray(a).tobytes())
     return h.digest()
 
@@ -233,15 +263,17 @@ class KVTCTransform:
     """The arrays encode and decode need, as device arrays (steps of every level stacked)."""
     steps = np.stack([self.steps(level) for level in CODEC_LEVELS[CODEC_KVTC]])
     return KVTCDeviceTransform(jnp.asarray(self.mean), jnp.asarray(self.basis),
-                               jnp.asarray(steps), jnp.asarray(self.predictor),
+                               jnp.asarray(self.synthesis), jnp.asarray(steps),
+                               jnp.asarray(self.predictor),
                                jnp.asarray(np.frombuffer(self.transform_id, np.uint8)))
 
 
 class KVTCDeviceTransform(NamedTuple):
-  """Device copy of a transform: mean f32[L, 2, D], basis f32[L, 2, D, D], steps f32[levels, L,
-  2], predictor f32[L, 2, 5D, D], transform_id uint8[16]."""
+  """Device copy of a transform: mean f32[L, 2, D], basis and synthesis f32[L, 2, D, D], steps
+  f32[levels, L, 2], predictor f32[L, 2, 5D, D], transform_id uint8[16]."""
   mean: jax.Array
   basis: jax.Array
+  synthesis: jax.Array
   steps: jax.Array
   predictor: jax.Array
   transform_id: jax.Array
@@ -326,28 +358,30 @@ def _scan_layers(t: KVTCDeviceTransform, step_L2, code_LaCD, encode: bool, scale
   _, _, c, d = code_LaCD.shape
   zero = jnp.zeros((2, c, d), jnp.float32)
 
-  def one(x_or_q, pred, basis, step):
+  def one(x_or_q, pred, basis, synthesis, step):
     step = step * scale_C[:, None]                                      # [C, 1] (or [C, D])
     if encode:
       y = jnp.einsum("cd,de->ce", x_or_q - pred, basis, precision=_HI)
       q = _quantize(y, step, rounding)
     else:
       q = x_or_q.astype(jnp.float32)
-    rec = pred + jnp.einsum("ce,de->cd", _reconstruct(q, step, offset), basis, precision=_HI)
+    rec = pred + jnp.einsum("ce,ed->cd", _reconstruct(q, step, offset), synthesis,
+                            precision=_HI)
     return q.astype(jnp.int16), rec
 
   def body(carry, inp):
     r1, r2 = carry
-    code, predictor, basis, step = inp
+    code, predictor, basis, synthesis, step = inp
     f = jnp.concatenate([r1[0], r1[1], r2[0], r2[1]], axis=-1)          # [C, 4D]
     pk = jnp.einsum("cf,fd->cd", f, predictor[0, :4 * d], precision=_HI)
-    qk, rk = one(code[0], pk, basis[0], step[0])
+    qk, rk = one(code[0], pk, basis[0], synthesis[0], step[0])
     pv = jnp.einsum("cf,fd->cd", jnp.concatenate([f, rk], axis=-1), predictor[1], precision=_HI)
-    qv, rv = one(code[1], pv, basis[1], step[1])
+    qv, rv = one(code[1], pv, basis[1], synthesis[1], step[1])
     rec = jnp.stack([rk, rv])
     return (rec, r1), (jnp.stack([qk, qv]), rec)
 
-  _, (q, r) = jax.lax.scan(body, (zero, zero), (code_LaCD, t.predictor, t.basis, step_L2))
+  _, (q, r) = jax.lax.scan(body, (zero, zero),
+                           (code_LaCD, t.predictor, t.basis, t.synthesis, step_L2))
   return q, r
 
 

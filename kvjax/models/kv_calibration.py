@@ -8,9 +8,7 @@ data directory). The prose is there because the transform fitted on the founding
 alone codes other text less well: on 2,048 tokens of book text (Alice in Wonderland, not part of
 either file) kvtc version 2 level 1 takes 4,306 B/token with the transform fitted on the founding
 documents, 3,880 with the prose added, and 3,756 with a transform fitted on 4,096 tokens of two
-other novels (development measurements, `kvjax/kernels/kvtc.py`). Cost on the 2-core VM: the
-statistics prefill and the fit (about 80 s of ridge solves and eigendecompositions) plus 60
-sensitivity probes, a few minutes once; far longer when the machine is shared. Steps:
+other novels (development measurements, `kvjax/kernels/kvtc.py`). Steps:
 
 1. Prefill passages of up to `passage_tokens` tokens of the text (slot 0, from position 0) and
    collect every layer's K (before RoPE) and V (f32[L, 2, T, D] on the host, D = K * H channels
@@ -21,21 +19,37 @@ sensitivity probes, a few minutes once; far longer when the machine is shared. S
    `P = (F^T F + lambda I)^-1 F^T X` with lambda = `RIDGE` x the mean diagonal of F^T F (the
    calibration text is short: 4,578 tokens for 5 D = 960 features). Fitted on the exact KV (open
    loop); the codec predicts from reconstructions, whose extra noise the ridge term stands for.
-3. PCA of the regression's remainder: eigenvectors of its covariance, by descending eigenvalue
-   (the basis), and eigenvalues (the component variances). Eigenvector signs are fixed (largest
+   Least squares fits each output channel on its own, so the metric below does not change it.
+3. Whitened PCA of the regression's remainder (kvtc version 5): with G the metric of step 4 and
+   W = (G + WHITEN_EPS * mean eigenvalue * I)^(1/2), the eigenvectors V of the covariance of
+   `remainder @ W`, by descending eigenvalue (the component variances); the analysis basis is
+   `W V` and the synthesis `V^T W^-1`. In these coordinates a unit of squared error costs the
+   same KL in every component of every layer, K or V, so one quantization step everywhere is the
+   reverse water-filling allocation (`kvjax.kernels.kvtc`). Eigenvector signs are fixed (largest
    |entry| positive) so the result does not depend on the LAPACK build's sign choice.
-4. Sensitivity: prefill a context of `sens_context` tokens, then for each (layer, K/V) add
-   Gaussian noise of variance `sigma^2 = (SENS_NOISE_REL)^2 * mean channel variance` to that
-   layer's K or V cache over the whole context and prefill the next `sens_tokens` tokens with
-   all logits; `s = mean KL(clean || noisy) per token / sigma^2`. Noise in the post-RoPE K cache
-   has the distribution of noise before RoPE (RoPE is a rotation of channel pairs). Values are
-   clamped below at 1e-3 of the median, so a layer that measured no loss still gets finite steps.
+4. The metric (`kv_fisher`): the Fisher information of the next tokens' log-likelihood with
+   respect to one context token's KV, per (layer, K/V), from gradients of sampled targets'
+   log-likelihood (`ModelRunner.context_kv_gradient`, a dense differentiable forward). It is
+   computed before steps 2-3. It replaces version 4's isotropic probe (noise added to a whole
+   layer's K or V over a context), which measured one number per layer and K/V and was
+   dominated by the attention sink at position 0, which kvtc codes apart: on SmolLM2 (a
+   512-token context of the calibration text) the sink's V carries 19-538x the Fisher
+   information of the other 511 tokens together in layers 12-29, so the probe spent bits on
+   every token's V in those layers for the sink's sake. Within a layer the metric is far from
+   isotropic too (eigenvalues of one layer's metric spread over 3-5 orders of magnitude; the
+   arithmetic over the geometric mean 2-22), which one step per (layer, K/V) cannot exploit.
+
+Cost on the 2-core VM: the statistics prefill, the Fisher probe (6 windows x 4 samples of a
+1,024-token context and 128 scored tokens, a forward and a gradient each) and the fit, a few
+minutes once; far longer when the machine is shared.
 
 `load_or_calibrate` caches the result as `kvtc-<fingerprint>-<text digest>-v<version>.npz` in the
 params cache dir and recomputes it when missing (or unreadable).
 
 Sources: KVTC (transform coding of the KV cache, calibrated once per model); PCA (Pearson 1901,
-Hotelling 1933).
+Hotelling 1933); transform coding under a weighted squared error (Gersho & Gray, "Vector
+Quantization and Signal Compression", 1992, ch. 8: whiten by the weight, then the KLT); the
+Fisher information as the KL's quadratic term (Amari 1998).
 """
 
 from __future__ import annotations
@@ -55,14 +69,18 @@ from kvjax.kernels.kvtc import PREDICT_DEPTH, PREDICT_FEATURES, KVTCTransform
 _log = logging.getLogger(__name__)
 
 #: Bump when the calibration procedure changes (invalidates cached transforms).
-CALIBRATION_VERSION = 2
-#: Noise std of the sensitivity probe, relative to the RMS of the (layer, K/V) channels.
-SENS_NOISE_REL = 0.1
+CALIBRATION_VERSION = 3
 #: Default sizes (tokens).
 PASSAGE_TOKENS = 1024
 MAX_CALIBRATION_TOKENS = 8192
-SENS_CONTEXT = 512
-SENS_TOKENS = 128
+#: Fisher probe: contexts of FISHER_CONTEXT tokens of the text, each followed by FISHER_TAIL
+#: scored tokens; FISHER_SAMPLES target sequences sampled from the model per context.
+FISHER_CONTEXT = 1024
+FISHER_TAIL = 128
+FISHER_SAMPLES = 4
+#: Regularisation of the metric before whitening: G + WHITEN_EPS * (trace(G) / D) * I, so no
+#: direction's error is amplified by more than 1 / sqrt(WHITEN_EPS) relative to the mean.
+WHITEN_EPS = 0.2
 #: Ridge strength of the predictor fit, relative to the mean diagonal of the Gram matrix.
 RIDGE = 1e-2
 
@@ -97,23 +115,35 @@ def _fix_signs(basis_DD: np.ndarray) -> np.ndarray:
   return basis_DD * signs
 
 
-def _fit(x, predict: bool = True):
+def _whitening(metric_DD: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+  """(W, W^-1) with W = (G + eps * mean eigenvalue * I)^(1/2), G the symmetrised metric."""
+  d = metric_DD.shape[0]
+  g = (metric_DD + metric_DD.T) / 2
+  g = g + eps * max(float(np.trace(g)) / d, 1e-30) * np.eye(d)
+  w, v = np.linalg.eigh(g)
+  w = np.maximum(w, 1e-30 * max(float(w.max()), 1e-30))
+  return (v * np.sqrt(w)) @ v.T, (v / np.sqrt(w)) @ v.T
+
+
+def _fit(x, predict: bool = True, metric=None, eps: float = WHITEN_EPS):
   """Steps 2-3 on the calibration KV x: f32[L, 2, T, D], centred in place (predict=False: a zero
-  predictor, i.e. the PCA of the KV itself, kvtc version 1's transform).
+  predictor, i.e. the transform of the KV itself).
+
+  With `metric` (f64[L, 2, D, D], step 4's Fisher metric) the basis is the PCA of the
+  remainder whitened by the regularised metric (analysis `W V`, synthesis `V^T W^-1`); without
+  it the plain PCA (orthonormal: synthesis = basis^T).
 
   Returns:
-    (channel variance f64[L, 2], mean f64[L, 2, D], basis, variance, predictor).
+    (mean f64[L, 2, D], basis, synthesis, variance, predictor).
   """
   l_, _, _, d = x.shape
   mean = x.astype(np.float64).mean(axis=2)
   x -= mean[:, :, None].astype(np.float32)
-  # Mean channel variance per (layer, K/V): the sensitivity probe's noise level.
-  channel_var = np.stack([[float(np.mean(np.square(x[li, a], dtype=np.float64)))
-                           for a in range(2)] for li in range(l_)])
-  # 2. Predictor and 3. PCA of the remainder, per (layer, K/V).
+  # 2. Predictor and 3. (whitened) PCA of the remainder, per (layer, K/V).
   nf = PREDICT_FEATURES * d
   predictor = np.zeros((l_, 2, nf, d), np.float64)
   basis = np.empty((l_, 2, d, d), np.float64)
+  synthesis = np.empty((l_, 2, d, d), np.float64)
   variance = np.empty((l_, 2, d), np.float64)
   for li in range(l_):
     prev = [x[li - j, a] if li - j >= 0 else np.zeros_like(x[0, 0])
@@ -131,51 +161,129 @@ def _fit(x, predict: bool = True):
         p[live] = np.linalg.solve(g, feats[:, live].T @ target)
       predictor[li, a] = p
       rem = target - feats @ p
-      cov = rem.T @ rem / len(rem)
-      w, v = np.linalg.eigh((cov + cov.T) / 2)
-      order = np.argsort(-w, kind="stable")
-      variance[li, a] = np.maximum(w[order], 0)
-      basis[li, a] = _fix_signs(v[:, order])
-  return channel_var, mean, basis, variance, predictor
+      w_dd, w_inv = (np.eye(d), np.eye(d)) if metric is None else _whitening(metric[li, a], eps)
+      z = rem @ w_dd
+      cov = z.T @ z / len(z)
+      ev, vec = np.linalg.eigh((cov + cov.T) / 2)
+      order = np.argsort(-ev, kind="stable")
+      variance[li, a] = np.maximum(ev[order], 0)
+      vec = _fix_signs(vec[:, order])
+      basis[li, a] = w_dd @ vec
+      synthesis[li, a] = vec.T @ w_inv
+  return mean, basis, synthesis, variance, predictor
 
 
-def fit_transform(kv_L2TD: np.ndarray, sensitivity: np.ndarray, num_kv_heads: int,
-                  head_dim: int, *, predict: bool = True) -> KVTCTransform:
-  """A kvtc transform fitted to given KV (steps 2-3) with given sensitivities (for tests, and for
-  transforms fitted on other data than the shipped text).
+def fit_transform(kv_L2TD: np.ndarray, sensitivity: np.ndarray | None, num_kv_heads: int,
+                  head_dim: int, *, predict: bool = True, metric: np.ndarray | None = None,
+                  eps: float = WHITEN_EPS) -> KVTCTransform:
+  """A kvtc transform fitted to given KV (steps 2-3) (for tests, and for transforms fitted on
+  other data than the shipped text).
 
   Args:
     kv_L2TD: float[L, 2, T, D] KV (K before RoPE, and V), D = num_kv_heads * head_dim.
-    sensitivity: float[L, 2] > 0.
-    predict: False fits no predictor (zeros; the basis is the PCA of the KV itself).
+    sensitivity: float[L, 2] > 0, KL per token per unit of per-element noise variance of the
+      coded coefficients; None with a metric (whitened coefficients all weigh the same: D).
+    predict: False fits no predictor (zeros).
+    metric: float[L, 2, D, D] KV metric (`kv_fisher`) to whiten by; None: plain PCA.
+    eps: the whitening's regularisation (`WHITEN_EPS`).
 
   Raises:
-    ValueError: inconsistent shapes, or `KVTCTransform`'s errors.
+    ValueError: inconsistent shapes, no sensitivity without a metric, or `KVTCTransform`'s
+      errors.
   """
   x = np.array(kv_L2TD, np.float32)
-  if x.ndim != 4 or x.shape[1] != 2 or x.shape[3] != num_kv_heads * head_dim:
-    raise ValueError(f"kv must be [L, 2, T, {num_kv_heads * head_dim}], got {list(x.shape)}")
-  _, mean, basis, variance, predictor = _fit(x, predict)
+  d = num_kv_heads * head_dim
+  if x.ndim != 4 or x.shape[1] != 2 or x.shape[3] != d:
+    raise ValueError(f"kv must be [L, 2, T, {d}], got {list(x.shape)}")
+  if metric is not None and tuple(np.shape(metric)) != (x.shape[0], 2, d, d):
+    raise ValueError(f"metric must be [L, 2, {d}, {d}], got {list(np.shape(metric))}")
+  if sensitivity is None:
+    if metric is None:
+      raise ValueError("a transform without a metric needs its sensitivity")
+    sensitivity = np.full((x.shape[0], 2), float(d))
+  mean, basis, synthesis, variance, predictor = _fit(x, predict, metric, eps)
   return KVTCTransform(mean.astype(np.float32), basis.astype(np.float32),
                        variance.astype(np.float32), np.asarray(sensitivity, np.float32),
-                       predictor.astype(np.float32), num_kv_heads, head_dim)
+                       predictor.astype(np.float32), num_kv_heads, head_dim,
+                       synthesis=synthesis.astype(np.float32))
+
+
+def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = FISHER_TAIL,
+              samples: int = FISHER_SAMPLES, seed: int = 0) -> np.ndarray:
+  """Step 4: the Fisher metric of the KV of one context token, per (layer, K/V).
+
+  For each window of `context + tail` tokens of `token_ids`: prefill the context (K before
+  RoPE, V), compute the model's distribution over the `tail` tokens after it
+  (`ModelRunner.logits_after_context`), draw `samples` target sequences from it, and accumulate
+  g g^T over the context positions 1.. (position 0, the attention sink, is coded apart) of the
+  gradient g of the targets' log-likelihood with respect to each token's K or V
+  (`ModelRunner.context_kv_gradient`). With targets drawn from the model, E[g g^T] is the Fisher
+  information F, so small independent noise e_j on the context tokens' KV costs
+  KL(p || p_noisy) ~= sum_j e_j^T F_j e_j / 2 summed over the scored tokens (Amari, "Natural
+  gradient works efficiently in learning", Neural Computation 1998; the quadratic term of the
+  KL). The result is that KL per scored token when every context token carries noise of the
+  same covariance Sigma, `trace(G Sigma)`:
+
+      G[l, a] = sum_{windows, samples, j >= 1} g_j g_j^T / (2 * tail * samples * windows)
+
+  Args:
+    runner: a `ModelRunner` (its cache is not touched; slot 0 is used and reset).
+    token_ids: the calibration tokens (at least context + tail of them).
+    context, tail, samples, seed: the probe's sizes and the sampling seed.
+
+  Returns:
+    f64[L, 2, D, D], symmetric positive semi-definite.
+
+  Raises:
+    ValueError: too few tokens.
+  """
+  cfg = runner.model_config
+  l_, k, h = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+  d, ids, window = k * h, list(token_ids), context + tail
+  if len(ids) < window or context < 2:
+    raise ValueError(f"the Fisher probe needs {window} tokens (context >= 2), got {len(ids)}")
+  rng = np.random.default_rng(seed)
+  acc = np.zeros((l_, 2, d, d), np.float64)
+  windows = 0
+  for w0 in range(0, len(ids) - window + 1, window):
+    ctx, scored = ids[w0:w0 + context], ids[w0 + context:w0 + window]
+    runner.reset()
+    outs = _prefill(runner, ctx, 0)
+    k_pre = np.concatenate([np.asarray(o.k_pre_rope_LTKH, np.float32) for o in outs], axis=1)
+    v = np.concatenate([np.asarray(o.v_LTKH, np.float32) for o in outs], axis=1)
+    logits = np.asarray(runner.logits_after_context(k_pre, v, scored), np.float64)
+    probs = np.exp(logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True))
+    for _ in range(samples):
+      # Inverse-CDF sampling per position (deterministic for a seed, backend-independent).
+      u = rng.random(len(scored))
+      targets = np.minimum((np.cumsum(probs, axis=-1) < u[:, None]).sum(axis=-1),
+                           probs.shape[-1] - 1)
+      g_k, g_v = runner.context_kv_gradient(k_pre, v, scored, targets)
+      g = np.stack([np.asarray(g_k, np.float64), np.asarray(g_v, np.float64)], axis=1)
+      g = g[:, :, 1:].reshape(l_, 2, context - 1, d)
+      acc += np.einsum("latd,late->lade", g, g)
+    windows += 1
+  runner.reset()
+  return acc / (2.0 * tail * samples * windows)
 
 
 def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
-                   max_tokens: int = MAX_CALIBRATION_TOKENS, sens_context: int = SENS_CONTEXT,
-                   sens_tokens: int = SENS_TOKENS, seed: int = 0) -> KVTCTransform:
+                   max_tokens: int = MAX_CALIBRATION_TOKENS, fisher_context: int = FISHER_CONTEXT,
+                   fisher_tail: int = FISHER_TAIL, fisher_samples: int = FISHER_SAMPLES,
+                   eps: float = WHITEN_EPS, seed: int = 0) -> KVTCTransform:
   """Fits a kvtc transform from the model's KV of `token_ids` (module docstring).
 
   Uses slot 0 of `runner` and resets its cache afterwards (call before serving).
 
   Args:
     runner: a `kvjax.models.runner.ModelRunner`.
-    token_ids: the calibration tokens (at least sens_context + sens_tokens of them).
+    token_ids: the calibration tokens (at least 2 * D of them, and a Fisher window).
     passage_tokens: tokens per prefilled passage (capped at the runner's max_seq_len).
     max_tokens: at most this many tokens are used for the statistics.
-    sens_context: context tokens of the sensitivity probe.
-    sens_tokens: scored tokens of the sensitivity probe.
-    seed: PRNG seed of the probe noise.
+    fisher_context, fisher_tail, fisher_samples: the Fisher probe's sizes (`kv_fisher`;
+      context + tail capped at the runner's max_seq_len).
+    eps: the whitening's regularisation.
+    seed: seed of the probe's sampled targets.
 
   Returns:
     The transform (float32 arrays, deterministic for given weights, tokens and seed).
@@ -188,10 +296,10 @@ def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
   d = k * h
   ids = list(token_ids)[:max_tokens]
   passage = min(passage_tokens, runner.max_seq_len)
-  sens_context = min(sens_context, runner.max_seq_len // 2)
-  sens_tokens = min(sens_tokens, runner.max_seq_len - sens_context)
-  if len(ids) < max(sens_context + sens_tokens, 2 * d):
-    raise ValueError(f"calibration needs at least {max(sens_context + sens_tokens, 2 * d)} "
+  fisher_context = min(fisher_context, runner.max_seq_len // 2)
+  fisher_tail = min(fisher_tail, runner.max_seq_len - fisher_context)
+  if len(ids) < max(fisher_context + fisher_tail, 2 * d):
+    raise ValueError(f"calibration needs at least {max(fisher_context + fisher_tail, 2 * d)} "
                      f"tokens, got {len(ids)}")
   # 1. The calibration KV, f32[L, 2, T, D] on the host.
   pieces = []
@@ -205,43 +313,17 @@ def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
       pieces.append(np.stack([kk, vv], axis=1))                        # [L, 2, T, D]
   x = np.concatenate(pieces, axis=2)
   del pieces
-  channel_var, mean, basis, variance, predictor = _fit(x)
-  del x
-  # 4. Sensitivity.
-  ctx, tail = ids[:sens_context], ids[sens_context:sens_context + sens_tokens]
   runner.reset()
-  _prefill(runner, ctx, 0)
-  base = jax.tree_util.tree_map(jnp.copy, runner.cache)
-
-  def logp(cache):
-    runner.cache = jax.tree_util.tree_map(jnp.copy, cache)
-    outs = _prefill(runner, tail, sens_context, all_logits=True)
-    logits = np.concatenate([np.asarray(o.logits, np.float64) for o in outs])
-    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-
-  clean = logp(base)
-  rng = np.random.default_rng(seed)
-  sens = np.empty((l_, 2), np.float64)
-  for li in range(l_):
-    for a in range(2):
-      sigma2 = SENS_NOISE_REL ** 2 * float(channel_var[li, a])
-      noise = rng.normal(size=(sens_context, k, h)) * np.sqrt(sigma2)
-      cache_arr = base.k_LBSKH if a == 0 else base.v_LBSKH
-      noisy = cache_arr.at[li, 0, :sens_context].add(jnp.asarray(noise, cache_arr.dtype))
-      cache = (dataclasses.replace(base, k_LBSKH=noisy) if a == 0
-               else dataclasses.replace(base, v_LBSKH=noisy))
-      lp = logp(cache)
-      kl = float(np.mean(np.sum(np.exp(clean) * (clean - lp), axis=-1)))
-      sens[li, a] = max(kl, 0.0) / sigma2 if sigma2 > 0 else 0.0
+  # 4. The Fisher metric (before the fit, which whitens by it).
+  metric = kv_fisher(runner, ids, context=fisher_context, tail=fisher_tail,
+                     samples=fisher_samples, seed=seed)
+  # 2-3. Predictor and whitened PCA.
+  t = fit_transform(x, None, k, h, metric=metric, eps=eps)
   runner.reset()
-  floor = max(1e-3 * float(np.median(sens)), 1e-12)
-  sens = np.maximum(sens, floor)
-  return KVTCTransform(mean.astype(np.float32), basis.astype(np.float32),
-                       variance.astype(np.float32), sens.astype(np.float32),
-                       predictor.astype(np.float32), k, h)
+  return t
 
 
-_ARRAYS = ("mean", "basis", "variance", "sensitivity", "predictor")
+_ARRAYS = ("mean", "basis", "variance", "sensitivity", "predictor", "synthesis")
 
 
 def cache_file_name(fingerprint: str) -> str:
@@ -252,14 +334,15 @@ def cache_file_name(fingerprint: str) -> str:
 
 def load_transform(path: str, num_kv_heads: int, head_dim: int) -> KVTCTransform:
   """A transform saved by `load_or_calibrate` (an .npz of mean, basis, variance, sensitivity,
-  predictor).
+  predictor, synthesis).
 
   Raises:
     OSError: unreadable file. KeyError: a missing array. ValueError: inconsistent arrays.
   """
   with np.load(path) as f:
-    return KVTCTransform(*(np.asarray(f[n], np.float32) for n in _ARRAYS), num_kv_heads,
-                         head_dim)
+    a = {n: np.asarray(f[n], np.float32) for n in _ARRAYS}
+  return KVTCTransform(a["mean"], a["basis"], a["variance"], a["sensitivity"], a["predictor"],
+                       num_kv_heads, head_dim, synthesis=a["synthesis"])
 
 
 def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None,

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE, ragged_cache_attention_reference
+from kvjax.kernels.attention import (DEFAULT_BLOCK_SIZE, dense_attention_reference,
+                                     ragged_cache_attention_reference)
 from kvjax.models import layers
 from kvjax.models.config import LlamaConfig
 from kvjax.kernels.paged_attention import paged_attention
@@ -384,6 +385,48 @@ class Llama(nnx.Module):
     logits_BV = self._logits(x_BTD)[:, 0]
     lengths = jnp.where(active_B, positions_B + 1, cache.lengths_B)
     return logits_BV, KVCache(k_cache, v_cache, lengths)
+
+
+def logits_after_context(model: Llama, k_pre_LSKH: jax.Array, v_LSKH: jax.Array,
+                         tokens_T: jax.Array) -> jax.Array:
+  """f32[T, V] logits of `tokens_T` at positions `[S, S + T)` after a given context KV.
+
+  The tokens attend causally to the context's keys and values at positions `[0, S)` (K given
+  before RoPE and rotated here) and to themselves, with dense attention (no cache, no Pallas):
+  a plain differentiable function of the context KV, for calibration (the kvtc codec's Fisher
+  metric takes its gradient with respect to `k_pre_LSKH` and `v_LSKH`; `kvjax.models.
+  kv_calibration`). Not a serving path: every layer materialises [T, S + T] scores.
+
+  Args:
+    model: the model.
+    k_pre_LSKH: f32[L, S, K, H] context keys before RoPE, positions 0..S-1.
+    v_LSKH: f32[L, S, K, H] context values.
+    tokens_T: int32[T] token ids at positions S..S+T-1.
+
+  Returns:
+    f32[T, V] logits.
+  """
+  cfg = model.cfg
+  s_, t_ = k_pre_LSKH.shape[1], tokens_T.shape[0]
+  inv_freq = model.inv_freq[...]
+  pos_ctx_1S = jnp.arange(s_, dtype=jnp.int32)[None]
+  pos_1T = (s_ + jnp.arange(t_, dtype=jnp.int32))[None]
+  pos_kv_1S = jnp.concatenate([pos_ctx_1S, pos_1T], axis=1)
+
+  def layer(x_1TD, xs):
+    p, k_ctx_SKH, v_ctx_SKH = xs
+    p = {k: v.astype(jnp.float32) for k, v in p.items()}
+    q_1TNH, _, k_rot_1TKH, v_1TKH = _attention_inputs(cfg, p, x_1TD, pos_1T, inv_freq)
+    k_all = jnp.concatenate(
+        [layers.apply_rope(k_ctx_SKH[None].astype(jnp.float32), pos_ctx_1S, inv_freq),
+         k_rot_1TKH], axis=1)
+    v_all = jnp.concatenate([v_ctx_SKH[None].astype(jnp.float32), v_1TKH], axis=1)
+    attn_1TNH = dense_attention_reference(q_1TNH, k_all, v_all, pos_1T, pos_kv_1S)
+    return _attention_output_and_mlp(cfg, p, x_1TD, attn_1TNH), None
+
+  x_1TD = jnp.take(model.embed[...], tokens_T, axis=0)[None].astype(jnp.float32)
+  x_1TD, _ = jax.lax.scan(layer, x_1TD, (model.layers.stacked(), k_pre_LSKH, v_LSKH))
+  return model._logits(x_1TD)[0]
 
 
 # ------------------------------------------------------------------------------- layer groups

@@ -22,7 +22,7 @@ from kvjax import codecs
 from kvjax.kernels import kv_codec, kvtc
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
 from kvjax.models.kv_cache import KVCache, init_kv_cache, insert_chunk
-from kvjax.models.llama import Llama, PrefillOutput
+from kvjax.models.llama import Llama, PrefillOutput, logits_after_context
 
 DEFAULT_CHUNK_SIZES = (16, 32, 64, 128, 256, 512)
 
@@ -128,8 +128,19 @@ class ModelRunner:
       return nnx.merge(graphdef, state).decode_step(
           cache, tokens_B, positions_B, active_B, block_size=config.block_size)
 
+    def after_context(state, k_pre, v, tokens):
+      return logits_after_context(nnx.merge(graphdef, state), k_pre, v, tokens)
+
+    def context_grad(state, k_pre, v, tokens, targets):
+      def log_likelihood(k_pre, v):
+        logp_TV = jax.nn.log_softmax(after_context(state, k_pre, v, tokens), axis=-1)
+        return jnp.sum(jnp.take_along_axis(logp_TV, targets[:, None], axis=-1))
+      return jax.grad(log_likelihood, argnums=(0, 1))(k_pre, v)
+
     self._prefill = jax.jit(prefill, static_argnames=("all_logits",), donate_argnums=(1,))
     self._decode = jax.jit(decode, donate_argnums=(1,))
+    self._after_context = jax.jit(after_context)
+    self._context_grad = jax.jit(context_grad)
     self._insert = jax.jit(insert_chunk, donate_argnums=(0,))
     self._inv_freq = model.inv_freq[...]
     # Pallas codec kernels where they compile; XLA's build of the jnp reference on CPU (Pallas
@@ -153,6 +164,27 @@ class ModelRunner:
                        f"K={cfg.n_kv_heads}, H={cfg.head_dim}")
     self.kvtc_transform = transform
     self._kvtc_device = transform.device_arrays()
+
+  def logits_after_context(self, k_pre_LSKH, v_LSKH, tokens_T) -> jax.Array:
+    """f32[T, V] logits of `tokens_T` after a given context KV (`llama.logits_after_context`:
+    dense attention, for calibration; compiled once per (S, T)).
+
+    Args:
+      k_pre_LSKH: f32[L, S, K, H] context keys before RoPE (positions 0..S-1).
+      v_LSKH: f32[L, S, K, H] context values.
+      tokens_T: int[T] tokens at positions S..S+T-1.
+    """
+    return self._after_context(self.state, jnp.asarray(k_pre_LSKH, jnp.float32),
+                               jnp.asarray(v_LSKH, jnp.float32), jnp.asarray(tokens_T, jnp.int32))
+
+  def context_kv_gradient(self, k_pre_LSKH, v_LSKH, tokens_T, targets_T
+                          ) -> tuple[jax.Array, jax.Array]:
+    """Gradient of `sum_t log p(targets_T[t] | context, tokens_T[:t+1])` with respect to the
+    context KV: (f32[L, S, K, H] for K before RoPE, f32[L, S, K, H] for V). Arguments as
+    `logits_after_context`, plus targets_T: int[T], the token each position is scored on."""
+    return self._context_grad(self.state, jnp.asarray(k_pre_LSKH, jnp.float32),
+                              jnp.asarray(v_LSKH, jnp.float32), jnp.asarray(tokens_T, jnp.int32),
+                              jnp.asarray(targets_T, jnp.int32))
 
   def _need_kvtc(self) -> kvtc.KVTCDeviceTransform:
     if self._kvtc_device is None:

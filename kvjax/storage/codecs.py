@@ -50,8 +50,10 @@ band and the device decoder's `ok` flag stand for it); the host tier keeps it in
 `encode_payload` re-codes it from its decoded values.
 kvtc's `transform_id` names the transform the codes are in; storage stores it like any array and
 the store client rejects (as a miss) a chunk whose id is not its transform's. kvtc versions 1 (the
-same arrays, coded without inter-layer prediction) and 2 (another level ladder and rounding) are
-no longer read: their chunks are `UnknownCodec`, a miss that is recomputed. Decoders accept any
+same arrays, coded without inter-layer prediction), 2 (another level ladder and rounding), 3 and
+4 (other level ladders; version 4's transform steps each layer and K/V apart, version 5's is
+whitened by the model's Fisher metric with one step) are no longer read: their chunks are
+`UnknownCodec`, a miss that is recomputed. Decoders accept any
 coding for any array ("pco" for int8 arrays only, "pco-bands" and "rans-bands" for int16 ones).
 
 Entropy coder choice (CacheGen, arXiv 2310.07240, section 5.2). Measured with

@@ -214,7 +214,7 @@ class StagedBytesTest(absltest.TestCase):
   def test_device_decoded_arrays_count_toward_staging(self):
     # A chunk whose codes were rANS-decoded on the device holds them there (int16, several times
     # its stored bytes): the staging budget charges both; a host-only payload, its stored bytes.
-    enc = Encoding("kvtc", 4, 3, "obj", 100, "0" * 32)
+    enc = Encoding("kvtc", 5, 3, "obj", 100, "0" * 32)
     on_device = ChunkHit(None, enc, None, "disk",
                          {"q": jnp.zeros((4, 8), jnp.int16), "step": np.zeros(2, np.float32)})
     on_host = ChunkHit(None, enc, None, "disk", {"q": np.zeros((4, 8), np.int16)})

@@ -39,9 +39,12 @@ class KVTCEngineTest(absltest.TestCase):
     np.testing.assert_array_equal(ts[0].basis, ts[1].basis)
     t = ts[0]
     self.assertTrue((np.diff(t.variance, axis=-1) <= 1e-6).all())  # descending variance
-    eye = np.einsum("ladi,ladj->laij", t.basis, t.basis)
-    np.testing.assert_allclose(eye, np.broadcast_to(np.eye(24), eye.shape), atol=1e-4)
-    self.assertTrue((t.sensitivity > 0).all())
+    # Whitened by the model's Fisher metric: the synthesis inverts the analysis; one step for
+    # every (layer, K/V).
+    eye = np.einsum("lade,laef->ladf", t.basis, t.synthesis)
+    np.testing.assert_allclose(eye, np.broadcast_to(np.eye(24), eye.shape), atol=1e-3)
+    np.testing.assert_array_equal(t.sensitivity, 24)
+    self.assertEqual(len(np.unique(t.steps(1))), 1)
 
   def test_stored_chunks_load_close_to_cold_and_other_transforms_miss(self):
     tmp = tempfile.mkdtemp()
@@ -72,7 +75,7 @@ class KVTCEngineTest(absltest.TestCase):
     path = os.path.join(cache_dir, "params", cached[0])
     t = kv_calibration.load_transform(path, 3, 8)
     np.savez(path, mean=t.mean, basis=t.basis, variance=t.variance,
-             sensitivity=t.sensitivity * 2, predictor=t.predictor)
+             sensitivity=t.sensitivity * 2, predictor=t.predictor, synthesis=t.synthesis)
     llm3 = make_llm(cache_dir, store)
     self.assertNotEqual(llm3.kvtc_transform.transform_id, tid)
     out = llm3.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]

@@ -56,9 +56,10 @@ def reference_codes(kv, t, level, codes=None, rounding=kvtc.KVTC_ROUNDING,
       p = f @ t.predictor[l, a]
       if codes is None:
         y = (x[l, a] - p) @ t.basis[l, a] / step[l, a]
-        q[l, a] = np.sign(y) * np.floor(np.abs(y) + rounding)
+        q[l, a] = np.clip(np.sign(y) * np.floor(np.abs(y) + rounding), -kvtc.KVTC_QMAX,
+                          kvtc.KVTC_QMAX)
       y_hat = np.sign(q[l, a]) * np.maximum(np.abs(q[l, a]) - offset, 0) * step[l, a]
-      r[l, a] = p + y_hat @ t.basis[l, a].T
+      r[l, a] = p + y_hat @ t.synthesis[l, a]
   return q, (r + t.mean[:, :, None]).reshape(kv.shape)
 
 
@@ -104,12 +105,13 @@ class KVTCTest(parameterized.TestCase):
 
   def test_error_bounds_per_level(self):
     errs = []
+    # A chunk past the protected first tokens (they have their own test below).
     for level in codecs.CODEC_LEVELS["kvtc"]:
-      arrays = kvtc.kvtc_encode_host(self.kv, self.t, level, start=0)
+      arrays = kvtc.kvtc_encode_host(self.kv, self.t, level, start=C)
       step = self.t.steps(level)
       np.testing.assert_array_equal(arrays["step"], step)
       x_hat = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), self.t, K,
-                                                   H, start=0))
+                                                   H, start=C))
       err = (x_hat - self.kv).reshape(L, 2, C, D)
       # Orthonormal basis: per token, ||error|| <= sqrt(D) * step * E (no clipping), E the
       # largest coefficient error in steps (1/2 for rounding to nearest).
@@ -126,16 +128,16 @@ class KVTCTest(parameterized.TestCase):
 
   @parameterized.parameters(0, 3)
   def test_closed_loop_prediction_matches_the_numpy_reference(self, level):
-    arrays = kvtc.kvtc_encode_host(self.kv, self.t, level, start=0)
-    q_ref, x_ref = reference_codes(self.kv, self.t, level)
+    arrays = kvtc.kvtc_encode_host(self.kv, self.t, level, start=C)
+    q_ref, x_ref = reference_codes(self.kv, self.t, level, start=C)
     # f32 vs f64 may round a code that sits on a .5 boundary the other way: at most a few.
     diff = arrays["q"].astype(np.float64) - q_ref
     self.assertLessEqual(np.abs(diff).max(), 1)
     self.assertLess(np.count_nonzero(diff), 0.002 * diff.size + 2)
     # Decoding the stored codes: the decoder predicts from the layers it decoded.
     x_hat = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), self.t, K, H,
-                                                 start=0))
-    _, x_dec = reference_codes(self.kv, self.t, level, codes=arrays["q"])
+                                                 start=C))
+    _, x_dec = reference_codes(self.kv, self.t, level, codes=arrays["q"], start=C)
     np.testing.assert_allclose(x_hat, x_dec, rtol=1e-4, atol=1e-4)
     if not diff.any():
       np.testing.assert_allclose(x_hat, x_ref, rtol=1e-4, atol=1e-4)
@@ -218,7 +220,7 @@ class KVTCTest(parameterized.TestCase):
     q_ref, x_ref = reference_codes(self.kv, self.t, 2, start=0)
     diff = first["q"].astype(np.float64) - q_ref
     self.assertLessEqual(np.abs(diff).max(), 1)
-    # Decoded at the wrong position, the first tokens come out 16x too large: the decoder must
+    # Decoded at the wrong position, the first tokens come out 64x too large: the decoder must
     # be given the encoder's start.
     wrong = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(first), self.t, K, H,
                                                  start=C))
@@ -234,14 +236,14 @@ class KVTCTest(parameterized.TestCase):
     self.assertLess(b0, 1.5 * b1)
 
   def test_older_versions_are_unknown(self):
-    # Version 1 (no prediction), 2 (rounding to nearest, another level ladder) and 3 (another
-    # level ladder) chunks are misses to the storage reader, recomputed; a v2 header is refused
-    # before any decoding.
+    # Version 1 (no prediction), 2 (rounding to nearest, another level ladder), 3 (another
+    # level ladder) and 4 (isotropic steps per layer, another ladder) chunks are misses to the
+    # storage reader, recomputed; a v2 header is refused before any decoding.
     arrays = kvtc.kvtc_encode_host(self.kv, self.t, 0, start=0)
     blob = stored.encode_payload("kvtc", 0, arrays, self.layout)
     self.assertEqual(stored.read_header(blob).version, VERSION)
-    self.assertEqual(VERSION, 4)
-    for old in (1, 2, 3):
+    self.assertEqual(VERSION, 5)
+    for old in (1, 2, 3, 4):
       with self.assertRaises(stored.UnknownCodec):
         stored.decode_payload("kvtc", old, 0, blob, self.layout)
       self.assertFalse(stored.is_decodable("kvtc", old, 0))
@@ -251,6 +253,31 @@ class KVTCTest(parameterized.TestCase):
     v2[at:at + 2] = (2).to_bytes(2, "little")
     with self.assertRaises((stored.UnknownCodec, stored.CorruptPayload)):
       stored.decode_payload("kvtc", VERSION, 0, bytes(v2), self.layout)
+
+  def test_whitened_transform_puts_the_error_where_the_metric_is_small(self):
+    # A metric that weighs the first half of every (layer, K/V)'s channels 100x: the fit whitens
+    # by it (analysis W V, synthesis V^T W^-1, exact inverses), the closed loop matches the numpy
+    # reference, the error in the metric's norm is within the uniform step's bound, and the heavy
+    # channels get far less error per channel than the light ones.
+    w = np.where(np.arange(D) < D // 2, 100.0, 1.0)
+    metric = np.broadcast_to(np.diag(w), (L, 2, D, D)).copy()
+    t = kv_calibration.fit_transform(correlated_kv(512, seed=0).reshape(L, 2, -1, D), None, K,
+                                     H, metric=metric, eps=0.0)
+    np.testing.assert_array_equal(t.sensitivity, D)
+    eye = np.einsum("lade,laef->ladf", t.basis, t.synthesis)
+    np.testing.assert_allclose(eye, np.broadcast_to(np.eye(D), eye.shape), atol=1e-4)
+    level = 2
+    arrays = kvtc.kvtc_encode_host(self.kv, t, level, start=C)
+    x_hat = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(arrays), t, K, H,
+                                                 start=C))
+    _, x_dec = reference_codes(self.kv, t, level, codes=arrays["q"], start=C)
+    np.testing.assert_allclose(x_hat, x_dec, rtol=1e-4, atol=1e-4)
+    err = (x_hat - self.kv).reshape(L, 2, C, D)
+    weighted = np.sqrt(np.einsum("lacd,d,lacd->lac", err, w, err))
+    bound = np.sqrt(D) * t.steps(level)[:, :, None] * MAX_ERR * (1 + 1e-4) + 1e-5
+    self.assertTrue((weighted <= bound).all())
+    rms = np.sqrt(np.mean(err ** 2, axis=(0, 1, 2)))
+    self.assertLess(rms[:D // 2].mean() * 3, rms[D // 2:].mean())
 
   def test_rope_at_the_positions(self):
     arrays = kvtc.kvtc_encode_host(self.kv, self.t, 0, start=5)

@@ -47,7 +47,7 @@ class RegistryTest(absltest.TestCase):
 
   def test_registry(self):
     self.assertEqual(sorted(codecs.CODECS), [("cachegen", 1), ("int4", 1), ("int8", 1),
-                                             ("kvtc", 4), ("raw", 1)])
+                                             ("kvtc", 5), ("raw", 1)])
     self.assertTrue(codecs.is_decodable("cachegen", 1, 3))
     self.assertFalse(codecs.is_decodable("cachegen", 1, 4))
     self.assertFalse(codecs.is_decodable("cachegen", 2, 0))
