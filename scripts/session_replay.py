@@ -32,7 +32,9 @@ store holds only full chunks (`kv_chunk_size`), so a turn served from the store 
 partial chunk (`cached_of_reusable_chunks`: the share of reusable full-chunk tokens served). Prefill
 throughput = prompt tokens of turns >= 2 (computed plus loaded) / the sum of their prefill wall
 times (`prefill_tokens_per_prefill_s_ge2`), and / the sum of their server TTFTs
-(`prefill_tokens_per_s_ge2`: prefill plus queueing, a lower bound on the rate).
+(`prefill_tokens_per_s_ge2`: prefill plus queueing, a lower bound on the rate). Per mode,
+`ge2_by_turn1_overlap` (`turn1_overlap_split`, from the engine timestamps) splits turns >= 2 by
+whether their prefill overlapped another conversation's turn-1 (cold) prefill.
 """
 
 from __future__ import annotations
@@ -297,6 +299,45 @@ def summarize(rows: list[TurnRow], wall_s: float, chunk_tokens: int | None = Non
   }
 
 
+def turn1_overlap_split(rows: list[TurnRow]) -> dict:
+  """Turns >= 2 of one mode split by whether their prefill (engine clock: first scheduled step
+  to first token) overlapped any turn 1's prefill (a cold prompt of another conversation).
+
+  Returns {"overlapping": ..., "other": ...}, each with the turns, their prefill wall p50 and
+  sum, prompt tokens per prefill-wall second and the mean seconds of overlap; turns without the
+  engine timestamps are left out.
+  """
+  def timed(r):
+    return (r.error is None and r.prefill_s is not None and r.engine_scheduled_s is not None
+            and r.engine_first_token_s is not None)
+
+  cold = [(r.engine_scheduled_s, r.engine_first_token_s) for r in rows
+          if r.turn == 1 and timed(r)]
+  groups: dict[str, list[tuple[TurnRow, float]]] = {"overlapping": [], "other": []}
+  for r in rows:
+    if r.turn < 2 or not timed(r):
+      continue
+    lo, hi = r.engine_scheduled_s, r.engine_first_token_s
+    # Seconds of r's prefill during which some turn-1 prefill ran (the union of overlaps).
+    spans = sorted((max(lo, a), min(hi, b)) for a, b in cold if min(hi, b) > max(lo, a))
+    covered, end = 0.0, lo
+    for a, b in spans:
+      covered += max(0.0, b - max(a, end))
+      end = max(end, b)
+    groups["overlapping" if spans else "other"].append((r, covered))
+  out = {}
+  for name, got in groups.items():
+    walls = [r.prefill_s for r, _ in got]
+    out[name] = {
+        "turns": len(got),
+        "prefill_wall_p50_s": float(np.median(walls)) if walls else None,
+        "prefill_wall_sum_s": sum(walls),
+        "prefill_tokens_per_prefill_s": (sum(r.prompt_tokens for r, _ in got) / sum(walls)
+                                         if walls and sum(walls) else None),
+        "turn1_overlap_mean_s": float(np.mean([c for _, c in got])) if got else None}
+  return out
+
+
 def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
                modes=("session", "prefix", "recompute")) -> dict:
   """Replays on one fresh server per mode; returns settings, summaries and per-turn rows."""
@@ -350,6 +391,7 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
         shutil.rmtree(store, ignore_errors=True)  # the disk tier: up to GBs per mode
     rows += got
     summaries[mode] = summarize(got, wall, cfg.kv_chunk_size)
+    summaries[mode]["ge2_by_turn1_overlap"] = turn1_overlap_split(got)
     print(f"{mode}: {summaries[mode]}", flush=True)
   print(f"server logs: {work}", flush=True)
   rec = summaries.get("recompute")

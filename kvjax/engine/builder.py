@@ -1,7 +1,7 @@
 """Builds a warmed-up `LLM` from plain options, for entry points that may not import lower rooms.
 
 The server (`kvjax.serve`) imports only the engine and request types (DESIGN.md section 2), so
-the three things it needs from below come through here:
+the things it needs from below come through here:
 
     default_kv_store_url()        file store under kvjax's cache root (`<root>/store`, the
                                   default of `python -m kvjax.store` too)
@@ -9,6 +9,7 @@ the three things it needs from below come through here:
     build_llm(model, **options)   `LLM(model, **options)`
     warmup(llm)                   compile every program a request can hit before serving
     resolve_kv_cache_layout(...)  the device KV layout `LLM` picks for given options
+    check_long_prefill_token_threshold(...)  `LLM`'s check of that option (ValueError)
 
 `LLM.__init__` stays the one construction path; nothing here duplicates it.
 """
@@ -20,7 +21,7 @@ import os
 from typing import Any
 
 
-from kvjax.engine.llm import LLM, resolve_kv_cache_layout
+from kvjax.engine.llm import LLM, check_long_prefill_token_threshold, resolve_kv_cache_layout
 from kvjax.models.runner import default_cache_root
 from kvjax.storage.tiers import StoreConfig, TierConfig
 

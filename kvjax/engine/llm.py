@@ -69,6 +69,19 @@ _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}
 
 
+def check_long_prefill_token_threshold(threshold: int,
+                                       chunk_sizes: Sequence[int] | None = None) -> None:
+  """Rejects a bad `long_prefill_token_threshold` by its user-facing name: it must be an int
+  >= 0 (0: off), and when > 0 at least the smallest compiled chunk size (`chunk_sizes`, None:
+  `LLM`'s default), or a long prompt could never advance."""
+  if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+    raise ValueError(f"long_prefill_token_threshold={threshold!r} must be an int >= 0 (0: off)")
+  smallest = min(chunk_sizes or DEFAULT_CHUNK_SIZES)
+  if 0 < threshold < smallest:
+    raise ValueError(f"long_prefill_token_threshold={threshold} is below the smallest chunk "
+                     f"size {smallest}: long prompts could never be scheduled")
+
+
 def _check_local_store_writable(url: str) -> None:
   """Fails fast (ValueError) when a local store directory cannot be created or written."""
   spec = kvstore_spec(url)
@@ -109,6 +122,7 @@ def _check_options(**options) -> None:
                      f"{sizes[0]}: long prompts could never be scheduled")
   if isinstance(options["seed"], bool) or not isinstance(options["seed"], int):
     raise ValueError(f"seed={options['seed']!r} must be an int")
+  check_long_prefill_token_threshold(options["long_prefill_token_threshold"], sizes)
 
 
 def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tuple[int, ...]:
@@ -177,6 +191,11 @@ class LLM:
     max_num_seqs: decode slots (requests running at once).
     max_model_len: tokens per sequence (prompt plus output); default the model's context.
     max_num_batched_tokens: token budget of one engine step.
+    long_prefill_token_threshold: vLLM's option: one request's prefill (a Cake merge's compute
+      side too) takes at most this many tokens of a step, so a long prompt shares the step
+      budget with other requests' prefills (a store hit's short tail among them) instead of
+      filling it; at least the smallest chunk size, or 0 (default): off. With
+      `kv_codec_consistent` it is at least `kv_chunk_size`.
     chunk_sizes: compiled prefill chunk sizes, ascending.
     seed: seeds requests that carry no seed.
     cache_dir: kvjax's cache root (converted params, compiled programs); default
@@ -285,6 +304,7 @@ class LLM:
 
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", max_num_seqs: int = 4,
                max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+               long_prefill_token_threshold: int = 0,
                chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, seed: int = 0,
                cache_dir: str | None = None, kv_store: str | StoreConfig | None = None,
                kv_chunk_size: int = 256, kv_link_bytes_per_s: float | None = None,
@@ -322,7 +342,8 @@ class LLM:
                        "from it)")
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
-                   seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight)
+                   seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight,
+                   long_prefill_token_threshold=long_prefill_token_threshold)
     kv_codec_levels = _check_codec_options(kv_codec, kv_codec_levels, kv_chunk_size,
                                            with_store=kv_store is not None)
     if kv_store is None and kv_codec != "raw":
@@ -388,7 +409,8 @@ class LLM:
           RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len,
                        chunk_sizes=chunk_sizes))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
-                            token_budget=max_num_batched_tokens or chunk_sizes[-1])
+                            token_budget=max_num_batched_tokens or chunk_sizes[-1],
+                            long_prefill_token_threshold=long_prefill_token_threshold)
     self.kvtc_transform = None
     if kv_store is not None and kv_codec == codecs.KVTC and kv_cache_layout == "paged":
       raise ValueError("kv_codec='kvtc' runs on the slotted KV cache for now: pass "

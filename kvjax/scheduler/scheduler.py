@@ -27,6 +27,14 @@ tokens, so only a prompt's last chunk is ever padded:
 
     prompt of 300 tokens, sizes (16, 32, ..., 512):  [0 --256--)[256 -32-)[288 12+pad)
 
+Long prefills share the step (vLLM's `long_prefill_token_threshold`, `SchedulerConfig`): with a
+threshold T > 0, each request's prefill takes at most T tokens of a step (in 2, 3 and 5 alike),
+so one long prompt leaves the rest of the budget to the prefills and merges after it in the
+order above. A request whose remaining prefill is at most T is not limited by it. T = 0: off.
+A Cake merge's compute side is capped the same way (its chunk planner sees the capped budget,
+so its predictions of where compute meets the loads assume the capped step); in consistent mode
+(whole store chunks per prefill piece) the cap is at least one store chunk.
+
 A plan is a promise the executor keeps in order: the scheduler advances `num_computed_tokens` and
 marks inserted chunks resident when it plans them. `update` learns the rest: sampled tokens are
 appended, finished requests free their slots (their ids reach the executor in the next plan),
@@ -67,11 +75,16 @@ class SchedulerConfig:
     num_slots: decode slots (maximum running requests).
     token_budget: tokens computed per step at most (decodes count one each).
     chunk_sizes: compiled prefill chunk sizes, ascending.
+    long_prefill_token_threshold: vLLM's option of that name: a request's prefill (ordinary,
+      or a Cake merge's compute side) takes at most this many tokens of one step, so a long
+      prompt shares the budget with other requests' prefills; 0 (default): off. When > 0 it
+      must be at least the smallest chunk size (a long prompt could not advance otherwise).
   """
 
   num_slots: int = 4
   token_budget: int = 512
   chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+  long_prefill_token_threshold: int = 0
 
   def __post_init__(self):
     if self.num_slots <= 0 or self.token_budget <= 0:
@@ -81,6 +94,12 @@ class SchedulerConfig:
       raise ValueError(f"chunk_sizes must be ascending and distinct, got {self.chunk_sizes}")
     if self.token_budget < self.chunk_sizes[0]:
       raise ValueError(f"token_budget={self.token_budget} is below the smallest chunk size "
+                       f"{self.chunk_sizes[0]}: long prompts could never be scheduled")
+    t = self.long_prefill_token_threshold
+    if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+      raise ValueError(f"long_prefill_token_threshold={t!r} must be an int >= 0 (0: off)")
+    if 0 < t < self.chunk_sizes[0]:
+      raise ValueError(f"long_prefill_token_threshold={t} is below the smallest chunk size "
                        f"{self.chunk_sizes[0]}: long prompts could never be scheduled")
 
 
@@ -203,7 +222,9 @@ class Scheduler:
     consistent: outputs must not depend on which chunks were loaded (lossy codecs): every prefill
       step inside a full store chunk is exactly one chunk, and each completed chunk is listed in
       `PrefillChunk.roundtrip` (it passes through the stored encoding), so a computed chunk
-      equals a loaded one bit for bit and the meeting point cannot change the answer.
+      equals a loaded one bit for bit and the meeting point cannot change the answer. A
+      `long_prefill_token_threshold` below the store chunk size is then raised to it (a request
+      still advances one whole chunk a step).
     kv_cache: the paged layout's block manager (issue 11), None for the slotted layout. With
       it the scheduler allocates blocks before planning a request's tokens (a request with a
       Cake merge gets its whole prompt's blocks at admission, so loads can land anywhere),
@@ -238,6 +259,9 @@ class Scheduler:
     self.consistent = consistent
     # Consistent mode computes store chunks whole, one per step: the only compiled size used.
     self._plan_sizes = (save_chunk_size,) if consistent else config.chunk_sizes
+    # One request's prefill tokens per step at most (None: the budget's): see the module note.
+    cap = config.long_prefill_token_threshold
+    self._prefill_cap = (max(cap, save_chunk_size) if consistent else cap) if cap else None
     self.config = config
     self.cost_model = cost_model if cost_model is not None else CostModel()
     self.load_config = load_config or LoadConfig()
@@ -455,7 +479,7 @@ class Scheduler:
       if not self._admit_blocks(r, budget):
         break
       if r.request_id not in self._prefix and (budget <= 0 or not chunk_tokens(
-          r.remaining_prefill_tokens, budget, self._plan_sizes)):
+          r.remaining_prefill_tokens, self._prefill_share(budget), self._plan_sizes)):
         break
       self.waiting.popleft()
       r.slot = self._free_slots.pop(0)
@@ -509,6 +533,12 @@ class Scheduler:
     return tuple(out)
 
   # ----------------------------------------------------------------------------- blocks
+  def _prefill_share(self, budget: int) -> int:
+    """The tokens one request's prefill may take of `budget` left in this step: at most the
+    long-prefill threshold (vLLM caps a request whose remaining prefill exceeds it; capping
+    every request is the same, since none takes more than it has left)."""
+    return budget if self._prefill_cap is None else min(budget, self._prefill_cap)
+
   def _admit_blocks(self, r: Request, budget: int) -> bool:
     """Paged layout: looks up `r`'s device-resident prefix and allocates the blocks of its first
     chunk (its whole prompt with a Cake merge); False when the pool is short (admission waits;
@@ -528,7 +558,8 @@ class Scheduler:
     if merge:
       want = r.num_prefill_tokens
     else:
-      want = chunk_tokens(r.num_prefill_tokens - hit_tokens, budget, self._plan_sizes)
+      want = chunk_tokens(r.num_prefill_tokens - hit_tokens, self._prefill_share(budget),
+                          self._plan_sizes)
       if want == 0:
         return False
     if kvm.allocate_slots(rid, want, num_computed_tokens=0, new_computed_blocks=hits) is None:
@@ -654,11 +685,14 @@ class Scheduler:
     return out
 
   def _plan_cake(self, r: Request, budget: int, now_s: float, out: list[PrefillChunk]) -> int:
-    """Appends the compute steps of `r`'s merge that the budget allows; returns the budget left."""
+    """Appends the compute steps of `r`'s merge that the budget (and the long-prefill
+    threshold) allows; returns the budget left."""
     m = self._prefix[r.request_id].merge
-    while step := m.next_compute(budget, self._plan_sizes, now_s, self.cost_model):
+    own = self._prefill_share(budget)
+    while step := m.next_compute(own, self._plan_sizes, now_s, self.cost_model):
       start, n = step
       budget -= n
+      own -= n
       is_last = start + n == r.num_prompt_tokens
       out.append(self._chunk(r, start, n, is_last))
       if is_last:
@@ -669,14 +703,16 @@ class Scheduler:
 
   def _plan_chunks(self, r: Request, budget: int, out: list[PrefillChunk],
                    may_preempt: bool = True) -> int:
-    """Appends as many chunks of `r` as the budget (and, paged, the pool) allows; returns the
-    budget left."""
-    while n := chunk_tokens(r.remaining_prefill_tokens, budget, self._plan_sizes):
+    """Appends as many chunks of `r` as the budget (the long-prefill threshold, and, paged, the
+    pool) allows; returns the budget left."""
+    own = self._prefill_share(budget)
+    while n := chunk_tokens(r.remaining_prefill_tokens, own, self._plan_sizes):
       if not self._grow(r, n, may_preempt):
         break
       start = r.num_computed_tokens
       r.num_computed_tokens += n
       budget -= n
+      own -= n
       is_last = r.num_computed_tokens == r.num_prefill_tokens
       if is_last:
         r.status = RequestStatus.DECODING

@@ -65,6 +65,11 @@ _PREFIX_CACHING = flags.DEFINE_bool(
     "turns it off.")
 _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", None,
                                "Token budget of one engine step (default: the largest chunk).")
+_LONG_PREFILL = flags.DEFINE_integer(
+    "long_prefill_token_threshold", 0,
+    "One request's prefill tokens per engine step at most (vLLM's option), so a long prompt "
+    "shares the step with other requests' prefills; at least the smallest chunk size, or 0 "
+    "(default): off.")
 _CHUNK_SIZES = flags.DEFINE_list("chunk_sizes", None,
                                  "Compiled prefill chunk sizes, ascending (default 16..512).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds requests that give no seed.")
@@ -228,7 +233,8 @@ def config_from_flags() -> ServerConfig:
     return ServerConfig(
         model=_MODEL.value, served_model_name=_SERVED.value, host=_HOST.value, port=_PORT.value,
         dtype=_DTYPE.value, max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
-        max_num_batched_tokens=_BUDGET.value, chunk_sizes=sizes, seed=_SEED.value,
+        max_num_batched_tokens=_BUDGET.value,
+        long_prefill_token_threshold=_LONG_PREFILL.value, chunk_sizes=sizes, seed=_SEED.value,
         cache_dir=_CACHE_DIR.value, kv_store=store, kv_tiers=_KV_TIERS.value,
         kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_merge_mode=_MERGE.value,
         kv_codec_consistent={"auto": None, "true": True, "false": False}[_CONSISTENT.value],

@@ -54,6 +54,8 @@ class ServerConfig:
       number, bounds memory; preemption handles a full pool), 4 for the slotted one (each slot
       reserves `max_model_len` positions).
     max_num_batched_tokens: token budget of one engine step; None: the largest chunk size.
+    long_prefill_token_threshold: one request's prefill tokens per step at most (vLLM's option;
+      see `LLM`), so a long prompt shares the step with other requests' prefills; 0: off.
     chunk_sizes: compiled prefill chunk sizes; None: `LLM`'s default.
     seed: seeds requests that give no seed.
     cache_dir: kvjax's cache root (params, compiled programs); None: the default.
@@ -119,6 +121,7 @@ class ServerConfig:
   max_model_len: int | None = None
   max_num_seqs: int | None = None
   max_num_batched_tokens: int | None = None
+  long_prefill_token_threshold: int = 0
   chunk_sizes: tuple[int, ...] | None = None
   seed: int = 0
   cache_dir: str | None = None
@@ -178,6 +181,8 @@ class ServerConfig:
       raise ValueError(f"kv_chunk_size={self.kv_chunk_size!r}: {e}") from e
     if self.kv_cache_layout not in (None, "slotted", "paged"):
       raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}; use 'slotted' or 'paged'")
+    builder.check_long_prefill_token_threshold(self.long_prefill_token_threshold,
+                                               self.chunk_sizes)
     for name in ("max_num_seqs", "block_size", "kv_cache_memory_bytes"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
@@ -234,7 +239,8 @@ class ServerConfig:
     opts: dict[str, Any] = dict(
         dtype=self.dtype, max_num_seqs=self.resolved_max_num_seqs,
         max_model_len=self.max_model_len,
-        max_num_batched_tokens=self.max_num_batched_tokens, seed=self.seed,
+        max_num_batched_tokens=self.max_num_batched_tokens,
+        long_prefill_token_threshold=self.long_prefill_token_threshold, seed=self.seed,
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
         kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
         max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,

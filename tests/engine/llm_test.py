@@ -79,6 +79,20 @@ class LLMTest(absltest.TestCase):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     self.assertEqual([o.token_ids for o in outs], self.want)
 
+  def test_long_prefill_token_threshold_shares_the_step_and_keeps_the_tokens(self):
+    llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+              long_prefill_token_threshold=32)
+    steps = []
+    llm.engine.add_step_observer(lambda rec: steps.append(
+        [(c.request_id, c.start, c.num_tokens) for c in rec.plan.prefills]))
+    outs = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[2], PROMPTS[1])], GREEDY)
+    self.assertEqual([o.token_ids for o in outs], [self.want[2], self.want[1]])
+    a, b = (o.request_id for o in outs)
+    # The 130-token prompt takes 32 a step of the 64-token budget; the 40-token one the rest.
+    self.assertEqual([s for s in steps if s][:5], [[(a, 0, 32), (b, 0, 32)],
+                                                   [(a, 32, 32), (b, 32, 8)],
+                                                   [(a, 64, 32)], [(a, 96, 32)], [(a, 128, 2)]])
+
   def test_text_prompt_uses_the_tokenizer(self):
     out = self.llm.generate("hello", SamplingParams(max_tokens=3, temperature=0))[0]
     self.assertEqual(out.prompt_token_ids, list(b"hello"))
@@ -136,7 +150,11 @@ class LLMTest(absltest.TestCase):
                         (dict(max_model_len=100000), "max_model_len=100000 exceeds"),
                         (dict(chunk_sizes=(32, 16)), "ascending"),
                         (dict(max_num_batched_tokens=-1), "max_num_batched_tokens=-1"),
-                        (dict(max_num_batched_tokens=8), "max_num_batched_tokens=8 is below")):
+                        (dict(max_num_batched_tokens=8), "max_num_batched_tokens=8 is below"),
+                        (dict(long_prefill_token_threshold=-1),
+                         r"long_prefill_token_threshold=-1 must be an int >= 0"),
+                        (dict(long_prefill_token_threshold=8),
+                         "long_prefill_token_threshold=8 is below the smallest chunk size 16")):
       with self.assertRaisesRegex(ValueError, msg):
         LLM("tiny", cache_dir="", **kwargs)
     with self.assertRaisesRegex(ValueError, "unknown model 'gpt-5'"):

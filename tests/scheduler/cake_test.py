@@ -293,6 +293,52 @@ class SchedulerCakeTest(absltest.TestCase):
     self.assertEqual(plan.prefills, ())  # y admitted; FAST loads beat compute
     self.assertEqual(y.slot, 0)
 
+  def plan_steps(self, s, steps, land_loads=True):
+    """Plans `steps` steps; each step's prefills as (request id, start, tokens). Loads land by
+    the next step (when `land_loads`); a request whose prompt ends (or that decodes) samples."""
+    out = []
+    for k in range(steps):
+      plan = s.schedule(now_s=float(k))
+      out.append([(c.request_id, c.start, c.num_tokens) for c in plan.prefills])
+      s.update(StepResult(
+          now_s=k + 0.5,
+          sampled=tuple((c.request_id, 1) for c in plan.prefills if c.is_last)
+          + tuple((d.request_id, 1) for d in plan.decodes),
+          loads=tuple(LoadReport(ld.request_id, ld.index, True, 100, tier="host", done_s=k + 0.5)
+                      for ld in plan.loads) if land_loads else ()))
+    return out
+
+  def test_long_prefill_threshold_lets_a_hits_tail_share_a_cold_prefills_steps(self):
+    plans = {}
+    for t in (0, 32):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
+                                    long_prefill_token_threshold=t), FAST)
+      s.add_request(req("a", 200))                   # a cold prompt
+      s.add_request(req("x", 66), stored([T] * 4, 100))  # a store hit: its 2-token tail computes
+      plans[t] = self.plan_steps(s, 4)
+    # Off: x's chunks land and go in at step 1, but a fills every step until its last, so x's
+    # tail (and its first token) waits for step 3.
+    self.assertEqual(plans[0], [[("a", 0, 64)], [("a", 64, 64)], [("a", 128, 64)],
+                                [("a", 192, 8), ("x", 64, 2)]])
+    # 32: a takes 32 a step, and x's tail goes in the step its chunks are inserted.
+    self.assertEqual(plans[32], [[("a", 0, 32)], [("a", 32, 32), ("x", 64, 2)],
+                                 [("a", 64, 32)], [("a", 96, 32)]])
+
+  def test_long_prefill_threshold_caps_a_merges_compute(self):
+    plans = {}
+    for t in (0, 32):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
+                                    long_prefill_token_threshold=t), SLOW)  # compute it all
+      s.add_request(req("x", 100), stored([F, T, T, T, T, T], 100))
+      s.add_request(req("y", 40), stored([T, T], 100))
+      plans[t] = self.plan_steps(s, 4, land_loads=False)
+    # Off: merges take what is left oldest first, so y starts in x's last step.
+    self.assertEqual(plans[0], [[("x", 0, 64)], [("x", 64, 32), ("x", 96, 4), ("y", 0, 16)],
+                                [("y", 16, 16), ("y", 32, 8)], []])
+    # 32: each merge's compute takes 32 a step at most; y's 8 left are under the threshold.
+    self.assertEqual(plans[32], [[("x", 0, 32), ("y", 0, 32)], [("x", 32, 32), ("y", 32, 8)],
+                                 [("x", 64, 32)], [("x", 96, 4)]])
+
   def test_bad_requests_and_budgets(self):
     s = Scheduler(SchedulerConfig(num_slots=1, token_budget=32, chunk_sizes=(16, 32)))
     with self.assertRaisesRegex(ValueError, "cover the last token"):

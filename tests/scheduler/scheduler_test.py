@@ -3,7 +3,8 @@
 from absl.testing import absltest, parameterized
 
 from kvjax.scheduler import (DecodeItem, PrefillChunk, Request, RequestStatus, SamplingParams,
-                             Scheduler, SchedulerConfig, chunk_tokens)
+                             Scheduler, SchedulerConfig, StepResult, chunk_tokens)
+from kvjax.scheduler.kv_cache_manager import KVCacheManager
 from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.output import StoredChunk, StoredPrefix
 from kvjax.scheduler.scheduler import LoadConfig
@@ -103,6 +104,81 @@ class SchedulerTest(absltest.TestCase):
     self.assertEqual(s.finish_request("a", "abort").finish_reason, "abort")
     self.assertFalse(s.has_unfinished())
     self.assertTrue(s.schedule().is_empty)
+
+
+def run_steps(s, steps, now=False):
+  """Plans `steps` steps; returns each step's prefills as (request id, start, tokens). A request
+  whose last prefill chunk (or a decode) was planned samples token 1."""
+  out = []
+  for k in range(steps):
+    plan = s.schedule(now_s=float(k) if now else None)
+    out.append([(c.request_id, c.start, c.num_tokens) for c in plan.prefills])
+    s.update(StepResult(now_s=k + 0.5, sampled=tuple(
+        (c.request_id, 1) for c in plan.prefills if c.is_last) + tuple(
+        (d.request_id, 1) for d in plan.decodes)))
+  return out
+
+
+class LongPrefillThresholdTest(absltest.TestCase):
+  """vLLM's `long_prefill_token_threshold`: one request's prefill takes at most T tokens a step."""
+
+  def sched(self, threshold, budget=512, **kw):
+    return Scheduler(SchedulerConfig(num_slots=4, token_budget=budget, chunk_sizes=SIZES,
+                                     long_prefill_token_threshold=threshold), **kw)
+
+  def test_a_long_prefill_leaves_the_rest_of_the_budget_to_a_later_one(self):
+    plans = {}
+    for t in (0, 256):
+      s = self.sched(t)
+      s.add_request(req("a", 1000))
+      s.add_request(req("b", 300))
+      plans[t] = run_steps(s, 4)
+    # Off: a takes the whole budget until its last step; b gets the 24 tokens that step leaves.
+    self.assertEqual(plans[0], [[("a", 0, 512)],
+                                [("a", 512, 256), ("a", 768, 128), ("a", 896, 64),
+                                 ("a", 960, 32), ("a", 992, 8), ("b", 0, 16)],
+                                [("b", 16, 256), ("b", 272, 16), ("b", 288, 12)],
+                                []])
+    # 256: a takes 256 a step; b is admitted in the first step with the other 256 and, its 44
+    # left under the threshold, ends in the second (a's decodes take one token from then on).
+    self.assertEqual(plans[256], [[("a", 0, 256), ("b", 0, 256)],
+                                  [("a", 256, 256), ("b", 256, 32), ("b", 288, 12)],
+                                  [("a", 512, 256)],
+                                  [("a", 768, 128), ("a", 896, 64), ("a", 960, 32),
+                                   ("a", 992, 8)]])
+
+  def test_not_a_compiled_size_and_a_prefill_under_it(self):
+    s = self.sched(200, budget=512)
+    s.add_request(req("a", 400))
+    s.add_request(req("b", 150))
+    # 200 is no compiled size: a takes 128 + 64 (at most 200); b's 150 is under the threshold:
+    # it is not limited (128 + 16 + a padded 6-token tail).
+    self.assertEqual(run_steps(s, 1), [[("a", 0, 128), ("a", 128, 64), ("b", 0, 128),
+                                        ("b", 128, 16), ("b", 144, 6)]])
+
+  def test_paged_admission_allocates_the_capped_first_chunk(self):
+    kvm = KVCacheManager(64, 16, namespace_root="ab" * 32)
+    s = self.sched(128, kv_cache=kvm)
+    s.add_request(req("a", 1000))
+    self.assertEqual(run_steps(s, 1), [[("a", 0, 128)]])
+    self.assertLen(kvm.block_table("a"), 128 // 16)  # not the 512 the budget would fit
+    self.assertEqual(run_steps(s, 1), [[("a", 128, 128)]])
+    self.assertLen(kvm.block_table("a"), 256 // 16)
+
+  def test_consistent_mode_raises_the_threshold_to_a_store_chunk(self):
+    for t, want in ((16, [("a", 0, 64)]), (128, [("a", 0, 64), ("a", 64, 64)]),
+                    (100, [("a", 0, 64)])):
+      s = self.sched(t, save_chunk_size=64, consistent=True)
+      s.add_request(req("a", 300))
+      self.assertEqual(run_steps(s, 1), [want], t)
+
+  def test_bad_thresholds(self):
+    for bad in (-1, 1.5, True, "8"):
+      with self.assertRaisesRegex(ValueError, "long_prefill_token_threshold=.* must be an int"):
+        SchedulerConfig(chunk_sizes=SIZES, long_prefill_token_threshold=bad)
+    with self.assertRaisesRegex(ValueError, "long_prefill_token_threshold=8 is below"):
+      SchedulerConfig(chunk_sizes=SIZES, long_prefill_token_threshold=8)
+    self.assertEqual(SchedulerConfig().long_prefill_token_threshold, 0)  # off by default
 
 
 class SamplingParamsTest(parameterized.TestCase):

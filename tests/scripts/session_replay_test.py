@@ -80,6 +80,27 @@ class SummarizeTest(absltest.TestCase):
     self.assertEqual(s["loaded_chunks_ge2_by_tier"], {"host": 13, "disk": 2})
     self.assertNotIn("cached_of_reusable_chunks", sr.summarize(rows, wall_s=5.0))
 
+  def test_turn1_overlap_split(self):
+    def timed(conv, turn, prompt, sched, first):
+      r = row(conv, turn, prompt=prompt, cached=0, completion=8, prefill=first - sched)
+      r.engine_scheduled_s, r.engine_first_token_s = sched, first
+      return r
+
+    rows = [timed(0, 1, 1000, 10.0, 20.0), timed(1, 1, 900, 15.0, 22.0),  # cold: 10-22 s
+            timed(2, 2, 300, 18.0, 24.0),   # overlaps both cold prefills: 18-22 s, 4 s
+            timed(3, 2, 200, 30.0, 31.0),   # after them
+            timed(3, 3, 100, 5.0, 9.0),     # before them
+            row(4, 2, prompt=50, cached=0, completion=8, prefill=1.0)]  # no timestamps
+    got = sr.turn1_overlap_split(rows)
+    self.assertEqual(got["overlapping"], {"turns": 1, "prefill_wall_p50_s": 6.0,
+                                          "prefill_wall_sum_s": 6.0,
+                                          "prefill_tokens_per_prefill_s": 50.0,
+                                          "turn1_overlap_mean_s": 4.0})
+    self.assertEqual(got["other"], {"turns": 2, "prefill_wall_p50_s": 2.5,
+                                    "prefill_wall_sum_s": 5.0,
+                                    "prefill_tokens_per_prefill_s": 60.0,
+                                    "turn1_overlap_mean_s": 0.0})
+
   def test_history_dominant_rule(self):
     cfg = sr.ReplayConfig(history_tokens=100, max_history_tokens=400, history_share=0.8,
                           max_prompt_tokens=600, max_tokens=10, turns=4, min_turns=2)

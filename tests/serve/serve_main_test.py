@@ -141,6 +141,10 @@ class ServeMainTest(absltest.TestCase):
     _, err = proc.communicate(timeout=120)
     self.assertEqual(proc.returncode, 1)
     self.assertIn("kv_cache_layout", err)
+    proc = start(*TINY, "--long_prefill_token_threshold=-1")
+    _, err = proc.communicate(timeout=120)
+    self.assertEqual(proc.returncode, 1)
+    self.assertIn("long_prefill_token_threshold=-1 must be an int >= 0", err)
 
 
 if __name__ == "__main__":

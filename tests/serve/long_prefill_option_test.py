@@ -1,0 +1,28 @@
+"""`ServerConfig.long_prefill_token_threshold` (`--long_prefill_token_threshold`): checked when
+the config is built (so the CLI reports it before loading a model), and passed to `LLM`."""
+
+from absl.testing import absltest
+
+from kvjax.serve.server import ServerConfig
+
+
+class LongPrefillOptionTest(absltest.TestCase):
+
+  def test_passed_to_llm(self):
+    self.assertEqual(ServerConfig(model="tiny").llm_options()["long_prefill_token_threshold"], 0)
+    opts = ServerConfig(model="tiny", long_prefill_token_threshold=256).llm_options()
+    self.assertEqual(opts["long_prefill_token_threshold"], 256)
+    small = ServerConfig(model="tiny", chunk_sizes=(8, 16), long_prefill_token_threshold=8)
+    self.assertEqual(small.llm_options()["long_prefill_token_threshold"], 8)
+
+  def test_bad_values(self):
+    for bad in (-1, 2.5, True):
+      with self.assertRaisesRegex(ValueError, "long_prefill_token_threshold=.* must be an int"):
+        ServerConfig(model="tiny", long_prefill_token_threshold=bad)
+    with self.assertRaisesRegex(ValueError, "long_prefill_token_threshold=8 is below the "
+                                "smallest chunk size 16"):
+      ServerConfig(model="tiny", long_prefill_token_threshold=8)
+
+
+if __name__ == "__main__":
+  absltest.main()
