@@ -4,9 +4,11 @@ The device pool holds KV in blocks of `B` tokens (`block_size`); the store holds
 `C` tokens (`kv_chunk_size`), and a chunk always spans a whole number `R = C / B` of blocks. Both
 are keyed by the same chained scheme (vLLM's prefix caching, `vllm/v1/core/kv_cache_utils.py`
 `hash_block_tokens`; the store's `kvjax.storage.keys`), seeded by the same namespace root, so
-`cache_salt` and the model namespace isolate device hits exactly as they isolate stored ones:
+`cache_salt` and the model namespace isolate device hits exactly as they isolate stored ones (the
+encoding is there only for a `kv_codec_consistent` engine, whose blocks hold its codec's KV):
 
-  root = KeyNamespace(model fingerprint, kv dtype, layout version, C, cache salt).root_hash()
+  root = KeyNamespace(model fingerprint, kv dtype, layout version, C, cache salt[,
+                      encoding]).root_hash()
   block key  b_i = H(b_{i-1}, tokens[iB : (i+1)B])      b_{-1} = root
   chunk key  c_j = H(c_{j-1}, tokens[jC : (j+1)C])      c_{-1} = root
 

@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -196,6 +197,15 @@ class StoreCliTest(parameterized.TestCase):
     self.assertEqual((rc, out), (2, ""))
     self.assertLen(err.splitlines(), 1, err)
     self.assertIn(message, err)
+
+  def test_default_store_is_the_cache_roots(self):
+    # Without --store: <$KVJAX_CACHE_DIR>/store, the server's default store, not ~/.cache.
+    self.build("file")  # self.dir = <tmp>/store
+    with mock.patch.dict(os.environ, {"KVJAX_CACHE_DIR": os.path.dirname(self.dir)}):
+      rc, out, err = run_cli("ls")
+    self.assertEqual(rc, 0, err)
+    self.assertLen(out.splitlines(), 5, out)  # the header and the store's 4 records
+    self.assertIn(self.a[0][:12], out)
 
   def test_help(self):
     rc, out, _ = run_cli("--help")

@@ -308,6 +308,9 @@ class Engine:
     consistent = consistent and kv_store is not None and kv_store.codec != codecs.RAW
     self._fixed_encoding = (codecs.EncodingId(kv_store.codec, kv_store.codec_levels[0])
                             if consistent else None)
+    if consistent and kv_store.key_encoding != str(self._fixed_encoding):
+      raise ValueError(f"a consistent engine ({self._fixed_encoding}) needs a store client "
+                       "keyed by that encoding: KVStoreClient(consistent=True)")
     kv_cache = None
     if self._paged:
       kv_cache = KVCacheManager(runner.num_blocks, runner.block_size,

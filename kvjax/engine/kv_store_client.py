@@ -331,6 +331,10 @@ class KVStoreClient:
       (`MissReason.CORRUPT`), recomputed like any bad chunk.
     prefetch_bytes: look-ahead prefetch reads' bytes in flight at most (the first never
       waits); None: 4 raw chunks.
+    consistent: the engine runs `kv_codec_consistent` (a lossy codec's one level,
+      `codec_levels[0]`, in every stored and loaded chunk): keys carry that encoding
+      (`keys.KeyNamespace.encoding`, `key_encoding`), so such an engine finds and writes its
+      own chunks beside other encodings' chunks of the same prompt.
   """
 
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
@@ -338,8 +342,12 @@ class KVStoreClient:
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
                kvtc_transform_id: bytes | None = None, device_link=None,
                use_pallas_entropy: bool | None = None,
-               prefetch_bytes: int | None = None):
+               prefetch_bytes: int | None = None, consistent: bool = False):
     self.codec = codec
+    #: `KeyNamespace.encoding` of every key: "codec/level" of the one level a
+    #: `kv_codec_consistent` engine stores and loads (lossy codecs), else None.
+    self.key_encoding = (str(codecs.EncodingId(codec, tuple(codec_levels)[0]))
+                         if consistent and codec != codecs.RAW else None)
     self.use_pallas_entropy = (jax.default_backend() != "cpu" if use_pallas_entropy is None
                                else bool(use_pallas_entropy))
     #: The emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or None: every
@@ -393,7 +401,8 @@ class KVStoreClient:
   def namespace(self, cache_salt: str | None) -> keys.KeyNamespace:
     return keys.KeyNamespace(model_fingerprint=self._fingerprint, kv_dtype=self.layout.dtype,
                              kv_layout_version=self._layout_version,
-                             chunk_size=self.chunk_size, cache_salt=cache_salt)
+                             chunk_size=self.chunk_size, cache_salt=cache_salt,
+                             encoding=self.key_encoding)
 
   def _run(self, coro):
     return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)

@@ -195,7 +195,7 @@ class LLM:
       side too) takes at most this many tokens of a step, so a long prompt shares the step
       budget with other requests' prefills (a store hit's short tail among them) instead of
       filling it; at least the smallest chunk size, or 0 (default): off. With
-      `kv_codec_consistent` it is at least `kv_chunk_size`.
+      `kv_codec_consistent` a smaller value is raised to `kv_chunk_size`.
     chunk_sizes: compiled prefill chunk sizes, ascending.
     seed: seeds requests that carry no seed.
     cache_dir: kvjax's cache root (converted params, compiled programs); default
@@ -435,20 +435,20 @@ class LLM:
         or not kv_device_link_bytes_per_s > 0):
       raise ValueError(f"kv_device_link_bytes_per_s={kv_device_link_bytes_per_s!r} must be a "
                        "positive number of bytes/s or None")
+    consistent = self._consistent(kv_codec_consistent, kv_codec, kv_chunk_size, sched)
     if kv_store is not None:
       self.kv_store = self._make_store_client(kv_store, kv_chunk_size, kv_link_bytes_per_s,
                                               kv_link_trace, runner, kv_codec,
                                               kv_codec_levels,
                                               device_link_bytes_per_s=kv_device_link_bytes_per_s,
-                                              placement=kv_placement)
+                                              placement=kv_placement, consistent=consistent)
     remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
         kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
                          merge_mode=kv_merge_mode, max_loads_in_flight=kv_max_loads_in_flight,
                          kv_ttft_target_s=kv_ttft_target_s,
                          link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S,
-                         consistent=self._consistent(kv_codec_consistent, kv_codec,
-                                                     kv_chunk_size, sched),
+                         consistent=consistent,
                          enable_prefix_caching=enable_prefix_caching,
                          layerwise_groups=kv_layerwise_groups,
                          lookahead_window=kv_lookahead_window)
@@ -481,7 +481,8 @@ class LLM:
                          runner: ModelRunner, codec: str = "raw",
                          codec_levels: tuple[int, ...] = (0,), *,
                          device_link_bytes_per_s: float | None = None,
-                         placement: str | None = None) -> KVStoreClient:
+                         placement: str | None = None,
+                         consistent: bool = False) -> KVStoreClient:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
         0 < chunk_size < runner.max_seq_len):
       raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
@@ -526,7 +527,8 @@ class LLM:
                          kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
                          codec_levels=codec_levels, kvtc_transform_id=tid,
                          device_link=(LinkLimiter(device_link_bytes_per_s)
-                                      if device_link_bytes_per_s is not None else None))
+                                      if device_link_bytes_per_s is not None else None),
+                         consistent=consistent)
 
   def follow(self) -> None:
     """Multi-host, processes other than 0: runs the device calls process 0 sends (its steps,

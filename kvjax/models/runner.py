@@ -23,14 +23,9 @@ from kvjax.kernels import kv_codec, kvtc
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
 from kvjax.models.kv_cache import KVCache, init_kv_cache, insert_chunk
 from kvjax.models.llama import Llama, PrefillOutput, logits_after_context
+from kvjax.storage.specs import default_cache_root  # noqa: F401 - re-exported
 
 DEFAULT_CHUNK_SIZES = (16, 32, 64, 128, 256, 512)
-
-
-def default_cache_root() -> str:
-  """kvjax's cache directory: `$KVJAX_CACHE_DIR`, else `~/.cache/kvjax`."""
-  return os.environ.get("KVJAX_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "kvjax")
 
 
 def enable_persistent_compilation_cache(path: str | None = None) -> str:

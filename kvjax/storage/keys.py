@@ -72,6 +72,11 @@ class KeyNamespace:
     kv_layout_version: version of the `[L, 2, C, K, H]` layout and its conventions (pre-RoPE K).
     chunk_size: C, tokens per chunk.
     cache_salt: tenant isolation salt (vLLM's `cache_salt`); `None` (no salt) differs from `""`.
+    encoding: the one encoding ("codec/level", e.g. "kvtc/1") an engine with
+      `kv_codec_consistent` stores and loads: its chunks are kept apart from those of other
+      encodings (a record is written once, so a chunk stored raw could never gain the encoding
+      such an engine needs, and its prompt would be recomputed on every request). None (every
+      other engine): chunks of any encoding; the root is then what it was before this field.
   """
 
   model_fingerprint: str
@@ -79,6 +84,7 @@ class KeyNamespace:
   kv_layout_version: int
   chunk_size: int
   cache_salt: str | None = None
+  encoding: str | None = None
 
   def __post_init__(self):
     if self.chunk_size <= 0:
@@ -91,6 +97,8 @@ class KeyNamespace:
     for value in (self.model_fingerprint, self.kv_dtype, self.kv_layout_version, self.chunk_size,
                   self.cache_salt):
       h.update(_encode_value(value))
+    if self.encoding is not None:
+      h.update(_encode_value(self.encoding))
     return ChunkHash(h.hexdigest())
 
 

@@ -32,8 +32,18 @@ from typing import Any
 
 from kvjax.storage.types import KVLayout
 
-#: Default root of a local store.
-DEFAULT_ROOT = os.path.join("~", ".cache", "kvjax", "store")
+
+def default_cache_root() -> str:
+  """kvjax's cache directory: `$KVJAX_CACHE_DIR`, else `~/.cache/kvjax` (converted weights,
+  compiled programs, the default store)."""
+  return os.environ.get("KVJAX_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "kvjax")
+
+
+def default_root() -> str:
+  """Default root of a local store: `<cache root>/store` (where the server stores by default)."""
+  return os.path.join(default_cache_root(), "store")
+
 
 #: zstd (level 1) inside the shard. Off: measured on [30, 2, 256, 3, 64] chunks (memory kvstore,
 #: 2 CPU cores) it shrank float32 values 1.08x and bfloat16 1.28x (the same 1.28x DESIGN.md
@@ -107,7 +117,7 @@ def kvstore_spec(url: str, *, endpoint: str | None = None, region: str | None = 
     return spec
   if "://" in url:
     raise ValueError(f"unknown store URL scheme {url.split('://', 1)[0]!r} in {url!r}")
-  return {"driver": "file", "path": _dir_path(url or DEFAULT_ROOT)}
+  return {"driver": "file", "path": _dir_path(url or default_root())}
 
 
 def s3_spec(kvstore: dict[str, Any]) -> dict[str, Any] | None:

@@ -307,8 +307,10 @@ def _json(obj: Any, out: TextIO) -> None:
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("store", specs.DEFAULT_ROOT,
-                      "Store URL: a path, file:///path, ocdbt+file:///path or s3://bucket/prefix.",
+  flags.DEFINE_string("store", None,
+                      "Store URL: a path, file:///path, ocdbt+file:///path or s3://bucket/prefix "
+                      "(default: <cache root>/store, $KVJAX_CACHE_DIR/store or "
+                      "~/.cache/kvjax/store, where the server stores by default).",
                       flag_values=fv)
   flags.DEFINE_string("namespace", "", "Only records whose namespace id starts with this hex "
                       "prefix (ls, du, verify).", flag_values=fv)
@@ -339,7 +341,7 @@ async def _run(command: str, fv: flags.FlagValues, out: TextIO) -> int:
   if fv.s3_region:
     kwargs["region"] = fv.s3_region
   try:
-    store = ChunkStore(fv.store, timeout_s=fv.timeout_s, **kwargs)
+    store = ChunkStore(fv.store or specs.default_root(), timeout_s=fv.timeout_s, **kwargs)
   except ValueError as e:
     raise StoreError(str(e)) from e
   try:

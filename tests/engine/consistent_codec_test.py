@@ -59,6 +59,34 @@ class ConsistentCodecTest(parameterized.TestCase):
     self.assertLessEqual(levels, {"cachegen/1"})  # never the coarser level, whatever the timing
     consistent.close()
 
+  def test_a_prompt_stored_in_another_encoding_gets_its_own_chunks(self):
+    # A store whose chunks of PROMPT hold raw only (written by a raw engine): a consistent int8
+    # engine cannot use them (its output must equal its own cold run) and a record is written
+    # once, so with shared keys it would recompute PROMPT on every request. Its keys carry its
+    # encoding: it writes int8 chunks beside the raw ones, and the repeat loads them.
+    store = self.create_tempdir().full_path
+    raw = make_llm(store, "raw", "load_only")
+    raw.generate({"prompt_token_ids": PROMPT}, PARAMS)
+    raw.flush()
+    raw_keys = raw.kv_store.lookup(PROMPT, None).hashes
+    raw.close()
+    lossy = make_llm(store, "int8", "load_only")
+    self.assertEqual(lossy.kv_store.key_encoding, "int8/0")
+    self.assertNotEqual(lossy.kv_store.lookup(PROMPT, None).hashes[0], raw_keys[0])
+    first = lossy.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    lossy.flush()
+    second = lossy.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    self.assertEqual(first.num_cached_tokens, 0)
+    self.assertEqual(second.num_cached_tokens, (len(PROMPT) - 1) // C * C)
+    self.assertEqual((second.token_ids, second.logprobs), (first.token_ids, first.logprobs))
+    lossy.close()
+    # The raw engine still finds its own chunks (keys without an encoding are unchanged).
+    raw = make_llm(store, "raw", "load_only")
+    self.assertEqual(raw.kv_store.lookup(PROMPT, None).hashes, raw_keys)
+    again = raw.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    self.assertEqual(again.num_cached_tokens, (len(PROMPT) - 1) // C * C)
+    raw.close()
+
   def test_consistent_needs_the_chunk_size_compiled(self):
     with self.assertRaisesRegex(ValueError, "kv_codec_consistent=True needs kv_chunk_size=24"):
       LLM("tiny", cache_dir="", chunk_sizes=(16, 32), kv_store="memory://x", kv_chunk_size=24,

@@ -1,6 +1,7 @@
 """Tests for kvjax.storage.keys."""
 
 import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
@@ -23,13 +24,24 @@ class KeyNamespaceTest(parameterized.TestCase):
 
   @parameterized.parameters(
       ("model_fingerprint", "fp2"), ("kv_dtype", "float32"), ("kv_layout_version", 2),
-      ("chunk_size", 8), ("cache_salt", "tenant-a"), ("cache_salt", ""))
+      ("chunk_size", 8), ("cache_salt", "tenant-a"), ("cache_salt", ""),
+      ("encoding", "kvtc/1"))
   def test_each_field_changes_root(self, field, value):
     self.assertNotEqual(dataclasses.replace(NS, **{field: value}).root_hash(), NS.root_hash())
 
   def test_none_salt_differs_from_empty_salt(self):
     self.assertNotEqual(dataclasses.replace(NS, cache_salt=None).root_hash(),
                         dataclasses.replace(NS, cache_salt="").root_hash())
+
+  def test_no_encoding_keeps_the_root_of_the_five_fields(self):
+    # Keys of every engine but a consistent one's are what they were before `encoding` existed.
+    h = hashlib.sha256()
+    h.update(keys._field(keys._T_BYTES, keys._ROOT_DOMAIN))
+    for value in ("fp", "bfloat16", 1, 4, None):
+      h.update(keys._encode_value(value))
+    ns = keys.KeyNamespace("fp", "bfloat16", 1, 4)
+    self.assertEqual(ns.root_hash(), h.hexdigest())
+    self.assertNotEqual(dataclasses.replace(ns, encoding="int8/0").root_hash(), h.hexdigest())
 
   def test_fields_do_not_run_together(self):
     a = keys.KeyNamespace("ab", "c", 1, 4)
