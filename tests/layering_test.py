@@ -1,7 +1,7 @@
 """Holds the import direction between rooms (DESIGN.md section 2).
 
-Bottom floors (`kvjax/_typing.py`, `kvjax/codecs.py`, the codec registry, `kvjax/block_hash.py`) import no kvjax module
-but `kvjax._typing` and no array or storage library, so every room may import them.
+Bottom floors (`kvjax/_typing.py`, `kvjax/_paths.py`, `kvjax/codecs.py`, the codec registry,
+`kvjax/block_hash.py`) import no kvjax module but `kvjax._typing` and no array or storage library, so every room may import them.
 """
 
 import ast
@@ -29,7 +29,7 @@ FORBIDDEN = {
 }
 
 # Bottom-floor modules -> the only kvjax modules they may import, and the libraries they must not.
-BOTTOM_FLOORS = {"_typing.py": set(), "codecs.py": {"kvjax._typing"},
+BOTTOM_FLOORS = {"_typing.py": set(), "_paths.py": set(), "codecs.py": {"kvjax._typing"},
                  "block_hash.py": {"kvjax._typing"}}
 BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"}
 
@@ -38,7 +38,7 @@ BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"
 ALLOWED_KVJAX = {
     "serve": {"kvjax.serve", "kvjax.engine", "kvjax.scheduler.request", "kvjax._typing",
               "kvjax.codecs"},
-    "store": {"kvjax.store", "kvjax.storage", "kvjax.codecs", "kvjax._typing"},
+    "store": {"kvjax.store", "kvjax.storage", "kvjax.codecs", "kvjax._typing", "kvjax._paths"},
 }
 
 

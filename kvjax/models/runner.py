@@ -19,11 +19,11 @@ import numpy as np
 from flax import nnx
 
 from kvjax import codecs
+from kvjax._paths import default_cache_root  # noqa: F401 - re-exported
 from kvjax.kernels import kv_codec, kvtc
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
 from kvjax.models.kv_cache import KVCache, init_kv_cache, insert_chunk
 from kvjax.models.llama import Llama, PrefillOutput, logits_after_context
-from kvjax.storage.specs import default_cache_root  # noqa: F401 - re-exported
 
 DEFAULT_CHUNK_SIZES = (16, 32, 64, 128, 256, 512)
 

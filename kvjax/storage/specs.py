@@ -30,14 +30,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from kvjax._paths import default_cache_root
 from kvjax.storage.types import KVLayout
-
-
-def default_cache_root() -> str:
-  """kvjax's cache directory: `$KVJAX_CACHE_DIR`, else `~/.cache/kvjax` (converted weights,
-  compiled programs, the default store)."""
-  return os.environ.get("KVJAX_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "kvjax")
 
 
 def default_root() -> str:

@@ -85,7 +85,10 @@ class LayerwiseEngineTest(parameterized.TestCase):
     self.assertIn(("layers", 1), trace)  # the hit did go in layer-wise
     self.assertEqual(got.token_ids, want.token_ids)
     self.assertGreater(want.num_cached_tokens, 0)
-    self.assertEqual(got.num_cached_tokens, want.num_cached_tokens)
+    if mode == "load_only":  # Cake's meeting point follows timing: how much loads may differ
+      self.assertEqual(got.num_cached_tokens, want.num_cached_tokens)
+    else:
+      self.assertGreater(got.num_cached_tokens, 0)
     self.assertIn("host", got.metrics.loaded_from_tiers)
     for g, w in zip(got.logprobs, want.logprobs):
       self.assertEqual(set(g), set(w))

@@ -502,8 +502,12 @@ class SpecsTest(parameterized.TestCase):
     self.assertEqual(specs.kvstore_spec("memory://a"), {"driver": "memory", "path": "a/"})
     self.assertEqual(specs.kvstore_spec("file:///x/y"), {"driver": "file", "path": "/x/y/"})
     self.assertEqual(specs.kvstore_spec("/x/y/"), {"driver": "file", "path": "/x/y/"})
-    self.assertEqual(specs.kvstore_spec("")["path"],
-                     os.path.expanduser("~/.cache/kvjax/store/"))
+    with mock.patch.dict(os.environ):  # the default store: <cache root>/store
+      os.environ.pop("KVJAX_CACHE_DIR", None)
+      self.assertEqual(specs.kvstore_spec("")["path"],
+                       os.path.expanduser("~/.cache/kvjax/store/"))
+      os.environ["KVJAX_CACHE_DIR"] = "/x/cache"
+      self.assertEqual(specs.kvstore_spec("")["path"], "/x/cache/store/")
     self.assertEqual(specs.kvstore_spec("ocdbt+file:///x"),
                      {"driver": "ocdbt", "base": {"driver": "file", "path": "/x/"}})
 
