@@ -22,7 +22,7 @@ from typing import Any
 
 
 from kvjax.engine.llm import LLM, check_long_prefill_token_threshold, resolve_kv_cache_layout
-from kvjax.models.runner import default_cache_root
+from kvjax.storage import specs
 from kvjax.storage.tiers import StoreConfig, TierConfig
 
 _TIER_KEYS = {f for f in TierConfig.__dataclass_fields__}
@@ -30,7 +30,7 @@ _TIER_KEYS = {f for f in TierConfig.__dataclass_fields__}
 
 def default_kv_store_url() -> str:
   """`file://<cache root>/store`: `$KVJAX_CACHE_DIR/store` or `~/.cache/kvjax/store`."""
-  return "file://" + os.path.join(default_cache_root(), "store")
+  return "file://" + specs.default_root()
 
 
 def store_config_from_json(text: str) -> StoreConfig:

@@ -71,15 +71,16 @@ _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
 
 def check_long_prefill_token_threshold(threshold: int,
                                        chunk_sizes: Sequence[int] | None = None) -> None:
-  """Rejects a bad `long_prefill_token_threshold` by its user-facing name: it must be an int
-  >= 0 (0: off), and when > 0 at least the smallest compiled chunk size (`chunk_sizes`, None:
-  `LLM`'s default), or a long prompt could never advance."""
-  if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-    raise ValueError(f"long_prefill_token_threshold={threshold!r} must be an int >= 0 (0: off)")
-  smallest = min(chunk_sizes or DEFAULT_CHUNK_SIZES)
-  if 0 < threshold < smallest:
-    raise ValueError(f"long_prefill_token_threshold={threshold} is below the smallest chunk "
-                     f"size {smallest}: long prompts could never be scheduled")
+  """Rejects a bad `long_prefill_token_threshold` before any weights load, by the scheduler's
+  own rule (`SchedulerConfig`: an int >= 0, 0: off, and when > 0 at least the smallest compiled
+  chunk size, `chunk_sizes` or `LLM`'s default, or a long prompt could never advance).
+
+  Raises:
+    ValueError: naming the option.
+  """
+  sizes = tuple(sorted(chunk_sizes or DEFAULT_CHUNK_SIZES))
+  SchedulerConfig(chunk_sizes=sizes, token_budget=sizes[-1],
+                  long_prefill_token_threshold=threshold)
 
 
 def _check_local_store_writable(url: str) -> None:

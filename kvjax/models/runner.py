@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax import codecs
-from kvjax._paths import default_cache_root  # noqa: F401 - re-exported
+from kvjax._paths import default_cache_root
 from kvjax.kernels import kv_codec, kvtc
 from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
 from kvjax.models.kv_cache import KVCache, init_kv_cache, insert_chunk
