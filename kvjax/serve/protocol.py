@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import pydantic
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvjax.engine import MergeTrace
@@ -168,7 +169,7 @@ class _Sampling(_Strict):
   stream: bool = False
   stream_options: StreamOptions | None = None
   stop: str | list[str] | None = None
-  seed: int | None = None
+  seed: Annotated[int, Field(ge=-2**63, le=2**63 - 1)] | None = None  # int64, as OpenAI, vLLM
   presence_penalty: Penalty = 0.0
   frequency_penalty: Penalty = 0.0
   logit_bias: dict[str, float] | None = None
@@ -235,6 +236,20 @@ class ChatMessage(_Strict):
   role: Literal["system", "developer", "user", "assistant"]
   content: str | list[TextPart] | None
   name: str | None = None
+
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _text_parts_only(cls, data: Any) -> Any:
+    """A content part of another type (`image_url`, `input_audio`, `file`) gets a 400 that
+    names it, not pydantic's generic union error."""
+    parts = data.get("content") if isinstance(data, dict) else None
+    for part in parts if isinstance(parts, list) else ():
+      kind = part.get("type") if isinstance(part, dict) else None
+      if isinstance(kind, str) and kind != "text":
+        raise pydantic_core.PydanticCustomError(
+            "unsupported_part", "content parts of type '{kind}' are not supported: kvjax serves "
+            "text-only models, so every part must have type 'text'", {"kind": kind})
+    return data
 
   def text(self) -> str:
     if self.content is None:

@@ -52,12 +52,17 @@ BAD = [
     ("top_p_bool", "completions", completion(top_p=True), 400, "top_p", None),
     ("stream_as_string", "completions", completion(stream="yes"), 400, "stream", None),
     ("seed_as_float", "completions", completion(seed=1.5), 400, "seed", None),
+    ("seed_beyond_int64", "completions", completion(seed=2**63), 400, "seed", None),
+    ("seed_below_int64", "chat/completions", chat(seed=-2**63 - 1), 400, "seed", None),
     ("stop_as_int", "completions", completion(stop=5), 400, "stop", None),
     ("stop_empty_string", "completions", completion(stop=[""]), 400, "stop", None),
     ("logprobs_as_string", "completions", completion(logprobs="x"), 400, "logprobs", None),
     ("messages_as_string", "chat/completions", chat(messages="hi"), 400, "messages", None),
     ("content_as_int", "chat/completions", chat(messages=[{"role": "user", "content": 5}]), 400,
      "messages[0].content", None),
+    ("image_part", "chat/completions", chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]), 400,
+     "messages[0]", None),
     ("unknown_role", "chat/completions", chat(messages=[{"role": "robot", "content": "x"}]), 400,
      "messages[0].role", None),
     ("cache_salt_as_int", "completions", completion(cache_salt=7), 400, "cache_salt", None),
@@ -124,6 +129,18 @@ class ServeErrorsTest(ServedLLMTestCase):
       self.client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2)
     self.assertEqual(e.exception.param, "n")
     self.assert_works()
+
+  def test_a_non_text_content_part_is_named_in_the_error(self):
+    r = self.post("chat/completions", chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]))
+    self.assert_error(r, 400, "messages[0]")
+    self.assertIn("'input_audio' are not supported", r.json()["error"]["message"])
+
+  def test_seeds_at_the_int64_ends_are_served(self):
+    for seed in (2**63 - 1, -2**63):
+      r = self.post("completions", completion(seed=seed, max_tokens=2))
+      self.assertEqual(r.status_code, 200, r.text)
 
   def test_explicit_nulls_mean_defaults(self):
     r = self.post("completions", '{"model": "tiny", "prompt": "x", "max_tokens": 2, "n": null, '
