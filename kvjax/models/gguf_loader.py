@@ -7,8 +7,9 @@ can rotate interleaved pairs `(2i, 2i+1)`; kvjax rotates Hugging Face's `rotate_
 `(i, i + H/2)` and therefore undoes that permutation (`unpermute_qk`).
 
 Files are parsed with `gguf.GGUFReader` and dequantized with `gguf.quants.dequantize`. Opening a
-file costs ~5-6 s for SmolLM2 (the reader builds numpy views for each of its 49k tokens and 49k
-merges); `tokenizer.Tokenizer.save`/`load` avoid re-reading that metadata on a warm start.
+file costs ~5-7 s for SmolLM2 (the reader builds numpy views for each of its 49k tokens and 49k
+merges): a process parses an unchanged file once (`_open`), and `tokenizer.Tokenizer.save`/`load`
+avoid re-reading that metadata on a warm start.
 
 Canonical layout returned by `load_gguf` (flat dict of float32 numpy arrays):
 
@@ -20,6 +21,7 @@ Canonical layout returned by `load_gguf` (flat dict of float32 numpy arrays):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -161,7 +163,25 @@ class _GGUFFile:
 
 
 def _open(path: str | os.PathLike[str]) -> _GGUFFile:
-  return _GGUFFile(os.fspath(path))
+  """The parsed file, parsed once per process while the file is unchanged (same size,
+  modification time and inode): a cold start reads the tokenizer, the config and the weights
+  from one file, and parsing costs seconds each time. Metadata callers get copies
+  (`read_gguf_metadata`); tensors are read-only mappings.
+
+  Raises:
+    FileNotFoundError: `path` does not exist.
+    ValueError: not a GGUF file or malformed (never memoized).
+  """
+  path = os.fspath(path)
+  _check_file(path)
+  st = os.stat(path)
+  return _open_unchanged(path, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_unchanged(path: str, size: int, mtime_ns: int, inode: int) -> _GGUFFile:
+  del size, mtime_ns, inode  # The memo's key: a rewritten file is parsed again.
+  return _GGUFFile(path)
 
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -177,7 +197,7 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     FileNotFoundError: `path` does not exist.
     ValueError: not a GGUF file or malformed.
   """
-  return _open(path).metadata
+  return {k: list(v) if isinstance(v, list) else v for k, v in _open(path).metadata.items()}
 
 
 def _field(reader: _GGUFFile, key: str, default: Any = ...) -> Any:

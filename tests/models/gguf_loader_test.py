@@ -225,6 +225,22 @@ class TinyGGUFTest(parameterized.TestCase):
     for k in params:
       np.testing.assert_array_equal(got[k], params[k], err_msg=k)
 
+  def test_an_unchanged_file_is_parsed_once_and_a_rewritten_one_again(self):
+    cfg = config.tiny()
+    path = os.path.join(self.dir, "memo.gguf")
+    write_gguf(path, cfg, gguf_tensors(cfg, random_params(cfg)))
+    self.assertIs(gguf_loader._open(path), gguf_loader._open(path))
+    meta = gguf_loader.read_gguf_metadata(path)
+    meta["general.name"] = "changed by a caller"
+    self.assertEqual(gguf_loader.read_gguf_metadata(path)["general.name"], cfg.name)
+    os.remove(path)  # a new file at the same path: another inode, size and time
+    write_gguf(path, dataclasses.replace(cfg, name="second"),
+               gguf_tensors(cfg, random_params(cfg)))
+    self.assertEqual(gguf_loader.read_gguf_config(path).name, "second")
+    os.remove(path)
+    with self.assertRaises(FileNotFoundError):
+      gguf_loader.read_gguf_config(path)
+
   def test_llama3_rope_scaling_from_rope_freqs(self):
     # llama.cpp stores LLaMA-3.1 scaling only as the `rope_freqs.weight` divisors.
     cfg = config.tiny(rope_scaling=config.RopeScaling(), rope_theta=500000.0, max_seq_len=131072)
