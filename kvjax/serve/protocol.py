@@ -3,7 +3,9 @@
 Requests are parsed from the raw body with strict pydantic models (no coercion: `"5"` is not an
 int) that reject fields the OpenAI API does not have (400, "Unrecognized request argument").
 Fields the OpenAI API has but kvjax does not implement are accepted at their neutral value
-(`n=1`, `echo=false`, penalties 0, ...) and rejected otherwise, naming the field.
+(`n=1`, `echo=false`, penalties 0, ...) and rejected otherwise, naming the field; message content
+is a string or a list of parts of type "text" (another type, such as "image_url", gets a 400
+naming it), and `seed` an int64.
 
 Extensions (accepted by kvjax, not by OpenAI; vLLM has the first three):
   cache_salt: str   tenant key for the prefix cache (stored KV is shared only within one salt).
