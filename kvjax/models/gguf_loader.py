@@ -139,8 +139,7 @@ class _GGUFFile:
   """
 
   def __init__(self, path: str):
-    _check_file(path)
-    self.path = path
+    self.path = path  # checked by `_open`, the only constructor
     try:
       reader = gguf.GGUFReader(path)
       if reader.byte_order != "I":

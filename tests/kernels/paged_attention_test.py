@@ -93,7 +93,7 @@ def run(impl, args, **kw):
   return np.asarray(pa.paged_attention(*args, implementation=impl, **blocks).astype(jnp.float32))
 
 
-def _slow_on_cpu(impl, case, dname):
+def _slow_case(impl, case, dname):
   """The GPU kernel's interpret mode (Triton emulated on the CPU) costs ~5 s a case: the default
   suite runs its mixed batches (decodes and prefills together, both head groups and dtypes)
   and its edges in float32; the rest (decode- and prefill-only batches, edges in bfloat16) are
@@ -110,7 +110,7 @@ def cases(slow=False):
         for dname in DTYPES:
           if dname == "bfloat16" and case in ("decode", "prefill"):
             continue
-          if _slow_on_cpu(impl, case, dname) != slow:
+          if _slow_case(impl, case, dname) != slow:
             continue
           out.append(dict(testcase_name=f"{impl}_{case}_{hname}_{dname}", impl=impl, case=case,
                           heads=hname, dtype=dname))
@@ -125,7 +125,7 @@ class PagedAttentionTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*cases(slow=True))
   @pytest.mark.slow
-  def test_matches_dense_oracle_slow_on_cpu(self, impl, case, heads, dtype):
+  def test_matches_dense_oracle_slow(self, impl, case, heads, dtype):
     self._check_matches_dense_oracle(impl, case, heads, dtype)
 
   def _check_matches_dense_oracle(self, impl, case, heads, dtype):
