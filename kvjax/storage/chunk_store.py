@@ -63,7 +63,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
@@ -514,17 +514,36 @@ class ChunkStore:
     return not stamp.generation
 
   @contextlib.contextmanager
-  def _writing(self, object_key: str) -> Iterator[None]:
-    """Marks a data object as being written, so `gc` in this process leaves it alone."""
+  def _writing(self, object_keys: Sequence[str]) -> Iterator[Callable[[], list[str]]]:
+    """Marks data objects as being written, so `gc` in this process leaves them alone.
+
+    Yields `release()`, which unmarks them early and returns those no other writer in this
+    process still marks (this writer was the last); unmarking and that check are one atomic
+    step, so of several writers of one object exactly one is told it was last.
+    """
     with self._in_flight_lock:
-      self._in_flight[object_key] += 1
-    try:
-      yield
-    finally:
+      for o in object_keys:
+        self._in_flight[o] += 1
+    released = False
+
+    def release() -> list[str]:
+      nonlocal released
+      if released:
+        return []
+      released = True
+      last = []
       with self._in_flight_lock:
-        self._in_flight[object_key] -= 1
-        if not self._in_flight[object_key]:
-          del self._in_flight[object_key]
+        for o in object_keys:
+          self._in_flight[o] -= 1
+          if not self._in_flight[o]:
+            del self._in_flight[o]
+            last.append(o)
+      return last
+
+    try:
+      yield release
+    finally:
+      release()
 
   async def _read_record(self, chunk_hash: ChunkHash) -> ts.KvStore.ReadResult:
     root = await self.kvstore()
@@ -811,9 +830,7 @@ class ChunkStore:
     nbytes = sum(e.nbytes for e in encodings)
     objects = [e.object for e in encodings]
 
-    with contextlib.ExitStack() as writing:
-      for o in objects:
-        writing.enter_context(self._writing(o))
+    with self._writing(objects) as release:
       try:
         async with self._bytes.hold(nbytes):
           await asyncio.gather(*(write() for write in writes))
@@ -826,7 +843,8 @@ class ChunkStore:
         self.stats.add(puts=1, bytes_written=nbytes)
         return True
       self.stats.add(put_conflicts=1)
-      for o in objects:
+      # Writers of equal values write the same object: the last of them in this process decides.
+      for o in release():
         await self._drop_loser_object(chunk_hash, o)
       return False
 
@@ -837,13 +855,10 @@ class ChunkStore:
   async def _drop_loser_object(self, chunk_hash: ChunkHash, object_key: str) -> None:
     """After losing the publish race: delete our object unless the winner's record uses it.
 
-    Writers of equal values write the same object; while another writer in this process is still
-    writing it, the last of them decides. (A twin in another process can see its write fail;
-    that put then counts as a failure and leaves no record.)
+    Called by the last writer of the object in this process (`_writing`'s release). A twin in
+    another process can see its write fail; that put then counts as a failure and leaves no
+    record, and an object it leaves is `gc`'s.
     """
-    with self._in_flight_lock:
-      if self._in_flight[object_key] > 1:
-        return
     try:
       res = await self._read_record(chunk_hash)
       if res.state == "value":

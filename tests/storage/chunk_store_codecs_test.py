@@ -5,8 +5,11 @@ someone else's arrays or garbage.
 """
 
 import asyncio
+import contextvars
 import dataclasses
 import io
+import threading
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -343,6 +346,82 @@ class LifecycleTest(Base):
                                                                      for e in rec.encodings))
 
     run(body())
+
+  @parameterized.parameters(*BACKENDS)
+  def test_a_twin_loser_that_writes_after_the_first_one_decided_still_leaves_no_object(
+      self, backend):
+    # The interleaving a CI run hit. Losers A and B hold equal values (the same objects). A
+    # loses to W, finds no other writer of its objects and deletes them; while A is still
+    # deleting, B (past its check, slow to encode) writes them again, loses too, and must
+    # delete them itself rather than leave them to A.
+    store = self.make_store(backend)
+    role = contextvars.ContextVar("role", default=None)  # tasks and to_thread copy it
+    b_encoding, release_b = threading.Event(), threading.Event()
+    a_checked, w_published = asyncio.Event(), asyncio.Event()
+    a_deleted_first, b_done = asyncio.Event(), asyncio.Event()
+    a_deletes = []
+    loop = asyncio.new_event_loop()
+    encode, publish, delete = (codecs.encode_payload, store._publish_record,
+                               store._delete_object)
+
+    def gated_encode(*args, **kwargs):
+      if role.get() == "B":
+        b_encoding.set()
+        self.assertTrue(release_b.wait(60))
+      elif role.get() == "A":
+        loop.call_soon_threadsafe(a_checked.set)
+      return encode(*args, **kwargs)
+
+    async def gated_publish(record):
+      if role.get() == "A":
+        await w_published.wait()
+      if role.get() == "W":
+        await a_checked.wait()
+      won = await publish(record)
+      if role.get() == "W":
+        w_published.set()
+      return won
+
+    async def gated_delete(key, **kwargs):
+      if role.get() == "A":
+        a_deletes.append(key)
+        if len(a_deletes) == 2:
+          await b_done.wait()
+      await delete(key, **kwargs)
+      if len(a_deletes) == 1:
+        a_deleted_first.set()
+
+    store._publish_record, store._delete_object = gated_publish, gated_delete
+    self.enter_context(mock.patch.object(codecs, "encode_payload", gated_encode))
+    winner = _payloads(_values(LAYOUT, 0), (("int8", 0), ("cachegen", 1)))
+    loser = _payloads(_values(LAYOUT, 1), (("int8", 0), ("cachegen", 1)))
+
+    def put(ps):
+      return store.put(HASHES[0], ROOT, TOKENS[:C], ROOT, layout=LAYOUT, payloads=ps)
+
+    async def body():
+      role.set("B")
+      b = asyncio.create_task(put(loser))
+      self.assertTrue(await asyncio.to_thread(b_encoding.wait, 60))
+      role.set("A")
+      a = asyncio.create_task(put(loser))
+      role.set("W")
+      self.assertTrue(await put(winner))
+      await a_deleted_first.wait()
+      release_b.set()
+      self.assertFalse(await b)
+      b_done.set()
+      self.assertFalse(await a)
+      rec = await self.record(store)
+      self.assertEqual(await self.keys_under(store, "data/"),
+                       sorted(e.object for e in rec.encodings))
+      self.assertEqual(store.stats.put_conflicts, 2)
+
+    try:
+      loop.run_until_complete(asyncio.wait_for(body(), 120))
+    finally:
+      release_b.set()
+      loop.close()
 
   def test_second_put_is_a_conflict(self):
     store = self.make_store()
