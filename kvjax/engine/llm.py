@@ -274,7 +274,8 @@ class LLM:
     session_truncation: a session turn whose prompt passes the context (minus `max_tokens`) or
       its `truncate_prompt_tokens`: "none" (an error, or a plain left cut when
       `truncate_prompt_tokens` is set) or "drop_oldest_turns" (keep the system prompt and the
-      last turn, drop whole oldest turns; CachedAttention section 3.4).
+      last turn, drop whole oldest turns; CachedAttention section 3.4; when that cannot fit,
+      an error, or a left cut when `truncate_prompt_tokens` is set).
     session_rerotate: with "drop_oldest_turns" and a store, the kept turns' stored KV is
       re-rotated to its new positions instead of recomputed (approximate: it was computed with
       the dropped turns in context; kept in a private namespace, never an ordinary prefix hit).
@@ -696,7 +697,7 @@ class LLM:
       add_generation_prompt: end the prompt with the assistant turn's header.
       cache_salt: tenant key for the prefix cache (see `generate`); with `session_id`, also part
         of the session's key.
-      session_id: a chat session (1 to 128 characters from [A-Za-z0-9._:-];
+      session_id: a chat session (1 to 128 characters from [A-Za-z0-9._:-], not . or ..;
         `kvjax.engine.sessions`): when `messages` are the session's last turn's messages, its
         reply (`text` of the last result) and new messages, the prompt is that turn's exact ids
         plus the new part only, so the prefix cache hits on every earlier token; otherwise the

@@ -84,12 +84,15 @@ def check_session_id(session_id: Any) -> str:
   """Returns `session_id` if it is a valid session id.
 
   Raises:
-    ValueError: not a string of 1 to 128 characters from [A-Za-z0-9._:-].
+    ValueError: not a string of 1 to 128 characters from [A-Za-z0-9._:-], or "." or ".."
+      (URL clients normalize those path segments away, so `DELETE /v1/sessions/{id}` could not
+      name them).
   """
-  if not isinstance(session_id, str) or not SESSION_ID_RE.fullmatch(session_id):
+  if not isinstance(session_id, str) or not SESSION_ID_RE.fullmatch(session_id) or (
+      session_id in (".", "..")):
     shown = repr(session_id)[:40] if isinstance(session_id, str) else type(session_id).__name__
-    raise ValueError(f"session_id must be 1 to 128 characters from [A-Za-z0-9._:-], got "
-                     f"{shown}")
+    raise ValueError(f"session_id must be 1 to 128 characters from [A-Za-z0-9._:-], other than "
+                     f"'.' and '..', got {shown}")
   return session_id
 
 
@@ -107,7 +110,8 @@ class SessionConfig:
       `truncate_prompt_tokens`) does: "none" (an error, or a plain left cut when
       `truncate_prompt_tokens` asks for one) or "drop_oldest_turns" (CachedAttention section
       3.4: keep the system prompt and the last turn, drop whole oldest turns;
-      `truncate_prompt`).
+      `truncate_prompt`; when that cannot fit, an error, or a left cut when
+      `truncate_prompt_tokens` asks for one).
     rerotate: with "drop_oldest_turns" and a store, re-rotate the kept turns' stored KV to
       their new positions instead of recomputing them (approximate; private namespace).
     rerotate_boundary_chunks: with `rerotate`, the truncated prompt's first store chunks that
@@ -497,8 +501,9 @@ class SessionRegistry:
       limit: prompt tokens allowed (the context minus `max_tokens`, or the request's
         `truncate_prompt_tokens`); None: no limit.
       cut: the request asked for truncation (`truncate_prompt_tokens`): with policy "none", a
-        plain left cut; without it, a prompt over `limit` is returned as is (the caller's
-        context check refuses it).
+        plain left cut, and with "drop_oldest_turns" one where dropping whole turns cannot
+        fit. Without it, a prompt over `limit` that dropping whole turns cannot fit (or any,
+        with policy "none") is returned as is (the caller's context check refuses it).
 
     Returns:
       The `ChatPrompt`: `kv_salt` is the session's salt, or, for an extension of a re-rotated
@@ -520,7 +525,9 @@ class SessionRegistry:
     if limit is None or limit < 1 or len(prompt.token_ids) <= limit or (
         policy == TRUNCATE_NONE and not cut):
       return prompt
-    tr = truncate_prompt(self._tokenizer, prompt.token_ids, limit, policy=policy)
+    tr = truncate_prompt(self._tokenizer, prompt.token_ids, limit, policy=policy, left_cut=cut)
+    if tr is None:
+      return prompt
     with self._lock:
       self._counts["truncated"] += 1
       self._counts["dropped_turns"] += tr.dropped_turns
@@ -829,7 +836,7 @@ def message_segments(tokenizer: Any, ids: Sequence[int]) -> list[tuple[int, int,
 
 
 def truncate_prompt(tokenizer: Any, ids: Sequence[int], limit: int, *,
-                    policy: str = DROP_OLDEST_TURNS) -> Truncation:
+                    policy: str = DROP_OLDEST_TURNS, left_cut: bool = True) -> Truncation | None:
   """Cuts a templated chat prompt to at most `limit` tokens.
 
   `DROP_OLDEST_TURNS` (CachedAttention section 3.4): the messages are found in token space (the
@@ -838,16 +845,20 @@ def truncate_prompt(tokenizer: Any, ids: Sequence[int], limit: int, *,
   prompt included) are kept; whole turns (a user message and the messages up to the next user
   message) are dropped oldest first until the prompt fits. When even that does not fit, or the
   prompt cannot be segmented, or `policy` is `TRUNCATE_NONE`: a plain left cut (vLLM's
-  `truncate_prompt_tokens`: keep the last `limit` tokens).
+  `truncate_prompt_tokens`: keep the last `limit` tokens) if `left_cut`, else None.
 
   Args:
     tokenizer: as for `chat_prompt`.
     ids: the prompt, int token ids.
     limit: tokens to keep at most, >= 1.
     policy: `DROP_OLDEST_TURNS` or `TRUNCATE_NONE` (left cut only).
+    left_cut: whether a plain left cut may serve when dropping whole turns cannot (the request
+      asked for at most `limit` tokens); False when it would cut into the last turn, the
+      system prompt or the template unasked.
 
   Returns:
-    The `Truncation` (unchanged ids, one span, when they already fit).
+    The `Truncation` (unchanged ids, one span, when they already fit); None when only a left
+    cut would fit and `left_cut` is False.
   """
   ids = tuple(int(t) for t in ids)
   n = len(ids)
@@ -866,5 +877,7 @@ def truncate_prompt(tokenizer: Any, ids: Sequence[int], limit: int, *,
           spans.append(KeptSpan(keep_from, head, n - keep_from))
           out = ids[:head] + ids[keep_from:]
           return Truncation(ids, out, tuple(spans), k, n - len(out))
+  if not left_cut:
+    return None
   out = ids[n - limit:]
   return Truncation(ids, out, (KeptSpan(n - limit, 0, limit),), 0, n - limit)

@@ -163,11 +163,14 @@ class SessionTurnState:
                close: bool):
     self.sessions, self.turn, self.prompt, self.close = sessions, turn, prompt, close
     self.ended = False
+    self.closed = close  # the session does not hold this turn afterwards (set by `record`)
 
   def record(self, out: RequestOutput) -> None:
     if not self.ended:
       self.ended = True
-      self.sessions.finish(self.turn, self.prompt, out.token_ids, out.text, close=self.close)
+      # Not kept: closed by this request, by a DELETE while it ran, or dropped over the caps.
+      self.closed = not self.sessions.finish(self.turn, self.prompt, out.token_ids, out.text,
+                                             close=self.close)
 
   def end(self) -> None:
     if not self.ended:
@@ -176,7 +179,7 @@ class SessionTurnState:
 
   def extension(self) -> dict:
     return protocol.session_extension(self.turn.session_id, self.turn.number, self.prompt,
-                                      closed=self.close)
+                                      closed=self.closed)
 
 
 def sampling_params(req: protocol.CompletionRequest | protocol.ChatCompletionRequest,

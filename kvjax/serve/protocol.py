@@ -12,12 +12,13 @@ Extensions (accepted by kvjax, not by OpenAI; vLLM has the first three):
   top_k: int        keep the k most likely tokens (-1 or 0: all).
   ignore_eos: bool  keep generating after the end-of-sequence token.
 Chat only (SGLang has `session_id`; `kvjax.engine.sessions`):
-  session_id: str      a chat session, 1 to 128 characters from [A-Za-z0-9._:-], keyed together
-                       with `cache_salt`. When the messages are the session's last turn's
-                       messages, its reply and new messages, the prompt is that turn's exact
-                       token ids plus the new part (the prefix cache then hits on every earlier
-                       token); otherwise the normal templated prompt (a miss). A second request
-                       while a turn of the session runs gets 409 (`conflict_error`).
+  session_id: str      a chat session, 1 to 128 characters from [A-Za-z0-9._:-] (not . or
+                       ..), keyed together with `cache_salt`. When the messages are the
+                       session's last turn's messages, its reply and new messages, the
+                       prompt is that turn's exact token ids plus the new part (the prefix
+                       cache then hits on every earlier token); otherwise the normal templated
+                       prompt (a miss). A second request while a turn of the session runs
+                       gets 409 (`conflict_error`).
   close_session: bool  close the session after this turn (needs `session_id`).
 Responses add `usage.prompt_tokens_details.cached_tokens` (as OpenAI) and a `kvjax` object
 (see `kvjax_extension`).
@@ -350,7 +351,8 @@ def session_extension(session_id: str, number: int, prompt: Any, *, closed: bool
   Keys: `id`; `turn` (this turn's number in the session, from 1); `outcome` ("first",
   "extended" or "not_extended"); `extended` (bool: the prompt starts with the session's exact
   ids); `reused_tokens` (how many); `reason` (why not extended, else null); `closed` (the
-  session was closed after this turn); `truncation` (null, or `dropped_turns`,
+  session does not hold this turn: closed by this request or while it ran, or dropped over the
+  session caps; its next turn is a first turn); `truncation` (null, or `dropped_turns`,
   `dropped_tokens` and `rerotated_tokens`: prompt tokens served by re-rotated kept KV, after
   the computed boundary chunks).
   """

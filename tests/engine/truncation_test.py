@@ -61,6 +61,9 @@ class TruncatePromptTest(absltest.TestCase):
     self.assertEqual((tr.dropped_turns, tr.spans), (0, (KeptSpan(len(ids) - 200, 0, 200),)))
     tr = truncate_prompt(self.tok, ids[:300], 50, policy=sessions.TRUNCATE_NONE)
     self.assertEqual(tr.token_ids, ids[250:300])
+    # Unasked (no truncate_prompt_tokens), it would cut into the last turn: none.
+    self.assertIsNone(truncate_prompt(self.tok, ids, 200, left_cut=False))
+    self.assertEqual(truncate_prompt(self.tok, ids, len(ids), left_cut=False).token_ids, ids)
 
 
 class RegistryTruncationTest(absltest.TestCase):
@@ -96,6 +99,24 @@ class RegistryTruncationTest(absltest.TestCase):
     self.assertEqual((st.truncated, st.dropped_turns, st.rerotated), (1, 1, 0))
     # A limit below 1 (max_tokens past the context) leaves the prompt to the context check.
     self.assertIsNone(reg.prompt(t, msgs, limit=0).truncation)
+
+  def test_a_last_turn_over_the_limit_is_cut_only_when_the_request_asks(self):
+    # Dropping whole turns cannot fit a long last message: the prompt goes back as is (the
+    # context check refuses it, as without a session) unless truncate_prompt_tokens asked for
+    # at most `limit` tokens, which is then a left cut.
+    tok = smollm2_tokenizer()
+    reg = sessions.SessionRegistry(tok, sessions.SessionConfig(truncation="drop_oldest_turns"))
+    msgs = conv("What is the capital of France? " * 20)
+    whole = tuple(tok.encode_chat(msgs))
+    t = reg.begin("s")
+    unasked = reg.prompt(t, msgs, limit=12)
+    self.assertEqual((unasked.token_ids, unasked.truncation), (whole, None))
+    asked = reg.prompt(t, msgs, limit=12, cut=True)
+    self.assertEqual(asked.token_ids, whole[-12:])
+    self.assertEqual((asked.truncation.dropped_turns, asked.truncation.dropped_tokens),
+                     (0, len(whole) - 12))
+    reg.release(t)
+    self.assertEqual(reg.stats().truncated, 1)
 
 
 class SessionMetricsTest(absltest.TestCase):

@@ -272,9 +272,34 @@ class SessionsServeTest(ServedLLMTestCase):
     self.assertEqual(self.delete("del").status_code, 404)
     self.assertEqual(self.chat(m1, "del").model_extra["kvjax"]["session"]["turn"], 1)
 
+  def test_a_turn_whose_session_is_deleted_while_it_runs_says_closed(self):
+    engine = self.llm.engine
+    step, entered, proceed = engine.step, threading.Event(), threading.Event()
+
+    def gated_step():  # holds the turn inside the engine
+      entered.set()
+      proceed.wait(60)
+      return step()
+
+    m1 = [{"role": "user", "content": "delete me mid-turn"}]
+    self.chat(m1, "mid")
+    engine.step = gated_step
+    self.addCleanup(lambda: (proceed.set(), engine.__dict__.pop("step", None)))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      turn = pool.submit(self.chat, m1, "mid")
+      self.assertTrue(entered.wait(60))
+      self.assertEqual(self.delete("mid").status_code, 200)
+      del engine.step
+      proceed.set()
+      r = turn.result(60)
+    self.assertEqual({k: r.model_extra["kvjax"]["session"][k] for k in ("turn", "closed")},
+                     {"turn": 2, "closed": True})
+    self.assertIsNone(self.llm.sessions.get("mid"))
+    self.assertEqual(self.chat(m1, "mid").model_extra["kvjax"]["session"]["turn"], 1)
+
   def test_bad_session_fields_get_400(self):
     m1 = [{"role": "user", "content": "x"}]
-    for bad in ("", "x" * 129, "has space", "a/b", 5, True):
+    for bad in ("", "x" * 129, "has space", "a/b", ".", "..", 5, True):
       r = httpx.post(self.srv.url + "/v1/chat/completions", timeout=60, json={
           "model": "tiny", "messages": m1, "max_tokens": 1, "session_id": bad})
       self.assertEqual(r.status_code, 400, bad)
