@@ -181,7 +181,8 @@ _SESSION_TRUNCATION = flags.DEFINE_enum(
     "session_truncation", "none", ["none", "drop_oldest_turns"],
     "A chat session turn whose prompt passes the context (minus max_tokens) or its "
     "truncate_prompt_tokens: 'none' (400, or a plain left cut with truncate_prompt_tokens) or "
-    "'drop_oldest_turns' (keep the system prompt and the last turn, drop whole oldest turns).")
+    "'drop_oldest_turns' (keep the system prompt and the last turn, drop whole oldest turns; "
+    "400 when even that does not fit, or a left cut with truncate_prompt_tokens).")
 _SESSION_REROTATE = flags.DEFINE_bool(
     "session_rerotate", False,
     "With --session_truncation=drop_oldest_turns and a store: re-rotate the kept turns' stored "
