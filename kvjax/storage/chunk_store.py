@@ -783,7 +783,8 @@ class ChunkStore:
 
     Returns:
       True if this call published the record; False if a record already existed (counted in
-      `stats.put_conflicts`; nothing is written) or the backend failed (`stats.put_failures`; no
+      `stats.put_conflicts`; nothing is written; a malformed record, `ChunkRecord.is_malformed`,
+      is removed and replaced instead) or the backend failed (`stats.put_failures`; no
       record is left).
 
     Raises:
@@ -797,9 +798,18 @@ class ChunkStore:
     values = checked[0].arrays["values"] if checked[0].codec == RAW_CODEC else None
     encoded = [p for p in checked if p.codec != RAW_CODEC]
     try:
-      if (await self._read_record(chunk_hash)).state == "value":
-        self.stats.add(put_conflicts=1)  # Already stored: skip the data write.
-        return False
+      res = await self._read_record(chunk_hash)
+      if res.state == "value":
+        if not ChunkRecord.is_malformed(res.value):
+          self.stats.add(put_conflicts=1)  # Already stored: skip the data write.
+          return False
+        # A record no version can read (torn, overwritten) would make this chunk a miss
+        # forever: remove it (only the one read; a concurrent replacement stays) and store
+        # afresh. Its data objects, if any, are left to `gc`.
+        _log.warning("put(%s) on %s: replacing a malformed index record", chunk_hash,
+                     self.name)
+        root = await self.kvstore()
+        await self._op(root.write(index_key(chunk_hash), None, if_equal=res.stamp.generation))
     except Exception as e:  # noqa: BLE001
       _log.warning("put(%s) on %s failed: %r", chunk_hash, self.name, e)
       self.stats.add(put_failures=1)

@@ -156,6 +156,27 @@ class ChunkRecord:
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ValueError(f"malformed chunk record: {e!r}") from e
 
+  @classmethod
+  def is_malformed(cls, data: bytes) -> bool:
+    """Whether `data` is no record of any format version: not a JSON object, no integer
+    `format_version`, or a readable version with missing or mistyped fields (a torn or
+    overwritten record). A record of another integer format version is not malformed: a newer
+    writer's, left alone."""
+    try:
+      d = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+      return True
+    version = d.get("format_version") if isinstance(d, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int):
+      return True
+    if version not in READABLE_RECORD_FORMATS:
+      return False
+    try:
+      cls.from_json(data)
+    except ValueError:
+      return True
+    return False
+
 
 class MissReason(str, enum.Enum):
   """Why a lookup or read did not produce usable KV (counted per reason)."""

@@ -223,6 +223,33 @@ class FaultTest(StoreTestBase):
     self.assert_miss(store, run(body()), MissReason.CHECKSUM_MISMATCH)
 
   @parameterized.parameters(*BACKENDS)
+  def test_a_malformed_record_is_replaced_by_the_next_put(self, backend):
+    # Found by a fresh-user check: an overwritten index record made its chunk a miss on every
+    # request, and every save of it a conflict. A record of another format version stays.
+    store = self.make_store(backend)
+
+    async def body():
+      root = await store.kvstore()
+      key = chunk_store.index_key(HASHES[0])
+      for garbage in (b'{"chunk_hash": "garb', b"[1, 2]", b'{"format_version": 2}',
+                      b'{"chunk_hash": "x"}'):
+        await root.write(key, garbage)
+        self.assertTrue(ChunkRecord.is_malformed(garbage), garbage)
+        kv = await self.put0(store)
+        hit = await store.get(HASHES[0], TOKENS[:C], ROOT, _layout())
+        self.assertIsInstance(hit, ChunkHit)
+        np.testing.assert_array_equal(_bits(hit.kv), _bits(kv))
+        self.assertTrue(await store.delete(HASHES[0]))
+      newer = b'{"format_version": 99, "fields": "of a newer writer"}'
+      self.assertFalse(ChunkRecord.is_malformed(newer))
+      await root.write(key, newer)
+      self.assertFalse(await store.put(HASHES[0], ROOT, TOKENS[:C], ROOT, _values(_layout())))
+      self.assertEqual((await root.read(key)).value, newer)
+
+    run(body())
+    self.assertEqual((store.stats.puts, store.stats.put_conflicts), (4, 1))
+
+  @parameterized.parameters(*BACKENDS)
   def test_truncated_data(self, backend):
     store = self.make_store(backend)
 
