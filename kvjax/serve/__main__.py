@@ -295,10 +295,14 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
-  config = config_from_flags()
+  try:
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    config = config_from_flags()
+  except app.UsageError as e:  # one line, not absl's usage text (every flag of this module)
+    print(f"error: {e} (python -m kvjax.serve --help lists the flags)", file=sys.stderr)
+    sys.exit(1)  # absl's code for flag errors
   if config.is_follower:
     # Multi-host, not process 0: no HTTP; run process 0's device calls until it stops.
     llm = build_follower(config)
@@ -341,7 +345,8 @@ def main(argv):
     http.run()
   except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
     pass
-  print("kvjax: stopping (writing pending KV saves)", flush=True)
+  print("kvjax: stopping" + (" (writing pending KV saves)" if "backend" in loaded else ""),
+        flush=True)
   close_backend(loaded.get("backend"), loaded.get("llm"))
   if state.load_error:
     sys.exit(2)
