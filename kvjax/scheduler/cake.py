@@ -105,6 +105,8 @@ class MergeTrace:
     chunks_loaded: prefix chunks loaded and inserted, in insertion order.
     chunks_wasted: loads that landed after compute took their chunk or after `cancel`.
     chunks_rejected: loads that failed verification (their chunks were computed).
+    chunks_released: loads released before they started (compute took the chunk first; no
+      byte moved). `loads_issued` = loaded + wasted + rejected + released + still in flight.
     levels: encoding level (or name) of each loaded chunk.
     meeting_index: the first chunk that was loaded, N if none: compute wrote `[0, meeting * C)`
       up to holes above it.
@@ -124,6 +126,7 @@ class MergeTrace:
   chunks_loaded: list[int] = dataclasses.field(default_factory=list)
   chunks_wasted: list[int] = dataclasses.field(default_factory=list)
   chunks_rejected: list[int] = dataclasses.field(default_factory=list)
+  chunks_released: list[int] = dataclasses.field(default_factory=list)
   levels: dict[int, Hashable] = dataclasses.field(default_factory=dict)
   meeting_index: int = 0
   loads_issued: int = 0
@@ -455,6 +458,7 @@ class CakeMerge:
     """
     if self._in_flight.pop(index, None) is None:
       raise ValueError(f"chunk {index} has no load in flight")
+    self.trace.chunks_released.append(index)
     if not self._in_flight and self._load_busy_since_s is not None:
       self.trace.load_s += max(0.0, now_s - self._load_busy_since_s)
       self._load_busy_since_s = None

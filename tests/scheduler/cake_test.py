@@ -52,6 +52,16 @@ class CakeMergeTest(parameterized.TestCase):
     self.assertEqual((m.trace.meeting_index, m.trace.loads_issued), (4, 0))
     self.assertTrue(m.is_done)
 
+  def test_a_released_load_is_in_the_trace_and_the_chunk_a_hit_again(self):
+    m = CakeMerge(130, C, [T, T, T, T], chunk_nbytes=100, max_loads_in_flight=4)
+    self.assertEqual([m.next_load(0.0, FAST) for _ in range(2)], [3, 2])
+    m.load_dropped(2, 0.1)
+    self.assertIs(land(m, 3, 0.2), LoadVerdict.INSERT)
+    t = m.trace
+    self.assertEqual((t.loads_issued, t.chunks_released, t.chunks_wasted, t.chunks_rejected),
+                     (2, [2], [], []))
+    self.assertIs(m.states[2], ChunkState.HIT)
+
   def test_holes_rejects_and_resident_runs(self):
     #        chunk: 0  1  2  3  4  5  6  7   suffix [128, 130)
     m = CakeMerge(130, C, [F, F, T, T, F, T, T, T], chunk_nbytes=100, max_loads_in_flight=8)
