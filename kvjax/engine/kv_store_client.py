@@ -396,6 +396,10 @@ class KVStoreClient:
     self._tried: set[ChunkHash] = set()       # started for the current window
     self._store_reads: collections.Counter = collections.Counter()  # loads reading a chunk now
     self._pf = PrefetchStats()
+    host = store.host_capacity()
+    if codec == "raw" and host is not None and host[1] is not None and host[1] < layout.nbytes:
+      _log.warning("host tier %r holds %d bytes, less than one raw chunk (%d bytes): it will "
+                   "hold no chunk", host[0], host[1], layout.nbytes)
 
   # ----------------------------------------------------------------------------- keys
   def namespace(self, cache_salt: str | None) -> keys.KeyNamespace:

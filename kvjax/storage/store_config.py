@@ -75,7 +75,8 @@ class TierConfig:
         raise ValueError(f"a {self.kind} tier needs a url")
       url_kind(self.url)
     if self.capacity_bytes is not None and self.capacity_bytes <= 0:
-      raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+      raise ValueError(f"{self.kind} tier: capacity_bytes must be positive, got "
+                       f"{self.capacity_bytes}")
     if self.link_bytes_per_s is not None and self.link_trace is not None:
       raise ValueError("give link_bytes_per_s or link_trace, not both")
     if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:

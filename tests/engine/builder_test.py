@@ -30,9 +30,21 @@ class BuilderTest(parameterized.TestCase):
   def test_bad_tier_json(self):
     for text, message in (("{nope", "not JSON"), ('{"kind": "disk"}', "list of objects"),
                           ('[{"kind": "disk", "url": "/x", "speed": 1}]', "unknown keys"),
-                          ('[{"kind": "tape", "url": "/x"}]', "tier kind")):
+                          ('[{"kind": "tape", "url": "/x"}]', "tier kind"),
+                          ('[{"kind": "host", "capacity_bytes": 0}]', "host tier: capacity")):
       with self.assertRaisesRegex(ValueError, message):
         builder.store_config_from_json(text)
+
+  def test_a_host_tier_smaller_than_one_chunk_is_warned_about(self):
+    # Found by a fresh-user check: a 1000-byte host tier was accepted silently and never held
+    # a chunk.
+    from kvjax import LLM  # pylint: disable=g-import-not-at-top
+    tiers = StoreConfig.from_url("memory://", host_capacity_bytes=1000)
+    with self.assertLogs("kvjax.engine.kv_store_client", "WARNING") as logs:
+      llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,), kv_store=tiers,
+                kv_chunk_size=16)
+    llm.close()
+    self.assertTrue(any("less than one raw chunk" in m for m in logs.output), logs.output)
 
   @parameterized.parameters("raw", "cachegen")
   def test_warmup_leaves_generation_unchanged(self, codec):
