@@ -115,16 +115,7 @@ class SessionsServeTest(ServedLLMTestCase):
 
   # --------------------------------------------------------------------------- concurrency
   def test_a_second_request_on_a_busy_session_gets_409(self):
-    engine = self.llm.engine
-    step, entered, proceed = engine.step, threading.Event(), threading.Event()
-
-    def gated_step():  # holds the first turn inside the engine
-      entered.set()
-      proceed.wait(60)
-      return step()
-
-    engine.step = gated_step
-    self.addCleanup(lambda: (proceed.set(), engine.__dict__.pop("step", None)))
+    entered, release = self.hold_steps()  # holds the first turn inside the engine
     m1 = [{"role": "user", "content": "busy"}]
     before = self.srv.scrape()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -132,8 +123,7 @@ class SessionsServeTest(ServedLLMTestCase):
       self.assertTrue(entered.wait(60))  # the first turn holds its session
       with self.assertRaises(openai.ConflictError) as cm:
         self.chat(m1, "busy")
-      del engine.step
-      proceed.set()
+      release()
       r1 = first.result(60)
     self.assertEqual(cm.exception.status_code, 409)
     self.assertEqual(cm.exception.body, {
@@ -143,6 +133,25 @@ class SessionsServeTest(ServedLLMTestCase):
     self.assertEqual(self.delta(before, self.srv.scrape(), "kvjax_session_conflicts_total"), 1)
     r2 = self.chat(self.next_messages(m1, r1, "now"), "busy")  # free again once it finished
     self.assertEqual(r2.model_extra["kvjax"]["session"]["outcome"], "extended")
+
+  def hold_steps(self):
+    """Holds every engine step until `release()` (also at cleanup). Returns (an event set once
+    a step is held, release)."""
+    engine = self.llm.engine
+    step, entered, proceed = engine.step, threading.Event(), threading.Event()
+
+    def gated_step():
+      entered.set()
+      proceed.wait(60)
+      return step()
+
+    def release():
+      engine.__dict__.pop("step", None)
+      proceed.set()
+
+    engine.step = gated_step
+    self.addCleanup(release)
+    return entered, release
 
   def note_release(self):
     """An event set when the registry releases a turn unrecorded."""
@@ -183,16 +192,7 @@ class SessionsServeTest(ServedLLMTestCase):
     m1 = [{"role": "user", "content": "leave early"}]
     r1 = self.chat(m1, "gone")
     before = self.llm.sessions.get("gone")
-    engine = self.llm.engine
-    step, entered, proceed = engine.step, threading.Event(), threading.Event()
-
-    def gated_step():
-      entered.set()
-      proceed.wait(60)
-      return step()
-
-    engine.step = gated_step
-    self.addCleanup(lambda: (proceed.set(), engine.__dict__.pop("step", None)))
+    entered, release = self.hold_steps()
     released = self.note_release()
     m2 = self.next_messages(m1, r1, "bye")
     body = httpx.Request("POST", "/", json={"model": "tiny", "messages": m2, "max_tokens": 50,
@@ -203,8 +203,7 @@ class SessionsServeTest(ServedLLMTestCase):
                 + b"\r\n\r\n" + body)
       self.assertTrue(entered.wait(60))
     self.assertTrue(released.wait(60))
-    del engine.step
-    proceed.set()
+    release()
     after = self.llm.sessions.get("gone")
     self.assertEqual((after.turns, after.token_ids, after.busy),
                      (before.turns, before.token_ids, False))
@@ -273,24 +272,14 @@ class SessionsServeTest(ServedLLMTestCase):
     self.assertEqual(self.chat(m1, "del").model_extra["kvjax"]["session"]["turn"], 1)
 
   def test_a_turn_whose_session_is_deleted_while_it_runs_says_closed(self):
-    engine = self.llm.engine
-    step, entered, proceed = engine.step, threading.Event(), threading.Event()
-
-    def gated_step():  # holds the turn inside the engine
-      entered.set()
-      proceed.wait(60)
-      return step()
-
     m1 = [{"role": "user", "content": "delete me mid-turn"}]
     self.chat(m1, "mid")
-    engine.step = gated_step
-    self.addCleanup(lambda: (proceed.set(), engine.__dict__.pop("step", None)))
+    entered, release = self.hold_steps()  # holds the turn inside the engine
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       turn = pool.submit(self.chat, m1, "mid")
       self.assertTrue(entered.wait(60))
       self.assertEqual(self.delete("mid").status_code, 200)
-      del engine.step
-      proceed.set()
+      release()
       r = turn.result(60)
     self.assertEqual({k: r.model_extra["kvjax"]["session"][k] for k in ("turn", "closed")},
                      {"turn": 2, "closed": True})
