@@ -557,6 +557,14 @@ class ChunkStore:
     else:
       await self._op(root.write(object_key, None))
 
+  async def _drop_record(self, chunk_hash: ChunkHash, read: ts.KvStore.ReadResult) -> bool:
+    """Deletes the index record `read` returned, only if it is still that one (a concurrent
+    replacement stays). Returns whether it was deleted."""
+    root = await self.kvstore()
+    stamp = await self._op(root.write(index_key(chunk_hash), None,
+                                      if_equal=read.stamp.generation))
+    return bool(stamp.generation)
+
   async def _publish_record(self, record: ChunkRecord) -> bool:
     """Creates the index record if absent. Returns False if a record already exists."""
     root = await self.kvstore()
@@ -808,8 +816,7 @@ class ChunkStore:
         # afresh. Its data objects, if any, are left to `gc`.
         _log.warning("put(%s) on %s: replacing a malformed index record", chunk_hash,
                      self.name)
-        root = await self.kvstore()
-        await self._op(root.write(index_key(chunk_hash), None, if_equal=res.stamp.generation))
+        await self._drop_record(chunk_hash, res)
     except Exception as e:  # noqa: BLE001
       _log.warning("put(%s) on %s failed: %r", chunk_hash, self.name, e)
       self.stats.add(put_failures=1)
@@ -890,12 +897,7 @@ class ChunkStore:
     """
     root = await self.kvstore()
     res = await self._read_record(chunk_hash)
-    if res.state != "value":
-      return False
-    # Conditional delete: only the record we read (a concurrent replacement stays).
-    stamp = await self._op(root.write(index_key(chunk_hash), None,
-                                      if_equal=res.stamp.generation))
-    if not stamp.generation:
+    if res.state != "value" or not await self._drop_record(chunk_hash, res):
       return False
     try:
       record = ChunkRecord.from_json(res.value)
