@@ -86,6 +86,10 @@ class Encoding:
 Chooser = Callable[[Sequence[Encoding]], "Encoding | None"]
 
 
+class RecordFormatError(ValueError):
+  """A record of a format version this reader cannot read (`READABLE_RECORD_FORMATS`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkRecord:
   """The index record of a stored chunk; written last, after its data (commit last).
@@ -136,13 +140,17 @@ class ChunkRecord:
     """Parses a record.
 
     Raises:
-      ValueError: malformed JSON, missing or mistyped fields, or another format version.
+      RecordFormatError: another integer format version (a ValueError).
+      ValueError: malformed JSON, no integer format version, missing or mistyped fields.
     """
     try:
       d: dict[str, Any] = json.loads(data)
       version = d.get("format_version")
       if version not in READABLE_RECORD_FORMATS:
-        raise ValueError(f"record format {version!r}, want one of {READABLE_RECORD_FORMATS}")
+        message = f"record format {version!r}, want one of {READABLE_RECORD_FORMATS}"
+        if isinstance(version, int) and not isinstance(version, bool):
+          raise RecordFormatError(message)
+        raise ValueError(message)
       if version == 1:  # No checksum_algo field: SHA-256 throughout.
         encodings = tuple(Encoding(**e, checksum_algo="sha256") for e in d["encodings"])
       else:
@@ -163,16 +171,9 @@ class ChunkRecord:
     overwritten record). A record of another integer format version is not malformed: a newer
     writer's, left alone."""
     try:
-      d = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-      return True
-    version = d.get("format_version") if isinstance(d, dict) else None
-    if isinstance(version, bool) or not isinstance(version, int):
-      return True
-    if version not in READABLE_RECORD_FORMATS:
-      return False
-    try:
       cls.from_json(data)
+    except RecordFormatError:
+      return False
     except ValueError:
       return True
     return False
