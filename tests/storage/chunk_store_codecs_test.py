@@ -359,8 +359,7 @@ class LifecycleTest(Base):
     b_encoding, release_b = threading.Event(), threading.Event()
     a_checked, w_published = asyncio.Event(), asyncio.Event()
     a_deleted_first, b_done = asyncio.Event(), asyncio.Event()
-    a_deletes = []
-    loop = asyncio.new_event_loop()
+    a_deletes, loop = [], None  # the loop: body's, for the encoding thread to signal on
     encode, publish, delete = (codecs.encode_payload, store._publish_record,
                                store._delete_object)
 
@@ -400,6 +399,8 @@ class LifecycleTest(Base):
       return store.put(HASHES[0], ROOT, TOKENS[:C], ROOT, layout=LAYOUT, payloads=ps)
 
     async def body():
+      nonlocal loop
+      loop = asyncio.get_running_loop()
       role.set("B")
       b = asyncio.create_task(put(loser))
       self.assertTrue(await asyncio.to_thread(b_encoding.wait, 60))
@@ -417,11 +418,8 @@ class LifecycleTest(Base):
                        sorted(e.object for e in rec.encodings))
       self.assertEqual(store.stats.put_conflicts, 2)
 
-    try:
-      loop.run_until_complete(asyncio.wait_for(body(), 120))
-    finally:
-      release_b.set()
-      loop.close()
+    self.addCleanup(release_b.set)  # a failing run must not leave B's thread blocked
+    run(asyncio.wait_for(body(), 120))
 
   def test_second_put_is_a_conflict(self):
     store = self.make_store()
