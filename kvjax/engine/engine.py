@@ -48,10 +48,11 @@ from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager, KVCacheStats
 from kvjax.scheduler.level_policy import Candidate
-from kvjax.scheduler.output import (ComputeTiming, InsertTiming, SaveItem, SchedulerOutput,
-                                    StepResult, StoredChunk, StoredPrefix)
+from kvjax.scheduler.output import (ComputeTiming, InsertItem, InsertTiming, SaveItem,
+                                    SchedulerOutput, StepResult, StoredChunk, StoredPrefix)
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import LoadConfig, Scheduler, SchedulerConfig
+from kvjax.storage import keys
 from kvjax.storage.chunk_store import choose_codec
 
 _log = logging.getLogger(__name__)
@@ -236,6 +237,7 @@ class _Live:
   lookup: PrefixLookup | None = None
   pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
   hashes: list[str] = dataclasses.field(default_factory=list)  # chunk keys: prompt, then output
+  save_tail: bool = False  # a session turn: store its tail when it finishes (`_save_tail`)
 
 
 class Engine:
@@ -390,7 +392,8 @@ class Engine:
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                   prompt: str | None = None, request_id: str | None = None,
-                  cache_salt: str | None = None, merge_mode: str | None = None) -> RequestId:
+                  cache_salt: str | None = None, merge_mode: str | None = None,
+                  history_tokens: int = 0, save_tail: bool = False) -> RequestId:
     """Validates and queues a request; returns its id.
 
     With a store, one batched lookup finds which prefix chunks are stored (no data is read
@@ -403,14 +406,24 @@ class Engine:
     make the answer depend on it; load-only computes exactly the holes (the boundary chunks,
     `stage_rerotated`) and the suffix.
 
+    Session turns (paged layout, a raw store: `KVStoreClient.stores_tails`): `save_tail` stores
+    the request's tail when it finishes cleanly (its tokens after the last full chunk of its
+    prompt and output but the last sampled token, `keys.tail_hash`), and `history_tokens` h
+    (the prompt's first h tokens are such a finished turn's) looks that tail up too, so the
+    next turn loads every historical token's KV even after the device evicted it
+    (CachedAttention, arXiv 2403.19708, section 3.2.2).
+
     Raises:
-      ValueError: as `validate`, a duplicate id, a `cache_salt` that is not a string, or an
-        unknown `merge_mode`.
+      ValueError: as `validate`, a duplicate id, a `cache_salt` that is not a string, an
+        unknown `merge_mode`, or a negative `history_tokens`.
     """
     if cache_salt is not None and not isinstance(cache_salt, str):
       raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
     if merge_mode is not None and merge_mode not in ("cake", "load_only", "compute_only"):
       raise ValueError(f"merge_mode={merge_mode!r}; use 'cake', 'load_only' or 'compute_only'")
+    if isinstance(history_tokens, bool) or not isinstance(history_tokens, int) or (
+        history_tokens < 0):
+      raise ValueError(f"history_tokens={history_tokens!r} must be an int >= 0")
     if merge_mode is None and cache_salt is not None and cache_salt.startswith(
         sessions.REROTATED_SALT_PREFIX):
       merge_mode = "load_only"
@@ -425,8 +438,11 @@ class Engine:
                  [] if params.logprobs is not None else None)
     stored = None
     if self.kv_store is not None:
+      tails = self._paged and self.kv_store.stores_tails
+      live.save_tail = tails and save_tail
       t0 = time.perf_counter()
-      lookup = live.lookup = self.kv_store.lookup(ids, cache_salt)
+      lookup = live.lookup = self.kv_store.lookup(ids, cache_salt,
+                                                  history_tokens=history_tokens if tails else 0)
       live.hashes = list(lookup.hashes)
       live.metrics.lookup_s = time.perf_counter() - t0
       raw_nbytes = self.kv_store.layout.nbytes
@@ -436,7 +452,13 @@ class Engine:
         if self._fixed_encoding is not None:  # consistent: only the request's fixed encoding
           cands = [cand for cand in cands if cand.name == self._fixed_encoding]
         chunks.append(StoredChunk(tier, tuple(cands)) if cands else None)
-      stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks))
+      tail, tail_tokens = lookup.tail, 0
+      if tail is not None:  # the merge's last unit: the chunks after it hold no hit
+        cands = tuple(_candidates(tail.record, raw_nbytes))
+        if cands:
+          chunks = chunks[:tail.index] + [StoredChunk(tail.tier, cands)]
+          tail_tokens = tail.num_tokens
+      stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks), tail_tokens)
     self._scheduler.add_request(
         Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
         namespace_root=self._namespace_root(cache_salt) if self._paged else None)
@@ -625,20 +647,24 @@ class Engine:
       for ins in plan.inserts:
         hit = kv.take(ins.request_id, ins.index)
         t0, t0_clock = time.perf_counter(), self._clock()
-        where = self._where(tables, ins.request_id, ins.slot, ins.start, kv.chunk_size)
+        rows = self._insert_rows(ins)
+        where = self._where(tables, ins.request_id, ins.slot, ins.start, rows)
         if layerwise and hit.kv is not None:
           layered.append((ins, hit, where))  # inserted group by group inside the step
           continue
         kv.charge_device(hit.encoding.nbytes)  # the host -> device link, whole chunk
         if hit.kv is not None:
-          self.runner.insert_chunk(hit.kv, where, ins.start)
-        else:
+          self.runner.insert_chunk(hit.kv if rows == hit.kv.shape[2] else hit.kv[:, :, :rows],
+                                   where, ins.start)
+        elif ins.num_tokens is None:
           self.runner.insert_payload(hit.encoding.codec, hit.payload, where, ins.start)
+        else:  # a stored tail is raw (`KVStoreClient.stores_tails`): never here
+          raise ValueError(f"stored tail {ins.index} of {ins.request_id} is not raw")
         if self.timed_inserts:
           self.runner.block_until_ready()
         insert_timings.append(InsertTiming(ins.request_id, ins.index, t0_clock,
                                            time.perf_counter() - t0))
-        self._record_loaded(ins.request_id, ins.index, hit.tier)
+        self._record_loaded(ins, hit.tier)
     if plan.is_empty:
       reports = kv.landed(wait_s=plan.wait_s) if kv is not None and plan.wait_s else []
       return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)),
@@ -676,6 +702,16 @@ class Engine:
                       loads=tuple(self._log_misses(reports)), compute=tuple(timings),
                       inserts=tuple(insert_timings))
 
+  def _insert_rows(self, ins: InsertItem) -> int:
+    """Rows of a staged chunk an insert writes: the whole chunk, or a stored tail's m rows
+    rounded up to whole blocks (the padding rows land in the request's own last block, past
+    its tail, where compute writes next)."""
+    c = self.kv_store.chunk_size
+    if ins.num_tokens is None or not self._paged:
+      return c
+    b = self.runner.block_size
+    return min(c, -(-ins.num_tokens // b) * b)
+
   def _where(self, tables: dict, rid: RequestId, slot: int, start: int, n: int):
     """Where a chunk at `[start, start + n)` goes: its slot (slotted) or its blocks (paged)."""
     return self._chunk_blocks(tables[rid], start, n) if self._paged else slot
@@ -711,7 +747,7 @@ class Engine:
         self._save_chunks(self._live[d.request_id], d.position, d.saves, (),
                           out.k_pre_rope_LTKH[:, o:o + 1], out.v_LTKH[:, o:o + 1],
                           tables[d.request_id])
-      self._sample(d.request_id, logits_SV[i], sampled, finished)
+      self._sample(d.request_id, logits_SV[i], sampled, finished, tables[d.request_id])
     base = len(plan.decodes)
     for j, chunk in enumerate(plan.prefills):
       timings.append(ComputeTiming(chunk.start, chunk.num_tokens,
@@ -725,7 +761,8 @@ class Engine:
                           out.k_pre_rope_LTKH[:, o:o + chunk.num_tokens],
                           out.v_LTKH[:, o:o + chunk.num_tokens], tables[chunk.request_id])
       if chunk.is_last:
-        self._sample(chunk.request_id, logits_SV[base + j], sampled, finished)
+        self._sample(chunk.request_id, logits_SV[base + j], sampled, finished,
+                     tables[chunk.request_id])
 
   def _step_layerwise(self, seqs: Sequence[SeqChunk], groups: int, layered: Sequence,
                       insert_timings: list) -> Any:
@@ -746,7 +783,9 @@ class Engine:
       for i, ((ins, _, where), tr) in enumerate(zip(layered, transfers)):
         arr = tr.wait(g, timeout_s=60.0)
         t0 = time.perf_counter()
-        runner.insert_chunk_layers(arr, where, ins.start, l0)
+        rows = self._insert_rows(ins)
+        runner.insert_chunk_layers(arr if rows == arr.shape[2] else arr[:, :, :rows], where,
+                                   ins.start, l0)
         spent[i] += time.perf_counter() - t0
         if trace is not None:
           trace.append(("insert", ins.request_id, ins.index, g))
@@ -755,18 +794,19 @@ class Engine:
         trace.append(("layers", g))
     for (ins, hit, _), sec in zip(layered, spent):
       insert_timings.append(InsertTiming(ins.request_id, ins.index, started, sec))
-      self._record_loaded(ins.request_id, ins.index, hit.tier)
+      self._record_loaded(ins, hit.tier)
     return runner.step_finish(st)
 
-  def _record_loaded(self, request_id: RequestId, index: int, tier: str) -> None:
-    """A store chunk inserted into a request's KV: its metrics count it (whole-chunk and
-    layer-wise inserts alike)."""
-    live = self._live.get(request_id)
+  def _record_loaded(self, ins: InsertItem, tier: str) -> None:
+    """A store chunk (or stored tail) inserted into a request's KV: its metrics count it
+    (whole-chunk and layer-wise inserts alike)."""
+    live = self._live.get(ins.request_id)
     if live is not None:
       m = live.metrics
-      m.num_loaded_tokens += self.kv_store.chunk_size
+      m.num_loaded_tokens += (ins.num_tokens if ins.num_tokens is not None
+                              else self.kv_store.chunk_size)
       m.loaded_from_tiers.append(tier)
-      m.loaded_chunks.append((index, tier))
+      m.loaded_chunks.append((ins.index, tier))
 
   def _log_misses(self, reports):
     for rep in reports:
@@ -803,21 +843,7 @@ class Engine:
                                            live.prompt_token_ids + live.token_ids, max(saves) + 1)
     for index in sorted(set(saves) | set(roundtrip)):
       lo, hi = index * c, (index + 1) * c
-      ks, vs = [], []
-      first = min((p[0] for p in live.pieces if p[0] + p[1].shape[1] > lo), default=hi)
-      if self._paged and lo < first:
-        # The chunk's head is device-resident (a prefix hit this request did not compute): read
-        # it back from its blocks, K un-rotated (`PagedModelRunner.read_pre_rope`).
-        b = self.runner.block_size
-        k, v = self.runner.read_pre_rope(where[lo // b:-(-first // b)], lo, first - lo)
-        ks.append(k)
-        vs.append(v)
-      for start, k, v in live.pieces:
-        a, b = max(start, lo), min(start + k.shape[1], hi)
-        if a < b:
-          ks.append(k[:, a - start:b - start])
-          vs.append(v[:, a - start:b - start])
-      kv_L2CKH = xp.stack([xp.concatenate(ks, axis=1), xp.concatenate(vs, axis=1)], axis=1)
+      kv_L2CKH = self._kept_rows(live, lo, hi, where, xp)
       if kv_L2CKH.shape[2] != c:
         raise ValueError(f"chunk {index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
       payloads = None
@@ -841,8 +867,56 @@ class Engine:
     keep_from = (end // c) * c  # pieces wholly below the last completed chunk end are done
     live.pieces = [p for p in live.pieces if p[0] + p[1].shape[1] > keep_from]
 
+  def _kept_rows(self, live: _Live, lo: int, hi: int, where, xp):
+    """`[L, 2, hi - lo, K, H]`: a request's KV at positions `[lo, hi)`, K before RoPE, from
+    the rows it kept (`live.pieces`); a head those do not cover is device-resident (a prefix
+    hit this request did not compute) and is read back from its blocks, K un-rotated
+    (`PagedModelRunner.read_pre_rope`; `lo` a multiple of the block size)."""
+    ks, vs = [], []
+    first = min(min((p[0] for p in live.pieces if p[0] + p[1].shape[1] > lo), default=hi), hi)
+    if self._paged and lo < first:
+      b = self.runner.block_size
+      k, v = self.runner.read_pre_rope(where[lo // b:-(-first // b)], lo, first - lo)
+      ks.append(k)
+      vs.append(v)
+    for start, k, v in live.pieces:
+      a, b = max(start, lo), min(start + k.shape[1], hi)
+      if a < b:
+        ks.append(k[:, a - start:b - start])
+        vs.append(v[:, a - start:b - start])
+    return xp.stack([xp.concatenate(ks, axis=1), xp.concatenate(vs, axis=1)], axis=1)
+
+  def _save_tail(self, live: _Live, where) -> None:
+    """Stores a finished session turn's tail: its KV after the last full chunk of its prompt
+    and output but the last sampled token (which has no KV), padded to a chunk of C rows under
+    `keys.tail_hash` (`keys.tail_token_ids`), so the next turn loads every historical token
+    even once the device has evicted its blocks. Raw, like every chunk of a store that keeps
+    tails (`KVStoreClient.stores_tails`); queued to the saver like any save (dropped and
+    counted when its queue is full)."""
+    kv, c = self.kv_store, self.kv_store.chunk_size
+    seq = live.prompt_token_ids + live.token_ids
+    end = len(seq) - 1
+    k, m = divmod(end, c)
+    if not m or not live.pieces:
+      return  # no tail (its last chunk is full, saved as a chunk), or nothing kept
+    lookup = live.lookup
+    if len(live.hashes) < k:
+      live.hashes = kv.extend_chunk_hashes(lookup, live.hashes, seq, k)
+    _, key = kv.tail_key(lookup.namespace, live.hashes, seq, end)
+    xp = np if isinstance(live.pieces[-1][1], np.ndarray) else jnp
+    rows = self._kept_rows(live, k * c, end, where, xp)
+    if rows.shape[2] != m:
+      raise ValueError(f"tail of {live.request_id}: kept rows cover {rows.shape[2]} of {m}")
+    padded = xp.pad(rows, ((0, 0), (0, 0), (0, c - m), (0, 0), (0, 0)))
+    kv.submit_save(SaveJob(namespace=lookup.namespace, chunk_hash=key,
+                           parent=live.hashes[k - 1] if k else lookup.namespace,
+                           token_ids=keys.tail_token_ids(seq[k * c:end], c), kv=padded))
+
   # ----------------------------------------------------------------------------- outputs
-  def _sample(self, rid: RequestId, logits_V: np.ndarray, sampled: list, finished: list) -> None:
+  def _sample(self, rid: RequestId, logits_V: np.ndarray, sampled: list, finished: list,
+              where=None) -> None:
+    """Samples a request's next token; on a finish, ends it (and, for a session turn on the
+    paged layout, `where` being its block table, stores its tail)."""
     live = self._live[rid]
     token = sampling.sample_token(logits_V, live.params, live.rng)
     live.token_ids.append(token)
@@ -859,6 +933,8 @@ class Engine:
     if reason is not None:
       finished.append((rid, reason))
       live.metrics.finished_s = now
+      if live.save_tail and where is not None:
+        self._save_tail(live, where)
       del self._live[rid]
       if self.kv_store is not None:
         self.kv_store.cancel_loads(rid)  # late loads of chunks compute took

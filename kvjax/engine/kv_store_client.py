@@ -70,6 +70,26 @@ _log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
+class StoredTail:
+  """A stored tail some tier holds for a prompt: the m < C tokens after its last stored full
+  chunk that ended a finished session turn (`keys.tail_hash`), loadable as chunk `index`.
+
+  Attributes:
+    index: the chunk it lies in: positions `[index * C, index * C + num_tokens)`.
+    num_tokens: m, its real tokens (its record holds C ids, the rest `keys.TAIL_PAD_ID`).
+    chunk_hash: its key.
+    tier: the tier holding it.
+    record: that tier's index record.
+  """
+
+  index: int
+  num_tokens: int
+  chunk_hash: ChunkHash
+  tier: str
+  record: ChunkRecord | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefixLookup:
   """Which full chunks of a prompt's prefix some tier holds (one batched lookup, no data read).
 
@@ -80,12 +100,15 @@ class PrefixLookup:
       holding it or None.
     records: per candidate chunk, the index record that tier holds (its encodings and their
       stored bytes), or None.
+    tail: the stored tail found for the prompt's known history (`lookup(history_tokens=)`), or
+      None; never with a present chunk at or after its index.
   """
 
   hashes: list[ChunkHash]
   namespace: str
   present: list[str | None]
   records: list[ChunkRecord | None] = dataclasses.field(default_factory=list)
+  tail: StoredTail | None = None
 
   @property
   def hits(self) -> list[bool]:
@@ -412,28 +435,60 @@ class KVStoreClient:
     return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)
 
   # ----------------------------------------------------------------------------- loads
-  def lookup(self, prompt_ids: Sequence[int], cache_salt: str | None) -> PrefixLookup:
+  @property
+  def stores_tails(self) -> bool:
+    """Whether session tails are stored and looked up (`keys.tail_hash`): raw chunks only (a
+    lossy tail could make a session turn's answer depend on whether its tail was stored)."""
+    return self.codec == codecs.RAW and self.key_encoding is None
+
+  def tail_key(self, namespace: str, hashes: Sequence[ChunkHash], token_ids: Sequence[int],
+               end: int) -> tuple[int, ChunkHash] | None:
+    """`(index, key)` of the tail of `token_ids[:end]` (the tokens after its last full chunk)
+    under namespace root `namespace`, `hashes` being the chained keys of its first full chunks
+    (at least `end // C`); None when `end` is a multiple of C (no tail)."""
+    k, m = divmod(end, self.chunk_size)
+    if not m:
+      return None
+    parent = hashes[k - 1] if k else ChunkHash(namespace)
+    return k, keys.tail_hash(parent, token_ids[k * self.chunk_size:end])
+
+  def lookup(self, prompt_ids: Sequence[int], cache_salt: str | None, *,
+             history_tokens: int = 0) -> PrefixLookup:
     """Asks every tier, in one batch, which prefix chunks of the prompt are stored.
 
     Candidates are the full chunks of `prompt_ids[:-1]` (a hit never covers the last prompt
-    token). A store that fails the lookup degrades to "nothing present" with a warning.
+    token). With `history_tokens` h (a session turn: the prompt's first h tokens are the
+    previous turn's prompt and output but its last sampled token, whose KV the previous request
+    left, `stores_tails`), the same batch asks for the tail of `prompt_ids[:h]`
+    (`keys.tail_hash`); it is kept only when no chunk at or after its index is present (a full
+    chunk covers more). A store that fails the lookup degrades to "nothing present" with a
+    warning.
     """
     ns = self.namespace(cache_salt)
     hashes = keys.chunk_hashes(ns, prompt_ids)
+    root = ns.root_hash()
     candidates = hashes[:(len(prompt_ids) - 1) // self.chunk_size]
+    tail = None
+    if self.stores_tails and 0 < history_tokens < len(prompt_ids):
+      tail = self.tail_key(root, hashes, prompt_ids, history_tokens)
     present: list[str | None] = [None] * len(candidates)
     records: list[ChunkRecord | None] = [None] * len(candidates)
-    if candidates:
+    stored_tail = None
+    if candidates or tail is not None:
       try:
-        found = self._run(self.store.peek(candidates))
-        present = [f[0] if f is not None else None for f in found]
-        records = [f[1] if f is not None else None for f in found]
+        found = self._run(self.store.peek(candidates + ([tail[1]] if tail else [])))
+        present = [f[0] if f is not None else None for f in found[:len(candidates)]]
+        records = [f[1] if f is not None else None for f in found[:len(candidates)]]
+        if tail is not None and found[-1] is not None and not any(present[tail[0]:]):
+          stored_tail = StoredTail(tail[0], history_tokens - tail[0] * self.chunk_size, tail[1],
+                                   found[-1][0], found[-1][1])
       except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
         self.lookup_failures += 1
         present = [None] * len(candidates)
+        records = [None] * len(candidates)
         _log.warning("KV store lookup failed (%r); computing the prompt instead", e)
-    return PrefixLookup(hashes=hashes, namespace=ns.root_hash(), present=present,
-                        records=records)
+    return PrefixLookup(hashes=hashes, namespace=root, present=present, records=records,
+                        tail=stored_tail)
 
   def extend_chunk_hashes(self, lookup: PrefixLookup, hashes: Sequence[ChunkHash],
                           token_ids: Sequence[int], num_chunks: int) -> list[ChunkHash]:
@@ -517,7 +572,8 @@ class KVStoreClient:
 
     Args:
       request_id: the owner; `cancel_loads(request_id)` drops its loads.
-      index: chunk index within the prompt.
+      index: chunk index within the prompt; the lookup's stored tail when it is
+        `lookup.tail.index`.
       lookup: the prompt's `PrefixLookup`.
       prompt_ids: the prompt's tokens.
       choose: optional `Callable[[Sequence[Encoding]], Encoding | None]` picking the encoding
@@ -526,8 +582,13 @@ class KVStoreClient:
       max_in_flight: the request's reads at once, >= 1.
     """
     c = self.chunk_size
-    item = _Pending(request_id, index, lookup.hashes[index],
-                    tuple(prompt_ids[index * c:(index + 1) * c]), lookup.namespace, choose,
+    tail = lookup.tail
+    if tail is not None and index == tail.index:  # the stored tail, padded to C ids
+      key, tokens = tail.chunk_hash, keys.tail_token_ids(
+          prompt_ids[index * c:index * c + tail.num_tokens], c)
+    else:
+      key, tokens = lookup.hashes[index], tuple(prompt_ids[index * c:(index + 1) * c])
+    item = _Pending(request_id, index, key, tokens, lookup.namespace, choose,
                     int(nbytes) or self.layout.nbytes, max(1, int(max_in_flight)))
     with self._lock:
       self._queue.append(item)

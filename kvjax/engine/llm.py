@@ -671,11 +671,13 @@ class LLM:
       raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
     return self._run([self._prompt_ids(p) for p in prompts], params)
 
-  def _run(self, encoded: list, params: list) -> list[RequestOutput]:
-    """Validates, queues and runs `(ids, text, salt)` prompts (salts already checked)."""
+  def _run(self, encoded: list, params: list, **options) -> list[RequestOutput]:
+    """Validates, queues and runs `(ids, text, salt)` prompts (salts already checked);
+    `options` go to every `Engine.add_request` (a session turn's `history_tokens`,
+    `save_tail`)."""
     for (ids, _, _), sp in zip(encoded, params):  # validate all before queueing any
       self.engine.validate(ids, sp)
-    rids = [self.engine.add_request(ids, sp, prompt=text, cache_salt=salt)
+    rids = [self.engine.add_request(ids, sp, prompt=text, cache_salt=salt, **options)
             for (ids, text, salt), sp in zip(encoded, params)]
     done: dict[str, RequestOutput] = {}
     while len(done) < len(rids):
@@ -745,7 +747,8 @@ class LLM:
       prompt = self.sessions.rerotate(turn, prompt, self.engine.stage_rerotated
                                       if self.kv_store is not None else None)
       self.last_session_prompt = prompt
-      out = self._run([(list(prompt.token_ids), None, prompt.kv_salt)], [sp])[0]
+      out = self._run([(list(prompt.token_ids), None, prompt.kv_salt)], [sp],
+                      history_tokens=prompt.history_tokens, save_tail=True)[0]
     except BaseException:
       self.sessions.release(turn)
       raise

@@ -221,6 +221,15 @@ class ChatPrompt:
   kv_salt: str | None = None
   rerotated_tokens: int = 0
 
+  @property
+  def history_tokens(self) -> int:
+    """Leading tokens whose KV the session's last turn left: its ids but the last sampled one
+    (which has no KV), when this prompt extends it uncut; else 0. The engine looks up that
+    turn's stored tail with it (`Engine.add_request(history_tokens=)`)."""
+    if self.outcome != EXTENDED or self.truncation is not None or not self.reused_tokens:
+      return 0
+    return self.reused_tokens - 1
+
 
 def _messages(messages: Sequence[dict[str, str]]) -> tuple[Message, ...]:
   return tuple((m["role"], m["content"]) for m in messages)

@@ -196,6 +196,10 @@ class CakeMerge:
     resident: leading chunks already resident on the device (the paged layout's prefix cache,
       issue 11): they start RESIDENT (written by "load" in the writer map), so the merge never
       loads nor computes them and its frontier starts after them.
+    last_unit_tokens: m in [1, C) when the last prefix unit is a stored tail (a session turn's
+      history ending m tokens into that chunk, `kvjax.storage.keys.tail_hash`): it covers
+      `[(N - 1) * C, (N - 1) * C + m)` and the prefix ends there; loads take it first like any
+      last chunk, and the suffix is computed from its end. None: every unit is a whole chunk.
 
   Raises:
     ValueError: on inconsistent sizes, hits, byte counts or encodings.
@@ -208,7 +212,7 @@ class CakeMerge:
                max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None,
                arrival_s: float = 0.0, late_factor: float = 2.0,
                compute_share_prior: float | None = None, check_writes: bool = True,
-               resident: int = 0):
+               resident: int = 0, last_unit_tokens: int | None = None):
     def positive_int(name, v):
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r} must be an int >= 1")
@@ -220,10 +224,17 @@ class CakeMerge:
     hits = list(hits)
     if any(not isinstance(h, bool) for h in hits):
       raise ValueError("hits must be bools, one per prefix chunk")
-    if len(hits) * chunk_size >= num_prompt_tokens:
-      raise ValueError(f"{len(hits)} prefix chunks of {chunk_size} tokens cover the last token of "
-                       f"a {num_prompt_tokens}-token prompt: at most "
-                       f"{(num_prompt_tokens - 1) // chunk_size} chunks")
+    if last_unit_tokens is not None and (
+        isinstance(last_unit_tokens, bool) or not isinstance(last_unit_tokens, int)
+        or not 0 < last_unit_tokens < chunk_size or not hits):
+      raise ValueError(f"last_unit_tokens={last_unit_tokens!r} must be an int in [1, "
+                       f"{chunk_size}) after at least one unit")
+    prefix_tokens = len(hits) * chunk_size if last_unit_tokens is None else (
+        (len(hits) - 1) * chunk_size + last_unit_tokens)
+    if prefix_tokens >= num_prompt_tokens:
+      raise ValueError(f"{len(hits)} prefix units ({prefix_tokens} tokens, chunks of "
+                       f"{chunk_size}) cover the last token of a {num_prompt_tokens}-token "
+                       f"prompt: at most {(num_prompt_tokens - 1) // chunk_size} chunks")
     if not late_factor >= 1:
       raise ValueError(f"late_factor={late_factor!r} must be >= 1")
     if compute_share_prior is not None and not 0 < compute_share_prior <= 1:
@@ -233,7 +244,7 @@ class CakeMerge:
     self.num_prompt_tokens = num_prompt_tokens
     self.chunk_size = chunk_size
     self.num_chunks = len(hits)
-    self.prefix_tokens = len(hits) * chunk_size
+    self.prefix_tokens = prefix_tokens
     self.max_loads_in_flight = max_loads_in_flight
     self.kv_ttft_target_s = kv_ttft_target_s
     self.arrival_s = arrival_s
@@ -242,9 +253,10 @@ class CakeMerge:
     self._states = [ChunkState.HIT if (h and uses_hits) else ChunkState.MISSING for h in hits]
     # Device-resident leading chunks (the paged layout's prefix cache, issue 11): resident
     # from the start, never loaded nor computed.
+    whole = len(hits) if last_unit_tokens is None else len(hits) - 1
     if isinstance(resident, bool) or not isinstance(resident, int) or not (
-        0 <= resident <= len(hits)):
-      raise ValueError(f"resident={resident!r} must be an int in [0, {len(hits)}]")
+        0 <= resident <= whole):
+      raise ValueError(f"resident={resident!r} must be an int in [0, {whole}] (whole chunks)")
     self.num_device_resident = resident
     for j in range(resident):
       self._states[j] = ChunkState.RESIDENT
@@ -292,6 +304,14 @@ class CakeMerge:
     self._cold_wait_until_s: float | None = None
 
   # ---------------------------------------------------------------------------- views
+  def unit_tokens(self, index: int) -> int:
+    """Tokens of prefix unit `index`: C, or m for a stored tail (`last_unit_tokens`)."""
+    return self._end(index) - index * self.chunk_size
+
+  def _end(self, j: int) -> int:
+    """The position after prefix unit `j`."""
+    return min((j + 1) * self.chunk_size, self.prefix_tokens)
+
   @property
   def frontier(self) -> int:
     """First prompt position not yet resident or planned; `[0, frontier)` is all present."""
@@ -348,7 +368,7 @@ class CakeMerge:
     """One letter per prefix chunk: C compute, L load, . nobody yet, ! mixed (a bug)."""
     out, writers = [], self.writer_map()
     for j in range(self.num_chunks):
-      seg = set(writers[j * self.chunk_size:(j + 1) * self.chunk_size])
+      seg = set(writers[j * self.chunk_size:self._end(j)])
       out.append({frozenset({Writer.COMPUTE}): "C", frozenset({Writer.LOAD}): "L",
                   frozenset({Writer.NONE}): "."}.get(frozenset(seg), "!"))
     return "".join(out)
@@ -420,8 +440,8 @@ class CakeMerge:
         the encoding `next_load` chose.
 
     Returns:
-      INSERT: insert the chunk at positions `[index * C, (index + 1) * C)` before the next step,
-      then call `inserted(index)`. WASTED: drop it (compute owns the chunk, or the request was
+      INSERT: insert the unit at positions `[index * C, index * C + unit_tokens(index))` before
+      the next step, then call `inserted(index)`. WASTED: drop it (compute owns the chunk, or the request was
       cancelled); its bytes count as wasted. REJECTED: drop it; compute will fill the hole.
 
     Raises:
@@ -475,7 +495,7 @@ class CakeMerge:
     if not 0 <= index < self.num_chunks or self._states[index] is not ChunkState.LANDED:
       raise ValueError(f"chunk {index} was not landed (state "
                        f"{self._states[index].value if 0 <= index < self.num_chunks else '-'})")
-    self._write(index * self.chunk_size, (index + 1) * self.chunk_size, Writer.LOAD)
+    self._write(index * self.chunk_size, self._end(index), Writer.LOAD)
     self._states[index] = ChunkState.RESIDENT
     self.trace.chunks_loaded.append(index)
     self.trace.meeting_index = min(self.trace.meeting_index, index)
@@ -561,8 +581,10 @@ class CakeMerge:
           break
     room = min(hard - p, budget_tokens)
     cands = [s for s in reversed(sizes) if s <= room]
-    if p < self.prefix_tokens and p % c and c - p % c <= room and c - p % c not in cands:
-      cands.append(c - p % c)  # up to the chunk boundary, padded by the runner
+    if p < self.prefix_tokens and p % c:
+      to_end = self._end(p // c) - p
+      if to_end <= room and to_end not in cands:
+        cands.append(to_end)   # up to the chunk boundary, padded by the runner
     if hard - p < sizes[0] and hard - p <= budget_tokens and hard - p not in cands:
       cands.append(hard - p)   # a tail shorter than every size, padded by the runner
     if not cands:
@@ -600,10 +622,12 @@ class CakeMerge:
   def _plan(self, start: int, k: int, cost: CostModel) -> None:
     end, c = start + k, self.chunk_size
     for j in range(start // c, min(self.num_chunks, (end - 1) // c + 1)):
+      if self._end(j) <= start:
+        continue  # the suffix starts after a stored tail, inside its chunk
       s = self._states[j]
       if s not in (ChunkState.COMPUTING, ChunkState.COMPUTED):
         self.trace.chunks_computed.append(j)
-      self._states[j] = ChunkState.COMPUTED if end >= (j + 1) * c else ChunkState.COMPUTING
+      self._states[j] = ChunkState.COMPUTED if end >= self._end(j) else ChunkState.COMPUTING
     self._write(start, end, Writer.COMPUTE)
     self._frontier = end
     pred = cost.predict_compute_s(start, k)
@@ -626,7 +650,7 @@ class CakeMerge:
     c = self.chunk_size
     while (self._frontier < self.prefix_tokens and self._frontier % c == 0
            and self._states[self._frontier // c] is ChunkState.RESIDENT):
-      self._frontier += c
+      self._frontier = self._end(self._frontier // c)
 
   def _late_at_s(self, cost: CostModel) -> dict[int, float]:
     """When each in-flight load turns late: `late_factor` times its latency as the current
@@ -646,7 +670,7 @@ class CakeMerge:
       xfer_start = max(ld.issue_s, xfer_end)
       xfer_end = xfer_start + cost.transfer_s_per_byte * ld.nbytes
       dec_end = max(xfer_end, dec_end) + cost.decode_s_per_byte * ld.nbytes
-      grace_s = cost.predict_compute_s(j * c, c) / self._share
+      grace_s = cost.predict_compute_s(j * c, self._end(j) - j * c) / self._share
       out[j] = max(xfer_start + self.late_factor * (dec_end - xfer_start), dec_end + grace_s)
     return out
 
@@ -704,7 +728,7 @@ class CakeMerge:
     """When compute would start (finish=False) or finish chunk `index`, computing every position
     from the frontier that is not resident, landed or loading on time."""
     c = self.chunk_size
-    end = (index + 1) * c if finish else index * c
+    end = self._end(index) if finish else index * c
     total, run_start, p = 0.0, None, self.frontier
     late = self._late_at_s(cost)
     for j in range(p // c, end // c + (1 if end % c else 0)):
@@ -755,7 +779,7 @@ class CakeMerge:
       if land is None:
         land = self._landings(now_s, cost)[0]
       # A step lands atomically: a chunk inside it is done when the whole step is.
-      finish = t0 + self._span_s(p, max(end, (j + 1) * c), k, cost) / self._share
+      finish = t0 + self._span_s(p, max(end, self._end(j)), k, cost) / self._share
       if land[j] < finish:
         return False
     return True

@@ -110,13 +110,15 @@ class LoadItem:
 
 @dataclasses.dataclass(frozen=True)
 class InsertItem:
-  """Write staged chunk `index` of a request into `slot` at `[start, start + C)` (RoPE applied
-  to K there), before this step's decodes and prefills."""
+  """Write staged chunk `index` of a request into `slot` at `[start, start + num_tokens)` (RoPE
+  applied to K there), before this step's decodes and prefills. `num_tokens` is C but for a
+  stored tail (`StoredPrefix.tail_tokens`), whose first m rows alone are the request's."""
 
   request_id: RequestId
   index: int
   slot: int
   start: int
+  num_tokens: int | None = None  # None: the whole chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,14 +291,36 @@ class StoredPrefix:
   Attributes:
     chunk_size: C, tokens per store chunk.
     chunks: per chunk, `StoredChunk` or None.
+    tail_tokens: m > 0 when the last entry is a stored tail (a session turn's history ending
+      m tokens into that chunk, `keys.tail_hash`): it covers `[j * C, j * C + m)` only, and
+      the full chunk there is not stored. 0: every entry is a full chunk.
   """
 
   chunk_size: int
   chunks: tuple[StoredChunk | None, ...]
+  tail_tokens: int = 0
+
+  def __post_init__(self):
+    if self.tail_tokens and not (0 < self.tail_tokens < self.chunk_size and self.chunks
+                                 and self.chunks[-1] is not None):
+      raise ValueError(f"a stored tail of {self.tail_tokens} tokens must be a stored last entry "
+                       f"of fewer than {self.chunk_size} tokens")
 
   @property
   def hits(self) -> list[bool]:
     return [c is not None for c in self.chunks]
+
+  def is_tail(self, index: int) -> bool:
+    """Whether entry `index` is the stored tail (not a full chunk)."""
+    return bool(self.tail_tokens) and index == len(self.chunks) - 1
+
+  @property
+  def end(self) -> int:
+    """The position after the last hit (0 without hits)."""
+    last = max((j for j, c in enumerate(self.chunks) if c is not None), default=-1)
+    if last < 0:
+      return 0
+    return last * self.chunk_size + (self.tail_tokens if self.is_tail(last) else self.chunk_size)
 
 
 __all__ = ["ComputeTiming", "DecodeItem", "InsertItem", "InsertTiming", "LoadItem", "LoadReport",

@@ -315,7 +315,8 @@ class Scheduler:
           encodings=encodings, max_loads_in_flight=lc.max_loads_ahead or 2,
           kv_ttft_target_s=kv_ttft_target_s if kv_ttft_target_s is not None
           else lc.kv_ttft_target_s, arrival_s=request.arrival_s,
-          check_writes=lc.check_writes, resident=resident)
+          check_writes=lc.check_writes, resident=resident,
+          last_unit_tokens=stored.tail_tokens or None)
       self._prefix[rid] = _Prefix(merge, stored)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
@@ -327,8 +328,7 @@ class Scheduler:
     if self.kv_cache is None:
       return False
     _, hit_tokens = self.kv_cache.get_computed_blocks(r, namespace_root=root, record_stats=False)
-    last = max(j for j, hit in enumerate(stored.hits) if hit)
-    return (last + 1) * stored.chunk_size <= hit_tokens
+    return stored.end <= hit_tokens
 
   def _hold_device_prefix(self, r: Request, chunk_size: int, root: str | None) -> int:
     """Paged layout, a request with a Cake merge: takes its device-resident whole store chunks
@@ -628,7 +628,9 @@ class Scheduler:
       for j, st in enumerate(m.states):
         if st is ChunkState.LANDED:
           m.inserted(j)
-          out.append(InsertItem(r.request_id, j, r.slot, j * m.chunk_size))
+          n = m.unit_tokens(j)  # a stored tail's m rows, else the whole chunk
+          out.append(InsertItem(r.request_id, j, r.slot, j * m.chunk_size,
+                                n if n != m.chunk_size else None))
     return tuple(out)
 
   @staticmethod
@@ -758,8 +760,8 @@ class Scheduler:
         continue
       if (j + 1) * c <= hit or (j + 1) * c > r.num_prefill_tokens:
         continue  # wholly a device hit (stored when it was computed), or past the prefill
-      if prefix is None or j >= len(prefix.stored.chunks):
-        out.append(SaveItem(j))
+      if prefix is None or j >= len(prefix.stored.chunks) or prefix.stored.is_tail(j):
+        out.append(SaveItem(j))  # not stored (a stored tail is not its full chunk)
       elif j in prefix.rejected:
         out.append(SaveItem(j, replace=True))
       elif prefix.stored.chunks[j] is None:

@@ -130,8 +130,10 @@ class AsyncEngine:
 
   # --------------------------------------------------------------------- handler side
   def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-             cache_salt: str | None = None) -> asyncio.Queue:
-    """Queues a request; returns the asyncio queue its outputs arrive on.
+             cache_salt: str | None = None, *, history_tokens: int = 0,
+             save_tail: bool = False) -> asyncio.Queue:
+    """Queues a request; returns the asyncio queue its outputs arrive on. `history_tokens` and
+    `save_tail` are a session turn's (`Engine.add_request`).
 
     Items are `(output, ttft_s, elapsed_s)`: a `RequestOutput` (cumulative: it holds all tokens
     so far; the last has `finished=True`), the server-side time to first token (seconds, on the
@@ -150,7 +152,8 @@ class AsyncEngine:
                           "retry later", status=429)
       self._unfinished += 1
     sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
-    self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt, sink))
+    self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt,
+                        {"history_tokens": history_tokens, "save_tail": save_tail}, sink))
     return sink.queue
 
   def abort(self, request_id: str) -> None:
@@ -206,9 +209,9 @@ class AsyncEngine:
   def _handle(self, cmd: tuple) -> None:
     kind = cmd[0]
     if kind == "add":
-      _, rid, ids, params, salt, sink = cmd
+      _, rid, ids, params, salt, options, sink = cmd
       try:
-        self._engine.add_request(ids, params, request_id=rid, cache_salt=salt)
+        self._engine.add_request(ids, params, request_id=rid, cache_salt=salt, **options)
       except ValueError as e:
         self._release()
         sink.put(EngineFault(str(e), status=400))

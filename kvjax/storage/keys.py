@@ -128,7 +128,8 @@ def chunk_hashes(namespace: KeyNamespace, token_ids: Sequence[int], *,
                  max_tokens: int | None = None) -> list[ChunkHash]:
   """Keys of the full chunks of `token_ids[:max_tokens]`, chained from the namespace root.
 
-  A partial tail (fewer than C tokens) has no key and is never stored or looked up.
+  A partial tail (fewer than C tokens) has no chunk key: a finished session turn's tail is
+  stored under its own key (`tail_hash`).
 
   Args:
     namespace: key namespace; its `chunk_size` is C.
@@ -146,6 +147,46 @@ def chunk_hashes(namespace: KeyNamespace, token_ids: Sequence[int], *,
     parent = hash_chunk(parent, ids[start:start + c])
     out.append(parent)
   return out
+
+
+#: The extra field that makes a tail key (`tail_hash`) differ from every chunk key.
+TAIL_DOMAIN = b"kvjax/chunk-key/tail/v1"
+#: Token id of the padding rows of a stored tail (never a real token id).
+TAIL_PAD_ID = -1
+
+
+def tail_hash(parent: ChunkHash, token_ids: Sequence[int]) -> ChunkHash:
+  """Key of a stored tail: the m < C tokens after chunk `parent` that end a finished sequence.
+
+  A session's last partial chunk (its prompt and reply after the last full chunk) is stored
+  padded to C rows (`tail_token_ids`) under this key, so the next turn can load it like any
+  chunk (CachedAttention, arXiv 2403.19708, section 3.2.2: every historical token's KV). The
+  key hashes the parent, the m real token ids and `TAIL_DOMAIN` as an extra, so it can never
+  equal a chunk key (whose extras are empty) nor another tail's of other tokens or length.
+
+  Args:
+    parent: key of the last full chunk before the tail, or the namespace's `root_hash()`.
+    token_ids: the tail's m token ids, 1 <= m.
+
+  Raises:
+    ValueError: no token ids, or one outside int64.
+  """
+  if not len(token_ids):
+    raise ValueError("a tail holds at least one token")
+  return hash_chunk(parent, token_ids, (TAIL_DOMAIN,))
+
+
+def tail_token_ids(token_ids: Sequence[int], chunk_size: int) -> tuple[int, ...]:
+  """A tail's token ids as its record holds them: the m real ids, then `TAIL_PAD_ID` up to C
+  (a stored tail is a chunk of C rows whose last C - m rows are padding).
+
+  Raises:
+    ValueError: m outside [1, C).
+  """
+  m = len(token_ids)
+  if not 0 < m < chunk_size:
+    raise ValueError(f"a tail holds 1 to {chunk_size - 1} tokens, got {m}")
+  return tuple(int(t) for t in token_ids) + (TAIL_PAD_ID,) * (chunk_size - m)
 
 
 def prefix_chunk_hashes_for_prompt(namespace: KeyNamespace,

@@ -114,6 +114,35 @@ class CakeMergeTest(parameterized.TestCase):
     self.assertEqual(steps(m, 64, 9.0), [(16, 16), (48, 1)])
     self.assertEqual(m.chunk_writers(), "LCL")
 
+  def test_a_stored_tail_is_the_last_unit_loaded_first_and_the_suffix_starts_after_it(self):
+    # Chunks 0 and 1, then a tail of 5 tokens in chunk 2: the prefix is [0, 37).
+    m = CakeMerge(60, C, [T, T, T], "load_only", chunk_nbytes=10, max_loads_in_flight=4,
+                  last_unit_tokens=5)
+    self.assertEqual((m.prefix_tokens, [m.unit_tokens(j) for j in range(3)]), (37, [16, 16, 5]))
+    self.assertEqual([m.next_load(0.0, FAST) for _ in range(4)], [2, 1, 0, None])
+    land(m, 2, 1.0)
+    self.assertEqual(m.writer_map()[32:38], [Writer.LOAD] * 5 + [Writer.NONE])
+    self.assertEqual(steps(m, 64, 1.0), [])  # load-only: chunks 0 and 1 are still loading
+    land(m, 0, 2.0)
+    land(m, 1, 2.0)
+    self.assertEqual(m.frontier, 37)
+    # The suffix [37, 60) from the tail's end: up to the chunk boundary (padded), then the rest.
+    self.assertEqual(steps(m, 64, 2.0), [(37, 16), (53, 7)])
+    self.assertEqual(m.chunk_writers(), "LLL")
+    self.assertEqual((m.trace.chunks_loaded, m.trace.chunks_computed), ([2, 0, 1], []))
+
+  def test_compute_that_reaches_a_stored_tail_takes_its_whole_chunk(self):
+    m = CakeMerge(60, C, [F, F, T], "cake", chunk_nbytes=10, last_unit_tokens=5)
+    self.assertEqual(m.next_load(0.0, SLOW), None)  # the slow link cannot win the tail
+    self.assertEqual(steps(m, 64, 0.0, cost=SLOW), [(0, 32), (32, 16), (48, 12)])
+    self.assertEqual((m.chunk_writers(), m.trace.chunks_computed), ("CCC", [0, 1, 2]))
+    self.assertIs(m.states[2], ChunkState.COMPUTED)
+    # Compute stops at a landed tail and goes on from its end.
+    t = CakeMerge(60, C, [F, T], "load_only", chunk_nbytes=10, last_unit_tokens=5)
+    self.assertEqual(t.next_load(0.0, FAST), 1)
+    land(t, 1, 0.0)
+    self.assertEqual(steps(t, 64, 0.0, (8, 16, 32)), [(0, 16), (21, 32), (53, 7)])
+
   def test_steps_cross_store_chunks_only_on_their_boundaries(self):
     m = CakeMerge(49, C, [F, F, F])
     sizes = (8, 16, 32)
@@ -178,6 +207,14 @@ class CakeMergeTest(parameterized.TestCase):
       dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[T], encodings=[()]),
            msg="no candidate"),
       dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[], mode="both"), msg="both"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[T], chunk_nbytes=1,
+                   last_unit_tokens=C), msg="last_unit_tokens=16"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[], last_unit_tokens=3),
+           msg="after at least one unit"),
+      dict(kw=dict(num_prompt_tokens=20, chunk_size=C, hits=[T, T], chunk_nbytes=1,
+                   last_unit_tokens=4), msg="20 tokens"),
+      dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[T, T], chunk_nbytes=1,
+                   last_unit_tokens=4, resident=2), msg=r"\[0, 1\] \(whole chunks\)"),
   )
   def test_bad_construction(self, kw, msg):
     with self.assertRaisesRegex(ValueError, msg):

@@ -134,6 +134,36 @@ class ChunkHashesTest(parameterized.TestCase):
     self.assertEqual(hs, keys.chunk_hashes(NS, prompt)[:want_chunks])
 
 
+class TailKeyTest(absltest.TestCase):
+  """Stored tails (a session turn's last partial chunk): their own keys, padded token ids."""
+
+  def test_a_tail_key_is_never_a_chunk_key(self):
+    root = NS.root_hash()
+    ids = [5, 6, 7]
+    t = keys.tail_hash(root, ids)
+    self.assertNotEqual(t, keys.hash_chunk(root, ids))
+    self.assertNotEqual(t, keys.hash_chunk(root, keys.tail_token_ids(ids, 4)))
+    self.assertEqual(t, keys.tail_hash(root, ids))  # deterministic
+
+  def test_parent_tokens_and_length_change_the_key(self):
+    root = NS.root_hash()
+    h0 = keys.chunk_hashes(NS, range(4))[0]
+    base = keys.tail_hash(h0, [1, 2])
+    for other in (keys.tail_hash(root, [1, 2]), keys.tail_hash(h0, [1, 3]),
+                  keys.tail_hash(h0, [1]), keys.tail_hash(h0, [1, 2, 3]),
+                  keys.tail_hash(h0, [1, 2, keys.TAIL_PAD_ID])):
+      self.assertNotEqual(base, other)
+
+  def test_padded_token_ids(self):
+    self.assertEqual(keys.tail_token_ids([9, 8], 4), (9, 8, -1, -1))
+    self.assertEqual(keys.tail_token_ids([9, 8, 7], 4), (9, 8, 7, -1))
+    for bad in ([], [1, 2, 3, 4]):
+      with self.assertRaisesRegex(ValueError, "a tail holds 1 to 3 tokens"):
+        keys.tail_token_ids(bad, 4)
+    with self.assertRaisesRegex(ValueError, "at least one token"):
+      keys.tail_hash(NS.root_hash(), [])
+
+
 _SNIPPET = """
 from kvjax.storage import keys
 ns = keys.KeyNamespace("fp", "bfloat16", 1, 4, cache_salt="s")
