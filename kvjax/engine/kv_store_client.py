@@ -855,20 +855,25 @@ class KVStoreClient:
 
   def set_pins(self, sessions: Sequence[tuple[str | None, Sequence[int]]]) -> None:
     """Replaces the pinned sessions: per session, most important first, its `cache_salt` and
-    exact token ids (its last turn's prompt and output). Their full chunks join the store's hint
-    (never evicted), as many whole sessions as fit half the host tier (the other half is the
-    window's). The
-    session registry owns which sessions are pinned (`SessionRegistry.pinned`). Never blocks on
-    the store."""
+    exact token ids (its last turn's prompt and output). Their full chunks join the store's
+    hint (never evicted), as many whole sessions as fit half the host tier (the other half is
+    the window's), each with its stored tail (`stores_tails`, a chunk's bytes) while that fits
+    too. The session registry owns which sessions are pinned (`SessionRegistry.pinned`). Never
+    blocks on the store."""
     host = self.store.host_capacity()
     cap = host[1] // 2 if host is not None and host[1] is not None else None
-    pins, used = [], 0
+    pins, used, nb = [], 0, self.layout.nbytes
     for salt, ids in sessions:
-      hashes = tuple(keys.chunk_hashes(self.namespace(salt), list(ids)))
-      nbytes = len(hashes) * self.layout.nbytes
-      if cap is not None and used + nbytes > cap:
+      ns, ids = self.namespace(salt), list(ids)
+      hashes = tuple(keys.chunk_hashes(ns, ids))
+      if cap is not None and used + len(hashes) * nb > cap:
         continue
-      used += nbytes
+      used += len(hashes) * nb
+      tail = self.tail_key(ns.root_hash(), hashes, ids, len(ids) - 1) if (
+          self.stores_tails and ids) else None
+      if tail is not None and (cap is None or used + nb <= cap):
+        hashes += (tail[1],)
+        used += nb
       pins.append(hashes)
     with self._lock:
       self._pins = tuple(pins)

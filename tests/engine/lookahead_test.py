@@ -146,6 +146,25 @@ class LookaheadTest(absltest.TestCase):
     self.assertEqual(kv._run(kv.store.host.contains(hashes)), [False] * n)
     llm.close()
 
+  def test_a_pinned_session_keeps_its_stored_tail(self):
+    # Host of 8 chunks: pins may take 4, the session's 2 full chunks and its tail.
+    llm = make_llm(self.create_tempdir().full_path, 0, host_chunks=8)
+    kv = llm.kv_store
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = llm.chat([{"role": "user", "content": "a" * 60}], p, session_id="s2")[0]
+    llm.flush()
+    ids = out.prompt_token_ids + out.token_ids
+    hashes = keys.chunk_hashes(kv.namespace(None), ids)
+    self.assertLen(hashes, 2)
+    tail = keys.tail_hash(hashes[1], ids[2 * C:-1])
+    kv.wait_prefetches()
+    self.assertEqual(kv.prefetch_stats.pinned_chunks, 3)
+    for o in [[int(t) for t in RNG.integers(0, 256, 140)] for _ in range(3)]:
+      llm.generate({"prompt_token_ids": o}, GREEDY)  # 12 chunks through the host tier
+      llm.flush()
+    self.assertEqual(kv._run(kv.store.host.contains(list(hashes) + [tail])), [True] * 3)
+    llm.close()
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -140,6 +140,29 @@ class OpenAIApiTest(ServedLLMTestCase):
     self.assertEqual(other.usage.prompt_tokens_details.cached_tokens, 0)
     self.assertEqual(other.choices[0].text, first.choices[0].text)
 
+  def test_a_session_turn_loads_the_last_turn_whole_from_the_store(self):
+    # No device prefix cache here: turn 2's history comes from the store alone, its full chunks
+    # and turn 1's stored tail (the tokens after its last full chunk).
+    msgs = [{"role": "user", "content": DOC[:100]}]
+    body = {"session_id": "tail", "cache_salt": "tails"}
+    r1 = self.client.chat.completions.create(model="tiny", messages=msgs, **GREEDY,
+                                             extra_body=body)
+    self.srv.flush()
+    n1 = r1.usage.prompt_tokens + r1.usage.completion_tokens
+    self.assertTrue((n1 - 1) % CHUNK)  # turn 1 ends inside a chunk
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "Go on."}]
+    r2 = self.client.chat.completions.create(model="tiny", messages=msgs, **GREEDY,
+                                             extra_body=body)
+    self.assertEqual(r2.model_extra["kvjax"]["session"]["outcome"], "extended")
+    self.assertEqual(r2.usage.prompt_tokens_details.cached_tokens, n1 - 1)
+    self.assertEqual(r2.model_extra["kvjax"]["loaded_from_tiers"],
+                     {"disk": (n1 - 1) // CHUNK + 1})
+    info = self.llm.sessions.get("tail", "tails")
+    cold = self.ref.generate({"prompt_token_ids": list(info.token_ids[:r2.usage.prompt_tokens])},
+                             SamplingParams(temperature=0.0, max_tokens=8))[0]
+    self.assertEqual(r2.choices[0].message.content, cold.text)
+
   def test_truncate_prompt_tokens_cuts_exactly_and_bad_values_are_400(self):
     prompt = DOC * 2
     cut = list(prompt.encode())[-100:]  # the byte tokenizer: one id per byte
