@@ -934,7 +934,10 @@ class Engine:
       finished.append((rid, reason))
       live.metrics.finished_s = now
       if live.save_tail and where is not None:
-        self._save_tail(live, where)
+        try:
+          self._save_tail(live, where)
+        except Exception:  # noqa: BLE001 - a tail is a cache entry: its next turn computes it
+          _log.exception("the stored tail of %s was not saved", rid)
       del self._live[rid]
       if self.kv_store is not None:
         self.kv_store.cancel_loads(rid)  # late loads of chunks compute took

@@ -37,6 +37,9 @@ Rules (DESIGN.md section 3):
   * Compute steps are compiled sizes, aligned to store chunks: a step that crosses a chunk
     boundary inside the prefix ends on one. After the prefix, the suffix is ordinary chunked
     prefill; the step covering the last prompt token is the last.
+  * The last unit may be a stored tail of m < C tokens (a session turn's history ending inside
+    a chunk, `last_unit_tokens`): it is loaded and inserted like a chunk, the prefix ends at its
+    end, and the suffix starts there, inside its chunk.
 
 Ownership: the scheduler owns each request's merge and is its only caller (`schedule` plans
 loads, inserts and compute with it; `update` hands it every `LoadReport`); the executor never
