@@ -79,6 +79,18 @@ class StoreCliTest(parameterized.TestCase):
     self.ns_a, self.ns_b = NS_A.root_hash(), NS_B.root_hash()
     return url
 
+  def test_ls_shows_a_stored_tails_real_tokens(self):
+    url = os.path.join(self.create_tempdir().full_path, "store")
+    store = chunk_store.ChunkStore(url)
+    root = NS_A.root_hash()
+    tail = keys.tail_hash(root, TOKENS[:2])
+    kv = np.zeros(LAYOUT.shape, np.float32)
+    self.assertTrue(store.put_sync(tail, root, keys.tail_token_ids(TOKENS[:2], C), root, kv))
+    store.close()
+    rc, out, err = run_cli("ls", "--store", url)
+    self.assertEqual((rc, err), (0, ""))
+    self.assertEqual(out.splitlines()[1].split()[:3], [tail[:12], root[:12], "2/4"])
+
   @parameterized.parameters("file", "ocdbt")
   def test_ls(self, backend):
     url = self.build(backend)

@@ -68,6 +68,10 @@ from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayloa
 
 _log = logging.getLogger(__name__)
 
+#: `PrefixLookup.present` of a chunk no tier holds yet whose save is queued or being written:
+#: a hit whose load waits for that write, then reads and verifies it like any chunk.
+SAVING = "saving"
+
 
 @dataclasses.dataclass(frozen=True)
 class StoredTail:
@@ -78,8 +82,8 @@ class StoredTail:
     index: the chunk it lies in: positions `[index * C, index * C + num_tokens)`.
     num_tokens: m, its real tokens (its record holds C ids, the rest `keys.TAIL_PAD_ID`).
     chunk_hash: its key.
-    tier: the tier holding it.
-    record: that tier's index record.
+    tier: the tier holding it, or `SAVING`.
+    record: that tier's index record (None while saving).
   """
 
   index: int
@@ -97,7 +101,7 @@ class PrefixLookup:
     hashes: keys of all full chunks of the prompt, in order.
     namespace: the key namespace root (hex) the hashes are under.
     present: per candidate chunk (full chunks of `prompt[:-1]`, never the last token), the tier
-      holding it or None.
+      holding it, `SAVING` (its save is queued or being written), or None.
     records: per candidate chunk, the index record that tier holds (its encodings and their
       stored bytes), or None.
     tail: the stored tail found for the prompt's known history (`lookup(history_tokens=)`), or
@@ -392,6 +396,8 @@ class KVStoreClient:
                                          daemon=True)
     self._loop_thread.start()
     self._jobs: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending_saves)
+    # Keys of saves queued or being written: [jobs, set when the last one is done] (`_lock`).
+    self._saving: dict[ChunkHash, list] = {}
     self._saver = threading.Thread(target=self._save_loop, name="kvjax-saver", daemon=True)
     self._saver.start()
     self._closed = False
@@ -461,8 +467,10 @@ class KVStoreClient:
     previous turn's prompt and output but its last sampled token, whose KV the previous request
     left, `stores_tails`), the same batch asks for the tail of `prompt_ids[:h]`
     (`keys.tail_hash`); it is kept only when no chunk at or after its index is present (a full
-    chunk covers more). A store that fails the lookup degrades to "nothing present" with a
-    warning.
+    chunk covers more). With raw chunks, a chunk or tail no tier holds yet whose save is queued
+    or being written is present as `SAVING` (a turn sent the moment the last one answered still
+    finds its history; its load waits for the write). A store that fails the lookup degrades to "nothing
+    present" with a warning.
     """
     ns = self.namespace(cache_salt)
     hashes = keys.chunk_hashes(ns, prompt_ids)
@@ -476,7 +484,12 @@ class KVStoreClient:
     stored_tail = None
     if candidates or tail is not None:
       try:
-        found = self._run(self.store.peek(candidates + ([tail[1]] if tail else [])))
+        asked = candidates + ([tail[1]] if tail else [])
+        found = self._run(self.store.peek(asked))
+        if self.codec == codecs.RAW:  # its candidate is raw (`engine._candidates(None)`)
+          with self._lock:  # after the peek: a save that landed meanwhile is in `found`
+            found = [f if f is not None or h not in self._saving else (SAVING, None)
+                     for h, f in zip(asked, found)]
         present = [f[0] if f is not None else None for f in found[:len(candidates)]]
         records = [f[1] if f is not None else None for f in found[:len(candidates)]]
         if tail is not None and found[-1] is not None and not any(present[tail[0]:]):
@@ -623,6 +636,10 @@ class KVStoreClient:
     pending = self._prefetching.get(item.chunk_hash)
     if pending is not None:  # its prefetch is moving it up: read the host copy it makes
       await asyncio.wait({pending[0]})
+    with self._lock:
+      saving = self._saving.get(item.chunk_hash)
+    if saving is not None:  # found while its save was queued or being written: wait for it
+      await asyncio.to_thread(saving[1].wait, self._timeout_s)
     self._store_reads[item.chunk_hash] += 1  # no prefetch of it starts meanwhile
     try:
       got = await self.store.get(item.chunk_hash, item.token_ids, item.namespace, self.layout,
@@ -927,7 +944,7 @@ class KVStoreClient:
         need += nb
         if room is not None and need > room:
           return  # the window's chunks beyond this would not fit the host tier
-        if tier == name or h in self._tried or h in loading:
+        if tier in (name, SAVING) or h in self._tried or h in loading:
           continue
         if in_flight and in_flight + nb > self.prefetch_bytes:
           return
@@ -1016,13 +1033,26 @@ class KVStoreClient:
 
   # ----------------------------------------------------------------------------- saves
   def submit_save(self, job: SaveJob) -> bool:
-    """Queues a save without blocking; returns False (and counts it) when the queue is full."""
+    """Queues a save without blocking; returns False (and counts it) when the queue is full.
+    Until it is written (or has failed), lookups find its key as `SAVING`."""
+    with self._lock:
+      entry = self._saving.setdefault(job.chunk_hash, [0, threading.Event()])
+      entry[0] += 1
     try:
       self._jobs.put_nowait(job)
       return True
     except queue.Full:
       self.saver_stats.jobs_dropped += 1
+      self._save_ended(job.chunk_hash)
       return False
+
+  def _save_ended(self, chunk_hash: ChunkHash) -> None:
+    with self._lock:
+      entry = self._saving[chunk_hash]
+      entry[0] -= 1
+      if not entry[0]:
+        del self._saving[chunk_hash]
+        entry[1].set()
 
   def flush(self) -> None:
     """Blocks until every queued save has been written (or has failed and been counted), and
@@ -1042,6 +1072,8 @@ class KVStoreClient:
         self.saver_stats.failures += 1
         _log.warning("saving KV chunks failed: %r", e)
       finally:
+        if job is not None:
+          self._save_ended(job.chunk_hash)
         self._jobs.task_done()
 
   def _save(self, job: SaveJob) -> None:

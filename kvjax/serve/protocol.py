@@ -74,8 +74,11 @@ def too_many_requests(message: str) -> ApiError:
 
 
 def session_busy(message: str) -> ApiError:
-  """409: a turn of this session is still running (never queued behind it)."""
-  return ApiError(409, message, type="conflict_error", param="session_id", code="session_busy")
+  """409: a turn of this session is still running (never queued behind it). `x-should-retry:
+  false` stops the OpenAI clients' automatic retry of a 409, whose late copy would run as the
+  session's next turn."""
+  return ApiError(409, message, type="conflict_error", param="session_id", code="session_busy",
+                  headers={"x-should-retry": "false"})
 
 
 def session_not_found(session_id: str) -> ApiError:

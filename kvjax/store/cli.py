@@ -39,7 +39,7 @@ from typing import Any, TextIO
 
 from absl import flags
 
-from kvjax.storage import specs
+from kvjax.storage import keys, specs
 from kvjax.storage.chunk_store import ChunkStore, DataObject, StoreIndex
 from kvjax.storage.types import ChunkRecord, MissReason
 
@@ -263,14 +263,22 @@ def _layout_str(record: ChunkRecord) -> str:
   return f"{lay.num_layers},{lay.chunk_size},{lay.num_kv_heads},{lay.head_dim},{lay.dtype}"
 
 
+def _tokens_str(record: ChunkRecord) -> str:
+  """A chunk's token count; a stored session tail's as "m/C" (its ids after the m real ones are
+  `keys.TAIL_PAD_ID`, its KV rows zeros)."""
+  m = sum(t != keys.TAIL_PAD_ID for t in record.token_ids)
+  return str(m) if m == len(record.token_ids) else f"{m}/{len(record.token_ids)}"
+
+
 def format_ls(found: Scan) -> list[str]:
-  """One line per record, after a header; malformed records last."""
-  lines = [f"{'chunk':<{SHORT}}  {'namespace':<{SHORT}}  {'tokens':>6}  "
+  """One line per record, after a header; malformed records last. A stored session tail's
+  tokens read "m/C"."""
+  lines = [f"{'chunk':<{SHORT}}  {'namespace':<{SHORT}}  {'tokens':>7}  "
            f"{'layout L,C,K,H,dtype':<22}  encodings codec/level/bytes"]
   for r in found.records:
     encs = " ".join(f"{e.codec}/{e.level}/{e.nbytes}" for e in r.encodings)
     lines.append(f"{r.chunk_hash[:SHORT]:<{SHORT}}  {r.namespace[:SHORT]:<{SHORT}}  "
-                 f"{len(r.token_ids):>6}  {_layout_str(r):<22}  {encs}")
+                 f"{_tokens_str(r):>7}  {_layout_str(r):<22}  {encs}")
   for h in found.malformed:
     lines.append(f"{h[:SHORT]:<{SHORT}}  MALFORMED RECORD")
   return lines

@@ -6,11 +6,13 @@ equal cold runs; a tail never hits other tokens, never shadows a stored full chu
 saved for session turns, and a corrupt one is recomputed."""
 
 import os
+import threading
 
 import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM, SamplingParams
+from kvjax.engine.kv_store_client import SAVING
 from kvjax.storage import StoreConfig, TierConfig, keys
 
 C = 32
@@ -28,14 +30,16 @@ def make_llm(store, **kw):
              enable_prefix_caching=False, **kw)
 
 
-def run(llm, ids, params=GREEDY, **options):
-  """One request through `Engine.add_request` (session options included), run to its end."""
+def run(llm, ids, params=GREEDY, flush=True, **options):
+  """One request through `Engine.add_request` (session options included), run to its end
+  (then, with `flush`, until its saves are written)."""
   rid = llm.engine.add_request(ids, params, merge_mode=options.pop("merge_mode", "load_only"),
                                **options)
   while True:
     for out in llm.engine.step():
       if out.request_id == rid and out.finished:
-        llm.flush()
+        if flush:
+          llm.flush()
         return out
 
 
@@ -139,6 +143,33 @@ class ChatSessionTailTest(absltest.TestCase):
                           p)[0]
       self.assertEqual(out2.token_ids, cold.token_ids)
     finally:
+      llm.close()
+
+
+class UnwrittenSavesTest(absltest.TestCase):
+
+  def test_the_next_turn_finds_history_whose_saves_are_still_queued(self):
+    llm = make_llm("memory://")
+    kv, gate = llm.kv_store, threading.Event()
+    write = kv._save
+    kv._save = lambda job: (gate.wait(60), write(job))  # the saver holds every job until told
+    try:
+      first = run(llm, TURN1, save_tail=True, flush=False)
+      history = TURN1 + first.token_ids
+      h = len(history) - 1
+      lookup = kv.lookup(history + NEW, None, history_tokens=h)
+      self.assertEqual(lookup.present, [SAVING, SAVING])  # chunks 0 and 1, queued
+      self.assertEqual((lookup.tail.tier, lookup.tail.num_tokens), (SAVING, h - 2 * C))
+      rid = llm.engine.add_request(history + NEW, GREEDY, merge_mode="load_only",
+                                   history_tokens=h)
+      gate.set()  # the loads wait for the writes, then read and verify them
+      out = next(o for _ in range(1000) for o in llm.engine.step()
+                 if o.request_id == rid and o.finished)
+      self.assertEqual(out.num_cached_tokens, h)
+      cold = run(llm, history + NEW, cache_salt="cold")
+      self.assertEqual(out.token_ids, cold.token_ids)
+    finally:
+      gate.set()
       llm.close()
 
 

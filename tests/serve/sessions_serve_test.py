@@ -121,8 +121,9 @@ class SessionsServeTest(ServedLLMTestCase):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       first = pool.submit(self.chat, m1, "busy")
       self.assertTrue(entered.wait(60))  # the first turn holds its session
-      with self.assertRaises(openai.ConflictError) as cm:
-        self.chat(m1, "busy")
+      with self.assertRaises(openai.ConflictError) as cm:  # a retrying client: no retry
+        self.client.with_options(max_retries=2).chat.completions.create(
+            model="tiny", messages=m1, extra_body={"session_id": "busy"}, **GREEDY)
       release()
       r1 = first.result(60)
     self.assertEqual(cm.exception.status_code, 409)
@@ -130,6 +131,7 @@ class SessionsServeTest(ServedLLMTestCase):
         "message": cm.exception.body["message"], "type": "conflict_error", "param": "session_id",
         "code": "session_busy"})
     self.assertIn("busy", cm.exception.body["message"])
+    self.assertEqual(cm.exception.response.headers["x-should-retry"], "false")
     self.assertEqual(self.delta(before, self.srv.scrape(), "kvjax_session_conflicts_total"), 1)
     r2 = self.chat(self.next_messages(m1, r1, "now"), "busy")  # free again once it finished
     self.assertEqual(r2.model_extra["kvjax"]["session"]["outcome"], "extended")
