@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import math
@@ -396,7 +397,7 @@ class KVStoreClient:
                                          daemon=True)
     self._loop_thread.start()
     self._jobs: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending_saves)
-    # Keys of saves queued or being written: [jobs, set when the last one is done] (`_lock`).
+    # Keys of saves queued or being written: [jobs, a future done with the last] (`_lock`).
     self._saving: dict[ChunkHash, list] = {}
     self._saver = threading.Thread(target=self._save_loop, name="kvjax-saver", daemon=True)
     self._saver.start()
@@ -639,7 +640,9 @@ class KVStoreClient:
     with self._lock:
       saving = self._saving.get(item.chunk_hash)
     if saving is not None:  # found while its save was queued or being written: wait for it
-      await asyncio.to_thread(saving[1].wait, self._timeout_s)
+      # (on the loop, no worker thread: the write itself needs one; shielded, so a cancelled
+      # load never cancels the future other loads of the key wait on)
+      await asyncio.shield(asyncio.wrap_future(saving[1]))
     self._store_reads[item.chunk_hash] += 1  # no prefetch of it starts meanwhile
     try:
       got = await self.store.get(item.chunk_hash, item.token_ids, item.namespace, self.layout,
@@ -1036,7 +1039,7 @@ class KVStoreClient:
     """Queues a save without blocking; returns False (and counts it) when the queue is full.
     Until it is written (or has failed), lookups find its key as `SAVING`."""
     with self._lock:
-      entry = self._saving.setdefault(job.chunk_hash, [0, threading.Event()])
+      entry = self._saving.setdefault(job.chunk_hash, [0, concurrent.futures.Future()])
       entry[0] += 1
     try:
       self._jobs.put_nowait(job)
@@ -1052,7 +1055,7 @@ class KVStoreClient:
       entry[0] -= 1
       if not entry[0]:
         del self._saving[chunk_hash]
-        entry[1].set()
+        entry[1].set_result(None)
 
   def flush(self) -> None:
     """Blocks until every queued save has been written (or has failed and been counted), and
