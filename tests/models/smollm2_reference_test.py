@@ -31,7 +31,7 @@ class SmolLM2ReferenceTest(absltest.TestCase):
     loaded = load_model("SmolLM2-135M-Instruct", cache_dir=None)
     cls.loaded = loaded
     cls.runner = ModelRunner(Llama.from_params(loaded.config, loaded.params),
-                             RunnerConfig(num_slots=1, max_seq_len=2048,
+                             RunnerConfig(num_slots=1, max_seq_len=1152,
                                           chunk_sizes=(16, 64, 256)))
 
   def test_logits_and_greedy_match_transformers(self):
