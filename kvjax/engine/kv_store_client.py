@@ -470,8 +470,8 @@ class KVStoreClient:
     (`keys.tail_hash`); it is kept only when no chunk at or after its index is present (a full
     chunk covers more). With raw chunks, a chunk or tail no tier holds yet whose save is queued
     or being written is present as `SAVING` (a turn sent the moment the last one answered still
-    finds its history; its load waits for the write). A store that fails the lookup degrades to "nothing
-    present" with a warning.
+    finds its history; its load waits for the write). A store that fails the lookup degrades to
+    "nothing present" with a warning.
     """
     ns = self.namespace(cache_salt)
     hashes = keys.chunk_hashes(ns, prompt_ids)
@@ -486,11 +486,13 @@ class KVStoreClient:
     if candidates or tail is not None:
       try:
         asked = candidates + ([tail[1]] if tail else [])
-        found = self._run(self.store.peek(asked))
+        saving = set()
         if self.codec == codecs.RAW:  # its candidate is raw (`engine._candidates(None)`)
-          with self._lock:  # after the peek: a save that landed meanwhile is in `found`
-            found = [f if f is not None or h not in self._saving else (SAVING, None)
-                     for h, f in zip(asked, found)]
+          with self._lock:  # before the peek: one that lands meanwhile is stored either way
+            saving = {h for h in asked if h in self._saving}
+        found = self._run(self.store.peek(asked))
+        found = [f if f is not None or h not in saving else (SAVING, None)
+                 for h, f in zip(asked, found)]
         present = [f[0] if f is not None else None for f in found[:len(candidates)]]
         records = [f[1] if f is not None else None for f in found[:len(candidates)]]
         if tail is not None and found[-1] is not None and not any(present[tail[0]:]):
