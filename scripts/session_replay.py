@@ -338,6 +338,28 @@ def turn1_overlap_split(rows: list[TurnRow]) -> dict:
   return out
 
 
+def saver_outcomes(metrics_text: str) -> dict[str, float]:
+  """`kvjax_kv_saver_total` by outcome (saved, already stored, dropped, failed, ...) from a
+  `/metrics` page: a run whose turns missed stored KV can tell a dropped save from others."""
+  from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+  out = {}
+  for fam in text_string_to_metric_families(metrics_text):
+    if fam.name == "kvjax_kv_saver":
+      for sample in fam.samples:
+        if sample.name == "kvjax_kv_saver_total":
+          out[sample.labels["outcome"]] = sample.value
+  return out
+
+
+def _scrape_saver(url: str) -> dict[str, float] | None:
+  try:
+    import httpx  # noqa: PLC0415
+    return saver_outcomes(httpx.get(f"{url}/metrics", timeout=30).text)
+  except Exception as e:  # noqa: BLE001 - a figure for the record; the run's rows stand
+    print(f"could not read the saver counters: {e!r}", flush=True)
+    return None
+
+
 def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
                modes=("session", "prefix", "recompute")) -> dict:
   """Replays on one fresh server per mode; returns settings, summaries and per-turn rows."""
@@ -382,8 +404,11 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
     proc, url, model = benchlib.start_server(
         [f"--model={cfg.model}", f"--kv_chunk_size={cfg.kv_chunk_size}", *flags,
          *cfg.server_flags], os.path.join(work, f"server-{mode}.log"))
+    saver = None
     try:
       got, wall = asyncio.run(_replay(url, model, mode, convs, cfg))
+      if store is not None:
+        saver = _scrape_saver(url)
     finally:
       proc.send_signal(signal.SIGINT)
       proc.wait(120)
@@ -392,6 +417,8 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
     rows += got
     summaries[mode] = summarize(got, wall, cfg.kv_chunk_size)
     summaries[mode]["ge2_by_turn1_overlap"] = turn1_overlap_split(got)
+    if saver is not None:
+      summaries[mode]["saver"] = saver
     print(f"{mode}: {summaries[mode]}", flush=True)
   print(f"server logs: {work}", flush=True)
   rec = summaries.get("recompute")

@@ -29,6 +29,21 @@ def conv(*texts, roles=None):
   return {"conversations": [{"from": r, "value": t} for r, t in zip(roles, texts)]}
 
 
+class SaverOutcomesTest(absltest.TestCase):
+
+  def test_reads_the_saver_counters_of_a_metrics_page(self):
+    page = "\n".join([
+        "# HELP kvjax_kv_saver_total Asynchronous KV saves, by outcome.",
+        "# TYPE kvjax_kv_saver_total counter",
+        'kvjax_kv_saver_total{outcome="chunks_saved"} 27.0',
+        'kvjax_kv_saver_total{outcome="jobs_dropped"} 2.0',
+        "# HELP kvjax_sessions_open Open sessions.",
+        "# TYPE kvjax_sessions_open gauge",
+        "kvjax_sessions_open 4.0", ""])
+    self.assertEqual(sr.saver_outcomes(page), {"chunks_saved": 27.0, "jobs_dropped": 2.0})
+    self.assertEqual(sr.saver_outcomes(""), {})
+
+
 class SummarizeTest(absltest.TestCase):
 
   def test_turns_after_the_first_count_reuse_of_the_previous_turn(self):
