@@ -74,6 +74,12 @@ def _candidates(record, raw_nbytes: int) -> list[Candidate]:
   return out
 
 
+def _first_rows(kv_L2CKH, rows: int):
+  """A staged chunk's first `rows` positions (a stored tail's, `Engine._insert_rows`); the
+  chunk itself when that is all of it."""
+  return kv_L2CKH if rows == kv_L2CKH.shape[2] else kv_L2CKH[:, :, :rows]
+
+
 class TokenizerLike(Protocol):
   eos_id: int | None
 
@@ -654,8 +660,7 @@ class Engine:
           continue
         kv.charge_device(hit.encoding.nbytes)  # the host -> device link, whole chunk
         if hit.kv is not None:
-          self.runner.insert_chunk(hit.kv if rows == hit.kv.shape[2] else hit.kv[:, :, :rows],
-                                   where, ins.start)
+          self.runner.insert_chunk(_first_rows(hit.kv, rows), where, ins.start)
         elif ins.num_tokens is None:
           self.runner.insert_payload(hit.encoding.codec, hit.payload, where, ins.start)
         else:  # a stored tail is raw (`KVStoreClient.stores_tails`): never here
@@ -783,9 +788,8 @@ class Engine:
       for i, ((ins, _, where), tr) in enumerate(zip(layered, transfers)):
         arr = tr.wait(g, timeout_s=60.0)
         t0 = time.perf_counter()
-        rows = self._insert_rows(ins)
-        runner.insert_chunk_layers(arr if rows == arr.shape[2] else arr[:, :, :rows], where,
-                                   ins.start, l0)
+        runner.insert_chunk_layers(_first_rows(arr, self._insert_rows(ins)), where, ins.start,
+                                   l0)
         spent[i] += time.perf_counter() - t0
         if trace is not None:
           trace.append(("insert", ins.request_id, ins.index, g))
@@ -831,9 +835,8 @@ class Engine:
     A chunk's tokens are the prompt's, then the output's. `where` is the request's slot
     (slotted) or block table (paged)."""
     kv, c = self.kv_store, self.kv_store.chunk_size
-    host = isinstance(k_LTKH, np.ndarray)  # the runner's `host_outputs` (CPU backend)
-    xp = np if host else jnp
-    if host:  # own copies: a view would keep the whole step's output alive
+    if isinstance(k_LTKH, np.ndarray):  # the runner's `host_outputs` (CPU backend): own
+      # copies, since a view would keep the whole step's output alive
       k_LTKH, v_LTKH = np.array(k_LTKH), np.array(v_LTKH)
     live.pieces.append((start, k_LTKH, v_LTKH))
     lookup = live.lookup
@@ -843,7 +846,7 @@ class Engine:
                                            live.prompt_token_ids + live.token_ids, max(saves) + 1)
     for index in sorted(set(saves) | set(roundtrip)):
       lo, hi = index * c, (index + 1) * c
-      kv_L2CKH = self._kept_rows(live, lo, hi, where, xp)
+      kv_L2CKH = self._kept_rows(live, lo, hi, where)
       if kv_L2CKH.shape[2] != c:
         raise ValueError(f"chunk {index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
       payloads = None
@@ -867,11 +870,13 @@ class Engine:
     keep_from = (end // c) * c  # pieces wholly below the last completed chunk end are done
     live.pieces = [p for p in live.pieces if p[0] + p[1].shape[1] > keep_from]
 
-  def _kept_rows(self, live: _Live, lo: int, hi: int, where, xp):
+  def _kept_rows(self, live: _Live, lo: int, hi: int, where):
     """`[L, 2, hi - lo, K, H]`: a request's KV at positions `[lo, hi)`, K before RoPE, from
-    the rows it kept (`live.pieces`); a head those do not cover is device-resident (a prefix
-    hit this request did not compute) and is read back from its blocks, K un-rotated
+    the rows it kept (`live.pieces`, host arrays on the CPU backend, else device arrays, and so
+    is the result); a head those do not cover is device-resident (a prefix hit this request
+    did not compute) and is read back from its blocks, K un-rotated
     (`PagedModelRunner.read_pre_rope`; `lo` a multiple of the block size)."""
+    xp = np if isinstance(live.pieces[-1][1], np.ndarray) else jnp
     ks, vs = [], []
     first = min(min((p[0] for p in live.pieces if p[0] + p[1].shape[1] > lo), default=hi), hi)
     if self._paged and lo < first:
@@ -902,14 +907,13 @@ class Engine:
     lookup = live.lookup
     if len(live.hashes) < k:
       live.hashes = kv.extend_chunk_hashes(lookup, live.hashes, seq, k)
-    _, key = kv.tail_key(lookup.namespace, live.hashes, seq, end)
-    xp = np if isinstance(live.pieces[-1][1], np.ndarray) else jnp
-    rows = self._kept_rows(live, k * c, end, where, xp)
+    _, parent, key = kv.tail_key(lookup.namespace, live.hashes, seq, end)
+    rows = self._kept_rows(live, k * c, end, where)
     if rows.shape[2] != m:
       raise ValueError(f"tail of {live.request_id}: kept rows cover {rows.shape[2]} of {m}")
+    xp = np if isinstance(rows, np.ndarray) else jnp
     padded = xp.pad(rows, ((0, 0), (0, 0), (0, c - m), (0, 0), (0, 0)))
-    kv.submit_save(SaveJob(namespace=lookup.namespace, chunk_hash=key,
-                           parent=live.hashes[k - 1] if k else lookup.namespace,
+    kv.submit_save(SaveJob(namespace=lookup.namespace, chunk_hash=key, parent=parent,
                            token_ids=keys.tail_token_ids(seq[k * c:end], c), kv=padded))
 
   # ----------------------------------------------------------------------------- outputs
@@ -933,7 +937,7 @@ class Engine:
     if reason is not None:
       finished.append((rid, reason))
       live.metrics.finished_s = now
-      if live.save_tail and where is not None:
+      if live.save_tail:  # paged only: `where` is its block table
         try:
           self._save_tail(live, where)
         except Exception:  # noqa: BLE001 - a tail is a cache entry: its next turn computes it

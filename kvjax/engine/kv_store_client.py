@@ -104,7 +104,7 @@ class PrefixLookup:
     present: per candidate chunk (full chunks of `prompt[:-1]`, never the last token), the tier
       holding it, `SAVING` (its save is queued or being written), or None.
     records: per candidate chunk, the index record that tier holds (its encodings and their
-      stored bytes), or None.
+      stored bytes), or None (for a present chunk: no record listed, it is read as raw).
     tail: the stored tail found for the prompt's known history (`lookup(history_tokens=)`), or
       None; never with a present chunk at or after its index.
   """
@@ -449,15 +449,15 @@ class KVStoreClient:
     return self.codec == codecs.RAW and self.key_encoding is None
 
   def tail_key(self, namespace: str, hashes: Sequence[ChunkHash], token_ids: Sequence[int],
-               end: int) -> tuple[int, ChunkHash] | None:
-    """`(index, key)` of the tail of `token_ids[:end]` (the tokens after its last full chunk)
-    under namespace root `namespace`, `hashes` being the chained keys of its first full chunks
-    (at least `end // C`); None when `end` is a multiple of C (no tail)."""
+               end: int) -> tuple[int, ChunkHash, ChunkHash] | None:
+    """`(index, parent, key)` of the tail of `token_ids[:end]` (the tokens after its last full
+    chunk) under namespace root `namespace`, `hashes` being the chained keys of its first full
+    chunks (at least `end // C`); None when `end` is a multiple of C (no tail)."""
     k, m = divmod(end, self.chunk_size)
     if not m:
       return None
     parent = hashes[k - 1] if k else ChunkHash(namespace)
-    return k, keys.tail_hash(parent, token_ids[k * self.chunk_size:end])
+    return k, parent, keys.tail_hash(parent, token_ids[k * self.chunk_size:end])
 
   def lookup(self, prompt_ids: Sequence[int], cache_salt: str | None, *,
              history_tokens: int = 0) -> PrefixLookup:
@@ -485,9 +485,9 @@ class KVStoreClient:
     stored_tail = None
     if candidates or tail is not None:
       try:
-        asked = candidates + ([tail[1]] if tail else [])
+        asked = candidates + ([tail[2]] if tail else [])
         saving = set()
-        if self.codec == codecs.RAW:  # its candidate is raw (`engine._candidates(None)`)
+        if self.codec == codecs.RAW:  # a hit without a record is read as raw (`records`)
           with self._lock:  # before the peek: one that lands meanwhile is stored either way
             saving = {h for h in asked if h in self._saving}
         found = self._run(self.store.peek(asked))
@@ -496,7 +496,7 @@ class KVStoreClient:
         present = [f[0] if f is not None else None for f in found[:len(candidates)]]
         records = [f[1] if f is not None else None for f in found[:len(candidates)]]
         if tail is not None and found[-1] is not None and not any(present[tail[0]:]):
-          stored_tail = StoredTail(tail[0], history_tokens - tail[0] * self.chunk_size, tail[1],
+          stored_tail = StoredTail(tail[0], history_tokens - tail[0] * self.chunk_size, tail[2],
                                    found[-1][0], found[-1][1])
       except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute
         self.lookup_failures += 1
@@ -894,7 +894,7 @@ class KVStoreClient:
       tail = self.tail_key(ns.root_hash(), hashes, ids, len(ids) - 1) if (
           self.stores_tails and ids) else None
       if tail is not None and (cap is None or used + nb <= cap):
-        hashes += (tail[1],)
+        hashes += (tail[2],)
         used += nb
       pins.append(hashes)
     with self._lock:

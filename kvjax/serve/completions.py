@@ -327,9 +327,9 @@ class Generation:
     streaming = False
     try:
       salt = self.session.prompt.kv_salt if self.session is not None else self.req.cache_salt
-      queue = self.b.engine.submit(
-          self.id, self.prompt_ids, self.params, salt, save_tail=self.session is not None,
-          history_tokens=self.session.prompt.history_tokens if self.session is not None else 0)
+      turn = {} if self.session is None else {  # a session turn stores and finds its tail
+          "save_tail": True, "history_tokens": self.session.prompt.history_tokens}
+      queue = self.b.engine.submit(self.id, self.prompt_ids, self.params, salt, **turn)
       out = await self._first(queue)
       if out is None:
         return Response(status_code=499)
