@@ -33,7 +33,7 @@ from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
 from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
                                  default_cache_root, enable_persistent_compilation_cache)
 from kvjax.scheduler.request import SamplingParams
-from kvjax.scheduler.scheduler import SchedulerConfig
+from kvjax.scheduler.scheduler import PREFILL_ORDERS, SHORTEST_FIRST, SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
@@ -197,6 +197,12 @@ class LLM:
       budget with other requests' prefills (a store hit's short tail among them) instead of
       filling it; at least the smallest chunk size, or 0 (default): off. With
       `kv_codec_consistent` a smaller value is raised to `kv_chunk_size`.
+    prefill_order: which prefills under way take a step's budget first (`SchedulerConfig`):
+      "shortest_first" (default): the one with the fewest tokens left, a store hit whose stored
+      chunks are all on the device (only its new tokens left) among them, so a hit's TTFT does
+      not wait behind a long cold prompt; "fcfs": admission order, every hit's compute after
+      them (Cake's adaptive mode, arXiv 2410.03065, section 4 Part 3, applied to the whole
+      merge). A merge still loading takes what is left in both.
     chunk_sizes: compiled prefill chunk sizes, ascending.
     seed: seeds requests that carry no seed.
     cache_dir: kvjax's cache root (converted params, compiled programs); default
@@ -306,7 +312,7 @@ class LLM:
 
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", max_num_seqs: int = 4,
                max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-               long_prefill_token_threshold: int = 0,
+               long_prefill_token_threshold: int = 0, prefill_order: str = SHORTEST_FIRST,
                chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, seed: int = 0,
                cache_dir: str | None = None, kv_store: str | StoreConfig | None = None,
                kv_chunk_size: int = 256, kv_link_bytes_per_s: float | None = None,
@@ -346,6 +352,8 @@ class LLM:
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight,
                    long_prefill_token_threshold=long_prefill_token_threshold)
+    if prefill_order not in PREFILL_ORDERS:
+      raise ValueError(f"prefill_order={prefill_order!r}; use one of {PREFILL_ORDERS}")
     kv_codec_levels = _check_codec_options(kv_codec, kv_codec_levels, kv_chunk_size,
                                            with_store=kv_store is not None)
     if kv_store is None and kv_codec != "raw":
@@ -412,7 +420,8 @@ class LLM:
                        chunk_sizes=chunk_sizes))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1],
-                            long_prefill_token_threshold=long_prefill_token_threshold)
+                            long_prefill_token_threshold=long_prefill_token_threshold,
+                            prefill_order=prefill_order)
     self.kvtc_transform = None
     if kv_store is not None and kv_codec == codecs.KVTC and kv_cache_layout == "paged":
       raise ValueError("kv_codec='kvtc' runs on the slotted KV cache for now: pass "

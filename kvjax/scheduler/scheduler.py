@@ -12,15 +12,27 @@ Each step (vLLM v1's `schedule()` then `update_from_output()`):
 Part 3, adaptive mode):
 
   1. every decoding request takes one token;
-  2. ordinary prefills already under way continue, oldest first;
-  3. waiting requests are admitted into free decode slots, first come first served (a request
+  2. staged chunks of requests holding a slot are inserted (free of budget: loads are the other
+     resource, Cake section 3);
+  3. prefills already under way continue (`SchedulerConfig.prefill_order`): "shortest_first"
+     (default), fewest tokens left first, among ordinary prefills and merges whose stored
+     chunks are all resident (a hit with only its new tokens left); "fcfs", ordinary prefills
+     oldest first;
+  4. waiting requests are admitted into free decode slots, first come first served (a request
      with a Cake merge is admitted whenever a slot is free, budget or not: its loads need none);
-  4. staged chunks of requests holding a slot are inserted (free of budget: loads are the other
-     resource, Cake section 3), and every merge issues its next loads, last chunk first, queued
-     requests included (loads need no slot);
+     their staged chunks are inserted, and every merge issues its next loads, last chunk first,
+     queued requests included (loads need no slot);
   5. the compute side of each merge takes what is left, oldest first: compiled chunk sizes
      aligned to store chunks, possibly several pieces (skipping resident chunks), none when loads
      are predicted to finish the next chunk first.
+
+Why "shortest_first": a store hit is mostly loads; once they are in, what it has left is its new
+tokens, often a few dozen. First come first served puts them behind a long cold prompt's chunked
+prefill, so the hit's first token waits for that whole prompt (on the 2-core CPU replay of
+`scripts/bench_sessions.py`, hits beside a cold prefill waited 7.6 s at the median against
+0.94 s for the others). Fewest tokens left first is shortest-remaining-time-first, which
+minimises the mean time to first token; a merge still loading keeps Cake's leftover budget, so
+the meeting point still moves by itself.
 
 A prefill chunk is the largest compiled chunk size that fits the budget and the prompt's remaining
 tokens, so only a prompt's last chunk is ever padded:
@@ -65,6 +77,11 @@ from kvjax.scheduler.request import Request, RequestStatus
 #: `LoadReport.reason` of a load the executor dropped, at the plan's request, before it started.
 RELEASED = "released"
 
+#: `SchedulerConfig.prefill_order` values.
+FCFS = "fcfs"
+SHORTEST_FIRST = "shortest_first"
+PREFILL_ORDERS = (FCFS, SHORTEST_FIRST)
+
 #: Longest single wait for a load to land, seconds (the executor asks for a new plan after it).
 MAX_LOAD_WAIT_S = 1.0
 
@@ -79,14 +96,23 @@ class SchedulerConfig:
       or a Cake merge's compute side) takes at most this many tokens of one step, so a long
       prompt shares the budget with other requests' prefills; 0 (default): off. When > 0 it
       must be at least the smallest chunk size (a long prompt could not advance otherwise).
+    prefill_order: the order prefills under way take the budget (the module note):
+      "shortest_first" (default) or "fcfs".
+
+  Raises:
+    ValueError: non-positive slots or budget, unsorted sizes, a budget or threshold below the
+      smallest size, or an unknown `prefill_order`.
   """
 
   num_slots: int = 4
   token_budget: int = 512
   chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
   long_prefill_token_threshold: int = 0
+  prefill_order: str = SHORTEST_FIRST
 
   def __post_init__(self):
+    if self.prefill_order not in PREFILL_ORDERS:
+      raise ValueError(f"prefill_order={self.prefill_order!r}; use one of {PREFILL_ORDERS}")
     if self.num_slots <= 0 or self.token_budget <= 0:
       raise ValueError(f"num_slots={self.num_slots} and token_budget={self.token_budget} must be "
                        "positive")
@@ -460,7 +486,8 @@ class Scheduler:
       self._last_now_s = now_s
     decodes: list[DecodeItem] = []
     prefills: list[PrefillChunk] = []
-    self._planned = (decodes, prefills)
+    inserts: list[InsertItem] = []
+    self._planned = (decodes, prefills, inserts)
     for r in list(self.running.values()):
       if (r.request_id in self.running and r.status is RequestStatus.DECODING and budget > 0
           and self._grow(r, 1)):
@@ -468,10 +495,16 @@ class Scheduler:
         decodes.append(DecodeItem(r.request_id, r.slot, r.num_computed_tokens - 1,
                                   r.output_token_ids[-1], self._decode_saves(r)))
         budget -= 1
-    for r in list(self.running.values()):
-      if (r.request_id in self.running and r.status is RequestStatus.PREFILLING
-          and r.request_id not in self._prefix):
-        budget = self._plan_chunks(r, budget, prefills)
+    # Inserts of requests already holding a slot first: a merge they complete computes its
+    # suffix with the prefills under way (`prefill_order`).
+    planned, held = self._plan_inserts(list(self.running.values()), 0)
+    inserts += planned
+    for r in self._prefills_under_way():
+      if r.request_id in self.running and r.status is RequestStatus.PREFILLING:
+        if r.request_id in self._prefix:
+          budget = self._plan_cake(r, budget, now_s, prefills)
+        else:
+          budget = self._plan_chunks(r, budget, prefills)
     admitted: list[RequestId] = []
     # A plan that preempted admits nobody (vLLM's rule): the pool is short already.
     while self.waiting and self._free_slots and not self._preempted:
@@ -488,7 +521,8 @@ class Scheduler:
       admitted.append(r.request_id)
       if r.request_id not in self._prefix:
         budget = self._plan_chunks(r, budget, prefills, may_preempt=False)
-    inserts = self._plan_inserts()
+    late, _ = self._plan_inserts([self.running[rid] for rid in admitted], held)
+    inserts += late
     loads = self._plan_loads(now_s)
     for r in self.cake_requests():
       budget = self._plan_cake(r, budget, now_s, prefills)
@@ -517,7 +551,7 @@ class Scheduler:
     layer_groups = (self.load_config.layerwise_groups
                     if inserts and (decodes or prefills) and self.kv_cache is not None else 1)
     return SchedulerOutput(finished_request_ids=finished, releases=releases, loads=loads,
-                           inserts=inserts, decodes=tuple(decodes), prefills=tuple(prefills),
+                           inserts=tuple(inserts), decodes=tuple(decodes), prefills=tuple(prefills),
                            wait_s=wait_s, block_tables=block_tables, preempted=preempted,
                            device_hits=device_hits, layer_groups=layer_groups,
                            lookahead=self._lookahead(), admitted=tuple(admitted))
@@ -594,9 +628,10 @@ class Scheduler:
     recomputes instead of loading)."""
     rid = r.request_id
     self.kv_cache.preempt(rid)
-    decodes, prefills = self._planned
+    decodes, prefills, inserts = self._planned
     decodes[:] = [d for d in decodes if d.request_id != rid]
     prefills[:] = [c for c in prefills if c.request_id != rid]
+    inserts[:] = [i for i in inserts if i.request_id != rid]
     del self.running[rid]
     bisect.insort(self._free_slots, r.slot)
     r.slot = None
@@ -611,11 +646,41 @@ class Scheduler:
     self.waiting.appendleft(r)
     self._preempted.append(rid)
 
-  def _plan_inserts(self) -> tuple[InsertItem, ...]:
-    """Landed chunks of requests that hold a slot: inserted this step (marked resident now)."""
+  def _prefills_under_way(self) -> list[Request]:
+    """Running requests whose prefill continues before admissions (`prefill_order`): ordinary
+    prefills, plus, for "shortest_first", merges with every stored chunk resident (only their
+    suffix is left to compute); admission order, or by tokens left ("shortest_first", stable,
+    so ties keep admission order)."""
+    ordinary = [r for r in self.running.values()
+                if r.status is RequestStatus.PREFILLING and r.request_id not in self._prefix]
+    if self.config.prefill_order == FCFS:
+      return ordinary
+    met = [r for r in self.running.values()
+           if r.status is RequestStatus.PREFILLING and r.request_id in self._prefix
+           and self._prefix[r.request_id].merge.is_prefix_done]
+    under_way = [r for r in self.running.values() if r in ordinary or r in met]
+    return sorted(under_way, key=self._tokens_left)
+
+  def _tokens_left(self, r: Request) -> int:
+    """Prefill tokens `r` has left to compute (a merge's: past its frontier)."""
+    prefix = self._prefix.get(r.request_id)
+    if prefix is None:
+      return r.remaining_prefill_tokens
+    return r.num_prompt_tokens - prefix.merge.frontier
+
+  def _plan_inserts(self, requests: list[Request], held: int
+                    ) -> tuple[list[InsertItem], int]:
+    """Landed chunks of `requests` (holding slots): inserted this step (marked resident now).
+
+    Args:
+      requests: running requests, in admission order.
+      held: staged bytes the layer-wise deferring requests of this step hold already.
+
+    Returns:
+      The insert items, and `held` plus what the deferring ones among `requests` hold.
+    """
     out = []
-    held = 0  # staged bytes the deferring requests hold or will, at most the staging budget
-    for r in self.running.values():
+    for r in requests:
       prefix = self._prefix.get(r.request_id)
       if prefix is None:
         continue
@@ -631,7 +696,7 @@ class Scheduler:
           n = m.unit_tokens(j)  # a stored tail's m rows, else the whole chunk
           out.append(InsertItem(r.request_id, j, r.slot, j * m.chunk_size,
                                 n if n != m.chunk_size else None))
-    return tuple(out)
+    return out, held
 
   @staticmethod
   def _defer_bytes(prefix) -> int | None:

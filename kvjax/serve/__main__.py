@@ -70,6 +70,12 @@ _LONG_PREFILL = flags.DEFINE_integer(
     "One request's prefill tokens per engine step at most (vLLM's option), so a long prompt "
     "shares the step with other requests' prefills; at least the smallest chunk size, or 0 "
     "(default): off.")
+_PREFILL_ORDER = flags.DEFINE_enum(
+    "prefill_order", "shortest_first", ["shortest_first", "fcfs"],
+    "Which prefills under way take a step's token budget first: 'shortest_first' (default), "
+    "the one with the fewest tokens left (a store hit whose chunks are all on the device "
+    "among them, so its TTFT does not wait behind a long cold prompt), or 'fcfs' (admission "
+    "order; hits' compute after every ordinary prefill).")
 _CHUNK_SIZES = flags.DEFINE_list("chunk_sizes", None,
                                  "Compiled prefill chunk sizes, ascending (default 16..512).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds requests that give no seed.")
@@ -235,7 +241,8 @@ def config_from_flags() -> ServerConfig:
         model=_MODEL.value, served_model_name=_SERVED.value, host=_HOST.value, port=_PORT.value,
         dtype=_DTYPE.value, max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
         max_num_batched_tokens=_BUDGET.value,
-        long_prefill_token_threshold=_LONG_PREFILL.value, chunk_sizes=sizes, seed=_SEED.value,
+        long_prefill_token_threshold=_LONG_PREFILL.value, prefill_order=_PREFILL_ORDER.value,
+        chunk_sizes=sizes, seed=_SEED.value,
         cache_dir=_CACHE_DIR.value, kv_store=store, kv_tiers=_KV_TIERS.value,
         kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_merge_mode=_MERGE.value,
         kv_codec_consistent={"auto": None, "true": True, "false": False}[_CONSISTENT.value],

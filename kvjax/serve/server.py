@@ -56,6 +56,8 @@ class ServerConfig:
     max_num_batched_tokens: token budget of one engine step; None: the largest chunk size.
     long_prefill_token_threshold: one request's prefill tokens per step at most (vLLM's option;
       see `LLM`), so a long prompt shares the step with other requests' prefills; 0: off.
+    prefill_order: "shortest_first" (default) or "fcfs": which prefills take a step's budget
+      first (see `LLM`).
     chunk_sizes: compiled prefill chunk sizes; None: `LLM`'s default.
     seed: seeds requests that give no seed.
     cache_dir: kvjax's cache root (params, compiled programs); None: the default.
@@ -122,6 +124,7 @@ class ServerConfig:
   max_num_seqs: int | None = None
   max_num_batched_tokens: int | None = None
   long_prefill_token_threshold: int = 0
+  prefill_order: str = "shortest_first"
   chunk_sizes: tuple[int, ...] | None = None
   seed: int = 0
   cache_dir: str | None = None
@@ -240,7 +243,8 @@ class ServerConfig:
         dtype=self.dtype, max_num_seqs=self.resolved_max_num_seqs,
         max_model_len=self.max_model_len,
         max_num_batched_tokens=self.max_num_batched_tokens,
-        long_prefill_token_threshold=self.long_prefill_token_threshold, seed=self.seed,
+        long_prefill_token_threshold=self.long_prefill_token_threshold,
+        prefill_order=self.prefill_order, seed=self.seed,
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
         kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
         max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,

@@ -88,9 +88,10 @@ class LLMTest(absltest.TestCase):
     outs = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[2], PROMPTS[1])], GREEDY)
     self.assertEqual([o.token_ids for o in outs], [self.want[2], self.want[1]])
     a, b = (o.request_id for o in outs)
-    # The 130-token prompt takes 32 a step of the 64-token budget; the 40-token one the rest.
+    # The 130-token prompt takes 32 a step of the 64-token budget; the 40-token one the rest
+    # (its 8 left go first in the second step: fewest tokens left first).
     self.assertEqual([s for s in steps if s][:5], [[(a, 0, 32), (b, 0, 32)],
-                                                   [(a, 32, 32), (b, 32, 8)],
+                                                   [(b, 32, 8), (a, 32, 32)],
                                                    [(a, 64, 32)], [(a, 96, 32)], [(a, 128, 2)]])
 
   def test_text_prompt_uses_the_tokenizer(self):

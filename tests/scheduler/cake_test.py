@@ -7,6 +7,7 @@ them), SLOW loads never help.
 
 from absl.testing import absltest, parameterized
 
+from kvjax.scheduler.kv_cache_manager import KVCacheManager
 from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, DecodeItem,
                              LoadConfig, LoadReport, StepResult, StoredChunk, StoredPrefix,
                              DoubleWriteError, LoadVerdict, PrefillChunk, Request,
@@ -359,17 +360,64 @@ class SchedulerCakeTest(absltest.TestCase):
     plans = {}
     for t in (0, 32):
       s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
-                                    long_prefill_token_threshold=t), FAST)
+                                    long_prefill_token_threshold=t, prefill_order="fcfs"), FAST)
       s.add_request(req("a", 200))                   # a cold prompt
       s.add_request(req("x", 66), stored([T] * 4, 100))  # a store hit: its 2-token tail computes
       plans[t] = self.plan_steps(s, 4)
-    # Off: x's chunks land and go in at step 1, but a fills every step until its last, so x's
-    # tail (and its first token) waits for step 3.
+    # Off, first come first served: x's chunks land and go in at step 1, but a fills every
+    # step until its last, so x's tail (and its first token) waits for step 3.
     self.assertEqual(plans[0], [[("a", 0, 64)], [("a", 64, 64)], [("a", 128, 64)],
                                 [("a", 192, 8), ("x", 64, 2)]])
     # 32: a takes 32 a step, and x's tail goes in the step its chunks are inserted.
     self.assertEqual(plans[32], [[("a", 0, 32)], [("a", 32, 32), ("x", 64, 2)],
                                  [("a", 64, 32)], [("a", 96, 32)]])
+
+  def test_shortest_first_computes_a_met_hits_tail_before_a_cold_prefill(self):
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)), FAST)
+    self.assertEqual(s.config.prefill_order, "shortest_first")  # the default
+    s.add_request(req("a", 200))
+    s.add_request(req("x", 66), stored([T] * 4, 100))
+    # x's chunks go in at step 1 and leave it 2 tokens to compute: its tail goes first in that
+    # very step, ahead of a's 136 left (x's first token two steps sooner than first come first
+    # served); a takes pieces of what is left (x's decodes take one token a step) and still
+    # ends in step 3, as it does first come first served.
+    self.assertEqual(self.plan_steps(s, 4), [[("a", 0, 64)],
+                                             [("x", 64, 2), ("a", 64, 32), ("a", 96, 16)],
+                                             [("a", 112, 32), ("a", 144, 16)],
+                                             [("a", 160, 32), ("a", 192, 8)]])
+
+  def test_a_merge_preempted_in_the_step_that_inserts_its_chunks_inserts_none(self):
+    # "fcfs": a's 32 need 2 blocks; "shortest_first": x's 2-token suffix goes first, a gets a
+    # 16-token piece of the 30 left and needs 1 block. The pool has none free either way.
+    for order, a_step in (("fcfs", ("a", 32, 32)), ("shortest_first", ("a", 32, 16))):
+      kvm = KVCacheManager(7, 16, namespace_root="ab" * 32)  # 112 tokens in all
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=32, chunk_sizes=(16, 32),
+                                    prefill_order=order), FAST, kv_cache=kvm)
+      s.add_request(req("a", 100))                       # 2 blocks at step 0, 2 more at step 1
+      s.add_request(req("x", 66), stored([T] * 4, 100))  # 5 blocks at admission (its prompt)
+      plan = s.schedule(now_s=0.0)
+      self.assertEqual([ld.index for ld in plan.loads], [3, 2, 1, 0], order)
+      s.update(landed("x", [3, 2, 1, 0], 0.5))
+      # Step 1 plans x's four inserts first; then a's blocks preempt x, the newest, and its
+      # inserts (and suffix) leave the plan with it (its blocks are freed).
+      plan = s.schedule(now_s=1.0)
+      self.assertEqual(plan.preempted, ("x",), order)
+      self.assertEqual(plan.inserts, (), order)
+      self.assertEqual([(c.request_id, c.start, c.num_tokens) for c in plan.prefills],
+                       [a_step], order)
+      self.assertEqual([r.request_id for r in s.waiting], ["x"], order)
+
+  def test_shortest_first_keeps_a_loading_merges_compute_after_ordinary_prefills(self):
+    for order in ("fcfs", "shortest_first"):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
+                                    prefill_order=order), SLOW)
+      s.add_request(req("a", 200))
+      s.add_request(req("x", 66), stored([T] * 4, 100))
+      # Loads never land: x's merge still loads, so its compute side (Cake's adaptive mode)
+      # takes only what a leaves, whichever the order; a is never delayed.
+      self.assertEqual(self.plan_steps(s, 4, land_loads=False),
+                       [[("a", 0, 64)], [("a", 64, 64)], [("a", 128, 64)],
+                        [("a", 192, 8), ("x", 0, 32), ("x", 32, 16)]], order)
 
   def test_long_prefill_threshold_caps_a_merges_compute(self):
     plans = {}
@@ -383,7 +431,8 @@ class SchedulerCakeTest(absltest.TestCase):
     self.assertEqual(plans[0], [[("x", 0, 64)], [("x", 64, 32), ("x", 96, 4), ("y", 0, 16)],
                                 [("y", 16, 16), ("y", 32, 8)], []])
     # 32: each merge's compute takes 32 a step at most; y's 8 left are under the threshold.
-    self.assertEqual(plans[32], [[("x", 0, 32), ("y", 0, 32)], [("x", 32, 32), ("y", 32, 8)],
+    # Step 1: y's prefix is all planned, so its 8 left (shortest first) go ahead of x's 68.
+    self.assertEqual(plans[32], [[("x", 0, 32), ("y", 0, 32)], [("y", 32, 8), ("x", 32, 32)],
                                  [("x", 64, 32)], [("x", 96, 4)]])
 
   def test_bad_requests_and_budgets(self):

@@ -140,9 +140,10 @@ class LongPrefillThresholdTest(absltest.TestCase):
                                 [("b", 16, 256), ("b", 272, 16), ("b", 288, 12)],
                                 []])
     # 256: a takes 256 a step; b is admitted in the first step with the other 256 and, its 44
-    # left under the threshold, ends in the second (a's decodes take one token from then on).
+    # left under the threshold, ends in the second, first (shortest first; a's decodes take
+    # one token from then on).
     self.assertEqual(plans[256], [[("a", 0, 256), ("b", 0, 256)],
-                                  [("a", 256, 256), ("b", 256, 32), ("b", 288, 12)],
+                                  [("b", 256, 32), ("b", 288, 12), ("a", 256, 256)],
                                   [("a", 512, 256)],
                                   [("a", 768, 128), ("a", 896, 64), ("a", 960, 32),
                                    ("a", 992, 8)]])
