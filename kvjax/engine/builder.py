@@ -9,7 +9,7 @@ the things it needs from below come through here:
     build_llm(model, **options)   `LLM(model, **options)`
     warmup(llm)                   compile every program a request can hit before serving
     resolve_kv_cache_layout(...)  the device KV layout `LLM` picks for given options
-    check_long_prefill_token_threshold(...)  `LLM`'s check of that option (ValueError)
+    check_scheduling_options(...)  `LLM`'s check of its scheduling options (ValueError)
 
 `LLM.__init__` stays the one construction path; nothing here duplicates it.
 """
@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 
-from kvjax.engine.llm import LLM, check_long_prefill_token_threshold, resolve_kv_cache_layout
+from kvjax.engine.llm import LLM, check_scheduling_options, resolve_kv_cache_layout
 from kvjax.storage import specs
 from kvjax.storage.tiers import StoreConfig, TierConfig
 

@@ -33,7 +33,7 @@ from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
 from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
                                  default_cache_root, enable_persistent_compilation_cache)
 from kvjax.scheduler.request import SamplingParams
-from kvjax.scheduler.scheduler import PREFILL_ORDERS, SHORTEST_FIRST, SchedulerConfig
+from kvjax.scheduler.scheduler import SHORTEST_FIRST, SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
@@ -69,18 +69,21 @@ _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}
 
 
-def check_long_prefill_token_threshold(threshold: int,
-                                       chunk_sizes: Sequence[int] | None = None) -> None:
-  """Rejects a bad `long_prefill_token_threshold` before any weights load, by the scheduler's
-  own rule (`SchedulerConfig`: an int >= 0, 0: off, and when > 0 at least the smallest compiled
-  chunk size, `chunk_sizes` or `LLM`'s default, or a long prompt could never advance).
+def check_scheduling_options(long_prefill_token_threshold: int,
+                             chunk_sizes: Sequence[int] | None = None,
+                             prefill_order: str = SHORTEST_FIRST) -> None:
+  """Rejects bad scheduling options before any weights load, by the scheduler's own rules
+  (`SchedulerConfig`): `long_prefill_token_threshold` an int >= 0 (0: off) and, when > 0, at
+  least the smallest compiled chunk size (`chunk_sizes` or `LLM`'s default), or a long prompt
+  could never advance; `prefill_order` one of `PREFILL_ORDERS`.
 
   Raises:
     ValueError: naming the option.
   """
   sizes = tuple(sorted(chunk_sizes or DEFAULT_CHUNK_SIZES))
   SchedulerConfig(chunk_sizes=sizes, token_budget=sizes[-1],
-                  long_prefill_token_threshold=threshold)
+                  long_prefill_token_threshold=long_prefill_token_threshold,
+                  prefill_order=prefill_order)
 
 
 def _check_local_store_writable(url: str) -> None:
@@ -123,7 +126,8 @@ def _check_options(**options) -> None:
                      f"{sizes[0]}: long prompts could never be scheduled")
   if isinstance(options["seed"], bool) or not isinstance(options["seed"], int):
     raise ValueError(f"seed={options['seed']!r} must be an int")
-  check_long_prefill_token_threshold(options["long_prefill_token_threshold"], sizes)
+  check_scheduling_options(options["long_prefill_token_threshold"], sizes,
+                           options["prefill_order"])
 
 
 def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tuple[int, ...]:
@@ -351,9 +355,8 @@ class LLM:
     _check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight,
-                   long_prefill_token_threshold=long_prefill_token_threshold)
-    if prefill_order not in PREFILL_ORDERS:
-      raise ValueError(f"prefill_order={prefill_order!r}; use one of {PREFILL_ORDERS}")
+                   long_prefill_token_threshold=long_prefill_token_threshold,
+                   prefill_order=prefill_order)
     kv_codec_levels = _check_codec_options(kv_codec, kv_codec_levels, kv_chunk_size,
                                            with_store=kv_store is not None)
     if kv_store is None and kv_codec != "raw":

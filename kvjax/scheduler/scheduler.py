@@ -651,15 +651,14 @@ class Scheduler:
     prefills, plus, for "shortest_first", merges with every stored chunk resident (only their
     suffix is left to compute); admission order, or by tokens left ("shortest_first", stable,
     so ties keep admission order)."""
-    ordinary = [r for r in self.running.values()
-                if r.status is RequestStatus.PREFILLING and r.request_id not in self._prefix]
-    if self.config.prefill_order == FCFS:
-      return ordinary
-    met = [r for r in self.running.values()
-           if r.status is RequestStatus.PREFILLING and r.request_id in self._prefix
-           and self._prefix[r.request_id].merge.is_prefix_done]
-    under_way = [r for r in self.running.values() if r in ordinary or r in met]
-    return sorted(under_way, key=self._tokens_left)
+    fcfs = self.config.prefill_order == FCFS
+    under_way = []
+    for r in self.running.values():
+      prefix = self._prefix.get(r.request_id)
+      if r.status is RequestStatus.PREFILLING and (
+          prefix is None or (not fcfs and prefix.merge.is_prefix_done)):
+        under_way.append(r)
+    return under_way if fcfs else sorted(under_way, key=self._tokens_left)
 
   def _tokens_left(self, r: Request) -> int:
     """Prefill tokens `r` has left to compute (a merge's: past its frontier)."""

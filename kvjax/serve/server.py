@@ -184,8 +184,8 @@ class ServerConfig:
       raise ValueError(f"kv_chunk_size={self.kv_chunk_size!r}: {e}") from e
     if self.kv_cache_layout not in (None, "slotted", "paged"):
       raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}; use 'slotted' or 'paged'")
-    builder.check_long_prefill_token_threshold(self.long_prefill_token_threshold,
-                                               self.chunk_sizes)
+    builder.check_scheduling_options(self.long_prefill_token_threshold, self.chunk_sizes,
+                                     self.prefill_order)
     for name in ("max_num_seqs", "block_size", "kv_cache_memory_bytes"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):

@@ -80,19 +80,25 @@ class LLMTest(absltest.TestCase):
     self.assertEqual([o.token_ids for o in outs], self.want)
 
   def test_long_prefill_token_threshold_shares_the_step_and_keeps_the_tokens(self):
-    llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-              long_prefill_token_threshold=32)
-    steps = []
-    llm.engine.add_step_observer(lambda rec: steps.append(
-        [(c.request_id, c.start, c.num_tokens) for c in rec.plan.prefills]))
-    outs = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[2], PROMPTS[1])], GREEDY)
-    self.assertEqual([o.token_ids for o in outs], [self.want[2], self.want[1]])
-    a, b = (o.request_id for o in outs)
-    # The 130-token prompt takes 32 a step of the 64-token budget; the 40-token one the rest
-    # (its 8 left go first in the second step: fewest tokens left first).
-    self.assertEqual([s for s in steps if s][:5], [[(a, 0, 32), (b, 0, 32)],
-                                                   [(b, 32, 8), (a, 32, 32)],
-                                                   [(a, 64, 32)], [(a, 96, 32)], [(a, 128, 2)]])
+    # The 130-token prompt takes 32 a step of the 64-token budget; the 40-token one the rest.
+    # Its 8 left go first in the second step with fewest tokens left first (the default), after
+    # the long prompt's 32 first come first served; the same tokens either way.
+    for order, second in (("shortest_first", [(1, 32, 8), (0, 32, 32)]),
+                          ("fcfs", [(0, 32, 32), (1, 32, 8)])):
+      llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+                long_prefill_token_threshold=32, prefill_order=order)
+      steps = []
+      llm.engine.add_step_observer(lambda rec, steps=steps: steps.append(
+          [(c.request_id, c.start, c.num_tokens) for c in rec.plan.prefills]))
+      outs = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[2], PROMPTS[1])], GREEDY)
+      self.assertEqual([o.token_ids for o in outs], [self.want[2], self.want[1]], order)
+      ids = [o.request_id for o in outs]
+      self.assertEqual([s for s in steps if s][:5],
+                       [[(ids[0], 0, 32), (ids[1], 0, 32)],
+                        [(ids[i], start, n) for i, start, n in second],
+                        [(ids[0], 64, 32)], [(ids[0], 96, 32)], [(ids[0], 128, 2)]], order)
+    with self.assertRaisesRegex(ValueError, "prefill_order='lifo'; use one of"):
+      LLM("tiny", cache_dir="", prefill_order="lifo")
 
   def test_text_prompt_uses_the_tokenizer(self):
     out = self.llm.generate("hello", SamplingParams(max_tokens=3, temperature=0))[0]

@@ -1,5 +1,6 @@
-"""`ServerConfig.long_prefill_token_threshold` (`--long_prefill_token_threshold`): checked when
-the config is built (so the CLI reports it before loading a model), and passed to `LLM`."""
+"""`ServerConfig.long_prefill_token_threshold` (`--long_prefill_token_threshold`) and
+`ServerConfig.prefill_order` (`--prefill_order`): checked when the config is built (so the CLI
+reports them before loading a model), and passed to `LLM`."""
 
 from absl.testing import absltest
 
@@ -22,6 +23,14 @@ class LongPrefillOptionTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "long_prefill_token_threshold=8 is below the "
                                 "smallest chunk size 16"):
       ServerConfig(model="tiny", long_prefill_token_threshold=8)
+
+
+  def test_prefill_order(self):
+    self.assertEqual(ServerConfig(model="tiny").llm_options()["prefill_order"], "shortest_first")
+    self.assertEqual(ServerConfig(model="tiny", prefill_order="fcfs").llm_options()[
+        "prefill_order"], "fcfs")
+    with self.assertRaisesRegex(ValueError, "prefill_order='lpm'; use one of"):
+      ServerConfig(model="tiny", prefill_order="lpm")
 
 
 if __name__ == "__main__":
