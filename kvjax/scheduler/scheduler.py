@@ -15,9 +15,12 @@ Part 3, adaptive mode):
   2. staged chunks of requests holding a slot are inserted (free of budget: loads are the other
      resource, Cake section 3);
   3. prefills already under way continue (`SchedulerConfig.prefill_order`): "shortest_first"
-     (default), fewest tokens left first, among ordinary prefills and merges whose stored
-     chunks are all resident (a hit with only its new tokens left); "fcfs", ordinary prefills
-     oldest first;
+     (default), fewest tokens left first, among ordinary prefills, merges whose stored chunks
+     are all resident (a hit with only its new tokens left), and the queue's first ordinary
+     requests with fewer tokens left than the longest of those, counted past their
+     device-resident prefix (a device prefix-cache hit's new tokens), admitted at their turn
+     when a slot, the pool and the budget allow (queued requests never pass each other);
+     "fcfs", ordinary prefills oldest first;
   4. waiting requests are admitted into free decode slots, first come first served (a request
      with a Cake merge is admitted whenever a slot is free, budget or not: its loads need none);
      their staged chunks are inserted, and every merge issues its next loads, last chunk first,
@@ -499,28 +502,19 @@ class Scheduler:
     # suffix with the prefills under way (`prefill_order`).
     planned, held = self._plan_inserts(list(self.running.values()), 0)
     inserts += planned
+    admitted: list[RequestId] = []
+    admitting = True  # until an admission fails (then nobody behind it is admitted this step)
     for r in self._prefills_under_way():
-      if r.request_id in self.running and r.status is RequestStatus.PREFILLING:
+      if r.status is RequestStatus.WAITING:  # "shortest_first": a queued one, admitted early
+        if admitting:
+          budget, admitting = self._admit(r, budget, prefills, admitted)
+      elif r.request_id in self.running and r.status is RequestStatus.PREFILLING:
         if r.request_id in self._prefix:
           budget = self._plan_cake(r, budget, now_s, prefills)
         else:
           budget = self._plan_chunks(r, budget, prefills)
-    admitted: list[RequestId] = []
-    # A plan that preempted admits nobody (vLLM's rule): the pool is short already.
-    while self.waiting and self._free_slots and not self._preempted:
-      r = self.waiting[0]
-      if not self._admit_blocks(r, budget):
-        break
-      if r.request_id not in self._prefix and (budget <= 0 or not chunk_tokens(
-          r.remaining_prefill_tokens, self._prefill_share(budget), self._plan_sizes)):
-        break
-      self.waiting.popleft()
-      r.slot = self._free_slots.pop(0)
-      r.status = RequestStatus.PREFILLING
-      self.running[r.request_id] = r
-      admitted.append(r.request_id)
-      if r.request_id not in self._prefix:
-        budget = self._plan_chunks(r, budget, prefills, may_preempt=False)
+    while admitting and self.waiting:
+      budget, admitting = self._admit(self.waiting[0], budget, prefills, admitted)
     late, _ = self._plan_inserts([self.running[rid] for rid in admitted], held)
     inserts += late
     loads = self._plan_loads(now_s)
@@ -584,11 +578,7 @@ class Scheduler:
     merge = rid in self._prefix
     if merge and rid in self._device_hit_tokens:
       return True  # its blocks were taken at `add_request` (`_hold_device_prefix`)
-    hits, hit_tokens = ([], 0) if merge else kvm.get_computed_blocks(
-        r, namespace_root=self._roots.get(rid))
-    if self.consistent and self.save_chunk_size and hit_tokens % self.save_chunk_size:
-      keep = hit_tokens // self.save_chunk_size * self.save_chunk_size // kvm.block_size
-      hits, hit_tokens = hits[:keep], keep * kvm.block_size
+    hits, hit_tokens = ([], 0) if merge else self._device_prefix(r)
     if merge:
       want = r.num_prefill_tokens
     else:
@@ -603,6 +593,20 @@ class Scheduler:
       self._device_hit_tokens[rid] = hit_tokens
       self._device_hits.append((rid, hit_tokens))
     return True
+
+  def _device_prefix(self, r: Request, record_stats: bool = True) -> tuple[list, int]:
+    """A queued ordinary request's device-resident prefix: (hit blocks, hit tokens); whole
+    store chunks only in consistent mode; ([], 0) for the slotted layout. `record_stats=False`
+    peeks (the manager's hit-rate counters stay as they are)."""
+    kvm = self.kv_cache
+    if kvm is None:
+      return [], 0
+    hits, hit_tokens = kvm.get_computed_blocks(r, namespace_root=self._roots.get(r.request_id),
+                                               record_stats=record_stats)
+    if self.consistent and self.save_chunk_size and hit_tokens % self.save_chunk_size:
+      keep = hit_tokens // self.save_chunk_size * self.save_chunk_size // kvm.block_size
+      hits, hit_tokens = hits[:keep], keep * kvm.block_size
+    return hits, hit_tokens
 
   def _grow(self, r: Request, n: int, may_preempt: bool = True) -> bool:
     """Paged layout: blocks for `n` more tokens of `r` at `r.num_computed_tokens`, preempting
@@ -647,10 +651,15 @@ class Scheduler:
     self._preempted.append(rid)
 
   def _prefills_under_way(self) -> list[Request]:
-    """Running requests whose prefill continues before admissions (`prefill_order`): ordinary
-    prefills, plus, for "shortest_first", merges with every stored chunk resident (only their
-    suffix is left to compute); admission order, or by tokens left ("shortest_first", stable,
-    so ties keep admission order)."""
+    """The prefills planned before the first-come-first-served admissions (`prefill_order`).
+
+    "fcfs": running ordinary prefills, in admission order. "shortest_first": those, running
+    merges with every stored chunk resident (only their suffix left to compute), and the
+    queue's first ordinary requests with fewer tokens left than the longest of those (up to
+    the free slots; stopping at a merge, which is admitted whenever a slot is free anyway, and
+    at the first with as many, so queued requests never pass each other), ordered by tokens
+    left (stable: ties keep admission order).
+    """
     fcfs = self.config.prefill_order == FCFS
     under_way = []
     for r in self.running.values():
@@ -658,14 +667,47 @@ class Scheduler:
       if r.status is RequestStatus.PREFILLING and (
           prefix is None or (not fcfs and prefix.merge.is_prefix_done)):
         under_way.append(r)
-    return under_way if fcfs else sorted(under_way, key=self._tokens_left)
+    if fcfs:
+      return under_way
+    left = {r.request_id: self._tokens_left(r) for r in under_way}
+    longest = max(left.values(), default=0)
+    if not self._preempted:
+      for r in list(self.waiting)[:len(self._free_slots)]:
+        if r.request_id in self._prefix:
+          break
+        n = r.num_prefill_tokens - self._device_prefix(r, record_stats=False)[1]
+        if n >= longest:
+          break  # queued requests keep their order: none passes one ahead of it
+        left[r.request_id] = n
+        under_way.append(r)
+    return sorted(under_way, key=lambda r: left[r.request_id])
 
   def _tokens_left(self, r: Request) -> int:
-    """Prefill tokens `r` has left to compute (a merge's: past its frontier)."""
+    """Prefill tokens running request `r` has left to compute (a merge's: past its frontier)."""
     prefix = self._prefix.get(r.request_id)
     if prefix is None:
       return r.remaining_prefill_tokens
     return r.num_prompt_tokens - prefix.merge.frontier
+
+  def _admit(self, r: Request, budget: int, prefills: list[PrefillChunk],
+             admitted: list[RequestId]) -> tuple[int, bool]:
+    """Admits queued request `r` into a free slot and plans its first chunks (an ordinary one)
+    when a slot, the pool and the budget allow; returns the budget left and whether it was
+    admitted. A plan that preempted admits nobody (vLLM's rule): the pool is short already."""
+    if not self._free_slots or self._preempted or not self._admit_blocks(r, budget):
+      return budget, False
+    merge = r.request_id in self._prefix
+    if not merge and (budget <= 0 or not chunk_tokens(
+        r.remaining_prefill_tokens, self._prefill_share(budget), self._plan_sizes)):
+      return budget, False
+    self.waiting.remove(r)
+    r.slot = self._free_slots.pop(0)
+    r.status = RequestStatus.PREFILLING
+    self.running[r.request_id] = r
+    admitted.append(r.request_id)
+    if not merge:
+      budget = self._plan_chunks(r, budget, prefills, may_preempt=False)
+    return budget, True
 
   def _plan_inserts(self, requests: list[Request], held: int
                     ) -> tuple[list[InsertItem], int]:

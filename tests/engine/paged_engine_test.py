@@ -48,6 +48,31 @@ class PagedEngineTest(absltest.TestCase):
         for k, v in w.logprobs[0].items():
           self.assertAlmostEqual(g.logprobs[0][k], v, delta=1e-4)
 
+  def test_a_device_hit_queued_during_a_cold_prefill_goes_first_and_equals_a_cold_run(self):
+    llm = paged(max_num_batched_tokens=64)
+    eng = llm.engine
+    steps = []
+    eng.add_step_observer(lambda rec: steps.append(
+        [(c.request_id, c.start, c.num_tokens) for c in rec.plan.prefills]))
+    head = PROMPTS[1][:32]
+    list(llm.generate(ids([head]), GREEDY))  # its 2 blocks stay on the device
+    cold = eng.add_request(PROMPTS[2], GREEDY)  # 130 tokens: 64 a step
+    done = {}
+    for o in eng.step():
+      done[o.request_id] = o
+    hit = eng.add_request(head + [7] * 8, GREEDY)  # 32 tokens on the device, 8 new
+    while eng.has_unfinished_requests():
+      for o in eng.step():
+        if o.finished:
+          done[o.request_id] = o
+    # The hit is admitted in the second step and its 8 tokens go first; the cold prompt takes
+    # pieces of the rest and still ends in its third step.
+    self.assertEqual([s for s in steps if s][-3:], [[(cold, 0, 64)],
+                                                    [(hit, 32, 8), (cold, 64, 32), (cold, 96, 16)],
+                                                    [(cold, 112, 16), (cold, 128, 2)]])
+    self.assertEqual(done[hit].num_cached_tokens, 32)
+    self.assert_same([done[cold], done[hit]], self.want([PROMPTS[2], head + [7] * 8]))
+
   def test_equals_slotted_alone_and_batched(self):
     want = self.want(PROMPTS)
     for seqs in (1, 2, 4):

@@ -51,7 +51,9 @@ class SchedulerTest(absltest.TestCase):
     self.assertEqual(r.num_computed_tokens, 301)
 
   def test_decodes_first_then_ongoing_prefill_then_admission(self):
-    s = Scheduler(SchedulerConfig(num_slots=3, token_budget=100, chunk_sizes=SIZES))
+    # First come first served (`PrefillOrderTest` covers the default, shortest first).
+    s = Scheduler(SchedulerConfig(num_slots=3, token_budget=100, chunk_sizes=SIZES,
+                                  prefill_order="fcfs"))
     a, b, c = req("a", 10), req("b", 200), req("c", 40)
     for r in (a, b, c):
       s.add_request(r)
@@ -122,14 +124,15 @@ def run_steps(s, steps, now=False):
 class LongPrefillThresholdTest(absltest.TestCase):
   """vLLM's `long_prefill_token_threshold`: one request's prefill takes at most T tokens a step."""
 
-  def sched(self, threshold, budget=512, **kw):
+  def sched(self, threshold, budget=512, order="shortest_first", **kw):
     return Scheduler(SchedulerConfig(num_slots=4, token_budget=budget, chunk_sizes=SIZES,
-                                     long_prefill_token_threshold=threshold), **kw)
+                                     long_prefill_token_threshold=threshold,
+                                     prefill_order=order), **kw)
 
   def test_a_long_prefill_leaves_the_rest_of_the_budget_to_a_later_one(self):
     plans = {}
     for t in (0, 256):
-      s = self.sched(t)
+      s = self.sched(t, order="fcfs")  # shortest first would admit b before a's second step
       s.add_request(req("a", 1000))
       s.add_request(req("b", 300))
       plans[t] = run_steps(s, 4)
@@ -140,10 +143,9 @@ class LongPrefillThresholdTest(absltest.TestCase):
                                 [("b", 16, 256), ("b", 272, 16), ("b", 288, 12)],
                                 []])
     # 256: a takes 256 a step; b is admitted in the first step with the other 256 and, its 44
-    # left under the threshold, ends in the second, first (shortest first; a's decodes take
-    # one token from then on).
+    # left under the threshold, ends in the second (a's decodes take one token from then on).
     self.assertEqual(plans[256], [[("a", 0, 256), ("b", 0, 256)],
-                                  [("b", 256, 32), ("b", 288, 12), ("a", 256, 256)],
+                                  [("a", 256, 256), ("b", 256, 32), ("b", 288, 12)],
                                   [("a", 512, 256)],
                                   [("a", 768, 128), ("a", 896, 64), ("a", 960, 32),
                                    ("a", 992, 8)]])
@@ -195,6 +197,49 @@ class SamplingParamsTest(parameterized.TestCase):
   def test_stop_string_is_normalised_to_tuple(self):
     self.assertEqual(SamplingParams(stop="\n").stop, ("\n",))
     self.assertEqual(SamplingParams().stop, ())
+
+
+class PrefillOrderTest(absltest.TestCase):
+  """`SchedulerConfig.prefill_order`: a short request queued behind a long prefill."""
+
+  def plans(self, order, kv_cache=None):
+    s = Scheduler(SchedulerConfig(num_slots=4, token_budget=64, chunk_sizes=(16, 32, 64),
+                                  prefill_order=order), kv_cache=kv_cache)
+    if kv_cache is not None:  # a finished request leaves 64 tokens' blocks on the device
+      s.add_request(Request("d0", list(range(500, 564)), SamplingParams(max_tokens=4)))
+      run_steps(s, 1)
+      s.finish_request("d0", "stop")
+    s.add_request(req("a", 200))
+    first = run_steps(s, 1)
+    # 64 tokens on the device (paged) or not (slotted), then 8 new ones.
+    s.add_request(Request("d1", list(range(500, 564)) + [9] * 8, SamplingParams(max_tokens=4)))
+    plan = s.schedule()
+    return s, first, plan
+
+  def test_a_device_hit_is_admitted_and_computed_ahead_of_a_cold_prompt(self):
+    kvm = KVCacheManager(64, 16, namespace_root="ab" * 32)
+    s, first, plan = self.plans("shortest_first", kvm)
+    self.assertEqual(first, [[("a", 0, 64)]])
+    # d1 has 8 tokens left past its 64 on the device, a 136: d1 is admitted and goes first; a
+    # takes pieces of the 56 left.
+    self.assertEqual([(c.request_id, c.start, c.num_tokens) for c in plan.prefills],
+                     [("d1", 64, 8), ("a", 64, 32), ("a", 96, 16)])
+    self.assertEqual((plan.admitted, plan.device_hits), (("d1",), (("d1", 64),)))
+    self.assertEqual(s.num_waiting(), 0)
+
+  def test_fcfs_admits_it_only_with_budget_left(self):
+    kvm = KVCacheManager(64, 16, namespace_root="ab" * 32)
+    s, _, plan = self.plans("fcfs", kvm)
+    self.assertEqual([(c.request_id, c.start, c.num_tokens) for c in plan.prefills],
+                     [("a", 64, 64)])
+    self.assertEqual((plan.admitted, s.num_waiting()), ((), 1))
+
+  def test_slotted_a_short_cold_prompt_goes_first(self):
+    # No device cache: d1 has all 72 tokens left, a 136: d1 first, a gets nothing that fits.
+    _, _, plan = self.plans("shortest_first")
+    self.assertEqual([(c.request_id, c.start, c.num_tokens) for c in plan.prefills],
+                     [("d1", 0, 64)])
+    self.assertEqual(plan.admitted, ("d1",))
 
 
 class LookaheadWindowTest(absltest.TestCase):
