@@ -515,6 +515,9 @@ class Scheduler:
           budget = self._plan_chunks(r, budget, prefills)
     while admitting and self.waiting:
       budget, admitting = self._admit(self.waiting[0], budget, prefills, admitted)
+    # One admitted early may have been preempted by a later prefill's blocks (the newest goes
+    # first): it is queued again, at the front.
+    admitted = [rid for rid in admitted if rid in self.running]
     late, _ = self._plan_inserts([self.running[rid] for rid in admitted], held)
     inserts += late
     loads = self._plan_loads(now_s)
@@ -644,6 +647,7 @@ class Scheduler:
       prefix.merge.cancel()
     self._releases = [x for x in self._releases if x[0] != rid]
     self._device_hit_tokens.pop(rid, None)
+    self._device_hits = [x for x in self._device_hits if x[0] != rid]  # admitted this plan
     r.num_computed_tokens = 0
     r.prefill_len = r.num_tokens if r.output_token_ids else None
     r.status = RequestStatus.WAITING

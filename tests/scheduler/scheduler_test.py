@@ -227,6 +227,25 @@ class PrefillOrderTest(absltest.TestCase):
     self.assertEqual((plan.admitted, plan.device_hits), (("d1",), (("d1", 64),)))
     self.assertEqual(s.num_waiting(), 0)
 
+  def test_one_admitted_early_then_preempted_by_a_longer_prefills_blocks_is_queued_again(self):
+    kvm = KVCacheManager(7, 16, namespace_root="ab" * 32)  # 112 tokens in all
+    s = Scheduler(SchedulerConfig(num_slots=4, token_budget=64, chunk_sizes=(16, 32, 64)),
+                  kv_cache=kvm)
+    one = SamplingParams(max_tokens=1)
+    s.add_request(Request("a", list(range(100)), one))
+    self.assertEqual(run_steps(s, 1), [[("a", 0, 64)]])  # 4 blocks
+    s.add_request(Request("d", list(range(30)), one))
+    plan = s.schedule()
+    # d (30 left) goes before a (36 left) and takes free blocks; a's next 32 need 2 more than
+    # are left, so d, the newest, is preempted and queued again, nothing of it in the plan;
+    # a's whole rest fits the budget d's planned tokens left.
+    self.assertEqual([(c.request_id, c.start, c.num_tokens) for c in plan.prefills],
+                     [("a", 64, 32), ("a", 96, 4)])
+    self.assertEqual((plan.preempted, plan.admitted, plan.device_hits), (("d",), (), ()))
+    self.assertEqual([r.request_id for r in s.waiting], ["d"])
+    self.assertEqual([rid for rid, _ in plan.block_tables], ["a"])
+    self.assertLen(kvm.block_table("a"), 7)  # its 100 tokens
+
   def test_fcfs_admits_it_only_with_budget_left(self):
     kvm = KVCacheManager(64, 16, namespace_root="ab" * 32)
     s, _, plan = self.plans("fcfs", kvm)
