@@ -675,14 +675,15 @@ class Scheduler:
       return under_way
     left = {r.request_id: self._tokens_left(r) for r in under_way}
     longest = max(left.values(), default=0)
+    ahead = 0  # the most tokens left of a queued request ahead: none passes one ahead of it
     if not self._preempted:
       for r in list(self.waiting)[:len(self._free_slots)]:
         if r.request_id in self._prefix:
           break
-        n = r.num_prefill_tokens - self._device_prefix(r, record_stats=False)[1]
-        if n >= longest:
-          break  # queued requests keep their order: none passes one ahead of it
-        left[r.request_id] = n
+        ahead = max(ahead, r.num_prefill_tokens - self._device_prefix(r, record_stats=False)[1])
+        if ahead >= longest:
+          break
+        left[r.request_id] = ahead
         under_way.append(r)
     return sorted(under_way, key=lambda r: left[r.request_id])
 

@@ -246,6 +246,18 @@ class PrefillOrderTest(absltest.TestCase):
     self.assertEqual([rid for rid, _ in plan.block_tables], ["a"])
     self.assertLen(kvm.block_table("a"), 7)  # its 100 tokens
 
+  def test_queued_requests_keep_their_order(self):
+    s = Scheduler(SchedulerConfig(num_slots=4, token_budget=64, chunk_sizes=(16, 32, 64)))
+    s.add_request(req("a", 300))
+    run_steps(s, 1)
+    s.add_request(req("b", 40))  # fewer left than a's 236, as is c, behind it with fewer still
+    s.add_request(req("c", 10))
+    plan = s.schedule()
+    # b and c both go before a, in queue order (c never passes b); the 14 left fit no chunk.
+    self.assertEqual([(c.request_id, c.start, c.num_tokens) for c in plan.prefills],
+                     [("b", 0, 32), ("b", 32, 8), ("c", 0, 10)])
+    self.assertEqual(plan.admitted, ("b", "c"))
+
   def test_fcfs_admits_it_only_with_budget_left(self):
     kvm = KVCacheManager(64, 16, namespace_root="ab" * 32)
     s, _, plan = self.plans("fcfs", kvm)
