@@ -10,6 +10,7 @@ the things it needs from below come through here:
     warmup(llm)                   compile every program a request can hit before serving
     resolve_kv_cache_layout(...)  the device KV layout `LLM` picks for given options
     check_scheduling_options(...)  `LLM`'s check of its scheduling options (ValueError)
+    PREFILL_ORDERS, SHORTEST_FIRST  `LLM(prefill_order=...)`'s values and default
 
 `LLM.__init__` stays the one construction path; nothing here duplicates it.
 """
@@ -21,7 +22,8 @@ import os
 from typing import Any
 
 
-from kvjax.engine.llm import LLM, check_scheduling_options, resolve_kv_cache_layout
+from kvjax.engine.llm import (LLM, PREFILL_ORDERS, SHORTEST_FIRST, check_scheduling_options,
+                              resolve_kv_cache_layout)
 from kvjax.storage import specs
 from kvjax.storage.tiers import StoreConfig, TierConfig
 

@@ -33,7 +33,7 @@ from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
 from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
                                  default_cache_root, enable_persistent_compilation_cache)
 from kvjax.scheduler.request import SamplingParams
-from kvjax.scheduler.scheduler import SHORTEST_FIRST, SchedulerConfig
+from kvjax.scheduler.scheduler import PREFILL_ORDERS, SHORTEST_FIRST, SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
@@ -201,12 +201,14 @@ class LLM:
       budget with other requests' prefills (a store hit's short tail among them) instead of
       filling it; at least the smallest chunk size, or 0 (default): off. With
       `kv_codec_consistent` a smaller value is raised to `kv_chunk_size`.
-    prefill_order: which prefills under way take a step's budget first (`SchedulerConfig`):
-      "shortest_first" (default): the one with the fewest tokens left, a store hit whose stored
-      chunks are all on the device (only its new tokens left) among them, so a hit's TTFT does
-      not wait behind a long cold prompt; "fcfs": admission order, every hit's compute after
-      them (Cake's adaptive mode, arXiv 2410.03065, section 4 Part 3, applied to the whole
-      merge). A merge still loading takes what is left in both.
+    prefill_order: which prefills take a step's budget first (`SchedulerConfig`, one of
+      `PREFILL_ORDERS`): "shortest_first" (default): the one with the fewest tokens left, among
+      them a store hit whose loaded chunks are all inserted (only its new tokens left) and a
+      queued request with fewer tokens left past its device-resident prefix than a prefill
+      under way (admitted ahead of it), so a hit's TTFT does not wait behind a long cold
+      prompt; "fcfs": admission order, every store hit's compute after the ordinary prefills
+      (Cake's adaptive mode, arXiv 2410.03065, section 4 Part 3, applied to the whole merge).
+      A merge still loading takes what is left in both.
     chunk_sizes: compiled prefill chunk sizes, ascending.
     seed: seeds requests that carry no seed.
     cache_dir: kvjax's cache root (converted params, compiled programs); default

@@ -504,7 +504,7 @@ class Scheduler:
     inserts += planned
     admitted: list[RequestId] = []
     admitting = True  # until an admission fails (then nobody behind it is admitted this step)
-    for r in self._prefills_under_way():
+    for r in self._prefills_first():
       if r.status is RequestStatus.WAITING:  # "shortest_first": a queued one, admitted early
         if admitting:
           budget, admitting = self._admit(r, budget, prefills, admitted)
@@ -654,8 +654,9 @@ class Scheduler:
     self.waiting.appendleft(r)
     self._preempted.append(rid)
 
-  def _prefills_under_way(self) -> list[Request]:
-    """The prefills planned before the first-come-first-served admissions (`prefill_order`).
+  def _prefills_first(self) -> list[Request]:
+    """The prefills planned before the first-come-first-served admissions, in their order
+    (`prefill_order`).
 
     "fcfs": running ordinary prefills, in admission order. "shortest_first": those, running
     merges with every stored chunk resident (only their suffix left to compute), and the

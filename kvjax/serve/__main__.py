@@ -32,7 +32,7 @@ from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESS
                                    DEFAULT_SESSION_TTL_S)
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,
-                                HttpServer, ServerConfig, build_follower, close_backend,
+                                PREFILL_ORDERS, HttpServer, ServerConfig, build_follower, close_backend,
                                 load_backend)
 
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct",
@@ -71,11 +71,12 @@ _LONG_PREFILL = flags.DEFINE_integer(
     "shares the step with other requests' prefills; at least the smallest chunk size, or 0 "
     "(default): off.")
 _PREFILL_ORDER = flags.DEFINE_enum(
-    "prefill_order", "shortest_first", ["shortest_first", "fcfs"],
-    "Which prefills under way take a step's token budget first: 'shortest_first' (default), "
-    "the one with the fewest tokens left (a store hit whose chunks are all on the device "
-    "among them, so its TTFT does not wait behind a long cold prompt), or 'fcfs' (admission "
-    "order; hits' compute after every ordinary prefill).")
+    "prefill_order", ServerConfig.prefill_order, list(PREFILL_ORDERS),
+    "Which prefills take a step's token budget first: 'shortest_first' (default), the one "
+    "with the fewest tokens left (a store hit whose loaded chunks are all inserted, and a "
+    "queued request with fewer tokens left past its device prefix than a prefill under way, "
+    "among them, so a hit's TTFT does not wait behind a long cold prompt), or 'fcfs' "
+    "(admission order; store hits' compute after every ordinary prefill).")
 _CHUNK_SIZES = flags.DEFINE_list("chunk_sizes", None,
                                  "Compiled prefill chunk sizes, ascending (default 16..512).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds requests that give no seed.")

@@ -32,6 +32,7 @@ from kvjax.serve.metrics import ServeMetrics
 
 #: The codecs `--kv_codec` offers: every codec of the registry (`kvjax.codecs`).
 KV_CODECS = tuple(codecs.CODECS)
+PREFILL_ORDERS = builder.PREFILL_ORDERS
 #: Default `max_waiting_requests`: requests queued beyond the decode slots before 429s.
 DEFAULT_MAX_WAITING_REQUESTS = 256
 #: Default `max_num_seqs` per KV cache layout: paged sequences reserve no memory up front (the
@@ -56,8 +57,8 @@ class ServerConfig:
     max_num_batched_tokens: token budget of one engine step; None: the largest chunk size.
     long_prefill_token_threshold: one request's prefill tokens per step at most (vLLM's option;
       see `LLM`), so a long prompt shares the step with other requests' prefills; 0: off.
-    prefill_order: "shortest_first" (default) or "fcfs": which prefills take a step's budget
-      first (see `LLM`).
+    prefill_order: one of `PREFILL_ORDERS`, "shortest_first" (default) or "fcfs": which
+      prefills take a step's budget first (see `LLM`).
     chunk_sizes: compiled prefill chunk sizes; None: `LLM`'s default.
     seed: seeds requests that give no seed.
     cache_dir: kvjax's cache root (params, compiled programs); None: the default.
@@ -124,7 +125,7 @@ class ServerConfig:
   max_num_seqs: int | None = None
   max_num_batched_tokens: int | None = None
   long_prefill_token_threshold: int = 0
-  prefill_order: str = "shortest_first"
+  prefill_order: str = builder.SHORTEST_FIRST
   chunk_sizes: tuple[int, ...] | None = None
   seed: int = 0
   cache_dir: str | None = None
