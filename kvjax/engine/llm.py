@@ -71,11 +71,13 @@ _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
 
 def check_scheduling_options(long_prefill_token_threshold: int,
                              chunk_sizes: Sequence[int] | None = None,
-                             prefill_order: str = SHORTEST_FIRST) -> None:
+                             prefill_order: str = SHORTEST_FIRST,
+                             short_first_token_steps: bool = True) -> None:
   """Rejects bad scheduling options before any weights load, by the scheduler's own rules
   (`SchedulerConfig`): `long_prefill_token_threshold` an int >= 0 (0: off) and, when > 0, at
   least the smallest compiled chunk size (`chunk_sizes` or `LLM`'s default), or a long prompt
-  could never advance; `prefill_order` one of `PREFILL_ORDERS`.
+  could never advance; `prefill_order` one of `PREFILL_ORDERS`; `short_first_token_steps` a
+  bool.
 
   Raises:
     ValueError: naming the option.
@@ -83,7 +85,7 @@ def check_scheduling_options(long_prefill_token_threshold: int,
   sizes = tuple(sorted(chunk_sizes or DEFAULT_CHUNK_SIZES))
   SchedulerConfig(chunk_sizes=sizes, token_budget=sizes[-1],
                   long_prefill_token_threshold=long_prefill_token_threshold,
-                  prefill_order=prefill_order)
+                  prefill_order=prefill_order, short_first_token_steps=short_first_token_steps)
 
 
 def _check_local_store_writable(url: str) -> None:
@@ -127,7 +129,7 @@ def _check_options(**options) -> None:
   if isinstance(options["seed"], bool) or not isinstance(options["seed"], int):
     raise ValueError(f"seed={options['seed']!r} must be an int")
   check_scheduling_options(options["long_prefill_token_threshold"], sizes,
-                           options["prefill_order"])
+                           options["prefill_order"], options["short_first_token_steps"])
 
 
 def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tuple[int, ...]:
@@ -208,6 +210,12 @@ class LLM:
       under way (admitted ahead of it), so a hit's TTFT does not wait behind a long cold
       prompt; "fcfs": admission order, every store hit's compute after the ordinary prefills
       (Cake's adaptive mode, arXiv 2410.03065, section 4 Part 3, applied to the whole merge).
+    short_first_token_steps: with "shortest_first", keep a step short when it carries a
+      prefill's first token (the prefills after it take at most as many tokens again, at least
+      the smallest chunk size) or when a store hit with fewer tokens left than a prefill under
+      way has loads in flight (the step takes what the cost model says it computes before
+      they land), so the hit's first token waits for a short step, not a full one. True
+      (default).
       A merge still loading takes what is left in both.
     chunk_sizes: compiled prefill chunk sizes, ascending.
     seed: seeds requests that carry no seed.
@@ -319,6 +327,7 @@ class LLM:
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", max_num_seqs: int = 4,
                max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                long_prefill_token_threshold: int = 0, prefill_order: str = SHORTEST_FIRST,
+               short_first_token_steps: bool = True,
                chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, seed: int = 0,
                cache_dir: str | None = None, kv_store: str | StoreConfig | None = None,
                kv_chunk_size: int = 256, kv_link_bytes_per_s: float | None = None,
@@ -358,7 +367,7 @@ class LLM:
                    max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=chunk_sizes,
                    seed=seed, kv_max_loads_in_flight=kv_max_loads_in_flight,
                    long_prefill_token_threshold=long_prefill_token_threshold,
-                   prefill_order=prefill_order)
+                   prefill_order=prefill_order, short_first_token_steps=short_first_token_steps)
     kv_codec_levels = _check_codec_options(kv_codec, kv_codec_levels, kv_chunk_size,
                                            with_store=kv_store is not None)
     if kv_store is None and kv_codec != "raw":
@@ -426,7 +435,8 @@ class LLM:
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1],
                             long_prefill_token_threshold=long_prefill_token_threshold,
-                            prefill_order=prefill_order)
+                            prefill_order=prefill_order,
+                            short_first_token_steps=short_first_token_steps)
     self.kvtc_transform = None
     if kv_store is not None and kv_codec == codecs.KVTC and kv_cache_layout == "paged":
       raise ValueError("kv_codec='kvtc' runs on the slotted KV cache for now: pass "

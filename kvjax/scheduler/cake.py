@@ -350,6 +350,27 @@ class CakeMerge:
     """Every prompt position is resident or planned."""
     return self.frontier >= self.num_prompt_tokens
 
+  def tokens_left_after_loads(self) -> int:
+    """Prompt tokens compute still has to cover once every stored chunk still to come (not yet
+    loaded, in flight, or landed and not inserted) is resident: the suffix and the holes
+    (`MISSING` chunks) past the frontier."""
+    p = self.frontier
+    covered = sum(self.unit_tokens(j) for j, s in enumerate(self._states)
+                  if s is not ChunkState.MISSING and j * self.chunk_size >= p)
+    return self.num_prompt_tokens - p - covered
+
+  def loads_land_s(self, now_s: float, cost: CostModel) -> float | None:
+    """Predicted time (engine clock, seconds) by which every stored chunk still to come has
+    landed (`_landings`' model of the link and the decoder), or None: nothing left to load, or
+    a load in flight is overdue (past its predicted landing: the model is off for it)."""
+    if self._cancelled or not any(s in (ChunkState.HIT, ChunkState.LOADING)
+                                  for s in self._states):
+      return None
+    land, _ = self._landings(now_s, cost)
+    if not land or any(land[j] <= now_s for j in self._in_flight):
+      return None
+    return max(land.values())
+
   def load_encoding(self, index: int) -> Candidate | None:
     """The encoding `next_load` chose for chunk `index` (None without `encodings`)."""
     load = self._in_flight.get(index)

@@ -29,6 +29,25 @@ Part 3, adaptive mode):
      aligned to store chunks, possibly several pieces (skipping resident chunks), none when loads
      are predicted to finish the next chunk first.
 
+Short first-token steps (`SchedulerConfig.short_first_token_steps`, with "shortest_first"): a
+request's first token comes at the end of the step that computes its prompt's last token, so
+that step's length is part of its TTFT, and so is the length of every step its loads wait out.
+Two rules keep those steps short:
+
+  a. once a prefill planned in 3 ends its prompt, the rest of the step (3, 4 and 5) takes at most
+     as many tokens as it took, at least the smallest chunk size: a hit's 30-token tail rides
+     with 32 tokens of a cold prompt, not with 480 (its first token a 0.1 s step away on the
+     2-core CPU, not 1.5 s);
+  b. while a merge with fewer tokens left once its loads are in than the longest prefill in 3
+     has loads to come (holding a slot, or queued within the free slots' reach), the step takes
+     only what the cost model says computes before those loads are predicted to land
+     (`CakeMerge.loads_land_s`; at least the smallest chunk size), so the hit is inserted the
+     moment they do. A load past its predicted landing turns this off (the model is off for it).
+
+A long prompt beside hits pays a few more, smaller steps (a step's fixed cost each); a step
+with no hit near its first token is whole. Both rules are bounded: every prefill under way
+still advances at least the smallest chunk size a step.
+
 Why "shortest_first": a store hit is mostly loads; once they are in, what it has left is its new
 tokens, often a few dozen. First come first served puts them behind a long cold prompt's chunked
 prefill, so the hit's first token waits for that whole prompt (on the 2-core CPU replay of
@@ -101,6 +120,8 @@ class SchedulerConfig:
       must be at least the smallest chunk size (a long prompt could not advance otherwise).
     prefill_order: the order prefills under way take the budget (the module note):
       "shortest_first" (default) or "fcfs".
+    short_first_token_steps: with "shortest_first", keep a step short when it carries a
+      prefill's first token or a store hit's last loads (the module note): True (default).
 
   Raises:
     ValueError: non-positive slots or budget, unsorted sizes, a budget or threshold below the
@@ -112,8 +133,11 @@ class SchedulerConfig:
   chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
   long_prefill_token_threshold: int = 0
   prefill_order: str = SHORTEST_FIRST
+  short_first_token_steps: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.short_first_token_steps, bool):
+      raise ValueError(f"short_first_token_steps={self.short_first_token_steps!r} must be a bool")
     if self.prefill_order not in PREFILL_ORDERS:
       raise ValueError(f"prefill_order={self.prefill_order!r}; use one of {PREFILL_ORDERS}")
     if self.num_slots <= 0 or self.token_budget <= 0:
@@ -504,7 +528,13 @@ class Scheduler:
     inserts += planned
     admitted: list[RequestId] = []
     admitting = True  # until an admission fails (then nobody behind it is admitted this step)
-    for r in self._prefills_first():
+    order = self._prefills_first()
+    short = (self.config.short_first_token_steps
+             and self.config.prefill_order == SHORTEST_FIRST)
+    if short and order:
+      budget = min(budget, self._landing_tokens(order, now_s))
+    for r in order:
+      before = budget
       if r.status is RequestStatus.WAITING:  # "shortest_first": a queued one, admitted early
         if admitting:
           budget, admitting = self._admit(r, budget, prefills, admitted)
@@ -513,6 +543,11 @@ class Scheduler:
           budget = self._plan_cake(r, budget, now_s, prefills)
         else:
           budget = self._plan_chunks(r, budget, prefills)
+      if short and r.status is RequestStatus.DECODING:
+        # Its first token comes with this step: the rest of the step takes at most as many
+        # tokens again (the first to end sets it; later ones end within it).
+        budget = min(budget, max(before - budget, self._plan_sizes[0]))
+        short = False
     while admitting and self.waiting:
       budget, admitting = self._admit(self.waiting[0], budget, prefills, admitted)
     # One admitted early may have been preempted by a later prefill's blocks (the newest goes
@@ -687,6 +722,39 @@ class Scheduler:
         left[r.request_id] = ahead
         under_way.append(r)
     return sorted(under_way, key=lambda r: left[r.request_id])
+
+  def _landing_tokens(self, order: list[Request], now_s: float | None) -> int:
+    """The prefill tokens this step may take so that it ends when a store hit's last loads are
+    predicted to land (`CakeMerge.loads_land_s`), the budget's worth when no hit is that close.
+
+    A hit counts when it holds a slot (or is queued within the free slots' reach, to be
+    admitted this step) and has fewer tokens left once its loads are in than the longest of
+    `order` (the prefills it would otherwise wait behind). At least the smallest chunk size:
+    the prefills under way always advance.
+    """
+    free = len(self._free_slots)
+    merges = [r for r in self.cake_requests() if not self._prefix[r.request_id].merge.is_prefix_done]
+    merges += [r for r in list(self.waiting)[:free] if r.request_id in self._prefix]
+    if not merges or now_s is None:
+      return self.config.token_budget
+    longest = max(r.num_prefill_tokens if r.status is RequestStatus.WAITING
+                  else self._tokens_left(r) for r in order)
+    land = []
+    for r in merges:
+      m = self._prefix[r.request_id].merge
+      if m.tokens_left_after_loads() < longest:
+        t = m.loads_land_s(now_s, self.cost_model)
+        if t is not None:
+          land.append(t)
+    if not land:
+      return self.config.token_budget
+    seconds = min(land) - now_s
+    start = max(r.num_computed_tokens for r in order)
+    tokens = self._plan_sizes[0]
+    for n in self._plan_sizes:
+      if self.cost_model.predict_compute_s(start, n) <= seconds:
+        tokens = n
+    return tokens
 
   def _tokens_left(self, r: Request) -> int:
     """Prefill tokens running request `r` has left to compute (a merge's: past its frontier)."""

@@ -77,6 +77,12 @@ _PREFILL_ORDER = flags.DEFINE_enum(
     "queued request with fewer tokens left past its device prefix than a prefill under way, "
     "among them, so a hit's TTFT does not wait behind a long cold prompt), or 'fcfs' "
     "(admission order; store hits' compute after every ordinary prefill).")
+_SHORT_STEPS = flags.DEFINE_bool(
+    "short_first_token_steps", ServerConfig.short_first_token_steps,
+    "With --prefill_order=shortest_first: keep a step short when it carries a prefill's first "
+    "token (the prefills after it take at most as many tokens again) or a store hit's last "
+    "loads (the step ends about when they land), so a hit's first token waits for a short "
+    "step instead of a full one. --noshort_first_token_steps: every step takes the budget.")
 _CHUNK_SIZES = flags.DEFINE_list("chunk_sizes", None,
                                  "Compiled prefill chunk sizes, ascending (default 16..512).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds requests that give no seed.")
@@ -243,6 +249,7 @@ def config_from_flags() -> ServerConfig:
         dtype=_DTYPE.value, max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
         max_num_batched_tokens=_BUDGET.value,
         long_prefill_token_threshold=_LONG_PREFILL.value, prefill_order=_PREFILL_ORDER.value,
+        short_first_token_steps=_SHORT_STEPS.value,
         chunk_sizes=sizes, seed=_SEED.value,
         cache_dir=_CACHE_DIR.value, kv_store=store, kv_tiers=_KV_TIERS.value,
         kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_merge_mode=_MERGE.value,

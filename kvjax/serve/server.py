@@ -59,6 +59,8 @@ class ServerConfig:
       see `LLM`), so a long prompt shares the step with other requests' prefills; 0: off.
     prefill_order: one of `PREFILL_ORDERS`, "shortest_first" (default) or "fcfs": which
       prefills take a step's budget first (see `LLM`).
+    short_first_token_steps: with "shortest_first", keep a step short when it carries a
+      prefill's first token or a store hit's last loads (see `LLM`); True (default).
     chunk_sizes: compiled prefill chunk sizes; None: `LLM`'s default.
     seed: seeds requests that give no seed.
     cache_dir: kvjax's cache root (params, compiled programs); None: the default.
@@ -126,6 +128,7 @@ class ServerConfig:
   max_num_batched_tokens: int | None = None
   long_prefill_token_threshold: int = 0
   prefill_order: str = builder.SHORTEST_FIRST
+  short_first_token_steps: bool = True
   chunk_sizes: tuple[int, ...] | None = None
   seed: int = 0
   cache_dir: str | None = None
@@ -186,7 +189,7 @@ class ServerConfig:
     if self.kv_cache_layout not in (None, "slotted", "paged"):
       raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}; use 'slotted' or 'paged'")
     builder.check_scheduling_options(self.long_prefill_token_threshold, self.chunk_sizes,
-                                     self.prefill_order)
+                                     self.prefill_order, self.short_first_token_steps)
     for name in ("max_num_seqs", "block_size", "kv_cache_memory_bytes"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
@@ -245,7 +248,8 @@ class ServerConfig:
         max_model_len=self.max_model_len,
         max_num_batched_tokens=self.max_num_batched_tokens,
         long_prefill_token_threshold=self.long_prefill_token_threshold,
-        prefill_order=self.prefill_order, seed=self.seed,
+        prefill_order=self.prefill_order,
+        short_first_token_steps=self.short_first_token_steps, seed=self.seed,
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
         kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
         max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,

@@ -81,10 +81,13 @@ class LLMTest(absltest.TestCase):
 
   def test_long_prefill_token_threshold_shares_the_step_and_keeps_the_tokens(self):
     # The 130-token prompt takes 32 a step of the 64-token budget; the 40-token one the rest.
-    # Its 8 left go first in the second step with fewest tokens left first (the default), after
-    # the long prompt's 32 first come first served; the same tokens either way.
-    for order, second in (("shortest_first", [(1, 32, 8), (0, 32, 32)]),
-                          ("fcfs", [(0, 32, 32), (1, 32, 8)])):
+    # Its 8 left go first in the second step with fewest tokens left first (the default; they
+    # end its prompt, so the long one takes one smallest chunk after them), after the long
+    # prompt's 32 first come first served; the same tokens either way.
+    for order, rest in (("shortest_first", [[(1, 32, 8), (0, 32, 16)], [(0, 48, 32)],
+                                            [(0, 80, 32)], [(0, 112, 16), (0, 128, 2)]]),
+                        ("fcfs", [[(0, 32, 32), (1, 32, 8)], [(0, 64, 32)], [(0, 96, 32)],
+                                  [(0, 128, 2)]])):
       llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
                 long_prefill_token_threshold=32, prefill_order=order)
       steps = []
@@ -94,9 +97,8 @@ class LLMTest(absltest.TestCase):
       self.assertEqual([o.token_ids for o in outs], [self.want[2], self.want[1]], order)
       ids = [o.request_id for o in outs]
       self.assertEqual([s for s in steps if s][:5],
-                       [[(ids[0], 0, 32), (ids[1], 0, 32)],
-                        [(ids[i], start, n) for i, start, n in second],
-                        [(ids[0], 64, 32)], [(ids[0], 96, 32)], [(ids[0], 128, 2)]], order)
+                       [[(ids[0], 0, 32), (ids[1], 0, 32)]]
+                       + [[(ids[i], start, n) for i, start, n in step] for step in rest], order)
     with self.assertRaisesRegex(ValueError, "prefill_order='lifo'; use one of"):
       LLM("tiny", cache_dir="", prefill_order="lifo")
 

@@ -65,11 +65,13 @@ class PagedEngineTest(absltest.TestCase):
       for o in eng.step():
         if o.finished:
           done[o.request_id] = o
-    # The hit is admitted in the second step and its 8 tokens go first; the cold prompt takes
-    # pieces of the rest and still ends in its third step.
+    # The hit is admitted in the second step and its 8 tokens go first; its first token comes
+    # with that step, so the cold prompt takes one smallest chunk after it (short first-token
+    # steps) and still ends in its third step.
     self.assertEqual([s for s in steps if s][-3:], [[(cold, 0, 64)],
-                                                    [(hit, 32, 8), (cold, 64, 32), (cold, 96, 16)],
-                                                    [(cold, 112, 16), (cold, 128, 2)]])
+                                                    [(hit, 32, 8), (cold, 64, 16)],
+                                                    [(cold, 80, 32), (cold, 112, 16),
+                                                     (cold, 128, 2)]])
     self.assertEqual(done[hit].num_cached_tokens, 32)
     self.assert_same([done[cold], done[hit]], self.want([PROMPTS[2], head + [7] * 8]))
 

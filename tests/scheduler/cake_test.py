@@ -240,6 +240,28 @@ class CakeMergeTest(parameterized.TestCase):
       ideal_merge_s([0, 1], [0])
 
 
+class LoadsLandTest(absltest.TestCase):
+  """`CakeMerge.loads_land_s` and `tokens_left_after_loads`: what short first-token steps read."""
+
+  def test_predicted_landing_of_every_stored_chunk_still_to_come(self):
+    cost = model(160)  # a 100-byte chunk moves in 0.625 s, one at a time
+    m = CakeMerge(100, C, [F, T, T, T], chunk_nbytes=100, max_loads_in_flight=2)
+    self.assertEqual(m.tokens_left_after_loads(), 100 - 48)  # chunk 0 and the suffix
+    self.assertAlmostEqual(m.loads_land_s(1.0, cost), 1.0 + 3 * 0.625)
+    self.assertEqual([m.next_load(1.0, cost) for _ in range(2)], [3, 2])
+    self.assertAlmostEqual(m.loads_land_s(1.5, cost), 1.0 + 3 * 0.625)
+    # Chunk 3 was due at 1.625: overdue at 2.0, so the model is off for it (no prediction).
+    self.assertIsNone(m.loads_land_s(2.0, cost))
+    land(m, 3, 2.0)
+    land(m, 2, 2.1)
+    self.assertEqual(m.next_load(2.1, cost), 1)
+    land(m, 1, 2.2)
+    self.assertIsNone(m.loads_land_s(2.3, cost))  # nothing left to load
+    self.assertEqual(m.tokens_left_after_loads(), 100 - 48)
+    self.assertEqual(steps(m, 16, 2.3), [(0, 16)])
+    self.assertEqual(m.tokens_left_after_loads(), 100 - 64)  # the suffix
+
+
 def req(rid, n, max_tokens=4):
   return Request(rid, list(range(n)), SamplingParams(max_tokens=max_tokens))
 
@@ -341,11 +363,12 @@ class SchedulerCakeTest(absltest.TestCase):
     self.assertEqual(plan.prefills, ())  # y admitted; FAST loads beat compute
     self.assertEqual(y.slot, 0)
 
-  def plan_steps(self, s, steps, land_loads=True):
-    """Plans `steps` steps; each step's prefills as (request id, start, tokens). Loads land by
-    the next step (when `land_loads`); a request whose prompt ends (or that decodes) samples."""
+  def plan_steps(self, s, steps, land_loads=True, start=0):
+    """Plans `steps` steps, the first at time `start`; each step's prefills as (request id,
+    start, tokens). Loads land by the next step (when `land_loads`); a request whose prompt
+    ends (or that decodes) samples."""
     out = []
-    for k in range(steps):
+    for k in range(start, start + steps):
       plan = s.schedule(now_s=float(k))
       out.append([(c.request_id, c.start, c.num_tokens) for c in plan.prefills])
       s.update(StepResult(
@@ -379,12 +402,54 @@ class SchedulerCakeTest(absltest.TestCase):
     s.add_request(req("x", 66), stored([T] * 4, 100))
     # x's chunks go in at step 1 and leave it 2 tokens to compute: its tail goes first in that
     # very step, ahead of a's 136 left (x's first token two steps sooner than first come first
-    # served); a takes pieces of what is left (x's decodes take one token a step) and still
-    # ends in step 3, as it does first come first served.
+    # served). Its first token comes with the step, so the step stays short: a takes one
+    # smallest chunk (16) after it. Then a takes pieces of what x's decodes leave (one token a
+    # step), and ends a step later than first come first served.
+    self.assertEqual(self.plan_steps(s, 5), [[("a", 0, 64)],
+                                             [("x", 64, 2), ("a", 64, 16)],
+                                             [("a", 80, 32), ("a", 112, 16)],
+                                             [("a", 128, 32), ("a", 160, 16)],
+                                             [("a", 176, 16), ("a", 192, 8)]])
+    # Without short first-token steps, a takes the step's whole rest and ends in step 3.
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
+                                  short_first_token_steps=False), FAST)
+    s.add_request(req("a", 200))
+    s.add_request(req("x", 66), stored([T] * 4, 100))
     self.assertEqual(self.plan_steps(s, 4), [[("a", 0, 64)],
                                              [("x", 64, 2), ("a", 64, 32), ("a", 96, 16)],
                                              [("a", 112, 32), ("a", 144, 16)],
                                              [("a", 160, 32), ("a", 192, 8)]])
+
+  def test_a_cold_prefills_step_ends_when_a_hits_loads_land(self):
+    # Compute costs 1 s per 16 tokens; x's four 100-byte chunks take 2.5 s over the link.
+    plans = {}
+    for short in (True, False):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
+                                    short_first_token_steps=short), model(160))
+      s.add_request(req("a", 200))
+      plans[short] = self.plan_steps(s, 1)
+      s.add_request(req("x", 66), stored([T] * 4, 100))
+      plans[short] += self.plan_steps(s, 3, start=1)
+    # Step 1: x (2 tokens left once its loads are in, fewer than a's 136) is admitted and its
+    # first three loads are issued (the link's bandwidth-delay product); its four chunks are
+    # predicted to land in 2.5 s, so a takes 32 tokens (2 s), not 64 (4 s). Step 2: the last
+    # load, 0.625 s: a takes one smallest chunk. Step 3: x's chunks are in and its tail goes
+    # first; its first token comes with the step, so a takes one smallest chunk after it.
+    self.assertEqual(plans[True], [[("a", 0, 64)], [("a", 64, 32)], [("a", 96, 16)],
+                                   [("x", 64, 2), ("a", 112, 16)]])
+    self.assertEqual(plans[False], [[("a", 0, 64)], [("a", 64, 64)], [("a", 128, 64)],
+                                    [("x", 64, 2), ("a", 192, 8)]])
+
+  def test_no_short_step_for_a_hit_with_more_left_than_the_cold_prefill_or_slow_loads(self):
+    for x_tokens, cost in ((400, model(160)), (66, SLOW)):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)), cost)
+      s.add_request(req("a", 200))
+      self.plan_steps(s, 1)
+      s.add_request(req("x", x_tokens), stored([T] * 4, 100))
+      # 336 tokens left after x's loads (more than a's 136), or loads that never land in time:
+      # a's step is whole.
+      self.assertEqual(self.plan_steps(s, 1, start=1, land_loads=False), [[("a", 64, 64)]],
+                       x_tokens)
 
   def test_a_merge_preempted_in_the_step_that_inserts_its_chunks_inserts_none(self):
     # "fcfs": a's 32 need 2 blocks; "shortest_first": x's 2-token suffix goes first, a gets a
@@ -410,11 +475,12 @@ class SchedulerCakeTest(absltest.TestCase):
   def test_shortest_first_keeps_a_loading_merges_compute_after_ordinary_prefills(self):
     for order in ("fcfs", "shortest_first"):
       s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
-                                    prefill_order=order), SLOW)
+                                    prefill_order=order, short_first_token_steps=False), SLOW)
       s.add_request(req("a", 200))
       s.add_request(req("x", 66), stored([T] * 4, 100))
       # Loads never land: x's merge still loads, so its compute side (Cake's adaptive mode)
-      # takes only what a leaves, whichever the order; a is never delayed.
+      # takes only what a leaves, whichever the order; a is never delayed. (Short first-token
+      # steps would keep a's last step short, x's compute included: tested on their own.)
       self.assertEqual(self.plan_steps(s, 4, land_loads=False),
                        [[("a", 0, 64)], [("a", 64, 64)], [("a", 128, 64)],
                         [("a", 192, 8), ("x", 0, 32), ("x", 32, 16)]], order)
@@ -431,9 +497,10 @@ class SchedulerCakeTest(absltest.TestCase):
     self.assertEqual(plans[0], [[("x", 0, 64)], [("x", 64, 32), ("x", 96, 4), ("y", 0, 16)],
                                 [("y", 16, 16), ("y", 32, 8)], []])
     # 32: each merge's compute takes 32 a step at most; y's 8 left are under the threshold.
-    # Step 1: y's prefix is all planned, so its 8 left (shortest first) go ahead of x's 68.
-    self.assertEqual(plans[32], [[("x", 0, 32), ("y", 0, 32)], [("y", 32, 8), ("x", 32, 32)],
-                                 [("x", 64, 32)], [("x", 96, 4)]])
+    # Step 1: y's prefix is all planned, so its 8 left (shortest first) go ahead of x's 68;
+    # they end y's prefill, so the step's rest is one smallest chunk (short first-token steps).
+    self.assertEqual(plans[32], [[("x", 0, 32), ("y", 0, 32)], [("y", 32, 8), ("x", 32, 16)],
+                                 [("x", 48, 32)], [("x", 80, 16), ("x", 96, 4)]])
 
   def test_bad_requests_and_budgets(self):
     s = Scheduler(SchedulerConfig(num_slots=1, token_budget=32, chunk_sizes=(16, 32)))

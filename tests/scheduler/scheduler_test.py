@@ -220,17 +220,18 @@ class PrefillOrderTest(absltest.TestCase):
     kvm = KVCacheManager(64, 16, namespace_root="ab" * 32)
     s, first, plan = self.plans("shortest_first", kvm)
     self.assertEqual(first, [[("a", 0, 64)]])
-    # d1 has 8 tokens left past its 64 on the device, a 136: d1 is admitted and goes first; a
-    # takes pieces of the 56 left.
+    # d1 has 8 tokens left past its 64 on the device, a 136: d1 is admitted and goes first; its
+    # first token comes with the step, so a takes one smallest chunk (short first-token steps).
     self.assertEqual([(c.request_id, c.start, c.num_tokens) for c in plan.prefills],
-                     [("d1", 64, 8), ("a", 64, 32), ("a", 96, 16)])
+                     [("d1", 64, 8), ("a", 64, 16)])
     self.assertEqual((plan.admitted, plan.device_hits), (("d1",), (("d1", 64),)))
     self.assertEqual(s.num_waiting(), 0)
 
   def test_one_admitted_early_then_preempted_by_a_longer_prefills_blocks_is_queued_again(self):
     kvm = KVCacheManager(7, 16, namespace_root="ab" * 32)  # 112 tokens in all
-    s = Scheduler(SchedulerConfig(num_slots=4, token_budget=64, chunk_sizes=(16, 32, 64)),
-                  kv_cache=kvm)
+    # Short first-token steps off: d ending would leave a only 16 tokens, which fit the pool.
+    s = Scheduler(SchedulerConfig(num_slots=4, token_budget=64, chunk_sizes=(16, 32, 64),
+                                  short_first_token_steps=False), kv_cache=kvm)
     one = SamplingParams(max_tokens=1)
     s.add_request(Request("a", list(range(100)), one))
     self.assertEqual(run_steps(s, 1), [[("a", 0, 64)]])  # 4 blocks

@@ -1,5 +1,6 @@
 """`ServerConfig.long_prefill_token_threshold` (`--long_prefill_token_threshold`) and
-`ServerConfig.prefill_order` (`--prefill_order`): checked when the config is built (so the CLI
+`ServerConfig.prefill_order` (`--prefill_order`) and `ServerConfig.short_first_token_steps`
+(`--short_first_token_steps`): checked when the config is built (so the CLI
 reports them before loading a model), and passed to `LLM`."""
 
 from absl.testing import absltest
@@ -31,6 +32,13 @@ class LongPrefillOptionTest(absltest.TestCase):
         "prefill_order"], "fcfs")
     with self.assertRaisesRegex(ValueError, "prefill_order='lpm'; use one of"):
       ServerConfig(model="tiny", prefill_order="lpm")
+
+  def test_short_first_token_steps(self):
+    self.assertIs(ServerConfig(model="tiny").llm_options()["short_first_token_steps"], True)
+    self.assertIs(ServerConfig(model="tiny", short_first_token_steps=False).llm_options()[
+        "short_first_token_steps"], False)
+    with self.assertRaisesRegex(ValueError, "short_first_token_steps='no' must be a bool"):
+      ServerConfig(model="tiny", short_first_token_steps="no")
 
 
 if __name__ == "__main__":
