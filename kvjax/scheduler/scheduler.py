@@ -44,9 +44,13 @@ Two rules keep those steps short:
      (`CakeMerge.loads_land_s`; at least the smallest chunk size), so the hit is inserted the
      moment they do. A load past its predicted landing turns this off (the model is off for it).
 
-A long prompt beside hits pays a few more, smaller steps (a step's fixed cost each); a step
-with no hit near its first token is whole. Both rules are bounded: every prefill under way
-still advances at least the smallest chunk size a step.
+The rules cut only the longer prefills: one with at most twice the tokens left of the hit a
+rule serves (the hit's tokens left once its loads are in; for a, the ended prefill's tokens or
+the smallest chunk size, the larger) is short too and is planned whole, so two hits' tails in
+one step do not split each other. A long
+prompt beside hits pays a few more, smaller steps (a step's fixed cost each); a step with no hit
+near its first token is whole. Both rules are bounded: the longer prefills together still
+advance at least the smallest chunk size a step.
 
 Why "shortest_first": a store hit is mostly loads; once they are in, what it has left is its new
 tokens, often a few dozen. First come first served puts them behind a long cold prompt's chunked
@@ -529,25 +533,42 @@ class Scheduler:
     admitted: list[RequestId] = []
     admitting = True  # until an admission fails (then nobody behind it is admitted this step)
     order = self._prefills_first()
+    # Short first-token steps (the module note): `cap` is what the prefills with more than
+    # `exempt` tokens left may still take this step (None: no cap).
+    cap, exempt = None, 0
     short = (self.config.short_first_token_steps
              and self.config.prefill_order == SHORTEST_FIRST)
     if short and order:
-      budget = min(budget, self._landing_tokens(order, now_s))
+      landing = self._landing_cap(order, now_s)
+      if landing is not None:
+        cap, hit_left = landing
+        exempt = 2 * hit_left
     for r in order:
-      before = budget
+      capped = cap is not None and self._tokens_left(r) > exempt
+      offer = min(budget, cap) if capped else budget
+      left = offer
       if r.status is RequestStatus.WAITING:  # "shortest_first": a queued one, admitted early
         if admitting:
-          budget, admitting = self._admit(r, budget, prefills, admitted)
+          left, admitting = self._admit(r, offer, prefills, admitted)
       elif r.request_id in self.running and r.status is RequestStatus.PREFILLING:
         if r.request_id in self._prefix:
-          budget = self._plan_cake(r, budget, now_s, prefills)
+          left = self._plan_cake(r, offer, now_s, prefills)
         else:
-          budget = self._plan_chunks(r, budget, prefills)
+          left = self._plan_chunks(r, offer, prefills)
+      took = offer - left
+      budget -= took
+      if capped:
+        cap -= took
       if short and r.status is RequestStatus.DECODING:
-        # Its first token comes with this step: the rest of the step takes at most as many
-        # tokens again (the first to end sets it; later ones end within it).
-        budget = min(budget, max(before - budget, self._plan_sizes[0]))
+        # Its first token comes with this step (the first to end sets the rule): the longer
+        # prefills after it take at most as many tokens again; one that ends within twice its
+        # tokens is short too and goes whole.
         short = False
+        n = max(took, self._plan_sizes[0])
+        cap = n if cap is None else min(cap, n)
+        exempt = max(exempt, 2 * n)
+    if cap is not None:
+      budget = min(budget, cap)  # admissions and merges' compute are the step's rest
     while admitting and self.waiting:
       budget, admitting = self._admit(self.waiting[0], budget, prefills, admitted)
     # One admitted early may have been preempted by a later prefill's blocks (the newest goes
@@ -723,41 +744,44 @@ class Scheduler:
         under_way.append(r)
     return sorted(under_way, key=lambda r: left[r.request_id])
 
-  def _landing_tokens(self, order: list[Request], now_s: float | None) -> int:
-    """The prefill tokens this step may take so that it ends when a store hit's last loads are
-    predicted to land (`CakeMerge.loads_land_s`), the budget's worth when no hit is that close.
+  def _landing_cap(self, order: list[Request], now_s: float | None) -> tuple[int, int] | None:
+    """Rule b of short first-token steps: (the prefill tokens this step may take so that it ends
+    when a store hit's last loads are predicted to land (`CakeMerge.loads_land_s`), that hit's
+    tokens left once they are in), or None when no hit is that close.
 
     A hit counts when it holds a slot (or is queued within the free slots' reach, to be
     admitted this step) and has fewer tokens left once its loads are in than the longest of
-    `order` (the prefills it would otherwise wait behind). At least the smallest chunk size:
-    the prefills under way always advance.
+    `order` (the prefills it would otherwise wait behind); the earliest landing wins. At least
+    the smallest chunk size: the prefills under way always advance.
     """
     free = len(self._free_slots)
-    merges = [r for r in self.cake_requests() if not self._prefix[r.request_id].merge.is_prefix_done]
+    merges = [r for r in self.cake_requests()
+              if not self._prefix[r.request_id].merge.is_prefix_done]
     merges += [r for r in list(self.waiting)[:free] if r.request_id in self._prefix]
     if not merges or now_s is None:
-      return self.config.token_budget
-    longest = max(r.num_prefill_tokens if r.status is RequestStatus.WAITING
-                  else self._tokens_left(r) for r in order)
-    land = []
+      return None
+    longest = max(self._tokens_left(r) for r in order)
+    best = None
     for r in merges:
       m = self._prefix[r.request_id].merge
-      if m.tokens_left_after_loads() < longest:
+      left = m.tokens_left_after_loads()
+      if left < longest:
         t = m.loads_land_s(now_s, self.cost_model)
-        if t is not None:
-          land.append(t)
-    if not land:
-      return self.config.token_budget
-    seconds = min(land) - now_s
+        if t is not None and (best is None or t < best[0]):
+          best = (t, left)
+    if best is None:
+      return None
+    seconds = best[0] - now_s
     start = max(r.num_computed_tokens for r in order)
     tokens = self._plan_sizes[0]
     for n in self._plan_sizes:
       if self.cost_model.predict_compute_s(start, n) <= seconds:
         tokens = n
-    return tokens
+    return tokens, best[1]
 
   def _tokens_left(self, r: Request) -> int:
-    """Prefill tokens running request `r` has left to compute (a merge's: past its frontier)."""
+    """Prefill tokens request `r` has left to compute (a merge's: past its frontier; a queued
+    one's: all of them)."""
     prefix = self._prefix.get(r.request_id)
     if prefix is None:
       return r.remaining_prefill_tokens
