@@ -35,9 +35,9 @@ that step's length is part of its TTFT, and so is the length of every step its l
 Two rules keep those steps short:
 
   a. once a prefill planned in 3 ends its prompt, the rest of the step (3, 4 and 5) takes at most
-     as many tokens as it took, at least the smallest chunk size: a hit's 30-token tail rides
-     with 32 tokens of a cold prompt, not with 480 (its first token a 0.1 s step away on the
-     2-core CPU, not 1.5 s);
+     as many tokens as it took, at least the smallest chunk size: a hit's 46-token tail rides
+     with 32 tokens of a cold prompt, not with 466 (on the 2-core CPU at a 1.8K-token context, a
+     step of 0.7 s instead of 2.2 s);
   b. while a merge with fewer tokens left once its loads are in than the longest prefill in 3
      has loads to come (holding a slot, or queued within the free slots' reach), the step takes
      only what the cost model says computes before those loads are predicted to land
@@ -47,9 +47,8 @@ Two rules keep those steps short:
 The rules cut only the longer prefills: one with at most twice the tokens left of the hit a
 rule serves (the hit's tokens left once its loads are in; for a, the ended prefill's tokens or
 the smallest chunk size, the larger) is short too and is planned whole, so two hits' tails in
-one step do not split each other. A long
-prompt beside hits pays a few more, smaller steps (a step's fixed cost each); a step with no hit
-near its first token is whole. Both rules are bounded: the longer prefills together still
+one step do not split each other. A long prompt beside hits pays a few more, smaller steps (a
+step's fixed cost each); a step with no hit near its first token is whole. Both rules are bounded: the longer prefills together still
 advance at least the smallest chunk size a step.
 
 Why "shortest_first": a store hit is mostly loads; once they are in, what it has left is its new
