@@ -25,7 +25,6 @@ bench_first_token_steps.png. Timings on a shared 2-core VM are noisy: medians ov
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -35,7 +34,7 @@ import tempfile
 
 from absl import app, flags
 
-from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
+from benchlib import git_sha, machine, pyplot, versions  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -110,16 +109,6 @@ def trial(llm, steps: list, history: list[int], cold_ids: list[int], new: list[i
   }
 
 
-def versions() -> dict:
-  out = {}
-  for pkg in ("kvjax", "jax", "tokenizers", "matplotlib", "absl-py"):
-    try:
-      out[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      out[pkg] = None
-  return out
-
-
 def main(argv):
   del argv
   from kvjax.models.registry import load_model  # noqa: PLC0415
@@ -161,7 +150,8 @@ def main(argv):
             "machine_at_end": machine(),
             "threads": {"cpu_count": os.cpu_count(),
                         "xla_flags": os.environ.get("XLA_FLAGS", "")},
-            "versions": versions(), "git_sha": sha, "seeds": {"sampling": "greedy"},
+            "versions": versions("kvjax", "jax", "tokenizers", "matplotlib", "absl-py"),
+            "git_sha": sha, "seeds": {"sampling": "greedy"},
             "settings": {"model": _MODEL.value, "book": pathlib.Path(_BOOK.value).name,
                          "history_tokens": _N.value, "new_tokens": _M.value,
                          "max_tokens": _MAX_TOKENS.value, "kv_chunk_size": _CHUNK.value,

@@ -34,6 +34,18 @@ def machine() -> dict:
           "python": sys.version.split()[0], "loadavg_1_5_15": list(os.getloadavg())}
 
 
+def versions(*packages: str) -> dict:
+  """Installed versions of `packages` (None for one that is not installed)."""
+  import importlib.metadata  # noqa: PLC0415
+  out = {}
+  for pkg in packages:
+    try:
+      out[pkg] = importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+      out[pkg] = None
+  return out
+
+
 def pyplot():
   """matplotlib's pyplot with the file-only Agg backend, or None (with a message) when matplotlib
   is not installed: the JSON is written either way."""
