@@ -210,13 +210,13 @@ class LLM:
       under way (admitted ahead of it), so a hit's TTFT does not wait behind a long cold
       prompt; "fcfs": admission order, every store hit's compute after the ordinary prefills
       (Cake's adaptive mode, arXiv 2410.03065, section 4 Part 3, applied to the whole merge).
+      A merge still loading takes what is left in both.
     short_first_token_steps: with "shortest_first", keep a step short when it carries a
       prefill's first token (the prefills after it take at most as many tokens again, at least
       the smallest chunk size) or when a store hit with fewer tokens left than a prefill under
       way has loads in flight (the step takes what the cost model says it computes before
       they land), so the hit's first token waits for a short step, not a full one. True
-      (default).
-      A merge still loading takes what is left in both.
+      (default); no effect with "fcfs".
     chunk_sizes: compiled prefill chunk sizes, ascending.
     seed: seeds requests that carry no seed.
     cache_dir: kvjax's cache root (converted params, compiled programs); default

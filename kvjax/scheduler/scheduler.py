@@ -48,8 +48,8 @@ The rules cut only the longer prefills: one with at most twice the tokens left o
 rule serves (the hit's tokens left once its loads are in; for a, the ended prefill's tokens or
 the smallest chunk size, the larger) is short too and is planned whole, so two hits' tails in
 one step do not split each other. A long prompt beside hits pays a few more, smaller steps (a
-step's fixed cost each); a step with no hit near its first token is whole. Both rules are bounded: the longer prefills together still
-advance at least the smallest chunk size a step.
+step's fixed cost each); a step with no hit near its first token is whole. Both rules are
+bounded: the longer prefills together still advance at least the smallest chunk size a step.
 
 Why "shortest_first": a store hit is mostly loads; once they are in, what it has left is its new
 tokens, often a few dozen. First come first served puts them behind a long cold prompt's chunked
@@ -89,6 +89,7 @@ import bisect
 import collections
 import copy
 import dataclasses
+import itertools
 import math
 
 from kvjax._typing import RequestId
@@ -537,6 +538,7 @@ class Scheduler:
     cap, exempt = None, 0
     short = (self.config.short_first_token_steps
              and self.config.prefill_order == SHORTEST_FIRST)
+    rule_a = short  # until the first prefill of the order ends its prompt
     if short and order:
       landing = self._landing_cap(order, now_s)
       if landing is not None:
@@ -558,11 +560,11 @@ class Scheduler:
       budget -= took
       if capped:
         cap -= took
-      if short and r.status is RequestStatus.DECODING:
+      if rule_a and r.status is RequestStatus.DECODING:
         # Its first token comes with this step (the first to end sets the rule): the longer
         # prefills after it take at most as many tokens again; one that ends within twice its
         # tokens is short too and goes whole.
-        short = False
+        rule_a = False
         n = max(took, self._plan_sizes[0])
         cap = n if cap is None else min(cap, n)
         exempt = max(exempt, 2 * n)
@@ -733,7 +735,7 @@ class Scheduler:
     longest = max(left.values(), default=0)
     ahead = 0  # the most tokens left of a queued request ahead: none passes one ahead of it
     if not self._preempted:
-      for r in list(self.waiting)[:len(self._free_slots)]:
+      for r in itertools.islice(self.waiting, len(self._free_slots)):
         if r.request_id in self._prefix:
           break
         ahead = max(ahead, r.num_prefill_tokens - self._device_prefix(r, record_stats=False)[1])
@@ -756,7 +758,7 @@ class Scheduler:
     free = len(self._free_slots)
     merges = [r for r in self.cake_requests()
               if not self._prefix[r.request_id].merge.is_prefix_done]
-    merges += [r for r in list(self.waiting)[:free] if r.request_id in self._prefix]
+    merges += [r for r in itertools.islice(self.waiting, free) if r.request_id in self._prefix]
     if not merges or now_s is None:
       return None
     longest = max(self._tokens_left(r) for r in order)

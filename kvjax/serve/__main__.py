@@ -32,8 +32,8 @@ from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESS
                                    DEFAULT_SESSION_TTL_S)
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,
-                                PREFILL_ORDERS, HttpServer, ServerConfig, build_follower, close_backend,
-                                load_backend)
+                                PREFILL_ORDERS, HttpServer, ServerConfig, build_follower,
+                                close_backend, load_backend)
 
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct",
                              "Model name, .gguf path, Hugging Face safetensors dir, or 'tiny'.")
