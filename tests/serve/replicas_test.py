@@ -26,7 +26,7 @@ from absl.testing import absltest
 
 try:
   import boto3
-  import moto.server
+  import moto.server  # noqa: F401 (the server in kvjax/testing/s3.py)
 except ImportError as e:
   raise ImportError("tests/serve/replicas_test.py needs moto[server] and boto3: "
                     "pip install -e '.[test]'") from e
@@ -34,6 +34,7 @@ except ImportError as e:
 from kvjax import LLM, SamplingParams
 from kvjax.serve import kv_events
 from kvjax.testing import vllm_hash
+from kvjax.testing.s3 import MotoServer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUCKET = "kvjax-replicas"
@@ -51,10 +52,9 @@ class SharedS3TestCase(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.moto = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    cls.moto = MotoServer()
     cls.moto.start()
-    host, port = cls.moto.get_host_and_port()
-    cls.endpoint = f"http://{host}:{port}"
+    cls.endpoint = cls.moto.endpoint
     cls.aws_env = {"AWS_ACCESS_KEY_ID": "kvjax-test", "AWS_SECRET_ACCESS_KEY": "kvjax-test",
                    "AWS_REGION": REGION}
     cls.env = mock.patch.dict(os.environ, {**cls.aws_env, "AWS_ENDPOINT_URL": cls.endpoint})

@@ -1,7 +1,8 @@
 """The chunk store over S3, against a local `moto_server` (plain zarr3 and ocdbt over s3).
 
-One moto server per test class (started in setUpClass on a free 127.0.0.1 port, stopped in
-tearDownClass); every test uses its own key prefix in one bucket. Fake credentials and the
+One moto server per test class (`kvjax/testing/s3.py`: started in setUpClass on a free
+127.0.0.1 port, stopped in tearDownClass; it answers one request at a time, so its conditional
+writes are atomic as S3's are); every test uses its own key prefix in one bucket. Fake credentials and the
 endpoint are set in the environment only while the class runs. moto comes with the `[test]`
 extra; without it this module fails to import (loudly, never a skip).
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 try:
   import boto3
-  import moto.server
+  import moto.server  # noqa: F401 (the server in kvjax/testing/s3.py)
 except ImportError as e:
   raise ImportError("tests/storage/s3_test.py needs moto[server] and boto3: "
                     "pip install -e '.[test]'") from e
@@ -25,6 +26,7 @@ except ImportError as e:
 from kvjax.storage import chunk_store
 from kvjax.storage import keys
 from kvjax.storage import specs
+from kvjax.testing.s3 import MotoServer
 from kvjax.testing.storage import (C, HASHES, NS, ROOT, TOKENS, StoreAssertions, bits as _bits,
                                    layout as _layout, run, values as _values)
 from kvjax.storage.types import ChunkHit, ChunkRecord, Encoding, KVLayout, MissReason
@@ -33,33 +35,6 @@ BUCKET = "kvjax-test"
 REGION = "us-east-1"
 TIMEOUT_S = 20.0  # Per tensorstore operation; a healthy local moto answers in milliseconds.
 BACKENDS = (("s3",), ("ocdbt_s3",))
-
-
-
-
-
-
-
-
-
-
-class MotoServer:
-  """moto's S3 server in a thread of this process, bound to 127.0.0.1 on a port the OS picks.
-
-  `ThreadedMotoServer.start()` returns once the socket is listening, so nothing polls or sleeps.
-  """
-
-  def __init__(self):
-    self._server = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    self.endpoint = ""
-
-  def start(self) -> None:
-    self._server.start()
-    host, port = self._server.get_host_and_port()
-    self.endpoint = f"http://{host}:{port}"
-
-  def stop(self) -> None:
-    self._server.stop()
 
 
 class MotoTestCase(parameterized.TestCase):
@@ -98,10 +73,6 @@ class S3ChunkStoreTest(StoreAssertions, MotoTestCase):
     store = chunk_store.ChunkStore(url or self.url(backend), **kwargs)
     self.addCleanup(store.close)
     return store
-
-
-
-
 
   def test_spec_from_env(self):
     spec = specs.kvstore_spec(f"s3://{BUCKET}/p")
