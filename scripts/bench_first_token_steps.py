@@ -2,7 +2,7 @@
 SmolLM2-135M-Instruct, f32, offline: a store hit's TTFT when it arrives during another request's
 cold chunked prefill, with the option on and off, side by side in one process.
 
-Per trial (a different book passage each):
+Per trial (a different book passage each; a first one per setting is a warm-up, not recorded):
   1. turn 1: an N-token history is prefilled and its KV saved to a host tier over a disk tier
      (the device prefix cache is off, so turn 2 is served by the store: a Cake merge whose
      loads come from the host tier);
@@ -11,16 +11,22 @@ Per trial (a different book passage each):
   3. both run to the end, greedy. Recorded: each one's TTFT and prefill seconds, the steps and
      the tokens of each step while turn 2 prefilled, and the generated tokens.
 
+With `--scenario=decodes` (rule c, a step waiting for a hit's loads), step 2 differs:
+`--decoders` short cold prompts are added and decode; once each has its first tokens, turn 2 is
+added. Recorded besides: the decoders' longest gap between two tokens while turn 2 prefilled
+(what the waiting step costs them) and their mean time per output token.
+
 Both settings run every trial in turn (on, then off, alternating which goes first), each with
 its own engine and store. The texts must be equal across settings (a different answer to an
 identical request would be a bug); the script exits non-zero when they are not.
 
     .venv/bin/python scripts/bench_first_token_steps.py
     .venv/bin/python scripts/bench_first_token_steps.py --trials=5 --history_tokens=1780
+    .venv/bin/python scripts/bench_first_token_steps.py --scenario=decodes
 
-Writes <out_dir>/bench_first_token_steps.json (machine and load average before and after,
-versions, threads, git SHA, settings, per-trial records, medians and ratios) and
-bench_first_token_steps.png. Timings on a shared 2-core VM are noisy: medians over trials.
+Writes <out_dir>/bench_first_token_steps.json (`..._decodes.json` for that scenario; machine and
+load average before and after, versions, threads, git SHA, settings, per-trial records, medians and
+ratios) and a plot of the same name. Timings on a shared 2-core VM are noisy: medians over trials.
 """
 
 from __future__ import annotations
@@ -48,6 +54,14 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Generated tokens per reque
 _CHUNK = flags.DEFINE_integer("kv_chunk_size", 64, "Store chunk size.")
 _LEAD = flags.DEFINE_integer("lead_steps", 2, "Steps of the cold prompt before turn 2 arrives.")
 _TRIALS = flags.DEFINE_integer("trials", 3, "Trials (book passages) per setting.")
+_SCENARIO = flags.DEFINE_enum("scenario", "cold_prefill", ["cold_prefill", "decodes"],
+                              "What turn 2 arrives beside: another request's cold chunked "
+                              "prefill, or --decoders requests decoding.")
+_DECODERS = flags.DEFINE_integer("decoders", 3, "decodes: requests decoding when turn 2 comes.")
+_DECODER_PROMPT = flags.DEFINE_integer("decoder_prompt_tokens", 64,
+                                       "decodes: prompt tokens of each decoder.")
+_DECODER_TOKENS = flags.DEFINE_integer("decoder_max_tokens", 48,
+                                       "decodes: tokens each decoder generates.")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 
 
@@ -86,27 +100,73 @@ def trial(llm, steps: list, history: list[int], cold_ids: list[int], new: list[i
   cold = eng.add_request(cold_ids, greedy)
   for _ in range(_LEAD.value):
     eng.step()
-  hit = eng.add_request(history + list(turn1.token_ids) + new, greedy)
+  return finish(llm, steps, turn1, history + list(turn1.token_ids) + new, {"cold": cold})
+
+
+def trial_decodes(llm, steps: list, history: list[int], cold_ids: list[int],
+                  new: list[int]) -> dict:
+  """The `decodes` scenario: turn 2 arrives while `--decoders` requests (prompts cut from
+  `cold_ids`) decode."""
+  from kvjax import SamplingParams  # noqa: PLC0415
+  greedy = SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0.0)
+  turn1 = llm.generate([{"prompt_token_ids": history}], greedy)[0]
+  llm.flush()
+  eng = llm.engine
+  steps.clear()
+  k = _DECODER_PROMPT.value
+  longer = SamplingParams(max_tokens=_DECODER_TOKENS.value, temperature=0.0)
+  decoders = {f"decoder{i}": eng.add_request(cold_ids[i * k:(i + 1) * k], longer)
+              for i in range(_DECODERS.value)}
+  tokens = dict.fromkeys(decoders.values(), 0)
+  while min(tokens.values()) < 2:  # every decoder has sampled its first tokens
+    for o in eng.step():
+      tokens[o.request_id] = len(o.token_ids)
+  return finish(llm, steps, turn1, history + list(turn1.token_ids) + new, decoders)
+
+
+def finish(llm, steps: list, turn1, hit_ids: list[int], others: dict) -> dict:
+  """Adds turn 2, runs every request to the end; the trial's record."""
+  from kvjax import SamplingParams  # noqa: PLC0415
+  eng = llm.engine
+  greedy = SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0.0)
+  hit = eng.add_request(hit_ids, greedy)
   done = {}
   while eng.has_unfinished_requests():
     for o in eng.step():
       if o.finished:
         done[o.request_id] = o
-  h, c = done[hit], done[cold]
+  h = done[hit]
   hit_steps = [rec for rec in steps if any(x.request_id == hit for x in rec.plan.prefills)]
-  return {
+  out = {
       "hit_ttft_s": h.metrics.ttft_s, "hit_prefill_s": h.metrics.prefill_s,
       "hit_cached_tokens": h.num_cached_tokens, "hit_prompt_tokens": len(h.prompt_token_ids),
-      "cold_ttft_s": c.metrics.ttft_s, "cold_prefill_s": c.metrics.prefill_s,
-      "cold_done_s": c.metrics.finished_s - c.metrics.arrival_s,
       "steps": [{"seconds": rec.ended_s - rec.started_s, "loads": len(rec.plan.loads),
                  "inserts": len(rec.plan.inserts),
                  "prefill_tokens": [(x.request_id == hit, x.num_tokens) for x in rec.plan.prefills],
-                 "decodes": len(rec.plan.decodes)} for rec in steps[:12]],
+                 "decodes": len(rec.plan.decodes)}
+                for rec in steps if rec.ended_s >= h.metrics.arrival_s][:12],
       "hit_prefill_steps": len(hit_steps),
       "tokens": {"turn1": list(turn1.token_ids), "hit": list(h.token_ids),
-                 "cold": list(c.token_ids)},
+                 **{name: list(done[rid].token_ids) for name, rid in others.items()}},
   }
+  if "cold" in others:
+    c = done[others["cold"]]
+    out.update(cold_ttft_s=c.metrics.ttft_s, cold_prefill_s=c.metrics.prefill_s,
+               cold_done_s=c.metrics.finished_s - c.metrics.arrival_s)
+  else:
+    # A decoder's token comes at the end of each step that decodes it: its longest gap while
+    # turn 2 prefilled (arrival to first token), and the decoders' mean seconds per token.
+    ends = [rec.ended_s for rec in steps if rec.plan.decodes]
+    window = [e for e in ends if h.metrics.arrival_s <= e <= h.metrics.first_token_s]
+    before = [e for e in ends if e < h.metrics.arrival_s][-1:]
+    gaps = [b - a for a, b in zip(before + window, window + [
+        next((e for e in ends if e > h.metrics.first_token_s), h.metrics.first_token_s)])]
+    outs = [done[rid] for rid in others.values()]
+    out.update(decode_gap_max_s=max(gaps),
+               decode_s_per_token=statistics.mean(
+                   (o.metrics.finished_s - o.metrics.first_token_s) / (len(o.token_ids) - 1)
+                   for o in outs))
+  return out
 
 
 def main(argv):
@@ -114,37 +174,41 @@ def main(argv):
   from kvjax.models.registry import load_model  # noqa: PLC0415
   sha, before = git_sha(), machine()
   tok = load_model(_MODEL.value).tokenizer
-  parts = passages(tok, _TRIALS.value, _N.value, _M.value)
+  # One more passage for a warm-up trial per setting, not recorded: the engines compile, and
+  # their cost models learn the host tier's link from a first hit, as a running server's have
+  # (before any load the prior is 1 GB/s, which a host tier on this VM beats several times).
+  warmup, *parts = passages(tok, _TRIALS.value + 1, _N.value, _M.value)
+  run = trial if _SCENARIO.value == "cold_prefill" else trial_decodes
   settings = {"short": True, "full": False}
+  keys = ("hit_ttft_s", "hit_prefill_s") + (
+      ("cold_ttft_s", "cold_done_s") if _SCENARIO.value == "cold_prefill"
+      else ("decode_gap_max_s", "decode_s_per_token"))
   with tempfile.TemporaryDirectory() as work:
     llms = {name: make_llm(on, os.path.join(work, name)) for name, on in settings.items()}
     sinks = {name: [] for name in settings}
     for name, llm in llms.items():
       llm.engine.add_step_observer(sinks[name].append)
+    for name, llm in llms.items():
+      run(llm, sinks[name], *warmup)
     runs = {name: [] for name in settings}
     for t, (history, cold_ids, new) in enumerate(parts):
       order = list(settings) if t % 2 == 0 else list(reversed(settings))
       for name in order:
-        runs[name].append(trial(llms[name], sinks[name], history, cold_ids, new))
+        runs[name].append(run(llms[name], sinks[name], history, cold_ids, new))
         r = runs[name][-1]
         print(f"trial {t} {name:5s}: hit TTFT {r['hit_ttft_s']:.2f} s "
-              f"({r['hit_cached_tokens']}/{r['hit_prompt_tokens']} cached), cold TTFT "
-              f"{r['cold_ttft_s']:.2f} s, cold done {r['cold_done_s']:.2f} s", flush=True)
+              f"({r['hit_cached_tokens']}/{r['hit_prompt_tokens']} cached), "
+              + ", ".join(f"{k} {r[k]:.3f} s" for k in keys[2:]), flush=True)
     for llm in llms.values():
       llm.close()
   same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["short"], runs["full"]))
-  med = {name: {k: statistics.median(r[k] for r in rs)
-                for k in ("hit_ttft_s", "hit_prefill_s", "cold_ttft_s", "cold_done_s")}
+  med = {name: {k: statistics.median(r[k] for r in rs) for k in keys}
          for name, rs in runs.items()}
-  ratios = {k: med["short"][k] / med["full"][k] for k in med["short"]}
-  print(f"\n{'median of ' + str(_TRIALS.value):14s} {'hit TTFT':>9s} {'hit prefill':>12s} "
-        f"{'cold TTFT':>10s} {'cold done':>10s}")
+  ratios = {k: med["short"][k] / med["full"][k] for k in keys}
+  print(f"\n{'median of ' + str(_TRIALS.value):14s} " + " ".join(f"{k:>18s}" for k in keys))
   for name in settings:
-    m = med[name]
-    print(f"{name:14s} {m['hit_ttft_s']:8.2f}s {m['hit_prefill_s']:11.2f}s "
-          f"{m['cold_ttft_s']:9.2f}s {m['cold_done_s']:9.2f}s")
-  print(f"{'short / full':14s} {ratios['hit_ttft_s']:8.2f}x {ratios['hit_prefill_s']:11.2f}x "
-        f"{ratios['cold_ttft_s']:9.2f}x {ratios['cold_done_s']:9.2f}x")
+    print(f"{name:14s} " + " ".join(f"{med[name][k]:17.3f}s" for k in keys))
+  print(f"{'short / full':14s} " + " ".join(f"{ratios[k]:17.2f}x" for k in keys))
   print(f"texts equal across settings: {same}")
   record = {"benchmark": "bench_first_token_steps", "machine": before,
             "machine_at_end": machine(),
@@ -156,27 +220,33 @@ def main(argv):
                          "history_tokens": _N.value, "new_tokens": _M.value,
                          "max_tokens": _MAX_TOKENS.value, "kv_chunk_size": _CHUNK.value,
                          "lead_steps": _LEAD.value, "trials": _TRIALS.value,
+                         "warmup_trials": 1,
+                         "scenario": _SCENARIO.value, "decoders": _DECODERS.value,
+                         "decoder_prompt_tokens": _DECODER_PROMPT.value,
+                         "decoder_max_tokens": _DECODER_TOKENS.value,
                          "max_num_batched_tokens": 512},
             "medians": med, "ratios_short_over_full": ratios, "texts_equal": same, "runs": runs}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "bench_first_token_steps.json").write_text(json.dumps(record, indent=1))
+  stem = "bench_first_token_steps" + ("" if _SCENARIO.value == "cold_prefill" else "_decodes")
+  (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
   plt = pyplot()
   if plt is not None:
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    keys = ("hit_ttft_s", "cold_ttft_s", "cold_done_s")
-    labels = ("hit TTFT", "cold TTFT", "cold done")
+    shown = (keys[0],) + keys[2:]
     for i, name in enumerate(settings):
-      ax.bar([k + 0.38 * i for k in range(len(keys))], [med[name][k] for k in keys], 0.38,
+      ax.bar([k + 0.38 * i for k in range(len(shown))], [med[name][k] for k in shown], 0.38,
              label=f"short_first_token_steps={settings[name]}")
-    ax.set_xticks([k + 0.19 for k in range(len(keys))], labels)
+    ax.set_xticks([k + 0.19 for k in range(len(shown))],
+                  [k.removesuffix("_s").replace("_", " ") for k in shown])
     ax.set_ylabel("seconds (median)")
-    ax.set_title(f"store hit beside a cold {_N.value}-token prefill ({_TRIALS.value} trials)",
-                 fontsize=9)
+    beside = (f"a cold {_N.value}-token prefill" if _SCENARIO.value == "cold_prefill"
+              else f"{_DECODERS.value} decoding requests")
+    ax.set_title(f"store hit beside {beside} ({_TRIALS.value} trials)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "bench_first_token_steps.png", dpi=120)
-  print(f"wrote {out / 'bench_first_token_steps.json'}")
+    fig.savefig(out / f"{stem}.png", dpi=120)
+  print(f"wrote {out / (stem + '.json')}")
   if not same:
     sys.exit("texts differ across settings")
 

@@ -670,8 +670,10 @@ class Engine:
         insert_timings.append(InsertTiming(ins.request_id, ins.index, t0_clock,
                                            time.perf_counter() - t0))
         self._record_loaded(ins, hit.tier)
-    if plan.is_empty:
-      reports = kv.landed(wait_s=plan.wait_s) if kv is not None and plan.wait_s else []
+    if not plan.decodes and not plan.prefills:  # nothing to compute: loads and inserts at most
+      reports = []
+      if kv is not None and (plan.wait_s or plan.inserts):
+        reports = kv.landed(wait_s=plan.wait_s)
       return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)),
                         inserts=tuple(insert_timings))
     sampled: list[tuple[RequestId, int]] = []

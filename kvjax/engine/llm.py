@@ -215,7 +215,9 @@ class LLM:
       prefill's first token (the prefills after it take at most as many tokens again, at least
       the smallest chunk size) or when a store hit with fewer tokens left than a prefill under
       way has loads in flight (the step takes what the cost model says it computes before
-      they land), so the hit's first token waits for a short step, not a full one. True
+      they land), so the hit's first token waits for a short step, not a full one; and when
+      a hit's loads are predicted to land within half a step, the step computes nothing and
+      waits for them (at most half a step), so the hit's tail joins the next step. True
       (default); no effect with "fcfs".
     chunk_sizes: compiled prefill chunk sizes, ascending.
     seed: seeds requests that carry no seed.

@@ -32,7 +32,7 @@ Part 3, adaptive mode):
 Short first-token steps (`SchedulerConfig.short_first_token_steps`, with "shortest_first"): a
 request's first token comes at the end of the step that computes its prompt's last token, so
 that step's length is part of its TTFT, and so is the length of every step its loads wait out.
-Two rules keep those steps short:
+Three rules keep those steps short:
 
   a. once a prefill planned in 3 ends its prompt, the rest of the step (3, 4 and 5) takes at most
      as many tokens as it took, at least the smallest chunk size: a hit's 46-token tail rides
@@ -42,14 +42,25 @@ Two rules keep those steps short:
      has loads to come (holding a slot, or queued within the free slots' reach), the step takes
      only what the cost model says computes before those loads are predicted to land
      (`CakeMerge.loads_land_s`; at least the smallest chunk size), so the hit is inserted the
-     moment they do. A load past its predicted landing turns this off (the model is off for it).
+     moment they do. A load past its predicted landing turns this off (the model is off for it);
+  c. when a merge (holding a slot with loads to come, or heading the queue with a slot free) has at
+     most the token budget left once its loads are in, and they are predicted to land within half
+     the last computing step, the step computes nothing: it admits the hit, issues its loads, and
+     the executor blocks until a load lands (`wait_s`); the steps after insert what landed and wait
+     again, until the hit's loads are all in or half that step has passed since the first waiting
+     step (`_landing_wait`). The hit's tail then computes in the next step instead of the one after
+     it, and the decodes and prefills under way lose at most half a step (on the 2-core CPU, a
+     host- tier hit of 28 chunks landed in about 10 ms beside 0.1 s decode steps).
 
-The rules cut only the longer prefills: one with at most twice the tokens left of the hit a
+Rules a and b cut only the longer prefills: one with at most twice the tokens left of the hit a
 rule serves (the hit's tokens left once its loads are in; for a, the ended prefill's tokens or
 the smallest chunk size, the larger) is short too and is planned whole, so two hits' tails in
 one step do not split each other. A long prompt beside hits pays a few more, smaller steps (a
 step's fixed cost each); a step with no hit near its first token is whole. Both rules are
 bounded: the longer prefills together still advance at least the smallest chunk size a step.
+Rule c is bounded by half a step per hit (a stuck or slow load cannot hold the others longer);
+it uses the one link estimate the cost model has for every tier, so a disk-tier hit predicted
+as fast as a host hit may cost the others that half step for nothing.
 
 Why "shortest_first": a store hit is mostly loads; once they are in, what it has left is its new
 tokens, often a few dozen. First come first served puts them behind a long cold prompt's chunked
@@ -125,7 +136,8 @@ class SchedulerConfig:
     prefill_order: the order prefills under way take the budget (the module note):
       "shortest_first" (default) or "fcfs".
     short_first_token_steps: with "shortest_first", keep a step short when it carries a
-      prefill's first token or a store hit's last loads (the module note): True (default).
+      prefill's first token or a store hit's last loads, or let it wait for a hit's loads
+      that land within half a step (the module note): True (default).
 
   Raises:
     ValueError: non-positive slots or budget, unsorted sizes, a budget or threshold below the
@@ -331,6 +343,13 @@ class Scheduler:
     self._releases: list[tuple[RequestId, int]] = []
     self._last_step_s = 0.0
     self._last_now_s: float | None = None
+    # Rule c of short first-token steps: the last step that computed, seconds (0: none yet);
+    # whether the last plan computed; the hit a run of waiting steps waits for, and when the
+    # run began.
+    self._last_compute_step_s = 0.0
+    self._computed_last = False
+    self._waiting_for: RequestId | None = None
+    self._waiting_since_s = 0.0
     self._final_traces: dict[RequestId, MergeTrace] = {}
 
   # ----------------------------------------------------------------------------- requests
@@ -514,7 +533,14 @@ class Scheduler:
     if now_s is not None:
       if self._last_now_s is not None and now_s > self._last_now_s:
         self._last_step_s = now_s - self._last_now_s
+        if self._computed_last:
+          self._last_compute_step_s = self._last_step_s
       self._last_now_s = now_s
+    short = (self.config.short_first_token_steps
+             and self.config.prefill_order == SHORTEST_FIRST)
+    land_at = self._landing_wait(now_s) if short else None
+    if land_at is not None:
+      budget = 0  # rule c: this step waits for a hit's loads; nothing computes
     decodes: list[DecodeItem] = []
     prefills: list[PrefillChunk] = []
     inserts: list[InsertItem] = []
@@ -536,8 +562,6 @@ class Scheduler:
     # Short first-token steps (the module note): `cap` is what the prefills with more than
     # `exempt` tokens left may still take this step (None: no cap).
     cap, exempt = None, 0
-    short = (self.config.short_first_token_steps
-             and self.config.prefill_order == SHORTEST_FIRST)
     rule_a = short  # until the first prefill of the order ends its prompt
     if short and order:
       landing = self._landing_cap(order, now_s)
@@ -594,7 +618,10 @@ class Scheduler:
       preempted, self._preempted = tuple(self._preempted), []
       device_hits, self._device_hits = tuple(self._device_hits), []
     wait_s = None
-    if not inserts and not decodes and not prefills and any(
+    self._computed_last = bool(decodes or prefills)
+    if land_at is not None:
+      wait_s = min(MAX_LOAD_WAIT_S, max(0.0, land_at - now_s))
+    if land_at is None and not inserts and not decodes and not prefills and any(
         p.outstanding for p in self._prefix.values()):
       wait_s = MAX_LOAD_WAIT_S
       for r in self.cake_requests():
@@ -779,6 +806,60 @@ class Scheduler:
       if self.cost_model.predict_compute_s(start, n) <= seconds:
         tokens = n
     return tokens, best[1]
+
+  def _landing_wait(self, now_s: float | None) -> float | None:
+    """Rule c of short first-token steps: when this step should compute nothing and wait for a
+    store hit's loads, the latest time it waits until (engine clock), else None.
+
+    A run of waiting steps starts for a hit that holds a slot with stored chunks still to come,
+    or heads the queue with a slot free (it is admitted in the step: its loads need no budget);
+    that has at most the token budget left once its loads are in (its tail then computes in one
+    step); and whose loads are predicted to land (`CakeMerge.loads_land_s`, the earliest of
+    such hits) within half the last computing step. The run waits for that hit's loads, its
+    landed chunks inserted as they come, until none is left to come or half that step has
+    passed since the run began, whichever is first: the hit's tail then joins the next step
+    instead of the one after it, and everyone else loses at most half a step. No run before a
+    step has computed (nothing to size it by), while nothing else would compute, or after a
+    preemption.
+    """
+    if now_s is None or self._last_compute_step_s <= 0 or self._preempted or not any(
+        self._would_compute(r) for r in self.running.values()):
+      self._waiting_for = None
+      return None
+    half = self._last_compute_step_s / 2
+    rid = self._waiting_for
+    if rid is not None:  # a run under way
+      prefix = self._prefix.get(rid)
+      deadline = self._waiting_since_s + half
+      if prefix is not None and now_s < deadline and any(
+          st in (ChunkState.HIT, ChunkState.LOADING) for st in prefix.merge.states):
+        return deadline
+      self._waiting_for = None
+      return None
+    merges = [r for r in self.cake_requests()
+              if not self._prefix[r.request_id].merge.is_prefix_done]
+    head = self.waiting[0] if self.waiting else None
+    if head is not None and head.request_id in self._prefix and self._free_slots:
+      merges.append(head)
+    best = None
+    for r in merges:
+      m = self._prefix[r.request_id].merge
+      if m.tokens_left_after_loads() <= self.config.token_budget:
+        t = m.loads_land_s(now_s, self.cost_model)
+        if t is not None and t - now_s <= half and (best is None or t < best[0]):
+          best = (t, r.request_id)
+    if best is None:
+      return None
+    self._waiting_for, self._waiting_since_s = best[1], now_s
+    return now_s + half
+
+  def _would_compute(self, r: Request) -> bool:
+    """Whether running request `r` would compute this step: it decodes, or it prefills and is
+    not a merge still waiting at a stored chunk."""
+    if r.status is RequestStatus.DECODING:
+      return True
+    prefix = self._prefix.get(r.request_id)
+    return prefix is None or prefix.merge.is_prefix_done
 
   def _tokens_left(self, r: Request) -> int:
     """Prefill tokens request `r` has left to compute (a merge's: past its frontier; a queued

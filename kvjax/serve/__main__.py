@@ -81,8 +81,10 @@ _SHORT_STEPS = flags.DEFINE_bool(
     "short_first_token_steps", ServerConfig.short_first_token_steps,
     "With --prefill_order=shortest_first: keep a step short when it carries a prefill's first "
     "token (the prefills after it take at most as many tokens again) or a store hit's last "
-    "loads (the step ends about when they land), so a hit's first token waits for a short "
-    "step instead of a full one. --noshort_first_token_steps: every step takes the budget.")
+    "loads (the step ends about when they land), and let a step wait for a hit's loads that "
+    "land within half a step (it computes nothing meanwhile), so a hit's first token waits for "
+    "a short step instead of a full one. --noshort_first_token_steps: every step takes the "
+    "budget.")
 _CHUNK_SIZES = flags.DEFINE_list("chunk_sizes", None,
                                  "Compiled prefill chunk sizes, ascending (default 16..512).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds requests that give no seed.")

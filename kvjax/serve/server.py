@@ -60,7 +60,8 @@ class ServerConfig:
     prefill_order: one of `PREFILL_ORDERS`, "shortest_first" (default) or "fcfs": which
       prefills take a step's budget first (see `LLM`).
     short_first_token_steps: with "shortest_first", keep a step short when it carries a
-      prefill's first token or a store hit's last loads (see `LLM`); True (default).
+      prefill's first token or a store hit's last loads, or wait for a hit's loads that land
+      within half a step (see `LLM`); True (default).
     chunk_sizes: compiled prefill chunk sizes; None: `LLM`'s default.
     seed: seeds requests that give no seed.
     cache_dir: kvjax's cache root (params, compiled programs); None: the default.

@@ -167,6 +167,46 @@ class CakeEngineTest(parameterized.TestCase):
     self.assertGreater(stats.started, 0)
     llm.close()
 
+  def test_a_hit_beside_decodes_waits_for_its_loads_and_equals_cold(self):
+    """Short first-token steps, rule c: a store hit admitted while another request decodes
+    gets a step that computes nothing and waits for its loads (a tiny model's chunks are
+    predicted to land far within half a step); its tail then computes with the decode, and
+    every answer equals its cold run."""
+    n = 3 * C + 17
+    for short in (True, False):
+      llm = make_llm("memory://", mode="load_only", short_first_token_steps=short)
+      engine = llm.engine
+      llm.generate({"prompt_token_ids": PROMPT[:3 * C + 1]}, PARAMS)
+      llm.flush()
+      steps = []
+      engine.add_step_observer(steps.append)
+      other = engine.add_request(PROMPT[40:60], SamplingParams(max_tokens=12, temperature=0.0))
+      while len(steps) < 3:  # the other request's prompt, then two decodes
+        engine.step()
+      hit = engine.add_request(PROMPT[:n], PARAMS)
+      done = {}
+      while engine.has_unfinished_requests():
+        for o in engine.step():
+          if o.finished:
+            done[o.request_id] = o
+      self.assert_equals_cold(done[hit], n)
+      self.assertEqual(done[hit].num_cached_tokens, 3 * C)
+      first = next(i for i, rec in enumerate(steps) if rec.plan.loads)
+      waited = steps[first].plan
+      self.assertEqual(bool(waited.wait_s), short)
+      self.assertEqual(not waited.decodes, short)  # the decode waits out the loads
+      if short:
+        # Nothing computes until the hit's chunks are in; then its tail goes with the decode.
+        tail = next(rec.plan for rec in steps[first:] if rec.plan.prefills)
+        self.assertEqual([(c.request_id, c.start, c.num_tokens, c.is_last)
+                          for c in tail.prefills],
+                         [(hit, 3 * C, 16, False), (hit, 4 * C, 1, True)])
+        self.assertEqual([d.request_id for d in tail.decodes], [other])
+      cold = make_llm(None).generate({"prompt_token_ids": PROMPT[40:60]},
+                                     SamplingParams(max_tokens=12, temperature=0.0))[0]
+      self.assertEqual(done[other].token_ids, cold.token_ids)
+      llm.close()
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -462,6 +462,65 @@ class SchedulerCakeTest(absltest.TestCase):
       self.assertEqual(self.plan_steps(s, 1, start=1, land_loads=False), [[("a", 64, 64)]],
                        x_tokens)
 
+  def waiting_step(self, short, bandwidth):
+    """d decodes (its 8-token prompt took step 0, steps are 1 s apart); hit x (four stored
+    100-byte chunks, 2 new tokens) arrives before step 1. Returns the scheduler and step 1's
+    plan."""
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
+                                  short_first_token_steps=short), model(bandwidth),
+                  load_config=LoadConfig(max_loads_in_flight=4, max_loads_ahead=4))
+    s.add_request(req("d", 8))
+    self.plan_steps(s, 1)
+    s.add_request(req("x", 66), stored([T] * 4, 100))
+    return s, s.schedule(now_s=1.0)
+
+  def test_a_step_waits_for_a_hits_loads_that_land_within_half_a_step(self):
+    # 1,000 B/s: x's chunks land one after another, the last 0.4 s from now, within half the
+    # last computing step (1 s). Step 1 computes nothing (d's decode waits) and the executor
+    # may block for half a step; the next step, at 1.4 s, inserts x's chunks and computes its
+    # tail with d's decode. Without the rule d decodes in step 1 and x's tail waits for the
+    # step after, at 2.0 s.
+    for short in (True, False):
+      s, plan = self.waiting_step(short, 1000.0)
+      self.assertEqual([(ld.request_id, ld.index) for ld in plan.loads],
+                       [("x", 3), ("x", 2), ("x", 1), ("x", 0)], short)
+      self.assertEqual(s.running["x"].slot, 1)  # admitted: its loads need no budget
+      if short:
+        self.assertEqual((plan.decodes, plan.prefills), ((), ()))
+        self.assertAlmostEqual(plan.wait_s, 0.5)
+      else:
+        self.assertEqual(plan.decodes, (DecodeItem("d", 0, 8, 1),))
+        self.assertIsNone(plan.wait_s)
+      s.update(landed("x", (3, 2, 1, 0), 1.4))
+      now = 1.4 if short else 2.0
+      plan = s.schedule(now_s=now)
+      self.assertEqual([i.index for i in plan.inserts], [0, 1, 2, 3], short)
+      self.assertEqual(plan.prefills, (PrefillChunk("x", 1, 64, 2, True),), short)
+      self.assertEqual(plan.decodes, (DecodeItem("d", 0, 8 + (not short), 1),), short)
+      self.assertIsNone(plan.wait_s)
+
+  def test_waiting_steps_insert_what_lands_and_stop_after_half_a_step(self):
+    # Chunks 3 and 2 land at 1.2 s: inserted, and the run waits on (0.3 s more at most).
+    s, plan = self.waiting_step(True, 1000.0)
+    s.update(landed("x", (3, 2), 1.2))
+    plan = s.schedule(now_s=1.2)
+    self.assertEqual((plan.decodes, [i.index for i in plan.inserts]), ((), [2, 3]))
+    self.assertAlmostEqual(plan.wait_s, 0.3)
+    # Chunks 1 and 0 are late (the model said 1.4 s): at 1.45 s the run still waits; at 1.5 s
+    # half a step has passed and d decodes (x's tail waits for its chunks).
+    s.update(StepResult(now_s=1.45))
+    self.assertEqual(s.schedule(now_s=1.45).decodes, ())
+    s.update(StepResult(now_s=1.5))
+    plan = s.schedule(now_s=1.5)
+    self.assertEqual((plan.decodes, plan.prefills), ((DecodeItem("d", 0, 8, 1),), ()))
+    self.assertIsNone(plan.wait_s)
+
+  def test_no_waiting_step_for_loads_past_half_a_step(self):
+    # 500 B/s: the last chunk lands 0.8 s from now, past half a step: d decodes.
+    _, plan = self.waiting_step(True, 500.0)
+    self.assertEqual(plan.decodes, (DecodeItem("d", 0, 8, 1),))
+    self.assertIsNone(plan.wait_s)
+
   def test_a_merge_preempted_in_the_step_that_inserts_its_chunks_inserts_none(self):
     # "fcfs": a's 32 need 2 blocks; "shortest_first": x's 2-token suffix goes first, a gets a
     # 16-token piece of the 30 left and needs 1 block. The pool has none free either way.
