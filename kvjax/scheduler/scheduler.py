@@ -50,7 +50,7 @@ Three rules keep those steps short:
      again, until the hit's loads are all in or half that step has passed since the first waiting
      step (`_landing_wait`). The hit's tail then computes in the next step instead of the one after
      it, and the decodes and prefills under way lose at most half a step (on the 2-core CPU, a
-     host- tier hit of 28 chunks landed in about 10 ms beside 0.1 s decode steps).
+     host-tier hit of 28 chunks landed in about 10 ms beside 0.1 s decode steps).
 
 Rules a and b cut only the longer prefills: one with at most twice the tokens left of the hit a
 rule serves (the hit's tokens left once its loads are in; for a, the ended prefill's tokens or
