@@ -62,6 +62,8 @@ _DECODER_PROMPT = flags.DEFINE_integer("decoder_prompt_tokens", 64,
                                        "decodes: prompt tokens of each decoder.")
 _DECODER_TOKENS = flags.DEFINE_integer("decoder_max_tokens", 48,
                                        "decodes: tokens each decoder generates.")
+_REPLOT = flags.DEFINE_string("replot", None, "Only redraw the plot of this results JSON "
+                              "(e.g. after installing matplotlib), next to it.")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 
 
@@ -169,8 +171,36 @@ def finish(llm, steps: list, turn1, hit_ids: list[int], others: dict) -> dict:
   return out
 
 
+def plot(record: dict, path: pathlib.Path) -> None:
+  """A run's medians as bars, the option on and off side by side (nothing without matplotlib)."""
+  plt = pyplot()
+  if plt is None:
+    return
+  st, med = record["settings"], record["medians"]
+  keys = list(med["short"])
+  shown = [keys[0]] + keys[2:]
+  fig, ax = plt.subplots(figsize=(6, 3.6))
+  for i, (name, on) in enumerate((("short", True), ("full", False))):
+    ax.bar([k + 0.38 * i for k in range(len(shown))], [med[name][k] for k in shown], 0.38,
+           label=f"short_first_token_steps={on}")
+  ax.set_xticks([k + 0.19 for k in range(len(shown))],
+                [k.removesuffix("_s").replace("_", " ") for k in shown])
+  ax.set_ylabel("seconds (median)")
+  beside = (f"a cold {st['history_tokens']}-token prefill"
+            if st.get("scenario", "cold_prefill") == "cold_prefill"
+            else f"{st['decoders']} decoding requests")
+  ax.set_title(f"store hit beside {beside} ({st['trials']} trials)", fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
 def main(argv):
   del argv
+  if _REPLOT.value:  # only redraw a results file's plot
+    path = pathlib.Path(_REPLOT.value)
+    plot(json.loads(path.read_text(encoding="utf-8")), path.with_suffix(".png"))
+    return
   from kvjax.models.registry import load_model  # noqa: PLC0415
   sha, before = git_sha(), machine()
   tok = load_model(_MODEL.value).tokenizer
@@ -230,22 +260,7 @@ def main(argv):
   out.mkdir(parents=True, exist_ok=True)
   stem = "bench_first_token_steps" + ("" if _SCENARIO.value == "cold_prefill" else "_decodes")
   (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
-  plt = pyplot()
-  if plt is not None:
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    shown = (keys[0],) + keys[2:]
-    for i, name in enumerate(settings):
-      ax.bar([k + 0.38 * i for k in range(len(shown))], [med[name][k] for k in shown], 0.38,
-             label=f"short_first_token_steps={settings[name]}")
-    ax.set_xticks([k + 0.19 for k in range(len(shown))],
-                  [k.removesuffix("_s").replace("_", " ") for k in shown])
-    ax.set_ylabel("seconds (median)")
-    beside = (f"a cold {_N.value}-token prefill" if _SCENARIO.value == "cold_prefill"
-              else f"{_DECODERS.value} decoding requests")
-    ax.set_title(f"store hit beside {beside} ({_TRIALS.value} trials)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=120)
+  plot(record, out / f"{stem}.png")
   print(f"wrote {out / (stem + '.json')}")
   if not same:
     sys.exit("texts differ across settings")
