@@ -359,12 +359,17 @@ class CakeMerge:
                   if s is not ChunkState.MISSING and j * self.chunk_size >= p)
     return self.num_prompt_tokens - p - covered
 
+  @property
+  def has_loads_to_come(self) -> bool:
+    """Some stored chunk is still to be loaded or in flight (not cancelled)."""
+    return not self._cancelled and any(s in (ChunkState.HIT, ChunkState.LOADING)
+                                       for s in self._states)
+
   def loads_land_s(self, now_s: float, cost: CostModel) -> float | None:
     """Predicted time (engine clock, seconds) by which every stored chunk still to come has
     landed (`_landings`' model of the link and the decoder), or None: nothing left to load, or
     a load in flight is overdue (past its predicted landing: the model is off for it)."""
-    if self._cancelled or not any(s in (ChunkState.HIT, ChunkState.LOADING)
-                                  for s in self._states):
+    if not self.has_loads_to_come:
       return None
     land, _ = self._landings(now_s, cost)
     if not land or any(land[j] <= now_s for j in self._in_flight):

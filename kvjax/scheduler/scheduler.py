@@ -772,6 +772,13 @@ class Scheduler:
         under_way.append(r)
     return sorted(under_way, key=lambda r: left[r.request_id])
 
+  def _hits_in_reach(self, queued: int) -> list[Request]:
+    """Merges whose prefix is not all resident: running ones (oldest first), then those among
+    the first `queued` waiting requests (the ones a step may admit)."""
+    out = [r for r in self.cake_requests() if not self._prefix[r.request_id].merge.is_prefix_done]
+    out += [r for r in itertools.islice(self.waiting, queued) if r.request_id in self._prefix]
+    return out
+
   def _landing_cap(self, order: list[Request], now_s: float | None) -> tuple[int, int] | None:
     """Rule b of short first-token steps: (the prefill tokens this step may take so that it ends
     when a store hit's last loads are predicted to land (`CakeMerge.loads_land_s`), that hit's
@@ -782,10 +789,7 @@ class Scheduler:
     `order` (the prefills it would otherwise wait behind); the earliest landing wins. At least
     the smallest chunk size: the prefills under way always advance.
     """
-    free = len(self._free_slots)
-    merges = [r for r in self.cake_requests()
-              if not self._prefix[r.request_id].merge.is_prefix_done]
-    merges += [r for r in itertools.islice(self.waiting, free) if r.request_id in self._prefix]
+    merges = self._hits_in_reach(len(self._free_slots))
     if not merges or now_s is None:
       return None
     longest = max(self._tokens_left(r) for r in order)
@@ -831,18 +835,12 @@ class Scheduler:
     if rid is not None:  # a run under way
       prefix = self._prefix.get(rid)
       deadline = self._waiting_since_s + half
-      if prefix is not None and now_s < deadline and any(
-          st in (ChunkState.HIT, ChunkState.LOADING) for st in prefix.merge.states):
+      if prefix is not None and now_s < deadline and prefix.merge.has_loads_to_come:
         return deadline
       self._waiting_for = None
       return None
-    merges = [r for r in self.cake_requests()
-              if not self._prefix[r.request_id].merge.is_prefix_done]
-    head = self.waiting[0] if self.waiting else None
-    if head is not None and head.request_id in self._prefix and self._free_slots:
-      merges.append(head)
     best = None
-    for r in merges:
+    for r in self._hits_in_reach(min(1, len(self._free_slots))):
       m = self._prefix[r.request_id].merge
       if m.tokens_left_after_loads() <= self.config.token_budget:
         t = m.loads_land_s(now_s, self.cost_model)
