@@ -199,6 +199,11 @@ class ServerConfig:
       raise ValueError(f"port={self.port} is not in [0, 65535]")
     if self.kv_tiers is not None and self.kv_store not in (None, "default"):
       raise ValueError("give kv_store or kv_tiers, not both")
+    if self.kv_tiers is not None:
+      try:
+        builder.store_config_from_json(self.kv_tiers)  # before the port is bound
+      except (ValueError, TypeError) as e:
+        raise ValueError(f"kv_tiers: {e}") from e
     if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
       raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")
     if self.kv_events_hash_algo not in kv_events.HASH_ALGOS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
 #: Byte limit of a disk tier when its config gives none (20 GiB: ~900k tokens of SmolLM2-135M
@@ -74,6 +75,13 @@ class TierConfig:
       if self.url is None:
         raise ValueError(f"a {self.kind} tier needs a url")
       url_kind(self.url)
+    if self.capacity_bytes is not None and (isinstance(self.capacity_bytes, bool)
+                                            or not isinstance(self.capacity_bytes, numbers.Integral)):
+      raise ValueError(f"{self.kind} tier: capacity_bytes must be an int, got "
+                       f"{self.capacity_bytes!r}")
+    if self.link_bytes_per_s is not None and (isinstance(self.link_bytes_per_s, bool) or
+                                              not isinstance(self.link_bytes_per_s, numbers.Real)):
+      raise ValueError(f"link_bytes_per_s must be a number, got {self.link_bytes_per_s!r}")
     if self.capacity_bytes is not None and self.capacity_bytes <= 0:
       raise ValueError(f"{self.kind} tier: capacity_bytes must be positive, got "
                        f"{self.capacity_bytes}")

@@ -31,7 +31,12 @@ class BuilderTest(parameterized.TestCase):
     for text, message in (("{nope", "not JSON"), ('{"kind": "disk"}', "list of objects"),
                           ('[{"kind": "disk", "url": "/x", "speed": 1}]', "unknown keys"),
                           ('[{"kind": "tape", "url": "/x"}]', "tier kind"),
-                          ('[{"kind": "host", "capacity_bytes": 0}]', "host tier: capacity")):
+                          ('[{"kind": "host", "capacity_bytes": 0}]', "host tier: capacity"),
+                          ('[{"kind": "host"}]', "host tier needs capacity_bytes"),
+                          ('[{"kind": "host", "capacity_bytes": "1024"}]',
+                           "capacity_bytes must be an int, got '1024'"),
+                          ('[{"kind": "disk", "url": "/x", "link_bytes_per_s": "fast"}]',
+                           "link_bytes_per_s must be a number")):
       with self.assertRaisesRegex(ValueError, message):
         builder.store_config_from_json(text)
 

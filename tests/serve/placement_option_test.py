@@ -1,4 +1,5 @@
-"""`ServerConfig.kv_placement` (`--kv_placement`): checked, and passed to `LLM` with a store."""
+"""`ServerConfig`'s store options: `kv_placement` (`--kv_placement`) checked and passed to `LLM`
+with a store; `kv_tiers` (`--kv_tiers`) checked before the server binds its port."""
 
 from absl.testing import absltest
 
@@ -20,6 +21,14 @@ class PlacementOptionTest(absltest.TestCase):
   def test_bad_value(self):
     with self.assertRaisesRegex(ValueError, "kv_placement"):
       ServerConfig(model="tiny", kv_placement="write_around")
+
+  def test_a_bad_tier_list_is_refused_before_the_server_starts(self):
+    # Found by a fresh-user check: a host tier without capacity_bytes failed only after the
+    # server had bound its port and said it was listening.
+    with self.assertRaisesRegex(ValueError, "kv_tiers: a host tier needs capacity_bytes"):
+      ServerConfig(model="tiny", kv_tiers='[{"kind": "host"}]')
+    with self.assertRaisesRegex(ValueError, "kv_tiers: tier config is not JSON"):
+      ServerConfig(model="tiny", kv_tiers="host")
 
 
 if __name__ == "__main__":
