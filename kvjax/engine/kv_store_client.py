@@ -995,8 +995,11 @@ class KVStoreClient:
   def transfer(self, chunks: Sequence[np.ndarray], groups: Sequence[tuple[int, int]]
                ) -> list[LayerTransfer]:
     """Starts moving staged raw chunks to the device in layer groups, group-major (group 0 of
-    every chunk, then group 1, ...), on one transfer thread (the link is one pipe). Each piece
-    is charged to `device_link` (when set), then put on the device. Never blocks.
+    every chunk, then group 1, ...), on one transfer thread (the link is one pipe). Every piece
+    is booked on `device_link` (when set) now, back to back in that order, as copies queued on
+    a copy engine are (`LinkLimiter.reserve`): the thread puts a piece on the device once its
+    booked time has passed, and its own pauses between pieces never idle the link. Never
+    blocks.
 
     Args:
       chunks: `[L, 2, C, K, H]` host arrays (a `ChunkHit.kv`).
@@ -1010,9 +1013,11 @@ class KVStoreClient:
                                                name="kvjax-host-to-device", daemon=True)
       self._transfer_thread.start()
     out = [LayerTransfer(groups) for _ in chunks]
+    link = self.device_link
     for g, (l0, l1) in enumerate(groups):
       for t, kv in zip(out, chunks):
-        self._transfers.put((t, g, kv[l0:l1]))
+        piece = kv[l0:l1]
+        self._transfers.put((t, g, piece, None if link is None else link.reserve(piece.nbytes)))
     return out
 
   def charge_device(self, nbytes: int) -> None:
@@ -1026,10 +1031,10 @@ class KVStoreClient:
       job = self._transfers.get()
       if job is None:
         return
-      t, g, piece = job
+      t, g, piece, done_s = job
       try:
-        if self.device_link is not None:
-          self.device_link.acquire_blocking(int(piece.nbytes))
+        if done_s is not None:
+          self.device_link.wait_reserved(done_s, int(piece.nbytes))
         # Not waited for here: on a CPU backend the copy would queue behind the step's compute
         # and pace the emulated link by the engine (an accelerator's copy engine does not).
         t._set(g, jax.device_put(np.ascontiguousarray(piece)))

@@ -305,6 +305,27 @@ class LinkLimiter:
       self._blocking_sleep(delay)
     self._granted(nbytes)
 
+  def reserve(self, nbytes: int) -> float:
+    """Books the pipe for `nbytes` now, after everything booked before, without waiting: a
+    copy queued on a copy engine (pieces booked back to back keep the pipe busy, whatever the
+    caller does between them). Pair with `wait_reserved`.
+
+    Returns:
+      The clock time, seconds, at which the bytes are through.
+
+    Raises:
+      ValueError: `nbytes` < 0.
+    """
+    return self._reserve(nbytes)
+
+  def wait_reserved(self, done_s: float, nbytes: int) -> None:
+    """Blocks the calling thread until `done_s` (a `reserve` result for `nbytes` bytes), then
+    counts them granted."""
+    delay = done_s - self._clock()
+    if delay > 0:
+      self._blocking_sleep(delay)
+    self._granted(nbytes)
+
   def __repr__(self) -> str:
     if self.unlimited:
       return "LinkLimiter(unlimited)"

@@ -99,6 +99,28 @@ class ConstantRateTest(parameterized.TestCase):
     self.assertEqual(clock.now, 102.0)
     self.assertEqual(lim.bytes_granted, 4000)
 
+  def test_reserved_pieces_go_back_to_back_whatever_the_caller_does_between(self):
+    # A copy engine's queue: pieces booked together keep the pipe busy, so the time the caller
+    # spends between them (putting a piece on the device) is not added to the link's.
+    clock = FakeClock()
+    lim = limiter(clock, 2000.0)
+    d1, d2 = lim.reserve(1000), lim.reserve(3000)
+    self.assertEqual((d1, d2), (100.5, 102.0))
+    clock.now += 0.2
+    lim.wait_reserved(d1, 1000)
+    self.assertEqual(clock.now, 100.5)
+    clock.now += 0.4                    # the caller's work after the first piece
+    lim.wait_reserved(d2, 3000)
+    self.assertEqual(clock.now, 102.0)  # acquire_blocking one by one would end at 102.4
+    for got, want in zip(clock.sleeps, [0.3, 1.1]):
+      self.assertAlmostEqual(got, want, places=12)
+    self.assertEqual(lim.bytes_granted, 4000)
+    clock.now = 103.0
+    lim.wait_reserved(lim.reserve(1000), 1000)  # idle since 102: from now, no backlog
+    self.assertEqual(clock.now, 103.5)
+    with self.assertRaises(ValueError):
+      lim.reserve(-1)
+
   def test_negative_bytes_raise(self):
     lim = limiter(FakeClock(), 1000.0)
     with self.assertRaisesRegex(ValueError, "nbytes"):
