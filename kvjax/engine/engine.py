@@ -776,25 +776,33 @@ class Engine:
     """Layer-wise pre-loading (CachedAttention, arXiv 2403.19708, section 3.2.1): the step's
     raw inserted chunks move host -> device layer group by layer group on the store client's
     transfer thread (each group charged to the emulated link) while the step runs: for each
-    group g, wait for group g of every chunk, insert it (`insert_chunk_layers`), run layer
-    group g (`PagedModelRunner.step_layers`). So the step's compute overlaps the transfer:
-    about max(transfer, compute) instead of their sum. `layerwise_trace`, when a list, gets
+    group g, wait for group g of every chunk, insert them (`insert_chunks_layers`: one call for
+    the whole chunks, one per stored tail, whose rows differ), run layer group g
+    (`PagedModelRunner.step_layers`). So the step's compute overlaps the transfer: about
+    max(transfer, compute) instead of their sum. `layerwise_trace`, when a list, gets
     ("insert", request_id, chunk index, g) and ("layers", g) events in execution order."""
     runner, kv = self.runner, self.kv_store
     st = runner.step_begin(seqs, groups)
     transfers = kv.transfer([hit.kv for _, hit, _ in layered], st.groups)
+    rows = [self._insert_rows(ins) for ins, _, _ in layered]
+    batches: dict[int, list[int]] = {}  # rows -> the chunks of that many rows, in order
+    for i, r in enumerate(rows):
+      batches.setdefault(r if r == kv.chunk_size else -i - 1, []).append(i)
     spent = [0.0] * len(layered)
     started = self._clock()
     trace = self.layerwise_trace
     for g, (l0, _) in enumerate(st.groups):
-      for i, ((ins, _, where), tr) in enumerate(zip(layered, transfers)):
-        arr = tr.wait(g, timeout_s=60.0)
+      arrs = [tr.wait(g, timeout_s=60.0) for tr in transfers]
+      for idx in batches.values():
         t0 = time.perf_counter()
-        runner.insert_chunk_layers(_first_rows(arr, self._insert_rows(ins)), where, ins.start,
-                                   l0)
-        spent[i] += time.perf_counter() - t0
-        if trace is not None:
-          trace.append(("insert", ins.request_id, ins.index, g))
+        runner.insert_chunks_layers([_first_rows(arrs[i], rows[i]) for i in idx],
+                                    [layered[i][2] for i in idx],
+                                    [layered[i][0].start for i in idx], l0)
+        for i in idx:
+          spent[i] += (time.perf_counter() - t0) / len(idx)
+          if trace is not None:
+            ins = layered[i][0]
+            trace.append(("insert", ins.request_id, ins.index, g))
       runner.step_layers(st)
       if trace is not None:
         trace.append(("layers", g))

@@ -42,6 +42,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 DEFAULT_ACCELERATOR_MEMORY_FRACTION = 0.8
 #: Smallest compiled token count of a step.
 MIN_TOKEN_BUCKET = 8
+#: Chunks one layer-wise insert call writes at most (`PagedModelRunner.insert_chunks_layers`);
+#: batches are padded to powers of two up to it.
+LAYERWISE_INSERT_BATCH = 8
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -610,17 +613,20 @@ class PagedModelRunner:
         per_size[n] = jax.jit(run, donate_argnums=(2,))
       return per_size[n]
 
-    def insert_layers(pool, kv_G2CKH, block_ids, start, l0):
-      g, _, c = kv_G2CKH.shape[:3]
-      positions_1C = (start + jnp.arange(c, dtype=jnp.int32))[None]
-      k = apply_rope(kv_G2CKH[:, 0], positions_1C, inv_freq)
-      r, b = block_ids.shape[0], pool.block_size
-      k_, h_ = k.shape[2:]
-      li = (l0 + jnp.arange(g, dtype=jnp.int32))[:, None]
-      kp = pool.k_LPBKH.at[li, block_ids[None]].set(
-          k.reshape(g, r, b, k_, h_).astype(pool.k_LPBKH.dtype))
-      vp = pool.v_LPBKH.at[li, block_ids[None]].set(
-          kv_G2CKH[:, 1].reshape(g, r, b, k_, h_).astype(pool.v_LPBKH.dtype))
+    def insert_layers(pool, pieces, block_ids_nR, starts_n, l0):
+      kv_nG2CKH = jnp.stack(pieces)
+      n, g, _, c = kv_nG2CKH.shape[:4]
+      positions_nC = starts_n[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+      k = jax.vmap(lambda x, p: apply_rope(x, p[None], inv_freq))(kv_nG2CKH[:, :, 0],
+                                                                  positions_nC)
+      r, b = block_ids_nR.shape[1], pool.block_size
+      k_, h_ = k.shape[3:]
+      li = (l0 + jnp.arange(g, dtype=jnp.int32))[None, :, None]
+      bi = block_ids_nR[:, None, :]
+      kp = pool.k_LPBKH.at[li, bi].set(
+          k.reshape(n, g, r, b, k_, h_).astype(pool.k_LPBKH.dtype))
+      vp = pool.v_LPBKH.at[li, bi].set(
+          kv_nG2CKH[:, :, 1].reshape(n, g, r, b, k_, h_).astype(pool.v_LPBKH.dtype))
       return type(pool)(kp, vp)
 
     jits = {"begin": jax.jit(begin), "finish": jax.jit(finish), "layers": layers,
@@ -642,7 +648,8 @@ class PagedModelRunner:
                           layer_start: int) -> None:
     """Writes layers `[layer_start, layer_start + G)` of a stored chunk (K before RoPE, and V)
     into its blocks, rotating K to positions `[start, start + C)`; other layers are untouched.
-    Inserting every group of a chunk writes what `insert_chunk` writes.
+    Inserting every group of a chunk writes what `insert_chunk` writes. One chunk of
+    `insert_chunks_layers`.
 
     Args:
       kv_G2CKH: [G, 2, C, K, H] those layers of the chunk, host or device, any float dtype.
@@ -653,16 +660,49 @@ class PagedModelRunner:
     Raises:
       ValueError: a shape that does not match the model, or blocks that do not fit the chunk.
     """
+    self.insert_chunks_layers([kv_G2CKH], [block_ids], [start], layer_start)
+
+  def insert_chunks_layers(self, kvs_G2CKH: Sequence, block_ids: Sequence[Sequence[int]],
+                           starts: Sequence[int], layer_start: int) -> None:
+    """`insert_chunk_layers` of several chunks of one shape, in one jit'd call per
+    `LAYERWISE_INSERT_BATCH` of them (a layer group of a layer-wise step: one call instead of
+    one per chunk). A batch is padded to a power of two by repeating its last chunk (the same
+    rows written twice with the same values), so the programs are the powers of two up to the
+    batch per shape, which `warmup_layerwise` compiles.
+
+    Args:
+      kvs_G2CKH: chunks, each [G, 2, C, K, H], one shape, host or device, any float dtype.
+      block_ids: per chunk, the C / B blocks holding its positions, in order.
+      starts: per chunk, the position of its first token, a multiple of B.
+      layer_start: the first layer, `layer_start + G <= L`.
+
+    Raises:
+      ValueError: no chunks, lists of different lengths, chunks of different shapes, a shape
+        that does not match the model, or blocks that do not fit a chunk.
+    """
     cfg = self.model_config
-    g = kv_G2CKH.shape[0]
-    want = (g, 2, kv_G2CKH.shape[2], cfg.n_kv_heads, cfg.head_dim)
-    if tuple(kv_G2CKH.shape) != want or not 0 <= layer_start <= cfg.n_layers - g or g < 1:
-      raise ValueError(f"layers [{layer_start}, {layer_start + g}) of shape "
-                       f"{tuple(kv_G2CKH.shape)}; the model wants {want} within "
-                       f"{cfg.n_layers} layers")
-    ids = self._check_chunk(kv_G2CKH.shape[2], block_ids, start)
-    self.pool = self._layerwise_jits()["insert"](self.pool, kv_G2CKH, ids, np.int32(start),
-                                                np.int32(layer_start))
+    n = len(kvs_G2CKH)
+    if not n or len(block_ids) != n or len(starts) != n:
+      raise ValueError(f"{n} chunks, {len(block_ids)} block lists and {len(starts)} starts: "
+                       "want one of each per chunk, at least one")
+    shape = tuple(kvs_G2CKH[0].shape)
+    g = shape[0]
+    want = (g, 2, shape[2], cfg.n_kv_heads, cfg.head_dim)
+    if shape != want or not 0 <= layer_start <= cfg.n_layers - g or g < 1:
+      raise ValueError(f"layers [{layer_start}, {layer_start + g}) of shape {shape}; the model "
+                       f"wants {want} within {cfg.n_layers} layers")
+    if any(tuple(kv.shape) != shape for kv in kvs_G2CKH):
+      raise ValueError(f"chunks of shapes {sorted({tuple(kv.shape) for kv in kvs_G2CKH})}: "
+                       "one call inserts chunks of one shape")
+    ids = [self._check_chunk(shape[2], b, s) for b, s in zip(block_ids, starts)]
+    fn = self._layerwise_jits()["insert"]
+    for lo in range(0, n, LAYERWISE_INSERT_BATCH):
+      hi = min(lo + LAYERWISE_INSERT_BATCH, n)
+      pad = (1 << (hi - lo - 1).bit_length()) - (hi - lo)
+      idx = list(range(lo, hi)) + [hi - 1] * pad
+      self.pool = fn(self.pool, tuple(kvs_G2CKH[i] for i in idx),
+                     np.stack([ids[i] for i in idx]),
+                     np.asarray([starts[i] for i in idx], np.int32), np.int32(layer_start))
 
   def _check_chunk(self, c: int, block_ids: Sequence[int], start: int) -> np.ndarray:
     b = self.block_size

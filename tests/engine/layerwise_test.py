@@ -73,6 +73,39 @@ class LayerGroupsTest(parameterized.TestCase):
     with self.assertRaises(ValueError):
       split.insert_chunk_layers(kv, [20, 21], 0, 1)  # layers [1, 3) of a 2-layer model
 
+  @parameterized.parameters(1, 3, 8, 11)
+  def test_chunks_in_one_call_equal_one_by_one(self, n):
+    # 3 pads to 4 by repeating the last chunk; 11 is a batch of 8 and one of 3 (padded to 4).
+    model = Llama.from_params(TINY.config, TINY.params)
+    cfg = PagedRunnerConfig(num_blocks=64, block_size=B, chunk_sizes=CHUNKS,
+                            max_num_batched_tokens=128)
+    batched, single = PagedModelRunner(model, cfg), PagedModelRunner(model, cfg)
+    shape = (TINY.config.n_layers, 2, C, TINY.config.n_kv_heads, TINY.config.head_dim)
+    kvs = [RNG.standard_normal(shape).astype(np.float32) for _ in range(n)]
+    tables = [[40 - 2 * j, 41 - 2 * j] for j in range(n)]  # any blocks, not in order
+    starts = [C * (j % 5) for j in range(n)]
+    for kv, blocks, start in zip(kvs, tables, starts):
+      single.insert_chunk(kv, blocks, start)
+    for l0, l1 in layer_groups(TINY.config.n_layers, 2):
+      batched.insert_chunks_layers([kv[l0:l1] for kv in kvs], tables, starts, l0)
+    np.testing.assert_array_equal(np.asarray(batched.pool.v_LPBKH), np.asarray(single.pool.v_LPBKH))
+    np.testing.assert_allclose(np.asarray(batched.pool.k_LPBKH), np.asarray(single.pool.k_LPBKH),
+                               atol=1e-6)
+
+  def test_chunks_in_one_call_bad_input(self):
+    model = Llama.from_params(TINY.config, TINY.params)
+    runner = PagedModelRunner(model, PagedRunnerConfig(num_blocks=64, block_size=B,
+                                                       chunk_sizes=CHUNKS,
+                                                       max_num_batched_tokens=128))
+    kv = np.zeros((1, 2, C, TINY.config.n_kv_heads, TINY.config.head_dim), np.float32)
+    for args, message in ((([], [], [], 0), "at least one"),
+                          (([kv, kv], [[1, 2]], [0, 0], 0), "one of each per chunk"),
+                          (([kv, kv[:, :, :B]], [[1, 2], [3]], [0, 0], 0), "of one shape"),
+                          (([kv], [[1, 2]], [0], 2), "within 2 layers"),
+                          (([kv], [[1, 99]], [0], 0), "inside the pool")):
+      with self.assertRaisesRegex(ValueError, message):
+        runner.insert_chunks_layers(*args)
+
 
 class LayerwiseEngineTest(parameterized.TestCase):
 
