@@ -785,7 +785,7 @@ class Engine:
     st = runner.step_begin(seqs, groups)
     transfers = kv.transfer([hit.kv for _, hit, _ in layered], st.groups)
     rows = [self._insert_rows(ins) for ins, _, _ in layered]
-    batches: dict[int, list[int]] = {}  # rows -> the chunks of that many rows, in order
+    batches: dict[int, list[int]] = {}  # the whole chunks in one batch; each stored tail alone
     for i, r in enumerate(rows):
       batches.setdefault(r if r == kv.chunk_size else -i - 1, []).append(i)
     spent = [0.0] * len(layered)

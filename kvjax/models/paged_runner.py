@@ -668,7 +668,7 @@ class PagedModelRunner:
     `LAYERWISE_INSERT_BATCH` of them (a layer group of a layer-wise step: one call instead of
     one per chunk). A batch is padded to a power of two by repeating its last chunk (the same
     rows written twice with the same values), so the programs are the powers of two up to the
-    batch per shape, which `warmup_layerwise` compiles.
+    batch per shape, which `LLM`'s warmup compiles when layer-wise loading is on.
 
     Args:
       kvs_G2CKH: chunks, each [G, 2, C, K, H], one shape, host or device, any float dtype.

@@ -299,11 +299,7 @@ class LinkLimiter:
     Raises:
       ValueError: `nbytes` < 0.
     """
-    done = self._reserve(nbytes)
-    delay = done - self._clock()
-    if delay > 0:
-      self._blocking_sleep(delay)
-    self._granted(nbytes)
+    self.wait_reserved(self._reserve(nbytes), nbytes)
 
   def reserve(self, nbytes: int) -> float:
     """Books the pipe for `nbytes` now, after everything booked before, without waiting: a

@@ -75,12 +75,10 @@ class TierConfig:
       if self.url is None:
         raise ValueError(f"a {self.kind} tier needs a url")
       url_kind(self.url)
-    if self.capacity_bytes is not None and (isinstance(self.capacity_bytes, bool)
-                                            or not isinstance(self.capacity_bytes, numbers.Integral)):
-      raise ValueError(f"{self.kind} tier: capacity_bytes must be an int, got "
-                       f"{self.capacity_bytes!r}")
-    if self.link_bytes_per_s is not None and (isinstance(self.link_bytes_per_s, bool) or
-                                              not isinstance(self.link_bytes_per_s, numbers.Real)):
+    cap, rate = self.capacity_bytes, self.link_bytes_per_s
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Integral)):
+      raise ValueError(f"{self.kind} tier: capacity_bytes must be an int, got {cap!r}")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, numbers.Real)):
       raise ValueError(f"link_bytes_per_s must be a number, got {self.link_bytes_per_s!r}")
     if self.capacity_bytes is not None and self.capacity_bytes <= 0:
       raise ValueError(f"{self.kind} tier: capacity_bytes must be positive, got "
