@@ -52,6 +52,8 @@ def store_config_from_json(text: str) -> StoreConfig:
   try:
     tiers = json.loads(text)
   except json.JSONDecodeError as e:
+    if not text.lstrip().startswith(("[", "{")):  # meant as a path
+      raise ValueError(f"tier config {text!r} is not JSON, and no such file exists") from e
     raise ValueError(f"tier config is not JSON (nor a file): {e}") from e
   if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
     raise ValueError("tier config must be a JSON list of objects, e.g. "

@@ -27,7 +27,7 @@ class PlacementOptionTest(absltest.TestCase):
     # server had bound its port and said it was listening.
     with self.assertRaisesRegex(ValueError, "kv_tiers: a host tier needs capacity_bytes"):
       ServerConfig(model="tiny", kv_tiers='[{"kind": "host"}]')
-    with self.assertRaisesRegex(ValueError, "kv_tiers: tier config is not JSON"):
+    with self.assertRaisesRegex(ValueError, "kv_tiers: tier config 'host' is not JSON"):
       ServerConfig(model="tiny", kv_tiers="host")
 
 
