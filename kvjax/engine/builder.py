@@ -62,6 +62,8 @@ def store_config_from_json(text: str) -> StoreConfig:
     unknown = set(t) - _TIER_KEYS
     if unknown:
       raise ValueError(f"tier {i}: unknown keys {sorted(unknown)}; known: {sorted(_TIER_KEYS)}")
+    if "kind" not in t:
+      raise ValueError(f"tier {i} has no 'kind'")
   return StoreConfig(tuple(TierConfig(**t) for t in tiers))
 
 

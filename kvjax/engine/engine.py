@@ -785,21 +785,22 @@ class Engine:
     st = runner.step_begin(seqs, groups)
     transfers = kv.transfer([hit.kv for _, hit, _ in layered], st.groups)
     rows = [self._insert_rows(ins) for ins, _, _ in layered]
-    batches: dict[int, list[int]] = {}  # the whole chunks in one batch; each stored tail alone
-    for i, r in enumerate(rows):
-      batches.setdefault(r if r == kv.chunk_size else -i - 1, []).append(i)
+    whole = [i for i, r in enumerate(rows) if r == kv.chunk_size]
+    tails = [[i] for i, r in enumerate(rows) if r != kv.chunk_size]  # each alone: rows differ
+    batches = sorted(([whole] if whole else []) + tails)  # in chunk order
     spent = [0.0] * len(layered)
     started = self._clock()
     trace = self.layerwise_trace
     for g, (l0, _) in enumerate(st.groups):
       arrs = [tr.wait(g, timeout_s=60.0) for tr in transfers]
-      for idx in batches.values():
+      for idx in batches:
         t0 = time.perf_counter()
         runner.insert_chunks_layers([_first_rows(arrs[i], rows[i]) for i in idx],
                                     [layered[i][2] for i in idx],
                                     [layered[i][0].start for i in idx], l0)
+        share = (time.perf_counter() - t0) / len(idx)
         for i in idx:
-          spent[i] += (time.perf_counter() - t0) / len(idx)
+          spent[i] += share
           if trace is not None:
             ins = layered[i][0]
             trace.append(("insert", ins.request_id, ins.index, g))

@@ -26,7 +26,7 @@ from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESS
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import LAYERWISE_INSERT_BATCH, build_paged_runner, layer_groups
+from kvjax.models.paged_runner import build_paged_runner
 from kvjax.models.registry import DEFAULT_MODEL, load_model
 from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
@@ -598,12 +598,7 @@ class LLM:
       runner.insert_chunk(kv, where, 0)
       if self._layerwise_groups > 1 and self.engine.kv_cache_layout == "paged":
         runner.warmup_layerwise(self._layerwise_groups)
-        for l0, l1 in sorted({(0, l1 - l0) for l0, l1 in
-                              layer_groups(layout.num_layers, self._layerwise_groups)}):
-          n = 1
-          while n <= LAYERWISE_INSERT_BATCH:  # every padded batch size of a group's inserts
-            runner.insert_chunks_layers([kv[l0:l1]] * n, [where] * n, [0] * n, 0)
-            n *= 2
+        runner.warmup_layer_inserts(kv, where, self._layerwise_groups)
       if store.codec != "raw":
         _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels, 0)[0]
         runner.insert_payload(store.codec, jax.device_get(arrays), where, 0)

@@ -668,7 +668,7 @@ class PagedModelRunner:
     `LAYERWISE_INSERT_BATCH` of them (a layer group of a layer-wise step: one call instead of
     one per chunk). A batch is padded to a power of two by repeating its last chunk (the same
     rows written twice with the same values), so the programs are the powers of two up to the
-    batch per shape, which `LLM`'s warmup compiles when layer-wise loading is on.
+    batch per shape, which `warmup_layer_inserts` compiles.
 
     Args:
       kvs_G2CKH: chunks, each [G, 2, C, K, H], one shape, host or device, any float dtype.
@@ -703,6 +703,17 @@ class PagedModelRunner:
       self.pool = fn(self.pool, tuple(kvs_G2CKH[i] for i in idx),
                      np.stack([ids[i] for i in idx]),
                      np.asarray([starts[i] for i in idx], np.int32), np.int32(layer_start))
+
+  def warmup_layer_inserts(self, kv_L2CKH, block_ids: Sequence[int], groups: int) -> None:
+    """Compiles `insert_chunks_layers`' programs for chunks of `kv_L2CKH`'s shape: every group
+    size of `layer_groups(L, groups)` and every padded batch size. Writes `kv_L2CKH`'s first
+    layers into `block_ids` at position 0 (free blocks, at warmup)."""
+    sizes = {l1 - l0 for l0, l1 in layer_groups(self.model_config.n_layers, groups)}
+    for g in sorted(sizes):
+      n = 1
+      while n <= LAYERWISE_INSERT_BATCH:
+        self.insert_chunks_layers([kv_L2CKH[:g]] * n, [block_ids] * n, [0] * n, 0)
+        n *= 2
 
   def _check_chunk(self, c: int, block_ids: Sequence[int], start: int) -> np.ndarray:
     b = self.block_size

@@ -202,7 +202,7 @@ class ServerConfig:
     if self.kv_tiers is not None:
       try:
         builder.store_config_from_json(self.kv_tiers)  # before the port is bound
-      except (ValueError, TypeError) as e:
+      except ValueError as e:
         raise ValueError(f"kv_tiers: {e}") from e
     if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
       raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")

@@ -254,8 +254,18 @@ class LinkLimiter:
       t, i = end, i + 1
     return total
 
-  def _reserve(self, nbytes: int) -> float:
-    """Reserves the pipe for `nbytes` and returns the clock time the grant completes."""
+  def reserve(self, nbytes: int) -> float:
+    """Books the pipe for `nbytes` now, after everything booked before, without waiting: a
+    copy queued on a copy engine (pieces booked back to back keep the pipe busy, whatever the
+    caller does between them). `acquire` and `acquire_blocking` book and wait; a caller that
+    books ahead waits with `wait_reserved`.
+
+    Returns:
+      The clock time, seconds, at which the bytes are through.
+
+    Raises:
+      ValueError: `nbytes` < 0.
+    """
     if nbytes < 0:
       raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     with self._lock:
@@ -287,7 +297,7 @@ class LinkLimiter:
     Raises:
       ValueError: `nbytes` < 0.
     """
-    done = self._reserve(nbytes)
+    done = self.reserve(nbytes)
     delay = done - self._clock()
     if delay > 0:
       await self._sleep(delay)
@@ -299,20 +309,7 @@ class LinkLimiter:
     Raises:
       ValueError: `nbytes` < 0.
     """
-    self.wait_reserved(self._reserve(nbytes), nbytes)
-
-  def reserve(self, nbytes: int) -> float:
-    """Books the pipe for `nbytes` now, after everything booked before, without waiting: a
-    copy queued on a copy engine (pieces booked back to back keep the pipe busy, whatever the
-    caller does between them). Pair with `wait_reserved`.
-
-    Returns:
-      The clock time, seconds, at which the bytes are through.
-
-    Raises:
-      ValueError: `nbytes` < 0.
-    """
-    return self._reserve(nbytes)
+    self.wait_reserved(self.reserve(nbytes), nbytes)
 
   def wait_reserved(self, done_s: float, nbytes: int) -> None:
     """Blocks the calling thread until `done_s` (a `reserve` result for `nbytes` bytes), then

@@ -79,7 +79,7 @@ class TierConfig:
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Integral)):
       raise ValueError(f"{self.kind} tier: capacity_bytes must be an int, got {cap!r}")
     if rate is not None and (isinstance(rate, bool) or not isinstance(rate, numbers.Real)):
-      raise ValueError(f"link_bytes_per_s must be a number, got {self.link_bytes_per_s!r}")
+      raise ValueError(f"link_bytes_per_s must be a number, got {rate!r}")
     if self.capacity_bytes is not None and self.capacity_bytes <= 0:
       raise ValueError(f"{self.kind} tier: capacity_bytes must be positive, got "
                        f"{self.capacity_bytes}")

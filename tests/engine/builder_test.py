@@ -37,7 +37,8 @@ class BuilderTest(parameterized.TestCase):
                            "capacity_bytes must be an int, got '1024'"),
                           ('[{"kind": "disk", "url": "/x", "link_bytes_per_s": "fast"}]',
                            "link_bytes_per_s must be a number"),
-                          ("/no/such/tiers.json", "is not JSON, and no such file exists")):
+                          ("/no/such/tiers.json", "is not JSON, and no such file exists"),
+                          ('[{"url": "/x"}]', "tier 0 has no 'kind'")):
       with self.assertRaisesRegex(ValueError, message):
         builder.store_config_from_json(text)
 

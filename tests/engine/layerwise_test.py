@@ -88,7 +88,8 @@ class LayerGroupsTest(parameterized.TestCase):
       single.insert_chunk(kv, blocks, start)
     for l0, l1 in layer_groups(TINY.config.n_layers, 2):
       batched.insert_chunks_layers([kv[l0:l1] for kv in kvs], tables, starts, l0)
-    np.testing.assert_array_equal(np.asarray(batched.pool.v_LPBKH), np.asarray(single.pool.v_LPBKH))
+    np.testing.assert_array_equal(np.asarray(batched.pool.v_LPBKH),
+                                  np.asarray(single.pool.v_LPBKH))
     np.testing.assert_allclose(np.asarray(batched.pool.k_LPBKH), np.asarray(single.pool.k_LPBKH),
                                atol=1e-6)
 

@@ -259,7 +259,7 @@ class ResetTest(absltest.TestCase):
     clock = FakeClock()
     lim = limiter(clock, 1000.0)
     lim.acquire_blocking(1000)          # 100 -> 101
-    lim._reserve(5000)                  # booked 101 -> 106, never waited on (a cancelled load)
+    lim.reserve(5000)                   # booked 101 -> 106, never waited on (a cancelled load)
     lim.reset(4000.0)
     self.assertEqual(lim.current_rate(), 4000.0)
     lim.acquire_blocking(2000)          # the pipe is free now: 0.5 s at the new rate
