@@ -6,6 +6,7 @@ the things it needs from below come through here:
     default_kv_store_url()        file store under kvjax's cache root (`<root>/store`, the
                                   default of `python -m kvjax.store` too)
     store_config_from_json(text)  a tier list (JSON) -> `kvjax.storage.StoreConfig`
+    store_config_from_url(url, ...)  one store URL with its capacity and link -> `StoreConfig`
     build_llm(model, **options)   `LLM(model, **options)`
     warmup(llm)                   compile every program a request can hit before serving
     resolve_kv_cache_layout(...)  the device KV layout `LLM` picks for given options
@@ -25,7 +26,7 @@ from typing import Any
 from kvjax.engine.llm import (LLM, PREFILL_ORDERS, SHORTEST_FIRST, check_scheduling_options,
                               resolve_kv_cache_layout)
 from kvjax.storage import specs
-from kvjax.storage.tiers import StoreConfig, TierConfig
+from kvjax.storage.tiers import DEFAULT_STORE_CAPACITY_BYTES, StoreConfig, TierConfig, url_kind
 
 _TIER_KEYS = {f for f in TierConfig.__dataclass_fields__}
 
@@ -65,6 +66,27 @@ def store_config_from_json(text: str) -> StoreConfig:
     if "kind" not in t:
       raise ValueError(f"tier {i} has no 'kind'")
   return StoreConfig(tuple(TierConfig(**t) for t in tiers))
+
+
+def store_config_from_url(url: str, *, capacity_bytes: int | None = None,
+                          link_bytes_per_s: float | None = None,
+                          link_trace: str | None = None) -> StoreConfig:
+  """The one-tier `StoreConfig` of a store URL, with a byte limit.
+
+  Args:
+    url: a store URL (memory://, file://, a path, ocdbt+file://, s3://).
+    capacity_bytes: the tier's byte limit; None: `DEFAULT_STORE_CAPACITY_BYTES` for a local
+      (or memory) store, unbounded for s3:// (the bucket's lifecycle rules govern it).
+    link_bytes_per_s, link_trace: the tier's emulated read link (see `TierConfig`).
+
+  Raises:
+    ValueError: an unknown URL scheme, a capacity that is not a positive int, a bad link.
+  """
+  kind = url_kind(url)
+  if capacity_bytes is None and kind == "disk":
+    capacity_bytes = DEFAULT_STORE_CAPACITY_BYTES
+  return StoreConfig((TierConfig(kind, url=url, capacity_bytes=capacity_bytes,
+                                 link_bytes_per_s=link_bytes_per_s, link_trace=link_trace),))
 
 
 def build_llm(model: str, **options: Any) -> LLM:

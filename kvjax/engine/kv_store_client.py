@@ -50,6 +50,7 @@ import dataclasses
 import itertools
 import math
 import logging
+import os
 import queue
 import threading
 import time
@@ -64,6 +65,7 @@ from kvjax.kernels import kvtc_rans
 from kvjax.scheduler.output import LoadReport
 from kvjax.storage import codecs as storage_codecs
 from kvjax.storage import entropy, keys
+from kvjax.storage.tiers import TierUsage
 from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, KVLayout,
                                 MissReason)
 
@@ -1040,6 +1042,27 @@ class KVStoreClient:
         t._set(g, jax.device_put(np.ascontiguousarray(piece)))
       except Exception as e:  # noqa: BLE001 - reported to the waiter
         t._set(g, error=e)
+
+  # ----------------------------------------------------------------------------- capacity
+  def usage(self) -> list[TierUsage]:
+    """What each persistent tier holds now: chunks, stored bytes, capacity (blocking; lists
+    every tier's records: start-up and tools, not the request path)."""
+    return self._run(self.store.usage())
+
+  def enforce_capacity(self) -> None:
+    """Evicts from every bounded persistent tier until it fits its capacity (blocking; e.g. at
+    start over a store a larger capacity filled)."""
+    self._run(self.store.enforce_capacity())
+
+  def session_dir(self) -> str | None:
+    """The folder for session files beside the store (`SessionRegistry.set_persistence`):
+    `<dir>/sessions/<model fingerprint>` of the first persistent tier on a local directory;
+    None when no tier is one (memory://, s3://: sessions then live in memory only)."""
+    for tier in self.store.tiers:
+      d = self.store.local_dirs.get(tier.name)
+      if d is not None:
+        return os.path.join(d, "sessions", self._fingerprint)
+    return None
 
   # ----------------------------------------------------------------------------- saves
   def submit_save(self, job: SaveJob) -> bool:

@@ -5,7 +5,11 @@ Architecture (DESIGN.md sections 3-5):
   kvstore root (memory | file | ocdbt+file | s3)
     index/<chunk_hash>.json                     ChunkRecord, written LAST, only if absent
     data/<chunk_hash>/raw-0-<xxh3 of values>    one object: the values' C-order little-endian
-                                                bytes, [L, 2, C, K, H] of layout.dtype
+                                                bytes, [L, 2, C, K, H] of layout.dtype; a session
+                                                tail (`keys.tail_token_ids`: m real ids, then
+                                                padding) stores [L, 2, m, K, H], its real rows
+                                                only (`keys.stored_rows`): its padding rows read
+                                                back as zeros
     data/<chunk_hash>/<codec>-<level>-<xxh3 of the bytes>
                                                 one encoded payload (`codecs.encode_payload`)
   Record format 1 (older stores, still read): checksums are SHA-256 and a raw object is a
@@ -74,6 +78,7 @@ from kvjax._typing import ChunkHash
 from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
 from kvjax.storage import entropy
+from kvjax.storage import keys as chunk_keys
 from kvjax.storage import specs
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  Encoding, KVLayout, MissReason)
@@ -195,6 +200,13 @@ def _le_bytes(values: np.ndarray) -> bytes:
   """An array's C-order bytes, little endian (the stored raw format)."""
   values = np.ascontiguousarray(values)
   return (values if sys.byteorder == "little" else values.byteswap()).tobytes()
+
+
+def _raw_nbytes(record: ChunkRecord, layout: KVLayout) -> tuple[int, ...]:
+  """Sizes a raw object of `record` may have: its rows stored (`keys.stored_rows`), or (a tail
+  written before tails were stored trimmed) the whole padded chunk."""
+  rows = chunk_keys.stored_rows(record.token_ids)
+  return (layout.nbytes // layout.chunk_size * rows, layout.nbytes)
 
 
 class _BadSize(Exception):
@@ -678,7 +690,7 @@ class ChunkStore:
     is_raw = encoding.codec == RAW_CODEC
     if (not encoding.object.startswith(f"{_DATA}{chunk_hash}/")
         or is_raw != is_raw_object(encoding.object)
-        or (is_raw and encoding.nbytes != layout.nbytes)):
+        or (is_raw and encoding.nbytes not in _raw_nbytes(record, layout))):
       return miss(MissReason.CORRUPT, f"bad encoding entry {encoding!r}")
 
     if self._limiter is not None:
@@ -725,9 +737,15 @@ class ChunkStore:
       return ChunkMiss(record.chunk_hash, _data_error_reason(e), f"{encoding.object}: {e!r}")
     if digest != encoding.checksum:
       return ChunkMiss(record.chunk_hash, MissReason.CHECKSUM_MISMATCH)
-    kv = buf.view(np.dtype(layout.dtype)).reshape(layout.shape)
+    rows = encoding.nbytes // (layout.nbytes // layout.chunk_size)
+    shape = layout.shape[:2] + (rows,) + layout.shape[3:]
+    kv = buf.view(np.dtype(layout.dtype)).reshape(shape)
     if sys.byteorder != "little":
       kv = kv.byteswap()
+    if rows < layout.chunk_size:  # a tail's real rows: its padding rows are zeros
+      full = np.zeros(layout.shape, np.dtype(layout.dtype))
+      full[:, :, :rows] = kv
+      kv = full
     return ChunkHit(record=record, encoding=encoding, kv=kv, tier=self.name)
 
   async def _get_raw_array(self, record: ChunkRecord, encoding: Encoding,
@@ -781,8 +799,10 @@ class ChunkStore:
       parent_hash: the previous chunk's key (the namespace root for the first chunk).
       token_ids: the C token ids the KV belongs to.
       namespace: namespace id (`KeyNamespace.root_hash()`).
-      kv: raw `[L, 2, C, K, H]` values (K before RoPE), any numpy dtype tensorstore stores
-        (float32, bfloat16, float16, ...), stored as a zarr3 array; or None.
+      kv: raw `[L, 2, C, K, H]` values (K before RoPE), any numpy dtype (float32, bfloat16,
+        float16, ...), stored as one object of their bytes; or None. For a session tail
+        (`token_ids` end with `keys.TAIL_PAD_ID`) only the rows of its real tokens are stored
+        (`keys.stored_rows`); `get` returns zeros in its padding rows.
       layout: the raw layout the payloads decode to; default (and if given, must equal) the
         layout of `kv`. Required without `kv`.
       payloads: encodings to store beside (or instead of) `kv`, each one bytes object
@@ -829,7 +849,8 @@ class ChunkStore:
           lambda: [codecs.encode_payload(p.codec, p.level, p.arrays, layout) for p in encoded])
     encodings, writes = [], []
     if values is not None:
-      raw = _le_bytes(values)
+      rows = chunk_keys.stored_rows(token_ids)
+      raw = _le_bytes(values[:, :, :rows] if rows < values.shape[2] else values)
       checksum = checksums.digest(raw)
       enc = Encoding(RAW_CODEC, RAW_CODEC_VERSION, RAW_LEVEL, raw_object_key(chunk_hash, checksum),
                      len(raw), checksum)

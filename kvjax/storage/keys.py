@@ -189,6 +189,16 @@ def tail_token_ids(token_ids: Sequence[int], chunk_size: int) -> tuple[int, ...]
   return tuple(int(t) for t in token_ids) + (TAIL_PAD_ID,) * (chunk_size - m)
 
 
+def stored_rows(token_ids: Sequence[int]) -> int:
+  """Rows of a chunk's raw values that are stored: its real tokens (`len(token_ids)` for a full
+  chunk; m for a tail, whose last C - m ids are `TAIL_PAD_ID`: padding rows are zeros, never
+  stored, `chunk_store.ChunkStore`)."""
+  n = len(token_ids)
+  while n and token_ids[n - 1] == TAIL_PAD_ID:
+    n -= 1
+  return n
+
+
 def prefix_chunk_hashes_for_prompt(namespace: KeyNamespace,
                                    prompt_ids: Sequence[int]) -> list[ChunkHash]:
   """Keys of the chunks of a prompt that may be served from the store.

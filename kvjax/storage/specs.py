@@ -114,6 +114,21 @@ def kvstore_spec(url: str, *, endpoint: str | None = None, region: str | None = 
   return {"driver": "file", "path": _dir_path(url or default_root())}
 
 
+def local_dir(url: str) -> str | None:
+  """The local directory a store URL names (file://, a path, ocdbt+file://; no trailing "/"),
+  or None (memory://, s3://).
+
+  Raises:
+    ValueError: as `kvstore_spec`.
+  """
+  spec = kvstore_spec(url)
+  if spec.get("driver") == "ocdbt":
+    spec = spec["base"]
+  if spec.get("driver") != "file":
+    return None
+  return spec["path"].rstrip("/") or "/"
+
+
 def s3_spec(kvstore: dict[str, Any]) -> dict[str, Any] | None:
   """The s3 kvstore spec under `kvstore` (itself, or an ocdbt database's base), else None."""
   while kvstore.get("driver") == "ocdbt":

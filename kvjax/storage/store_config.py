@@ -11,6 +11,14 @@ from typing import Literal
 DEFAULT_DISK_CAPACITY_BYTES = 20 * 2**30
 
 
+#: Byte limit of the store `python -m kvjax.serve` writes by default (`--kv_store`, default the
+#: cache folder's `store/`), unless `--kv_store_capacity_bytes` says otherwise: 4 GiB. That is
+#: 364 full 256-token chunks of SmolLM2-135M in float32 (11.8 MB, 46,080 bytes per token; 93k
+#: tokens of prefixes), twice that in bfloat16; a session tail costs only its own rows. Small
+#: beside the disk of any machine that runs the model, and a fixed number rather than a share of
+#: free space, so a restart never shrinks (and evicts) what a fuller disk left.
+DEFAULT_STORE_CAPACITY_BYTES = 4 * 2**30
+
 #: Bytes of demotions (host -> disk, disk -> remote) in flight at most, when a config gives none
 #: (64 MiB: about 11 raw 256-token chunks of SmolLM2-135M in bf16).
 DEFAULT_DEMOTION_BYTES_IN_FLIGHT = 64 * 2**20

@@ -55,19 +55,20 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from kvjax._typing import ChunkHash
-from kvjax.storage import codecs
+from kvjax.storage import codecs, keys, specs
 from kvjax.storage.eviction import (EntryInfo, EvictionPolicy, FIFOPolicy, LRUPolicy,
                                     chain_depths)
 from kvjax.storage.host_tier import Evicted, HostMemoryTier, Tier
 from kvjax.storage.link import LinkLimiter, load_trace
 from kvjax.storage.store_config import (DEFAULT_DEMOTION_BYTES_IN_FLIGHT,
-                                        DEFAULT_DISK_CAPACITY_BYTES, PLACEMENTS, StoreConfig,
+                                        DEFAULT_DISK_CAPACITY_BYTES,
+                                        DEFAULT_STORE_CAPACITY_BYTES, PLACEMENTS, StoreConfig,
                                         TierConfig, url_kind)
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  KVLayout, MissReason)
 
-__all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "HostMemoryTier", "KVStore", "StoreConfig", "Tier",
-           "TierConfig",
+__all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "DEFAULT_STORE_CAPACITY_BYTES", "HostMemoryTier",
+           "KVStore", "StoreConfig", "Tier", "TierConfig", "TierUsage",
            "TierStats", "TieredStore", "build_tiers", "url_kind"]
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class KVStore(Protocol):
 
   tiers: list[Tier]
   limiters: dict[str, LinkLimiter]
+  local_dirs: dict[str, str]
 
   async def lookup(self, hashes: Sequence[ChunkHash]) -> list[str | None]:
     """The highest tier holding each chunk, or None."""
@@ -162,6 +164,29 @@ class KVStore(Protocol):
   def stats(self) -> dict[str, TierStats]:
     """A snapshot of each tier's counters, by tier name."""
 
+  async def usage(self) -> list[TierUsage]:
+    """What each persistent tier holds now (chunks, bytes, capacity)."""
+
+  async def enforce_capacity(self) -> None:
+    """Brings every bounded persistent tier under its capacity."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TierUsage:
+  """What one persistent tier holds now (`TieredStore.usage`), plain data.
+
+  Attributes:
+    name: the tier.
+    chunks: chunks it holds (index records; session tails included).
+    nbytes: their stored bytes (every encoding, `Encoding.nbytes`).
+    capacity_bytes: its byte limit, or None (unbounded).
+  """
+
+  name: str
+  chunks: int
+  nbytes: int
+  capacity_bytes: int | None
+
 
 @dataclasses.dataclass
 class _Persistent:
@@ -187,6 +212,8 @@ class TieredStore:
     tiers: the tiers, top first.
     host: the host tier (the first `HostMemoryTier`), or None.
     limiters: tier name -> its link limiter (set by `build_tiers`).
+    local_dirs: persistent tier name -> its local directory, for tiers on a local file store
+      (set by `build_tiers`; `specs.local_dir`).
     placement: "write_through" or "write_back".
     demotion_bytes_in_flight: write-back: bytes of demotions being written at most.
   """
@@ -256,6 +283,7 @@ class TieredStore:
     if placement == "write_back" and self.host is not None:
       self.host.demote = True
     self.limiters: dict[str, LinkLimiter] = {}
+    self.local_dirs: dict[str, str] = {}
     self._stats = {name: TierStats() for name in names}
     self._lock = threading.Lock()
     self._counter = itertools.count(1)
@@ -524,8 +552,11 @@ class TieredStore:
       ValueError: invalid input (checked once, before any tier is written; see
         `codecs.check_encodings`).
     """
-    codecs.check_encodings(tuple(int(t) for t in token_ids), kv, layout, payloads)
-    nbytes = (0 if kv is None else int(kv.nbytes)) + sum(
+    token_ids = tuple(int(t) for t in token_ids)
+    codecs.check_encodings(token_ids, kv, layout, payloads)
+    # A tail's raw values are stored without their padding rows (`ChunkStore.put`).
+    nbytes = (0 if kv is None else int(kv.nbytes) * keys.stored_rows(token_ids)
+              // len(token_ids)) + sum(
         codecs.payload_nbytes(p.arrays) for p in payloads)
     persistent = [t for t in self.tiers if t.name in self._persist]
     targets = persistent if self.write_all_persistent else persistent[:1]
@@ -704,6 +735,18 @@ class TieredStore:
     if not payloads or not await self._demote_into(t.name, lower, rec, payloads, nbytes):
       self._count(t.name, "demotion_drops")
 
+  async def usage(self) -> list[TierUsage]:
+    """What each persistent tier holds now, top first (lists every tier's records)."""
+    out = []
+    for t in self.tiers:
+      p = self._persist.get(t.name)
+      if p is None:
+        continue
+      recs = await t.records()
+      out.append(TierUsage(t.name, len(recs), sum(_record_nbytes(r) for r in recs),
+                           p.capacity_bytes))
+    return out
+
   async def enforce_capacity(self) -> None:
     """Brings every bounded persistent tier under its capacity (rescanning its records)."""
     for t in self.tiers:
@@ -873,4 +916,6 @@ def build_tiers(config: StoreConfig, *,
                       demotion_bytes_in_flight=(config.demotion_bytes_in_flight
                                                 or DEFAULT_DEMOTION_BYTES_IN_FLIGHT))
   store.limiters = limiters
+  store.local_dirs = {name: d for tc, name in zip(config.tiers, config.tier_names)
+                      if tc.url is not None and (d := specs.local_dir(tc.url)) is not None}
   return store

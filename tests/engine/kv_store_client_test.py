@@ -21,6 +21,7 @@ class EmptyStore:
   def __init__(self):
     self.tiers = []
     self.limiters = {}
+    self.local_dirs = {}
 
   async def lookup(self, hashes):
     return [f[0] if f is not None else None for f in await self.peek(hashes)]
@@ -49,6 +50,12 @@ class EmptyStore:
 
   def host_capacity(self):
     return None
+
+  async def usage(self):
+    return []
+
+  async def enforce_capacity(self):
+    pass
 
   @property
   def stats(self):
