@@ -483,6 +483,8 @@ class LLM:
     if self.kv_store is not None:  # the registry says which sessions are pinned; the client pins
       self.sessions.set_pin_sink(self.kv_store.set_pins, chunk_size=self.kv_store.chunk_size,
                                  chunk_nbytes=self.kv_store.layout.nbytes)
+      # Sessions persist beside a local store, so a restarted server continues them.
+      self.sessions.set_persistence(self.kv_store.session_dir(), scope=self.fingerprint)
     self._layerwise_groups = kv_layerwise_groups
     self._warm = False
     self._closed = False

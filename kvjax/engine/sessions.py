@@ -37,6 +37,17 @@ An aborted or failed turn is released, leaving the session as it was. Expired se
 longer than the TTL) are dropped lazily, on access and admission; over `max_sessions` or
 `max_tokens` the least recently used idle session is dropped first, and a busy one never is.
 
+Persistence (`set_persistence`; the `LLM` turns it on when its store's first persistent tier is
+a local directory: `<store>/sessions/<model fingerprint>/`). Each open session's last finished
+turn is also a small JSON file (`SessionFiles`: the turn's messages, prompt text, exact token
+ids, reply; written atomically, mode 0600, named by a digest of the model fingerprint, salt and
+session id; the salt itself is kept only as a digest), so a restarted server over the same store
+folder extends the conversation and its next turn loads the stored tail. A session not in memory
+is read back from its file on first use; a file under another model, salt or id is ignored.
+Closing, expiring (idle past the TTL, by wall clock across restarts) or evicting a session
+deletes its file; at start, expired files and the oldest beyond `max_sessions` are deleted.
+Without a local store (no store, memory://, s3://) sessions live in memory only.
+
 KV pinning (CachedAttention, arXiv 2403.19708, section 3.3: the KV of a conversation that will
 come back is kept in the fast tier). The registry says which sessions are pinned
 (`SessionRegistry.pinned`): open sessions with a finished turn, most recently used first, at most
@@ -53,7 +64,11 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import json
+import logging
+import os
 import re
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -78,6 +93,8 @@ NOT_EXTENDED = "not_extended"  # the messages do not extend the last turn: templ
 
 #: (role, content) of one message.
 Message = tuple[str, str]
+
+_log = logging.getLogger(__name__)
 
 
 def check_session_id(session_id: Any) -> str:
@@ -443,6 +460,127 @@ _COUNTERS = ("turns", "first", "extended", "not_extended", "abandoned", "expired
              "closed", "conflicts", "truncated", "dropped_turns", "rerotated", "rerotated_tokens")
 
 
+#: Version of a session file's JSON (`SessionFiles`).
+SESSION_FILE_VERSION = 1
+
+
+class SessionFiles:
+  """A folder of session files: one JSON file per open session holding its last finished turn
+  (see the module docstring), written atomically (a temporary file, then `os.replace`).
+
+  Args:
+    directory: the folder (created, mode 0700).
+    scope: what the token ids are valid for (the model fingerprint): a file of another scope is
+      never read as a session.
+
+  Raises:
+    OSError: the folder cannot be created.
+  """
+
+  def __init__(self, directory: str, scope: str):
+    self.directory, self.scope = directory, str(scope)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+
+  @staticmethod
+  def _salt_digest(cache_salt: str | None) -> str | None:
+    return None if cache_salt is None else hashlib.sha256(cache_salt.encode()).hexdigest()
+
+  def path(self, session_id: str, cache_salt: str | None) -> str:
+    """The file of a session: a digest of (scope, salt, id), so names reveal neither."""
+    h = hashlib.sha256(json.dumps([self.scope, cache_salt, session_id]).encode()).hexdigest()
+    return os.path.join(self.directory, h + ".json")
+
+  def write(self, session_id: str, cache_salt: str | None, turn: Turn, turns: int) -> None:
+    """Stores a session's last turn (atomically: readers see the old file or the new one).
+
+    Raises:
+      OSError: the write failed (the caller logs it; the session stays in memory).
+    """
+    kv_salt = turn.kv_salt
+    rec = {"version": SESSION_FILE_VERSION, "scope": self.scope, "session_id": session_id,
+           "salt_sha256": self._salt_digest(cache_salt), "turns": int(turns),
+           "saved_at": time.time(), "messages": [list(m) for m in turn.messages],
+           "prompt_text": turn.prompt_text, "token_ids": list(turn.token_ids),
+           "num_prompt_tokens": turn.num_prompt_tokens, "output_text": turn.output_text,
+           "ends_with_eos": turn.ends_with_eos, "exact": turn.exact,
+           # The tenant's salt is never written: "kv_salt_is_salt" says the KV lives under it.
+           "kv_salt_is_salt": kv_salt is not None and kv_salt == cache_salt,
+           "kv_salt": None if kv_salt == cache_salt else kv_salt}
+    data = json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode()
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.directory)
+    try:
+      with os.fdopen(fd, "wb") as f:
+        f.write(data)
+      os.replace(tmp, self.path(session_id, cache_salt))
+    except BaseException:
+      try:
+        os.unlink(tmp)
+      except OSError:
+        pass
+      raise
+
+  def read(self, session_id: str, cache_salt: str | None) -> tuple[Turn, int, float] | None:
+    """(last turn, finished turns, wall-clock seconds it was saved at) of a session's file, or
+    None: no file, or one that is unreadable, malformed, or of another scope, salt or id (a
+    malformed file is deleted)."""
+    path = self.path(session_id, cache_salt)
+    try:
+      with open(path, "rb") as f:
+        rec = json.loads(f.read())
+      if (rec.get("version") != SESSION_FILE_VERSION or rec.get("scope") != self.scope
+          or rec.get("session_id") != session_id
+          or rec.get("salt_sha256") != self._salt_digest(cache_salt)):
+        return None
+      kv_salt = cache_salt if rec["kv_salt_is_salt"] else rec["kv_salt"]
+      if kv_salt is not None and not isinstance(kv_salt, str):
+        raise ValueError(f"kv_salt {kv_salt!r}")
+      turn = Turn(messages=tuple((str(r), str(c)) for r, c in rec["messages"]),
+                  prompt_text=str(rec["prompt_text"]),
+                  token_ids=tuple(int(t) for t in rec["token_ids"]),
+                  num_prompt_tokens=int(rec["num_prompt_tokens"]),
+                  output_text=str(rec["output_text"]), ends_with_eos=bool(rec["ends_with_eos"]),
+                  exact=bool(rec["exact"]), kv_salt=kv_salt)
+      return turn, int(rec["turns"]), float(rec["saved_at"])
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      _log.warning("session file %s is unreadable (%r): deleted", path, e)
+      self.delete_path(path)
+      return None
+
+  def delete(self, session_id: str, cache_salt: str | None) -> None:
+    self.delete_path(self.path(session_id, cache_salt))
+
+  @staticmethod
+  def delete_path(path: str) -> None:
+    try:
+      os.unlink(path)
+    except FileNotFoundError:
+      pass
+    except OSError as e:
+      _log.warning("deleting session file %s failed: %r", path, e)
+
+  def prune(self, ttl_s: float | None, max_files: int) -> int:
+    """Deletes files idle past `ttl_s` (wall clock; None: never) and, beyond `max_files`, the
+    least recently saved. Returns how many were deleted."""
+    entries = []
+    for name in os.listdir(self.directory):
+      if not name.endswith(".json"):
+        continue
+      path = os.path.join(self.directory, name)
+      try:
+        entries.append((os.stat(path).st_mtime, path))
+      except OSError:
+        continue
+    entries.sort(reverse=True)  # most recent first
+    now, gone = time.time(), 0
+    for i, (mtime, path) in enumerate(entries):
+      if i >= max_files or (ttl_s is not None and now - mtime > ttl_s):
+        self.delete_path(path)
+        gone += 1
+    return gone
+
+
 class SessionRegistry:
   """Every open chat session of one model (see the module docstring); thread-safe.
 
@@ -472,6 +610,30 @@ class SessionRegistry:
     self._pin_sink: Callable[[tuple[PinnedSession, ...]], None] | None = None
     self._pin_chunk = (1, 0)  # (tokens, bytes) of one stored chunk
     self._pinned: tuple[PinnedSession, ...] = ()
+    self._files: SessionFiles | None = None
+
+  def set_persistence(self, directory: str | None, *, scope: str) -> None:
+    """Keeps each open session's last turn in a file under `directory` too (see the module
+    docstring), so a registry built later over the same folder continues it; None: memory only.
+    Prunes the folder's expired files and the oldest beyond `max_sessions` now.
+
+    Args:
+      directory: the folder, e.g. `<store>/sessions/<fingerprint>` (created, mode 0700).
+      scope: what the files' token ids are valid for (the model fingerprint).
+
+    Raises:
+      OSError: the folder cannot be created or listed.
+    """
+    files = SessionFiles(directory, scope) if directory is not None else None
+    if files is not None:
+      files.prune(self.config.ttl_s, self.config.max_sessions)
+    with self._lock:
+      self._files = files
+
+  @property
+  def persistence_dir(self) -> str | None:
+    """The folder of the session files, or None (sessions in memory only)."""
+    return self._files.directory if self._files is not None else None
 
   # ----------------------------------------------------------------------------- turns
   def begin(self, session_id: str, cache_salt: str | None = None) -> SessionTurn:
@@ -485,7 +647,7 @@ class SessionRegistry:
     with self._lock:
       now = self._clock()
       self._expire(now)
-      s = self._sessions.get(key)
+      s = self._restore(key, now)
       if s is not None and s.lease is not None:
         self._counts["conflicts"] += 1
         raise SessionBusy(session_id, cache_salt)
@@ -589,6 +751,11 @@ class SessionRegistry:
       self._sessions.move_to_end(key)
       self._enforce_caps()
       self._publish_pins()
+      if key in self._sessions and self._files is not None:
+        try:
+          self._files.write(turn.session_id, turn.cache_salt, record, s.turns)
+        except OSError as e:  # the session goes on in memory
+          _log.warning("writing session file of %r failed: %r", turn.session_id, e)
       return key in self._sessions
 
   def release(self, turn: SessionTurn) -> None:
@@ -624,8 +791,9 @@ class SessionRegistry:
     """
     key = self._key(session_id, cache_salt)
     with self._lock:
-      self._expire(self._clock())
-      if key not in self._sessions:
+      now = self._clock()
+      self._expire(now)
+      if self._restore(key, now) is None:
         return False
       self._drop(key, "closed")
       return True
@@ -640,7 +808,7 @@ class SessionRegistry:
     with self._lock:
       now = self._clock()
       self._expire(now)
-      s = self._sessions.get(key)
+      s = self._restore(key, now)
       return None if s is None else self._info(key, s, now)
 
   def sessions(self) -> tuple[SessionInfo, ...]:
@@ -727,8 +895,32 @@ class SessionRegistry:
                        token_ids=s.turn.token_ids if s.turn is not None else (),
                        busy=s.lease is not None, idle_s=now - s.last_used_s)
 
+  def _restore(self, key, now: float) -> _Session | None:
+    """The open session of `key`: in memory, or read back from its file (then held in memory
+    as just used; a file saved longer than the TTL ago is deleted)."""
+    s = self._sessions.get(key)
+    if s is not None or self._files is None:
+      return s
+    got = self._files.read(key[1], key[0])
+    if got is None:
+      return None
+    turn, turns, saved_at = got
+    if self.config.ttl_s is not None and time.time() - saved_at > self.config.ttl_s:
+      self._files.delete(key[1], key[0])
+      self._counts["expired"] += 1
+      return None
+    s = _Session(turn=turn, turns=turns, last_used_s=now)  # read back: a use (LRU order)
+    self._sessions[key] = s
+    self._sessions.move_to_end(key)
+    self._tokens += s.num_tokens
+    self._enforce_caps()
+    self._publish_pins()
+    return self._sessions.get(key)
+
   def _drop(self, key, counter: str) -> None:
     s = self._sessions.pop(key)
+    if self._files is not None:
+      self._files.delete(key[1], key[0])
     if s.lease is not None:
       self._orphans.add(s.lease)  # its turn will end unrecorded: counted then
     self._tokens -= s.num_tokens
