@@ -224,6 +224,19 @@ _PLACEMENT = flags.DEFINE_enum(
     "With a store: write_through (default: saves go to the host tier and the disk) or "
     "write_back (saves go to the host tier; its victims are demoted to the disk, the disk's to "
     "a remote tier). Matters with a host tier (--kv_tiers).")
+# -- the KV store's size (kvjax.serve.server.ServerConfig.kv_store_capacity_bytes) -------------
+_KV_STORE_CAPACITY = flags.DEFINE_integer(
+    "kv_store_capacity_bytes", None,
+    "Byte limit of --kv_store: least recently used chunks (suffixes before their prefixes) are "
+    "evicted beyond it. Default: 4 GiB for a local or memory store, unbounded for s3://. With "
+    "--kv_tiers, give each tier its capacity_bytes.")
+
+
+def _store_options() -> dict:
+  """ServerConfig fields of the store-size flag."""
+  return dict(kv_store_capacity_bytes=_KV_STORE_CAPACITY.value)
+
+
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning",
                                ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
@@ -274,7 +287,7 @@ def config_from_flags() -> ServerConfig:
         session_rerotate_boundary_chunks=_SESSION_REROTATE_BOUNDARY.value,
         kv_lookahead_window=_LOOKAHEAD.value, max_pinned_sessions=_MAX_PINNED.value,
         max_pinned_session_bytes=_MAX_PINNED_BYTES.value, kv_placement=_PLACEMENT.value,
-        **_scale_out_options())
+        **_scale_out_options(), **_store_options())
   except ValueError as e:
     raise app.UsageError(str(e)) from e
 

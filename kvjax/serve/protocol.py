@@ -8,7 +8,8 @@ is a string or a list of parts of type "text" (another type, such as "image_url"
 naming it), and `seed` an int64.
 
 Extensions (accepted by kvjax, not by OpenAI; vLLM has the first three):
-  cache_salt: str   tenant key for the prefix cache (stored KV is shared only within one salt).
+  cache_salt: str   tenant key for the prefix cache (stored KV is shared only within one salt);
+                    1 to `MAX_CACHE_SALT_CHARS` (256) characters.
   top_k: int        keep the k most likely tokens (-1 or 0: all).
   ignore_eos: bool  keep generating after the end-of-sequence token.
 Chat only (SGLang has `session_id`; `kvjax.engine.sessions`):
@@ -30,6 +31,7 @@ import dataclasses
 import enum
 import json
 import math
+import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -87,14 +89,33 @@ def session_not_found(session_id: str) -> ApiError:
                   code="session_not_found")
 
 
+#: Longest `cache_salt`, characters (a tenant key; it is hashed into every chunk key and a
+#: session's key, so a longer one buys nothing and costs every lookup).
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(cache_salt: Any) -> None:
+  """Raises `ApiError` 400 naming `cache_salt` when it is empty, longer than
+  `MAX_CACHE_SALT_CHARS`, or in the reserved re-rotated namespace."""
+  if cache_salt is None:
+    return
+  if not cache_salt:
+    raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
+  if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+    raise bad_request(f"cache_salt is {len(cache_salt)} characters; at most "
+                      f"{MAX_CACHE_SALT_CHARS} are allowed.", "cache_salt")
+  if cache_salt.startswith(REROTATED_SALT_PREFIX):
+    raise bad_request(f"cache_salt may not start with {REROTATED_SALT_PREFIX!r} (reserved).",
+                      "cache_salt")
+
+
 def check_session_params(session_id: Any, cache_salt: Any) -> None:
   """Raises `ApiError` 400 naming `session_id` or `cache_salt` when one is malformed."""
   try:
     check_session_id(session_id)
   except ValueError as e:
     raise bad_request(f"{e}.", "session_id") from None
-  if cache_salt is not None and not cache_salt:
-    raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
+  check_cache_salt(cache_salt)
 
 
 def server_error(message: str, status: int = 500) -> ApiError:
@@ -127,6 +148,11 @@ def parse(model: type[BaseModel], body: bytes) -> BaseModel:
     err = e.errors(include_url=False)[0]
     param = _param(err["loc"])
     if err["type"] == "json_invalid":
+      lone = lone_surrogate(body or b"")
+      if lone is not None:
+        raise bad_request(f"The JSON body holds an invalid unicode escape: {lone}. Text must be "
+                          "valid unicode: a surrogate escape (\\ud800-\\udfff) is only valid "
+                          "as a high one followed by a low one, encoding one character.") from None
       raise bad_request(f"We could not parse the JSON body of your request: {err['msg']}. The "
                         "body must be a JSON object.") from None
     if err["type"] == "extra_forbidden":
@@ -138,6 +164,39 @@ def parse(model: type[BaseModel], body: bytes) -> BaseModel:
     got = err.get("input")
     got = json.dumps(got)[:80] if not isinstance(got, (dict, list)) else type(got).__name__
     raise bad_request(f"Invalid value for '{param}': {err['msg']} (got {got}).", param) from None
+
+
+_ESCAPE = re.compile(rb"(\\+)u([0-9a-fA-F]{4})")
+
+
+def lone_surrogate(body: bytes) -> str | None:
+  """Where a JSON body holds a lone-surrogate escape ("\\ud800" not followed by a low
+  surrogate escape, or a low one not after a high one), described for an error message
+  ("'\\ud800' at line 1, column 58, a lone surrogate"); None when it holds none."""
+  lone = pending = None  # pending: a high surrogate escape waiting for its low half
+  for m in _ESCAPE.finditer(body):
+    if len(m.group(1)) % 2 == 0:
+      continue  # an escaped backslash followed by plain "u...": not an escape
+    cp = int(m.group(2), 16)
+    if pending is not None:
+      if 0xDC00 <= cp <= 0xDFFF and m.start() + len(m.group(1)) - 1 == pending.end():
+        pending = None  # a pair: one character
+        continue
+      lone = pending
+      break
+    if 0xD800 <= cp <= 0xDBFF:
+      pending = m
+    elif 0xDC00 <= cp <= 0xDFFF:
+      lone = m
+      break
+  m = lone or pending
+  if m is None:
+    return None
+  start = m.end() - 6  # the escape itself: backslash, "u", four hex digits
+  line = body.count(b"\n", 0, start) + 1
+  col = start - (body.rfind(b"\n", 0, start) + 1) + 1
+  return (f"'{m.group(0)[-6:].decode()}' at line {line}, column {col} is a lone surrogate (half "
+          "of a UTF-16 pair without its other half)")
 
 
 class _Strict(BaseModel):
@@ -203,11 +262,7 @@ class _Sampling(_Strict):
       raise bad_request("stop takes at most 4 sequences.", "stop")
     if self.max_tokens is not None and self.max_tokens < 1:
       raise bad_request(f"max_tokens={self.max_tokens} must be at least 1.", "max_tokens")
-    if self.cache_salt is not None and not self.cache_salt:
-      raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
-    if self.cache_salt is not None and self.cache_salt.startswith(REROTATED_SALT_PREFIX):
-      raise bad_request(f"cache_salt may not start with {REROTATED_SALT_PREFIX!r} (reserved).",
-                        "cache_salt")
+    check_cache_salt(self.cache_salt)
     if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
       raise bad_request(f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be at "
                         "least 1 (keep that many of the prompt's last tokens).",
@@ -295,6 +350,10 @@ class ChatCompletionRequest(_Sampling):
       raise bad_request("close_session needs a session_id.", "close_session")
     if not self.messages:
       raise bad_request("messages must hold at least one message.", "messages")
+    for i, m in enumerate(self.messages):
+      if m.content is None and m.role != "assistant":  # OpenAI: only an assistant's may be null
+        raise bad_request(f"messages[{i}].content is null: a '{m.role}' message needs content "
+                          "(a string, or a list of text parts).", f"messages[{i}].content")
     if self.max_tokens is not None and self.max_completion_tokens is not None:
       raise bad_request("give max_tokens or max_completion_tokens, not both.",
                         "max_completion_tokens")

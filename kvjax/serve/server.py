@@ -67,6 +67,10 @@ class ServerConfig:
     cache_dir: kvjax's cache root (params, compiled programs); None: the default.
     kv_store: store URL; "default" is `builder.default_kv_store_url()`; None: no store.
     kv_tiers: a tier list as JSON (or a JSON file), instead of `kv_store`.
+    kv_store_capacity_bytes: byte limit of the `kv_store` (least recently used chunks, suffixes
+      before their prefixes, are evicted beyond; `kvjax.storage.eviction.LRUPolicy`); None:
+      `DEFAULT_STORE_CAPACITY_BYTES` (4 GiB) for a local or memory store, unbounded for s3://.
+      With `kv_tiers`, set each tier's `capacity_bytes` instead.
     kv_chunk_size: tokens per stored chunk.
     kv_codec: stored chunk encoding, one of `KV_CODECS` ("raw", "int8", "int4", "cachegen").
     kv_merge_mode: "cake" (compute the front, load the back), "load_only" or "compute_only".
@@ -135,6 +139,7 @@ class ServerConfig:
   cache_dir: str | None = None
   kv_store: str | None = "default"
   kv_tiers: str | None = None
+  kv_store_capacity_bytes: int | None = None
   kv_chunk_size: int = 256
   kv_codec: str = "raw"
   kv_merge_mode: str = "cake"
@@ -191,7 +196,11 @@ class ServerConfig:
       raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}; use 'slotted' or 'paged'")
     builder.check_scheduling_options(self.long_prefill_token_threshold, self.chunk_sizes,
                                      self.prefill_order, self.short_first_token_steps)
-    for name in ("max_num_seqs", "block_size", "kv_cache_memory_bytes"):
+    if self.kv_store_capacity_bytes is not None and self.kv_tiers is not None:
+      raise ValueError("kv_store_capacity_bytes bounds --kv_store; with kv_tiers, give each "
+                       "tier its capacity_bytes")
+    for name in ("max_num_seqs", "block_size", "kv_cache_memory_bytes",
+                 "kv_store_capacity_bytes"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
         raise ValueError(f"{name}={v!r} must be a positive int")
@@ -204,6 +213,10 @@ class ServerConfig:
         builder.store_config_from_json(self.kv_tiers)  # before the port is bound
       except ValueError as e:
         raise ValueError(f"kv_tiers: {e}") from e
+    try:
+      self.store_config()  # a bad URL, link or capacity: refused before the port is bound
+    except ValueError as e:
+      raise ValueError(f"kv_store: {e}") from e
     if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
       raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")
     if self.kv_events_hash_algo not in kv_events.HASH_ALGOS:
@@ -247,6 +260,26 @@ class ServerConfig:
       return self.max_num_seqs
     return DEFAULT_MAX_NUM_SEQS[self.resolved_kv_cache_layout]
 
+  @property
+  def kv_store_url(self) -> str | None:
+    """`kv_store` resolved ("default": `builder.default_kv_store_url()`), or None."""
+    if self.kv_store is None or self.kv_tiers is not None:
+      return None
+    return builder.default_kv_store_url() if self.kv_store == "default" else self.kv_store
+
+  def store_config(self):
+    """The one-tier `StoreConfig` of `kv_store` (its capacity and link); None without one.
+
+    This is where the server's store is defined (`store_startup_line` says where it is and how
+    large it may grow).
+    """
+    url = self.kv_store_url
+    if url is None:
+      return None
+    return builder.store_config_from_url(url, capacity_bytes=self.kv_store_capacity_bytes,
+                                         link_bytes_per_s=self.kv_link_bytes_per_s,
+                                         link_trace=self.kv_link_trace)
+
   def llm_options(self) -> dict[str, Any]:
     """Keyword arguments of `builder.build_llm` (and so of `LLM`)."""
     opts: dict[str, Any] = dict(
@@ -276,12 +309,11 @@ class ServerConfig:
       opts["chunk_sizes"] = tuple(self.chunk_sizes)
     if self.kv_tiers is not None:
       opts["kv_store"] = builder.store_config_from_json(self.kv_tiers)
+      opts.update(kv_link_bytes_per_s=self.kv_link_bytes_per_s, kv_link_trace=self.kv_link_trace)
     elif self.kv_store is not None:
-      opts["kv_store"] = (builder.default_kv_store_url() if self.kv_store == "default"
-                          else self.kv_store)
+      opts["kv_store"] = self.store_config()
     if "kv_store" in opts:
-      opts.update(kv_chunk_size=self.kv_chunk_size, kv_link_bytes_per_s=self.kv_link_bytes_per_s,
-                  kv_link_trace=self.kv_link_trace, kv_merge_mode=self.kv_merge_mode,
+      opts.update(kv_chunk_size=self.kv_chunk_size, kv_merge_mode=self.kv_merge_mode,
                   kv_codec_consistent=self.kv_codec_consistent)
       if self.kv_placement is not None:
         opts["kv_placement"] = self.kv_placement
@@ -354,14 +386,52 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
                  else None)
 
 
+def _size(nbytes: int | None) -> str:
+  if nbytes is None:
+    return "unbounded"
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= scale:
+      return f"{nbytes / scale:.1f} {unit}"
+  return f"{nbytes} B"
+
+
+def store_startup_line(config: ServerConfig, llm: LLM) -> str | None:
+  """The start-up line about the KV store: where it is, what it holds, how large it may grow,
+  and whether chat sessions survive a restart. First brings a store that a larger capacity
+  filled under its capacity now (least recently used chunks go). None without a store.
+
+  Lists every tier's records (blocking): called once, before serving.
+  """
+  kv = llm.kv_store
+  if kv is None:
+    return None
+  try:
+    kv.enforce_capacity()
+    tiers = "; ".join(f"{u.name}: {_size(u.nbytes)} in {u.chunks} chunks, capacity "
+                      f"{_size(u.capacity_bytes)}" for u in kv.usage())
+  except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute, as loads do
+    tiers = f"its contents could not be listed: {e!r}"
+  where = config.kv_store_url or "--kv_tiers"
+  flag = "--kv_store_capacity_bytes" if config.kv_store_url else "capacity_bytes per tier"
+  sessions = llm.sessions.persistence_dir
+  return (f"kvjax: KV store {where} ({tiers}; {flag} sets it, least recently used chunks are "
+          "evicted beyond); chat sessions " + (
+              f"persist across restarts in {sessions}" if sessions is not None else
+              "live in memory only (no local store folder): lost on restart"))
+
+
 def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:
-  """Builds the `LLM` of `config`, warms it up, and starts its engine thread.
+  """Builds the `LLM` of `config`, warms it up, and starts its engine thread; prints the store's
+  start-up line (`store_startup_line`).
 
   Raises:
     ValueError, FileNotFoundError: as `LLM`.
   """
   llm = builder.build_llm(config.model, **config.llm_options())
   try:
+    line = store_startup_line(config, llm)
+    if line is not None:
+      print(line, flush=True)
     publisher = kv_event_publisher(config)
   except Exception:
     llm.close()
