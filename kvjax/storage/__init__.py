@@ -13,17 +13,18 @@ from kvjax.storage.keys import (KeyNamespace, chunk_hashes, hash_chunk,
 from kvjax.storage.link import LinkLimiter, gbps, load_trace, mbps
 from kvjax.storage.placement import PlacementStats, TierHierarchy, TierSpec
 from kvjax.storage.specs import chunk_array_spec, kvstore_spec
-from kvjax.storage.tiers import (HostMemoryTier, KVStore, StoreConfig, Tier, TierConfig,
-                                 TieredStore, build_tiers, url_kind)
+from kvjax.storage.tiers import (DEFAULT_STORE_CAPACITY_BYTES, HostMemoryTier, KVStore,
+                                 StoreConfig, Tier, TierConfig, TieredStore, TierUsage,
+                                 build_tiers, url_kind)
 from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, ChunkRecord,
                                  EncodedPayload, Encoding, KVLayout, MissReason)
 
 __all__ = [
-    "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit", "ChunkMiss", "ChunkRecord", "ChunkStore",
+    "DEFAULT_STORE_CAPACITY_BYTES", "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit", "ChunkMiss", "ChunkRecord", "ChunkStore",
     "CorruptPayload", "EncodedPayload", "Encoding", "EntryInfo", "EvictionPolicy", "FIFOPolicy",
     "HostMemoryTier", "KVLayout", "KVStore", "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason",
     "PlacementStats", "StoreConfig", "StoreStats", "Tier", "TierConfig", "TierHierarchy",
-    "TierSpec", "TieredStore", "UnknownCodec", "build_tiers",
+    "TierSpec", "TierUsage", "TieredStore", "UnknownCodec", "build_tiers",
     "choose_codec", "chunk_array_spec", "chunk_hashes", "decode_payload", "default_choose",
     "encode_payload", "gbps", "hash_chunk", "kvstore_spec", "load_trace", "mbps", "payload_spec",
     "prefix_chunk_hashes_for_prompt", "url_kind",
