@@ -326,6 +326,7 @@ class SaverStats:
   chunks_already_stored: int = 0
   jobs_dropped: int = 0
   failures: int = 0
+  tails_dropped: int = 0  # superseded session tails deleted (`KVStoreClient.drop_tail`)
 
 
 
@@ -883,11 +884,13 @@ class KVStoreClient:
     hint (never evicted), as many whole sessions as fit half the host tier (the other half is
     the window's), each with its stored tail (`stores_tails`, a chunk's bytes) while that fits
     too. The session registry owns which sessions are pinned (`SessionRegistry.pinned`). Never
-    blocks on the store."""
+    blocks on the store. Without a host tier nothing is pinned: pins keep sessions in the host
+    tier, and a persistent tier's own LRU order keeps recent sessions (pinning there would let
+    open sessions hold a bounded store over its capacity)."""
     host = self.store.host_capacity()
     cap = host[1] // 2 if host is not None and host[1] is not None else None
     pins, used, nb = [], 0, self.layout.nbytes
-    for salt, ids in sessions:
+    for salt, ids in sessions if host is not None else ():
       ns, ids = self.namespace(salt), list(ids)
       hashes = tuple(keys.chunk_hashes(ns, ids))
       if cap is not None and used + len(hashes) * nb > cap:
@@ -1042,6 +1045,36 @@ class KVStoreClient:
         t._set(g, jax.device_put(np.ascontiguousarray(piece)))
       except Exception as e:  # noqa: BLE001 - reported to the waiter
         t._set(g, error=e)
+
+  def drop_tail(self, cache_salt: str | None, token_ids: Sequence[int]
+                ) -> concurrent.futures.Future | None:
+    """Deletes, in the background, the stored tail a finished session turn left (`tail_key` of
+    its ids but the last sampled one) once no session will extend that turn any more: the
+    session's next turn superseded it, or the session was closed, expired or evicted (the
+    session registry says so, `SessionRegistry.set_tail_sink`). A tail only a session's next
+    turn ever looks up would otherwise stay until evicted. (Two sessions with the very same
+    history share its tail: the other's next turn then recomputes those tokens.) Never blocks;
+    returns the delete's future (None: no tail), which callers need not wait for."""
+    ids = [int(t) for t in token_ids]
+    if not self.stores_tails or len(ids) < 2:
+      return None
+    ns = self.namespace(cache_salt)
+    end = len(ids) - 1
+    tail = self.tail_key(ns.root_hash(), keys.chunk_hashes(ns, ids, max_tokens=end), ids, end)
+    if tail is None:
+      return None
+    return asyncio.run_coroutine_threadsafe(self._drop_tail(tail[2]), self._loop)
+
+  async def _drop_tail(self, key: ChunkHash) -> None:
+    with self._lock:
+      saving = self._saving.get(key)
+    if saving is not None:  # still being written: delete it once it is
+      await asyncio.shield(asyncio.wrap_future(saving[1]))
+    try:
+      if await self.store.delete(key):
+        self.saver_stats.tails_dropped += 1
+    except Exception as e:  # noqa: BLE001 - best effort: the tier's LRU evicts it later
+      _log.warning("deleting a superseded session tail failed: %r", e)
 
   # ----------------------------------------------------------------------------- capacity
   def usage(self) -> list[TierUsage]:

@@ -485,6 +485,7 @@ class LLM:
                                  chunk_nbytes=self.kv_store.layout.nbytes)
       # Sessions persist beside a local store, so a restarted server continues them.
       self.sessions.set_persistence(self.kv_store.session_dir(), scope=self.fingerprint)
+      self.sessions.set_tail_sink(self.kv_store.drop_tail)  # superseded tails are deleted
     self._layerwise_groups = kv_layerwise_groups
     self._warm = False
     self._closed = False

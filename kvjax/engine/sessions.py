@@ -611,6 +611,19 @@ class SessionRegistry:
     self._pin_chunk = (1, 0)  # (tokens, bytes) of one stored chunk
     self._pinned: tuple[PinnedSession, ...] = ()
     self._files: SessionFiles | None = None
+    self._tail_sink: Callable[[str | None, tuple[int, ...]], None] | None = None
+
+  def set_tail_sink(self, sink: Callable[[str | None, tuple[int, ...]], None] | None) -> None:
+    """Hands `(kv_salt, token_ids)` of every finished turn no session will extend any more to
+    `sink` (e.g. `KVStoreClient.drop_tail`, which deletes the turn's stored tail): a turn the
+    session's next turn replaced, and the last turn of a session closed, expired or evicted.
+    Called under the registry's lock: the sink must not call back into the registry."""
+    with self._lock:
+      self._tail_sink = sink
+
+  def _superseded(self, key, turn: Turn | None) -> None:
+    if turn is not None and self._tail_sink is not None:
+      self._tail_sink(turn.kv_salt if turn.kv_salt is not None else key[0], turn.token_ids)
 
   def set_persistence(self, directory: str | None, *, scope: str) -> None:
     """Keeps each open session's last turn in a file under `directory` too (see the module
@@ -745,8 +758,10 @@ class SessionRegistry:
       s.lease, s.fresh, s.last_used_s = None, False, self._clock()
       if close:
         self._drop(key, "closed")
+        self._superseded(key, record)
         return False
       self._tokens += len(record.token_ids) - s.num_tokens
+      self._superseded(key, s.turn)
       s.turn, s.turns = record, s.turns + 1
       self._sessions.move_to_end(key)
       self._enforce_caps()
@@ -925,6 +940,7 @@ class SessionRegistry:
       self._orphans.add(s.lease)  # its turn will end unrecorded: counted then
     self._tokens -= s.num_tokens
     self._counts[counter] += 1
+    self._superseded(key, s.turn)
     self._publish_pins()  # a pinned session's KV is unpinned
 
   def _end_orphan(self, turn: SessionTurn) -> None:

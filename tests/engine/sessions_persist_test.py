@@ -13,6 +13,7 @@ import time
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
+from kvjax.storage import keys
 from kvjax.engine.sessions import EXTENDED, FIRST, SessionConfig, SessionFiles, SessionRegistry
 from kvjax.models.byte_tokenizer import ByteTokenizer
 
@@ -51,8 +52,20 @@ class RestartTest(absltest.TestCase):
       llm.close()
     cls.llm = make_llm(cls.dir)  # the restarted one
     # Turn 2 first, before other tests store chunks of this conversation.
+    kv = cls.llm.kv_store
+    ids1 = list(cls.turn1.token_ids)
+    cls.tail1 = kv.tail_key(kv.namespace("tenant").root_hash(),
+                            keys.chunk_hashes(kv.namespace("tenant"), ids1), ids1,
+                            len(ids1) - 1)[2]
+    cls.tail1_before = kv._run(kv.store.lookup([cls.tail1]))
+    sink, deletes = cls.llm.sessions._tail_sink, []  # the LLM's: `KVStoreClient.drop_tail`
+    cls.llm.sessions.set_tail_sink(lambda salt, ids: deletes.append(sink(salt, ids)))
     (cls.out2,) = cls.llm.chat(conversation(cls.out1), GREEDY, session_id="s1",
                                cache_salt="tenant")
+    cls.llm.flush()
+    for f in deletes:
+      f.result(60)
+    cls.tail1_after = kv._run(kv.store.lookup([cls.tail1]))
     cls.prompt2 = cls.llm.last_session_prompt
     (cls.cold,) = cls.llm.generate(
         {"prompt_token_ids": list(cls.prompt2.token_ids), "cache_salt": "cold"}, GREEDY)
@@ -73,6 +86,11 @@ class RestartTest(absltest.TestCase):
     self.assertEqual(self.cold.num_cached_tokens, 0)
     self.assertEqual(self.out2.token_ids, self.cold.token_ids)
     self.assertEqual(self.llm.sessions.get("s1", "tenant").turns, 2)
+
+  def test_turn_two_deleted_the_tail_it_superseded(self):
+    self.assertEqual(self.tail1_before, ["disk"])
+    self.assertEqual(self.tail1_after, [None])
+    self.assertEqual(self.llm.kv_store.saver_stats.tails_dropped, 1)
 
   def test_another_salt_or_id_does_not_see_it(self):
     self.llm.chat(conversation(self.out1), GREEDY, session_id="s1", cache_salt="other")
@@ -180,6 +198,21 @@ class SessionFilesTest(absltest.TestCase):
     reg = self.registry()
     self.assertIsNone(reg.get("s"))
     self.assertEqual(self.files(), [])
+
+  def test_superseded_and_dropped_turns_go_to_the_tail_sink(self):
+    reg = self.registry(max_sessions=2)
+    got = []
+    reg.set_tail_sink(lambda salt, ids: got.append((salt, bytes(ids))))
+    p1 = self.turn(reg, "a", "salt")
+    self.assertEqual(got, [])
+    self.turn(reg, "a", "salt", user="more")  # turn 1 superseded
+    self.assertEqual(got, [("salt", bytes(p1.token_ids) + b"ok")])
+    self.turn(reg, "b")
+    self.turn(reg, "c")  # a evicted (max_sessions=2): its last turn
+    self.assertEqual(got[1][0], "salt")
+    self.assertTrue(got[1][1].endswith(b"more\nassistant: ok"))
+    reg.close("b")
+    self.assertEqual(got[2], (None, b"user: hi\nassistant: ok"))
 
   def test_memory_only_without_a_folder(self):
     reg = SessionRegistry(self.tok)
