@@ -69,8 +69,11 @@ class StartupEvent:
   Attributes:
     phase: "weights" (before and after loading the parameters; a GGUF or safetensors
       checkpoint is converted on its first use and cached under `<cache root>/params`),
-      "calibrate" (before and after fitting or loading kvtc's transform), "store" (the
-      prefix-cache store is open: `message` names its tiers, URLs and capacities), "compile"
+      "cache" (before and after placing the weights and allocating the KV cache),
+      "calibrate" (before and after fitting or loading kvtc's transform, and after each
+      calibration step, `done` of `total`: prefilled passages, Fisher gradients, the fit),
+      "store" (the prefix-cache store is open: `message` names its tiers, URLs and
+      capacities), "compile"
       (before the first program, `done` 0, and after each: compiled, or loaded from JAX's
       persistent cache under `<cache root>/jax`), "ready".
     message: one line for a person.
@@ -487,6 +490,9 @@ class LLM:
     self.is_follower = multihost_run and jax.process_index() != 0
     if self.is_follower:
       kv_store = None  # process 0 alone reads and writes the store
+    self._progress(StartupEvent("cache", f"placing the weights and allocating the "
+                                f"{kv_cache_layout} KV cache"))
+    t0 = time.perf_counter()
     model_obj = Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
                                   param_dtype=self.dtype)
     if kv_cache_layout == "paged":
@@ -501,6 +507,14 @@ class LLM:
           model_obj,
           RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len,
                        chunk_sizes=chunk_sizes))
+    secs = time.perf_counter() - t0
+    if kv_cache_layout == "paged":
+      what = (f"{runner.num_blocks} blocks of {block_size} tokens "
+              f"({_fmt_bytes(runner.kv_cache_nbytes())}), up to {max_num_seqs} sequences")
+    else:
+      what = f"{max_num_seqs} slots of {runner.max_seq_len} tokens"
+    self._progress(StartupEvent("cache", f"KV cache: {kv_cache_layout}, {what} ({secs:.1f} s)",
+                                seconds=secs))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1],
                             long_prefill_token_threshold=long_prefill_token_threshold,
@@ -516,7 +530,11 @@ class LLM:
                                   "calibrating it on the packaged text (first use only)"))
       t0 = time.perf_counter()
       self.kvtc_transform = kv_calibration.load_or_calibrate(
-          runner, loaded.tokenizer, self.fingerprint, params_dir)
+          runner, loaded.tokenizer, self.fingerprint, params_dir,
+          progress=lambda done, total: self._progress(StartupEvent(
+              "calibrate", f"kvtc calibration {done}/{total} "
+              f"({time.perf_counter() - t0:.0f} s)", done, total,
+              time.perf_counter() - t0)))
       runner.set_kvtc_transform(self.kvtc_transform)
       secs = time.perf_counter() - t0
       self._progress(StartupEvent("calibrate", f"kvtc: transform ready in {secs:.1f} s",
