@@ -62,6 +62,7 @@ def resolve_kv_cache_layout(layout: str | None, kv_codec: str, *, with_store: bo
     return "slotted"
   return DEFAULT_KV_CACHE_LAYOUT
 
+
 @dataclasses.dataclass(frozen=True)
 class StartupEvent:
   """One step of building an `LLM` (`LLM(startup_progress=...)`): plain data for a log line.
@@ -73,12 +74,11 @@ class StartupEvent:
       "calibrate" (before and after fitting or loading kvtc's transform, and after each
       calibration step, `done` of `total`: prefilled passages, Fisher gradients, the fit),
       "store" (the prefix-cache store is open: `message` names its tiers, URLs and
-      capacities), "compile"
-      (before the first program, `done` 0, and after each: compiled, or loaded from JAX's
-      persistent cache under `<cache root>/jax`), "ready".
+      capacities), "compile" (before the first program, `done` 0, and after each: compiled,
+      or loaded from JAX's persistent cache under `<cache root>/jax`), "ready".
     message: one line for a person.
-    done: programs done so far ("compile"), else 0.
-    total: programs in all ("compile"), else 0.
+    done: steps done so far ("compile": programs; "calibrate": calibration steps), else 0.
+    total: steps in all (as `done`), else 0.
     seconds: how long the step took; 0.0 when it starts.
   """
 
