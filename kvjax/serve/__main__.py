@@ -29,9 +29,11 @@ signal exits at once (130).
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import threading
+import time
 
 
 class StopRequest:
@@ -39,7 +41,9 @@ class StopRequest:
 
   The handler only counts and writes one byte to a pipe (no lock, so it cannot deadlock with
   the thread it interrupts); the main thread sleeps in `wait()` on that pipe, which `wake()`
-  (the loader, uvicorn's thread) also writes to.
+  (the loader, uvicorn's thread) also writes to. The pipe is also the interpreter's wake-up fd
+  (`signal.set_wakeup_fd`): a signal the kernel delivers to another thread leaves the main
+  thread's `read` running, and only that byte wakes it so that the handler can run.
   """
 
   def __init__(self):
@@ -48,6 +52,8 @@ class StopRequest:
     self.signals = 0
 
   def install(self) -> None:
+    """Installs the handlers and the wake-up fd (call on the main thread)."""
+    signal.set_wakeup_fd(self._w)
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, self._on_signal)
 
@@ -68,9 +74,10 @@ class StopRequest:
     except BlockingIOError:  # the pipe is full: the main thread has wake-ups queued anyway
       pass
 
-  def wait(self) -> None:
-    """Sleeps until a signal or a `wake()` (one wake-up each)."""
-    os.read(self._r, 1)
+  def wait(self, timeout_s: float | None = None) -> None:
+    """Sleeps until a signal or a `wake()` (one wake-up each), or `timeout_s` passed."""
+    if select.select([self._r], [], [], timeout_s)[0]:
+      os.read(self._r, 1)
 
 
 #: Seconds a cancelled start-up may take to reach its next step before the process exits anyway.
@@ -434,6 +441,8 @@ def main(argv):
     if STOP.requested:
       raise StartupCancelled()
 
+  load_done = threading.Event()  # set before the loader's wake-up (is_alive() lags it)
+
   def load():
     try:
       loaded["backend"], loaded["llm"] = load_backend(config, startup_progress=progress)
@@ -443,16 +452,19 @@ def main(argv):
       state.load_error = f"loading {config.model!r} failed: {e}"
       _out(f"error: {state.load_error}", err=True)
     finally:
+      load_done.set()
       STOP.wake()
 
   loader = threading.Thread(target=load, name="kvjax-load", daemon=True)
   loader.start()
-  while loader.is_alive() and not STOP.requested:
+  while not load_done.is_set() and not STOP.requested:
     STOP.wait()
-  if loader.is_alive():  # stop requested while loading: cancel at the loader's next step
+  if not load_done.is_set():  # stop requested while loading: cancel at the loader's next step
     _out("kvjax: stopping: cancelling the start-up")
-    loader.join(CANCEL_GRACE_S)
-    if loader.is_alive():
+    deadline = time.monotonic() + CANCEL_GRACE_S
+    while not load_done.is_set() and time.monotonic() < deadline:
+      STOP.wait(max(0.0, deadline - time.monotonic()))  # a second signal exits in there
+    if not load_done.is_set():
       _out(f"kvjax: the start-up did not reach its next step within {CANCEL_GRACE_S:.0f} s "
            "(a weight conversion or one long compile); exiting without waiting for it")
       _exit_now(0)
