@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from kvjax.scheduler.scheduler import PREFILL_ORDERS, SHORTEST_FIRST, SchedulerC
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
-from kvjax.storage.store_config import PLACEMENTS
+from kvjax.storage.store_config import DEFAULT_DISK_CAPACITY_BYTES, PLACEMENTS
 from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
 
@@ -60,6 +61,62 @@ def resolve_kv_cache_layout(layout: str | None, kv_codec: str, *, with_store: bo
   if with_store and codec is not None and not codec.lossless:
     return "slotted"
   return DEFAULT_KV_CACHE_LAYOUT
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupEvent:
+  """One step of building an `LLM` (`LLM(startup_progress=...)`): plain data for a log line.
+
+  Attributes:
+    phase: "weights" (before and after loading the parameters; a GGUF or safetensors
+      checkpoint is converted on its first use and cached under `<cache root>/params`),
+      "cache" (before and after placing the weights and allocating the KV cache),
+      "calibrate" (before and after fitting or loading kvtc's transform, and after each
+      calibration step, `done` of `total`: prefilled passages, Fisher gradients, the fit),
+      "store" (the prefix-cache store is open: `message` names its tiers, URLs and
+      capacities), "compile" (before the first program, `done` 0, and after each: compiled,
+      or loaded from JAX's persistent cache under `<cache root>/jax`), "ready".
+    message: one line for a person.
+    done: steps done so far ("compile": programs; "calibrate": calibration steps), else 0.
+    total: steps in all (as `done`), else 0.
+    seconds: how long the step took; 0.0 when it starts.
+  """
+
+  phase: str
+  message: str
+  done: int = 0
+  total: int = 0
+  seconds: float = 0.0
+
+
+def log_startup(event: StartupEvent) -> None:
+  """`LLM`'s default `startup_progress`: the event's message at INFO on this module's logger."""
+  _log.info("%s", event.message)
+
+
+def _fmt_bytes(n: int | None) -> str:
+  if n is None:
+    return "unbounded"
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.3g} {unit}"
+  return f"{n} B"
+
+
+def describe_store(config: StoreConfig) -> str:
+  """One line naming a store's tiers, top first, with their URLs and byte capacities (a disk
+  tier without one: `DEFAULT_DISK_CAPACITY_BYTES`; a remote one: unbounded)."""
+  parts = []
+  for tier in config.tiers:
+    cap = tier.capacity_bytes
+    if cap is None and tier.kind == "disk":
+      cap = DEFAULT_DISK_CAPACITY_BYTES
+    where = f" {tier.url}" if tier.url else ""
+    parts.append(f"{tier.name or tier.kind}{where} ({_fmt_bytes(cap)})")
+  placement = f"; {config.placement}" if len(parts) > 1 else ""
+  plural = "s" if len(parts) != 1 else ""
+  return f"{len(parts)} tier{plural}: {', '.join(parts)}{placement}"
+
 
 #: Latency priors of a store link, seconds, for the bandwidth-delay product of loads in flight.
 LOCAL_LINK_LATENCY_S = 1e-3
@@ -320,6 +377,10 @@ class LLM:
       "write_through" (every save goes to the host tier and the disk) or "write_back" (saves go
       to the host tier; what it evicts is demoted to the disk, and disk victims to a remote
       tier); None (default): the `StoreConfig`'s own (write-through for a URL).
+    startup_progress: called with a `StartupEvent` at each step of construction (weights,
+      calibration, store, each compiled program, ready), on the constructing thread; an
+      exception it raises (e.g. to cancel a start-up on Ctrl-C) ends the construction, after
+      closing what was opened, and propagates. None (default): `log_startup` (INFO log lines).
 
   Raises:
     ValueError: unknown model or dtype, or sizes that do not fit the model.
@@ -351,7 +412,9 @@ class LLM:
                kv_lookahead_window: int = 8,
                max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS,
                max_pinned_session_bytes: int | None = None,
-               kv_placement: str | None = None):
+               kv_placement: str | None = None,
+               startup_progress: Callable[[StartupEvent], None] | None = None):
+    self._progress = startup_progress or log_startup
     multihost_run = initialize_distributed(coordinator_address, num_processes, process_id)
     session_config = SessionConfig(ttl_s=session_ttl_s, max_sessions=max_sessions,
                                    max_tokens=max_session_tokens, truncation=session_truncation,
@@ -391,7 +454,14 @@ class LLM:
     if cache_root:
       enable_persistent_compilation_cache(os.path.join(cache_root, "jax"))
     self.dtype = resolve_dtype(dtype)
-    loaded = load_model(model, cache_dir=os.path.join(cache_root, "params") if cache_root else None)
+    params_dir = os.path.join(cache_root, "params") if cache_root else None
+    self._progress(StartupEvent("weights", f"loading {model} weights" + (
+        f" (converted once, cached in {params_dir})" if params_dir else "")))
+    t0 = time.perf_counter()
+    loaded = load_model(model, cache_dir=params_dir)
+    secs = time.perf_counter() - t0
+    self._progress(StartupEvent("weights", f"loaded {loaded.name} weights in {secs:.1f} s",
+                                seconds=secs))
     self.model_name = loaded.name
     self.model_config = loaded.config
     self.fingerprint = loaded.fingerprint
@@ -420,6 +490,9 @@ class LLM:
     self.is_follower = multihost_run and jax.process_index() != 0
     if self.is_follower:
       kv_store = None  # process 0 alone reads and writes the store
+    self._progress(StartupEvent("cache", f"placing the weights and allocating the "
+                                f"{kv_cache_layout} KV cache"))
+    t0 = time.perf_counter()
     model_obj = Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
                                   param_dtype=self.dtype)
     if kv_cache_layout == "paged":
@@ -434,20 +507,38 @@ class LLM:
           model_obj,
           RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len,
                        chunk_sizes=chunk_sizes))
+    secs = time.perf_counter() - t0
+    if kv_cache_layout == "paged":
+      what = (f"{runner.num_blocks} blocks of {block_size} tokens "
+              f"({_fmt_bytes(runner.kv_cache_nbytes())}), up to {max_num_seqs} sequences")
+    else:
+      what = f"{max_num_seqs} slots of {runner.max_seq_len} tokens"
+    self._progress(StartupEvent("cache", f"KV cache: {kv_cache_layout}, {what} ({secs:.1f} s)",
+                                seconds=secs))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1],
                             long_prefill_token_threshold=long_prefill_token_threshold,
                             prefill_order=prefill_order,
                             short_first_token_steps=short_first_token_steps)
     self.kvtc_transform = None
+    self.store_description: str | None = None
     if kv_store is not None and kv_codec == codecs.KVTC and kv_cache_layout == "paged":
       raise ValueError("kv_codec='kvtc' runs on the slotted KV cache for now: pass "
                        "kv_cache_layout='slotted' (or None, which picks it for lossy codecs)")
     if kv_store is not None and kv_codec == codecs.KVTC:
+      self._progress(StartupEvent("calibrate", "kvtc: loading this model's transform, or "
+                                  "calibrating it on the packaged text (first use only)"))
+      t0 = time.perf_counter()
       self.kvtc_transform = kv_calibration.load_or_calibrate(
-          runner, loaded.tokenizer, self.fingerprint,
-          os.path.join(cache_root, "params") if cache_root else None)
+          runner, loaded.tokenizer, self.fingerprint, params_dir,
+          progress=lambda done, total: self._progress(StartupEvent(
+              "calibrate", f"kvtc calibration {done}/{total} "
+              f"({time.perf_counter() - t0:.0f} s)", done, total,
+              time.perf_counter() - t0)))
       runner.set_kvtc_transform(self.kvtc_transform)
+      secs = time.perf_counter() - t0
+      self._progress(StartupEvent("calibrate", f"kvtc: transform ready in {secs:.1f} s",
+                                  seconds=secs))
     self.kv_store = None
     if isinstance(kv_layerwise_groups, bool) or not isinstance(kv_layerwise_groups, int) or (
         not 1 <= kv_layerwise_groups <= loaded.config.n_layers):
@@ -491,8 +582,14 @@ class LLM:
     self._closed = False
     #: The last session turn's `ChatPrompt` (its truncation and re-rotation; tests, benchmarks).
     self.last_session_prompt = None
-    if compile_on_init and not self.is_follower:
-      self.warmup()
+    try:
+      if self.kv_store is not None:
+        self._progress(StartupEvent("store", f"KV store: {self.store_description}"))
+      if compile_on_init and not self.is_follower:
+        self.warmup()
+    except BaseException:  # a cancelled start-up (the callback raised) leaves nothing running
+      self.close()
+      raise
 
   @staticmethod
   def _consistent(option: bool | None, codec: str, chunk_size: int,
@@ -547,6 +644,8 @@ class LLM:
     for tier in config.tiers:
       if tier.url is not None:
         _check_local_store_writable(tier.url)
+    #: The store's tiers, URLs and capacities in one line (`describe_store`).
+    self.store_description = describe_store(config)
     store = build_tiers(config, make_chunk_store=lambda url, name, limiter: ChunkStore(
         url, name=name, limiter=limiter))
     cfg = self.model_config
@@ -582,32 +681,75 @@ class LLM:
     """Compiles (or loads from JAX's persistent compilation cache) every program serving uses:
     prefill at each compiled chunk size, the decode step, and, with a store, the insertion of a
     stored chunk and the encode of the configured codec's levels. Idempotent. Writes only slot-0
-    positions that any later request overwrites before it reads them.
+    positions that any later request overwrites before it reads them. Reports each program to
+    `startup_progress` ("compile" events, then "ready").
     """
     if self._warm:
       return
     if self.is_follower:
       raise RuntimeError("a multi-host process other than 0 follows process 0 (follow())")
+    programs = self._warmup_programs()
+    total = len(programs)
+    self._progress(StartupEvent("compile", f"compiling {total} programs (or loading them from "
+                                "the compilation cache)", 0, total))
+    start = time.perf_counter()
+    for done, (name, run) in enumerate(programs, 1):
+      t0 = time.perf_counter()
+      run()
+      secs = time.perf_counter() - t0
+      self._progress(StartupEvent("compile", f"compiled {done}/{total}: {name} ({secs:.1f} s)",
+                                  done, total, secs))
+    self._warm = True
+    secs = time.perf_counter() - start
+    self._progress(StartupEvent("ready", f"{self.model_name}: {total} programs ready in "
+                                f"{secs:.1f} s", total, total, secs))
+
+  def _warmup_programs(self) -> list[tuple[str, Callable[[], None]]]:
+    """(name, compile-and-run) of every program `warmup` prepares, in order."""
     runner = self.engine.runner
-    runner.warmup()
+    programs: list[tuple[str, Callable[[], None]]] = []
+    if self.engine.kv_cache_layout == "paged":
+      for t in runner.buckets:
+        programs.append((f"step of {t} tokens", lambda t=t: runner.warmup((t,))))
+    else:
+      for size in runner.chunk_sizes:
+        if size <= runner.max_seq_len:
+          programs.append((f"prefill of {size} tokens",
+                           lambda size=size: runner.warmup((size,), decode=False)))
+      programs.append((f"decode of {runner.config.num_slots} sequences",
+                       lambda: runner.warmup(())))
     store = self.kv_store
-    if store is not None and store.chunk_size <= runner.max_seq_len:
-      layout = store.layout
-      kv = jnp.zeros((layout.num_layers, 2, layout.chunk_size, layout.num_kv_heads,
-                      layout.head_dim), jnp.dtype(layout.dtype))
-      # Slot 0 (slotted) or the first blocks (paged, free at warmup) at position 0.
-      where = 0 if self.engine.kv_cache_layout == "slotted" else tuple(
-          range(layout.chunk_size // runner.block_size))
+    if store is None or store.chunk_size > runner.max_seq_len:
+      return programs
+    layout = store.layout
+    kv = jnp.zeros((layout.num_layers, 2, layout.chunk_size, layout.num_kv_heads,
+                    layout.head_dim), jnp.dtype(layout.dtype))
+    # Slot 0 (slotted) or the first blocks (paged, free at warmup) at position 0.
+    where = 0 if self.engine.kv_cache_layout == "slotted" else tuple(
+        range(layout.chunk_size // runner.block_size))
+
+    def insert():
       runner.insert_chunk(kv, where, 0)
-      if self._layerwise_groups > 1 and self.engine.kv_cache_layout == "paged":
-        runner.warmup_layerwise(self._layerwise_groups)
-        runner.warmup_layer_inserts(kv, where, self._layerwise_groups)
-      if store.codec != "raw":
+      runner.block_until_ready()
+
+    programs.append((f"insert of a stored {layout.chunk_size}-token chunk", insert))
+    groups = self._layerwise_groups
+    if groups > 1 and self.engine.kv_cache_layout == "paged":
+      def layerwise():
+        runner.warmup_layerwise(groups)
+        runner.warmup_layer_inserts(kv, where, groups)
+        runner.block_until_ready()
+
+      programs.append((f"layer-wise steps and inserts, {groups} groups", layerwise))
+    if store.codec != "raw":
+      def codec():
         _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels, 0)[0]
         runner.insert_payload(store.codec, jax.device_get(arrays), where, 0)
         store.warmup_entropy(store.codec, level, jax.device_get(arrays))
-      runner.block_until_ready()
-    self._warm = True
+        runner.block_until_ready()
+
+      programs.append((f"{store.codec} encode and insert", codec))
+    return programs
 
   def close(self) -> None:
     """Writes pending saves, stops the store's threads, and frees the parameters and the KV

@@ -59,6 +59,7 @@ import hashlib
 import importlib.resources
 import logging
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -209,7 +210,8 @@ def fit_transform(kv_L2TD: np.ndarray, sensitivity: np.ndarray | None, num_kv_he
 
 
 def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = FISHER_TAIL,
-              samples: int = FISHER_SAMPLES, seed: int = 0) -> np.ndarray:
+              samples: int = FISHER_SAMPLES, seed: int = 0,
+              on_gradient: Callable[[], None] | None = None) -> np.ndarray:
   """Step 4: the Fisher metric of the KV of one context token, per (layer, K/V).
 
   For each window of `context + tail` tokens of `token_ids`: prefill the context (K before
@@ -230,6 +232,7 @@ def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = F
     runner: a `ModelRunner` (its cache is not touched; slot 0 is used and reset).
     token_ids: the calibration tokens (at least context + tail of them).
     context, tail, samples, seed: the probe's sizes and the sampling seed.
+    on_gradient: called after each of the `samples` gradients of each window (progress).
 
   Returns:
     f64[L, 2, D, D], symmetric positive semi-definite.
@@ -262,6 +265,8 @@ def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = F
       g = np.stack([np.asarray(g_k, np.float64), np.asarray(g_v, np.float64)], axis=1)
       g = g[:, :, 1:].reshape(l_, 2, context - 1, d)
       acc += np.einsum("latd,late->lade", g, g)
+      if on_gradient is not None:
+        on_gradient()
     windows += 1
   runner.reset()
   return acc / (2.0 * tail * samples * windows)
@@ -270,7 +275,8 @@ def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = F
 def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
                    max_tokens: int = MAX_CALIBRATION_TOKENS, fisher_context: int = FISHER_CONTEXT,
                    fisher_tail: int = FISHER_TAIL, fisher_samples: int = FISHER_SAMPLES,
-                   eps: float = WHITEN_EPS, seed: int = 0) -> KVTCTransform:
+                   eps: float = WHITEN_EPS, seed: int = 0,
+                   progress: Callable[[int, int], None] | None = None) -> KVTCTransform:
   """Fits a kvtc transform from the model's KV of `token_ids` (module docstring).
 
   Uses slot 0 of `runner` and resets its cache afterwards (call before serving).
@@ -284,6 +290,9 @@ def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
       context + tail capped at the runner's max_seq_len).
     eps: the whitening's regularisation.
     seed: seed of the probe's sampled targets.
+    progress: called with (steps done, steps in all) after each step: each prefilled passage,
+      each Fisher gradient (windows x samples), and the fit; what it raises propagates (a
+      cancelled start-up).
 
   Returns:
     The transform (float32 arrays, deterministic for given weights, tokens and seed).
@@ -301,25 +310,34 @@ def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
   if len(ids) < max(fisher_context + fisher_tail, 2 * d):
     raise ValueError(f"calibration needs at least {max(fisher_context + fisher_tail, 2 * d)} "
                      f"tokens, got {len(ids)}")
+  starts = [p0 for p0 in range(0, len(ids), passage) if len(ids[p0:p0 + passage]) >= 16]
+  total = len(starts) + fisher_samples * (len(ids) // (fisher_context + fisher_tail)) + 1
+  done = 0
+
+  def step():
+    nonlocal done
+    done += 1
+    if progress is not None:
+      progress(done, total)
+
   # 1. The calibration KV, f32[L, 2, T, D] on the host.
   pieces = []
-  for p0 in range(0, len(ids), passage):
-    piece = ids[p0:p0 + passage]
-    if len(piece) < 16:
-      break
-    for out in _prefill(runner, piece, 0):
+  for p0 in starts:
+    for out in _prefill(runner, ids[p0:p0 + passage], 0):
       kk = np.asarray(out.k_pre_rope_LTKH, np.float32).reshape(l_, -1, d)
       vv = np.asarray(out.v_LTKH, np.float32).reshape(l_, -1, d)
       pieces.append(np.stack([kk, vv], axis=1))                        # [L, 2, T, D]
+    step()
   x = np.concatenate(pieces, axis=2)
   del pieces
   runner.reset()
   # 4. The Fisher metric (before the fit, which whitens by it).
   metric = kv_fisher(runner, ids, context=fisher_context, tail=fisher_tail,
-                     samples=fisher_samples, seed=seed)
+                     samples=fisher_samples, seed=seed, on_gradient=step)
   # 2-3. Predictor and whitened PCA.
   t = fit_transform(x, None, k, h, metric=metric, eps=eps)
   runner.reset()
+  step()
   return t
 
 
@@ -346,6 +364,7 @@ def load_transform(path: str, num_kv_heads: int, head_dim: int) -> KVTCTransform
 
 
 def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None,
+                      progress: Callable[[int, int], None] | None = None,
                       **kwargs) -> KVTCTransform:
   """The model's kvtc transform: from `cache_dir` if cached there, else calibrated (and cached).
 
@@ -354,6 +373,7 @@ def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None
     tokenizer: encodes the calibration text (`encode(text) -> list[int]`).
     fingerprint: the model fingerprint (cache key).
     cache_dir: the params cache directory; None caches nothing.
+    progress: `calibrate_kvtc`'s (called only when calibrating).
     **kwargs: `calibrate_kvtc` sizes.
 
   Returns:
@@ -375,7 +395,7 @@ def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None
   _log.warning("calibrating the kvtc transform of this model on %d tokens of shipped text (once "
                "per model: a few minutes on a 2-core CPU; cached as %s)", len(ids),
                path or "nothing: no cache_dir")
-  t = calibrate_kvtc(runner, ids, **kwargs)
+  t = calibrate_kvtc(runner, ids, progress=progress, **kwargs)
   if path:
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp.npz"

@@ -882,9 +882,10 @@ class PagedModelRunner:
               self.state, self._group_params(l0, l1), self.pool, x, *arrays[1:], np.int32(l0))
       jax.block_until_ready(fns["finish"](self.state, x, np.zeros(s_max, np.int32)))
 
-  def warmup(self) -> None:
-    """Compiles every token bucket of the step. Writes nothing (every slot is padding)."""
-    for t in self.buckets:
+  def warmup(self, buckets: Sequence[int] | None = None) -> None:
+    """Compiles every token bucket of the step (`buckets`: these only). Writes nothing (every
+    slot is padding)."""
+    for t in self.buckets if buckets is None else buckets:
       # No real sequence (num_seqs = 0, every slot -1): compiles the bucket, writes nothing.
       s_max = min(t, self.max_step_seqs)
       logits, _, _ = self._device_step(

@@ -39,7 +39,10 @@ def enable_persistent_compilation_cache(path: str | None = None) -> str:
   path = path or os.path.join(default_cache_root(), "jax")
   os.makedirs(path, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  # Every program, however quick to compile: a second start (and an `LLM` of the same options
+  # after the server) then compiles nothing (at 0.5 s, the small programs of every start were
+  # compiled again each time).
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
 
@@ -378,14 +381,16 @@ class ModelRunner:
     """The KV cache buffers are alive (a failed donated call can leave them deleted)."""
     return not self.cache.k_LBSKH.is_deleted()
 
-  def warmup(self, chunk_sizes: tuple[int, ...] | None = None) -> None:
-    """Compiles (or loads from the persistent cache) every prefill size and the decode step.
+  def warmup(self, chunk_sizes: tuple[int, ...] | None = None, *, decode: bool = True) -> None:
+    """Compiles (or loads from the persistent cache) every prefill size and the decode step
+    (`chunk_sizes`: these sizes only; `decode=False`: no decode step).
 
     Writes only slot 0 positions that a later prefill at position 0 overwrites.
     """
-    for size in chunk_sizes or self.chunk_sizes:
+    for size in self.chunk_sizes if chunk_sizes is None else chunk_sizes:
       if size <= self.max_seq_len:
         jax.block_until_ready(self.prefill_chunk([0] * size, 0, 0).logits)
-    b = self.config.num_slots
-    jax.block_until_ready(self.decode_step(np.zeros(b), np.zeros(b), np.zeros(b, bool)))
+    if decode:
+      b = self.config.num_slots
+      jax.block_until_ready(self.decode_step(np.zeros(b), np.zeros(b), np.zeros(b, bool)))
     self.cache = dataclasses.replace(self.cache, lengths_B=jnp.zeros_like(self.cache.lengths_B))

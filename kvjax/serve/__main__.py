@@ -12,28 +12,93 @@ r"""`python -m kvjax.serve`: the OpenAI-compatible server.
     python -m kvjax.serve --tensor_parallel_size=8 --num_processes=2 --process_id=$RANK \
         --coordinator_address=host0:1234             # 2 hosts x 4 devices; HTTP on process 0
 
-Thin entry point: absl flags -> `ServerConfig` -> bind the socket -> load and warm up the model on
-a background thread (GET /health answers 503 until then) -> uvicorn on the main thread (Ctrl-C
-stops it; pending KV saves are written before exit).
+Thin entry point: absl flags -> `ServerConfig` -> bind the socket -> uvicorn on a thread (GET
+/health answers 503 until the model is ready) -> load and warm up the model on a loader thread,
+one log line per step ("kvjax: compiled 3/8: ...") -> serve.
+
+Start and stop: the main thread owns SIGINT and SIGTERM (`StopRequest`, installed before JAX and
+uvicorn are imported) and sleeps until a signal, the loader or uvicorn wakes it. A signal while
+loading cancels the start-up at the loader's next step (between programs); a step that cannot be
+interrupted (a weight conversion, one long compile) gets `CANCEL_GRACE_S`, then the process ends
+with `os._exit` after flushing its output: the interpreter never tears XLA down under a thread
+inside it (that aborted the process: "terminate called ...", exit 134). A signal while serving
+stops uvicorn, fails what is still running (503), writes pending KV saves and exits 0. A second
+signal exits at once (130).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import select
+import signal
 import sys
 import threading
+import time
 
-from absl import app, flags, logging
 
-from kvjax.serve.app import ServeState, create_app
-from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
+class StopRequest:
+  """SIGINT/SIGTERM for the main thread: the first asks to stop, a second exits at once.
+
+  The handler only counts and writes one byte to a pipe (no lock, so it cannot deadlock with
+  the thread it interrupts); the main thread sleeps in `wait()` on that pipe, which `wake()`
+  (the loader, uvicorn's thread) also writes to. The pipe is also the interpreter's wake-up fd
+  (`signal.set_wakeup_fd`): a signal the kernel delivers to another thread leaves the main
+  thread's `read` running, and only that byte wakes it so that the handler can run.
+  """
+
+  def __init__(self):
+    self._r, self._w = os.pipe()
+    os.set_blocking(self._w, False)
+    self.signals = 0
+
+  def install(self) -> None:
+    """Installs the handlers and the wake-up fd (call on the main thread)."""
+    signal.set_wakeup_fd(self._w)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(sig, self._on_signal)
+
+  @property
+  def requested(self) -> bool:
+    return self.signals > 0
+
+  def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+    self.signals += 1
+    if self.signals > 1:
+      os.write(2, b"kvjax: second signal: exiting now\n")
+      os._exit(128 + signal.SIGINT)  # 130: what a shell reports for an interrupted program
+    self.wake()
+
+  def wake(self) -> None:
+    try:
+      os.write(self._w, b"x")
+    except BlockingIOError:  # the pipe is full: the main thread has wake-ups queued anyway
+      pass
+
+  def wait(self, timeout_s: float | None = None) -> None:
+    """Sleeps until a signal or a `wake()` (one wake-up each), or `timeout_s` passed."""
+    if select.select([self._r], [], [], timeout_s)[0]:
+      os.read(self._r, 1)
+
+
+#: Seconds a cancelled start-up may take to reach its next step before the process exits anyway.
+CANCEL_GRACE_S = 5.0
+
+STOP = StopRequest()
+if __name__ == "__main__":
+  STOP.install()  # before the heavy imports below: a Ctrl-C during them is not lost
+
+import json  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
+
+from kvjax.serve.app import ServeState, create_app  # noqa: E402
+from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,  # noqa: E402
                                    DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                                    DEFAULT_SESSION_TTL_S)
-from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES
-from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,
-                                PREFILL_ORDERS, HttpServer, ServerConfig, build_follower,
-                                close_backend, load_backend)
+from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES  # noqa: E402
+from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,  # noqa: E402
+                                PREFILL_ORDERS, HttpServer, ServerConfig, StartupEvent,
+                                build_follower, close_backend, load_backend)
 
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct",
                              "Model name, .gguf path, Hugging Face safetensors dir, or 'tiny'.")
@@ -324,8 +389,26 @@ def parse_flags(argv: list[str]) -> list[str]:
   return app.parse_flags_with_usage([_VLLM_NEGATIONS.get(a, a) for a in argv])
 
 
+class StartupCancelled(Exception):
+  """Raised on the loader thread at its next step after a stop was requested."""
+
+
+def _out(line: str, err: bool = False) -> None:
+  print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _exit_now(code: int) -> None:
+  """Ends the process without the interpreter's teardown (a loader thread may be inside XLA)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+  if STOP.requested:  # a signal during the imports
+    _out("kvjax: stopping (before start-up)")
+    return
   try:
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -334,7 +417,10 @@ def main(argv):
     print(f"error: {e} (python -m kvjax.serve --help lists the flags)", file=sys.stderr)
     sys.exit(1)  # absl's code for flag errors
   if config.is_follower:
-    # Multi-host, not process 0: no HTTP; run process 0's device calls until it stops.
+    # Multi-host, not process 0: no HTTP; run process 0's device calls until it stops. Nothing
+    # here is saved, so a signal ends the process at once.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(sig, lambda *_: _exit_now(0))
     llm = build_follower(config)
     print(f"kvjax: process {config.process_id} of {config.num_processes} follows process 0",
           flush=True)
@@ -348,37 +434,69 @@ def main(argv):
   except OSError as e:
     print(f"error: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
     sys.exit(2)
-  print(f"kvjax: listening on {http.url} (port {http.port}); loading {config.model}, "
-        "GET /health answers 503 until the model is compiled", flush=True)
+  http_done = threading.Event()
+
+  def http_exited():
+    http_done.set()
+    STOP.wake()
+
+  try:
+    http.start(on_exit=http_exited)
+  except RuntimeError as e:
+    _out(f"error: {e}", err=True)
+    sys.exit(2)
+  _out(f"kvjax: listening on {http.url} (port {http.port}); loading {config.model}, "
+       "GET /health answers 503 until the model is compiled")
   loaded: dict = {}
+
+  def progress(event: StartupEvent) -> None:
+    _out(f"kvjax: {event.message}")
+    if STOP.requested:
+      raise StartupCancelled()
+
+  load_done = threading.Event()  # set before the loader's wake-up (is_alive() lags it)
 
   def load():
     try:
-      loaded["backend"], loaded["llm"] = load_backend(config)
+      loaded["backend"], loaded["llm"] = load_backend(config, startup_progress=progress)
+    except StartupCancelled:
+      pass
     except Exception as e:  # noqa: BLE001 - reported, and the server stops
       state.load_error = f"loading {config.model!r} failed: {e}"
-      print(f"error: {state.load_error}", file=sys.stderr, flush=True)
-      http.server.should_exit = True
-      return
-    state.attach(loaded["backend"])
-    publisher = loaded["backend"].kv_event_publisher
+      _out(f"error: {state.load_error}", err=True)
+    finally:
+      load_done.set()
+      STOP.wake()
+
+  loader = threading.Thread(target=load, name="kvjax-load", daemon=True)
+  loader.start()
+  while not load_done.is_set() and not STOP.requested:
+    STOP.wait()
+  if not load_done.is_set():  # stop requested while loading: cancel at the loader's next step
+    _out("kvjax: stopping: cancelling the start-up")
+    deadline = time.monotonic() + CANCEL_GRACE_S
+    while not load_done.is_set() and time.monotonic() < deadline:
+      STOP.wait(max(0.0, deadline - time.monotonic()))  # a second signal exits in there
+    if not load_done.is_set():
+      _out(f"kvjax: the start-up did not reach its next step within {CANCEL_GRACE_S:.0f} s "
+           "(a weight conversion or one long compile); exiting without waiting for it")
+      _exit_now(0)
+  backend = loaded.get("backend")
+  if backend is not None and not STOP.requested:
+    state.attach(backend)
+    publisher = backend.kv_event_publisher
     if publisher is not None:
       replay = publisher.bound_replay_endpoint()
-      print(f"kvjax: KV cache events on {publisher.bound_endpoint()} (topic "
-            f"{publisher.topic!r})" + (f", replays on {replay}" if replay else ""), flush=True)
-    name = loaded["backend"].model_name
-    print(f"kvjax: ready: {name} at {http.url}\n"
-          f"{curl_example(http.url, name, api_key=config.api_key is not None)}", flush=True)
-
-  threading.Thread(target=load, name="kvjax-load", daemon=True).start()
-  try:
-    http.run()
-  except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
-    pass
-  print("kvjax: stopping" + (" (writing pending KV saves)" if "backend" in loaded else ""),
-        flush=True)
-  close_backend(loaded.get("backend"), loaded.get("llm"))
-  if state.load_error:
+      _out(f"kvjax: KV cache events on {publisher.bound_endpoint()} (topic "
+           f"{publisher.topic!r})" + (f", replays on {replay}" if replay else ""))
+    _out(f"kvjax: ready: {backend.model_name} at {http.url}\n"
+         f"{curl_example(http.url, backend.model_name, api_key=config.api_key is not None)}")
+    while not STOP.requested and not http_done.is_set():
+      STOP.wait()
+  _out("kvjax: stopping" + (" (writing pending KV saves)" if backend is not None else ""))
+  http.stop()
+  close_backend(backend, loaded.get("llm"))
+  if state.load_error or (backend is None and not STOP.requested):
     sys.exit(2)
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 
 from kvjax import codecs
 from kvjax.engine import LLM, builder
+from kvjax.engine.llm import StartupEvent
 from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
                                    DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                                    DEFAULT_SESSION_TTL_S, SessionConfig)
@@ -420,14 +421,23 @@ def store_startup_line(config: ServerConfig, llm: LLM) -> str | None:
               "live in memory only (no local store folder): lost on restart"))
 
 
-def load_backend(config: ServerConfig) -> tuple[Backend, LLM]:
+def load_backend(config: ServerConfig,
+                 startup_progress: Callable[[StartupEvent], None] | None = None
+                 ) -> tuple[Backend, LLM]:
   """Builds the `LLM` of `config`, warms it up, and starts its engine thread; prints the store's
   start-up line (`store_startup_line`).
+
+  Args:
+    config: the server's options.
+    startup_progress: `LLM(startup_progress=...)`: called at each step of the start-up (weights,
+      calibration, store, each compiled program); what it raises cancels the start-up (the
+      partly built `LLM` is closed) and propagates.
 
   Raises:
     ValueError, FileNotFoundError: as `LLM`.
   """
-  llm = builder.build_llm(config.model, **config.llm_options())
+  llm = builder.build_llm(config.model, startup_progress=startup_progress,
+                          **config.llm_options())
   try:
     line = store_startup_line(config, llm)
     if line is not None:
@@ -506,8 +516,10 @@ class HttpServer:
     """Serves until `stop()` or SIGINT/SIGTERM (when on the main thread); blocking."""
     self.server.run(sockets=[self.sock])
 
-  def start(self, timeout_s: float = 60.0) -> None:
-    """Serves on a daemon thread; returns once the socket accepts connections.
+  def start(self, timeout_s: float = 60.0, *,
+            on_exit: Callable[[], None] | None = None) -> None:
+    """Serves on a daemon thread; returns once the socket accepts connections. `on_exit` is
+    called on that thread when uvicorn returns (stopped, or failed).
 
     Raises:
       RuntimeError: uvicorn did not start within `timeout_s`.
@@ -517,6 +529,8 @@ class HttpServer:
         self.run()
       finally:
         self.server.listening.set()  # also when uvicorn gave up starting
+        if on_exit is not None:
+          on_exit()
 
     self._thread = threading.Thread(target=run, name="kvjax-http", daemon=True)
     self._thread.start()
