@@ -9,8 +9,9 @@ cachegen level 1):
      of codes that differ is reported), scales within 1e-5 relative;
   2. decode (dequant + RoPE + cache write): `kv_decode` against `kv_decode_reference` on the same
      device, bf16 cache: max |err| in units of the bf16 rounding step of the value;
-  3. time: median of --iters calls on a batch of --chunks chunks stacked along the layer axis
-     (one launch; a single chunk is a few microseconds of work, below the dispatch cost), Pallas
+  3. time: --iters calls issued back to back, waited for once (median of 3 rounds), each on a
+     batch of --chunks chunks stacked along the layer axis (one launch; a single chunk is a few
+     microseconds of work, below the dispatch cost), Pallas
      and the jnp reference (XLA-fused) side by side. GB/s counts payload bytes read + bf16 KV
      bytes written (decode) or bf16 KV read + payload written (encode).
 Each (model, codec) case is guarded: a failure is recorded and the rest go on; no new case starts
@@ -69,16 +70,19 @@ def rope_tables(c, h, start=0):
 
 
 def median_s(fn, iters):
-  """(median seconds, first call seconds incl. compile)."""
+  """(seconds per call, first call seconds incl. compile): `iters` calls issued back to back
+  (dispatch runs ahead of the device) and waited for once, median of 3 such rounds."""
   t0 = time.perf_counter()
   jax.block_until_ready(fn())
   first = time.perf_counter() - t0
-  times = []
-  for _ in range(iters):
+  rounds = []
+  for _ in range(3):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)), first
+    for _ in range(iters):
+      r = fn()
+    jax.block_until_ready(r)
+    rounds.append((time.perf_counter() - t0) / iters)
+  return float(np.median(rounds)), first
 
 
 def nbytes(tree) -> int:
