@@ -23,8 +23,8 @@
 # Usage (repo root): bash scripts/device_check.sh [--cpu | --prepare]
 #   --cpu   tiny sizes in Pallas interpret mode, to prove the scripts run without a GPU.
 # Env: PYTHON (default .venv/bin/python if present, else python3), OUT (folder for the JSON),
-#      DEVICE_CHECK_TIMEOUT_S (the whole run's budget, default 330 s: split 40% attention,
-#      35% codecs, 25% rANS; each sub-script also stops starting new cases before its limit).
+#      DEVICE_CHECK_TIMEOUT_S (the whole run's budget, default 330 s: split 30% attention,
+#      50% codecs, 20% rANS; each sub-script also stops starting new cases before its limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-}"
@@ -43,7 +43,7 @@ if [[ " $* " == *" --cpu "* ]]; then CPU_FLAG=(--cpu); fi
 OUT_DIR="${OUT:-benchmarks/results}"
 mkdir -p "$OUT_DIR"
 total="${DEVICE_CHECK_TIMEOUT_S:-330}"
-t_att=$(( total * 40 / 100 )); t_codec=$(( total * 35 / 100 )); t_rans=$(( total * 25 / 100 ))
+t_att=$(( total * 30 / 100 )); t_codec=$(( total * 50 / 100 )); t_rans=$(( total * 20 / 100 ))
 summary=()
 run_check() {  # name, limit_s, command...
   local name="$1" limit="$2"; shift 2

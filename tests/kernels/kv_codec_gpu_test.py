@@ -46,11 +46,11 @@ def _dis():
 
 class KvCodecGpuTest(parameterized.TestCase):
 
-  @parameterized.product(codec_level=ENCODE, dtype=("float32", "bfloat16"),
-                         c_group=((32, None), (64, 8)))
-  def test_encode_matches_reference(self, codec_level, dtype, c_group):
+  # (dtype, C, int4 G / CacheGen 2T; None: the registry's rule for C)
+  @parameterized.product(codec_level=ENCODE, case=(("float32", 32, None), ("bfloat16", 64, 8)))
+  def test_encode_matches_reference(self, codec_level, case):
     codec, level = codec_level
-    c, tokens = c_group  # tokens: int4 G or CacheGen T (None: the registry's rule)
+    dtype, c, tokens = case
     kw = {}
     if tokens and codec == codecs.INT4:
       kw["group_tokens"] = tokens
@@ -73,9 +73,10 @@ class KvCodecGpuTest(parameterized.TestCase):
         np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32),
                                    rtol=1e-6, atol=0, err_msg=name)
 
-  @parameterized.product(codec=DECODE, dtype=("float32", "bfloat16"), c=(32, 128))
-  def test_decode_matches_reference(self, codec, dtype, c):
+  @parameterized.product(codec=DECODE, dtype=("float32", "bfloat16"))
+  def test_decode_matches_reference(self, codec, dtype):
     # C = 128 runs two token tiles of 64 per (layer, kv head).
+    c = 128
     d = jnp.dtype(dtype)
     x = jnp.asarray(synthetic_kv(2, c), d)
     payload = kc.RawPayload(x) if codec == codecs.RAW else kc.encode_reference(x, codec, 1 if (
