@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# Device check: compiles kvjax's Pallas kernels on the accelerator (interpret=False), checks them
-# against their jnp references and measures what they achieve. Later issues extend this script.
+# Device check: compiles kvjax's Pallas GPU kernels on the accelerator (interpret=False), checks
+# each against its jnp reference and measures what it achieves. Three guarded sub-checks, each
+# with its own time limit (a failure or timeout in one is reported, the rest still run):
 #
-# Today (issue 11): the paged attention GPU kernel (Triton lowering) vs the reference on mixed
-# decode + prefill batches, then decode attention's achieved HBM bandwidth (bytes of KV read /
-# time) for a LLaMA-3.1-8B-shaped random pool (32 q heads, 8 kv heads, head dim 128, bf16) at
-# 4K-32K context, batch 1/8/32, and a small block-size sweep (scripts/device_check.py).
-# Issue 13: kvtc's rANS entropy decoder (Pallas, compiled) byte-exact against the jnp reference
-# on a SmolLM2-shaped chunk, GB/s of coded bytes against a 4 GB/s link
-# (scripts/device_check_rans.py). The GPU machine lacks storage's libraries, so the codes are
-# coded beforehand on the CPU machine: `bash scripts/device_check.sh --prepare` writes
-# benchmarks/device_inputs/kvtc_rans_codes.pkl (git-ignored: pass it in the device run's carry).
+#   1. paged attention (scripts/device_check.py): the Triton kernel vs the reference on mixed
+#      decode + prefill batches, then decode attention's achieved HBM bandwidth (GB/s of KV read)
+#      on a LLaMA-3.1-8B-shaped pool (32 q / 8 kv heads, head dim 128, bf16) at 4K-32K context,
+#      batch 1/8/32, and a small block-size sweep;
+#   2. KV codecs (scripts/device_check_codec.py): kv_encode / kv_decode Triton kernels
+#      (kvjax/kernels/kv_codec_gpu.py) for raw, int8, int4, cachegen at SmolLM2-135M and
+#      LLaMA-3.1-8B chunk shapes (bf16, 256 tokens) vs the jnp reference, and GB/s;
+#   3. rANS (scripts/device_check_rans.py): kvtc's entropy decoder (Triton kernel
+#      kvjax/kernels/rans_decode_gpu.py) byte-exact on a SmolLM2-shaped chunk, GB/s of coded
+#      bytes. The GPU machine lacks storage's libraries, so the codes are coded beforehand on the
+#      CPU machine: `bash scripts/device_check.sh --prepare` writes
+#      benchmarks/device_inputs/kvtc_rans_codes.pkl (git-ignored: carry it to the device run).
 #
-# Needs only jax, absl and numpy (the H200 machine has jax 0.11; no gguf, pcodec, zstandard,
-# fastapi or uvicorn: nothing here imports them). Time-boxed to 5 minutes (DEVICE_CHECK_TIMEOUT_S);
-# the Python side also stops starting measurements after --budget_s (240 s).
+# Needs only jax, absl and numpy (the H200 machine has jax 0.11 with jax-cuda13; no gguf,
+# pcodec, zstandard, fastapi or uvicorn: nothing here imports them). JSON per sub-check goes to
+# $OUT (else benchmarks/results/), plus device_check_summary.json; tables are printed.
 #
-# Usage (repo root): bash scripts/device_check.sh [--cpu | --prepare] [device_check.py flags]
-#   --cpu   tiny sizes in Pallas interpret mode, to prove the script runs without a GPU.
-# Env: PYTHON (default .venv/bin/python if present, else python3), OUT (folder for the JSON;
-#      default benchmarks/results), DEVICE_CHECK_TIMEOUT_S (default 300),
-#      DEVICE_CHECK_RANS_TIMEOUT_S (default 120).
-set -euo pipefail
+# Usage (repo root): bash scripts/device_check.sh [--cpu | --prepare]
+#   --cpu   tiny sizes in Pallas interpret mode, to prove the scripts run without a GPU.
+# Env: PYTHON (default .venv/bin/python if present, else python3), OUT (folder for the JSON),
+#      DEVICE_CHECK_TIMEOUT_S (the whole run's budget, default 330 s: split 30% attention,
+#      50% codecs, 20% rANS; each sub-script also stops starting new cases before its limit).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-}"
 if [[ -z "$PYTHON" ]]; then
@@ -30,14 +34,36 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Leave GPU memory to the pools: allocate on demand instead of preallocating 75%.
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
-"$PYTHON" -c "import jax; print('jax', jax.__version__, jax.devices())"
+"$PYTHON" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
 if [[ "${1:-}" == "--prepare" ]]; then
   exec "$PYTHON" scripts/device_check_rans.py --prepare
 fi
 CPU_FLAG=()
 if [[ " $* " == *" --cpu "* ]]; then CPU_FLAG=(--cpu); fi
+OUT_DIR="${OUT:-benchmarks/results}"
+mkdir -p "$OUT_DIR"
+total="${DEVICE_CHECK_TIMEOUT_S:-330}"
+t_att=$(( total * 30 / 100 )); t_codec=$(( total * 50 / 100 )); t_rans=$(( total * 20 / 100 ))
+summary=()
+run_check() {  # name, limit_s, command...
+  local name="$1" limit="$2"; shift 2
+  local t0=$SECONDS rc=0
+  echo "=== $name (limit ${limit} s) ==="
+  timeout --kill-after=10 "$limit" "$@" || rc=$?
+  local verdict=ok
+  if (( rc == 124 || rc == 137 )); then verdict=timeout; elif (( rc != 0 )); then verdict=failed; fi
+  echo "=== $name: $verdict (rc $rc) in $(( SECONDS - t0 )) s ==="
+  summary+=("{\"check\": \"$name\", \"rc\": $rc, \"verdict\": \"$verdict\", \"wall_s\": $(( SECONDS - t0 ))}")
+}
+run_check paged_attention "$t_att" "$PYTHON" scripts/device_check.py "${CPU_FLAG[@]}" \
+  --budget_s $(( t_att * 60 / 100 ))
+run_check kv_codec "$t_codec" "$PYTHON" scripts/device_check_codec.py "${CPU_FLAG[@]}" \
+  --budget_s $(( t_codec * 60 / 100 ))
+run_check rans "$t_rans" "$PYTHON" scripts/device_check_rans.py "${CPU_FLAG[@]}"
+name=device_check_summary.json
+if [[ ${#CPU_FLAG[@]} -gt 0 ]]; then name=device_check_summary_cpu.json; fi
+( IFS=,; echo "[${summary[*]}]" ) > "$OUT_DIR/$name"
+echo "summary ($OUT_DIR/$name):"
 status=0
-timeout "${DEVICE_CHECK_TIMEOUT_S:-300}" "$PYTHON" scripts/device_check.py "$@" || status=$?
-timeout "${DEVICE_CHECK_RANS_TIMEOUT_S:-120}" "$PYTHON" scripts/device_check_rans.py \
-  "${CPU_FLAG[@]}" || status=$?
+for s in "${summary[@]}"; do echo "  $s"; [[ "$s" == *'"verdict": "ok"'* ]] || status=1; done
 exit "$status"

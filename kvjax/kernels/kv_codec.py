@@ -61,6 +61,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from kvjax import codecs as registry
+from kvjax.kernels import kv_codec_gpu
+from kvjax.kernels.platforms import resolve_platform
 # Codec ids, levels and the chunk-size rule come from the registry (one table for every room).
 from kvjax.codecs import (CACHEGEN as CODEC_CACHEGEN, CODEC_LEVELS, INT4 as CODEC_INT4,
                           INT8 as CODEC_INT8, RAW as CODEC_RAW)
@@ -444,8 +446,8 @@ def _concrete_int(x):
   return int(x)
 
 
-def _check_backend(interpret, use_pallas) -> None:
-  if use_pallas and not interpret and jax.default_backend() == "cpu":
+def _check_backend(interpret, use_pallas, platform="cpu") -> None:
+  if use_pallas and not interpret and platform == "cpu":
     raise ValueError("compiled Pallas kernels need a GPU or TPU; on CPU pass use_pallas=False "
                      "(the jnp reference) or interpret=True")
 
@@ -622,20 +624,26 @@ def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret):
   return jnp.transpose(k_LKCH, (0, 2, 1, 3)), jnp.transpose(v_LKCH, (0, 2, 1, 3))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "use_pallas"), donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=("interpret", "use_pallas", "platform"),
+                   donate_argnums=(1, 2))
 def _kv_decode_jit(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH, *, interpret,
-                   use_pallas):
+                   use_pallas, platform="cpu"):
   cos_CH = cos_CH.astype(jnp.float32)
   sin_CH = sin_CH.astype(jnp.float32)
   if not use_pallas:
     return kv_decode_reference(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH)
-  k_LCKH, v_LCKH = _dequant_rope_pallas(payload, cos_CH, sin_CH, k_LBSKH.dtype, interpret)
+  if platform == "cuda":  # Triton bodies (kvjax/kernels/kv_codec_gpu.py)
+    k_LCKH, v_LCKH = kv_codec_gpu.dequant_rope(codec_of(payload), payload, cos_CH, sin_CH,
+                                               k_LBSKH.dtype, interpret=interpret)
+  else:
+    k_LCKH, v_LCKH = _dequant_rope_pallas(payload, cos_CH, sin_CH, k_LBSKH.dtype, interpret)
   return _write_chunk(k_LBSKH, v_LBSKH, k_LCKH, v_LCKH, slot, start)
 
 
 def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, start,
               cos_CH: jax.Array, sin_CH: jax.Array, *, interpret: bool = False,
-              use_pallas: bool = True) -> tuple[jax.Array, jax.Array]:
+              use_pallas: bool = True, platform: str | None = None
+              ) -> tuple[jax.Array, jax.Array]:
   """Decodes a stored chunk into a cache slot: dequantize, undo deltas, RoPE K, cast, write.
 
   The dequantize + RoPE step is the Pallas kernel `kv_decode_<codec>` over a (layer, kv head)
@@ -659,6 +667,10 @@ def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, st
     interpret: run the Pallas kernel in interpret mode (CPU tests); False compiles it for the
       backend (Triton/Mosaic GPU, Mosaic TPU), which raises on CPU.
     use_pallas: False runs the pure-jnp reference instead (the CPU engine's path).
+    platform: "cpu", "tpu" or "cuda" (`kvjax.kernels.platforms`); None: the default device's.
+      "cuda" uses the Triton kernel `kv_decode_<codec>_gpu` (kvjax/kernels/kv_codec_gpu.py; C,
+      H powers of two), which also runs with interpret=True on CPU and lowers for CUDA on a CPU
+      host (`jax.export`, platforms=["cuda"]).
 
   Returns:
     (k_LBSKH, v_LBSKH): the updated caches (same shapes and dtype). The chunk is computed in f32
@@ -667,13 +679,15 @@ def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, st
   Raises:
     ValueError: a payload that breaks the contract, caches or cos/sin of the wrong shape or
       dtype, a concrete slot/start out of range, or compiled Pallas (use_pallas=True,
-      interpret=False) on a CPU backend.
+      interpret=False) for platform "cpu"; an unknown platform.
   """
   _check_decode(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH)
-  _check_backend(interpret, use_pallas)
+  platform = resolve_platform(platform)
+  _check_backend(interpret, use_pallas, platform)
   return _kv_decode_jit(payload, k_LBSKH, v_LBSKH, jnp.asarray(slot, jnp.int32),
                         jnp.asarray(start, jnp.int32), cos_CH, sin_CH,
-                        interpret=bool(interpret), use_pallas=bool(use_pallas))
+                        interpret=bool(interpret), use_pallas=bool(use_pallas),
+                        platform=platform)
 
 
 def _encode_pallas(x_L2CKH, codec, level, group, stride, interpret):
@@ -705,13 +719,20 @@ def _encode_pallas(x_L2CKH, codec, level, group, stride, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "level", "group", "stride", "interpret",
-                                             "use_pallas"))
-def _kv_encode_jit(kv_L2CKH, *, codec, level, group, stride, interpret, use_pallas):
+                                             "use_pallas", "platform"))
+def _kv_encode_jit(kv_L2CKH, *, codec, level, group, stride, interpret, use_pallas,
+                   platform="cpu"):
   finite = jnp.all(jnp.isfinite(kv_L2CKH))
   if codec == CODEC_RAW:
     return RawPayload(kv_L2CKH), finite
   if not use_pallas:
     payload = _encode_reference_jit(kv_L2CKH, codec=codec, level=level, group=group, stride=stride)
+  elif platform == "cuda":  # Triton bodies (kvjax/kernels/kv_codec_gpu.py)
+    factors = tuple(float(np.float32(b / CACHEGEN_STEPS_PER_RMS))
+                    for b in CACHEGEN_LEVEL_BINS[level])
+    payload = PAYLOAD_TYPES[codec](*kv_codec_gpu.encode(
+        kv_L2CKH, codec, group=group, stride=stride, factors=factors,
+        int4_ratios=INT4_CLIP_RATIOS, interpret=interpret))
   else:
     payload = _encode_pallas(kv_L2CKH, codec, level, group, stride, interpret)
   for value in payload:  # scales and zeros must be finite too (int4's float16 range).
@@ -722,7 +743,8 @@ def _kv_encode_jit(kv_L2CKH, *, codec, level, group, stride, interpret, use_pall
 
 def kv_encode(kv_L2CKH: jax.Array, codec: str, level: int = 0, *, interpret: bool = False,
               use_pallas: bool = True, group_tokens: int | None = None,
-              anchor_stride: int | None = None) -> tuple[Payload, jax.Array]:
+              anchor_stride: int | None = None, platform: str | None = None
+              ) -> tuple[Payload, jax.Array]:
   """Encodes a chunk the model computed on the device (K before RoPE) into a codec payload.
 
   int8: per-channel absmax over the C tokens. int4: per (group of G tokens, channel) min-max
@@ -744,6 +766,10 @@ def kv_encode(kv_L2CKH: jax.Array, codec: str, level: int = 0, *, interpret: boo
       rule, which storage shares); must divide C.
     anchor_stride: CacheGen tokens per anchor T; default
       `kvjax.codecs.cachegen_anchor_stride(C)`; must divide C.
+    platform: "cpu", "tpu" or "cuda" (`kvjax.kernels.platforms`); None: the default device's.
+      "cuda" uses the Triton kernel `kv_encode_<codec>_gpu` (kvjax/kernels/kv_codec_gpu.py; C,
+      H, C / G, C / T powers of two); it also runs with interpret=True on CPU and lowers for
+      CUDA on a CPU host (`jax.export`, platforms=["cuda"]).
 
   Returns:
     (payload, finite): the payload as device arrays, and a bool scalar that is False when the KV
@@ -752,12 +778,14 @@ def kv_encode(kv_L2CKH: jax.Array, codec: str, level: int = 0, *, interpret: boo
 
   Raises:
     ValueError: unknown codec or level, a chunk of the wrong rank, shape or dtype, or compiled
-      Pallas (use_pallas=True, interpret=False) on a CPU backend.
+      Pallas (use_pallas=True, interpret=False) for platform "cpu"; an unknown platform.
   """
   group, stride = _check_encode(kv_L2CKH, codec, level, group_tokens, anchor_stride)
-  _check_backend(interpret, use_pallas and codec != CODEC_RAW)
+  platform = resolve_platform(platform)
+  _check_backend(interpret, use_pallas and codec != CODEC_RAW, platform)
   return _kv_encode_jit(kv_L2CKH, codec=codec, level=int(level), group=group, stride=stride,
-                        interpret=bool(interpret), use_pallas=bool(use_pallas))
+                        interpret=bool(interpret), use_pallas=bool(use_pallas),
+                        platform=platform)
 
 
 def kv_encode_host(kv_L2CKH: jax.Array, codec: str, level: int = 0,

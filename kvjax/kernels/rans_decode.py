@@ -49,6 +49,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kvjax.kernels.platforms import resolve_platform
+
 # ---------------------------------------------------------------------------------------------
 # Constants (the format's; storage's rans.py holds the same numbers).
 
@@ -198,8 +200,8 @@ def _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, nu
     raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
 
 
-def _check_backend(interpret: bool) -> None:
-  if not interpret and jax.default_backend() == "cpu":
+def _check_backend(interpret: bool, platform: str) -> None:
+  if not interpret and platform == "cpu":
     raise ValueError("the compiled Pallas rANS decoder needs a GPU or TPU; on CPU use "
                      "rans_decode_reference or interpret=True")
 
@@ -237,20 +239,31 @@ def _decode_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref,
 
 
 def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, num_streams: int,
-                num_steps: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                num_steps: int, interpret: bool = False,
+                platform: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Decodes every stream with the Pallas kernel `rans_decode` (grid over (model, block)).
 
   Arguments, results and errors as `rans_decode_reference` (bit-identical symbols), plus:
 
   Args:
     interpret: run the kernel in Pallas interpret mode (CPU tests); False compiles it for the
-      default backend.
+      platform.
+    platform: "cpu", "tpu" or "cuda" (`kvjax.kernels.platforms`); None: the default device's.
+      "cuda" runs the Triton kernel `rans_decode_gpu` (kvjax/kernels/rans_decode_gpu.py), also
+      in interpret mode on CPU, and lowers for CUDA on a CPU host (`jax.export`).
 
   Raises:
-    ValueError: also for interpret=False on a CPU backend.
+    ValueError: also for interpret=False with platform "cpu", or an unknown platform.
   """
   _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
-  _check_backend(interpret)
+  platform = resolve_platform(platform)
+  if platform == "cuda":
+    # Imported here: rans_decode_gpu reuses this module's step math.
+    from kvjax.kernels import rans_decode_gpu  # pylint: disable=import-outside-toplevel
+    return rans_decode_gpu.decode_jit(words, states, lengths, num_words, freqs,
+                                      scale_bits=int(scale_bits), num_streams=int(num_streams),
+                                      num_steps=int(num_steps), interpret=bool(interpret))
+  _check_backend(interpret, platform)
   return _pallas_jit(words, states, lengths, num_words, freqs, scale_bits=int(scale_bits),
                      num_streams=int(num_streams), num_steps=int(num_steps),
                      interpret=bool(interpret))

@@ -30,28 +30,33 @@ IMPLEMENTATIONS = ("reference", "gpu", "tpu")
 
 
 def default_implementation(backend: str | None = None) -> str:
-  """'gpu' on a GPU backend, 'tpu' on TPU, else 'reference'."""
+  """'gpu' on a GPU backend (or platform "cuda"), 'tpu' on TPU, else 'reference'."""
   backend = backend or jax.default_backend()
+  backend = "gpu" if backend == "cuda" else backend
   return backend if backend in ("gpu", "tpu") else "reference"
 
 
 def paged_attention(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc, num_seqs,
                     *, sm_scale: float | None = None, implementation: str | None = None,
-                    interpret: bool = False, **block_sizes) -> jax.Array:
+                    interpret: bool = False, platform: str | None = None,
+                    **block_sizes) -> jax.Array:
   """Ragged paged attention with the implementation for this backend (or `implementation`).
 
   Arguments and result as `paged_attention_reference`; `block_sizes` go to the chosen
-  implementation (e.g. `num_kv_splits` for "gpu"); `interpret` to the Pallas ones.
+  implementation (e.g. `num_kv_splits` for "gpu"); `interpret` to the Pallas ones. `platform`
+  ("cpu", "tpu", "cuda"; None: the default device's) picks the implementation when
+  `implementation` is None, so a CPU host can build the CUDA program (`jax.export`).
 
   Raises:
     ValueError: unknown implementation, or as the chosen implementation raises.
   """
-  impl = implementation or default_implementation()
+  impl = implementation or default_implementation(platform)
   args = (q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc, num_seqs)
   if impl == "reference":
     return paged_attention_reference(*args, sm_scale=sm_scale, **block_sizes)
   if impl == "gpu":
-    return paged_attention_gpu(*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)
+    return paged_attention_gpu(*args, sm_scale=sm_scale, interpret=interpret,
+                               platform=None if platform is None else "cuda", **block_sizes)
   if impl == "tpu":
     return paged_attention_tpu(*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)
   raise ValueError(f"implementation={impl!r}, want one of {IMPLEMENTATIONS}")
