@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.kernels.paged_attention import tiles as tiles_lib
+from kvjax.kernels.platform import resolve_platform
 from kvjax.kernels.paged_attention.reference import (MASK_VALUE, cdiv, check_shapes, check_values,
                                                      resolve_scale)
 
@@ -180,6 +181,7 @@ def paged_attention_gpu(
     num_warps: int = DEFAULT_GPU_NUM_WARPS,
     num_stages: int = DEFAULT_GPU_NUM_STAGES,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
   """Ragged paged attention, Pallas GPU kernel `ragged_paged_attention_gpu` (Triton).
 
@@ -191,9 +193,12 @@ def paged_attention_gpu(
     num_kv_splits: split-K partitions per (tile, kv head), merged after the kernel (static).
     num_warps, num_stages: Triton launch parameters.
     interpret: run in Pallas interpret mode (CPU tests); False compiles with Triton (GPU only).
+    platform: the target ("cpu" | "tpu" | "cuda"); None: the platform being compiled for
+      (`kvjax.kernels.platform.resolve_platform`).
 
   Raises:
-    ValueError: as `paged_attention_reference`; see `gpu_block_sizes`; interpret=False off GPU.
+    ValueError: as `paged_attention_reference`; see `gpu_block_sizes`; interpret=False for a
+      target other than CUDA.
   """
   t_, n_, h_, _, bs_, k_, _, _ = check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens,
                                               query_start_loc, num_seqs)
@@ -202,7 +207,7 @@ def paged_attention_gpu(
                             kv_tokens_per_step=kv_tokens_per_step)
   if num_kv_splits < 1:
     raise ValueError(f"num_kv_splits={num_kv_splits} must be positive")
-  if not interpret and jax.default_backend() != "gpu":
+  if not interpret and resolve_platform(platform) != "cuda":
     raise ValueError("paged_attention_gpu compiles for GPU only; pass interpret=True elsewhere")
   return _gpu_jit(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc,
                   jnp.asarray(num_seqs, jnp.int32).reshape(()),

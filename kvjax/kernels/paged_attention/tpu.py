@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvjax.kernels.paged_attention import tiles as tiles_lib
+from kvjax.kernels.platform import resolve_platform
 from kvjax.kernels.paged_attention.reference import (MASK_VALUE, cdiv, check_shapes, check_values,
                                                      resolve_scale)
 
@@ -158,6 +159,7 @@ def paged_attention_tpu(
     kv_tokens_per_step: int = DEFAULT_TPU_KV_TOKENS_PER_STEP,
     kv_heads_per_block: int | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
   """Ragged paged attention, Pallas TPU kernel `ragged_paged_attention_tpu`.
 
@@ -169,9 +171,12 @@ def paged_attention_tpu(
     kv_heads_per_block: kv heads per grid step, Kb; default all K. Must divide K and be K or a
       multiple of 8 (Mosaic's second-minor block rule for the `[.., Kb, H]` pool blocks).
     interpret: run in Pallas interpret mode (CPU tests); False compiles with Mosaic (TPU only).
+    platform: the target ("cpu" | "tpu" | "cuda"); None: the platform being compiled for
+      (`kvjax.kernels.platform.resolve_platform`: TPU topology devices count, the host does not).
 
   Raises:
-    ValueError: as `paged_attention_reference`; on a bad block size; interpret=False off TPU.
+    ValueError: as `paged_attention_reference`; on a bad block size; interpret=False for a
+      target other than TPU.
   """
   _, _, h_, _, bs_, k_, _, _ = check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens,
                                             query_start_loc, num_seqs)
@@ -182,7 +187,7 @@ def paged_attention_tpu(
   if query_block < 1 or kv_tokens_per_step < 1:
     raise ValueError(f"query_block={query_block}, kv_tokens_per_step={kv_tokens_per_step} must "
                      "be positive")
-  if not interpret and jax.default_backend() != "tpu":
+  if not interpret and resolve_platform(platform) != "tpu":
     raise ValueError("paged_attention_tpu compiles for TPU only; pass interpret=True elsewhere")
   return _tpu_jit(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc,
                   jnp.asarray(num_seqs, jnp.int32).reshape(()),
