@@ -58,9 +58,9 @@ def abstract_model(cfg) -> Llama:
                                       param_dtype=jnp.bfloat16))
 
 
-def runner_config(cfg, args) -> PagedRunnerConfig:
+def runner_config(cfg, args, max_model_len: int) -> PagedRunnerConfig:
   """The engine's defaults, with a pool that holds `max_num_seqs` x `max_model_len` tokens."""
-  max_len = min(args.max_model_len, cfg.max_seq_len)
+  max_len = min(max_model_len, cfg.max_seq_len)
   blocks = args.max_num_seqs * -(-max_len // args.block_size)
   return PagedRunnerConfig(num_blocks=blocks, block_size=args.block_size,
                            max_num_seqs=args.max_num_seqs,
@@ -182,63 +182,66 @@ def extra_programs(cfg, chunk: int, device, platform: str):
   return out
 
 
-def run(args) -> dict:
+def jobs(args) -> list[tuple[str, str, int, int, tuple[int, ...], bool]]:
+  """(model, chip, TP, max_model_len, buckets, every program?) in the order they run: the full
+  program set on `full_chips` first, then the step and inserts elsewhere, then a long-context
+  step (the model's own max_model_len: the block table's SMEM windows), then CUDA."""
+  out = []
+  for chip in sorted(args.chips, key=lambda c: c not in args.full_chips):
+    for model_name in args.models:
+      for tp_size in args.tp:
+        out.append((model_name, chip, tp_size, args.max_model_len, tuple(args.buckets),
+                    tp_size == 1 and chip in args.full_chips))
+  if args.long_context and "Llama-3.1-8B" in args.models and "v6e" in args.chips:
+    out.append(("Llama-3.1-8B", "v6e", 4, MODELS["Llama-3.1-8B"]().max_seq_len,
+                (min(args.buckets),), False))
+  if args.cuda:
+    for model_name in args.models:
+      out.append((model_name, "cuda", 1, args.max_model_len, tuple(args.buckets), True))
+  return out
+
+
+def run(args, on_row) -> None:
   from jax.experimental import topologies  # noqa: PLC0415
-  rows = []
-  chips = args.chips
-  models = args.models
-  for model_name in models:
+  for model_name, chip, tp_size, max_len, buckets, full in jobs(args):
     cfg = MODELS[model_name]()
     model = abstract_model(cfg)
-    rc = runner_config(cfg, args)
-    for chip in chips:
-      topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[chip], platform="tpu")
-      for tp_size in args.tp:
-        try:
-          check_tensor_parallel_size(cfg, tp_size, len(topo.devices))
-        except ValueError as e:
-          print(f"skip {model_name} {chip} TP={tp_size}: {e}")
-          continue
-        tp = None if tp_size == 1 else TensorParallel.build(cfg, tp_size, topo.devices)
-        runner = PagedModelRunner(model, rc, tp, device=topo.devices[0], abstract=True)
-        mesh = jax.sharding.Mesh(np.asarray(runner.devices), ("tp",))
-        full = tp_size == 1 and chip in args.full_chips
-        progs = runner.aot_programs(chunk_tokens=args.chunk, buckets=args.buckets,
-                                    codecs=args.codecs, groups=args.groups if full else None)
-        if not full:  # the step and the inserts only (the rest is per device, as at TP 1)
-          progs = [p for p in progs if p[0].startswith(("step", "insert_raw", "insert_payload"))]
-        for name, fn, fargs in progs:
-          row = compile_tpu(name, fn, fargs, mesh, chip, HBM_BYTES[chip])
-          row.update(model=model_name, target=f"{chip} ({TOPOLOGIES[chip]})", chip=chip,
-                     tp=tp_size, platform="tpu", hbm_bytes=HBM_BYTES[chip])
-          rows.append(row)
-          print_row(row)
-      if args.extras and chip in args.full_chips:
-        mesh = jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("tp",))
-        for name, fn, fargs in extra_programs(cfg, args.chunk, topo.devices[0], "tpu"):
-          row = compile_tpu(name, fn, fargs, mesh, chip, HBM_BYTES[chip])
-          row.update(model=model_name, target=f"{chip} ({TOPOLOGIES[chip]})", chip=chip,
-                     tp=1, platform="tpu", hbm_bytes=HBM_BYTES[chip])
-          rows.append(row)
-          print_row(row)
-    if args.cuda:
+    rc = runner_config(cfg, args, max_len)
+    common = dict(model=model_name, max_model_len=rc.max_seq_len, num_blocks=rc.num_blocks)
+    if chip == "cuda":
       runner = PagedModelRunner(model, rc, None, device=jax.devices("cpu")[0], abstract=True,
                                 platform="cuda")
-      for name, fn, fargs in runner.aot_programs(chunk_tokens=args.chunk, buckets=args.buckets,
-                                                 codecs=args.codecs, groups=None):
-        row = lower_cuda(name, fn, fargs)
-        row.update(model=model_name, target="cuda (jax.export, lowering only)", chip="cuda",
-                   tp=1, platform="cuda")
-        rows.append(row)
-        print_row(row)
+      progs = runner.aot_programs(chunk_tokens=args.chunk, buckets=buckets,
+                                  codecs=args.codecs, groups=None)
       if args.extras:
-        for name, fn, fargs in extra_programs(cfg, args.chunk, None, "cuda"):
-          row = lower_cuda(name, fn, fargs)
-          row.update(model=model_name, target="cuda (jax.export, lowering only)", chip="cuda",
-                     tp=1, platform="cuda")
-          rows.append(row)
-          print_row(row)
-  return {"rows": rows}
+        progs += extra_programs(cfg, args.chunk, None, "cuda")
+      for name, fn, fargs in progs:
+        on_row(dict(lower_cuda(name, fn, fargs), target="cuda (lowering only)", chip="cuda",
+                    tp=1, platform="cuda", **common))
+      continue
+    topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[chip], platform="tpu")
+    try:
+      check_tensor_parallel_size(cfg, tp_size, len(topo.devices))
+    except ValueError as e:
+      print(f"skip {model_name} {chip} TP={tp_size}: {e}")
+      continue
+    tp = None if tp_size == 1 else TensorParallel.build(cfg, tp_size, topo.devices)
+    runner = PagedModelRunner(model, rc, tp, device=topo.devices[0], abstract=True)
+    mesh = jax.sharding.Mesh(np.asarray(runner.devices), ("tp",))
+    progs = runner.aot_programs(chunk_tokens=args.chunk, buckets=buckets, codecs=args.codecs,
+                                groups=args.groups if full else None)
+    if not full:  # the step and the inserts only (the rest is per device, as at TP 1)
+      progs = [p for p in progs if p[0].startswith(("step", "insert_raw", "insert_payload"))]
+      if max_len != args.max_model_len:
+        progs = [p for p in progs if p[0].startswith("step")]
+    if full and args.extras:
+      progs += extra_programs(cfg, args.chunk, topo.devices[0], "tpu")
+    for name, fn, fargs in progs:
+      m = mesh if not name.startswith(("rans", "kvtc")) else jax.sharding.Mesh(
+          np.asarray(topo.devices[:1]), ("tp",))
+      on_row(dict(compile_tpu(name, fn, fargs, m, chip, HBM_BYTES[chip]),
+                  target=f"{chip} ({TOPOLOGIES[chip]})", chip=chip, tp=tp_size, platform="tpu",
+                  hbm_bytes=HBM_BYTES[chip], **common))
 
 
 def fmt_gib(x):
@@ -264,7 +267,7 @@ def main(argv=None):
   p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
   p.add_argument("--chips", nargs="+", default=["v5e", "v6e", "v5p"], choices=list(HBM_BYTES))
   p.add_argument("--tp", nargs="+", type=int, default=[1, 4, 8])
-  p.add_argument("--buckets", nargs="+", type=int, default=[8, 64, 512])
+  p.add_argument("--buckets", nargs="+", type=int, default=[8, 512])
   p.add_argument("--codecs", nargs="+", default=["raw", "int8", "int4", "cachegen"])
   p.add_argument("--chunk", type=int, default=256, help="stored chunk tokens C")
   p.add_argument("--groups", type=int, default=4, help="layer groups of the layer-wise step")
@@ -273,6 +276,8 @@ def main(argv=None):
   p.add_argument("--max_model_len", type=int, default=32768)
   p.add_argument("--max_num_batched_tokens", type=int, default=512)
   p.add_argument("--no_cuda", dest="cuda", action="store_false")
+  p.add_argument("--no_long_context", dest="long_context", action="store_false",
+                 help="skip LLaMA-3.1-8B's step at its own max_model_len (v6e, TP 4)")
   p.add_argument("--no_extras", dest="extras", action="store_false",
                  help="skip the rANS decode and kvtc decode programs")
   p.add_argument("--full_chips", nargs="+", default=["v6e"], choices=list(HBM_BYTES),
@@ -284,15 +289,23 @@ def main(argv=None):
     args.buckets, args.codecs, args.groups = [8, 512], ["int8", "int4"], None
     args.full_chips = ["v5e"]
   t0 = time.perf_counter()
-  result = run(args)
-  result.update(
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  result = dict(
       what="compile check: XLA TPU compiles (libtpu, deviceless AOT) and CUDA lowerings of "
            "every program the paged engine builds; cost figures are the compiler's ESTIMATES",
       args=vars(args), machine=benchlib.machine(), git_sha=benchlib.git_sha(),
-      versions=benchlib.versions("jax", "jaxlib", "libtpu", "flax"),
-      total_seconds=round(time.perf_counter() - t0, 1))
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
+      versions=benchlib.versions("jax", "jaxlib", "libtpu", "flax"), complete=False, rows=[])
+
+  def on_row(row):  # the JSON is rewritten after every program: a cut-short run keeps its rows
+    result["rows"].append(row)
+    result["total_seconds"] = round(time.perf_counter() - t0, 1)
+    out.write_text(json.dumps(result, indent=1))
+    print_row(row)
+
+  run(args, on_row)
+  result["complete"] = True
+  result["total_seconds"] = round(time.perf_counter() - t0, 1)
   out.write_text(json.dumps(result, indent=1))
   rows = result["rows"]
   print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} programs OK; wrote {out}")
