@@ -14,7 +14,9 @@ kvtc inverse transform. Each is traced inside the target's abstract mesh (so Pal
 lower for that chip's kind), compiled, and reported: compile OK or the error, seconds, argument /
 temp / output bytes against the chip's HBM (`memory_analysis`), and XLA's cost model
 (`cost_analysis`: flops, bytes accessed, optimal seconds). The cost figures are the COMPILER'S
-ESTIMATES, not measurements; nothing here runs on a TPU or GPU. CUDA: the same programs built for
+ESTIMATES, not measurements; nothing here runs on a TPU or GPU. XLA counts a while loop's body
+once: the step's `lax.scan` over layers is one layer's work plus what lies outside the loop
+(embedding, logits), not L layers'. CUDA: the same programs built for
 platform "cuda" (Pallas GPU kernels) and lowered with `jax.export(platforms=["cuda"])` (lowering
 only: no GPU compiler here).
 
@@ -260,6 +262,24 @@ def print_row(r):
         f"{r['seconds']:>6.1f}s {mem} {e} {r.get('error', '')}", flush=True)
 
 
+def markdown(rows) -> str:
+  """The rows as a markdown table (docs/architecture.md): one line per program and target."""
+  lines = ["| model | target | TP | program | compile | peak GiB (HBM) | est. GFLOP | "
+           "est. GiB accessed | est. optimal ms |", "|" + "---|" * 9]
+  for r in rows:
+    est = r.get("estimate", {})
+    opt = est.get("optimal_seconds")
+    peak = (f"{r['peak_bytes'] / GIB:.2f} ({r['hbm_bytes'] / GIB:.0f})"
+            if "peak_bytes" in r else "")
+    status = "OK" if r["ok"] else "FAIL: " + r["error"].split(":")[0]
+    lines.append(
+        f"| {r['model']} | {r['chip']} | {r['tp']} | {r['program']} | {status} | {peak} | "
+        f"{est['flops'] / 1e9:.1f} | {est['bytes_accessed'] / GIB:.2f} | "
+        f"{'' if opt is None else f'{opt * 1e3:.2f}'} |" if est else
+        f"| {r['model']} | {r['chip']} | {r['tp']} | {r['program']} | {status} | {peak} | | | |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true", help="SmolLM2 on v5e, TP 1, a few programs")
@@ -283,7 +303,12 @@ def main(argv=None):
   p.add_argument("--full_chips", nargs="+", default=["v6e"], choices=list(HBM_BYTES),
                  help="chips that get every program at TP 1; the others (and TP > 1) get the "
                       "step and the inserts")
+  p.add_argument("--markdown", metavar="JSON", help="print a result file's table as markdown "
+                 "and exit")
   args = p.parse_args(argv)
+  if args.markdown:
+    print(markdown(json.loads(pathlib.Path(args.markdown).read_text())["rows"]))
+    return 0
   if args.quick:
     args.models, args.chips, args.tp = ["SmolLM2-135M"], ["v5e"], [1]
     args.buckets, args.codecs, args.groups = [8, 512], ["int8", "int4"], None
@@ -293,7 +318,8 @@ def main(argv=None):
   out.parent.mkdir(parents=True, exist_ok=True)
   result = dict(
       what="compile check: XLA TPU compiles (libtpu, deviceless AOT) and CUDA lowerings of "
-           "every program the paged engine builds; cost figures are the compiler's ESTIMATES",
+           "every program the paged engine builds; cost figures are the compiler's ESTIMATES (a "
+           "while loop's body, the scan over layers, counted once)",
       args=vars(args), machine=benchlib.machine(), git_sha=benchlib.git_sha(),
       versions=benchlib.versions("jax", "jaxlib", "libtpu", "flax"), complete=False, rows=[])
 
