@@ -94,6 +94,9 @@ def stats(compiled) -> dict:
 
 def first_line(e: BaseException) -> str:
   msg = str(e).strip().splitlines()
+  for line in msg:  # the size of a VMEM/SMEM overflow first
+    if "exceeded" in line or "Ran out of memory" in line:
+      return f"{type(e).__name__}: {line.strip()[:300]}"
   for line in msg:
     if "rror" in line or "ailed" in line or "nsupported" in line:
       return f"{type(e).__name__}: {line.strip()[:300]}"
@@ -280,6 +283,27 @@ def markdown(rows) -> str:
   return "\n".join(lines)
 
 
+def summary(rows) -> str:
+  """Per model, target and TP: programs OK, the largest step's peak against HBM and its
+  estimate, and what failed (markdown)."""
+  groups: dict = {}
+  for r in rows:
+    groups.setdefault((r["model"], r["chip"], r["tp"], r.get("max_model_len")), []).append(r)
+  lines = ["| model | target | TP | max_model_len | programs OK | largest step: peak GiB / HBM "
+           "| its est. GFLOP, GiB accessed (one layer) | failed |", "|" + "---|" * 8]
+  for (model, chip, tp, max_len), rs in groups.items():
+    steps = [r for r in rs if r["program"].startswith("step") and r["ok"]]
+    step = max(steps, key=lambda r: int(r["program"].split("=")[1][:-1]), default=None)
+    peak = (f"{step['peak_bytes'] / GIB:.2f} / {step['hbm_bytes'] / GIB:.0f}"
+            if step and "peak_bytes" in step else "")
+    est = step.get("estimate") if step else None
+    e = f"{est['flops'] / 1e9:.0f}, {est['bytes_accessed'] / GIB:.2f}" if est else ""
+    failed = ", ".join(sorted({r["program"].split("[")[0] for r in rs if not r["ok"]}))
+    lines.append(f"| {model} | {chip} | {tp} | {max_len} | {sum(r['ok'] for r in rs)}/{len(rs)} "
+                 f"| {peak} | {e} | {failed} |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true", help="SmolLM2 on v5e, TP 1, a few programs")
@@ -307,7 +331,8 @@ def main(argv=None):
                  "and exit")
   args = p.parse_args(argv)
   if args.markdown:
-    print(markdown(json.loads(pathlib.Path(args.markdown).read_text())["rows"]))
+    rows = json.loads(pathlib.Path(args.markdown).read_text())["rows"]
+    print(summary(rows) + "\n\n" + markdown(rows))
     return 0
   if args.quick:
     args.models, args.chips, args.tp = ["SmolLM2-135M"], ["v5e"], [1]

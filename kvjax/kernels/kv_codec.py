@@ -636,7 +636,21 @@ def _kernel_inputs(payload):
   return arrays, specs
 
 
-def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret):
+#: Scoped VMEM of the TPU codec kernels, bytes: int4's clipping search keeps a few [2, C, H]
+#: float32 temporaries per candidate (16.2 MiB at C = 256, H = 64) and its decode's unpacking
+#: exceeds the 16 MiB default on a v5e at H = 128 (LLaMA-3.1-8B); v5e, v6e and v5p have
+#: 128 / 128 / 95 MiB of VMEM per core.
+_TPU_CODEC_VMEM_BYTES = 48 << 20
+
+
+def _tpu_vmem_params(platform, interpret) -> dict:
+  """`pallas_call` keywords raising the scoped VMEM limit when compiling for TPU."""
+  if platform != "tpu" or interpret:
+    return {}
+  return {"compiler_params": pltpu.CompilerParams(vmem_limit_bytes=_TPU_CODEC_VMEM_BYTES)}
+
+
+def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret, platform=None):
   """Pallas dequantize + RoPE: (k_LCKH, v_LCKH) in `dtype`, K rotated."""
   codec = codec_of(payload)
   l_, c, k_, h = validate_payload(payload)
@@ -652,6 +666,7 @@ def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret):
       out_specs=(out_spec, out_spec),
       interpret=interpret,
       name=f"kv_decode_{codec}",
+      **_tpu_vmem_params(platform, interpret),
   )(*arrays, cos_CH, sin_CH)
   return jnp.transpose(k_LKCH, (0, 2, 1, 3)), jnp.transpose(v_LKCH, (0, 2, 1, 3))
 
@@ -660,12 +675,13 @@ def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret):
                    donate_argnums=(1, 2))
 def _kv_decode_jit(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH, *, interpret,
                    use_pallas, platform):
-  del platform  # one Pallas kernel for "tpu" and "cuda" (the dispatch point per platform)
+  # One Pallas kernel for "tpu" and "cuda" (the dispatch point per platform).
   cos_CH = cos_CH.astype(jnp.float32)
   sin_CH = sin_CH.astype(jnp.float32)
   if not use_pallas:
     return kv_decode_reference(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH)
-  k_LCKH, v_LCKH = _dequant_rope_pallas(payload, cos_CH, sin_CH, k_LBSKH.dtype, interpret)
+  k_LCKH, v_LCKH = _dequant_rope_pallas(payload, cos_CH, sin_CH, k_LBSKH.dtype, interpret,
+                                        platform)
   return _write_chunk(k_LBSKH, v_LBSKH, k_LCKH, v_LCKH, slot, start)
 
 
@@ -715,17 +731,10 @@ def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, st
                         interpret=bool(interpret), use_pallas=bool(use_pallas), platform=platform)
 
 
-#: Scoped VMEM of the TPU encode kernels, bytes: int4's clipping search keeps a few [2, C, H]
-#: float32 temporaries per candidate and needs 16.2 MiB at C = 256, H = 64 (Mosaic's default
-#: limit is 16 MiB; v5e, v6e and v5p have 128 / 128 / 95 MiB of VMEM per core).
-_TPU_ENCODE_VMEM_BYTES = 48 << 20
-
-
 def _encode_pallas(x_L2CKH, codec, level, group, stride, interpret, platform):
   l_, _, c, k_, h = x_L2CKH.shape
   x_spec = _head_spec(c, h)
-  params = ({"compiler_params": pltpu.CompilerParams(vmem_limit_bytes=_TPU_ENCODE_VMEM_BYTES)}
-            if platform == "tpu" and not interpret else {})
+  params = _tpu_vmem_params(platform, interpret)
 
   def call(kernel, outs):
     out_shape = [jax.ShapeDtypeStruct((l_, 2, k_, n, hh), dt) for n, hh, dt in outs]
