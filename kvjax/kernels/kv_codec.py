@@ -59,10 +59,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kvjax import codecs as registry
 from kvjax.kernels import kv_codec_gpu
-from kvjax.kernels.platforms import resolve_platform
+from kvjax.kernels.platform import resolve_platform
 # Codec ids, levels and the chunk-size rule come from the registry (one table for every room).
 from kvjax.codecs import (CACHEGEN as CODEC_CACHEGEN, CODEC_LEVELS, INT4 as CODEC_INT4,
                           INT8 as CODEC_INT8, RAW as CODEC_RAW)
@@ -231,20 +232,43 @@ def _int8_encode_ref(x):
   return Int8Payload(q.astype(jnp.int8), scale)
 
 
-def _int4_fit(xg, axis):
+def _round_f16(x):
+  """`x.astype(float16).astype(float32)` of a float32 array, bit for bit, without a float16
+  value: round to nearest even at float16's precision with int32 and float32 ops only (Mosaic
+  TPU has no float16 vectors). Normal range: drop 13 mantissa bits with RNE; below 2**-14
+  (float16 subnormals): multiples of 2**-24; from 65520 up: inf; NaN stays NaN; signs (and
+  -0.0) kept."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+  mag = bits & 0x7FFFFFFF
+  rounded = (mag + 0xFFF + ((mag >> 13) & 1)) & ~0x1FFF
+  ax = jax.lax.bitcast_convert_type(mag, jnp.float32)
+  out = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+  out = jnp.where(ax < 2.0 ** -14, jnp.round(ax * 2.0 ** 24) * 2.0 ** -24, out)
+  out = jnp.where(ax >= 65520.0, jnp.inf, out)
+  out = jnp.where(bits < 0, -out, out)
+  return jnp.where(x != x, x, out)
+
+
+def _int4_fit(xg, axis, in_kernel: bool = False):
   """Min-max int4 fit over `axis` (the G tokens of a group) with a clipping search.
 
-  Returns (codes int32, scale f16, zero f16); scale/zero keep `axis` as size 1.
+  Returns (codes int32, scale f16, zero f16); scale/zero keep `axis` as size 1. `in_kernel`:
+  scale and zero are float32 holding the same float16 values (`_round_f16`; no float16 inside
+  a TPU kernel), cast to float16 by the wrapper, exactly.
   """
+  if in_kernel:
+    to16, from16 = _round_f16, lambda v: v
+  else:
+    to16, from16 = (lambda v: v.astype(jnp.float16)), (lambda v: v.astype(jnp.float32))
   lo = jnp.min(xg, axis=axis, keepdims=True)
   hi = jnp.max(xg, axis=axis, keepdims=True)
   mid = (lo + hi) * 0.5
   half = (hi - lo) * 0.5
   best = None
   for ratio in INT4_CLIP_RATIOS:
-    zero16 = (mid - half * ratio).astype(jnp.float16)
-    scale16 = (half * (2.0 * ratio / _Q4_MAX)).astype(jnp.float16)
-    zero, scale = zero16.astype(jnp.float32), scale16.astype(jnp.float32)
+    zero16 = to16(mid - half * ratio)
+    scale16 = to16(half * (2.0 * ratio / _Q4_MAX))
+    zero, scale = from16(zero16), from16(scale16)
     codes = jnp.where(scale > 0, jnp.clip(jnp.round((xg - zero) / jnp.where(scale > 0, scale, 1)),
                                           0, _Q4_MAX), 0)
     err = jnp.sum(jnp.square(codes * scale + zero - xg), axis=axis, keepdims=True)
@@ -446,10 +470,13 @@ def _concrete_int(x):
   return int(x)
 
 
-def _check_backend(interpret, use_pallas, platform="cpu") -> None:
+def _check_backend(interpret, use_pallas, platform) -> str:
+  """The target platform (`resolve_platform`); raises for compiled Pallas aimed at a CPU."""
+  platform = resolve_platform(platform)
   if use_pallas and not interpret and platform == "cpu":
     raise ValueError("compiled Pallas kernels need a GPU or TPU; on CPU pass use_pallas=False "
                      "(the jnp reference) or interpret=True")
+  return platform
 
 
 def _check_decode(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH) -> None:
@@ -495,7 +522,8 @@ def _dequant_int8_block(q_ref, scale_ref):
 
 
 def _dequant_int4_block(q_ref, scale_ref, zero_ref):
-  # q_ref: uint8[2, C, H // 2]; scale_ref, zero_ref: f16[2, C // G, H]
+  # q_ref: uint8[2, C, H // 2]; scale_ref, zero_ref: f32[2, C // G, H] (the payload's f16
+  # values, widened by the wrapper: Mosaic TPU cannot load float16)
   codes_2CH = _unpack_int4(q_ref[...]).astype(jnp.float32)
   _, c, h = codes_2CH.shape
   n = scale_ref.shape[1]
@@ -539,11 +567,13 @@ def _int8_encode_kernel(x_ref, q_ref, scale_ref):
 
 
 def _int4_encode_kernel(x_ref, q_ref, scale_ref, zero_ref):
-  # x_ref: [2, C, H] KV dtype; q_ref: uint8[2, C, H // 2]; scale_ref, zero_ref: f16[2, C // G, H]
+  # x_ref: [2, C, H] KV dtype; q_ref: uint8[2, C, H // 2]; scale_ref, zero_ref: f32[2, C // G, H]
+  # holding float16 values (no float16 inside the kernel; the wrapper casts, exactly)
   x = x_ref[...].astype(jnp.float32)
   _, c, h = x.shape
   n = scale_ref.shape[1]
-  codes_2NGH, scale_2N1H, zero_2N1H = _int4_fit(x.reshape(2, n, c // n, h), axis=2)
+  codes_2NGH, scale_2N1H, zero_2N1H = _int4_fit(x.reshape(2, n, c // n, h), axis=2,
+                                                in_kernel=True)
   q_ref[...] = _pack_int4(codes_2NGH.reshape(2, c, h))
   scale_ref[...] = scale_2N1H[:, :, 0]
   zero_ref[...] = zero_2N1H[:, :, 0]
@@ -595,6 +625,8 @@ def _kernel_inputs(payload):
   """Payload arrays in kernel layout with their block specs."""
   arrays, specs = [], []
   for x in payload:
+    if x.dtype == jnp.float16:  # int4 scale/zero (raw f16 values): exact, and no float16
+      x = x.astype(jnp.float32)  # vectors inside a TPU kernel
     if x.ndim == 4:  # per channel [L, 2, K, H] -> [L, 2, K, 1, H]
       x = x[:, :, :, None, :]
     else:
@@ -604,7 +636,21 @@ def _kernel_inputs(payload):
   return arrays, specs
 
 
-def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret):
+#: Scoped VMEM of the TPU codec kernels, bytes: int4's clipping search keeps a few [2, C, H]
+#: float32 temporaries per candidate (16.2 MiB at C = 256, H = 64) and its decode's unpacking
+#: exceeds the 16 MiB default on a v5e at H = 128 (LLaMA-3.1-8B); v5e, v6e and v5p have
+#: 128 / 128 / 95 MiB of VMEM per core.
+_TPU_CODEC_VMEM_BYTES = 48 << 20
+
+
+def _tpu_vmem_params(platform, interpret) -> dict:
+  """`pallas_call` keywords raising the scoped VMEM limit when compiling for TPU."""
+  if platform != "tpu" or interpret:
+    return {}
+  return {"compiler_params": pltpu.CompilerParams(vmem_limit_bytes=_TPU_CODEC_VMEM_BYTES)}
+
+
+def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret, platform=None):
   """Pallas dequantize + RoPE: (k_LCKH, v_LCKH) in `dtype`, K rotated."""
   codec = codec_of(payload)
   l_, c, k_, h = validate_payload(payload)
@@ -620,6 +666,7 @@ def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret):
       out_specs=(out_spec, out_spec),
       interpret=interpret,
       name=f"kv_decode_{codec}",
+      **_tpu_vmem_params(platform, interpret),
   )(*arrays, cos_CH, sin_CH)
   return jnp.transpose(k_LKCH, (0, 2, 1, 3)), jnp.transpose(v_LKCH, (0, 2, 1, 3))
 
@@ -627,7 +674,8 @@ def _dequant_rope_pallas(payload, cos_CH, sin_CH, dtype, interpret):
 @functools.partial(jax.jit, static_argnames=("interpret", "use_pallas", "platform"),
                    donate_argnums=(1, 2))
 def _kv_decode_jit(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH, *, interpret,
-                   use_pallas, platform="cpu"):
+                   use_pallas, platform):
+  # One Pallas kernel for "tpu" and "cuda" (the dispatch point per platform).
   cos_CH = cos_CH.astype(jnp.float32)
   sin_CH = sin_CH.astype(jnp.float32)
   if not use_pallas:
@@ -636,7 +684,8 @@ def _kv_decode_jit(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH, *, in
     k_LCKH, v_LCKH = kv_codec_gpu.dequant_rope(codec_of(payload), payload, cos_CH, sin_CH,
                                                k_LBSKH.dtype, interpret=interpret)
   else:
-    k_LCKH, v_LCKH = _dequant_rope_pallas(payload, cos_CH, sin_CH, k_LBSKH.dtype, interpret)
+    k_LCKH, v_LCKH = _dequant_rope_pallas(payload, cos_CH, sin_CH, k_LBSKH.dtype, interpret,
+                                          platform)
   return _write_chunk(k_LBSKH, v_LBSKH, k_LCKH, v_LCKH, slot, start)
 
 
@@ -667,10 +716,11 @@ def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, st
     interpret: run the Pallas kernel in interpret mode (CPU tests); False compiles it for the
       backend (Triton/Mosaic GPU, Mosaic TPU), which raises on CPU.
     use_pallas: False runs the pure-jnp reference instead (the CPU engine's path).
-    platform: "cpu", "tpu" or "cuda" (`kvjax.kernels.platforms`); None: the default device's.
+    platform: the target ("cpu" | "tpu" | "cuda"); None: the platform being compiled for
+      (`kvjax.kernels.platform.resolve_platform`; TPU topology devices count, not the host).
       "cuda" uses the Triton kernel `kv_decode_<codec>_gpu` (kvjax/kernels/kv_codec_gpu.py; C,
       H powers of two), which also runs with interpret=True on CPU and lowers for CUDA on a CPU
-      host (`jax.export`, platforms=["cuda"]).
+      host.
 
   Returns:
     (k_LBSKH, v_LBSKH): the updated caches (same shapes and dtype). The chunk is computed in f32
@@ -679,36 +729,36 @@ def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, st
   Raises:
     ValueError: a payload that breaks the contract, caches or cos/sin of the wrong shape or
       dtype, a concrete slot/start out of range, or compiled Pallas (use_pallas=True,
-      interpret=False) for platform "cpu"; an unknown platform.
+      interpret=False) for a CPU target.
   """
   _check_decode(payload, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH)
-  platform = resolve_platform(platform)
-  _check_backend(interpret, use_pallas, platform)
+  platform = _check_backend(interpret, use_pallas, platform)
   return _kv_decode_jit(payload, k_LBSKH, v_LBSKH, jnp.asarray(slot, jnp.int32),
                         jnp.asarray(start, jnp.int32), cos_CH, sin_CH,
-                        interpret=bool(interpret), use_pallas=bool(use_pallas),
-                        platform=platform)
+                        interpret=bool(interpret), use_pallas=bool(use_pallas), platform=platform)
 
 
-def _encode_pallas(x_L2CKH, codec, level, group, stride, interpret):
+def _encode_pallas(x_L2CKH, codec, level, group, stride, interpret, platform):
   l_, _, c, k_, h = x_L2CKH.shape
   x_spec = _head_spec(c, h)
+  params = _tpu_vmem_params(platform, interpret)
 
   def call(kernel, outs):
     out_shape = [jax.ShapeDtypeStruct((l_, 2, k_, n, hh), dt) for n, hh, dt in outs]
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(l_, k_), in_specs=[x_spec],
         out_specs=[_head_spec(n, hh) for n, hh, _ in outs], interpret=interpret,
-        name=f"kv_encode_{codec}")(_heads(x_L2CKH))
+        name=f"kv_encode_{codec}", **params)(_heads(x_L2CKH))
 
   if codec == CODEC_INT8:
     q, scale = call(_int8_encode_kernel, [(c, h, jnp.int8), (1, h, jnp.float32)])
     return Int8Payload(_heads(q), scale[:, :, :, 0])
   if codec == CODEC_INT4:
     q, scale, zero = call(_int4_encode_kernel, [(c, h // 2, jnp.uint8),
-                                                (c // group, h, jnp.float16),
-                                                (c // group, h, jnp.float16)])
-    return Int4Payload(_heads(q), _heads(scale), _heads(zero))
+                                                (c // group, h, jnp.float32),
+                                                (c // group, h, jnp.float32)])
+    return Int4Payload(_heads(q), _heads(scale).astype(jnp.float16),
+                       _heads(zero).astype(jnp.float16))
   factors = tuple(float(np.float32(b / CACHEGEN_STEPS_PER_RMS))
                   for b in CACHEGEN_LEVEL_BINS[level])
   anchor_q, anchor_scale, delta_q, delta_step = call(
@@ -720,8 +770,8 @@ def _encode_pallas(x_L2CKH, codec, level, group, stride, interpret):
 
 @functools.partial(jax.jit, static_argnames=("codec", "level", "group", "stride", "interpret",
                                              "use_pallas", "platform"))
-def _kv_encode_jit(kv_L2CKH, *, codec, level, group, stride, interpret, use_pallas,
-                   platform="cpu"):
+def _kv_encode_jit(kv_L2CKH, *, codec, level, group, stride, interpret, use_pallas, platform):
+  # One Pallas kernel for "tpu" and "cuda" (the dispatch point per platform).
   finite = jnp.all(jnp.isfinite(kv_L2CKH))
   if codec == CODEC_RAW:
     return RawPayload(kv_L2CKH), finite
@@ -734,7 +784,7 @@ def _kv_encode_jit(kv_L2CKH, *, codec, level, group, stride, interpret, use_pall
         kv_L2CKH, codec, group=group, stride=stride, factors=factors,
         int4_ratios=INT4_CLIP_RATIOS, interpret=interpret))
   else:
-    payload = _encode_pallas(kv_L2CKH, codec, level, group, stride, interpret)
+    payload = _encode_pallas(kv_L2CKH, codec, level, group, stride, interpret, platform)
   for value in payload:  # scales and zeros must be finite too (int4's float16 range).
     if jnp.issubdtype(value.dtype, jnp.floating):
       finite &= jnp.all(jnp.isfinite(value))
@@ -766,10 +816,10 @@ def kv_encode(kv_L2CKH: jax.Array, codec: str, level: int = 0, *, interpret: boo
       rule, which storage shares); must divide C.
     anchor_stride: CacheGen tokens per anchor T; default
       `kvjax.codecs.cachegen_anchor_stride(C)`; must divide C.
-    platform: "cpu", "tpu" or "cuda" (`kvjax.kernels.platforms`); None: the default device's.
+    platform: the target ("cpu" | "tpu" | "cuda"); None: the platform being compiled for.
       "cuda" uses the Triton kernel `kv_encode_<codec>_gpu` (kvjax/kernels/kv_codec_gpu.py; C,
       H, C / G, C / T powers of two); it also runs with interpret=True on CPU and lowers for
-      CUDA on a CPU host (`jax.export`, platforms=["cuda"]).
+      CUDA on a CPU host.
 
   Returns:
     (payload, finite): the payload as device arrays, and a bool scalar that is False when the KV
@@ -778,14 +828,12 @@ def kv_encode(kv_L2CKH: jax.Array, codec: str, level: int = 0, *, interpret: boo
 
   Raises:
     ValueError: unknown codec or level, a chunk of the wrong rank, shape or dtype, or compiled
-      Pallas (use_pallas=True, interpret=False) for platform "cpu"; an unknown platform.
+      Pallas (use_pallas=True, interpret=False) for a CPU target.
   """
   group, stride = _check_encode(kv_L2CKH, codec, level, group_tokens, anchor_stride)
-  platform = resolve_platform(platform)
-  _check_backend(interpret, use_pallas and codec != CODEC_RAW, platform)
+  platform = _check_backend(interpret, use_pallas and codec != CODEC_RAW, platform)
   return _kv_encode_jit(kv_L2CKH, codec=codec, level=int(level), group=group, stride=stride,
-                        interpret=bool(interpret), use_pallas=bool(use_pallas),
-                        platform=platform)
+                        interpret=bool(interpret), use_pallas=bool(use_pallas), platform=platform)
 
 
 def kv_encode_host(kv_L2CKH: jax.Array, codec: str, level: int = 0,

@@ -148,8 +148,8 @@ def _check(shape, bands: Sequence[BandInput]) -> None:
     raise ValueError(f"bands end at component {lo_want}, D = {d}")
 
 
-def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bool = False
-                 ) -> tuple[jax.Array, jax.Array]:
+def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bool = False,
+                 platform: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Decodes rANS-coded kvtc codes on the device, in one jit'd call.
 
   Each band's blocks are gathered from the flat words into [M, J, T * B] (T * B bounds a block:
@@ -160,6 +160,8 @@ def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bo
     use_pallas: decode with the Pallas kernel (`rans_decode.rans_decode`); False: the jnp
       reference (`rans_decode_reference`, the CPU path). Bit-identical results.
     interpret: Pallas interpret mode (CPU tests).
+    platform: the Pallas kernel's target ("cpu" | "tpu" | "cuda"); None: the platform being
+      compiled for.
 
   Returns:
     (q int16[L, 2, C, D], ok bool[]): ok is False when some stream did not end where its encoder
@@ -185,7 +187,8 @@ def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bo
   if words.shape[0] > capacity:
     raise ValueError(f"{words.shape[0]} words for a chunk of at most {capacity}")
   return _decode_jit(_pad_words(words, capacity=int(capacity)), arrays, shape=shape,
-                     static=static, use_pallas=bool(use_pallas), interpret=bool(interpret))
+                     static=static, use_pallas=bool(use_pallas), interpret=bool(interpret),
+                     platform=platform)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
@@ -193,8 +196,9 @@ def _pad_words(words, *, capacity):
   return jnp.zeros((capacity,), jnp.uint16).at[:words.shape[0]].set(words.astype(jnp.uint16))
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "static", "use_pallas", "interpret"))
-def _decode_jit(flat_words, arrays, *, shape, static, use_pallas, interpret):
+@functools.partial(jax.jit, static_argnames=("shape", "static", "use_pallas", "interpret",
+                                             "platform"))
+def _decode_jit(flat_words, arrays, *, shape, static, use_pallas, interpret, platform):
   l_, _, c, d = shape
   flat = flat_words.astype(jnp.int32)
   parts, ok = [], jnp.bool_(True)
@@ -206,7 +210,7 @@ def _decode_jit(flat_words, arrays, *, shape, static, use_pallas, interpret):
     kw = dict(scale_bits=scale_bits, num_streams=num_streams, num_steps=num_steps)
     if use_pallas:
       sym_MTS, ok_b = rd.rans_decode(words, states, lengths, num_words, freqs,
-                                     interpret=interpret, **kw)
+                                     interpret=interpret, platform=platform, **kw)
     else:
       sym_MTS, ok_b = rd.rans_decode_reference(words, states, lengths, num_words, freqs, **kw)
     codes = jnp.swapaxes(sym_MTS, 1, 2).reshape(l_ * 2, (hi - lo) * c) + offset[:, None]

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvjax.kernels.platforms import resolve_platform
+from kvjax.kernels.platform import resolve_platform
 
 # ---------------------------------------------------------------------------------------------
 # Constants (the format's; storage's rans.py holds the same numbers).
@@ -200,10 +200,13 @@ def _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, nu
     raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
 
 
-def _check_backend(interpret: bool, platform: str) -> None:
+def _check_backend(interpret: bool, platform: str | None) -> str:
+  """The target platform (`resolve_platform`); raises for the compiled kernel aimed at a CPU."""
+  platform = resolve_platform(platform)
   if not interpret and platform == "cpu":
     raise ValueError("the compiled Pallas rANS decoder needs a GPU or TPU; on CPU use "
                      "rans_decode_reference or interpret=True")
+  return platform
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,21 +242,22 @@ def _decode_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref,
 
 
 def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, num_streams: int,
-                num_steps: int, interpret: bool = False,
-                platform: str | None = None) -> tuple[jax.Array, jax.Array]:
+                num_steps: int, interpret: bool = False, platform: str | None = None
+                ) -> tuple[jax.Array, jax.Array]:
   """Decodes every stream with the Pallas kernel `rans_decode` (grid over (model, block)).
 
   Arguments, results and errors as `rans_decode_reference` (bit-identical symbols), plus:
 
   Args:
     interpret: run the kernel in Pallas interpret mode (CPU tests); False compiles it for the
-      platform.
-    platform: "cpu", "tpu" or "cuda" (`kvjax.kernels.platforms`); None: the default device's.
-      "cuda" runs the Triton kernel `rans_decode_gpu` (kvjax/kernels/rans_decode_gpu.py), also
-      in interpret mode on CPU, and lowers for CUDA on a CPU host (`jax.export`).
+      target platform.
+    platform: the target ("cpu" | "tpu" | "cuda"); None: the platform being compiled for
+      (`kvjax.kernels.platform.resolve_platform`). "cuda" runs the Triton kernel
+      `rans_decode_gpu` (kvjax/kernels/rans_decode_gpu.py), also in interpret mode on CPU, and
+      lowers for CUDA on a CPU host.
 
   Raises:
-    ValueError: also for interpret=False with platform "cpu", or an unknown platform.
+    ValueError: also for interpret=False for a CPU target, or an unknown platform.
   """
   _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
   platform = resolve_platform(platform)
@@ -263,16 +267,17 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
     return rans_decode_gpu.decode_jit(words, states, lengths, num_words, freqs,
                                       scale_bits=int(scale_bits), num_streams=int(num_streams),
                                       num_steps=int(num_steps), interpret=bool(interpret))
-  _check_backend(interpret, platform)
+  platform = _check_backend(interpret, platform)
   return _pallas_jit(words, states, lengths, num_words, freqs, scale_bits=int(scale_bits),
                      num_streams=int(num_streams), num_steps=int(num_steps),
-                     interpret=bool(interpret))
+                     interpret=bool(interpret), platform=platform)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("scale_bits", "num_streams", "num_steps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps",
+                                             "interpret", "platform"))
 def _pallas_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_streams, num_steps,
-                interpret):
+                interpret, platform):
+  del platform  # one Pallas kernel for "tpu" and "cuda" (the dispatch point per platform)
   m_, j_, b_ = states.shape
   w_ = words.shape[2]
   z = 1 << scale_bits

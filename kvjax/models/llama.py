@@ -82,7 +82,7 @@ class PrefillOutput:
   v_LTKH: jax.Array
 
 
-def _sharded_paged_attention(mesh, implementation):
+def _sharded_paged_attention(mesh, implementation, platform=None):
   """`paged_attention` per `tp` shard (`shard_map`): q [T, N / tp, H] of the shard's query
   heads over the pool's [P, B, K' / tp, H] heads of the same shard; block tables, lengths and
   query starts replicated. No communication: a query head's KV head lives on its shard."""
@@ -91,7 +91,7 @@ def _sharded_paged_attention(mesh, implementation):
 
   def per_shard(q, k_pool, v_pool, tables, lens, qsl, num_seqs):
     return paged_attention(q, k_pool, v_pool, tables, lens, qsl, num_seqs,
-                           implementation=implementation)
+                           implementation=implementation, platform=platform)
 
   heads = P(None, tp, None)
   pool = P(None, None, tp, None)
@@ -119,7 +119,7 @@ def _attention_output_and_mlp(cfg: LlamaConfig, p, x_BTD, attn_BTNH):
 
 def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool_shape, positions_T, slot_mapping_T,
                  block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs, *,
-                 attention_impl, kv_head_repeat: int = 1, tp_mesh=None):
+                 attention_impl, kv_head_repeat: int = 1, tp_mesh=None, platform=None):
   """The `lax.scan` body of one decoder layer over the paged pool (`Llama.ragged_step` and
   `ragged_layers` share it): writes the step's K (after RoPE) and V into the flat pool view
   `[L * P * B, K', H]`, runs paged attention, then the MLP. Carry (x, k_flat, v_flat), scanned
@@ -128,8 +128,9 @@ def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool_shape, positions_T, slo
   positions_1T = positions_T[None]
   n_slots = l_ * p_ * b_
   attention = (paged_attention if tp_mesh is None
-               else _sharded_paged_attention(tp_mesh, attention_impl))
-  attention_kw = {"implementation": attention_impl} if tp_mesh is None else {}
+               else _sharded_paged_attention(tp_mesh, attention_impl, platform))
+  attention_kw = ({"implementation": attention_impl, "platform": platform} if tp_mesh is None
+                  else {})
 
   def layer(carry, xs):
     x, k_flat, v_flat = carry
@@ -300,7 +301,8 @@ class Llama(nnx.Module):
                   context_lens_S: jax.Array, query_start_loc_S1: jax.Array,
                   num_seqs: jax.Array, logits_indices_S: jax.Array, *,
                   attention_impl: str | None = None, kv_head_repeat: int = 1,
-                  tp_mesh=None) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
+                  tp_mesh=None, platform: str | None = None
+                  ) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
     """One ragged batched step over the paged pool: every decode and prefill chunk together.
 
     The step's tokens of all sequences are flattened (T padded to a compiled size). Each layer
@@ -332,6 +334,8 @@ class Llama(nnx.Module):
         (tensor parallelism over more devices than KV heads, `kvjax.models.sharding`).
       tp_mesh: a `tp` mesh (static): attention runs per shard under `shard_map`, each shard's
         query heads over its pool heads; None (one device): a plain call.
+      platform: the target of the attention kernel (static; "cpu" | "tpu" | "cuda"); None: the
+        platform being compiled for (`kvjax.kernels.platform.resolve_platform`).
 
     Returns:
       (f32[S, V] logits at each sequence's last token, the updated pool,
@@ -345,7 +349,7 @@ class Llama(nnx.Module):
     layer = _paged_layer(cfg, dtype, inv_freq, pool.k_LPBKH.shape, positions_T, slot_mapping_T,
                          block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs,
                          attention_impl=attention_impl, kv_head_repeat=kv_head_repeat,
-                         tp_mesh=tp_mesh)
+                         tp_mesh=tp_mesh, platform=platform)
 
     x_1TD = jnp.take(self.embed[...], tokens_T, axis=0)[None].astype(dtype)
     layer_ids = jnp.arange(l_, dtype=jnp.int32)
@@ -450,8 +454,8 @@ def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_
                   slot_mapping_T: jax.Array, block_tables_SM: jax.Array,
                   context_lens_S: jax.Array, query_start_loc_S1: jax.Array, num_seqs: jax.Array,
                   layer_start: jax.Array, *, num_layers: int, attention_impl: str | None = None,
-                  group_params: Mapping[str, jax.Array] | None = None
-                  ) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
+                  group_params: Mapping[str, jax.Array] | None = None,
+                  platform: str | None = None) -> tuple[jax.Array, PagedKVCache, jax.Array, jax.Array]:
   """Layers `[layer_start, layer_start + num_layers)` of `Llama.ragged_step`, scanned.
 
   The same per-layer computation as `ragged_step` (write the step's K after RoPE and V into the
@@ -471,6 +475,7 @@ def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_
     group_params: the group's stacked layer parameters `{name: [num_layers, ...]}`, sliced
       ahead of time; None slices them here (a dynamic slice that XLA's CPU backend fuses into
       the matmuls, about 2x slower per layer on the 2-core VM, so the runner passes them).
+    platform: the attention kernel's target (static), as `Llama.ragged_step`.
 
   Returns:
     ([1, T, D] hidden states after the group, the updated pool, [num_layers, T, K, H] keys
@@ -485,7 +490,7 @@ def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_
   n_slots = l_ * p_ * b_
   layer = _paged_layer(cfg, dtype, inv_freq, pool.k_LPBKH.shape, positions_T, slot_mapping_T,
                        block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs,
-                       attention_impl=attention_impl)
+                       attention_impl=attention_impl, platform=platform)
 
   layer_ids = layer_start + jnp.arange(num_layers, dtype=jnp.int32)
   k_flat = pool.k_LPBKH.reshape(n_slots, k_, h_)

@@ -25,10 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax import codecs as codec_registry
 from kvjax.kernels import kv_codec
+from kvjax.kernels.platform import platform_of, resolve_platform
 from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_block_nbytes,
                                    write_chunk_blocks)
-from kvjax.models.layers import apply_rope
+from kvjax.models.layers import apply_rope, rope_inv_freq
 from kvjax.models.llama import (LAYER_PARAMS, Llama, ragged_embed, ragged_layers,
                                 ragged_logits)
 from kvjax.models.runner import DEFAULT_CHUNK_SIZES, level_encoder
@@ -212,6 +214,18 @@ class PagedModelRunner:
     tensor_parallel: a `tp` mesh (`kvjax.models.sharding`, issue 14): parameters sharded
       Megatron-style, the pool by KV head, the step one GSPMD program with attention per shard.
       None (default): one device, no mesh (the program of a single-device run).
+    device: with no `tensor_parallel`, the one device (default `jax.devices()[0]`).
+    abstract: build the programs only, for devices this process may not have (TPU topology
+      devices from `jax.experimental.topologies`, `scripts/compile_check.py`): the model may be
+      abstract (`nnx.eval_shape`), no array is placed or allocated, and only `aot_programs`
+      is usable.
+    platform: the target platform ("cpu" | "tpu" | "cuda"); None (default): the devices'.
+      Given, it must be theirs, except for an abstract runner, whose programs are then lowered
+      for that platform with `jax.export` (CUDA programs built on a machine with no GPU).
+
+  The kernels are chosen for the platform of the devices the programs compile for
+  (`platform`: "cpu", "tpu" or "cuda"), not for the host: Pallas kernels for TPU and CUDA, the
+  jnp references for CPU.
 
   Raises:
     ValueError: `max_seq_len` beyond the model's context.
@@ -220,7 +234,9 @@ class PagedModelRunner:
   kv_cache_layout = "paged"
 
   def __init__(self, model: Llama, config: PagedRunnerConfig,
-               tensor_parallel: TensorParallel | None = None):
+               tensor_parallel: TensorParallel | None = None, *, device=None,
+               abstract: bool = False, platform: str | None = None):
+    kwarg_platform = platform if platform is None else resolve_platform(platform)
     self.model_config = model.cfg
     self.config = config
     self.dtype = model.dtype
@@ -242,13 +258,33 @@ class PagedModelRunner:
     self._lw_params: dict[tuple[int, int], dict] = {}
     self._cache_dtype = config.cache_dtype or model.dtype
     self.tp = tp = tensor_parallel
+    self.abstract = bool(abstract)
+    #: The devices the programs compile for, and their platform ("cpu" | "tpu" | "cuda"): it
+    #: picks every kernel (attention, codecs), whatever the host is.
+    self.devices = (list(tp.mesh.devices.flat) if tp is not None
+                    else [device if device is not None else jax.devices()[0]])
+    self.platform = platform = platform_of(self.devices)
+    if platform is not None and kwarg_platform not in (None, platform):
+      if not self.abstract:
+        raise ValueError(f"platform={kwarg_platform!r} for {platform} devices: only an "
+                         "abstract runner lowers for another platform")
+      self.platform = platform = kwarg_platform
+    self._device = None if tp is not None else device
     #: Multi-host (issue 14): process 0 sends every device call to the other processes.
     self._channel = (multihost.Channel() if tp is not None and jax.process_count() > 1
-                     else None)
+                     and not self.abstract else None)
     #: r: copies of each KV head in the pool (tensor parallelism over more devices than heads).
     self.kv_head_repeat = r = 1 if tp is None else tp.kv_head_repeat
-    if tp is not None:
+    if self.abstract:
+      shardings = (tp.state_shardings(self.state) if tp is not None else
+                   jax.tree_util.tree_map(lambda _: self._single, self.state))
+      self.state = jax.tree_util.tree_map(
+          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), self.state,
+          shardings)
+    elif tp is not None:
       self.state = jax.tree_util.tree_map(put, self.state, tp.state_shardings(self.state))
+    elif device is not None:
+      self.state = jax.device_put(self.state, device)
     self.pool = self._new_pool()
     impl = config.attention_impl
     mesh = None if tp is None else tp.mesh
@@ -257,10 +293,10 @@ class PagedModelRunner:
       if tp is None:
         return nnx.merge(graphdef, state).ragged_step(
             pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows,
-            attention_impl=impl)
+            attention_impl=impl, platform=platform)
       return nnx.merge(graphdef, state).ragged_step(
           pool, tokens, positions, slots, tables, lens, qsl, num_seqs, logit_rows,
-          attention_impl=impl, kv_head_repeat=r, tp_mesh=mesh)
+          attention_impl=impl, kv_head_repeat=r, tp_mesh=mesh, platform=platform)
 
     if tp is None:
       self._step = jax.jit(step, donate_argnums=(1,))
@@ -270,14 +306,15 @@ class PagedModelRunner:
           step, donate_argnums=(1,),
           in_shardings=(tp.state_shardings(self.state), pool_sh) + (rep_,) * 8,
           out_shardings=(rep_, pool_sh, kv_sh, kv_sh))
-    self._inv_freq = model.inv_freq[...]
-    self.use_pallas_codecs = jax.default_backend() != "cpu"
+    self._inv_freq = (jnp.asarray(rope_inv_freq(model.cfg)) if self.abstract
+                      else model.inv_freq[...])
+    self.use_pallas_codecs = platform != "cpu"
     #: On the CPU backend a step's outputs are returned as numpy arrays (device memory is host
     #: memory there): trimming the padding and cutting each request's rows out of jax arrays
     #: ran one eager XLA op per new shape, and nearly every step has new shapes (its token
     #: count), so each compiled a few small programs first (50-150 ms each on the 2-core VM; a
     #: session hit's one-step prefill paid several). Numpy slices compile nothing.
-    self.host_outputs = jax.default_backend() == "cpu"
+    self.host_outputs = platform == "cpu"
     use_pallas = self.use_pallas_codecs
 
     def insert_raw(pool, kv_L2CKH, block_ids, start):
@@ -291,7 +328,7 @@ class PagedModelRunner:
       c = cos_CH.shape[0]
       scratch = jnp.zeros((cfg.n_layers, 1, c, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
       k, v = kv_codec.kv_decode(payload, scratch, scratch, 0, 0, cos_CH, sin_CH,
-                                use_pallas=use_pallas)
+                                use_pallas=use_pallas, platform=platform)
       return write_chunk_blocks(pool, k[:, 0], v[:, 0], block_ids)
 
     def read_pre_rope(pool, block_ids, start):
@@ -315,7 +352,7 @@ class PagedModelRunner:
         c, h_ = cos_CH.shape
         scratch = jnp.zeros((l_, 1, c, k_, h_), jnp.float32)
         k, v = kv_codec.kv_decode(payload, scratch, scratch, 0, 0, cos_CH, sin_CH,
-                                  use_pallas=use_pallas)
+                                  use_pallas=use_pallas, platform=platform)
         return k[:, 0], v[:, 0]
 
       specs = type(payload)(*(heads5 if x.ndim == 5 else heads4 for x in payload))
@@ -341,11 +378,27 @@ class PagedModelRunner:
     sh = self.tp.pool_sharding
     return PagedKVCache(sh, sh)
 
+  @property
+  def _single(self):
+    """The one device's sharding (no `tp`)."""
+    return jax.sharding.SingleDeviceSharding(self.devices[0])
+
   def _new_pool(self) -> PagedKVCache:
     """A zeroed pool: `[L, P, B, K, H]` on one device, or `[L, P, B, K * r, H]` sharded by
-    head over `tp` (each device zero-fills its own heads; no host copy)."""
+    head over `tp` (each device zero-fills its own heads; no host copy). Abstract runner: the
+    pool's ShapeDtypeStructs."""
     cfg, cdt = self.model_config, self._cache_dtype
+    if self.abstract:
+      shape = (cfg.n_layers, self.config.num_blocks, self.block_size,
+               cfg.n_kv_heads * self.kv_head_repeat, cfg.head_dim)
+      sh = self._single if self.tp is None else self.tp.pool_sharding
+      sds = jax.ShapeDtypeStruct(shape, cdt, sharding=sh)
+      return PagedKVCache(sds, sds)
     if self.tp is None:
+      if self._device is not None:
+        return jax.jit(lambda: init_paged_kv_cache(cfg, self.config.num_blocks,
+                                                   self.block_size, cdt),
+                       out_shardings=self._single)()
       return init_paged_kv_cache(cfg, self.config.num_blocks, self.block_size, cdt)
     wide = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * self.kv_head_repeat)
     return jax.jit(lambda: init_paged_kv_cache(wide, self.config.num_blocks, self.block_size, cdt),
@@ -595,6 +648,7 @@ class PagedModelRunner:
     graphdef = self._graphdef
     impl = self.config.attention_impl
     inv_freq = self._inv_freq
+    platform = self.platform
 
     def begin(state, tokens):
       return ragged_embed(nnx.merge(graphdef, state), tokens)
@@ -609,7 +663,7 @@ class PagedModelRunner:
         def run(state, params, pool, x, positions, slots, tables, lens, qsl, num_seqs, l0):
           return ragged_layers(nnx.merge(graphdef, state), pool, x, positions, slots, tables,
                                lens, qsl, num_seqs, l0, num_layers=n, attention_impl=impl,
-                               group_params=params)
+                               group_params=params, platform=platform)
         per_size[n] = jax.jit(run, donate_argnums=(2,))
       return per_size[n]
 
@@ -824,9 +878,106 @@ class PagedModelRunner:
     """
     if self._channel is not None:
       raise ValueError("multi-host runs store raw chunks only (kv_codec='raw')")
-    fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs)
+    fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs, self.platform)
     return [(codec, level, arrays, finite)
             for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, None, np.int32(start)))]
+
+  # ----------------------------------------------------------------------------- AOT
+  def _sds(self, shape, dtype=jnp.int32, sharding=None) -> jax.ShapeDtypeStruct:
+    """An argument's ShapeDtypeStruct placed as the runner places host inputs (replicated)."""
+    if sharding is None:
+      sharding = self._single if self.tp is None else self.tp.replicated
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+  def _abstract(self, tree):
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+  def _step_args(self, t: int) -> tuple:
+    s_max, m = min(t, self.max_step_seqs), self.max_blocks_per_seq
+    i = self._sds
+    return (i((t,)), i((t,)), i((t,)), i((s_max, m)), i((s_max,)), i((s_max + 1,)), i(()),
+            i((s_max,)))
+
+  def _payload_args(self, codec: str, c: int):
+    """A chunk's payload of `codec` as ShapeDtypeStructs, placed as `insert_payload` places
+    it (by head under `tp`, each KV head repeated r times)."""
+    cfg = self.model_config
+    chunk = jax.ShapeDtypeStruct((cfg.n_layers, 2, c, cfg.n_kv_heads, cfg.head_dim),
+                                 jnp.float32)
+    payload = jax.eval_shape(
+        lambda x: kv_codec.kv_encode(x, codec, use_pallas=False, platform="cpu")[0], chunk)
+    if self.tp is None:
+      return type(payload)(*(self._sds(x.shape, x.dtype) for x in payload))
+    r = self.kv_head_repeat
+    heads5, heads4 = self.tp.chunk_sharding, self.tp.sharding(
+        jax.sharding.PartitionSpec(None, None, "tp", None))
+    out = []
+    for x in payload:
+      shape = list(x.shape)
+      shape[x.ndim - 2] *= r
+      out.append(self._sds(shape, x.dtype, heads5 if x.ndim == 5 else heads4))
+    return type(payload)(*out)
+
+  def aot_programs(self, *, chunk_tokens: int | None = None, codecs: Sequence[str] = (
+      "raw", "int8", "int4", "cachegen"), buckets: Sequence[int] | None = None,
+                   groups: int | None = None) -> list[tuple[str, object, tuple]]:
+    """Every program the engine runs on this runner, as `(name, jitted function, abstract
+    arguments)`: `fn.lower(*args).compile()` compiles it for the runner's devices (a real or
+    an abstract runner; for TPU topology devices, trace inside
+    `jax.sharding.use_abstract_mesh` of their mesh so Pallas TPU kernels see the target chip).
+
+    Programs: the step at each token bucket; the raw chunk insert; per codec the payload
+    insert (`kv_codec.kv_decode` + block write) and the encode of every level; the pre-RoPE
+    read; with `groups` (one device only), the layer-group programs of layer-wise loading.
+
+    Args:
+      chunk_tokens: the stored chunk's tokens C (default the largest chunk size).
+      codecs: the codecs whose insert and encode programs to include.
+      buckets: the token buckets of the step (default all of `buckets`).
+      groups: layer groups of the layer-wise step; None: none of its programs.
+    """
+    cfg, b = self.model_config, self.block_size
+    c = chunk_tokens or self.max_chunk_size
+    r, kh = self.kv_head_repeat, cfg.n_kv_heads
+    state, pool = self._abstract(self.state), self._abstract(self.pool)
+    i = self._sds
+    chunk_sh = None if self.tp is None else self.tp.chunk_sharding
+    out = []
+    for t in (buckets or self.buckets):
+      out.append((f"step[T={t}]", self._step, (state, pool) + self._step_args(t)))
+    out.append((f"insert_raw[C={c}]", self._insert,
+                (pool, i((cfg.n_layers, 2, c, kh * r, cfg.head_dim), self.dtype, chunk_sh),
+                 i((c // b,)), i(()))))
+    out.append((f"read_pre_rope[C={c}]", self._read_pre_rope, (pool, i((c // b,)), i(()))))
+    chunk = i((cfg.n_layers, 2, c, kh, cfg.head_dim), self.dtype)
+    for codec in codecs:
+      if codec != "raw" or self.tp is None:
+        out.append((f"insert_payload[{codec},C={c}]", self._insert_payload,
+                    (pool, self._payload_args(codec, c), i((c // b,)),
+                     i((c, cfg.head_dim), jnp.float32), i((c, cfg.head_dim), jnp.float32))))
+      levels = tuple(codec_registry.CODEC_LEVELS[codec])
+      fn = level_encoder(codec, levels, self.use_pallas_codecs, self.platform)
+      out.append((f"encode[{codec},levels={len(levels)},C={c}]", fn, (chunk, None, i(()))))
+    if groups is not None and self.tp is None:
+      jits = self._layerwise_jits()
+      layers_state = state["layers"]
+      for t in (buckets or self.buckets):
+        s_max = min(t, self.max_step_seqs)
+        x = i((1, t, cfg.d_model), self.dtype)
+        out.append((f"layers_begin[T={t}]", jits["begin"], (state, i((t,)))))
+        for n in sorted({l1 - l0 for l0, l1 in layer_groups(cfg.n_layers, groups)}):
+          params = {name: i((n,) + tuple(layers_state[name].shape[1:]),
+                            layers_state[name].dtype) for name in LAYER_PARAMS}
+          out.append((f"layers[G={n},T={t}]", jits["layers"](n),
+                      (state, params, pool, x) + self._step_args(t)[1:7] + (i(()),)))
+        out.append((f"layers_finish[T={t}]", jits["finish"], (state, x, i((s_max,)))))
+      g = -(-cfg.n_layers // groups)
+      piece = i((g, 2, c, kh, cfg.head_dim), self.dtype)
+      out.append((f"insert_layers[G={g},n={LAYERWISE_INSERT_BATCH},C={c}]", jits["insert"],
+                  (pool, (piece,) * LAYERWISE_INSERT_BATCH,
+                   i((LAYERWISE_INSERT_BATCH, c // b)), i((LAYERWISE_INSERT_BATCH,)), i(()))))
+    return out
 
   # ----------------------------------------------------------------------------- lifetime
   def reset(self) -> None:

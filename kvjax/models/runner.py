@@ -48,10 +48,12 @@ def enable_persistent_compilation_cache(path: str | None = None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def level_encoder(codec: str, levels: tuple[int, ...], use_pallas: bool):
+def level_encoder(codec: str, levels: tuple[int, ...], use_pallas: bool,
+                  platform: str | None = None):
   """One jit'd function encoding a device chunk at every level of `levels` in one call.
 
-  Shared by both runner layouts (compiled once per codec, levels and backend choice).
+  Shared by both runner layouts (compiled once per codec, levels and backend choice);
+  `platform` is the codec kernels' target (None: the platform being compiled for).
 
   Returns:
     `fn(kv_L2CKH, kvtc_transform_or_None, start) -> [(payload arrays by name, finite flag)]`,
@@ -65,7 +67,8 @@ def level_encoder(codec: str, levels: tuple[int, ...], use_pallas: bool):
       if codec == codecs.KVTC:
         payload, finite = kvtc.kvtc_encode(kv, t, level, start=start)
       else:
-        payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas)
+        payload, finite = kv_codec.kv_encode(kv, codec, level, use_pallas=use_pallas,
+                                             platform=platform)
       out.append((payload._asdict(), finite))
     return out
 

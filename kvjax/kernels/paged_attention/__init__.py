@@ -14,7 +14,8 @@ Implementations (same arguments, same result; padded rows are zeros):
   paged_attention_reference  pure jnp, the CPU path; cost follows each sequence's real context
   paged_attention_gpu        Pallas GPU (Triton lowering), split-K over kv blocks
   paged_attention_tpu        Pallas TPU (Mosaic), scalar-prefetched block tables in index maps
-`paged_attention` picks one for the default backend.
+`paged_attention` picks one for the target platform (`kvjax.kernels.platform`: the devices the
+program compiles for, not the host).
 """
 
 from __future__ import annotations
@@ -25,27 +26,29 @@ from kvjax.kernels.paged_attention.gpu import gpu_block_sizes, paged_attention_g
 from kvjax.kernels.paged_attention.reference import (MASK_VALUE, check_shapes, check_values,
                                                      paged_attention_reference)
 from kvjax.kernels.paged_attention.tpu import paged_attention_tpu
+from kvjax.kernels.platform import resolve_platform
 
 IMPLEMENTATIONS = ("reference", "gpu", "tpu")
 
 
-def default_implementation(backend: str | None = None) -> str:
-  """'gpu' on a GPU backend (or platform "cuda"), 'tpu' on TPU, else 'reference'."""
-  backend = backend or jax.default_backend()
-  backend = "gpu" if backend == "cuda" else backend
-  return backend if backend in ("gpu", "tpu") else "reference"
+def default_implementation(platform: str | None = None) -> str:
+  """'gpu' for platform "cuda", 'tpu' for "tpu", else 'reference'; None: the platform being
+  compiled for (`kvjax.kernels.platform.resolve_platform`)."""
+  if platform == "gpu":  # jax's name of the CUDA platform
+    platform = "cuda"
+  return {"cuda": "gpu", "tpu": "tpu"}.get(resolve_platform(platform), "reference")
 
 
 def paged_attention(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc, num_seqs,
                     *, sm_scale: float | None = None, implementation: str | None = None,
                     interpret: bool = False, platform: str | None = None,
                     **block_sizes) -> jax.Array:
-  """Ragged paged attention with the implementation for this backend (or `implementation`).
+  """Ragged paged attention with the implementation for `platform` (or `implementation`).
 
   Arguments and result as `paged_attention_reference`; `block_sizes` go to the chosen
   implementation (e.g. `num_kv_splits` for "gpu"); `interpret` to the Pallas ones. `platform`
-  ("cpu", "tpu", "cuda"; None: the default device's) picks the implementation when
-  `implementation` is None, so a CPU host can build the CUDA program (`jax.export`).
+  ("cpu" | "tpu" | "cuda"; None: the platform being compiled for) picks the implementation
+  when none is given and is what the Pallas ones compile for.
 
   Raises:
     ValueError: unknown implementation, or as the chosen implementation raises.
@@ -55,10 +58,11 @@ def paged_attention(q_TNH, k_pool, v_pool, block_tables, context_lens, query_sta
   if impl == "reference":
     return paged_attention_reference(*args, sm_scale=sm_scale, **block_sizes)
   if impl == "gpu":
-    return paged_attention_gpu(*args, sm_scale=sm_scale, interpret=interpret,
-                               platform=None if platform is None else "cuda", **block_sizes)
+    return paged_attention_gpu(*args, sm_scale=sm_scale, interpret=interpret, platform=platform,
+                               **block_sizes)
   if impl == "tpu":
-    return paged_attention_tpu(*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)
+    return paged_attention_tpu(*args, sm_scale=sm_scale, interpret=interpret, platform=platform,
+                               **block_sizes)
   raise ValueError(f"implementation={impl!r}, want one of {IMPLEMENTATIONS}")
 
 

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.kernels.paged_attention import tiles as tiles_lib
-from kvjax.kernels.platforms import resolve_platform
+from kvjax.kernels.platform import resolve_platform
 from kvjax.kernels.paged_attention.reference import (MASK_VALUE, cdiv, check_shapes, check_values,
                                                      resolve_scale)
 
@@ -193,12 +193,12 @@ def paged_attention_gpu(
     num_kv_splits: split-K partitions per (tile, kv head), merged after the kernel (static).
     num_warps, num_stages: Triton launch parameters.
     interpret: run in Pallas interpret mode (CPU tests); False compiles with Triton (GPU only).
-    platform: "cuda" or None (the default device's; `kvjax.kernels.platforms`). "cuda" on a CPU
-      host lowers for CUDA (`jax.export`, platforms=["cuda"]); running it needs a GPU.
+    platform: the target ("cpu" | "tpu" | "cuda"); None: the platform being compiled for
+      (`kvjax.kernels.platform.resolve_platform`).
 
   Raises:
     ValueError: as `paged_attention_reference`; see `gpu_block_sizes`; interpret=False for a
-      platform other than "cuda".
+      target other than CUDA.
   """
   t_, n_, h_, _, bs_, k_, _, _ = check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens,
                                               query_start_loc, num_seqs)

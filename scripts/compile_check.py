@@ -1,0 +1,367 @@
+"""Compiles every program the paged engine builds for TPU chips and lowers it for CUDA, with no
+accelerator: XLA's real TPU compiler (libtpu) runs on this machine against TPU topology devices.
+
+    pip install 'jax[tpu]==<the installed jax>'        # adds libtpu (about 680 MB)
+    python scripts/compile_check.py [--quick] [--out benchmarks/results/compile_check.json]
+
+Per target (`jax.experimental.topologies.get_topology_desc`: v5e, v6e, v5p) and tensor-parallel
+size (1, 4, 8 where the model's heads allow, via `kvjax.models.sharding`), an abstract
+`PagedModelRunner` (random weights as ShapeDtypeStructs; no weights needed) lists its programs
+(`PagedModelRunner.aot_programs`): the step at several token buckets, the raw chunk insert, per
+codec the payload insert (`kv_codec.kv_decode`) and the encode of every level, the pre-RoPE
+read, the layer-group programs of layer-wise loading; plus the rANS decode (`kvtc_rans`) and the
+kvtc inverse transform. Each is traced inside the target's abstract mesh (so Pallas TPU kernels
+lower for that chip's kind), compiled, and reported: compile OK or the error, seconds, argument /
+temp / output bytes against the chip's HBM (`memory_analysis`), and XLA's cost model
+(`cost_analysis`: flops, bytes accessed, optimal seconds). The cost figures are the COMPILER'S
+ESTIMATES, not measurements; nothing here runs on a TPU or GPU. XLA counts a while loop's body
+once: the step's `lax.scan` over layers is one layer's work plus what lies outside the loop
+(embedding, logits), not L layers'. CUDA: the same programs built for
+platform "cuda" (Pallas GPU kernels) and lowered with `jax.export(platforms=["cuda"])` (lowering
+only: no GPU compiler here).
+
+Writes JSON (machine, versions, git SHA, every row) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+from kvjax.models import config as model_configs  # noqa: E402
+from kvjax.models.llama import Llama  # noqa: E402
+from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig  # noqa: E402
+from kvjax.models.sharding import TensorParallel, check_tensor_parallel_size  # noqa: E402
+
+GIB = 1 << 30
+#: HBM per chip, bytes (Google Cloud TPU system architecture pages).
+HBM_BYTES = {"v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95 * GIB}
+#: Topology names with 8 chips (TP 1 and 4 use the first devices of the same topology).
+TOPOLOGIES = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "v5p": "v5p:2x2x2"}
+MODELS = {"SmolLM2-135M": model_configs.smollm2_135m, "Llama-3.1-8B": model_configs.llama3_8b}
+
+
+def abstract_model(cfg) -> Llama:
+  """The model with ShapeDtypeStruct weights (bf16), nothing allocated."""
+  return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                      param_dtype=jnp.bfloat16))
+
+
+def runner_config(cfg, args, max_model_len: int) -> PagedRunnerConfig:
+  """The engine's defaults, with a pool that holds `max_num_seqs` x `max_model_len` tokens."""
+  max_len = min(max_model_len, cfg.max_seq_len)
+  blocks = args.max_num_seqs * -(-max_len // args.block_size)
+  return PagedRunnerConfig(num_blocks=blocks, block_size=args.block_size,
+                           max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_seq_len=max_len)
+
+
+def stats(compiled) -> dict:
+  out = {}
+  ma = compiled.memory_analysis()
+  if ma is not None:
+    for k in ("argument", "output", "temp", "alias", "generated_code"):
+      out[f"{k}_bytes"] = int(getattr(ma, f"{k}_size_in_bytes"))
+    # Live at once: arguments + outputs not aliased to (donated) arguments + temporaries.
+    out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
+                         + out["temp_bytes"])
+  ca = compiled.cost_analysis()
+  if isinstance(ca, list):
+    ca = ca[0] if ca else {}
+  if ca:
+    opt = float(ca.get("optimal_seconds", -1.0))
+    out["estimate"] = {"flops": float(ca.get("flops", 0.0)),
+                       "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
+                       # XLA reports a negative time when its model cannot bound the program
+                       # (a while loop over layers): no estimate then.
+                       "optimal_seconds": opt if opt >= 0 else None}
+  return out
+
+
+def first_line(e: BaseException) -> str:
+  msg = str(e).strip().splitlines()
+  for line in msg:  # the size of a VMEM/SMEM overflow first
+    if "exceeded" in line or "Ran out of memory" in line:
+      return f"{type(e).__name__}: {line.strip()[:300]}"
+  for line in msg:
+    if "rror" in line or "ailed" in line or "nsupported" in line:
+      return f"{type(e).__name__}: {line.strip()[:300]}"
+  return f"{type(e).__name__}: {(msg[0] if msg else '')[:300]}"
+
+
+def compile_tpu(name, fn, fargs, mesh, chip, per_device_hbm) -> dict:
+  row = {"program": name}
+  t0 = time.perf_counter()
+  try:
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      lowered = fn.lower(*fargs)
+    compiled = lowered.compile()
+    row.update(ok=True, seconds=round(time.perf_counter() - t0, 2), **stats(compiled))
+    if "peak_bytes" in row:
+      row["fits_hbm"] = row["peak_bytes"] <= per_device_hbm
+  except Exception as e:  # noqa: BLE001 (every failure is a row of the table)
+    row.update(ok=False, seconds=round(time.perf_counter() - t0, 2), error=first_line(e))
+  return row
+
+
+def strip_sharding(tree):
+  return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def lower_cuda(name, fn, fargs) -> dict:
+  """Lowers for CUDA (StableHLO with the Pallas GPU kernels as custom calls); what `jax.export`
+  with platforms=["cuda"] serializes, minus its refusal of custom calls that carry no
+  compatibility guarantee (every Pallas kernel), so the lowering itself is what is checked."""
+  row = {"program": name}
+  t0 = time.perf_counter()
+  try:
+    text = fn.trace(*strip_sharding(fargs)).lower(lowering_platforms=("cuda",)).as_text()
+    row.update(ok=True, seconds=round(time.perf_counter() - t0, 2), mlir_chars=len(text),
+               triton_calls=text.count("__gpu$xla.gpu.triton"),
+               mosaic_gpu_calls=text.count("mosaic_gpu"))
+  except Exception as e:  # noqa: BLE001
+    row.update(ok=False, seconds=round(time.perf_counter() - t0, 2), error=first_line(e))
+  return row
+
+
+def extra_programs(cfg, chunk: int, device, platform: str):
+  """The rANS decode of a kvtc chunk's codes (`kvtc_rans`, Pallas kernel) and the kvtc decode
+  (inverse transform + RoPE + write, jnp): not runner programs (the store client and the slotted
+  runner call them), at the model's chunk shape. Band shapes come from encoding random codes of
+  that shape with the storage room's rANS coder (they depend on the data only through the
+  word counts, padded to a size bucket)."""
+  from kvjax.kernels import kvtc, kvtc_rans  # noqa: PLC0415
+  from kvjax.storage import entropy  # noqa: PLC0415
+  sh = None if device is None else jax.sharding.SingleDeviceSharding(device)
+
+  def sds(x):
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sh)
+
+  l_, k_, h_ = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+  d = k_ * h_
+  out = []
+  rng = np.random.default_rng(0)
+  spread = np.geomspace(20.0, 0.05, d)
+  q = np.clip(np.rint(rng.laplace(size=(l_, 2, chunk, d)) * spread), -32767, 32767
+              ).astype(np.int16)
+  p = entropy.parse_components_rans(entropy.encode_components_rans(q), q.shape)
+  packed = kvtc_rans.pack_bands(p.shape, p.bands, p.offsets, p.arrays)
+  static = tuple(tuple(int(getattr(b, n)) for n in kvtc_rans._STATIC) for b in packed.bands)
+  arrays = tuple(tuple(sds(getattr(b, n)) for n in kvtc_rans._ARRAYS) for b in packed.bands)
+  capacity = sum(int(np.prod(b.states.shape)) * b.num_steps for b in packed.bands)
+  words = jax.ShapeDtypeStruct((capacity,), jnp.uint16, sharding=sh)
+  fn = jax.jit(lambda w, a: kvtc_rans._decode_jit(
+      w, a, shape=packed.shape, static=static, use_pallas=True, interpret=False,
+      platform=platform))
+  out.append((f"rans_decode[kvtc codes {l_}x2x{chunk}x{d}]", fn, (words, arrays)))
+
+  f32 = np.float32
+  payload = kvtc.KVTCPayload(jax.ShapeDtypeStruct((l_, 2, chunk, d), jnp.int16, sharding=sh),
+                             jax.ShapeDtypeStruct((l_, 2), f32, sharding=sh),
+                             jax.ShapeDtypeStruct((16,), jnp.uint8, sharding=sh))
+  levels = len(kvtc.CODEC_LEVELS[kvtc.CODEC_KVTC])
+  t = kvtc.KVTCDeviceTransform(
+      *(jax.ShapeDtypeStruct(s_, f32, sharding=sh) for s_ in (
+          (l_, 2, d), (l_, 2, d, d), (l_, 2, d, d), (levels, l_, 2),
+          (l_, 2, kvtc.PREDICT_FEATURES * d, d))),
+      jax.ShapeDtypeStruct((16,), jnp.uint8, sharding=sh))
+  cache = jax.ShapeDtypeStruct((l_, 1, chunk, k_, h_), jnp.bfloat16, sharding=sh)
+  i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)
+  cs = jax.ShapeDtypeStruct((chunk, h_), f32, sharding=sh)
+  fn = jax.jit(lambda *a: kvtc._decode_jit(*a, k=k_, h=h_))
+  out.append((f"kvtc_decode[C={chunk}]", fn, (payload, t, cache, cache, i32, i32, cs, cs)))
+  return out
+
+
+def jobs(args) -> list[tuple[str, str, int, int, tuple[int, ...], bool]]:
+  """(model, chip, TP, max_model_len, buckets, every program?) in the order they run: the full
+  program set on `full_chips` first, then the step and inserts elsewhere, then a long-context
+  step (the model's own max_model_len: the block table's SMEM windows), then CUDA."""
+  out = []
+  for chip in sorted(args.chips, key=lambda c: c not in args.full_chips):
+    for model_name in args.models:
+      for tp_size in args.tp:
+        out.append((model_name, chip, tp_size, args.max_model_len, tuple(args.buckets),
+                    tp_size == 1 and chip in args.full_chips))
+  if args.long_context and "Llama-3.1-8B" in args.models and "v6e" in args.chips:
+    out.append(("Llama-3.1-8B", "v6e", 4, MODELS["Llama-3.1-8B"]().max_seq_len,
+                (min(args.buckets),), False))
+  if args.cuda:
+    for model_name in args.models:
+      out.append((model_name, "cuda", 1, args.max_model_len, tuple(args.buckets), True))
+  return out
+
+
+def run(args, on_row) -> None:
+  from jax.experimental import topologies  # noqa: PLC0415
+  for model_name, chip, tp_size, max_len, buckets, full in jobs(args):
+    cfg = MODELS[model_name]()
+    model = abstract_model(cfg)
+    rc = runner_config(cfg, args, max_len)
+    common = dict(model=model_name, max_model_len=rc.max_seq_len, num_blocks=rc.num_blocks)
+    if chip == "cuda":
+      runner = PagedModelRunner(model, rc, None, device=jax.devices("cpu")[0], abstract=True,
+                                platform="cuda")
+      progs = runner.aot_programs(chunk_tokens=args.chunk, buckets=buckets,
+                                  codecs=args.codecs, groups=None)
+      if args.extras:
+        progs += extra_programs(cfg, args.chunk, None, "cuda")
+      for name, fn, fargs in progs:
+        on_row(dict(lower_cuda(name, fn, fargs), target="cuda (lowering only)", chip="cuda",
+                    tp=1, platform="cuda", **common))
+      continue
+    topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[chip], platform="tpu")
+    try:
+      check_tensor_parallel_size(cfg, tp_size, len(topo.devices))
+    except ValueError as e:
+      print(f"skip {model_name} {chip} TP={tp_size}: {e}")
+      continue
+    tp = None if tp_size == 1 else TensorParallel.build(cfg, tp_size, topo.devices)
+    runner = PagedModelRunner(model, rc, tp, device=topo.devices[0], abstract=True)
+    mesh = jax.sharding.Mesh(np.asarray(runner.devices), ("tp",))
+    progs = runner.aot_programs(chunk_tokens=args.chunk, buckets=buckets, codecs=args.codecs,
+                                groups=args.groups if full else None)
+    if not full:  # the step and the inserts only (the rest is per device, as at TP 1)
+      progs = [p for p in progs if p[0].startswith(("step", "insert_raw", "insert_payload"))]
+      if max_len != args.max_model_len:
+        progs = [p for p in progs if p[0].startswith("step")]
+    if full and args.extras:
+      progs += extra_programs(cfg, args.chunk, topo.devices[0], "tpu")
+    for name, fn, fargs in progs:
+      m = mesh if not name.startswith(("rans", "kvtc")) else jax.sharding.Mesh(
+          np.asarray(topo.devices[:1]), ("tp",))
+      on_row(dict(compile_tpu(name, fn, fargs, m, chip, HBM_BYTES[chip]),
+                  target=f"{chip} ({TOPOLOGIES[chip]})", chip=chip, tp=tp_size, platform="tpu",
+                  hbm_bytes=HBM_BYTES[chip], **common))
+
+
+def fmt_gib(x):
+  return "" if x is None else f"{x / GIB:.2f}"
+
+
+def print_row(r):
+  est = r.get("estimate", {})
+  status = "OK" if r["ok"] else "FAIL"
+  mem = (f"args {fmt_gib(r.get('argument_bytes'))} temp {fmt_gib(r.get('temp_bytes'))} "
+         f"peak {fmt_gib(r.get('peak_bytes'))} GiB" if "peak_bytes" in r else "")
+  opt = est.get("optimal_seconds")
+  e = (f"est {est['flops'] / 1e9:.1f} GFLOP {est['bytes_accessed'] / GIB:.2f} GiB "
+       f"{'-' if opt is None else f'{opt * 1e3:.3f}'} ms" if est else "")
+  print(f"{r['model']:<13} {r['chip']:<4} TP{r['tp']:<2} {r['program']:<36} {status:<4} "
+        f"{r['seconds']:>6.1f}s {mem} {e} {r.get('error', '')}", flush=True)
+
+
+def markdown(rows) -> str:
+  """The rows as a markdown table (docs/architecture.md): one line per program and target."""
+  lines = ["| model | target | TP | program | compile | peak GiB (HBM) | est. GFLOP | "
+           "est. GiB accessed | est. optimal ms |", "|" + "---|" * 9]
+  for r in rows:
+    est = r.get("estimate", {})
+    opt = est.get("optimal_seconds")
+    peak = (f"{r['peak_bytes'] / GIB:.2f} ({r['hbm_bytes'] / GIB:.0f})"
+            if "peak_bytes" in r else "")
+    status = "OK" if r["ok"] else "FAIL: " + r["error"].split(":")[0]
+    lines.append(
+        f"| {r['model']} | {r['chip']} | {r['tp']} | {r['program']} | {status} | {peak} | "
+        f"{est['flops'] / 1e9:.1f} | {est['bytes_accessed'] / GIB:.2f} | "
+        f"{'' if opt is None else f'{opt * 1e3:.2f}'} |" if est else
+        f"| {r['model']} | {r['chip']} | {r['tp']} | {r['program']} | {status} | {peak} | | | |")
+  return "\n".join(lines)
+
+
+def summary(rows) -> str:
+  """Per model, target and TP: programs OK, the largest step's peak against HBM and its
+  estimate, and what failed (markdown)."""
+  groups: dict = {}
+  for r in rows:
+    groups.setdefault((r["model"], r["chip"], r["tp"], r.get("max_model_len")), []).append(r)
+  lines = ["| model | target | TP | max_model_len | programs OK | largest step: peak GiB / HBM "
+           "| its est. GFLOP, GiB accessed (one layer) | failed |", "|" + "---|" * 8]
+  for (model, chip, tp, max_len), rs in groups.items():
+    steps = [r for r in rs if r["program"].startswith("step") and r["ok"]]
+    step = max(steps, key=lambda r: int(r["program"].split("=")[1][:-1]), default=None)
+    peak = (f"{step['peak_bytes'] / GIB:.2f} / {step['hbm_bytes'] / GIB:.0f}"
+            if step and "peak_bytes" in step else "")
+    est = step.get("estimate") if step else None
+    e = f"{est['flops'] / 1e9:.0f}, {est['bytes_accessed'] / GIB:.2f}" if est else ""
+    failed = ", ".join(sorted({r["program"].split("[")[0] for r in rs if not r["ok"]}))
+    lines.append(f"| {model} | {chip} | {tp} | {max_len} | {sum(r['ok'] for r in rs)}/{len(rs)} "
+                 f"| {peak} | {e} | {failed} |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help="SmolLM2 on v5e, TP 1, a few programs")
+  p.add_argument("--out", default="benchmarks/results/compile_check.json")
+  p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+  p.add_argument("--chips", nargs="+", default=["v5e", "v6e", "v5p"], choices=list(HBM_BYTES))
+  p.add_argument("--tp", nargs="+", type=int, default=[1, 4, 8])
+  p.add_argument("--buckets", nargs="+", type=int, default=[8, 512])
+  p.add_argument("--codecs", nargs="+", default=["raw", "int8", "int4", "cachegen"])
+  p.add_argument("--chunk", type=int, default=256, help="stored chunk tokens C")
+  p.add_argument("--groups", type=int, default=4, help="layer groups of the layer-wise step")
+  p.add_argument("--block_size", type=int, default=16)
+  p.add_argument("--max_num_seqs", type=int, default=2)
+  p.add_argument("--max_model_len", type=int, default=32768)
+  p.add_argument("--max_num_batched_tokens", type=int, default=512)
+  p.add_argument("--no_cuda", dest="cuda", action="store_false")
+  p.add_argument("--no_long_context", dest="long_context", action="store_false",
+                 help="skip LLaMA-3.1-8B's step at its own max_model_len (v6e, TP 4)")
+  p.add_argument("--no_extras", dest="extras", action="store_false",
+                 help="skip the rANS decode and kvtc decode programs")
+  p.add_argument("--full_chips", nargs="+", default=["v6e"], choices=list(HBM_BYTES),
+                 help="chips that get every program at TP 1; the others (and TP > 1) get the "
+                      "step and the inserts")
+  p.add_argument("--markdown", metavar="JSON", help="print a result file's table as markdown "
+                 "and exit")
+  args = p.parse_args(argv)
+  if args.markdown:
+    rows = json.loads(pathlib.Path(args.markdown).read_text())["rows"]
+    print(summary(rows) + "\n\n" + markdown(rows))
+    return 0
+  if args.quick:
+    args.models, args.chips, args.tp = ["SmolLM2-135M"], ["v5e"], [1]
+    args.buckets, args.codecs, args.groups = [8, 512], ["int8", "int4"], None
+    args.full_chips = ["v5e"]
+  t0 = time.perf_counter()
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  result = dict(
+      what="compile check: XLA TPU compiles (libtpu, deviceless AOT) and CUDA lowerings of "
+           "every program the paged engine builds; cost figures are the compiler's ESTIMATES (a "
+           "while loop's body, the scan over layers, counted once)",
+      args=vars(args), machine=benchlib.machine(), git_sha=benchlib.git_sha(),
+      versions=benchlib.versions("jax", "jaxlib", "libtpu", "flax"), complete=False, rows=[])
+
+  def on_row(row):  # the JSON is rewritten after every program: a cut-short run keeps its rows
+    result["rows"].append(row)
+    result["total_seconds"] = round(time.perf_counter() - t0, 1)
+    out.write_text(json.dumps(result, indent=1))
+    print_row(row)
+
+  run(args, on_row)
+  result["complete"] = True
+  result["total_seconds"] = round(time.perf_counter() - t0, 1)
+  out.write_text(json.dumps(result, indent=1))
+  rows = result["rows"]
+  print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} programs OK; wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
