@@ -69,6 +69,7 @@ _REPS = flags.DEFINE_integer("reps", 1, "Repetitions per cell (the best is kept)
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the ShareGPT conversation sample.")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 _LINK = flags.DEFINE_float("link_mb_s", 20.0, "e: the disk tier's emulated read link, MB/s.")
+_TAG = flags.DEFINE_string("tag", "", "Suffix of the output files' names.")
 
 SHORT = 40       # tokens of a short prompt
 NEW = 32         # new tokens after a stored history
@@ -348,7 +349,8 @@ def main(argv):
             "max_num_seqs": MAX_SEQS, "total_s": total, "cells": cells, "verdict": verdict}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
-  stem = "bench_defaults" + ("_quick" if _QUICK.value else "")
+  stem = "bench_defaults" + ("_quick" if _QUICK.value else "") + (f"_{_TAG.value}" if _TAG.value
+                                                                  else "")
   (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
   plot(cells, out / f"{stem}.png")
   print(f"wrote {out / stem}.json and .png")

@@ -38,7 +38,10 @@ Three rules keep those steps short:
      as many tokens again as the step holds so far (its decodes and prefill tokens, the ended
      prompt's included), at least the smallest chunk size: a hit's 46-token tail rides with 32
      tokens of a cold prompt, not with 466 (on the 2-core CPU at a 1.8K-token context, a step
-     of 0.7 s instead of 2.2 s);
+     of 0.7 s instead of 2.2 s). The same for the queue: a long prompt admitted in 4 (it does
+     not end within the step) leaves room for the short prompts queued right behind it that
+     end within the step (`_room_behind`; at least the smallest chunk size its own), so they
+     are admitted in the same step, in queue order, with their first tokens;
   b. while a merge with fewer tokens left once its loads are in than the longest prefill in 3
      has loads to come (holding a slot, or queued within the free slots' reach), the step takes
      only what the cost model says computes before those loads are predicted to land
@@ -608,6 +611,8 @@ class Scheduler:
       r = self.waiting[0]
       capped = cap is not None and self._cut(self._queued_left(r), exempt, budget)
       offer = min(budget, cap) if capped else budget
+      if short:  # rule a for the queue (`_room_behind`)
+        offer = min(offer, budget - self._room_behind(budget))
       left, admitting = self._admit(r, offer, prefills, admitted)
       budget -= offer - left
       if capped:
@@ -884,6 +889,25 @@ class Scheduler:
     if prefix is None:
       return r.remaining_prefill_tokens
     return r.num_prompt_tokens - prefix.merge.frontier
+
+  def _room_behind(self, budget: int) -> int:
+    """Rule a for the queue: the tokens the queue's head leaves for the short prompts queued
+    right behind it when it is long (it does not end its prompt within `budget`), so they are
+    admitted in the same step, in queue order, and their first tokens come with it; 0 when it
+    is short. Behind it: ordinary requests that end within what is left, up to the free slots,
+    stopping at a merge or a longer one; the head keeps at least the smallest chunk size."""
+    head = self.waiting[0]
+    if head.request_id in self._prefix or self._queued_left(head) <= self._prefill_share(budget):
+      return 0
+    room, least = 0, self._plan_sizes[0]
+    for r in itertools.islice(self.waiting, 1, len(self._free_slots)):
+      if r.request_id in self._prefix:
+        break
+      n = self._queued_left(r)
+      if n > self._prefill_share(budget - least - room) or room + n > budget - least:
+        break
+      room += n
+    return room
 
   def _cut(self, left: int, exempt: int, budget: int) -> bool:
     """Whether short first-token steps' cap applies to a prefill with `left` tokens left when

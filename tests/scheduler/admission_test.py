@@ -80,6 +80,39 @@ class ManyShortPromptsTest(parameterized.TestCase):
     self.assertEqual(s.num_waiting(), 0)
 
 
+class ShortPromptsBehindALongOneTest(parameterized.TestCase):
+  """A cold long prompt queued ahead of short ones, while others decode (rule a for the
+  queue): the long one is admitted first and leaves room for the short ones behind it."""
+
+  @parameterized.parameters(True, False)
+  def test_short_prompts_behind_a_long_one_get_their_first_tokens_in_its_first_step(
+      self, short):
+    s = Scheduler(SchedulerConfig(num_slots=64, token_budget=512, chunk_sizes=SIZES,
+                                  short_first_token_steps=short))
+    for i in range(4):
+      s.add_request(req(f"d{i}", 64, max_tokens=16, base=1000 * i))
+    plan_steps(s, 2)  # their prompts, then a decode step
+    s.add_request(req("cold", 1024, base=9000))
+    for i in range(8):
+      s.add_request(req(f"s{i}", 40, base=20000 + 100 * i))
+    plans = [prefills(p) for p in plan_steps(s, 2, start=2)]
+    shorts = [[(f"s{i}", 0, 32), (f"s{i}", 32, 8)] for i in range(8)]
+    if short:
+      # 4 decodes, 320 tokens of short prompts behind: cold takes 176 of the 188 left
+      # (128 + 32 + 16) and every short prompt ends its prompt in the same step, admitted in
+      # queue order after it.
+      self.assertEqual(plans[0], [("cold", 0, 128), ("cold", 128, 32), ("cold", 160, 16)]
+                       + sum(shorts, []))
+      self.assertEqual(plans[1], [("cold", 176, 256), ("cold", 432, 128), ("cold", 560, 64),
+                                  ("cold", 624, 32), ("cold", 656, 16)])
+    else:
+      # Without the rule cold takes the step's 508 and the short prompts wait a step.
+      self.assertEqual(plans[0], [("cold", 0, 256), ("cold", 256, 128), ("cold", 384, 64),
+                                  ("cold", 448, 32), ("cold", 480, 16)])
+      self.assertEqual(plans[1], sum(shorts, []) + [("cold", 496, 128), ("cold", 624, 32),
+                                                    ("cold", 656, 16)])
+
+
 class ShortPromptsBesideAStoreHitTest(absltest.TestCase):
   """The rules still cut a long cold prefill beside a hit's first token, never a short one."""
 
