@@ -35,9 +35,13 @@ that step's length is part of its TTFT, and so is the length of every step its l
 Three rules keep those steps short:
 
   a. once a prefill planned in 3 ends its prompt, the rest of the step (3, 4 and 5) takes at most
-     as many tokens as it took, at least the smallest chunk size: a hit's 46-token tail rides
-     with 32 tokens of a cold prompt, not with 466 (on the 2-core CPU at a 1.8K-token context, a
-     step of 0.7 s instead of 2.2 s);
+     as many tokens again as the step holds so far (its decodes and prefill tokens, the ended
+     prompt's included), at least the smallest chunk size: a hit's 46-token tail rides with 32
+     tokens of a cold prompt, not with 466 (on the 2-core CPU at a 1.8K-token context, a step
+     of 0.7 s instead of 2.2 s). The same for the queue: a long prompt admitted in 4 (it does
+     not end within the step) leaves room for the short prompts queued right behind it that
+     end within the step (`_room_behind`; at least the smallest chunk size its own), so they
+     are admitted in the same step, in queue order, with their first tokens;
   b. while a merge with fewer tokens left once its loads are in than the longest prefill in 3
      has loads to come (holding a slot, or queued within the free slots' reach), the step takes
      only what the cost model says computes before those loads are predicted to land
@@ -52,12 +56,17 @@ Three rules keep those steps short:
      it, and the decodes and prefills under way lose at most half a step (on the 2-core CPU, a
      host-tier hit of 28 chunks landed in about 10 ms beside 0.1 s decode steps).
 
-Rules a and b cut only the longer prefills: one with at most twice the tokens left of the hit a
-rule serves (the hit's tokens left once its loads are in; for a, the ended prefill's tokens or
-the smallest chunk size, the larger) is short too and is planned whole, so two hits' tails in
-one step do not split each other. A long prompt beside hits pays a few more, smaller steps (a
-step's fixed cost each); a step with no hit near its first token is whole. Both rules are
-bounded: the longer prefills together still advance at least the smallest chunk size a step.
+Rules a and b cut only the longer prefills, in 3 and among the admissions in 4 alike: a prefill
+that ends its prompt within what the step has left is short (its first token comes with the same
+step; cutting it would cost it a whole step to save the others its compute), and so is one with
+at most twice the tokens left of the hit a rule serves (the hit's tokens left once its loads are
+in; for a, the step so far or the smallest chunk size, the larger), so two hits' tails in one
+step do not split each other; short prefills are planned whole. Many short prompts at once are
+thus admitted as the budget allows, not one a step (64 prompts of 40 tokens: 12 a step, as with
+the rules off; `tests/scheduler/admission_test.py`). A long prompt beside hits pays a few more,
+smaller steps (a step's fixed cost each); a step with no hit near its first token is whole. Both
+rules are bounded: the longer prefills together still advance at least the smallest chunk size
+a step.
 Rule c is bounded by half a step per hit (a stuck or slow load cannot hold the others longer);
 it uses the one link estimate the cost model has for every tier, so a disk-tier hit predicted
 as fast as a host hit may cost the others that half step for nothing.
@@ -136,8 +145,9 @@ class SchedulerConfig:
     prefill_order: the order prefills under way take the budget (the module note):
       "shortest_first" (default) or "fcfs".
     short_first_token_steps: with "shortest_first", keep a step short when it carries a
-      prefill's first token or a store hit's last loads, or let it wait for a hit's loads
-      that land within half a step (the module note): True (default).
+      prefill's first token or a store hit's last loads (cutting the longer prefills; those
+      that end within the step go whole), or let it wait for a hit's loads that land within
+      half a step (the module note): True (default).
 
   Raises:
     ValueError: non-positive slots or budget, unsorted sizes, a budget or threshold below the
@@ -541,6 +551,7 @@ class Scheduler:
     land_at = self._landing_wait(now_s) if short else None
     if land_at is not None:
       budget = 0  # rule c: this step waits for a hit's loads; nothing computes
+    step_budget = budget  # what the step holds so far is what it has spent of this
     decodes: list[DecodeItem] = []
     prefills: list[PrefillChunk] = []
     inserts: list[InsertItem] = []
@@ -569,7 +580,7 @@ class Scheduler:
         cap, hit_left = landing
         exempt = 2 * hit_left
     for r in order:
-      capped = cap is not None and self._tokens_left(r) > exempt
+      capped = cap is not None and self._cut(self._tokens_left(r), exempt, budget)
       offer = min(budget, cap) if capped else budget
       left = offer
       if r.status is RequestStatus.WAITING:  # "shortest_first": a queued one, admitted early
@@ -586,16 +597,28 @@ class Scheduler:
         cap -= took
       if rule_a and r.status is RequestStatus.DECODING:
         # Its first token comes with this step (the first to end sets the rule): the longer
-        # prefills after it take at most as many tokens again; one that ends within twice its
-        # tokens is short too and goes whole.
+        # prefills after it take at most as many tokens again as the step holds so far (its
+        # decodes and prefill tokens, this one's included); one with at most twice that left
+        # is short too and goes whole.
         rule_a = False
-        n = max(took, self._plan_sizes[0])
+        n = max(step_budget - budget, self._plan_sizes[0])
         cap = n if cap is None else min(cap, n)
         exempt = max(exempt, 2 * n)
-    if cap is not None:
-      budget = min(budget, cap)  # admissions and merges' compute are the step's rest
+    # Admissions (first come first served) are the step's rest: under a cap, a queued request
+    # that is short (`_cut`) goes whole, as it would in the order above; a longer one takes
+    # what the cap leaves.
     while admitting and self.waiting:
-      budget, admitting = self._admit(self.waiting[0], budget, prefills, admitted)
+      r = self.waiting[0]
+      capped = cap is not None and self._cut(self._queued_left(r), exempt, budget)
+      offer = min(budget, cap) if capped else budget
+      if short:  # rule a for the queue (`_room_behind`)
+        offer = min(offer, budget - self._room_behind(budget))
+      left, admitting = self._admit(r, offer, prefills, admitted)
+      budget -= offer - left
+      if capped:
+        cap -= offer - left
+    if cap is not None:
+      budget = min(budget, cap)  # merges' compute is the step's rest
     # One admitted early may have been preempted by a later prefill's blocks (the newest goes
     # first): it is queued again, at the front.
     admitted = [rid for rid in admitted if rid in self.running]
@@ -866,6 +889,39 @@ class Scheduler:
     if prefix is None:
       return r.remaining_prefill_tokens
     return r.num_prompt_tokens - prefix.merge.frontier
+
+  def _room_behind(self, budget: int) -> int:
+    """Rule a for the queue: the tokens the queue's head leaves for the short prompts queued
+    right behind it when it is long (it does not end its prompt within `budget`), so they are
+    admitted in the same step, in queue order, and their first tokens come with it; 0 when it
+    is short. Behind it: ordinary requests that end within what is left, up to the free slots,
+    stopping at a merge or a longer one; the head keeps at least the smallest chunk size."""
+    head = self.waiting[0]
+    if head.request_id in self._prefix or self._queued_left(head) <= self._prefill_share(budget):
+      return 0
+    room, least = 0, self._plan_sizes[0]
+    for r in itertools.islice(self.waiting, 1, len(self._free_slots)):
+      if r.request_id in self._prefix:
+        break
+      n = self._queued_left(r)
+      if n > self._prefill_share(budget - least - room) or room + n > budget - least:
+        break
+      room += n
+    return room
+
+  def _cut(self, left: int, exempt: int, budget: int) -> bool:
+    """Whether short first-token steps' cap applies to a prefill with `left` tokens left when
+    `budget` tokens of the step are left: not when it is short, i.e. it has at most `exempt`
+    left or it ends its prompt within the budget (its first token then comes with the same
+    step: cutting it would cost it a whole step to save the others its compute)."""
+    return left > exempt and left > self._prefill_share(budget)
+
+  def _queued_left(self, r: Request) -> int:
+    """Prefill tokens queued request `r` would compute: past its device-resident prefix (a
+    peek: the manager's hit-rate counters stay as they are); a merge's: past its loads."""
+    if r.request_id in self._prefix:
+      return self._prefix[r.request_id].merge.tokens_left_after_loads()
+    return r.num_prefill_tokens - self._device_prefix(r, record_stats=False)[1]
 
   def _admit(self, r: Request, budget: int, prefills: list[PrefillChunk],
              admitted: list[RequestId]) -> tuple[int, bool]:
