@@ -198,6 +198,48 @@ class CakeMergeTest(parameterized.TestCase):
     self.assertIsNone(m.next_load(0.0, cost))  # chunk 2 would land at 7.0 > 3.0
     self.assertIsNone(CakeMerge(65, C, [T] * 4, chunk_nbytes=9).next_load(0.0, cost))  # 4.5 s
 
+  def cold_merge(self, mode):
+    """A fresh engine's first hit: a learning cost model that has seen no load (its 1 GB/s
+    link prior is a guess), four stored chunks of 100 B, compute 1 s per 16 tokens."""
+    cost = CostModel(compute_prior=(0.0, 1 / C, 0.0))
+    self.assertFalse(cost.load_rate_known)
+    m = CakeMerge(4 * C + 8, C, [T] * 4, mode, chunk_nbytes=100, max_loads_in_flight=4,
+                  compute_share_prior=1.0)
+    return m, cost
+
+  def test_cold_start_loads_that_land_within_a_compute_step_are_all_loaded(self):
+    # Before the link is observed, compute waits for the first landing up to one compute step
+    # (1 s for 16 tokens): loads landing at 10 ms leave compute the suffix alone, the very plan
+    # of load_only (bench_defaults b and d: the defaults and load_only planned the same steps).
+    plans = {}
+    for mode in ("cake", "load_only"):
+      m, cost = self.cold_merge(mode)
+      self.assertEqual([m.next_load(0.0, cost) for _ in range(5)], [3, 2, 1, 0, None])
+      self.assertEqual(steps(m, 64, 0.0, cost=cost), [])
+      if mode == "cake":
+        self.assertEqual(m.recheck_s(0.0, cost), 1.0)  # the wait is bounded: one step
+      for j in (3, 2, 1, 0):
+        land(m, j, 0.01)
+      cost.observe_load(400, 0.01)
+      plans[mode] = (steps(m, 64, 0.01, cost=cost), m.trace.chunks_computed,
+                     m.trace.chunks_loaded, m.chunk_writers())
+    self.assertEqual(plans["cake"], ([(64, 8)], [], [3, 2, 1, 0], "LLLL"))
+    self.assertEqual(plans["cake"], plans["load_only"])
+
+  def test_cold_start_waits_for_the_first_landing_at_most_one_compute_step(self):
+    # No landing by 1 s (one 16-token step after the first issue): the link prior is only a
+    # guess, so compute stops waiting and takes what the budget allows (chunks 0-3); their
+    # loads, landing later, are wasted, and the suffix follows.
+    m, cost = self.cold_merge("cake")
+    self.assertEqual([m.next_load(0.0, cost) for _ in range(4)], [3, 2, 1, 0])
+    self.assertEqual(steps(m, 64, 0.5, cost=cost), [])
+    self.assertEqual(steps(m, 64, 1.0, cost=cost), [(0, 16), (16, 16), (32, 16), (48, 16)])
+    self.assertEqual([m.load_done(j, True, 100, 1.2) for j in (3, 2, 1, 0)],
+                     [LoadVerdict.WASTED] * 4)
+    self.assertEqual(steps(m, 64, 2.0, cost=cost), [(64, 8)])
+    self.assertEqual((m.trace.chunks_computed, m.trace.chunks_wasted, m.chunk_writers()),
+                     ([0, 1, 2, 3], [3, 2, 1, 0], "CCCC"))
+
   @parameterized.parameters(
       dict(kw=dict(num_prompt_tokens=64, chunk_size=C, hits=[T] * 4), msg="last token"),
       dict(kw=dict(num_prompt_tokens=65, chunk_size=C, hits=[T] * 4), msg="chunk_nbytes"),
