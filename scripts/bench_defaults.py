@@ -27,14 +27,29 @@ Settings: the defaults; `prefill_order="fcfs"`; `short_first_token_steps=False`;
 `kv_merge_mode` "load_only" and "compute_only", `kv_lookahead_window=0` and
 `kv_layerwise_groups=6`. Figures of merit per workload: wall time of the whole workload and
 TTFT p50 / p99 of its short requests (a: all; b, e: the short prompts; c: the short prompts
-that arrive with the cold one; d: every turn >= 2). Each cell is the best (lowest) of `--reps`
-repetitions on the same engine (default 1). The defaults run first and again last, and the
-verdict compares the mean of the two with the best other setting (the load of a shared machine
-drifts over a run). The sizes (`sizes()`; `--quick` halves most). Besides, per cell, the engine steps taken, so two settings
-that planned the same steps are seen to differ only by the machine's noise (a shared 2-core VM).
+that arrive with the cold one; d: every turn >= 2). At --quick sizes d's prompts stay under one
+store chunk (256 tokens): every reuse is a device prefix-cache hit, no Cake merge runs, and
+the kv_merge_mode settings plan the same steps as the defaults there.
 
-    .venv/bin/python scripts/bench_defaults.py --quick   # a few minutes
-    .venv/bin/python scripts/bench_defaults.py           # about 15 minutes on 2 CPU cores
+Drift. The machine's load drifts over a run by 1.5-2x (a shared 2-core VM), more than most
+differences between settings, and one cell per setting measured one after another compares
+moments, not settings (b of the first --quick run: settings that took the same 17 steps
+ranged from 6.3 to 16.1 s; the defaults and kv_merge_mode=load_only plan the very same steps
+there, every stored chunk loaded, none computed).
+So the settings run in rounds (`--reps`, default 3): each round runs every setting once, on a
+fresh `LLM`, in an order rotated by one per round (each setting meets every position in the
+round), and a cell is the MEDIAN of its rounds. The verdict per workload and metric takes the
+best other setting by median and the median over rounds of the PAIRED ratio defaults / that
+setting (the two ran minutes apart in the same round, under nearly the same load); a loss is
+flagged when both that ratio and the ratio of the medians exceed 1.10. Each step's
+plan is fingerprinted (loads, inserts, prefill pieces, decodes; request ids by first
+appearance), and the store workloads record what the hits computed and loaded (chunks, from
+`metrics.merge`): a setting whose rounds planned the same steps as the defaults' cannot differ
+but by the machine's noise, and the verdict says so ("same plans") instead of flagging it.
+
+    .venv/bin/python scripts/bench_defaults.py --quick   # about 50 minutes (3 rounds of ~16)
+    .venv/bin/python scripts/bench_defaults.py --quick --workloads b \
+        --settings defaults,kv_merge_mode=load_only,kv_merge_mode=compute_only  # one question
 
 Writes <out_dir>/bench_defaults[_quick].json (machine, versions, threads, git SHA, seeds,
 sizes, every cell, the defaults' ratio to the best setting per workload and metric) and a plot of
@@ -43,6 +58,7 @@ the same name, and prints the table.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -62,12 +78,13 @@ DATA = REPO.parent / "shared" / "data"
 TRACE = "sharegpt/sharegpt_v3_multiturn_1000.json"
 
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct", "Model.")
-_QUICK = flags.DEFINE_bool("quick", False, "Smaller workloads and one repetition.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smaller workloads.")
 _BOOK = flags.DEFINE_string("book", str(DATA / "books" / "pg11_alice_in_wonderland_carroll.txt"),
                             "Text the prompts are cut from.")
 _WORKLOADS = flags.DEFINE_list("workloads", ["a", "b", "c", "d", "e"], "Workloads to run.")
 _SETTINGS = flags.DEFINE_list("settings", [], "Setting names to run (default: all).")
-_REPS = flags.DEFINE_integer("reps", 1, "Repetitions per cell (the best is kept).")
+_REPS = flags.DEFINE_integer("reps", 3, "Rounds: every setting once per round, in an order "
+                             "rotated by one per round; a cell is the median of its rounds.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the ShareGPT conversation sample.")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 _LINK = flags.DEFINE_float("link_mb_s", 20.0, "e: the disk tier's emulated read link, MB/s.")
@@ -90,7 +107,6 @@ SETTINGS = {
     "kv_layerwise_groups=6": ({"kv_layerwise_groups": 6}, True),
 }
 STORE_WORKLOADS = ("b", "d", "e")
-AGAIN = "defaults (again, last)"
 
 
 def sizes() -> dict:
@@ -126,9 +142,19 @@ def pct(xs: list[float], q: float) -> float | None:
   return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def summary(wall: float, ttfts: list[float], steps: int, **extra) -> dict:
+def summary(wall: float, ttfts: list[float], steps: list, **extra) -> dict:
+  """One run's figures; `steps` are the step plans `Bench.observe` recorded."""
+  plan = hashlib.sha1(json.dumps(steps).encode()).hexdigest()[:12]
   return {"wall_s": wall, "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
-          "n_short": len(ttfts), "steps": steps, **extra}
+          "n_short": len(ttfts), "steps": len(steps), "plan": plan, **extra}
+
+
+def merge_counts(outs) -> dict:
+  """Store chunks the outputs' Cake merges computed and loaded (`metrics.merge`), summed."""
+  merges = [o.metrics.merge for o in outs if o.metrics.merge is not None]
+  return {"merge_chunks_computed": sum(len(m.chunks_computed) for m in merges),
+          "merge_chunks_loaded": sum(len(m.chunks_loaded) for m in merges),
+          "merge_chunks_wasted": sum(len(m.chunks_wasted) for m in merges)}
 
 
 class Bench:
@@ -157,8 +183,19 @@ class Bench:
     return llm
 
   def observe(self, llm) -> list:
-    steps = []
-    llm.engine.add_step_observer(lambda rec: steps.append(1))
+    """Records each step's plan as plain data (timings left out; request ids renamed by first
+    appearance), so two runs that planned the same steps have equal lists."""
+    steps, ids = [], {}
+
+    def record(rec) -> None:
+      p = rec.plan
+      rid = lambda r: ids.setdefault(r, len(ids))  # noqa: E731
+      steps.append(([(rid(x.request_id), x.index) for x in p.loads],
+                    [(rid(x.request_id), x.index) for x in p.inserts],
+                    [(rid(x.request_id), x.start, x.num_tokens) for x in p.prefills],
+                    len(p.decodes)))
+
+    llm.engine.add_step_observer(record)
     return steps
 
   # ------------------------------------------------------------------ workloads
@@ -173,7 +210,7 @@ class Bench:
     wall = time.perf_counter() - t0
     a0 = min(o.metrics.arrival_s for o in outs)
     firsts = [o.metrics.first_token_s - a0 for o in outs]
-    return summary(wall, [o.metrics.ttft_s for o in outs], len(steps),
+    return summary(wall, [o.metrics.ttft_s for o in outs], steps,
                    last_first_token_s=max(firsts),
                    first_finish_s=min(o.metrics.finished_s - a0 for o in outs))
 
@@ -193,9 +230,10 @@ class Bench:
     outs = llm.generate([{"prompt_token_ids": p} for p in hits + short], params)
     wall = time.perf_counter() - t0
     hit_outs = outs[:n_hits]
-    return summary(wall, [o.metrics.ttft_s for o in outs[n_hits:]], len(steps),
+    return summary(wall, [o.metrics.ttft_s for o in outs[n_hits:]], steps,
                    hit_ttft_s=max(o.metrics.ttft_s for o in hit_outs),
-                   hit_cached_tokens=min(o.num_cached_tokens for o in hit_outs))
+                   hit_cached_tokens=min(o.num_cached_tokens for o in hit_outs),
+                   **merge_counts(hit_outs))
 
   def run_b(self, llm, text) -> dict:
     return self.hits_among_short(llm, text, 1, self.sz["b_prompts"])
@@ -228,7 +266,7 @@ class Bench:
         if o.finished:
           done[o.request_id] = o
     wall = time.perf_counter() - t0
-    return summary(wall, [done[r].metrics.ttft_s for r in short], len(steps),
+    return summary(wall, [done[r].metrics.ttft_s for r in short], steps,
                    cold_ttft_s=done[cold].metrics.ttft_s,
                    decoder_gap_max_s=max(gaps) if gaps else None)
 
@@ -240,7 +278,7 @@ class Bench:
     params = SamplingParams(max_tokens=sz["d_max_tokens"], temperature=0.0)
     steps = self.observe(llm)
     history = [[] for _ in convs]
-    ttfts, wall = [], 0.0
+    ttfts, wall, all_outs = [], 0.0, []
     salt = f"{time.perf_counter_ns()}"  # a fresh session namespace per repetition
     for t in range(max(len(cv) for cv in convs)):
       live = [i for i, cv in enumerate(convs) if t < len(cv)]
@@ -254,23 +292,53 @@ class Bench:
       outs = llm.generate([{"prompt_token_ids": list(p.token_ids)} for p in prompts],
                           [params] * len(prompts))
       wall += time.perf_counter() - t0
+      all_outs += outs
       for i, turn, p, o in zip(live, turns, prompts, outs):
         llm.sessions.finish(turn, p, o.token_ids, o.text)
         history[i].append({"role": "assistant", "content": o.text})
         if t >= 1:
           ttfts.append(o.metrics.ttft_s)
       llm.flush()
-    return summary(wall, ttfts, len(steps), turns=sum(len(cv) for cv in convs))
+    return summary(wall, ttfts, steps, turns=sum(len(cv) for cv in convs),
+                   store_loaded_tokens=sum(o.metrics.num_loaded_tokens
+                                           - o.metrics.num_device_cached_tokens
+                                           for o in all_outs),
+                   device_cached_tokens=sum(o.metrics.num_device_cached_tokens
+                                            for o in all_outs),
+                   **merge_counts(all_outs))
 
 
-def best(runs: list[dict]) -> dict:
-  """The lowest of each timing over the repetitions (the machine's noise only adds)."""
+def median_cell(runs: list[dict]) -> dict:
+  """The median of each timing over the rounds; steps and plan fingerprints per round."""
   out = dict(runs[0])
   for k, v in runs[0].items():
     if k.endswith("_s") and all(r.get(k) is not None for r in runs):
-      out[k] = min(r[k] for r in runs)
+      out[k] = statistics.median(r[k] for r in runs)
+  out["steps_per_round"] = [r["steps"] for r in runs]
+  out["plans_per_round"] = [r["plan"] for r in runs]
   out["reps"] = runs
   return out
+
+
+def judge(row: dict, metric: str) -> dict | None:
+  """Defaults against the best other setting of a workload, on one metric.
+
+  best other: the lowest median. ratio: the median over rounds of the paired ratio defaults /
+  best other (measured in the same round, under nearly the same load). same_plans: every round
+  planned the same steps under both, so a ratio away from 1 is the machine's noise."""
+  d = row["defaults"]
+  others = {n: c[metric] for n, c in row.items() if n != "defaults" and c[metric] is not None}
+  if not others or d[metric] is None:
+    return None
+  win = min(others, key=others.get)
+  pairs = [(a[metric], b[metric]) for a, b in zip(d["reps"], row[win]["reps"])
+           if a[metric] is not None and b[metric]]
+  paired = [a / b for a, b in pairs]
+  return {"defaults_median": d[metric], "best_other": win, "best_other_median": others[win],
+          "paired_ratios": paired,
+          "ratio_defaults_over_best": statistics.median(paired) if paired else None,
+          "ratio_of_medians": d[metric] / others[win] if others[win] else None,
+          "same_plans": d["plans_per_round"] == row[win]["plans_per_round"]}
 
 
 def main(argv):
@@ -278,74 +346,70 @@ def main(argv):
   from kvjax import LLM  # noqa: PLC0415
   sz = sizes()
   names = _SETTINGS.value or list(SETTINGS)
-  if names[0] == "defaults" and len(names) > 1:
-    names.append(AGAIN)  # the defaults first and last: the machine's drift shows
+  unknown = [n for n in names if n not in SETTINGS]
+  if unknown:
+    raise app.UsageError(f"unknown settings {unknown}; known: {list(SETTINGS)}")
   work = [w for w in "abcde" if w in _WORKLOADS.value]
   at_start = machine()
   tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-bench-defaults-"))
-  cells: dict[str, dict[str, dict]] = {w: {} for w in work}
+  runs: dict[str, dict[str, list[dict]]] = {w: {n: [] for n in names} for w in work}
   t_all = time.perf_counter()
   try:
     probe = LLM(_MODEL.value, dtype="float32", compile_on_init=False)
     text = Text(probe.get_tokenizer())
     probe.close()
-    for name in names:
-      options, store_only = SETTINGS[name.replace(AGAIN, "defaults")]
-      bench = Bench(name, options, sz, tmp / name.replace("=", "_"))
-      groups = {None: [w for w in work if w in ("a", "c")], "host": [w for w in work
-                                                                     if w in ("b", "d")],
-                "slow": [w for w in work if w == "e"]}
-      for store, ws in groups.items():
-        if store_only:
-          ws = [w for w in ws if w in STORE_WORKLOADS]
-        if not ws:
-          continue
-        llm = bench.make(store)
-        try:
-          for w in ws:
-            runs = [getattr(bench, f"run_{w}")(llm, text) for _ in range(sz["reps"])]
-            cells[w][name] = best(runs)
-            c = cells[w][name]
-            print(f"  {w} {name:34s} wall {c['wall_s']:7.2f} s  TTFT p50 {c['ttft_p50_s']:6.2f}"
-                  f"  p99 {c['ttft_p99_s']:6.2f}  steps {c['steps']}", flush=True)
-        finally:
-          llm.close()
-          shutil.rmtree(tmp / name.replace("=", "_"), ignore_errors=True)
+    for r in range(sz["reps"]):
+      k = r % len(names)
+      for name in names[k:] + names[:k]:  # rotated: each setting meets every position
+        options, store_only = SETTINGS[name]
+        folder = tmp / f"{name.replace('=', '_')}_{r}"
+        bench = Bench(name, options, sz, folder)
+        groups = {None: [w for w in work if w in ("a", "c")],
+                  "host": [w for w in work if w in ("b", "d")],
+                  "slow": [w for w in work if w == "e"]}
+        for store, ws in groups.items():
+          if store_only:
+            ws = [w for w in ws if w in STORE_WORKLOADS]
+          if not ws:
+            continue
+          llm = bench.make(store)
+          try:
+            for w in ws:
+              c = getattr(bench, f"run_{w}")(llm, text)
+              runs[w][name].append(c)
+              print(f"  round {r} {w} {name:34s} wall {c['wall_s']:7.2f} s  TTFT p50 "
+                    f"{c['ttft_p50_s']:6.2f}  p99 {c['ttft_p99_s']:6.2f}  steps {c['steps']}"
+                    f"  plan {c['plan']}", flush=True)
+          finally:
+            llm.close()
+            shutil.rmtree(folder, ignore_errors=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   total = time.perf_counter() - t_all
+  cells = {w: {n: median_cell(rs) for n, rs in row.items() if rs} for w, row in runs.items()}
 
   metrics = ("wall_s", "ttft_p50_s", "ttft_p99_s")
-  verdict = {}
-  for w, row in cells.items():
-    if "defaults" not in row:
-      continue
-    # The defaults' figure: the mean of their first and last measurement when both exist
-    # (the other settings ran in between, under the machine's load of the moment).
-    runs = [row[n] for n in ("defaults", AGAIN) if n in row]
-    verdict[w] = {}
-    for m in metrics:
-      others = {n: c[m] for n, c in row.items()
-                if n not in ("defaults", AGAIN) and c[m] is not None}
-      if not others or any(r[m] is None for r in runs):
-        continue
-      d = statistics.fmean(r[m] for r in runs)
-      win = min(others, key=others.get)
-      verdict[w][m] = {"defaults": d, "defaults_first_last": [r[m] for r in runs],
-                       "best_other": win, "best_other_value": others[win],
-                       "ratio_defaults_over_best": d / others[win] if others[win] else None}
+  verdict = {w: {m: v for m in metrics if (v := judge(row, m)) is not None}
+             for w, row in cells.items() if "defaults" in row}
   print(f"\nbench_defaults{' --quick' if _QUICK.value else ''}: {_MODEL.value} f32, "
-        f"{at_start['cpu']} x {at_start['cpu_count']}, {total / 60:.1f} min; best of "
-        f"{sz['reps']} rep(s) per cell")
+        f"{at_start['cpu']} x {at_start['cpu_count']}, {total / 60:.1f} min; median of "
+        f"{sz['reps']} round(s) per cell")
   for w, row in cells.items():
-    print(f"\n{w}: {'setting':34s} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'steps':>6}")
+    print(f"\n{w}: {'setting':34s} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'steps':>6}"
+          "  same plans as defaults")
     for n, c in row.items():
+      same = ("-" if n == "defaults" or "defaults" not in row else
+              c["plans_per_round"] == row["defaults"]["plans_per_round"])
       print(f"   {n:34s} {c['wall_s']:8.2f} {c['ttft_p50_s']:9.3f} {c['ttft_p99_s']:9.3f} "
-            f"{c['steps']:6d}")
+            f"{c['steps']:6d}  {same}")
     for m, v in verdict.get(w, {}).items():
       r = v["ratio_defaults_over_best"]
-      print(f"   defaults (mean of first and last) / best ({v['best_other']}) {m}: {r:.3f}"
-            f"{'  (> 1.10)' if r is not None and r > 1.10 else ''}")
+      q = v["ratio_of_medians"]
+      flag = ""
+      if r is not None and q is not None and min(r, q) > 1.10:
+        flag = "  (> 1.10, same plans: the machine's noise)" if v["same_plans"] else "  (> 1.10)"
+      print(f"   defaults / best ({v['best_other']}) {m}: median of paired ratios {r:.3f}, "
+            f"ratio of medians {q:.3f}{flag}")
 
   record = {"benchmark": "bench_defaults", "machine": at_start, "machine_at_end": machine(),
             "threads": {"cpu_count": os.cpu_count(),
@@ -355,7 +419,8 @@ def main(argv):
                                              "sampling": "greedy"},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "model": _MODEL.value, "dtype": "float32", "quick": _QUICK.value, "sizes": sz,
-            "settings": {n: SETTINGS[n.replace(AGAIN, "defaults")][0] for n in names},
+            "settings": {n: SETTINGS[n][0] for n in names}, "rounds": sz["reps"],
+            "setting_order": "rotated by one per round",
             "link_mb_s": _LINK.value,
             "max_num_seqs": MAX_SEQS, "total_s": total, "cells": cells, "verdict": verdict}
   out = pathlib.Path(_OUT_DIR.value)
@@ -363,14 +428,15 @@ def main(argv):
   stem = "bench_defaults" + ("_quick" if _QUICK.value else "") + (f"_{_TAG.value}" if _TAG.value
                                                                   else "")
   (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
-  plot(cells, out / f"{stem}.png")
-  print(f"wrote {out / stem}.json and .png")
+  wrote = plot(cells, out / f"{stem}.png")
+  print(f"wrote {out / stem}.json" + (" and .png" if wrote else ""))
 
 
-def plot(cells: dict, path: pathlib.Path) -> None:
+def plot(cells: dict, path: pathlib.Path) -> bool:
+  """Bars of each setting's medians over the defaults'; False when matplotlib is missing."""
   plt = pyplot()
   if plt is None:
-    return
+    return False
   metrics = (("wall_s", "wall"), ("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"))
   fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 4.2), squeeze=False)
   for ax, (w, row) in zip(axes[0], cells.items()):
@@ -390,6 +456,7 @@ def plot(cells: dict, path: pathlib.Path) -> None:
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  return True
 
 
 if __name__ == "__main__":
