@@ -309,7 +309,8 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="SmolLM2 on v5e, TP 1, a few programs")
   p.add_argument("--out", default="benchmarks/results/compile_check.json")
   p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-  p.add_argument("--chips", nargs="+", default=["v5e", "v6e", "v5p"], choices=list(HBM_BYTES))
+  p.add_argument("--chips", nargs="*", default=["v5e", "v6e", "v5p"], choices=list(HBM_BYTES),
+                 help="TPU chips to compile for; none (a bare --chips): the CUDA lowerings only")
   p.add_argument("--tp", nargs="+", type=int, default=[1, 4, 8])
   p.add_argument("--buckets", nargs="+", type=int, default=[8, 512])
   p.add_argument("--codecs", nargs="+", default=["raw", "int8", "int4", "cachegen"])

@@ -733,6 +733,12 @@ class LLM:
       runner.block_until_ready()
 
     programs.append((f"insert of a stored {layout.chunk_size}-token chunk", insert))
+    if self.engine.kv_cache_layout == "paged" and store.stores_tails:
+      def read_back():  # a session tail's K before RoPE and V, read back for saving
+        runner.read_pre_rope(where, 0, layout.chunk_size)
+        runner.block_until_ready()
+
+      programs.append(("read-back of a session tail", read_back))
     groups = self._layerwise_groups
     if groups > 1 and self.engine.kv_cache_layout == "paged":
       def layerwise():

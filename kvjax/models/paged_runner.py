@@ -856,6 +856,13 @@ class PagedModelRunner:
     if start % b or not 1 <= n <= len(ids) * b or np.any((ids < 0) | (ids >= self.num_blocks)):
       raise ValueError(f"positions [{start}, {start + n}) from blocks {ids.tolist()} of {b} "
                        "tokens: start must be block-aligned and the blocks must cover them")
+    # One program per whole chunk's worth of blocks, not one per block count: a session
+    # tail's read-back (1 to C / B blocks) would otherwise compile on the engine thread at
+    # its first turn of each length. The padding blocks repeat the last one; their rows are
+    # read and dropped.
+    per_chunk = max(1, self.max_chunk_size // b)
+    padded = -(-len(ids) // per_chunk) * per_chunk
+    ids = np.concatenate([ids, np.full(padded - len(ids), ids[-1], np.int32)])
     k, v = self._device_read(ids, np.int32(start))
     if self.host_outputs:
       k, v = np.asarray(k), np.asarray(v)
