@@ -273,33 +273,58 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
                      interpret=bool(interpret), platform=platform)
 
 
+def decode_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int, rows: int,
+                interpret: bool, name: str, kernel=None, compiler_params=None):
+  """The decoder's `pallas_call` over a grid of (model, block), shared by every target (the
+  Triton one, kvjax/kernels/rans_decode_gpu.py, pads the lanes and words first).
+
+  Args:
+    words: [M, J, W] int32 coded words; states, lengths: [M, J, B] (uint32, int32).
+    freqs: as `rans_decode_reference` (the decode tables are built from it).
+    scale_bits, num_steps: as `rans_decode_reference`; rows: the output block's step rows,
+      >= max(num_steps, 1).
+    interpret, name, compiler_params: `pl.pallas_call`'s.
+    kernel: the kernel body (`_decode_kernel`'s arguments); None: `_decode_kernel`.
+
+  Returns:
+    ([M, J, rows, B] int32 symbols, [M, J, B] uint32 final states, [M, J, B] int32 word
+    positions).
+  """
+  m_, j_, b_ = states.shape
+  w_ = words.shape[2]
+  z = 1 << scale_bits
+  sym_MZ, fb_MZ = decode_tables(freqs, scale_bits)
+  lane_spec = pl.BlockSpec((None, None, b_), lambda m, j: (m, j, 0))
+  table_spec = pl.BlockSpec((None, z), lambda m, j: (m, 0))
+  extra = {} if compiler_params is None else {"compiler_params": compiler_params}
+  return pl.pallas_call(
+      functools.partial(kernel or _decode_kernel, scale_bits=scale_bits, num_steps=num_steps),
+      out_shape=(jax.ShapeDtypeStruct((m_, j_, rows, b_), jnp.int32),
+                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.uint32),
+                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.int32)),
+      grid=(m_, j_),
+      in_specs=[pl.BlockSpec((None, None, w_), lambda m, j: (m, j, 0)), lane_spec, lane_spec,
+                table_spec, table_spec],
+      out_specs=(pl.BlockSpec((None, None, rows, b_), lambda m, j: (m, j, 0, 0)), lane_spec,
+                 lane_spec),
+      interpret=interpret,
+      name=name,
+      **extra,
+  )(words.astype(jnp.int32), states, lengths.astype(jnp.int32), sym_MZ, fb_MZ)
+
+
 @functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps",
                                              "interpret", "platform"))
 def _pallas_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_streams, num_steps,
                 interpret, platform):
   del platform  # one Pallas kernel for "tpu" and "cuda" (the dispatch point per platform)
   m_, j_, b_ = states.shape
-  w_ = words.shape[2]
-  z = 1 << scale_bits
   if m_ * j_ == 0:  # no lanes: nothing to decode (a zero-size grid is not a grid)
     return jnp.zeros((m_, num_steps, num_streams), jnp.int32), jnp.bool_(True)
   t_ = max(num_steps, 1)  # a zero-size block is not a block; T = 0 writes one unused row
-  sym_MZ, fb_MZ = decode_tables(freqs, scale_bits)
-  lane_spec = pl.BlockSpec((None, None, b_), lambda m, j: (m, j, 0))
-  table_spec = pl.BlockSpec((None, z), lambda m, j: (m, 0))
-  out_TB, x_MJB, pos_MJB = pl.pallas_call(
-      functools.partial(_decode_kernel, scale_bits=scale_bits, num_steps=num_steps),
-      out_shape=(jax.ShapeDtypeStruct((m_, j_, t_, b_), jnp.int32),
-                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.uint32),
-                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.int32)),
-      grid=(m_, j_),
-      in_specs=[pl.BlockSpec((None, None, w_), lambda m, j: (m, j, 0)), lane_spec, lane_spec,
-                table_spec, table_spec],
-      out_specs=(pl.BlockSpec((None, None, t_, b_), lambda m, j: (m, j, 0, 0)), lane_spec,
-                 lane_spec),
-      interpret=interpret,
-      name="rans_decode",
-  )(words.astype(jnp.int32), states, lengths.astype(jnp.int32), sym_MZ, fb_MZ)
+  out_TB, x_MJB, pos_MJB = decode_call(words, states, lengths, freqs, scale_bits=scale_bits,
+                                       num_steps=num_steps, rows=t_, interpret=interpret,
+                                       name="rans_decode")
   if num_steps == 0:
     out_TB = jnp.zeros((m_, j_, 0, b_), jnp.int32)
   ok = jnp.all(x_MJB == STATE_LOWER) & jnp.all(pos_MJB == num_words[..., None])

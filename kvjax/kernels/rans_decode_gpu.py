@@ -71,7 +71,6 @@ def decode_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_stre
                interpret=False):
   """The Triton decoder; arguments and results as `rans_decode.rans_decode` (validated there)."""
   m_, j_, b0 = states.shape
-  z = 1 << scale_bits
   if m_ * j_ == 0:  # no lanes: nothing to decode (a zero-size grid is not a grid)
     return jnp.zeros((m_, num_steps, num_streams), jnp.int32), jnp.bool_(True)
   # Power-of-two blocks: padding lanes start in the final state and decode nothing, padding
@@ -82,23 +81,10 @@ def decode_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_stre
   states = jnp.pad(states, lanes, constant_values=rd.STATE_LOWER)
   lengths = jnp.pad(lengths.astype(jnp.int32), lanes)
   words = jnp.pad(words.astype(jnp.int32), ((0, 0), (0, 0), (0, w_ - words.shape[2])))
-  sym_MZ, fb_MZ = rd.decode_tables(freqs, scale_bits)
-  lane_spec = pl.BlockSpec((None, None, b_), lambda m, j: (m, j, 0))
-  table_spec = pl.BlockSpec((None, z), lambda m, j: (m, 0))
-  out_TB, x_MJB, pos_MJB = pl.pallas_call(
-      functools.partial(_decode_kernel, scale_bits=scale_bits, num_steps=num_steps),
-      out_shape=(jax.ShapeDtypeStruct((m_, j_, t_, b_), jnp.int32),
-                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.uint32),
-                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.int32)),
-      grid=(m_, j_),
-      in_specs=[pl.BlockSpec((None, None, w_), lambda m, j: (m, j, 0)), lane_spec, lane_spec,
-                table_spec, table_spec],
-      out_specs=(pl.BlockSpec((None, None, t_, b_), lambda m, j: (m, j, 0, 0)), lane_spec,
-                 lane_spec),
-      compiler_params=triton_params(num_warps=NUM_WARPS, num_stages=1),
-      interpret=interpret,
-      name="rans_decode_gpu",
-  )(words, states, lengths, sym_MZ, fb_MZ)
+  out_TB, x_MJB, pos_MJB = rd.decode_call(
+      words, states, lengths, freqs, scale_bits=scale_bits, num_steps=num_steps, rows=t_,
+      interpret=interpret, name="rans_decode_gpu", kernel=_decode_kernel,
+      compiler_params=triton_params(num_warps=NUM_WARPS, num_stages=1))
   out_TB = out_TB[:, :, :num_steps, :b0]
   ok = jnp.all(x_MJB == rd.STATE_LOWER) & jnp.all(pos_MJB == num_words[..., None])
   symbols = out_TB.transpose(0, 2, 1, 3).reshape(m_, num_steps, j_ * b0)[:, :, :num_streams]
