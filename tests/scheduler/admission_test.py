@@ -8,9 +8,10 @@ Frozen cost models, so every plan is hand-checkable (1 s per 16-token chunk anyw
 
 from absl.testing import absltest, parameterized
 
-from kvjax.scheduler import (Candidate, CostModel, LoadReport, Request, SamplingParams,
-                             Scheduler, SchedulerConfig, StepResult, StoredChunk, StoredPrefix)
+from kvjax.scheduler import (Candidate, CostModel, Request, SamplingParams,
+                             Scheduler, SchedulerConfig, StoredChunk, StoredPrefix)
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
+from kvjax.testing.plans import plan_steps, prefills
 
 SIZES = (16, 32, 64, 128, 256, 512)  # LLM's default chunk sizes; the budget is the largest
 C = 16
@@ -30,26 +31,6 @@ def stored(n, nbytes=100):
   """A lookup result: the first `n` store chunks held by the host tier (one raw encoding)."""
   return StoredPrefix(C, tuple(StoredChunk("host", (Candidate("raw/0", nbytes, 0),))
                                for _ in range(n)))
-
-
-def plan_steps(s, steps, start=0, land_loads=True):
-  """Plans `steps` steps, 1 s apart from `start`; returns each step's plan. A request whose
-  prompt ends (or that decodes) samples; loads land by the next step (when `land_loads`)."""
-  plans = []
-  for k in range(start, start + steps):
-    plan = s.schedule(now_s=float(k))
-    plans.append(plan)
-    s.update(StepResult(
-        now_s=k + 0.5,
-        sampled=tuple((c.request_id, 1) for c in plan.prefills if c.is_last)
-        + tuple((d.request_id, 1) for d in plan.decodes),
-        loads=tuple(LoadReport(ld.request_id, ld.index, True, 100, tier="host", done_s=k + 0.5)
-                    for ld in plan.loads) if land_loads else ()))
-  return plans
-
-
-def prefills(plan):
-  return [(c.request_id, c.start, c.num_tokens) for c in plan.prefills]
 
 
 class ManyShortPromptsTest(parameterized.TestCase):

@@ -8,6 +8,7 @@ them), SLOW loads never help.
 from absl.testing import absltest, parameterized
 
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
+from kvjax.testing.plans import plan_steps, prefills
 from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, DecodeItem,
                              LoadConfig, LoadReport, StepResult, StoredChunk, StoredPrefix,
                              DoubleWriteError, LoadVerdict, PrefillChunk, Request,
@@ -406,20 +407,9 @@ class SchedulerCakeTest(absltest.TestCase):
     self.assertEqual(y.slot, 0)
 
   def plan_steps(self, s, steps, land_loads=True, start=0):
-    """Plans `steps` steps, the first at time `start`; each step's prefills as (request id,
-    start, tokens). Loads land by the next step (when `land_loads`); a request whose prompt
-    ends (or that decodes) samples."""
-    out = []
-    for k in range(start, start + steps):
-      plan = s.schedule(now_s=float(k))
-      out.append([(c.request_id, c.start, c.num_tokens) for c in plan.prefills])
-      s.update(StepResult(
-          now_s=k + 0.5,
-          sampled=tuple((c.request_id, 1) for c in plan.prefills if c.is_last)
-          + tuple((d.request_id, 1) for d in plan.decodes),
-          loads=tuple(LoadReport(ld.request_id, ld.index, True, 100, tier="host", done_s=k + 0.5)
-                      for ld in plan.loads) if land_loads else ()))
-    return out
+    """Each of `steps` planned steps' prefills as (request id, start, tokens)
+    (`kvjax.testing.plans.plan_steps`)."""
+    return [prefills(p) for p in plan_steps(s, steps, start, land_loads)]
 
   def test_long_prefill_threshold_lets_a_hits_tail_share_a_cold_prefills_steps(self):
     plans = {}
