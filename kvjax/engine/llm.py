@@ -653,12 +653,17 @@ class LLM:
                       num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                       dtype=jnp.dtype(self.dtype).name)
     tid = self.kvtc_transform.transform_id if self.kvtc_transform is not None else None
-    return KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
-                         kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
-                         codec_levels=codec_levels, kvtc_transform_id=tid,
-                         device_link=(LinkLimiter(device_link_bytes_per_s)
-                                      if device_link_bytes_per_s is not None else None),
-                         consistent=consistent)
+    client = KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
+                           kv_layout_version=KV_LAYOUT_VERSION, codec=codec,
+                           codec_levels=codec_levels, kvtc_transform_id=tid,
+                           device_link=(LinkLimiter(device_link_bytes_per_s)
+                                        if device_link_bytes_per_s is not None else None),
+                           consistent=consistent)
+    try:  # a store a larger capacity filled is brought under this one now, not at a write
+      client.enforce_capacity()
+    except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute, as loads do
+      _log.warning("the KV store could not be brought under its capacity: %r", e)
+    return client
 
   def follow(self) -> None:
     """Multi-host, processes other than 0: runs the device calls process 0 sends (its steps,

@@ -398,8 +398,8 @@ def _size(nbytes: int | None) -> str:
 
 def store_startup_line(config: ServerConfig, llm: LLM) -> str | None:
   """The start-up line about the KV store: where it is, what it holds, how large it may grow,
-  and whether chat sessions survive a restart. First brings a store that a larger capacity
-  filled under its capacity now (least recently used chunks go). None without a store.
+  and whether chat sessions survive a restart (the `LLM` brought the store under its capacity
+  when it opened it). None without a store.
 
   Lists every tier's records (blocking): called once, before serving.
   """
@@ -407,7 +407,6 @@ def store_startup_line(config: ServerConfig, llm: LLM) -> str | None:
   if kv is None:
     return None
   try:
-    kv.enforce_capacity()
     tiers = "; ".join(f"{u.name}: {_size(u.nbytes)} in {u.chunks} chunks, capacity "
                       f"{_size(u.capacity_bytes)}" for u in kv.usage())
   except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute, as loads do
