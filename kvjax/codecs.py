@@ -25,7 +25,7 @@ Accuracy ranks order the encodings by their relative L2 error measured on real S
               <  kvtc/2 17.5%  <  kvtc/3 20.1%  <  kvtc/4 25.0%
 
 (kvtc puts its error where the model's output is least sensitive, version 5 by its Fisher metric,
-so its L2 error overstates its loss: on the issue-13 protocol kvtc/1 at 13.5% L2 costs KL
+so its L2 error overstates its loss: on the 20 x 4K-token protocol kvtc/1 at 13.5% L2 costs KL
 0.0038 per token and cachegen/1 at 3.2% costs 0.0079 (`benchmarks/results/kvtc_v5/
 bench_codec.json`). The ranks only order the encodings one chunk is stored in; a store holds one
 codec's default level unless told otherwise.)

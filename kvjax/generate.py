@@ -2,7 +2,7 @@
 
     python -m kvjax.generate                                  # the embedded default chat prompt
     python -m kvjax.generate --prompt "Tell me about JAX" --max_tokens 64
-    python -m kvjax.generate --prompt_file=../shared/data/books/pg1952_the_yellow_wallpaper_gilman.txt
+    python -m kvjax.generate --prompt_file=book.txt
         --max_prompt_tokens=2000 --question="Who is the narrator?"
 
 Thin entry point: absl flags -> `LLM` -> print the text, TTFT and token accounting.

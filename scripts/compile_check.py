@@ -266,7 +266,7 @@ def print_row(r):
 
 
 def markdown(rows) -> str:
-  """The rows as a markdown table (docs/architecture.md): one line per program and target."""
+  """The rows as a markdown table (benchmarks/README.md): one line per program and target."""
   lines = ["| model | target | TP | program | compile | peak GiB (HBM) | est. GFLOP | "
            "est. GiB accessed | est. optimal ms |", "|" + "---|" * 9]
   for r in rows:

@@ -28,8 +28,8 @@ pipeline).
 Tested in interpret mode against the jnp references (tests/kernels/kv_codec_gpu_test.py), lowered
 for CUDA on CPU through `jax.export` there, and compiled on an H200 by scripts/device_check.sh: in
 its one run raw, int8 and cachegen (SmolLM2) and raw, int8 (LLaMA) matched the reference, SmolLM2
-int4 did not (cause not recorded), the rest ran out of time (docs/architecture.md, "Kernels on
-GPU").
+int4 did not (cause not recorded), the rest ran out of time (benchmarks/README.md, "Kernels on
+a GPU").
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ protocol, `scripts/bench_codec_reduced.py`, 5 book passages x 2,048 + 256 scored
     decoded at the position it was encoded at (its prefix hash fixes it), so `start` tells both
     sides which tokens are protected; `kvtc_encode` and the decoders take it.
   - Level ladder (version 4): predicted KL per token 0.001 / 0.006 / 0.012 / 0.024 / 0.036;
-    on the issue-13 protocol 5,468 / 3,768 / 3,198 / 2,685 / 2,412 stored B/token at
+    on the 20 x 4K-token protocol 5,468 / 3,768 / 3,198 / 2,685 / 2,412 stored B/token at
     perplexity x1.0011 / x1.0020 / x1.0100 / x1.0156 / x1.0133, LongChat outputs identical to
     raw 5/5, 2/5, 1/5, 1/5, 2/5 (`benchmarks/results/kvtc_v4/`).
 
@@ -107,7 +107,7 @@ probe's scale across layers) did worse than version 4. eps: 0.1 and 0.3 as good 
 worse, 1000 (no whitening) much worse. Token 0's step: 1/16 -> 1/64 took the KL from 0.0047 to
 0.0039 for about 4 B/token; 1/256 gained nothing more (token 0's largest code at level 0 is
 12,929, within int16). The measured KL follows the ladder's prediction, so the ladder is
-0.0005 / 0.003 / 0.006 / 0.009 / 0.018. The issue-13 protocol
+0.0005 / 0.003 / 0.006 / 0.009 / 0.018. The 20 x 4K-token protocol
 (`benchmarks/results/kvtc_v5/`, same passages and chunks as version 4's run):
     3,743 / 2,271 / 1,824 / 1,594 / 1,255 stored B/token at perplexity x1.0001 / x1.0049 /
     x1.0097 / x1.0103 / x1.0201 (95% t upper ends 1.0010 / 1.0104 / 1.0137 / 1.0156 / 1.0274;

@@ -1,4 +1,4 @@
-"""Multi-host as one program (issue 14): process 0's device calls reach every process.
+"""Multi-host as one program: process 0's device calls reach every process.
 
 Under `jax.distributed` every process must issue the same jit calls over the global mesh, in the
 same order, with the same host inputs. kvjax's scheduler and engine run on process 0 only (the

@@ -1,4 +1,4 @@
-"""Tensor parallelism over a device mesh (issue 14): the `tp` axis, parameter and pool shardings.
+"""Tensor parallelism over a device mesh: the `tp` axis, parameter and pool shardings.
 
 Megatron-LM's layout (Shoeybi et al. 2019, section 3) on a 1-D `jax.sharding.Mesh` with one
 named axis, `tp`, over the first N devices. GSPMD (`jax.jit` with `NamedSharding`s) partitions

@@ -13,7 +13,7 @@ same wherever it sits. The planner predicts both from observations, in plain flo
   load      max(transfer, decode)               (the loader overlaps one chunk's transfer with
                                                  the previous chunk's decode).
 
-The default prior is SmolLM2-135M f32 on 2 CPU cores (DESIGN.md section 8): a 256-token chunk
+The default prior is SmolLM2-135M f32 on 2 CPU cores (benchmarks/README.md): a 256-token chunk
 takes 0.69 s at position 0 and 3.40 s at position 7936. The first compute observation rescales it
 to the machine at hand, so a GPU reads its own numbers after one step.
 """

@@ -1,6 +1,6 @@
 """The two generation endpoints: prompt and parameters in, a JSON body or an SSE stream out.
 
-Flow of one request (DESIGN.md section 3, step 1):
+Flow of one request (docs/design/step-loop.md):
 
     parse (protocol) -> model name -> text length cap -> prompt ids (chat template for chat; in
       a worker thread, off the event loop) -> context check -> SamplingParams

@@ -109,7 +109,7 @@ class ServerConfig:
     kv_events_hash_seed: vLLM's NONE_HASH seed (its PYTHONHASHSEED); None: $PYTHONHASHSEED,
       else "0".
     kv_events_int_hashes: hashes as 64-bit ints (vLLM's default) or 32 raw bytes.
-    tensor_parallel_size: devices the model is split over (`LLM`, issue 14).
+    tensor_parallel_size: devices the model is split over (`LLM`; docs/design/scale-out.md).
     coordinator_address, num_processes, process_id: multi-host as one program
       (`jax.distributed`, see `LLM`): process 0 serves HTTP, the others follow it.
     session_truncation, session_rerotate, session_rerotate_boundary_chunks: as `LLM(...)` (a
