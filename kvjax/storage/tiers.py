@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -56,8 +57,8 @@ import numpy as np
 
 from kvjax._typing import ChunkHash
 from kvjax.storage import codecs, keys, specs
-from kvjax.storage.eviction import (EntryInfo, EvictionPolicy, FIFOPolicy, LRUPolicy,
-                                    chain_depths)
+from kvjax.storage.eviction import (EntryInfo, LRUPolicy, PlacementPolicy, chain_depths,
+                                    make_policy)
 from kvjax.storage.host_tier import Evicted, HostMemoryTier, Tier
 from kvjax.storage.link import LinkLimiter, load_trace
 from kvjax.storage.store_config import (DEFAULT_DEMOTION_BYTES_IN_FLIGHT,
@@ -193,7 +194,7 @@ class _Persistent:
   """Capacity bookkeeping of a persistent tier."""
 
   capacity_bytes: int | None
-  policy: EvictionPolicy
+  policy: PlacementPolicy
   access: dict[ChunkHash, int] = dataclasses.field(default_factory=dict)
   inserted: dict[ChunkHash, int] = dataclasses.field(default_factory=dict)
   mirror: dict[ChunkHash, int] | None = None  # chunk -> bytes, from records() plus our puts
@@ -219,7 +220,7 @@ class TieredStore:
   """
 
   def __init__(self, tiers: Sequence[Tier], *,
-               policies: Sequence[EvictionPolicy | None] | None = None,
+               policies: Sequence[PlacementPolicy | None] | None = None,
                capacities: Sequence[int | None] | None = None,
                write_all_persistent: bool = False, drop_bad_copies: bool = True,
                placement: str = "write_through",
@@ -826,7 +827,7 @@ class TieredStore:
     if again and progress and self.placement == "write_back":  # demotions landed during this pass
       await self._enforce_capacity(t)
 
-  async def _orphans(self, t: Tier, recs: Sequence[ChunkRecord], policy: EvictionPolicy,
+  async def _orphans(self, t: Tier, recs: Sequence[ChunkRecord], policy: PlacementPolicy,
                      infos: Sequence[EntryInfo], reading: set[ChunkHash]) -> list[ChunkHash]:
     """Chunks of persistent tier `t` that can never hit: a parent that is not the namespace
     root and that no tier holds, or an orphan parent within `t`. In the policy's order; hinted
@@ -863,14 +864,10 @@ class TieredStore:
     return [i.chunk_hash for i in order]
 
 
-_POLICY_FACTORIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy,
-                                                               "fifo": FIFOPolicy}
-
-
 def build_tiers(config: StoreConfig, *,
                 make_chunk_store: Callable[[str, str, LinkLimiter], Tier],
-                host_policy: EvictionPolicy | None = None,
-                policy_factory: Callable[[], EvictionPolicy] | None = None,
+                host_policy: PlacementPolicy | None = None,
+                policy_factory: Callable[[], PlacementPolicy] | None = None,
                 write_all_persistent: bool = False) -> TieredStore:
   """Builds a `TieredStore` from its configuration.
 
@@ -892,10 +889,10 @@ def build_tiers(config: StoreConfig, *,
     OSError: a link trace file that cannot be read.
   """
   tiers: list[Tier] = []
-  policies: list[EvictionPolicy | None] = []
+  policies: list[PlacementPolicy | None] = []
   capacities: list[int | None] = []
   limiters: dict[str, LinkLimiter] = {}
-  factory = policy_factory or _POLICY_FACTORIES[config.eviction]
+  factory = policy_factory or functools.partial(make_policy, config.eviction, tier=True)
   for tc, name in zip(config.tiers, config.tier_names):
     if tc.kind == "host":
       tiers.append(HostMemoryTier(tc.capacity_bytes, name=name,
