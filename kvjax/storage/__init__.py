@@ -21,12 +21,13 @@ from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, Chu
                                  EncodedPayload, Encoding, KVLayout, MissReason)
 
 __all__ = [
-    "DEFAULT_STORE_CAPACITY_BYTES", "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit", "ChunkMiss", "ChunkRecord", "ChunkStore",
-    "CorruptPayload", "EncodedPayload", "Encoding", "EntryInfo", "FIFOPolicy", "LookaheadPolicy",
-    "HostMemoryTier", "KVLayout", "KVStore", "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason",
-    "POLICIES", "PlacementPolicy", "PlacementStats", "StoreConfig", "StoreStats", "Tier", "TierConfig", "TierHierarchy",
-    "TierSpec", "TierUsage", "TieredStore", "UnknownCodec", "build_tiers",
-    "choose_codec", "chunk_array_spec", "chunk_hashes", "decode_payload", "default_choose",
-    "encode_payload", "gbps", "hash_chunk", "kvstore_spec", "load_trace", "make_policy", "mbps", "payload_spec",
+    "DEFAULT_STORE_CAPACITY_BYTES", "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit",
+    "ChunkMiss", "ChunkRecord", "ChunkStore", "CorruptPayload", "EncodedPayload", "Encoding",
+    "EntryInfo", "FIFOPolicy", "LookaheadPolicy", "HostMemoryTier", "KVLayout", "KVStore",
+    "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason", "POLICIES", "PlacementPolicy",
+    "PlacementStats", "StoreConfig", "StoreStats", "Tier", "TierConfig", "TierHierarchy",
+    "TierSpec", "TierUsage", "TieredStore", "UnknownCodec", "build_tiers", "choose_codec",
+    "chunk_array_spec", "chunk_hashes", "decode_payload", "default_choose", "encode_payload",
+    "gbps", "hash_chunk", "kvstore_spec", "load_trace", "make_policy", "mbps", "payload_spec",
     "prefix_chunk_hashes_for_prompt", "url_kind",
 ]

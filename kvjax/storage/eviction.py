@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvjax._typing import ChunkHash
 
-__all__ = ["POLICIES", "EntryInfo", "FIFOPolicy", "LRUPolicy", "LookaheadPolicy", "NoCache",
-           "PlacementPolicy", "chain_depths", "leaf_first", "make_policy"]
+__all__ = ["POLICIES", "Candidate", "EntryInfo", "FIFOPolicy", "LRUPolicy", "LeafFirst", "LookaheadPolicy",
+           "NoCache", "PlacementPolicy", "chain_depths", "leaf_first", "make_policy"]
 
 _E = TypeVar("_E")
 
@@ -57,6 +57,16 @@ class EntryInfo:
   last_access: int
   depth: int = 0
   inserted: int = 0
+
+  @property
+  def key(self) -> ChunkHash:
+    """`chunk_hash`, as `leaf_first` reads a candidate."""
+    return self.chunk_hash
+
+  @property
+  def parent(self) -> ChunkHash:
+    """`parent_hash`, as `leaf_first` reads a candidate."""
+    return self.parent_hash
 
 
 def chain_depths(parents: Mapping[ChunkHash, ChunkHash]) -> dict[ChunkHash, int]:
@@ -89,7 +99,6 @@ def chain_depths(parents: Mapping[ChunkHash, ChunkHash]) -> dict[ChunkHash, int]
   return depths
 
 
-@dataclasses.dataclass
 class LeafFirst:
   """The outcome of `leaf_first` (mutable: a later call may continue it).
 
@@ -101,14 +110,32 @@ class LeafFirst:
       candidate).
   """
 
-  chosen: list[Any] = dataclasses.field(default_factory=list)
-  gone: set[Hashable] = dataclasses.field(default_factory=set)
-  freed: int = 0
-  waiting: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
+  __slots__ = ("chosen", "gone", "freed", "waiting")
+
+  def __init__(self):
+    self.chosen: list[Any] = []
+    self.gone: set[Hashable] = set()
+    self.freed = 0
+    self.waiting: dict[Hashable, Any] = {}
 
 
-def leaf_first(candidates: Iterable[_E], need: int, *, key: Callable[[_E], Hashable],
-               parent: Callable[[_E], Hashable | None], nbytes: Callable[[_E], int],
+class Candidate(Protocol):
+  """What `leaf_first` reads of a chunk (`EntryInfo` and the planner's entries have it)."""
+
+  @property
+  def key(self) -> Hashable:
+    """The chunk's key (e.g. its chained hash)."""
+
+  @property
+  def parent(self) -> Hashable | None:
+    """Its prefix chunk's key (None, or a key that is no candidate, for a first chunk)."""
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes it frees."""
+
+
+def leaf_first(candidates: Iterable[_E], need: int,
                is_leaf: Callable[[_E, set[Hashable]], bool] | None,
                state: LeafFirst | None = None) -> LeafFirst:
   """The one leaf-first victim choice over chained hashes (CachedAttention, arXiv 2403.19708,
@@ -121,10 +148,10 @@ def leaf_first(candidates: Iterable[_E], need: int, *, key: Callable[[_E], Hasha
   pulled once `need` is met.
 
   Args:
-    candidates: the chunks that may go, in eviction order (chunks that must stay are left out;
-      if they extend a candidate, `is_leaf` keeps that candidate).
+    candidates: the chunks that may go (`Candidate`s: key, parent key, bytes), in eviction
+      order; chunks that must stay are left out (if they extend a candidate, `is_leaf` keeps
+      that candidate).
     need: bytes to free; nothing is taken once `state.freed >= need`.
-    key, parent, nbytes: a candidate's key, its parent's key (None: a first chunk), its bytes.
     is_leaf: `(candidate, gone keys) -> bool`: no cached chunk outside `gone` extends it; None
       ignores the prefix structure (every candidate is a leaf).
     state: a previous call's result to continue (its `gone` and `freed` count); default fresh.
@@ -135,33 +162,27 @@ def leaf_first(candidates: Iterable[_E], need: int, *, key: Callable[[_E], Hasha
   """
   st = state if state is not None else LeafFirst()
   waiting: dict[Hashable, _E] = {}
-
-  def take(e: _E) -> None:
-    st.chosen.append(e)
-    st.gone.add(key(e))
-    st.freed += nbytes(e)
-    p = parent(e)
-    while st.freed < need and p in waiting and is_leaf(waiting[p], st.gone):
-      pe = waiting.pop(p)  # passed over earlier, so it comes before anything still queued
-      st.chosen.append(pe)
-      st.gone.add(key(pe))
-      st.freed += nbytes(pe)
-      p = parent(pe)
-
-  it = iter(candidates)
-  while st.freed < need:
-    e = next(it, _END)
-    if e is _END:
-      break
-    if is_leaf is not None and not is_leaf(e, st.gone):
-      waiting[key(e)] = e
-    else:
-      take(e)
+  chosen, gone, freed = st.chosen, st.gone, st.freed
+  if freed < need:
+    for e in candidates:  # pulled one at a time: none once `need` is met
+      if is_leaf is not None and not is_leaf(e, gone):
+        waiting[e.key] = e
+        continue
+      chosen.append(e)
+      gone.add(e.key)
+      freed += e.nbytes
+      p = e.parent
+      while freed < need and p in waiting and is_leaf(waiting[p], gone):
+        pe = waiting.pop(p)  # passed over earlier, so it comes before anything still queued
+        chosen.append(pe)
+        gone.add(pe.key)
+        freed += pe.nbytes
+        p = pe.parent
+      if freed >= need:
+        break
+  st.freed = freed
   st.waiting = waiting
   return st
-
-
-_END: Any = object()
 
 
 class PlacementPolicy:
@@ -247,8 +268,7 @@ class PlacementPolicy:
         if e.parent_hash in present and e.parent_hash != e.chunk_hash:
           children.setdefault(e.parent_hash, []).append(e.chunk_hash)
       is_leaf = lambda e, gone: all(c in gone for c in children.get(e.chunk_hash, ()))
-    got = leaf_first(order, need_bytes, key=lambda e: e.chunk_hash,
-                     parent=lambda e: e.parent_hash, nbytes=lambda e: e.nbytes, is_leaf=is_leaf)
+    got = leaf_first(order, need_bytes, is_leaf)
     return [e.chunk_hash for e in got.chosen]
 
 

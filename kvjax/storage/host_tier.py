@@ -2,10 +2,11 @@
 
 The top tier of CachedAttention's hierarchy (arXiv 2403.19708, section 3): it holds read-only
 copies of chunks, verifies a read exactly like a `ChunkStore` does (token ids, namespace, layout),
-and evicts with an `PlacementPolicy` inside its own `put`. A chunk may be held in several
-encodings (raw and codec payloads): the host keeps each encoding's arrays as given (quantized
-codecs stay quantized, so host memory holds compressed chunks; entropy coding is a byte format
-and is not kept here), and counts their bytes against the capacity. `Tier` is the async
+and evicts the victims its `PlacementPolicy` (`kvjax.storage.eviction`) chooses inside its own
+`put`. A chunk may be held in several encodings (raw and codec payloads): the host keeps each
+encoding's arrays as given (quantized codecs stay quantized, so host memory holds compressed
+chunks; entropy coding is a byte format and is not kept here), and counts their bytes against
+the capacity. `Tier` is the async
 interface every tier shares.
 
 With `demote=True` (the write-back placement of `TieredStore`) an evicted chunk is not dropped

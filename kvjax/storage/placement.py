@@ -59,7 +59,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
-from kvjax.storage.eviction import POLICIES, LeafFirst, PlacementPolicy, leaf_first, make_policy
+from kvjax.storage.eviction import POLICIES, PlacementPolicy, leaf_first, make_policy
 
 __all__ = ["POLICIES", "AccessResult", "Demote", "Drop", "Insert", "Move", "PlacementPolicy",
            "PlacementStats", "Promote", "TierHierarchy", "TierSpec", "make_policy"]
@@ -189,16 +189,23 @@ class _Entry:
   stamp: int = 0  # the heap item that is current for this entry
 
 
-def _key(e: _Entry) -> str:
-  return e.key
+def _leaf_tests(entries: dict[str, _Entry], children: dict[str, set[str]]):
+  """The `is_leaf` tests `eviction.leaf_first` takes: (no cached chunk of its own tier extends
+  it, no cached chunk extends it anywhere), chunks in `gone` aside."""
 
+  def in_tier(e: _Entry, gone: set[str]) -> bool:
+    for c in children.get(e.key, ()):
+      if c not in gone and entries[c].tier == e.tier:
+        return False
+    return True
 
-def _parent(e: _Entry) -> str | None:
-  return e.parent
+  def anywhere(e: _Entry, gone: set[str]) -> bool:
+    for c in children.get(e.key, ()):
+      if c not in gone:
+        return False
+    return True
 
-
-def _nbytes(e: _Entry) -> int:
-  return e.nbytes
+  return in_tier, anywhere
 
 
 class TierHierarchy:
@@ -246,6 +253,7 @@ class TierHierarchy:
     self._parked: list[dict[str, tuple[int, int, str]]] = [{} for _ in self.tiers]
     self._entries: dict[str, _Entry] = {}
     self._children: dict[str, set[str]] = {}  # parent key -> cached children (parent may be gone)
+    self._leaf_in_tier, self._leaf_anywhere = _leaf_tests(self._entries, self._children)
     self._rank: dict[str, int] = {}  # window key -> position of the first request needing it
     self._prefetched: set[str] = set()  # prefetched, not yet accessed or moved away
     self._clock = itertools.count(1)
@@ -457,13 +465,6 @@ class TierHierarchy:
     e = self._entries.get(item[2])
     return e if e is not None and e.tier == t and e.stamp == item[1] else None
 
-  def _is_leaf(self, e: _Entry, across_tiers: bool, gone: set[str]) -> bool:
-    """No cached chunk extends `e` (in its tier, or anywhere), ignoring chunks in `gone`."""
-    for c in self._children.get(e.key, ()):
-      if c not in gone and (across_tiers or self._entries[c].tier == e.tier):
-        return False
-    return True
-
   def _victims(self, t: int, need: int, pinned: set[str], rank: float) -> list[_Entry] | None:
     """Chunks of tier `t` to move out, in order, freeing at least `need` bytes, or None.
 
@@ -472,16 +473,9 @@ class TierHierarchy:
     docstring for the three phases; each walks its candidates with `eviction.leaf_first`.
     Nothing is moved here.
     """
-    across = t == len(self.tiers) - 1  # victims of the bottom tier are dropped
-    is_leaf = ((lambda e, gone: self._is_leaf(e, across, gone)) if self.policy.chain_aware
-               else None)
     heap = self._heaps[t]
     popped: list[tuple[int, int, str]] = []
     parked = self._parked[t]
-
-    def pick(candidates, leaves_only: bool, state: LeafFirst | None = None) -> LeafFirst:
-      return leaf_first(candidates, need, key=_key, parent=_parent, nbytes=_nbytes,
-                        is_leaf=is_leaf if leaves_only else None, state=state)
 
     def outside_window():
       """Heap order; pops lazily (`leaf_first` stops pulling once enough is freed)."""
@@ -500,9 +494,13 @@ class TierHierarchy:
         yield e
 
     # Phase 1: outside the window, policy order, leaves first.
-    st = pick(outside_window(), True)
+    # "Leaf" within the tier; across all tiers for the bottom one (its victims are dropped).
+    leaves = (self._leaf_anywhere if t == len(self.tiers) - 1 else self._leaf_in_tier
+              ) if self.policy.chain_aware else None
+    st = leaf_first(outside_window(), need, leaves)
     # Phase 2: prefixes whose suffixes must stay.
-    st = pick(list(st.waiting.values()), False, st)
+    if st.waiting and st.freed < need:
+      leaf_first(list(st.waiting.values()), need, None, st)
     # Phase 3: window chunks needed later than the incoming one, farthest first.
     if st.freed < need:  # phase 1 emptied the heap: every window chunk of the tier is parked
       windowed = []
@@ -515,8 +513,9 @@ class TierHierarchy:
       order = self.policy.order
       later = sorted((e for e in windowed if self._rank[e.key] > rank),
                      key=lambda e: (-self._rank[e.key], order(e.last_access, e.inserted)))
-      st = pick(later, True, st)
-      st = pick(list(st.waiting.values()), False, st)
+      leaf_first(later, need, leaves, st)
+      if st.waiting and st.freed < need:
+        leaf_first(list(st.waiting.values()), need, None, st)
     for item in popped:
       if item[2] not in st.gone:
         heapq.heappush(heap, item)
