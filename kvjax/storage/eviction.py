@@ -26,6 +26,7 @@ Hinted chunks block their ancestors too (a hinted child keeps its parent).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -150,7 +151,9 @@ def leaf_first(candidates: Iterable[_E], need: int,
   Args:
     candidates: the chunks that may go (`Candidate`s: key, parent key, bytes), in eviction
       order; chunks that must stay are left out (if they extend a candidate, `is_leaf` keeps
-      that candidate).
+      that candidate). The planner passes every chunk and lets non-leaves wait here;
+      `PlacementPolicy.victims` passes the leaves only, adding a parent when its last child
+      has gone (the same order, without keying chunks that are never reached).
     need: bytes to free; nothing is taken once `state.freed >= need`.
     is_leaf: `(candidate, gone keys) -> bool`: no cached chunk outside `gone` extends it; None
       ignores the prefix structure (every candidate is a leaf).
@@ -259,17 +262,36 @@ class PlacementPolicy:
       return []
     stay = self._hinted if self.window_aware else frozenset()
     stay = stay | frozenset(keep) if keep else stay
-    order = sorted((e for e in entries if e.chunk_hash not in stay), key=self.order_key)
-    is_leaf = None
-    if self.chain_aware:
-      present = {e.chunk_hash for e in entries}
-      children: dict[ChunkHash, list[ChunkHash]] = {}
-      for e in entries:
-        if e.parent_hash in present and e.parent_hash != e.chunk_hash:
-          children.setdefault(e.parent_hash, []).append(e.chunk_hash)
-      is_leaf = lambda e, gone: all(c in gone for c in children.get(e.chunk_hash, ()))
-    got = leaf_first(order, need_bytes, is_leaf)
-    return [e.chunk_hash for e in got.chosen]
+    key = self.order_key
+    if not self.chain_aware:
+      order = sorted((e for e in entries if e.chunk_hash not in stay), key=key)
+      return [e.chunk_hash for e in leaf_first(order, need_bytes, None).chosen]
+    by_hash = {e.chunk_hash: e for e in entries}
+    waiting_on = dict.fromkeys(by_hash, 0)  # chunk -> its cached children not gone yet
+    for e in entries:
+      if e.parent_hash in by_hash and e.parent_hash != e.chunk_hash:
+        waiting_on[e.parent_hash] += 1
+
+    def is_leaf(e: EntryInfo, gone: set[ChunkHash]) -> bool:
+      return not waiting_on[e.chunk_hash]  # `in_order` counts each child that went
+
+    # Candidates in policy order, lazily: the leaves first, and a parent once the last of its
+    # children has gone (the order `leaf_first` would take them in, without keying every chunk).
+    heap = [(key(e), e.chunk_hash) for e in entries
+            if not waiting_on[e.chunk_hash] and e.chunk_hash not in stay]
+    heapq.heapify(heap)
+
+    def in_order():
+      while heap:
+        e = by_hash[heapq.heappop(heap)[1]]
+        yield e  # `leaf_first` takes it (a leaf) before pulling the next
+        p = e.parent_hash
+        if p in by_hash and p != e.chunk_hash:
+          waiting_on[p] -= 1
+          if not waiting_on[p] and p not in stay:
+            heapq.heappush(heap, (key(by_hash[p]), p))
+
+    return [e.chunk_hash for e in leaf_first(in_order(), need_bytes, is_leaf).chosen]
 
 
 class LRUPolicy(PlacementPolicy):
