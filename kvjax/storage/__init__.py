@@ -7,7 +7,8 @@ from kvjax.storage.chunk_store import (ByteLimiter, ChunkStore, StoreStats, choo
                                        default_choose)
 from kvjax.storage.codecs import (CorruptPayload, UnknownCodec, decode_payload, encode_payload,
                                   payload_spec)
-from kvjax.storage.eviction import EntryInfo, EvictionPolicy, FIFOPolicy, LRUPolicy
+from kvjax.storage.eviction import (POLICIES, EntryInfo, FIFOPolicy, LookaheadPolicy, LRUPolicy,
+                                    PlacementPolicy, make_policy)
 from kvjax.storage.keys import (KeyNamespace, chunk_hashes, hash_chunk,
                                 prefix_chunk_hashes_for_prompt)
 from kvjax.storage.link import LinkLimiter, gbps, load_trace, mbps
@@ -20,12 +21,13 @@ from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, Chu
                                  EncodedPayload, Encoding, KVLayout, MissReason)
 
 __all__ = [
-    "DEFAULT_STORE_CAPACITY_BYTES", "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit", "ChunkMiss", "ChunkRecord", "ChunkStore",
-    "CorruptPayload", "EncodedPayload", "Encoding", "EntryInfo", "EvictionPolicy", "FIFOPolicy",
-    "HostMemoryTier", "KVLayout", "KVStore", "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason",
+    "DEFAULT_STORE_CAPACITY_BYTES", "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit",
+    "ChunkMiss", "ChunkRecord", "ChunkStore", "CorruptPayload", "EncodedPayload", "Encoding",
+    "EntryInfo", "FIFOPolicy", "LookaheadPolicy", "HostMemoryTier", "KVLayout", "KVStore",
+    "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason", "POLICIES", "PlacementPolicy",
     "PlacementStats", "StoreConfig", "StoreStats", "Tier", "TierConfig", "TierHierarchy",
-    "TierSpec", "TierUsage", "TieredStore", "UnknownCodec", "build_tiers",
-    "choose_codec", "chunk_array_spec", "chunk_hashes", "decode_payload", "default_choose",
-    "encode_payload", "gbps", "hash_chunk", "kvstore_spec", "load_trace", "mbps", "payload_spec",
+    "TierSpec", "TierUsage", "TieredStore", "UnknownCodec", "build_tiers", "choose_codec",
+    "chunk_array_spec", "chunk_hashes", "decode_payload", "default_choose", "encode_payload",
+    "gbps", "hash_chunk", "kvstore_spec", "load_trace", "make_policy", "mbps", "payload_spec",
     "prefix_chunk_hashes_for_prompt", "url_kind",
 ]

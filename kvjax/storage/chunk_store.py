@@ -54,6 +54,12 @@ Architecture (DESIGN.md sections 3-5):
   on data in flight (reads and writes; orbax `serialization/limits.py`), a timeout on every
   tensorstore operation. The async API runs on any event loop; the `*_sync` twins run it on one
   module-owned background event-loop thread, callable from any thread.
+
+Modules: this one is the store core (`ChunkStore`: read, write, delete, list records);
+`store_layout` names the objects and holds the encoding choosers; `store_runtime` the counters,
+the byte limiter and the background loop (`run_sync`); `object_io` whole-object reads and miss
+reasons; `s3_conditional` the S3 publish mode; `store_admin` the maintenance mixin (`scan`,
+`orphans`, `gc`, `verify`, `object_files`).
 """
 
 from __future__ import annotations
@@ -61,14 +67,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import functools
 import logging
-import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
@@ -77,362 +81,32 @@ import tensorstore as ts
 from kvjax._typing import ChunkHash
 from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
-from kvjax.storage import entropy
 from kvjax.storage import keys as chunk_keys
 from kvjax.storage import specs
+from kvjax.storage import s3_conditional
+from kvjax.storage.object_io import BadSize, data_error_reason, read_file
+from kvjax.storage.store_admin import DataObject, StoreAdmin, StoreIndex
+from kvjax.storage.store_layout import (ABSENT_PROBE_KEY, DATA_PREFIX, INDEX_PREFIX, RAW_CODEC,
+                                        RAW_CODEC_VERSION, RAW_LEVEL, choose_codec,
+                                        default_choose, encoded_object_key, index_key,
+                                        is_raw_object, le_bytes, raw_nbytes, raw_object_key,
+                                        values_checksum)
+from kvjax.storage.store_layout import prefix_range as _prefix_range
+from kvjax.storage.store_runtime import (ByteLimiter, Limiter, StoreStats, default_context_spec,
+                                         run_sync)
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  Encoding, KVLayout, MissReason)
+
+__all__ = ["RAW_CODEC", "RAW_CODEC_VERSION", "RAW_LEVEL", "ByteLimiter", "ChunkStore",
+           "DataObject", "Limiter", "StoreIndex", "StoreStats", "choose_codec", "default_choose",
+           "default_context_spec", "encoded_object_key", "index_key", "is_raw_object",
+           "raw_object_key", "run_sync", "values_checksum"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-RAW_CODEC = "raw"
-RAW_CODEC_VERSION = 1
-RAW_LEVEL = 0
 
-_INDEX = "index/"
-_DATA = "data/"
-# A key that is never written; reading it yields the backend's "no value" generation.
-_ABSENT_PROBE_KEY = "index/.absent-probe"
-# S3 only: written once per store open to check that conditional PUTs are honoured.
-_CONDITIONAL_PROBE_KEY = ".kvjax-conditional-write-probe"
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreIndex:
-  """A store's index (`ChunkStore.scan`).
-
-  Attributes:
-    records: parseable records, sorted by chunk hash.
-    malformed: chunk hashes (from key names) whose record does not parse, sorted.
-  """
-
-  records: tuple[ChunkRecord, ...]
-  malformed: tuple[ChunkHash, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class DataObject:
-  """A stored data object (`ChunkStore.orphans`).
-
-  Attributes:
-    object: its key below the store root ("data/<chunk_hash>/<codec>-<level>-<checksum>").
-    nbytes: bytes of its keys' values.
-    array: whether it is a key prefix (a record format 1 zarr3 array) rather than one key.
-  """
-
-  object: str
-  nbytes: int
-  array: bool = False
-
-
-def _file_size(path: str) -> int:
-  try:
-    return os.stat(path).st_size
-  except OSError:
-    return 0
-
-
-class Limiter(Protocol):
-  """A link emulator: `acquire(nbytes)` returns when `nbytes` may pass."""
-
-  async def acquire(self, nbytes: int) -> None:
-    ...
-
-
-def default_context_spec() -> dict[str, Any]:
-  """Context resources of a store: a cache pool and concurrency limits."""
-  return {
-      "cache_pool": {"total_bytes_limit": 64 << 20},
-      "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
-      "file_io_concurrency": {"limit": 64},
-  }
-
-
-def index_key(chunk_hash: ChunkHash) -> str:
-  return f"{_INDEX}{chunk_hash}.json"
-
-
-def raw_object_key(chunk_hash: ChunkHash, checksum: str) -> str:
-  return f"{_DATA}{chunk_hash}/{RAW_CODEC}-{RAW_LEVEL}-{checksum}"
-
-
-def encoded_object_key(chunk_hash: ChunkHash, codec: str, level: int, checksum: str) -> str:
-  return f"{_DATA}{chunk_hash}/{codec}-{level}-{checksum}"
-
-
-def is_raw_object(object_key: str) -> bool:
-  """Whether a data object's name says it holds raw values ("raw-<level>-<checksum>")."""
-  return object_key.rstrip("/").rsplit("/", 1)[-1].startswith(f"{RAW_CODEC}-")
-
-
-def default_choose(encodings: Sequence[Encoding]) -> Encoding | None:
-  """Raw if stored, else the first decodable encoding in record order."""
-  return next((e for e in encodings if e.codec == RAW_CODEC), encodings[0] if encodings else None)
-
-
-def choose_codec(codec: str, level: int | None = None) -> Chooser:
-  """A chooser that takes only `codec` (at `level`, if given)."""
-  def choose(encodings: Sequence[Encoding]) -> Encoding | None:
-    return next((e for e in encodings
-                 if e.codec == codec and (level is None or e.level == level)), None)
-  return choose
-
-
-def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
-  """All keys starting with `prefix` (which ends with "/")."""
-  return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
-
-
-def _with_conditional_write(spec: dict[str, Any], on: bool) -> dict[str, Any]:
-  """A copy of `spec` whose s3 kvstore (itself or an ocdbt base) has `use_conditional_write=on`."""
-  if spec.get("driver") == "ocdbt":
-    return {**spec, "base": _with_conditional_write(spec["base"], on)}
-  return {**spec, "use_conditional_write": on} if spec.get("driver") == "s3" else spec
-
-
-def values_checksum(values: np.ndarray, algo: str = checksums.CURRENT) -> str:
-  """Hex checksum (xxh3-128 by default, see `storage.checksum`) of an array's C-order bytes."""
-  return checksums.digest(values, algo)
-
-
-def _le_bytes(values: np.ndarray) -> bytes:
-  """An array's C-order bytes, little endian (the stored raw format)."""
-  values = np.ascontiguousarray(values)
-  return (values if sys.byteorder == "little" else values.byteswap()).tobytes()
-
-
-def _raw_nbytes(record: ChunkRecord, layout: KVLayout) -> tuple[int, ...]:
-  """Sizes a raw object of `record` may have: its rows stored (`keys.stored_rows`), or (a tail
-  written before tails were stored trimmed) the whole padded chunk."""
-  rows = chunk_keys.stored_rows(record.token_ids)
-  return (layout.nbytes // layout.chunk_size * rows, layout.nbytes)
-
-
-class _BadSize(Exception):
-  """A data object whose length is not what its record says (truncated or grown)."""
-
-
-def _read_file(path: str, nbytes: int, algo: str) -> tuple[np.ndarray, str]:
-  """Reads a whole file of exactly `nbytes` bytes into a fresh buffer and checksums it.
-
-  Runs in a worker thread (`os.preadv` and xxh3 release the GIL).
-
-  Returns:
-    (uint8[nbytes] buffer, hex digest of it).
-
-  Raises:
-    FileNotFoundError: no such file.
-    _BadSize: the file is not `nbytes` long.
-    OSError: any other read failure.
-  """
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    size = os.fstat(fd).st_size
-    if size != nbytes:
-      raise _BadSize(f"{size} bytes, record says {nbytes}")
-    buf = np.empty(nbytes, np.uint8)
-    view, got = memoryview(buf), 0
-    while got < nbytes:
-      n = os.preadv(fd, [view[got:]], got)
-      if n <= 0:
-        raise _BadSize(f"{got} bytes read, record says {nbytes}")
-      got += n
-  finally:
-    os.close(fd)
-  return buf, checksums.digest(buf, algo)
-
-
-# ---------------------------------------------------------------------------------------------
-# Stats, byte limiter, background loop.
-
-
-@dataclasses.dataclass
-class StoreStats:
-  """Counters of one store; mutate through the store, read with `snapshot()`.
-
-  Attributes:
-    hits: verified reads.
-    misses_by_reason: misses per `MissReason`.
-    bytes_read: value bytes of verified reads.
-    bytes_written: value bytes of published puts.
-    puts: published puts.
-    put_conflicts: puts that found the record already present (lost the race or came late).
-    put_failures: puts that failed on a backend error (no record published).
-  """
-
-  hits: int = 0
-  misses_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  bytes_read: int = 0
-  bytes_written: int = 0
-  puts: int = 0
-  put_conflicts: int = 0
-  put_failures: int = 0
-  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
-                                            compare=False)
-
-  def add(self, **deltas: int) -> None:
-    with self._lock:
-      for k, v in deltas.items():
-        setattr(self, k, getattr(self, k) + v)
-
-  def miss(self, reason: MissReason) -> None:
-    with self._lock:
-      self.misses_by_reason[reason] += 1
-
-  def snapshot(self) -> dict[str, Any]:
-    """A consistent copy; `misses_by_reason` maps reason values (str) to counts."""
-    with self._lock:
-      return {
-          "hits": self.hits,
-          "misses_by_reason": {r.value: n for r, n in self.misses_by_reason.items()},
-          "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-          "puts": self.puts, "put_conflicts": self.put_conflicts,
-          "put_failures": self.put_failures,
-      }
-
-
-class _Waiter:
-  __slots__ = ("nbytes", "loop", "future", "granted")
-
-  def __init__(self, nbytes: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future):
-    self.nbytes, self.loop, self.future, self.granted = nbytes, loop, future, False
-
-
-class ByteLimiter:
-  """Bounds bytes in flight, FIFO; usable from several event loops and threads at once.
-
-  A request larger than the limit is clamped to it, so it runs alone instead of never.
-  """
-
-  def __init__(self, max_bytes: int):
-    if max_bytes <= 0:
-      raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-    self._max = max_bytes
-    self._used = 0
-    self._lock = threading.Lock()
-    self._waiters: collections.deque[_Waiter] = collections.deque()
-
-  @property
-  def in_use(self) -> int:
-    return self._used
-
-  async def acquire(self, nbytes: int) -> None:
-    n = min(max(0, nbytes), self._max)
-    with self._lock:
-      if not self._waiters and self._used + n <= self._max:
-        self._used += n
-        return
-      loop = asyncio.get_running_loop()
-      waiter = _Waiter(n, loop, loop.create_future())
-      self._waiters.append(waiter)
-    try:
-      await waiter.future
-    except asyncio.CancelledError:
-      with self._lock:
-        granted = waiter.granted
-        if not granted:
-          self._waiters.remove(waiter)
-      if granted:
-        self.release(n)
-      raise
-
-  def release(self, nbytes: int) -> None:
-    n = min(max(0, nbytes), self._max)
-    with self._lock:
-      self._used -= n
-      while self._waiters and self._used + self._waiters[0].nbytes <= self._max:
-        w = self._waiters.popleft()
-        w.granted = True
-        self._used += w.nbytes
-        w.loop.call_soon_threadsafe(_resolve, w.future)
-
-  @contextlib.asynccontextmanager
-  async def hold(self, nbytes: int):
-    await self.acquire(nbytes)
-    try:
-      yield
-    finally:
-      self.release(nbytes)
-
-
-def _resolve(future: asyncio.Future) -> None:
-  if not future.done():
-    future.set_result(None)
-
-
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_thread: threading.Thread | None = None
-
-
-def _background_loop() -> asyncio.AbstractEventLoop:
-  """The module's one background event loop (started on first use, daemon thread)."""
-  global _loop, _loop_thread
-  with _loop_lock:
-    if _loop is None or _loop_thread is None or not _loop_thread.is_alive():
-      loop = asyncio.new_event_loop()
-      thread = threading.Thread(target=loop.run_forever, name="kvjax-chunk-store", daemon=True)
-      thread.start()
-      _loop, _loop_thread = loop, thread
-    return _loop
-
-
-def run_sync(coro: Awaitable[_T]) -> _T:
-  """Runs a coroutine on the background loop and waits for it (from any thread but that loop's).
-
-  Raises:
-    RuntimeError: called from the background loop's own thread (it would deadlock).
-  """
-  loop = _background_loop()
-  if threading.current_thread() is _loop_thread:
-    if asyncio.iscoroutine(coro):
-      coro.close()
-    raise RuntimeError("sync store call from the store's own event loop; await the async API")
-  return asyncio.run_coroutine_threadsafe(coro, loop).result()
-
-
-# ---------------------------------------------------------------------------------------------
-# Error classification.
-
-
-def _status(e: BaseException) -> str:
-  """The absl status code tensorstore puts at the front of its error messages, if any."""
-  head = str(e).split(":", 1)[0].strip()
-  return head if head.isupper() else ""
-
-
-def _data_error_reason(e: BaseException) -> MissReason:
-  """Miss reason of an exception raised while opening or reading a data object."""
-  if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
-    return MissReason.READ_ERROR
-  if isinstance(e, FileNotFoundError):
-    return MissReason.MISSING_DATA
-  if isinstance(e, _BadSize):
-    return MissReason.CORRUPT
-  if isinstance(e, OSError):
-    return MissReason.READ_ERROR
-  status = _status(e)
-  if status == "NOT_FOUND":
-    return MissReason.MISSING_DATA
-  if status in ("DATA_LOSS", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"):
-    return MissReason.CORRUPT
-  return MissReason.READ_ERROR
-
-
-def _decode_deferred(hit: ChunkHit) -> ChunkHit | ChunkMiss:
-  """`hit`, or a CORRUPT miss if an array left coded for the device does not decode on the host
-  (`entropy.decode_rans_codes`: streams that do not end where they began)."""
-  for name, a in hit.payload.items():
-    if isinstance(a, entropy.RansCodes):
-      try:
-        entropy.decode_rans_codes(a)
-      except entropy.EntropyError as e:
-        return ChunkMiss(hit.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")
-  return hit
-
-
-class ChunkStore:
+class ChunkStore(StoreAdmin):
   """Stored KV chunks under one kvstore root, verified on every read.
 
   Example:
@@ -491,7 +165,7 @@ class ChunkStore:
     if self._root is None:
       await self._check_s3_conditional_write()
       root = await self._op(ts.KvStore.open(self.kvstore_spec, context=self.context))
-      probe = await self._op(root.read(_ABSENT_PROBE_KEY))
+      probe = await self._op(root.read(ABSENT_PROBE_KEY))
       if probe.state != "missing" or not probe.stamp.generation:
         raise RuntimeError(f"cannot learn the no-value generation of {self.url!r}")
       self._no_value = bytes(probe.stamp.generation)
@@ -500,30 +174,13 @@ class ChunkStore:
 
   async def _check_s3_conditional_write(self) -> None:
     """S3: selects atomic conditional PUTs if the server honours them, else the fallback."""
-    s3 = specs.s3_spec(self.kvstore_spec)
-    if s3 is None:
-      return
-    if s3.get("use_conditional_write") and not await self._s3_honours_conditions(s3):
-      _log.warning(
-          "store %r: %s does not honour conditional PUTs (If-None-Match); falling back to "
-          "HEAD-then-PUT with read-after-write checks, which is not atomic under racing writers",
-          self.name, s3.get("endpoint", "S3"))
-      self.kvstore_spec = _with_conditional_write(self.kvstore_spec, False)
-      s3 = specs.s3_spec(self.kvstore_spec)
-    self._verify_publish = not s3.get("use_conditional_write")
+    self.kvstore_spec, verify = await s3_conditional.publish_mode(
+        self.kvstore_spec, self.name, self._s3_honours_conditions)
+    self._verify_publish = verify
 
   async def _s3_honours_conditions(self, s3: dict[str, Any]) -> bool:
     """Whether a create-if-absent of an existing key fails on this server, as it must."""
-    kv = await self._op(ts.KvStore.open(s3, context=self.context))
-    absent = await self._op(kv.read(_ABSENT_PROBE_KEY))
-    await self._op(kv.write(_CONDITIONAL_PROBE_KEY, b"kvjax"))
-    try:
-      stamp = await self._op(kv.write(_CONDITIONAL_PROBE_KEY, b"kvjax",
-                                      if_equal=absent.stamp.generation))
-    except Exception as e:  # noqa: BLE001  (e.g. 501 Not Implemented)
-      _log.warning("conditional PUT on %s failed: %r", s3.get("endpoint", "S3"), e)
-      return False
-    return not stamp.generation
+    return await s3_conditional.honours_conditional_put(s3, self.context, self._op)
 
   @contextlib.contextmanager
   def _writing(self, object_keys: Sequence[str]) -> Iterator[Callable[[], list[str]]]:
@@ -688,9 +345,9 @@ class ChunkStore:
     if encoding not in usable:
       raise ValueError(f"choose returned {encoding!r}, not one of the encodings it was given")
     is_raw = encoding.codec == RAW_CODEC
-    if (not encoding.object.startswith(f"{_DATA}{chunk_hash}/")
+    if (not encoding.object.startswith(f"{DATA_PREFIX}{chunk_hash}/")
         or is_raw != is_raw_object(encoding.object)
-        or (is_raw and encoding.nbytes not in _raw_nbytes(record, layout))):
+        or (is_raw and encoding.nbytes not in raw_nbytes(record, layout))):
       return miss(MissReason.CORRUPT, f"bad encoding entry {encoding!r}")
 
     if self._limiter is not None:
@@ -712,20 +369,20 @@ class ChunkStore:
     algorithm; the byte limiter is held while reading.
 
     Raises:
-      FileNotFoundError, _BadSize, OSError, or tensorstore's errors (`_data_error_reason`
+      FileNotFoundError, BadSize, OSError, or tensorstore's errors (`_data_error_reason`
       classifies them); a missing object on a tensorstore backend raises FileNotFoundError.
     """
     async with self._bytes.hold(encoding.nbytes):
       path = self._local_path(encoding.object)
       if path is not None:
-        return await self._op(asyncio.to_thread(_read_file, path, encoding.nbytes,
+        return await self._op(asyncio.to_thread(read_file, path, encoding.nbytes,
                                                 encoding.checksum_algo))
       root = await self.kvstore()
       res = await self._op(root.read(encoding.object))
       if res.state != "value":
         raise FileNotFoundError(encoding.object)
       if len(res.value) != encoding.nbytes:
-        raise _BadSize(f"{len(res.value)} bytes, record says {encoding.nbytes}")
+        raise BadSize(f"{len(res.value)} bytes, record says {encoding.nbytes}")
       buf = np.frombuffer(res.value, np.uint8)  # read-only view, no copy
       return buf, checksums.digest(buf, encoding.checksum_algo)
 
@@ -734,7 +391,7 @@ class ChunkStore:
     try:
       buf, digest = await self._read_object(encoding)
     except Exception as e:  # noqa: BLE001
-      return ChunkMiss(record.chunk_hash, _data_error_reason(e), f"{encoding.object}: {e!r}")
+      return ChunkMiss(record.chunk_hash, data_error_reason(e), f"{encoding.object}: {e!r}")
     if digest != encoding.checksum:
       return ChunkMiss(record.chunk_hash, MissReason.CHECKSUM_MISMATCH)
     rows = encoding.nbytes // (layout.nbytes // layout.chunk_size)
@@ -757,7 +414,7 @@ class ChunkStore:
         arr = await self._op(ts.open(spec, context=self.context, read=True))
         kv = await self._op(arr.read())
     except Exception as e:  # noqa: BLE001
-      return ChunkMiss(record.chunk_hash, _data_error_reason(e), repr(e))
+      return ChunkMiss(record.chunk_hash, data_error_reason(e), repr(e))
     kv = np.asarray(kv)
     if kv.shape != layout.shape or kv.dtype != np.dtype(layout.dtype):
       return ChunkMiss(record.chunk_hash, MissReason.CORRUPT, f"read {kv.dtype}{list(kv.shape)}")
@@ -773,7 +430,7 @@ class ChunkStore:
     try:
       buf, digest = await self._read_object(encoding)
     except Exception as e:  # noqa: BLE001
-      return miss(_data_error_reason(e), f"{encoding.object}: {e!r}")
+      return miss(data_error_reason(e), f"{encoding.object}: {e!r}")
     if digest != encoding.checksum:
       return miss(MissReason.CHECKSUM_MISMATCH, encoding.object)
     # Entropy decoding is CPU work: off the event loop. Device codings (kvtc's "rans-bands") are
@@ -850,7 +507,7 @@ class ChunkStore:
     encodings, writes = [], []
     if values is not None:
       rows = chunk_keys.stored_rows(token_ids)
-      raw = _le_bytes(values[:, :, :rows] if rows < values.shape[2] else values)
+      raw = le_bytes(values[:, :, :rows] if rows < values.shape[2] else values)
       checksum = checksums.digest(raw)
       enc = Encoding(RAW_CODEC, RAW_CODEC_VERSION, RAW_LEVEL, raw_object_key(chunk_hash, checksum),
                      len(raw), checksum)
@@ -923,60 +580,19 @@ class ChunkStore:
     try:
       record = ChunkRecord.from_json(res.value)
     except ValueError:  # Unparseable: everything under the chunk's data prefix.
-      await self._op(root.delete_range(_prefix_range(f"{_DATA}{chunk_hash}/")))
+      await self._op(root.delete_range(_prefix_range(f"{DATA_PREFIX}{chunk_hash}/")))
       return True
     await asyncio.gather(*(self._delete_object(
         e.object, array=record.format_version == 1 and e.codec == RAW_CODEC)
         for e in record.encodings))
     return True
 
-  # -- maintenance: listing, sizes, garbage (the `kvjax.store` CLI) -------------------------------
-
-  def local_dir(self) -> str | None:
-    """The directory of a file or ocdbt+file store (no trailing "/"), else None."""
-    spec = self.kvstore_spec
-    if spec.get("driver") == "ocdbt":
-      spec = spec["base"]
-    if spec.get("driver") == "file":
-      return spec["path"].rstrip("/") or "/"
-    return None
-
-  async def scan(self, namespace: str = "") -> StoreIndex:
-    """Reads every index record, failing loudly (unlike `records`, which skips what it cannot
-    read).
-
-    Args:
-      namespace: keep only records whose namespace id starts with this (hex) prefix; malformed
-        records are kept whatever the filter (their namespace is unknown).
-
-    Returns:
-      The parseable records and the hashes of the malformed ones, each sorted by chunk hash.
-
-    Raises:
-      Exception: tensorstore's error when listing or reading the index fails.
-    """
-    root = await self.kvstore()
-    keys = sorted(k.decode() for k in await self._op(root.list(_prefix_range(_INDEX))))
-    keys = [k for k in keys if k.endswith(".json")]
-    reads = await asyncio.gather(*(self._op(root.read(k)) for k in keys))
-    records, malformed = [], []
-    for key, res in zip(keys, reads):
-      if res.state != "value":
-        continue  # Deleted since the listing.
-      try:
-        record = ChunkRecord.from_json(res.value)
-      except ValueError:
-        malformed.append(ChunkHash(key[len(_INDEX):-len(".json")]))
-        continue
-      if record.namespace.startswith(namespace):
-        records.append(record)
-    records.sort(key=lambda r: r.chunk_hash)
-    return StoreIndex(tuple(records), tuple(sorted(malformed)))
+  # -- listing (the `Tier` interface; maintenance is `StoreAdmin`'s) ----------------------------
 
   async def records(self) -> list[ChunkRecord]:
     """All parseable index records (malformed or unreadable ones are logged and skipped)."""
     root = await self.kvstore()
-    keys = await self._op(root.list(_prefix_range(_INDEX)))
+    keys = await self._op(root.list(_prefix_range(INDEX_PREFIX)))
     reads = await asyncio.gather(*(self._op(root.read(k)) for k in keys), return_exceptions=True)
     out = []
     for key, res in zip(keys, reads):
@@ -986,106 +602,6 @@ class ChunkStore:
         out.append(ChunkRecord.from_json(res.value))
       except ValueError as e:
         _log.warning("skipping malformed record %r: %s", key, e)
-    return out
-
-  async def _data_objects(self, index: StoreIndex) -> dict[str, list[str]]:
-    """Data objects of chunks without a malformed record: object key -> its keys.
-
-    A chunk whose record exists but does not parse still names its chunk (index/<hash>.json):
-    its data is kept, so an operator can inspect or restore it.
-    """
-    root = await self.kvstore()
-    kept = set(index.malformed)
-    out: dict[str, list[str]] = collections.defaultdict(list)
-    for key in sorted(k.decode() for k in await self._op(root.list(_prefix_range(_DATA)))):
-      parts = key.split("/")
-      if len(parts) >= 3 and parts[1] not in kept:
-        out["/".join(parts[:3])].append(key)
-    return out
-
-  async def orphans(self, index: StoreIndex | None = None) -> list[DataObject]:
-    """Data objects that no record references (failed or lost writes): what `gc` removes.
-
-    Args:
-      index: an unfiltered `scan()` to reuse, else one is made.
-
-    Returns:
-      The objects sorted by key, with their sizes in bytes (file stores: `stat`; otherwise the
-      lengths of their keys' values). Objects being written by this store are left out.
-    """
-    index = index if index is not None else await self.scan()
-    referenced = {e.object for r in index.records for e in r.encodings}
-    by_object = await self._data_objects(index)
-    with self._in_flight_lock:
-      busy = set(self._in_flight)
-    root = await self.kvstore()
-    path = self.local_dir() if self.kvstore_spec.get("driver") == "file" else None
-    out = []
-    for obj in sorted(set(by_object) - referenced - busy):
-      keys = by_object[obj]
-      if path is not None:
-        nbytes = sum(_file_size(os.path.join(path, k)) for k in keys)
-      else:
-        values = await asyncio.gather(*(self._op(root.read(k)) for k in keys))
-        nbytes = sum(len(v.value) for v in values if v.state == "value")
-      out.append(DataObject(obj, nbytes, array=keys != [obj]))
-    return out
-
-  async def gc(self) -> int:
-    """Removes data objects that no record references (failed or lost writes).
-
-    Data of a chunk whose index record exists but is malformed is kept.
-
-    Objects being written by this store are kept. A writer in another process can lose an
-    in-flight object to `gc`; its record then reads as MISSING_DATA, never as wrong data.
-
-    Returns:
-      Number of data objects removed.
-    """
-    garbage = await self.orphans()
-    await asyncio.gather(*(self._delete_object(o.object, array=o.array) for o in garbage))
-    return len(garbage)
-
-  async def verify(self, record: ChunkRecord) -> ChunkMiss | None:
-    """Reads back every encoding of `record` this reader can decode, as a server would
-    (`get` with the record's own token ids, namespace and layout: sizes, checksums, decode;
-    arrays `get` leaves coded for the device, kvtc's "rans-bands", are decoded here on the host
-    with the checks the device decoder makes).
-
-    Returns:
-      None if all of them verify; else the first miss (its detail prefixed with the encoding
-      when the record has several), or UNKNOWN_CODEC when this reader knows none of them.
-      Counted in `stats` like any read.
-    """
-    known = [e for e in record.encodings
-             if codecs.is_decodable(e.codec, e.codec_version, e.level)
-             and e.checksum_algo in checksums.ALGORITHMS] or [None]
-    for enc in known:  # None: no known encoding; get reports UNKNOWN_CODEC
-      got = await self.get(record.chunk_hash, record.token_ids, record.namespace, record.layout,
-                           choose=lambda encodings, want=enc: next(
-                               (e for e in encodings if e == want), None))
-      if isinstance(got, ChunkHit):
-        got = await asyncio.to_thread(_decode_deferred, got)
-      if isinstance(got, ChunkMiss):
-        where = f"{enc.codec}/{enc.codec_version}/{enc.level}" if len(known) > 1 else ""
-        return dataclasses.replace(got, detail=": ".join(x for x in (where, got.detail) if x))
-    return None
-
-  def object_files(self, record: ChunkRecord) -> list[str]:
-    """The files holding a record's data objects, on a plain file store (bench and tools).
-
-    Raises:
-      ValueError: not a plain file store (ocdbt, memory and s3 have no file per object).
-    """
-    if self.kvstore_spec.get("driver") != "file":
-      raise ValueError(f"store {self.url!r} is not a plain file store")
-    base = self.kvstore_spec["path"]
-    out = []
-    for e in record.encodings:
-      if record.format_version == 1 and e.codec == RAW_CODEC:
-        out += [base + e.object + "/zarr.json", base + e.object + "/c/0/0/0/0/0"]
-      else:
-        out.append(base + e.object)
     return out
 
   def snapshot(self) -> dict[str, Any]:

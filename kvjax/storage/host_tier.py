@@ -2,10 +2,11 @@
 
 The top tier of CachedAttention's hierarchy (arXiv 2403.19708, section 3): it holds read-only
 copies of chunks, verifies a read exactly like a `ChunkStore` does (token ids, namespace, layout),
-and evicts with an `EvictionPolicy` inside its own `put`. A chunk may be held in several
-encodings (raw and codec payloads): the host keeps each encoding's arrays as given (quantized
-codecs stay quantized, so host memory holds compressed chunks; entropy coding is a byte format
-and is not kept here), and counts their bytes against the capacity. `Tier` is the async
+and evicts the victims its `PlacementPolicy` (`kvjax.storage.eviction`) chooses inside its own
+`put`. A chunk may be held in several encodings (raw and codec payloads): the host keeps each
+encoding's arrays as given (quantized codecs stay quantized, so host memory holds compressed
+chunks; entropy coding is a byte format and is not kept here), and counts their bytes against
+the capacity. `Tier` is the async
 interface every tier shares.
 
 With `demote=True` (the write-back placement of `TieredStore`) an evicted chunk is not dropped
@@ -28,7 +29,7 @@ from kvjax._typing import ChunkHash
 from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
 from kvjax.storage import entropy
-from kvjax.storage.eviction import EntryInfo, EvictionPolicy, LRUPolicy, chain_depths
+from kvjax.storage.eviction import EntryInfo, LRUPolicy, PlacementPolicy, chain_depths
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  Encoding, KVLayout, MissReason)
 
@@ -121,7 +122,7 @@ class HostMemoryTier:
   """
 
   def __init__(self, capacity_bytes: int | None, name: str = "host",
-               policy: EvictionPolicy | None = None, *, demote: bool = False):
+               policy: PlacementPolicy | None = None, *, demote: bool = False):
     """Creates an empty tier.
 
     Args:
@@ -157,7 +158,7 @@ class HostMemoryTier:
     return len(self._entries)
 
   def hint(self, upcoming: Sequence[Sequence[ChunkHash]]) -> None:
-    """Forwards the look-ahead window to the policy (see `EvictionPolicy.hint`)."""
+    """Forwards the look-ahead window to the policy (see `PlacementPolicy.hint`)."""
     self.policy.hint(upcoming)
 
   async def contains(self, hashes: Sequence[ChunkHash]) -> list[bool]:

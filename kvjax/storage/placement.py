@@ -43,8 +43,12 @@ Policies (`POLICIES`, by name) decide the victims and whether to prefetch:
 
 "Leaf" is judged within the tier for demotions, and across all tiers for drops from the bottom
 tier (a chunk that a cached suffix extends anywhere goes last). Keys are opaque strings, e.g.
-the chained chunk hashes of `kvjax.storage.keys` (a chunk's parent is its prefix chunk); the
-engine's real tiers (`kvjax.storage.tiers`) are not driven by this planner yet.
+the chained chunk hashes of `kvjax.storage.keys` (a chunk's parent is its prefix chunk).
+
+The policies are the classes of `kvjax.storage.eviction` (one registry, `POLICIES`), the same
+ones the real tiers (`kvjax.storage.tiers`) build; every phase above picks its victims with the
+one leaf-first function, `eviction.leaf_first`, which the real tiers' `PlacementPolicy.victims`
+uses too.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["POLICIES", "AccessResult", "Demote", "Drop", "FIFOPlacement", "Insert",
-           "LRUPlacement", "LookaheadPlacement", "Move", "NoCache", "PlacementPolicy",
+from kvjax.storage.eviction import POLICIES, PlacementPolicy, leaf_first, make_policy
+
+__all__ = ["POLICIES", "AccessResult", "Demote", "Drop", "Insert", "Move", "PlacementPolicy",
            "PlacementStats", "Promote", "TierHierarchy", "TierSpec", "make_policy"]
 
 _INF = math.inf
@@ -173,83 +178,6 @@ class PlacementStats:
     return self.prefetches_issued - self.prefetches_useful - self.prefetches_wasted
 
 
-class PlacementPolicy:
-  """What a policy decides; `TierHierarchy` carries it out.
-
-  Attributes:
-    name: the registry name.
-    caches: stores anything at all.
-    window_aware: `lookahead` windows protect chunks from eviction (phase 3 only).
-    prefetches: `lookahead` promotes window chunks toward the top tier.
-    chain_aware: suffixes are evicted before the prefixes they extend.
-  """
-
-  name = ""
-  caches = True
-  window_aware = False
-  prefetches = False
-  chain_aware = False
-
-  def order(self, last_access: int, inserted: int) -> int:
-    """Eviction order among unprotected chunks; the lowest goes first.
-
-    Args:
-      last_access: logical time of the chunk's last save or access (higher: more recent).
-      inserted: logical time it entered the hierarchy.
-    """
-    return last_access
-
-
-class LookaheadPlacement(PlacementPolicy):
-  """CachedAttention's scheduler-aware placement (arXiv 2403.19708, sections 3.3.1 and 3.3.2):
-  prefetch the window, never evict it while anything else can go, farthest next use first,
-  suffixes before prefixes, least recently used among the rest."""
-
-  name = "lookahead"
-  window_aware = True
-  prefetches = True
-  chain_aware = True
-
-
-class LRUPlacement(PlacementPolicy):
-  """Least recently used first, through the same demotion cascade; no window, no prefetch."""
-
-  name = "lru"
-
-
-class FIFOPlacement(PlacementPolicy):
-  """First inserted first, through the same demotion cascade; no window, no prefetch."""
-
-  name = "fifo"
-
-  def order(self, last_access: int, inserted: int) -> int:
-    return inserted
-
-
-class NoCache(PlacementPolicy):
-  """No KV cache: saves are not stored and every access misses."""
-
-  name = "none"
-  caches = False
-
-
-#: Policy name -> class. `make_policy` builds one.
-POLICIES: dict[str, type[PlacementPolicy]] = {
-    p.name: p for p in (LookaheadPlacement, LRUPlacement, FIFOPlacement, NoCache)}
-
-
-def make_policy(name: str) -> PlacementPolicy:
-  """A new policy by registry name.
-
-  Raises:
-    ValueError: an unknown name (the message lists the known ones).
-  """
-  try:
-    return POLICIES[name]()
-  except KeyError:
-    raise ValueError(f"unknown placement policy {name!r}; known: {sorted(POLICIES)}") from None
-
-
 @dataclasses.dataclass(eq=False)
 class _Entry:
   key: str
@@ -259,6 +187,25 @@ class _Entry:
   last_access: int
   inserted: int
   stamp: int = 0  # the heap item that is current for this entry
+
+
+def _leaf_tests(entries: dict[str, _Entry], children: dict[str, set[str]]):
+  """The `is_leaf` tests `eviction.leaf_first` takes: (no cached chunk of its own tier extends
+  it, no cached chunk extends it anywhere), chunks in `gone` aside."""
+
+  def in_tier(e: _Entry, gone: set[str]) -> bool:
+    for c in children.get(e.key, ()):
+      if c not in gone and entries[c].tier == e.tier:
+        return False
+    return True
+
+  def anywhere(e: _Entry, gone: set[str]) -> bool:
+    for c in children.get(e.key, ()):
+      if c not in gone:
+        return False
+    return True
+
+  return in_tier, anywhere
 
 
 class TierHierarchy:
@@ -306,6 +253,7 @@ class TierHierarchy:
     self._parked: list[dict[str, tuple[int, int, str]]] = [{} for _ in self.tiers]
     self._entries: dict[str, _Entry] = {}
     self._children: dict[str, set[str]] = {}  # parent key -> cached children (parent may be gone)
+    self._leaf_in_tier, self._leaf_anywhere = _leaf_tests(self._entries, self._children)
     self._rank: dict[str, int] = {}  # window key -> position of the first request needing it
     self._prefetched: set[str] = set()  # prefetched, not yet accessed or moved away
     self._clock = itertools.count(1)
@@ -517,68 +465,44 @@ class TierHierarchy:
     e = self._entries.get(item[2])
     return e if e is not None and e.tier == t and e.stamp == item[1] else None
 
-  def _is_leaf(self, e: _Entry, across_tiers: bool, gone: set[str]) -> bool:
-    """No cached chunk extends `e` (in its tier, or anywhere), ignoring chunks in `gone`."""
-    for c in self._children.get(e.key, ()):
-      if c not in gone and (across_tiers or self._entries[c].tier == e.tier):
-        return False
-    return True
-
   def _victims(self, t: int, need: int, pinned: set[str], rank: float) -> list[_Entry] | None:
     """Chunks of tier `t` to move out, in order, freeing at least `need` bytes, or None.
 
     `rank` is the incoming chunk's next use (a window position; -1: now; inf: not in the
     window): window chunks are eligible only when needed later than that. See the module
-    docstring for the three phases. Nothing is moved here.
+    docstring for the three phases; each walks its candidates with `eviction.leaf_first`.
+    Nothing is moved here.
     """
-    chain = self.policy.chain_aware
-    across = t == len(self.tiers) - 1  # victims of the bottom tier are dropped
     heap = self._heaps[t]
-    chosen: list[_Entry] = []
-    gone: set[str] = set()
-    freed = 0
     popped: list[tuple[int, int, str]] = []
-    blocked: dict[str, _Entry] = {}  # passed over as non-leaves, in eviction order
     parked = self._parked[t]
 
-    def take(e: _Entry, waiting: dict[str, _Entry]) -> None:
-      nonlocal freed
-      chosen.append(e)
-      gone.add(e.key)
-      freed += e.nbytes
-      p = e.parent
-      while freed < need and p in waiting and self._is_leaf(waiting[p], across, gone):
-        pe = waiting.pop(p)  # passed over earlier, so it comes before anything still queued
-        chosen.append(pe)
-        gone.add(pe.key)
-        freed += pe.nbytes
-        p = pe.parent
+    def outside_window():
+      """Heap order; pops lazily (`leaf_first` stops pulling once enough is freed)."""
+      while heap:
+        item = heapq.heappop(heap)
+        e = self._valid(item, t)
+        if e is None:
+          continue  # stale
+        if e.key in pinned:
+          popped.append(item)
+          continue
+        if e.key in self._rank:
+          parked[e.key] = item  # out of the heap while it is in the window
+          continue
+        popped.append(item)
+        yield e
 
     # Phase 1: outside the window, policy order, leaves first.
-    while freed < need and heap:
-      item = heapq.heappop(heap)
-      e = self._valid(item, t)
-      if e is None:
-        continue  # stale
-      if e.key in pinned:
-        popped.append(item)
-        continue
-      if e.key in self._rank:
-        parked[e.key] = item  # out of the heap while it is in the window
-        continue
-      popped.append(item)
-      if chain and not self._is_leaf(e, across, gone):
-        blocked[e.key] = e
-      else:
-        take(e, blocked)
+    # "Leaf" within the tier; across all tiers for the bottom one (its victims are dropped).
+    leaves = (self._leaf_anywhere if t == len(self.tiers) - 1 else self._leaf_in_tier
+              ) if self.policy.chain_aware else None
+    st = leaf_first(outside_window(), need, leaves)
     # Phase 2: prefixes whose suffixes must stay.
-    for e in list(blocked.values()):
-      if freed >= need:
-        break
-      if e.key not in gone:
-        take(e, {})
+    if st.waiting and st.freed < need:
+      leaf_first(list(st.waiting.values()), need, None, st)
     # Phase 3: window chunks needed later than the incoming one, farthest first.
-    if freed < need:  # phase 1 emptied the heap: every window chunk of the tier is parked
+    if st.freed < need:  # phase 1 emptied the heap: every window chunk of the tier is parked
       windowed = []
       for k, item in list(parked.items()):
         e = self._valid(item, t)
@@ -589,23 +513,13 @@ class TierHierarchy:
       order = self.policy.order
       later = sorted((e for e in windowed if self._rank[e.key] > rank),
                      key=lambda e: (-self._rank[e.key], order(e.last_access, e.inserted)))
-      waiting: dict[str, _Entry] = {}
-      for e in later:
-        if freed >= need:
-          break
-        if chain and not self._is_leaf(e, across, gone):
-          waiting[e.key] = e
-        else:
-          take(e, waiting)
-      for e in list(waiting.values()):
-        if freed >= need:
-          break
-        if e.key not in gone:
-          take(e, {})
+      leaf_first(later, need, leaves, st)
+      if st.waiting and st.freed < need:
+        leaf_first(list(st.waiting.values()), need, None, st)
     for item in popped:
-      if item[2] not in gone:
+      if item[2] not in st.gone:
         heapq.heappush(heap, item)
-    return chosen if freed >= need else None
+    return st.chosen if st.freed >= need else None
 
   def _make_room(self, t: int, need: int, pinned: set[str], rank: float,
                  moves: list[Move]) -> bool:

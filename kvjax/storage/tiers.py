@@ -3,7 +3,9 @@
 CachedAttention, arXiv 2403.19708, section 3: KV of past turns lives in a hierarchy of tiers,
 each with a capacity; reads come from the highest tier that holds a chunk and are promoted
 toward the accelerator; eviction never drops what the look-ahead window needs and drops suffix
-chunks before prefix chunks (see `eviction.py`).
+chunks before prefix chunks. Every tier's victims are chosen by a `PlacementPolicy` of
+`kvjax/storage/eviction.py` (the policy classes the planner `kvjax/storage/placement.py` runs,
+built from the same registry, `eviction.make_policy`); the tiers execute its choices.
 
 Architecture:
 
@@ -41,29 +43,34 @@ found on disk at start count as least recent).
 
 `TierConfig` / `StoreConfig` are the frozen configuration; `build_tiers` turns one into a
 `TieredStore`, given a factory for chunk stores (the engine passes the real `ChunkStore`).
+
+Modules: this one holds `TieredStore`'s reads, writes and hints and `build_tiers`;
+`kvjax/storage/tier_api.py` the `KVStore` interface and its records (`TierStats`, `TierUsage`);
+`kvjax/storage/tier_mover.py` the mover (`TierMover`: demotions and capacity eviction).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from kvjax._typing import ChunkHash
 from kvjax.storage import codecs, keys, specs
-from kvjax.storage.eviction import (EntryInfo, EvictionPolicy, FIFOPolicy, LRUPolicy,
-                                    chain_depths)
-from kvjax.storage.host_tier import Evicted, HostMemoryTier, Tier
+from kvjax.storage.eviction import LRUPolicy, PlacementPolicy, make_policy
+from kvjax.storage.host_tier import HostMemoryTier, Tier
 from kvjax.storage.link import LinkLimiter, load_trace
 from kvjax.storage.store_config import (DEFAULT_DEMOTION_BYTES_IN_FLIGHT,
                                         DEFAULT_DISK_CAPACITY_BYTES,
                                         DEFAULT_STORE_CAPACITY_BYTES, PLACEMENTS, StoreConfig,
                                         TierConfig, url_kind)
+from kvjax.storage.tier_api import KVStore, TierStats, TierUsage
+from kvjax.storage.tier_mover import PersistentBook, TierMover
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
                                  KVLayout, MissReason)
 
@@ -78,133 +85,7 @@ log = logging.getLogger(__name__)
 _BAD_COPY = frozenset({MissReason.CORRUPT, MissReason.CHECKSUM_MISMATCH, MissReason.MISSING_DATA})
 
 
-@dataclasses.dataclass
-class TierStats:
-  """Counters of one tier.
-
-  Attributes:
-    hits: verified reads served.
-    bytes_read: stored bytes of those reads (`Encoding.nbytes` of the encoding read).
-    misses: failed reads by `MissReason` value.
-    promotions: chunks copied into this tier from a lower one.
-    evictions: chunks evicted for capacity.
-    puts: chunks published by `TieredStore.put` or promotion.
-    put_errors: writes that raised.
-    dropped: bad copies (corrupt, checksum mismatch, missing data) deleted after a read.
-    demotions_in: chunks written into this tier by a demotion from the tier above (write-back).
-    demotions_out: chunks this tier evicted that the tier below took by a demotion.
-    demotions_unneeded: chunks this tier evicted that the tier below already held (no write).
-    demotion_drops: chunks this tier evicted and lost: the demotion failed, the tier below
-      declined it, or there is no tier below (a later request recomputes them).
-    orphans_dropped: chunks this tier evicted without demoting them (or chose first as victims)
-      because no tier holds their parent: they can never hit.
-    bytes_written: bytes of the chunks published into this tier (puts, promotions, demotions;
-      the arrays given, before a tier's own encoding).
-  """
-
-  hits: int = 0
-  bytes_read: int = 0
-  misses: dict[str, int] = dataclasses.field(default_factory=dict)
-  promotions: int = 0
-  evictions: int = 0
-  puts: int = 0
-  put_errors: int = 0
-  dropped: int = 0
-  demotions_in: int = 0
-  demotions_out: int = 0
-  demotions_unneeded: int = 0
-  demotion_drops: int = 0
-  orphans_dropped: int = 0
-  bytes_written: int = 0
-
-
-@runtime_checkable
-class KVStore(Protocol):
-  """What the engine's store client uses of a store: `TieredStore` has all of it, and so must
-  every test fake (no caller probes for a method)."""
-
-  tiers: list[Tier]
-  limiters: dict[str, LinkLimiter]
-  local_dirs: dict[str, str]
-
-  async def lookup(self, hashes: Sequence[ChunkHash]) -> list[str | None]:
-    """The highest tier holding each chunk, or None."""
-
-  async def peek(self, hashes: Sequence[ChunkHash]
-                 ) -> list[tuple[str, ChunkRecord | None] | None]:
-    """(tier, record) of the highest tier holding each chunk, or None."""
-
-  async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout, *, promote: bool = True,
-                choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
-    """A verified read from the highest tier with a good copy."""
-
-  async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
-                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
-                payloads: Sequence[EncodedPayload] = ()) -> list[str]:
-    """Write-through; the names of the tiers that published the chunk."""
-
-  async def delete(self, chunk_hash: ChunkHash) -> list[str]:
-    """Removes a chunk from every tier; the names of the tiers that held it."""
-
-  async def drain(self) -> None:
-    """Waits until every demotion started so far is done (write-back; else returns at once)."""
-
-  def hint(self, upcoming: Sequence[Sequence[ChunkHash]]) -> None:
-    """The look-ahead window for eviction."""
-
-  async def prefetch(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                     layout: KVLayout) -> str | None:
-    """Copies a chunk held only below the host tier up into it; the tier it came from."""
-
-  def host_capacity(self) -> tuple[str, int | None] | None:
-    """(name, capacity in bytes or None) of the host tier, or None without one."""
-
-  @property
-  def stats(self) -> dict[str, TierStats]:
-    """A snapshot of each tier's counters, by tier name."""
-
-  async def usage(self) -> list[TierUsage]:
-    """What each persistent tier holds now (chunks, bytes, capacity)."""
-
-  async def enforce_capacity(self) -> None:
-    """Brings every bounded persistent tier under its capacity."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TierUsage:
-  """What one persistent tier holds now (`TieredStore.usage`), plain data.
-
-  Attributes:
-    name: the tier.
-    chunks: chunks it holds (index records; session tails included).
-    nbytes: their stored bytes (every encoding, `Encoding.nbytes`).
-    capacity_bytes: its byte limit, or None (unbounded).
-  """
-
-  name: str
-  chunks: int
-  nbytes: int
-  capacity_bytes: int | None
-
-
-@dataclasses.dataclass
-class _Persistent:
-  """Capacity bookkeeping of a persistent tier."""
-
-  capacity_bytes: int | None
-  policy: EvictionPolicy
-  access: dict[ChunkHash, int] = dataclasses.field(default_factory=dict)
-  inserted: dict[ChunkHash, int] = dataclasses.field(default_factory=dict)
-  mirror: dict[ChunkHash, int] | None = None  # chunk -> bytes, from records() plus our puts
-  evicting: bool = False
-
-
-def _record_nbytes(rec: ChunkRecord) -> int:
-  return sum(e.nbytes for e in rec.encodings)
-
-
-class TieredStore:
+class TieredStore(TierMover):
   """Tiers searched from the top, with promotion, write-through or write-back, and capacity
   eviction (demotion in write-back; see the module docstring).
 
@@ -219,7 +100,7 @@ class TieredStore:
   """
 
   def __init__(self, tiers: Sequence[Tier], *,
-               policies: Sequence[EvictionPolicy | None] | None = None,
+               policies: Sequence[PlacementPolicy | None] | None = None,
                capacities: Sequence[int | None] | None = None,
                write_all_persistent: bool = False, drop_bad_copies: bool = True,
                placement: str = "write_through",
@@ -260,7 +141,7 @@ class TieredStore:
     if len(policies) != n or len(capacities) != n:
       raise ValueError(f"{n} tiers but {len(policies)} policies and {len(capacities)} capacities")
     self.host = next((t for t in self.tiers if isinstance(t, HostMemoryTier)), None)
-    self._persist: dict[str, _Persistent] = {}
+    self._persist: dict[str, PersistentBook] = {}
     for t, p, c in zip(self.tiers, policies, capacities):
       if isinstance(t, HostMemoryTier):
         if p is not None or c is not None:
@@ -268,7 +149,7 @@ class TieredStore:
         continue
       if c is not None and c <= 0:
         raise ValueError(f"capacity of tier {t.name!r} must be positive, got {c}")
-      self._persist[t.name] = _Persistent(c, p if p is not None else LRUPolicy())
+      self._persist[t.name] = PersistentBook(c, p if p is not None else LRUPolicy())
     if placement not in PLACEMENTS:
       raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if placement == "write_back" and write_all_persistent:
@@ -599,278 +480,10 @@ class TieredStore:
     done = await asyncio.gather(*(one(t) for t in targets))
     return [t.name for t, ok in zip(targets, done) if ok]
 
-  # -- demotion (write-back) --------------------------------------------------------------------
-
-  def _pending_demotions(self, loop: asyncio.AbstractEventLoop | None = None
-                         ) -> tuple[list[asyncio.Task], int]:
-    """(demotion tasks not done yet, their bytes), of `loop`'s tasks only if given."""
-    with self._lock:
-      tasks = [t for t in self._demotions
-               if not t.done() and (loop is None or t.get_loop() is loop)]
-      return tasks, sum(self._demotions[t] for t in tasks)
-
-  def _demoting_bytes(self) -> int:
-    return self._pending_demotions()[1]
-
-  async def _demotion_room(self) -> None:
-    """Waits (a put's caller: the saver) while the demotions in flight hold the byte bound."""
-    loop = asyncio.get_running_loop()
-    while True:
-      mine, nbytes = self._pending_demotions(loop)
-      if not mine or nbytes < self.demotion_bytes_in_flight:
-        return
-      await asyncio.wait(mine, return_when=asyncio.FIRST_COMPLETED)
-
-  def _start_demotions(self) -> None:
-    """Starts one demotion task per chunk the host tier evicted since the last call."""
-    if self.host is None or not self.host.demote:
-      return
-    evicted = self.host.take_evicted()
-    if not evicted:
-      return
-    loop = asyncio.get_running_loop()
-    for ev in evicted:
-      task = loop.create_task(self._demote_host_chunk(ev))
-      with self._lock:
-        self._demotions[task] = ev.nbytes
-      task.add_done_callback(self._demotion_done)
-
-  def _demotion_done(self, task: asyncio.Task) -> None:
-    with self._lock:
-      self._demotions.pop(task, None)
-
-  async def drain(self) -> None:
-    """Waits until every demotion started so far (on this event loop) is done."""
-    loop = asyncio.get_running_loop()
-    while True:
-      mine, _ = self._pending_demotions(loop)
-      if not mine:
-        return
-      await asyncio.gather(*mine, return_exceptions=True)
-
-  def _below(self, tier_name: str) -> Tier | None:
-    """The next persistent tier under `tier_name`, or None."""
-    names = [t.name for t in self.tiers]
-    return next((t for t in self.tiers[names.index(tier_name) + 1:]
-                 if t.name in self._persist), None)
-
-  async def _held_anywhere(self, hashes: Sequence[ChunkHash]) -> list[bool]:
-    return [t is not None for t in await self.lookup(hashes)]
-
-  async def _demote_host_chunk(self, ev: Evicted) -> None:
-    """Writes one chunk the host evicted to the first persistent tier, then releases the host
-    copy (which served reads meanwhile). Never raises: a failure is counted and the chunk lost."""
-    rec, host = ev.record, self.host
-    h = rec.chunk_hash
-    try:
-      lower = self._below(host.name)
-      if lower is None:
-        self._count(host.name, "demotion_drops")
-        return
-      if (await lower.contains([h]))[0]:
-        self._count(host.name, "demotions_unneeded")
-        self._touch(lower.name, h)
-        return
-      if not host.is_leaving(h):
-        return  # deleted meanwhile (e.g. a bad copy being replaced): nothing to demote
-      if rec.parent_hash != rec.namespace and not (await self._held_anywhere(
-          [rec.parent_hash]))[0]:
-        self._count(host.name, "orphans_dropped")
-        return
-      if await self._demote_into(host.name, lower, rec, ev.payloads, ev.nbytes):
-        return
-      if not (await lower.contains([h]))[0]:
-        self._count(host.name, "demotion_drops")
-    except Exception:  # noqa: BLE001  (a demotion is best effort; counted)
-      log.warning("demotion of %s from %s failed", h, host.name, exc_info=True)
-      self._count(host.name, "demotion_drops")
-    finally:
-      host.release(h)
-
-  async def _demote_into(self, src: str, lower: Tier, rec: ChunkRecord,
-                         payloads: Sequence[EncodedPayload], nbytes: int) -> bool:
-    """Writes `payloads` of `rec` into persistent tier `lower` and counts the demotion; True if
-    it published them (its capacity is enforced afterwards, which may demote further down)."""
-    raw = next((q.arrays["values"] for q in payloads if q.codec == "raw"), None)
-    coded = tuple(q for q in payloads if q.codec != "raw")
-    try:
-      ok = await lower.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace, raw,
-                           layout=rec.layout, payloads=coded)
-    except Exception:  # noqa: BLE001
-      log.warning("demotion put failed on tier %s", lower.name, exc_info=True)
-      self._count(lower.name, "put_errors")
-      return False
-    if not ok:
-      return False
-    self._count(src, "demotions_out")
-    self._count(lower.name, "demotions_in")
-    self._count(lower.name, "bytes_written", int(nbytes))
-    self._touch(lower.name, rec.chunk_hash, new=True)
-    p = self._persist[lower.name]
-    with self._lock:
-      if p.mirror is not None:
-        p.mirror[rec.chunk_hash] = nbytes
-    await self._enforce_capacity(lower)
-    return True
-
-  async def _demote_persistent(self, t: Tier, lower: Tier, rec: ChunkRecord) -> None:
-    """Copies one victim of persistent tier `t` (every encoding it can read) into `lower`
-    before `t` deletes it; a chunk it cannot copy is counted as dropped."""
-    h = rec.chunk_hash
-    if (await lower.contains([h]))[0]:
-      self._count(t.name, "demotions_unneeded")
-      return
-    payloads, nbytes = [], 0
-    for e in rec.encodings:
-      pick = lambda encs, e=e: next((x for x in encs if (x.codec, x.level) == (e.codec, e.level)),
-                                    None)
-      try:
-        got = await t.get(h, rec.token_ids, rec.namespace, rec.layout, choose=pick)
-      except Exception:  # noqa: BLE001
-        log.warning("demotion read failed on tier %s", t.name, exc_info=True)
-        continue
-      if isinstance(got, ChunkHit):
-        payloads.append(EncodedPayload(got.encoding.codec, got.encoding.level, got.payload))
-        nbytes += int(got.encoding.nbytes)
-    if not payloads or not await self._demote_into(t.name, lower, rec, payloads, nbytes):
-      self._count(t.name, "demotion_drops")
-
-  async def usage(self) -> list[TierUsage]:
-    """What each persistent tier holds now, top first (lists every tier's records)."""
-    out = []
-    for t in self.tiers:
-      p = self._persist.get(t.name)
-      if p is None:
-        continue
-      recs = await t.records()
-      out.append(TierUsage(t.name, len(recs), sum(_record_nbytes(r) for r in recs),
-                           p.capacity_bytes))
-    return out
-
-  async def enforce_capacity(self) -> None:
-    """Brings every bounded persistent tier under its capacity (rescanning its records)."""
-    for t in self.tiers:
-      p = self._persist.get(t.name)
-      if p is not None and p.capacity_bytes is not None:
-        with self._lock:
-          p.mirror = None
-        await self._enforce_capacity(t)
-
-  async def _enforce_capacity(self, t: Tier) -> None:
-    """Evicts from persistent tier `t` by its policy until it fits its capacity.
-
-    The byte count is a mirror of `records()` updated by our own puts; when it says the tier is
-    over capacity (or it is unknown) the records are listed afresh before choosing victims, so
-    other writers' chunks count too. One pass runs at a time per tier.
-    """
-    p = self._persist[t.name]
-    with self._lock:
-      if p.capacity_bytes is None or p.evicting:
-        return
-      if p.mirror is not None and sum(p.mirror.values()) <= p.capacity_bytes:
-        return
-      p.evicting = True
-    progress = False
-    try:
-      recs = await t.records()
-      with self._lock:
-        p.mirror = {r.chunk_hash: _record_nbytes(r) for r in recs}
-        total = sum(p.mirror.values())
-        if total <= p.capacity_bytes:
-          return
-        depths = chain_depths({r.chunk_hash: r.parent_hash for r in recs})
-        infos = [EntryInfo(r.chunk_hash, r.parent_hash, p.mirror[r.chunk_hash],
-                           p.access.get(r.chunk_hash, 0), depths[r.chunk_hash],
-                           p.inserted.get(r.chunk_hash, 0)) for r in recs]
-        reading = {h for (name, h) in self._reading if name == t.name}
-      need = total - p.capacity_bytes
-      by_hash = {r.chunk_hash: r for r in recs}
-      orphans: list[ChunkHash] = []
-      write_back = self.placement == "write_back"
-      if write_back:  # across the hierarchy: a chunk whose prefix is broken everywhere goes first
-        dead_order = await self._orphans(t, recs, p.policy, infos, reading)
-        sizes = {i.chunk_hash: i.nbytes for i in infos}
-        freed = 0
-        for h in dead_order:
-          if freed >= need:
-            break
-          orphans.append(h)
-          freed += sizes[h]
-        dead = set(orphans)
-        rest = [i for i in infos if i.chunk_hash not in dead]
-        victims = orphans + p.policy.victims(rest, need - freed, keep=reading)
-      else:
-        victims = p.policy.victims(infos, need, keep=reading)
-      lower = self._below(t.name) if write_back else None
-      for v in victims:
-        with self._lock:
-          if (t.name, v) in self._reading:
-            continue  # a load began reading it: not this pass
-        if v in orphans:
-          self._count(t.name, "orphans_dropped")
-        elif lower is not None:
-          await self._demote_persistent(t, lower, by_hash[v])
-        try:
-          gone = await t.delete(v)
-        except Exception:  # noqa: BLE001
-          log.warning("eviction delete failed on tier %s", t.name, exc_info=True)
-          continue
-        if gone:
-          self._count(t.name, "evictions")
-          progress = True
-        self._forget(t.name, v)
-    finally:
-      with self._lock:
-        p.evicting = False
-        again = p.mirror is not None and sum(p.mirror.values()) > p.capacity_bytes
-    if again and progress and self.placement == "write_back":  # demotions landed during this pass
-      await self._enforce_capacity(t)
-
-  async def _orphans(self, t: Tier, recs: Sequence[ChunkRecord], policy: EvictionPolicy,
-                     infos: Sequence[EntryInfo], reading: set[ChunkHash]) -> list[ChunkHash]:
-    """Chunks of persistent tier `t` that can never hit: a parent that is not the namespace
-    root and that no tier holds, or an orphan parent within `t`. In the policy's order; hinted
-    chunks and chunks being read are left out."""
-    parents = {r.chunk_hash: r.parent_hash for r in recs}
-    roots = {r.chunk_hash: r.namespace for r in recs}
-    outside = sorted({pa for h, pa in parents.items()
-                      if pa not in parents and pa != roots[h]})
-    held = dict(zip(outside, await self._held_anywhere(outside))) if outside else {}
-    dead: dict[ChunkHash, bool] = {}
-
-    def is_dead(h: ChunkHash) -> bool:
-      path = []
-      while h not in dead:
-        pa = parents[h]
-        if pa == roots[h] or (pa not in parents and held.get(pa, False)):
-          dead[h] = False
-          break
-        if pa not in parents:
-          dead[h] = True
-          break
-        if pa in path or pa == h:  # a cycle (not trusted never to happen): not dead
-          dead[h] = False
-          break
-        path.append(h)
-        h = pa
-      for x in path:
-        dead[x] = dead[h]
-      return dead[h]
-
-    skip = policy.hinted | reading
-    order = sorted((i for i in infos if i.chunk_hash not in skip and is_dead(i.chunk_hash)),
-                   key=policy.order_key)
-    return [i.chunk_hash for i in order]
-
-
-_POLICY_FACTORIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy,
-                                                               "fifo": FIFOPolicy}
-
-
 def build_tiers(config: StoreConfig, *,
                 make_chunk_store: Callable[[str, str, LinkLimiter], Tier],
-                host_policy: EvictionPolicy | None = None,
-                policy_factory: Callable[[], EvictionPolicy] | None = None,
+                host_policy: PlacementPolicy | None = None,
+                policy_factory: Callable[[], PlacementPolicy] | None = None,
                 write_all_persistent: bool = False) -> TieredStore:
   """Builds a `TieredStore` from its configuration.
 
@@ -892,10 +505,10 @@ def build_tiers(config: StoreConfig, *,
     OSError: a link trace file that cannot be read.
   """
   tiers: list[Tier] = []
-  policies: list[EvictionPolicy | None] = []
+  policies: list[PlacementPolicy | None] = []
   capacities: list[int | None] = []
   limiters: dict[str, LinkLimiter] = {}
-  factory = policy_factory or _POLICY_FACTORIES[config.eviction]
+  factory = policy_factory or functools.partial(make_policy, config.eviction, tier=True)
   for tc, name in zip(config.tiers, config.tier_names):
     if tc.kind == "host":
       tiers.append(HostMemoryTier(tc.capacity_bytes, name=name,

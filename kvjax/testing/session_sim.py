@@ -43,7 +43,8 @@ import json
 import random
 from collections.abc import Callable, Sequence
 
-from kvjax.storage.placement import PlacementPolicy, TierHierarchy, TierSpec
+from kvjax.storage.eviction import PlacementPolicy, make_policy
+from kvjax.storage.placement import TierHierarchy, TierSpec
 
 __all__ = ["Conversation", "Request", "Schedule", "SimConfig", "SimResult", "Turn",
            "build_schedule", "footprint_bytes", "load_sharegpt", "simulate",
@@ -372,7 +373,8 @@ class SimResult:
 def simulate(conversations: Sequence[Conversation], schedule: Schedule,
              policy: str | PlacementPolicy, tiers: Sequence[TierSpec],
              cfg: SimConfig) -> SimResult:
-  """Replays `schedule` with a fresh `TierHierarchy(tiers, policy)`.
+  """Replays `schedule` with a fresh `TierHierarchy(tiers, policy)`: the planner and the policy
+  class (`kvjax.storage.eviction.make_policy`) the real tiers run.
 
   Args:
     conversations: the sessions `schedule` was built from.
@@ -387,7 +389,7 @@ def simulate(conversations: Sequence[Conversation], schedule: Schedule,
   Raises:
     ValueError: a bad tier list or policy (see `TierHierarchy`).
   """
-  h = TierHierarchy(tiers, policy)
+  h = TierHierarchy(tiers, make_policy(policy) if isinstance(policy, str) else policy)
   C = cfg.chunk_tokens
   nbytes = cfg.chunk_bytes
   res = SimResult(policy=h.policy.name, window=cfg.window,

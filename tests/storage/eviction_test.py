@@ -1,9 +1,15 @@
-"""Exact eviction orders of the LRU and FIFO policies."""
+"""Exact eviction orders of the LRU and FIFO policies, the one leaf-first function and the one
+policy registry the planner and the real tiers build from."""
 
 from absl.testing import absltest
 
 from kvjax._typing import ChunkHash
-from kvjax.storage.eviction import EntryInfo, FIFOPolicy, LRUPolicy, chain_depths
+from kvjax.storage import placement
+from kvjax.storage.chunk_store import ChunkStore
+from kvjax.storage.eviction import (POLICIES, EntryInfo, FIFOPolicy, LeafFirst, LookaheadPolicy,
+                                    LRUPolicy, NoCache, chain_depths, leaf_first, make_policy)
+from kvjax.storage.store_config import StoreConfig, TierConfig
+from kvjax.storage.tiers import build_tiers
 
 ROOT = ChunkHash("root")
 
@@ -92,6 +98,87 @@ class FIFOPolicyTest(absltest.TestCase):
     p = FIFOPolicy()
     p.hint([["a"]])
     self.assertEqual(p.victims(es, 30), ["b", "x"])
+
+
+class LeafFirstTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    # a -> b -> c and x, 10 bytes each; candidates in the order given.
+    self.es = {e.chunk_hash: e for e in entries(
+        {"a": (ROOT, 1), "b": ("a", 2), "c": ("b", 3), "x": (ROOT, 4)})}
+    children = {"a": ["b"], "b": ["c"]}
+    self.is_leaf = lambda e, gone: all(k in gone for k in children.get(e.key, ()))
+
+  def keys(self, st):
+    return [e.key for e in st.chosen]
+
+  def test_a_passed_over_prefix_goes_right_after_its_last_suffix(self):
+    order = [self.es[h] for h in ("a", "b", "x", "c")]
+    st = leaf_first(order, 40, self.is_leaf)
+    self.assertEqual(self.keys(st), ["x", "c", "b", "a"])
+    self.assertEqual((st.freed, st.waiting), (40, {}))
+
+  def test_stops_pulling_once_enough_is_freed(self):
+    pulled = []
+
+    def lazily():
+      for h in ("x", "c", "b", "a"):
+        pulled.append(h)
+        yield self.es[h]
+
+    st = leaf_first(lazily(), 10, self.is_leaf)
+    self.assertEqual((self.keys(st), pulled), (["x"], ["x"]))
+
+  def test_waiting_non_leaves_are_reported_and_a_later_call_continues(self):
+    order = [self.es[h] for h in ("a", "b", "x")]  # c must stay: a and b are no leaves
+    st = leaf_first(order, 30, self.is_leaf)
+    self.assertEqual((self.keys(st), list(st.waiting)), (["x"], ["a", "b"]))
+    leaf_first(list(st.waiting.values()), 30, None, st)  # the planner's phase 2
+    self.assertEqual((self.keys(st), st.freed, st.gone), (["x", "a", "b"], 30, {"x", "a", "b"}))
+
+  def test_without_a_leaf_test_every_candidate_is_a_leaf(self):
+    st = leaf_first([self.es["a"], self.es["b"]], 15, None, LeafFirst())
+    self.assertEqual(self.keys(st), ["a", "b"])
+
+
+class RegistryTest(absltest.TestCase):
+
+  def test_the_planner_and_the_tiers_build_the_same_classes(self):
+    self.assertEqual(POLICIES, {"lookahead": LookaheadPolicy, "lru": LRUPolicy,
+                                "fifo": FIFOPolicy, "none": NoCache})
+    self.assertIs(placement.make_policy, make_policy)
+    for name in ("lru", "fifo"):
+      planner = placement.TierHierarchy([placement.TierSpec("host", None)], name).policy
+      cfg = StoreConfig((TierConfig("host", capacity_bytes=100),
+                         TierConfig("disk", url="memory://d", capacity_bytes=100)), eviction=name)
+      store = build_tiers(cfg, make_chunk_store=lambda url, tier, limiter: ChunkStore(
+          url, name=tier, limiter=limiter))  # opens nothing: only the policies are looked at
+      self.assertIs(type(planner), type(store.host.policy), name)
+      self.assertIs(type(planner), type(store._persist["disk"].policy), name)
+      self.assertIs(type(planner), POLICIES[name], name)
+
+  def test_the_tiers_run_the_window_the_planners_baselines_ignore_it(self):
+    flags = lambda p: (p.chain_aware, p.window_aware, p.prefetches, p.caches)
+    self.assertEqual(flags(make_policy("lru", tier=True)), (True, True, False, True))
+    self.assertEqual(flags(make_policy("fifo", tier=True)), (False, True, False, True))
+    self.assertEqual(flags(make_policy("lru")), (False, False, False, True))
+    self.assertEqual(flags(make_policy("fifo")), (False, False, False, True))
+    self.assertEqual(flags(make_policy("lookahead")), (True, True, True, True))
+    self.assertEqual(flags(make_policy("none")), (False, False, False, False))
+
+  def test_a_policy_that_ignores_the_window_may_evict_hinted_chunks(self):
+    es = entries({"a": (ROOT, 1), "b": (ROOT, 2)})
+    p = make_policy("lru")
+    p.hint([["a"]])
+    self.assertEqual(p.victims(es, 10), ["a"])
+    q = make_policy("lru", tier=True)
+    q.hint([["a"]])
+    self.assertEqual(q.victims(es, 10), ["b"])
+
+  def test_unknown_name(self):
+    with self.assertRaisesRegex(ValueError, "unknown placement policy 'belady'"):
+      make_policy("belady", tier=True)
 
 
 if __name__ == "__main__":
