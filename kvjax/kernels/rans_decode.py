@@ -11,26 +11,38 @@ Axis letters (the format's, not `kvjax._typing`'s): M models (frequency tables),
 S streams per model, J blocks per model, B lanes per block, W words per block, A alphabet,
 Z = 2**scale_bits slots.
 
-Kernel layout (written for a GPU; compiled nowhere yet, tested with `interpret=True` on CPU):
+Kernels. The GPU one (kvjax/kernels/rans_decode_gpu.py, Triton; `decode_call`) runs one
+program per block of B lanes (one warp when B = 32, DietGPU's choice) with table gathers and
+an exclusive cumsum (a warp ballot + popcount). The TPU one (`_tpu_kernel`, what
+`rans_decode` runs for "tpu" and in interpret mode on a CPU) is built from what Mosaic lowers:
 
-    grid (M, J): one program per block of B lanes = one warp when B = 32 (DietGPU's choice)
-    in its memory:  words[W] (the block's interleaved 16-bit words, as int32)
-                    sym[Z], freq_bias[Z] (model m's slot -> symbol, freq | (slot - cum) << 16;
-                    8 * Z bytes: 32 KiB at Z = 4096, shared by the J programs of model m)
-                    state[B], length[B]
-    loop t = 0 .. T-1 (lax.fori_loop), all lanes at once:
-      slot = x & (Z-1); s = sym[slot]; x = freq * (x >> n) + bias     (two table gathers)
-      need = x < 2**16; x = x << 16 | words[pos + exclusive_cumsum(need)]; pos += sum(need)
-      out[t, :] = s                                                   (a coalesced row write)
+    grid (G,): one program per ROWS = 8 blocks; block r in sublane row r, its B <= 128 lanes in
+               the 128 lanes (padding lanes decode nothing): all state is one int32[8, 128] vreg
+    in VMEM:   words[R, 8, 128]  block r's word k at [k // 128, r, k % 128] (R = W // 128 + 2)
+               sym[Z/128, 8, 128], freq_bias[Z/128, 8, 128]  the slot tables of each row's
+                 model (`tpu_tables`, built by compare-and-count: no search or gather)
+    loop t = 0 .. T-1 (lax.fori_loop):
+      slot = x & (Z-1); per 128-slot tile c: take_along_axis(sym[c], slot & 127) where
+        slot >> 7 == c      (in-vreg lane gathers, Mosaic's dynamic_gather: 2 * Z / 128 per step)
+      x = freq * (x >>> n) + bias                  (uint32 bits in int32: logical shifts)
+      need = (x >>> 16) == 0; excl = need @ tri    (the exclusive prefix count of each lane: an
+                                                    [8, 128] x [128, 128] f32 matmul, exact)
+      rows q_r = pos_r // 128 and q_r + 1 of each block's words (a dynamic leading index), then
+      w = take_along_axis(row, (pos_r % 128 + excl) % 128); x = x << 16 | w where need
+      out[t] = sym                                 (one [8, 128] store)
 
-Each step is a dependent chain of about ten integer ops, two table lookups and one word read
-per lane (the reads of a step are consecutive words: coalesced); the exclusive prefix sum is a
-warp ballot + popcount on a GPU. The parallelism is the number of lanes: a SmolLM2 chunk as
+No cumsum and no gather from memory inside: Mosaic lowers neither (nor blocks whose last two
+dims break its 8 x 128 tiling), so blocks are packed into vregs outside the kernel (`tpu_call`).
+The storage format is the same for both kernels; B = 128 fills a TPU row, B = 32 a warp.
+
+Each step is a dependent chain of about ten integer ops, the table lookups and one word read
+per lane. The parallelism is the number of lanes: a SmolLM2 chunk as
 one stream per (layer, K/V, head, channel) is 11,520 lanes of 256 steps. The issue's target
 (4 GB/s of compressed input, what a 32 Gbps link delivers) is 4e9 / 11,520 lanes / (bytes per
 lane step ~ 0.5) ~ 0.7 M steps per lane per second, i.e. about 1.4 us per step: latency, not
-throughput, bounds it, and chunks can be batched along M for more lanes. No GPU number is
-claimed here.
+throughput, bounds it, and chunks can be batched along M for more lanes. No GPU or TPU number
+is claimed here (scripts/compile_check.py compiles the TPU kernel without a TPU and reports the
+compiler's estimates).
 
 Both decoders return `ok`: every lane ended in the encoder's initial state 2**16 and every
 block consumed exactly its words. Parsing already checked the checksum; `ok` is false only for
@@ -313,7 +325,8 @@ def _tpu_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref, x_
 def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, num_streams: int,
                 num_steps: int, interpret: bool = False, platform: str | None = None
                 ) -> tuple[jax.Array, jax.Array]:
-  """Decodes every stream with the Pallas kernel `rans_decode` (grid over (model, block)).
+  """Decodes every stream with a Pallas kernel (the module docstring: the TPU layout for "tpu"
+  and interpret mode on a CPU, the Triton kernel for "cuda").
 
   Arguments, results and errors as `rans_decode_reference` (bit-identical symbols), plus:
 
@@ -326,7 +339,8 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
       lowers for CUDA on a CPU host.
 
   Raises:
-    ValueError: also for interpret=False for a CPU target, or an unknown platform.
+    ValueError: also for interpret=False for a CPU target, an unknown platform, or blocks of
+      more than LANES = 128 lanes for the TPU kernel.
   """
   _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
   platform = resolve_platform(platform)
@@ -438,6 +452,7 @@ def tpu_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int,
       out_specs=(pl.BlockSpec((None, t_, *vreg), lambda g: (g, 0, 0, 0)), lane_spec,
                  lane_spec),
       compiler_params=params,
+      cost_estimate=_tpu_cost(g_, t_, r_, z // LANES),
       interpret=interpret,
       name="rans_decode",
   )(blocks(w, 0), x0, len0, *tables)
@@ -445,6 +460,17 @@ def tpu_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int,
   symbols = unpack(out)[:, :num_steps].reshape(m_, j_, num_steps, b_)
   x = lax.bitcast_convert_type(unpack(x[:, None])[:, 0], jnp.uint32).reshape(m_, j_, b_)
   return symbols, x, unpack(pos[:, None])[:, 0, 0].reshape(m_, j_)
+
+
+def _tpu_cost(programs: int, steps: int, word_rows: int, tiles: int) -> pl.CostEstimate:
+  """What the TPU kernel does, for XLA's cost model (which cannot see into a kernel): per step
+  and program the prefix matmul (2 * 8 * 128 * 128 flops) and about 6 ops per table tile and
+  40 more per vreg element; bytes: every block read and written once."""
+  vreg = ROWS * LANES
+  return pl.CostEstimate(
+      flops=programs * steps * (2 * vreg * LANES + vreg * (6 * tiles + 40)),
+      transcendentals=0,
+      bytes_accessed=4 * vreg * programs * (word_rows + 2 * tiles + steps + 4))
 
 
 @functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps",
