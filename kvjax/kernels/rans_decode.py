@@ -427,8 +427,7 @@ def tpu_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int,
   w = words.astype(jnp.int32).reshape(k_, -1)
   w = jnp.pad(w, ((0, 0), (0, r_ * LANES - w.shape[1]))).reshape(k_, r_, LANES)
   sym_MZ, fb_MZ = tpu_tables(freqs, scale_bits)
-  model = jnp.arange(k_) // j_
-  tables = [blocks(t[model].reshape(k_, z // LANES, LANES), 0)
+  tables = [blocks(jnp.repeat(t, j_, axis=0).reshape(k_, z // LANES, LANES), 0)
             for t in (sym_MZ, fb_MZ)]
   x0 = blocks(lax.bitcast_convert_type(states, jnp.int32).reshape(k_, 1, b_),
               STATE_LOWER)[:, 0]
