@@ -153,7 +153,7 @@ def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bo
                  platform: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Decodes rANS-coded kvtc codes on the device, in one jit'd call.
 
-  Each band's blocks are gathered from the flat words into [M, J, T * B] (T * B bounds a block:
+  Each band's blocks are sliced from the flat words into [M, J, T * B] (T * B bounds a block:
   at most one word per symbol), then decoded by `rans_decode`.
 
   Args:
