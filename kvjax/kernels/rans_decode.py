@@ -73,6 +73,9 @@ WORD_BITS = 16
 MIN_SCALE_BITS, MAX_SCALE_BITS = 8, 15
 #: The TPU kernel's program: ROWS blocks (sublanes) x LANES lanes, one int32 vreg.
 ROWS, LANES = 8, 128
+#: The most VMEM the TPU kernel asks for (v5e and v6e have 128 MiB): its double-buffered
+#: blocks, 4 KiB x (W / 128 + 2 + 2 * Z / 128 + T + 4) per buffer.
+MAX_VMEM_BYTES = 100 << 20
 
 # ---------------------------------------------------------------------------------------------
 # Decode tables (built on the device from the small frequency table).
@@ -340,7 +343,7 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
 
   Raises:
     ValueError: also for interpret=False for a CPU target, an unknown platform, or blocks of
-      more than LANES = 128 lanes for the TPU kernel.
+      more than LANES = 128 lanes, or blocks over MAX_VMEM_BYTES, for the TPU kernel.
   """
   _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
   platform = resolve_platform(platform)
@@ -436,10 +439,14 @@ def tpu_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int,
   lane_spec = pl.BlockSpec((None, *vreg), lambda g: (g, 0, 0))
   table_spec = pl.BlockSpec((None, z // LANES, *vreg), lambda g: (g, 0, 0, 0))
   block_bytes = 4 * ROWS * LANES * (r_ + 2 * (z // LANES) + t_ + 4)
+  if 2 * block_bytes > MAX_VMEM_BYTES:
+    raise ValueError(f"the TPU rANS kernel's blocks (W={words.shape[2]} words, T={num_steps} "
+                     f"steps, Z={z}) need {2 * block_bytes / 2**20:.0f} MiB of VMEM, over "
+                     f"{MAX_VMEM_BYTES >> 20} MiB: decode shorter streams")
   params = pltpu.CompilerParams(
       dimension_semantics=("parallel",),
       # Double-buffered blocks plus room for the compiler's scratch.
-      vmem_limit_bytes=int(min(2 * block_bytes + (16 << 20), 100 << 20)))
+      vmem_limit_bytes=int(min(2 * block_bytes + (16 << 20), MAX_VMEM_BYTES)))
   out, x, pos = pl.pallas_call(
       functools.partial(_tpu_kernel, scale_bits=scale_bits, num_steps=num_steps),
       out_shape=(jax.ShapeDtypeStruct((g_, t_, *vreg), jnp.int32),

@@ -160,6 +160,14 @@ class RansDecodeTest(parameterized.TestCase):
     wide = rans.parse(rans.encode(laplace_symbols(9, (1, 2, 130), 1.0), lanes=130))
     with self.assertRaisesRegex(ValueError, "at most 128 lanes"):
       rd.rans_decode(**wide._asdict(), interpret=True, platform="tpu")
+    # Blocks over the VMEM it asks for (traced only: nothing is allocated).
+    sds = jax.ShapeDtypeStruct
+    with self.assertRaisesRegex(ValueError, "MiB of VMEM"):
+      jax.eval_shape(lambda *a: rd.rans_decode(*a, scale_bits=12, num_streams=128,
+                                               num_steps=512, platform="tpu"),
+                     sds((1, 1, 1 << 22), jnp.uint16), sds((1, 1, 128), jnp.uint32),
+                     sds((1, 1, 128), jnp.int32), sds((1, 1), jnp.int32),
+                     sds((1, 256), jnp.int32))
 
 
 if __name__ == "__main__":
