@@ -259,7 +259,7 @@ def _tpu_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref, x_
   words_ref: int32[R, ROWS, LANES], word k of block r at [k // LANES, r, k % LANES];
   states_ref: int32[ROWS, LANES] (uint32 bits); lengths_ref: int32[ROWS, LANES];
   sym_ref, fb_ref: int32[Z / LANES, ROWS, LANES], slot s of block r's model at
-  [s // LANES, r, s % LANES] (`decode_tables`; fb < 2**31);
+  [s // LANES, r, s % LANES] (`tpu_tables`; fb < 2**31);
   out_ref: int32[T, ROWS, LANES] symbols; x_ref: int32[ROWS, LANES] final states (uint32
   bits); pos_ref: int32[ROWS, LANES] words read (every lane of a row holds its block's count).
   """
