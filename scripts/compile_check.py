@@ -206,6 +206,11 @@ def jobs(args) -> list[tuple[str, str, int, int, tuple[int, ...], bool]]:
   return out
 
 
+def selected(progs, prefixes):
+  """The programs whose names start with one of `prefixes` (None: all)."""
+  return [p for p in progs if prefixes is None or p[0].startswith(tuple(prefixes))]
+
+
 def run(args, on_row) -> None:
   from jax.experimental import topologies  # noqa: PLC0415
   for model_name, chip, tp_size, max_len, buckets, full in jobs(args):
@@ -220,7 +225,7 @@ def run(args, on_row) -> None:
                                   codecs=args.codecs, groups=None)
       if args.extras:
         progs += extra_programs(cfg, args.chunk, None, "cuda")
-      for name, fn, fargs in progs:
+      for name, fn, fargs in selected(progs, args.programs):
         on_row(dict(lower_cuda(name, fn, fargs), target="cuda (lowering only)", chip="cuda",
                     tp=1, platform="cuda", **common))
       continue
@@ -241,7 +246,7 @@ def run(args, on_row) -> None:
         progs = [p for p in progs if p[0].startswith("step")]
     if full and args.extras:
       progs += extra_programs(cfg, args.chunk, topo.devices[0], "tpu")
-    for name, fn, fargs in progs:
+    for name, fn, fargs in selected(progs, args.programs):
       m = mesh if not name.startswith(("rans", "kvtc")) else jax.sharding.Mesh(
           np.asarray(topo.devices[:1]), ("tp",))
       on_row(dict(compile_tpu(name, fn, fargs, m, chip, HBM_BYTES[chip]),
@@ -323,6 +328,8 @@ def main(argv=None):
   p.add_argument("--no_cuda", dest="cuda", action="store_false")
   p.add_argument("--no_long_context", dest="long_context", action="store_false",
                  help="skip LLaMA-3.1-8B's step at its own max_model_len (v6e, TP 4)")
+  p.add_argument("--programs", nargs="+", metavar="PREFIX",
+                 help="only the programs whose names start with one of these (e.g. rans_decode)")
   p.add_argument("--no_extras", dest="extras", action="store_false",
                  help="skip the rANS decode and kvtc decode programs")
   p.add_argument("--full_chips", nargs="+", default=["v6e"], choices=list(HBM_BYTES),

@@ -30,6 +30,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kvjax.kernels import rans_decode as rd
 
@@ -152,7 +153,7 @@ def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bo
                  platform: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Decodes rANS-coded kvtc codes on the device, in one jit'd call.
 
-  Each band's blocks are gathered from the flat words into [M, J, T * B] (T * B bounds a block:
+  Each band's blocks are sliced from the flat words into [M, J, T * B] (T * B bounds a block:
   at most one word per symbol), then decoded by `rans_decode`.
 
   Args:
@@ -201,12 +202,16 @@ def _pad_words(words, *, capacity):
 def _decode_jit(flat_words, arrays, *, shape, static, use_pallas, interpret, platform):
   l_, _, c, d = shape
   flat = flat_words.astype(jnp.int32)
+  # Room for one block's words past the end: a slice that starts at the last word is never
+  # clamped back (what `lax.dynamic_slice` does to a slice that would leave its array).
+  most = max(max(1, st[4] * band[2].shape[2]) for st, band in zip(static, arrays))
+  padded = jnp.pad(flat, (0, most))
   parts, ok = [], jnp.bool_(True)
   for (lo, hi, scale_bits, num_streams, num_steps), band in zip(static, arrays):
     offset, block_start, states, lengths, num_words, freqs = band
     w_ = max(1, num_steps * states.shape[2])  # a block's words, at most
-    idx = block_start[..., None] + jnp.arange(w_, dtype=jnp.int32)
-    words = flat[jnp.clip(idx, 0, flat.shape[0] - 1)]
+    words = jax.vmap(lambda start, size=w_: lax.dynamic_slice(padded, (start,), (size,)))(
+        jnp.clip(block_start.reshape(-1), 0, flat.shape[0])).reshape(*block_start.shape, w_)
     kw = dict(scale_bits=scale_bits, num_streams=num_streams, num_steps=num_steps)
     if use_pallas:
       sym_MTS, ok_b = rd.rans_decode(words, states, lengths, num_words, freqs,

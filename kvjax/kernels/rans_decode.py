@@ -11,26 +11,38 @@ Axis letters (the format's, not `kvjax._typing`'s): M models (frequency tables),
 S streams per model, J blocks per model, B lanes per block, W words per block, A alphabet,
 Z = 2**scale_bits slots.
 
-Kernel layout (written for a GPU; compiled nowhere yet, tested with `interpret=True` on CPU):
+Kernels. The GPU one (kvjax/kernels/rans_decode_gpu.py, Triton; `decode_call`) runs one
+program per block of B lanes (one warp when B = 32, DietGPU's choice) with table gathers and
+an exclusive cumsum (a warp ballot + popcount). The TPU one (`_tpu_kernel`, what
+`rans_decode` runs for "tpu" and in interpret mode on a CPU) is built from what Mosaic lowers:
 
-    grid (M, J): one program per block of B lanes = one warp when B = 32 (DietGPU's choice)
-    in its memory:  words[W] (the block's interleaved 16-bit words, as int32)
-                    sym[Z], freq_bias[Z] (model m's slot -> symbol, freq | (slot - cum) << 16;
-                    8 * Z bytes: 32 KiB at Z = 4096, shared by the J programs of model m)
-                    state[B], length[B]
-    loop t = 0 .. T-1 (lax.fori_loop), all lanes at once:
-      slot = x & (Z-1); s = sym[slot]; x = freq * (x >> n) + bias     (two table gathers)
-      need = x < 2**16; x = x << 16 | words[pos + exclusive_cumsum(need)]; pos += sum(need)
-      out[t, :] = s                                                   (a coalesced row write)
+    grid (G,): one program per ROWS = 8 blocks; block r in sublane row r, its B <= 128 lanes in
+               the 128 lanes (padding lanes decode nothing): all state is one int32[8, 128] vreg
+    in VMEM:   words[R, 8, 128]  block r's word k at [k // 128, r, k % 128] (R = W // 128 + 2)
+               sym[Z/128, 8, 128], freq_bias[Z/128, 8, 128]  the slot tables of each row's
+                 model (`tpu_tables`, built by compare-and-count: no search or gather)
+    loop t = 0 .. T-1 (lax.fori_loop):
+      slot = x & (Z-1); per 128-slot tile c: take_along_axis(sym[c], slot & 127) where
+        slot >> 7 == c      (in-vreg lane gathers, Mosaic's dynamic_gather: 2 * Z / 128 per step)
+      x = freq * (x >>> n) + bias                  (uint32 bits in int32: logical shifts)
+      need = (x >>> 16) == 0; excl = need @ tri    (the exclusive prefix count of each lane: an
+                                                    [8, 128] x [128, 128] f32 matmul, exact)
+      rows q_r = pos_r // 128 and q_r + 1 of each block's words (a dynamic leading index), then
+      w = take_along_axis(row, (pos_r % 128 + excl) % 128); x = x << 16 | w where need
+      out[t] = sym                                 (one [8, 128] store)
 
-Each step is a dependent chain of about ten integer ops, two table lookups and one word read
-per lane (the reads of a step are consecutive words: coalesced); the exclusive prefix sum is a
-warp ballot + popcount on a GPU. The parallelism is the number of lanes: a SmolLM2 chunk as
+No cumsum and no gather from memory inside: Mosaic lowers neither (nor blocks whose last two
+dims break its 8 x 128 tiling), so blocks are packed into vregs outside the kernel (`tpu_call`).
+The storage format is the same for both kernels; B = 128 fills a TPU row, B = 32 a warp.
+
+Each step is a dependent chain of about ten integer ops, the table lookups and one word read
+per lane. The parallelism is the number of lanes: a SmolLM2 chunk as
 one stream per (layer, K/V, head, channel) is 11,520 lanes of 256 steps. The issue's target
 (4 GB/s of compressed input, what a 32 Gbps link delivers) is 4e9 / 11,520 lanes / (bytes per
 lane step ~ 0.5) ~ 0.7 M steps per lane per second, i.e. about 1.4 us per step: latency, not
-throughput, bounds it, and chunks can be batched along M for more lanes. No GPU number is
-claimed here.
+throughput, bounds it, and chunks can be batched along M for more lanes. No GPU or TPU number
+is claimed here (scripts/compile_check.py compiles the TPU kernel without a TPU and reports the
+compiler's estimates).
 
 Both decoders return `ok`: every lane ended in the encoder's initial state 2**16 and every
 block consumed exactly its words. Parsing already checked the checksum; `ok` is false only for
@@ -48,6 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kvjax.kernels.platform import resolve_platform
 
@@ -58,6 +71,11 @@ from kvjax.kernels.platform import resolve_platform
 STATE_LOWER = 1 << 16
 WORD_BITS = 16
 MIN_SCALE_BITS, MAX_SCALE_BITS = 8, 15
+#: The TPU kernel's program: ROWS blocks (sublanes) x LANES lanes, one int32 vreg.
+ROWS, LANES = 8, 128
+#: The most VMEM the TPU kernel asks for (v5e and v6e have 128 MiB): its double-buffered
+#: blocks, 4 KiB x (W / 128 + 2 + 2 * Z / 128 + T + 4) per buffer.
+MAX_VMEM_BYTES = 100 << 20
 
 # ---------------------------------------------------------------------------------------------
 # Decode tables (built on the device from the small frequency table).
@@ -84,6 +102,27 @@ def decode_tables(freqs_MA: jax.Array, scale_bits: int) -> tuple[jax.Array, jax.
   bias = slots[None] - jnp.take_along_axis(incl - freqs, sym, axis=1)
   packed = f.astype(jnp.uint32) | (bias.astype(jnp.uint32) << WORD_BITS)
   return sym, packed
+
+
+def tpu_tables(freqs_MA: jax.Array, scale_bits: int) -> tuple[jax.Array, jax.Array]:
+  """`decode_tables` by compare-and-count over each model's cumulative frequencies.
+
+  No search, gather, scatter or scan over the Z slots: one fused reduction over the alphabet
+  per slot (M * Z * A compares), which the TPU compiler builds in seconds and estimates by what
+  it reads (a searchsorted version costs it 20 s and an estimate of gigabytes). The same
+  tables as `decode_tables` for every row with a symbol (all-0 rows, unused, differ).
+
+  Args and returns as `decode_tables`, the second table as int32 (freq | bias << 16 < 2**31).
+  """
+  z = 1 << scale_bits
+  incl = jnp.cumsum(freqs_MA.astype(jnp.int32), axis=1)[:, None, :]        # [M, 1, A]
+  slots = jnp.arange(z, dtype=jnp.int32)[None, :, None]                     # [1, Z, 1]
+  below = incl <= slots                                                     # [M, Z, A]
+  sym = jnp.sum(below, axis=2, dtype=jnp.int32)
+  sym = jnp.minimum(sym, freqs_MA.shape[1] - 1)
+  lo = jnp.max(jnp.where(below, incl, 0), axis=2)                           # cumulative
+  hi = jnp.min(jnp.where(below, z, incl), axis=2)
+  return sym, (hi - lo) | ((slots[..., 0] - lo) << WORD_BITS)
 
 
 def _step(x, length, pos, t, slot_lookup, word_lookup, scale_bits):
@@ -210,31 +249,76 @@ def _check_backend(interpret: bool, platform: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernel body (one block of B lanes of one model)
+# Kernel body (TPU layout: 8 blocks of up to 128 lanes, one vreg; the module docstring)
 
 
-def _decode_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref, x_ref, pos_ref,
-                   *, scale_bits, num_steps):
-  """words_ref: int32[W]; states_ref: uint32[B]; lengths_ref: int32[B]; sym_ref: int32[Z];
-  fb_ref: uint32[Z]; out_ref: int32[T, B] symbols; x_ref: uint32[B] final states;
-  pos_ref: int32[B] words read (every lane holds the block's count)."""
+def _tpu_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref, x_ref, pos_ref,
+                *, scale_bits, num_steps):
+  """One program: ROWS blocks, block r in sublane row r, its lanes in the LANES lanes.
+
+  words_ref: int32[R, ROWS, LANES], word k of block r at [k // LANES, r, k % LANES];
+  states_ref: int32[ROWS, LANES] (uint32 bits); lengths_ref: int32[ROWS, LANES];
+  sym_ref, fb_ref: int32[Z / LANES, ROWS, LANES], slot s of block r's model at
+  [s // LANES, r, s % LANES] (`tpu_tables`; fb < 2**31);
+  out_ref: int32[T, ROWS, LANES] symbols; x_ref: int32[ROWS, LANES] final states (uint32
+  bits); pos_ref: int32[ROWS, LANES] words read (every lane of a row holds its block's count).
+  """
+  rows, lanes = states_ref.shape
+  tiles, last_row = sym_ref.shape[0], words_ref.shape[0] - 2
+  row_id = lax.broadcasted_iota(jnp.int32, (rows, lanes), 0)
+  # [k, l] = 1 where k < l: need @ tri is each lane's exclusive prefix count (exact in f32).
+  tri = (lax.broadcasted_iota(jnp.int32, (lanes, lanes), 0) <
+         lax.broadcasted_iota(jnp.int32, (lanes, lanes), 1)).astype(jnp.float32)
   length = lengths_ref[...]
+  low_bits = lanes - 1
+  shift = lanes.bit_length() - 1
 
-  def slot_lookup(slot):
-    return sym_ref[slot], fb_ref[slot]
+  def lookup(slot):
+    # Table lookups as in-vreg lane gathers: tile c holds slots c * LANES .. (c + 1) * LANES - 1.
+    sub, tile = slot & low_bits, lax.shift_right_logical(slot, shift)
 
-  def word_lookup(idx):
-    return words_ref[jnp.clip(idx, 0, words_ref.shape[0] - 1)].astype(jnp.uint32)
+    def one(c, acc):
+      sym, fb = acc
+      hit = tile == c
+      sym = jnp.where(hit, jnp.take_along_axis(sym_ref[c], sub, axis=1,
+                                               mode="promise_in_bounds"), sym)
+      fb = jnp.where(hit, jnp.take_along_axis(fb_ref[c], sub, axis=1,
+                                              mode="promise_in_bounds"), fb)
+      return sym, fb
+
+    zero = jnp.zeros_like(slot)
+    return lax.fori_loop(0, tiles, one, (zero, zero), unroll=min(tiles, 8))
 
   def body(t, carry):
     x, pos = carry
-    x, pos, sym = _step(x, length, pos, t, slot_lookup, word_lookup, scale_bits)
-    out_ref[pl.ds(t, 1), :] = sym[None]
-    return x, pos
+    active = t < length
+    sym, fb = lookup(x & ((1 << scale_bits) - 1))
+    x_dec = (fb & 0xFFFF) * lax.shift_right_logical(x, scale_bits) + \
+        lax.shift_right_logical(fb, WORD_BITS)
+    x = jnp.where(active, x_dec, x)
+    need = active & (lax.shift_right_logical(x, WORD_BITS) == 0)    # x < 2**16 (unsigned)
+    need_i = need.astype(jnp.int32)
+    excl = jnp.dot(need_i.astype(jnp.float32), tri,
+                   preferred_element_type=jnp.float32).astype(jnp.int32)
+    # The words of this step lie in the block's word rows q and q + 1 (q = pos // LANES).
+    q = jnp.minimum(lax.shift_right_logical(pos, shift), last_row)
+    cur = nxt = jnp.zeros_like(x)
+    for r in range(rows):  # a dynamic row index per block: scalars, one vreg load each
+      q_r = jnp.max(jnp.where(row_id == r, q, 0))
+      cur = jnp.where(row_id == r, words_ref[q_r], cur)
+      nxt = jnp.where(row_id == r, words_ref[q_r + 1], nxt)
+    idx = (pos & low_bits) + excl                                    # 0 .. 2 * LANES - 2
+    sub = idx & low_bits
+    w = jnp.where(idx < lanes, jnp.take_along_axis(cur, sub, axis=1, mode="promise_in_bounds"),
+                  jnp.take_along_axis(nxt, sub, axis=1, mode="promise_in_bounds"))
+    x = jnp.where(need, (x << WORD_BITS) | w, x)
+    out_ref[t] = jnp.where(active, sym, 0)
+    return x, pos + jnp.sum(need_i, axis=1, keepdims=True)
 
-  x, pos = lax.fori_loop(0, num_steps, body, (states_ref[...], jnp.zeros((), jnp.int32)))
+  x, pos = lax.fori_loop(0, num_steps, body,
+                         (states_ref[...], jnp.zeros(states_ref.shape, jnp.int32)))
   x_ref[...] = x
-  pos_ref[...] = jnp.full(x.shape, pos, jnp.int32)
+  pos_ref[...] = pos
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +328,8 @@ def _decode_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref,
 def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, num_streams: int,
                 num_steps: int, interpret: bool = False, platform: str | None = None
                 ) -> tuple[jax.Array, jax.Array]:
-  """Decodes every stream with the Pallas kernel `rans_decode` (grid over (model, block)).
+  """Decodes every stream with a Pallas kernel (the module docstring: the TPU layout for "tpu"
+  and interpret mode on a CPU, the Triton kernel for "cuda").
 
   Arguments, results and errors as `rans_decode_reference` (bit-identical symbols), plus:
 
@@ -257,7 +342,8 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
       lowers for CUDA on a CPU host.
 
   Raises:
-    ValueError: also for interpret=False for a CPU target, or an unknown platform.
+    ValueError: also for interpret=False for a CPU target, an unknown platform, or blocks of
+      more than LANES = 128 lanes, or blocks over MAX_VMEM_BYTES, for the TPU kernel.
   """
   _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
   platform = resolve_platform(platform)
@@ -268,15 +354,19 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
                                       scale_bits=int(scale_bits), num_streams=int(num_streams),
                                       num_steps=int(num_steps), interpret=bool(interpret))
   platform = _check_backend(interpret, platform)
+  if states.shape[2] > LANES:
+    raise ValueError(f"the TPU rANS kernel decodes blocks of at most {LANES} lanes, got "
+                     f"B={states.shape[2]}")
   return _pallas_jit(words, states, lengths, num_words, freqs, scale_bits=int(scale_bits),
                      num_streams=int(num_streams), num_steps=int(num_steps),
                      interpret=bool(interpret), platform=platform)
 
 
 def decode_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int, rows: int,
-                interpret: bool, name: str, kernel=None, compiler_params=None):
-  """The decoder's `pallas_call` over a grid of (model, block), shared by every target (the
-  Triton one, kvjax/kernels/rans_decode_gpu.py, pads the lanes and words first).
+                interpret: bool, name: str, kernel, compiler_params=None):
+  """The GPU decoders' `pallas_call` over a grid of (model, block), one program per block (the
+  Triton one, kvjax/kernels/rans_decode_gpu.py, pads the lanes and words first; the TPU kernel
+  has its own layout: `tpu_call`).
 
   Args:
     words: [M, J, W] int32 coded words; states, lengths: [M, J, B] (uint32, int32).
@@ -284,7 +374,7 @@ def decode_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: in
     scale_bits, num_steps: as `rans_decode_reference`; rows: the output block's step rows,
       >= max(num_steps, 1).
     interpret, name, compiler_params: `pl.pallas_call`'s.
-    kernel: the kernel body (`_decode_kernel`'s arguments); None: `_decode_kernel`.
+    kernel: the kernel body (arguments as `rans_decode_gpu._decode_kernel`).
 
   Returns:
     ([M, J, rows, B] int32 symbols, [M, J, B] uint32 final states, [M, J, B] int32 word
@@ -298,7 +388,7 @@ def decode_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: in
   table_spec = pl.BlockSpec((None, z), lambda m, j: (m, 0))
   extra = {} if compiler_params is None else {"compiler_params": compiler_params}
   return pl.pallas_call(
-      functools.partial(kernel or _decode_kernel, scale_bits=scale_bits, num_steps=num_steps),
+      functools.partial(kernel, scale_bits=scale_bits, num_steps=num_steps),
       out_shape=(jax.ShapeDtypeStruct((m_, j_, rows, b_), jnp.int32),
                  jax.ShapeDtypeStruct((m_, j_, b_), jnp.uint32),
                  jax.ShapeDtypeStruct((m_, j_, b_), jnp.int32)),
@@ -313,20 +403,92 @@ def decode_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: in
   )(words.astype(jnp.int32), states, lengths.astype(jnp.int32), sym_MZ, fb_MZ)
 
 
+def tpu_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int,
+             interpret: bool):
+  """The TPU kernel's `pallas_call`: blocks packed ROWS to a program, lanes padded to LANES.
+
+  Args:
+    words: [M, J, W] int32 coded words; states, lengths: [M, J, B] (uint32, int32), B <= LANES.
+    freqs, scale_bits, num_steps: as `rans_decode_reference`.
+    interpret: `pl.pallas_call`'s.
+
+  Returns:
+    ([M, J, T, B] int32 symbols, [M, J, B] uint32 final states, [M, J] int32 words read).
+  """
+  m_, j_, b_ = states.shape
+  k_, z = m_ * j_, 1 << scale_bits
+  g_ = -(-k_ // ROWS)                       # programs
+  r_ = words.shape[2] // LANES + 2          # word rows: q + 1 stays inside at pos = W
+  t_ = max(num_steps, 1)                    # a zero-size block is not a block
+
+  def blocks(a, fill):  # [K, ...] -> [G, ..., ROWS, LANES] (block r of program g in row r)
+    a = a.reshape(k_, -1, a.shape[-1])
+    a = jnp.pad(a, ((0, g_ * ROWS - k_), (0, 0), (0, LANES - a.shape[-1])),
+                constant_values=fill)
+    return a.reshape(g_, ROWS, a.shape[1], LANES).transpose(0, 2, 1, 3)
+
+  w = words.astype(jnp.int32).reshape(k_, -1)
+  w = jnp.pad(w, ((0, 0), (0, r_ * LANES - w.shape[1]))).reshape(k_, r_, LANES)
+  sym_MZ, fb_MZ = tpu_tables(freqs, scale_bits)
+  tables = [blocks(jnp.repeat(t, j_, axis=0).reshape(k_, z // LANES, LANES), 0)
+            for t in (sym_MZ, fb_MZ)]
+  x0 = blocks(lax.bitcast_convert_type(states, jnp.int32).reshape(k_, 1, b_),
+              STATE_LOWER)[:, 0]
+  len0 = blocks(lengths.astype(jnp.int32).reshape(k_, 1, b_), 0)[:, 0]
+  vreg = (ROWS, LANES)
+  lane_spec = pl.BlockSpec((None, *vreg), lambda g: (g, 0, 0))
+  table_spec = pl.BlockSpec((None, z // LANES, *vreg), lambda g: (g, 0, 0, 0))
+  block_bytes = 4 * ROWS * LANES * (r_ + 2 * (z // LANES) + t_ + 4)
+  if 2 * block_bytes > MAX_VMEM_BYTES:
+    raise ValueError(f"the TPU rANS kernel's blocks (W={words.shape[2]} words, T={num_steps} "
+                     f"steps, Z={z}) need {2 * block_bytes / 2**20:.0f} MiB of VMEM, over "
+                     f"{MAX_VMEM_BYTES >> 20} MiB: decode shorter streams")
+  params = pltpu.CompilerParams(
+      dimension_semantics=("parallel",),
+      # Double-buffered blocks plus room for the compiler's scratch.
+      vmem_limit_bytes=int(min(2 * block_bytes + (16 << 20), MAX_VMEM_BYTES)))
+  out, x, pos = pl.pallas_call(
+      functools.partial(_tpu_kernel, scale_bits=scale_bits, num_steps=num_steps),
+      out_shape=(jax.ShapeDtypeStruct((g_, t_, *vreg), jnp.int32),
+                 jax.ShapeDtypeStruct((g_, *vreg), jnp.int32),
+                 jax.ShapeDtypeStruct((g_, *vreg), jnp.int32)),
+      grid=(g_,),
+      in_specs=[pl.BlockSpec((None, r_, *vreg), lambda g: (g, 0, 0, 0)), lane_spec, lane_spec,
+                table_spec, table_spec],
+      out_specs=(pl.BlockSpec((None, t_, *vreg), lambda g: (g, 0, 0, 0)), lane_spec,
+                 lane_spec),
+      compiler_params=params,
+      cost_estimate=_tpu_cost(g_, t_, r_, z // LANES),
+      interpret=interpret,
+      name="rans_decode",
+  )(blocks(w, 0), x0, len0, *tables)
+  unpack = lambda a: a.transpose(0, 2, 1, 3).reshape(g_ * ROWS, -1, LANES)[:k_, :, :b_]
+  symbols = unpack(out)[:, :num_steps].reshape(m_, j_, num_steps, b_)
+  x = lax.bitcast_convert_type(unpack(x[:, None])[:, 0], jnp.uint32).reshape(m_, j_, b_)
+  return symbols, x, unpack(pos[:, None])[:, 0, 0].reshape(m_, j_)
+
+
+def _tpu_cost(programs: int, steps: int, word_rows: int, tiles: int) -> pl.CostEstimate:
+  """What the TPU kernel does, for XLA's cost model (which cannot see into a kernel): per step
+  and program the prefix matmul (2 * 8 * 128 * 128 flops) and about 6 ops per table tile and
+  40 more per vreg element; bytes: every block read and written once."""
+  vreg = ROWS * LANES
+  return pl.CostEstimate(
+      flops=programs * steps * (2 * vreg * LANES + vreg * (6 * tiles + 40)),
+      transcendentals=0,
+      bytes_accessed=4 * vreg * programs * (word_rows + 2 * tiles + steps + 4))
+
+
 @functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps",
                                              "interpret", "platform"))
 def _pallas_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_streams, num_steps,
                 interpret, platform):
-  del platform  # one Pallas kernel for "tpu" and "cuda" (the dispatch point per platform)
+  del platform  # the TPU kernel (also what interpret mode runs on a CPU)
   m_, j_, b_ = states.shape
   if m_ * j_ == 0:  # no lanes: nothing to decode (a zero-size grid is not a grid)
     return jnp.zeros((m_, num_steps, num_streams), jnp.int32), jnp.bool_(True)
-  t_ = max(num_steps, 1)  # a zero-size block is not a block; T = 0 writes one unused row
-  out_TB, x_MJB, pos_MJB = decode_call(words, states, lengths, freqs, scale_bits=scale_bits,
-                                       num_steps=num_steps, rows=t_, interpret=interpret,
-                                       name="rans_decode")
-  if num_steps == 0:
-    out_TB = jnp.zeros((m_, j_, 0, b_), jnp.int32)
-  ok = jnp.all(x_MJB == STATE_LOWER) & jnp.all(pos_MJB == num_words[..., None])
-  symbols = out_TB.transpose(0, 2, 1, 3).reshape(m_, num_steps, j_ * b_)[:, :, :num_streams]
+  sym_MJTB, x_MJB, pos_MJ = tpu_call(words, states, lengths, freqs, scale_bits=scale_bits,
+                                     num_steps=num_steps, interpret=interpret)
+  ok = jnp.all(x_MJB == STATE_LOWER) & jnp.all(pos_MJ == num_words)
+  symbols = sym_MJTB.transpose(0, 2, 1, 3).reshape(m_, num_steps, j_ * b_)[:, :, :num_streams]
   return symbols, ok

@@ -1,11 +1,11 @@
 """Interleaved rANS decoding as a Pallas GPU kernel (Triton lowering).
 
-Same format, arguments and (bit-identical) results as `kvjax/kernels/rans_decode.py` (its
-docstring is the layout: grid (M, J), one program per block of B lanes, tables of model m in the
-program's reach, one `fori_loop` over the T steps). `rans_decode.rans_decode` calls this with
-`platform="cuda"`. The generic kernel there gets no compiler params and goes to Mosaic GPU,
-which lowers the block copies as async copies it cannot place; with Triton params every band
-shape lowers. The step math is `rans_decode._step` (shared); this file owns the GPU launch:
+Same format, arguments and (bit-identical) results as `kvjax/kernels/rans_decode.py`;
+`rans_decode.rans_decode` calls this with `platform="cuda"` (the TPU kernel there packs blocks
+into vregs; a GPU runs one program per block). Launched by `rans_decode.decode_call` with
+Triton params (without them Pallas picks Mosaic GPU, which lowers the block copies as async
+copies it cannot place; with Triton params every band shape lowers). The step math is
+`rans_decode._step` (shared with the jnp reference); this file owns the GPU launch:
 
     grid (M, J)       one program per block: B lanes (32 in storage's format: one warp)
     num_warps 1       B lanes fit one warp; more warps would idle

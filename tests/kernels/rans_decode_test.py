@@ -45,6 +45,9 @@ def cases():
        dict(scale_bits=15, lanes=8)),
       ("alphabet_16bit", rng.integers(0, 5000, (1, 12, 6)).astype(np.uint16), None,
        dict(scale_bits=13, lanes=8)),
+      # A full TPU row (128 lanes, up to 128 words a step: two word rows) and 9 blocks (two
+      # programs of 8 rows).
+      ("lanes_128", laplace_symbols(4, (3, 12, 300), 30.0), None, dict(lanes=128)),
   ]
 
 
@@ -122,6 +125,19 @@ class RansDecodeTest(parameterized.TestCase):
     np.testing.assert_array_equal(sym, want[0])
     np.testing.assert_array_equal(fb & 0xFFFF, want[1])
     np.testing.assert_array_equal(fb >> 16, want[2])
+    # The TPU kernel's compare-and-count tables: the same, as int32.
+    sym_t, fb_t = rd.tpu_tables(jnp.asarray(freqs), 8)
+    self.assertEqual((sym_t.dtype, fb_t.dtype), (jnp.int32, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(sym_t), sym)
+    np.testing.assert_array_equal(np.asarray(fb_t), fb.astype(np.int32))
+    # Zero frequencies between and after present symbols, at scale 15.
+    freqs = np.zeros((1, 300), np.int32)
+    freqs[0, [0, 7, 8, 250]] = [1, 30000, 2000, 767]
+    sym_t, fb_t = rd.tpu_tables(jnp.asarray(freqs), 15)
+    want = rans.decode_tables(freqs, 15)
+    np.testing.assert_array_equal(np.asarray(sym_t), want[0])
+    np.testing.assert_array_equal(np.asarray(fb_t) & 0xFFFF, want[1])
+    np.testing.assert_array_equal(np.asarray(fb_t) >> 16, want[2])
 
   def test_bad_arguments(self):
     arrays = rans.parse(rans.encode(laplace_symbols(8, (1, 4, 4), 1.0), lanes=4))
@@ -141,6 +157,17 @@ class RansDecodeTest(parameterized.TestCase):
     if jax.default_backend() == "cpu":
       with self.assertRaisesRegex(ValueError, "GPU or TPU"):
         rd.rans_decode(**kw)
+    wide = rans.parse(rans.encode(laplace_symbols(9, (1, 2, 130), 1.0), lanes=130))
+    with self.assertRaisesRegex(ValueError, "at most 128 lanes"):
+      rd.rans_decode(**wide._asdict(), interpret=True, platform="tpu")
+    # Blocks over the VMEM it asks for (traced only: nothing is allocated).
+    sds = jax.ShapeDtypeStruct
+    with self.assertRaisesRegex(ValueError, "MiB of VMEM"):
+      jax.eval_shape(lambda *a: rd.rans_decode(*a, scale_bits=12, num_streams=128,
+                                               num_steps=512, platform="tpu"),
+                     sds((1, 1, 1 << 22), jnp.uint16), sds((1, 1, 128), jnp.uint32),
+                     sds((1, 1, 128), jnp.int32), sds((1, 1), jnp.int32),
+                     sds((1, 256), jnp.int32))
 
 
 if __name__ == "__main__":

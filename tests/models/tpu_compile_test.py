@@ -1,6 +1,7 @@
 """Deviceless TPU compiles (libtpu's XLA TPU compiler and Mosaic on a CPU-only machine): the tiny
 model's paged step and codec programs for a v5e, built by an abstract `PagedModelRunner` on TPU
-topology devices, and the paged-attention kernel with a block table cut into windows.
+topology devices, the paged-attention kernel with a block table cut into windows, and the rANS
+decoder's TPU kernel.
 Skipped when libtpu is not installed (`pip install 'jax[tpu]==<jax>'`); scripts/compile_check.py
 runs the same at real model shapes."""
 
@@ -15,6 +16,7 @@ from absl.testing import absltest
 from flax import nnx
 
 from kvjax.kernels import paged_attention as pa
+from kvjax.kernels import rans_decode as rd
 from kvjax.models import config as model_configs
 from kvjax.models.llama import Llama
 from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig
@@ -88,6 +90,21 @@ class TpuCompileTest(absltest.TestCase):
     # A [8, 64] table with room for 256 entries per call: two windows, two kernel calls (8 s
     # on the 2-core VM; tests/kernels/paged_attention_windows_test.py checks their values).
     self.assertEqual(self._attention_compiles(8, 64, max_table_entries=256), 2)
+
+  def test_rans_decode_compiles_for_v5e(self):
+    # 12 blocks of 32 lanes (two programs of 8 rows), 64 steps, a 256-symbol alphabet at
+    # Z = 4096 (a few seconds on the 2-core VM; tests/kernels/rans_decode_test.py checks the
+    # kernel's values in interpret mode).
+    m, j, b, t, w = 6, 2, 32, 64, 2048
+    sh = jax.sharding.SingleDeviceSharding(self.devices[0])
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    fn = jax.jit(lambda *a: rd.rans_decode(*a, scale_bits=12, num_streams=j * b, num_steps=t,
+                                           platform="tpu"))
+    compiled = compile_for(self.devices[:1], fn, (
+        sds((m, j, w), jnp.uint16), sds((m, j, b), jnp.uint32), sds((m, j, b), jnp.int32),
+        sds((m, j), jnp.int32), sds((m, 256), jnp.int32)))
+    self.assertEqual(compiled.as_text().count('custom_call_target="tpu_custom_call"'), 1)
+    self.assertGreater(compiled.cost_analysis()["flops"], 0)  # the kernel's own estimate
 
   @pytest.mark.slow
   def test_attention_with_a_long_block_table_compiles(self):
