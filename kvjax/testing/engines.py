@@ -91,7 +91,7 @@ def fake_engine(*, kv_store: str | StoreConfig | KVStoreClient | None = None,
                 num_blocks: int | None = None, max_model_len: int | None = None,
                 long_prefill_token_threshold: int = 0, prefill_order: str | None = None,
                 runner_seed: int = 0, check_writes: bool = True,
-                kv_device_link_bytes_per_s: float | None = None,
+                kv_device_link_bytes_per_s: float | None = None, lookahead_window: int = 8,
                 **engine_options: Any) -> Engine:
   """An `Engine` on a `FakeRunner` with a `ByteTokenizer` (the test engine factory).
 
@@ -106,6 +106,7 @@ def fake_engine(*, kv_store: str | StoreConfig | KVStoreClient | None = None,
     runner_seed: the fake model's weights.
     check_writes: keep the merge's writer map (tests keep it on).
     kv_device_link_bytes_per_s: the store client's emulated host -> device link.
+    lookahead_window: `LLM`'s default (8), not `Engine`'s (0).
     engine_options: `Engine`'s other keywords (`merge_mode`, `seed`, `clock`,
       `enable_prefix_caching`, `layerwise_groups`, `lookahead_window`, ...).
 
@@ -128,7 +129,8 @@ def fake_engine(*, kv_store: str | StoreConfig | KVStoreClient | None = None,
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           **sched_options)
   return Engine(runner, ByteTokenizer(), sched, kv_store=client, check_writes=check_writes,
-                consistent=kv_codec_consistent, **engine_options)
+                consistent=kv_codec_consistent, lookahead_window=lookahead_window,
+                **engine_options)
 
 
 def close_engine(engine: Engine) -> None:
