@@ -1,8 +1,10 @@
 """Test engines on the fake runner: the one factory for an `Engine` (and its store client) with
-no model, no jit and a byte tokenizer (`kvjax.testing.fake_runner`).
+no model, no jit and a byte tokenizer (`kvjax.testing.fake_runner`), and for an `LLM` front end
+(sessions, chat, option checks) over one.
 
     engine = fake_engine(kv_store="memory://t1", kv_chunk_size=32)
     outs = generate(engine, [prompt_ids], SamplingParams(max_tokens=4, temperature=0))
+    llm = fake_llm(kv_store="memory://", kv_chunk_size=32)   # LLM("tiny", ...) on a FakeRunner
 
 Defaults follow `LLM`'s (chunk sizes 16 .. 512, blocks of 16, 4 sequences, Cake merges), sized
 for the fake's 512 positions; options are `LLM`'s names where they mean the same.
@@ -10,14 +12,20 @@ for the fake's 512 positions; options are `LLM`'s names where they mean the same
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import itertools
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from kvjax import codecs
+from kvjax._typing import ModelFingerprint
+from kvjax.engine import llm as llm_module
 from kvjax.engine.engine import Engine, RequestOutput
+from kvjax.engine.llm import LLM
 from kvjax.engine.kv_store_client import KVStoreClient
 from kvjax.models.byte_tokenizer import ByteTokenizer
-from kvjax.models.kv_cache import KV_LAYOUT_VERSION
+from kvjax.models.kv_cache import KV_LAYOUT_VERSION, paged_block_nbytes
 from kvjax.models.paged_runner import PagedRunnerConfig
 from kvjax.scheduler.request import SamplingParams
 from kvjax.scheduler.scheduler import SchedulerConfig
@@ -170,3 +178,65 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int] | str],
     if not outs and not engine.has_unfinished_requests() and len(done) < len(rids):
       raise RuntimeError("the engine finished without completing every request")
   return [done[r] for r in rids]
+
+
+@contextlib.contextmanager
+def fake_runner_seam(runner_seed: int = 0) -> Iterator[list[FakeRunner]]:
+  """While open, every `LLM` built (paged layout) runs on a `FakeRunner` of its options' sizes
+  instead of the jit'd `PagedModelRunner`, and its store keys are seeded from a fingerprint of
+  its own (stored KV of the fake never hits the real model's, nor the other way). Yields the
+  list of runners built. Everything else is `LLM`'s own construction (option checks, store
+  client, sessions, engine, warmup).
+
+  `LLM.__init__` has no runner parameter; this swaps the two module-level functions it builds
+  the runner and loads the model with (`build_paged_runner`, `load_model`) for the block only.
+  """
+  built: list[FakeRunner] = []
+  real_load = llm_module.load_model
+
+  def build(model, *, block_size, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
+            max_seq_len, chunk_sizes, tensor_parallel=None):
+    if tensor_parallel is not None:
+      raise ValueError("the fake runner runs on one device (tensor_parallel_size=1)")
+    cfg = model.cfg
+    max_len = max_seq_len or cfg.max_seq_len
+    if kv_cache_memory_bytes is None:
+      num_blocks = max_num_seqs * -(-max_len // block_size)
+    else:
+      num_blocks = max(1, kv_cache_memory_bytes // paged_block_nbytes(cfg, block_size, "float32"))
+    runner = FakeRunner(PagedRunnerConfig(
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_seq_len=max_seq_len,
+        chunk_sizes=tuple(chunk_sizes)), cfg, seed=runner_seed)
+    built.append(runner)
+    return runner
+
+  def load(model, *, cache_dir=None):
+    loaded = real_load(model, cache_dir=cache_dir)
+    fp = hashlib.sha256(f"{FAKE_FINGERPRINT}/{runner_seed}\0{loaded.fingerprint}".encode())
+    return dataclasses.replace(loaded, fingerprint=ModelFingerprint(fp.hexdigest()))
+
+  saved = llm_module.build_paged_runner, llm_module.load_model
+  llm_module.build_paged_runner, llm_module.load_model = build, load
+  try:
+    yield built
+  finally:
+    llm_module.build_paged_runner, llm_module.load_model = saved
+
+
+def fake_llm(model: str = "tiny", *, runner_seed: int = 0, **options: Any) -> LLM:
+  """`LLM(model, **options)` on a `FakeRunner` (`fake_runner_seam`): the real front end
+  (generate, chat, sessions, option checks, the store client) over the numpy fake model.
+
+  Defaults differ from `LLM`'s where the fake needs it: `cache_dir=""` (nothing cached on
+  disk) and `kv_cache_layout="paged"` (a lossy codec with a store would pick the slotted
+  layout, which has no fake). "tiny" (default): `kvjax.models.config.tiny`'s sizes and a
+  `ByteTokenizer`.
+
+  Raises:
+    ValueError: as `LLM`; `tensor_parallel_size` > 1; kvtc (the fake has no calibration).
+  """
+  options.setdefault("cache_dir", "")
+  options.setdefault("kv_cache_layout", "paged")
+  with fake_runner_seam(runner_seed):
+    return LLM(model, **options)
