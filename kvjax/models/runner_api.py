@@ -69,6 +69,7 @@ class Runner(Protocol):
   config: PagedRunnerConfig
   max_seq_len: int
   block_size: int
+  buckets: tuple[int, ...]
 
   @property
   def num_blocks(self) -> int: ...
@@ -78,8 +79,6 @@ class Runner(Protocol):
 
   @property
   def max_chunk_size(self) -> int: ...
-
-  buckets: tuple[int, ...]
 
   # --------------------------------------------------------------------------- sizes
   def bucket_for(self, num_tokens: int) -> int:
