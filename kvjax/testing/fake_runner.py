@@ -72,6 +72,12 @@ class FakeLayerwiseStep:
   next_group: int = 0
 
 
+def _project(x_nD: np.ndarray, w_DE: np.ndarray) -> np.ndarray:
+  """`x @ w` per row, summed over D in order (a matmul's blocking may depend on the row count:
+  this does not)."""
+  return (x_nD[:, :, None] * w_DE[None]).sum(1)
+
+
 class FakeRunner:
   """A deterministic numpy `Runner` of `model_config`'s KV shape over a `[L, P, B, K, H]` pool.
 
@@ -195,42 +201,49 @@ class FakeRunner:
                                                                           np.ndarray]:
     """Layer `l` of a step: writes every token's K and V, then attends (a later sequence of
     the step sees an earlier one's tokens, as the paged runner's). Returns the next hidden
-    states and the step's [T, K, H] K before RoPE and V."""
+    states and the step's [T, K, H] K before RoPE and V.
+
+    Exactness: every value of a token is computed by operations whose per-element order does
+    not depend on how many tokens share the call (products summed over a fixed axis, maxima,
+    and prefix sums over positions `[0, p]`), so a token's result is the same whichever chunk,
+    step or layer group computes it."""
     cfg, b = self.model_config, self.block_size
     k_, h_ = cfg.n_kv_heads, cfg.head_dim
     ks, vs, qs = [], [], []
     for s, x in zip(seqs, xs):
-      for i in range(len(s.token_ids)):
-        ks.append((x[i] @ self._wk[l]).astype(np.float32).reshape(k_, h_))
-        vs.append((x[i] @ self._wv[l]).astype(np.float32).reshape(k_, h_))
-        qs.append((x[i] @ self._wq[l]).reshape(k_, h_))
-    row = 0
-    for s in seqs:
-      for i in range(len(s.token_ids)):
-        p = s.start + i
-        blk, off = s.block_ids[p // b], p % b
-        self.k_LPBKH[l, blk, off] = self._rot(ks[row + i], p)
-        self.v_LPBKH[l, blk, off] = vs[row + i]
-      row += len(s.token_ids)
-    out, row = [], 0
-    for s, x in zip(seqs, xs):
+      n = len(s.token_ids)
+      ks.append(_project(x, self._wk[l]).astype(np.float32).reshape(n, k_, h_))
+      vs.append(_project(x, self._wv[l]).astype(np.float32).reshape(n, k_, h_))
+      qs.append(_project(x, self._wq[l]).reshape(n, k_, h_))
+    for s, k, v in zip(seqs, ks, vs):
+      pos = np.arange(s.start, s.start + len(s.token_ids))
+      blk = np.asarray(s.block_ids, np.int64)[pos // b]
+      self.k_LPBKH[l, blk, pos % b] = self._rot_rows(k, pos)
+      self.v_LPBKH[l, blk, pos % b] = v
+    out = []
+    for s, x, q in zip(seqs, xs, qs):
       n = len(s.token_ids)
       end = s.start + n
+      pos = np.arange(s.start, end)
       ids = np.asarray(s.block_ids[:-(-end // b)], np.int64)
-      k_all = self.k_LPBKH[l, ids].reshape(-1, k_, h_)[:end].astype(np.float64)
+      k_all = self.k_LPBKH[l, ids].reshape(-1, k_, h_)[:end].astype(np.float64)  # [N, K, H]
       v_all = self.v_LPBKH[l, ids].reshape(-1, k_, h_)[:end].astype(np.float64)
-      nxt = np.empty_like(x)
-      for i in range(n):
-        p = s.start + i
-        q = self._rot(qs[row + i], p)
-        scores = (k_all[:p + 1] * q).sum(-1) / np.sqrt(h_)  # [p + 1, K]
-        w = np.exp(scores - scores.max(0))
-        w /= w.sum(0)
-        ctx = (w[:, :, None] * v_all[:p + 1]).sum(0).reshape(-1)  # [K * H]
-        nxt[i] = x[i] + np.tanh(ctx @ self._wo[l])
-      out.append(nxt)
-      row += n
-    return out, np.stack(ks), np.stack(vs)
+      q = self._rot_rows(q, pos)  # [n, K, H]
+      scores = (q[:, None] * k_all[None]).sum(-1) / np.sqrt(h_)  # [n, N, K]
+      causal = np.arange(end)[None, :] <= pos[:, None]  # [n, N]
+      scores = np.where(causal[:, :, None], scores, -np.inf)
+      e = np.exp(scores - scores.max(1, keepdims=True))  # 0 past each token's position
+      rows = np.arange(n)
+      den = np.cumsum(e, axis=1)[rows, pos]  # [n, K]: sums over [0, p] in position order
+      num = np.cumsum(e[..., None] * v_all[None], axis=1)[rows, pos]  # [n, K, H]
+      ctx = (num / den[..., None]).reshape(n, -1)
+      out.append(x + np.tanh(_project(ctx, self._wo[l])))
+    return out, np.concatenate(ks), np.concatenate(vs)
+
+  def _rot_rows(self, x_nKH: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The fake RoPE of each row at its position."""
+    idx = np.broadcast_to(self._perm[pos][:, None, :], x_nKH.shape)
+    return np.take_along_axis(x_nKH, idx, axis=-1) * self._sign[pos][:, None, :]
 
   def _logits(self, seqs: Sequence[SeqChunk], xs: list) -> np.ndarray:
     return np.stack([(x[-1] @ self._wout).astype(np.float32) for x in xs])

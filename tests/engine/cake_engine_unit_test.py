@@ -188,19 +188,21 @@ class CakeEngineUnitTest(parameterized.TestCase):
 
   def assert_consistent(self, **kw):
     # kv_codec_consistent: every computed chunk passes through the stored encoding, so a hit
-    # of any length equals the cold run of the same engine exactly.
-    e = make_engine(engines.memory_store_url(), mode="cake", kv_codec="int8",
-                    kv_codec_consistent=True, **kw)
-    n = 3 * C + 17
-    cold = gen(e, n, cache_salt="cold")
-    for stored in range(1, 4):
-      salt = f"stored-{stored}"
-      gen(e, stored * C + 1, cache_salt=salt)
-      e.kv_store.flush()
-      out = gen(e, n, cache_salt=salt)
-      self.assertEqual((out.token_ids, out.logprobs[0]), (cold.token_ids, cold.logprobs[0]))
-      self.assertGreater(out.num_cached_tokens, 0)
-    engines.close_engine(e)
+    # of any length, loaded whole or met by compute anywhere, equals the cold run exactly.
+    for mode in ("load_only", "cake"):
+      e = make_engine(engines.memory_store_url(), mode=mode, kv_codec="int8",
+                      kv_codec_consistent=True, **kw)
+      n = 3 * C + 17
+      cold = gen(e, n, cache_salt="cold")
+      for stored in range(1, 4):
+        salt = f"stored-{stored}"
+        gen(e, stored * C + 1, cache_salt=salt)
+        e.kv_store.flush()
+        out = gen(e, n, cache_salt=salt)
+        self.assertEqual((out.token_ids, out.logprobs[0]), (cold.token_ids, cold.logprobs[0]))
+        if mode == "load_only":
+          self.assertEqual(out.num_cached_tokens, stored * C)
+      engines.close_engine(e)
 
   def test_consistent_codec_outputs_do_not_depend_on_the_meeting_point(self):
     self.assert_consistent(max_num_batched_tokens=C)  # one store chunk per step
