@@ -18,9 +18,13 @@ changes the answer, while a correct load gives the cold run's answer bit for bit
 
 `rot_p`, the fake RoPE, is an exact position-dependent signed permutation of the H channels (a
 random one per position, seeded): its inverse is exact too, so `read_pre_rope` returns bit for
-bit the K the step computed (the real runner's is within float32 rounding). Every reduction
-runs per token over exactly its positions `[0, p]`, so the result does not depend on how the
-prompt was split into chunks, steps or layer groups.
+bit the K the step computed (the real runner's is within float32 rounding). Every value of a
+token comes from operations whose order per element does not depend on the other tokens of the
+call (products summed over a fixed axis, maxima, prefix sums over positions `[0, p]` in order),
+so the result does not depend on how the prompt was split into chunks, steps or layer groups.
+
+Cost: attention is O(n^2) per sequence in numpy; a 400-token prefill took 0.11 s of CPU on the
+2-core VM.
 
 Payloads: raw, int8, int4 and cachegen through the numpy reference encoder
 (`kvjax.testing.codec_payloads`, the storage layer's codec contract); kvtc is not supported.
@@ -170,12 +174,10 @@ class FakeRunner:
     return not self._closed
 
   # ----------------------------------------------------------------------------- the model
-  def _rot(self, x_KH: np.ndarray, p: int) -> np.ndarray:
-    """The fake RoPE of one position: exact (a signed permutation)."""
-    return x_KH[..., self._perm[p]] * self._sign[p]
-
-  def _unrot(self, x_KH: np.ndarray, p: int) -> np.ndarray:
-    return (x_KH * self._sign[p])[..., self._inv_perm[p]]
+  def _unrot_rows(self, x_nKH: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The inverse of `_rot_rows`, exact."""
+    idx = np.broadcast_to(self._inv_perm[pos][:, None, :], x_nKH.shape)
+    return np.take_along_axis(x_nKH * self._sign[pos][:, None, :], idx, axis=-1)
 
   def _check_seqs(self, seqs: Sequence[SeqChunk]) -> int:
     if not seqs:
@@ -241,7 +243,7 @@ class FakeRunner:
     return out, np.concatenate(ks), np.concatenate(vs)
 
   def _rot_rows(self, x_nKH: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """The fake RoPE of each row at its position."""
+    """The fake RoPE of each row at its position: a signed permutation of H, exact."""
     idx = np.broadcast_to(self._perm[pos][:, None, :], x_nKH.shape)
     return np.take_along_axis(x_nKH, idx, axis=-1) * self._sign[pos][:, None, :]
 
@@ -332,14 +334,15 @@ class FakeRunner:
     return ids
 
   def _write(self, l0: int, kv_G2CKH: np.ndarray, ids: np.ndarray, start: int) -> None:
+    """Writes layers `[l0, l0 + G)` of a chunk (K before RoPE) at positions from `start`."""
     g, _, c = kv_G2CKH.shape[:3]
     b = self.block_size
     k = np.asarray(kv_G2CKH[:, 0], np.float32)
     v = np.asarray(kv_G2CKH[:, 1], np.float32)
-    for i in range(c):
-      p = start + i
-      self.k_LPBKH[l0:l0 + g, ids[i // b], i % b] = self._rot(k[:, i], p)
-      self.v_LPBKH[l0:l0 + g, ids[i // b], i % b] = v[:, i]
+    i = np.arange(c)
+    for j in range(g):
+      self.k_LPBKH[l0 + j, ids[i // b], i % b] = self._rot_rows(k[j], start + i)
+      self.v_LPBKH[l0 + j, ids[i // b], i % b] = v[j]
 
   def insert_chunk(self, kv_L2CKH, block_ids: Sequence[int], start: int) -> None:
     """Writes a raw chunk (K before RoPE) into its blocks, K rotated to its positions.
@@ -431,7 +434,8 @@ class FakeRunner:
     l_, _, _, k_, h_ = self.k_LPBKH.shape
     k = self.k_LPBKH[:, ids].reshape(l_, -1, k_, h_)[:, :n]
     v = self.v_LPBKH[:, ids].reshape(l_, -1, k_, h_)[:, :n].copy()
-    k_pre = np.stack([self._unrot(k[:, i], start + i) for i in range(n)], axis=1)
+    pos = start + np.arange(n)
+    k_pre = np.stack([self._unrot_rows(k[l], pos) for l in range(l_)])
     self.calls.append(("read_pre_rope", tuple(ids.tolist()), int(start), int(n)))
     return k_pre.astype(np.float32), v
 
