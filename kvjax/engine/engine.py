@@ -302,7 +302,7 @@ class Engine:
                              staging_bytes=kv_store.staging_bytes if kv_store else 1 << 30)
     self.runner = runner
     self.kv_store = kv_store
-    self._paged = isinstance(runner, PagedModelRunner)
+    self._paged = not isinstance(runner, ModelRunner)
     self.tokenizer = tokenizer
     scheduler_config = scheduler_config or SchedulerConfig(
         num_slots=runner.config.num_slots, chunk_sizes=runner.chunk_sizes,

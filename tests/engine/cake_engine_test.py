@@ -9,6 +9,7 @@ here keeps the per-position writer map on, so a position written twice raises.
 import os
 
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM, SamplingParams, codecs
@@ -59,6 +60,7 @@ class CakeEngineTest(parameterized.TestCase):
     self.assertEqual(out.metrics.num_computed_tokens + out.num_cached_tokens, n)
 
   @parameterized.product(mode=("cake", "load_only", "compute_only"), n=LENGTHS)
+  @pytest.mark.slow  # same assertions on the fake runner: cake_engine_unit_test.py
   def test_every_stored_prefix_length_equals_cold(self, mode, n):
     llm = make_llm("memory://", mode=mode)
     for stored in range((n - 1) // C + 1):
@@ -125,6 +127,7 @@ class CakeEngineTest(parameterized.TestCase):
     self.assertEqual(out.token_ids[0], want.token_ids[0])
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: cake_engine_unit_test.py
   def test_a_tight_ttft_target_loads_the_smallest_level(self):
     llm = make_llm("memory://", mode="load_only", kv_codec="cachegen",
                    kv_codec_levels=(0, 1, 2, 3), kv_ttft_target_s=1e-9,
@@ -144,6 +147,7 @@ class CakeEngineTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "kv_merge_mode='both'"):
       make_llm("memory://", mode="both")
 
+  @pytest.mark.slow  # same assertions on the fake runner: cake_engine_unit_test.py
   def test_cancelled_loads_release_their_staging(self):
     llm = make_llm("memory://")
     engine = llm.engine

@@ -65,6 +65,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(second.token_ids, self.cold[150])
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_fresh_llm_on_the_same_store_hits(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)
@@ -76,6 +77,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(out.metrics.loaded_from_tiers, ["disk"] * 4)
     fresh.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_prompt_of_whole_chunks_still_computes_its_last_token(self):
     llm = make_llm(self.url)
     self.run_prompt(llm, n=128)
@@ -85,6 +87,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(out.token_ids, self.cold[128])
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_cache_salts_never_share_hits(self):
     llm = make_llm(self.url)
     self.run_prompt(llm, salt="tenant-a")
@@ -101,6 +104,7 @@ class KVStoreEngineTest(parameterized.TestCase):
       out += [os.path.join(root, f) for f in files]
     return sorted(out)
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_corrupt_chunk_is_rejected_recomputed_and_repaired(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)
@@ -123,6 +127,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(repaired.token_ids, self.cold[150])
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_one_save_repairs_every_bad_chunk_of_the_chain(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)
@@ -140,6 +145,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(repaired.token_ids, self.cold[150])
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_chunks_of_another_dtype_or_model_never_hit(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)
@@ -166,6 +172,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "kv_store is empty"):
       make_llm("")
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_missing_middle_chunk_is_computed_and_the_chunks_around_it_load(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)
@@ -179,6 +186,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(out.token_ids, self.cold[150])
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_unreachable_store_degrades_to_compute(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)
@@ -195,6 +203,7 @@ class KVStoreEngineTest(parameterized.TestCase):
     self.assertEqual(llm.kv_store.lookup_failures, 1)
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: kv_store_unit_test.py
   def test_store_lost_after_lookup_degrades_to_compute(self):
     llm = make_llm(self.url)
     self.run_prompt(llm)

@@ -5,6 +5,7 @@ group g runs, and the split step equals the one-call step."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM, SamplingParams
@@ -132,6 +133,7 @@ class LayerwiseEngineTest(parameterized.TestCase):
       for k, v in w.items():
         self.assertAlmostEqual(g[k], v, delta=delta)
 
+  @pytest.mark.slow  # same assertions on the fake runner: layerwise_unit_test.py
   def test_group_order_trace(self):
     lw = llm(2, kv_merge_mode="load_only", kv_device_link_bytes_per_s=2e9)
     trace = []

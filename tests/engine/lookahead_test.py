@@ -3,6 +3,7 @@ arXiv 2403.19708, section 3.3): a scripted tier trace on the tiny model, a host 
 chunks over a disk tier."""
 
 import numpy as np
+import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
@@ -72,6 +73,7 @@ class LookaheadTest(absltest.TestCase):
           outs[o.request_id] = o
     return outs[xid]
 
+  @pytest.mark.slow  # same assertions on the fake runner: lookahead_unit_test.py
   def test_window_prefetches_waiting_chunks_into_host(self):
     llm, xid, _ = self.trace(window=8)
     self.assertEqual(host_holds(llm, X), [True, True])  # prefetched ahead of scheduling
@@ -84,6 +86,7 @@ class LookaheadTest(absltest.TestCase):
     self.assertGreaterEqual(host.evictions, 2)
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: lookahead_unit_test.py
   def test_window_zero_loads_from_disk(self):
     llm, xid, _ = self.trace(window=0)
     out = self.finish(llm, xid)
@@ -93,6 +96,7 @@ class LookaheadTest(absltest.TestCase):
     self.assertEqual((pf.started, pf.issued, pf.useful, pf.wasted), (0, 0, 0, 0))
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: lookahead_unit_test.py
   def test_hinted_chunks_survive_a_put_that_lru_would_evict_them_with(self):
     llm = make_llm(self.create_tempdir().full_path, 8)
     kv = llm.kv_store

@@ -4,6 +4,7 @@ blocks are never written."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
@@ -48,6 +49,7 @@ class PagedEngineTest(absltest.TestCase):
         for k, v in w.logprobs[0].items():
           self.assertAlmostEqual(g.logprobs[0][k], v, delta=1e-4)
 
+  @pytest.mark.slow  # same assertions on the fake runner: paged_engine_unit_test.py
   def test_a_device_hit_queued_during_a_cold_prefill_goes_first_and_equals_a_cold_run(self):
     llm = paged(max_num_batched_tokens=64)
     eng = llm.engine
@@ -123,6 +125,7 @@ class PagedEngineTest(absltest.TestCase):
     self.assertGreater(store[-1].metrics.num_loaded_tokens, 0)
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: paged_engine_unit_test.py
   def test_the_next_turn_reuses_every_token_with_kv_on_the_device(self):
     # Turn 1: 40 prompt tokens + 6 generated: KV for 45 positions, blocks [16][16][13 of 16].
     # The partly filled block is parked at finish; turn 2 (turn 1's ids + 5 new tokens) takes
@@ -151,6 +154,7 @@ class PagedEngineTest(absltest.TestCase):
     self.assertEqual(stats.num_free_blocks, stats.num_blocks)
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: paged_engine_unit_test.py
   def test_generated_tokens_are_saved_and_the_next_turn_loads_them(self):
     # Turn 1: 40 prompt tokens + 60 generated; KV exists for 99 positions: chunk 0 is saved by
     # prefill, chunk 1 (straddling the prompt's end, [32, 64)) by the decode at 63, chunk 2 by
@@ -199,6 +203,7 @@ class PagedEngineTest(absltest.TestCase):
     self.assert_same([got_c], self.want([c], params))
     llm.close()
 
+  @pytest.mark.slow  # same assertions on the fake runner: paged_engine_unit_test.py
   def test_cache_salt_isolates_device_hits(self):
     llm = paged()
     p = PROMPTS[2]
@@ -211,6 +216,7 @@ class PagedEngineTest(absltest.TestCase):
     self.assertEqual(first.token_ids, again.token_ids)
     self.assertEqual(first.token_ids, other.token_ids)
 
+  @pytest.mark.slow  # same assertions on the fake runner: paged_engine_unit_test.py
   def test_request_that_can_never_fit_is_refused(self):
     llm = paged(num_blocks=8)  # 128 tokens
     with self.assertRaisesRegex(ValueError, "needs 9 KV blocks"):
@@ -218,6 +224,7 @@ class PagedEngineTest(absltest.TestCase):
     self.assertEqual(len(llm.generate(ids([[1] * 100]), SamplingParams(max_tokens=10))[0]
                          .token_ids), 10)
 
+  @pytest.mark.slow  # same assertions on the fake runner: paged_engine_unit_test.py
   def test_shared_blocks_are_never_written(self):
     llm = paged(num_blocks=64)
     tables = {}
@@ -245,6 +252,7 @@ class PagedEngineTest(absltest.TestCase):
     np.testing.assert_array_equal(k1, k0)
     np.testing.assert_array_equal(v1, v0)
 
+  @pytest.mark.slow  # same assertions on the fake runner: paged_engine_unit_test.py
   def test_mixed_requests_with_aborts_and_preemptions_leak_no_block(self):
     llm = paged(num_blocks=24, max_num_seqs=8)  # 384 tokens for 8 sequences: preemptions
     eng = llm.engine

@@ -9,6 +9,7 @@ import os
 import threading
 
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM, SamplingParams
@@ -43,6 +44,7 @@ def run(llm, ids, params=GREEDY, flush=True, **options):
         return out
 
 
+@pytest.mark.slow  # same assertions on the fake runner: session_tails_unit_test.py
 class SessionTailTest(parameterized.TestCase):
 
   @classmethod
@@ -146,6 +148,7 @@ class ChatSessionTailTest(absltest.TestCase):
       llm.close()
 
 
+@pytest.mark.slow  # same assertions on the fake runner: session_tails_unit_test.py
 class UnwrittenSavesTest(absltest.TestCase):
 
   def test_the_next_turn_finds_history_whose_saves_are_still_queued(self):
@@ -173,6 +176,7 @@ class UnwrittenSavesTest(absltest.TestCase):
       llm.close()
 
 
+@pytest.mark.slow  # same assertions on the fake runner: session_tails_unit_test.py
 class CorruptTailTest(absltest.TestCase):
 
   def test_a_corrupt_tail_is_recomputed(self):

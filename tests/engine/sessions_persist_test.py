@@ -10,6 +10,7 @@ import stat
 import tempfile
 import time
 
+import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
@@ -35,6 +36,7 @@ def conversation(out1) -> list[dict[str, str]]:
           {"role": "user", "content": USER2}]
 
 
+@pytest.mark.slow  # same assertions on the fake runner: sessions_persist_unit_test.py
 class RestartTest(absltest.TestCase):
 
   @classmethod

@@ -188,6 +188,7 @@ class TruncatePromptTokensTest(absltest.TestCase):
                                [d[t] for d, t in zip(cold.logprobs, cold.token_ids)],
                                atol=1e-5)
 
+  @pytest.mark.slow  # same assertions on the fake runner: truncation_unit_test.py
   def test_a_rerotated_session_turn_loads_the_kept_kv_from_a_private_namespace(self):
     llm, c = self.llm, 16
     p = SamplingParams(max_tokens=8, temperature=0)

@@ -3,6 +3,7 @@ model over a host tier of two chunks and a disk tier; the saves land in the host
 victims are demoted to disk, and a second run loads them from there with the cold run's output."""
 
 import numpy as np
+import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
@@ -20,6 +21,7 @@ def chunk_bytes():
   return cfg.n_layers * 2 * C * cfg.n_kv_heads * cfg.head_dim * 4  # f32
 
 
+@pytest.mark.slow  # same assertions on the fake runner: write_back_unit_test.py
 class WriteBackLLMTest(absltest.TestCase):
 
   @classmethod
@@ -64,6 +66,9 @@ class WriteBackLLMTest(absltest.TestCase):
     # The look-ahead window hints all four chunks: the host declines the disk hits' copies rather
     # than evict the request's own chunks, so nothing is demoted twice.
     self.assertEqual(stats["host"].promotions, 0)
+
+
+class PlacementOptionTest(absltest.TestCase):
 
   def test_a_bad_placement_is_rejected(self):
     with self.assertRaisesRegex(ValueError, "kv_placement"):

@@ -8,6 +8,7 @@ import threading
 
 import httpx
 import openai
+import pytest
 from absl.testing import absltest
 
 from kvjax import LLM
@@ -24,6 +25,7 @@ def suffix(user: str) -> list[int]:
   return list(f"\nuser: {user}\nassistant: ".encode())
 
 
+@pytest.mark.slow  # same assertions on the fake runner: sessions_serve_unit_test.py
 class SessionsServeTest(ServedLLMTestCase):
 
   @classmethod
