@@ -17,10 +17,12 @@ into the cache slot; `kv_encode` quantizes a chunk the model just computed (K be
 Codecs (x̂ is the dequantized value, per layer l, K/V, token t, head k, channel h):
 
     raw       x̂ = values                                             (bit-exact)
-    int8      x̂ = q * scale[l,kv,k,h]        symmetric, absmax over the C tokens / 127
+    int8      x̂ = q * scale[l,kv,k,h]        symmetric, absmax over the C tokens / 127 (scale
+                                             rounded to 16 significant bits; codes
+                                             bit-identical on every backend)
     int4      x̂ = code * scale + zero        asymmetric per channel per group of G tokens; the
                                              fit is bit-identical on every backend
-                                             (kvjax/kernels/int4_fit.py)
+                                             (int8 and int4: kvjax/kernels/exact_quant.py)
     cachegen  x̂ = anchor_q[t // T] * anchor_scale + delta_q[t] * delta_step
 
 CacheGen (arXiv 2310.07240) section 5.2: token-wise locality (each group of T tokens shares an
@@ -64,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvjax import codecs as registry
-from kvjax.kernels import int4_fit, kv_codec_gpu
+from kvjax.kernels import exact_quant, kv_codec_gpu
 from kvjax.kernels.platform import resolve_platform
 # Codec ids, levels and the chunk-size rule come from the registry (one table for every room).
 from kvjax.codecs import (CACHEGEN as CODEC_CACHEGEN, CODEC_LEVELS, INT4 as CODEC_INT4,
@@ -82,8 +84,8 @@ CACHEGEN_LEVEL_BINS = ((0.25, 0.5, 0.75), (0.5, 1.0, 1.5), (1.0, 2.0, 3.0), (2.0
 #: level 0 stays under 2% and level 1 under 4% relative L2 error; scripts/codec_error.py).
 CACHEGEN_STEPS_PER_RMS = 6.0
 #: int4 clipping candidates (the fit, bit-identical on every backend, is
-#: kvjax/kernels/int4_fit.py).
-INT4_CLIP_RATIOS = int4_fit.INT4_CLIP_RATIOS
+#: kvjax/kernels/exact_quant.py).
+INT4_CLIP_RATIOS = exact_quant.INT4_CLIP_RATIOS
 
 _Q8_MAX = 127
 
@@ -227,16 +229,14 @@ def dequantize_reference(payload: Payload) -> jax.Array:
 
 
 def _int8_encode_ref(x):
-  scale = jnp.max(jnp.abs(x), axis=2) / _Q8_MAX                        # [L, 2, K, H]
-  s = scale[:, :, None]
-  q = jnp.where(s > 0, jnp.clip(jnp.round(x / jnp.where(s > 0, s, 1)), -_Q8_MAX, _Q8_MAX), 0)
-  return Int8Payload(q.astype(jnp.int8), scale)
+  q, scale = exact_quant.int8_quantize(x, axis=2)                       # scale [L, 2, 1, K, H]
+  return Int8Payload(q.astype(jnp.int8), scale[:, :, 0])
 
 
 def _int4_encode_ref(x, group):
   l_, _, c, k, h = x.shape
   xg = x.reshape(l_, 2, c // group, group, k, h)
-  codes, scale, zero = int4_fit.int4_fit(xg, axis=3)
+  codes, scale, zero = exact_quant.int4_fit(xg, axis=3)
   return Int4Payload(_pack_int4(codes.astype(jnp.int32).reshape(x.shape)),
                      scale[:, :, :, 0].astype(jnp.float16), zero[:, :, :, 0].astype(jnp.float16))
 
@@ -511,10 +511,7 @@ def _decode_kernel(dequant, *refs):
 
 def _int8_encode_kernel(x_ref, q_ref, scale_ref):
   # x_ref: [2, C, H] KV dtype; q_ref: int8[2, C, H]; scale_ref: f32[2, 1, H]
-  x = x_ref[...].astype(jnp.float32)
-  scale = jnp.max(jnp.abs(x), axis=1, keepdims=True) / _Q8_MAX
-  q = jnp.where(scale > 0, jnp.clip(jnp.round(x / jnp.where(scale > 0, scale, 1)),
-                                    -_Q8_MAX, _Q8_MAX), 0)
+  q, scale = exact_quant.int8_quantize(x_ref[...].astype(jnp.float32), axis=1)
   q_ref[...] = q.astype(jnp.int8)
   scale_ref[...] = scale
 
@@ -525,7 +522,7 @@ def _int4_encode_kernel(x_ref, q_ref, scale_ref, zero_ref):
   x = x_ref[...].astype(jnp.float32)
   _, c, h = x.shape
   n = scale_ref.shape[1]
-  codes_2NGH, scale_2N1H, zero_2N1H = int4_fit.int4_fit(x.reshape(2, n, c // n, h), axis=2)
+  codes_2NGH, scale_2N1H, zero_2N1H = exact_quant.int4_fit(x.reshape(2, n, c // n, h), axis=2)
   q_ref[...] = _pack_int4(codes_2NGH.astype(jnp.int32).reshape(2, c, h))
   scale_ref[...] = scale_2N1H[:, :, 0]
   zero_ref[...] = zero_2N1H[:, :, 0]
