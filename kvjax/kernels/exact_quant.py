@@ -165,13 +165,15 @@ def _inv_unit(half: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32)
 
 
-def int4_fit(x: jax.Array, axis: int, ratios=INT4_CLIP_RATIOS):
+def int4_fit(x: jax.Array, axis: int, ratios=INT4_CLIP_RATIOS, *, loop: bool = False):
   """Min-max int4 fit over `axis` (the G tokens of a group) with the clipping search.
 
   Args:
     x: f32 values; `axis` holds the G tokens of each group.
     axis: the group's token axis.
     ratios: the clipping candidates (INT4_CLIP_RATIOS).
+    loop: candidates after the first in a `lax.fori_loop` (one copy of the candidate's code:
+      the Triton kernel compiles faster) instead of unrolled (XLA fuses them). Same results.
 
   Returns:
     (codes f32 integer-valued in [0, 15], scale f32, zero f32): scale and zero hold float16
@@ -184,17 +186,30 @@ def int4_fit(x: jax.Array, axis: int, ratios=INT4_CLIP_RATIOS):
   mid = (lo + hi) * 0.5
   half = (hi - lo) * 0.5
   inv_unit = _inv_unit(half)
-  best = None
-  for ratio in ratios:
-    scale = round_f16(half * (2.0 * ratio / Q4_MAX))
+  # f32(2 * ratio / 15) per candidate: the step of the shrunk range per half range.
+  factors = [float(np.float32(2.0 * ratio / Q4_MAX)) for ratio in ratios]
+
+  def candidate(factor):
+    scale = round_f16(half * factor)
     zero = round_f16(mid - 7.5 * scale)
     codes = int4_codes(x - zero, scale)
     r = (codes * scale + zero - x) * inv_unit
     err = jnp.sum(jnp.floor(jnp.minimum(r * r, 1.0) * units), axis=axis, keepdims=True)
-    if best is None:
-      best = (err, codes, scale, zero)
-    else:
-      better = err < best[0]
-      best = tuple(jnp.where(better, new, old) for new, old in zip((err, codes, scale, zero),
-                                                                   best))
+    return err, codes, scale, zero
+
+  def keep_better(best, new):
+    better = new[0] < best[0]  # strictly: the first of equal candidates stays
+    return tuple(jnp.where(better, n, o) for n, o in zip(new, best))
+
+  best = candidate(factors[0])
+  if loop and len(factors) > 1:
+    def body(i, best):
+      factor = jnp.float32(factors[-1])
+      for j in reversed(range(1, len(factors) - 1)):
+        factor = jnp.where(i == j, jnp.float32(factors[j]), factor)
+      return keep_better(best, candidate(factor))
+    best = jax.lax.fori_loop(1, len(factors), body, best)
+  else:
+    for factor in factors[1:]:
+      best = keep_better(best, candidate(factor))
   return best[1], best[2], best[3]
