@@ -57,7 +57,8 @@ H200_HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 SXM spec sheet, 4.8 TB/s
 
 _CPU = flags.DEFINE_bool("cpu", False, "Tiny sizes in interpret mode (no accelerator needed).")
 _ITERS = flags.DEFINE_integer("iters", None, "Timed calls per round (default 5; --cpu 1).")
-_ROUNDS = flags.DEFINE_integer("rounds", None, "Timed rounds, median reported (default 5; --cpu 1).")
+_ROUNDS = flags.DEFINE_integer("rounds", None,
+                               "Timed rounds, median reported (default 5; --cpu 1).")
 _BUDGET = flags.DEFINE_float("budget_s", 170.0, "Start no new case after this many seconds.")
 _OUT = flags.DEFINE_string("out", None, "Output folder (default $OUT, else benchmarks/results).")
 _ONLY = flags.DEFINE_list("cases", None, "Only these model/codec cases, e.g. smollm2_135m/int4.")
@@ -190,7 +191,8 @@ def compare_kv(want, got) -> dict:
   mant = {np.dtype(jnp.bfloat16): 7, np.dtype(np.float16): 10, np.dtype(np.float32): 23}[
       np.dtype(np.asarray(want).dtype)]
   d = np.abs(w - g)
-  mag = np.maximum(np.maximum(np.abs(w), np.abs(g)), max(float(np.max(np.abs(w))), 1e-30) * 2 ** -20)
+  floor = max(float(np.max(np.abs(w))), 1e-30) * 2 ** -20
+  mag = np.maximum(np.maximum(np.abs(w), np.abs(g)), floor)
   ulp = np.exp2(np.floor(np.log2(mag)) - mant)
   same = (np.asarray(want).view(np.uint16 if mant < 23 else np.uint32)
           == np.asarray(got).view(np.uint16 if mant < 23 else np.uint32))
