@@ -62,6 +62,7 @@ import numpy as np
 from kvjax import codecs
 from kvjax._typing import ChunkHash
 from kvjax.kernels import kvtc_rans
+from kvjax.kernels.platform import resolve_platform
 from kvjax.scheduler.output import LoadReport
 from kvjax.storage import codecs as storage_codecs
 from kvjax.storage import entropy, keys
@@ -356,10 +357,14 @@ class KVStoreClient:
       (or any kvtc chunk when None) is a miss (`MissReason.UNKNOWN_CODEC`), never decoded.
     use_pallas_entropy: how a landed chunk whose arrays the reader left entropy-coded
       (`storage.entropy.RansCodes`: kvtc's "rans-bands" `q`) is decoded on the device: the Pallas
-      rANS kernel (True) or the jit'd jnp reference (False); None: Pallas on GPU/TPU, the jnp
-      reference on CPU (measured faster there than the numpy host decoder,
+      rANS kernel (True) or the jit'd jnp reference (False); None: Pallas when `platform` is GPU
+      or TPU, the jnp reference on CPU (measured faster there than the numpy host decoder,
       `scripts/bench_rans.py`). A chunk whose streams fail the decoder's `ok` check is a miss
       (`MissReason.CORRUPT`), recomputed like any bad chunk.
+    platform: the target platform of the runner whose cache the chunks go to ("cpu" | "tpu" |
+      "cuda", `kvjax.kernels.platform`; a paged runner's `platform`): the entropy decoder is
+      chosen and compiled for it, not for the host. None: the platform being compiled for
+      (`resolve_platform`: the default backend outside an abstract mesh).
     prefetch_bytes: look-ahead prefetch reads' bytes in flight at most (the first never
       waits); None: 4 raw chunks.
     consistent: the engine runs `kv_codec_consistent` (a lossy codec's one level,
@@ -372,14 +377,16 @@ class KVStoreClient:
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
                kvtc_transform_id: bytes | None = None, device_link=None,
-               use_pallas_entropy: bool | None = None,
+               use_pallas_entropy: bool | None = None, platform: str | None = None,
                prefetch_bytes: int | None = None, consistent: bool = False):
     self.codec = codec
     #: `KeyNamespace.encoding` of every key: "codec/level" of the one level a
     #: `kv_codec_consistent` engine stores and loads (lossy codecs), else None.
     self.key_encoding = (str(codecs.EncodingId(codec, tuple(codec_levels)[0]))
                          if consistent and codec != codecs.RAW else None)
-    self.use_pallas_entropy = (jax.default_backend() != "cpu" if use_pallas_entropy is None
+    #: The entropy decoder's target platform ("cpu" | "tpu" | "cuda").
+    self.platform = resolve_platform(platform)
+    self.use_pallas_entropy = (self.platform != "cpu" if use_pallas_entropy is None
                                else bool(use_pallas_entropy))
     #: The emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or None: every
     #: staged chunk's bytes pass it on their way into the KV cache (`transfer`, `charge_device`).
@@ -689,7 +696,8 @@ class KVStoreClient:
     Raises:
       ValueError: band arrays that do not fit together (`kvtc_rans.pack_bands`)."""
     packed = kvtc_rans.pack_bands(a.shape, a.bands, a.offsets, a.arrays)
-    q, ok = kvtc_rans.decode_codes(packed, use_pallas=self.use_pallas_entropy)
+    q, ok = kvtc_rans.decode_codes(packed, use_pallas=self.use_pallas_entropy,
+                                   platform=self.platform)
     return q, bool(ok)
 
   def _decode_on_device(self, got: ChunkHit) -> ChunkHit | ChunkMiss:

@@ -560,7 +560,9 @@ class LLM:
                                               kv_link_trace, runner, kv_codec,
                                               kv_codec_levels,
                                               device_link_bytes_per_s=kv_device_link_bytes_per_s,
-                                              placement=kv_placement, consistent=consistent)
+                                              placement=kv_placement, consistent=consistent,
+                                              platform=(runner.platform
+                                                        if kv_cache_layout == "paged" else None))
     remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
         kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,
@@ -610,7 +612,8 @@ class LLM:
                          codec_levels: tuple[int, ...] = (0,), *,
                          device_link_bytes_per_s: float | None = None,
                          placement: str | None = None,
-                         consistent: bool = False) -> KVStoreClient:
+                         consistent: bool = False,
+                         platform: str | None = None) -> KVStoreClient:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
         0 < chunk_size < runner.max_seq_len):
       raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
@@ -658,7 +661,7 @@ class LLM:
                            codec_levels=codec_levels, kvtc_transform_id=tid,
                            device_link=(LinkLimiter(device_link_bytes_per_s)
                                         if device_link_bytes_per_s is not None else None),
-                           consistent=consistent)
+                           consistent=consistent, platform=platform)
     try:  # a store a larger capacity filled is brought under this one now, not at a write
       client.enforce_capacity()
     except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute, as loads do

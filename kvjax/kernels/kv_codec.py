@@ -17,8 +17,12 @@ into the cache slot; `kv_encode` quantizes a chunk the model just computed (K be
 Codecs (x̂ is the dequantized value, per layer l, K/V, token t, head k, channel h):
 
     raw       x̂ = values                                             (bit-exact)
-    int8      x̂ = q * scale[l,kv,k,h]        symmetric, absmax over the C tokens / 127
-    int4      x̂ = code * scale + zero        asymmetric per channel per group of G tokens
+    int8      x̂ = q * scale[l,kv,k,h]        symmetric, absmax over the C tokens / 127 (scale
+                                             rounded to 16 significant bits; codes
+                                             bit-identical on every backend)
+    int4      x̂ = code * scale + zero        asymmetric per channel per group of G tokens; the
+                                             fit is bit-identical on every backend
+                                             (int8 and int4: kvjax/kernels/exact_quant.py)
     cachegen  x̂ = anchor_q[t // T] * anchor_scale + delta_q[t] * delta_step
 
 CacheGen (arXiv 2310.07240) section 5.2: token-wise locality (each group of T tokens shares an
@@ -62,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvjax import codecs as registry
-from kvjax.kernels import kv_codec_gpu
+from kvjax.kernels import exact_quant, kv_codec_gpu
 from kvjax.kernels.platform import resolve_platform
 # Codec ids, levels and the chunk-size rule come from the registry (one table for every room).
 from kvjax.codecs import (CACHEGEN as CODEC_CACHEGEN, CODEC_LEVELS, INT4 as CODEC_INT4,
@@ -79,12 +83,11 @@ CACHEGEN_LEVEL_BINS = ((0.25, 0.5, 0.75), (0.5, 1.0, 1.5), (1.0, 2.0, 3.0), (2.0
 #: Quantization steps per RMS of a channel's deltas at bin 1 (tuned on real SmolLM2 KV so that
 #: level 0 stays under 2% and level 1 under 4% relative L2 error; scripts/codec_error.py).
 CACHEGEN_STEPS_PER_RMS = 6.0
-#: int4 clipping candidates: each (group, channel) keeps the min-max range shrunk about its
-#: middle by the ratio with the least squared error.
-INT4_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+#: int4 clipping candidates (the fit, bit-identical on every backend, is
+#: kvjax/kernels/exact_quant.py).
+INT4_CLIP_RATIOS = exact_quant.INT4_CLIP_RATIOS
 
 _Q8_MAX = 127
-_Q4_MAX = 15
 
 # ---------------------------------------------------------------------------------------------
 # Payloads: the contract's arrays, one NamedTuple per codec (same field names as the dict).
@@ -226,66 +229,16 @@ def dequantize_reference(payload: Payload) -> jax.Array:
 
 
 def _int8_encode_ref(x):
-  scale = jnp.max(jnp.abs(x), axis=2) / _Q8_MAX                        # [L, 2, K, H]
-  s = scale[:, :, None]
-  q = jnp.where(s > 0, jnp.clip(jnp.round(x / jnp.where(s > 0, s, 1)), -_Q8_MAX, _Q8_MAX), 0)
-  return Int8Payload(q.astype(jnp.int8), scale)
-
-
-def _round_f16(x):
-  """`x.astype(float16).astype(float32)` of a float32 array, bit for bit, without a float16
-  value: round to nearest even at float16's precision with int32 and float32 ops only (Mosaic
-  TPU has no float16 vectors). Normal range: drop 13 mantissa bits with RNE; below 2**-14
-  (float16 subnormals): multiples of 2**-24; from 65520 up: inf; NaN stays NaN; signs (and
-  -0.0) kept."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-  mag = bits & 0x7FFFFFFF
-  rounded = (mag + 0xFFF + ((mag >> 13) & 1)) & ~0x1FFF
-  ax = jax.lax.bitcast_convert_type(mag, jnp.float32)
-  out = jax.lax.bitcast_convert_type(rounded, jnp.float32)
-  out = jnp.where(ax < 2.0 ** -14, jnp.round(ax * 2.0 ** 24) * 2.0 ** -24, out)
-  out = jnp.where(ax >= 65520.0, jnp.inf, out)
-  out = jnp.where(bits < 0, -out, out)
-  return jnp.where(x != x, x, out)
-
-
-def _int4_fit(xg, axis, in_kernel: bool = False):
-  """Min-max int4 fit over `axis` (the G tokens of a group) with a clipping search.
-
-  Returns (codes int32, scale f16, zero f16); scale/zero keep `axis` as size 1. `in_kernel`:
-  scale and zero are float32 holding the same float16 values (`_round_f16`; no float16 inside
-  a TPU kernel), cast to float16 by the wrapper, exactly.
-  """
-  if in_kernel:
-    to16, from16 = _round_f16, lambda v: v
-  else:
-    to16, from16 = (lambda v: v.astype(jnp.float16)), (lambda v: v.astype(jnp.float32))
-  lo = jnp.min(xg, axis=axis, keepdims=True)
-  hi = jnp.max(xg, axis=axis, keepdims=True)
-  mid = (lo + hi) * 0.5
-  half = (hi - lo) * 0.5
-  best = None
-  for ratio in INT4_CLIP_RATIOS:
-    zero16 = to16(mid - half * ratio)
-    scale16 = to16(half * (2.0 * ratio / _Q4_MAX))
-    zero, scale = from16(zero16), from16(scale16)
-    codes = jnp.where(scale > 0, jnp.clip(jnp.round((xg - zero) / jnp.where(scale > 0, scale, 1)),
-                                          0, _Q4_MAX), 0)
-    err = jnp.sum(jnp.square(codes * scale + zero - xg), axis=axis, keepdims=True)
-    if best is None:
-      best = (err, codes, scale16, zero16)
-    else:
-      better = err < best[0]
-      best = (jnp.where(better, err, best[0]), jnp.where(better, codes, best[1]),
-              jnp.where(better, scale16, best[2]), jnp.where(better, zero16, best[3]))
-  return best[1].astype(jnp.int32), best[2], best[3]
+  q, scale = exact_quant.int8_quantize(x, axis=2)                       # scale [L, 2, 1, K, H]
+  return Int8Payload(q.astype(jnp.int8), scale[:, :, 0])
 
 
 def _int4_encode_ref(x, group):
   l_, _, c, k, h = x.shape
   xg = x.reshape(l_, 2, c // group, group, k, h)
-  codes, scale, zero = _int4_fit(xg, axis=3)
-  return Int4Payload(_pack_int4(codes.reshape(x.shape)), scale[:, :, :, 0], zero[:, :, :, 0])
+  codes, scale, zero = exact_quant.int4_fit(xg, axis=3)
+  return Int4Payload(_pack_int4(codes.astype(jnp.int32).reshape(x.shape)),
+                     scale[:, :, :, 0].astype(jnp.float16), zero[:, :, :, 0].astype(jnp.float16))
 
 
 def _cachegen_encode_ref(x, level, stride):
@@ -558,10 +511,7 @@ def _decode_kernel(dequant, *refs):
 
 def _int8_encode_kernel(x_ref, q_ref, scale_ref):
   # x_ref: [2, C, H] KV dtype; q_ref: int8[2, C, H]; scale_ref: f32[2, 1, H]
-  x = x_ref[...].astype(jnp.float32)
-  scale = jnp.max(jnp.abs(x), axis=1, keepdims=True) / _Q8_MAX
-  q = jnp.where(scale > 0, jnp.clip(jnp.round(x / jnp.where(scale > 0, scale, 1)),
-                                    -_Q8_MAX, _Q8_MAX), 0)
+  q, scale = exact_quant.int8_quantize(x_ref[...].astype(jnp.float32), axis=1)
   q_ref[...] = q.astype(jnp.int8)
   scale_ref[...] = scale
 
@@ -572,9 +522,8 @@ def _int4_encode_kernel(x_ref, q_ref, scale_ref, zero_ref):
   x = x_ref[...].astype(jnp.float32)
   _, c, h = x.shape
   n = scale_ref.shape[1]
-  codes_2NGH, scale_2N1H, zero_2N1H = _int4_fit(x.reshape(2, n, c // n, h), axis=2,
-                                                in_kernel=True)
-  q_ref[...] = _pack_int4(codes_2NGH.reshape(2, c, h))
+  codes_2NGH, scale_2N1H, zero_2N1H = exact_quant.int4_fit(x.reshape(2, n, c // n, h), axis=2)
+  q_ref[...] = _pack_int4(codes_2NGH.astype(jnp.int32).reshape(2, c, h))
   scale_ref[...] = scale_2N1H[:, :, 0]
   zero_ref[...] = zero_2N1H[:, :, 0]
 
@@ -782,7 +731,7 @@ def _kv_encode_jit(kv_L2CKH, *, codec, level, group, stride, interpret, use_pall
                     for b in CACHEGEN_LEVEL_BINS[level])
     payload = PAYLOAD_TYPES[codec](*kv_codec_gpu.encode(
         kv_L2CKH, codec, group=group, stride=stride, factors=factors,
-        int4_ratios=INT4_CLIP_RATIOS, interpret=interpret))
+        interpret=interpret))
   else:
     payload = _encode_pallas(kv_L2CKH, codec, level, group, stride, interpret, platform)
   for value in payload:  # scales and zeros must be finite too (int4's float16 range).

@@ -13,23 +13,30 @@ block dims, no value slicing or concatenation and no `round`. So here:
   * int4 runs in a parity layout: the wrapper splits the even and odd channels of the chunk (and
     of scale/zero/cos/sin, all small) into `[.., 2 (parity), .., H/2]`, so a packed byte holds
     one even and one odd channel of the same RoPE half and nothing is interleaved in the kernel;
-  * `round` (half to even, as `jnp.round`) is built from `floor` (`round_half_even`).
+  * `round` (half to even, as `jnp.round`) is built from `floor` (`round_half_even`);
+  * int8's and int4's encoders are `kvjax/kernels/exact_quant.py`, shared with the references
+    and the TPU kernels: their payloads are bit-identical on every backend although f32
+    division on a GPU is not correctly rounded, `a * b + c` may become a fused multiply-add
+    and reductions sum in their own order (that module says how). CacheGen's codes may move
+    one step at a rounding boundary against another backend's (its means and RMS are float
+    sums; measured on an H200: 7 of 16.8M delta codes, 1 of 1M anchor codes).
 
 Grids and blocks (C tokens, H head dim, G int4 group, T CacheGen anchor stride):
 
     decode  grid (L, K, C / tc)  tc = min(C, 64) tokens per program (a multiple of G and T):
             per program K and V of tc tokens, 2 x tc x H values (32 KiB f32 at tc 64, H 128)
-    encode  grid (L, 2, K)       one whole (C, H) slice per program (reductions run over C)
+    encode  grid (L, 2, K)       int8, cachegen: one whole (C, H) slice per program
+                                 (their reductions run over C)
+            grid (L, 2, K, C / G)  int4: one group, [2 (parity), G, H/2] per program
 
 Triton needs C, H, tc, C / G and C / T to be powers of two (SmolLM2 and LLaMA chunks of 256 are;
-checked, ValueError otherwise). Launch: 4 warps for decode, 8 for encode, 1 stage (no loop to
-pipeline).
+checked, ValueError otherwise). Launch: 4 warps for decode and int4 encode, 8 for the
+whole-slice encoders, 1 stage (no loop to pipeline).
 
 Tested in interpret mode against the jnp references (tests/kernels/kv_codec_gpu_test.py), lowered
-for CUDA on CPU through `jax.export` there, and compiled on an H200 by scripts/device_check.sh: in
-its one run raw, int8 and cachegen (SmolLM2) and raw, int8 (LLaMA) matched the reference, SmolLM2
-int4 did not (cause not recorded), the rest ran out of time (benchmarks/README.md, "Kernels on
-a GPU").
+for CUDA on CPU through `jax.export` there, and compiled on an H200 by scripts/device_check.sh
+(scripts/device_check_codec.py: codes against the CPU reference, decode error in ulps, GB/s;
+figures in benchmarks/README.md, "Kernels on a GPU").
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.codecs import CACHEGEN, INT4, INT8, RAW
+from kvjax.kernels import exact_quant
+from kvjax.kernels.exact_quant import round_half_even
 
 # ---------------------------------------------------------------------------------------------
 # Constants.
@@ -52,9 +61,10 @@ DEFAULT_DECODE_TOKENS = 64
 NUM_WARPS = 4
 #: Encode programs hold a whole [C, H] slice (128 KiB f32 at C 256, H 128): more threads.
 ENCODE_NUM_WARPS = 8
+#: int4 encode programs hold one [2, G, H/2] group (16 KiB f32 at G 64, H 128).
+INT4_ENCODE_NUM_WARPS = 4
 NUM_STAGES = 1
 _Q8_MAX = 127
-_Q4_MAX = 15
 
 
 def triton_params(num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
@@ -69,14 +79,6 @@ def triton_params(num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
 
 def _pow2(x: int) -> bool:
   return x >= 1 and x & (x - 1) == 0
-
-
-def round_half_even(x: jax.Array) -> jax.Array:
-  """`jnp.round` (half to even) of finite f32 from `floor` (Triton has no round)."""
-  r = jnp.floor(x)
-  d = x - r
-  odd = jnp.floor(r * 0.5) != r * 0.5
-  return jnp.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
 
 
 def _quant(x, scale, lo, hi):
@@ -290,49 +292,25 @@ def dequant_rope(codec: str, payload, cos_CH, sin_CH, dtype, *, interpret: bool 
 
 def _int8_encode_kernel(x_ref, q_ref, scale_ref):
   # x_ref: [C, H] KV dtype; q_ref: int8[C, H]; scale_ref: f32[1, H]
-  x = x_ref[...].astype(jnp.float32)
-  scale = jnp.max(jnp.abs(x), axis=0, keepdims=True) / _Q8_MAX
-  q_ref[...] = _quant(x, scale, -_Q8_MAX, _Q8_MAX).astype(jnp.int8)
+  q, scale = exact_quant.int8_quantize(x_ref[...].astype(jnp.float32), axis=0)
+  q_ref[...] = q.astype(jnp.int8)
   scale_ref[...] = scale
 
 
-def _int4_fit(x_NGJ, ratios):
-  """kv_codec's min-max int4 fit with clipping search over axis 1 (the G tokens of a group).
+def _int4_encode_kernel(x_ref, q_ref, scale_ref, zero_ref):
+  """One group of G tokens of one (layer, K/V part, kv head), in the parity layout.
 
-  Returns (codes int32[N, G, J], scale f16[N, 1, J], zero f16[N, 1, J]).
+  x_ref: KV dtype[2 (parity), G, H/2]; q_ref: uint8[G, H/2] (byte j: even channel 2j low
+  nibble, odd 2j + 1 high nibble); scale_ref, zero_ref: f16[2 (parity), H/2]. The fit is
+  `exact_quant.int4_fit` (bit-identical to the reference on every backend).
   """
-  lo = jnp.min(x_NGJ, axis=1, keepdims=True)
-  hi = jnp.max(x_NGJ, axis=1, keepdims=True)
-  mid = (lo + hi) * 0.5
-  half = (hi - lo) * 0.5
-  best = None
-  for ratio in ratios:
-    zero16 = (mid - half * ratio).astype(jnp.float16)
-    scale16 = (half * (2.0 * ratio / _Q4_MAX)).astype(jnp.float16)
-    zero, scale = zero16.astype(jnp.float32), scale16.astype(jnp.float32)
-    codes = _quant(x_NGJ - zero, scale, 0, _Q4_MAX)
-    err = jnp.sum(jnp.square(codes * scale + zero - x_NGJ), axis=1, keepdims=True)
-    if best is None:
-      best = (err, codes, scale16, zero16)
-    else:
-      better = err < best[0]
-      best = (jnp.where(better, err, best[0]), jnp.where(better, codes, best[1]),
-              jnp.where(better, scale16, best[2]), jnp.where(better, zero16, best[3]))
-  return best[1].astype(jnp.int32), best[2], best[3]
-
-
-def _int4_encode_kernel(ratios, x_ref, q_ref, scale_ref, zero_ref):
-  # x_ref: [2 (parity), C, H/2] KV dtype; q_ref: uint8[C, H/2];
-  # scale_ref, zero_ref: f16[2 (parity), C / G, H/2]
-  _, c, j = x_ref.shape
-  n = scale_ref.shape[1]
   codes = []
   for parity in (0, 1):
-    x = x_ref[parity].astype(jnp.float32).reshape(n, c // n, j)
-    code, scale, zero = _int4_fit(x, ratios)
-    codes.append(code.reshape(c, j))
-    scale_ref[parity] = scale.reshape(n, j)
-    zero_ref[parity] = zero.reshape(n, j)
+    x = x_ref[parity].astype(jnp.float32)                      # [G, H/2]
+    code, scale, zero = exact_quant.int4_fit(x, axis=0, loop=True)
+    codes.append(code.astype(jnp.int32))
+    scale_ref[parity] = scale[0].astype(scale_ref.dtype)       # f16 values: exact
+    zero_ref[parity] = zero[0].astype(zero_ref.dtype)
   q_ref[...] = (codes[0] | (codes[1] << 4)).astype(jnp.uint8)
 
 
@@ -360,7 +338,7 @@ def _cachegen_encode_kernel(factors, x_ref, anchor_q_ref, anchor_scale_ref, delt
 
 
 def encode(kv_L2CKH, codec: str, *, group: int, stride: int, factors: tuple[float, ...],
-           int4_ratios: tuple[float, ...], interpret: bool = False):
+           interpret: bool = False):
   """Encodes a chunk with the Triton kernel `kv_encode_<codec>_gpu` (int8, int4, cachegen).
 
   Args:
@@ -368,7 +346,6 @@ def encode(kv_L2CKH, codec: str, *, group: int, stride: int, factors: tuple[floa
     codec: "int8", "int4" or "cachegen" (raw has no kernel: its payload is the chunk).
     group: int4 G (0 otherwise); stride: CacheGen T (0 otherwise).
     factors: CacheGen per-layer-group step factors (`bin / CACHEGEN_STEPS_PER_RMS`).
-    int4_ratios: int4 clipping candidates (kv_codec.INT4_CLIP_RATIOS).
     interpret: Pallas interpret mode (CPU tests).
 
   Returns:
@@ -396,11 +373,26 @@ def encode(kv_L2CKH, codec: str, *, group: int, stride: int, factors: tuple[floa
                     [((c, h), jnp.int8), ((1, h), jnp.float32)])
     return _heads(q), scale[:, :, :, 0]
   if codec == INT4:
-    n = c // group
-    x = jnp.transpose(kv_L2CKH.reshape(l_, 2, c, k_, h // 2, 2), (0, 1, 3, 5, 2, 4))
-    q, scale, zero = call(functools.partial(_int4_encode_kernel, tuple(int4_ratios)), x,
-                          [((c, h // 2), jnp.uint8), ((2, n, h // 2), jnp.float16),
-                           ((2, n, h // 2), jnp.float16)])
+    # Grid (layer, part, kv head, group): one [2 (parity), G, H/2] block per program, so the
+    # fit's temporaries stay small (a whole-chunk program unrolled 6 candidates x 2 parities
+    # over [C / G, G, H/2] tensors: slow to compile, heavy on registers).
+    n, hh = c // group, h // 2
+    x = jnp.transpose(kv_L2CKH.reshape(l_, 2, c, k_, hh, 2), (0, 1, 3, 5, 2, 4))  # [L,2,K,2,C,J]
+    q, scale, zero = pl.pallas_call(
+        _int4_encode_kernel,
+        out_shape=[jax.ShapeDtypeStruct((l_, 2, k_, c, hh), jnp.uint8),
+                   jax.ShapeDtypeStruct((l_, 2, k_, 2, n, hh), jnp.float16),
+                   jax.ShapeDtypeStruct((l_, 2, k_, 2, n, hh), jnp.float16)],
+        grid=(l_, 2, k_, n),
+        in_specs=[pl.BlockSpec((None, None, None, 2, group, hh),
+                               lambda l, p, k, g: (l, p, k, 0, g, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, group, hh), lambda l, p, k, g: (l, p, k, g, 0)),
+                   pl.BlockSpec((None, None, None, 2, None, hh),
+                                lambda l, p, k, g: (l, p, k, 0, g, 0)),
+                   pl.BlockSpec((None, None, None, 2, None, hh),
+                                lambda l, p, k, g: (l, p, k, 0, g, 0))],
+        compiler_params=triton_params(num_warps=INT4_ENCODE_NUM_WARPS), interpret=interpret,
+        name="kv_encode_int4_gpu")(x)
     return _heads(q), _unparity(scale), _unparity(zero)
   if codec == CACHEGEN:
     a = c // stride

@@ -4,6 +4,7 @@ refill as reads land, staging, release, cancel)."""
 import asyncio
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
@@ -214,6 +215,30 @@ class LoaderTest(absltest.TestCase):
     got = self.client.landed(wait_s=30)
     self.assertEqual([(r.request_id, r.index) for r in got], [("other", 0)])
     self.assertEqual(self.client.loads_in_flight(), 0)
+
+
+class EntropyDecoderPlatformTest(absltest.TestCase):
+
+  def test_decoder_follows_the_target_platform_not_the_host(self):
+    # The runner's target (plain data) picks the rANS decoder: the Pallas kernel for a GPU or
+    # TPU target even on this CPU host (a program built for a topology), the jnp reference for
+    # CPU; None: the platform being compiled for (here the CPU backend), as before.
+    host = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
+    for platform, want in ((None, (host, host != "cpu")), ("cpu", ("cpu", False)),
+                           ("cuda", ("cuda", True)), ("tpu", ("tpu", True))):
+      client = KVStoreClient(EmptyStore(), model_fingerprint="fp", layout=LAYOUT,
+                             kv_layout_version=1, platform=platform)
+      try:
+        self.assertEqual((client.platform, client.use_pallas_entropy), want, platform)
+      finally:
+        client.close()
+    client = KVStoreClient(EmptyStore(), model_fingerprint="fp", layout=LAYOUT,
+                           kv_layout_version=1, platform="tpu", use_pallas_entropy=False)
+    self.assertFalse(client.use_pallas_entropy)  # an explicit choice wins
+    client.close()
+    with self.assertRaisesRegex(ValueError, "platform"):
+      KVStoreClient(EmptyStore(), model_fingerprint="fp", layout=LAYOUT, kv_layout_version=1,
+                    platform="metal")
 
 
 class StagedBytesTest(absltest.TestCase):

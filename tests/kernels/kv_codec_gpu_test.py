@@ -9,6 +9,7 @@ from absl.testing import absltest, parameterized
 from jax import export
 
 from kvjax import codecs
+from kvjax.kernels import exact_quant
 from kvjax.kernels import kv_codec as kc
 from kvjax.kernels import kv_codec_gpu as gpu
 
@@ -63,7 +64,11 @@ class KvCodecGpuTest(parameterized.TestCase):
     self.assertIsInstance(got, type(want))
     for name, a, b in zip(want._fields, want, got):
       self.assertEqual((a.shape, a.dtype), (b.shape, b.dtype), name)
-      if jnp.issubdtype(a.dtype, jnp.integer):
+      if codec in (codecs.INT8, codecs.INT4):
+        # int8 and int4 (kvjax/kernels/exact_quant.py) are exact arithmetic: the same bytes on
+        # every backend, whatever its division, fused multiply-adds or reduction order.
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+      elif jnp.issubdtype(a.dtype, jnp.integer):
         # Codes: identical but for a value that sits on a rounding boundary after a last-ulp
         # difference of its scale (reduction order); never more than one step.
         diff = np.abs(np.asarray(a, np.int32) - np.asarray(b, np.int32))
@@ -92,12 +97,86 @@ class KvCodecGpuTest(parameterized.TestCase):
       w, g = np.asarray(want, np.float32), np.asarray(got, np.float32)
       np.testing.assert_array_equal(np.isnan(g), np.isnan(w))  # untouched slots stay NaN
       np.testing.assert_allclose(g[~np.isnan(w)], w[~np.isnan(w)], **tol)
+    if codec != codecs.CACHEGEN:
+      # V of raw / int8 / int4 is one rounding per value (int4: code * scale is exact, so a
+      # fused multiply-add rounds the same): bit-identical on any backend. K's RoPE (and
+      # CacheGen's two products) may round once where another backend rounds twice: within
+      # one ulp of the cache dtype there (scripts/device_check_codec.py checks it on a GPU).
+      np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
 
   def test_round_half_even_matches_jnp_round(self):
     x = jnp.asarray(np.concatenate([np.arange(-8, 8, 0.25), [0.5, 1.5, 2.5, -0.5, -2.5, 1e7 + 0.5,
                                                               3.4e38, -3.4e38, 0.0, -0.0]]),
                     jnp.float32)
-    np.testing.assert_array_equal(np.asarray(gpu.round_half_even(x)), np.asarray(jnp.round(x)))
+    np.testing.assert_array_equal(np.asarray(exact_quant.round_half_even(x)),
+                                  np.asarray(jnp.round(x)))
+
+  def test_round_f16_matches_cast(self):
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.normal(size=4096) * 10.0 ** rng.integers(-9, 6, size=4096),
+                        [0.0, -0.0, 65504.0, 65519.9, 65520.0, -1e6, 2.0 ** -25, 3 * 2.0 ** -26,
+                         np.inf, -np.inf]]).astype(np.float32)
+    with np.errstate(over="ignore"):  # 1e6 and 65520 overflow float16: inf, as round_f16
+      want = x.astype(np.float16).astype(np.float32)
+    got = np.asarray(exact_quant.round_f16(jnp.asarray(x)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+  def test_int4_codes_exact_whatever_the_division(self):
+    # Triton divides with PTX div.full.f32 (up to 2 ulp off), TPUs with a reciprocal estimate:
+    # the codes must not depend on it. Quotients on and next to every rounding boundary, an
+    # estimate from the exact quotient, from a division a few ulps off, and off by one step.
+    rng = np.random.default_rng(4)
+    scale = np.float16(rng.uniform(0.01, 4.0, size=(1, 512))).astype(np.float32)
+    k = rng.integers(-2, 18, size=(64, 512)) + 0.5
+    ties = (k * scale).astype(np.float32)                      # exact: on the boundary
+    d = np.concatenate([ties, np.nextafter(ties, np.float32(np.inf)),
+                        np.nextafter(ties, np.float32(-np.inf)),
+                        (rng.uniform(-3, 20, size=(64, 512)) * scale).astype(np.float32)])
+    scale = np.broadcast_to(scale, d.shape)
+    rounded = np.round(d.astype(np.float64) / scale.astype(np.float64))
+    exact = np.clip(rounded, 0, 15)
+    q = d / scale
+    for estimate in (np.floor(q + 0.5), np.floor(q * (1 + 2e-7) + 0.5),
+                     np.floor(q * (1 - 2e-7) + 0.5), rounded + 1, rounded - 1):
+      got = exact_quant.correct_codes(jnp.asarray(d), jnp.asarray(scale),
+                                   jnp.asarray(estimate.astype(np.float32)))
+      np.testing.assert_array_equal(np.asarray(got), exact)
+    np.testing.assert_array_equal(np.asarray(exact_quant.int4_codes(jnp.asarray(d),
+                                                                  jnp.asarray(scale))), exact)
+    # scale 0 (a flat channel): code 0.
+    self.assertEqual(float(exact_quant.int4_codes(jnp.float32(3.0), jnp.float32(0.0))), 0.0)
+
+  def test_int8_codes_exact_whatever_the_division(self):
+    # Values on and next to the rounding boundaries of their channel's scale; the codes are
+    # the round-half-even of the exact quotient, the scale max|x| / 127 at 16 bits.
+    rng = np.random.default_rng(7)
+    absmax = np.float32(rng.uniform(0.5, 8.0, size=64))
+    scale = np.asarray(exact_quant.round_mantissa(jnp.asarray(absmax * np.float32(1 / 127)),
+                                                  exact_quant.INT8_SCALE_BITS))
+    self.assertTrue(np.all(np.abs(scale / (absmax / 127) - 1) <= 2.0 ** -16))
+    k = rng.integers(-127, 127, size=(96, 64)) + 0.5
+    ties = (k * scale).astype(np.float32)
+    x = np.concatenate([ties, np.nextafter(ties, np.float32(np.inf)),
+                        np.nextafter(ties, np.float32(-np.inf)), absmax[None], -absmax[None]])
+    codes, got_scale = (np.asarray(a) for a in exact_quant.int8_quantize(jnp.asarray(x), axis=0))
+    np.testing.assert_array_equal(got_scale[0], scale)
+    want = np.clip(np.round(x.astype(np.float64) / scale.astype(np.float64)), -127, 127)
+    np.testing.assert_array_equal(codes, want)
+    self.assertEqual(int(np.abs(codes).max()), 127)
+
+  def test_int4_fit_independent_of_summation_order(self):
+    # The clipping search compares error sums of integers below 2**24: exact in float32, so
+    # any backend's reduction tree picks the same candidate. Reversing and shuffling the
+    # tokens of a group permutes the codes and changes nothing else.
+    x = jnp.asarray(synthetic_kv(5, 64, num_layers=1, k=2, h=64), jnp.bfloat16)
+    x = x.astype(jnp.float32).reshape(2, 64, 128)              # [groups, G tokens, channels]
+    codes, scale, zero = (np.asarray(a) for a in exact_quant.int4_fit(x, axis=1))
+    perm = np.random.default_rng(6).permutation(64)
+    for order in (perm, np.arange(64)[::-1]):
+      c2, s2, z2 = (np.asarray(a) for a in exact_quant.int4_fit(x[:, order], axis=1))
+      np.testing.assert_array_equal(s2, scale)
+      np.testing.assert_array_equal(z2, zero)
+      np.testing.assert_array_equal(c2, codes[:, order])
 
   def test_shapes_triton_cannot_tile_raise(self):
     x = jnp.zeros((1, 2, 24, 1, 16), jnp.float32)  # C = 24: not a power of two
