@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.scheduler.cake import MergeMode
+from kvjax.scheduler.cake_state import MergeMode
 from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 
 @dataclasses.dataclass(frozen=True)

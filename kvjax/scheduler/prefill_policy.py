@@ -267,3 +267,66 @@ class LandingWait:
       return None
     self.waiting_for, self.since_s = best[1], now_s
     return now_s + half_s
+
+
+@dataclasses.dataclass
+class StepCap:
+  """Rules a and b within one step: `cap` is what the prefills with more than `exempt` tokens
+  left may still take this step (None: no cap); `rule_a` holds until the first prefill of the
+  order ends its prompt. One per `Scheduler.schedule` call."""
+
+  cap: int | None = None
+  exempt: int = 0
+  rule_a: bool = False
+
+  @classmethod
+  def start(cls, short: bool, landing: tuple[int, int] | None) -> StepCap:
+    """The step's cap: rule b's (`landing_cap`: tokens, the hit's tokens left) if any, and rule
+    a pending when `short` (short first-token steps are on)."""
+    out = cls(rule_a=short)
+    if landing is not None:
+      out.cap, out.exempt = landing[0], 2 * landing[1]
+    return out
+
+  def offer(self, left: Callable[[], int], budget: int, share: int) -> tuple[int, bool]:
+    """(the tokens a prefill may take of the `budget` left, whether the cap applies to it):
+    `left()` (called only under a cap) is its tokens left, `share` its `prefill_share`."""
+    capped = self.cap is not None and cut(left(), self.exempt, share)
+    return (min(budget, self.cap) if capped else budget), capped
+
+  def took(self, n: int, capped: bool) -> None:
+    """A prefill offered under the cap took `n` tokens."""
+    if capped:
+      self.cap -= n
+
+  def ended(self, step_tokens: int, least: int) -> None:
+    """Rule a: the first prefill of the order ended its prompt (its first token comes with this
+    step): the longer prefills after it take at most as many tokens again as the step holds so
+    far (`step_tokens`: its decodes and prefill tokens, this one's included; at least `least`,
+    the smallest chunk size); one with at most twice that left is short too and goes whole."""
+    self.rule_a = False
+    n = max(step_tokens, least)
+    self.cap = n if self.cap is None else min(self.cap, n)
+    self.exempt = max(self.exempt, 2 * n)
+
+  def rest(self, budget: int) -> int:
+    """What the merges' compute may take of the `budget` left (the step's rest)."""
+    return budget if self.cap is None else min(budget, self.cap)
+
+
+def wait_s(now_s: float | None, land_at: float | None, idle_with_loads: bool,
+           rechecks: Iterable[float | None]) -> float | None:
+  """How long the executor blocks for a load to land before the next plan, seconds (None: no
+  wait): until rule c's `land_at` (`LandingWait.until`), or, for a step that plans nothing
+  while loads are outstanding (`idle_with_loads`), until the earliest time a merge may go on
+  without a landing (`rechecks`: `CakeMerge.recheck_s` of each merge, consumed only then); at
+  most `MAX_LOAD_WAIT_S` either way."""
+  if land_at is not None:
+    return min(MAX_LOAD_WAIT_S, max(0.0, land_at - now_s))
+  if not idle_with_loads:
+    return None
+  out = MAX_LOAD_WAIT_S
+  for t in rechecks:
+    if t is not None:
+      out = min(out, max(0.0, t - now_s))
+  return out

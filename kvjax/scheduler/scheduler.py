@@ -40,19 +40,19 @@ from __future__ import annotations
 
 import bisect
 import collections
-import copy
 import dataclasses
 import functools
 import itertools
 
 from kvjax._typing import RequestId
-from kvjax.scheduler import prefill_policy, transfer_policy
-from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace, Writer
+from kvjax.scheduler import device_prefix, prefill_policy, prefix_loads, transfer_policy
+from kvjax.scheduler.cake import CakeMerge, MergeMode, MergeTrace
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
-from kvjax.scheduler.output import (DecodeItem, InsertItem, LoadItem, PrefillChunk, SaveItem,
-                                    SchedulerOutput, StepResult, StoredPrefix)
+from kvjax.scheduler.output import (DecodeItem, InsertItem, PrefillChunk, SaveItem, SchedulerOutput,
+                                    StepResult, StoredPrefix)
+from kvjax.scheduler.prefix_loads import RELEASED, Prefix
 from kvjax.scheduler.prefill_policy import (FCFS, MAX_LOAD_WAIT_S, PREFILL_ORDERS,
                                             SHORTEST_FIRST, chunk_tokens)
 from kvjax.scheduler.request import Request, RequestStatus
@@ -61,20 +61,6 @@ from kvjax.scheduler.transfer_policy import loads_ahead, reads_at_once
 __all__ = ["FCFS", "MAX_LOAD_WAIT_S", "PREFILL_ORDERS", "RELEASED", "SHORTEST_FIRST",
            "LoadConfig", "Scheduler", "SchedulerConfig", "chunk_tokens", "loads_ahead",
            "reads_at_once"]
-
-#: `LoadReport.reason` of a load the executor dropped, at the plan's request, before it started.
-RELEASED = "released"
-
-
-@dataclasses.dataclass
-class _Prefix:
-  """Scheduler-side facts of a request's stored prefix (its merge and what to save)."""
-
-  merge: CakeMerge
-  stored: StoredPrefix
-  rejected: set[int] = dataclasses.field(default_factory=set)
-  outstanding: dict[int, int] = dataclasses.field(default_factory=dict)  # issued: planned bytes
-
 
 class Scheduler:
   """Admits requests into decode slots and plans each step within the token budget.
@@ -126,7 +112,7 @@ class Scheduler:
     self.consistent = consistent
     # Consistent mode computes store chunks whole, one per step: the only compiled size used.
     self._plan_sizes = (save_chunk_size,) if consistent else config.chunk_sizes
-    # One request's prefill tokens per step at most (None: the budget's): see the module note.
+    # One request's prefill tokens per step at most (None: the budget's; `prefill_share`).
     cap = config.long_prefill_token_threshold
     self._prefill_cap = (max(cap, save_chunk_size) if consistent else cap) if cap else None
     self.config = config
@@ -136,7 +122,7 @@ class Scheduler:
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: dict[RequestId, Request] = {}  # insertion order = admission order
     self._free_slots = list(range(config.num_slots))
-    self._prefix: dict[RequestId, _Prefix] = {}
+    self._prefix: dict[RequestId, Prefix] = {}  # the store side (`prefix_loads`)
     self._finished_ids: list[RequestId] = []
     self._releases: list[tuple[RequestId, int]] = []
     self._last_step_s = 0.0
@@ -174,55 +160,26 @@ class Scheduler:
       raise ValueError(f"request id {rid!r} is already scheduled")
     self.check_fits(request.num_prompt_tokens + request.sampling_params.max_tokens)
     self._roots[rid] = namespace_root
-    if stored is not None and any(stored.hits) and self._device_covers(request, stored,
-                                                                       namespace_root):
+    if stored is not None and any(stored.hits) and self.kv_cache is not None and (
+        device_prefix.covers(self.kv_cache, request, stored, namespace_root)):
       stored = None  # the device holds every stored chunk: its blocks (and parked block) serve
     if stored is not None and any(stored.hits):
-      lc = self.load_config
-      encodings = [c.candidates if c is not None else None for c in stored.chunks]
       resident = self._hold_device_prefix(request, stored.chunk_size, namespace_root)
-      merge = CakeMerge(
-          request.num_prompt_tokens, stored.chunk_size, stored.hits,
-          merge_mode if merge_mode is not None else lc.merge_mode,
-          encodings=encodings, max_loads_in_flight=lc.max_loads_ahead or 2,
-          kv_ttft_target_s=kv_ttft_target_s if kv_ttft_target_s is not None
-          else lc.kv_ttft_target_s, arrival_s=request.arrival_s,
-          check_writes=lc.check_writes, resident=resident,
-          last_unit_tokens=stored.tail_tokens or None)
-      self._prefix[rid] = _Prefix(merge, stored)
+      self._prefix[rid] = prefix_loads.new_prefix(request, stored, self.load_config, merge_mode,
+                                                  kv_ttft_target_s, resident)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
 
-  def _device_covers(self, r: Request, stored: StoredPrefix, root: str | None) -> bool:
-    """Paged layout: whether the device-resident prefix reaches past the last stored hit, so
-    the store has nothing the device lacks; the request then takes the device path (whole
-    blocks and a parked partial block, token-granular) instead of a Cake merge (whole chunks)."""
-    if self.kv_cache is None:
-      return False
-    _, hit_tokens = self.kv_cache.get_computed_blocks(r, namespace_root=root, record_stats=False)
-    return stored.end <= hit_tokens
-
   def _hold_device_prefix(self, r: Request, chunk_size: int, root: str | None) -> int:
     """Paged layout, a request with a Cake merge: takes its device-resident whole store chunks
-    now (hit blocks shared, the rest of the prompt's blocks allocated), so the merge treats
-    them as resident from the start; returns how many chunks (0 when none, or the pool is
-    short: the blocks are then allocated at admission)."""
-    kvm = self.kv_cache
-    if kvm is None:
+    now (`device_prefix.hold`); returns how many chunks (0 when none, or the pool is short)."""
+    if self.kv_cache is None:
       return 0
-    hits, hit_tokens = kvm.get_computed_blocks(r, namespace_root=root)
-    per_chunk = chunk_size // kvm.block_size
-    chunks = hit_tokens // chunk_size  # whole chunks (a parked partial block is not one)
-    if not chunks:
-      return 0
-    hits = hits[:chunks * per_chunk]
-    tokens = chunks * chunk_size
-    if kvm.allocate_slots(r.request_id, r.num_prompt_tokens - tokens, num_computed_tokens=0,
-                          new_computed_blocks=hits) is None:
-      return 0
-    self._device_hit_tokens[r.request_id] = tokens
-    self._device_hits.append((r.request_id, tokens))
-    return chunks
+    tokens = device_prefix.hold(self.kv_cache, r, chunk_size, root)
+    if tokens:
+      self._device_hit_tokens[r.request_id] = tokens
+      self._device_hits.append((r.request_id, tokens))
+    return tokens // chunk_size
 
   def check_fits(self, num_tokens: int) -> None:
     """Raises ValueError when a sequence of `num_tokens` tokens can never fit the pool (paged
@@ -255,15 +212,7 @@ class Scheduler:
   def merge_trace(self, request_id: RequestId) -> MergeTrace | None:
     """A snapshot (a copy) of the request's merge trace, or None without a merge."""
     p = self._prefix.get(request_id)
-    return self._snapshot(p.merge) if p is not None else None
-
-  @staticmethod
-  def _snapshot(m: CakeMerge) -> MergeTrace:
-    trace = copy.deepcopy(m.trace)
-    if m.keeps_writers:
-      trace.chunk_writers = m.chunk_writers()
-      trace.unwritten_positions = m.writer_map().count(Writer.NONE)
-    return trace
+    return prefix_loads.snapshot(p.merge) if p is not None else None
 
   def cake_requests(self, include_waiting: bool = False) -> list[Request]:
     """Requests whose merge still prefills: running ones oldest first, then (with
@@ -293,7 +242,7 @@ class Scheduler:
       now = self._last_now_s if self._last_now_s is not None else 0.0
       for j, nbytes in sorted(prefix.outstanding.items()):
         m.load_done(j, False, nbytes, now)  # abandoned loads count as waste (planned bytes)
-      self._final_traces[request_id] = self._snapshot(m)
+      self._final_traces[request_id] = prefix_loads.snapshot(m)
     if r.slot is not None:
       bisect.insort(self._free_slots, r.slot)
       r.slot = None
@@ -356,19 +305,12 @@ class Scheduler:
     admitted: list[RequestId] = []
     admitting = True  # until an admission fails (then nobody behind it is admitted this step)
     order = self._prefills_first()
-    # Short first-token steps (the module note): `cap` is what the prefills with more than
-    # `exempt` tokens left may still take this step (None: no cap).
-    cap, exempt = None, 0
-    rule_a = short  # until the first prefill of the order ends its prompt
-    if short and order:
-      landing = self._landing_cap(order, now_s)
-      if landing is not None:
-        cap, hit_left = landing
-        exempt = 2 * hit_left
+    # Short first-token steps (rules a and b, `prefill_policy.StepCap`).
+    cap = prefill_policy.StepCap.start(short, self._landing_cap(order, now_s)
+                                       if short and order else None)
     for r in order:
-      capped = cap is not None and prefill_policy.cut(self._tokens_left(r), exempt,
-                                                      self._prefill_share(budget))
-      offer = min(budget, cap) if capped else budget
+      offer, capped = cap.offer(lambda r=r: self._tokens_left(r), budget,
+                                self._prefill_share(budget))
       left = offer
       if r.status is RequestStatus.WAITING:  # "shortest_first": a queued one, admitted early
         if admitting:
@@ -378,44 +320,35 @@ class Scheduler:
           left = self._plan_cake(r, offer, now_s, prefills)
         else:
           left = self._plan_chunks(r, offer, prefills)
-      took = offer - left
-      budget -= took
-      if capped:
-        cap -= took
-      if rule_a and r.status is RequestStatus.DECODING:
-        # Its first token comes with this step (the first to end sets the rule): the longer
-        # prefills after it take at most as many tokens again as the step holds so far (its
-        # decodes and prefill tokens, this one's included); one with at most twice that left
-        # is short too and goes whole.
-        rule_a = False
-        n = max(step_budget - budget, self._plan_sizes[0])
-        cap = n if cap is None else min(cap, n)
-        exempt = max(exempt, 2 * n)
+      budget -= offer - left
+      cap.took(offer - left, capped)
+      if cap.rule_a and r.status is RequestStatus.DECODING:  # its first token comes with it
+        cap.ended(step_budget - budget, self._plan_sizes[0])
     # Admissions (first come first served) are the step's rest: under a cap, a queued request
     # that is short (`cut`) goes whole, as it would in the order above; a longer one takes
     # what the cap leaves.
     while admitting and self.waiting:
       r = self.waiting[0]
-      capped = cap is not None and prefill_policy.cut(self._queued_left(r), exempt,
-                                                      self._prefill_share(budget))
-      offer = min(budget, cap) if capped else budget
+      offer, capped = cap.offer(lambda r=r: self._queued_left(r), budget,
+                                self._prefill_share(budget))
       if short:  # rule a for the queue (`_room_behind`)
         offer = min(offer, budget - self._room_behind(budget))
       left, admitting = self._admit(r, offer, prefills, admitted)
       budget -= offer - left
-      if capped:
-        cap -= offer - left
-    if cap is not None:
-      budget = min(budget, cap)  # merges' compute is the step's rest
+      cap.took(offer - left, capped)
+    budget = cap.rest(budget)  # merges' compute is the step's rest
     # One admitted early may have been preempted by a later prefill's blocks (the newest goes
     # first): it is queued again, at the front.
     admitted = [rid for rid in admitted if rid in self.running]
     late, _ = self._plan_inserts([self.running[rid] for rid in admitted], held)
     inserts += late
-    loads = self._plan_loads(now_s)
+    loads = prefix_loads.plan_loads(self._prefix, self.cake_requests(include_waiting=True), now_s,
+                                    self.load_config, self.cost_model, self._last_step_s,
+                                    self.config.chunk_sizes[-1])
     for r in self.cake_requests():
       budget = self._plan_cake(r, budget, now_s, prefills)
-    releases = self._plan_releases()
+    releases = prefix_loads.plan_releases(self._prefix, self._releases)
+    self._releases = []
     block_tables: tuple = ()
     preempted: tuple = ()
     device_hits: tuple = ()
@@ -428,17 +361,12 @@ class Scheduler:
       block_tables = tuple((rid, kvm.block_table(rid)) for rid in self.running)
       preempted, self._preempted = tuple(self._preempted), []
       device_hits, self._device_hits = tuple(self._device_hits), []
-    wait_s = None
     self._computed_last = bool(decodes or prefills)
-    if land_at is not None:
-      wait_s = min(MAX_LOAD_WAIT_S, max(0.0, land_at - now_s))
-    if land_at is None and not inserts and not decodes and not prefills and any(
-        p.outstanding for p in self._prefix.values()):
-      wait_s = MAX_LOAD_WAIT_S
-      for r in self.cake_requests():
-        t = self._prefix[r.request_id].merge.recheck_s(now_s, self.cost_model)
-        if t is not None:
-          wait_s = min(wait_s, max(0.0, t - now_s))
+    wait_s = prefill_policy.wait_s(
+        now_s, land_at, not inserts and not decodes and not prefills and any(
+            p.outstanding for p in self._prefix.values()),
+        (self._prefix[r.request_id].merge.recheck_s(now_s, self.cost_model)
+         for r in self.cake_requests()))
     finished, self._finished_ids = tuple(self._finished_ids), []
     layer_groups = (self.load_config.layerwise_groups
                     if inserts and (decodes or prefills) and self.kv_cache is not None else 1)
@@ -492,35 +420,18 @@ class Scheduler:
     return True
 
   def _device_prefix(self, r: Request, record_stats: bool = True) -> tuple[list, int]:
-    """A queued ordinary request's device-resident prefix: (hit blocks, hit tokens); whole
-    store chunks only in consistent mode; ([], 0) for the slotted layout. `record_stats=False`
-    peeks (the manager's hit-rate counters stay as they are)."""
-    kvm = self.kv_cache
-    if kvm is None:
+    """A queued ordinary request's device-resident prefix (`device_prefix.lookup`; whole store
+    chunks only in consistent mode); ([], 0) for the slotted layout."""
+    if self.kv_cache is None:
       return [], 0
-    hits, hit_tokens = kvm.get_computed_blocks(r, namespace_root=self._roots.get(r.request_id),
-                                               record_stats=record_stats)
-    if self.consistent and self.save_chunk_size and hit_tokens % self.save_chunk_size:
-      keep = hit_tokens // self.save_chunk_size * self.save_chunk_size // kvm.block_size
-      hits, hit_tokens = hits[:keep], keep * kvm.block_size
-    return hits, hit_tokens
+    return device_prefix.lookup(self.kv_cache, r, self._roots.get(r.request_id),
+                                self.save_chunk_size if self.consistent else None, record_stats)
 
   def _grow(self, r: Request, n: int, may_preempt: bool = True) -> bool:
-    """Paged layout: blocks for `n` more tokens of `r` at `r.num_computed_tokens`, preempting
-    the newest running request while the pool is short (with `may_preempt`). False when the
-    pool stays short or `r` itself was preempted (it is then waiting again). True for the
-    slotted layout."""
-    kvm = self.kv_cache
-    if kvm is None:
-      return True
-    while kvm.allocate_slots(r.request_id, n, num_computed_tokens=r.num_computed_tokens) is None:
-      if not may_preempt:
-        return False
-      victim = self.running[kvm.choose_victim(list(self.running))]
-      self._preempt(victim)
-      if victim is r:
-        return False
-    return True
+    """Paged layout: blocks for `n` more tokens of `r` (`device_prefix.grow`, preempting with
+    `may_preempt`). True for the slotted layout."""
+    return self.kv_cache is None or device_prefix.grow(self.kv_cache, r, n, may_preempt,
+                                                       self.running, self._preempt)
 
   def _preempt(self, r: Request) -> None:
     """Frees a running request's blocks and requeues it at the front (vLLM's recompute
@@ -683,67 +594,12 @@ class Scheduler:
 
   def _plan_inserts(self, requests: list[Request], held: int
                     ) -> tuple[list[InsertItem], int]:
-    """Landed chunks of `requests` (holding slots): inserted this step (marked resident now).
-
-    Args:
-      requests: running requests, in admission order.
-      held: staged bytes the layer-wise deferring requests of this step hold already.
-
-    Returns:
-      The insert items, and `held` plus what the deferring ones among `requests` hold.
-    """
-    out = []
-    for r in requests:
-      prefix = self._prefix.get(r.request_id)
-      if prefix is None:
-        continue
-      m = prefix.merge
-      if self.load_config.layerwise_groups > 1 and self.kv_cache is not None:
-        need = transfer_policy.defer_bytes(m, prefix.stored)
-        if need is not None and held + need <= self.load_config.staging_bytes:
-          held += need
-          continue  # layer-wise: insert them with the step that computes after them
-      for j, st in enumerate(m.states):
-        if st is ChunkState.LANDED:
-          m.inserted(j)
-          n = m.unit_tokens(j)  # a stored tail's m rows, else the whole chunk
-          out.append(InsertItem(r.request_id, j, r.slot, j * m.chunk_size,
-                                n if n != m.chunk_size else None))
-    return out, held
-
-  def _plan_loads(self, now_s: float | None) -> tuple[LoadItem, ...]:
-    """Each merge's next loads (last chunk first), running requests first, then queued ones."""
-    out = []
+    """Landed chunks of `requests` (holding slots), inserted this step, and `held` plus the
+    staged bytes of layer-wise deferring ones (`prefix_loads.plan_inserts`)."""
     lc = self.load_config
-    cost = self.cost_model
-    for r in self.cake_requests(include_waiting=True):
-      prefix = self._prefix[r.request_id]
-      m = prefix.merge
-      nbytes = transfer_policy.largest_chunk_nbytes(prefix.stored)
-      if lc.max_loads_ahead is None:
-        delay_s = max(self._last_step_s,
-                      cost.predict_compute_s(r.num_computed_tokens, self.config.chunk_sizes[-1]))
-        m.max_loads_in_flight = loads_ahead(cost.bandwidth_bytes_per_s, delay_s,
-                                            lc.link_latency_s, nbytes, lc.staging_bytes)
-      reads = lc.max_loads_in_flight or reads_at_once(cost.bandwidth_bytes_per_s,
-                                                      lc.link_latency_s, nbytes)
-      while (j := m.next_load(now_s, cost)) is not None:
-        enc = m.load_encoding(j)
-        prefix.outstanding[j] = enc.nbytes if enc is not None else 0
-        out.append(LoadItem(r.request_id, j, enc.name if enc is not None else None,
-                            enc.nbytes if enc is not None else 0, reads))
-    return tuple(out)
-
-  def _plan_releases(self) -> tuple[tuple[RequestId, int], ...]:
-    """Outstanding loads of chunks compute has taken (not started: never start; landed: free),
-    and landed loads the merges dropped since the last plan."""
-    for rid, prefix in self._prefix.items():
-      states = prefix.merge.states
-      for j in sorted(prefix.outstanding):
-        if states[j] in (ChunkState.COMPUTING, ChunkState.COMPUTED):
-          self._releases.append((rid, j))
-    out, self._releases = tuple(dict.fromkeys(self._releases)), []
-    return out
+    return prefix_loads.plan_inserts(self._prefix, requests, held,
+                                     lc.layerwise_groups > 1 and self.kv_cache is not None,
+                                     lc.staging_bytes)
 
   def _plan_cake(self, r: Request, budget: int, now_s: float, out: list[PrefillChunk]) -> int:
     """Appends the compute steps of `r`'s merge that the budget (and the long-prefill
@@ -804,10 +660,10 @@ class Scheduler:
     c = self.save_chunk_size
     if c is None:
       return ()
-    prefix = self._prefix.get(r.request_id)
+    p = self._prefix.get(r.request_id)
     return transfer_policy.saves(c, start, n, self._device_hit_tokens.get(r.request_id, 0),
-                                 r.num_prefill_tokens, prefix.stored if prefix is not None else None,
-                                 prefix.rejected if prefix is not None else set())
+                                 r.num_prefill_tokens, p.stored if p is not None else None,
+                                 p.rejected if p is not None else set())
 
   # ----------------------------------------------------------------------------- update
   def update(self, result: StepResult) -> dict[RequestId, MergeTrace]:
@@ -818,29 +674,8 @@ class Scheduler:
       this step (for their outputs' metrics).
     """
     cost = self.cost_model
-    # The link is observed once per step, bytes over the step's link seconds (the reports' link
-    # times do not overlap): per-chunk samples of a fast link are milliseconds of jitter.
-    link_bytes, link_s = 0, 0.0
-    for rep in result.loads:
-      prefix = self._prefix.get(rep.request_id)
-      if prefix is None or rep.index not in prefix.outstanding:
-        continue  # the request ended meanwhile: the executor has dropped the load
-      del prefix.outstanding[rep.index]
-      if not rep.ok and rep.reason == RELEASED:
-        prefix.merge.load_dropped(rep.index, rep.done_s or result.now_s)
-        continue
-      if rep.ok:
-        link_bytes += rep.nbytes
-        link_s += rep.link_s
-        cost.observe_decode(rep.nbytes, rep.decode_s)
-      verdict = prefix.merge.load_done(rep.index, rep.ok, rep.nbytes,
-                                       rep.done_s or result.now_s, level=rep.encoding)
-      if verdict is LoadVerdict.REJECTED:
-        prefix.rejected.add(rep.index)
-      elif verdict is LoadVerdict.WASTED and rep.ok:
-        self._releases.append((rep.request_id, rep.index))
-    if link_bytes > 0 and link_s > 0:
-      cost.observe_load(link_bytes, link_s)
+    self._releases += prefix_loads.apply_load_reports(self._prefix, result.loads, result.now_s,
+                                                      cost)
     for t in result.compute:
       if not t.includes_compile:
         cost.observe_compute(t.start, t.num_tokens, t.seconds)

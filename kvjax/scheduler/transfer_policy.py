@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from kvjax.scheduler.cake import CakeMerge, ChunkState, MergeMode
+from kvjax.scheduler.cake import CakeMerge
+from kvjax.scheduler.cake_state import ChunkState, MergeMode
 from kvjax.scheduler.output import SaveItem, StoredPrefix
 
 
