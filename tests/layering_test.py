@@ -61,10 +61,10 @@ STORAGE_FLOORS = (
 )
 # Scheduler floors, bottom first, as the storage ones: the scheduler (the owner of request
 # state) sits on top; its policies (prefill order and short first-token steps, transfers, the
-# paged layout's device prefix), CakeMerge's state records and forecasts, the configuration and
-# the store side of its requests (`prefix_loads`) sit below it, and none imports it.
+# paged layout's device prefix), CakeMerge's state records, forecasts and compute share, the
+# configuration and the store side of its requests (`prefix_loads`) sit below it; none imports it.
 SCHEDULER_FLOORS = (
-    ("cost_model", "level_policy", "request", "output", "block_pool"),
+    ("cost_model", "level_policy", "request", "output", "block_pool", "cake_share"),
     ("cake_state", "kv_cache_manager", "prefill_policy"),
     ("cake_forecast", "device_prefix", "config"),
     ("cake",),
@@ -76,6 +76,7 @@ SCHEDULER_FLOORS = (
 SCHEDULER_POLICIES = {
     "prefill_policy": {"kvjax._typing", "kvjax.scheduler.request"},
     "cake_forecast": {"kvjax.scheduler.cake_state", "kvjax.scheduler.cost_model"},
+    "cake_share": set(),
     "transfer_policy": {"kvjax.scheduler.cake", "kvjax.scheduler.cake_state",
                         "kvjax.scheduler.output"},
 }

@@ -49,7 +49,8 @@ simulator passes a fake one.
 
 The merge's state records (chunk states, verdicts, writers, the trace) are in
 `kvjax/scheduler/cake_state.py`; its predictions of landings, late loads and compute time are
-plain functions in `kvjax/scheduler/cake_forecast.py`.
+plain functions in `kvjax/scheduler/cake_forecast.py`; its compute share (how fast its compute
+runs in wall time) is estimated by `kvjax/scheduler/cake_share.py`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from collections.abc import Hashable, Sequence
 
 from kvjax.scheduler import cake_forecast, level_policy
 from kvjax.scheduler.cake_forecast import ideal_merge_s
+from kvjax.scheduler.cake_share import ComputeShare
 from kvjax.scheduler.cake_state import (ChunkState, DoubleWriteError, LoadInFlight, LoadVerdict,
                                         MergeMode, MergeTrace, Writer)
 from kvjax.scheduler.cost_model import CostModel
@@ -190,13 +192,7 @@ class CakeMerge:
       self._writers[:resident * chunk_size] = bytes([Writer.LOAD]) * (resident * chunk_size)
     self.trace = MergeTrace(num_chunks=self.num_chunks, meeting_index=self.num_chunks)
     # Compute share: cost-model seconds of this request's compute per wall second of a step.
-    self._share = 1.0 if compute_share_prior is None else float(compute_share_prior)
-    self._share_from_budget = compute_share_prior is None
-    self._step_now_s: float | None = None
-    self._step_pred_s = 0.0
-    self._step_waited = False
-    self._busy_until_s = -math.inf
-    self._step_tokens = chunk_size
+    self._pace = ComputeShare(compute_share_prior, chunk_size)
     self._load_busy_since_s: float | None = None
     self._last_landing_s = -math.inf
     self._first_issue_s: float | None = None
@@ -234,7 +230,7 @@ class CakeMerge:
   @property
   def compute_share(self) -> float:
     """Estimated fraction of a step's wall time this request's compute gets."""
-    return self._share
+    return self._pace.share
 
   @property
   def is_prefix_done(self) -> bool:
@@ -480,12 +476,8 @@ class CakeMerge:
     sizes = list(chunk_sizes)
     if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
       raise ValueError(f"chunk_sizes={chunk_sizes!r} must be ascending distinct ints >= 1")
-    self._begin_step(now_s)
-    if self._share_from_budget and budget_tokens > 0:
-      self._share = min(1.0, budget_tokens / sizes[-1])
-      self._share_from_budget = False
-    if budget_tokens >= sizes[0]:  # the step size future predictions assume
-      self._step_tokens = max(s for s in sizes if s <= budget_tokens)
+    self._pace.begin_step(now_s)
+    self._pace.offered(budget_tokens, sizes)
     if self._cancelled:
       return None
     self._advance()
@@ -514,7 +506,7 @@ class CakeMerge:
       cands.append(hard - p)   # a tail shorter than every size, padded by the runner
     if not cands:
       return None              # the budget is too small for any step: not a wait
-    t0 = max(now_s, self._busy_until_s)
+    t0 = max(now_s, self._pace.busy_until_s)
     for k in cands:
       end = p + k
       if end < self.prefix_tokens and (end - 1) // c != p // c and end % c:
@@ -527,22 +519,8 @@ class CakeMerge:
 
   # ---------------------------------------------------------------------------- internals
   def _wait(self) -> None:
-    self._step_waited = True
+    self._pace.waited()
     return None
-
-  def _begin_step(self, now_s: float) -> None:
-    """Starts a new step when `now_s` moves; samples the compute share of the previous one."""
-    if self._step_now_s is not None and now_s == self._step_now_s:
-      return
-    if (self._step_now_s is not None and now_s > self._step_now_s
-        and not (self._step_waited and self._step_pred_s == 0)):
-      sample = self._step_pred_s / (now_s - self._step_now_s)
-      self._share = min(1.0, max(1e-3, 0.5 * self._share + 0.5 * sample))
-      self._share_from_budget = False
-    self._step_now_s = now_s
-    self._step_pred_s = 0.0
-    self._step_waited = False
-    self._busy_until_s = now_s
 
   def _plan(self, start: int, k: int, cost: CostModel) -> None:
     end, c = start + k, self.chunk_size
@@ -557,8 +535,7 @@ class CakeMerge:
     self._frontier = end
     pred = cost.predict_compute_s(start, k)
     self.trace.compute_s += pred
-    self._step_pred_s += pred
-    self._busy_until_s = self._step_now_s + self._step_pred_s / self._share
+    self._pace.planned(pred)
 
   def _write(self, start: int, end: int, who: Writer) -> None:
     if self._writers is None:
@@ -580,7 +557,7 @@ class CakeMerge:
   def _late_at_s(self, cost: CostModel) -> dict[int, float]:
     """When each in-flight load turns late (`cake_forecast.late_at_s`)."""
     return cake_forecast.late_at_s(self._in_flight, self._last_landing_s, self.late_factor,
-                                   self._share, self.chunk_size, self.prefix_tokens, cost)
+                                   self._pace.share, self.chunk_size, self.prefix_tokens, cost)
 
   def _landings(self, now_s: float, cost: CostModel) -> tuple[dict[int, float], dict[int, float]]:
     """Predicted landing and transfer-start times of in-flight loads and of stored chunks
@@ -604,13 +581,13 @@ class CakeMerge:
           s is ChunkState.LOADING and now_s < late[j]))
       if skip:
         if run_start is not None:
-          total += cake_forecast.span_s(run_start, lo, self._step_tokens, cost)
+          total += cake_forecast.span_s(run_start, lo, self._pace.step_tokens, cost)
           run_start = None
       elif run_start is None:
         run_start = lo
     if run_start is not None:
-      total += cake_forecast.span_s(run_start, end, self._step_tokens, cost)
-    return max(now_s, self._busy_until_s) + total / self._share
+      total += cake_forecast.span_s(run_start, end, self._pace.step_tokens, cost)
+    return max(now_s, self._pace.busy_until_s) + total / self._pace.share
 
   def _step_ok(self, p: int, end: int, k: int, t0: float, now_s: float, cost: CostModel) -> bool:
     """Whether compute should take every chunk the step `[p, end)` touches: it must finish each
@@ -624,7 +601,8 @@ class CakeMerge:
       f = p // c
       if f >= self.num_chunks or self._states[f] not in (ChunkState.HIT, ChunkState.LOADING):
         return True
-      self._cold_wait_until_s = self._first_issue_s + cost.predict_compute_s(p, k) / self._share
+      self._cold_wait_until_s = (self._first_issue_s
+                                 + cost.predict_compute_s(p, k) / self._pace.share)
       return now_s >= self._cold_wait_until_s
     land = None
     late = self._late_at_s(cost)
@@ -643,7 +621,7 @@ class CakeMerge:
       if land is None:
         land = self._landings(now_s, cost)[0]
       # A step lands atomically: a chunk inside it is done when the whole step is.
-      finish = t0 + cake_forecast.span_s(p, max(end, self._end(j)), k, cost) / self._share
+      finish = t0 + cake_forecast.span_s(p, max(end, self._end(j)), k, cost) / self._pace.share
       if land[j] < finish:
         return False
     return True
