@@ -59,6 +59,28 @@ STORAGE_FLOORS = (
     ("tier_mover",),
     ("tiers",),
 )
+# Scheduler floors, bottom first, as the storage ones: the scheduler (the owner of request
+# state) sits on top; its policies (prefill order and short first-token steps, transfers, the
+# paged layout's device prefix), CakeMerge's state records, forecasts and compute share, the
+# configuration and the store side of its requests (`prefix_loads`) sit below it; none imports it.
+SCHEDULER_FLOORS = (
+    ("cost_model", "level_policy", "request", "output", "block_pool", "cake_share"),
+    ("cake_state", "kv_cache_manager", "prefill_policy"),
+    ("cake_forecast", "device_prefix", "config"),
+    ("cake",),
+    ("transfer_policy",),
+    ("prefix_loads",),
+    ("scheduler",),
+)
+# The policy modules read plain records: no scheduler state module above them.
+SCHEDULER_POLICIES = {
+    "prefill_policy": {"kvjax._typing", "kvjax.scheduler.request"},
+    "cake_forecast": {"kvjax.scheduler.cake_state", "kvjax.scheduler.cost_model"},
+    "cake_share": set(),
+    "transfer_policy": {"kvjax.scheduler.cake", "kvjax.scheduler.cake_state",
+                        "kvjax.scheduler.output"},
+}
+
 # The policy and the planner are pure Python: no array, storage or I/O library.
 PURE_STORAGE = {"eviction": {"kvjax._typing", "kvjax.storage.eviction"},
                 "placement": {"kvjax.storage.eviction"}}
@@ -144,6 +166,29 @@ class LayeringTest(absltest.TestCase):
         dep = mod.split(".")[2] if mod.startswith("kvjax.storage.") else None
         if dep in floor and floor[dep] >= floor[name]:
           violations.append(f"kvjax/storage/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_scheduler_modules_import_only_lower_floors(self):
+    floor = {m: i for i, ms in enumerate(SCHEDULER_FLOORS) for m in ms}
+    modules = kvjax_modules()
+    names = sorted(p.stem for p in (PKG / "scheduler").glob("*.py") if p.stem != "__init__")
+    self.assertEqual(sorted(floor), names)  # a new scheduler module needs its floor here
+    violations = []
+    for name in names:
+      path = PKG / "scheduler" / f"{name}.py"
+      for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
+        dep = mod.split(".")[2] if mod.startswith("kvjax.scheduler.") else None
+        if dep in floor and floor[dep] >= floor[name]:
+          violations.append(f"kvjax/scheduler/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_scheduler_policies_import_only_plain_records(self):
+    violations = []
+    for name, allowed in SCHEDULER_POLICIES.items():
+      for mod in imported_modules(PKG / "scheduler" / f"{name}.py"):
+        top = mod.split(".")[0]
+        if (top == "kvjax" and mod not in allowed) or top in PURE_FORBIDDEN:
+          violations.append(f"kvjax/scheduler/{name}.py imports {mod}")
     self.assertEqual(violations, [])
 
   def test_the_policy_and_the_planner_are_pure(self):

@@ -46,130 +46,28 @@ loads, inserts and compute with it; `update` hands it every `LoadReport`); the e
 sees it, only the plain records the scheduler derives from it. It is not thread-safe and needs
 not be: the scheduler runs on one thread. Time is the executor's clock in seconds (`now_s`); the
 simulator passes a fake one.
+
+The merge's state records (chunk states, verdicts, writers, the trace) are in
+`kvjax/scheduler/cake_state.py`; its predictions of landings, late loads and compute time are
+plain functions in `kvjax/scheduler/cake_forecast.py`; its compute share (how fast its compute
+runs in wall time) is estimated by `kvjax/scheduler/cake_share.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import heapq
 import math
 from collections.abc import Hashable, Sequence
 
-from kvjax.scheduler import level_policy
+from kvjax.scheduler import cake_forecast, level_policy
+from kvjax.scheduler.cake_forecast import ideal_merge_s
+from kvjax.scheduler.cake_share import ComputeShare
+from kvjax.scheduler.cake_state import (ChunkState, DoubleWriteError, LoadInFlight, LoadVerdict,
+                                        MergeMode, MergeTrace, Writer)
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.level_policy import Candidate
 
-
-class MergeMode(enum.Enum):
-  """CAKE: both sides. COMPUTE_ONLY: ordinary chunked prefill, no loads. LOAD_ONLY: compute waits
-  until every stored chunk is resident or rejected, then computes holes and the suffix."""
-
-  CAKE = "cake"
-  COMPUTE_ONLY = "compute_only"
-  LOAD_ONLY = "load_only"
-
-
-class ChunkState(enum.Enum):
-  HIT = "hit"                # stored; no load issued yet
-  LOADING = "loading"        # load in flight (compute may still take the chunk)
-  LANDED = "landed"          # verified; the engine must insert it, then call `inserted`
-  RESIDENT = "resident"      # loaded and inserted
-  MISSING = "missing"        # compute's: not stored, or rejected on load
-  COMPUTING = "computing"    # compute owns it; some positions planned
-  COMPUTED = "computed"      # compute planned all its positions
-
-
-class LoadVerdict(enum.Enum):
-  """What the engine does with a finished load (`CakeMerge.load_done`)."""
-
-  INSERT = "insert"      # insert it now, then call `inserted(index)`
-  WASTED = "wasted"      # compute owns the chunk (or the request was cancelled): drop it
-  REJECTED = "rejected"  # verification failed: drop it; the chunk is now a hole for compute
-
-
-class Writer(enum.IntEnum):
-  NONE = 0
-  COMPUTE = 1
-  LOAD = 2
-
-
-class DoubleWriteError(RuntimeError):
-  """A position of the KV cache would be written twice (a planner bug, never user input)."""
-
-
-@dataclasses.dataclass
-class MergeTrace:
-  """What one merge did.
-
-  Attributes:
-    num_chunks: prefix chunks N.
-    chunks_computed: prefix chunks compute took, in the order taken.
-    chunks_loaded: prefix chunks loaded and inserted, in insertion order.
-    chunks_wasted: loads that landed after compute took their chunk or after `cancel`.
-    chunks_rejected: loads that failed verification (their chunks were computed).
-    chunks_released: loads released before they started (compute took the chunk first; no
-      byte moved). `loads_issued` = loaded + wasted + rejected + released + still in flight.
-    levels: encoding level (or name) of each loaded chunk.
-    meeting_index: the first chunk that was loaded, N if none: compute wrote `[0, meeting * C)`
-      up to holes above it.
-    loads_issued: loads handed to the engine.
-    loaded_bytes: stored bytes of inserted chunks.
-    wasted_bytes: stored bytes of wasted loads.
-    compute_s: cost-model seconds of every compute step planned (prefix and suffix), as predicted
-      when planned.
-    load_s: wall seconds during which at least one load was in flight.
-    chunk_writers: one letter per chunk (`CakeMerge.chunk_writers`), in snapshots of a merge that
-      keeps a writer map; "" otherwise.
-    unwritten_positions: prompt positions nobody wrote, in such snapshots (None otherwise).
-  """
-
-  num_chunks: int
-  chunks_computed: list[int] = dataclasses.field(default_factory=list)
-  chunks_loaded: list[int] = dataclasses.field(default_factory=list)
-  chunks_wasted: list[int] = dataclasses.field(default_factory=list)
-  chunks_rejected: list[int] = dataclasses.field(default_factory=list)
-  chunks_released: list[int] = dataclasses.field(default_factory=list)
-  levels: dict[int, Hashable] = dataclasses.field(default_factory=dict)
-  meeting_index: int = 0
-  loads_issued: int = 0
-  loaded_bytes: int = 0
-  wasted_bytes: int = 0
-  compute_s: float = 0.0
-  load_s: float = 0.0
-  chunk_writers: str = ""
-  unwritten_positions: int | None = None
-
-
-@dataclasses.dataclass
-class _Load:
-  issue_s: float
-  nbytes: int
-  encoding: Candidate | None
-
-
-def ideal_merge_s(compute_prefix_s: Sequence[float],
-                  load_top_s: Sequence[float]) -> tuple[float, int]:
-  """The ideal bound `min over m of max(C(m), L(N - m))` and its best split `m`.
-
-  Cake, arXiv 2410.03065, section 4: computing the first `m` chunks and loading the last `N - m`
-  in parallel finishes at `max(C(m), L(N - m))`; no schedule of the same work beats the best `m`.
-
-  Args:
-    compute_prefix_s: `C(m)` for m = 0..N: seconds to compute the first m chunks (C(0) = 0).
-    load_top_s: `L(k)` for k = 0..N: seconds to load the last k chunks (L(0) = 0).
-
-  Returns:
-    (seconds, m); the smallest m among ties.
-
-  Raises:
-    ValueError: if the two sequences differ in length or are empty.
-  """
-  if not compute_prefix_s or len(compute_prefix_s) != len(load_top_s):
-    raise ValueError(f"need C(0..N) and L(0..N) of equal length, got {len(compute_prefix_s)} and "
-                     f"{len(load_top_s)}")
-  n = len(compute_prefix_s) - 1
-  return min((max(compute_prefix_s[m], load_top_s[n - m]), m) for m in range(n + 1))
+__all__ = ["CakeMerge", "ChunkState", "DoubleWriteError", "LoadVerdict", "MergeMode",
+           "MergeTrace", "Writer", "ideal_merge_s"]
 
 
 class CakeMerge:
@@ -286,7 +184,7 @@ class CakeMerge:
         raise ValueError(f"chunk_nbytes for {len(self._nbytes)} chunks, hits for {self.num_chunks}")
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self._nbytes):
       raise ValueError(f"chunk_nbytes must be ints >= 0, got {chunk_nbytes!r}")
-    self._in_flight: dict[int, _Load] = {}   # issue order
+    self._in_flight: dict[int, LoadInFlight] = {}   # issue order
     self._frontier = 0
     self._cancelled = False
     self._writers = bytearray(num_prompt_tokens) if check_writes else None
@@ -294,13 +192,7 @@ class CakeMerge:
       self._writers[:resident * chunk_size] = bytes([Writer.LOAD]) * (resident * chunk_size)
     self.trace = MergeTrace(num_chunks=self.num_chunks, meeting_index=self.num_chunks)
     # Compute share: cost-model seconds of this request's compute per wall second of a step.
-    self._share = 1.0 if compute_share_prior is None else float(compute_share_prior)
-    self._share_from_budget = compute_share_prior is None
-    self._step_now_s: float | None = None
-    self._step_pred_s = 0.0
-    self._step_waited = False
-    self._busy_until_s = -math.inf
-    self._step_tokens = chunk_size
+    self._pace = ComputeShare(compute_share_prior, chunk_size)
     self._load_busy_since_s: float | None = None
     self._last_landing_s = -math.inf
     self._first_issue_s: float | None = None
@@ -338,7 +230,7 @@ class CakeMerge:
   @property
   def compute_share(self) -> float:
     """Estimated fraction of a step's wall time this request's compute gets."""
-    return self._share
+    return self._pace.share
 
   @property
   def is_prefix_done(self) -> bool:
@@ -451,7 +343,7 @@ class CakeMerge:
       self._load_busy_since_s = now_s
     if self._first_issue_s is None:
       self._first_issue_s = now_s
-    self._in_flight[index] = _Load(now_s, nbytes, encoding)
+    self._in_flight[index] = LoadInFlight(now_s, nbytes, encoding)
     self._states[index] = ChunkState.LOADING
     self.trace.loads_issued += 1
     return index
@@ -584,12 +476,8 @@ class CakeMerge:
     sizes = list(chunk_sizes)
     if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
       raise ValueError(f"chunk_sizes={chunk_sizes!r} must be ascending distinct ints >= 1")
-    self._begin_step(now_s)
-    if self._share_from_budget and budget_tokens > 0:
-      self._share = min(1.0, budget_tokens / sizes[-1])
-      self._share_from_budget = False
-    if budget_tokens >= sizes[0]:  # the step size future predictions assume
-      self._step_tokens = max(s for s in sizes if s <= budget_tokens)
+    self._pace.begin_step(now_s)
+    self._pace.offered(budget_tokens, sizes)
     if self._cancelled:
       return None
     self._advance()
@@ -618,7 +506,7 @@ class CakeMerge:
       cands.append(hard - p)   # a tail shorter than every size, padded by the runner
     if not cands:
       return None              # the budget is too small for any step: not a wait
-    t0 = max(now_s, self._busy_until_s)
+    t0 = max(now_s, self._pace.busy_until_s)
     for k in cands:
       end = p + k
       if end < self.prefix_tokens and (end - 1) // c != p // c and end % c:
@@ -631,22 +519,8 @@ class CakeMerge:
 
   # ---------------------------------------------------------------------------- internals
   def _wait(self) -> None:
-    self._step_waited = True
+    self._pace.waited()
     return None
-
-  def _begin_step(self, now_s: float) -> None:
-    """Starts a new step when `now_s` moves; samples the compute share of the previous one."""
-    if self._step_now_s is not None and now_s == self._step_now_s:
-      return
-    if (self._step_now_s is not None and now_s > self._step_now_s
-        and not (self._step_waited and self._step_pred_s == 0)):
-      sample = self._step_pred_s / (now_s - self._step_now_s)
-      self._share = min(1.0, max(1e-3, 0.5 * self._share + 0.5 * sample))
-      self._share_from_budget = False
-    self._step_now_s = now_s
-    self._step_pred_s = 0.0
-    self._step_waited = False
-    self._busy_until_s = now_s
 
   def _plan(self, start: int, k: int, cost: CostModel) -> None:
     end, c = start + k, self.chunk_size
@@ -661,8 +535,7 @@ class CakeMerge:
     self._frontier = end
     pred = cost.predict_compute_s(start, k)
     self.trace.compute_s += pred
-    self._step_pred_s += pred
-    self._busy_until_s = self._step_now_s + self._step_pred_s / self._share
+    self._pace.planned(pred)
 
   def _write(self, start: int, end: int, who: Writer) -> None:
     if self._writers is None:
@@ -682,76 +555,15 @@ class CakeMerge:
       self._frontier = self._end(self._frontier // c)
 
   def _late_at_s(self, cost: CostModel) -> dict[int, float]:
-    """When each in-flight load turns late: `late_factor` times its latency as the current
-    model predicts it (link in issue order, busy until the last landing), counted from when the
-    link would start it (a load queued behind others is not late for waiting its turn), and at
-    least the compute time of its chunk after its predicted landing.
-
-    The second bound is the ski-rental rule: giving up on a load costs computing its chunk, so
-    compute waits for an overdue load as long as that computation would take, never more (at
-    most twice the better choice in hindsight). A per-chunk latency of milliseconds against
-    compute steps of a second must not make jitter of a millisecond hand a chunk to compute.
-    """
-    out = {}
-    xfer_end, dec_end = self._last_landing_s, -math.inf
-    c = self.chunk_size
-    for j, ld in self._in_flight.items():
-      xfer_start = max(ld.issue_s, xfer_end)
-      xfer_end = xfer_start + cost.transfer_s_per_byte * ld.nbytes
-      dec_end = max(xfer_end, dec_end) + cost.decode_s_per_byte * ld.nbytes
-      grace_s = cost.predict_compute_s(j * c, self._end(j) - j * c) / self._share
-      out[j] = max(xfer_start + self.late_factor * (dec_end - xfer_start), dec_end + grace_s)
-    return out
+    """When each in-flight load turns late (`cake_forecast.late_at_s`)."""
+    return cake_forecast.late_at_s(self._in_flight, self._last_landing_s, self.late_factor,
+                                   self._pace.share, self.chunk_size, self.prefix_tokens, cost)
 
   def _landings(self, now_s: float, cost: CostModel) -> tuple[dict[int, float], dict[int, float]]:
-    """Predicted landing and transfer-start times of in-flight loads and of stored chunks.
-
-    Model: the link moves one chunk at a time in issue order (transfer = nbytes / bandwidth);
-    one decoder follows in the same order; a chunk lands when decoded; a new load is issued
-    when one of `max_loads_in_flight` slots frees, highest chunk first; loads in flight started
-    moving no earlier than the last landing. The oldest load in flight bounds the bandwidth (a
-    censored observation: it has moved at most its bytes since it started); overdue loads are
-    assumed to land now. A stored chunk is costed at its smallest encoding.
-    """
-    land: dict[int, float] = {}
-    start: dict[int, float] = {}
-    tpb, dpb = cost.transfer_s_per_byte, cost.decode_s_per_byte
-    if self._in_flight:
-      head = next(iter(self._in_flight.values()))
-      since = max(head.issue_s, self._last_landing_s)
-      if head.nbytes > 0 and now_s > since:
-        tpb = max(tpb, (now_s - since - dpb * head.nbytes) / head.nbytes)
-    # The link was busy with earlier loads until the last one landed.
-    xfer_end, dec_end = self._last_landing_s, -math.inf
-    slots = []
-    for j, ld in self._in_flight.items():
-      xs = max(ld.issue_s, xfer_end)
-      xfer_end = xs + tpb * ld.nbytes
-      dec_end = max(xfer_end, dec_end) + dpb * ld.nbytes
-      land[j], start[j] = max(dec_end, now_s), xs
-      slots.append(land[j])
-    slots += [now_s] * max(0, self.max_loads_in_flight - len(self._in_flight))
-    heapq.heapify(slots)
-    for j in reversed(range(self.num_chunks)):
-      if self._states[j] is not ChunkState.HIT:
-        continue
-      nbytes = self._nbytes[j]
-      issue = heapq.heappop(slots)
-      xs = max(issue, xfer_end, now_s)
-      xfer_end = xs + tpb * nbytes
-      dec_end = max(xfer_end, dec_end) + dpb * nbytes
-      land[j], start[j] = dec_end, xs
-      heapq.heappush(slots, dec_end)
-    return land, start
-
-  def _span_s(self, start: int, end: int, step: int, cost: CostModel) -> float:
-    """Cost-model seconds to compute `[start, end)` in steps of `step` tokens."""
-    total, s = 0.0, start
-    while s < end:
-      k = min(step, end - s)
-      total += cost.predict_compute_s(s, k)
-      s += k
-    return total
+    """Predicted landing and transfer-start times of in-flight loads and of stored chunks
+    (`cake_forecast.landings`)."""
+    return cake_forecast.landings(now_s, cost, self._in_flight, self._last_landing_s,
+                                  self.max_loads_in_flight, self._states, self._nbytes)
 
   def _compute_until_s(self, index: int, now_s: float, cost: CostModel, finish: bool) -> float:
     """When compute would start (finish=False) or finish chunk `index`, computing every position
@@ -769,13 +581,13 @@ class CakeMerge:
           s is ChunkState.LOADING and now_s < late[j]))
       if skip:
         if run_start is not None:
-          total += self._span_s(run_start, lo, self._step_tokens, cost)
+          total += cake_forecast.span_s(run_start, lo, self._pace.step_tokens, cost)
           run_start = None
       elif run_start is None:
         run_start = lo
     if run_start is not None:
-      total += self._span_s(run_start, end, self._step_tokens, cost)
-    return max(now_s, self._busy_until_s) + total / self._share
+      total += cake_forecast.span_s(run_start, end, self._pace.step_tokens, cost)
+    return max(now_s, self._pace.busy_until_s) + total / self._pace.share
 
   def _step_ok(self, p: int, end: int, k: int, t0: float, now_s: float, cost: CostModel) -> bool:
     """Whether compute should take every chunk the step `[p, end)` touches: it must finish each
@@ -789,7 +601,8 @@ class CakeMerge:
       f = p // c
       if f >= self.num_chunks or self._states[f] not in (ChunkState.HIT, ChunkState.LOADING):
         return True
-      self._cold_wait_until_s = self._first_issue_s + cost.predict_compute_s(p, k) / self._share
+      self._cold_wait_until_s = (self._first_issue_s
+                                 + cost.predict_compute_s(p, k) / self._pace.share)
       return now_s >= self._cold_wait_until_s
     land = None
     late = self._late_at_s(cost)
@@ -808,7 +621,7 @@ class CakeMerge:
       if land is None:
         land = self._landings(now_s, cost)[0]
       # A step lands atomically: a chunk inside it is done when the whole step is.
-      finish = t0 + self._span_s(p, max(end, self._end(j)), k, cost) / self._share
+      finish = t0 + cake_forecast.span_s(p, max(end, self._end(j)), k, cost) / self._pace.share
       if land[j] < finish:
         return False
     return True

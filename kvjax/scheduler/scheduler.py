@@ -14,13 +14,8 @@ Part 3, adaptive mode):
   1. every decoding request takes one token;
   2. staged chunks of requests holding a slot are inserted (free of budget: loads are the other
      resource, Cake section 3);
-  3. prefills already under way continue (`SchedulerConfig.prefill_order`): "shortest_first"
-     (default), fewest tokens left first, among ordinary prefills, merges whose stored chunks
-     are all resident (a hit with only its new tokens left), and the queue's first ordinary
-     requests with fewer tokens left than the longest of those, counted past their
-     device-resident prefix (a device prefix-cache hit's new tokens), admitted at their turn
-     when a slot, the pool and the budget allow (queued requests never pass each other);
-     "fcfs", ordinary prefills oldest first;
+  3. prefills already under way continue, in `SchedulerConfig.prefill_order`
+     ("shortest_first", the default, admits the queue's first short ordinary requests here);
   4. waiting requests are admitted into free decode slots, first come first served (a request
      with a Cake merge is admitted whenever a slot is free, budget or not: its loads need none);
      their staged chunks are inserted, and every merge issues its next loads, last chunk first,
@@ -29,264 +24,43 @@ Part 3, adaptive mode):
      aligned to store chunks, possibly several pieces (skipping resident chunks), none when loads
      are predicted to finish the next chunk first.
 
-Short first-token steps (`SchedulerConfig.short_first_token_steps`, with "shortest_first"): a
-request's first token comes at the end of the step that computes its prompt's last token, so
-that step's length is part of its TTFT, and so is the length of every step its loads wait out.
-Three rules keep those steps short:
-
-  a. once a prefill planned in 3 ends its prompt, the rest of the step (3, 4 and 5) takes at most
-     as many tokens again as the step holds so far (its decodes and prefill tokens, the ended
-     prompt's included), at least the smallest chunk size: a hit's 46-token tail rides with 32
-     tokens of a cold prompt, not with 466 (on the 2-core CPU at a 1.8K-token context, a step
-     of 0.7 s instead of 2.2 s). The same for the queue: a long prompt admitted in 4 (it does
-     not end within the step) leaves room for the short prompts queued right behind it that
-     end within the step (`_room_behind`; at least the smallest chunk size its own), so they
-     are admitted in the same step, in queue order, with their first tokens;
-  b. while a merge with fewer tokens left once its loads are in than the longest prefill in 3
-     has loads to come (holding a slot, or queued within the free slots' reach), the step takes
-     only what the cost model says computes before those loads are predicted to land
-     (`CakeMerge.loads_land_s`; at least the smallest chunk size), so the hit is inserted the
-     moment they do. A load past its predicted landing turns this off (the model is off for it);
-  c. when a merge (holding a slot with loads to come, or heading the queue with a slot free) has at
-     most the token budget left once its loads are in, and they are predicted to land within half
-     the last computing step, the step computes nothing: it admits the hit, issues its loads, and
-     the executor blocks until a load lands (`wait_s`); the steps after insert what landed and wait
-     again, until the hit's loads are all in or half that step has passed since the first waiting
-     step (`_landing_wait`). The hit's tail then computes in the next step instead of the one after
-     it, and the decodes and prefills under way lose at most half a step (on the 2-core CPU, a
-     host-tier hit of 28 chunks landed in about 10 ms beside 0.1 s decode steps).
-
-Rules a and b cut only the longer prefills, in 3 and among the admissions in 4 alike: a prefill
-that ends its prompt within what the step has left is short (its first token comes with the same
-step; cutting it would cost it a whole step to save the others its compute), and so is one with
-at most twice the tokens left of the hit a rule serves (the hit's tokens left once its loads are
-in; for a, the step so far or the smallest chunk size, the larger), so two hits' tails in one
-step do not split each other; short prefills are planned whole. Many short prompts at once are
-thus admitted as the budget allows, not one a step (64 prompts of 40 tokens: 12 a step, as with
-the rules off; `tests/scheduler/admission_test.py`). A long prompt beside hits pays a few more,
-smaller steps (a step's fixed cost each); a step with no hit near its first token is whole. Both
-rules are bounded: the longer prefills together still advance at least the smallest chunk size
-a step.
-Rule c is bounded by half a step per hit (a stuck or slow load cannot hold the others longer);
-it uses the one link estimate the cost model has for every tier, so a disk-tier hit predicted
-as fast as a host hit may cost the others that half step for nothing.
-
-Why "shortest_first": a store hit is mostly loads; once they are in, what it has left is its new
-tokens, often a few dozen. First come first served puts them behind a long cold prompt's chunked
-prefill, so the hit's first token waits for that whole prompt (on the 2-core CPU replay of
-`scripts/bench_sessions.py`, hits beside a cold prefill waited 7.6 s at the median against
-0.94 s for the others). Fewest tokens left first is shortest-remaining-time-first, which
-minimises the mean time to first token; a merge still loading keeps Cake's leftover budget, so
-the meeting point still moves by itself.
-
-A prefill chunk is the largest compiled chunk size that fits the budget and the prompt's remaining
-tokens, so only a prompt's last chunk is ever padded:
-
-    prompt of 300 tokens, sizes (16, 32, ..., 512):  [0 --256--)[256 -32-)[288 12+pad)
-
-Long prefills share the step (vLLM's `long_prefill_token_threshold`, `SchedulerConfig`): with a
-threshold T > 0, each request's prefill takes at most T tokens of a step (in 2, 3 and 5 alike),
-so one long prompt leaves the rest of the budget to the prefills and merges after it in the
-order above. A request whose remaining prefill is at most T is not limited by it. T = 0: off.
-A Cake merge's compute side is capped the same way (its chunk planner sees the capped budget,
-so its predictions of where compute meets the loads assume the capped step); in consistent mode
-(whole store chunks per prefill piece) the cap is at least one store chunk.
+The policies live beside it as plain functions: the prefill order, short first-token steps
+(rules a, b, c), the long-prefill threshold and chunk sizing in
+`kvjax/scheduler/prefill_policy.py`; loads ahead, saves and layer-wise deferral in
+`kvjax/scheduler/transfer_policy.py`; the configuration records in `kvjax/scheduler/config.py`.
+The scheduler holds the state they read and applies their answers.
 
 A plan is a promise the executor keeps in order: the scheduler advances `num_computed_tokens` and
 marks inserted chunks resident when it plans them. `update` learns the rest: sampled tokens are
 appended, finished requests free their slots (their ids reach the executor in the next plan),
 each landed load goes to its merge (`load_done`), and measured times feed the cost model.
-
-Loads are issued ahead, as a queue: the executor runs each request's reads a few at a time and
-starts the next the moment one lands, so a long step never idles the link. How far ahead is the
-link's bandwidth-delay product, where the delay is the time until the next chance to issue (one
-step) plus the link's latency (`loads_ahead`).
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-import copy
 import dataclasses
+import functools
 import itertools
-import math
 
 from kvjax._typing import RequestId
-from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace, Writer
+from kvjax.scheduler import device_prefix, prefill_policy, prefix_loads, transfer_policy
+from kvjax.scheduler.cake import CakeMerge, MergeMode, MergeTrace
+from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
-from kvjax.scheduler.output import (DecodeItem, InsertItem, LoadItem, PrefillChunk, SaveItem,
-                                    SchedulerOutput, StepResult, StoredPrefix)
+from kvjax.scheduler.output import (DecodeItem, InsertItem, PrefillChunk, SaveItem, SchedulerOutput,
+                                    StepResult, StoredPrefix)
+from kvjax.scheduler.prefix_loads import RELEASED, Prefix
+from kvjax.scheduler.prefill_policy import (FCFS, MAX_LOAD_WAIT_S, PREFILL_ORDERS,
+                                            SHORTEST_FIRST, chunk_tokens)
 from kvjax.scheduler.request import Request, RequestStatus
+from kvjax.scheduler.transfer_policy import loads_ahead, reads_at_once
 
-#: `LoadReport.reason` of a load the executor dropped, at the plan's request, before it started.
-RELEASED = "released"
-
-#: `SchedulerConfig.prefill_order` values.
-FCFS = "fcfs"
-SHORTEST_FIRST = "shortest_first"
-PREFILL_ORDERS = (FCFS, SHORTEST_FIRST)
-
-#: Longest single wait for a load to land, seconds (the executor asks for a new plan after it).
-MAX_LOAD_WAIT_S = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-  """Attributes:
-    num_slots: decode slots (maximum running requests).
-    token_budget: tokens computed per step at most (decodes count one each).
-    chunk_sizes: compiled prefill chunk sizes, ascending.
-    long_prefill_token_threshold: vLLM's option of that name: a request's prefill (ordinary,
-      or a Cake merge's compute side) takes at most this many tokens of one step, so a long
-      prompt shares the budget with other requests' prefills; 0 (default): off. When > 0 it
-      must be at least the smallest chunk size (a long prompt could not advance otherwise).
-    prefill_order: the order prefills under way take the budget (the module note):
-      "shortest_first" (default) or "fcfs".
-    short_first_token_steps: with "shortest_first", keep a step short when it carries a
-      prefill's first token or a store hit's last loads (cutting the longer prefills; those
-      that end within the step go whole), or let it wait for a hit's loads that land within
-      half a step (the module note): True (default).
-
-  Raises:
-    ValueError: non-positive slots or budget, unsorted sizes, a budget or threshold below the
-      smallest size, or an unknown `prefill_order`.
-  """
-
-  num_slots: int = 4
-  token_budget: int = 512
-  chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-  long_prefill_token_threshold: int = 0
-  prefill_order: str = SHORTEST_FIRST
-  short_first_token_steps: bool = True
-
-  def __post_init__(self):
-    if not isinstance(self.short_first_token_steps, bool):
-      raise ValueError(f"short_first_token_steps={self.short_first_token_steps!r} must be a bool")
-    if self.prefill_order not in PREFILL_ORDERS:
-      raise ValueError(f"prefill_order={self.prefill_order!r}; use one of {PREFILL_ORDERS}")
-    if self.num_slots <= 0 or self.token_budget <= 0:
-      raise ValueError(f"num_slots={self.num_slots} and token_budget={self.token_budget} must be "
-                       "positive")
-    if not self.chunk_sizes or list(self.chunk_sizes) != sorted(set(self.chunk_sizes)):
-      raise ValueError(f"chunk_sizes must be ascending and distinct, got {self.chunk_sizes}")
-    if self.token_budget < self.chunk_sizes[0]:
-      raise ValueError(f"token_budget={self.token_budget} is below the smallest chunk size "
-                       f"{self.chunk_sizes[0]}: long prompts could never be scheduled")
-    t = self.long_prefill_token_threshold
-    if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-      raise ValueError(f"long_prefill_token_threshold={t!r} must be an int >= 0 (0: off)")
-    if 0 < t < self.chunk_sizes[0]:
-      raise ValueError(f"long_prefill_token_threshold={t} is below the smallest chunk size "
-                       f"{self.chunk_sizes[0]}: long prompts could never be scheduled")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadConfig:
-  """How stored prefixes become resident.
-
-  Attributes:
-    merge_mode: "cake" (compute from the front, load from the back), "compute_only" (ignore
-      hits) or "load_only" (wait for every stored chunk): the baselines share the machinery.
-    max_loads_in_flight: reads at once per request (the executor's concurrency); None derives
-      it from the link's bandwidth and latency (`reads_at_once`).
-    max_loads_ahead: loads issued ahead per request (queued or reading); None derives it from
-      the link's bandwidth-delay product over one step (`loads_ahead`).
-    link_latency_s: the store link's latency prior, seconds (a read's fixed cost), for the
-      bandwidth-delay product.
-    staging_bytes: stored bytes a request may have issued and not yet inserted, at most.
-    kv_ttft_target_s: pick encodings for this TTFT target instead of for the time compute would
-      finish each chunk (CacheGen, arXiv 2310.07240, section 5.3).
-    check_writes: keep each merge's per-position writer map (raises on a double write).
-    layerwise_groups: layer-wise pre-loading (CachedAttention, arXiv 2403.19708, section
-      3.2.1): a step that inserts stored chunks and computes runs as this many layer groups,
-      each chunk's group g inserted just before group g runs, so the host -> device transfer
-      overlaps the step's compute; a request's landed chunks wait staged while its other loads
-      are in flight (when the staging budget holds them), so they go in with the step that
-      computes after them. 1 (default): off.
-    lookahead_window: waiting requests with stored chunks whose chunks the executor hints
-      (never evicted) and prefetches toward the host tier (CachedAttention, arXiv 2403.19708,
-      section 3.3; `SchedulerOutput.lookahead`); 0: off (plain LRU, no prefetch).
-  """
-
-  merge_mode: str = "cake"
-  max_loads_in_flight: int | None = None
-  max_loads_ahead: int | None = None
-  link_latency_s: float = 1e-3
-  staging_bytes: int = 1 << 30
-  kv_ttft_target_s: float | None = None
-  check_writes: bool = False
-  layerwise_groups: int = 1
-  lookahead_window: int = 0
-
-  def __post_init__(self):
-    w = self.lookahead_window
-    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-      raise ValueError(f"lookahead_window={w!r} must be an int >= 0")
-    g = self.layerwise_groups
-    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-      raise ValueError(f"layerwise_groups={g!r} must be an int >= 1")
-    try:
-      MergeMode(self.merge_mode)
-    except ValueError:
-      raise ValueError(f"merge_mode={self.merge_mode!r}; use one of "
-                       f"{[m.value for m in MergeMode]}") from None
-    for name in ("max_loads_in_flight", "max_loads_ahead"):
-      v = getattr(self, name)
-      if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"{name}={v!r} must be None or an int >= 1")
-    if not self.link_latency_s >= 0 or not self.staging_bytes > 0:
-      raise ValueError(f"link_latency_s={self.link_latency_s} must be >= 0 and staging_bytes="
-                       f"{self.staging_bytes} > 0")
-
-
-def loads_ahead(bandwidth_bytes_per_s: float, step_s: float, latency_s: float,
-                chunk_nbytes: int, staging_bytes: int) -> int:
-  """Loads to keep issued per request: the link's bandwidth-delay product in chunks.
-
-  The delay is how long the link must stay busy without the scheduler: one step (the scheduler
-  issues between steps) plus the link's latency. At least 2 (one moving, one queued), at most
-  what the staging budget holds.
-  """
-  if chunk_nbytes <= 0 or not math.isfinite(bandwidth_bytes_per_s):
-    return max(2, staging_bytes // max(1, chunk_nbytes))
-  bdp = bandwidth_bytes_per_s * (step_s + latency_s) / chunk_nbytes
-  return int(max(2, min(math.ceil(bdp) + 1, staging_bytes // chunk_nbytes)))
-
-
-def reads_at_once(bandwidth_bytes_per_s: float, latency_s: float, chunk_nbytes: int) -> int:
-  """Concurrent reads that cover the link's latency: ceil(bandwidth x latency / chunk) + 1, in
-  [2, 16]."""
-  if chunk_nbytes <= 0 or not math.isfinite(bandwidth_bytes_per_s):
-    return 2
-  return int(min(16, max(2, math.ceil(bandwidth_bytes_per_s * latency_s / chunk_nbytes) + 1)))
-
-
-def chunk_tokens(remaining: int, budget: int, chunk_sizes: tuple[int, ...]) -> int:
-  """Tokens of the next prefill chunk: the largest compiled size that fits, or a short tail.
-
-  Returns 0 when nothing fits. A prompt tail shorter than the smallest size is taken whole (the
-  runner pads it).
-  """
-  limit = min(remaining, budget, chunk_sizes[-1])
-  if limit <= 0:
-    return 0
-  i = bisect.bisect_right(chunk_sizes, limit)
-  if i == 0:
-    return remaining if remaining == limit else 0
-  return chunk_sizes[i - 1]
-
-
-@dataclasses.dataclass
-class _Prefix:
-  """Scheduler-side facts of a request's stored prefix (its merge and what to save)."""
-
-  merge: CakeMerge
-  stored: StoredPrefix
-  rejected: set[int] = dataclasses.field(default_factory=set)
-  outstanding: dict[int, int] = dataclasses.field(default_factory=dict)  # issued: planned bytes
-
+__all__ = ["FCFS", "MAX_LOAD_WAIT_S", "PREFILL_ORDERS", "RELEASED", "SHORTEST_FIRST",
+           "LoadConfig", "Scheduler", "SchedulerConfig", "chunk_tokens", "loads_ahead",
+           "reads_at_once"]
 
 class Scheduler:
   """Admits requests into decode slots and plans each step within the token budget.
@@ -338,7 +112,7 @@ class Scheduler:
     self.consistent = consistent
     # Consistent mode computes store chunks whole, one per step: the only compiled size used.
     self._plan_sizes = (save_chunk_size,) if consistent else config.chunk_sizes
-    # One request's prefill tokens per step at most (None: the budget's): see the module note.
+    # One request's prefill tokens per step at most (None: the budget's; `prefill_share`).
     cap = config.long_prefill_token_threshold
     self._prefill_cap = (max(cap, save_chunk_size) if consistent else cap) if cap else None
     self.config = config
@@ -348,18 +122,16 @@ class Scheduler:
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: dict[RequestId, Request] = {}  # insertion order = admission order
     self._free_slots = list(range(config.num_slots))
-    self._prefix: dict[RequestId, _Prefix] = {}
+    self._prefix: dict[RequestId, Prefix] = {}  # the store side (`prefix_loads`)
     self._finished_ids: list[RequestId] = []
     self._releases: list[tuple[RequestId, int]] = []
     self._last_step_s = 0.0
     self._last_now_s: float | None = None
     # Rule c of short first-token steps: the last step that computed, seconds (0: none yet);
-    # whether the last plan computed; the hit a run of waiting steps waits for, and when the
-    # run began.
+    # whether the last plan computed; the run of waiting steps.
     self._last_compute_step_s = 0.0
     self._computed_last = False
-    self._waiting_for: RequestId | None = None
-    self._waiting_since_s = 0.0
+    self._landing = prefill_policy.LandingWait()
     self._final_traces: dict[RequestId, MergeTrace] = {}
 
   # ----------------------------------------------------------------------------- requests
@@ -388,55 +160,26 @@ class Scheduler:
       raise ValueError(f"request id {rid!r} is already scheduled")
     self.check_fits(request.num_prompt_tokens + request.sampling_params.max_tokens)
     self._roots[rid] = namespace_root
-    if stored is not None and any(stored.hits) and self._device_covers(request, stored,
-                                                                       namespace_root):
+    if stored is not None and any(stored.hits) and self.kv_cache is not None and (
+        device_prefix.covers(self.kv_cache, request, stored, namespace_root)):
       stored = None  # the device holds every stored chunk: its blocks (and parked block) serve
     if stored is not None and any(stored.hits):
-      lc = self.load_config
-      encodings = [c.candidates if c is not None else None for c in stored.chunks]
       resident = self._hold_device_prefix(request, stored.chunk_size, namespace_root)
-      merge = CakeMerge(
-          request.num_prompt_tokens, stored.chunk_size, stored.hits,
-          merge_mode if merge_mode is not None else lc.merge_mode,
-          encodings=encodings, max_loads_in_flight=lc.max_loads_ahead or 2,
-          kv_ttft_target_s=kv_ttft_target_s if kv_ttft_target_s is not None
-          else lc.kv_ttft_target_s, arrival_s=request.arrival_s,
-          check_writes=lc.check_writes, resident=resident,
-          last_unit_tokens=stored.tail_tokens or None)
-      self._prefix[rid] = _Prefix(merge, stored)
+      self._prefix[rid] = prefix_loads.new_prefix(request, stored, self.load_config, merge_mode,
+                                                  kv_ttft_target_s, resident)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
 
-  def _device_covers(self, r: Request, stored: StoredPrefix, root: str | None) -> bool:
-    """Paged layout: whether the device-resident prefix reaches past the last stored hit, so
-    the store has nothing the device lacks; the request then takes the device path (whole
-    blocks and a parked partial block, token-granular) instead of a Cake merge (whole chunks)."""
-    if self.kv_cache is None:
-      return False
-    _, hit_tokens = self.kv_cache.get_computed_blocks(r, namespace_root=root, record_stats=False)
-    return stored.end <= hit_tokens
-
   def _hold_device_prefix(self, r: Request, chunk_size: int, root: str | None) -> int:
     """Paged layout, a request with a Cake merge: takes its device-resident whole store chunks
-    now (hit blocks shared, the rest of the prompt's blocks allocated), so the merge treats
-    them as resident from the start; returns how many chunks (0 when none, or the pool is
-    short: the blocks are then allocated at admission)."""
-    kvm = self.kv_cache
-    if kvm is None:
+    now (`device_prefix.hold`); returns how many chunks (0 when none, or the pool is short)."""
+    if self.kv_cache is None:
       return 0
-    hits, hit_tokens = kvm.get_computed_blocks(r, namespace_root=root)
-    per_chunk = chunk_size // kvm.block_size
-    chunks = hit_tokens // chunk_size  # whole chunks (a parked partial block is not one)
-    if not chunks:
-      return 0
-    hits = hits[:chunks * per_chunk]
-    tokens = chunks * chunk_size
-    if kvm.allocate_slots(r.request_id, r.num_prompt_tokens - tokens, num_computed_tokens=0,
-                          new_computed_blocks=hits) is None:
-      return 0
-    self._device_hit_tokens[r.request_id] = tokens
-    self._device_hits.append((r.request_id, tokens))
-    return chunks
+    tokens = device_prefix.hold(self.kv_cache, r, chunk_size, root)
+    if tokens:
+      self._device_hit_tokens[r.request_id] = tokens
+      self._device_hits.append((r.request_id, tokens))
+    return tokens // chunk_size
 
   def check_fits(self, num_tokens: int) -> None:
     """Raises ValueError when a sequence of `num_tokens` tokens can never fit the pool (paged
@@ -469,15 +212,7 @@ class Scheduler:
   def merge_trace(self, request_id: RequestId) -> MergeTrace | None:
     """A snapshot (a copy) of the request's merge trace, or None without a merge."""
     p = self._prefix.get(request_id)
-    return self._snapshot(p.merge) if p is not None else None
-
-  @staticmethod
-  def _snapshot(m: CakeMerge) -> MergeTrace:
-    trace = copy.deepcopy(m.trace)
-    if m.keeps_writers:
-      trace.chunk_writers = m.chunk_writers()
-      trace.unwritten_positions = m.writer_map().count(Writer.NONE)
-    return trace
+    return prefix_loads.snapshot(p.merge) if p is not None else None
 
   def cake_requests(self, include_waiting: bool = False) -> list[Request]:
     """Requests whose merge still prefills: running ones oldest first, then (with
@@ -507,7 +242,7 @@ class Scheduler:
       now = self._last_now_s if self._last_now_s is not None else 0.0
       for j, nbytes in sorted(prefix.outstanding.items()):
         m.load_done(j, False, nbytes, now)  # abandoned loads count as waste (planned bytes)
-      self._final_traces[request_id] = self._snapshot(m)
+      self._final_traces[request_id] = prefix_loads.snapshot(m)
     if r.slot is not None:
       bisect.insort(self._free_slots, r.slot)
       r.slot = None
@@ -570,18 +305,12 @@ class Scheduler:
     admitted: list[RequestId] = []
     admitting = True  # until an admission fails (then nobody behind it is admitted this step)
     order = self._prefills_first()
-    # Short first-token steps (the module note): `cap` is what the prefills with more than
-    # `exempt` tokens left may still take this step (None: no cap).
-    cap, exempt = None, 0
-    rule_a = short  # until the first prefill of the order ends its prompt
-    if short and order:
-      landing = self._landing_cap(order, now_s)
-      if landing is not None:
-        cap, hit_left = landing
-        exempt = 2 * hit_left
+    # Short first-token steps (rules a and b, `prefill_policy.StepCap`).
+    cap = prefill_policy.StepCap.start(short, self._landing_cap(order, now_s)
+                                       if short and order else None)
     for r in order:
-      capped = cap is not None and self._cut(self._tokens_left(r), exempt, budget)
-      offer = min(budget, cap) if capped else budget
+      offer, capped = cap.offer(lambda r=r: self._tokens_left(r), budget,
+                                self._prefill_share(budget))
       left = offer
       if r.status is RequestStatus.WAITING:  # "shortest_first": a queued one, admitted early
         if admitting:
@@ -591,43 +320,35 @@ class Scheduler:
           left = self._plan_cake(r, offer, now_s, prefills)
         else:
           left = self._plan_chunks(r, offer, prefills)
-      took = offer - left
-      budget -= took
-      if capped:
-        cap -= took
-      if rule_a and r.status is RequestStatus.DECODING:
-        # Its first token comes with this step (the first to end sets the rule): the longer
-        # prefills after it take at most as many tokens again as the step holds so far (its
-        # decodes and prefill tokens, this one's included); one with at most twice that left
-        # is short too and goes whole.
-        rule_a = False
-        n = max(step_budget - budget, self._plan_sizes[0])
-        cap = n if cap is None else min(cap, n)
-        exempt = max(exempt, 2 * n)
+      budget -= offer - left
+      cap.took(offer - left, capped)
+      if cap.rule_a and r.status is RequestStatus.DECODING:  # its first token comes with it
+        cap.ended(step_budget - budget, self._plan_sizes[0])
     # Admissions (first come first served) are the step's rest: under a cap, a queued request
-    # that is short (`_cut`) goes whole, as it would in the order above; a longer one takes
+    # that is short (`cut`) goes whole, as it would in the order above; a longer one takes
     # what the cap leaves.
     while admitting and self.waiting:
       r = self.waiting[0]
-      capped = cap is not None and self._cut(self._queued_left(r), exempt, budget)
-      offer = min(budget, cap) if capped else budget
+      offer, capped = cap.offer(lambda r=r: self._queued_left(r), budget,
+                                self._prefill_share(budget))
       if short:  # rule a for the queue (`_room_behind`)
         offer = min(offer, budget - self._room_behind(budget))
       left, admitting = self._admit(r, offer, prefills, admitted)
       budget -= offer - left
-      if capped:
-        cap -= offer - left
-    if cap is not None:
-      budget = min(budget, cap)  # merges' compute is the step's rest
+      cap.took(offer - left, capped)
+    budget = cap.rest(budget)  # merges' compute is the step's rest
     # One admitted early may have been preempted by a later prefill's blocks (the newest goes
     # first): it is queued again, at the front.
     admitted = [rid for rid in admitted if rid in self.running]
     late, _ = self._plan_inserts([self.running[rid] for rid in admitted], held)
     inserts += late
-    loads = self._plan_loads(now_s)
+    loads = prefix_loads.plan_loads(self._prefix, self.cake_requests(include_waiting=True), now_s,
+                                    self.load_config, self.cost_model, self._last_step_s,
+                                    self.config.chunk_sizes[-1])
     for r in self.cake_requests():
       budget = self._plan_cake(r, budget, now_s, prefills)
-    releases = self._plan_releases()
+    releases = prefix_loads.plan_releases(self._prefix, self._releases)
+    self._releases = []
     block_tables: tuple = ()
     preempted: tuple = ()
     device_hits: tuple = ()
@@ -640,17 +361,12 @@ class Scheduler:
       block_tables = tuple((rid, kvm.block_table(rid)) for rid in self.running)
       preempted, self._preempted = tuple(self._preempted), []
       device_hits, self._device_hits = tuple(self._device_hits), []
-    wait_s = None
     self._computed_last = bool(decodes or prefills)
-    if land_at is not None:
-      wait_s = min(MAX_LOAD_WAIT_S, max(0.0, land_at - now_s))
-    if land_at is None and not inserts and not decodes and not prefills and any(
-        p.outstanding for p in self._prefix.values()):
-      wait_s = MAX_LOAD_WAIT_S
-      for r in self.cake_requests():
-        t = self._prefix[r.request_id].merge.recheck_s(now_s, self.cost_model)
-        if t is not None:
-          wait_s = min(wait_s, max(0.0, t - now_s))
+    wait_s = prefill_policy.wait_s(
+        now_s, land_at, not inserts and not decodes and not prefills and any(
+            p.outstanding for p in self._prefix.values()),
+        (self._prefix[r.request_id].merge.recheck_s(now_s, self.cost_model)
+         for r in self.cake_requests()))
     finished, self._finished_ids = tuple(self._finished_ids), []
     layer_groups = (self.load_config.layerwise_groups
                     if inserts and (decodes or prefills) and self.kv_cache is not None else 1)
@@ -672,10 +388,9 @@ class Scheduler:
 
   # ----------------------------------------------------------------------------- blocks
   def _prefill_share(self, budget: int) -> int:
-    """The tokens one request's prefill may take of `budget` left in this step: at most the
-    long-prefill threshold (vLLM caps a request whose remaining prefill exceeds it; capping
-    every request is the same, since none takes more than it has left)."""
-    return budget if self._prefill_cap is None else min(budget, self._prefill_cap)
+    """The tokens one request's prefill may take of `budget` left in this step
+    (`prefill_policy.prefill_share`)."""
+    return prefill_policy.prefill_share(budget, self._prefill_cap)
 
   def _admit_blocks(self, r: Request, budget: int) -> bool:
     """Paged layout: looks up `r`'s device-resident prefix and allocates the blocks of its first
@@ -705,35 +420,18 @@ class Scheduler:
     return True
 
   def _device_prefix(self, r: Request, record_stats: bool = True) -> tuple[list, int]:
-    """A queued ordinary request's device-resident prefix: (hit blocks, hit tokens); whole
-    store chunks only in consistent mode; ([], 0) for the slotted layout. `record_stats=False`
-    peeks (the manager's hit-rate counters stay as they are)."""
-    kvm = self.kv_cache
-    if kvm is None:
+    """A queued ordinary request's device-resident prefix (`device_prefix.lookup`; whole store
+    chunks only in consistent mode); ([], 0) for the slotted layout."""
+    if self.kv_cache is None:
       return [], 0
-    hits, hit_tokens = kvm.get_computed_blocks(r, namespace_root=self._roots.get(r.request_id),
-                                               record_stats=record_stats)
-    if self.consistent and self.save_chunk_size and hit_tokens % self.save_chunk_size:
-      keep = hit_tokens // self.save_chunk_size * self.save_chunk_size // kvm.block_size
-      hits, hit_tokens = hits[:keep], keep * kvm.block_size
-    return hits, hit_tokens
+    return device_prefix.lookup(self.kv_cache, r, self._roots.get(r.request_id),
+                                self.save_chunk_size if self.consistent else None, record_stats)
 
   def _grow(self, r: Request, n: int, may_preempt: bool = True) -> bool:
-    """Paged layout: blocks for `n` more tokens of `r` at `r.num_computed_tokens`, preempting
-    the newest running request while the pool is short (with `may_preempt`). False when the
-    pool stays short or `r` itself was preempted (it is then waiting again). True for the
-    slotted layout."""
-    kvm = self.kv_cache
-    if kvm is None:
-      return True
-    while kvm.allocate_slots(r.request_id, n, num_computed_tokens=r.num_computed_tokens) is None:
-      if not may_preempt:
-        return False
-      victim = self.running[kvm.choose_victim(list(self.running))]
-      self._preempt(victim)
-      if victim is r:
-        return False
-    return True
+    """Paged layout: blocks for `n` more tokens of `r` (`device_prefix.grow`, preempting with
+    `may_preempt`). True for the slotted layout."""
+    return self.kv_cache is None or device_prefix.grow(self.kv_cache, r, n, may_preempt,
+                                                       self.running, self._preempt)
 
   def _preempt(self, r: Request) -> None:
     """Frees a running request's blocks and requeues it at the front (vLLM's recompute
@@ -765,12 +463,10 @@ class Scheduler:
     """The prefills planned before the first-come-first-served admissions, in their order
     (`prefill_order`).
 
-    "fcfs": running ordinary prefills, in admission order. "shortest_first": those, running
-    merges with every stored chunk resident (only their suffix left to compute), and the
-    queue's first ordinary requests with fewer tokens left than the longest of those (up to
-    the free slots; stopping at a merge, which is admitted whenever a slot is free anyway, and
-    at the first with as many, so queued requests never pass each other), ordered by tokens
-    left (stable: ties keep admission order).
+    "fcfs": running ordinary prefills, in admission order. "shortest_first"
+    (`prefill_policy.shortest_first`): those, running merges with every stored chunk resident
+    (only their suffix left to compute), and the queue's first ordinary requests with fewer
+    tokens left than the longest of those (up to the free slots; none after a preemption).
     """
     fcfs = self.config.prefill_order == FCFS
     under_way = []
@@ -781,19 +477,11 @@ class Scheduler:
         under_way.append(r)
     if fcfs:
       return under_way
-    left = {r.request_id: self._tokens_left(r) for r in under_way}
-    longest = max(left.values(), default=0)
-    ahead = 0  # the most tokens left of a queued request ahead: none passes one ahead of it
-    if not self._preempted:
-      for r in itertools.islice(self.waiting, len(self._free_slots)):
-        if r.request_id in self._prefix:
-          break
-        ahead = max(ahead, r.num_prefill_tokens - self._device_prefix(r, record_stats=False)[1])
-        if ahead >= longest:
-          break
-        left[r.request_id] = ahead
-        under_way.append(r)
-    return sorted(under_way, key=lambda r: left[r.request_id])
+    left = [(r, self._tokens_left(r)) for r in under_way]
+    queued = () if self._preempted else (
+        (r, None if r.request_id in self._prefix else self._queued_left(r))
+        for r in itertools.islice(self.waiting, len(self._free_slots)))
+    return prefill_policy.shortest_first(left, queued)
 
   def _hits_in_reach(self, queued: int) -> list[Request]:
     """Merges whose prefix is not all resident: running ones (oldest first), then those among
@@ -802,77 +490,51 @@ class Scheduler:
     out += [r for r in itertools.islice(self.waiting, queued) if r.request_id in self._prefix]
     return out
 
-  def _landing_cap(self, order: list[Request], now_s: float | None) -> tuple[int, int] | None:
-    """Rule b of short first-token steps: (the prefill tokens this step may take so that it ends
-    when a store hit's last loads are predicted to land (`CakeMerge.loads_land_s`), that hit's
-    tokens left once they are in), or None when no hit is that close.
 
-    A hit counts when it holds a slot (or is queued within the free slots' reach, to be
-    admitted this step) and has fewer tokens left once its loads are in than the longest of
-    `order` (the prefills it would otherwise wait behind); the earliest landing wins. At least
-    the smallest chunk size: the prefills under way always advance.
-    """
+  def _landing_cap(self, order: list[Request], now_s: float | None) -> tuple[int, int] | None:
+    """Rule b of short first-token steps (`prefill_policy.landing_cap`): (the prefill tokens this
+    step may take so that it ends when a store hit's last loads are predicted to land, that
+    hit's tokens left once they are in), or None when no hit is that close. A hit counts when
+    it holds a slot (or is queued within the free slots' reach, to be admitted this step)."""
     merges = self._hits_in_reach(len(self._free_slots))
     if not merges or now_s is None:
       return None
     longest = max(self._tokens_left(r) for r in order)
-    best = None
+    hits = []
     for r in merges:
       m = self._prefix[r.request_id].merge
-      left = m.tokens_left_after_loads()
-      if left < longest:
-        t = m.loads_land_s(now_s, self.cost_model)
-        if t is not None and (best is None or t < best[0]):
-          best = (t, left)
-    if best is None:
-      return None
-    seconds = best[0] - now_s
-    start = max(r.num_computed_tokens for r in order)
-    tokens = self._plan_sizes[0]
-    for n in self._plan_sizes:
-      if self.cost_model.predict_compute_s(start, n) <= seconds:
-        tokens = n
-    return tokens, best[1]
+      hits.append((m.tokens_left_after_loads(),
+                   functools.partial(m.loads_land_s, now_s, self.cost_model)))
+    return prefill_policy.landing_cap(hits, longest, now_s,
+                                      max(r.num_computed_tokens for r in order), self._plan_sizes,
+                                      self.cost_model.predict_compute_s)
 
   def _landing_wait(self, now_s: float | None) -> float | None:
-    """Rule c of short first-token steps: when this step should compute nothing and wait for a
-    store hit's loads, the latest time it waits until (engine clock), else None.
+    """Rule c of short first-token steps (`prefill_policy.LandingWait`): when this step should
+    compute nothing and wait for a store hit's loads, the latest time it waits until (engine
+    clock), else None.
 
-    A run of waiting steps starts for a hit that holds a slot with stored chunks still to come,
-    or heads the queue with a slot free (it is admitted in the step: its loads need no budget);
-    that has at most the token budget left once its loads are in (its tail then computes in one
-    step); and whose loads are predicted to land (`CakeMerge.loads_land_s`, the earliest of
-    such hits) within half the last computing step. The run waits for that hit's loads, its
-    landed chunks inserted as they come, until none is left to come or half that step has
-    passed since the run began, whichever is first: the hit's tail then joins the next step
-    instead of the one after it, and everyone else loses at most half a step. No run before a
-    step has computed (nothing to size it by), while nothing else would compute, or after a
-    preemption.
+    A hit counts when it holds a slot with stored chunks still to come, or heads the queue with
+    a slot free (it is admitted in the step: its loads need no budget). No run before a step has
+    computed (nothing to size it by), while nothing else would compute, or after a preemption.
     """
     if now_s is None or self._last_compute_step_s <= 0 or self._preempted or not any(
         self._would_compute(r) for r in self.running.values()):
-      self._waiting_for = None
+      self._landing.stop()
       return None
-    half = self._last_compute_step_s / 2
-    rid = self._waiting_for
-    if rid is not None:  # a run under way
+
+    def loads_to_come(rid: RequestId) -> bool:
       prefix = self._prefix.get(rid)
-      deadline = self._waiting_since_s + half
-      if prefix is not None and now_s < deadline and prefix.merge.has_loads_to_come:
-        return deadline
-      self._waiting_for = None
-      return None
-    best = None
-    for r in self._hits_in_reach(min(1, len(self._free_slots))):
-      m = self._prefix[r.request_id].merge
-      if m.tokens_left_after_loads() <= self.config.token_budget:
-        t = m.loads_land_s(now_s, self.cost_model)
-        if t is not None and t - now_s <= half and (best is None or t < best[0]):
-          best = (t, r.request_id)
-    if best is None:
-      return None
-    self._waiting_for, self._waiting_since_s = best[1], now_s
-    return now_s + half
+      return prefix is not None and prefix.merge.has_loads_to_come
+
+    def hits():
+      for r in self._hits_in_reach(min(1, len(self._free_slots))):
+        m = self._prefix[r.request_id].merge
+        yield (r.request_id, m.tokens_left_after_loads(),
+               functools.partial(m.loads_land_s, now_s, self.cost_model))
+
+    return self._landing.until(now_s, self._last_compute_step_s / 2, loads_to_come, hits,
+                               self.config.token_budget)
 
   def _would_compute(self, r: Request) -> bool:
     """Whether running request `r` would compute this step: it decodes, or it prefills and is
@@ -882,6 +544,7 @@ class Scheduler:
     prefix = self._prefix.get(r.request_id)
     return prefix is None or prefix.merge.is_prefix_done
 
+
   def _tokens_left(self, r: Request) -> int:
     """Prefill tokens request `r` has left to compute (a merge's: past its frontier; a queued
     one's: all of them)."""
@@ -890,31 +553,16 @@ class Scheduler:
       return r.remaining_prefill_tokens
     return r.num_prompt_tokens - prefix.merge.frontier
 
-  def _room_behind(self, budget: int) -> int:
-    """Rule a for the queue: the tokens the queue's head leaves for the short prompts queued
-    right behind it when it is long (it does not end its prompt within `budget`), so they are
-    admitted in the same step, in queue order, and their first tokens come with it; 0 when it
-    is short. Behind it: ordinary requests that end within what is left, up to the free slots,
-    stopping at a merge or a longer one; the head keeps at least the smallest chunk size."""
-    head = self.waiting[0]
-    if head.request_id in self._prefix or self._queued_left(head) <= self._prefill_share(budget):
-      return 0
-    room, least = 0, self._plan_sizes[0]
-    for r in itertools.islice(self.waiting, 1, len(self._free_slots)):
-      if r.request_id in self._prefix:
-        break
-      n = self._queued_left(r)
-      if n > self._prefill_share(budget - least - room) or room + n > budget - least:
-        break
-      room += n
-    return room
 
-  def _cut(self, left: int, exempt: int, budget: int) -> bool:
-    """Whether short first-token steps' cap applies to a prefill with `left` tokens left when
-    `budget` tokens of the step are left: not when it is short, i.e. it has at most `exempt`
-    left or it ends its prompt within the budget (its first token then comes with the same
-    step: cutting it would cost it a whole step to save the others its compute)."""
-    return left > exempt and left > self._prefill_share(budget)
+  def _room_behind(self, budget: int) -> int:
+    """Rule a for the queue (`prefill_policy.room_behind`): the tokens the queue's head leaves
+    for the short prompts queued right behind it, up to the free slots."""
+    head = self.waiting[0]
+    behind = (None if r.request_id in self._prefix else self._queued_left(r)
+              for r in itertools.islice(self.waiting, 1, len(self._free_slots)))
+    return prefill_policy.room_behind(
+        budget, None if head.request_id in self._prefix else self._queued_left(head), behind,
+        self._plan_sizes[0], self._prefill_cap)
 
   def _queued_left(self, r: Request) -> int:
     """Prefill tokens queued request `r` would compute: past its device-resident prefix (a
@@ -922,6 +570,7 @@ class Scheduler:
     if r.request_id in self._prefix:
       return self._prefix[r.request_id].merge.tokens_left_after_loads()
     return r.num_prefill_tokens - self._device_prefix(r, record_stats=False)[1]
+
 
   def _admit(self, r: Request, budget: int, prefills: list[PrefillChunk],
              admitted: list[RequestId]) -> tuple[int, bool]:
@@ -945,86 +594,12 @@ class Scheduler:
 
   def _plan_inserts(self, requests: list[Request], held: int
                     ) -> tuple[list[InsertItem], int]:
-    """Landed chunks of `requests` (holding slots): inserted this step (marked resident now).
-
-    Args:
-      requests: running requests, in admission order.
-      held: staged bytes the layer-wise deferring requests of this step hold already.
-
-    Returns:
-      The insert items, and `held` plus what the deferring ones among `requests` hold.
-    """
-    out = []
-    for r in requests:
-      prefix = self._prefix.get(r.request_id)
-      if prefix is None:
-        continue
-      m = prefix.merge
-      if self.load_config.layerwise_groups > 1 and self.kv_cache is not None:
-        need = self._defer_bytes(prefix)
-        if need is not None and held + need <= self.load_config.staging_bytes:
-          held += need
-          continue  # layer-wise: insert them with the step that computes after them
-      for j, st in enumerate(m.states):
-        if st is ChunkState.LANDED:
-          m.inserted(j)
-          n = m.unit_tokens(j)  # a stored tail's m rows, else the whole chunk
-          out.append(InsertItem(r.request_id, j, r.slot, j * m.chunk_size,
-                                n if n != m.chunk_size else None))
-    return out, held
-
-  @staticmethod
-  def _defer_bytes(prefix) -> int | None:
-    """Layer-wise pre-loading: the stored bytes (landed plus in flight) a request holds while
-    its landed chunks wait for its other loads, or None when they must go in now (nothing
-    landed, no load in flight, or compute waits at a landed chunk)."""
-    m = prefix.merge
-    states = m.states
-    landed = sum(s is ChunkState.LANDED for s in states)
-    if not landed or not m.in_flight:
-      return None
-    p, c = m.frontier, m.chunk_size
-    if (m.mode is MergeMode.CAKE and p < m.prefix_tokens and p % c == 0
-        and states[p // c] is ChunkState.LANDED):
-      return None  # compute waits at it: it goes in now
-    nbytes = max((max(ch.nbytes for ch in st.candidates) for st in prefix.stored.chunks
-                  if st is not None and st.candidates), default=0)
-    return (landed + len(m.in_flight)) * nbytes
-
-  def _plan_loads(self, now_s: float | None) -> tuple[LoadItem, ...]:
-    """Each merge's next loads (last chunk first), running requests first, then queued ones."""
-    out = []
+    """Landed chunks of `requests` (holding slots), inserted this step, and `held` plus the
+    staged bytes of layer-wise deferring ones (`prefix_loads.plan_inserts`)."""
     lc = self.load_config
-    cost = self.cost_model
-    for r in self.cake_requests(include_waiting=True):
-      prefix = self._prefix[r.request_id]
-      m = prefix.merge
-      nbytes = max((max(c.nbytes for c in ch.candidates) for ch in prefix.stored.chunks
-                    if ch is not None and ch.candidates), default=0)
-      if lc.max_loads_ahead is None:
-        delay_s = max(self._last_step_s,
-                      cost.predict_compute_s(r.num_computed_tokens, self.config.chunk_sizes[-1]))
-        m.max_loads_in_flight = loads_ahead(cost.bandwidth_bytes_per_s, delay_s,
-                                            lc.link_latency_s, nbytes, lc.staging_bytes)
-      reads = lc.max_loads_in_flight or reads_at_once(cost.bandwidth_bytes_per_s,
-                                                      lc.link_latency_s, nbytes)
-      while (j := m.next_load(now_s, cost)) is not None:
-        enc = m.load_encoding(j)
-        prefix.outstanding[j] = enc.nbytes if enc is not None else 0
-        out.append(LoadItem(r.request_id, j, enc.name if enc is not None else None,
-                            enc.nbytes if enc is not None else 0, reads))
-    return tuple(out)
-
-  def _plan_releases(self) -> tuple[tuple[RequestId, int], ...]:
-    """Outstanding loads of chunks compute has taken (not started: never start; landed: free),
-    and landed loads the merges dropped since the last plan."""
-    for rid, prefix in self._prefix.items():
-      states = prefix.merge.states
-      for j in sorted(prefix.outstanding):
-        if states[j] in (ChunkState.COMPUTING, ChunkState.COMPUTED):
-          self._releases.append((rid, j))
-    out, self._releases = tuple(dict.fromkeys(self._releases)), []
-    return out
+    return prefix_loads.plan_inserts(self._prefix, requests, held,
+                                     lc.layerwise_groups > 1 and self.kv_cache is not None,
+                                     lc.staging_bytes)
 
   def _plan_cake(self, r: Request, budget: int, now_s: float, out: list[PrefillChunk]) -> int:
     """Appends the compute steps of `r`'s merge that the budget (and the long-prefill
@@ -1071,46 +646,24 @@ class Scheduler:
                         roundtrip)
 
   def _decode_saves(self, r: Request) -> tuple[SaveItem, ...]:
-    """Paged layout with a store: the chunk a decode completes (its last position is this
-    decode's), when no prefill step saved it: a chunk of generated tokens, or the one
-    straddling the prompt's end. A chunk partly served from device blocks is saved too (the
-    engine reads that part back from the pool); one wholly served from them is not."""
+    """Paged layout with a store: the chunk a decode completes when no prefill step saved it
+    (`transfer_policy.decode_saves`)."""
     c = self.save_chunk_size
     end = r.num_computed_tokens
     if c is None or self.kv_cache is None or end % c:  # a decode always ends past the prefill
       return ()
-    j = end // c - 1
-    if (j + 1) * c <= self._device_hit_tokens.get(r.request_id, 0):
-      return ()
-    return (SaveItem(j),)
+    return transfer_policy.decode_saves(c, end, self._device_hit_tokens.get(r.request_id, 0))
 
   def _saves(self, r: Request, start: int, n: int) -> tuple[SaveItem, ...]:
-    """Store chunks the step `[start, start + n)` completes that the store should get: chunks
-    no tier holds, chunks whose stored copy was rejected, and (after a rejection) computed hits,
-    checked. Loaded chunks are never saved back."""
+    """Store chunks the step `[start, start + n)` completes that the store should get
+    (`transfer_policy.saves`)."""
     c = self.save_chunk_size
     if c is None:
       return ()
-    prefix = self._prefix.get(r.request_id)
-    end = start + n
-    out = []
-    hit = self._device_hit_tokens.get(r.request_id, 0)
-    for j in range(start // c, end // c):
-      if (j + 1) * c > end or (j + 1) * c <= start:
-        continue
-      if (j + 1) * c <= hit or (j + 1) * c > r.num_prefill_tokens:
-        continue  # wholly a device hit (stored when it was computed), or past the prefill
-      if prefix is None or j >= len(prefix.stored.chunks) or prefix.stored.is_tail(j):
-        out.append(SaveItem(j))  # not stored (a stored tail is not its full chunk)
-      elif j in prefix.rejected:
-        out.append(SaveItem(j, replace=True))
-      elif prefix.stored.chunks[j] is None:
-        out.append(SaveItem(j))
-      elif prefix.rejected:
-        out.append(SaveItem(j, verify_existing=True))
-    # A chunk beyond the lookup's candidates (the prompt's last full chunk holds the last
-    # token): saved like any computed chunk.
-    return tuple(out)
+    p = self._prefix.get(r.request_id)
+    return transfer_policy.saves(c, start, n, self._device_hit_tokens.get(r.request_id, 0),
+                                 r.num_prefill_tokens, p.stored if p is not None else None,
+                                 p.rejected if p is not None else set())
 
   # ----------------------------------------------------------------------------- update
   def update(self, result: StepResult) -> dict[RequestId, MergeTrace]:
@@ -1121,29 +674,8 @@ class Scheduler:
       this step (for their outputs' metrics).
     """
     cost = self.cost_model
-    # The link is observed once per step, bytes over the step's link seconds (the reports' link
-    # times do not overlap): per-chunk samples of a fast link are milliseconds of jitter.
-    link_bytes, link_s = 0, 0.0
-    for rep in result.loads:
-      prefix = self._prefix.get(rep.request_id)
-      if prefix is None or rep.index not in prefix.outstanding:
-        continue  # the request ended meanwhile: the executor has dropped the load
-      del prefix.outstanding[rep.index]
-      if not rep.ok and rep.reason == RELEASED:
-        prefix.merge.load_dropped(rep.index, rep.done_s or result.now_s)
-        continue
-      if rep.ok:
-        link_bytes += rep.nbytes
-        link_s += rep.link_s
-        cost.observe_decode(rep.nbytes, rep.decode_s)
-      verdict = prefix.merge.load_done(rep.index, rep.ok, rep.nbytes,
-                                       rep.done_s or result.now_s, level=rep.encoding)
-      if verdict is LoadVerdict.REJECTED:
-        prefix.rejected.add(rep.index)
-      elif verdict is LoadVerdict.WASTED and rep.ok:
-        self._releases.append((rep.request_id, rep.index))
-    if link_bytes > 0 and link_s > 0:
-      cost.observe_load(link_bytes, link_s)
+    self._releases += prefix_loads.apply_load_reports(self._prefix, result.loads, result.now_s,
+                                                      cost)
     for t in result.compute:
       if not t.includes_compile:
         cost.observe_compute(t.start, t.num_tokens, t.seconds)
