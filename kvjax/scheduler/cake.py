@@ -196,7 +196,7 @@ class CakeMerge:
       over the largest compiled size (64 of 512 tokens: 1/8).
     check_writes: keep a per-position writer map and raise `DoubleWriteError` on a second write
       (one byte per prompt token; tests and simulations always keep it on).
-    resident: leading chunks already resident on the device (the paged layout's prefix cache,
+    resident: leading chunks already resident on the device (the device prefix cache,
       issue 11): they start RESIDENT (written by "load" in the writer map), so the merge never
       loads nor computes them and its frontier starts after them.
     last_unit_tokens: m in [1, C) when the last prefix unit is a stored tail (a session turn's
@@ -254,7 +254,7 @@ class CakeMerge:
     self.late_factor = float(late_factor)
     uses_hits = self.mode is not MergeMode.COMPUTE_ONLY
     self._states = [ChunkState.HIT if (h and uses_hits) else ChunkState.MISSING for h in hits]
-    # Device-resident leading chunks (the paged layout's prefix cache, issue 11): resident
+    # Device-resident leading chunks (the device prefix cache, issue 11): resident
     # from the start, never loaded nor computed.
     whole = len(hits) if last_unit_tokens is None else len(hits) - 1
     if isinstance(resident, bool) or not isinstance(resident, int) or not (
