@@ -244,7 +244,7 @@ def throughput(bench: Bench, samples: dict, sweep_ids, s: Settings, progress) ->
       loop["t_start"] = time.perf_counter()
       while not stop.is_set():
         t0 = time.perf_counter()
-        out = bench.runner.prefill_chunk(sweep_ids[i * c:(i + 1) * c], 1, i * c)
+        out = bench.prefill_chunk(sweep_ids[i * c:(i + 1) * c], 1, i * c)
         jax.block_until_ready(out.logits)
         loop["seconds"].append(time.perf_counter() - t0)
         loop["chunks"] += 1
@@ -300,7 +300,7 @@ def worker_main() -> None:
   import jax  # noqa: PLC0415
   from kvjax.models.config import smollm2_135m  # noqa: PLC0415
   from kvjax.models.layers import rope_inv_freq  # noqa: PLC0415
-  from kvjax.models.runner import enable_persistent_compilation_cache  # noqa: PLC0415
+  from kvjax.models.compilation_cache import enable_persistent_compilation_cache  # noqa: PLC0415
   from kvjax.storage.types import KVLayout  # noqa: PLC0415
 
   enable_persistent_compilation_cache()
@@ -347,7 +347,7 @@ def quality(bench: Bench, books: dict, s: Settings, progress) -> tuple[dict, dic
     targets = np.asarray(window[p + 1:p + h + 1])
     bench.runner.reset()
     chunks, prefill_s, _ = bench.prefill_kv(prefix, 0)
-    ref = np.asarray(bench.runner.prefill_chunk(held, 0, p, all_logits=True).logits)
+    ref = np.asarray(bench.prefill_chunk(held, 0, p, all_logits=True).logits)
     hashes = keys.chunk_hashes(bench.namespace, prefix)
     parents = [bench.namespace.root_hash()] + hashes[:-1]
     encodings = [[] for _ in chunks]
@@ -372,7 +372,7 @@ def quality(bench: Bench, books: dict, s: Settings, progress) -> tuple[dict, dic
         st["chunk_bytes_per_token"].append((len(blob) + rec) / c)
       first_blobs[(label, codec, level)] = blobs[0]
       bench.decode_into(blobs, codec, level, 1)
-      logits = np.asarray(bench.runner.prefill_chunk(held, 1, p, all_logits=True).logits)
+      logits = np.asarray(bench.prefill_chunk(held, 1, p, all_logits=True).logits)
       if codec == "raw":
         raw_logits = logits
         row["raw_path_vs_prefill"] = token_metrics(ref, logits, targets)
@@ -464,7 +464,7 @@ def longchat(bench: Bench, path: pathlib.Path, s: Settings, progress) -> dict:
     bench.runner.reset()
     chunks, prefill_s, _ = bench.prefill_kv(prefix, 0)
     t0 = time.perf_counter()
-    first = bench.runner.prefill_chunk(tail, 0, m * c).logits
+    first = bench.prefill_chunk(tail, 0, m * c).logits
     gen = bench.greedy(first, 0, len(ids), s.longchat_max_new_tokens)
     text = tok.decode(gen, skip_special_tokens=True)
     row = {"test_id": sample["test_id"], "tokens": len(ids), "stored_chunks": m, "topic": topic,
@@ -476,7 +476,7 @@ def longchat(bench: Bench, path: pathlib.Path, s: Settings, progress) -> dict:
     for label, codec, level in s.codecs:
       blobs = [bench.encode(kv, codec, level, i * c) for i, kv in enumerate(chunks)]
       bench.decode_into(blobs, codec, level, 1)
-      first = bench.runner.prefill_chunk(tail, 1, m * c).logits
+      first = bench.prefill_chunk(tail, 1, m * c).logits
       gen_c = bench.greedy(first, 1, len(ids), s.longchat_max_new_tokens)
       text_c = tok.decode(gen_c, skip_special_tokens=True)
       if codec == "raw":

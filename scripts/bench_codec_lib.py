@@ -5,14 +5,13 @@ The codec path is the one the engine takes (DESIGN.md sections 3-5):
 
     prefill chunk ──k_pre_rope, v──> kv_L2CKH ──kv_encode_host──> payload ──encode_payload──> bytes
                                                                                               │
-    cache slot [start, start + C) <──kv_decode (dequantize, RoPE, write)── payload <──decode_payload
+    pool blocks [start, start + C) <──insert_payload (dequantize, RoPE, write)── payload <──decode_payload
 
 On CPU the jnp paths run (`use_pallas=False`); entropy coding is storage's pcodec/zstd.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import os
@@ -194,12 +193,14 @@ def decode_arrays(arrays: dict, codec: str, k, v, slot, start, cos, sin):
 
 
 class Bench:
-  """The real model on a two-slot runner plus the codec path from KV chunks to a cache slot.
+  """The real model on a paged runner of two sequences plus the codec path from KV chunks to
+  a sequence's pool blocks.
 
-  Slot 0 holds the reference (plain prefill); slot 1 receives decoded chunks.
+  Sequence ("slot") 0 holds the reference (plain prefill); sequence 1 receives decoded chunks.
+  Each has a fixed block table of `max_seq_len` tokens.
 
   Args:
-    max_seq_len: tokens per slot.
+    max_seq_len: tokens per sequence.
     chunk_sizes: compiled prefill chunk sizes (ascending).
     chunk: stored chunk size C, tokens.
   """
@@ -207,10 +208,12 @@ class Bench:
   def __init__(self, max_seq_len: int, chunk_sizes: tuple[int, ...], chunk: int):
     from kvjax.models.kv_cache import KV_LAYOUT_VERSION  # noqa: PLC0415
     from kvjax.models.layers import rope_inv_freq  # noqa: PLC0415
+    from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
+    from kvjax.models.compilation_cache import (default_cache_root,  # noqa: PLC0415
+                                                enable_persistent_compilation_cache)
     from kvjax.models.llama import Llama  # noqa: PLC0415
+    from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig  # noqa: PLC0415
     from kvjax.models.registry import load_model  # noqa: PLC0415
-    from kvjax.models.runner import (ModelRunner, RunnerConfig, default_cache_root,  # noqa
-                                     enable_persistent_compilation_cache)
     from kvjax.storage import keys  # noqa: PLC0415
     from kvjax.storage.types import KVLayout  # noqa: PLC0415
 
@@ -218,9 +221,15 @@ class Bench:
     self.loaded = load_model(MODEL, cache_dir=os.path.join(default_cache_root(), "params"))
     cfg = self.loaded.config
     self.chunk = chunk
-    self.runner = ModelRunner(Llama.from_params(cfg, self.loaded.params),
-                              RunnerConfig(num_slots=2, max_seq_len=max_seq_len,
-                                           chunk_sizes=chunk_sizes))
+    model = Llama.from_params(cfg, self.loaded.params)
+    b = 16
+    per_seq = -(-max_seq_len // b)
+    self.runner = PagedModelRunner(model, PagedRunnerConfig(
+        num_blocks=2 * per_seq, block_size=b, max_num_seqs=2,
+        max_num_batched_tokens=max(chunk_sizes), max_seq_len=max_seq_len,
+        chunk_sizes=tuple(chunk_sizes)))
+    #: Each sequence's block table ("slot" s: blocks [s * per_seq, (s + 1) * per_seq)).
+    self.tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(2)]
     self.runner.warmup()
     self.inv_freq = rope_inv_freq(cfg)
     self.layout = KVLayout(cfg.n_layers, chunk, cfg.n_kv_heads, cfg.head_dim, "float32")
@@ -229,12 +238,24 @@ class Bench:
     self.tokenizer = self.loaded.tokenizer
     from kvjax.models import kv_calibration  # noqa: PLC0415
     self.kvtc_transform = kv_calibration.load_or_calibrate(
-        self.runner, self.tokenizer, str(self.loaded.fingerprint),
+        CalibrationModel(model), self.tokenizer, str(self.loaded.fingerprint),
         os.path.join(default_cache_root(), "params"))
     self.kvtc_cache_file = os.path.join(default_cache_root(), "params",
                                         kv_calibration.cache_file_name(
                                             str(self.loaded.fingerprint)))
     set_kvtc_transform(self.kvtc_transform)
+    self.runner.set_kvtc_transform(self.kvtc_transform)
+
+  def prefill_chunk(self, token_ids, slot: int, start: int, *, all_logits: bool = False):
+    """One step of `token_ids` of sequence `slot` at `[start, start + n)`: `.logits` (f32[V]
+    at the last token, or f32[n, V] for every token with `all_logits`), `.k_pre_rope_LTKH` and
+    `.v_LTKH` ([L, n, K, H])."""
+    import types  # noqa: PLC0415
+    from kvjax.models.paged_runner import SeqChunk  # noqa: PLC0415
+    seq = [SeqChunk(list(token_ids), start, self.tables[slot])]
+    out = self.runner.step_all_logits(seq) if all_logits else self.runner.step(seq)
+    return types.SimpleNamespace(logits=out.logits_SV if all_logits else out.logits_SV[0],
+                                 k_pre_rope_LTKH=out.k_pre_rope_LTKH, v_LTKH=out.v_LTKH)
 
   def prefill_kv(self, ids, slot: int, progress=None):
     """Chunked prefill of `ids` (whole chunks) into `slot` from position 0.
@@ -249,7 +270,7 @@ class Bench:
     chunks, times, cpu = [], [], []
     for start in range(0, len(ids) - c + 1, c):
       t0, c0 = time.perf_counter(), time.process_time()
-      out = self.runner.prefill_chunk(ids[start:start + c], slot, start)
+      out = self.prefill_chunk(ids[start:start + c], slot, start)
       jax.block_until_ready(out.k_pre_rope_LTKH)
       times.append(time.perf_counter() - t0)
       cpu.append(time.process_time() - c0)
@@ -266,16 +287,17 @@ class Bench:
     return codecs.encode_payload(codec, level, arrays, self.layout)
 
   def decode_into(self, blobs, codec: str, level: int, slot: int) -> None:
-    """Stored bytes of chunks 0..n-1 -> `decode_payload` -> `kv_decode` into `slot` at [0, nC)."""
+    """Stored bytes of chunks 0..n-1 -> `decode_payload` -> the runner's `insert_payload`
+    (dequantize, RoPE, block write) into sequence `slot` at [0, nC)."""
     from kvjax.storage import codecs  # noqa: PLC0415
-    cache = self.runner.cache
-    k, v = cache.k_LBSKH, cache.v_LBSKH
+    c, b = self.chunk, self.runner.block_size
     for i, blob in enumerate(blobs):
       arrays = codecs.decode_payload(codec, codecs.CURRENT_VERSION[codec], level, blob,
                                      self.layout, defer_entropy=True)
-      cos, sin = rope_cos_sin(self.inv_freq, i * self.chunk, self.chunk)
-      k, v = decode_arrays(arrays, codec, k, v, slot, i * self.chunk, cos, sin)
-    self.runner.cache = dataclasses.replace(cache, k_LBSKH=k, v_LBSKH=v)
+      if codec == "kvtc":
+        arrays = device_entropy(arrays)
+      self.runner.insert_payload(codec, arrays, self.tables[slot][i * c // b:(i + 1) * c // b],
+                                 i * c)
 
   def record_json_bytes(self, chunk_hash, parent_hash, token_ids, encodings) -> int:
     """Bytes of the index record (`ChunkRecord.to_json`) listing `encodings`."""
@@ -341,22 +363,19 @@ class Bench:
     return out
 
   def greedy(self, first_logits, slot: int, position: int, max_new: int) -> list[int]:
-    """Greedy tokens from `first_logits` (f32[V]), decode steps in `slot` from `position`;
-    stops at EOS, `max_new` tokens or the slot's end."""
+    """Greedy tokens from `first_logits` (f32[V]), decode steps of sequence `slot` from
+    `position`; stops at EOS, `max_new` tokens or the sequence's end."""
+    from kvjax.models.paged_runner import SeqChunk  # noqa: PLC0415
     runner = self.runner
     eos = self.tokenizer.eos_id
-    b = runner.config.num_slots
     out = []
     tok = int(np.argmax(np.asarray(first_logits)))
     while True:
       out.append(tok)
       if tok == eos or len(out) >= max_new or position + 1 >= runner.max_seq_len:
         return out
-      tokens, positions, active = (np.zeros(b, np.int32), np.zeros(b, np.int32),
-                                   np.zeros(b, bool))
-      tokens[slot], positions[slot], active[slot] = tok, position, True
-      logits = runner.decode_step(tokens, positions, active)
-      tok = int(np.argmax(np.asarray(logits[slot])))
+      logits = runner.step([SeqChunk([tok], position, self.tables[slot])]).logits_SV
+      tok = int(np.argmax(np.asarray(logits[0])))
       position += 1
 
 

@@ -270,10 +270,10 @@ def main(argv):
   runs: dict[str, list] = {}
   try:
     def make(mode, **kw):
-      # The slotted layout (as measured): every repeat reads the store; a paged engine's device
-      # prefix cache would serve the repeats instead.
+      # No device prefix cache: every repeat reads the store (the prefix cache would serve the
+      # repeats instead).
       llm = kvjax.LLM(kv_store=store_dir, kv_merge_mode=mode, seed=_SEED.value,
-                      kv_cache_layout="slotted", **kw)
+                      enable_prefix_caching=False, **kw)
       log = _StepLog()
       llm.engine.add_step_observer(log)
       return llm, log

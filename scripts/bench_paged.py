@@ -59,7 +59,7 @@ def bench_decode(seq_counts: list[int]) -> dict:
   p = _DECODE_PROMPT.value
   max_len = p + steps + 64
   t0 = time.perf_counter()
-  llm = LLM(_MODEL.value, kv_cache_layout="paged", max_num_seqs=top, max_model_len=max_len,
+  llm = LLM(_MODEL.value, max_num_seqs=top, max_model_len=max_len,
             enable_prefix_caching=False, chunk_sizes=(16, 32, 64, 128, 256, 512))
   build_s = time.perf_counter() - t0
   tok = llm.get_tokenizer()
@@ -104,7 +104,7 @@ def bench_prefix() -> dict:
   from kvjax import LLM, SamplingParams  # noqa: PLC0415
   n = _PREFIX_TOKENS.value
   t0 = time.perf_counter()
-  llm = LLM(_MODEL.value, kv_cache_layout="paged", max_num_seqs=1,
+  llm = LLM(_MODEL.value, max_num_seqs=1,
             max_model_len=n + _PREFIX_OUT.value + 64, kv_store=None)
   build_s = time.perf_counter() - t0
   ids = book_ids(llm.get_tokenizer(), n)

@@ -57,18 +57,22 @@ _TRANSFORMERS = flags.DEFINE_enum("transformers", "auto", ["auto", "on", "off"],
 def time_kvjax(ids: list[int], chunk: int) -> list[float]:
   import jax  # noqa: PLC0415
   from kvjax.models.llama import Llama  # noqa: PLC0415
+  from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig,  # noqa: PLC0415
+                                         SeqChunk)
   from kvjax.models.registry import load_model  # noqa: PLC0415
-  from kvjax.models.runner import ModelRunner, RunnerConfig  # noqa: PLC0415
 
   loaded = load_model("SmolLM2-135M-Instruct", cache_dir=None)
-  runner = ModelRunner(Llama.from_params(loaded.config, loaded.params),
-                       RunnerConfig(num_slots=1, max_seq_len=len(ids), chunk_sizes=(chunk,)))
+  blocks = -(-len(ids) // 16)
+  runner = PagedModelRunner(Llama.from_params(loaded.config, loaded.params), PagedRunnerConfig(
+      num_blocks=blocks, block_size=16, max_num_seqs=1, max_num_batched_tokens=chunk,
+      max_seq_len=blocks * 16, chunk_sizes=(chunk,)))
+  table = list(range(blocks))
   runner.warmup()
   times = []
   for start in range(0, len(ids), chunk):
     t0 = time.perf_counter()
-    out = runner.prefill_chunk(ids[start:start + chunk], 0, start)
-    jax.block_until_ready(out.logits)
+    out = runner.step([SeqChunk(ids[start:start + chunk], start, table)])
+    jax.block_until_ready(out.logits_SV)
     times.append(time.perf_counter() - t0)
   return times
 

@@ -85,8 +85,11 @@ def kvtc_phase(reps: int) -> dict:
   from kvjax.kernels import kvtc, kvtc_rans  # noqa: PLC0415
   from kvjax.models import kv_calibration as kc  # noqa: PLC0415
   from kvjax.models.llama import Llama  # noqa: PLC0415
+  from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
+  from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
+  from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig,  # noqa: PLC0415
+                                         SeqChunk)
   from kvjax.models.registry import load_model  # noqa: PLC0415
-  from kvjax.models.runner import ModelRunner, RunnerConfig, default_cache_root  # noqa: PLC0415
   from kvjax.storage import codecs  # noqa: PLC0415
   from kvjax.storage.types import KVLayout  # noqa: PLC0415
 
@@ -94,14 +97,18 @@ def kvtc_phase(reps: int) -> dict:
   lm = load_model(MODEL, cache_dir=params_dir)
   cfg = lm.config
   l_, k, h = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-  runner = ModelRunner(Llama.from_params(cfg, lm.params),
-                       RunnerConfig(num_slots=1, max_seq_len=max(_TOKENS.value, 1024),
-                                    chunk_sizes=(C,)))
+  model = Llama.from_params(cfg, lm.params)
+  blocks = -(-max(_TOKENS.value, 1024) // 16)
+  runner = PagedModelRunner(model, PagedRunnerConfig(
+      num_blocks=blocks, block_size=16, max_num_seqs=1, max_num_batched_tokens=C,
+      max_seq_len=blocks * 16, chunk_sizes=(C,)))
+  table = list(range(blocks))
   if _TRANSFORM.value:
     t = kc.load_transform(_TRANSFORM.value, k, h)
     transform_source = pathlib.Path(_TRANSFORM.value).name
   else:
-    t = kc.load_or_calibrate(runner, lm.tokenizer, str(lm.fingerprint), params_dir)
+    t = kc.load_or_calibrate(CalibrationModel(model), lm.tokenizer, str(lm.fingerprint),
+                             params_dir)
     transform_source = kc.cache_file_name(str(lm.fingerprint))
   dt = t.device_arrays()
   data_dir = pathlib.Path(_DATA.value or REPO.parent / "shared" / "data")
@@ -113,7 +120,7 @@ def kvtc_phase(reps: int) -> dict:
   payloads = {level: [] for level in levels}
   runner.reset()
   for s0 in range(0, len(held), C):
-    o = runner.prefill_chunk(held[s0:s0 + C], 0, s0)
+    o = runner.step([SeqChunk(held[s0:s0 + C], s0, table)])
     kv = np.stack([np.asarray(o.k_pre_rope_LTKH, np.float32),
                    np.asarray(o.v_LTKH, np.float32)], axis=1)
     for level in levels:

@@ -7,21 +7,18 @@ Two real workloads from ../shared/data (see its README):
   sharegpt  ShareGPT multi-turn conversations replayed turn by turn: turn k sends the real
             earlier turns plus the next user message, so turn k's prompt extends turn k-1's.
 Each workload runs twice on one server: "cold" on an empty store, then, once its saves are
-written (POST /admin/flush_kv), "warm". With --kv_cache_layouts=slotted,paged the whole run is
-repeated on a fresh server (and an empty store) per device KV layout, in this one process, so the
-layouts are compared under the same machine load; "warm" on the paged layout is served from the
-device prefix cache where blocks are still resident, from the store otherwise. N clients (the openai client, streaming) pull tasks from a
+written (POST /admin/flush_kv), "warm". "Warm" is served from the device prefix cache where
+blocks are still resident, from the store otherwise. N clients (the openai client, streaming) pull tasks from a
 queue; a document's questions and a conversation's turns are one task, sent in order.
 
 TTFT is measured by the client (request sent to the first streamed event, which the server sends
 with the first token) and also reported by the server (`kvjax.ttft_s`, submission to the first
 token). Output tokens/s is all completion tokens over the phase's wall time. Device KV memory
 per server (`kvjax_kv_cache_bytes` on /metrics): reserved, and the peak held by requests (paged:
-most pool blocks held at once; slotted: every slot is reserved whole).
+most pool blocks held at once).
 
     .venv/bin/python scripts/bench_serve.py --quick          # short run, real SmolLM2
     .venv/bin/python scripts/bench_serve.py --clients=8 --docs=4 --questions=4 --conversations=8
-    .venv/bin/python scripts/bench_serve.py --quick --kv_cache_layouts=slotted,paged
     .venv/bin/python scripts/bench_serve.py --url=http://host:8000   # an already running server
 
 Writes <out_dir>/bench_serve.json (machine, versions, git SHA, seeds, threads, settings,
@@ -63,9 +60,7 @@ _SERVER_FLAGS = flags.DEFINE_multi_string("server_flag", [],
                                           "An extra flag of the started server, repeatable, "
                                           "e.g. --server_flag=kv_link_bytes_per_s=1e8.")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", None, "Running requests of the started "
-                                     "server (default: the server's, 64 paged, 4 slotted).")
-_LAYOUTS = flags.DEFINE_list("kv_cache_layouts", [], "Device KV layouts to run, each on its own "
-                             "server (slotted, paged); default: the server's default only.")
+                                     "server (default: the server's, 64).")
 _KV_CHUNK = flags.DEFINE_integer("kv_chunk_size", 256, "Stored chunk size of the started server.")
 _WORKLOADS = flags.DEFINE_list("workloads", ["longchat", "sharegpt"], "Workloads to run.")
 _CLIENTS = flags.DEFINE_integer("clients", 4, "Concurrent clients.")
@@ -193,7 +188,7 @@ def start_server(store_dir: str, layout: str | None) -> tuple[subprocess.Popen, 
   flags = [f"--model={_MODEL.value}", f"--kv_store=file://{store_dir}",
            f"--kv_chunk_size={_KV_CHUNK.value}",
            *([f"--max_num_seqs={_MAX_NUM_SEQS.value}"] if _MAX_NUM_SEQS.value else []),
-           *([f"--kv_cache_layout={layout}"] if layout else []), "--enable_admin",
+           "--enable_admin",
            *[f"--{f}" for f in _SERVER_FLAGS.value]]
   return benchlib.start_server(flags, os.path.join(store_dir, "..", f"server-{layout}.log"),
                                echo=True)
@@ -268,9 +263,7 @@ def main(argv):
     raise app.UsageError(f"unknown workloads {sorted(unknown)}")
   tasks = {wl: workloads[wl]() for wl in _WORKLOADS.value}
   work = tempfile.mkdtemp(prefix="kvjax-bench-serve-")
-  layouts = _LAYOUTS.value or [None]
-  if _URL.value is not None and _LAYOUTS.value:
-    raise app.UsageError("--kv_cache_layouts starts its own servers; drop --url")
+  layouts = [None]  # one KV layout: one server
   machine_at_start = machine()
   rows, summaries, metrics, kv_memory = [], {}, {}, {}
   try:
@@ -314,12 +307,12 @@ def main(argv):
   record = {
       "benchmark": "bench_serve", "machine": machine_at_start, "machine_at_end": machine(),
       "threads": {"cpu_count": os.cpu_count(), "clients": clients,
-                  "server_max_num_seqs": _MAX_NUM_SEQS.value or "server default per layout"},
+                  "server_max_num_seqs": _MAX_NUM_SEQS.value or "server default"},
       "versions": versions(), "git_sha": git_sha(), "seeds": {"workload": _SEED.value,
                                                               "requests": 0},
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "settings": {"quick": quick, "url": _URL.value, "model": model,
-                   "server_flags": _SERVER_FLAGS.value, "kv_cache_layouts": _LAYOUTS.value,
+                   "server_flags": _SERVER_FLAGS.value,
                    "kv_chunk_size": _KV_CHUNK.value,
                    "docs": docs, "questions": questions, "doc_chars": doc_chars,
                    "conversations": convs, "turns": turns, "turn_chars": _TURN_CHARS.value,

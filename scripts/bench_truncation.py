@@ -9,7 +9,7 @@ message before the assistant's reply, generation prompt included) exceeds `--max
 tokens, truncate that history with the sessions' rule (`kvjax.engine.sessions.truncate_prompt`,
 `drop_oldest_turns`: keep the system prompt and the last user message, drop whole oldest turns
 until it fits) and score the reply's first `--max_reply` tokens (mean negative log-likelihood,
-perplexity = exp of it) on the same slotted model runner. The truncated prompt is
+perplexity = exp of it) on the same paged model runner (one fixed block table per variant). The truncated prompt is
 `[system | kept turns | new part]`: `S` system tokens, `n_kept - S` kept-turn tokens, then the
 last user message and the generation prompt (the new part, computed in every variant), then the
 reply. Variants (what fills positions `[0, n_kept)`):
@@ -88,9 +88,10 @@ import numpy as np
 from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
 from kvjax import LLM
 from kvjax.engine import sessions as sess
-from kvjax.kernels.attention import ragged_cache_attention_reference
+from kvjax.kernels.attention import dense_attention_reference
 from kvjax.models import layers, llama
-from kvjax.models.kv_cache import KVCache
+from kvjax.models.kv_cache import PagedKVCache
+from kvjax.models.paged_runner import SeqChunk
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = flags.FLAGS
@@ -129,13 +130,22 @@ def _conversations(path: pathlib.Path):
       yield conv["id"], msgs
 
 
+def _table(runner, slot: int) -> list[int]:
+  """Sequence `slot`'s fixed block table: blocks [slot * M, (slot + 1) * M), M blocks of a
+  whole `max_seq_len` (the pool holds `max_num_seqs` of them)."""
+  m = runner.max_blocks_per_seq
+  return list(range(slot * m, (slot + 1) * m))
+
+
 def _prefill(runner, ids, slot, start, all_logits=False):
   """Prefills `ids` at `start` in pieces; returns ([logits rows], [(k, v) pre-RoPE pieces])."""
   logits, kvs, m = [], [], runner.max_chunk_size
+  table = _table(runner, slot)
   for a in range(0, len(ids), m):
-    out = runner.prefill_chunk(ids[a:a + m], slot, start + a, all_logits=all_logits)
+    seq = [SeqChunk(ids[a:a + m], start + a, table)]
+    out = runner.step_all_logits(seq) if all_logits else runner.step(seq)
     if all_logits:
-      logits.append(np.asarray(out.logits))
+      logits.append(np.asarray(out.logits_SV))
     kvs.append((np.asarray(out.k_pre_rope_LTKH), np.asarray(out.v_LTKH)))
   return logits, kvs
 
@@ -150,12 +160,14 @@ def _nll(logits_TV: np.ndarray, targets: list[int]) -> np.ndarray:
 def _insert(runner, k_LTKH, v_LTKH, slot, start):
   """Writes pre-RoPE K and V at `[start, start + T)` (RoPE at those positions) in pieces."""
   t = k_LTKH.shape[1]
+  table, b = _table(runner, slot), runner.block_size
   for a in range(0, t, PIECE):
     k, v = k_LTKH[:, a:a + PIECE], v_LTKH[:, a:a + PIECE]
     if k.shape[1] < PIECE:  # pad: the positions past the kept ones are overwritten next
       pad = ((0, 0), (0, PIECE - k.shape[1]), (0, 0), (0, 0))
       k, v = np.pad(k, pad), np.pad(v, pad)
-    runner.insert_chunk(np.stack([k, v], axis=1), slot, start + a)
+    runner.insert_chunk(np.stack([k, v], axis=1),
+                        table[(start + a) // b:(start + a + PIECE) // b], start + a)
 
 
 def _score(runner, ids, kept_k, kept_v, computed, targets, slot, before_tail=None):
@@ -193,7 +205,7 @@ def _bucket(n: int) -> int:
 
 
 class _Blend:
-  """Selective recompute over the slotted runner's cache (CacheBlend, arXiv 2405.16444, sections
+  """Selective recompute over one sequence's pool blocks (CacheBlend, arXiv 2405.16444, sections
   4.2-4.3), for the `blend_*`, `rand_*` and `near_*` variants.
 
   `select` runs tokens at positions `pos` (whose re-rotated KV is in the cache) through layer 0
@@ -201,14 +213,14 @@ class _Blend:
   that exact input and writes them too; it returns the layer-1 input and the fresh layer-1 K/V.
   `recompute` runs a subset through layers 1..L-1 from that input: each layer writes the
   subset's K (after RoPE) and V at their positions, then attends causally over the cache (the
-  other positions keep what they hold), as `Llama._decoder` does for contiguous tokens.
+  other positions keep what they hold), as a ragged step does for contiguous tokens (here
+  dense attention over the sequence's blocks gathered in position order).
   """
 
   def __init__(self, runner, inv_freq):
     cfg = runner.model_config
-    bs = runner.config.block_size
     self.runner, self.n_layers = runner, cfg.n_layers
-    self.s_max = runner.cache.k_LBSKH.shape[2]
+    self.s_max = runner.max_blocks_per_seq * runner.block_size
     st = runner.state
     stacked = {n: jnp.asarray(st["layers"][n][...]) for n in llama.LAYER_PARAMS}
     self.p0 = {n: v[:1] for n, v in stacked.items()}
@@ -216,33 +228,44 @@ class _Blend:
     self.rest = {n: v[1:] for n, v in stacked.items()}
     self.embed = jnp.asarray(st["embed"][...])
 
-    def run_layers(params, cache, x_1TD, pos_T, write_T, slot, kv_len, l0):
+    def gather(pool, table):  # a sequence's blocks in position order: [L, S, K, H]
+      l_, _, b_, k_, h_ = pool.k_LPBKH.shape
+      return (pool.k_LPBKH[:, table].reshape(l_, -1, k_, h_),
+              pool.v_LPBKH[:, table].reshape(l_, -1, k_, h_))
+
+    def scatter(pool, table, k_LSKH, v_LSKH):
+      shape = pool.k_LPBKH[:, table].shape
+      return PagedKVCache(pool.k_LPBKH.at[:, table].set(k_LSKH.reshape(shape)),
+                          pool.v_LPBKH.at[:, table].set(v_LSKH.reshape(shape)))
+
+    def run_layers(params, pool, x_1TD, pos_T, write_T, table, l0):
       pos_1T = pos_T[None]
+      k_seq, v_seq = gather(pool, table)
+      kv_pos_1S = jnp.arange(k_seq.shape[1], dtype=jnp.int32)[None]
 
       def layer(carry, xs):
         x, kc, vc = carry
         p, i = xs
         q, _, k_rot, v = llama._attention_inputs(cfg, p, x, pos_1T, inv_freq)
-        kc = kc.at[i, slot, write_T].set(k_rot[0].astype(kc.dtype), mode="drop")
-        vc = vc.at[i, slot, write_T].set(v[0].astype(vc.dtype), mode="drop")
-        attn = ragged_cache_attention_reference(q, kc, vc, i, slot, pos_1T, kv_len[None],
-                                                block_size=bs)
-        return (llama._attention_output_and_mlp(cfg, p, x, attn), kc, vc), None
+        kc = kc.at[i, write_T].set(k_rot[0].astype(kc.dtype), mode="drop")
+        vc = vc.at[i, write_T].set(v[0].astype(vc.dtype), mode="drop")
+        # Causal over the sequence's positions: a query sees every position up to its own.
+        attn = dense_attention_reference(q, kc[i][None], vc[i][None], pos_1T, kv_pos_1S)
+        return (llama._attention_output_and_mlp(cfg, p, x, attn.astype(x.dtype)), kc, vc), None
 
       n = params["wq"].shape[0]
-      (x, kc, vc), _ = jax.lax.scan(layer, (x_1TD, cache.k_LBSKH, cache.v_LBSKH),
-                                    (params, l0 + jnp.arange(n, dtype=jnp.int32)))
-      return x, KVCache(kc, vc, cache.lengths_B)
+      (x, k_seq, v_seq), _ = jax.lax.scan(layer, (x_1TD, k_seq, v_seq),
+                                          (params, l0 + jnp.arange(n, dtype=jnp.int32)))
+      return x, scatter(pool, table, k_seq, v_seq)
 
-    def select(p0, p1, embed, cache, tokens_T, pos_T, write_T, slot, kv_len):
+    def select(p0, p1, embed, pool, tokens_T, pos_T, write_T, table):
       x = jnp.take(embed, tokens_T, axis=0)[None]
-      x, cache = run_layers(p0, cache, x, pos_T, write_T, slot, kv_len, jnp.int32(0))
+      x, pool = run_layers(p0, pool, x, pos_T, write_T, table, jnp.int32(0))
       _, k1, k1_rot, v1 = llama._attention_inputs(cfg, p1, x, pos_T[None], inv_freq)
-      kc = cache.k_LBSKH.at[1, slot, write_T].set(k1_rot[0].astype(cache.k_LBSKH.dtype),
-                                                  mode="drop")
-      vc = cache.v_LBSKH.at[1, slot, write_T].set(v1[0].astype(cache.v_LBSKH.dtype),
-                                                  mode="drop")
-      return x, KVCache(kc, vc, cache.lengths_B), k1[0], v1[0]
+      k_seq, v_seq = gather(pool, table)
+      k_seq = k_seq.at[1, write_T].set(k1_rot[0].astype(k_seq.dtype), mode="drop")
+      v_seq = v_seq.at[1, write_T].set(v1[0].astype(v_seq.dtype), mode="drop")
+      return x, scatter(pool, table, k_seq, v_seq), k1[0], v1[0]
 
     self._select = jax.jit(select, donate_argnums=(3,))
     self._recompute = jax.jit(run_layers, donate_argnums=(1,))
@@ -262,8 +285,8 @@ class _Blend:
     pos_T, write_T = self._pad(pos)
     tok = np.zeros(len(pos_T), np.int32)
     tok[:len(pos)] = tokens
-    x, r.cache, k1, v1 = self._select(self.p0, self.p1, self.embed, r.cache, tok, pos_T,
-                                      write_T, np.int32(slot), np.int32(pos[-1] + 1))
+    x, r.pool, k1, v1 = self._select(self.p0, self.p1, self.embed, r.pool, tok, pos_T,
+                                     write_T, np.asarray(_table(r, slot), np.int32))
     return x, np.asarray(k1)[:len(pos)], np.asarray(v1)[:len(pos)]
 
   def recompute(self, x_1TD, rows: np.ndarray, pos: np.ndarray, slot: int) -> None:
@@ -275,8 +298,8 @@ class _Blend:
     idx = np.zeros(len(pos_T), np.int32)
     idx[:len(rows)] = rows
     x = jnp.take(x_1TD, idx, axis=1)
-    _, r.cache = self._recompute(self.rest, r.cache, x, pos_T, write_T, np.int32(slot),
-                                 np.int32(pos[-1] + 1), np.int32(1))
+    _, r.pool = self._recompute(self.rest, r.pool, x, pos_T, write_T,
+                                np.asarray(_table(r, slot), np.int32), np.int32(1))
 
 
 def _pick(kind: str, percent: int, dev: np.ndarray, seed: int) -> np.ndarray:
@@ -371,9 +394,12 @@ def main(argv):
     VARIANTS = tuple(v for v in ALL_VARIANTS
                      if v in set(FLAGS.variants) | {"full", "recompute"})
   path = pathlib.Path(FLAGS.data_dir) / "sharegpt" / "sharegpt_v3_multiturn_1000.json"
-  llm = LLM(kv_cache_layout="slotted", max_num_seqs=4,
-            max_model_len=FLAGS.max_history + FLAGS.max_reply + PIECE, compile_on_init=False)
+  llm = LLM(max_num_seqs=4, max_model_len=FLAGS.max_history + FLAGS.max_reply + PIECE,
+            compile_on_init=False)
   tok, runner = llm.get_tokenizer(), llm.engine.runner
+  if runner.num_blocks < 4 * runner.max_blocks_per_seq:
+    raise SystemExit(f"the pool holds {runner.num_blocks} blocks; 4 sequences of "
+                     f"{runner.max_blocks_per_seq} are needed")
   inv_freq = jnp.asarray(layers.rope_inv_freq(llm.model_config))
   blend = _Blend(runner, inv_freq)
   n_layers = llm.model_config.n_layers

@@ -1,7 +1,7 @@
 """Relative L2 error and size of each KV codec and level on real SmolLM2-135M-Instruct KV.
 
 Computes the KV of one real passage (a public-domain book from ../shared/data, f32, chunked
-prefill at the chunk size) with `ModelRunner.prefill_chunk`, which returns K before RoPE and V per
+prefill at the chunk size) with `PagedModelRunner.step`, which returns K before RoPE and V per
 chunk: exactly what the store saves. Each chunk `[L, 2, C, K, H]` goes through `kv_encode` (the
 jnp reference path by default, or the Pallas kernels in interpret mode) and back through the
 dequantization, and the script prints, per codec and level:
@@ -60,8 +60,10 @@ def find_book() -> str:
 def real_kv_chunks(book: str) -> tuple[list[np.ndarray], dict]:
   """f32 KV chunks [L, 2, C, K, H] (K before RoPE) of the passage, from chunked prefill."""
   from kvjax.models.llama import Llama  # noqa: PLC0415
+  from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
+  from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig,  # noqa: PLC0415
+                                         SeqChunk)
   from kvjax.models.registry import load_model  # noqa: PLC0415
-  from kvjax.models.runner import ModelRunner, RunnerConfig, default_cache_root  # noqa: PLC0415
 
   loaded = load_model("SmolLM2-135M-Instruct",
                       cache_dir=os.path.join(default_cache_root(), "params"))
@@ -72,27 +74,32 @@ def real_kv_chunks(book: str) -> tuple[list[np.ndarray], dict]:
   if len(ids) < c or _NUM_TOKENS.value % c:
     raise SystemExit(f"need num_tokens a multiple of chunk={c} and a book that long; got "
                      f"{len(ids)} tokens")
-  runner = ModelRunner(Llama.from_params(loaded.config, loaded.params),
-                       RunnerConfig(num_slots=1, max_seq_len=len(ids), chunk_sizes=(c,)))
+  blocks = -(-len(ids) // 16)
+  runner = PagedModelRunner(Llama.from_params(loaded.config, loaded.params), PagedRunnerConfig(
+      num_blocks=blocks, block_size=16, max_num_seqs=1, max_num_batched_tokens=c,
+      max_seq_len=blocks * 16, chunk_sizes=(c,)))
+  table = list(range(blocks))
   chunks = []
   for start in range(0, len(ids) - c + 1, c):
-    out = runner.prefill_chunk(ids[start:start + c], 0, start)
+    out = runner.step([SeqChunk(ids[start:start + c], start, table)])
     chunks.append(np.stack([np.asarray(out.k_pre_rope_LTKH), np.asarray(out.v_LTKH)], axis=1))
   info = {"book": os.path.basename(book), "tokens": len(ids), "offset_tokens": _OFFSET.value,
           "chunk": c, "shape_L2CKH": list(chunks[0].shape),
-          "raw_decode_vs_prefill_cache_max_abs": raw_decode_check(runner, chunks, loaded.config)}
+          "raw_decode_vs_prefill_cache_max_abs": raw_decode_check(runner, table, chunks,
+                                                                   loaded.config)}
   return chunks, info
 
 
-def raw_decode_check(runner, chunks, cfg) -> float:
-  """Max |difference| between the prefill's own cache and `kv_decode` of the raw chunks at the
-  same positions (K rotated by the codec path, V copied): the RoPE and layout contract."""
+def raw_decode_check(runner, table, chunks, cfg) -> float:
+  """Max |difference| between the prefill's own pool blocks and `kv_decode` of the raw chunks at
+  the same positions (K rotated by the codec path, V copied): the RoPE and layout contract."""
   import jax.numpy as jnp  # noqa: PLC0415
   from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
   from kvjax.models.layers import rope_inv_freq  # noqa: PLC0415
 
   inv_freq = rope_inv_freq(cfg)
-  k_cache, v_cache = np.asarray(runner.cache.k_LBSKH), np.asarray(runner.cache.v_LBSKH)
+  k_pool, v_pool = (np.asarray(x) for x in runner.read_blocks(table))  # [L, S, K, H]
+  k_cache, v_cache = k_pool[:, None], v_pool[:, None]  # one "slot" of the codec kernel's cache
   k, v = jnp.zeros_like(k_cache), jnp.zeros_like(v_cache)
   c = chunks[0].shape[2]
   for i, kv in enumerate(chunks):

@@ -140,8 +140,8 @@ def lower_cuda(name, fn, fargs) -> dict:
 
 def extra_programs(cfg, chunk: int, device, platform: str):
   """The rANS decode of a kvtc chunk's codes (`kvtc_rans`, Pallas kernel) and the kvtc decode
-  (inverse transform + RoPE + write, jnp): not runner programs (the store client and the slotted
-  runner call them), at the model's chunk shape. Band shapes come from encoding random codes of
+  (inverse transform + RoPE + write, jnp): not runner programs (the store client and the runner's
+  kvtc insert call them), at the model's chunk shape. Band shapes come from encoding random codes of
   that shape with the storage room's rANS coder (they depend on the data only through the
   word counts, padded to a size bucket)."""
   from kvjax.kernels import kvtc, kvtc_rans  # noqa: PLC0415

@@ -92,8 +92,11 @@ def main(_):
   from kvjax.kernels import kvtc  # noqa: PLC0415
   from kvjax.models import kv_calibration as kc  # noqa: PLC0415
   from kvjax.models.llama import Llama  # noqa: PLC0415
+  from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
+  from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
+  from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig,  # noqa: PLC0415
+                                         SeqChunk)
   from kvjax.models.registry import load_model  # noqa: PLC0415
-  from kvjax.models.runner import ModelRunner, RunnerConfig, default_cache_root  # noqa: PLC0415
   from kvjax.storage import codecs  # noqa: PLC0415
   from kvjax.storage.types import KVLayout  # noqa: PLC0415
 
@@ -103,13 +106,17 @@ def main(_):
   cfg = lm.config
   l_, k, h = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
   d = k * h
-  runner = ModelRunner(Llama.from_params(cfg, lm.params),
-                       RunnerConfig(num_slots=1, max_seq_len=max(_TOKENS.value, 1024),
-                                    chunk_sizes=(C,)))
+  model = Llama.from_params(cfg, lm.params)
+  blocks = -(-max(_TOKENS.value, 1024) // 16)
+  runner = PagedModelRunner(model, PagedRunnerConfig(
+      num_blocks=blocks, block_size=16, max_num_seqs=1, max_num_batched_tokens=C,
+      max_seq_len=blocks * 16, chunk_sizes=(C,)))
+  table = list(range(blocks))
   if _SENS_FROM.value:  # a cached transform's sensitivities, without calibrating
     shipped = kc.load_transform(_SENS_FROM.value, k, h)
   else:
-    shipped = kc.load_or_calibrate(runner, lm.tokenizer, str(lm.fingerprint), params_dir)
+    shipped = kc.load_or_calibrate(CalibrationModel(model), lm.tokenizer, str(lm.fingerprint),
+                                   params_dir)
 
   def kv_of(ids, passage):
     out = []
@@ -118,7 +125,7 @@ def main(_):
       piece = piece[:len(piece) // C * C]
       runner.reset()
       for s in range(0, len(piece), C):
-        o = runner.prefill_chunk(piece[s:s + C], 0, s)
+        o = runner.step([SeqChunk(piece[s:s + C], s, table)])
         out.append(np.stack([np.asarray(o.k_pre_rope_LTKH, np.float32).reshape(l_, -1, d),
                              np.asarray(o.v_LTKH, np.float32).reshape(l_, -1, d)], axis=1))
     return np.concatenate(out, axis=2)

@@ -9,7 +9,6 @@ the things it needs from below come through here:
     store_config_from_url(url, ...)  one store URL with its capacity and link -> `StoreConfig`
     build_llm(model, **options)   `LLM(model, **options)`
     warmup(llm)                   compile every program a request can hit before serving
-    resolve_kv_cache_layout(...)  the device KV layout `LLM` picks for given options
     check_scheduling_options(...)  `LLM`'s check of its scheduling options (ValueError)
     PREFILL_ORDERS, SHORTEST_FIRST  `LLM(prefill_order=...)`'s values and default
 
@@ -23,8 +22,7 @@ import os
 from typing import Any
 
 
-from kvjax.engine.llm import (LLM, PREFILL_ORDERS, SHORTEST_FIRST, check_scheduling_options,
-                              resolve_kv_cache_layout)
+from kvjax.engine.llm import LLM, PREFILL_ORDERS, SHORTEST_FIRST, check_scheduling_options
 from kvjax.storage import specs
 from kvjax.storage.tiers import DEFAULT_STORE_CAPACITY_BYTES, StoreConfig, TierConfig, url_kind
 

@@ -43,7 +43,6 @@ from kvjax.engine.core import EngineCore, LoopStats, StepRecord
 from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefetchStats,
                                           PrefixLookup, SaveJob, SaverStats, TierSnapshot)
 from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
-from kvjax.models.runner import ModelRunner
 from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager, KVCacheStats
@@ -106,12 +105,12 @@ class RequestMetrics:
       0 <= prefill_s <= ttft_s. None until the first token.
     num_computed_tokens: prompt tokens whose KV was computed by prefill.
     num_loaded_tokens: prompt tokens whose KV was loaded from the store or served from the
-      device prefix cache (paged layout).
+      device prefix cache.
     num_device_cached_tokens: of those, tokens served from the device prefix cache.
     num_rejected_chunks: stored chunks that failed verification and were computed instead.
     num_wasted_chunks: loads that landed after compute had taken their chunk (dropped).
     loaded_from_tiers: tier of each loaded chunk, in order; "device" once per device prefix
-      hit (paged layout), first.
+      hit, first.
     loaded_chunks: `(chunk index, tier)` of each store chunk inserted, in insertion order.
     merge: the Cake merge trace (chunks computed, loaded and wasted, meeting index, level of each
       loaded chunk, seconds per side), or None when nothing was stored.
@@ -198,11 +197,9 @@ class EngineStats:
     link_bandwidth_bytes_per_s: the planner's estimate of the store link.
     kv_cache_ok: the KV cache buffers are alive (False after a failed step consumed them).
     tiers: per store tier, its counters (empty without a store).
-    kv_cache: the paged pool and device prefix cache (blocks, usage, hits, preemptions); None
-      for the slotted layout.
-    kv_cache_bytes: device bytes reserved for KV (the pool, or every slot), int.
-    kv_cache_peak_used_bytes: bytes of the most pool blocks held at once (paged); for the
-      slotted layout every slot is reserved whole, so this equals `kv_cache_bytes`.
+    kv_cache: the KV pool and device prefix cache (blocks, usage, hits, preemptions).
+    kv_cache_bytes: device bytes reserved for KV (the pool), int.
+    kv_cache_peak_used_bytes: bytes of the most pool blocks held at once.
     prefetch: look-ahead prefetch accounting (issued, useful, wasted; None without a store).
   """
 
@@ -271,22 +268,22 @@ class Engine:
       (issue: identical requests must get identical answers): each request reads only the first
       stored level, and computed chunks pass through that same encode/decode, in steps of one
       store chunk (`Scheduler(consistent=True)`).
-    enable_prefix_caching: paged layout: keep finished requests' full blocks on the device and
+    enable_prefix_caching: keep finished requests' full blocks on the device and
       share them with later requests of the same prefix (namespace and `cache_salt`).
-    layerwise_groups: paged layout: layer-wise pre-loading (`LoadConfig.layerwise_groups`;
+    layerwise_groups: layer-wise pre-loading (`LoadConfig.layerwise_groups`;
       capped at the model's layers); 1 (default) inserts stored chunks whole before the step.
     lookahead_window: with a store, waiting requests whose stored chunks are kept from
       eviction and prefetched toward the host tier (`LoadConfig.lookahead_window`; CachedAttention
       arXiv 2403.19708, section 3.3); 0: off (plain LRU, no prefetch).
 
-  A `PagedModelRunner` selects the paged layout (issue 11): the scheduler then owns a
-  `KVCacheManager` over the runner's pool and each step is one ragged jit call.
+  The KV cache is the runner's block pool (issue 11): the scheduler owns a `KVCacheManager`
+  over it and each step is one ragged jit call.
 
   Raises:
     ValueError: unknown merge mode, or a scheduler config that does not match the runner.
   """
 
-  def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike | None,
+  def __init__(self, runner: PagedModelRunner, tokenizer: TokenizerLike | None,
                scheduler_config: SchedulerConfig | None = None, *, seed: int = 0,
                clock: Callable[[], float] = time.perf_counter,
                kv_store: KVStoreClient | None = None, merge_mode: str = "cake",
@@ -302,28 +299,24 @@ class Engine:
                              staging_bytes=kv_store.staging_bytes if kv_store else 1 << 30)
     self.runner = runner
     self.kv_store = kv_store
-    self._paged = not isinstance(runner, ModelRunner)
     self.tokenizer = tokenizer
     scheduler_config = scheduler_config or SchedulerConfig(
         num_slots=runner.config.num_slots, chunk_sizes=runner.chunk_sizes,
-        token_budget=runner.config.max_num_batched_tokens if self._paged
-        else runner.max_chunk_size)
+        token_budget=runner.config.max_num_batched_tokens)
     if scheduler_config.num_slots != runner.config.num_slots or (
         scheduler_config.chunk_sizes != runner.chunk_sizes) or (
-        self._paged and scheduler_config.token_budget > runner.config.max_num_batched_tokens):
-      raise ValueError("scheduler slots, chunk sizes (and, paged, token budget) must match the "
-                       f"runner's: {scheduler_config} vs {runner.config}")
+        scheduler_config.token_budget > runner.config.max_num_batched_tokens):
+      raise ValueError("scheduler slots and chunk sizes must match the runner's, and its token "
+                       f"budget fit it: {scheduler_config} vs {runner.config}")
     consistent = consistent and kv_store is not None and kv_store.codec != codecs.RAW
     self._fixed_encoding = (codecs.EncodingId(kv_store.codec, kv_store.codec_levels[0])
                             if consistent else None)
     if consistent and kv_store.key_encoding != str(self._fixed_encoding):
       raise ValueError(f"a consistent engine ({self._fixed_encoding}) needs a store client "
                        "keyed by that encoding: KVStoreClient(consistent=True)")
-    kv_cache = None
-    if self._paged:
-      kv_cache = KVCacheManager(runner.num_blocks, runner.block_size,
-                                namespace_root=self._namespace_root(None),
-                                enable_prefix_caching=enable_prefix_caching)
+    kv_cache = KVCacheManager(runner.num_blocks, runner.block_size,
+                              namespace_root=self._namespace_root(None),
+                              enable_prefix_caching=enable_prefix_caching)
     self._scheduler = Scheduler(
         scheduler_config, CostModel(), load_config=load_config,
         save_chunk_size=kv_store.chunk_size if kv_store is not None else None,
@@ -346,31 +339,25 @@ class Engine:
   def max_seq_len(self) -> int:
     return self.runner.max_seq_len
 
-  @property
-  def kv_cache_layout(self) -> str:
-    """"paged" (a block pool, `PagedModelRunner`) or "slotted"."""
-    return "paged" if self._paged else "slotted"
-
   def _namespace_root(self, cache_salt: str | None) -> str:
     if self.kv_store is not None:
       return self.kv_store.namespace(cache_salt).root_hash()
     return device_namespace_root(cache_salt)
 
   def reset_prefix_cache(self) -> int:
-    """Empties the device prefix cache (paged layout): no block computed before is a hit
-    again. Returns blocks unindexed (0 for the slotted layout)."""
+    """Empties the device prefix cache: no block computed before is a hit again. Returns
+    blocks unindexed."""
     return self._scheduler.reset_prefix_cache()
 
   def set_kv_events(self, on: bool) -> None:
-    """Paged layout: record the device prefix cache's index changes for `drain_kv_events`
-    (off by default, so nothing accumulates). No effect for the slotted layout."""
-    if self._paged:
-      self._scheduler.kv_cache.set_record_events(on)
+    """Records the device prefix cache's index changes for `drain_kv_events` (off by
+    default, so nothing accumulates)."""
+    self._scheduler.kv_cache.set_record_events(on)
 
-  def drain_kv_events(self) -> KVCacheEvents | None:
+  def drain_kv_events(self) -> KVCacheEvents:
     """The device prefix cache's index changes since the last drain (blocks stored, evicted,
-    all cleared; see `KVCacheEvents`); None for the slotted layout."""
-    return self._scheduler.kv_cache.drain_events() if self._paged else None
+    all cleared; see `KVCacheEvents`)."""
+    return self._scheduler.kv_cache.drain_events()
 
   def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """Checks a request before it is queued; returns the prompt as a list of ints, cut to
@@ -412,7 +399,7 @@ class Engine:
     make the answer depend on it; load-only computes exactly the holes (the boundary chunks,
     `stage_rerotated`) and the suffix.
 
-    Session turns (paged layout, a raw store: `KVStoreClient.stores_tails`): `save_tail` stores
+    Session turns (a raw store: `KVStoreClient.stores_tails`): `save_tail` stores
     the request's tail when it finishes cleanly (its tokens after the last full chunk of its
     prompt and output but the last sampled token, `keys.tail_hash`), and `history_tokens` h
     (the prompt's first h tokens are such a finished turn's) looks that tail up too, so the
@@ -444,7 +431,7 @@ class Engine:
                  [] if params.logprobs is not None else None)
     stored = None
     if self.kv_store is not None:
-      tails = self._paged and self.kv_store.stores_tails
+      tails = self.kv_store.stores_tails
       live.save_tail = tails and save_tail
       t0 = time.perf_counter()
       lookup = live.lookup = self.kv_store.lookup(ids, cache_salt,
@@ -467,7 +454,7 @@ class Engine:
       stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks), tail_tokens)
     self._scheduler.add_request(
         Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
-        namespace_root=self._namespace_root(cache_salt) if self._paged else None)
+        namespace_root=self._namespace_root(cache_salt))
     self._live[rid] = live
     return rid
 
@@ -551,10 +538,10 @@ class Engine:
   def stats(self) -> EngineStats:
     """A snapshot of the engine's accounting (plain data)."""
     kv = self.kv_store
-    kv_cache = self._scheduler.kv_cache.stats() if self._paged else None
+    kv_cache = self._scheduler.kv_cache.stats()
     reserved = self.runner.kv_cache_nbytes() if self.runner.cache_ok() else 0
     peak = (kv_cache.peak_used_blocks * self.runner.kv_block_nbytes()
-            if kv_cache is not None and reserved else reserved)
+            if reserved else reserved)
     return EngineStats(
         num_waiting=self._scheduler.num_waiting(), num_running=self._scheduler.num_running(),
         loop=dataclasses.replace(self._core.stats),
@@ -649,12 +636,12 @@ class Engine:
           choose = choose_codec(item.encoding.codec, item.encoding.level)
         kv.start_load(item.request_id, item.index, live.lookup, live.prompt_token_ids,
                       choose=choose, nbytes=item.nbytes, max_in_flight=item.max_in_flight)
-      layerwise = plan.layer_groups > 1 and self._paged and bool(plan.decodes or plan.prefills)
+      layerwise = plan.layer_groups > 1 and bool(plan.decodes or plan.prefills)
       for ins in plan.inserts:
         hit = kv.take(ins.request_id, ins.index)
         t0, t0_clock = time.perf_counter(), self._clock()
         rows = self._insert_rows(ins)
-        where = self._where(tables, ins.request_id, ins.slot, ins.start, rows)
+        where = self._chunk_blocks(tables[ins.request_id], ins.start, rows)
         if layerwise and hit.kv is not None:
           layered.append((ins, hit, where))  # inserted group by group inside the step
           continue
@@ -679,31 +666,7 @@ class Engine:
     sampled: list[tuple[RequestId, int]] = []
     finished: list[tuple[RequestId, str]] = []
     timings: list[ComputeTiming] = []
-    if self._paged and (plan.decodes or plan.prefills):
-      self._execute_ragged(plan, tables, sampled, finished, timings, layered, insert_timings)
-    if plan.decodes and not self._paged:
-      b = self.runner.config.num_slots
-      tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
-      for d in plan.decodes:
-        tokens[d.slot], positions[d.slot], active[d.slot] = d.token_id, d.position, True
-      logits_BV = np.asarray(self.runner.decode_step(tokens, positions, active))
-      for d in plan.decodes:
-        self._sample(d.request_id, logits_BV[d.slot], sampled, finished)
-    for chunk in () if self._paged else plan.prefills:
-      compiled = self.runner.is_compiled(chunk.num_tokens)
-      t0 = time.perf_counter()
-      t0_clock = self._clock()
-      out = self.runner.prefill_chunk(list(chunk.token_ids), chunk.slot, chunk.start)
-      out.logits.block_until_ready()  # the cost model needs this chunk's own time
-      timings.append(ComputeTiming(chunk.start, chunk.num_tokens, time.perf_counter() - t0,
-                                   chunk.request_id, t0_clock, includes_compile=not compiled))
-      live = self._live[chunk.request_id]
-      live.metrics.num_computed_tokens += chunk.num_tokens
-      if kv is not None:
-        self._save_chunks(live, chunk.start, chunk.saves, chunk.roundtrip, out.k_pre_rope_LTKH,
-                          out.v_LTKH, chunk.slot)
-      if chunk.is_last:
-        self._sample(chunk.request_id, np.asarray(out.logits), sampled, finished)
+    self._execute_ragged(plan, tables, sampled, finished, timings, layered, insert_timings)
     reports = kv.landed() if kv is not None else []
     return StepResult(now_s=self._clock(), sampled=tuple(sampled), finished=tuple(finished),
                       loads=tuple(self._log_misses(reports)), compute=tuple(timings),
@@ -714,14 +677,10 @@ class Engine:
     rounded up to whole blocks (the padding rows land in the request's own last block, past
     its tail, where compute writes next)."""
     c = self.kv_store.chunk_size
-    if ins.num_tokens is None or not self._paged:
+    if ins.num_tokens is None:
       return c
     b = self.runner.block_size
     return min(c, -(-ins.num_tokens // b) * b)
-
-  def _where(self, tables: dict, rid: RequestId, slot: int, start: int, n: int):
-    """Where a chunk at `[start, start + n)` goes: its slot (slotted) or its blocks (paged)."""
-    return self._chunk_blocks(tables[rid], start, n) if self._paged else slot
 
   def _chunk_blocks(self, table, start: int, n: int) -> tuple[int, ...]:
     """The blocks of a block table holding positions `[start, start + n)` (whole blocks)."""
@@ -731,7 +690,7 @@ class Engine:
   def _execute_ragged(self, plan: SchedulerOutput, tables: dict, sampled: list, finished: list,
                       timings: list, layered: Sequence = (),
                       insert_timings: list | None = None) -> None:
-    """Paged layout: every decode and prefill chunk of the plan in ONE jit call
+    """Every decode and prefill chunk of the plan in ONE jit call
     (`PagedModelRunner.step`), then sampling, metrics and saves per chunk. Each prefill chunk's
     `ComputeTiming` gets the step's seconds pro rata to its tokens. With `layered` inserts
     (layer-wise pre-loading) the step runs as `plan.layer_groups` layer-group calls instead
@@ -843,8 +802,8 @@ class Engine:
     the stored encoding when the plan says `roundtrip` (consistent codecs: encode, decode back
     into the cache), and hands it to the saver when it is in `save_items` (one device array per
     chunk, every level encoded in one device call; the saver makes the one device -> host copy).
-    A chunk's tokens are the prompt's, then the output's. `where` is the request's slot
-    (slotted) or block table (paged)."""
+    A chunk's tokens are the prompt's, then the output's. `where` is the request's block
+    table."""
     kv, c = self.kv_store, self.kv_store.chunk_size
     if isinstance(k_LTKH, np.ndarray):  # the runner's `host_outputs` (CPU backend): own
       # copies, since a view would keep the whole step's output alive
@@ -865,7 +824,7 @@ class Engine:
         payloads = self.runner.encode_levels(kv_L2CKH, kv.codec, kv.codec_levels, lo)
       if index in roundtrip and payloads is not None:
         # The first stored level is the request's fixed encoding (`_fixed_encoding`).
-        blocks = where if not self._paged else self._chunk_blocks(where, lo, c)
+        blocks = self._chunk_blocks(where, lo, c)
         self.runner.insert_payload(kv.codec, payloads[0][2], blocks, lo)
       item = saves.get(index)
       if item is not None:
@@ -890,7 +849,7 @@ class Engine:
     xp = np if isinstance(live.pieces[-1][1], np.ndarray) else jnp
     ks, vs = [], []
     first = min(min((p[0] for p in live.pieces if p[0] + p[1].shape[1] > lo), default=hi), hi)
-    if self._paged and lo < first:
+    if lo < first:
       b = self.runner.block_size
       k, v = self.runner.read_pre_rope(where[lo // b:-(-first // b)], lo, first - lo)
       ks.append(k)
@@ -930,8 +889,8 @@ class Engine:
   # ----------------------------------------------------------------------------- outputs
   def _sample(self, rid: RequestId, logits_V: np.ndarray, sampled: list, finished: list,
               where=None) -> None:
-    """Samples a request's next token; on a finish, ends it (and, for a session turn on the
-    paged layout, `where` being its block table, stores its tail)."""
+    """Samples a request's next token; on a finish, ends it (and, for a session turn, `where`
+    being its block table, stores its tail)."""
     live = self._live[rid]
     token = sampling.sample_token(logits_V, live.params, live.rng)
     live.token_ids.append(token)
@@ -948,7 +907,7 @@ class Engine:
     if reason is not None:
       finished.append((rid, reason))
       live.metrics.finished_s = now
-      if live.save_tail:  # paged only: `where` is its block table
+      if live.save_tail:  # `where` is its block table
         try:
           self._save_tail(live, where)
         except Exception:  # noqa: BLE001 - a tail is a cache entry: its next turn computes it

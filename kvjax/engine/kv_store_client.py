@@ -266,7 +266,7 @@ class SaveJob:
     token_ids: its C tokens.
     kv: `[L, 2, C, K, H]` K before RoPE and V, a device (or host) array, for raw chunks.
     payloads: for the other codecs, (codec, level, payload arrays, finite flag) per stored
-      level, device arrays from one device call (`ModelRunner.encode_levels`).
+      level, device arrays from one device call (`PagedModelRunner.encode_levels`).
     replace: its stored copy was rejected: delete it, then write afresh.
     verify_existing: if a copy is stored already, read it back and rewrite it when bad.
   """

@@ -27,12 +27,13 @@ from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESS
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import build_paged_runner
+from kvjax.models.calibration_model import CalibrationModel
+from kvjax.models.compilation_cache import (default_cache_root,
+                                            enable_persistent_compilation_cache)
+from kvjax.models.paged_runner import DEFAULT_CHUNK_SIZES, PagedModelRunner, build_paged_runner
 from kvjax.models.registry import DEFAULT_MODEL, load_model
 from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
-from kvjax.models.runner import (DEFAULT_CHUNK_SIZES, ModelRunner, RunnerConfig,
-                                 default_cache_root, enable_persistent_compilation_cache)
 from kvjax.scheduler.request import SamplingParams
 from kvjax.scheduler.scheduler import PREFILL_ORDERS, SHORTEST_FIRST, SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
@@ -43,24 +44,6 @@ from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
 from kvjax.storage.types import KVLayout
 
 _log = logging.getLogger(__name__)
-
-
-#: `LLM(kv_cache_layout=...)` when none is given (see `resolve_kv_cache_layout`).
-DEFAULT_KV_CACHE_LAYOUT = "paged"
-
-
-def resolve_kv_cache_layout(layout: str | None, kv_codec: str, *, with_store: bool) -> str:
-  """The layout `LLM` builds: `layout`, or when None `DEFAULT_KV_CACHE_LAYOUT`, except
-  "slotted" with a store whose codec is lossy (int8, int4, cachegen, kvtc): kvtc's payload
-  inserts and the bit-exact `kv_codec_consistent` mode run on the slotted cache only so far
-  (on the paged one, first-token log-probs of a loaded prefix differ from its cold run by about
-  1e-5). Unknown codecs are left for `LLM`'s own check."""
-  if layout is not None:
-    return layout
-  codec = codecs.CODECS.get(kv_codec) if isinstance(kv_codec, str) else None
-  if with_store and codec is not None and not codec.lossless:
-    return "slotted"
-  return DEFAULT_KV_CACHE_LAYOUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,20 +197,18 @@ def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tupl
   return tuple(levels)
 
 
-def _check_paged_options(layout, block_size, kv_cache_memory_bytes, chunk_size, *,
+def _check_paged_options(block_size, kv_cache_memory_bytes, chunk_size, *,
                          with_store: bool) -> None:
-  """Checks the paged-layout options (issue 11) by their user-facing names.
+  """Checks the KV pool's options (issue 11) by their user-facing names.
 
   Raises:
-    ValueError: an unknown layout, a non-positive size, or (paged, with a store) a
-      `kv_chunk_size` that is not a whole number of blocks.
+    ValueError: a non-positive size, or (with a store) a `kv_chunk_size` that is not a whole
+      number of blocks.
   """
-  if layout not in ("slotted", "paged"):
-    raise ValueError(f"kv_cache_layout={layout!r}; use 'slotted' or 'paged'")
   for name, v in (("block_size", block_size), ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
       raise ValueError(f"{name}={v!r} must be a positive int")
-  if layout == "paged" and with_store and isinstance(chunk_size, int) and chunk_size % block_size:
+  if with_store and isinstance(chunk_size, int) and chunk_size % block_size:
     raise ValueError(f"kv_chunk_size={chunk_size} must be a whole number of blocks of "
                      f"block_size={block_size}")
 
@@ -312,23 +293,20 @@ class LLM:
       and smaller prefill steps; identical requests then get identical answers.
     compile_on_init: compile (or load from JAX's persistent cache) every program a request can
       run before returning (`warmup`), so no request's TTFT includes a compile.
-    kv_cache_layout: "paged" (issue 11: one block pool shared by all sequences, one ragged jit
-      call per step, a device prefix cache, preemption when the pool is full; `max_num_seqs`
-      reserves no memory) or "slotted" (`max_num_seqs` slots of `max_model_len` positions).
-      None (default): paged, except slotted with a store and a lossy `kv_codec`
-      (`resolve_kv_cache_layout`).
-    block_size: paged: tokens per pool block, B (`kv_chunk_size` must be a multiple).
-    kv_cache_memory_bytes: paged: the pool's size, bytes; default on CPU the smaller of 2 GiB
-      and what `max_num_seqs` sequences of `max_model_len` tokens need (never more than the
-      slotted cache of the same options), on an accelerator 80% of free device memory.
-    enable_prefix_caching: paged: keep finished prefixes' full blocks on the device and share
-      them with later requests (namespace + `cache_salt`); `reset_prefix_cache()` empties it.
+    block_size: tokens per block of the KV pool, B (issue 11: one block pool shared by all
+      sequences, one ragged jit call per step, a device prefix cache, preemption when the pool
+      is full); `kv_chunk_size` must be a multiple.
+    kv_cache_memory_bytes: the pool's size, bytes; default on CPU the smaller of 2 GiB and what
+      `max_num_seqs` sequences of `max_model_len` tokens need, on an accelerator 80% of free
+      device memory.
+    enable_prefix_caching: keep finished prefixes' full blocks on the device and share them
+      with later requests (namespace + `cache_salt`); `reset_prefix_cache()` empties it.
     session_ttl_s: chat sessions (`chat(..., session_id=...)`, `kvjax.engine.sessions`): seconds
       a session may stay idle before it expires; None: never.
     max_sessions: sessions held at once (the least recently used idle one is dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped, least recently
       used first, beyond).
-    tensor_parallel_size: N, devices the model is split over (issue 14, paged layout only): a
+    tensor_parallel_size: N, devices the model is split over (issue 14): a
       `tp` mesh over the first N devices, parameters sharded Megatron-style, the pool by KV head
       (`kvjax.models.sharding`). N must divide the attention heads and the MLP width, and the KV
       heads must be a multiple of N or N a multiple of them (vLLM's rule). The pool keeps the
@@ -398,7 +376,7 @@ class LLM:
                kv_codec_levels: Sequence[int] | None = None, kv_merge_mode: str = "cake",
                kv_max_loads_in_flight: int | None = None,
                kv_ttft_target_s: float | None = None, kv_codec_consistent: bool | None = None,
-               compile_on_init: bool = True, kv_cache_layout: str | None = None,
+               compile_on_init: bool = True,
                block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                enable_prefix_caching: bool = True,
                session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
@@ -446,9 +424,7 @@ class LLM:
         or not kv_ttft_target_s > 0):
       raise ValueError(f"kv_ttft_target_s={kv_ttft_target_s!r} must be a positive number of "
                        "seconds or None")
-    kv_cache_layout = resolve_kv_cache_layout(kv_cache_layout, kv_codec,
-                                              with_store=kv_store is not None)
-    _check_paged_options(kv_cache_layout, block_size, kv_cache_memory_bytes, kv_chunk_size,
+    _check_paged_options(block_size, kv_cache_memory_bytes, kv_chunk_size,
                          with_store=kv_store is not None)
     cache_root = default_cache_root() if cache_dir is None else cache_dir
     if cache_root:
@@ -473,10 +449,6 @@ class LLM:
       raise ValueError(f"max_model_len={max_model_len} exceeds {loaded.name}'s context of "
                        f"{loaded.config.max_seq_len} tokens")
     check_tensor_parallel_size(loaded.config, tensor_parallel_size)
-    if tensor_parallel_size > 1 and kv_cache_layout != "paged":
-      raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the paged KV cache "
-                       f"only; got kv_cache_layout={kv_cache_layout!r} (a lossy codec with a "
-                       "store picks 'slotted' unless kv_cache_layout='paged' is given)")
     if tensor_parallel_size > 1 and kv_store is not None and kv_codec == codecs.KVTC:
       raise ValueError("kv_codec='kvtc' does not run with tensor_parallel_size > 1")
     if multihost_run and tensor_parallel_size != jax.device_count():
@@ -490,31 +462,20 @@ class LLM:
     self.is_follower = multihost_run and jax.process_index() != 0
     if self.is_follower:
       kv_store = None  # process 0 alone reads and writes the store
-    self._progress(StartupEvent("cache", f"placing the weights and allocating the "
-                                f"{kv_cache_layout} KV cache"))
+    self._progress(StartupEvent("cache", "placing the weights and allocating the KV pool"))
     t0 = time.perf_counter()
     model_obj = Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
                                   param_dtype=self.dtype)
-    if kv_cache_layout == "paged":
-      runner = build_paged_runner(
-          model_obj, block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
-          max_num_seqs=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes,
-          max_num_batched_tokens=max_num_batched_tokens or chunk_sizes[-1],
-          tensor_parallel=None if tensor_parallel_size == 1 else TensorParallel.build(
-              loaded.config, tensor_parallel_size))
-    else:
-      runner = ModelRunner(
-          model_obj,
-          RunnerConfig(num_slots=max_num_seqs, max_seq_len=max_model_len,
-                       chunk_sizes=chunk_sizes))
+    runner = build_paged_runner(
+        model_obj, block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        max_num_seqs=max_num_seqs, max_seq_len=max_model_len, chunk_sizes=chunk_sizes,
+        max_num_batched_tokens=max_num_batched_tokens or chunk_sizes[-1],
+        tensor_parallel=None if tensor_parallel_size == 1 else TensorParallel.build(
+            loaded.config, tensor_parallel_size))
     secs = time.perf_counter() - t0
-    if kv_cache_layout == "paged":
-      what = (f"{runner.num_blocks} blocks of {block_size} tokens "
-              f"({_fmt_bytes(runner.kv_cache_nbytes())}), up to {max_num_seqs} sequences")
-    else:
-      what = f"{max_num_seqs} slots of {runner.max_seq_len} tokens"
-    self._progress(StartupEvent("cache", f"KV cache: {kv_cache_layout}, {what} ({secs:.1f} s)",
-                                seconds=secs))
+    what = (f"{runner.num_blocks} blocks of {block_size} tokens "
+            f"({_fmt_bytes(runner.kv_cache_nbytes())}), up to {max_num_seqs} sequences")
+    self._progress(StartupEvent("cache", f"KV cache: {what} ({secs:.1f} s)", seconds=secs))
     sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=chunk_sizes,
                             token_budget=max_num_batched_tokens or chunk_sizes[-1],
                             long_prefill_token_threshold=long_prefill_token_threshold,
@@ -522,15 +483,12 @@ class LLM:
                             short_first_token_steps=short_first_token_steps)
     self.kvtc_transform = None
     self.store_description: str | None = None
-    if kv_store is not None and kv_codec == codecs.KVTC and kv_cache_layout == "paged":
-      raise ValueError("kv_codec='kvtc' runs on the slotted KV cache for now: pass "
-                       "kv_cache_layout='slotted' (or None, which picks it for lossy codecs)")
     if kv_store is not None and kv_codec == codecs.KVTC:
       self._progress(StartupEvent("calibrate", "kvtc: loading this model's transform, or "
                                   "calibrating it on the packaged text (first use only)"))
       t0 = time.perf_counter()
       self.kvtc_transform = kv_calibration.load_or_calibrate(
-          runner, loaded.tokenizer, self.fingerprint, params_dir,
+          CalibrationModel(model_obj, max_model_len), loaded.tokenizer, self.fingerprint, params_dir,
           progress=lambda done, total: self._progress(StartupEvent(
               "calibrate", f"kvtc calibration {done}/{total} "
               f"({time.perf_counter() - t0:.0f} s)", done, total,
@@ -608,7 +566,7 @@ class LLM:
     return bool(option)
 
   def _make_store_client(self, kv_store, chunk_size, link_bytes_per_s, link_trace,
-                         runner: ModelRunner, codec: str = "raw",
+                         runner: PagedModelRunner, codec: str = "raw",
                          codec_levels: tuple[int, ...] = (0,), *,
                          device_link_bytes_per_s: float | None = None,
                          placement: str | None = None,
@@ -687,9 +645,9 @@ class LLM:
 
   def warmup(self) -> None:
     """Compiles (or loads from JAX's persistent compilation cache) every program serving uses:
-    prefill at each compiled chunk size, the decode step, and, with a store, the insertion of a
-    stored chunk and the encode of the configured codec's levels. Idempotent. Writes only slot-0
-    positions that any later request overwrites before it reads them. Reports each program to
+    the step at each token bucket, and, with a store, the insertion of a stored chunk and the
+    encode of the configured codec's levels. Idempotent. Writes only pool blocks that are free
+    at warmup (any later request overwrites them before it reads them). Reports each program to
     `startup_progress` ("compile" events, then "ready").
     """
     if self._warm:
@@ -716,39 +674,30 @@ class LLM:
     """(name, compile-and-run) of every program `warmup` prepares, in order."""
     runner = self.engine.runner
     programs: list[tuple[str, Callable[[], None]]] = []
-    if self.engine.kv_cache_layout == "paged":
-      for t in runner.buckets:
-        programs.append((f"step of {t} tokens", lambda t=t: runner.warmup((t,))))
-    else:
-      for size in runner.chunk_sizes:
-        if size <= runner.max_seq_len:
-          programs.append((f"prefill of {size} tokens",
-                           lambda size=size: runner.warmup((size,), decode=False)))
-      programs.append((f"decode of {runner.config.num_slots} sequences",
-                       lambda: runner.warmup(())))
+    for t in runner.buckets:
+      programs.append((f"step of {t} tokens", lambda t=t: runner.warmup((t,))))
     store = self.kv_store
     if store is None or store.chunk_size > runner.max_seq_len:
       return programs
     layout = store.layout
     kv = jnp.zeros((layout.num_layers, 2, layout.chunk_size, layout.num_kv_heads,
                     layout.head_dim), jnp.dtype(layout.dtype))
-    # Slot 0 (slotted) or the first blocks (paged, free at warmup) at position 0.
-    where = 0 if self.engine.kv_cache_layout == "slotted" else tuple(
-        range(layout.chunk_size // runner.block_size))
+    # The first blocks (free at warmup) at position 0.
+    where = tuple(range(layout.chunk_size // runner.block_size))
 
     def insert():
       runner.insert_chunk(kv, where, 0)
       runner.block_until_ready()
 
     programs.append((f"insert of a stored {layout.chunk_size}-token chunk", insert))
-    if self.engine.kv_cache_layout == "paged" and store.stores_tails:
+    if store.stores_tails:
       def read_back():  # a session tail's K before RoPE and V, read back for saving
         runner.read_pre_rope(where, 0, layout.chunk_size)
         runner.block_until_ready()
 
       programs.append(("read-back of a session tail", read_back))
     groups = self._layerwise_groups
-    if groups > 1 and self.engine.kv_cache_layout == "paged":
+    if groups > 1:
       def layerwise():
         runner.warmup_layerwise(groups)
         runner.warmup_layer_inserts(kv, where, groups)
@@ -776,8 +725,8 @@ class LLM:
     self.engine.runner.close()
 
   def reset_prefix_cache(self) -> int:
-    """Empties the device prefix cache (paged layout): later requests recompute or load from
-    the store what was on the device. Returns blocks unindexed (0 for the slotted layout)."""
+    """Empties the device prefix cache: later requests recompute or load from the store what
+    was on the device. Returns blocks unindexed."""
     return self.engine.reset_prefix_cache()
 
   @property

@@ -1,17 +1,16 @@
-"""Kernels: attention over the slotted KV cache and the KV codec kernels, each with a pure-jnp
-reference. Imports no other kvjax room; codec ids, levels and the chunk-size rule are the
+"""Kernels: attention (paged, `kvjax.kernels.paged_attention`; the dense oracle) and the KV codec
+kernels, each with a pure-jnp reference. Imports no other kvjax room; codec ids, levels and the chunk-size rule are the
 registry's (`kvjax.codecs`)."""
 
-from kvjax.kernels.attention import (DEFAULT_BLOCK_SIZE, dense_attention_reference,
-                                     ragged_cache_attention_reference)
+from kvjax.kernels.attention import dense_attention_reference
 from kvjax.kernels.kv_codec import (CACHEGEN_LEVEL_BINS, CacheGenPayload, Int4Payload,
                                     Int8Payload, Payload, RawPayload, codec_of,
                                     dequantize_reference, encode_reference, kv_decode,
                                     kv_decode_reference, kv_encode, kv_encode_host,
                                     payload_arrays, payload_from_arrays, validate_payload)
 
-__all__ = ["CACHEGEN_LEVEL_BINS", "DEFAULT_BLOCK_SIZE", "CacheGenPayload", "Int4Payload",
+__all__ = ["CACHEGEN_LEVEL_BINS", "CacheGenPayload", "Int4Payload",
            "Int8Payload", "Payload", "RawPayload", "codec_of", "dense_attention_reference",
            "dequantize_reference", "encode_reference", "kv_decode", "kv_decode_reference",
            "kv_encode", "kv_encode_host", "payload_arrays", "payload_from_arrays",
-           "ragged_cache_attention_reference", "validate_payload"]
+           "validate_payload"]

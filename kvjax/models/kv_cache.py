@@ -1,10 +1,9 @@
-"""The device KV cache: fixed decode slots, JetStream style.
+"""The device KV cache: one pool of blocks shared by every sequence (issue 11).
 
-    k_LBSKH, v_LBSKH   [L, slots, S_max, K, H]   keys AFTER RoPE (attention reads them as they are)
-    lengths_B          int32[slots]              tokens written per slot (prefix [0, length))
+    k_LPBKH, v_LPBKH   [L, P, B, K, H]   keys AFTER RoPE (attention reads them as they are)
 
-RoPE contract (DESIGN.md section 4): the device cache holds K after RoPE; the store holds K before
-RoPE, so `prefill_chunk` hands the saver the chunk's pre-RoPE K and whatever inserts a stored chunk
+RoPE contract (DESIGN.md section 4): the device pool holds K after RoPE; the store holds K before
+RoPE, so a step hands the saver its tokens' pre-RoPE K and whatever inserts a stored chunk
 rotates it to the chunk's target positions.
 """
 
@@ -15,93 +14,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.kernels.attention import DEFAULT_BLOCK_SIZE
 from kvjax.models.config import LlamaConfig
-from kvjax.models.layers import apply_rope
 
 #: Version of the stored KV layout `[L, 2, C, K, H]`, K before RoPE (HF `rotate_half` layout).
 #: Bump it whenever what a stored chunk means changes; it seeds the store's key namespace.
 KV_LAYOUT_VERSION = 1
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-  """KV cache for `slots` sequences of up to `S_max` tokens.
-
-  Attributes:
-    k_LBSKH: [L, slots, S_max, K, H] keys after RoPE, cache dtype.
-    v_LBSKH: [L, slots, S_max, K, H] values, cache dtype.
-    lengths_B: int32[slots] valid tokens per slot.
-  """
-
-  k_LBSKH: jax.Array
-  v_LBSKH: jax.Array
-  lengths_B: jax.Array
-
-  @property
-  def num_slots(self) -> int:
-    return self.k_LBSKH.shape[1]
-
-  @property
-  def max_seq_len(self) -> int:
-    """S_max, positions per slot (a multiple of the attention block size)."""
-    return self.k_LBSKH.shape[2]
-
-  @property
-  def nbytes(self) -> int:
-    return self.k_LBSKH.nbytes + self.v_LBSKH.nbytes + self.lengths_B.nbytes
-
-
-def cache_len_for(max_seq_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-  """S_max: `max_seq_len` rounded up to a whole number of attention blocks."""
-  return -(-max_seq_len // block_size) * block_size
-
-
-def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_seq_len: int, dtype=jnp.float32,
-                  block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
-  """Allocates a zeroed cache of `num_slots` x `cache_len_for(max_seq_len)` positions.
-
-  Raises:
-    ValueError: if `num_slots` or `max_seq_len` is not positive.
-  """
-  if num_slots <= 0 or max_seq_len <= 0:
-    raise ValueError(f"num_slots={num_slots} and max_seq_len={max_seq_len} must be positive")
-  shape = (cfg.n_layers, num_slots, cache_len_for(max_seq_len, block_size), cfg.n_kv_heads,
-           cfg.head_dim)
-  return KVCache(k_LBSKH=jnp.zeros(shape, dtype), v_LBSKH=jnp.zeros(shape, dtype),
-                 lengths_B=jnp.zeros((num_slots,), jnp.int32))
-
-
-def insert_chunk(cache: KVCache, kv_L2CKH: jax.Array, slot: jax.Array, start: jax.Array,
-                 inv_freq: jax.Array) -> KVCache:
-  """Writes one stored chunk into a slot at positions `[start, start + C)`, rotating K there.
-
-  The store holds K before RoPE (DESIGN.md section 4), so a chunk is valid at any position; this
-  applies RoPE at its target positions in f32, then casts to the cache dtype. The jnp path; the
-  codec issue's Pallas `kv_decode` kernel fuses dequantization into the same step.
-
-  Args:
-    cache: the KV cache (donated by the jitted caller).
-    kv_L2CKH: [L, 2, C, K, H] K before RoPE and V, any float dtype.
-    slot: int32 scalar decode slot.
-    start: int32 scalar position of the chunk's first token.
-    inv_freq: f32[H // 2] rotary inverse frequencies of the model.
-
-  Returns:
-    The cache with the chunk written; lengths are left to the caller's plan.
-  """
-  c = kv_L2CKH.shape[2]
-  positions_1C = (start + jnp.arange(c, dtype=jnp.int32))[None]
-  k_LCKH = apply_rope(kv_L2CKH[:, 0], positions_1C, inv_freq)  # L plays the batch axis here
-  v_LCKH = kv_L2CKH[:, 1]
-  zero = jnp.int32(0)
-  idx = (zero, slot, start, zero, zero)
-  k = jax.lax.dynamic_update_slice(cache.k_LBSKH, k_LCKH.astype(cache.k_LBSKH.dtype)[:, None],
-                                   idx)
-  v = jax.lax.dynamic_update_slice(cache.v_LBSKH, v_LCKH.astype(cache.v_LBSKH.dtype)[:, None],
-                                   idx)
-  return KVCache(k, v, cache.lengths_B)
 
 
 @jax.tree_util.register_dataclass

@@ -29,7 +29,7 @@ other novels (development measurements, `kvjax/kernels/kvtc.py`). Steps:
    |entry| positive) so the result does not depend on the LAPACK build's sign choice.
 4. The metric (`kv_fisher`): the Fisher information of the next tokens' log-likelihood with
    respect to one context token's KV, per (layer, K/V), from gradients of sampled targets'
-   log-likelihood (`ModelRunner.context_kv_gradient`, a dense differentiable forward). It is
+   log-likelihood (`CalibrationModel.context_kv_gradient`, a dense differentiable forward). It is
    computed before steps 2-3. It replaces version 4's isotropic probe (noise added to a whole
    layer's K or V over a context), which measured one number per layer and K/V and was
    dominated by the attention sink at position 0, which kvtc codes apart: on SmolLM2 (a
@@ -96,17 +96,6 @@ def calibration_text() -> str:
   data = importlib.resources.files("kvjax.data")
   return "\n\n".join(data.joinpath(name).read_text(encoding="utf-8").strip()
                       for name in CALIBRATION_FILES)
-
-
-def _prefill(runner, ids, start: int, all_logits: bool = False):
-  """Prefills `ids` into slot 0 from `start`, in runner-sized pieces; returns the outputs."""
-  outs, pos = [], start
-  step = runner.max_chunk_size
-  for i in range(0, len(ids), step):
-    piece = ids[i:i + step]
-    outs.append(runner.prefill_chunk(piece, 0, pos, all_logits=all_logits))
-    pos += len(piece)
-  return outs
 
 
 def _fix_signs(basis_DD: np.ndarray) -> np.ndarray:
@@ -209,17 +198,17 @@ def fit_transform(kv_L2TD: np.ndarray, sensitivity: np.ndarray | None, num_kv_he
                        synthesis=synthesis.astype(np.float32))
 
 
-def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = FISHER_TAIL,
+def kv_fisher(model, token_ids, *, context: int = FISHER_CONTEXT, tail: int = FISHER_TAIL,
               samples: int = FISHER_SAMPLES, seed: int = 0,
               on_gradient: Callable[[], None] | None = None) -> np.ndarray:
   """Step 4: the Fisher metric of the KV of one context token, per (layer, K/V).
 
   For each window of `context + tail` tokens of `token_ids`: prefill the context (K before
   RoPE, V), compute the model's distribution over the `tail` tokens after it
-  (`ModelRunner.logits_after_context`), draw `samples` target sequences from it, and accumulate
+  (`CalibrationModel.logits_after_context`), draw `samples` target sequences from it, and accumulate
   g g^T over the context positions 1.. (position 0, the attention sink, is coded apart) of the
   gradient g of the targets' log-likelihood with respect to each token's K or V
-  (`ModelRunner.context_kv_gradient`). With targets drawn from the model, E[g g^T] is the Fisher
+  (`CalibrationModel.context_kv_gradient`). With targets drawn from the model, E[g g^T] is the Fisher
   information F, so small independent noise e_j on the context tokens' KV costs
   KL(p || p_noisy) ~= sum_j e_j^T F_j e_j / 2 summed over the scored tokens (Amari, "Natural
   gradient works efficiently in learning", Neural Computation 1998; the quadratic term of the
@@ -229,7 +218,7 @@ def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = F
       G[l, a] = sum_{windows, samples, j >= 1} g_j g_j^T / (2 * tail * samples * windows)
 
   Args:
-    runner: a `ModelRunner` (its cache is not touched; slot 0 is used and reset).
+    model: a `kvjax.models.calibration_model.CalibrationModel`.
     token_ids: the calibration tokens (at least context + tail of them).
     context, tail, samples, seed: the probe's sizes and the sampling seed.
     on_gradient: called after each of the `samples` gradients of each window (progress).
@@ -240,7 +229,7 @@ def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = F
   Raises:
     ValueError: too few tokens.
   """
-  cfg = runner.model_config
+  cfg = model.model_config
   l_, k, h = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
   d, ids, window = k * h, list(token_ids), context + tail
   if len(ids) < window or context < 2:
@@ -250,44 +239,38 @@ def kv_fisher(runner, token_ids, *, context: int = FISHER_CONTEXT, tail: int = F
   windows = 0
   for w0 in range(0, len(ids) - window + 1, window):
     ctx, scored = ids[w0:w0 + context], ids[w0 + context:w0 + window]
-    runner.reset()
-    outs = _prefill(runner, ctx, 0)
-    k_pre = np.concatenate([np.asarray(o.k_pre_rope_LTKH, np.float32) for o in outs], axis=1)
-    v = np.concatenate([np.asarray(o.v_LTKH, np.float32) for o in outs], axis=1)
-    logits = np.asarray(runner.logits_after_context(k_pre, v, scored), np.float64)
+    k_pre, v = (np.asarray(a, np.float32) for a in model.context_kv(ctx))
+    logits = np.asarray(model.logits_after_context(k_pre, v, scored), np.float64)
     probs = np.exp(logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True))
     for _ in range(samples):
       # Inverse-CDF sampling per position (deterministic for a seed, backend-independent).
       u = rng.random(len(scored))
       targets = np.minimum((np.cumsum(probs, axis=-1) < u[:, None]).sum(axis=-1),
                            probs.shape[-1] - 1)
-      g_k, g_v = runner.context_kv_gradient(k_pre, v, scored, targets)
+      g_k, g_v = model.context_kv_gradient(k_pre, v, scored, targets)
       g = np.stack([np.asarray(g_k, np.float64), np.asarray(g_v, np.float64)], axis=1)
       g = g[:, :, 1:].reshape(l_, 2, context - 1, d)
       acc += np.einsum("latd,late->lade", g, g)
       if on_gradient is not None:
         on_gradient()
     windows += 1
-  runner.reset()
   return acc / (2.0 * tail * samples * windows)
 
 
-def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
+def calibrate_kvtc(model, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
                    max_tokens: int = MAX_CALIBRATION_TOKENS, fisher_context: int = FISHER_CONTEXT,
                    fisher_tail: int = FISHER_TAIL, fisher_samples: int = FISHER_SAMPLES,
                    eps: float = WHITEN_EPS, seed: int = 0,
                    progress: Callable[[int, int], None] | None = None) -> KVTCTransform:
   """Fits a kvtc transform from the model's KV of `token_ids` (module docstring).
 
-  Uses slot 0 of `runner` and resets its cache afterwards (call before serving).
-
   Args:
-    runner: a `kvjax.models.runner.ModelRunner`.
+    model: a `kvjax.models.calibration_model.CalibrationModel` (no KV cache is used).
     token_ids: the calibration tokens (at least 2 * D of them, and a Fisher window).
-    passage_tokens: tokens per prefilled passage (capped at the runner's max_seq_len).
+    passage_tokens: tokens per prefilled passage (capped at the model's max_seq_len).
     max_tokens: at most this many tokens are used for the statistics.
     fisher_context, fisher_tail, fisher_samples: the Fisher probe's sizes (`kv_fisher`;
-      context + tail capped at the runner's max_seq_len).
+      context + tail capped at the model's max_seq_len).
     eps: the whitening's regularisation.
     seed: seed of the probe's sampled targets.
     progress: called with (steps done, steps in all) after each step: each prefilled passage,
@@ -300,13 +283,13 @@ def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
   Raises:
     ValueError: too few tokens.
   """
-  cfg = runner.model_config
+  cfg = model.model_config
   l_, k, h = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
   d = k * h
   ids = list(token_ids)[:max_tokens]
-  passage = min(passage_tokens, runner.max_seq_len)
-  fisher_context = min(fisher_context, runner.max_seq_len // 2)
-  fisher_tail = min(fisher_tail, runner.max_seq_len - fisher_context)
+  passage = min(passage_tokens, model.max_seq_len)
+  fisher_context = min(fisher_context, model.max_seq_len // 2)
+  fisher_tail = min(fisher_tail, model.max_seq_len - fisher_context)
   if len(ids) < max(fisher_context + fisher_tail, 2 * d):
     raise ValueError(f"calibration needs at least {max(fisher_context + fisher_tail, 2 * d)} "
                      f"tokens, got {len(ids)}")
@@ -323,20 +306,18 @@ def calibrate_kvtc(runner, token_ids, *, passage_tokens: int = PASSAGE_TOKENS,
   # 1. The calibration KV, f32[L, 2, T, D] on the host.
   pieces = []
   for p0 in starts:
-    for out in _prefill(runner, ids[p0:p0 + passage], 0):
-      kk = np.asarray(out.k_pre_rope_LTKH, np.float32).reshape(l_, -1, d)
-      vv = np.asarray(out.v_LTKH, np.float32).reshape(l_, -1, d)
-      pieces.append(np.stack([kk, vv], axis=1))                        # [L, 2, T, D]
+    kk, vv = model.context_kv(ids[p0:p0 + passage])
+    kk = np.asarray(kk, np.float32).reshape(l_, -1, d)
+    vv = np.asarray(vv, np.float32).reshape(l_, -1, d)
+    pieces.append(np.stack([kk, vv], axis=1))                          # [L, 2, T, D]
     step()
   x = np.concatenate(pieces, axis=2)
   del pieces
-  runner.reset()
   # 4. The Fisher metric (before the fit, which whitens by it).
-  metric = kv_fisher(runner, ids, context=fisher_context, tail=fisher_tail,
+  metric = kv_fisher(model, ids, context=fisher_context, tail=fisher_tail,
                      samples=fisher_samples, seed=seed, on_gradient=step)
   # 2-3. Predictor and whitened PCA.
   t = fit_transform(x, None, k, h, metric=metric, eps=eps)
-  runner.reset()
   step()
   return t
 
@@ -363,13 +344,13 @@ def load_transform(path: str, num_kv_heads: int, head_dim: int) -> KVTCTransform
                        num_kv_heads, head_dim, synthesis=a["synthesis"])
 
 
-def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None,
+def load_or_calibrate(model, tokenizer, fingerprint: str, cache_dir: str | None,
                       progress: Callable[[int, int], None] | None = None,
                       **kwargs) -> KVTCTransform:
   """The model's kvtc transform: from `cache_dir` if cached there, else calibrated (and cached).
 
   Args:
-    runner: the model's `ModelRunner` (its slot 0 is used and reset when calibrating).
+    model: the model's `kvjax.models.calibration_model.CalibrationModel`.
     tokenizer: encodes the calibration text (`encode(text) -> list[int]`).
     fingerprint: the model fingerprint (cache key).
     cache_dir: the params cache directory; None caches nothing.
@@ -382,7 +363,7 @@ def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None
   Raises:
     ValueError: `calibrate_kvtc`'s errors.
   """
-  cfg = runner.model_config
+  cfg = model.model_config
   path = os.path.join(cache_dir, cache_file_name(fingerprint)) if cache_dir else None
   if path and os.path.isfile(path):
     try:
@@ -395,7 +376,7 @@ def load_or_calibrate(runner, tokenizer, fingerprint: str, cache_dir: str | None
   _log.warning("calibrating the kvtc transform of this model on %d tokens of shipped text (once "
                "per model: a few minutes on a 2-core CPU; cached as %s)", len(ids),
                path or "nothing: no cache_dir")
-  t = calibrate_kvtc(runner, ids, progress=progress, **kwargs)
+  t = calibrate_kvtc(model, ids, progress=progress, **kwargs)
   if path:
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp.npz"

@@ -1,9 +1,9 @@
-"""LLaMA-family decoder in Flax NNX with stacked, scanned layers and a slotted KV cache.
+"""LLaMA-family decoder in Flax NNX with stacked, scanned layers over a paged KV pool.
 
 Parameters use the canonical layout below (the contract with the weight loaders); layers are
 stacked on a leading L axis and run under one `lax.scan`, so compile time does not grow with
 depth. The cache is carried through the scan whole and updated in place (scatter with
-`mode="drop"`), so padded tail tokens and inactive decode slots never write it.
+`mode="drop"`), so a step's padding tokens never write it.
 
     embed      [V, D]        layers.wq  [L, D, N, H]   layers.w_gate [L, D, F]
     final_norm [D]           layers.wk  [L, D, K, H]   layers.w_up   [L, D, F]
@@ -13,7 +13,6 @@ depth. The cache is carried through the scan whole and updated in place (scatter
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping
 
 import jax
@@ -21,12 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.kernels.attention import (DEFAULT_BLOCK_SIZE, dense_attention_reference,
-                                     ragged_cache_attention_reference)
+from kvjax.kernels.attention import dense_attention_reference
 from kvjax.models import layers
 from kvjax.models.config import LlamaConfig
 from kvjax.kernels.paged_attention import paged_attention
-from kvjax.models.kv_cache import KVCache, PagedKVCache
+from kvjax.models.kv_cache import PagedKVCache
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -62,24 +60,6 @@ class DecoderLayers(nnx.Module):
 
   def stacked(self) -> dict[str, jax.Array]:
     return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PrefillOutput:
-  """What one prefill chunk returns.
-
-  Attributes:
-    logits: f32[V] at the chunk's last real token, or f32[T, V] for every token with `all_logits`.
-    cache: the updated cache (the input cache is donated).
-    k_pre_rope_LTKH: [L, T, K, H] the chunk's keys BEFORE RoPE (what the store saves).
-    v_LTKH: [L, T, K, H] the chunk's values.
-  """
-
-  logits: jax.Array
-  cache: KVCache
-  k_pre_rope_LTKH: jax.Array
-  v_LTKH: jax.Array
 
 
 def _sharded_paged_attention(mesh, implementation, platform=None):
@@ -223,79 +203,6 @@ class Llama(nnx.Module):
     return jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(x_BTD.dtype),
                       preferred_element_type=jnp.float32)
 
-  def _decoder(self, x_BTD, positions_BT, cache: KVCache, first_slot, write_slot_BT,
-               write_pos_BT, kv_lens_B, block_size):
-    """Runs all layers; writes this step's K (after RoPE) and V at (write_slot, write_pos).
-
-    Returns:
-      (x_BTD, k_cache, v_cache, k_pre_rope_LBTKH, v_LBTKH).
-    """
-    cfg, dtype = self.cfg, self.dtype
-    inv_freq = self.inv_freq[...]
-    stacked = self.layers.stacked()
-
-    def layer(carry, xs):
-      x, k_cache, v_cache = carry
-      p, i = xs
-      p = {k: v.astype(dtype) for k, v in p.items()}
-      q_BTNH, k_BTKH, k_rot_BTKH, v_BTKH = _attention_inputs(cfg, p, x, positions_BT, inv_freq)
-      k_cache = k_cache.at[i, write_slot_BT, write_pos_BT].set(
-          k_rot_BTKH.astype(k_cache.dtype), mode="drop")
-      v_cache = v_cache.at[i, write_slot_BT, write_pos_BT].set(
-          v_BTKH.astype(v_cache.dtype), mode="drop")
-      attn_BTNH = ragged_cache_attention_reference(
-          q_BTNH, k_cache, v_cache, i, first_slot, positions_BT, kv_lens_B,
-          block_size=block_size)
-      x = _attention_output_and_mlp(cfg, p, x, attn_BTNH)
-      return (x, k_cache, v_cache), (k_BTKH, v_BTKH)
-
-    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    (x_BTD, k_cache, v_cache), (k_pre, v_new) = jax.lax.scan(
-        layer, (x_BTD, cache.k_LBSKH, cache.v_LBSKH), (stacked, layer_ids))
-    return x_BTD, k_cache, v_cache, k_pre, v_new
-
-  def prefill_chunk(self, cache: KVCache, tokens_T: jax.Array, slot: jax.Array,
-                    start: jax.Array, true_len: jax.Array, *,
-                    block_size: int = DEFAULT_BLOCK_SIZE, all_logits: bool = False
-                    ) -> PrefillOutput:
-    """Prefills `true_len` tokens of one slot at positions `[start, start + true_len)`.
-
-    Tokens past `true_len` are padding (a fixed chunk size compiles once): they are computed but
-    never written to the cache and their outputs are dropped. Attention reads cache blocks up to
-    `start + true_len` only, so a chunk's cost grows with `start`.
-
-    Args:
-      cache: the KV cache; positions `[0, start)` of `slot` must already hold this sequence.
-      tokens_T: int32[T] token ids, T a compiled chunk size.
-      slot: int32 scalar decode slot.
-      start: int32 scalar position of `tokens_T[0]`.
-      true_len: int32 scalar, 1 <= true_len <= T.
-      block_size: attention block (static).
-      all_logits: return logits for all T tokens instead of the last real one (static).
-
-    Returns:
-      `PrefillOutput`; `cache.lengths_B[slot]` becomes `start + true_len`.
-    """
-    t = tokens_T.shape[0]
-    offsets_T = jnp.arange(t, dtype=jnp.int32)
-    positions_BT = (start + offsets_T)[None, :]
-    real_T = offsets_T < true_len
-    s_max = cache.k_LBSKH.shape[2]
-    write_pos_BT = jnp.where(real_T, start + offsets_T, s_max)[None, :]  # s_max: dropped
-    write_slot_BT = jnp.full((1, t), slot, jnp.int32)
-    kv_len = start + true_len
-    x_BTD = jnp.take(self.embed[...], tokens_T, axis=0)[None].astype(self.dtype)
-    x_BTD, k_cache, v_cache, k_pre_LBTKH, v_LBTKH = self._decoder(
-        x_BTD, positions_BT, cache, slot, write_slot_BT, write_pos_BT, kv_len[None], block_size)
-    if all_logits:
-      logits = self._logits(x_BTD)[0]
-    else:
-      last_BD = jax.lax.dynamic_slice_in_dim(x_BTD, true_len - 1, 1, axis=1)
-      logits = self._logits(last_BD)[0, 0]
-    lengths = cache.lengths_B.at[slot].set(kv_len)
-    return PrefillOutput(logits=logits, cache=KVCache(k_cache, v_cache, lengths),
-                         k_pre_rope_LTKH=k_pre_LBTKH[:, 0], v_LTKH=v_LBTKH[:, 0])
-
   def ragged_step(self, pool: PagedKVCache, tokens_T: jax.Array, positions_T: jax.Array,
                   slot_mapping_T: jax.Array, block_tables_SM: jax.Array,
                   context_lens_S: jax.Array, query_start_loc_S1: jax.Array,
@@ -362,34 +269,6 @@ class Llama(nnx.Module):
     new_pool = PagedKVCache(k_flat.reshape(pool.k_LPBKH.shape), v_flat.reshape(pool.v_LPBKH.shape))
     return logits_SV, new_pool, k_pre_LTKH, v_LTKH
 
-  def decode_step(self, cache: KVCache, tokens_B: jax.Array, positions_B: jax.Array,
-                  active_B: jax.Array, *, block_size: int = DEFAULT_BLOCK_SIZE
-                  ) -> tuple[jax.Array, KVCache]:
-    """One decode token for every slot at once (inactive slots compute but write nothing).
-
-    Args:
-      cache: the KV cache with `slots` rows.
-      tokens_B: int32[slots] the last sampled token of each slot.
-      positions_B: int32[slots] position of that token (the slot's current length).
-      active_B: bool[slots] which slots are decoding.
-
-    Returns:
-      (f32[slots, V] next-token logits, the updated cache with active lengths + 1).
-    """
-    s_max = cache.k_LBSKH.shape[2]
-    b = tokens_B.shape[0]
-    positions_BT = positions_B[:, None]
-    write_pos_BT = jnp.where(active_B, positions_B, s_max)[:, None]
-    write_slot_BT = jnp.arange(b, dtype=jnp.int32)[:, None]
-    kv_lens_B = jnp.where(active_B, positions_B + 1, 0)
-    x_BTD = jnp.take(self.embed[...], tokens_B, axis=0)[:, None].astype(self.dtype)
-    x_BTD, k_cache, v_cache, _, _ = self._decoder(
-        x_BTD, positions_BT, cache, jnp.int32(0), write_slot_BT, write_pos_BT, kv_lens_B,
-        block_size)
-    logits_BV = self._logits(x_BTD)[:, 0]
-    lengths = jnp.where(active_B, positions_B + 1, cache.lengths_B)
-    return logits_BV, KVCache(k_cache, v_cache, lengths)
-
 
 def logits_after_context(model: Llama, k_pre_LSKH: jax.Array, v_LSKH: jax.Array,
                          tokens_T: jax.Array) -> jax.Array:
@@ -431,6 +310,35 @@ def logits_after_context(model: Llama, k_pre_LSKH: jax.Array, v_LSKH: jax.Array,
   x_1TD = jnp.take(model.embed[...], tokens_T, axis=0)[None].astype(jnp.float32)
   x_1TD, _ = jax.lax.scan(layer, x_1TD, (model.layers.stacked(), k_pre_LSKH, v_LSKH))
   return model._logits(x_1TD)[0]
+
+
+def context_kv(model: Llama, tokens_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The KV of `tokens_T` at positions `[0, T)`: causal dense attention in f32, no cache.
+
+  For calibration (`kvjax.models.kv_calibration`: the kvtc codec's statistics and the Fisher
+  probe's context), like `logits_after_context`. Not a serving path: every layer materialises
+  [T, T] scores.
+
+  Args:
+    model: the model.
+    tokens_T: int32[T] token ids.
+
+  Returns:
+    (f32[L, T, K, H] keys before RoPE, f32[L, T, K, H] values).
+  """
+  cfg = model.cfg
+  inv_freq = model.inv_freq[...]
+  pos_1T = jnp.arange(tokens_T.shape[0], dtype=jnp.int32)[None]
+
+  def layer(x_1TD, p):
+    p = {k: v.astype(jnp.float32) for k, v in p.items()}
+    q_1TNH, k_pre_1TKH, k_rot_1TKH, v_1TKH = _attention_inputs(cfg, p, x_1TD, pos_1T, inv_freq)
+    attn_1TNH = dense_attention_reference(q_1TNH, k_rot_1TKH, v_1TKH, pos_1T, pos_1T)
+    return _attention_output_and_mlp(cfg, p, x_1TD, attn_1TNH), (k_pre_1TKH[0], v_1TKH[0])
+
+  x_1TD = jnp.take(model.embed[...], tokens_T, axis=0)[None].astype(jnp.float32)
+  _, (k_pre_LTKH, v_LTKH) = jax.lax.scan(layer, x_1TD, model.layers.stacked())
+  return k_pre_LTKH, v_LTKH
 
 
 # ------------------------------------------------------------------------------- layer groups

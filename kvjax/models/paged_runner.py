@@ -10,7 +10,8 @@ count (`token_buckets`), the sequences to a fixed count per bucket, so compiles 
                                                                      pre-RoPE K and V per token)
 
 Stored chunks (a whole number of blocks, `kv_chunk_size % block_size == 0`) are written into
-their blocks by `insert_chunk` (raw) and `insert_payload` (any codec, `kv_codec.kv_decode`).
+their blocks by `insert_chunk` (raw) and `insert_payload` (any codec: `kv_codec.kv_decode`;
+kvtc, `kvtc.dequantize_reference`).
 Only the engine thread calls a runner (the pool is donated on every call).
 """
 
@@ -26,17 +27,19 @@ import numpy as np
 from flax import nnx
 
 from kvjax import codecs as codec_registry
-from kvjax.kernels import kv_codec
+from kvjax.kernels import kv_codec, kvtc
 from kvjax.kernels.platform import platform_of, resolve_platform
 from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_block_nbytes,
                                    write_chunk_blocks)
 from kvjax.models.layers import apply_rope, rope_inv_freq
 from kvjax.models.llama import (LAYER_PARAMS, Llama, ragged_embed, ragged_layers,
                                 ragged_logits)
-from kvjax.models.runner import DEFAULT_CHUNK_SIZES, level_encoder
+from kvjax.models.codec_programs import level_encoder
 from kvjax.models import multihost
 from kvjax.models.sharding import TensorParallel, put
 
+#: Compiled prefill chunk sizes by default, tokens, ascending.
+DEFAULT_CHUNK_SIZES = (16, 32, 64, 128, 256, 512)
 #: Default pool size on CPU, bytes (issue 11); accelerators use a fraction of free memory.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 #: Fraction of an accelerator's free memory the pool takes by default (vLLM's idea of
@@ -72,7 +75,7 @@ def default_kv_cache_bytes(cpu_need_bytes: int | None = None) -> int:
   `cpu_need_bytes` is what every sequence at full length needs (`build_paged_runner`:
   `max_num_seqs` x `max_model_len`): on CPU the pool is host memory that each `LLM` zero-fills
   at construction, so a small configuration (the tiny test model, a short `max_model_len`) gets
-  no more than the slotted cache of the same options would hold, and a process with several
+  no more than its sequences can use, and a process with several
   engines (the test suite) is not charged 2 GiB each. Falls back to the CPU default when the
   device reports no memory statistics.
   """
@@ -124,7 +127,7 @@ class PagedRunnerConfig:
 
   @property
   def num_slots(self) -> int:
-    """Running sequences at most (the slotted config's name for the same cap)."""
+    """Running sequences at most (the scheduler's `SchedulerConfig.num_slots`)."""
     return self.max_num_seqs
 
 
@@ -230,8 +233,6 @@ class PagedModelRunner:
   Raises:
     ValueError: `max_seq_len` beyond the model's context.
   """
-
-  kv_cache_layout = "paged"
 
   def __init__(self, model: Llama, config: PagedRunnerConfig,
                tensor_parallel: TensorParallel | None = None, *, device=None,
@@ -373,6 +374,10 @@ class PagedModelRunner:
       self._insert_payload = jax.jit(insert_payload_sharded, donate_argnums=(0,),
                                      out_shardings=pool_sh)
     self._compiled: set[int] = set()
+    #: The kvtc codec's transform and its device copy and insert program (`set_kvtc_transform`).
+    self.kvtc_transform: kvtc.KVTCTransform | None = None
+    self._kvtc_device: kvtc.KVTCDeviceTransform | None = None
+    self._kvtc_insert = None
 
   def _pool_shardings(self):
     sh = self.tp.pool_sharding
@@ -466,6 +471,19 @@ class PagedModelRunner:
     logits, k_pre, v = self._device_step(*arrays, rows)
     self._compiled.add(t)
     return self._output(logits, k_pre, v, len(seqs), n_tokens, offsets)
+
+  def step_all_logits(self, seqs: Sequence[SeqChunk]) -> StepOutput:
+    """`step`, with the logits of EVERY token instead of each sequence's last: `logits_SV` is
+    f32[T, V], rows as `k_pre_rope_LTKH`'s (`offsets[s]` is sequence s's first). For scoring a
+    text (teacher-forced perplexity in benchmarks, tests); compiles its own program per token
+    bucket (the step's program with T logit rows).
+
+    Raises:
+      ValueError: as `step`.
+    """
+    t, n_tokens, arrays, (_, offsets) = self._pack(seqs)
+    logits, k_pre, v = self._device_step(*arrays, np.arange(t, dtype=np.int32))
+    return self._output(logits, k_pre, v, n_tokens, n_tokens, offsets)
 
   def _output(self, logits, k_pre, v, n_seqs: int, n_tokens: int, offsets) -> StepOutput:
     """The step's `StepOutput`, padding trimmed (numpy views with `host_outputs`)."""
@@ -805,16 +823,22 @@ class PagedModelRunner:
     `[start, start + C)`) and writes it into its blocks, in one jit'd call.
 
     Args:
-      codec: "raw", "int8", "int4" or "cachegen".
-      arrays: the payload's arrays by name (`kv_codec.payload_from_arrays`).
+      codec: "raw", "int8", "int4", "cachegen" or "kvtc" (needs `set_kvtc_transform`; the
+        payload's `transform_id` must be this runner's transform).
+      arrays: the payload's arrays by name (`kv_codec.payload_from_arrays`,
+        `kvtc.payload_from_arrays`).
       block_ids: the C / B blocks of the chunk, in order.
       start: position of the chunk's first token, a multiple of B.
 
     Raises:
-      ValueError: a payload that does not match the model, or blocks that do not fit it.
+      ValueError: a payload that does not match the model, or blocks that do not fit it, or a
+        kvtc payload without this runner's transform.
     """
     if self._channel is not None:
       raise ValueError("multi-host runs store raw chunks only (kv_codec='raw')")
+    if codec == codec_registry.KVTC:
+      self._insert_kvtc(arrays, block_ids, start)
+      return
     payload = kv_codec.payload_from_arrays(codec, arrays)
     n_layers, c, n_kv_heads, head_dim = kv_codec.validate_payload(payload)
     cfg = self.model_config
@@ -877,17 +901,88 @@ class PagedModelRunner:
             self.pool.v_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_))
 
   def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...], start: int) -> list:
-    """Quantizes one device chunk at every level in one jit'd call (as `ModelRunner`'s; `start`
-    is the chunk's first position).
+    """Quantizes one device chunk (K before RoPE) at every level in one jit'd device call.
+
+    Thread-safe (no pool access). Dispatches asynchronously: the arrays stay on the device
+    until the saver copies them to the host (once, for all levels).
+
+    Args:
+      kv_L2CKH: [L, 2, C, K, H] device (or host) array.
+      codec: a codec other than "raw"; "kvtc" needs `set_kvtc_transform`.
+      levels: the levels to store side by side.
+      start: position of the chunk's first token (kvtc codes the first tokens of a sequence
+        finer; the chunk must be decoded at the same position).
 
     Returns:
-      [(codec, level, {name: device array}, finite flag)] per level.
+      [(codec, level, {name: device array}, finite flag)] per level; store a level only when its
+      flag is True (no NaN/inf).
+
+    Raises:
+      ValueError: an unknown codec or level, kvtc without a transform, or a multi-host run.
     """
     if self._channel is not None:
       raise ValueError("multi-host runs store raw chunks only (kv_codec='raw')")
+    t = None
+    if codec == codec_registry.KVTC:
+      t = self._need_kvtc()
+      for level in levels:
+        codec_registry.check_codec(codec, (level,))
     fn = level_encoder(codec, tuple(levels), self.use_pallas_codecs, self.platform)
     return [(codec, level, arrays, finite)
-            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, None, np.int32(start)))]
+            for level, (arrays, finite) in zip(levels, fn(kv_L2CKH, t, np.int32(start)))]
+
+  # ----------------------------------------------------------------------------- kvtc
+  def set_kvtc_transform(self, transform: kvtc.KVTCTransform) -> None:
+    """Sets the model's kvtc transform (`kvjax.models.kv_calibration`), used by the "kvtc"
+    codec's encode (`encode_levels`) and payload insert (`insert_payload`). One device only
+    (no `tensor_parallel`, no multi-host).
+
+    Raises:
+      ValueError: a transform of another model shape, or a tensor-parallel runner.
+    """
+    cfg = self.model_config
+    if self.tp is not None:
+      raise ValueError("kv_codec='kvtc' runs on one device (no tensor parallelism)")
+    if (transform.num_layers, transform.num_kv_heads, transform.head_dim) != (
+        cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
+      raise ValueError(f"kvtc transform for L={transform.num_layers}, K={transform.num_kv_heads},"
+                       f" H={transform.head_dim}; the model has L={cfg.n_layers}, "
+                       f"K={cfg.n_kv_heads}, H={cfg.head_dim}")
+    self.kvtc_transform = transform
+    self._kvtc_device = transform.device_arrays()
+    if self._kvtc_insert is None:
+      inv_freq, n_kv_heads, head_dim = self._inv_freq, cfg.n_kv_heads, cfg.head_dim
+
+      def insert_kvtc(pool, payload, t, block_ids, start):
+        # Dequantize and inverse-transform at the encoder's position, RoPE K at the chunk's
+        # positions (as a raw insert does), write whole blocks.
+        kv = kvtc.dequantize_reference(payload, t, n_kv_heads, head_dim, start=start)
+        positions_1C = (start + jnp.arange(kv.shape[2], dtype=jnp.int32))[None]
+        k_LCKH = apply_rope(kv[:, 0], positions_1C, inv_freq)
+        return write_chunk_blocks(pool, k_LCKH, kv[:, 1], block_ids)
+
+      self._kvtc_insert = jax.jit(insert_kvtc, donate_argnums=(0,))
+
+  def _need_kvtc(self) -> kvtc.KVTCDeviceTransform:
+    if self._kvtc_device is None:
+      raise ValueError("kv_codec 'kvtc' needs a calibrated transform (set_kvtc_transform)")
+    return self._kvtc_device
+
+  def _insert_kvtc(self, arrays, block_ids: Sequence[int], start: int) -> None:
+    """`insert_payload` of a kvtc chunk: one jit'd call (dequantize, inverse transform, RoPE K,
+    block write) with the pool donated.
+
+    Raises:
+      ValueError: no transform, a payload of another transform or shape, or blocks that do not
+        fit the chunk.
+    """
+    t = self._need_kvtc()
+    payload = kvtc.payload_from_arrays(arrays)
+    if bytes(np.asarray(payload.transform_id)) != self.kvtc_transform.transform_id:
+      raise ValueError("kvtc chunk coded with another transform than this runner's")
+    _, c, _ = kvtc.validate_payload(payload, t)
+    ids = self._check_chunk(c, block_ids, start)
+    self.pool = self._kvtc_insert(self.pool, payload, t, ids, np.int32(start))
 
   # ----------------------------------------------------------------------------- AOT
   def _sds(self, shape, dtype=jnp.int32, sharding=None) -> jax.ShapeDtypeStruct:

@@ -94,7 +94,7 @@ class CakeMerge:
       over the largest compiled size (64 of 512 tokens: 1/8).
     check_writes: keep a per-position writer map and raise `DoubleWriteError` on a second write
       (one byte per prompt token; tests and simulations always keep it on).
-    resident: leading chunks already resident on the device (the paged layout's prefix cache,
+    resident: leading chunks already resident on the device (the device prefix cache,
       device hits): they start RESIDENT (written by "load" in the writer map), so the merge never
       loads nor computes them and its frontier starts after them.
     last_unit_tokens: m in [1, C) when the last prefix unit is a stored tail (a session turn's

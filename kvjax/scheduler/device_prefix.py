@@ -1,9 +1,9 @@
-"""Paged layout: a request's device-resident prefix and its blocks, for the scheduler.
+"""A request's device-resident prefix and its blocks, for the scheduler.
 
 Plain functions over the block manager (`kvjax/scheduler/kv_cache_manager.py`) and a request;
 the `Scheduler` (`kvjax/scheduler/scheduler.py`) calls them at admission and while it plans,
-and records what they return (device hit tokens per request). The slotted layout has no
-manager: the scheduler does not call them.
+and records what they return (device hit tokens per request). Without a
+manager (plan tests) the scheduler does not call them.
 """
 
 from __future__ import annotations

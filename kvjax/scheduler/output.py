@@ -75,7 +75,7 @@ class DecodeItem:
     saves: store chunks this decode completes (its position is a chunk's last): chunks of the
       generated tokens (or straddling the prompt's end), saved so the next turn of a
       conversation reuses every historical token (CachedAttention, arXiv 2403.19708, section
-      3.2.2). Paged layout only (its steps return every token's K before RoPE).
+      3.2.2) (a step returns every token's K before RoPE).
   """
 
   request_id: RequestId
@@ -136,14 +136,14 @@ class SchedulerOutput:
     prefills: prefill chunks, in order.
     wait_s: with nothing to compute, the longest the executor may block waiting for a load to
       land before asking again (None: do not wait).
-    block_tables: paged layout only: (request_id, block ids in position order) of every
+    block_tables: (request_id, block ids in position order) of every
       running request after this plan's allocations; block i holds positions `[iB, (i+1)B)`.
       The executor writes a request's new tokens, inserts and round trips into these blocks.
-    preempted: paged layout only: requests preempted by this plan (their blocks were freed):
+    preempted: requests preempted by this plan (their blocks were freed):
       the executor drops their loads and partial chunk pieces; they recompute later.
-    device_hits: paged layout only: (request_id, tokens) served from the device prefix cache
+    device_hits: (request_id, tokens) served from the device prefix cache
       at this plan's admissions (whole blocks, shared without a copy).
-    layer_groups: paged layout: run this step's compute as this many layer-group calls and
+    layer_groups: run this step's compute as this many layer-group calls and
       insert each raw inserted chunk layer group by layer group, group g of every chunk before
       the step's tokens run through layer group g (layer-wise pre-loading, CachedAttention
       arXiv 2403.19708 section 3.2.1); 1: inserts first, then one step call.

@@ -70,7 +70,7 @@ def plan_inserts(prefixes: Mapping[RequestId, Prefix], requests: Iterable[Reques
     prefixes: the scheduler's records.
     requests: running requests, in admission order.
     held: staged bytes the layer-wise deferring requests of this step hold already.
-    layerwise: layer-wise pre-loading is on (`LoadConfig.layerwise_groups`, paged layout): a
+    layerwise: layer-wise pre-loading is on (`LoadConfig.layerwise_groups`): a
       request's landed chunks wait staged while its other loads are in flight, within
       `staging_bytes` in all (`transfer_policy.defer_bytes`).
     staging_bytes: `LoadConfig.staging_bytes`.

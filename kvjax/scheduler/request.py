@@ -102,7 +102,7 @@ class Request:
     slot: decode slot while running, else None.
     status: lifecycle state.
     finish_reason: "stop", "length" or "abort" once finished.
-    prefill_len: tokens to prefill when not the prompt: after a preemption (paged layout) the
+    prefill_len: tokens to prefill when not the prompt: after a preemption the
       request recomputes prompt + output tokens, and its last prefill chunk samples the next
       token. None means the prompt.
   """

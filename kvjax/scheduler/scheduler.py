@@ -78,8 +78,8 @@ class Scheduler:
       equals a loaded one bit for bit and the meeting point cannot change the answer. A
       `long_prefill_token_threshold` below the store chunk size is then raised to it (a request
       still advances one whole chunk a step).
-    kv_cache: the paged layout's block manager (issue 11), None for the slotted layout. With
-      it the scheduler allocates blocks before planning a request's tokens (a request with a
+    kv_cache: the KV pool's block manager; None plans without one (slots only, no blocks: plan
+      tests). With it the scheduler allocates blocks before planning a request's tokens (a request with a
       Cake merge gets its whole prompt's blocks at admission, so loads can land anywhere),
       lists every running request's block table in the plan, frees a finished request's
       blocks (indexed ones stay cached), preempts the newest running request when the pool is
@@ -114,7 +114,10 @@ class Scheduler:
     self._plan_sizes = (save_chunk_size,) if consistent else config.chunk_sizes
     # One request's prefill tokens per step at most (None: the budget's; `prefill_share`).
     cap = config.long_prefill_token_threshold
-    self._prefill_cap = (max(cap, save_chunk_size) if consistent else cap) if cap else None
+    # Consistent mode: exactly one store chunk. A step runs all its tokens in one ragged call,
+    # where a request's later chunk would attend to its earlier chunk's computed KV, not to the
+    # round-tripped KV a load (or a later step) gives it.
+    self._prefill_cap = save_chunk_size if consistent else (cap or None)
     self.config = config
     self.cost_model = cost_model if cost_model is not None else CostModel()
     self.load_config = load_config or LoadConfig()
@@ -147,7 +150,7 @@ class Scheduler:
         (and the mode uses hits).
       merge_mode: this request's merge mode instead of `load_config.merge_mode`.
       kv_ttft_target_s: this request's TTFT target instead of `load_config.kv_ttft_target_s`.
-      namespace_root: paged layout: the root of its block hashes (the store's namespace with
+      namespace_root: the root of its block hashes (the store's namespace with
         its `cache_salt`); None: the manager's default.
 
     Raises:
@@ -171,7 +174,7 @@ class Scheduler:
     self.waiting.append(request)
 
   def _hold_device_prefix(self, r: Request, chunk_size: int, root: str | None) -> int:
-    """Paged layout, a request with a Cake merge: takes its device-resident whole store chunks
+    """A request with a Cake merge: takes its device-resident whole store chunks
     now (`device_prefix.hold`); returns how many chunks (0 when none, or the pool is short)."""
     if self.kv_cache is None:
       return 0
@@ -182,13 +185,14 @@ class Scheduler:
     return tokens // chunk_size
 
   def check_fits(self, num_tokens: int) -> None:
-    """Raises ValueError when a sequence of `num_tokens` tokens can never fit the pool (paged
-    layout; a no-op for the slotted one)."""
+    """Raises ValueError when a sequence of `num_tokens` tokens can never fit the pool (a no-op
+    without a block manager)."""
     if self.kv_cache is not None:
       self.kv_cache.check_fits(num_tokens)
 
   def reset_prefix_cache(self) -> int:
-    """Empties the device prefix cache (paged layout); returns blocks unindexed (0 slotted)."""
+    """Empties the device prefix cache; returns blocks unindexed (0 without a
+    block manager)."""
     return self.kv_cache.reset_prefix_cache() if self.kv_cache is not None else 0
 
   def set_check_writes(self, on: bool) -> None:
@@ -357,7 +361,12 @@ class Scheduler:
       for r in self.running.values():
         # Index the blocks this plan fills (after admissions: a lookup never hits a block
         # whose KV this very plan writes).
-        kvm.cache_full_blocks(r, min(r.num_computed_tokens, r.num_tokens))
+        # Consistent mode: the prefill's whole store chunks only (their KV passed through the
+        # codec, `PrefillChunk.roundtrip`), never a block of decode KV.
+        kvm.cache_full_blocks(r, min(r.num_computed_tokens, r.num_tokens,
+                                     r.num_prefill_tokens // self.save_chunk_size
+                                     * self.save_chunk_size if self.consistent
+                                     else r.num_tokens))
       block_tables = tuple((rid, kvm.block_table(rid)) for rid in self.running)
       preempted, self._preempted = tuple(self._preempted), []
       device_hits, self._device_hits = tuple(self._device_hits), []
@@ -393,9 +402,9 @@ class Scheduler:
     return prefill_policy.prefill_share(budget, self._prefill_cap)
 
   def _admit_blocks(self, r: Request, budget: int) -> bool:
-    """Paged layout: looks up `r`'s device-resident prefix and allocates the blocks of its first
+    """Looks up `r`'s device-resident prefix and allocates the blocks of its first
     chunk (its whole prompt with a Cake merge); False when the pool is short (admission waits;
-    a new request never preempts a running one). True for the slotted layout."""
+    a new request never preempts a running one). True without a block manager."""
     kvm = self.kv_cache
     if kvm is None:
       return True
@@ -421,15 +430,15 @@ class Scheduler:
 
   def _device_prefix(self, r: Request, record_stats: bool = True) -> tuple[list, int]:
     """A queued ordinary request's device-resident prefix (`device_prefix.lookup`; whole store
-    chunks only in consistent mode); ([], 0) for the slotted layout."""
+    chunks only in consistent mode); ([], 0) without a block manager."""
     if self.kv_cache is None:
       return [], 0
     return device_prefix.lookup(self.kv_cache, r, self._roots.get(r.request_id),
                                 self.save_chunk_size if self.consistent else None, record_stats)
 
   def _grow(self, r: Request, n: int, may_preempt: bool = True) -> bool:
-    """Paged layout: blocks for `n` more tokens of `r` (`device_prefix.grow`, preempting with
-    `may_preempt`). True for the slotted layout."""
+    """Blocks for `n` more tokens of `r` (`device_prefix.grow`, preempting with
+    `may_preempt`). True without a block manager."""
     return self.kv_cache is None or device_prefix.grow(self.kv_cache, r, n, may_preempt,
                                                        self.running, self._preempt)
 
@@ -646,12 +655,14 @@ class Scheduler:
                         roundtrip)
 
   def _decode_saves(self, r: Request) -> tuple[SaveItem, ...]:
-    """Paged layout with a store: the chunk a decode completes when no prefill step saved it
-    (`transfer_policy.decode_saves`)."""
+    """With a store: the chunk a decode completes when no prefill step saved it
+    (`transfer_policy.decode_saves`). None in consistent mode: a decode's KV is not what a
+    prefill of the same tokens (the cold run of a follow-up prompt) computes and passes through
+    the codec."""
     c = self.save_chunk_size
     end = r.num_computed_tokens
-    if c is None or self.kv_cache is None or end % c:  # a decode always ends past the prefill
-      return ()
+    if c is None or self.kv_cache is None or end % c or self.consistent:
+      return ()  # (a decode always ends past the prefill)
     return transfer_policy.decode_saves(c, end, self._device_hit_tokens.get(r.request_id, 0))
 
   def _saves(self, r: Request, start: int, n: int) -> tuple[SaveItem, ...]:

@@ -62,7 +62,7 @@ def defer_bytes(m: CakeMerge, stored: StoredPrefix) -> int | None:
 
 
 def decode_saves(c: int, end: int, hit_tokens: int) -> tuple[SaveItem, ...]:
-  """Paged layout with a store: the chunk a decode completes (`end`, the tokens computed with
+  """With a store: the chunk a decode completes (`end`, the tokens computed with
   it, is a multiple of the store chunk size `c`), when no prefill step saved it: a chunk of
   generated tokens, or the one straddling the prompt's end. A chunk partly served from device
   blocks (`hit_tokens`) is saved too (the engine reads that part back from the pool); one

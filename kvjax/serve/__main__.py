@@ -3,10 +3,10 @@ r"""`python -m kvjax.serve`: the OpenAI-compatible server.
     python -m kvjax.serve                                   # SmolLM2-135M-Instruct on :8000
     python -m kvjax.serve --port=0 --kv_store=memory://     # a free port, a store in memory
     python -m kvjax.serve --kv_link_bytes_per_s=1e8 --kv_chunk_size=256 --max_num_seqs=8
-    python -m kvjax.serve --kv_cache_layout=paged --kv_cache_memory_bytes=1073741824 \
+    python -m kvjax.serve --kv_cache_memory_bytes=1073741824 \
         --no_enable_prefix_caching                          # a 1 GiB pool, no device cache
     python -m kvjax.serve --kv_store=s3://kv/llm --s3_endpoint_url=http://rgw:7480 \
-        --kv_cache_layout=paged --kv_events_endpoint='tcp://*:5557' \
+        --kv_events_endpoint='tcp://*:5557' \
         --kv_events_topic=kv@pod-a@SmolLM2-135M-Instruct    # a replica for llm-d's router
     KVJAX_API_KEY=secret python -m kvjax.serve --host=0.0.0.0 --allowed_hosts=llm.example.com
     python -m kvjax.serve --tensor_parallel_size=8 --num_processes=2 --process_id=$RANK \
@@ -112,14 +112,9 @@ _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", None,
                                       "Tokens per sequence, prompt plus output (default: the "
                                       "model's context).")
 _MAX_NUM_SEQS = flags.DEFINE_integer(
-    "max_num_seqs", None, "Requests running at once (default: "
-    + ", ".join(f"{n} {layout}" for layout, n in DEFAULT_MAX_NUM_SEQS.items()) + ").")
-_LAYOUT = flags.DEFINE_enum(
-    "kv_cache_layout", None, ["slotted", "paged"],
-    "Device KV cache: 'paged' (one block pool shared by all sequences, a device prefix cache, "
-    "preemption when full) or 'slotted' (max_num_seqs slots of max_model_len positions). "
-    "Default: LLM's default.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Paged: tokens per pool block "
+    "max_num_seqs", None, f"Requests running at once (default: {DEFAULT_MAX_NUM_SEQS}; the "
+    "KV pool, not this number, bounds memory).")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block of the KV pool "
                                    "(--kv_chunk_size must be a multiple).")
 _KV_BYTES = flags.DEFINE_integer(
     "kv_cache_memory_bytes", None, "Paged: the block pool's size in bytes (default: on CPU "
@@ -230,7 +225,7 @@ _EVENTS = flags.DEFINE_string(
     "kv_events_endpoint", None,
     "Publish KV cache events (blocks stored, removed, all cleared) of the device prefix cache in "
     "vLLM's schema on this ZMQ address, e.g. tcp://*:5557 (bound; an address without '*' is "
-    "connected to). Needs --kv_cache_layout=paged with prefix caching. Default: off.")
+    "connected to). Needs prefix caching. Default: off.")
 _EVENTS_TOPIC = flags.DEFINE_string("kv_events_topic", "",
                                     "Topic frame of every event message; llm-d's indexer reads "
                                     "'kv@<pod>@<model>'.")
@@ -250,7 +245,7 @@ _EVENTS_INT = flags.DEFINE_bool(
     "kv_events_int_hashes", True,
     "Block hashes as 64-bit ints (the low 8 bytes; vLLM's default) rather than 32 raw bytes.")
 _TP = flags.DEFINE_integer(
-    "tensor_parallel_size", 1, "Devices the model is split over (a tp mesh; paged layout).")
+    "tensor_parallel_size", 1, "Devices the model is split over (a tp mesh).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-host: host:port of process 0 (jax.distributed).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
@@ -335,7 +330,7 @@ def config_from_flags() -> ServerConfig:
         kv_chunk_size=_KV_CHUNK.value, kv_codec=_KV_CODEC.value, kv_merge_mode=_MERGE.value,
         kv_codec_consistent={"auto": None, "true": True, "false": False}[_CONSISTENT.value],
         kv_link_bytes_per_s=_LINK.value,
-        kv_link_trace=_TRACE.value, kv_cache_layout=_LAYOUT.value,
+        kv_link_trace=_TRACE.value,
         block_size=_BLOCK_SIZE.value, kv_cache_memory_bytes=_KV_BYTES.value,
         enable_prefix_caching=_PREFIX_CACHING.value, enable_admin=_ADMIN.value, log_level=_LOG_LEVEL.value,
         max_request_bytes=_MAX_BYTES.value,

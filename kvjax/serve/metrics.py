@@ -3,10 +3,9 @@
 Request metrics are updated on the engine thread as outputs appear (`on_output`); queue, KV pool,
 device prefix-cache, preemption, store, link and saver figures are read when `/metrics` is
 scraped (`_StoreCollector`), all from one `Engine.stats()` snapshot (`EngineStats`: its
-`kv_cache` is None for the slotted layout, its `saver` None without a store, and the families of
-an absent part are left out). vLLM's names of the figures vLLM has (`vllm:kv_cache_usage_perc`,
+`saver` is None without a store, and the families of an absent part are left out). vLLM's names of the figures vLLM has (`vllm:kv_cache_usage_perc`,
 `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:prefix_cache_queries`/`hits`,
-`vllm:num_preemptions`, and the paged layout's `vllm:cache_config_info{block_size,
+`vllm:num_preemptions`, and `vllm:cache_config_info{block_size,
 num_gpu_blocks}`) are served beside the `kvjax_` ones, with the same values: what the Gateway
 API Inference Extension's model-server protocol asks for (queue depth, running requests, KV
 cache utilisation; block size and pool blocks for its approximate prefix-cache scorer), so
@@ -74,7 +73,7 @@ class _StoreCollector(Collector):
     for name in ("kvjax_num_requests_waiting", "vllm:num_requests_waiting"):
       yield GaugeMetricFamily(name, "Requests queued in the engine, not yet running.", waiting)
     for name in ("kvjax_num_requests_running", "vllm:num_requests_running"):
-      yield GaugeMetricFamily(name, "Requests running (decode slots or paged sequences).",
+      yield GaugeMetricFamily(name, "Requests running (sequences holding pool blocks).",
                               running)
     if snap is None:
       return

@@ -36,9 +36,9 @@ KV_CODECS = tuple(codecs.CODECS)
 PREFILL_ORDERS = builder.PREFILL_ORDERS
 #: Default `max_waiting_requests`: requests queued beyond the decode slots before 429s.
 DEFAULT_MAX_WAITING_REQUESTS = 256
-#: Default `max_num_seqs` per KV cache layout: paged sequences reserve no memory up front (the
-#: pool is shared; a full pool preempts), slotted ones reserve `max_model_len` positions each.
-DEFAULT_MAX_NUM_SEQS = {"paged": 64, "slotted": 4}
+#: Default `max_num_seqs`: sequences reserve no memory up front (the KV pool is shared; a full
+#: pool preempts).
+DEFAULT_MAX_NUM_SEQS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +52,8 @@ class ServerConfig:
     port: TCP port; 0 picks a free one.
     dtype: compute and KV dtype ("auto", "float32", "bfloat16").
     max_model_len: tokens per sequence; None: the model's context.
-    max_num_seqs: requests running at once; None: 64 for the paged layout (the pool, not this
-      number, bounds memory; preemption handles a full pool), 4 for the slotted one (each slot
-      reserves `max_model_len` positions).
+    max_num_seqs: requests running at once; None: `DEFAULT_MAX_NUM_SEQS` (the KV pool, not
+      this number, bounds memory; preemption handles a full pool).
     max_num_batched_tokens: token budget of one engine step; None: the largest chunk size.
     long_prefill_token_threshold: one request's prefill tokens per step at most (vLLM's option;
       see `LLM`), so a long prompt shares the step with other requests' prefills; 0: off.
@@ -79,12 +78,9 @@ class ServerConfig:
       where feasible; see `LLM`).
     kv_link_bytes_per_s: emulated store link, bytes/s; None: unlimited.
     kv_link_trace: file of "seconds bytes_per_s" lines instead of a constant link.
-    kv_cache_layout: "paged" (a block pool shared by all sequences, a device prefix cache) or
-      "slotted" (`max_num_seqs` slots of `max_model_len` positions); None: `LLM`'s default.
-    block_size: paged: tokens per pool block (`kv_chunk_size` must be a multiple).
-    kv_cache_memory_bytes: paged: the pool's size, bytes; None: `LLM`'s default.
-    enable_prefix_caching: paged: keep finished prefixes' blocks on the device for later
-      requests.
+    block_size: tokens per block of the KV pool (`kv_chunk_size` must be a multiple).
+    kv_cache_memory_bytes: the pool's size, bytes; None: `LLM`'s default.
+    enable_prefix_caching: keep finished prefixes' blocks on the device for later requests.
     enable_admin: serve POST /admin/flush_kv.
     log_level: uvicorn's log level.
     max_request_bytes: largest request body, bytes (413 beyond, before any parsing).
@@ -101,8 +97,8 @@ class ServerConfig:
     max_sessions: sessions held at once (least recently used idle ones dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped beyond).
     kv_events_endpoint: publish the device prefix cache's KV events in vLLM's schema on this
-      ZMQ address (e.g. "tcp://*:5557"; `kv_events.ZmqKVEventPublisher`); None: off. Needs the
-      paged layout with prefix caching.
+      ZMQ address (e.g. "tcp://*:5557"; `kv_events.ZmqKVEventPublisher`); None: off. Needs
+      prefix caching.
     kv_events_topic: the events' topic frame (llm-d reads "kv@<pod>@<model>").
     kv_events_replay_endpoint: a ZMQ ROUTER address serving replays of buffered batches.
     kv_events_hash_algo: vLLM's block hash: "sha256_cbor" (default) or "sha256".
@@ -121,7 +117,7 @@ class ServerConfig:
 
   Raises:
     ValueError: a bad port, codec, limit, host, origin, key or session limit, or KV events
-      asked for without the paged layout's prefix cache.
+      asked for without the prefix cache.
   """
 
   model: str = "SmolLM2-135M-Instruct"
@@ -147,7 +143,6 @@ class ServerConfig:
   kv_codec_consistent: bool | None = None
   kv_link_bytes_per_s: float | None = None
   kv_link_trace: str | None = None
-  kv_cache_layout: str | None = None
   block_size: int = 16
   kv_cache_memory_bytes: int | None = None
   enable_prefix_caching: bool = True
@@ -193,8 +188,6 @@ class ServerConfig:
       codecs.check_chunk_size(self.kv_codec, None, self.kv_chunk_size)
     except ValueError as e:
       raise ValueError(f"kv_chunk_size={self.kv_chunk_size!r}: {e}") from e
-    if self.kv_cache_layout not in (None, "slotted", "paged"):
-      raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}; use 'slotted' or 'paged'")
     builder.check_scheduling_options(self.long_prefill_token_threshold, self.chunk_sizes,
                                      self.prefill_order, self.short_first_token_steps)
     if self.kv_store_capacity_bytes is not None and self.kv_tiers is not None:
@@ -223,10 +216,9 @@ class ServerConfig:
     if self.kv_events_hash_algo not in kv_events.HASH_ALGOS:
       raise ValueError(f"kv_events_hash_algo={self.kv_events_hash_algo!r}; use one of "
                        f"{kv_events.HASH_ALGOS}")
-    if self.kv_events_endpoint is not None and (
-        self.resolved_kv_cache_layout != "paged" or not self.enable_prefix_caching):
+    if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
       raise ValueError("kv_events_endpoint publishes the device prefix cache's blocks: it needs "
-                       "kv_cache_layout='paged' with enable_prefix_caching")
+                       "enable_prefix_caching")
     self.http_policy()  # validates hosts, origins, key and body limit
     SessionConfig(ttl_s=self.session_ttl_s, max_sessions=self.max_sessions,
                   max_tokens=self.max_session_tokens, truncation=self.session_truncation,
@@ -248,18 +240,11 @@ class ServerConfig:
                       api_key=self.api_key, auth_health_and_metrics=self.auth_health_and_metrics)
 
   @property
-  def resolved_kv_cache_layout(self) -> str:
-    """`kv_cache_layout`, or the layout `LLM` picks when None (`resolve_kv_cache_layout`)."""
-    return builder.resolve_kv_cache_layout(
-        self.kv_cache_layout, self.kv_codec,
-        with_store=self.kv_store is not None or self.kv_tiers is not None)
-
-  @property
   def resolved_max_num_seqs(self) -> int:
-    """`max_num_seqs`, or its layout's default (`DEFAULT_MAX_NUM_SEQS`)."""
+    """`max_num_seqs`, or `DEFAULT_MAX_NUM_SEQS`."""
     if self.max_num_seqs is not None:
       return self.max_num_seqs
-    return DEFAULT_MAX_NUM_SEQS[self.resolved_kv_cache_layout]
+    return DEFAULT_MAX_NUM_SEQS
 
   @property
   def kv_store_url(self) -> str | None:
@@ -291,21 +276,20 @@ class ServerConfig:
         prefill_order=self.prefill_order,
         short_first_token_steps=self.short_first_token_steps, seed=self.seed,
         cache_dir=self.cache_dir, kv_codec=self.kv_codec,
-        kv_cache_layout=self.resolved_kv_cache_layout, session_ttl_s=self.session_ttl_s,
+        session_ttl_s=self.session_ttl_s,
         max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,
         session_truncation=self.session_truncation, session_rerotate=self.session_rerotate,
         session_rerotate_boundary_chunks=self.session_rerotate_boundary_chunks,
         kv_lookahead_window=self.kv_lookahead_window,
         max_pinned_sessions=self.max_pinned_sessions,
-        max_pinned_session_bytes=self.max_pinned_session_bytes)
+        max_pinned_session_bytes=self.max_pinned_session_bytes,
+        block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+        enable_prefix_caching=self.enable_prefix_caching)
     if self.tensor_parallel_size != 1:
       opts["tensor_parallel_size"] = self.tensor_parallel_size
     if (self.num_processes or 1) > 1:
       opts.update(coordinator_address=self.coordinator_address,
                   num_processes=self.num_processes, process_id=self.process_id)
-    if opts["kv_cache_layout"] == "paged":
-      opts.update(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                  enable_prefix_caching=self.enable_prefix_caching)
     if self.chunk_sizes is not None:
       opts["chunk_sizes"] = tuple(self.chunk_sizes)
     if self.kv_tiers is not None:

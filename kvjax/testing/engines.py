@@ -229,14 +229,12 @@ def fake_llm(model: str = "tiny", *, runner_seed: int = 0, **options: Any) -> LL
   (generate, chat, sessions, option checks, the store client) over the numpy fake model.
 
   Defaults differ from `LLM`'s where the fake needs it: `cache_dir=""` (nothing cached on
-  disk) and `kv_cache_layout="paged"` (a lossy codec with a store would pick the slotted
-  layout, which has no fake). "tiny" (default): `kvjax.models.config.tiny`'s sizes and a
+  disk). "tiny" (default): `kvjax.models.config.tiny`'s sizes and a
   `ByteTokenizer`.
 
   Raises:
     ValueError: as `LLM`; `tensor_parallel_size` > 1; kvtc (the fake has no calibration).
   """
   options.setdefault("cache_dir", "")
-  options.setdefault("kv_cache_layout", "paged")
   with fake_runner_seam(runner_seed):
     return LLM(model, **options)

@@ -98,8 +98,6 @@ class FakeRunner:
     ValueError: `max_seq_len` beyond the model's context.
   """
 
-  kv_cache_layout = "paged"
-
   def __init__(self, config: PagedRunnerConfig, model_config: LlamaConfig | None = None, *,
                seed: int = 0):
     cfg = self.model_config = model_config or fake_model_config()

@@ -25,7 +25,7 @@ _SIZES = flags.DEFINE_list("sizes", ["1", "2"], "tensor_parallel_size values, th
 _LENGTHS = flags.DEFINE_list("lengths", ["5", "40", "130"], "Prompt lengths, tokens.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 6, "Greedy tokens per prompt.")
 _CHUNK = flags.DEFINE_integer("kv_chunk_size", 32, "Store chunk size, tokens.")
-_REFUSE = flags.DEFINE_list("refuse", [], "model:N[:layout] that LLM(...) must refuse (ValueError).")
+_REFUSE = flags.DEFINE_list("refuse", [], "model:N that LLM(...) must refuse (ValueError).")
 _PAYLOADS = flags.DEFINE_list(
     "payload_codecs", [], "Codecs whose stored payload each size decodes per shard into the "
     "pool (`insert_payload`); the blocks read back are compared with N = 1.")
@@ -93,10 +93,9 @@ def main(argv):
       llm.close()
       result["runs"][str(n)] = {"cold": cold, "hit_by": m, "hit": hit, **shardings}
   for pair in _REFUSE.value:
-    model, n, *layout = pair.split(":")
+    model, n = pair.split(":")
     try:
-      LLM(model, tensor_parallel_size=int(n), kv_cache_layout=(layout or [None])[0],
-          **opts).close()
+      LLM(model, tensor_parallel_size=int(n), **opts).close()
       result["refused"][pair] = None
     except ValueError as e:
       result["refused"][pair] = str(e)

@@ -207,14 +207,10 @@ class CakeEngineUnitTest(parameterized.TestCase):
   def test_consistent_codec_outputs_do_not_depend_on_the_meeting_point(self):
     self.assert_consistent(max_num_batched_tokens=C)  # one store chunk per step
 
-  @absltest.unittest.expectedFailure
   def test_consistent_codec_outputs_with_several_chunks_a_step(self):
-    """Paged layout, a token budget of several store chunks: the scheduler plans a request's
-    chunks 0-3 in ONE ragged step and roundtrips them after it, so chunk 1 attends to chunk
-    0's KV before the roundtrip, while a hit's chunk 1 attends to the decoded chunk 0: the
-    answers differ (about 1e-4 in log-probs). The slotted layout runs one chunk per call and
-    holds. Kept as an expected failure until consistent mode is moved onto the paged layout
-    (then this passes and the decorator goes)."""
+    """A token budget of several store chunks: consistent mode still plans one store chunk of
+    a request per step (in one ragged step a later chunk would attend to an earlier chunk's KV
+    before its round trip through the codec, while a hit's attends to the decoded chunk)."""
     self.assert_consistent()
 
   def test_a_tight_ttft_target_loads_the_smallest_level(self):

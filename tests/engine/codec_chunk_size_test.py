@@ -30,10 +30,11 @@ class CodecChunkSizeTest(parameterized.TestCase):
   # C, so every save of these failed in the saver thread.
   @parameterized.parameters(("int4", 96), ("cachegen", 100))
   def test_chunk_sizes_the_old_rule_refused_save_and_load(self, codec, c):
-    # Slotted: C = 100 is no whole number of 16-token blocks (the paged layout refuses it).
+    # Blocks of 4 tokens: C = 96 and 100 are whole numbers of them. The repeat loads from the
+    # store (no device prefix cache).
     llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(32, 64), kv_store="memory://",
               kv_chunk_size=c, kv_codec=codec, kv_codec_levels=(0,), kv_merge_mode="load_only",
-              kv_cache_layout="slotted")
+              block_size=4, enable_prefix_caching=False)
     prompt = [int(t) for t in np.random.default_rng(c).integers(0, 256, 2 * c + 5)]
     cold = llm.generate({"prompt_token_ids": prompt}, PARAMS)[0]
     llm.flush()

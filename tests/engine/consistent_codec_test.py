@@ -44,6 +44,55 @@ class ConsistentCodecTest(parameterized.TestCase):
       self.assertEqual(out.token_ids, cold.token_ids, mode)
       self.assertEqual(out.logprobs, cold.logprobs, mode)  # exactly, not within a tolerance
 
+  def test_device_prefix_hits_give_the_cold_answer_bit_for_bit(self):
+    # The device prefix cache on (the default): a repeat of the prompt is served from the
+    # blocks of the first run, which must hold the round-tripped KV (what a load or a cold
+    # engine's own round trip gives), not the KV compute wrote before the round trip.
+    cold_llm = make_llm(self.create_tempdir().full_path, "int8", "compute_only")
+    cold = cold_llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    cold_llm.close()
+    llm = make_llm(self.create_tempdir().full_path, "int8", enable_prefix_caching=True)
+    first = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    second = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    llm.close()
+    self.assertEqual(first.metrics.num_device_cached_tokens, 0)
+    self.assertEqual(second.metrics.num_device_cached_tokens, (len(PROMPT) - 1) // C * C)
+    for out in (first, second):
+      self.assertEqual(out.token_ids, cold.token_ids)
+      self.assertEqual(out.logprobs, cold.logprobs)  # exactly
+
+  def test_a_follow_up_prompt_gets_the_cold_answer_bit_for_bit(self):
+    # Turn 1's output completes a store chunk by decoding (87 + 9 = 96 = 6 chunks); turn 2
+    # extends turn 1. The device prefix cache and the store hold only chunks whose KV passed
+    # through the codec after a prefill (the prompt's whole chunks), never decode KV, so turn 2
+    # equals a cold engine's answer.
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5)
+    llm = make_llm(self.create_tempdir().full_path, "int8", enable_prefix_caching=True)
+    turn1 = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
+    follow_up = PROMPT + turn1.token_ids + [1, 2, 3]
+    llm.flush()
+    turn2 = llm.generate({"prompt_token_ids": follow_up}, params)[0]
+    llm.close()
+    self.assertEqual(turn2.metrics.num_device_cached_tokens, len(PROMPT) // C * C)
+    self.assertEqual(turn2.num_cached_tokens, len(PROMPT) // C * C)  # no stored decode chunk
+    cold_llm = make_llm(self.create_tempdir().full_path, "int8", "compute_only")
+    cold = cold_llm.generate({"prompt_token_ids": follow_up}, params)[0]
+    cold_llm.close()
+    self.assertEqual((turn2.token_ids, turn2.logprobs), (cold.token_ids, cold.logprobs))
+
+  def test_a_batch_neighbour_does_not_change_the_answer(self):
+    # The same request alone and beside another prompt (other token buckets per step).
+    store = self.create_tempdir().full_path
+    writer = make_llm(store, "int8", "compute_only")
+    alone = writer.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
+    writer.flush()
+    writer.close()
+    other = [int(t) for t in np.random.default_rng(9).integers(0, 256, 3 * C + 2)]
+    reader = make_llm(store, "int8", "cake")
+    both = reader.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": other}], PARAMS)
+    reader.close()
+    self.assertEqual((both[0].token_ids, both[0].logprobs), (alone.token_ids, alone.logprobs))
+
   def test_inconsistent_mode_is_still_available_and_levels_are_fixed(self):
     llm = make_llm("memory://consistent-off", "cachegen", kv_codec_levels=[1, 3],
                    kv_codec_consistent=False)
@@ -88,10 +137,12 @@ class ConsistentCodecTest(parameterized.TestCase):
     raw.close()
 
   def test_consistent_needs_the_chunk_size_compiled(self):
-    with self.assertRaisesRegex(ValueError, "kv_codec_consistent=True needs kv_chunk_size=24"):
-      LLM("tiny", cache_dir="", chunk_sizes=(16, 32), kv_store="memory://x", kv_chunk_size=24,
-          kv_codec="int8", kv_codec_consistent=True, compile_on_init=False,
-          kv_cache_layout="slotted")  # paged would refuse C = 24 first (not whole blocks)
+    with self.assertRaisesRegex(ValueError, "kv_codec_consistent=True needs kv_chunk_size=48"):
+      LLM("tiny", cache_dir="", chunk_sizes=(16, 32), kv_store="memory://x", kv_chunk_size=48,
+          kv_codec="int8", kv_codec_consistent=True, compile_on_init=False)
+    with self.assertRaisesRegex(ValueError, "kv_chunk_size=24 must be a whole number of blocks"):
+      LLM("tiny", cache_dir="", chunk_sizes=(16, 24), kv_store="memory://x", kv_chunk_size=24,
+          kv_codec="int8", kv_codec_consistent=True, compile_on_init=False)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
 from kvjax.models import kv_calibration
+from kvjax.models.calibration_model import CalibrationModel
 from kvjax.models.llama import Llama
+from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig, SeqChunk
 from kvjax.models.registry import load_model
-from kvjax.models.runner import ModelRunner, RunnerConfig
 
 C = 32
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)
@@ -20,6 +21,7 @@ PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 256, 3 * C + 9)]
 
 
 def make_llm(cache_dir, store, **kw):
+  kw.setdefault("enable_prefix_caching", False)  # repeats load from the store, not the device
   return LLM("tiny", cache_dir=cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
              kv_store=store, kv_chunk_size=C, kv_codec="kvtc", kv_merge_mode="load_only", **kw)
 
@@ -30,11 +32,9 @@ class KVTCEngineTest(absltest.TestCase):
     loaded = load_model("tiny")
     ts = []
     for _ in range(2):
-      runner = ModelRunner(Llama.from_params(loaded.config, loaded.params),
-                           RunnerConfig(num_slots=1, chunk_sizes=(32, 64)))
+      model = CalibrationModel(Llama.from_params(loaded.config, loaded.params))
       ts.append(kv_calibration.calibrate_kvtc(
-          runner, loaded.tokenizer.encode(kv_calibration.calibration_text()), max_tokens=2048))
-      runner.close()
+          model, loaded.tokenizer.encode(kv_calibration.calibration_text()), max_tokens=2048))
     self.assertEqual(ts[0].transform_id, ts[1].transform_id)
     np.testing.assert_array_equal(ts[0].basis, ts[1].basis)
     t = ts[0]
@@ -84,17 +84,18 @@ class KVTCEngineTest(absltest.TestCase):
     llm3.close()
 
   def test_runner_codes_a_chunk_at_its_position(self):
-    # ModelRunner.encode_levels codes the first token of a sequence finer (start=0) and
-    # insert_payload decodes it at the same position: the cache then holds exactly the numpy
+    # PagedModelRunner.encode_levels codes the first token of a sequence finer (start=0) and
+    # insert_payload decodes it at the same position: the pool then holds exactly the numpy
     # reference's reconstruction (RoPE applied), and the same KV coded as a later chunk differs
     # only in the protected token.
     import jax.numpy as jnp  # noqa: PLC0415
     from kvjax.kernels import kvtc  # noqa: PLC0415
     loaded = load_model("tiny")
     cfg = loaded.config
-    runner = ModelRunner(Llama.from_params(cfg, loaded.params),
-                         RunnerConfig(num_slots=2, max_seq_len=4 * C, chunk_sizes=(32, 64)))
-    out = runner.prefill_chunk(PROMPT[:2 * C], 0, 0)
+    runner = PagedModelRunner(Llama.from_params(cfg, loaded.params), PagedRunnerConfig(
+        num_blocks=16, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+        max_seq_len=4 * C, chunk_sizes=(32, 64)))
+    out = runner.step([SeqChunk(PROMPT[:2 * C], 0, range(4))])             # blocks 0-3
     kv = jnp.stack([out.k_pre_rope_LTKH, out.v_LTKH], axis=1)               # [L, 2, 2C, K, H]
     d = cfg.n_kv_heads * cfg.head_dim
     runner.set_kvtc_transform(kv_calibration.fit_transform(
@@ -108,16 +109,19 @@ class KVTCEngineTest(absltest.TestCase):
     n = kvtc.KVTC_PROTECT_TOKENS
     np.testing.assert_array_equal(first["q"][:, :, n:], later["q"][:, :, n:])
     self.assertFalse(np.array_equal(first["q"][:, :, :n], later["q"][:, :, :n]))
-    runner.insert_payload("kvtc", first, 1, 0)
+    first_blocks, later_blocks = (8, 9), (10, 11)  # a second sequence's blocks
+    runner.insert_payload("kvtc", first, first_blocks, 0)
     want = np.asarray(kvtc.dequantize_reference(kvtc.payload_from_arrays(first),
                                                 runner.kvtc_transform, cfg.n_kv_heads,
                                                 cfg.head_dim, start=0))
-    np.testing.assert_allclose(np.asarray(runner.cache.v_LBSKH)[:, 1, :C], want[:, 1],
-                               rtol=1e-5, atol=1e-5)
+    v_first = np.asarray(runner.read_blocks(first_blocks)[1])
+    np.testing.assert_allclose(v_first, want[:, 1], rtol=1e-5, atol=1e-5)
+    k_pre, _ = runner.read_pre_rope(first_blocks, 0, C)  # K un-rotated: RoPE at positions 0..
+    np.testing.assert_allclose(np.asarray(k_pre), want[:, 0], rtol=1e-4, atol=1e-4)
     exact = np.asarray(chunk)[:, 1, :n]
-    err_first = np.abs(np.asarray(runner.cache.v_LBSKH)[:, 1, :n] - exact).max()
-    runner.insert_payload("kvtc", later, 1, C)
-    err_later = np.abs(np.asarray(runner.cache.v_LBSKH)[:, 1, C:C + n] - exact).max()
+    err_first = np.abs(v_first[:, :n] - exact).max()
+    runner.insert_payload("kvtc", later, later_blocks, C)
+    err_later = np.abs(np.asarray(runner.read_blocks(later_blocks)[1])[:, :n] - exact).max()
     self.assertLess(err_first, err_later / 4)
     runner.close()
 

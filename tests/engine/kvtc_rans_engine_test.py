@@ -40,7 +40,8 @@ class KVTCRansEngineTest(absltest.TestCase):
   def make_llm(self, store):
     return LLM("tiny", cache_dir=self.cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
                kv_store=os.path.join(self.tmp, store), kv_chunk_size=C, kv_codec="kvtc",
-               kv_merge_mode="load_only")
+               kv_merge_mode="load_only",
+               enable_prefix_caching=False)  # repeats load from the store, not the device
 
   def cold_then_warm(self, store, coding):
     """(cold output, warm output, loader stats) with kvtc's q stored in `coding`."""

@@ -28,7 +28,7 @@ NEW = [int(t) for t in RNG.integers(0, 256, 20)]
 def llm(groups, **kw):
   store = StoreConfig((TierConfig("host", capacity_bytes=64 << 20),
                        TierConfig("disk", url="memory://")))
-  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, kv_cache_layout="paged", block_size=B,
+  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
              kv_cache_memory_bytes=256 * paged_block_nbytes(TINY.config, B, jnp.float32),
              kv_store=store, kv_chunk_size=C, enable_prefix_caching=False,
              kv_layerwise_groups=groups, **kw)

@@ -1,5 +1,5 @@
-"""The paged KV layout (issue 11) on the tiny model: equal to the slotted engine, device prefix
-hits, store hits and cold runs agree, no block leaks through aborts and preemptions, shared
+"""The paged KV pool (issue 11) on the tiny model: equal to a reference engine alone and
+batched, device prefix hits, store hits and cold runs agree, no block leaks through aborts and preemptions, shared
 blocks are never written."""
 
 import jax.numpy as jnp
@@ -8,7 +8,6 @@ import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
-from kvjax.engine.llm import resolve_kv_cache_layout
 from kvjax.models.kv_cache import PagedKVCache, paged_block_nbytes
 from kvjax.models.registry import load_model
 
@@ -23,7 +22,7 @@ PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(0, 256, n)]
 
 def paged(num_blocks=256, **kw):
   kw.setdefault("max_num_seqs", 4)
-  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, kv_cache_layout="paged", block_size=B,
+  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
              kv_cache_memory_bytes=num_blocks * BLOCK_NBYTES, **kw)
 
 
@@ -36,10 +35,10 @@ class PagedEngineTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.slotted = LLM("tiny", cache_dir="", max_num_seqs=4, chunk_sizes=CHUNKS)
+    cls.reference = LLM("tiny", cache_dir="", max_num_seqs=4, chunk_sizes=CHUNKS)
 
   def want(self, prompts, params=GREEDY):
-    return self.slotted.generate(ids(prompts), params)
+    return self.reference.generate(ids(prompts), params)
 
   def assert_same(self, got, want):
     self.assertEqual([o.token_ids for o in got], [o.token_ids for o in want])
@@ -77,11 +76,10 @@ class PagedEngineTest(absltest.TestCase):
     self.assertEqual(done[hit].num_cached_tokens, 32)
     self.assert_same([done[cold], done[hit]], self.want([PROMPTS[2], head + [7] * 8]))
 
-  def test_equals_slotted_alone_and_batched(self):
+  def test_equals_the_reference_alone_and_batched(self):
     want = self.want(PROMPTS)
     for seqs in (1, 2, 4):
       llm = paged(max_num_seqs=seqs, enable_prefix_caching=False)
-      self.assertEqual(llm.engine.kv_cache_layout, "paged")
       got = llm.generate(ids(PROMPTS), GREEDY)
       self.assert_same(got, want)
       for o, p in zip(got, PROMPTS):
@@ -297,21 +295,24 @@ class PagedEngineTest(absltest.TestCase):
 
 class DefaultLayoutTest(absltest.TestCase):
 
-  def test_default_is_paged_with_a_cpu_pool_no_larger_than_the_slotted_cache(self):
+  def test_the_default_cpu_pool_holds_max_num_seqs_sequences_of_max_model_len(self):
     llm = LLM("tiny", cache_dir="", max_num_seqs=2, max_model_len=64, chunk_sizes=CHUNKS,
               compile_on_init=False)
-    self.assertEqual(llm.engine.kv_cache_layout, "paged")
     # 2 sequences x 64 tokens = 8 blocks of 16 (every block usable); far below 2 GiB.
     self.assertEqual(llm.engine.runner.num_blocks, 2 * 64 // B)
     self.assertEqual(llm.engine.stats().kv_cache.num_blocks, 2 * 64 // B)
     llm.close()
 
-  def test_lossy_codecs_with_a_store_resolve_to_slotted(self):
-    self.assertEqual([resolve_kv_cache_layout(None, c, with_store=True)
-                      for c in ("raw", "int8", "int4", "cachegen", "kvtc")],
-                     ["paged", "slotted", "slotted", "slotted", "slotted"])
-    self.assertEqual(resolve_kv_cache_layout(None, "int8", with_store=False), "paged")
-    self.assertEqual(resolve_kv_cache_layout("paged", "int8", with_store=True), "paged")
+  def test_a_lossy_codec_with_a_store_keeps_the_pool_and_the_prefix_cache(self):
+    llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=CHUNKS, block_size=B,
+              kv_store="memory://lossy-pool", kv_chunk_size=C, kv_codec="int8")
+    prompt = PROMPTS[2]
+    first = llm.generate(ids([prompt]), GREEDY)[0]
+    second = llm.generate(ids([prompt]), GREEDY)[0]
+    self.assertIsNotNone(llm.engine.stats().kv_cache)
+    self.assertEqual(second.metrics.num_device_cached_tokens, (len(prompt) - 1) // C * C)
+    self.assertEqual((second.token_ids, second.logprobs), (first.token_ids, first.logprobs))
+    llm.close()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ agree bit for bit at block and chunk edges, exact plans of a device hit beside a
 no block leaks through aborts and preemptions, shared blocks are never written.
 
 The same assertions on the real tiny model are tests/engine/paged_engine_test.py (slow-marked
-where this file covers them; its comparisons with the slotted layout stay there).
+where this file covers them).
 """
 
 import numpy as np
@@ -74,7 +74,6 @@ class PagedEngineUnitTest(absltest.TestCase):
     want = self.want(PROMPTS)
     for seqs in (1, 2, 4):
       eng = paged(max_num_seqs=seqs, enable_prefix_caching=False)
-      self.assertEqual(eng.kv_cache_layout, "paged")
       got = engines.generate(eng, PROMPTS, GREEDY)
       self.assert_same(got, want)
       for o, p in zip(got, PROMPTS):

@@ -27,7 +27,7 @@ def make_llm(store, **kw):
   # No device prefix cache: every hit is the store's (the device would serve the tail's
   # tokens from its parked block). Load-only makes the loaded-token counts exact.
   return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-             kv_chunk_size=C, kv_cache_layout="paged", block_size=16,
+             kv_chunk_size=C, block_size=16,
              enable_prefix_caching=False, **kw)
 
 

@@ -26,7 +26,7 @@ USER2 = "And after a restart?"
 def make_llm(store_dir: str, **kw) -> LLM:
   # No device prefix cache and load-only: every cached token is a store hit, counted exactly.
   return engines.fake_llm(max_num_seqs=2, chunk_sizes=(16, 32, 64),
-             kv_store=f"file://{store_dir}", kv_chunk_size=C, kv_cache_layout="paged",
+             kv_store=f"file://{store_dir}", kv_chunk_size=C,
              block_size=16, enable_prefix_caching=False, kv_merge_mode="load_only", **kw)
 
 

@@ -11,6 +11,7 @@ from absl.testing import absltest
 from kvjax import LLM, SamplingParams
 from kvjax.engine import sessions
 from kvjax.engine.sessions import KeptSpan, truncate_prompt
+from kvjax.models.paged_runner import SeqChunk
 
 from tests.engine.sessions_test import smollm2_tokenizer
 
@@ -254,7 +255,7 @@ class BoundaryRerotationTest(absltest.TestCase):
     c, n_out = 16, 8
     llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
               max_model_len=256, kv_store="memory://", kv_chunk_size=c,
-              kv_cache_layout="slotted", session_truncation="drop_oldest_turns",
+              enable_prefix_caching=False, session_truncation="drop_oldest_turns",
               session_rerotate=True, session_rerotate_boundary_chunks=1)  # merge mode: cake
     try:
       limit = llm.max_model_len - n_out - 40
@@ -289,19 +290,22 @@ class BoundaryRerotationTest(absltest.TestCase):
       src_ids = list(tr.source_ids)
       src = kv.read_raw_chunks(kv.lookup(src_ids, "t"), src_ids, range(len(src_ids) // c))
       ids = list(tr.token_ids)
+      b = runner.block_size  # no prefix cache: every block is free between requests
+      table = list(range(-(-(len(ids) + n_out) // b)))
       for j in range(1, k):
         pos = [span.src_start + j * c + t for t in range(c)]
-        runner.insert_chunk(np.stack([src[s // c][:, :, s % c] for s in pos], axis=2), 0, j * c)
-      runner.prefill_chunk(ids[:c], 0, 0)
+        runner.insert_chunk(np.stack([src[s // c][:, :, s % c] for s in pos], axis=2),
+                            table[j * c // b:(j + 1) * c // b], j * c)
+      runner.step([SeqChunk(ids[:c], 0, table)])
       for a in range(k * c, len(ids), 64):
-        logits = np.asarray(runner.prefill_chunk(ids[a:a + 64], 0, a).logits, np.float64)
+        out = runner.step([SeqChunk(ids[a:a + 64], a, table)])
+        logits = np.asarray(out.logits_SV[0], np.float64)
       first_lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
       want = []
       for step in range(n_out):
         want.append(int(np.argmax(logits)))
-        logits = np.asarray(runner.decode_step(np.array([want[-1], 0]),
-                                               np.array([len(ids) + step, 0]),
-                                               np.array([True, False])))[0]
+        out = runner.step([SeqChunk([want[-1]], len(ids) + step, table)])
+        logits = np.asarray(out.logits_SV[0], np.float64)
       self.assertEqual(out2.token_ids, want)
       np.testing.assert_allclose(out2.logprobs[0][want[0]], first_lp[want[0]], atol=1e-4)
       # The same turn again (another session, same history): the same private namespace, now

@@ -8,7 +8,7 @@ from absl.testing import absltest, parameterized
 
 from kvjax import codecs
 from kvjax.kernels import kv_codec as kc
-from kvjax.models import kv_cache
+from kvjax.models import layers
 
 # Both execution paths run every test body: the Pallas kernels (interpret mode on CPU, compiled
 # on an accelerator), and the pure-jnp reference path the CPU engine uses.
@@ -158,14 +158,13 @@ class KVDecodeTest(parameterized.TestCase):
     k, v = self.decode(payload, nan_cache(DTYPES[dtype]), nan_cache(DTYPES[dtype]), 0, start,
                        cos, sin, use_pallas)
     np.testing.assert_array_equal(np.asarray(v[:, 0, start:start + C]), np.asarray(kv[:, 1]))
-    # K matches the existing raw insert (kvjax.models.kv_cache.insert_chunk) at the same positions.
+    # K matches the raw insert's rotation (`layers.apply_rope`, as `PagedModelRunner.insert_chunk`
+    # applies it) at the same positions, cast to the cache dtype.
     inv_freq = 1.0 / 100.0 ** (np.arange(0, H, 2, dtype=np.float64) / H)
-    cache = kv_cache.KVCache(nan_cache(DTYPES[dtype]), nan_cache(DTYPES[dtype]),
-                             jnp.zeros((SLOTS,), jnp.int32))
-    want = kv_cache.insert_chunk(cache, kv, jnp.int32(0), jnp.int32(start),
-                                 jnp.asarray(inv_freq, jnp.float32))
+    positions_1C = (start + jnp.arange(C, dtype=jnp.int32))[None]
+    want_k = layers.apply_rope(kv[:, 0], positions_1C, jnp.asarray(inv_freq, jnp.float32))
     np.testing.assert_allclose(as_f32(k[:, 0, start:start + C]),
-                               as_f32(want.k_LBSKH[:, 0, start:start + C]), **TOL[dtype])
+                               as_f32(want_k.astype(DTYPES[dtype])), **TOL[dtype])
 
   def hand_decode(self, payload, use_pallas):
     """1 layer, 2 tokens, 1 head, H = 4, at slot 1 positions [1, 3) of a 4-position cache.

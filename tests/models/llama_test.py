@@ -1,4 +1,5 @@
-"""Chunked prefill and decode on the tiny config against the naive full-sequence oracle."""
+"""Chunked prefill and decode on the tiny config, on the paged runner, against the naive
+full-sequence oracle."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,8 @@ from flax import nnx
 
 from kvjax.models import config, layers
 from kvjax.models.llama import Llama, param_shapes
+from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig, SeqChunk
 from kvjax.models.registry import tiny_params
-from kvjax.models.runner import ModelRunner, RunnerConfig
 from kvjax.testing.oracle import ATOL, oracle_forward
 
 CFG = config.tiny()
@@ -17,32 +18,60 @@ PARAMS = tiny_params(CFG, seed=1)
 # Larger weights than init so attention is far from uniform and mistakes show.
 PARAMS = {k: (v if k.endswith("norm") else v * 8.0) for k, v in PARAMS.items()}
 TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, 150).astype(np.int32)
-CHUNK_SIZES = (16, 32, 64, 128, 256)
+B, MAX_LEN = 16, 256
+# Two sequences' block tables over a pool of 32 blocks (what the engine's slots 0 and 1 were).
+TABLES = {0: list(range(MAX_LEN // B)), 1: list(range(MAX_LEN // B, 2 * MAX_LEN // B))}
+# Chunk size 1 lets a step hold a whole prompt as one-token entries of one sequence (each sees
+# the earlier ones), so every token's logits come out of one step.
+CHUNK_SIZES = (1, 16, 32, 64, 128, 256)
 
 
 _RUNNERS = {}
 
 
 def make_runner(dtype=jnp.float32, cfg=CFG, params=None):
-  """A runner with a zeroed cache; compiled programs are shared across tests."""
+  """A runner with a zeroed pool; compiled programs are shared across tests."""
   key = (jnp.dtype(dtype).name, cfg)
   if key not in _RUNNERS:
     model = Llama.from_params(cfg, params if params is not None else PARAMS, dtype=dtype)
-    _RUNNERS[key] = ModelRunner(model, RunnerConfig(num_slots=2, max_seq_len=256,
-                                                    chunk_sizes=CHUNK_SIZES, block_size=64))
+    _RUNNERS[key] = PagedModelRunner(model, PagedRunnerConfig(
+        num_blocks=2 * MAX_LEN // B, block_size=B, max_num_seqs=2, max_num_batched_tokens=MAX_LEN,
+        max_seq_len=MAX_LEN, chunk_sizes=CHUNK_SIZES))
   runner = _RUNNERS[key]
   runner.reset()
   return runner
 
 
 def chunked_prefill(runner, tokens, chunk, slot=1):
+  """Each chunk one step entry: (logits at each chunk's last token, K before RoPE, V)."""
   logits, k_pre, v = [], [], []
   for start in range(0, len(tokens), chunk):
-    out = runner.prefill_chunk(tokens[start:start + chunk], slot, start, all_logits=True)
-    logits.append(np.asarray(out.logits))
+    out = runner.step([SeqChunk(tokens[start:start + chunk], start, TABLES[slot])])
+    logits.append(np.asarray(out.logits_SV[0]))
     k_pre.append(np.asarray(out.k_pre_rope_LTKH))
     v.append(np.asarray(out.v_LTKH))
-  return np.concatenate(logits), np.concatenate(k_pre, 1), np.concatenate(v, 1)
+  return np.stack(logits), np.concatenate(k_pre, 1), np.concatenate(v, 1)
+
+
+def token_logits(runner, tokens, chunk, slot=1, start=0):
+  """Each chunk one step of one-token entries: the logits of every token, f32[T, V]."""
+  logits = []
+  for a in range(0, len(tokens), chunk):
+    piece = tokens[a:a + chunk]
+    out = runner.step([SeqChunk([int(t)], start + a + i, TABLES[slot])
+                       for i, t in enumerate(piece)])
+    logits.append(np.asarray(out.logits_SV))
+  return np.concatenate(logits)
+
+
+def chunk_ends(n, chunk):
+  return [min(s + chunk, n) - 1 for s in range(0, n, chunk)]
+
+
+def seq_kv(runner, slot, n):
+  """The pool's K (after RoPE) and V of a sequence's first n positions, [L, n, K, H] each."""
+  k, v = runner.read_blocks(TABLES[slot])
+  return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
 
 
 class LlamaTest(parameterized.TestCase):
@@ -52,8 +81,8 @@ class LlamaTest(parameterized.TestCase):
     super().setUpClass()
     cls.want_logits, cls.want_k_pre, cls.want_v = oracle_forward(CFG, PARAMS, TOKENS)
     full = make_runner()
-    cls.full_logits, _, _ = chunked_prefill(full, TOKENS, 256)
-    cls.full_cache = jax.tree.map(np.asarray, full.cache)
+    cls.full_logits = token_logits(full, TOKENS, 256)
+    cls.full_pool = jax.tree.map(np.asarray, full.pool)
 
   def test_full_prefill_matches_oracle(self):
     np.testing.assert_allclose(self.full_logits, self.want_logits, atol=ATOL["float32"])
@@ -62,28 +91,32 @@ class LlamaTest(parameterized.TestCase):
   def test_chunked_prefill_equals_full_prefill(self, chunk):
     runner = make_runner()
     logits, k_pre, v = chunked_prefill(runner, TOKENS, chunk)
-    np.testing.assert_allclose(logits, self.full_logits, atol=ATOL["float32"])
-    np.testing.assert_allclose(logits, self.want_logits, atol=ATOL["float32"])
+    ends = chunk_ends(len(TOKENS), chunk)
+    np.testing.assert_allclose(logits, self.full_logits[ends], atol=ATOL["float32"])
+    np.testing.assert_allclose(logits, self.want_logits[ends], atol=ATOL["float32"])
     np.testing.assert_allclose(k_pre, self.want_k_pre, atol=1e-5)
     np.testing.assert_allclose(v, self.want_v, atol=1e-5)
     n = len(TOKENS)
-    cache = runner.cache
-    np.testing.assert_allclose(np.asarray(cache.k_LBSKH)[:, 1, :n],
-                               self.full_cache.k_LBSKH[:, 1, :n], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(cache.v_LBSKH)[:, 1, :n],
-                               self.full_cache.v_LBSKH[:, 1, :n], atol=1e-5)
-    self.assertEqual(int(cache.lengths_B[1]), n)
-    # Padding never writes: everything past the prompt and the other slot stay zero.
-    self.assertEqual(np.abs(np.asarray(cache.k_LBSKH)[:, 1, n:]).max(), 0.0)
-    self.assertEqual(np.abs(np.asarray(cache.k_LBSKH)[:, 0]).max(), 0.0)
+    k, v = seq_kv(runner, 1, MAX_LEN)
+    full_k = self.full_pool.k_LPBKH[:, TABLES[1]].reshape(k.shape)
+    full_v = self.full_pool.v_LPBKH[:, TABLES[1]].reshape(v.shape)
+    np.testing.assert_allclose(k[:, :n], full_k[:, :n], atol=1e-5)
+    np.testing.assert_allclose(v[:, :n], full_v[:, :n], atol=1e-5)
+    # Padding never writes: everything past the prompt and the other sequence's blocks stay 0.
+    self.assertEqual(np.abs(k[:, n:]).max(), 0.0)
+    self.assertEqual(np.abs(seq_kv(runner, 0, MAX_LEN)[0]).max(), 0.0)
+    # Every token's logits, the chunks' tokens as one-token entries.
+    runner = make_runner()
+    np.testing.assert_allclose(token_logits(runner, TOKENS, chunk), self.want_logits,
+                               atol=ATOL["float32"])
 
   def test_pre_rope_keys_rerotated_equal_cache_keys(self):
     runner = make_runner()
     _, k_pre, _ = chunked_prefill(runner, TOKENS, 64)
     pos = np.arange(len(TOKENS))[None]
     rotated = layers.apply_rope(jnp.asarray(k_pre), pos, jnp.asarray(layers.rope_inv_freq(CFG)))
-    np.testing.assert_allclose(np.asarray(rotated),
-                               np.asarray(runner.cache.k_LBSKH)[:, 1, :len(TOKENS)], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(rotated), seq_kv(runner, 1, len(TOKENS))[0],
+                               atol=1e-6)
     unrotated = layers.apply_rope(rotated, pos, jnp.asarray(layers.rope_inv_freq(CFG)),
                                   inverse=True)
     np.testing.assert_allclose(np.asarray(unrotated), k_pre, atol=1e-5)
@@ -93,51 +126,50 @@ class LlamaTest(parameterized.TestCase):
     prompt, extra = TOKENS[:140], TOKENS[140:]
     runner = make_runner()
     chunked_prefill(runner, prompt, chunk, slot=1)
-    # Slot 0 holds another, shorter sequence decoding at the same time.
+    # Sequence 0, shorter, decodes in the same steps.
     other = TOKENS[::-1][:30].copy()
-    runner.prefill_chunk(other, 0, 0)
+    runner.step([SeqChunk(other, 0, TABLES[0])])
     other_next = TOKENS[:len(extra)]
     want_other, _, _ = oracle_forward(CFG, PARAMS, np.concatenate([other, other_next]))
     for i, tok in enumerate(extra):
-      logits = np.asarray(runner.decode_step(np.array([other_next[i], tok]),
-                                             np.array([30 + i, 140 + i]), np.array([True, True])))
+      out = runner.step([SeqChunk([int(other_next[i])], 30 + i, TABLES[0]),
+                         SeqChunk([int(tok)], 140 + i, TABLES[1])])
+      logits = np.asarray(out.logits_SV)
       np.testing.assert_allclose(logits[1], self.want_logits[140 + i], atol=ATOL["float32"])
       np.testing.assert_allclose(logits[0], want_other[30 + i], atol=ATOL["float32"])
-    self.assertEqual(runner.cache.lengths_B.tolist(), [30 + len(extra), 150])
 
   def test_inserted_chunks_equal_computed_cache(self):
     runner = make_runner()
     _, k_pre, v = chunked_prefill(runner, TOKENS, 64)
-    want_k = np.asarray(runner.cache.k_LBSKH)[:, 1, :128].copy()
-    want_v = np.asarray(runner.cache.v_LBSKH)[:, 1, :128].copy()
+    want_k, want_v = (x.copy() for x in seq_kv(runner, 1, 128))
     runner.reset()
     for start in (64, 0):  # any order: stored K is position-free until rotated
       kv = np.stack([k_pre[:, start:start + 64], v[:, start:start + 64]], axis=1)
-      runner.insert_chunk(kv, 0, start)
-    np.testing.assert_allclose(np.asarray(runner.cache.k_LBSKH)[:, 0, :128], want_k, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(runner.cache.v_LBSKH)[:, 0, :128], want_v)
+      runner.insert_chunk(kv, TABLES[0][start // B:(start + 64) // B], start)
+    got_k, got_v = seq_kv(runner, 0, 128)
+    np.testing.assert_allclose(got_k, want_k, atol=1e-6)
+    np.testing.assert_array_equal(got_v, want_v)
     # Then the rest of the prompt computed after the inserted prefix matches the oracle.
-    out = runner.prefill_chunk(TOKENS[128:], 0, 128, all_logits=True)
-    np.testing.assert_allclose(np.asarray(out.logits), self.want_logits[128:],
-                               atol=ATOL["float32"])
+    logits = token_logits(runner, TOKENS[128:], 64, slot=0, start=128)
+    np.testing.assert_allclose(logits, self.want_logits[128:], atol=ATOL["float32"])
     with self.assertRaisesRegex(ValueError, "shape"):
-      runner.insert_chunk(kv[:, :, :, :1], 0, 0)
-    with self.assertRaisesRegex(ValueError, "does not fit"):
-      runner.insert_chunk(kv, 0, 250)
+      runner.insert_chunk(kv[:, :, :, :1], TABLES[0][:4], 0)
+    with self.assertRaisesRegex(ValueError, "whole blocks"):
+      runner.insert_chunk(kv, TABLES[0][:4], 250)
 
-  def test_inactive_slot_is_untouched_by_decode(self):
+  def test_other_sequences_blocks_are_untouched_by_a_step(self):
     runner = make_runner()
-    runner.prefill_chunk(TOKENS[:20], 1, 0)
-    before = np.asarray(runner.cache.k_LBSKH).copy()
-    runner.decode_step(np.array([5, 0]), np.array([0, 0]), np.array([True, False]))
-    after = np.asarray(runner.cache.k_LBSKH)
-    np.testing.assert_array_equal(after[:, 1], before[:, 1])
-    self.assertGreater(np.abs(after[:, 0, 0]).max(), 0.0)
+    runner.step([SeqChunk(TOKENS[:20], 0, TABLES[1])])
+    before = np.asarray(runner.pool.k_LPBKH).copy()
+    runner.step([SeqChunk([5], 0, TABLES[0])])
+    after = np.asarray(runner.pool.k_LPBKH)
+    np.testing.assert_array_equal(after[:, TABLES[1]], before[:, TABLES[1]])
+    self.assertGreater(np.abs(after[:, TABLES[0][0], 0]).max(), 0.0)
 
   def test_bfloat16_close_to_f32(self):
     runner = make_runner(dtype=jnp.bfloat16)
-    logits, _, _ = chunked_prefill(runner, TOKENS, 64)
-    self.assertEqual(runner.cache.k_LBSKH.dtype, jnp.bfloat16)
+    logits = token_logits(runner, TOKENS, 64)
+    self.assertEqual(runner.pool.k_LPBKH.dtype, jnp.bfloat16)
     np.testing.assert_allclose(logits, self.want_logits, atol=ATOL["bfloat16"])
 
   def test_untied_head_and_llama3_rope(self):
@@ -146,17 +178,17 @@ class LlamaTest(parameterized.TestCase):
     params = tiny_params(cfg, seed=3)
     want, _, _ = oracle_forward(cfg, params, TOKENS[:70])
     runner = make_runner(cfg=cfg, params=params)
-    logits, _, _ = chunked_prefill(runner, TOKENS[:70], 16)
+    logits = token_logits(runner, TOKENS[:70], 16)
     np.testing.assert_allclose(logits, want, atol=ATOL["float32"])
 
-  def test_prefill_rejects_chunks_that_do_not_fit(self):
+  def test_step_rejects_chunks_that_do_not_fit(self):
     runner = make_runner()
     with self.assertRaisesRegex(ValueError, "compiled sizes"):
-      runner.prefill_chunk(np.zeros(300, np.int32), 0, 0)
-    with self.assertRaisesRegex(ValueError, "max_seq_len=256"):
-      runner.prefill_chunk(np.zeros(16, np.int32), 0, 250)
-    with self.assertRaisesRegex(ValueError, "slot 2"):
-      runner.prefill_chunk(np.zeros(16, np.int32), 2, 0)
+      runner.step([SeqChunk(np.zeros(300, np.int32), 0, TABLES[0])])
+    with self.assertRaisesRegex(ValueError, "max_seq_len 256"):
+      runner.step([SeqChunk(np.zeros(16, np.int32), 250, TABLES[0])])
+    with self.assertRaisesRegex(ValueError, "with 1 blocks"):
+      runner.step([SeqChunk(np.zeros(17, np.int32), 0, TABLES[0][:1])])
 
   def test_params_round_trip_and_shape_errors(self):
     model = Llama.from_params(CFG, PARAMS)

@@ -46,8 +46,7 @@ class RunnerApiUnitTest(absltest.TestCase):
           isinstance(node.value, ast.Attribute) and node.value.attr == "runner"
           or isinstance(node.value, ast.Name) and node.value.id == "runner"):
         used.add(node.attr)
-    slotted = {"decode_step", "prefill_chunk"}  # the slotted runner's, going away
-    self.assertEqual(sorted(used - set(protocol_members()) - slotted), [])
+    self.assertEqual(sorted(used - set(protocol_members())), [])
 
   def test_fake_runner_bad_input(self):
     runner = FakeRunner(PagedRunnerConfig(num_blocks=8, chunk_sizes=(16, 32),

@@ -11,8 +11,8 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax.models.llama import Llama
+from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig, SeqChunk
 from kvjax.models.registry import load_model
-from kvjax.models.runner import ModelRunner, RunnerConfig
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "testdata"
 LOGIT_ATOL = 1e-3
@@ -30,9 +30,11 @@ class SmolLM2ReferenceTest(absltest.TestCase):
     cls.meta = json.loads((DATA / "smollm2_reference.json").read_text())
     loaded = load_model("SmolLM2-135M-Instruct", cache_dir=None)
     cls.loaded = loaded
-    cls.runner = ModelRunner(Llama.from_params(loaded.config, loaded.params),
-                             RunnerConfig(num_slots=1, max_seq_len=1152,
-                                          chunk_sizes=(16, 64, 256)))
+    cls.runner = PagedModelRunner(Llama.from_params(loaded.config, loaded.params),
+                                  PagedRunnerConfig(num_blocks=1152 // 16, block_size=16,
+                                                    max_num_seqs=1, max_num_batched_tokens=256,
+                                                    max_seq_len=1152, chunk_sizes=(16, 64, 256)))
+    cls.table = list(range(1152 // 16))
 
   def test_logits_and_greedy_match_transformers(self):
     n = int(self.ref["num_prompts"])
@@ -43,8 +45,8 @@ class SmolLM2ReferenceTest(absltest.TestCase):
         ids = self.ref[f"prompt_ids_{i}"].tolist()
         self.runner.reset()
         for start in range(0, len(ids), chunk):
-          out = self.runner.prefill_chunk(ids[start:start + chunk], 0, start)
-        logits = np.asarray(out.logits)
+          out = self.runner.step([SeqChunk(ids[start:start + chunk], start, self.table)])
+        logits = np.asarray(out.logits_SV[0])
         np.testing.assert_allclose(logits, self.ref[f"last_logits_{i}"], atol=LOGIT_ATOL, rtol=0)
         want = self.ref[f"greedy_ids_{i}"].tolist()
         gaps = self.ref[f"greedy_gap_{i}"]
@@ -56,8 +58,8 @@ class SmolLM2ReferenceTest(absltest.TestCase):
             self.assertLess(gaps[step], NEAR_TIE,
                             f"prompt {i} step {step}: got {token}, want {want[step]}")
             break
-          logits = np.asarray(self.runner.decode_step(
-              np.array([token]), np.array([len(ids) + step]), np.array([True])))[0]
+          out = self.runner.step([SeqChunk([token], len(ids) + step, self.table)])
+          logits = np.asarray(out.logits_SV[0])
         self.assertGreaterEqual(len(got), 1)
 
   def test_config_and_tokenizer_special_ids(self):

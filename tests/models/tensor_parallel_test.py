@@ -82,7 +82,7 @@ class TensorParallelTest(TPAssertions):
     """N = 8 over 2 KV heads (each repeated 4 times), one subprocess."""
     lengths = ("5", "130")
     r = run_driver(8, "--model=tiny-tp", "--sizes=1,8", f"--lengths={','.join(lengths)}",
-                   "--refuse=tiny:4,tiny-tp:3,tiny-tp:16,tiny-tp:2:slotted",
+                   "--refuse=tiny:4,tiny-tp:3,tiny-tp:16",
                    "--payload_codecs=raw,int8,int4,cachegen")
     self.assertEqual(r["devices"], 8)
     self.assert_ring(r, (1, 8), [int(n) for n in lengths], 32)
@@ -100,7 +100,6 @@ class TensorParallelTest(TPAssertions):
     self.assertIn("does not divide tiny's 6 attention heads", refused["tiny:4"])
     self.assertIn("does not divide tiny-tp's 8 attention heads", refused["tiny-tp:3"])
     self.assertIn("does not divide tiny-tp's 8 attention heads", refused["tiny-tp:16"])
-    self.assertIn("paged KV cache only", refused["tiny-tp:2:slotted"])
 
   @pytest.mark.slow
   def test_tiny_at_2_and_4(self):

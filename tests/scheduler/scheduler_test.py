@@ -168,9 +168,12 @@ class LongPrefillThresholdTest(absltest.TestCase):
     self.assertEqual(run_steps(s, 1), [[("a", 128, 128)]])
     self.assertLen(kvm.block_table("a"), 256 // 16)
 
-  def test_consistent_mode_raises_the_threshold_to_a_store_chunk(self):
-    for t, want in ((16, [("a", 0, 64)]), (128, [("a", 0, 64), ("a", 64, 64)]),
-                    (100, [("a", 0, 64)])):
+  def test_consistent_mode_takes_one_store_chunk_per_request_a_step(self):
+    # Whatever the threshold (below a store chunk, two chunks, off): a step runs its tokens in
+    # one ragged call, where a second chunk of the request would attend to the first one's KV
+    # before its round trip through the codec.
+    for t, want in ((16, [("a", 0, 64)]), (128, [("a", 0, 64)]), (100, [("a", 0, 64)]),
+                    (0, [("a", 0, 64)])):
       s = self.sched(t, save_chunk_size=64, consistent=True)
       s.add_request(req("a", 300))
       self.assertEqual(run_steps(s, 1), [want], t)
@@ -211,7 +214,7 @@ class PrefillOrderTest(absltest.TestCase):
       s.finish_request("d0", "stop")
     s.add_request(req("a", 200))
     first = run_steps(s, 1)
-    # 64 tokens on the device (paged) or not (slotted), then 8 new ones.
+    # 64 tokens on the device (with a block manager) or not (without), then 8 new ones.
     s.add_request(Request("d1", list(range(500, 564)) + [9] * 8, SamplingParams(max_tokens=4)))
     plan = s.schedule()
     return s, first, plan
@@ -266,7 +269,7 @@ class PrefillOrderTest(absltest.TestCase):
                      [("a", 64, 64)])
     self.assertEqual((plan.admitted, s.num_waiting()), ((), 1))
 
-  def test_slotted_a_short_cold_prompt_goes_first(self):
+  def test_without_a_device_cache_a_short_cold_prompt_goes_first(self):
     # No device cache: d1 has all 72 tokens left, a 136: d1 first, a gets nothing that fits.
     _, _, plan = self.plans("shortest_first")
     self.assertEqual([(c.request_id, c.start, c.num_tokens) for c in plan.prefills],

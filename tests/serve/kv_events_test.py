@@ -65,10 +65,8 @@ class HasherTest(absltest.TestCase):
       kv_events.VllmBlockHasher("md5")
 
   def test_server_config_checks(self):
-    with self.assertRaisesRegex(ValueError, "paged"):
-      ServerConfig(model="tiny", kv_cache_layout="slotted", kv_events_endpoint="tcp://*:5557")
-    with self.assertRaisesRegex(ValueError, "paged"):
-      ServerConfig(model="tiny", kv_cache_layout="paged", enable_prefix_caching=False,
+    with self.assertRaisesRegex(ValueError, "enable_prefix_caching"):
+      ServerConfig(model="tiny", enable_prefix_caching=False,
                    kv_events_endpoint="tcp://*:5557")
     with self.assertRaisesRegex(ValueError, "kv_events_hash_algo"):
       ServerConfig(model="tiny", kv_events_hash_algo="xxhash")
@@ -121,7 +119,7 @@ class KVEventsServeTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     nbytes = paged_block_nbytes(load_model("tiny").config, B, jnp.float32)
-    cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), kv_cache_layout="paged",
+    cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64),
                   block_size=B, kv_cache_memory_bytes=NUM_BLOCKS * nbytes, max_num_seqs=2)
     cls.pub = kv_events.ZmqKVEventPublisher(
         "tcp://127.0.0.1:*", topic=TOPIC, replay_endpoint="tcp://127.0.0.1:*",

@@ -29,7 +29,7 @@ def tokens(seed, n):
 
 
 def paged_llm(**kw):
-  return LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), kv_cache_layout="paged",
+  return LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64),
              block_size=B, kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_NBYTES, max_num_seqs=4,
              **kw)
 
@@ -154,21 +154,6 @@ class NoPrefixCachingServeTest(ServedLLMTestCase):
     self.assertEqual(self.srv.scrape()[("vllm:prefix_cache_hits_total", ())], 0)
 
 
-class SlottedServeTest(ServedLLMTestCase):
-
-  @classmethod
-  def make_llm(cls):
-    return LLM("tiny", cache_dir="", chunk_sizes=(16, 32), kv_cache_layout="slotted",
-               max_num_seqs=1)
-
-  def test_no_pool_families_but_the_queue_gauges(self):
-    out = self.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
-    self.assertEqual(out.model_extra["kvjax"]["tokens_device_cached"], 0)
-    got = self.srv.scrape()
-    self.assertNotIn(("vllm:kv_cache_usage_perc", ()), got)
-    self.assertEqual(got[("vllm:num_requests_waiting", ())], 0)
-
-
 def _kv(**kw):
   base = dict(num_blocks=100, num_free_blocks=75, num_cached_blocks=30, usage=0.25, queries=7,
               query_tokens=700, hits=3, hit_tokens=96, evictions=5, preemptions=2)
@@ -204,30 +189,25 @@ class MetricsFromOneSnapshotTest(absltest.TestCase):
 class ServerConfigTest(absltest.TestCase):
 
   def test_layout_options_reach_the_llm(self):
-    opts = ServerConfig(model="tiny", kv_store=None, kv_cache_layout="paged", block_size=32,
+    opts = ServerConfig(model="tiny", kv_store=None, block_size=32,
                         kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False).llm_options()
-    self.assertEqual({k: opts[k] for k in ("kv_cache_layout", "block_size",
-                                           "kv_cache_memory_bytes", "enable_prefix_caching",
-                                           "max_num_seqs")},
-                     {"kv_cache_layout": "paged", "block_size": 32,
-                      "kv_cache_memory_bytes": 1 << 20, "enable_prefix_caching": False,
-                      "max_num_seqs": 64})
-    slotted = ServerConfig(model="tiny", kv_cache_layout="slotted").llm_options()
-    self.assertEqual((slotted["kv_cache_layout"], slotted["max_num_seqs"]), ("slotted", 4))
-    self.assertNotIn("block_size", slotted)
-    self.assertEqual(ServerConfig(model="tiny", kv_cache_layout="paged",
+    self.assertEqual({k: opts[k] for k in ("block_size", "kv_cache_memory_bytes",
+                                           "enable_prefix_caching", "max_num_seqs")},
+                     {"block_size": 32, "kv_cache_memory_bytes": 1 << 20,
+                      "enable_prefix_caching": False, "max_num_seqs": 64})
+    self.assertNotIn("kv_cache_layout", opts)
+    self.assertEqual(ServerConfig(model="tiny",
                                   max_num_seqs=8).llm_options()["max_num_seqs"], 8)
     default = ServerConfig(model="tiny").llm_options()
-    self.assertEqual((default["kv_cache_layout"], default["max_num_seqs"]), ("paged", 64))
-    for codec in ("kvtc", "int8"):  # lossy, with the default store
+    self.assertEqual((default["max_num_seqs"], default["enable_prefix_caching"]), (64, True))
+    for codec in ("kvtc", "int8"):  # lossy, with the default store: the same pool options
       opts = ServerConfig(model="tiny", kv_codec=codec).llm_options()
-      self.assertEqual((opts["kv_cache_layout"], opts["max_num_seqs"]), ("slotted", 4))
-    opts = ServerConfig(model="tiny", kv_codec="int8", kv_store=None).llm_options()
-    self.assertEqual(opts["kv_cache_layout"], "paged")
+      self.assertEqual((opts["max_num_seqs"], opts["block_size"], opts["enable_prefix_caching"]),
+                       (64, 16, True))
 
   def test_bad_layout_options(self):
-    with self.assertRaisesRegex(ValueError, "kv_cache_layout='ragged'"):
-      ServerConfig(kv_cache_layout="ragged")
+    with self.assertRaises(TypeError):  # the option is gone: one KV layout
+      ServerConfig(kv_cache_layout="paged")  # pylint: disable=unexpected-keyword-arg
     with self.assertRaisesRegex(ValueError, "block_size=0 must be a positive int"):
       ServerConfig(block_size=0)
 

@@ -104,7 +104,7 @@ class ServeMainTest(absltest.TestCase):
   def test_paged_layout_flags(self):
     block_nbytes = paged_block_nbytes(load_model("tiny").config, 16, jnp.float32)
     log = open(self.create_tempfile().full_path, "w+")
-    proc = start(*TINY, "--kv_store=none", "--kv_cache_layout=paged", "--block_size=16",
+    proc = start(*TINY, "--kv_store=none", "--block_size=16",
                  f"--kv_cache_memory_bytes={12 * block_nbytes}", "--no_enable_prefix_caching",
                  stderr=log)
     try:
@@ -148,7 +148,7 @@ class ServeMainTest(absltest.TestCase):
     _, err = proc.communicate(timeout=120)
     self.assertEqual(proc.returncode, 1)
     self.assertIn("not an origin", err)
-    proc = start(*TINY, "--kv_cache_layout=ragged")
+    proc = start(*TINY, "--kv_cache_layout=paged")  # the option is gone: one KV layout
     _, err = proc.communicate(timeout=120)
     self.assertEqual(proc.returncode, 1)
     self.assertIn("kv_cache_layout", err)

@@ -172,19 +172,21 @@ class StartupEventsTest(absltest.TestCase):
     from kvjax import LLM  # noqa: PLC0415
     events = []
     llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2,
-              kv_cache_layout="slotted", kv_store="memory://", kv_chunk_size=16,
+              kv_store="memory://", kv_chunk_size=16,
               compile_on_init=True, startup_progress=events.append)
     llm.close()
     phases = [e.phase for e in events]
     self.assertEqual(phases, ["weights", "weights", "cache", "cache", "store"]
-                     + ["compile"] * 5 + ["ready"])
+                     + ["compile"] * 6 + ["ready"])
     compiles = [e for e in events if e.phase == "compile"]
-    # Prefill at 16 and 32 tokens, decode, the stored chunk's insert: 4 programs.
-    self.assertEqual([(e.done, e.total) for e in compiles], [(i, 4) for i in range(5)])
+    # The step at each token bucket (8, 16, 32), the stored chunk's insert, a session tail's
+    # read-back: 5 programs.
+    self.assertEqual([(e.done, e.total) for e in compiles], [(i, 5) for i in range(6)])
     self.assertEqual([e.message.split(": ", 1)[1].split(" (")[0] for e in compiles[1:]],
-                     ["prefill of 16 tokens", "prefill of 32 tokens", "decode of 2 sequences",
-                      "insert of a stored 16-token chunk"])
-    self.assertIn("KV cache: slotted, 2 slots of", events[3].message)
+                     ["step of 8 tokens", "step of 16 tokens", "step of 32 tokens",
+                      "insert of a stored 16-token chunk", "read-back of a session tail"])
+    self.assertIn("KV cache: ", events[3].message)
+    self.assertIn("blocks of 16 tokens", events[3].message)
     self.assertEqual(events[4].message, "KV store: 1 tier: disk memory:// (20 GiB)")
 
   def test_a_raising_callback_cancels_and_closes(self):
@@ -212,16 +214,14 @@ class StartupEventsTest(absltest.TestCase):
     from kvjax.models import kv_calibration  # noqa: PLC0415
     from kvjax.models.llama import Llama  # noqa: PLC0415
     from kvjax.models.registry import load_model  # noqa: PLC0415
-    from kvjax.models.runner import ModelRunner, RunnerConfig  # noqa: PLC0415
+    from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
     loaded = load_model("tiny")
-    runner = ModelRunner(Llama.from_params(loaded.config, loaded.params),
-                         RunnerConfig(num_slots=1, chunk_sizes=(32, 64)))
+    runner = CalibrationModel(Llama.from_params(loaded.config, loaded.params))
     steps = []
     ids = loaded.tokenizer.encode(kv_calibration.calibration_text())
     kv_calibration.calibrate_kvtc(runner, ids, max_tokens=2048,
                                   progress=lambda done, total: steps.append((done, total)))
-    runner.close()
-    # 2048 tokens: passages of the runner's context, Fisher windows x 4 samples, the fit.
+    # 2048 tokens: passages of the model's context, Fisher windows x 4 samples, the fit.
     passages = -(-2048 // min(kv_calibration.PASSAGE_TOKENS, runner.max_seq_len))
     window = min(kv_calibration.FISHER_CONTEXT, runner.max_seq_len // 2)
     window += min(kv_calibration.FISHER_TAIL, runner.max_seq_len - window)

@@ -23,7 +23,7 @@ USER1 = "Tell me about stored session caches, briefly, please: " + "y" * 30
 def make_llm(store: str) -> LLM:
   # No device prefix cache, load-only: every cached token of turn 2 is a store hit.
   return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-             kv_chunk_size=C, kv_cache_layout="paged", block_size=16,
+             kv_chunk_size=C, block_size=16,
              enable_prefix_caching=False, kv_merge_mode="load_only")
 
 
