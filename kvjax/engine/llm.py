@@ -519,8 +519,7 @@ class LLM:
                                               kv_codec_levels,
                                               device_link_bytes_per_s=kv_device_link_bytes_per_s,
                                               placement=kv_placement, consistent=consistent,
-                                              platform=(runner.platform
-                                                        if kv_cache_layout == "paged" else None))
+                                              platform=runner.platform)
     remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
         kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
     self.engine = Engine(runner, loaded.tokenizer, sched, seed=seed, kv_store=self.kv_store,

@@ -63,6 +63,8 @@ class Runner(Protocol):
     chunk_sizes: the scheduler's prefill chunk sizes, ascending.
     max_chunk_size: the largest of them.
     buckets: the step's compiled token counts, ascending.
+    platform: the platform the programs are built for ("cpu" | "tpu" | "cuda",
+      `kvjax.kernels.platform`); the store client builds its device decoders for it.
   """
 
   model_config: LlamaConfig
@@ -70,6 +72,7 @@ class Runner(Protocol):
   max_seq_len: int
   block_size: int
   buckets: tuple[int, ...]
+  platform: str
 
   @property
   def num_blocks(self) -> int: ...

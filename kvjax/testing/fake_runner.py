@@ -108,6 +108,7 @@ class FakeRunner:
                        f"{cfg.max_seq_len}")
     self.max_seq_len = max_seq_len
     self.block_size = config.block_size
+    self.platform = "cpu"  # numpy: the store client decodes with its host code
     self.buckets = token_buckets(config.max_num_batched_tokens)
     self.max_step_seqs = (2 * config.max_num_seqs
                           + config.max_num_batched_tokens // config.chunk_sizes[0] + 1)
