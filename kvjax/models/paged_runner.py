@@ -1,8 +1,8 @@
 """The JIT boundary of the paged KV layout: a model plus its block pool behind ONE jit'd step.
 
 Issue 11. The pool `[L, P, B, F]` (`kvjax.models.kv_cache.PagedKVCache`, heads folded into F) is
-shared by every sequence; the scheduler's `KVCacheManager` owns which block belongs to whom and hands the engine
-plain block tables each step. A step runs every decode and every planned prefill chunk in one
+shared by every sequence; the scheduler's `KVCacheManager` owns which block belongs to whom and
+hands the engine plain block tables each step. A step runs every decode and every planned prefill chunk in one
 call (`Llama.ragged_step`): their tokens are flattened and padded to the smallest compiled token
 count (`token_buckets`), the sequences to a fixed count per bucket, so compiles stay few:
 
