@@ -85,8 +85,9 @@ class PrefillOutput:
 
 def _sharded_paged_attention(mesh, implementation, platform=None, num_kv_heads=None):
   """`paged_attention` per `tp` shard (`shard_map`): q [T, N / tp, H] of the shard's query
-  heads over the pool's [P, B, K' / tp * H] heads of the same shard (F split by head); block tables, lengths and
-  query starts replicated. No communication: a query head's KV head lives on its shard."""
+  heads over the pool's `[P, B, F / tp]` (the shard's `num_kv_heads` heads, `PoolLayout`) of the
+  same shard; block tables, lengths and query starts replicated. No communication: a query
+  head's KV head lives on its shard."""
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   tp = mesh.axis_names[0]
 
@@ -126,8 +127,8 @@ def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool: PagedKVCache, position
   """The `lax.scan` body of one decoder layer over the paged pool (`Llama.ragged_step` and
   `ragged_layers` share it): writes the step's K (after RoPE) and V into the flat pool view
   `[L * P, B, F]` (`kv_cache.flat_layers`, heads folded as `pool.layout` says), runs paged
-  attention on that view as it is, then the MLP. Carry (x, k_flat, v_flat), scanned inputs (the layer's parameters, its layer
-  index); outputs its pre-RoPE K and V `[T, K, H]`."""
+  attention on that view as it is, then the MLP. Carry (x, k_flat, v_flat), scanned inputs
+  (the layer's parameters, its layer index); outputs its pre-RoPE K and V `[T, K, H]`."""
   l_, p_, b_, _ = pool.k_LPBF.shape
   layout = pool.layout
   positions_1T = positions_T[None]

@@ -3,15 +3,16 @@
 Grid `(W query tiles, K / Kb kv-head groups, cdiv(M, n) kv steps)`; the tile metadata and the
 block tables are scalar-prefetched into SMEM, and the pool BlockSpecs' index maps read the block
 table, so the pipeline DMAs exactly the pool blocks a tile needs: n blocks per grid step, each a
-`[block_size, Kb * H]` slab of the pool `[P, B, K * H]` (the engine's layout: heads folded into
-the lane axis, so a block is whole (sublane, lane) tiles with no padding of K; head h of a slab
-is lanes `[h * H, (h + 1) * H)`). Steps past a tile's last visible block clamp to that block (the same
-block index, so no new DMA) and skip compute (`pl.when`): HBM traffic follows each tile's real
+`[block_size, F]` slab of the pool `[P, B, F]` (the engine's layout, `kvjax.models.kv_cache.
+PoolLayout`: heads folded into the lane axis and padded to whole 128 lanes, so a block is whole
+(sublane, lane) tiles and the pool needs no conversion; head h of a slab is lanes
+`[h * H, (h + 1) * H)`; with Kb < K heads per step, `[block_size, Kb * H]`). Steps past a tile's
+last visible block clamp to that block (the same block index, so no new DMA) and skip compute (`pl.when`): HBM traffic follows each tile's real
 context. Online softmax state lives in VMEM scratch across the kv axis ("arbitrary");
 the output block is written once, at the last kv step.
 
     grid step (w, g, j)    q block [1, Kb, tq*G, H]     k/v blocks i = 0..n-1: [1, Bs, Kb * H]
-                           index (w, g, 0, 0)           index (bt[seq[w], min(j*n+i, last[w])], 0, g)
+                           index (w, g, 0, 0)           (bt[seq[w], min(j*n+i, last[w])], 0, g)
 
 Studied for shapes: jax `pallas/ops/tpu/ragged_paged_attention` (manual double-buffered DMA over
 flattened queries) and `pallas/ops/tpu/paged_attention` (block-table index maps). Written here;
