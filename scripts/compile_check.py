@@ -386,7 +386,8 @@ def print_paper(r) -> None:
   g = 1e9
   print(f"{r['model']:<14} {r['chip']} TP{r['tp']}: decode step (batch {r['decode_batch']}) est "
         f"{r['decode_step_est_s'] * 1e3:.2f} ms, HBM roofline "
-        f"{r['decode_hbm_roofline_s'] * 1e3:.2f} ms (weights + KV at {r['decode_context']} tokens); prefill est "
+        f"{r['decode_hbm_roofline_s'] * 1e3:.2f} ms (weights + KV at {r['decode_context']} "
+        f"tokens); prefill est "
         f"{r['prefill_est_s_per_1k'] * 1e3:.1f} ms / 1K tokens; B* "
         f"{r['cake_b_star_bytes_per_s'] / g:.2f} GB/s  [compiler estimates]", flush=True)
 

@@ -4,7 +4,8 @@ Issue 11. The pool `[L, P, B, F]` (`kvjax.models.kv_cache.PagedKVCache`, heads f
 shared by every sequence; the scheduler's `KVCacheManager` owns which block belongs to whom and
 hands the engine plain block tables each step. A step runs every decode and every planned prefill
 chunk in one call (`Llama.ragged_step`): their tokens are flattened and padded to the smallest
-compiled token count (`token_buckets`), the sequences to a fixed count per bucket, so compiles stay few:
+compiled token count (`token_buckets`), the sequences to a fixed count per bucket, so compiles
+stay few:
 
     step([SeqChunk(tokens, start, block_ids), ...])   ->  StepOutput(logits per sequence,
                                                                      pre-RoPE K and V per token)

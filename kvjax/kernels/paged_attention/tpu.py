@@ -7,8 +7,8 @@ table, so the pipeline DMAs exactly the pool blocks a tile needs: n blocks per g
 PoolLayout`: heads folded into the lane axis and padded to whole 128 lanes, so a block is whole
 (sublane, lane) tiles and the pool needs no conversion; head h of a slab is lanes
 `[h * H, (h + 1) * H)`; with Kb < K heads per step, `[block_size, Kb * H]`). Steps past a tile's
-last visible block clamp to that block (the same block index, so no new DMA) and skip compute (`pl.when`): HBM traffic follows each tile's real
-context. Online softmax state lives in VMEM scratch across the kv axis ("arbitrary");
+last visible block clamp to that block (the same block index, so no new DMA) and skip compute
+(`pl.when`): HBM traffic follows each tile's real context. Online softmax state lives in VMEM scratch across the kv axis ("arbitrary");
 the output block is written once, at the last kv step.
 
     grid step (w, g, j)    q block [1, Kb, tq*G, H]     k/v blocks i = 0..n-1: [1, Bs, Kb * H]
