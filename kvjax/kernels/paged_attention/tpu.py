@@ -8,8 +8,8 @@ PoolLayout`: heads folded into the lane axis and padded to whole 128 lanes, so a
 (sublane, lane) tiles and the pool needs no conversion; head h of a slab is lanes
 `[h * H, (h + 1) * H)`; with Kb < K heads per step, `[block_size, Kb * H]`). Steps past a tile's
 last visible block clamp to that block (the same block index, so no new DMA) and skip compute
-(`pl.when`): HBM traffic follows each tile's real context. Online softmax state lives in VMEM scratch across the kv axis ("arbitrary");
-the output block is written once, at the last kv step.
+(`pl.when`): HBM traffic follows each tile's real context. Online softmax state lives in VMEM
+scratch across the kv axis ("arbitrary"); the output block is written once, at the last kv step.
 
     grid step (w, g, j)    q block [1, Kb, tq*G, H]     k/v blocks i = 0..n-1: [1, Bs, Kb * H]
                            index (w, g, 0, 0)           (bt[seq[w], min(j*n+i, last[w])], 0, g)
