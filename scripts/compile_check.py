@@ -393,14 +393,18 @@ def print_paper(r) -> None:
 
 
 def paper_markdown(rows) -> str:
-  lines = ["| model | target | TP | decode step, est. ms (XLA) | decode HBM roofline ms "
-           "(weights + KV) | prefill est. ms / 1K tokens | 1K-token chunk MiB | Cake B* GB/s |",
-           "|" + "---|" * 8]
+  lines = ["| model | target | TP | decode step (batch, context), est. ms | decode HBM roofline "
+           "ms (weights + KV) | prefill est. ms / 1K tokens | 1K-token chunk MiB | Cake B* "
+           "GB/s | estimate from |", "|" + "---|" * 9]
   for r in rows:
+    src = ("XLA optimal seconds" if r["prefill_est_source"].startswith("XLA optimal")
+           else "XLA flops and bytes at peak rates")
     lines.append(
-        f"| {r['model']} | {r['target']} | {r['tp']} | {r['decode_step_est_s'] * 1e3:.2f} | "
+        f"| {r['model']} | {r['target']} | {r['tp']} | {r['decode_step_est_s'] * 1e3:.2f} "
+        f"({r['decode_batch']}, {r['decode_context']}) | "
         f"{r['decode_hbm_roofline_s'] * 1e3:.2f} | {r['prefill_est_s_per_1k'] * 1e3:.1f} | "
-        f"{r['chunk_1k_kv_bytes'] / 2**20:.0f} | {r['cake_b_star_bytes_per_s'] / 1e9:.2f} |")
+        f"{r['chunk_1k_kv_bytes'] / 2**20:.0f} | {r['cake_b_star_bytes_per_s'] / 1e9:.2f} | "
+        f"{src} |")
   return ("All figures are compiler estimates (XLA cost analysis via libtpu, deviceless AOT), "
           "not measurements.\n\n" + "\n".join(lines))
 
