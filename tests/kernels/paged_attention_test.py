@@ -247,15 +247,15 @@ class PagedAttentionTest(parameterized.TestCase):
     # CPU for a CUDA target) accepts every op and size.
     d = DTYPES[dtype]
     q = jnp.zeros((8, 32, 128), d)
-    pool = jnp.zeros((64, 16, 8, 128), d)
+    pool = jnp.zeros((64, 16, 8 * 128), d)  # the engine's folded pool [P, B, K * H]
     bt = jnp.zeros((4, 16), jnp.int32)
     cl = jnp.full((4,), 100, jnp.int32)
     qsl = jnp.array([0, 5, 6, 7, 8], jnp.int32)
     rows, n = gpu_lib.gpu_block_sizes(32, 8, 128, 16)
     text = gpu_lib._gpu_jit.trace(
         q, pool, pool, bt, cl, qsl, jnp.int32(4), sm_scale=128 ** -0.5, query_rows=rows,
-        blocks_per_step=n, num_splits=4, num_warps=4, num_stages=2,
-        interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+        blocks_per_step=n, num_splits=4, num_warps=4, num_stages=2, interpret=False,
+        num_kv_heads=8).lower(lowering_platforms=("cuda",)).as_text()
     self.assertIn("__gpu$xla.gpu.triton", text)
     self.assertIn("ragged_paged_attention_gpu", text)
 
