@@ -254,13 +254,14 @@ def run(args, on_row) -> None:
 # The pool's memory at the engine's default size (`--pool_memory`).
 
 def pool_memory(args, on_row) -> None:
-  """SmolLM2's step at the largest bucket and a raw chunk insert on one v6e chip (v6e:2x2's first
-  device) at the engine's default pool size on that chip (`paged_runner.fit_num_blocks`:
-  the step compiled at two pool sizes, fitted under the chip's HBM), or at `--pool_blocks`;
+  """The model's (`--pool_model`, default SmolLM2) step at the largest bucket and a raw chunk
+  insert on one v6e chip (v6e:2x2's first device) at the engine's default pool size on that chip
+  (`paged_runner.fit_num_blocks`: the step compiled at two pool sizes, fitted under the chip's
+  HBM), or at `--pool_blocks`;
   argument / temp / output bytes per program (XLA's `memory_analysis`)."""
   from jax.experimental import topologies  # noqa: PLC0415
   from kvjax.models import paged_runner as pr  # noqa: PLC0415
-  cfg = MODELS["SmolLM2-135M"]()
+  cfg = MODELS[args.pool_model]()
   model = abstract_model(cfg)
   topo = topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu")
   dev = topo.devices[0]
@@ -279,7 +280,7 @@ def pool_memory(args, on_row) -> None:
                             abstract=True)
   mesh = jax.sharding.Mesh(np.asarray(runner.devices), ("tp",))
   pool_bytes = int(np.prod(runner.pool.k_LPBF.shape)) * 2 * jnp.dtype(jnp.bfloat16).itemsize
-  common = dict(model="SmolLM2-135M", chip="v6e", tp=1, platform="tpu", hbm_bytes=HBM_BYTES["v6e"],
+  common = dict(model=args.pool_model, chip="v6e", tp=1, platform="tpu", hbm_bytes=HBM_BYTES["v6e"],
                 target="v6e (v6e:2x2, one device)", num_blocks=blocks, pool_sizing=how,
                 fit_seconds=fit_s, pool_bytes=pool_bytes,
                 pool_shape=list(runner.pool.k_LPBF.shape),
@@ -495,6 +496,8 @@ def main(argv=None):
                  help="only SmolLM2's step and insert on one v6e chip at the engine's default "
                       "pool size (or --pool_blocks): argument / temp / output bytes")
   p.add_argument("--pool_blocks", type=int, default=0, help="pool size of --pool_memory")
+  p.add_argument("--pool_model", default="SmolLM2-135M", choices=list(MODELS),
+                 help="the model of --pool_memory")
   p.add_argument("--paper", action="store_true",
                  help="only the paper figures: LLaMA-3.1-8B on v6e and 70B on v5p TP 8, "
                       "estimated decode / prefill time, HBM roofline, Cake's B*")
