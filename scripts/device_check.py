@@ -51,7 +51,8 @@ SMOLLM_HEADS = (9, 3, 64)    # SmolLM2-135M
 
 
 def random_batch(key, seqs, heads, dtype, *, block=BLOCK, nan_pool=True):
-  """A ragged batch `[(q_len, context), ...]` over a shuffled, NaN-padded pool (device arrays)."""
+  """A ragged batch `[(q_len, context), ...]` over a shuffled, NaN-padded pool `[P, B, K * H]`
+  (the engine's folded layout on a GPU; device arrays)."""
   n_, k_, h_ = heads
   q_lens = np.array([q for q, _ in seqs], np.int32)
   ctx = np.array([c for _, c in seqs], np.int32)
@@ -75,6 +76,8 @@ def random_batch(key, seqs, heads, dtype, *, block=BLOCK, nan_pool=True):
   if nan_pool:
     mask = jnp.asarray(valid)[:, :, None, None]
     k_pool, v_pool = (jnp.where(mask, x, jnp.nan).astype(dtype) for x in (k_pool, v_pool))
+  # The engine's pool on a GPU: heads folded into the last axis, [P, B, K * H] (`PoolLayout`).
+  k_pool, v_pool = (x.reshape(num_blocks, block, k_ * h_) for x in (k_pool, v_pool))
   q = jax.random.normal(kq, (int(qsl[-1]), n_, h_), jnp.float32).astype(dtype)
   return (q, k_pool, v_pool, jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(qsl),
           jnp.int32(len(seqs)))
