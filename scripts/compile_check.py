@@ -26,6 +26,7 @@ Writes JSON (machine, versions, git SHA, every row) and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -254,6 +255,166 @@ def run(args, on_row) -> None:
                   hbm_bytes=HBM_BYTES[chip], **common))
 
 
+# ---------------------------------------------------------------------------------------------
+# The pool's memory at the engine's default size (`--pool_memory`).
+
+def pool_memory(args, on_row) -> None:
+  """The model's (`--pool_model`, default SmolLM2) step at the largest bucket and a raw chunk
+  insert on one v6e chip (v6e:2x2's first device) at the engine's default pool size on that chip
+  (`paged_runner.fit_num_blocks`: the step compiled at two pool sizes, fitted under the chip's
+  HBM), or at `--pool_blocks`;
+  argument / temp / output bytes per program (XLA's `memory_analysis`)."""
+  from jax.experimental import topologies  # noqa: PLC0415
+  from kvjax.models import paged_runner as pr  # noqa: PLC0415
+  cfg = MODELS[args.pool_model]()
+  model = abstract_model(cfg)
+  topo = topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu")
+  dev = topo.devices[0]
+  # The engine's defaults (`LLM`): 4 sequences, max_num_batched_tokens = the largest chunk.
+  rc = PagedRunnerConfig(num_blocks=1, block_size=16, max_num_seqs=4,
+                         max_num_batched_tokens=512)
+  t0 = time.perf_counter()
+  if args.pool_blocks:
+    blocks, how = args.pool_blocks, "--pool_blocks"
+  else:
+    blocks = pr.fit_num_blocks(model, rc, None, device=dev, device_bytes=HBM_BYTES["v6e"])
+    how = (f"engine default on v6e (fit_num_blocks: step compiled at {pr.PROBE_NUM_BLOCKS} "
+           f"blocks, {pr.DEFAULT_ACCELERATOR_MEMORY_MARGIN:.0%} margin)")
+  fit_s = round(time.perf_counter() - t0, 1)
+  runner = PagedModelRunner(model, dataclasses.replace(rc, num_blocks=blocks), None, device=dev,
+                            abstract=True)
+  mesh = jax.sharding.Mesh(np.asarray(runner.devices), ("tp",))
+  pool_bytes = int(np.prod(runner.pool.k_LPBF.shape)) * 2 * jnp.dtype(jnp.bfloat16).itemsize
+  common = dict(model=args.pool_model, chip="v6e", tp=1, platform="tpu", hbm_bytes=HBM_BYTES["v6e"],
+                target="v6e (v6e:2x2, one device)", num_blocks=blocks, pool_sizing=how,
+                fit_seconds=fit_s, pool_bytes=pool_bytes,
+                pool_shape=list(runner.pool.k_LPBF.shape),
+                pool_logical_bytes=blocks * pr.paged_block_nbytes(cfg, 16, jnp.bfloat16))
+  for name, fn, fargs in runner.aot_programs(chunk_tokens=256, buckets=(runner.buckets[-1],),
+                                             codecs=("raw",)):
+    if name.startswith(("step", "insert_raw", "read_pre_rope")):
+      on_row(dict(compile_tpu(name, fn, fargs, mesh, "v6e", HBM_BYTES["v6e"]), **common))
+
+
+# ---------------------------------------------------------------------------------------------
+# Paper figures (`--paper`): decode and prefill time, HBM roofline, Cake's B*. ESTIMATES.
+
+#: HBM bandwidth per chip, bytes/s, and peak bf16 FLOP/s (Google Cloud TPU system architecture
+#: pages: v5e 819 GB/s, 197 TFLOP/s; v5p 2,765 GB/s, 459 TFLOP/s; v6e 1,640 GB/s, 918 TFLOP/s).
+HBM_BANDWIDTH = {"v5e": 819e9, "v6e": 1640e9, "v5p": 2765e9}
+PEAK_BF16_FLOPS = {"v5e": 197e12, "v6e": 918e12, "v5p": 459e12}
+MODELS_PAPER = {"Llama-3.1-8B": model_configs.llama3_8b,
+                "Llama-3.1-70B": model_configs.llama3_70b}
+#: (model, chip, topology, TP) of the paper table.
+PAPER_TARGETS = (("Llama-3.1-8B", "v6e", "v6e:2x2", 1), ("Llama-3.1-70B", "v5p", "v5p:2x2x2", 8))
+
+
+def _step_estimate(cfg, chip, topo_name, tp_size, t, n_layers, vocab):
+  """XLA's cost estimate (per device) of the step at bucket `t` for `cfg` cut to `n_layers`
+  layers and `vocab` tokens (a one-layer step has no loop, so XLA counts all of it)."""
+  from jax.experimental import topologies  # noqa: PLC0415
+  c = dataclasses.replace(cfg, n_layers=n_layers, vocab_size=vocab)
+  topo = topologies.get_topology_desc(topology_name=topo_name, platform="tpu")
+  tp = None if tp_size == 1 else TensorParallel.build(c, tp_size, topo.devices)
+  rc = PagedRunnerConfig(num_blocks=256, block_size=16, max_num_seqs=8,
+                         max_num_batched_tokens=max(t, 8), max_seq_len=8192)
+  runner = PagedModelRunner(abstract_model(c), rc, tp, device=topo.devices[0], abstract=True)
+  mesh = jax.sharding.Mesh(np.asarray(runner.devices), ("tp",))
+  (name, fn, fargs), = [p for p in runner.aot_programs(buckets=(t,), codecs=())
+                        if p[0] == f"step[T={t}]"]
+  row = compile_tpu(name, fn, fargs, mesh, chip, HBM_BYTES[chip])
+  if not row["ok"]:
+    raise RuntimeError(f"{cfg.name} {name} on {topo_name}: {row['error']}")
+  return row["estimate"]
+
+
+def paper_figures(args, on_row) -> None:
+  """Per (model, chip, TP) of `PAPER_TARGETS`: XLA's estimated decode step and prefill time, the
+  HBM roofline of decode, and Cake's balance bandwidth B* = (KV bytes of a 1K-token chunk) /
+  (estimated seconds to compute it), the link bandwidth at which loading a chunk costs what
+  computing it does (Cake, arXiv 2410.03065). Every time here is a COMPILER ESTIMATE.
+
+  XLA counts a loop body once, so the full model's figure is assembled from one-layer steps:
+  `est(1 layer, real vocab) + (L - 1) * est(1 layer, 256-token vocab)` (the second is one decoder
+  layer with a negligible embedding and head). The paged attention kernel is a custom call
+  whose cost XLA does not model: decode's KV reads are added to the roofline analytically
+  (`--decode_context` tokens per sequence), not to XLA's estimate."""
+  b_ctx, batch = args.decode_context, args.decode_batch
+  for model_name, chip, topo_name, tp_size in PAPER_TARGETS:
+    if model_name not in args.paper_models:
+      continue
+    cfg = MODELS_PAPER[model_name]()
+    l_ = cfg.n_layers
+    t0 = time.perf_counter()
+    est = {}
+    for what, t in (("decode", batch), ("prefill", 1024)):
+      full = _step_estimate(cfg, chip, topo_name, tp_size, t, 1, cfg.vocab_size)
+      layer = _step_estimate(cfg, chip, topo_name, tp_size, t, 1, 256)
+      est[what] = {k: (full[k] or 0.0) + (l_ - 1) * (layer[k] or 0.0)
+                   for k in ("flops", "bytes_accessed", "optimal_seconds")}
+    bw, peak = HBM_BANDWIDTH[chip], PEAK_BF16_FLOPS[chip]
+    weights = cfg.num_params() * 2 / tp_size  # bf16, per device
+    kv_token = 2 * l_ * cfg.n_kv_heads * cfg.head_dim * 2  # bytes of one token's KV, bf16
+    kv_decode = batch * b_ctx * kv_token / tp_size
+    chunk_bytes = 1024 * kv_token  # a stored 1K-token chunk, whole model
+    for e in est.values():  # XLA gives no optimal seconds for a program with loops (the
+      # tile metadata's searchsorted, the kernel windows): its flops and bytes at the chip's
+      # peak rates instead, the same roofline its cost model applies.
+      e["seconds_source"] = "XLA optimal_seconds" if e["optimal_seconds"] else (
+          "max(XLA flops / peak bf16, XLA bytes / HBM bandwidth)")
+      if not e["optimal_seconds"]:
+        e["optimal_seconds"] = max(e["flops"] / PEAK_BF16_FLOPS[chip],
+                                   e["bytes_accessed"] / HBM_BANDWIDTH[chip])
+    prefill_s = est["prefill"]["optimal_seconds"]
+    row = dict(
+        program="paper figures", ok=True, model=model_name, chip=chip, tp=tp_size,
+        target=f"{chip} ({topo_name}{', first device' if tp_size == 1 else ''})",
+        platform="tpu", seconds=round(time.perf_counter() - t0, 1),
+        hbm_bytes=HBM_BYTES[chip], hbm_bandwidth_bytes_per_s=bw, peak_bf16_flops=peak,
+        decode_batch=batch, decode_context=b_ctx,
+        estimate_label="compiler estimate (XLA cost analysis, libtpu), not a measurement",
+        decode_step_est_s=est["decode"]["optimal_seconds"],
+        decode_step_est_bytes=est["decode"]["bytes_accessed"],
+        decode_step_est_flops=est["decode"]["flops"],
+        decode_est_source=est["decode"]["seconds_source"],
+        prefill_est_source=est["prefill"]["seconds_source"],
+        decode_hbm_roofline_s=(weights + kv_decode) / bw,
+        decode_hbm_roofline_weights_only_s=weights / bw,
+        prefill_est_s_per_1k=prefill_s,
+        prefill_est_flops_per_1k=est["prefill"]["flops"],
+        prefill_compute_roofline_s_per_1k=est["prefill"]["flops"] / peak,
+        chunk_1k_kv_bytes=chunk_bytes,
+        cake_b_star_bytes_per_s=chunk_bytes / prefill_s if prefill_s else None)
+    on_row(row)
+
+
+def print_paper(r) -> None:
+  g = 1e9
+  print(f"{r['model']:<14} {r['chip']} TP{r['tp']}: decode step (batch {r['decode_batch']}) est "
+        f"{r['decode_step_est_s'] * 1e3:.2f} ms, HBM roofline "
+        f"{r['decode_hbm_roofline_s'] * 1e3:.2f} ms (weights + KV at {r['decode_context']} "
+        f"tokens); prefill est "
+        f"{r['prefill_est_s_per_1k'] * 1e3:.1f} ms / 1K tokens; B* "
+        f"{r['cake_b_star_bytes_per_s'] / g:.2f} GB/s  [compiler estimates]", flush=True)
+
+
+def paper_markdown(rows) -> str:
+  lines = ["| model | target | TP | decode step (batch, context), est. ms | decode HBM roofline "
+           "ms (weights + KV) | prefill est. ms / 1K tokens | 1K-token chunk MiB | Cake B* "
+           "GB/s | estimate from |", "|" + "---|" * 9]
+  for r in rows:
+    src = ("XLA optimal seconds" if r["prefill_est_source"].startswith("XLA optimal")
+           else "XLA flops and bytes at peak rates")
+    lines.append(
+        f"| {r['model']} | {r['target']} | {r['tp']} | {r['decode_step_est_s'] * 1e3:.2f} "
+        f"({r['decode_batch']}, {r['decode_context']}) | "
+        f"{r['decode_hbm_roofline_s'] * 1e3:.2f} | {r['prefill_est_s_per_1k'] * 1e3:.1f} | "
+        f"{r['chunk_1k_kv_bytes'] / 2**20:.0f} | {r['cake_b_star_bytes_per_s'] / 1e9:.2f} | "
+        f"{src} |")
+  return ("All figures are compiler estimates (XLA cost analysis via libtpu, deviceless AOT), "
+          "not measurements.\n\n" + "\n".join(lines))
+
+
 def fmt_gib(x):
   return "" if x is None else f"{x / GIB:.2f}"
 
@@ -262,6 +423,7 @@ def print_row(r):
   est = r.get("estimate", {})
   status = "OK" if r["ok"] else "FAIL"
   mem = (f"args {fmt_gib(r.get('argument_bytes'))} temp {fmt_gib(r.get('temp_bytes'))} "
+         f"out {fmt_gib(r.get('output_bytes'))} "
          f"peak {fmt_gib(r.get('peak_bytes'))} GiB" if "peak_bytes" in r else "")
   opt = est.get("optimal_seconds")
   e = (f"est {est['flops'] / 1e9:.1f} GFLOP {est['bytes_accessed'] / GIB:.2f} GiB "
@@ -337,10 +499,28 @@ def main(argv=None):
                       "step and the inserts")
   p.add_argument("--markdown", metavar="JSON", help="print a result file's table as markdown "
                  "and exit")
+  p.add_argument("--pool_memory", action="store_true",
+                 help="only SmolLM2's step and insert on one v6e chip at the engine's default "
+                      "pool size (or --pool_blocks): argument / temp / output bytes")
+  p.add_argument("--pool_blocks", type=int, default=0, help="pool size of --pool_memory")
+  p.add_argument("--pool_model", default="SmolLM2-135M", choices=list(MODELS),
+                 help="the model of --pool_memory")
+  p.add_argument("--paper", action="store_true",
+                 help="only the paper figures: LLaMA-3.1-8B on v6e and 70B on v5p TP 8, "
+                      "estimated decode / prefill time, HBM roofline, Cake's B*")
+  p.add_argument("--paper_models", nargs="+", default=list(MODELS_PAPER),
+                 choices=list(MODELS_PAPER))
+  p.add_argument("--decode_batch", type=int, default=8, help="decodes per step (--paper)")
+  p.add_argument("--decode_context", type=int, default=4096,
+                 help="tokens of context per decode in the roofline (--paper)")
   args = p.parse_args(argv)
   if args.markdown:
-    rows = json.loads(pathlib.Path(args.markdown).read_text())["rows"]
-    print(summary(rows) + "\n\n" + markdown(rows))
+    data = json.loads(pathlib.Path(args.markdown).read_text())
+    rows = data["rows"]
+    if data.get("mode") == "paper":
+      print(paper_markdown(rows))
+    else:
+      print(summary(rows) + "\n\n" + markdown(rows))
     return 0
   if args.quick:
     args.models, args.chips, args.tp = ["SmolLM2-135M"], ["v5e"], [1]
@@ -356,13 +536,16 @@ def main(argv=None):
       args=vars(args), machine=benchlib.machine(), git_sha=benchlib.git_sha(),
       versions=benchlib.versions("jax", "jaxlib", "libtpu", "flax"), complete=False, rows=[])
 
+  mode = "paper" if args.paper else "pool_memory" if args.pool_memory else "programs"
+  result["mode"] = mode
+
   def on_row(row):  # the JSON is rewritten after every program: a cut-short run keeps its rows
     result["rows"].append(row)
     result["total_seconds"] = round(time.perf_counter() - t0, 1)
     out.write_text(json.dumps(result, indent=1))
-    print_row(row)
+    (print_paper if mode == "paper" else print_row)(row)
 
-  run(args, on_row)
+  {"paper": paper_figures, "pool_memory": pool_memory, "programs": run}[mode](args, on_row)
   result["complete"] = True
   result["total_seconds"] = round(time.perf_counter() - t0, 1)
   out.write_text(json.dumps(result, indent=1))

@@ -24,7 +24,8 @@ from kvjax.kernels.attention import dense_attention_reference
 from kvjax.models import layers
 from kvjax.models.config import LlamaConfig
 from kvjax.kernels.paged_attention import paged_attention
-from kvjax.models.kv_cache import PagedKVCache
+from kvjax.models.kv_cache import (PagedKVCache, flat_layers, from_flat_layers,
+                                   write_token_rows)
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -62,19 +63,21 @@ class DecoderLayers(nnx.Module):
     return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
 
 
-def _sharded_paged_attention(mesh, implementation, platform=None):
+def _sharded_paged_attention(mesh, implementation, platform=None, num_kv_heads=None):
   """`paged_attention` per `tp` shard (`shard_map`): q [T, N / tp, H] of the shard's query
-  heads over the pool's [P, B, K' / tp, H] heads of the same shard; block tables, lengths and
-  query starts replicated. No communication: a query head's KV head lives on its shard."""
+  heads over the pool's `[P, B, F / tp]` (the shard's `num_kv_heads` heads, `PoolLayout`) of the
+  same shard; block tables, lengths and query starts replicated. No communication: a query
+  head's KV head lives on its shard."""
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   tp = mesh.axis_names[0]
 
   def per_shard(q, k_pool, v_pool, tables, lens, qsl, num_seqs):
     return paged_attention(q, k_pool, v_pool, tables, lens, qsl, num_seqs,
-                           implementation=implementation, platform=platform)
+                           implementation=implementation, platform=platform,
+                           num_kv_heads=num_kv_heads)
 
   heads = P(None, tp, None)
-  pool = P(None, None, tp, None)
+  pool = P(None, None, tp)
   return jax.shard_map(per_shard, mesh=mesh, in_specs=(heads, pool, pool, P(), P(), P(), P()),
                        out_specs=heads, check_vma=False)
 
@@ -97,38 +100,39 @@ def _attention_output_and_mlp(cfg: LlamaConfig, p, x_BTD, attn_BTNH):
   return x_BTD + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
 
 
-def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool_shape, positions_T, slot_mapping_T,
+def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool: PagedKVCache, positions_T,
+                 slot_mapping_T,
                  block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs, *,
                  attention_impl, kv_head_repeat: int = 1, tp_mesh=None, platform=None):
   """The `lax.scan` body of one decoder layer over the paged pool (`Llama.ragged_step` and
   `ragged_layers` share it): writes the step's K (after RoPE) and V into the flat pool view
-  `[L * P * B, K', H]`, runs paged attention, then the MLP. Carry (x, k_flat, v_flat), scanned
-  inputs (the layer's parameters, its layer index); outputs its pre-RoPE K and V `[T, K, H]`."""
-  l_, p_, b_, k_, h_ = pool_shape
+  `[L * P, B, F]` (`kv_cache.flat_layers`, heads folded as `pool.layout` says), runs paged
+  attention on that view as it is, then the MLP. Carry (x, k_flat, v_flat), scanned inputs
+  (the layer's parameters, its layer index); outputs its pre-RoPE K and V `[T, K, H]`."""
+  l_, p_, b_, _ = pool.k_LPBF.shape
+  layout = pool.layout
   positions_1T = positions_T[None]
-  n_slots = l_ * p_ * b_
-  attention = (paged_attention if tp_mesh is None
-               else _sharded_paged_attention(tp_mesh, attention_impl, platform))
-  attention_kw = ({"implementation": attention_impl, "platform": platform} if tp_mesh is None
-                  else {})
+  attention = (paged_attention if tp_mesh is None else _sharded_paged_attention(
+      tp_mesh, attention_impl, platform, num_kv_heads=layout.heads_per_shard))
+  attention_kw = ({"implementation": attention_impl, "platform": platform,
+                   "num_kv_heads": layout.num_kv_heads} if tp_mesh is None else {})
+  valid_T = slot_mapping_T >= 0
+  block_T = jnp.where(valid_T, slot_mapping_T // b_, l_ * p_)  # past the pool: dropped
+  col_T = jnp.where(valid_T, slot_mapping_T % b_, 0)
 
   def layer(carry, xs):
     x, k_flat, v_flat = carry
     p, i = xs
     p = {k: v.astype(dtype) for k, v in p.items()}
     q_1TNH, k_1TKH, k_rot_1TKH, v_1TKH = _attention_inputs(cfg, p, x, positions_1T, inv_freq)
-    where_T = jnp.where(slot_mapping_T >= 0, slot_mapping_T + i * (p_ * b_), n_slots)
-    if kv_head_repeat == 1:
-      k_flat = k_flat.at[where_T].set(k_rot_1TKH[0].astype(k_flat.dtype), mode="drop")
-      v_flat = v_flat.at[where_T].set(v_1TKH[0].astype(v_flat.dtype), mode="drop")
-    else:  # the pool's K' = K * r heads: each KV head r times, in order
-      k_w_TKH = jnp.repeat(k_rot_1TKH[0], kv_head_repeat, axis=1)
-      v_w_TKH = jnp.repeat(v_1TKH[0], kv_head_repeat, axis=1)
-      k_flat = k_flat.at[where_T].set(k_w_TKH.astype(k_flat.dtype), mode="drop")
-      v_flat = v_flat.at[where_T].set(v_w_TKH.astype(v_flat.dtype), mode="drop")
-    attn_TNH = attention(
-        q_1TNH[0], k_flat.reshape(l_ * p_, b_, k_, h_), v_flat.reshape(l_ * p_, b_, k_, h_),
-        block_tables_SM + i * p_, context_lens_S, query_start_loc_S1, num_seqs, **attention_kw)
+    rows_T = block_T + i * p_
+    k_w_TKH, v_w_TKH = k_rot_1TKH[0], v_1TKH[0]
+    if kv_head_repeat > 1:  # the pool's K' = K * r heads: each KV head r times, in order
+      k_w_TKH = jnp.repeat(k_w_TKH, kv_head_repeat, axis=1)
+      v_w_TKH = jnp.repeat(v_w_TKH, kv_head_repeat, axis=1)
+    k_flat, v_flat = write_token_rows(layout, k_flat, v_flat, rows_T, col_T, k_w_TKH, v_w_TKH)
+    attn_TNH = attention(q_1TNH[0], k_flat, v_flat, block_tables_SM + i * p_, context_lens_S,
+                         query_start_loc_S1, num_seqs, **attention_kw)
     x = _attention_output_and_mlp(cfg, p, x, attn_TNH[None].astype(x.dtype))
     return (x, k_flat, v_flat), (k_1TKH[0], v_1TKH[0])
 
@@ -221,7 +225,7 @@ class Llama(nnx.Module):
         query_start_loc   0              1                  q1              q2 = qsl[num_seqs]
         slot_mapping_T    block * B + offset of each token's position; -1 for padding
 
-    Layers share one flat view of the pool, [L * P, B, K, H]: layer i's block b is row i * P + b,
+    Layers share one flat view of the pool, [L * P, B, F]: layer i's block b is row i * P + b,
     so attention reads the carried pool in place (no per-layer copy) through block tables
     offset by i * P, and its cost follows each sequence's context, not the pool size.
 
@@ -249,24 +253,22 @@ class Llama(nnx.Module):
        [L, T, K, H] keys BEFORE RoPE of every token (what the store saves), [L, T, K, H] values).
     """
     cfg, dtype = self.cfg, self.dtype
-    l_, p_, b_, k_, h_ = pool.k_LPBKH.shape
+    l_ = pool.num_layers
     inv_freq = self.inv_freq[...]
     stacked = self.layers.stacked()
-    n_slots = l_ * p_ * b_
-    layer = _paged_layer(cfg, dtype, inv_freq, pool.k_LPBKH.shape, positions_T, slot_mapping_T,
+    layer = _paged_layer(cfg, dtype, inv_freq, pool, positions_T, slot_mapping_T,
                          block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs,
                          attention_impl=attention_impl, kv_head_repeat=kv_head_repeat,
                          tp_mesh=tp_mesh, platform=platform)
 
     x_1TD = jnp.take(self.embed[...], tokens_T, axis=0)[None].astype(dtype)
     layer_ids = jnp.arange(l_, dtype=jnp.int32)
-    k_flat = pool.k_LPBKH.reshape(n_slots, k_, h_)
-    v_flat = pool.v_LPBKH.reshape(n_slots, k_, h_)
+    k_flat, v_flat = flat_layers(pool)
     (x_1TD, k_flat, v_flat), (k_pre_LTKH, v_LTKH) = jax.lax.scan(
         layer, (x_1TD, k_flat, v_flat), (stacked, layer_ids))
     last_1SD = jnp.take(x_1TD, logits_indices_S, axis=1)
     logits_SV = self._logits(last_1SD)[0]
-    new_pool = PagedKVCache(k_flat.reshape(pool.k_LPBKH.shape), v_flat.reshape(pool.v_LPBKH.shape))
+    new_pool = from_flat_layers(k_flat, v_flat, pool)
     return logits_SV, new_pool, k_pre_LTKH, v_LTKH
 
 
@@ -367,7 +369,7 @@ def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_
   """Layers `[layer_start, layer_start + num_layers)` of `Llama.ragged_step`, scanned.
 
   The same per-layer computation as `ragged_step` (write the step's K after RoPE and V into the
-  pool, then paged attention over the flat `[L * P, B, K, H]` view) over a static-size slice of
+  pool, then paged attention over the flat `[L * P, B, F]` view) over a static-size slice of
   the stacked layer parameters starting at a traced layer index, so groups of equal size share
   one compiled program. Running groups that tile `[0, L)` in order between `ragged_embed` and
   `ragged_logits` computes what one `ragged_step` call does.
@@ -390,20 +392,17 @@ def ragged_layers(model: Llama, pool: PagedKVCache, x_1TD: jax.Array, positions_
      before RoPE, [num_layers, T, K, H] values).
   """
   cfg, dtype = model.cfg, model.dtype
-  l_, p_, b_, k_, h_ = pool.k_LPBKH.shape
   inv_freq = model.inv_freq[...]
   stacked = dict(group_params) if group_params is not None else {
       k: jax.lax.dynamic_slice_in_dim(v, layer_start, num_layers, axis=0)
       for k, v in model.layers.stacked().items()}
-  n_slots = l_ * p_ * b_
-  layer = _paged_layer(cfg, dtype, inv_freq, pool.k_LPBKH.shape, positions_T, slot_mapping_T,
+  layer = _paged_layer(cfg, dtype, inv_freq, pool, positions_T, slot_mapping_T,
                        block_tables_SM, context_lens_S, query_start_loc_S1, num_seqs,
                        attention_impl=attention_impl, platform=platform)
 
   layer_ids = layer_start + jnp.arange(num_layers, dtype=jnp.int32)
-  k_flat = pool.k_LPBKH.reshape(n_slots, k_, h_)
-  v_flat = pool.v_LPBKH.reshape(n_slots, k_, h_)
+  k_flat, v_flat = flat_layers(pool)
   (x_1TD, k_flat, v_flat), (k_pre_GTKH, v_GTKH) = jax.lax.scan(
       layer, (x_1TD, k_flat, v_flat), (stacked, layer_ids))
-  new_pool = PagedKVCache(k_flat.reshape(pool.k_LPBKH.shape), v_flat.reshape(pool.v_LPBKH.shape))
+  new_pool = from_flat_layers(k_flat, v_flat, pool)
   return x_1TD, new_pool, k_pre_GTKH, v_GTKH

@@ -1,10 +1,11 @@
 """The JIT boundary of the paged KV layout: a model plus its block pool behind ONE jit'd step.
 
-Issue 11. The pool `[L, P, B, K, H]` (`kvjax.models.kv_cache.PagedKVCache`) is shared by every
-sequence; the scheduler's `KVCacheManager` owns which block belongs to whom and hands the engine
-plain block tables each step. A step runs every decode and every planned prefill chunk in one
-call (`Llama.ragged_step`): their tokens are flattened and padded to the smallest compiled token
-count (`token_buckets`), the sequences to a fixed count per bucket, so compiles stay few:
+Issue 11. The pool `[L, P, B, F]` (`kvjax.models.kv_cache.PagedKVCache`, heads folded into F) is
+shared by every sequence; the scheduler's `KVCacheManager` owns which block belongs to whom and
+hands the engine plain block tables each step. A step runs every decode and every planned prefill
+chunk in one call (`Llama.ragged_step`): their tokens are flattened and padded to the smallest
+compiled token count (`token_buckets`), the sequences to a fixed count per bucket, so compiles
+stay few:
 
     step([SeqChunk(tokens, start, block_ids), ...])   ->  StepOutput(logits per sequence,
                                                                      pre-RoPE K and V per token)
@@ -29,8 +30,9 @@ from flax import nnx
 from kvjax import codecs as codec_registry
 from kvjax.kernels import kv_codec, kvtc
 from kvjax.kernels.platform import platform_of, resolve_platform
-from kvjax.models.kv_cache import (PagedKVCache, init_paged_kv_cache, paged_block_nbytes,
-                                   write_chunk_blocks)
+from kvjax.models.kv_cache import (PagedKVCache, PoolLayout, init_paged_kv_cache,
+                                   paged_block_nbytes, paged_pool_shape, pool_lane_multiple,
+                                   read_pool_blocks, write_chunk_blocks, write_layer_blocks)
 from kvjax.models.layers import apply_rope, rope_inv_freq
 from kvjax.models.llama import (LAYER_PARAMS, Llama, ragged_embed, ragged_layers,
                                 ragged_logits)
@@ -40,11 +42,18 @@ from kvjax.models.sharding import TensorParallel, put
 
 #: Compiled prefill chunk sizes by default, tokens, ascending.
 DEFAULT_CHUNK_SIZES = (16, 32, 64, 128, 256, 512)
-#: Default pool size on CPU, bytes (issue 11); accelerators use a fraction of free memory.
+#: Default pool size on CPU, bytes; accelerators size it from the compiled step
+#: (`fit_num_blocks`).
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-#: Fraction of an accelerator's free memory the pool takes by default (vLLM's idea of
-#: `gpu_memory_utilization`, applied after the weights are loaded).
+#: Fraction of an accelerator's free memory the pool takes by default when the device reports
+#: its memory but the step's needs cannot be measured (vLLM's `gpu_memory_utilization`).
 DEFAULT_ACCELERATOR_MEMORY_FRACTION = 0.8
+#: Share of an accelerator's memory the default pool size leaves unused beyond what the compiled
+#: step needs (allocator fragmentation, host transfers, programs other than the step).
+DEFAULT_ACCELERATOR_MEMORY_MARGIN = 0.05
+#: Pool sizes (blocks) of the two step compiles `fit_num_blocks` measures (multiples of 128, so
+#: the block axis never changes the pool's tiled layout between them).
+PROBE_NUM_BLOCKS = (128, 256)
 #: Smallest compiled token count of a step.
 MIN_TOKEN_BUCKET = 8
 #: Chunks one layer-wise insert call writes at most (`PagedModelRunner.insert_chunks_layers`);
@@ -88,6 +97,81 @@ def default_kv_cache_bytes(cpu_need_bytes: int | None = None) -> int:
   if not limit:
     return DEFAULT_CPU_KV_CACHE_BYTES
   return int((limit - used) * DEFAULT_ACCELERATOR_MEMORY_FRACTION)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+  """A compiled program's memory, bytes per device (XLA's `memory_analysis()`), at a pool of
+  `num_blocks` blocks.
+
+  Attributes:
+    num_blocks: the pool's blocks in the program measured.
+    argument_bytes, output_bytes, alias_bytes, temp_bytes, generated_code_bytes: as XLA
+      reports them (alias: outputs sharing a donated argument's buffer).
+  """
+
+  num_blocks: int
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  generated_code_bytes: int = 0
+
+  @property
+  def peak_bytes(self) -> int:
+    """Live at once: arguments, outputs not aliased to a donated argument, temporaries, code."""
+    return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+            + self.generated_code_bytes)
+
+  @classmethod
+  def of(cls, compiled, num_blocks: int) -> "ProgramMemory":
+    """From a `jax.stages.Compiled`.
+
+    Raises:
+      ValueError: the backend reports no memory analysis.
+    """
+    ma = compiled.memory_analysis()
+    if ma is None:
+      raise ValueError("this backend reports no memory analysis")
+    return cls(num_blocks, int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
+               int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes),
+               int(ma.generated_code_size_in_bytes))
+
+
+def pool_blocks_for_memory(device_bytes: int, small: ProgramMemory, large: ProgramMemory, *,
+                           in_use_bytes: int = 0,
+                           margin: float = DEFAULT_ACCELERATOR_MEMORY_MARGIN) -> int:
+  """The most pool blocks with which the step fits a device, from the step compiled at two
+  pool sizes: its peak is `fixed + per_block * num_blocks` (weights, activations, code; the
+  pool and whatever scales with it), fitted through the two measurements, and must stay under
+  `device_bytes * (1 - margin) - in_use_bytes`.
+
+  Args:
+    device_bytes: the device's memory (per device: every figure is per device).
+    small, large: the step's memory at two pool sizes (`large.num_blocks > small.num_blocks`).
+    in_use_bytes: memory the step's arguments do not account for (other buffers, other
+      programs' weights).
+    margin: share of `device_bytes` left unused.
+
+  Raises:
+    ValueError: bad probes, or not even one block fits.
+  """
+  if large.num_blocks <= small.num_blocks:
+    raise ValueError(f"probes at {small.num_blocks} and {large.num_blocks} blocks: want two "
+                     "sizes, the second larger")
+  per_block = (large.peak_bytes - small.peak_bytes) / (large.num_blocks - small.num_blocks)
+  if per_block <= 0:
+    raise ValueError(f"the step's memory does not grow with the pool ({small.peak_bytes} bytes "
+                     f"at {small.num_blocks} blocks, {large.peak_bytes} at {large.num_blocks})")
+  fixed = small.peak_bytes - per_block * small.num_blocks
+  budget = device_bytes * (1.0 - margin) - in_use_bytes - fixed
+  blocks = int(budget // per_block)
+  if blocks < 1:
+    raise ValueError(f"the step needs {fixed / 2**30:.2f} GiB besides the pool and "
+                     f"{per_block / 2**20:.2f} MiB per block; the device has "
+                     f"{device_bytes / 2**30:.2f} GiB ({in_use_bytes / 2**30:.2f} GiB in use, "
+                     f"{margin:.0%} margin): no room for a pool")
+  return blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +360,11 @@ class PagedModelRunner:
                      and not self.abstract else None)
     #: r: copies of each KV head in the pool (tensor parallelism over more devices than heads).
     self.kv_head_repeat = r = 1 if tp is None else tp.kv_head_repeat
+    #: Where the heads live in the pool's last axis: each device's heads padded to whole TPU
+    #: lanes on TPU, a plain fold elsewhere (`kvjax.models.kv_cache.PoolLayout`).
+    self.pool_layout = PoolLayout(model.cfg.n_kv_heads * r, model.cfg.head_dim,
+                                  shards=1 if tp is None else tp.size,
+                                  lane_multiple=pool_lane_multiple(platform))
     if self.abstract:
       shardings = (tp.state_shardings(self.state) if tp is not None else
                    jax.tree_util.tree_map(lambda _: self._single, self.state))
@@ -333,12 +422,9 @@ class PagedModelRunner:
       return write_chunk_blocks(pool, k[:, 0], v[:, 0], block_ids)
 
     def read_pre_rope(pool, block_ids, start):
-      l_, _, b, k_, h_ = pool.k_LPBKH.shape
-      n = block_ids.shape[0] * b
-      k = pool.k_LPBKH[:, block_ids].reshape(l_, n, k_, h_)
-      v = pool.v_LPBKH[:, block_ids].reshape(l_, n, k_, h_)
-      if r > 1:  # one copy of each KV head
-        k, v = k[:, :, ::r], v[:, :, ::r]
+      # One copy of each KV head (a pool repeating heads r times keeps every r-th).
+      k, v = read_pool_blocks(pool, block_ids, r)
+      n = k.shape[1]
       positions_1N = (start + jnp.arange(n, dtype=jnp.int32))[None]
       return apply_rope(k, positions_1N, self._inv_freq, inverse=True), v
 
@@ -381,7 +467,7 @@ class PagedModelRunner:
 
   def _pool_shardings(self):
     sh = self.tp.pool_sharding
-    return PagedKVCache(sh, sh)
+    return PagedKVCache(sh, sh, self.pool_layout)
 
   @property
   def _single(self):
@@ -389,25 +475,21 @@ class PagedModelRunner:
     return jax.sharding.SingleDeviceSharding(self.devices[0])
 
   def _new_pool(self) -> PagedKVCache:
-    """A zeroed pool: `[L, P, B, K, H]` on one device, or `[L, P, B, K * r, H]` sharded by
-    head over `tp` (each device zero-fills its own heads; no host copy). Abstract runner: the
-    pool's ShapeDtypeStructs."""
-    cfg, cdt = self.model_config, self._cache_dtype
+    """A zeroed pool `[L, P, B, F]` (`pool_layout`): on one device, or sharded by head group
+    over `tp` (each device zero-fills its own heads; no host copy). Abstract runner: the pool's
+    ShapeDtypeStructs."""
+    cfg, cdt, layout = self.model_config, self._cache_dtype, self.pool_layout
     if self.abstract:
-      shape = (cfg.n_layers, self.config.num_blocks, self.block_size,
-               cfg.n_kv_heads * self.kv_head_repeat, cfg.head_dim)
+      shape = paged_pool_shape(cfg.n_layers, self.config.num_blocks, self.block_size, layout)
       sh = self._single if self.tp is None else self.tp.pool_sharding
       sds = jax.ShapeDtypeStruct(shape, cdt, sharding=sh)
-      return PagedKVCache(sds, sds)
+      return PagedKVCache(sds, sds, layout)
+    new = lambda: init_paged_kv_cache(cfg, self.config.num_blocks, self.block_size, cdt, layout)
     if self.tp is None:
       if self._device is not None:
-        return jax.jit(lambda: init_paged_kv_cache(cfg, self.config.num_blocks,
-                                                   self.block_size, cdt),
-                       out_shardings=self._single)()
-      return init_paged_kv_cache(cfg, self.config.num_blocks, self.block_size, cdt)
-    wide = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads * self.kv_head_repeat)
-    return jax.jit(lambda: init_paged_kv_cache(wide, self.config.num_blocks, self.block_size, cdt),
-                   out_shardings=self._pool_shardings())()
+        return jax.jit(new, out_shardings=self._single)()
+      return new()
+    return jax.jit(new, out_shardings=self._pool_shardings())()
 
   @property
   def tensor_parallel_size(self) -> int:
@@ -431,9 +513,11 @@ class PagedModelRunner:
     return jnp.dtype(self._cache_dtype)
 
   @staticmethod
-  def blocks_for_bytes(model_config, block_size: int, nbytes: int, dtype) -> int:
-    """Pool blocks that fit in `nbytes` (K and V of every layer), at least 1."""
-    return max(1, int(nbytes) // paged_block_nbytes(model_config, block_size, dtype))
+  def blocks_for_bytes(model_config, block_size: int, nbytes: int, dtype,
+                       layout: PoolLayout | None = None) -> int:
+    """Pool blocks that fit in `nbytes` (K and V of every layer, in `layout`: its padding
+    counts), at least 1."""
+    return max(1, int(nbytes) // paged_block_nbytes(model_config, block_size, dtype, layout))
 
   def bucket_for(self, num_tokens: int) -> int:
     """Smallest compiled token count holding `num_tokens`.
@@ -691,15 +775,7 @@ class PagedModelRunner:
       positions_nC = starts_n[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
       k = jax.vmap(lambda x, p: apply_rope(x, p[None], inv_freq))(kv_nG2CKH[:, :, 0],
                                                                   positions_nC)
-      r, b = block_ids_nR.shape[1], pool.block_size
-      k_, h_ = k.shape[3:]
-      li = (l0 + jnp.arange(g, dtype=jnp.int32))[None, :, None]
-      bi = block_ids_nR[:, None, :]
-      kp = pool.k_LPBKH.at[li, bi].set(
-          k.reshape(n, g, r, b, k_, h_).astype(pool.k_LPBKH.dtype))
-      vp = pool.v_LPBKH.at[li, bi].set(
-          kv_nG2CKH[:, :, 1].reshape(n, g, r, b, k_, h_).astype(pool.v_LPBKH.dtype))
-      return type(pool)(kp, vp)
+      return write_layer_blocks(pool, k, kv_nG2CKH[:, :, 1], block_ids_nR, l0)
 
     jits = {"begin": jax.jit(begin), "finish": jax.jit(finish), "layers": layers,
             "insert": jax.jit(insert_layers, donate_argnums=(0,))}
@@ -894,11 +970,7 @@ class PagedModelRunner:
 
   def read_blocks(self, block_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
     """The K (after RoPE) and V of some blocks: ([L, n * B, K, H], [L, n * B, K, H]) (tests)."""
-    ids = np.asarray(block_ids, np.int32)
-    l_, _, b, k_, h_ = self.pool.k_LPBKH.shape
-    r = self.kv_head_repeat
-    return (self.pool.k_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_),
-            self.pool.v_LPBKH[:, ids, :, ::r].reshape(l_, len(ids) * b, k_ // r, h_))
+    return read_pool_blocks(self.pool, np.asarray(block_ids, np.int32), self.kv_head_repeat)
 
   def encode_levels(self, kv_L2CKH, codec: str, levels: tuple[int, ...], start: int) -> list:
     """Quantizes one device chunk (K before RoPE) at every level in one jit'd device call.
@@ -1094,7 +1166,7 @@ class PagedModelRunner:
   def kv_cache_nbytes(self) -> int:
     """Device bytes the pool's K and V buffers take (reserved whole at construction), over all
     devices of the mesh (a repeated KV head counts once per copy)."""
-    return int(self.pool.k_LPBKH.nbytes + self.pool.v_LPBKH.nbytes)
+    return int(self.pool.nbytes)
 
   def kv_block_nbytes(self) -> int:
     """Device bytes of one pool block over all layers, K and V."""
@@ -1102,7 +1174,7 @@ class PagedModelRunner:
 
   def cache_ok(self) -> bool:
     """The pool's buffers are alive (a failed donated call can leave them deleted)."""
-    return not self.pool.k_LPBKH.is_deleted()
+    return not self.pool.k_LPBF.is_deleted()
 
   def close(self) -> None:
     """Frees the parameters and the pool on the device; the runner is unusable afterwards.
@@ -1150,13 +1222,58 @@ class PagedModelRunner:
       self._compiled.add(t)
 
 
+def measure_step_memory(model: Llama, config: PagedRunnerConfig,
+                        tensor_parallel: TensorParallel | None = None, *, device=None,
+                        num_blocks: int) -> ProgramMemory:
+  """The largest step bucket's memory on the runner's devices with a pool of `num_blocks`
+  blocks: compiled ahead of time (an abstract runner: nothing allocated), per device.
+
+  Raises:
+    ValueError: the backend reports no memory analysis; what compiling raises.
+  """
+  runner = PagedModelRunner(model, dataclasses.replace(config, num_blocks=num_blocks),
+                            tensor_parallel, device=device, abstract=True)
+  name, fn, args = runner.aot_programs(buckets=(runner.buckets[-1],), codecs=())[0]
+  assert name.startswith("step"), name
+  mesh = jax.sharding.Mesh(np.asarray(runner.devices), ("tp",))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the kernels see the target chip
+    lowered = fn.lower(*args)
+  return ProgramMemory.of(lowered.compile(), num_blocks)
+
+
+def fit_num_blocks(model: Llama, config: PagedRunnerConfig,
+                   tensor_parallel: TensorParallel | None = None, *, device=None,
+                   device_bytes: int, in_use_bytes: int = 0,
+                   margin: float = DEFAULT_ACCELERATOR_MEMORY_MARGIN) -> int:
+  """The default pool size on an accelerator, in blocks: the largest step bucket compiled at
+  `PROBE_NUM_BLOCKS` pool sizes (`measure_step_memory`), its peak fitted linearly in the pool
+  size and held under the device's memory (`pool_blocks_for_memory`). What the compiled step
+  really needs (weights, activations, the pool in its tiled layout, anything XLA copies), so
+  the runner's step fits the chip it targets.
+
+  Raises:
+    ValueError: as `pool_blocks_for_memory` and `measure_step_memory`.
+  """
+  small, large = (measure_step_memory(model, config, tensor_parallel, device=device,
+                                      num_blocks=n) for n in PROBE_NUM_BLOCKS)
+  return pool_blocks_for_memory(device_bytes, small, large, in_use_bytes=in_use_bytes,
+                                margin=margin)
+
+
+def _state_nbytes(model: Llama) -> int:
+  return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(nnx.state(model))
+             if hasattr(x, "nbytes"))
+
+
 def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: int | None,
                        max_num_seqs: int, max_num_batched_tokens: int,
                        max_seq_len: int | None, chunk_sizes: tuple[int, ...],
                        tensor_parallel: TensorParallel | None = None) -> PagedModelRunner:
-  """A `PagedModelRunner` whose pool fills `kv_cache_memory_bytes` (default
-  `default_kv_cache_bytes(max_num_seqs x max_seq_len tokens)`) in the model's dtype: `bytes // (2 * L * B * K * H * itemsize)`
-  blocks, at least one. A request that can never fit is refused at admission.
+  """A `PagedModelRunner` whose pool fills `kv_cache_memory_bytes` in the model's dtype
+  (`bytes // block bytes` blocks in the pool's layout, at least one). Default: on CPU
+  `default_kv_cache_bytes(max_num_seqs x max_seq_len tokens)`; on an accelerator what the
+  compiled step leaves of the device's memory (`fit_num_blocks`), or 80% of its free memory
+  when it reports no memory analysis. A request that can never fit is refused at admission.
 
   Raises:
     ValueError: a non-positive size.
@@ -1164,13 +1281,37 @@ def build_paged_runner(model: Llama, *, block_size: int, kv_cache_memory_bytes: 
   for name, v in (("block_size", block_size), ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
       raise ValueError(f"{name}={v!r} must be a positive int")
-  nbytes = kv_cache_memory_bytes
-  if nbytes is None:
-    seq_blocks = -(-(max_seq_len or model.cfg.max_seq_len) // block_size)
-    nbytes = default_kv_cache_bytes(
-        max_num_seqs * seq_blocks * paged_block_nbytes(model.cfg, block_size, model.dtype))
-  num_blocks = PagedModelRunner.blocks_for_bytes(model.cfg, block_size, nbytes, model.dtype)
-  return PagedModelRunner(model, PagedRunnerConfig(
-      num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+  config = PagedRunnerConfig(
+      num_blocks=1, block_size=block_size, max_num_seqs=max_num_seqs,
       max_num_batched_tokens=max_num_batched_tokens, max_seq_len=max_seq_len,
-      chunk_sizes=tuple(chunk_sizes)), tensor_parallel)
+      chunk_sizes=tuple(chunk_sizes))
+  devices = (list(tensor_parallel.mesh.devices.flat) if tensor_parallel is not None
+             else [jax.devices()[0]])
+  platform = platform_of(devices)
+  layout = PoolLayout(model.cfg.n_kv_heads * (1 if tensor_parallel is None
+                                              else tensor_parallel.kv_head_repeat),
+                      model.cfg.head_dim,
+                      shards=1 if tensor_parallel is None else tensor_parallel.size,
+                      lane_multiple=pool_lane_multiple(platform))
+  nbytes, num_blocks = kv_cache_memory_bytes, None
+  if nbytes is None and platform != "cpu":
+    stats = devices[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+      # The weights already on the device are the step's arguments (counted in its peak).
+      other = max(0, stats.get("bytes_in_use", 0) - _state_nbytes(model))
+      try:
+        num_blocks = fit_num_blocks(model, config, tensor_parallel, device=devices[0],
+                                    device_bytes=int(stats["bytes_limit"]),
+                                    in_use_bytes=other)
+      except ValueError:
+        num_blocks = None  # no memory analysis here: a share of free memory instead
+  if num_blocks is None:
+    if nbytes is None:
+      seq_blocks = -(-(max_seq_len or model.cfg.max_seq_len) // block_size)
+      nbytes = default_kv_cache_bytes(
+          max_num_seqs * seq_blocks * paged_block_nbytes(model.cfg, block_size, model.dtype,
+                                                         layout))
+    num_blocks = PagedModelRunner.blocks_for_bytes(model.cfg, block_size, nbytes, model.dtype,
+                                                   layout)
+  return PagedModelRunner(model, dataclasses.replace(config, num_blocks=num_blocks),
+                          tensor_parallel)

@@ -105,8 +105,9 @@ class TensorParallel:
 
   @property
   def pool_sharding(self) -> NamedSharding:
-    """The pool's K and V `[L, P, B, K', H]`, by head."""
-    return self.sharding(P(None, None, None, TP_AXIS, None))
+    """The pool's K and V `[L, P, B, K' * H]`, by head (each device a contiguous run of whole
+    heads of the folded last axis)."""
+    return self.sharding(P(None, None, None, TP_AXIS))
 
   @property
   def chunk_sharding(self) -> NamedSharding:

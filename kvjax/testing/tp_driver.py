@@ -77,10 +77,14 @@ def main(argv):
       llm = LLM(_MODEL.value, tensor_parallel_size=n, kv_store=store, **opts)
       prompts = prompts or _prompts(llm.model_config.vocab_size)
       shardings = {
-          "pool": str(getattr(llm.engine.runner.pool.k_LPBKH.sharding, "spec", None)),
-          "pool_shape": list(llm.engine.runner.pool.k_LPBKH.shape),
+          "pool": str(getattr(llm.engine.runner.pool.k_LPBF.sharding, "spec", None)),
+          "pool_shape": list(llm.engine.runner.pool.k_LPBF.shape),
           "pool_shard_shape": list(
-              llm.engine.runner.pool.k_LPBKH.addressable_shards[0].data.shape)}
+              llm.engine.runner.pool.k_LPBF.addressable_shards[0].data.shape)}
+      # KV heads in the pool and in one device's shard (the last axis folds K' * H).
+      h_ = llm.model_config.head_dim
+      shardings["pool_heads"] = shardings["pool_shape"][3] // h_
+      shardings["pool_shard_heads"] = shardings["pool_shard_shape"][3] // h_
       cold = _run(llm, prompts, params)
       llm.flush()
       llm.close()

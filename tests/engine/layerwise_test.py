@@ -68,9 +68,9 @@ class LayerGroupsTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(b.logits_SV), np.asarray(a.logits_SV), atol=1e-5)
     np.testing.assert_allclose(np.asarray(b.k_pre_rope_LTKH), np.asarray(a.k_pre_rope_LTKH),
                                atol=1e-5)
-    np.testing.assert_allclose(np.asarray(split.pool.k_LPBKH), np.asarray(one.pool.k_LPBKH),
+    np.testing.assert_allclose(np.asarray(split.pool.k_LPBF), np.asarray(one.pool.k_LPBF),
                                atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(split.pool.v_LPBKH), np.asarray(one.pool.v_LPBKH))
+    np.testing.assert_array_equal(np.asarray(split.pool.v_LPBF), np.asarray(one.pool.v_LPBF))
     with self.assertRaises(ValueError):
       split.insert_chunk_layers(kv, [20, 21], 0, 1)  # layers [1, 3) of a 2-layer model
 
@@ -89,9 +89,9 @@ class LayerGroupsTest(parameterized.TestCase):
       single.insert_chunk(kv, blocks, start)
     for l0, l1 in layer_groups(TINY.config.n_layers, 2):
       batched.insert_chunks_layers([kv[l0:l1] for kv in kvs], tables, starts, l0)
-    np.testing.assert_array_equal(np.asarray(batched.pool.v_LPBKH),
-                                  np.asarray(single.pool.v_LPBKH))
-    np.testing.assert_allclose(np.asarray(batched.pool.k_LPBKH), np.asarray(single.pool.k_LPBKH),
+    np.testing.assert_array_equal(np.asarray(batched.pool.v_LPBF),
+                                  np.asarray(single.pool.v_LPBF))
+    np.testing.assert_allclose(np.asarray(batched.pool.k_LPBF), np.asarray(single.pool.k_LPBF),
                                atol=1e-6)
 
   def test_chunks_in_one_call_bad_input(self):

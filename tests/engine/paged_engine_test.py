@@ -8,7 +8,7 @@ import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
-from kvjax.models.kv_cache import PagedKVCache, paged_block_nbytes
+from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.registry import load_model
 
 B, C = 16, 32
@@ -237,8 +237,8 @@ class PagedEngineTest(absltest.TestCase):
     k0, v0 = (np.asarray(x) for x in runner.read_blocks(shared))
     poison = np.setdiff1d(np.arange(runner.num_blocks), shared)  # every other block: NaN
     pool = runner.pool
-    runner.pool = PagedKVCache(pool.k_LPBKH.at[:, poison].set(jnp.nan),
-                               pool.v_LPBKH.at[:, poison].set(jnp.nan))
+    runner.pool = pool.replace(pool.k_LPBF.at[:, poison].set(jnp.nan),
+                               pool.v_LPBF.at[:, poison].set(jnp.nan))
     b = a[:64] + [int(t) for t in rng.integers(0, 256, 20)]
     c = a[:64] + [int(t) for t in rng.integers(0, 256, 9)]
     got = llm.generate(ids([b, c, a]), GREEDY)

@@ -81,7 +81,9 @@ def make_batch(seqs, heads, dtype, *, seed=0, extra_tokens=3, extra_seqs=2, extr
         sc = k64[:vis, n // g_] @ qs[i, n] * h_ ** -0.5
         w = np.exp(sc - sc.max())
         oracle[qsl[s] + i, n] = (w / w.sum()) @ v64[:vis, n // g_]
-  args = (jnp.asarray(q, dtype), jnp.asarray(k_pool, dtype), jnp.asarray(v_pool, dtype),
+  # The engine's pool layout: heads folded into the last axis, [P, B, K * H].
+  fold = lambda x: jnp.asarray(x.reshape(num_blocks, BS, k_ * h_), dtype)
+  args = (jnp.asarray(q, dtype), fold(k_pool), fold(v_pool),
           jnp.asarray(bt), jnp.asarray(cl), jnp.asarray(qsl), jnp.int32(len(seqs)))
   return args, oracle, np.arange(t_) < total
 
@@ -137,6 +139,15 @@ class PagedAttentionTest(parameterized.TestCase):
     if impl != "reference":
       ref = run("reference", args)
       np.testing.assert_allclose(out, ref, **TOL[dtype])
+
+  @parameterized.parameters(*IMPLS)
+  def test_unfolded_pool_gives_the_same_result(self, impl):
+    # A pool given as [P, B, K, H] (heads unfolded) reads the same values as the folded one.
+    args, _, _ = make_batch(CASES["mixed"], HEADS["g3"], jnp.float32)
+    k, v = args[1], args[2]
+    unfolded = (args[0], k.reshape(k.shape[0], BS, 2, 16), v.reshape(v.shape[0], BS, 2, 16)
+                ) + args[3:]
+    np.testing.assert_array_equal(run(impl, unfolded), run(impl, args))
 
   @parameterized.parameters(*IMPLS)
   def test_hand_computed(self, impl):
@@ -236,15 +247,15 @@ class PagedAttentionTest(parameterized.TestCase):
     # CPU for a CUDA target) accepts every op and size.
     d = DTYPES[dtype]
     q = jnp.zeros((8, 32, 128), d)
-    pool = jnp.zeros((64, 16, 8, 128), d)
+    pool = jnp.zeros((64, 16, 8 * 128), d)  # the engine's folded pool [P, B, K * H]
     bt = jnp.zeros((4, 16), jnp.int32)
     cl = jnp.full((4,), 100, jnp.int32)
     qsl = jnp.array([0, 5, 6, 7, 8], jnp.int32)
     rows, n = gpu_lib.gpu_block_sizes(32, 8, 128, 16)
     text = gpu_lib._gpu_jit.trace(
         q, pool, pool, bt, cl, qsl, jnp.int32(4), sm_scale=128 ** -0.5, query_rows=rows,
-        blocks_per_step=n, num_splits=4, num_warps=4, num_stages=2,
-        interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+        blocks_per_step=n, num_splits=4, num_warps=4, num_stages=2, interpret=False,
+        num_kv_heads=8).lower(lowering_platforms=("cuda",)).as_text()
     self.assertIn("__gpu$xla.gpu.triton", text)
     self.assertIn("ragged_paged_attention_gpu", text)
 

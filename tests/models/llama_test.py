@@ -98,8 +98,8 @@ class LlamaTest(parameterized.TestCase):
     np.testing.assert_allclose(v, self.want_v, atol=1e-5)
     n = len(TOKENS)
     k, v = seq_kv(runner, 1, MAX_LEN)
-    full_k = self.full_pool.k_LPBKH[:, TABLES[1]].reshape(k.shape)
-    full_v = self.full_pool.v_LPBKH[:, TABLES[1]].reshape(v.shape)
+    full_k = self.full_pool.layout.unfold(self.full_pool.k_LPBF[:, TABLES[1]]).reshape(k.shape)
+    full_v = self.full_pool.layout.unfold(self.full_pool.v_LPBF[:, TABLES[1]]).reshape(v.shape)
     np.testing.assert_allclose(k[:, :n], full_k[:, :n], atol=1e-5)
     np.testing.assert_allclose(v[:, :n], full_v[:, :n], atol=1e-5)
     # Padding never writes: everything past the prompt and the other sequence's blocks stay 0.
@@ -160,16 +160,16 @@ class LlamaTest(parameterized.TestCase):
   def test_other_sequences_blocks_are_untouched_by_a_step(self):
     runner = make_runner()
     runner.step([SeqChunk(TOKENS[:20], 0, TABLES[1])])
-    before = np.asarray(runner.pool.k_LPBKH).copy()
+    before = np.asarray(runner.pool.k_LPBF).copy()
     runner.step([SeqChunk([5], 0, TABLES[0])])
-    after = np.asarray(runner.pool.k_LPBKH)
+    after = np.asarray(runner.pool.k_LPBF)
     np.testing.assert_array_equal(after[:, TABLES[1]], before[:, TABLES[1]])
     self.assertGreater(np.abs(after[:, TABLES[0][0], 0]).max(), 0.0)
 
   def test_bfloat16_close_to_f32(self):
     runner = make_runner(dtype=jnp.bfloat16)
     logits = token_logits(runner, TOKENS, 64)
-    self.assertEqual(runner.pool.k_LPBKH.dtype, jnp.bfloat16)
+    self.assertEqual(runner.pool.k_LPBF.dtype, jnp.bfloat16)
     np.testing.assert_allclose(logits, self.want_logits, atol=ATOL["bfloat16"])
 
   def test_untied_head_and_llama3_rope(self):

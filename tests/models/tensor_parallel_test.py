@@ -87,8 +87,8 @@ class TensorParallelTest(TPAssertions):
     self.assertEqual(r["devices"], 8)
     self.assert_ring(r, (1, 8), [int(n) for n in lengths], 32)
     # Over 8 devices, the pool holds 4 copies of each of the 2 KV heads, one per device.
-    self.assertEqual(r["runs"]["8"]["pool_shape"][3], 8)
-    self.assertEqual(r["runs"]["8"]["pool_shard_shape"][3], 1)
+    self.assertEqual(r["runs"]["8"]["pool_heads"], 8)
+    self.assertEqual(r["runs"]["8"]["pool_shard_heads"], 1)
     # Stored payloads decoded per shard (the codec kernel on each device's heads) give the
     # blocks one device decodes, for every codec.
     want = r["payload_blocks"]["1"]
@@ -106,8 +106,8 @@ class TensorParallelTest(TPAssertions):
     r = run_driver(8, "--model=tiny-tp", "--sizes=1,2,4", "--lengths=5,40,130",
                    "--payload_codecs=raw,int8,int4,cachegen")
     self.assert_ring(r, (1, 2, 4), [5, 40, 130], 32)
-    self.assertEqual(r["runs"]["2"]["pool_shard_shape"][3], 1)  # 2 KV heads split over 2
-    self.assertEqual(r["runs"]["4"]["pool_shape"][3], 4)  # each repeated twice over 4
+    self.assertEqual(r["runs"]["2"]["pool_shard_heads"], 1)  # 2 KV heads split over 2
+    self.assertEqual(r["runs"]["4"]["pool_heads"], 4)  # each repeated twice over 4
     for n in ("2", "4"):
       for codec, blocks in r["payload_blocks"][n].items():
         np.testing.assert_allclose(blocks, r["payload_blocks"]["1"][codec], atol=1e-5, rtol=0,
@@ -118,7 +118,7 @@ class TensorParallelTest(TPAssertions):
     r = run_driver(3, "--model=SmolLM2-135M-Instruct", "--sizes=1,3", "--lengths=20,100",
                    "--max_tokens=8")
     self.assert_ring(r, (1, 3), [20, 100], 32)
-    self.assertEqual(r["runs"]["3"]["pool_shard_shape"][3], 1)  # 3 KV heads, one per device
+    self.assertEqual(r["runs"]["3"]["pool_shard_heads"], 1)  # 3 KV heads, one per device
 
 
 if __name__ == "__main__":

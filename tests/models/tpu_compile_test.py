@@ -68,6 +68,28 @@ class TpuCompileTest(absltest.TestCase):
         self.assertGreaterEqual(compiled.memory_analysis().argument_size_in_bytes, pool, name)
       self.assertIn("tpu_custom_call", compiled.as_text(), name)  # a Mosaic kernel inside
 
+  def test_pool_is_neither_converted_nor_copied(self):
+    # The pool's layout is the one the step's scatter and the kernel read, and inserts write
+    # their blocks in place: the step's temporaries do not grow with the pool, an insert and a
+    # read-back have none the size of the pool. (Heads folded as [L, P, B, K * H], padded to
+    # 128 lanes: the tiny model's 3 x 8 -> 128. With [L, P, B, K, H], XLA converted the pool
+    # around every step and insert: temporaries about the pool's size.)
+    temps = {}
+    for blocks in (128, 512):
+      rc = PagedRunnerConfig(num_blocks=blocks, block_size=16, max_num_seqs=2,
+                             max_num_batched_tokens=64, chunk_sizes=(64,))
+      runner = PagedModelRunner(self.model, rc, device=self.devices[0], abstract=True)
+      self.assertEqual(runner.pool.k_LPBF.shape, (self.cfg.n_layers, blocks, 16, 128))
+      for name, fn, args in runner.aot_programs(buckets=(64,), codecs=()):
+        if name.startswith(("step", "insert_raw", "read_pre_rope")):
+          temps[name, blocks] = compile_for(self.devices[:1], fn, args).memory_analysis(
+              ).temp_size_in_bytes
+    growth = 2 * self.cfg.n_layers * (512 - 128) * 16 * 128 * 2  # the pool's K and V, bytes
+    for name in ("step[T=64]", "insert_raw[C=64]", "read_pre_rope[C=64]"):
+      self.assertLess(abs(temps[name, 512] - temps[name, 128]), growth / 8, name)
+    for name in ("insert_raw[C=64]", "read_pre_rope[C=64]"):
+      self.assertLess(temps[name, 512], growth / 8, name)
+
   def test_tensor_parallel_step_compiles_for_v5e(self):
     tp = TensorParallel.build(self.cfg, 3, self.devices)
     runner = PagedModelRunner(self.model, self.rc, tp, abstract=True)

@@ -1,6 +1,7 @@
 """Ragged paged attention over a block pool: one call for a batch of decodes and prefill chunks.
 
-All sequences share one KV pool per layer, `[num_blocks, block_size, K, H]` (K after RoPE); a
+All sequences share one KV pool per layer, `[num_blocks, block_size, K * H]` (K after RoPE, heads
+folded into the last axis: the engine's layout; `[num_blocks, block_size, K, H]` is accepted too); a
 sequence's kv position p lives in block `block_tables[s, p // block_size]`, slot
 `p % block_size`. A step's query tokens of every sequence are flattened into `q_TNH` (T padded to
 a bucket); `query_start_loc` (vLLM's name) cuts them per sequence and `context_lens` counts each
@@ -42,13 +43,14 @@ def default_implementation(platform: str | None = None) -> str:
 def paged_attention(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc, num_seqs,
                     *, sm_scale: float | None = None, implementation: str | None = None,
                     interpret: bool = False, platform: str | None = None,
-                    **block_sizes) -> jax.Array:
+                    num_kv_heads: int | None = None, **block_sizes) -> jax.Array:
   """Ragged paged attention with the implementation for `platform` (or `implementation`).
 
   Arguments and result as `paged_attention_reference`; `block_sizes` go to the chosen
   implementation (e.g. `num_kv_splits` for "gpu"); `interpret` to the Pallas ones. `platform`
   ("cpu" | "tpu" | "cuda"; None: the platform being compiled for) picks the implementation
-  when none is given and is what the Pallas ones compile for.
+  when none is given and is what the Pallas ones compile for. `num_kv_heads`: K of a pool
+  `[P, B, F]` whose last axis is padded past K * H (`kvjax.models.kv_cache.PoolLayout`).
 
   Raises:
     ValueError: unknown implementation, or as the chosen implementation raises.
@@ -56,13 +58,14 @@ def paged_attention(q_TNH, k_pool, v_pool, block_tables, context_lens, query_sta
   impl = implementation or default_implementation(platform)
   args = (q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc, num_seqs)
   if impl == "reference":
-    return paged_attention_reference(*args, sm_scale=sm_scale, **block_sizes)
+    return paged_attention_reference(*args, sm_scale=sm_scale, num_kv_heads=num_kv_heads,
+                                     **block_sizes)
   if impl == "gpu":
     return paged_attention_gpu(*args, sm_scale=sm_scale, interpret=interpret, platform=platform,
-                               **block_sizes)
+                               num_kv_heads=num_kv_heads, **block_sizes)
   if impl == "tpu":
     return paged_attention_tpu(*args, sm_scale=sm_scale, interpret=interpret, platform=platform,
-                               **block_sizes)
+                               num_kv_heads=num_kv_heads, **block_sizes)
   raise ValueError(f"implementation={impl!r}, want one of {IMPLEMENTATIONS}")
 
 

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels.paged_attention import tiles as tiles_lib
 from kvjax.kernels.platform import resolve_platform
 from kvjax.kernels.paged_attention.reference import (MASK_VALUE, cdiv, check_shapes, check_values,
-                                                     resolve_scale)
+                                                     resolve_scale, unfold_pool)
 
 # ---------------------------------------------------------------------------------------------
 # Block sizes.
@@ -104,11 +104,14 @@ def _gpu_kernel(seq_ref, pos0_ref, kv_len_ref,  # int32 [W] each (whole arrays)
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "query_rows", "blocks_per_step",
                                              "num_splits", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "interpret", "num_kv_heads"))
 def _gpu_jit(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc, num_seqs, *,
              sm_scale, query_rows, blocks_per_step, num_splits, num_warps, num_stages,
-             interpret):
+             interpret, num_kv_heads):
   t_, n_, h_ = q_TNH.shape
+  # The engine's folded pool [P, B, K * H] read as [P, B, K, H]: a bitcast (row-major on GPU).
+  k_pool = unfold_pool(k_pool, h_, num_kv_heads)
+  v_pool = unfold_pool(v_pool, h_, num_kv_heads)
   p_, bs_, k_, _ = k_pool.shape
   gp = _pow2(n_ // k_)
   tq = query_rows // gp
@@ -182,6 +185,7 @@ def paged_attention_gpu(
     num_stages: int = DEFAULT_GPU_NUM_STAGES,
     interpret: bool = False,
     platform: str | None = None,
+    num_kv_heads: int | None = None,
 ) -> jax.Array:
   """Ragged paged attention, Pallas GPU kernel `ragged_paged_attention_gpu` (Triton).
 
@@ -195,13 +199,14 @@ def paged_attention_gpu(
     interpret: run in Pallas interpret mode (CPU tests); False compiles with Triton (GPU only).
     platform: the target ("cpu" | "tpu" | "cuda"); None: the platform being compiled for
       (`kvjax.kernels.platform.resolve_platform`).
+    num_kv_heads: K of a 3-D pool `[P, B, F]` (static); default F // H.
 
   Raises:
     ValueError: as `paged_attention_reference`; see `gpu_block_sizes`; interpret=False for a
       target other than CUDA.
   """
   t_, n_, h_, _, bs_, k_, _, _ = check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens,
-                                              query_start_loc, num_seqs)
+                                              query_start_loc, num_seqs, num_kv_heads)
   check_values(q_TNH, k_pool, block_tables, context_lens, query_start_loc, num_seqs)
   rows, n = gpu_block_sizes(n_, k_, h_, bs_, query_rows=query_rows,
                             kv_tokens_per_step=kv_tokens_per_step)
@@ -213,4 +218,4 @@ def paged_attention_gpu(
                   jnp.asarray(num_seqs, jnp.int32).reshape(()),
                   sm_scale=resolve_scale(sm_scale, h_), query_rows=rows, blocks_per_step=n,
                   num_splits=int(num_kv_splits), num_warps=int(num_warps),
-                  num_stages=int(num_stages), interpret=bool(interpret))
+                  num_stages=int(num_stages), interpret=bool(interpret), num_kv_heads=k_)

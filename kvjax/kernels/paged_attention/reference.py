@@ -56,8 +56,12 @@ def cdiv(a, b):
 # Validation.
 
 def check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc,
-                 num_seqs) -> tuple[int, int, int, int, int, int, int, int]:
+                 num_seqs, num_kv_heads: int | None = None
+                 ) -> tuple[int, int, int, int, int, int, int, int]:
   """Checks ranks, dtypes and sizes; returns (T, N, H, num_blocks, block_size, K, S, M).
+
+  A 3-D pool `[P, B, F]` holds K heads in its first `K * H` lanes (`num_kv_heads`; default
+  `F // H`); the rest is padding (`kvjax.models.kv_cache.PoolLayout`).
 
   Raises:
     ValueError: on any inconsistency, naming the offending argument.
@@ -67,8 +71,10 @@ def check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_
       raise ValueError(f"{name} must have rank {ndim}, got shape {getattr(x, 'shape', x)}")
     return x
   arr(q_TNH, "q_TNH", 3)
-  arr(k_pool, "k_pool", 4)
-  arr(v_pool, "v_pool", 4)
+  for name, x in (("k_pool", k_pool), ("v_pool", v_pool)):
+    if not hasattr(x, "shape") or len(x.shape) not in (3, 4):
+      raise ValueError(f"{name} must be [P, B, K * H] or [P, B, K, H], got shape "
+                       f"{getattr(x, 'shape', x)}")
   arr(block_tables, "block_tables", 2)
   arr(context_lens, "context_lens", 1)
   arr(query_start_loc, "query_start_loc", 1)
@@ -79,8 +85,13 @@ def check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_
     raise ValueError(f"q and pools must be float32/bfloat16/float16, got {q_TNH.dtype} and "
                      f"{k_pool.dtype}")
   t_, n_, h_ = q_TNH.shape
-  p_, bs_, k_, hk_ = k_pool.shape
-  if hk_ != h_ or n_ % k_:
+  if len(k_pool.shape) == 3:  # heads folded into the last axis
+    p_, bs_, f_ = k_pool.shape
+    k_ = f_ // h_ if num_kv_heads is None else int(num_kv_heads)
+    hk_ = h_ if 0 < k_ * h_ <= f_ and (num_kv_heads is not None or f_ % h_ == 0) else f_
+  else:
+    p_, bs_, k_, hk_ = k_pool.shape
+  if hk_ != h_ or not k_ or n_ % k_:
     raise ValueError(f"q heads {n_}x{h_} do not group over pool heads {k_}x{hk_} (need N % K == "
                      f"0 and equal head dims)")
   s_, m_ = block_tables.shape
@@ -99,6 +110,27 @@ def check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_
     raise ValueError(f"empty axis: q_TNH {q_TNH.shape}, pool {k_pool.shape}, block_tables "
                      f"{block_tables.shape}")
   return t_, n_, h_, p_, bs_, k_, s_, m_
+
+
+def unfold_pool(pool, head_dim: int, num_kv_heads: int | None = None):
+  """A pool `[P, B, F]` (heads folded, the engine's layout: K heads in the first K * H lanes)
+  as `[P, B, K, H]`; a 4-D pool as it is. A free reshape on CPU and GPU (row-major, F = K * H
+  there); the TPU kernel reads the folded layout directly instead."""
+  if len(pool.shape) == 4:
+    return pool
+  p_, b_, f_ = pool.shape
+  k_ = f_ // head_dim if num_kv_heads is None else int(num_kv_heads)
+  if k_ * head_dim != f_:
+    pool = pool[:, :, :k_ * head_dim]
+  return pool.reshape(p_, b_, k_, head_dim)
+
+
+def fold_pool(pool):
+  """A pool `[P, B, K, H]` as `[P, B, K * H]`; a 3-D pool as it is."""
+  if len(pool.shape) == 3:
+    return pool
+  p_, b_, k_, h_ = pool.shape
+  return pool.reshape(p_, b_, k_ * h_)
 
 
 def _is_concrete(*xs) -> bool:
@@ -268,11 +300,15 @@ def _attend_decodes(q_TKGH, bt, context_lens, query_start_loc, ns, k_pool, v_poo
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "query_block", "blocks_per_step",
                                              "long_query_block", "long_blocks_per_step",
-                                             "decode_blocks_per_step", "decode_items_per_iter"))
+                                             "decode_blocks_per_step", "decode_items_per_iter",
+                                             "num_kv_heads"))
 def _reference_jit(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc, num_seqs,
                    *, sm_scale, query_block, blocks_per_step, long_query_block,
-                   long_blocks_per_step, decode_blocks_per_step, decode_items_per_iter):
+                   long_blocks_per_step, decode_blocks_per_step, decode_items_per_iter,
+                   num_kv_heads):
   t_, n_, h_ = q_TNH.shape
+  k_pool = unfold_pool(k_pool, h_, num_kv_heads)
+  v_pool = unfold_pool(v_pool, h_, num_kv_heads)
   p_, _, k_, _ = k_pool.shape
   g_ = n_ // k_
   s_, m_ = block_tables.shape
@@ -354,6 +390,7 @@ def paged_attention_reference(
     decode_kv_tokens_per_step: int | None = None,
     decode_items_per_iter: int = DEFAULT_REFERENCE_DECODE_ITEMS_PER_ITER,
     return_num_kv_steps: bool = False,
+    num_kv_heads: int | None = None,
 ):
   """Causal GQA attention of a ragged batch (decodes and prefill chunks) over a paged KV pool.
 
@@ -366,8 +403,11 @@ def paged_attention_reference(
   Args:
     q_TNH: [T, N, H] queries after RoPE (f32, bf16 or f16), all sequences' tokens flattened in
       order; T may be padded past `query_start_loc[num_seqs]`.
-    k_pool: [num_blocks, block_size, K, H] keys after RoPE of one layer; N % K == 0 (G = N / K).
-    v_pool: [num_blocks, block_size, K, H] values, same dtype. Unused blocks and slots may hold
+    k_pool: [num_blocks, block_size, F] keys after RoPE of one layer, heads folded into the
+      last axis head-major: K heads in the first K * H lanes, padding after (the engine's pool,
+      `kvjax.models.kv_cache.PagedKVCache`); or [num_blocks, block_size, K, H]. N % K == 0
+      (G = N / K).
+    v_pool: values, same shape and dtype. Unused blocks and slots may hold
       anything, NaN included: they are never read into the result.
     block_tables: int32[S, max_blocks_per_seq]; entries past a sequence's last block are ignored.
     context_lens: int32[S], L per sequence, in tokens.
@@ -384,6 +424,7 @@ def paged_attention_reference(
     decode_items_per_iter: decode work items gathered and scored per loop iteration (static).
     return_num_kv_steps: also return the int32 number of kv steps run (tests): one per
       (prefill tile, kv loop iteration) and one per decode work item, padding excluded.
+    num_kv_heads: K of a 3-D pool (static); default F // H (no padding).
 
   Returns:
     [T, N, H] in `q_TNH.dtype`: the attention output for each real token; zeros for rows past
@@ -394,8 +435,8 @@ def paged_attention_reference(
     ValueError: on inconsistent shapes or dtypes; when the metadata is concrete, also on bad
       values (see `check_values`).
   """
-  _, _, h_, _, bs_, _, _, _ = check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens,
-                                           query_start_loc, num_seqs)
+  _, _, h_, _, bs_, k_, _, _ = check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens,
+                                            query_start_loc, num_seqs, num_kv_heads)
   check_values(q_TNH, k_pool, block_tables, context_lens, query_start_loc, num_seqs)
   if decode_kv_tokens_per_step is None:
     decode_kv_tokens_per_step = kv_tokens_per_step
@@ -413,5 +454,5 @@ def paged_attention_reference(
                               long_query_block=int(long_query_block),
                               long_blocks_per_step=cdiv(int(long_kv_tokens_per_step), bs_),
                               decode_blocks_per_step=cdiv(int(decode_kv_tokens_per_step), bs_),
-                              decode_items_per_iter=int(decode_items_per_iter))
+                              decode_items_per_iter=int(decode_items_per_iter), num_kv_heads=k_)
   return (out, steps) if return_num_kv_steps else out

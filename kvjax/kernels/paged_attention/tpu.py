@@ -3,13 +3,16 @@
 Grid `(W query tiles, K / Kb kv-head groups, cdiv(M, n) kv steps)`; the tile metadata and the
 block tables are scalar-prefetched into SMEM, and the pool BlockSpecs' index maps read the block
 table, so the pipeline DMAs exactly the pool blocks a tile needs: n blocks per grid step, each a
-`[block_size, Kb, H]` slab. Steps past a tile's last visible block clamp to that block (the same
-block index, so no new DMA) and skip compute (`pl.when`): HBM traffic follows each tile's real
-context. Online softmax state lives in VMEM scratch across the kv axis ("arbitrary");
-the output block is written once, at the last kv step.
+`[block_size, F]` slab of the pool `[P, B, F]` (the engine's layout, `kvjax.models.kv_cache.
+PoolLayout`: heads folded into the lane axis and padded to whole 128 lanes, so a block is whole
+(sublane, lane) tiles and the pool needs no conversion; head h of a slab is lanes
+`[h * H, (h + 1) * H)`; with Kb < K heads per step, `[block_size, Kb * H]`). Steps past a tile's
+last visible block clamp to that block (the same block index, so no new DMA) and skip compute
+(`pl.when`): HBM traffic follows each tile's real context. Online softmax state lives in VMEM
+scratch across the kv axis ("arbitrary"); the output block is written once, at the last kv step.
 
-    grid step (w, g, j)    q block [1, Kb, tq*G, H]     k/v blocks i = 0..n-1: [1, Bs, Kb, H]
-                           index (w, g, 0, 0)           index (bt[seq[w], min(j*n+i, last[w])], 0, g, 0)
+    grid step (w, g, j)    q block [1, Kb, tq*G, H]     k/v blocks i = 0..n-1: [1, Bs, Kb * H]
+                           index (w, g, 0, 0)           (bt[seq[w], min(j*n+i, last[w])], 0, g)
 
 Studied for shapes: jax `pallas/ops/tpu/ragged_paged_attention` (manual double-buffered DMA over
 flattened queries) and `pallas/ops/tpu/paged_attention` (block-table index maps). Written here;
@@ -28,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels.paged_attention import tiles as tiles_lib
 from kvjax.kernels.platform import resolve_platform
 from kvjax.kernels.paged_attention.reference import (MASK_VALUE, cdiv, check_shapes, check_values,
-                                                     resolve_scale)
+                                                     fold_pool, resolve_scale)
 
 # ---------------------------------------------------------------------------------------------
 # Block sizes.
@@ -50,7 +53,7 @@ _LANES = 128  # m and l scratch are lane-broadcast (Mosaic slices whole lanes).
 
 def _tpu_kernel(seq_ref, pos0_ref, kv_len_ref, bt_ref,  # SMEM int32 [W], [W], [W], [S, Mw]
                 q_ref,                 # [1, Kb, R, H]  R = tq * G rows, (token, group) order
-                *refs,                 # n k blocks, n v blocks [1, Bs, Kb, H]; o [1, Kb, R, H]
+                *refs,                 # n k blocks, n v blocks [1, Bs, Kb * H]; o [1, Kb, R, H]
                                        # (+ partial: m, l [1, Kb, R, 128] f32);
                                        # scratch m, l [Kb, R, 128] f32, acc [Kb, R, H] f32
                 sm_scale, group, blocks_per_step, col0=0, partial=False):
@@ -83,8 +86,8 @@ def _tpu_kernel(seq_ref, pos0_ref, kv_len_ref, bt_ref,  # SMEM int32 [W], [W], [
       in_len_S1 = start + jax.lax.broadcasted_iota(jnp.int32, (bs_, 1), 0) < kv_len
       for h in range(kb):
         q_RH = q_ref[0, h]
-        k_SH = k_refs[i][0, :, h, :].astype(q_RH.dtype)
-        v_SH = jnp.where(in_len_S1, v_refs[i][0, :, h, :], 0)  # stale/NaN past the context
+        k_SH = k_refs[i][0, :, h * h_:(h + 1) * h_].astype(q_RH.dtype)
+        v_SH = jnp.where(in_len_S1, v_refs[i][0, :, h * h_:(h + 1) * h_], 0)  # stale/NaN past
         s_RS = jax.lax.dot_general(q_RH, k_SH, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32) * sm_scale
         s_RS = jnp.where(valid_RS, s_RS, MASK_VALUE)
@@ -124,12 +127,13 @@ def _window_columns(s_: int, m_: int, n: int, max_entries: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "query_block", "blocks_per_step",
                                              "kv_heads_per_block", "max_table_entries",
-                                             "interpret"))
+                                             "interpret", "num_kv_heads"))
 def _tpu_jit(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc, num_seqs, *,
              sm_scale, query_block, blocks_per_step, kv_heads_per_block, max_table_entries,
-             interpret):
+             interpret, num_kv_heads):
   t_, n_, h_ = q_TNH.shape
-  p_, bs_, k_, _ = k_pool.shape
+  p_, bs_, f_ = k_pool.shape
+  k_ = num_kv_heads
   g_ = n_ // k_
   s_, m_ = block_tables.shape
   tq, n, kb = query_block, blocks_per_step, kv_heads_per_block
@@ -150,12 +154,15 @@ def _tpu_jit(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc,
         del pos0_ref
         last = jnp.maximum(cdiv(kv_len_ref[w], bs_) - 1, 0)
         col = jnp.clip(jnp.minimum(col0 + j * n + i, last) - col0, 0, cols - 1)
-        return bt_ref[seq_ref[w], col], 0, g, 0
+        return bt_ref[seq_ref[w], col], 0, g
       return index_map
 
     q_spec = pl.BlockSpec((1, kb, r_, h_), lambda w, g, j, *_: (w, g, 0, 0))
     stat_spec = pl.BlockSpec((1, kb, r_, _LANES), lambda w, g, j, *_: (w, g, 0, 0))
-    kv_specs = [pl.BlockSpec((1, bs_, kb, h_), kv_index(i)) for i in range(n)]
+    # All K heads in one step: the whole F (padding lanes included, never read); else Kb * H
+    # lanes (a multiple of 128, checked, with no padding in F).
+    kv_specs = [pl.BlockSpec((1, bs_, f_ if kb == k_ else kb * h_), kv_index(i))
+                for i in range(n)]
     stat_shape = jax.ShapeDtypeStruct((w_, k_, r_, _LANES), jnp.float32)
     out_shape = (jax.ShapeDtypeStruct(q_WKRH.shape, jnp.float32), stat_shape, stat_shape
                  ) if partial else jax.ShapeDtypeStruct(q_WKRH.shape, q_TNH.dtype)
@@ -204,6 +211,7 @@ def paged_attention_tpu(
     max_table_entries: int = DEFAULT_TPU_MAX_TABLE_ENTRIES,
     interpret: bool = False,
     platform: str | None = None,
+    num_kv_heads: int | None = None,
 ) -> jax.Array:
   """Ragged paged attention, Pallas TPU kernel `ragged_paged_attention_tpu`.
 
@@ -212,32 +220,39 @@ def paged_attention_tpu(
   Args:
     query_block: query tokens per tile (static).
     kv_tokens_per_step: kv tokens per grid step, rounded up to whole pool blocks (static).
-    kv_heads_per_block: kv heads per grid step, Kb; default all K. Must divide K and be K or a
-      multiple of 8 (Mosaic's second-minor block rule for the `[.., Kb, H]` pool blocks).
+    kv_heads_per_block: kv heads per grid step, Kb; default all K. Must divide K and be K or
+      have `Kb * H` a multiple of 128 (Mosaic's lane rule for the `[.., Kb * H]` pool blocks).
     max_table_entries: block-table entries one kernel call holds in SMEM (static); a longer
       `[S, M]` table is cut into windows of whole kv steps, one call each, merged by their
       softmax statistics.
     interpret: run in Pallas interpret mode (CPU tests); False compiles with Mosaic (TPU only).
     platform: the target ("cpu" | "tpu" | "cuda"); None: the platform being compiled for
       (`kvjax.kernels.platform.resolve_platform`: TPU topology devices count, the host does not).
+    num_kv_heads: K of a 3-D pool `[P, B, F]` (static; the heads are its first K * H lanes);
+      default F // H.
 
   Raises:
     ValueError: as `paged_attention_reference`; on a bad block size; interpret=False for a
       target other than TPU.
   """
   _, _, h_, _, bs_, k_, _, _ = check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens,
-                                            query_start_loc, num_seqs)
+                                            query_start_loc, num_seqs, num_kv_heads)
   check_values(q_TNH, k_pool, block_tables, context_lens, query_start_loc, num_seqs)
   kb = k_ if kv_heads_per_block is None else int(kv_heads_per_block)
-  if kb < 1 or k_ % kb or (kb != k_ and kb % 8):
-    raise ValueError(f"kv_heads_per_block={kb} must divide K={k_} and be K or a multiple of 8")
+  padded = len(k_pool.shape) == 3 and k_pool.shape[2] != k_ * h_
+  if kb < 1 or k_ % kb or (kb != k_ and ((kb * h_) % 128 or padded)):
+    raise ValueError(f"kv_heads_per_block={kb} must divide K={k_} and be K or have Kb * H "
+                     f"(H={h_}) a multiple of 128 in an unpadded pool")
   if query_block < 1 or kv_tokens_per_step < 1 or max_table_entries < 1:
     raise ValueError(f"query_block={query_block}, kv_tokens_per_step={kv_tokens_per_step}, "
                      f"max_table_entries={max_table_entries} must be positive")
   if not interpret and resolve_platform(platform) != "tpu":
     raise ValueError("paged_attention_tpu compiles for TPU only; pass interpret=True elsewhere")
-  return _tpu_jit(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_loc,
-                  jnp.asarray(num_seqs, jnp.int32).reshape(()),
+  # A pool given as [P, B, K, H] is folded (a layout change on TPU: the engine's pool is folded
+  # already, `kvjax.models.kv_cache.PagedKVCache`).
+  return _tpu_jit(q_TNH, fold_pool(k_pool), fold_pool(v_pool), block_tables, context_lens,
+                  query_start_loc, jnp.asarray(num_seqs, jnp.int32).reshape(()),
                   sm_scale=resolve_scale(sm_scale, h_), query_block=int(query_block),
                   blocks_per_step=cdiv(int(kv_tokens_per_step), bs_), kv_heads_per_block=kb,
-                  max_table_entries=int(max_table_entries), interpret=bool(interpret))
+                  max_table_entries=int(max_table_entries), interpret=bool(interpret),
+                  num_kv_heads=k_)
