@@ -297,8 +297,9 @@ class LLM:
       sequences, one ragged jit call per step, a device prefix cache, preemption when the pool
       is full); `kv_chunk_size` must be a multiple.
     kv_cache_memory_bytes: the pool's size, bytes; default on CPU the smaller of 2 GiB and what
-      `max_num_seqs` sequences of `max_model_len` tokens need, on an accelerator 80% of free
-      device memory.
+      `max_num_seqs` sequences of `max_model_len` tokens need, on an accelerator what the
+      compiled step leaves of the device's memory (`paged_runner.fit_num_blocks`; 80% of free
+      memory where the device reports no memory analysis).
     enable_prefix_caching: keep finished prefixes' full blocks on the device and share them
       with later requests (namespace + `cache_salt`); `reset_prefix_cache()` empties it.
     session_ttl_s: chat sessions (`chat(..., session_id=...)`, `kvjax.engine.sessions`): seconds
