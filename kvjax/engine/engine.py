@@ -276,8 +276,8 @@ class Engine:
       eviction and prefetched toward the host tier (`LoadConfig.lookahead_window`; CachedAttention
       arXiv 2403.19708, section 3.3); 0: off (plain LRU, no prefetch).
 
-  The KV cache is the runner's block pool (issue 11): the scheduler owns a `KVCacheManager`
-  over it and each step is one ragged jit call.
+  The KV cache is the runner's block pool (`docs/design/paged-memory.md`): the scheduler owns
+  a `KVCacheManager` over it and each step is one ragged jit call.
 
   Raises:
     ValueError: unknown merge mode, or a scheduler config that does not match the runner.
@@ -462,8 +462,8 @@ class Engine:
                       target_ids: Sequence[int], spans: Sequence[Any],
                       target_salt: str, *, boundary_chunks: int = 0) -> int:
     """Stores the KV of a truncated session prompt's kept tokens, re-rotated, under a private
-    namespace (CachedAttention, arXiv 2403.19708, section 3.4; `docs/architecture.md`,
-    "Truncation that keeps the cache").
+    namespace (CachedAttention, arXiv 2403.19708, section 3.4; `docs/design/truncation.md`,
+    "Re-rotation").
 
     `target_ids` is `source_ids` with tokens dropped: each kept span (`KeptSpan`: `src_start`,
     `dst_start`, `length`) maps `source_ids[src:src + n]` to `target_ids[dst:dst + n]`. The
@@ -480,8 +480,8 @@ class Engine:
 
     `boundary_chunks` b: the target's first b chunks (the system prompt and the seam, the kept
     tokens right after the dropped ones, whose KV deviates most from a recompute) are not
-    staged; they stay holes that the request computes exactly (`docs/architecture.md`,
-    "Truncation that keeps the cache": measured by `scripts/bench_truncation.py`).
+    staged; they stay holes that the request computes exactly (`docs/design/truncation.md`,
+    "What the gap is made of": measured by `scripts/bench_truncation.py`).
 
     Returns:
       Target tokens staged (a multiple of the chunk size, < len(target_ids)): chunks

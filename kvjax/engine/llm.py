@@ -199,7 +199,7 @@ def _check_codec_options(codec, levels, chunk_size, *, with_store: bool) -> tupl
 
 def _check_paged_options(block_size, kv_cache_memory_bytes, chunk_size, *,
                          with_store: bool) -> None:
-  """Checks the KV pool's options (issue 11) by their user-facing names.
+  """Checks the KV pool's options (`docs/design/paged-memory.md`) by their user-facing names.
 
   Raises:
     ValueError: a non-positive size, or (with a store) a `kv_chunk_size` that is not a whole
@@ -293,12 +293,13 @@ class LLM:
       and smaller prefill steps; identical requests then get identical answers.
     compile_on_init: compile (or load from JAX's persistent cache) every program a request can
       run before returning (`warmup`), so no request's TTFT includes a compile.
-    block_size: tokens per block of the KV pool, B (issue 11: one block pool shared by all
+    block_size: tokens per block of the KV pool, B (one block pool shared by all
       sequences, one ragged jit call per step, a device prefix cache, preemption when the pool
       is full); `kv_chunk_size` must be a multiple.
     kv_cache_memory_bytes: the pool's size, bytes; default on CPU the smaller of 2 GiB and what
-      `max_num_seqs` sequences of `max_model_len` tokens need, on an accelerator 80% of free
-      device memory.
+      `max_num_seqs` sequences of `max_model_len` tokens need, on an accelerator what the
+      compiled step leaves of the device's memory (`paged_runner.fit_num_blocks`; 80% of free
+      memory where the device reports no memory analysis).
     enable_prefix_caching: keep finished prefixes' full blocks on the device and share them
       with later requests (namespace + `cache_salt`); `reset_prefix_cache()` empties it.
     session_ttl_s: chat sessions (`chat(..., session_id=...)`, `kvjax.engine.sessions`): seconds
@@ -306,14 +307,14 @@ class LLM:
     max_sessions: sessions held at once (the least recently used idle one is dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped, least recently
       used first, beyond).
-    tensor_parallel_size: N, devices the model is split over (issue 14): a
+    tensor_parallel_size: N, devices the model is split over: a
       `tp` mesh over the first N devices, parameters sharded Megatron-style, the pool by KV head
       (`kvjax.models.sharding`). N must divide the attention heads and the MLP width, and the KV
       heads must be a multiple of N or N a multiple of them (vLLM's rule). The pool keeps the
       blocks `kv_cache_memory_bytes` gives one device, so plans do not depend on N; each device
       holds its heads of them. The store is unchanged: chunks stay `[L, 2, C, K, H]` whole, so
       replicas of any N share one store. 1 (default): no mesh, the single-device program.
-    coordinator_address, num_processes, process_id: multi-host as one program (issue 14):
+    coordinator_address, num_processes, process_id: multi-host as one program:
       `jax.distributed.initialize` with these (host:port of process 0; CPU collectives through
       gloo) before anything else; every process constructs the same `LLM`, and
       `tensor_parallel_size` must then be the global device count. Process 0 runs the engine

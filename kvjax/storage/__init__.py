@@ -1,6 +1,6 @@
 """kvjax storage: chunk keys, codec byte formats, tensorstore specs, the verified chunk store,
 tiers, link emulation, eviction and the tier placement planner (numpy, tensorstore, zstandard,
-pcodec and xxhash only, no JAX). See DESIGN.md sections 3-5.
+pcodec and xxhash only, no JAX). See `docs/design/storage-format.md`.
 """
 
 from kvjax.storage.chunk_store import (ByteLimiter, ChunkStore, StoreStats, choose_codec,

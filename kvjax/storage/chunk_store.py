@@ -1,6 +1,6 @@
 """The chunk store: async get/put/contains of stored KV chunks over a tensorstore kvstore.
 
-Architecture (DESIGN.md sections 3-5):
+Architecture (`docs/design/storage-format.md`):
 
   kvstore root (memory | file | ocdbt+file | s3)
     index/<chunk_hash>.json                     ChunkRecord, written LAST, only if absent

@@ -1,4 +1,5 @@
-"""Chunk keys: chained SHA-256 over token ids, seeded by a key namespace (DESIGN.md section 4).
+"""Chunk keys: chained SHA-256 over token ids, seeded by a key namespace
+(`docs/design/storage-format.md`).
 
 A prompt is cut into full chunks of C tokens; chunk i's key hashes chunk i-1's key, its own C
 token ids and optional extras (e.g. multimodal content ids):

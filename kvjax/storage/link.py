@@ -1,4 +1,4 @@
-"""Link emulation: a token-bucket limiter on one tier's reads (DESIGN.md section 5).
+"""Link emulation: a token-bucket limiter on one tier's reads (`docs/design/storage-format.md`).
 
 Benchmarks reproduce the papers' links (7-100 Gbps on a GPU, Cake arXiv 2410.03065 section 6;
 CacheGen arXiv 2310.07240 section 7) and their fluctuations by pacing every read of a tier through

@@ -1,4 +1,5 @@
-"""Pure functions that build tensorstore specs for the chunk store (DESIGN.md section 5).
+"""Pure functions that build tensorstore specs for the chunk store
+(`docs/design/storage-format.md`).
 
 Nothing here opens or touches storage: each function maps arguments to a JSON-able dict, so specs
 are easy to test and to log.
@@ -40,8 +41,8 @@ def default_root() -> str:
 
 
 #: zstd (level 1) inside the shard. Off: measured on [30, 2, 256, 3, 64] chunks (memory kvstore,
-#: 2 CPU cores) it shrank float32 values 1.08x and bfloat16 1.28x (the same 1.28x DESIGN.md
-#: section 8 found on real bf16 KV), while writes got 4-10x and reads 1-8x slower. Real size
+#: 2 CPU cores) it shrank float32 values 1.08x and bfloat16 1.28x (the same 1.28x measured
+#: on real bf16 KV), while writes got 4-10x and reads 1-8x slower. Real size
 #: savings belong to the quantizing codecs.
 DEFAULT_ZSTD_LEVEL: int | None = None
 

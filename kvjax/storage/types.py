@@ -2,7 +2,7 @@
 
 A stored chunk is C tokens of KV for all layers, `[L, 2, C, K, H]` (K before RoPE, then V), plus
 an index record that says which tokens it holds, under which key namespace, in which layout, and
-which encodings of it exist (DESIGN.md sections 4 and 5). The codec is not part of the key: a
+which encodings of it exist (`docs/design/storage-format.md`). The codec is not part of the key: a
 reader picks any encoding it can decode.
 """
 
