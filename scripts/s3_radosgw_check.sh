@@ -13,7 +13,7 @@
 #      whether it works;
 #   5. two replicas on the bucket (issue 14): two `LLM("tiny")` engines, each with its own store
 #      client on s3://kvjax-rgw/replicas, serve each other's documents with loaded chunks and the
-#      same tokens (the check tests/serve/replicas_test.py runs against moto);
+#      same tokens (the check tests/integration/serve/replicas_test.py runs against moto);
 #   6. stops every daemon it started (by pid) and removes the cluster directory.
 #
 # Measured here (Debian 12, ceph 16.2.15 pacific, 2 CPU cores, no IPv6): install ~2 min; the

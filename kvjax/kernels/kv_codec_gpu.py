@@ -33,7 +33,7 @@ Triton needs C, H, tc, C / G and C / T to be powers of two (SmolLM2 and LLaMA ch
 checked, ValueError otherwise). Launch: 4 warps for decode and int4 encode, 8 for the
 whole-slice encoders, 1 stage (no loop to pipeline).
 
-Tested in interpret mode against the jnp references (tests/kernels/kv_codec_gpu_test.py), lowered
+Tested in interpret mode against the jnp references (tests/integration/kernels/kv_codec_gpu_test.py), lowered
 for CUDA on CPU through `jax.export` there, and compiled on an H200 by scripts/device_check.sh
 (scripts/device_check_codec.py: codes against the CPU reference, decode error in ulps, GB/s;
 figures in benchmarks/README.md, "Kernels on a GPU").

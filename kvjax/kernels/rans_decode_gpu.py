@@ -16,7 +16,7 @@ copies it cannot place; with Triton params every band shape lowers). The step ma
 Triton wants power-of-two block dims: Z = 2**scale_bits is one; B (lanes: padding lanes decode
 nothing), W (words: zeros past num_words) and T (output rows) are padded up to powers of two in
 the jit, and the padding is cut off the result. Tested in interpret mode against the jnp
-reference (tests/kernels/rans_decode_gpu_test.py), lowered for CUDA on CPU there, compiled on an
+reference (tests/integration/kernels/rans_decode_gpu_test.py), lowered for CUDA on CPU there, compiled on an
 H200 by scripts/device_check.sh.
 """
 

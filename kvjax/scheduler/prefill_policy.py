@@ -49,7 +49,7 @@ one with at most twice the tokens left of the hit a rule serves (the hit's token
 loads are in; for a, the step so far or the smallest chunk size, the larger), so two hits' tails
 in one step do not split each other; short prefills are planned whole. Many short prompts at
 once are thus admitted as the budget allows, not one a step (64 prompts of 40 tokens: 12 a step,
-as with the rules off; `tests/scheduler/admission_test.py`). A long prompt beside hits pays a
+as with the rules off; `tests/unit/scheduler/admission_test.py`). A long prompt beside hits pays a
 few more, smaller steps (a step's fixed cost each); a step with no hit near its first token is
 whole. Both rules are bounded: the longer prefills together still advance at least the smallest
 chunk size a step. Rule c is bounded by half a step per hit (a stuck or slow load cannot hold

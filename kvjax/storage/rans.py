@@ -47,7 +47,7 @@ Byte format, version 1 (little endian):
 
 Costs: 4 bytes per non-empty stream (its final state) on top of the words, 8 + count + 2 *
 (frequencies >= 255) bytes per model, 52 bytes of header; measured against the empirical entropy and pcodec/zstd in
-`tests/storage/rans_test.py` and `scripts/bench_rans.py`.
+`tests/unit/storage/rans_test.py` and `scripts/bench_rans.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One process of a multi-host run over 127.0.0.1, for `tests/models/multihost_test.py`.
+"""One process of a multi-host run over 127.0.0.1, for `tests/integration/models/multihost_test.py`.
 
 Every process runs this same program with its own `--process_id`:
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel checks in a process of their own, for `tests/models/tensor_parallel_test.py`.
+"""Tensor-parallel checks in a process of their own, for `tests/integration/models/tensor_parallel_test.py`.
 
 The host-platform device count is fixed when jax starts, so the test suite (one CPU device)
 runs this module in a subprocess with `XLA_FLAGS=--xla_force_host_platform_device_count=8`:

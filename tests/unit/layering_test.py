@@ -1,0 +1,246 @@
+"""Holds the import direction between rooms (DESIGN.md section 2).
+
+Bottom floors (`kvjax/_typing.py`, `kvjax/_paths.py`, `kvjax/codecs.py`, the codec registry,
+`kvjax/block_hash.py`) import no kvjax module but `kvjax._typing` and no array or storage library, so every room may import them.
+"""
+
+import ast
+import pathlib
+
+from absl.testing import absltest
+
+PKG = pathlib.Path(__file__).resolve().parents[2] / "kvjax"
+
+# Room -> top-level modules (kvjax rooms or third-party packages) it must not import.
+FORBIDDEN = {
+    "kernels": {"kvjax.models", "kvjax.storage", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
+                "kvjax.testing", "flax", "tensorstore"},
+    "scheduler": {"kvjax.models", "kvjax.kernels", "kvjax.storage", "kvjax.engine", "kvjax.serve",
+                  "kvjax.testing", "jax", "flax", "tensorstore"},
+    "storage": {"kvjax.models", "kvjax.kernels", "kvjax.engine", "kvjax.serve", "kvjax.scheduler",
+                "kvjax.testing", "jax", "flax"},
+    "models": {"kvjax.storage", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
+               "kvjax.testing"},
+    "engine": {"kvjax.serve", "kvjax.testing"},
+    "serve": {"kvjax.testing", "jax", "flax", "tensorstore"},
+    # The operator CLI works on stores through the storage room, never through an engine.
+    "store": {"kvjax.models", "kvjax.kernels", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
+              "kvjax.testing", "jax", "flax"},
+}
+
+# Bottom-floor modules -> the only kvjax modules they may import, and the libraries they must not.
+BOTTOM_FLOORS = {"_typing.py": set(), "_paths.py": set(), "codecs.py": {"kvjax._typing"},
+                 "block_hash.py": {"kvjax._typing"}}
+BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"}
+
+# Room -> the only kvjax modules it may import (besides itself): serve sees the engine and the
+# request types, nothing below them.
+ALLOWED_KVJAX = {
+    "serve": {"kvjax.serve", "kvjax.engine", "kvjax.scheduler.request", "kvjax._typing",
+              "kvjax.codecs"},
+    "store": {"kvjax.store", "kvjax.storage", "kvjax.codecs", "kvjax._typing", "kvjax._paths"},
+}
+
+
+# Storage floors, bottom first: a storage module imports storage modules of lower floors only
+# (no upward arrow, hence no cycle), and every storage module has its floor. The placement policy
+# (`eviction`: the policy classes and the one leaf-first victim function) and the planner
+# (`placement`) sit below every mover: the real tiers (`host_tier`, `tier_mover`, `tiers`) and
+# the simulator both build on them. The chunk store's parts (object names, run-time plumbing,
+# object reads, S3 publish mode, maintenance) sit below the store core (`chunk_store`), and the
+# tier interface and the mover below `tiers`.
+STORAGE_FLOORS = (
+    ("types", "checksum", "keys", "link", "store_config", "eviction"),
+    ("specs", "rans", "placement", "store_runtime", "object_io"),
+    ("entropy", "store_layout"),
+    ("codecs", "s3_conditional"),
+    ("host_tier", "store_admin"),
+    ("chunk_store", "tier_api"),
+    ("tier_mover",),
+    ("tiers",),
+)
+# Scheduler floors, bottom first, as the storage ones: the scheduler (the owner of request
+# state) sits on top; its policies (prefill order and short first-token steps, transfers, the
+# paged layout's device prefix), CakeMerge's state records, forecasts and compute share, the
+# configuration and the store side of its requests (`prefix_loads`) sit below it; none imports it.
+SCHEDULER_FLOORS = (
+    ("cost_model", "level_policy", "request", "output", "block_pool", "cake_share"),
+    ("cake_state", "kv_cache_manager", "prefill_policy"),
+    ("cake_forecast", "device_prefix", "config"),
+    ("cake",),
+    ("transfer_policy",),
+    ("prefix_loads",),
+    ("scheduler",),
+)
+# The policy modules read plain records: no scheduler state module above them.
+SCHEDULER_POLICIES = {
+    "prefill_policy": {"kvjax._typing", "kvjax.scheduler.request"},
+    "cake_forecast": {"kvjax.scheduler.cake_state", "kvjax.scheduler.cost_model"},
+    "cake_share": set(),
+    "transfer_policy": {"kvjax.scheduler.cake", "kvjax.scheduler.cake_state",
+                        "kvjax.scheduler.output"},
+}
+
+# The policy and the planner are pure Python: no array, storage or I/O library.
+PURE_STORAGE = {"eviction": {"kvjax._typing", "kvjax.storage.eviction"},
+                "placement": {"kvjax.storage.eviction"}}
+PURE_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec", "asyncio"}
+
+
+def kvjax_modules():
+  """Module name -> path, for every module of the package."""
+  out = {}
+  for path in PKG.rglob("*.py"):
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def top_level_kvjax_imports(path, modules):
+  """The kvjax modules `path` imports at module level (`from kvjax.a import b` counts as
+  kvjax.a.b when that is a module, else kvjax.a)."""
+  out = set()
+  for node in ast.parse(path.read_text(), filename=str(path)).body:
+    if isinstance(node, ast.Import):
+      out |= {a.name for a in node.names if a.name in modules}
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      for a in node.names:
+        full = f"{node.module}.{a.name}"
+        if full in modules:
+          out.add(full)
+        elif node.module in modules:
+          out.add(node.module)
+  return out
+
+
+def imported_modules(path):
+  tree = ast.parse(path.read_text(), filename=str(path))
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module == "kvjax" and not node.level:
+      yield from (f"kvjax.{a.name}" for a in node.names)  # from kvjax import codecs
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      yield node.module
+
+
+class LayeringTest(absltest.TestCase):
+
+  def test_rooms_import_only_downstream(self):
+    violations = []
+    for room, forbidden in FORBIDDEN.items():
+      for path in sorted((PKG / room).rglob("*.py")):
+        for mod in imported_modules(path):
+          if any(mod == f or mod.startswith(f + ".") for f in forbidden):
+            violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_rooms_import_only_allowed_kvjax_modules(self):
+    violations = []
+    for room, allowed in ALLOWED_KVJAX.items():
+      for path in sorted((PKG / room).rglob("*.py")):
+        for mod in imported_modules(path):
+          if (mod == "kvjax" or mod.startswith("kvjax.")) and not any(
+              mod == a or mod.startswith(a + ".") for a in allowed):
+            violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_bottom_floors_import_nothing_above_them(self):
+    violations = []
+    for name, allowed in BOTTOM_FLOORS.items():
+      for mod in imported_modules(PKG / name):
+        top = mod.split(".")[0]
+        if (top == "kvjax" and mod not in allowed) or top in BOTTOM_FORBIDDEN:
+          violations.append(f"kvjax/{name} imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_storage_modules_import_only_lower_floors(self):
+    floor = {m: i for i, ms in enumerate(STORAGE_FLOORS) for m in ms}
+    modules = kvjax_modules()
+    names = sorted(p.stem for p in (PKG / "storage").glob("*.py") if p.stem != "__init__")
+    self.assertEqual(sorted(floor), names)  # a new storage module needs its floor here
+    violations = []
+    for name in names:
+      path = PKG / "storage" / f"{name}.py"
+      for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
+        dep = mod.split(".")[2] if mod.startswith("kvjax.storage.") else None
+        if dep in floor and floor[dep] >= floor[name]:
+          violations.append(f"kvjax/storage/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_scheduler_modules_import_only_lower_floors(self):
+    floor = {m: i for i, ms in enumerate(SCHEDULER_FLOORS) for m in ms}
+    modules = kvjax_modules()
+    names = sorted(p.stem for p in (PKG / "scheduler").glob("*.py") if p.stem != "__init__")
+    self.assertEqual(sorted(floor), names)  # a new scheduler module needs its floor here
+    violations = []
+    for name in names:
+      path = PKG / "scheduler" / f"{name}.py"
+      for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
+        dep = mod.split(".")[2] if mod.startswith("kvjax.scheduler.") else None
+        if dep in floor and floor[dep] >= floor[name]:
+          violations.append(f"kvjax/scheduler/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_scheduler_policies_import_only_plain_records(self):
+    violations = []
+    for name, allowed in SCHEDULER_POLICIES.items():
+      for mod in imported_modules(PKG / "scheduler" / f"{name}.py"):
+        top = mod.split(".")[0]
+        if (top == "kvjax" and mod not in allowed) or top in PURE_FORBIDDEN:
+          violations.append(f"kvjax/scheduler/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_the_policy_and_the_planner_are_pure(self):
+    violations = []
+    for name, allowed in PURE_STORAGE.items():
+      for mod in imported_modules(PKG / "storage" / f"{name}.py"):
+        top = mod.split(".")[0]
+        if (top == "kvjax" and mod not in allowed) or top in PURE_FORBIDDEN:
+          violations.append(f"kvjax/storage/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_the_simulator_and_the_real_tiers_share_one_policy_registry(self):
+    # session_sim replays the planner with the policy classes the real tiers build
+    # (`eviction.make_policy`); neither keeps a registry of its own.
+    sim = set(imported_modules(PKG / "testing" / "session_sim.py"))
+    self.assertTrue({"kvjax.storage.eviction", "kvjax.storage.placement"} <= sim, sim)
+    for path in ("storage/tiers.py", "storage/placement.py", "testing/session_sim.py"):
+      self.assertIn("make_policy", (PKG / path).read_text(), path)
+      self.assertNotIn("POLICIES: dict", (PKG / path).read_text(), path)
+
+  def test_no_import_cycle(self):
+    modules = kvjax_modules()
+    graph = {m: top_level_kvjax_imports(p, modules) - {m} for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m, path):
+      state[m] = 1
+      for d in sorted(graph[m]):
+        if state.get(d) == 1:
+          cycles.append(" -> ".join(path[path.index(d):] + [d]))
+        elif d not in state:
+          visit(d, path + [d])
+      state[m] = 2
+
+    for m in sorted(graph):
+      if m not in state:
+        visit(m, [m])
+    self.assertEqual(cycles, [])
+
+  def test_the_codec_rooms_read_the_registry(self):
+    # Kernels (the math) and storage (the byte format) take codec ids, levels and the chunk-size
+    # rule from kvjax.codecs, so they cannot disagree.
+    for path in ("kernels/kv_codec.py", "storage/codecs.py"):
+      self.assertIn("kvjax.codecs", set(imported_modules(PKG / path)), path)
+
+  def test_rooms_exist(self):
+    for room in ("kernels", "scheduler", "models", "engine", "storage", "serve", "store"):
+      self.assertTrue((PKG / room / "__init__.py").is_file(), room)
+    for name in BOTTOM_FLOORS:
+      self.assertTrue((PKG / name).is_file(), name)
+
+
+if __name__ == "__main__":
+  absltest.main()
