@@ -13,7 +13,7 @@ from kvjax.engine import sessions
 from kvjax.engine.sessions import KeptSpan, truncate_prompt
 from kvjax.models.paged_runner import SeqChunk
 
-from tests.engine.sessions_test import smollm2_tokenizer
+from tests.integration.engine.sessions_test import smollm2_tokenizer
 
 
 def conv(*turns, system=None):

@@ -8,7 +8,7 @@ from absl.testing import absltest, parameterized
 
 from kvjax.kernels import paged_attention as pa
 from kvjax.kernels.paged_attention import tpu as tpu_lib
-from tests.kernels.paged_attention_test import BS, CASES, HEADS, TOL, make_batch
+from tests.integration.kernels.paged_attention_test import BS, CASES, HEADS, TOL, make_batch
 
 
 class WindowedTableTest(parameterized.TestCase):
