@@ -6,7 +6,7 @@ what the gap between re-rotated and recomputed KV is made of.
 For each ShareGPT conversation (../shared/data/sharegpt/sharegpt_v3_multiturn_1000.json,
 SmolLM2's chat template, its default system prompt) we take the last round whose history (every
 message before the assistant's reply, generation prompt included) exceeds `--max_context`
-tokens, truncate that history with the sessions' rule (`kvjax.engine.sessions.truncate_prompt`,
+tokens, truncate that history with the sessions' rule (`kvjax.sessions.truncate_prompt`,
 `drop_oldest_turns`: keep the system prompt and the last user message, drop whole oldest turns
 until it fits) and score the reply's first `--max_reply` tokens (mean negative log-likelihood,
 perplexity = exp of it) on the same paged model runner (one fixed block table per variant). The truncated prompt is
@@ -87,7 +87,7 @@ import numpy as np
 
 from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
 from kvjax import LLM
-from kvjax.engine import sessions as sess
+from kvjax import sessions as sess
 from kvjax.kernels.attention import dense_attention_reference
 from kvjax.models import layers, llama
 from kvjax.models.kv_cache import PagedKVCache

@@ -540,7 +540,8 @@ class KVStoreClient:
     """Reads prefix chunks synchronously (verified like every load; not through the load
     pipeline, no staging): `{index: [L, 2, C, K, H] K before RoPE and V}` for each of `indices`
     the lookup found stored with a raw encoding and that verified; the others are left out (a
-    lossy-only chunk, a miss). Used by session re-rotation (`Engine.stage_rerotated`).
+    lossy-only chunk, a miss). Used by session re-rotation
+    (`kvjax.engine.rerotation.stage_rerotated`).
     """
     c = self.chunk_size
     want = [i for i in indices if i < len(lookup.present) and lookup.present[i] is not None]

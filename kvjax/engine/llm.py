@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -20,10 +21,7 @@ import jax.numpy as jnp
 from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.kv_store_client import KVStoreClient
-from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
-                                   DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
-                                   DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry,
-                                   check_client_salt)
+from kvjax.engine.rerotation import stage_rerotated
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION
 from kvjax.models.llama import Llama
@@ -36,6 +34,10 @@ from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
 from kvjax.scheduler.request import SamplingParams
 from kvjax.scheduler.scheduler import PREFILL_ORDERS, SHORTEST_FIRST, SchedulerConfig
+from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
+                            DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
+                            DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry, StageFn,
+                            check_client_salt, run_turn)
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
 from kvjax.storage.specs import kvstore_spec
@@ -302,7 +304,7 @@ class LLM:
       memory where the device reports no memory analysis).
     enable_prefix_caching: keep finished prefixes' full blocks on the device and share them
       with later requests (namespace + `cache_salt`); `reset_prefix_cache()` empties it.
-    session_ttl_s: chat sessions (`chat(..., session_id=...)`, `kvjax.engine.sessions`): seconds
+    session_ttl_s: chat sessions (`chat(..., session_id=...)`, `kvjax.sessions`): seconds
       a session may stay idle before it expires; None: never.
     max_sessions: sessions held at once (the least recently used idle one is dropped beyond).
     max_session_tokens: token ids held over all sessions (idle sessions dropped, least recently
@@ -832,7 +834,7 @@ class LLM:
       cache_salt: tenant key for the prefix cache (see `generate`); with `session_id`, also part
         of the session's key.
       session_id: a chat session (1 to 128 characters from [A-Za-z0-9._:-], not . or ..;
-        `kvjax.engine.sessions`): when `messages` are the session's last turn's messages, its
+        `kvjax.sessions`): when `messages` are the session's last turn's messages, its
         reply (`text` of the last result) and new messages, the prompt is that turn's exact ids
         plus the new part only, so the prefix cache hits on every earlier token; otherwise the
         normal templated prompt (a miss). The finished turn becomes the session's last. One
@@ -869,23 +871,30 @@ class LLM:
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
       raise ValueError("with session_id, sampling_params must be one SamplingParams")
     sp = sampling_params or SamplingParams()
-    limit = sp.truncate_prompt_tokens
-    if self.sessions.config.truncation != "none":
-      limit = min(limit or self.max_model_len, self.max_model_len - sp.max_tokens)
     turn = self.sessions.begin(session_id, cache_salt)
     try:
-      prompt = self.sessions.prompt(turn, conversations[0], limit=limit,
-                                    cut=sp.truncate_prompt_tokens is not None)
-      prompt = self.sessions.rerotate(turn, prompt, self.engine.stage_rerotated
-                                      if self.kv_store is not None else None)
-      self.last_session_prompt = prompt
-      out = self._run([(list(prompt.token_ids), None, prompt.kv_salt)], [sp],
-                      history_tokens=prompt.history_tokens, save_tail=True)[0]
+      plan = run_turn(self.sessions, turn, conversations[0], max_model_len=self.max_model_len,
+                      max_tokens=sp.max_tokens,
+                      truncate_prompt_tokens=sp.truncate_prompt_tokens,
+                      stage=self.rerotation_stage)
+      self.last_session_prompt = plan.prompt
+      out = self._run([(list(plan.token_ids), None, plan.kv_salt)], [sp],
+                      **plan.request_options())[0]
     except BaseException:
       self.sessions.release(turn)
       raise
-    self.sessions.finish(turn, prompt, out.token_ids, out.text)
+    self.sessions.finish(turn, plan.prompt, out.token_ids, out.text)
     return out
+
+  @property
+  def rerotation_stage(self) -> StageFn | None:
+    """Stages a session truncation's kept KV re-rotated (`kvjax.sessions.run_turn`'s `stage`):
+    `kvjax.engine.rerotation.stage_rerotated` bound to this LLM's store client (store I/O only,
+    never the `Engine`: a server's worker thread calls it while the engine steps); None without
+    a store."""
+    if self.kv_store is None:
+      return None
+    return functools.partial(stage_rerotated, self.kv_store)
 
   def close_session(self, session_id: str, cache_salt: str | None = None) -> bool:
     """Closes a chat session (`chat(..., session_id=...)`).

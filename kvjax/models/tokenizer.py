@@ -475,7 +475,7 @@ class Tokenizer:
     tokens, message content is plain text, and no BOS is added. `start=0` is `encode_chat`.
 
     A session turn's prompt is the previous turn's exact ids followed by this suffix
-    (`kvjax.engine.sessions`), so `start` should fall on a boundary between a message's
+    (`kvjax.sessions`), so `start` should fall on a boundary between a message's
     content and the template's text.
 
     Args:

@@ -92,13 +92,13 @@ import json  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from kvjax.serve.app import ServeState, create_app  # noqa: E402
-from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,  # noqa: E402
-                                   DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
-                                   DEFAULT_SESSION_TTL_S)
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES  # noqa: E402
 from kvjax.serve.server import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, KV_CODECS,  # noqa: E402
                                 PREFILL_ORDERS, HttpServer, ServerConfig, StartupEvent,
                                 build_follower, close_backend, load_backend)
+from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,  # noqa: E402
+                            DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
+                            DEFAULT_SESSION_TTL_S)
 
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct",
                              "Model name, .gguf path, Hugging Face safetensors dir, or 'tiny'.")

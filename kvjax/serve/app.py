@@ -35,12 +35,12 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvjax.engine.sessions import SessionRegistry
 from kvjax.serve import completions, protocol
 from kvjax.serve.async_engine import AsyncEngine, EngineFault
 from kvjax.serve.guard import HostGuard, HttpPolicy, RequestGuard
 from kvjax.serve.metrics import ServeMetrics
 from kvjax.serve.protocol import ApiError
+from kvjax.sessions import SessionRegistry, StageFn
 
 _log = logging.getLogger(__name__)
 
@@ -60,8 +60,9 @@ class Backend:
     system_fingerprint: reported in responses (model fingerprint prefix).
     sessions: the chat sessions (the served `LLM`'s registry); None: `session_id` is refused.
     kv_event_publisher: publishes KV cache events (`kv_events.ZmqKVEventPublisher`); None: off.
-    stage_rerotated: `Engine.stage_rerotated` (store reads and writes only; run off the event
-      loop), or None without a store.
+    stage_rerotated: stages a session truncation's kept KV re-rotated (`LLM.rerotation_stage`:
+      the store client's reads and writes, never the engine; run off the event loop), or None
+      without a store.
   """
 
   engine: AsyncEngine
@@ -74,7 +75,7 @@ class Backend:
   system_fingerprint: str | None = None
   sessions: SessionRegistry | None = None
   kv_event_publisher: Any = None
-  stage_rerotated: Callable[..., int] | None = None
+  stage_rerotated: StageFn | None = None
 
   def count(self, endpoint: str, finish_reason: str | None) -> None:
     self.metrics.requests.labels(endpoint=endpoint, finish_reason=str(finish_reason)).inc()
@@ -202,16 +203,16 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
       return await completions.Generation(backend, "chat", request, req, ids, params).run()
     turn = completions.begin_session_turn(backend.sessions, req)  # 409 while it is leased
     try:
-      prompt = await off_loop(completions.session_prompt, backend.sessions, turn, req,
-                              backend.max_model_len, backend.stage_rerotated)
-      params = completions.sampling_params(req, len(prompt.token_ids), backend.max_model_len,
+      plan = await off_loop(completions.session_plan, backend.sessions, turn, req,
+                            backend.max_model_len, backend.stage_rerotated)
+      params = completions.sampling_params(req, len(plan.token_ids), backend.max_model_len,
                                            chat=True)
     except BaseException:
       backend.sessions.release(turn)
       raise
-    session = completions.SessionTurnState(backend.sessions, turn, prompt,
+    session = completions.SessionTurnState(backend.sessions, turn, plan,
                                            close=req.close_session)
-    return await completions.Generation(backend, "chat", request, req, list(prompt.token_ids),
+    return await completions.Generation(backend, "chat", request, req, list(plan.token_ids),
                                         params, session=session).run()
 
   @app.delete("/v1/sessions/{session_id}")

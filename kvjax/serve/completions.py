@@ -12,8 +12,8 @@ the outputs against `http.disconnect`; a stream also ends when Starlette cancels
 `finally` aborts what is unfinished. Streams start only once the first output (or a fault) is
 known, so a request the engine rejects still gets a 4xx status, not a broken stream.
 
-A chat turn under a `session_id` (`kvjax.engine.sessions`) leases its session before its prompt
-is built (409 if leased), records its exact ids when its last output arrives (before the body or
+A chat turn under a `session_id` (`kvjax.sessions`) leases its session before its prompt
+is built (409 if leased), plans it with `kvjax.sessions.run_turn` (the flow `LLM.chat` runs too), records its exact ids when its last output arrives (before the body or
 the last stream event goes out, so the client's next turn finds the session free), and releases
 the lease unrecorded on every other ending: a fault, a disconnect, a rejected request.
 """
@@ -31,12 +31,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvjax.engine import RequestOutput
-from kvjax.engine.sessions import ChatPrompt, SessionBusy, SessionRegistry, SessionTurn
 from kvjax.scheduler.request import SamplingParams
 from kvjax.serve import protocol
 from kvjax.serve.async_engine import EngineFault
 from kvjax.serve.detokenizer import IncrementalDetokenizer
 from kvjax.serve.protocol import ApiError, bad_request
+from kvjax.sessions import (SessionBusy, SessionRegistry, SessionTurn, StageFn, TurnPlan,
+                            run_turn)
 
 #: Output tokens of a completion that gives no max_tokens (OpenAI's default), clamped to the room
 #: left in the context.
@@ -124,28 +125,37 @@ def truncate(ids: list[int], req) -> list[int]:
   return list(ids) if k is None else list(ids)[-k:]
 
 
-def session_prompt(sessions: SessionRegistry, turn: SessionTurn,
-                   req: protocol.ChatCompletionRequest, max_model_len: int | None = None,
-                   stage_rerotated=None) -> ChatPrompt:
-  """The turn's prompt by the sessions' extension rule (`SessionRegistry.prompt`), truncated
-  to its limit (`truncate_prompt_tokens`, or with a truncation policy the context minus the
-  output limit) and, with `session_rerotate`, its kept KV staged re-rotated
-  (`SessionRegistry.rerotate`; blocking store reads and writes: call it off the event loop).
+def session_plan(sessions: SessionRegistry, turn: SessionTurn,
+                 req: protocol.ChatCompletionRequest, max_model_len: int | None = None,
+                 stage: StageFn | None = None) -> TurnPlan:
+  """The turn's plan by the one session-turn flow (`kvjax.sessions.run_turn`, as `LLM.chat`):
+  the prompt by the extension rule, truncated to its limit (`truncate_prompt_tokens`, or with a
+  truncation policy the context minus the output limit) and, with `session_rerotate`, its kept
+  KV staged re-rotated (`stage`: blocking store reads and writes, call this off the event loop).
 
   Raises:
     ApiError: 400 when the chat template rejects the messages.
   """
+  def staged(*args, **kwargs) -> int:  # its failures are the store's, not the messages'
+    try:
+      return stage(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised as is below
+      raise _StageFailed() from e
+
   try:
-    limit = req.truncate_prompt_tokens
-    if sessions.config.truncation != "none" and max_model_len is not None:
-      room = max_model_len - (req.output_limit or 1)
-      limit = min(limit or max_model_len, room)
-    prompt = sessions.prompt(turn, req.conversation(), limit=limit,
-                             cut=req.truncate_prompt_tokens is not None)
+    return run_turn(sessions, turn, req.conversation(), max_model_len=max_model_len,
+                    max_tokens=req.output_limit,
+                    truncate_prompt_tokens=req.truncate_prompt_tokens,
+                    stage=staged if stage is not None else None)
+  except _StageFailed as e:
+    raise e.__cause__ from None
   except Exception as e:  # noqa: BLE001 - a template that rejects the messages is a 400
     raise bad_request(f"messages cannot be rendered with the model's chat template: {e}",
                       "messages") from None
-  return sessions.rerotate(turn, prompt, stage_rerotated)
+
+
+class _StageFailed(Exception):
+  """Carries (as `__cause__`) an error of re-rotation staging through `session_plan`."""
 
 
 class SessionTurnState:
@@ -155,13 +165,14 @@ class SessionTurnState:
   Args:
     sessions: the registry.
     turn: the lease.
-    prompt: the turn's prompt.
+    plan: the turn's plan (`session_plan`).
     close: close the session after this turn (`close_session`).
   """
 
-  def __init__(self, sessions: SessionRegistry, turn: SessionTurn, prompt: ChatPrompt, *,
+  def __init__(self, sessions: SessionRegistry, turn: SessionTurn, plan: TurnPlan, *,
                close: bool):
-    self.sessions, self.turn, self.prompt, self.close = sessions, turn, prompt, close
+    self.sessions, self.turn, self.plan, self.close = sessions, turn, plan, close
+    self.prompt = plan.prompt
     self.ended = False
     self.closed = close  # the session does not hold this turn afterwards (set by `record`)
 
@@ -326,9 +337,9 @@ class Generation:
   async def run(self) -> Response:
     streaming = False
     try:
-      salt = self.session.prompt.kv_salt if self.session is not None else self.req.cache_salt
-      turn = {} if self.session is None else {  # a session turn stores and finds its tail
-          "save_tail": True, "history_tokens": self.session.prompt.history_tokens}
+      salt = self.session.plan.kv_salt if self.session is not None else self.req.cache_salt
+      # A session turn stores its tail and finds the last turn's.
+      turn = {} if self.session is None else self.session.plan.request_options()
       queue = self.b.engine.submit(self.id, self.prompt_ids, self.params, salt, **turn)
       out = await self._first(queue)
       if out is None:

@@ -12,7 +12,7 @@ Extensions (accepted by kvjax, not by OpenAI; vLLM has the first three):
                     1 to `MAX_CACHE_SALT_CHARS` (256) characters.
   top_k: int        keep the k most likely tokens (-1 or 0: all).
   ignore_eos: bool  keep generating after the end-of-sequence token.
-Chat only (SGLang has `session_id`; `kvjax.engine.sessions`):
+Chat only (SGLang has `session_id`; `kvjax.sessions`):
   session_id: str      a chat session, 1 to 128 characters from [A-Za-z0-9._:-] (not . or
                        ..), keyed together with `cache_salt`. When the messages are the
                        session's last turn's messages, its reply and new messages, the
@@ -40,8 +40,8 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvjax.engine import MergeTrace
-from kvjax.engine.sessions import REROTATED_SALT_PREFIX, check_session_id
 from kvjax.scheduler.request import MAX_LOGPROBS
+from kvjax.sessions import REROTATED_SALT_PREFIX, check_session_id
 
 
 class ApiError(Exception):

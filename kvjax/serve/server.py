@@ -22,14 +22,14 @@ import uvicorn
 from kvjax import codecs
 from kvjax.engine import LLM, builder
 from kvjax.engine.llm import StartupEvent
-from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
-                                   DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
-                                   DEFAULT_SESSION_TTL_S, SessionConfig)
 from kvjax.serve import kv_events
 from kvjax.serve.app import Backend
 from kvjax.serve.async_engine import AsyncEngine
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy
 from kvjax.serve.metrics import ServeMetrics
+from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
+                            DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
+                            DEFAULT_SESSION_TTL_S, SessionConfig)
 
 #: The codecs `--kv_codec` offers: every codec of the registry (`kvjax.codecs`).
 KV_CODECS = tuple(codecs.CODECS)
@@ -367,8 +367,7 @@ def backend_from_llm(llm: LLM, *, served_model_name: str | None = None, warm: bo
                  metrics=metrics, flush=llm.flush,
                  system_fingerprint=f"kvjax-{fingerprint[:12]}" if fingerprint else None,
                  sessions=llm.sessions, kv_event_publisher=kv_event_publisher,
-                 stage_rerotated=llm.engine.stage_rerotated if llm.kv_store is not None
-                 else None)
+                 stage_rerotated=llm.rerotation_stage)
 
 
 def _size(nbytes: int | None) -> str:

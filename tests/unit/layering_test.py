@@ -14,18 +14,24 @@ PKG = pathlib.Path(__file__).resolve().parents[2] / "kvjax"
 # Room -> top-level modules (kvjax rooms or third-party packages) it must not import.
 FORBIDDEN = {
     "kernels": {"kvjax.models", "kvjax.storage", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
-                "kvjax.testing", "flax", "tensorstore"},
+                "kvjax.sessions", "kvjax.testing", "flax", "tensorstore"},
     "scheduler": {"kvjax.models", "kvjax.kernels", "kvjax.storage", "kvjax.engine", "kvjax.serve",
-                  "kvjax.testing", "jax", "flax", "tensorstore"},
+                  "kvjax.sessions", "kvjax.testing", "jax", "flax", "tensorstore"},
     "storage": {"kvjax.models", "kvjax.kernels", "kvjax.engine", "kvjax.serve", "kvjax.scheduler",
-                "kvjax.testing", "jax", "flax"},
+                "kvjax.sessions", "kvjax.testing", "jax", "flax"},
     "models": {"kvjax.storage", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
-               "kvjax.testing"},
+               "kvjax.sessions", "kvjax.testing"},
+    # Chat sessions (the registry, the extension rule, truncation, session files and the one
+    # session-turn flow, `run_turn`) are plain Python over plain records: the engine and the
+    # server import them, they import no other room and no array library.
+    "sessions": {"kvjax.models", "kvjax.kernels", "kvjax.storage", "kvjax.scheduler",
+                 "kvjax.engine", "kvjax.serve", "kvjax.store", "kvjax.testing", "jax", "flax",
+                 "tensorstore", "numpy"},
     "engine": {"kvjax.serve", "kvjax.testing"},
     "serve": {"kvjax.testing", "jax", "flax", "tensorstore"},
     # The operator CLI works on stores through the storage room, never through an engine.
     "store": {"kvjax.models", "kvjax.kernels", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
-              "kvjax.testing", "jax", "flax"},
+              "kvjax.sessions", "kvjax.testing", "jax", "flax"},
 }
 
 # Bottom-floor modules -> the only kvjax modules they may import, and the libraries they must not.
@@ -33,11 +39,12 @@ BOTTOM_FLOORS = {"_typing.py": set(), "_paths.py": set(), "codecs.py": {"kvjax._
                  "block_hash.py": {"kvjax._typing"}}
 BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"}
 
-# Room -> the only kvjax modules it may import (besides itself): serve sees the engine and the
-# request types, nothing below them.
+# Room -> the only kvjax modules it may import (besides itself): serve sees the engine, the
+# sessions and the request types, nothing below them; sessions see nothing but themselves.
 ALLOWED_KVJAX = {
-    "serve": {"kvjax.serve", "kvjax.engine", "kvjax.scheduler.request", "kvjax._typing",
-              "kvjax.codecs"},
+    "serve": {"kvjax.serve", "kvjax.engine", "kvjax.sessions", "kvjax.scheduler.request",
+              "kvjax._typing", "kvjax.codecs"},
+    "sessions": {"kvjax.sessions"},
     "store": {"kvjax.store", "kvjax.storage", "kvjax.codecs", "kvjax._typing", "kvjax._paths"},
 }
 
@@ -71,6 +78,16 @@ SCHEDULER_FLOORS = (
     ("transfer_policy",),
     ("prefix_loads",),
     ("scheduler",),
+)
+# Sessions floors, bottom first: the records (`types`) over the cut rule (`truncation`); the
+# extension rule (`prompt`) and the files (`persistence`) over them; the registry; the one
+# session-turn flow (`turn`) on top.
+SESSIONS_FLOORS = (
+    ("truncation",),
+    ("types",),
+    ("prompt", "persistence"),
+    ("registry",),
+    ("turn",),
 )
 # The policy modules read plain records: no scheduler state module above them.
 SCHEDULER_POLICIES = {
@@ -182,6 +199,20 @@ class LayeringTest(absltest.TestCase):
           violations.append(f"kvjax/scheduler/{name}.py imports {mod}")
     self.assertEqual(violations, [])
 
+  def test_sessions_modules_import_only_lower_floors(self):
+    floor = {m: i for i, ms in enumerate(SESSIONS_FLOORS) for m in ms}
+    modules = kvjax_modules()
+    names = sorted(p.stem for p in (PKG / "sessions").glob("*.py") if p.stem != "__init__")
+    self.assertEqual(sorted(floor), names)  # a new sessions module needs its floor here
+    violations = []
+    for name in names:
+      path = PKG / "sessions" / f"{name}.py"
+      for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
+        dep = mod.split(".")[2] if mod.startswith("kvjax.sessions.") else None
+        if mod == "kvjax.sessions" or (dep in floor and floor[dep] >= floor[name]):
+          violations.append(f"kvjax/sessions/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
   def test_scheduler_policies_import_only_plain_records(self):
     violations = []
     for name, allowed in SCHEDULER_POLICIES.items():
@@ -236,7 +267,8 @@ class LayeringTest(absltest.TestCase):
       self.assertIn("kvjax.codecs", set(imported_modules(PKG / path)), path)
 
   def test_rooms_exist(self):
-    for room in ("kernels", "scheduler", "models", "engine", "storage", "serve", "store"):
+    for room in ("kernels", "scheduler", "models", "engine", "storage", "serve", "store",
+                 "sessions"):
       self.assertTrue((PKG / room / "__init__.py").is_file(), room)
     for name in BOTTOM_FLOORS:
       self.assertTrue((PKG / name).is_file(), name)

@@ -12,7 +12,7 @@ import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
-from kvjax.engine.sessions import EXTENDED
+from kvjax.sessions import EXTENDED
 from kvjax.storage import StoreConfig, TierConfig
 
 DATA = pathlib.Path(__file__).resolve().parents[4] / "shared" / "data" / "books"

@@ -15,7 +15,7 @@ from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
 from kvjax.storage import keys
-from kvjax.engine.sessions import EXTENDED, FIRST, SessionConfig, SessionFiles, SessionRegistry
+from kvjax.sessions import EXTENDED, FIRST, SessionConfig, SessionFiles, SessionRegistry
 from kvjax.models.byte_tokenizer import ByteTokenizer
 
 C = 32

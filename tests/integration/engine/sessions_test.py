@@ -1,4 +1,4 @@
-"""Chat sessions (`kvjax.engine.sessions`): the extension rule with SmolLM2's real tokenizer, the
+"""Chat sessions (`kvjax.sessions`): the extension rule with SmolLM2's real tokenizer, the
 registry (TTL on an injected clock, caps, LRU drop order, salts, conflicts, releases), and
 `LLM.chat(..., session_id=...)` on the tiny model."""
 
@@ -8,8 +8,8 @@ from unittest import mock
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM, SamplingParams
-from kvjax.engine import sessions
-from kvjax.engine.sessions import (EXTENDED, FIRST, NOT_EXTENDED, SessionBusy, SessionConfig,
+from kvjax import sessions
+from kvjax.sessions import (EXTENDED, FIRST, NOT_EXTENDED, SessionBusy, SessionConfig,
                                    SessionRegistry, chat_prompt, record_turn)
 from kvjax.models import gguf_loader
 from kvjax.models.byte_tokenizer import ByteTokenizer

@@ -9,9 +9,10 @@ import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
-from kvjax.engine import sessions
-from kvjax.engine.sessions import KeptSpan, truncate_prompt
+from kvjax import sessions
+from kvjax.engine.rerotation import stage_rerotated
 from kvjax.models.paged_runner import SeqChunk
+from kvjax.sessions import KeptSpan, truncate_prompt
 
 from tests.integration.engine.sessions_test import smollm2_tokenizer
 
@@ -171,7 +172,7 @@ class TruncatePromptTokensTest(absltest.TestCase):
             session_truncation="drop_oldest_turns", session_rerotate=True,
             session_rerotate_boundary_chunks=bad)
     with self.assertRaisesRegex(ValueError, "boundary_chunks"):
-      self.llm.engine.stage_rerotated([1, 2], None, [1, 2], [], "x", boundary_chunks=-1)
+      stage_rerotated(self.llm.kv_store, [1, 2], None, [1, 2], [], "x", boundary_chunks=-1)
 
   def test_plain_truncation_keeps_the_last_tokens_and_stays_exact(self):
     ids = [int(x) for x in np.random.default_rng(0).integers(3, 250, 120)]

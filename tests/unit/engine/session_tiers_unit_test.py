@@ -8,7 +8,7 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax import SamplingParams
-from kvjax.engine.sessions import EXTENDED
+from kvjax.sessions import EXTENDED
 from kvjax.storage import StoreConfig, TierConfig
 from kvjax.testing import engines
 from kvjax.testing.fake_runner import fake_model_config

@@ -14,7 +14,7 @@ from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
 from kvjax.storage import keys
-from kvjax.engine.sessions import EXTENDED, FIRST
+from kvjax.sessions import EXTENDED, FIRST
 from kvjax.testing import engines
 
 C = 32

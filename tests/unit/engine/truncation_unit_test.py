@@ -10,7 +10,8 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax import SamplingParams
-from kvjax.engine import sessions
+from kvjax import sessions
+from kvjax.engine.rerotation import stage_rerotated
 from kvjax.testing import engines
 
 
@@ -51,7 +52,7 @@ class TruncatePromptTokensUnitTest(absltest.TestCase):
             session_truncation="drop_oldest_turns", session_rerotate=True,
             session_rerotate_boundary_chunks=bad)
     with self.assertRaisesRegex(ValueError, "boundary_chunks"):
-      self.llm.engine.stage_rerotated([1, 2], None, [1, 2], [], "x", boundary_chunks=-1)
+      stage_rerotated(self.llm.kv_store, [1, 2], None, [1, 2], [], "x", boundary_chunks=-1)
 
   def test_plain_truncation_keeps_the_last_tokens_and_stays_exact(self):
     ids = [int(x) for x in np.random.default_rng(0).integers(3, 250, 120)]
