@@ -40,8 +40,8 @@ from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.engine import sampling, sessions
 from kvjax.engine.core import EngineCore, LoopStats, StepRecord
-from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefetchStats,
-                                          PrefixLookup, SaveJob, SaverStats, TierSnapshot)
+from kvjax.connector import (KVStoreClient, LoaderStats, PrefetchStats, PrefixLookup, SaveJob,
+                             SaverStats, TierSnapshot)
 from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
 from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
-from kvjax.engine.kv_store_client import KVStoreClient
+from kvjax.connector import KVStoreClient
 from kvjax.engine.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
                                    DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                                    DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry,

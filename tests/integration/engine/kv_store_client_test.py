@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from kvjax.engine.kv_store_client import KVStoreClient, SaveJob, _held_nbytes
+from kvjax.connector import KVStoreClient, SaveJob
+from kvjax.connector.device import held_nbytes
 from kvjax.storage.tiers import KVStore
 from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout, MissReason
 
@@ -250,8 +251,8 @@ class StagedBytesTest(absltest.TestCase):
     on_device = ChunkHit(None, enc, None, "disk",
                          {"q": jnp.zeros((4, 8), jnp.int16), "step": np.zeros(2, np.float32)})
     on_host = ChunkHit(None, enc, None, "disk", {"q": np.zeros((4, 8), np.int16)})
-    self.assertEqual(_held_nbytes(on_device), 100 + 4 * 8 * 2)
-    self.assertEqual(_held_nbytes(on_host), 100)
+    self.assertEqual(held_nbytes(on_device), 100 + 4 * 8 * 2)
+    self.assertEqual(held_nbytes(on_host), 100)
 
 
 if __name__ == "__main__":
