@@ -4,7 +4,8 @@ Architecture. The store (`kvjax.storage.TieredStore`) is asyncio code; the engin
 thread that owns the device. This client runs the store's coroutines on its own event-loop thread
 and adds a saver thread:
 
-    engine thread ── lookup() ─────> event loop: which prefix chunks does any tier hold
+    engine thread ── open_request() / lookup() ─> event loop: which prefix chunks does any tier
+                  │                               hold (open_request keeps the request's keys)
                   ├─ start_load() ─> queue ─> event loop: get + verify + entropy-decode (on the
                   │                           device for kvtc's rANS codes), a few reads at
                   │                           once; the next starts as one lands
@@ -18,7 +19,10 @@ and adds a saver thread:
                   │                     tier, a few bytes in flight, within the host's room
                   └─ set_pins() ──────> event loop: open sessions' chunks join the hint
 
-The client owns the load pipeline's state (queue, reads in flight, staged payloads) and its
+The client owns each request's prefix lookup and chained chunk keys from admission to its end
+(`open_request` ... `close_request`; the engine names requests by id and gets plain data back:
+`start_request_load`, `request_chunk_key`, `request_tail_key`, `lookahead_requests`). It owns
+the load pipeline's state (queue, reads in flight, staged payloads) and its
 accounting (`loader_stats`); the scheduler owns which loads exist and what they mean. Loads never
 block the engine: `start_load` returns at once and reads are refilled on the event loop the moment
 one lands, so a long engine step never idles the link. The link time each report carries is
@@ -60,6 +64,7 @@ from kvjax.connector.lookup import LookupMixin
 from kvjax.connector.prefetch import PrefetchMixin
 from kvjax.connector.records import (LoaderStats, LookaheadRequest, Pending, PrefetchStats, SaveJob,
                                      SaverStats)
+from kvjax.connector.request_keys import RequestKeysMixin
 from kvjax.connector.saver import SaverMixin
 from kvjax.connector.transfer import TransferMixin
 from kvjax.scheduler.output import LoadReport
@@ -69,7 +74,8 @@ from kvjax.storage.types import ChunkHit, KVLayout
 _log = logging.getLogger(__name__)
 
 
-class KVStoreClient(LookupMixin, LoaderMixin, PrefetchMixin, TransferMixin, SaverMixin):
+class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, TransferMixin,
+                    SaverMixin):
   """Keys, loads and saves for one model's KV layout over a `TieredStore`.
 
   Args:
@@ -168,6 +174,7 @@ class KVStoreClient(LookupMixin, LoaderMixin, PrefetchMixin, TransferMixin, Save
     self._tried: set[ChunkHash] = set()       # started for the current window
     self._store_reads: collections.Counter = collections.Counter()  # loads reading a chunk now
     self._pf = PrefetchStats()
+    self._init_requests()  # each open request's lookup and key chain (`open_request`)
     host = store.host_capacity()
     if codec == "raw" and host is not None and host[1] is not None and host[1] < layout.nbytes:
       _log.warning("host tier %r holds %d bytes, less than one raw chunk (%d bytes): it will "

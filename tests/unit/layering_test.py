@@ -90,7 +90,7 @@ SCHEDULER_POLICIES = {
 CONNECTOR_FLOORS = (
     ("records", "device"),
     ("lookup", "transfer"),
-    ("loader", "prefetch", "saver"),
+    ("loader", "prefetch", "saver", "request_keys"),
     ("client",),
 )
 # Device work belongs to the runner: in the connector only the device seam calls jax (the device
