@@ -40,8 +40,8 @@ from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.engine import sampling
 from kvjax.engine.core import EngineCore, LoopStats, StepRecord
-from kvjax.engine.kv_store_client import (KVStoreClient, LoaderStats, PrefetchStats,
-                                          PrefixLookup, SaveJob, SaverStats, TierSnapshot)
+from kvjax.connector import (KVStoreClient, LoaderStats, PrefetchStats, SaveJob, SaverStats,
+                             TierSnapshot)
 from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
 from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
@@ -238,9 +238,7 @@ class _Live:
   logprobs: list[dict[int, float]] | None
   token_ids: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
-  lookup: PrefixLookup | None = None
   pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
-  hashes: list[str] = dataclasses.field(default_factory=list)  # chunk keys: prompt, then output
   save_tail: bool = False  # a session turn: store its tail when it finishes (`_save_tail`)
 
 
@@ -435,9 +433,8 @@ class Engine:
       tails = self.kv_store.stores_tails
       live.save_tail = tails and save_tail
       t0 = time.perf_counter()
-      lookup = live.lookup = self.kv_store.lookup(ids, cache_salt,
-                                                  history_tokens=history_tokens if tails else 0)
-      live.hashes = list(lookup.hashes)
+      lookup = self.kv_store.open_request(rid, ids, cache_salt,
+                                          history_tokens=history_tokens if tails else 0)
       live.metrics.lookup_s = time.perf_counter() - t0
       raw_nbytes = self.kv_store.layout.nbytes
       chunks = []
@@ -453,9 +450,14 @@ class Engine:
           chunks = chunks[:tail.index] + [StoredChunk(tail.tier, cands)]
           tail_tokens = tail.num_tokens
       stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks), tail_tokens)
-    self._scheduler.add_request(
-        Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
-        namespace_root=self._namespace_root(cache_salt))
+    try:
+      self._scheduler.add_request(
+          Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
+          namespace_root=self._namespace_root(cache_salt))
+    except BaseException:
+      if self.kv_store is not None:
+        self.kv_store.close_request(rid)
+      raise
     self._live[rid] = live
     return rid
 
@@ -556,19 +558,16 @@ class Engine:
     if kv is not None:
       if plan.lookahead != self._window_ids:  # before the loads: a load may wait on a prefetch
         self._window_ids = plan.lookahead
-        kv.set_lookahead([kv.lookahead_request(rid, self._live[rid].lookup,
-                                               self._live[rid].prompt_token_ids)
-                          for rid in plan.lookahead
-                          if rid in self._live and self._live[rid].lookup is not None])
+        kv.set_lookahead(kv.lookahead_requests([rid for rid in plan.lookahead
+                                                if rid in self._live]))
       for rid, index in plan.releases:
         kv.release(rid, index)
       for item in plan.loads:
-        live = self._live[item.request_id]
         choose = None
         if item.encoding is not None:  # the level policy's pick, a `codecs.EncodingId`
           choose = choose_codec(item.encoding.codec, item.encoding.level)
-        kv.start_load(item.request_id, item.index, live.lookup, live.prompt_token_ids,
-                      choose=choose, nbytes=item.nbytes, max_in_flight=item.max_in_flight)
+        kv.start_request_load(item.request_id, item.index, choose=choose, nbytes=item.nbytes,
+                              max_in_flight=item.max_in_flight)
       layerwise = plan.layer_groups > 1 and bool(plan.decodes or plan.prefills)
       for ins in plan.inserts:
         hit = kv.take(ins.request_id, ins.index)
@@ -725,7 +724,7 @@ class Engine:
   def _forget(self, rid: RequestId) -> None:
     self._live.pop(rid, None)
     if self.kv_store is not None:
-      self.kv_store.cancel_loads(rid)
+      self.kv_store.close_request(rid)
 
   # ----------------------------------------------------------------------------- saves
   def _save_chunks(self, live: _Live, start: int, save_items: Sequence[SaveItem],
@@ -742,11 +741,10 @@ class Engine:
       # copies, since a view would keep the whole step's output alive
       k_LTKH, v_LTKH = np.array(k_LTKH), np.array(v_LTKH)
     live.pieces.append((start, k_LTKH, v_LTKH))
-    lookup = live.lookup
     saves = {item.index: item for item in save_items}
-    if saves and max(saves) >= len(live.hashes):
-      live.hashes = kv.extend_chunk_hashes(lookup, live.hashes,
-                                           live.prompt_token_ids + live.token_ids, max(saves) + 1)
+    if saves:  # the client extends the request's key chain over its output when needed
+      kv.extend_request_keys(live.request_id, live.prompt_token_ids + live.token_ids,
+                             max(saves) + 1)
     for index in sorted(set(saves) | set(roundtrip)):
       lo, hi = index * c, (index + 1) * c
       kv_L2CKH = self._kept_rows(live, lo, hi, where)
@@ -763,10 +761,9 @@ class Engine:
       if item is not None:
         tokens = (live.prompt_token_ids[lo:hi] if hi <= len(live.prompt_token_ids)
                   else (live.prompt_token_ids + live.token_ids)[lo:hi])
+        namespace, key, parent = kv.request_chunk_key(live.request_id, index)
         kv.submit_save(SaveJob(
-            namespace=lookup.namespace, chunk_hash=live.hashes[index],
-            parent=live.hashes[index - 1] if index else lookup.namespace,
-            token_ids=tuple(tokens),
+            namespace=namespace, chunk_hash=key, parent=parent, token_ids=tuple(tokens),
             kv=kv_L2CKH if payloads is None else None, payloads=payloads,
             replace=item.replace, verify_existing=item.verify_existing))
     end = start + k_LTKH.shape[1]
@@ -807,16 +804,13 @@ class Engine:
     k, m = divmod(end, c)
     if not m or not live.pieces:
       return  # no tail (its last chunk is full, saved as a chunk), or nothing kept
-    lookup = live.lookup
-    if len(live.hashes) < k:
-      live.hashes = kv.extend_chunk_hashes(lookup, live.hashes, seq, k)
-    _, parent, key = kv.tail_key(lookup.namespace, live.hashes, seq, end)
+    namespace, parent, key = kv.request_tail_key(live.request_id, seq, end)
     rows = self._kept_rows(live, k * c, end, where)
     if rows.shape[2] != m:
       raise ValueError(f"tail of {live.request_id}: kept rows cover {rows.shape[2]} of {m}")
     xp = np if isinstance(rows, np.ndarray) else jnp
     padded = xp.pad(rows, ((0, 0), (0, 0), (0, c - m), (0, 0), (0, 0)))
-    kv.submit_save(SaveJob(namespace=lookup.namespace, chunk_hash=key, parent=parent,
+    kv.submit_save(SaveJob(namespace=namespace, chunk_hash=key, parent=parent,
                            token_ids=keys.tail_token_ids(seq[k * c:end], c), kv=padded))
 
   # ----------------------------------------------------------------------------- outputs
@@ -847,7 +841,7 @@ class Engine:
           _log.exception("the stored tail of %s was not saved", rid)
       del self._live[rid]
       if self.kv_store is not None:
-        self.kv_store.cancel_loads(rid)  # late loads of chunks compute took
+        self.kv_store.close_request(rid)  # its keys; late loads of chunks compute took
     self._emitted.append(self._output(live, reason))
 
   def _finish_reason(self, live: _Live) -> str | None:

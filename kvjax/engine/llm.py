@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from kvjax import codecs
 from kvjax.engine.engine import Engine, RequestOutput
-from kvjax.engine.kv_store_client import KVStoreClient
+from kvjax.connector import KVStoreClient
 from kvjax.engine.rerotation import stage_rerotated
 from kvjax.models import kv_calibration
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvjax.engine.kv_store_client import KVStoreClient
+from kvjax.connector import KVStoreClient
 
 
 def stage_rerotated(kv: KVStoreClient | None, source_ids: Sequence[int],

@@ -298,7 +298,7 @@ class PagedModelRunner:
   Args:
     model: the model.
     config: pool and step sizes.
-    tensor_parallel: a `tp` mesh (`kvjax.models.sharding`, issue 14): parameters sharded
+    tensor_parallel: a `tp` mesh (`kvjax.models.sharding`; docs/design/scale-out.md): parameters sharded
       Megatron-style, the pool by KV head, the step one GSPMD program with attention per shard.
       None (default): one device, no mesh (the program of a single-device run).
     device: with no `tensor_parallel`, the one device (default `jax.devices()[0]`).
@@ -355,7 +355,7 @@ class PagedModelRunner:
                          "abstract runner lowers for another platform")
       self.platform = platform = kwarg_platform
     self._device = None if tp is not None else device
-    #: Multi-host (issue 14): process 0 sends every device call to the other processes.
+    #: Multi-host (docs/design/scale-out.md): process 0 sends every device call to the other processes.
     self._channel = (multihost.Channel() if tp is not None and jax.process_count() > 1
                      and not self.abstract else None)
     #: r: copies of each KV head in the pool (tensor parallelism over more devices than heads).

@@ -31,7 +31,7 @@ from kvjax.engine import RequestOutput
 
 _log = logging.getLogger(__name__)
 #: Loggers whose warnings mean a store fault that was degraded to computing.
-STORE_LOGGERS = ("kvjax.engine.kv_store_client", "kvjax.storage")
+STORE_LOGGERS = ("kvjax.connector", "kvjax.storage")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 

@@ -180,7 +180,8 @@ class SessionRegistry:
   def rerotate(self, turn: SessionTurn, prompt: ChatPrompt,
                stage: Callable[..., int] | None) -> ChatPrompt:
     """With `rerotate` on and a truncated prompt, stages the kept tokens' stored KV re-rotated
-    under a private namespace (`stage`: `Engine.stage_rerotated`, blocking) and returns the
+    under a private namespace (`stage`: `kvjax.engine.rerotation.stage_rerotated`, blocking)
+    and returns the
     prompt running under it; else (or when nothing could be staged) the prompt unchanged."""
     tr = prompt.truncation
     if tr is None or not self.config.rerotate or stage is None:

@@ -70,7 +70,8 @@ class SessionConfig:
       their new positions instead of recomputing them (approximate; private namespace).
     rerotate_boundary_chunks: with `rerotate`, the truncated prompt's first store chunks that
       are computed instead of re-rotated (the system prompt and the seam right after the
-      dropped turns, where the re-rotated KV deviates most; `Engine.stage_rerotated`).
+      dropped turns, where the re-rotated KV deviates most;
+      `kvjax.engine.rerotation.stage_rerotated`).
     max_pinned_sessions: open sessions whose stored chunks are pinned in the host tier at most
       (0: none pinned); the most recently used are pinned.
     max_pinned_bytes: bytes of pinned sessions' full chunks at most (None: only the host tier's

@@ -23,7 +23,7 @@ from kvjax._typing import ModelFingerprint
 from kvjax.engine import llm as llm_module
 from kvjax.engine.engine import Engine, RequestOutput
 from kvjax.engine.llm import LLM
-from kvjax.engine.kv_store_client import KVStoreClient
+from kvjax.connector import KVStoreClient
 from kvjax.models.byte_tokenizer import ByteTokenizer
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION, paged_block_nbytes
 from kvjax.models.paged_runner import PagedRunnerConfig

@@ -25,9 +25,13 @@ FORBIDDEN = {
     # session-turn flow, `run_turn`) are plain Python over plain records: the engine and the
     # server import them, they import no other room and no array library.
     "sessions": {"kvjax.models", "kvjax.kernels", "kvjax.storage", "kvjax.scheduler",
-                 "kvjax.engine", "kvjax.serve", "kvjax.store", "kvjax.testing", "jax", "flax",
+                 "kvjax.engine", "kvjax.connector", "kvjax.serve", "kvjax.store", "kvjax.testing", "jax", "flax",
                  "tensorstore", "numpy"},
     "engine": {"kvjax.serve", "kvjax.testing"},
+    # The KV connector sits below the engine: it never sees the engine, the models or a front end.
+    "connector": {"kvjax.engine", "kvjax.models", "kvjax.serve", "kvjax.testing", "kvjax.store",
+                  "kvjax.sessions",
+                  "flax", "tensorstore"},
     "serve": {"kvjax.testing", "jax", "flax", "tensorstore"},
     # The operator CLI works on stores through the storage room, never through an engine.
     "store": {"kvjax.models", "kvjax.kernels", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
@@ -97,6 +101,20 @@ SCHEDULER_POLICIES = {
     "transfer_policy": {"kvjax.scheduler.cake", "kvjax.scheduler.cake_state",
                         "kvjax.scheduler.output"},
 }
+
+# Connector floors, bottom first, as the storage ones: plain records and the device seam, then the
+# parts by concept (keys and lookups, the host -> device link), the load and save pipelines and
+# the look-ahead, and the client that owns their state on top.
+CONNECTOR_FLOORS = (
+    ("records", "device"),
+    ("lookup", "transfer"),
+    ("loader", "prefetch", "saver", "request_keys"),
+    ("client",),
+)
+# Device work belongs to the runner: in the connector only the device seam calls jax (the device
+# entropy decoder, device puts and gets) or the kernels.
+CONNECTOR_DEVICE_SEAM = "device"
+CONNECTOR_DEVICE_MODULES = {"jax", "kvjax.kernels"}
 
 # The policy and the planner are pure Python: no array, storage or I/O library.
 PURE_STORAGE = {"eviction": {"kvjax._typing", "kvjax.storage.eviction"},
@@ -213,6 +231,30 @@ class LayeringTest(absltest.TestCase):
           violations.append(f"kvjax/sessions/{name}.py imports {mod}")
     self.assertEqual(violations, [])
 
+  def test_connector_modules_import_only_lower_floors(self):
+    floor = {m: i for i, ms in enumerate(CONNECTOR_FLOORS) for m in ms}
+    modules = kvjax_modules()
+    names = sorted(p.stem for p in (PKG / "connector").glob("*.py") if p.stem != "__init__")
+    self.assertEqual(sorted(floor), names)  # a new connector module needs its floor here
+    violations = []
+    for name in names:
+      path = PKG / "connector" / f"{name}.py"
+      for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
+        dep = mod.split(".")[2] if mod.startswith("kvjax.connector.") else None
+        if dep in floor and floor[dep] >= floor[name]:
+          violations.append(f"kvjax/connector/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_only_the_connector_device_seam_touches_the_device(self):
+    violations = []
+    for path in sorted((PKG / "connector").glob("*.py")):
+      if path.stem == CONNECTOR_DEVICE_SEAM:
+        continue
+      for mod in imported_modules(path):
+        if any(mod == f or mod.startswith(f + ".") for f in CONNECTOR_DEVICE_MODULES):
+          violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")
+    self.assertEqual(violations, [])
+
   def test_scheduler_policies_import_only_plain_records(self):
     violations = []
     for name, allowed in SCHEDULER_POLICIES.items():
@@ -267,8 +309,8 @@ class LayeringTest(absltest.TestCase):
       self.assertIn("kvjax.codecs", set(imported_modules(PKG / path)), path)
 
   def test_rooms_exist(self):
-    for room in ("kernels", "scheduler", "models", "engine", "storage", "serve", "store",
-                 "sessions"):
+    for room in ("kernels", "scheduler", "models", "engine", "connector", "storage", "serve",
+                 "store", "sessions"):
       self.assertTrue((PKG / room / "__init__.py").is_file(), room)
     for name in BOTTOM_FLOORS:
       self.assertTrue((PKG / name).is_file(), name)

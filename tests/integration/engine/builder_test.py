@@ -47,7 +47,7 @@ class BuilderTest(parameterized.TestCase):
     # a chunk.
     from kvjax import LLM  # pylint: disable=g-import-not-at-top
     tiers = StoreConfig.from_url("memory://", host_capacity_bytes=1000)
-    with self.assertLogs("kvjax.engine.kv_store_client", "WARNING") as logs:
+    with self.assertLogs("kvjax.connector", "WARNING") as logs:
       llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,), kv_store=tiers,
                 kv_chunk_size=16)
     llm.close()

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from kvjax.engine.kv_store_client import KVStoreClient, SaveJob, _held_nbytes
+from kvjax.connector import KVStoreClient, SaveJob
+from kvjax.connector.device import held_nbytes
 from kvjax.storage.tiers import KVStore
 from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout, MissReason
 
@@ -217,6 +218,36 @@ class LoaderTest(absltest.TestCase):
     self.assertEqual(self.client.loads_in_flight(), 0)
 
 
+  def test_the_client_keeps_each_open_requests_lookup_and_key_chain(self):
+    lookup = self.client.open_request("r", self.prompt, None)
+    self.assertEqual(lookup.hashes, self.hashes)
+    self.assertTrue(self.client.is_open("r"))
+    self.client.start_request_load("r", 1)  # its own lookup and prompt
+    self.store.gates[self.hashes[1]].set()
+    self.assertEqual([(r.index, r.ok) for r in self.client.landed(wait_s=30)], [(1, True)])
+    np.testing.assert_array_equal(self.client.take("r", 1).kv, self.kv[self.hashes[1]])
+    # Output tokens grow the chain, chained from the prompt's keys.
+    seq = self.prompt + [20, 21, 22]  # 16 tokens: 4 full chunks
+    self.client.extend_request_keys("r", seq, 4)
+    want = self.client.extend_chunk_hashes(lookup, self.hashes, seq, 4)
+    self.assertEqual(self.client.request_chunk_key("r", 0),
+                     (lookup.namespace, want[0], lookup.namespace))
+    self.assertEqual(self.client.request_chunk_key("r", 3), (lookup.namespace, want[3], want[2]))
+    self.assertEqual(self.client.request_tail_key("r", seq, 14),
+                     (lookup.namespace,) + self.client.tail_key(lookup.namespace, want, seq,
+                                                                14)[1:])
+    self.assertIsNone(self.client.request_tail_key("r", seq, 12))
+    self.assertEqual([w.request_id for w in self.client.lookahead_requests(["x", "r"])], ["r"])
+    self.client.start_request_load("r", 2)
+    self.assertEqual(self.client.close_request("r"), 1)  # its load is dropped with its keys
+    self.assertFalse(self.client.is_open("r"))
+    with self.assertRaisesRegex(KeyError, "not open"):
+      self.client.request_chunk_key("r", 0)
+    self.assertEqual(self.client.close_request("r"), 0)  # idempotent
+    for g in self.store.gates.values():  # the abandoned read's executor thread ends
+      g.set()
+
+
 class EntropyDecoderPlatformTest(absltest.TestCase):
 
   def test_decoder_follows_the_target_platform_not_the_host(self):
@@ -250,8 +281,8 @@ class StagedBytesTest(absltest.TestCase):
     on_device = ChunkHit(None, enc, None, "disk",
                          {"q": jnp.zeros((4, 8), jnp.int16), "step": np.zeros(2, np.float32)})
     on_host = ChunkHit(None, enc, None, "disk", {"q": np.zeros((4, 8), np.int16)})
-    self.assertEqual(_held_nbytes(on_device), 100 + 4 * 8 * 2)
-    self.assertEqual(_held_nbytes(on_host), 100)
+    self.assertEqual(held_nbytes(on_device), 100 + 4 * 8 * 2)
+    self.assertEqual(held_nbytes(on_host), 100)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
-from kvjax.engine.kv_store_client import LookaheadRequest
+from kvjax.connector import LookaheadRequest
 from kvjax.storage import StoreConfig, TierConfig, keys
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)

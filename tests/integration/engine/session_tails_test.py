@@ -13,7 +13,7 @@ import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import LLM, SamplingParams
-from kvjax.engine.kv_store_client import SAVING
+from kvjax.connector import SAVING
 from kvjax.storage import StoreConfig, TierConfig, keys
 
 C = 32

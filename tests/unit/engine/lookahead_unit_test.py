@@ -6,7 +6,7 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax import SamplingParams
-from kvjax.engine.kv_store_client import LookaheadRequest
+from kvjax.connector import LookaheadRequest
 from kvjax.storage import StoreConfig, TierConfig, keys
 from kvjax.testing import engines
 from kvjax.testing.fake_runner import fake_model_config

@@ -15,7 +15,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
-from kvjax.engine.kv_store_client import SAVING
+from kvjax.connector import SAVING
 from kvjax.storage import StoreConfig, TierConfig, keys
 from kvjax.testing import engines
 

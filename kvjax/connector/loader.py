@@ -1,0 +1,288 @@
+"""The connector's load pipeline: queued background loads of stored prefix chunks, read and
+verified on the store's event loop, staged until the scheduler plans their insertion."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvjax import codecs
+from kvjax.connector import device
+from kvjax.connector.records import LoaderStats, Pending, PrefixLookup, TierSnapshot
+from kvjax.scheduler.output import LoadReport
+from kvjax.storage import codecs as storage_codecs
+from kvjax.storage import entropy, keys
+from kvjax.storage.types import ChunkHit, ChunkMiss, MissReason
+
+
+class LoaderMixin:
+  """Background loads of `KVStoreClient` (`kvjax/connector/client.py` owns the state)."""
+
+  def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
+                 prompt_ids: Sequence[int], *, choose=None, nbytes: int = 0,
+                 max_in_flight: int = 2) -> None:
+    """Queues a background load of prompt chunk `index`; its `LoadReport` comes from `landed()`.
+
+    Loads run in the order they were queued, each request's `max_in_flight` at a time, and the
+    next starts the moment one lands (on the store's event loop, not at the engine's next step),
+    while the staged and reading bytes stay within `staging_bytes`. The read, verification and
+    entropy decoding run on the event loop (tensorstore async reads; the link and byte limiters
+    bound them). Never blocks the caller.
+
+    Args:
+      request_id: the owner; `cancel_loads(request_id)` drops its loads.
+      index: chunk index within the prompt; the lookup's stored tail when it is
+        `lookup.tail.index`.
+      lookup: the prompt's `PrefixLookup`.
+      prompt_ids: the prompt's tokens.
+      choose: optional `Callable[[Sequence[Encoding]], Encoding | None]` picking the encoding
+        (codec level) to read.
+      nbytes: the planner's stored bytes for it (for the staging budget).
+      max_in_flight: the request's reads at once, >= 1.
+    """
+    c = self.chunk_size
+    tail = lookup.tail
+    if tail is not None and index == tail.index:  # the stored tail, padded to C ids
+      key, tokens = tail.chunk_hash, keys.tail_token_ids(
+          prompt_ids[index * c:index * c + tail.num_tokens], c)
+    else:
+      key, tokens = lookup.hashes[index], tuple(prompt_ids[index * c:(index + 1) * c])
+    item = Pending(request_id, index, key, tokens, lookup.namespace, choose,
+                    int(nbytes) or self.layout.nbytes, max(1, int(max_in_flight)))
+    with self._lock:
+      self._queue.append(item)
+    self._pump()
+
+  def _pump(self) -> None:
+    """Starts queued reads in order while per-request concurrency and the staging budget allow.
+
+    A request's read waits only for its own earlier reads (per-request order); the byte budget
+    never blocks the first read (no deadlock when one chunk exceeds it).
+    """
+    with self._lock:
+      reading_of = collections.Counter(k[0] for k in self._reading)
+      held = self._stats.staged_bytes + sum(p.nbytes for p in self._reading.values())
+      for item in list(self._queue):
+        if reading_of[item.request_id] >= item.max_in_flight:
+          continue
+        if held and held + item.nbytes > self.staging_bytes:
+          break
+        self._queue.remove(item)
+        now = time.perf_counter()
+        if not self._reading:
+          self._busy_since_s = now
+        item.started_s = now
+        self._reading[(item.request_id, item.index)] = item
+        reading_of[item.request_id] += 1
+        held += item.nbytes
+        self._stats.started += 1
+        item.future = asyncio.run_coroutine_threadsafe(self._read(item), self._loop)
+
+  async def _read(self, item: Pending) -> None:
+    pending = self._prefetching.get(item.chunk_hash)
+    if pending is not None:  # its prefetch is moving it up: read the host copy it makes
+      await asyncio.wait({pending[0]})
+    with self._lock:
+      saving = self._saving.get(item.chunk_hash)
+    if saving is not None:  # found while its save was queued or being written: wait for it
+      # (on the loop, no worker thread: the write itself needs one; shielded, so a cancelled
+      # load never cancels the future other loads of the key wait on)
+      await asyncio.shield(asyncio.wrap_future(saving[1]))
+    self._store_reads[item.chunk_hash] += 1  # no prefetch of it starts meanwhile
+    try:
+      got = await self.store.get(item.chunk_hash, item.token_ids, item.namespace, self.layout,
+                                 **({"choose": item.choose} if item.choose is not None else {}))
+    except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
+      got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
+    finally:
+      self._store_reads[item.chunk_hash] -= 1
+      if not self._store_reads[item.chunk_hash]:
+        del self._store_reads[item.chunk_hash]
+    got = self._check_transform(got)
+    if isinstance(got, ChunkHit) and any(isinstance(a, entropy.RansCodes)
+                                         for a in got.payload.values()):
+      try:
+        got = await asyncio.to_thread(self._decode_on_device, got)
+      except Exception as e:  # noqa: BLE001 - a failed decode is a miss, never a user error
+        got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, f"device entropy decode: {e!r}")
+    self._on_land(item, got, time.perf_counter())
+
+  def warmup_entropy(self, codec: str, level: int, arrays) -> None:
+    """Compiles the device entropy decoder a landed chunk of this layout would use: codes
+    `arrays` (a host payload of `codec`, e.g. of a zero chunk) into stored bytes, reads them
+    back as the store does and decodes what the reader left coded. No-op for codecs the reader
+    decodes on the host.
+
+    Raises:
+      ValueError: a payload that does not match the layout; RuntimeError: the decode failed.
+    """
+    blob = storage_codecs.encode_payload(codec, level, arrays, self.layout)
+    payload = storage_codecs.decode_payload(codec, storage_codecs.CURRENT_VERSION[codec], level,
+                                            blob, self.layout, defer_entropy=True)
+    for name, a in payload.items():
+      if isinstance(a, entropy.RansCodes) and not self._rans_decode(a)[1]:
+        raise RuntimeError(f"warming up the device entropy decoder: {name} did not decode")
+
+  def _rans_decode(self, a: entropy.RansCodes):
+    """(codes on the device, ok: bool) of one array the reader left rANS-coded (the device
+    seam, `kvjax.connector.device.rans_decode`).
+
+    Raises:
+      ValueError: band arrays that do not fit together (`kvtc_rans.pack_bands`)."""
+    return device.rans_decode(a, use_pallas=self.use_pallas_entropy, platform=self.platform)
+
+  def _decode_on_device(self, got: ChunkHit) -> ChunkHit | ChunkMiss:
+    """Decodes every entropy-coded array of a landed chunk on the device
+    (`kvjax.connector.device.decode_on_device`); a failed `ok` check is a CORRUPT miss."""
+    with self._lock:
+      self._stats.device_decoded += 1
+    return device.decode_on_device(got, self._rans_decode)
+
+  def _check_transform(self, got: ChunkHit | ChunkMiss) -> ChunkHit | ChunkMiss:
+    """A kvtc hit coded with another transform than this model's becomes a miss."""
+    if not isinstance(got, ChunkHit) or got.encoding.codec != codecs.KVTC:
+      return got
+    tid = got.payload.get("transform_id") if isinstance(got.payload, dict) else None
+    if tid is None or self.kvtc_transform_id is None or (
+        bytes(np.asarray(tid, np.uint8)) != self.kvtc_transform_id):
+      return ChunkMiss(got.record.chunk_hash, MissReason.UNKNOWN_CODEC,
+                       "kvtc chunk coded with another transform")
+    return got
+
+  def _on_land(self, item: Pending, got: ChunkHit | ChunkMiss, done_s: float) -> None:
+    key = (item.request_id, item.index)
+    with self._lock:
+      if self._reading.get(key) is not item:
+        return  # its request ended meanwhile: drop it
+      del self._reading[key]
+      ok = isinstance(got, ChunkHit)
+      nbytes = int(got.encoding.nbytes) if ok else 0
+      link_s = max(0.0, done_s - max(item.started_s, self._last_done_s))
+      self._last_done_s = max(self._last_done_s, done_s)
+      if not self._reading:
+        self._stats.link_busy_s += done_s - self._busy_since_s
+      self._stats.landed += 1
+      self._stats.read_bytes += nbytes
+      if ok:
+        b, n = self._loaded_by_tier.get(got.tier, (0, 0))
+        self._loaded_by_tier[got.tier] = (b + nbytes, n + 1)
+        if item.chunk_hash in self._prefetched and got.tier == self._host_name():
+          self._prefetched.discard(item.chunk_hash)
+          self._pf = dataclasses.replace(self._pf, useful=self._pf.useful + 1)
+      if ok and not item.released:
+        self._staged[key] = got
+        self._stats.staged_bytes += device.held_nbytes(got)
+      self._reports.append(LoadReport(
+          request_id=item.request_id, index=item.index, ok=ok, nbytes=nbytes,
+          tier=got.tier if ok else "",
+          encoding=f"{got.encoding.codec}/{got.encoding.level}" if ok else None,
+          started_s=item.started_s, done_s=done_s, link_s=link_s,
+          reason="" if ok else got.reason.value))
+      self._reported.set()
+    self._pump()
+
+  def landed(self, wait_s: float | None = None) -> list[LoadReport]:
+    """Takes the reports of every load that finished since the last call.
+
+    Args:
+      wait_s: if none has finished, block up to this long for one (None: do not block).
+    """
+    if wait_s is not None and wait_s > 0 and not self._reports:
+      self._reported.wait(wait_s)
+    with self._lock:
+      out, self._reports = self._reports, []
+      self._reported.clear()
+    return out
+
+  def take(self, request_id: Any, index: int) -> ChunkHit:
+    """Hands over a staged chunk for insertion (its staging is released).
+
+    Raises:
+      KeyError: if the chunk is not staged (a planner bug).
+    """
+    with self._lock:
+      hit = self._staged.pop((request_id, index))
+      self._stats.staged_bytes -= device.held_nbytes(hit)
+    self._pump()
+    return hit
+
+  def release(self, request_id: Any, index: int) -> None:
+    """The scheduler no longer wants chunk `index`'s load: a queued one never starts (reported
+    as a miss, reason "released"), a reading one is dropped when it lands, a staged one is freed.
+    Idempotent."""
+    key = (request_id, index)
+    with self._lock:
+      queued = next((p for p in self._queue if (p.request_id, p.index) == key), None)
+      if queued is not None:
+        self._queue.remove(queued)
+        self._stats.cancelled += 1
+        self._reports.append(LoadReport(request_id, index, ok=False, nbytes=0,
+                                        reason="released"))
+        self._reported.set()
+      elif key in self._reading:
+        self._reading[key].released = True
+      elif key in self._staged:
+        self._stats.staged_bytes -= device.held_nbytes(self._staged.pop(key))
+        self._stats.released_staged += 1
+    self._pump()
+
+  def cancel_loads(self, request_id: Any) -> int:
+    """Drops every queued, reading and staged load of the request (no reports); returns how
+    many."""
+    with self._lock:
+      queued = [p for p in self._queue if p.request_id == request_id]
+      for p in queued:
+        self._queue.remove(p)
+      reading = [k for k in self._reading if k[0] == request_id]
+      for k in reading:
+        self._reading.pop(k).future.cancel()
+      staged = [k for k in self._staged if k[0] == request_id]
+      for k in staged:
+        self._stats.staged_bytes -= device.held_nbytes(self._staged.pop(k))
+      self._reports = [r for r in self._reports if r.request_id != request_id]
+      n = len(queued) + len(reading) + len(staged)
+      self._stats.cancelled += len(queued) + len(reading)
+      self._stats.abandoned_reads += len(reading)
+      self._stats.released_staged += len(staged)
+    self._pump()
+    return n
+
+  def loads_in_flight(self, request_id: Any = None) -> int:
+    """Loads queued or reading (of one request, or all)."""
+    with self._lock:
+      if request_id is None:
+        return len(self._queue) + len(self._reading)
+      return (sum(1 for p in self._queue if p.request_id == request_id)
+              + sum(1 for k in self._reading if k[0] == request_id))
+
+  def tier_snapshots(self) -> tuple[TierSnapshot, ...]:
+    """Per-tier counters (misses, loaded bytes, link limiter), plain data."""
+    stats = self.store.stats
+    out = []
+    with self._lock:
+      loaded = dict(self._loaded_by_tier)
+    for tier in self.store.tiers:
+      s = stats.get(tier.name)
+      limiter = self.store.limiters.get(tier.name)
+      nbytes, nchunks = loaded.get(tier.name, (0, 0))
+      out.append(TierSnapshot(
+          tier.name, dict(s.misses) if s is not None else {}, nbytes, nchunks,
+          float(limiter.current_rate()) if limiter is not None else None,
+          int(limiter.bytes_granted) if limiter is not None else 0,
+          s.hits if s is not None else 0, s.evictions if s is not None else 0,
+          s.promotions if s is not None else 0, s.demotions_in if s is not None else 0,
+          s.demotions_out if s is not None else 0, s.demotion_drops if s is not None else 0,
+          s.bytes_written if s is not None else 0))
+    return tuple(out)
+
+  @property
+  def loader_stats(self) -> LoaderStats:
+    """A snapshot of the load accounting."""
+    with self._lock:
+      return dataclasses.replace(self._stats, queued=len(self._queue),
+                                 in_flight=len(self._reading))
