@@ -86,8 +86,9 @@ def _scrub(text: str) -> str:
 
 
 def _flag_default(flag) -> str:
-  if flag.default is None:
-    return "none"
+  if flag.default is None:  # resolved at start-up: the help text's "default: ..." says to what
+    m = re.search(r"[Dd]efault:? ([^;)]*)", flag.help or "")
+    return m.group(1).split(". ")[0].rstrip(".").strip() if m else "none"
   if isinstance(flag.default, bool):
     return "true" if flag.default else "false"
   if isinstance(flag.default, list):
