@@ -546,7 +546,9 @@ class LLM:
     self.last_session_prompt = None
     try:
       if self.kv_store is not None:
-        self._progress(StartupEvent("store", f"KV store: {self.store_description}"))
+        mode = ", consistent (outputs independent of what is loaded)" if consistent else ""
+        self._progress(StartupEvent("store", f"KV store: {self.store_description}; codec "
+                                    f"{kv_codec} levels {list(kv_codec_levels)}{mode}"))
       if compile_on_init and not self.is_follower:
         self.warmup()
     except BaseException:  # a cancelled start-up (the callback raised) leaves nothing running
