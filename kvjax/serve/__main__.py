@@ -489,8 +489,13 @@ def main(argv):
     while not STOP.requested and not http_done.is_set():
       STOP.wait()
   _out("kvjax: stopping" + (" (writing pending KV saves)" if backend is not None else ""))
+  if backend is not None:
+    # Fail what is still running first (503: a stream ends with an error event and [DONE]), so
+    # uvicorn's graceful shutdown finds no open response to cancel.
+    backend.engine.shutdown()
   http.stop()
   close_backend(backend, loaded.get("llm"))
+  _out("kvjax: stopped")
   if state.load_error or (backend is None and not STOP.requested):
     sys.exit(2)
 

@@ -114,6 +114,7 @@ class AsyncEngine:
     self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
     self.stats = LoopStats()
     self._stopped = threading.Event()
+    self._submit_lock = threading.Lock()  # submit's stop check and enqueue vs `_stop`'s drain
 
   def start(self) -> None:
     self._thread.start()
@@ -143,6 +144,12 @@ class AsyncEngine:
     Raises:
       EngineFault: 503 while shutting down; 429 when `max_unfinished` requests are unfinished.
     """
+    with self._submit_lock:  # a command never lands behind the stop unanswered (`_stop`)
+      return self._submit(request_id, prompt_token_ids, params, cache_salt,
+                          history_tokens=history_tokens, save_tail=save_tail)
+
+  def _submit(self, request_id, prompt_token_ids, params, cache_salt, *, history_tokens,
+              save_tail) -> asyncio.Queue:
     if self._stopped.is_set():
       raise EngineFault("the server is shutting down", status=503)
     with self._unfinished_lock:
@@ -185,8 +192,7 @@ class AsyncEngine:
         cmd = self._get_nowait() if busy else self._commands.get()
         while cmd is not None:
           if cmd is _STOP:
-            self._fail_all(EngineFault("the server is shutting down", status=503))
-            self._stopped.set()
+            self._stop()
             return
           self._handle(cmd)
           cmd = self._get_nowait()
@@ -194,6 +200,25 @@ class AsyncEngine:
           self._step()
       except Exception:  # noqa: BLE001 - the loop outlives any fault
         _log.exception("engine loop iteration failed; continuing")
+
+  def _stop(self) -> None:
+    """Fails every unfinished request and every command still queued behind the stop (a
+    request submitted while the stop was on its way) with 503, then refuses new ones."""
+    fault = EngineFault("the server is shutting down", status=503)
+    with self._submit_lock:
+      self._stopped.set()
+      left = []
+      while (cmd := self._get_nowait()) is not None:
+        left.append(cmd)
+    self._fail_all(fault)
+    for cmd in left:
+      if cmd is _STOP or cmd[0] == "abort":
+        continue
+      if cmd[0] == "add":
+        self._release()
+        cmd[-1].put(fault)
+      else:  # "call"
+        cmd[-1](None, fault)
 
   def _release(self) -> None:
     """One submitted request ended (finished, failed or aborted)."""

@@ -114,6 +114,42 @@ class StartStopTest(absltest.TestCase):
     self.assert_clean_exit(server, code)
     self.assertIn("kvjax: stopping (writing pending KV saves)", server.output())
 
+  def test_sigint_during_streams_ends_them_with_an_error_event(self):
+    # Twelve streams of 500 tokens, one running at a time (--max_num_seqs=1): about 6 s of
+    # decoding for the tiny model, longer than uvicorn's 5 s graceful shutdown, which used to
+    # cancel the open responses (a dropped connection, "Exception in ASGI application").
+    server = Server(self, *TINY, "--kv_store=none")
+    url = server.wait_for("kvjax: ready").split(" at ")[-1]
+    streams, first = [[] for _ in range(12)], threading.Event()
+
+    def read_stream(lines):
+      body = {"model": "tiny", "prompt": list(range(8)), "max_tokens": 500, "stream": True,
+              "ignore_eos": True}
+      with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+          if line:
+            lines.append(line)
+            first.set()
+
+    readers = [threading.Thread(target=read_stream, args=(lines,)) for lines in streams]
+    for t in readers:
+      t.start()
+    self.assertTrue(first.wait(120))
+    code = server.stop(signal.SIGINT)
+    for t in readers:
+      t.join(120)
+    self.assert_clean_exit(server, code)
+    self.assertNotIn("Exception in ASGI application", server.output())
+    self.assertIn("kvjax: stopped", server.output())
+    # Every request got an answer: a stream ended as streams do ([DONE], after an error event
+    # when unfinished), a request whose stream had not begun a 503 body; none was cut off.
+    for lines in streams:
+      if lines[-1] == "data: [DONE]":
+        continue
+      self.assertEqual(len(lines), 1, lines)
+      self.assertIn("the server is shutting down", lines[0])
+    self.assertTrue(any("shutting down" in line for lines in streams for line in lines))
+
   def test_a_second_signal_exits_at_once(self):
     # The handler itself, deterministically: signals sent to the process itself are handled
     # before the next line runs (a second one during a stop exits with 130).
