@@ -11,7 +11,7 @@ Axis letters (the format's, not `kvjax._typing`'s): M models (frequency tables),
 S streams per model, J blocks per model, B lanes per block, W words per block, A alphabet,
 Z = 2**scale_bits slots.
 
-Kernels. The GPU one (kvjax/kernels/rans_decode_gpu.py, Triton; `decode_call`) runs one
+Kernels. The GPU one (kvjax/kernels/rans_decode_gpu.py, Triton; its `decode_call`) runs one
 program per block of B lanes (one warp when B = 32, DietGPU's choice) with table gathers and
 an exclusive cumsum (a warp ballot + popcount). The TPU one (`_tpu_kernel`, what
 `rans_decode` runs for "tpu" and in interpret mode on a CPU) is built from what Mosaic lowers:
@@ -62,14 +62,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax.kernels import rans_decode_gpu
 from kvjax.kernels.platform import resolve_platform
+from kvjax.kernels.rans_step import STATE_LOWER, WORD_BITS, decode_tables
+from kvjax.kernels.rans_step import step as _step
 
 # ---------------------------------------------------------------------------------------------
 # Constants (the format's; storage's rans.py holds the same numbers).
 
-#: The state's lower bound, the encoder's initial state, and the word base: 2**16.
-STATE_LOWER = 1 << 16
-WORD_BITS = 16
 MIN_SCALE_BITS, MAX_SCALE_BITS = 8, 15
 #: The TPU kernel's program: ROWS blocks (sublanes) x LANES lanes, one int32 vreg.
 ROWS, LANES = 8, 128
@@ -80,28 +80,6 @@ MAX_VMEM_BYTES = 100 << 20
 # ---------------------------------------------------------------------------------------------
 # Decode tables (built on the device from the small frequency table).
 
-
-def decode_tables(freqs_MA: jax.Array, scale_bits: int) -> tuple[jax.Array, jax.Array]:
-  """Slot -> symbol and packed (frequency, bias) tables of each model.
-
-  Args:
-    freqs_MA: int32[M, A] frequencies, each row summing to 2**scale_bits (or all 0: unused).
-    scale_bits: n (static).
-
-  Returns:
-    (sym_MZ int32[M, Z], freq_bias_MZ uint32[M, Z]) with freq in the low 16 bits and
-    bias = slot - cumulative frequency of the symbol in the high 16 (both < 2**16 for n <= 15).
-  """
-  z = 1 << scale_bits
-  freqs = freqs_MA.astype(jnp.int32)
-  incl = jnp.cumsum(freqs, axis=1)
-  slots = jnp.arange(z, dtype=jnp.int32)
-  sym = jax.vmap(lambda row: jnp.searchsorted(row, slots, side="right"))(incl)
-  sym = jnp.minimum(sym, freqs.shape[1] - 1).astype(jnp.int32)
-  f = jnp.take_along_axis(freqs, sym, axis=1)
-  bias = slots[None] - jnp.take_along_axis(incl - freqs, sym, axis=1)
-  packed = f.astype(jnp.uint32) | (bias.astype(jnp.uint32) << WORD_BITS)
-  return sym, packed
 
 
 def tpu_tables(freqs_MA: jax.Array, scale_bits: int) -> tuple[jax.Array, jax.Array]:
@@ -124,25 +102,6 @@ def tpu_tables(freqs_MA: jax.Array, scale_bits: int) -> tuple[jax.Array, jax.Arr
   hi = jnp.min(jnp.where(below, z, incl), axis=2)
   return sym, (hi - lo) | ((slots[..., 0] - lo) << WORD_BITS)
 
-
-def _step(x, length, pos, t, slot_lookup, word_lookup, scale_bits):
-  """One decode step of a set of lanes.
-
-  x: uint32[..., B] states; length: int32[..., B]; pos: int32[...] words read per block.
-  slot_lookup(slot) -> (sym int32, freq_bias uint32); word_lookup(idx) -> uint32 words.
-  Returns (x, pos, sym int32[..., B] (0 on inactive lanes)).
-  """
-  active = t < length
-  slot = (x & jnp.uint32((1 << scale_bits) - 1)).astype(jnp.int32)
-  sym, fb = slot_lookup(slot)
-  x_dec = (fb & jnp.uint32(0xFFFF)) * (x >> scale_bits) + (fb >> WORD_BITS)
-  x = jnp.where(active, x_dec, x)
-  need = active & (x < jnp.uint32(STATE_LOWER))
-  need_i = need.astype(jnp.int32)
-  idx = pos[..., None] + jnp.cumsum(need_i, axis=-1) - need_i
-  w = word_lookup(idx)
-  x = jnp.where(need, (x << WORD_BITS) | w, x)
-  return x, pos + jnp.sum(need_i, axis=-1), jnp.where(active, sym, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,8 +307,6 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
   _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
   platform = resolve_platform(platform)
   if platform == "cuda":
-    # Imported here: rans_decode_gpu reuses this module's step math.
-    from kvjax.kernels import rans_decode_gpu  # pylint: disable=import-outside-toplevel
     return rans_decode_gpu.decode_jit(words, states, lengths, num_words, freqs,
                                       scale_bits=int(scale_bits), num_streams=int(num_streams),
                                       num_steps=int(num_steps), interpret=bool(interpret))
@@ -361,46 +318,6 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
                      num_streams=int(num_streams), num_steps=int(num_steps),
                      interpret=bool(interpret), platform=platform)
 
-
-def decode_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int, rows: int,
-                interpret: bool, name: str, kernel, compiler_params=None):
-  """The GPU decoders' `pallas_call` over a grid of (model, block), one program per block (the
-  Triton one, kvjax/kernels/rans_decode_gpu.py, pads the lanes and words first; the TPU kernel
-  has its own layout: `tpu_call`).
-
-  Args:
-    words: [M, J, W] int32 coded words; states, lengths: [M, J, B] (uint32, int32).
-    freqs: as `rans_decode_reference` (the decode tables are built from it).
-    scale_bits, num_steps: as `rans_decode_reference`; rows: the output block's step rows,
-      >= max(num_steps, 1).
-    interpret, name, compiler_params: `pl.pallas_call`'s.
-    kernel: the kernel body (arguments as `rans_decode_gpu._decode_kernel`).
-
-  Returns:
-    ([M, J, rows, B] int32 symbols, [M, J, B] uint32 final states, [M, J, B] int32 word
-    positions).
-  """
-  m_, j_, b_ = states.shape
-  w_ = words.shape[2]
-  z = 1 << scale_bits
-  sym_MZ, fb_MZ = decode_tables(freqs, scale_bits)
-  lane_spec = pl.BlockSpec((None, None, b_), lambda m, j: (m, j, 0))
-  table_spec = pl.BlockSpec((None, z), lambda m, j: (m, 0))
-  extra = {} if compiler_params is None else {"compiler_params": compiler_params}
-  return pl.pallas_call(
-      functools.partial(kernel, scale_bits=scale_bits, num_steps=num_steps),
-      out_shape=(jax.ShapeDtypeStruct((m_, j_, rows, b_), jnp.int32),
-                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.uint32),
-                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.int32)),
-      grid=(m_, j_),
-      in_specs=[pl.BlockSpec((None, None, w_), lambda m, j: (m, j, 0)), lane_spec, lane_spec,
-                table_spec, table_spec],
-      out_specs=(pl.BlockSpec((None, None, rows, b_), lambda m, j: (m, j, 0, 0)), lane_spec,
-                 lane_spec),
-      interpret=interpret,
-      name=name,
-      **extra,
-  )(words.astype(jnp.int32), states, lengths.astype(jnp.int32), sym_MZ, fb_MZ)
 
 
 def tpu_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int,

@@ -2,10 +2,10 @@
 
 Same format, arguments and (bit-identical) results as `kvjax/kernels/rans_decode.py`;
 `rans_decode.rans_decode` calls this with `platform="cuda"` (the TPU kernel there packs blocks
-into vregs; a GPU runs one program per block). Launched by `rans_decode.decode_call` with
+into vregs; a GPU runs one program per block). Launched by `decode_call` with
 Triton params (without them Pallas picks Mosaic GPU, which lowers the block copies as async
 copies it cannot place; with Triton params every band shape lowers). The step math is
-`rans_decode._step` (shared with the jnp reference); this file owns the GPU launch:
+`rans_step.step` (shared with the jnp reference); this file owns the GPU launch:
 
     grid (M, J)       one program per block: B lanes (32 in storage's format: one warp)
     num_warps 1       B lanes fit one warp; more warps would idle
@@ -16,8 +16,8 @@ copies it cannot place; with Triton params every band shape lowers). The step ma
 Triton wants power-of-two block dims: Z = 2**scale_bits is one; B (lanes: padding lanes decode
 nothing), W (words: zeros past num_words) and T (output rows) are padded up to powers of two in
 the jit, and the padding is cut off the result. Tested in interpret mode against the jnp
-reference (tests/integration/kernels/rans_decode_gpu_test.py), lowered for CUDA on CPU there, compiled on an
-H200 by scripts/device_check.sh.
+reference (tests/integration/kernels/rans_decode_gpu_test.py), lowered for CUDA on CPU there,
+compiled on an H200 by scripts/device_check.sh.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvjax.kernels import rans_decode as rd
+from kvjax.kernels import rans_step as rd
 from kvjax.kernels.kv_codec_gpu import triton_params
 
 #: Warps per program (B = 32 lanes is one warp).
@@ -56,13 +56,54 @@ def _decode_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref,
 
   def body(t, carry):
     x, pos = carry
-    x, pos, sym = rd._step(x, length, pos, t, slot_lookup, word_lookup, scale_bits)  # pylint: disable=protected-access
+    x, pos, sym = rd.step(x, length, pos, t, slot_lookup, word_lookup, scale_bits)
     out_ref[pl.ds(t, 1), :] = sym[None]
     return x, pos
 
   x, pos = lax.fori_loop(0, num_steps, body, (states_ref[...], jnp.zeros((), jnp.int32)))
   x_ref[...] = x
   pos_ref[...] = jnp.full(x.shape, pos, jnp.int32)
+
+
+def decode_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: int, rows: int,
+                interpret: bool, name: str, kernel, compiler_params=None):
+  """The GPU decoders' `pallas_call` over a grid of (model, block), one program per block (the
+  Triton kernel of this module pads the lanes and words first; the TPU kernel has its own layout:
+  `rans_decode.tpu_call`).
+
+  Args:
+    words: [M, J, W] int32 coded words; states, lengths: [M, J, B] (uint32, int32).
+    freqs: as `rans_decode_reference` (the decode tables are built from it).
+    scale_bits, num_steps: as `rans_decode_reference`; rows: the output block's step rows,
+      >= max(num_steps, 1).
+    interpret, name, compiler_params: `pl.pallas_call`'s.
+    kernel: the kernel body (arguments as `_decode_kernel`).
+
+  Returns:
+    ([M, J, rows, B] int32 symbols, [M, J, B] uint32 final states, [M, J, B] int32 word
+    positions).
+  """
+  m_, j_, b_ = states.shape
+  w_ = words.shape[2]
+  z = 1 << scale_bits
+  sym_MZ, fb_MZ = rd.decode_tables(freqs, scale_bits)
+  lane_spec = pl.BlockSpec((None, None, b_), lambda m, j: (m, j, 0))
+  table_spec = pl.BlockSpec((None, z), lambda m, j: (m, 0))
+  extra = {} if compiler_params is None else {"compiler_params": compiler_params}
+  return pl.pallas_call(
+      functools.partial(kernel, scale_bits=scale_bits, num_steps=num_steps),
+      out_shape=(jax.ShapeDtypeStruct((m_, j_, rows, b_), jnp.int32),
+                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.uint32),
+                 jax.ShapeDtypeStruct((m_, j_, b_), jnp.int32)),
+      grid=(m_, j_),
+      in_specs=[pl.BlockSpec((None, None, w_), lambda m, j: (m, j, 0)), lane_spec, lane_spec,
+                table_spec, table_spec],
+      out_specs=(pl.BlockSpec((None, None, rows, b_), lambda m, j: (m, j, 0, 0)), lane_spec,
+                 lane_spec),
+      interpret=interpret,
+      name=name,
+      **extra,
+  )(words.astype(jnp.int32), states, lengths.astype(jnp.int32), sym_MZ, fb_MZ)
 
 
 @functools.partial(jax.jit,
@@ -81,7 +122,7 @@ def decode_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_stre
   states = jnp.pad(states, lanes, constant_values=rd.STATE_LOWER)
   lengths = jnp.pad(lengths.astype(jnp.int32), lanes)
   words = jnp.pad(words.astype(jnp.int32), ((0, 0), (0, 0), (0, w_ - words.shape[2])))
-  out_TB, x_MJB, pos_MJB = rd.decode_call(
+  out_TB, x_MJB, pos_MJB = decode_call(
       words, states, lengths, freqs, scale_bits=scale_bits, num_steps=num_steps, rows=t_,
       interpret=interpret, name="rans_decode_gpu", kernel=_decode_kernel,
       compiler_params=triton_params(num_warps=NUM_WARPS, num_stages=1))
