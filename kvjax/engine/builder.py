@@ -1,6 +1,6 @@
 """Builds a warmed-up `LLM` from plain options, for entry points that may not import lower rooms.
 
-The server (`kvjax.serve`) imports only the engine and request types (docs/design/index.md), so
+The server (`kvjax.serve`) imports only the engine and request types (docs/architecture.md), so
 the things it needs from below come through here:
 
     default_kv_store_url()        file store under kvjax's cache root (`<root>/store`, the

@@ -1,6 +1,6 @@
 """kvjax's OpenAI-compatible server (`python -m kvjax.serve`).
 
-The serve room imports only the engine and request types (docs/design/index.md, "Rooms").
+The serve room imports only the engine and request types (docs/architecture.md, "Rooms").
 
 The public names are imported lazily (as `kvjax.LLM` is), so `python -m kvjax.serve` installs its
 signal handlers before JAX and uvicorn load: a Ctrl-C during those seconds stops the server
