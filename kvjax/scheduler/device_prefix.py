@@ -69,3 +69,13 @@ def grow(kvm: KVCacheManager, r: Request, n: int, may_preempt: bool,
     if victim is r:
       return False
   return True
+
+
+def indexable_tokens(r: Request, consistent_chunk: int | None) -> int:
+  """How many of `r`'s leading tokens the device prefix cache may index now: those computed;
+  in consistent mode (`consistent_chunk`, the store chunk size) only the prefill's whole store
+  chunks, whose KV passed through the codec (`PrefillChunk.roundtrip`), never decode KV."""
+  n = min(r.num_computed_tokens, r.num_tokens)
+  if consistent_chunk is not None:
+    n = min(n, r.num_prefill_tokens // consistent_chunk * consistent_chunk)
+  return n

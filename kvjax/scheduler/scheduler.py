@@ -361,12 +361,8 @@ class Scheduler:
       for r in self.running.values():
         # Index the blocks this plan fills (after admissions: a lookup never hits a block
         # whose KV this very plan writes).
-        # Consistent mode: the prefill's whole store chunks only (their KV passed through the
-        # codec, `PrefillChunk.roundtrip`), never a block of decode KV.
-        kvm.cache_full_blocks(r, min(r.num_computed_tokens, r.num_tokens,
-                                     r.num_prefill_tokens // self.save_chunk_size
-                                     * self.save_chunk_size if self.consistent
-                                     else r.num_tokens))
+        kvm.cache_full_blocks(r, device_prefix.indexable_tokens(
+            r, self.save_chunk_size if self.consistent else None))
       block_tables = tuple((rid, kvm.block_table(rid)) for rid in self.running)
       preempted, self._preempted = tuple(self._preempted), []
       device_hits, self._device_hits = tuple(self._device_hits), []
