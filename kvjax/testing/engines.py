@@ -21,7 +21,8 @@ from typing import Any, Iterator, Sequence
 from kvjax import codecs
 from kvjax._typing import ModelFingerprint
 from kvjax.engine import llm as llm_module
-from kvjax.engine.engine import Engine, RequestOutput
+from kvjax.engine.engine import Engine
+from kvjax.engine.outputs import RequestOutput
 from kvjax.engine.llm import LLM
 from kvjax.connector import KVStoreClient
 from kvjax.models.byte_tokenizer import ByteTokenizer
