@@ -47,12 +47,13 @@ from kvjax.engine.kv_loads import KVLoads
 from kvjax.engine.kv_saves import KVSaves
 from kvjax.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
+from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager
 from kvjax.scheduler.output import (ComputeTiming, InsertItem, InsertTiming, SchedulerOutput,
                                     StepResult)
 from kvjax.scheduler.request import Request, SamplingParams
-from kvjax.scheduler.scheduler import LoadConfig, Scheduler, SchedulerConfig
+from kvjax.scheduler.scheduler import Scheduler
 from kvjax.sessions import REROTATED_SALT_PREFIX
 
 _log = logging.getLogger(__name__)
