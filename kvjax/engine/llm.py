@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import codecs
-from kvjax.engine.engine import Engine, RequestOutput
+from kvjax.engine.engine import Engine
+from kvjax.engine.outputs import RequestOutput
 from kvjax.connector import KVStoreClient
 from kvjax.engine.rerotation import stage_rerotated
 from kvjax.models import kv_calibration
@@ -33,7 +34,8 @@ from kvjax.models.registry import DEFAULT_MODEL, load_model
 from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
 from kvjax.scheduler.request import SamplingParams
-from kvjax.scheduler.scheduler import PREFILL_ORDERS, SHORTEST_FIRST, SchedulerConfig
+from kvjax.scheduler.config import SchedulerConfig
+from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
                             DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                             DEFAULT_SESSION_TTL_S, SessionConfig, SessionRegistry, StageFn,
