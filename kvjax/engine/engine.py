@@ -42,7 +42,8 @@ from kvjax.engine import sampling
 from kvjax.engine.core import EngineCore, LoopStats, StepRecord
 from kvjax.connector import (KVStoreClient, LoaderStats, PrefetchStats, SaveJob, SaverStats,
                              TierSnapshot)
-from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
+from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.runner_api import SeqChunk
 from kvjax.scheduler.cake import MergeTrace
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager, KVCacheStats
