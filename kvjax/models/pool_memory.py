@@ -1,4 +1,4 @@
-"""Device memory sizing of the paged pool: how many blocks the pool gets (docs/design/paged-memory.md).
+"""Device memory sizing of the paged pool: how many blocks it gets (docs/design/paged-memory.md).
 
 On CPU the pool is host memory, sized to what the sequences can use (at most 2 GiB); on an
 accelerator it is what the compiled step leaves of the device's memory: the largest step bucket is
