@@ -212,7 +212,8 @@ class Bench:
     from kvjax.models.compilation_cache import (default_cache_root,  # noqa: PLC0415
                                                 enable_persistent_compilation_cache)
     from kvjax.models.llama import Llama  # noqa: PLC0415
-    from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig  # noqa: PLC0415
+    from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
+    from kvjax.models.runner_api import PagedRunnerConfig  # noqa: PLC0415
     from kvjax.models.registry import load_model  # noqa: PLC0415
     from kvjax.storage import keys  # noqa: PLC0415
     from kvjax.storage.types import KVLayout  # noqa: PLC0415
@@ -251,7 +252,7 @@ class Bench:
     at the last token, or f32[n, V] for every token with `all_logits`), `.k_pre_rope_LTKH` and
     `.v_LTKH` ([L, n, K, H])."""
     import types  # noqa: PLC0415
-    from kvjax.models.paged_runner import SeqChunk  # noqa: PLC0415
+    from kvjax.models.runner_api import SeqChunk  # noqa: PLC0415
     seq = [SeqChunk(list(token_ids), start, self.tables[slot])]
     out = self.runner.step_all_logits(seq) if all_logits else self.runner.step(seq)
     return types.SimpleNamespace(logits=out.logits_SV if all_logits else out.logits_SV[0],
@@ -365,7 +366,7 @@ class Bench:
   def greedy(self, first_logits, slot: int, position: int, max_new: int) -> list[int]:
     """Greedy tokens from `first_logits` (f32[V]), decode steps of sequence `slot` from
     `position`; stops at EOS, `max_new` tokens or the sequence's end."""
-    from kvjax.models.paged_runner import SeqChunk  # noqa: PLC0415
+    from kvjax.models.runner_api import SeqChunk  # noqa: PLC0415
     runner = self.runner
     eos = self.tokenizer.eos_id
     out = []

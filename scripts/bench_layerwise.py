@@ -106,7 +106,7 @@ def split_cost(modes: dict, history: int, new_ids: list[int], reps: int) -> dict
   engine's runner) vs G layer-group calls (each layer-wise engine's runner, whose group
   programs and per-group parameters the TTFT runs used), interleaved per repetition."""
   import jax  # noqa: PLC0415
-  from kvjax.models.paged_runner import SeqChunk  # noqa: PLC0415
+  from kvjax.models.runner_api import SeqChunk  # noqa: PLC0415
   fns = {}
   for g, llm in modes.items():
     runner = llm.engine.runner

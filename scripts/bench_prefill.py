@@ -57,8 +57,8 @@ _TRANSFORMERS = flags.DEFINE_enum("transformers", "auto", ["auto", "on", "off"],
 def time_kvjax(ids: list[int], chunk: int) -> list[float]:
   import jax  # noqa: PLC0415
   from kvjax.models.llama import Llama  # noqa: PLC0415
-  from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig,  # noqa: PLC0415
-                                         SeqChunk)
+  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
   from kvjax.models.registry import load_model  # noqa: PLC0415
 
   loaded = load_model("SmolLM2-135M-Instruct", cache_dir=None)
@@ -111,7 +111,8 @@ def tp_config():
 def build_tp(ids: list[int], chunk: int, n: int, decode_tokens: int):
   """A warmed-up paged runner over n devices for `ids` plus `decode_tokens` positions."""
   from kvjax.models.llama import Llama  # noqa: PLC0415
-  from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig  # noqa: PLC0415
+  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner_api import PagedRunnerConfig  # noqa: PLC0415
   from kvjax.models.registry import tiny_params  # noqa: PLC0415
   from kvjax.models.sharding import TensorParallel  # noqa: PLC0415
 
@@ -129,7 +130,7 @@ def build_tp(ids: list[int], chunk: int, n: int, decode_tokens: int):
 def time_tp(runner, ids: list[int], chunk: int, decode_tokens: int) -> dict:
   """One timed prefill of `ids` in chunks, then greedy single-sequence decode."""
   import numpy as np  # noqa: PLC0415
-  from kvjax.models.paged_runner import SeqChunk  # noqa: PLC0415
+  from kvjax.models.runner_api import SeqChunk  # noqa: PLC0415
 
   blocks = list(range(runner.num_blocks))
   t0 = time.perf_counter()

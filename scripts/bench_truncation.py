@@ -91,7 +91,7 @@ from kvjax import sessions as sess
 from kvjax.kernels.attention import dense_attention_reference
 from kvjax.models import layers, llama
 from kvjax.models.kv_cache import PagedKVCache
-from kvjax.models.paged_runner import SeqChunk
+from kvjax.models.runner_api import SeqChunk
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = flags.FLAGS

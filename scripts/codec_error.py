@@ -61,8 +61,8 @@ def real_kv_chunks(book: str) -> tuple[list[np.ndarray], dict]:
   """f32 KV chunks [L, 2, C, K, H] (K before RoPE) of the passage, from chunked prefill."""
   from kvjax.models.llama import Llama  # noqa: PLC0415
   from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
-  from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig,  # noqa: PLC0415
-                                         SeqChunk)
+  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
   from kvjax.models.registry import load_model  # noqa: PLC0415
 
   loaded = load_model("SmolLM2-135M-Instruct",

@@ -44,7 +44,8 @@ import benchlib  # noqa: E402
 
 from kvjax.models import config as model_configs  # noqa: E402
 from kvjax.models.llama import Llama  # noqa: E402
-from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig  # noqa: E402
+from kvjax.models.paged_runner import PagedModelRunner  # noqa: E402
+from kvjax.models.runner_api import PagedRunnerConfig  # noqa: E402
 from kvjax.models.sharding import TensorParallel, check_tensor_parallel_size  # noqa: E402
 
 GIB = 1 << 30
@@ -261,11 +262,12 @@ def run(args, on_row) -> None:
 def pool_memory(args, on_row) -> None:
   """The model's (`--pool_model`, default SmolLM2) step at the largest bucket and a raw chunk
   insert on one v6e chip (v6e:2x2's first device) at the engine's default pool size on that chip
-  (`paged_runner.fit_num_blocks`: the step compiled at two pool sizes, fitted under the chip's
+  (`pool_memory.fit_num_blocks`: the step compiled at two pool sizes, fitted under the chip's
   HBM), or at `--pool_blocks`;
   argument / temp / output bytes per program (XLA's `memory_analysis`)."""
   from jax.experimental import topologies  # noqa: PLC0415
-  from kvjax.models import paged_runner as pr  # noqa: PLC0415
+  from kvjax.models import pool_memory as pm  # noqa: PLC0415
+  from kvjax.models.kv_cache import paged_block_nbytes  # noqa: PLC0415
   cfg = MODELS[args.pool_model]()
   model = abstract_model(cfg)
   topo = topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu")
@@ -277,9 +279,9 @@ def pool_memory(args, on_row) -> None:
   if args.pool_blocks:
     blocks, how = args.pool_blocks, "--pool_blocks"
   else:
-    blocks = pr.fit_num_blocks(model, rc, None, device=dev, device_bytes=HBM_BYTES["v6e"])
-    how = (f"engine default on v6e (fit_num_blocks: step compiled at {pr.PROBE_NUM_BLOCKS} "
-           f"blocks, {pr.DEFAULT_ACCELERATOR_MEMORY_MARGIN:.0%} margin)")
+    blocks = pm.fit_num_blocks(model, rc, None, device=dev, device_bytes=HBM_BYTES["v6e"])
+    how = (f"engine default on v6e (fit_num_blocks: step compiled at {pm.PROBE_NUM_BLOCKS} "
+           f"blocks, {pm.DEFAULT_ACCELERATOR_MEMORY_MARGIN:.0%} margin)")
   fit_s = round(time.perf_counter() - t0, 1)
   runner = PagedModelRunner(model, dataclasses.replace(rc, num_blocks=blocks), None, device=dev,
                             abstract=True)
@@ -289,7 +291,7 @@ def pool_memory(args, on_row) -> None:
                 target="v6e (v6e:2x2, one device)", num_blocks=blocks, pool_sizing=how,
                 fit_seconds=fit_s, pool_bytes=pool_bytes,
                 pool_shape=list(runner.pool.k_LPBF.shape),
-                pool_logical_bytes=blocks * pr.paged_block_nbytes(cfg, 16, jnp.bfloat16))
+                pool_logical_bytes=blocks * paged_block_nbytes(cfg, 16, jnp.bfloat16))
   for name, fn, fargs in runner.aot_programs(chunk_tokens=256, buckets=(runner.buckets[-1],),
                                              codecs=("raw",)):
     if name.startswith(("step", "insert_raw", "read_pre_rope")):

@@ -94,8 +94,8 @@ def main(_):
   from kvjax.models.llama import Llama  # noqa: PLC0415
   from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
   from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
-  from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig,  # noqa: PLC0415
-                                         SeqChunk)
+  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
   from kvjax.models.registry import load_model  # noqa: PLC0415
   from kvjax.storage import codecs  # noqa: PLC0415
   from kvjax.storage.types import KVLayout  # noqa: PLC0415

@@ -46,7 +46,7 @@ from kvjax.engine.core import EngineCore, StepRecord
 from kvjax.engine.kv_loads import KVLoads
 from kvjax.engine.kv_saves import KVSaves
 from kvjax.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
+from kvjax.models.runner_api import Runner, SeqChunk
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager
@@ -129,7 +129,7 @@ class Engine:
     ValueError: unknown merge mode, or a scheduler config that does not match the runner.
   """
 
-  def __init__(self, runner: PagedModelRunner, tokenizer: TokenizerLike | None,
+  def __init__(self, runner: Runner, tokenizer: TokenizerLike | None,
                scheduler_config: SchedulerConfig | None = None, *, seed: int = 0,
                clock: Callable[[], float] = time.perf_counter,
                kv_store: KVStoreClient | None = None, merge_mode: str = "cake",

@@ -23,7 +23,7 @@ from typing import Any, Callable, Container, Sequence
 from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.connector import KVStoreClient
-from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
+from kvjax.models.runner_api import Runner, SeqChunk
 from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.output import (InsertItem, InsertTiming, SchedulerOutput, StoredChunk,
                                     StoredPrefix)
@@ -73,7 +73,7 @@ class KVLoads:
       lookups offer the level policy only that encoding.
   """
 
-  def __init__(self, runner: PagedModelRunner, kv_store: KVStoreClient,
+  def __init__(self, runner: Runner, kv_store: KVStoreClient,
                clock: Callable[[], float], fixed_encoding: codecs.EncodingId | None = None):
     self.runner = runner
     self.kv_store = kv_store

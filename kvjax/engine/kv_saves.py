@@ -23,7 +23,7 @@ from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.connector import KVStoreClient, SaveJob
 from kvjax.engine.kv_loads import chunk_blocks
-from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.runner_api import Runner
 from kvjax.scheduler.output import SaveItem
 from kvjax.storage import keys
 
@@ -36,7 +36,7 @@ class KVSaves:
     kv_store: the store client (its key chains and saver).
   """
 
-  def __init__(self, runner: PagedModelRunner, kv_store: KVStoreClient):
+  def __init__(self, runner: Runner, kv_store: KVStoreClient):
     self.runner = runner
     self.kv_store = kv_store
     #: Per request, `(start, k_LTKH, v_LTKH)` pieces of a chunk still being computed.

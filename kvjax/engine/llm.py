@@ -29,8 +29,10 @@ from kvjax.models.llama import Llama
 from kvjax.models.calibration_model import CalibrationModel
 from kvjax.models.compilation_cache import (default_cache_root,
                                             enable_persistent_compilation_cache)
-from kvjax.models.paged_runner import DEFAULT_CHUNK_SIZES, PagedModelRunner, build_paged_runner
+from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.pool_memory import build_paged_runner
 from kvjax.models.registry import DEFAULT_MODEL, load_model
+from kvjax.models.runner_api import DEFAULT_CHUNK_SIZES
 from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
 from kvjax.scheduler.request import SamplingParams

@@ -27,7 +27,7 @@ from kvjax.engine.llm import LLM
 from kvjax.connector import KVStoreClient
 from kvjax.models.byte_tokenizer import ByteTokenizer
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION, paged_block_nbytes
-from kvjax.models.paged_runner import PagedRunnerConfig
+from kvjax.models.runner_api import PagedRunnerConfig
 from kvjax.scheduler.request import SamplingParams
 from kvjax.scheduler.config import SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore

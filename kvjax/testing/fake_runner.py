@@ -39,8 +39,8 @@ import numpy as np
 
 from kvjax.models import config as model_configs
 from kvjax.models.config import LlamaConfig
-from kvjax.models.paged_runner import (PagedRunnerConfig, SeqChunk, StepOutput, layer_groups,
-                                       token_buckets)
+from kvjax.models.runner_api import (PagedRunnerConfig, RunnerGeometry, SeqChunk, StepOutput,
+                                     layer_groups)
 from kvjax.storage import entropy
 from kvjax.testing import codec_payloads
 
@@ -102,16 +102,11 @@ class FakeRunner:
                seed: int = 0):
     cfg = self.model_config = model_config or fake_model_config()
     self.config = config
-    max_seq_len = config.max_seq_len or cfg.max_seq_len
-    if max_seq_len > cfg.max_seq_len:
-      raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's context "
-                       f"{cfg.max_seq_len}")
-    self.max_seq_len = max_seq_len
-    self.block_size = config.block_size
+    #: The sizes and argument checks shared with the paged runner.
+    self.geometry = geo = RunnerGeometry.of(config, cfg)
+    self.max_seq_len, self.block_size, self.buckets = (geo.max_seq_len, geo.block_size,
+                                                       geo.buckets)
     self.platform = "cpu"  # numpy: the store client decodes with its host code
-    self.buckets = token_buckets(config.max_num_batched_tokens)
-    self.max_step_seqs = (2 * config.max_num_seqs
-                          + config.max_num_batched_tokens // config.chunk_sizes[0] + 1)
     self.dtype = np.float32
     self.calls: list[tuple] = []
     n_l, k_, h_, v_ = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
@@ -133,15 +128,15 @@ class FakeRunner:
   # ----------------------------------------------------------------------------- sizes
   @property
   def chunk_sizes(self) -> tuple[int, ...]:
-    return self.config.chunk_sizes
+    return self.geometry.chunk_sizes
 
   @property
   def max_chunk_size(self) -> int:
-    return self.config.chunk_sizes[-1]
+    return self.geometry.max_chunk_size
 
   @property
   def num_blocks(self) -> int:
-    return self.config.num_blocks
+    return self.geometry.num_blocks
 
   @property
   def kv_dtype(self):
@@ -153,10 +148,7 @@ class FakeRunner:
     Raises:
       ValueError: `num_tokens` outside [1, max_num_batched_tokens].
     """
-    if not 1 <= num_tokens <= self.buckets[-1]:
-      raise ValueError(f"a step of {num_tokens} tokens; compiled sizes go from 1 to "
-                       f"{self.buckets[-1]} (max_num_batched_tokens)")
-    return next(b for b in self.buckets if b >= num_tokens)
+    return self.geometry.bucket_for(num_tokens)
 
   def is_compiled(self, num_tokens: int) -> bool:
     """Always True once `num_tokens` is a valid step size: nothing compiles."""
@@ -179,13 +171,7 @@ class FakeRunner:
     return np.take_along_axis(x_nKH * self._sign[pos][:, None, :], idx, axis=-1)
 
   def _check_seqs(self, seqs: Sequence[SeqChunk]) -> int:
-    if not seqs:
-      raise ValueError("a step needs at least one sequence")
-    n_tokens = sum(len(s.token_ids) for s in seqs)
-    t = self.bucket_for(n_tokens)
-    if len(seqs) > min(t, self.max_step_seqs):
-      raise ValueError(f"{len(seqs)} sequences in a step of {t} tokens; at most "
-                       f"{min(t, self.max_step_seqs)}")
+    n_tokens, _ = self.geometry.check_step(seqs)
     b, vocab = self.block_size, self.model_config.vocab_size
     for i, s in enumerate(seqs):
       n, end = len(s.token_ids), s.start + len(s.token_ids)
@@ -323,15 +309,6 @@ class FakeRunner:
     if self._closed:
       raise RuntimeError("the runner is closed")
 
-  def _check_chunk(self, c: int, block_ids: Sequence[int], start: int) -> np.ndarray:
-    b = self.block_size
-    ids = np.asarray(block_ids, np.int64)
-    if c % b or start % b or len(ids) != c // b or start + c > self.max_seq_len or (
-        np.any((ids < 0) | (ids >= self.num_blocks))):
-      raise ValueError(f"a chunk of {c} tokens at position {start} needs {c // b} whole blocks "
-                       f"of {b} inside the pool of {self.num_blocks}, got {ids.tolist()}")
-    return ids
-
   def _write(self, l0: int, kv_G2CKH: np.ndarray, ids: np.ndarray, start: int) -> None:
     """Writes layers `[l0, l0 + G)` of a chunk (K before RoPE) at positions from `start`."""
     g, _, c = kv_G2CKH.shape[:3]
@@ -355,7 +332,7 @@ class FakeRunner:
     want = (cfg.n_layers, 2, kv_L2CKH.shape[2], cfg.n_kv_heads, cfg.head_dim)
     if tuple(kv_L2CKH.shape) != want:
       raise ValueError(f"chunk of shape {tuple(kv_L2CKH.shape)}, model wants {want}")
-    ids = self._check_chunk(kv_L2CKH.shape[2], block_ids, start)
+    ids = self.geometry.check_chunk(kv_L2CKH.shape[2], block_ids, start)
     self.calls.append(("insert_chunk", tuple(ids.tolist()), int(start)))
     self._write(0, kv_L2CKH, ids, int(start))
 
@@ -373,23 +350,12 @@ class FakeRunner:
         that does not match the model, or blocks that do not fit a chunk.
     """
     self._check_open()
-    cfg = self.model_config
-    n = len(kvs_G2CKH)
-    if not n or len(block_ids) != n or len(starts) != n:
-      raise ValueError(f"{n} chunks, {len(block_ids)} block lists and {len(starts)} starts: "
-                       "want one of each per chunk, at least one")
-    shape = tuple(np.shape(kvs_G2CKH[0]))
-    g = shape[0]
-    want = (g, 2, shape[2], cfg.n_kv_heads, cfg.head_dim)
-    if shape != want or g < 1 or not 0 <= layer_start <= cfg.n_layers - g:
-      raise ValueError(f"layers [{layer_start}, {layer_start + g}) of shape {shape}; the model "
-                       f"wants {want} within {cfg.n_layers} layers")
-    if any(tuple(np.shape(kv)) != shape for kv in kvs_G2CKH):
-      raise ValueError("one call inserts chunks of one shape")
-    for kv, blocks, start in zip(kvs_G2CKH, block_ids, starts):
-      ids = self._check_chunk(shape[2], blocks, start)
+    all_ids = self.geometry.check_layer_chunks(
+        self.model_config, [tuple(np.shape(kv)) for kv in kvs_G2CKH], block_ids, starts,
+        layer_start)
+    for kv, ids, start in zip(kvs_G2CKH, all_ids, starts):
       self.calls.append(("insert_chunk_layers", tuple(ids.tolist()), int(start),
-                         int(layer_start), g))
+                         int(layer_start), np.shape(kv)[0]))
       self._write(layer_start, np.asarray(kv), ids, int(start))
 
   def insert_payload(self, codec: str, arrays, block_ids: Sequence[int], start: int) -> None:
@@ -408,7 +374,7 @@ class FakeRunner:
       host[name] = np.asarray(a)
     kv = codec_payloads.decode(codec, host)
     self._check_open()
-    ids = self._check_chunk(kv.shape[2], block_ids, start)
+    ids = self.geometry.check_chunk(kv.shape[2], block_ids, start)
     cfg = self.model_config
     want = (cfg.n_layers, 2, kv.shape[2], cfg.n_kv_heads, cfg.head_dim)
     if kv.shape != want:
@@ -425,11 +391,7 @@ class FakeRunner:
       ValueError: `start` not block-aligned, or `n` outside the blocks given.
     """
     self._check_open()
-    b = self.block_size
-    ids = np.asarray(block_ids, np.int64)
-    if start % b or not 1 <= n <= len(ids) * b or np.any((ids < 0) | (ids >= self.num_blocks)):
-      raise ValueError(f"positions [{start}, {start + n}) from blocks {ids.tolist()} of {b} "
-                       "tokens: start must be block-aligned and the blocks must cover them")
+    ids = self.geometry.check_read(block_ids, start, n)
     l_, _, _, k_, h_ = self.k_LPBKH.shape
     k = self.k_LPBKH[:, ids].reshape(l_, -1, k_, h_)[:, :n]
     v = self.v_LPBKH[:, ids].reshape(l_, -1, k_, h_)[:, :n].copy()

@@ -125,6 +125,18 @@ CONNECTOR_FLOORS = (
 CONNECTOR_DEVICE_SEAM = "device"
 CONNECTOR_DEVICE_MODULES = {"jax", "kvjax.kernels"}
 
+# The paged runner's modules, bottom first: the interface and its records (`runner_api`, with
+# the sizes both runners derive), the step's host inputs and the codec programs, the layer-wise
+# step, the runner core that owns the pool, and the pool's sizing from device memory (it builds
+# runners) on top. The fake runner builds on the interface only.
+RUNNER_FLOORS = (
+    ("runner_api",),
+    ("step_inputs", "codec_programs"),
+    ("layerwise_runner",),
+    ("paged_runner",),
+    ("pool_memory",),
+)
+
 # The policy and the planner are pure Python: no array, storage or I/O library.
 PURE_STORAGE = {"eviction": {"kvjax._typing", "kvjax.storage.eviction"},
                 "placement": {"kvjax.storage.eviction"}}
@@ -266,6 +278,23 @@ class LayeringTest(absltest.TestCase):
         dep = mod.split(".")[2] if mod.startswith("kvjax.connector.") else None
         if dep in floor and floor[dep] >= floor[name]:
           violations.append(f"kvjax/connector/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_runner_modules_import_only_lower_floors(self):
+    floor = {m: i for i, ms in enumerate(RUNNER_FLOORS) for m in ms}
+    modules = kvjax_modules()
+    violations = []
+    for name in floor:
+      path = PKG / "models" / f"{name}.py"
+      for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
+        dep = mod.split(".")[2] if mod.startswith("kvjax.models.") else None
+        if dep in floor and floor[dep] >= floor[name]:
+          violations.append(f"kvjax/models/{name}.py imports {mod}")
+    fake = PKG / "testing" / "fake_runner.py"
+    for mod in imported_modules(fake):
+      if mod.startswith("kvjax.models.") and mod.split(".")[2] in floor and (
+          mod != "kvjax.models.runner_api"):
+        violations.append(f"kvjax/testing/fake_runner.py imports {mod}")
     self.assertEqual(violations, [])
 
   def test_only_the_connector_device_seam_touches_the_device(self):

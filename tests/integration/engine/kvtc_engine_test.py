@@ -12,7 +12,8 @@ from kvjax import LLM, SamplingParams
 from kvjax.models import kv_calibration
 from kvjax.models.calibration_model import CalibrationModel
 from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig, SeqChunk
+from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
 from kvjax.models.registry import load_model
 
 C = 32

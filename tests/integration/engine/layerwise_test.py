@@ -11,8 +11,8 @@ from absl.testing import absltest, parameterized
 from kvjax import LLM, SamplingParams
 from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig, SeqChunk,
-                                       layer_groups)
+from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk, layer_groups
 from kvjax.models.registry import load_model
 from kvjax.storage import StoreConfig, TierConfig
 

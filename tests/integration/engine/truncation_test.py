@@ -11,7 +11,7 @@ from absl.testing import absltest
 from kvjax import LLM, SamplingParams
 from kvjax import sessions
 from kvjax.engine.rerotation import stage_rerotated
-from kvjax.models.paged_runner import SeqChunk
+from kvjax.models.runner_api import SeqChunk
 from kvjax.sessions import KeptSpan, truncate_prompt
 
 from tests.integration.engine.sessions_test import smollm2_tokenizer

@@ -9,7 +9,8 @@ from flax import nnx
 
 from kvjax.models import config, layers
 from kvjax.models.llama import Llama, param_shapes
-from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig, SeqChunk
+from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
 from kvjax.models.registry import tiny_params
 from kvjax.testing.oracle import ATOL, oracle_forward
 

@@ -1,13 +1,13 @@
 """The paged pool's layout (`kvjax.models.kv_cache.PoolLayout`: heads folded into the last axis,
 padded to whole TPU lanes per shard) and the default pool size on an accelerator
-(`kvjax.models.paged_runner.pool_blocks_for_memory`, fed fake memory figures)."""
+(`kvjax.models.pool_memory.pool_blocks_for_memory`, fed fake memory figures)."""
 
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
 from kvjax.kernels import paged_attention as pa
-from kvjax.models import paged_runner as pr
+from kvjax.models import pool_memory as pm
 from kvjax.models.kv_cache import (PoolLayout, init_paged_kv_cache, read_pool_blocks,
                                    write_chunk_blocks, write_layer_blocks)
 from kvjax.models.registry import load_model
@@ -78,7 +78,7 @@ class PoolLayoutTest(absltest.TestCase):
 
 def fake(num_blocks, *, args, temp, out=None, alias=None):
   """A step's memory figures: `args` and `temp` in bytes."""
-  return pr.ProgramMemory(num_blocks, argument_bytes=args, output_bytes=out or 0,
+  return pm.ProgramMemory(num_blocks, argument_bytes=args, output_bytes=out or 0,
                           alias_bytes=alias or 0, temp_bytes=temp)
 
 
@@ -92,7 +92,7 @@ class PoolSizingTest(absltest.TestCase):
     large = fake(256, args=2 * gib + 256 * 4 * mib, temp=0, out=256 * 4 * mib,
                  alias=256 * 4 * mib)
     # 32 GiB, 5% margin, 1 GiB used elsewhere: (30.4 - 1 - 2) GiB / 4 MiB = 7014 blocks.
-    n = pr.pool_blocks_for_memory(32 * gib, small, large, in_use_bytes=gib, margin=0.05)
+    n = pm.pool_blocks_for_memory(32 * gib, small, large, in_use_bytes=gib, margin=0.05)
     self.assertEqual(n, int((32 * gib * 0.95 - gib - 2 * gib) // (4 * mib)))
     self.assertEqual(n, 7014)
 
@@ -101,24 +101,24 @@ class PoolSizingTest(absltest.TestCase):
     gib, mib = 1 << 30, 1 << 20
     copy = lambda n: fake(n, args=gib + n * mib, temp=n * mib)
     clean = lambda n: fake(n, args=gib + n * mib, temp=0)
-    with_copy = pr.pool_blocks_for_memory(16 * gib, copy(128), copy(256), margin=0.0)
-    without = pr.pool_blocks_for_memory(16 * gib, clean(128), clean(256), margin=0.0)
+    with_copy = pm.pool_blocks_for_memory(16 * gib, copy(128), copy(256), margin=0.0)
+    without = pm.pool_blocks_for_memory(16 * gib, clean(128), clean(256), margin=0.0)
     self.assertEqual(without, 15 * 1024)
     self.assertEqual(with_copy, 15 * 512)
 
   def test_refusals(self):
     gib = 1 << 30
     with self.assertRaisesRegex(ValueError, "no room for a pool"):
-      pr.pool_blocks_for_memory(gib, fake(128, args=2 * gib, temp=0),
+      pm.pool_blocks_for_memory(gib, fake(128, args=2 * gib, temp=0),
                                 fake(256, args=2 * gib + 128, temp=0))
     with self.assertRaisesRegex(ValueError, "does not grow"):
-      pr.pool_blocks_for_memory(gib, fake(128, args=5, temp=0), fake(256, args=5, temp=0))
+      pm.pool_blocks_for_memory(gib, fake(128, args=5, temp=0), fake(256, args=5, temp=0))
     with self.assertRaisesRegex(ValueError, "two sizes"):
-      pr.pool_blocks_for_memory(gib, fake(256, args=5, temp=0), fake(128, args=9, temp=0))
+      pm.pool_blocks_for_memory(gib, fake(256, args=5, temp=0), fake(128, args=9, temp=0))
 
   def test_cpu_default_is_unchanged(self):
-    self.assertEqual(pr.default_kv_cache_bytes(), pr.DEFAULT_CPU_KV_CACHE_BYTES)
-    self.assertEqual(pr.default_kv_cache_bytes(1000), 1000)
+    self.assertEqual(pm.default_kv_cache_bytes(), pm.DEFAULT_CPU_KV_CACHE_BYTES)
+    self.assertEqual(pm.default_kv_cache_bytes(1000), 1000)
 
 
 if __name__ == "__main__":

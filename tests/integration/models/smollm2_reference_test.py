@@ -11,7 +11,8 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig, SeqChunk
+from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
 from kvjax.models.registry import load_model
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "testdata"

@@ -19,7 +19,8 @@ from kvjax.kernels import paged_attention as pa
 from kvjax.kernels import rans_decode as rd
 from kvjax.models import config as model_configs
 from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig
+from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.runner_api import PagedRunnerConfig
 from kvjax.models.sharding import TensorParallel
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
-from kvjax.models.paged_runner import PagedRunnerConfig, SeqChunk
+from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
 from kvjax.storage import StoreConfig, TierConfig
 from kvjax.testing import engines
 from kvjax.testing.fake_runner import FakeRunner

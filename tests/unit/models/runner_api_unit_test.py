@@ -8,7 +8,8 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax.models import runner_api
-from kvjax.models.paged_runner import PagedModelRunner, PagedRunnerConfig, SeqChunk
+from kvjax.models.paged_runner import PagedModelRunner
+from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
 from kvjax.testing.fake_runner import FakeRunner
 
 ENGINE = pathlib.Path(runner_api.__file__).resolve().parents[1] / "engine" / "engine.py"
