@@ -50,7 +50,8 @@ class OptionSpec:
 
   @property
   def help(self) -> str:
-    return self.flag_help or self.doc
+    """The flag's help: `flag_help`, else `doc` (capitalized)."""
+    return self.flag_help or self.doc[:1].upper() + self.doc[1:]
 
 
 def option(default: Any = _NO_DEFAULT, doc: str = "", *, flag: str | None = None,
