@@ -50,8 +50,8 @@ class OptionSpec:
 
   @property
   def help(self) -> str:
-    """The flag's help: `flag_help`, else `doc` (capitalized)."""
-    return self.flag_help or self.doc[:1].upper() + self.doc[1:]
+    """The flag's help: `flag_help`, else `doc`."""
+    return self.flag_help or self.doc
 
 
 def option(default: Any = _NO_DEFAULT, doc: str = "", *, flag: str | None = None,

@@ -170,7 +170,7 @@ class SchedulerOptions:
                 "budget.")
   chunk_sizes: tuple[int, ...] = option(
       DEFAULT_CHUNK_SIZES, "compiled prefill chunk sizes, ascending.", flag="list",
-      flag_default=None, parse=_ints,
+      flag_default=None, parse=lambda v: _ints(v) or DEFAULT_CHUNK_SIZES,
       flag_help="Compiled prefill chunk sizes, ascending (default 16..512).")
 
   @property
@@ -227,7 +227,9 @@ class KVStoreOptions:
       "levels stored side by side (cachegen, kvtc: 0 finest .. 3 coarsest); default one "
       "level, `kvjax.codecs.DEFAULT_LEVELS` (cachegen 1, kvtc 0); each load picks one of "
       "the stored levels for the bandwidth and deadline of the moment.",
-      flag="list", parse=_ints)
+      flag="list", parse=_ints,
+      flag_help="Codec levels stored side by side (cachegen, kvtc: 0 finest .. 3 coarsest; "
+                "default: the codec's one default level); each load picks one.")
   kv_merge_mode: str = option(
       "cake",
       'how a stored prefix becomes resident: "cake" (default: compute from the front while '
@@ -240,12 +242,16 @@ class KVStoreOptions:
       None,
       "background chunk loads issued ahead per request (and its reads at once); None "
       "(default) derives them from the link's bandwidth-delay product, so the link stays "
-      "busy through long engine steps.", flag="integer")
+      "busy through long engine steps.", flag="integer",
+      flag_help="Background chunk loads issued ahead per request (default: from the link's "
+                "bandwidth-delay product).")
   kv_ttft_target_s: float | None = option(
       None,
       "pick loaded chunks' encoding levels for this TTFT target, seconds (CacheGen section "
       "5.3); default: for the time compute would finish each chunk (a later landing is "
-      "useless).", flag="float")
+      "useless).", flag="float",
+      flag_help="TTFT target, seconds, for which loaded chunks' encoding levels are picked "
+                "(CacheGen section 5.3; default: the time compute would finish each chunk).")
   kv_codec_consistent: bool | None = option(
       None,
       "make outputs independent of the Cake meeting point with a lossy codec: every request "
@@ -264,12 +270,17 @@ class KVStoreOptions:
       "section 3.2.1): a step that inserts stored raw chunks runs its compute as this many "
       "layer groups, moving each chunk to the device group by group and inserting group g "
       "just before the step's tokens run through it, so the transfer overlaps the compute. "
-      "1 (default): off (chunks are inserted whole, then the step runs in one call).")
+      "1 (default): off (chunks are inserted whole, then the step runs in one call).",
+      flag_help="With a store: layer groups a step that inserts stored raw chunks runs in, "
+                "so their transfer overlaps the compute (CachedAttention layer-wise "
+                "pre-loading); 1: off.")
   kv_device_link_bytes_per_s: float | None = option(
       None,
       "emulated host -> device bandwidth, bytes/s, that every stored chunk pays on its way "
       "into the KV cache (a `LinkLimiter`; the CPU has no such link); None (default): not "
-      "emulated.", flag="float")
+      "emulated.", flag="float",
+      flag_help="Emulated host -> device bandwidth, bytes/s, every stored chunk pays on its "
+                "way into the KV cache (default: not emulated).")
   kv_lookahead_window: int = option(
       8,
       "with a store, the look-ahead window (CachedAttention, arXiv 2403.19708, section "
