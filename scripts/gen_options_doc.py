@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import difflib
 import importlib
-import inspect
 import os
 import re
 import sys

@@ -10,7 +10,6 @@ the things it needs from below come through here:
     build_llm(model, **options)   `LLM(model, **options)` (`options=` an `EngineOptions`, or
                                   flat keywords)
     warmup(llm)                   compile every program a request can hit before serving
-    check_scheduling_options(...)  `LLM`'s check of its scheduling options (ValueError)
     PREFILL_ORDERS, SHORTEST_FIRST  `LLM(prefill_order=...)`'s values and default
 
 `LLM.__init__` stays the one construction path; nothing here duplicates it.
@@ -24,7 +23,6 @@ from typing import Any
 
 
 from kvjax.config import EngineOptions
-from kvjax.config.options import check_scheduling_options
 from kvjax.engine.llm import LLM
 from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 from kvjax.storage import specs
