@@ -1,7 +1,7 @@
 """Builds a warmed-up `LLM` from plain options, for entry points that may not import lower rooms.
 
-The server (`kvjax.serve`) imports only the engine and request types (docs/architecture.md), so
-the things it needs from below come through here:
+The server (`kvjax.serve`) imports only the engine, the configuration tree (`kvjax.config`) and
+request types (docs/architecture.md), so the things it needs from below come through here:
 
     default_kv_store_url()        file store under kvjax's cache root (`<root>/store`, the
                                   default of `python -m kvjax.store` too)
@@ -10,7 +10,6 @@ the things it needs from below come through here:
     build_llm(model, **options)   `LLM(model, **options)` (`options=` an `EngineOptions`, or
                                   flat keywords)
     warmup(llm)                   compile every program a request can hit before serving
-    PREFILL_ORDERS, SHORTEST_FIRST  `LLM(prefill_order=...)`'s values and default
 
 `LLM.__init__` stays the one construction path; nothing here duplicates it.
 """
@@ -24,7 +23,6 @@ from typing import Any
 
 from kvjax.config import EngineOptions
 from kvjax.engine.llm import LLM
-from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 from kvjax.storage import specs
 from kvjax.storage.tiers import DEFAULT_STORE_CAPACITY_BYTES, StoreConfig, TierConfig, url_kind
 

@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import uvicorn
 
-from kvjax import codecs
 from kvjax.config import DEFAULT_MAX_NUM_SEQS, EngineOptions, option, server_defaults
 from kvjax.engine import LLM, builder
 from kvjax.engine.llm import StartupEvent
@@ -29,9 +28,6 @@ from kvjax.serve.async_engine import AsyncEngine
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy
 from kvjax.serve.metrics import ServeMetrics
 
-#: The codecs `--kv_codec` offers: every codec of the registry (`kvjax.codecs`).
-KV_CODECS = tuple(codecs.CODECS)
-PREFILL_ORDERS = builder.PREFILL_ORDERS
 #: Default `max_waiting_requests`: requests queued beyond the decode slots before 429s.
 DEFAULT_MAX_WAITING_REQUESTS = 256
 # (`DEFAULT_MAX_NUM_SEQS` is imported above: the server's `max_num_seqs`, `kvjax.config`.)
