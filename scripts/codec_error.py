@@ -95,6 +95,7 @@ def raw_decode_check(runner, table, chunks, cfg) -> float:
   the same positions (K rotated by the codec path, V copied): the RoPE and layout contract."""
   import jax.numpy as jnp  # noqa: PLC0415
   from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
+  from kvjax.kernels import kv_payloads as kp  # noqa: PLC0415
   from kvjax.models.layers import rope_inv_freq  # noqa: PLC0415
 
   inv_freq = rope_inv_freq(cfg)
@@ -105,7 +106,7 @@ def raw_decode_check(runner, table, chunks, cfg) -> float:
   for i, kv in enumerate(chunks):
     angles = (i * c + np.arange(c, dtype=np.float32))[:, None] * inv_freq
     angles = np.concatenate([angles, angles], axis=-1)
-    k, v = kc.kv_decode(kc.RawPayload(kv), k, v, 0, i * c, np.cos(angles), np.sin(angles),
+    k, v = kc.kv_decode(kp.RawPayload(kv), k, v, 0, i * c, np.cos(angles), np.sin(angles),
                         use_pallas=False)
   n = len(chunks) * c
   return float(max(np.abs(np.asarray(k)[:, 0, :n] - k_cache[:, 0, :n]).max(),
@@ -146,6 +147,7 @@ def main(argv):
   import jax  # noqa: PLC0415
   from kvjax import codecs  # noqa: PLC0415
   from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
+  from kvjax.kernels import kv_codec_ref as kref  # noqa: PLC0415
 
   t0 = time.perf_counter()
   chunks, info = real_kv_chunks(find_book())
@@ -162,7 +164,7 @@ def main(argv):
         arrays = kc.kv_encode_host(kv, codec, level, interpret=_INTERPRET.value,
                                    use_pallas=_INTERPRET.value,
                                    group_tokens=_INT4_GROUP.value if codec == "int4" else None)
-        x_hat = np.asarray(kc.dequantize_reference(kc.payload_from_arrays(codec, arrays)))
+        x_hat = np.asarray(kref.dequantize_reference(kc.payload_from_arrays(codec, arrays)))
         errs["K"].append(rel(x_hat[:, 0], kv[:, 0]))
         errs["V"].append(rel(x_hat[:, 1], kv[:, 1]))
         errs["KV"].append(rel(x_hat, kv))
@@ -188,8 +190,8 @@ def main(argv):
               "machine": machine(), "git_sha": git_sha(),
               "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "interpret": _INTERPRET.value, "int4_group_tokens": _INT4_GROUP.value,
-              "constants": {"CACHEGEN_LEVEL_BINS": kc.CACHEGEN_LEVEL_BINS,
-                            "CACHEGEN_STEPS_PER_RMS": kc.CACHEGEN_STEPS_PER_RMS,
+              "constants": {"CACHEGEN_LEVEL_BINS": kref.CACHEGEN_LEVEL_BINS,
+                            "CACHEGEN_STEPS_PER_RMS": kref.CACHEGEN_STEPS_PER_RMS,
                             "CACHEGEN_ANCHOR_STRIDE": codecs.CACHEGEN_ANCHOR_STRIDE,
                             "INT4_GROUP_TOKENS": codecs.INT4_GROUP_TOKENS},
               "results": results}

@@ -50,6 +50,8 @@ sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent.parent))  # the k
 from benchlib import git_sha, machine  # noqa: E402
 
 from kvjax.kernels import kv_codec as kc  # noqa: E402
+from kvjax.kernels import kv_codec_ref as kref  # noqa: E402
+from kvjax.kernels import kv_payloads as kp  # noqa: E402
 from kvjax.kernels import kv_codec_gpu  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -265,7 +267,7 @@ def run_case(model, codec, level, interpret, iters, rounds) -> dict:
     rec["timing"]["encode_pallas_s"] = e_s
     got = enc(True)
     with jax.default_device(cpu):
-      want_cpu = kc.encode_reference(x_cpu, codec, level)
+      want_cpu = kref.encode_reference(x_cpu, codec, level)
     enc_rec = dict(vs_cpu_reference=compare_payloads(
         codec, want_cpu, [first_chunk(a, k_) for a in got]))
     e_s, first = timed(lambda: enc(False), iters, rounds)
@@ -276,8 +278,8 @@ def run_case(model, codec, level, interpret, iters, rounds) -> dict:
     with jax.default_device(cpu):
       mine = kc.payload_from_arrays(codec, {n: np.asarray(first_chunk(a, k_))
                                             for n, a in zip(got._fields, got)})
-      dq_got = np.asarray(kc.dequantize_reference(mine))
-      dq_want = np.asarray(kc.dequantize_reference(want_cpu))
+      dq_got = np.asarray(kref.dequantize_reference(mine))
+      dq_want = np.asarray(kref.dequantize_reference(want_cpu))
     xf = np.asarray(x_cpu, np.float32)
     rel = lambda dq: float(np.linalg.norm(dq - xf) / np.linalg.norm(xf))
     enc_rec.update(decoded_max_abs_diff=float(np.max(np.abs(dq_got - dq_want))),
@@ -286,7 +288,7 @@ def run_case(model, codec, level, interpret, iters, rounds) -> dict:
     rec["encode"] = enc_rec
     payload = got
   else:
-    payload = kc.RawPayload(x)
+    payload = kp.RawPayload(x)
   rec["payload_bytes_per_call"] = nbytes(payload)
   rec["kv_bytes_per_call"] = kv_bytes
   # 2. decode into a bf16 cache holding exactly the batch (slot 0, positions [0, C))
@@ -309,7 +311,7 @@ def run_case(model, codec, level, interpret, iters, rounds) -> dict:
     p1 = kc.payload_from_arrays(codec, {n: np.asarray(first_chunk(a, k_))
                                         for n, a in zip(payload._fields, payload)})
     c1 = jnp.zeros((num_layers, 1, c, k_, h_), jnp.bfloat16)
-    ref_k, ref_v = kc.kv_decode_reference(p1, c1, c1, 0, 0, jnp.asarray(cos), jnp.asarray(sin))
+    ref_k, ref_v = kref.kv_decode_reference(p1, c1, c1, 0, 0, jnp.asarray(cos), jnp.asarray(sin))
   dk, dv = compare_kv(ref_k[:, 0], got_k), compare_kv(ref_v[:, 0], got_v)
   exact_v = codec in ("raw", "int8", "int4")
   rec["decode"] = dict(k=dk, v=dv, ok=bool(dk["max_ulps"] <= 1.0 and dk["finite"] and dv["finite"]

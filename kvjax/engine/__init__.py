@@ -1,7 +1,8 @@
 """The engine room: executes the scheduler's plans on the model and owns device KV memory."""
 
 from kvjax.engine.core import EngineCore, LoopStats, StepRecord
-from kvjax.engine.engine import Engine, EngineStats, RequestMetrics, RequestOutput
+from kvjax.engine.engine import Engine
+from kvjax.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kvjax.engine.llm import LLM
 from kvjax.scheduler.block_pool import (AllBlocksClearedEvent, BlockRemovedEvent,
                                         BlockStoredEvent)

@@ -14,9 +14,12 @@ way per step (`kvjax.engine.core.EngineCore`):
 
 The engine owns the device (model state, KV cache), the store client (its load queue, staged
 payloads and saver), and per request only what executing and answering need: the sampling
-generator, the prompt text, log-probs, detokenized text, metrics and the KV pieces of a chunk
-still being computed. When a plan has nothing to compute but loads are outstanding, the engine
-blocks until one lands (no polling), at most the plan's `wait_s`.
+generator, the prompt text, log-probs, detokenized text and metrics. Its store side is two parts
+it owns, one per direction: `kvjax/engine/kv_loads.py` (`KVLoads`: lookups into plain data,
+loads, inserts, layer-wise pre-loading) and `kvjax/engine/kv_saves.py` (`KVSaves`: the KV rows of
+a chunk still being computed, and the saves); its records are in `kvjax/engine/outputs.py`. When
+a plan has nothing to compute but loads are outstanding, the engine blocks until one lands (no
+polling), at most the plan's `wait_s`.
 
 Prefix caching is bidirectional (Cake, arXiv 2410.03065, Appendix A): `add_request` asks the
 store which prefix chunks it holds (one batched lookup, no data) and gives the scheduler the
@@ -31,53 +34,29 @@ import hashlib
 import itertools
 import logging
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax import codecs
 from kvjax._typing import RequestId
+from kvjax.connector import KVStoreClient
 from kvjax.engine import sampling
-from kvjax.engine.core import EngineCore, LoopStats, StepRecord
-from kvjax.connector import (KVStoreClient, LoaderStats, PrefetchStats, SaveJob, SaverStats,
-                             TierSnapshot)
+from kvjax.engine.core import EngineCore, StepRecord
+from kvjax.engine.kv_loads import KVLoads
+from kvjax.engine.kv_saves import KVSaves
+from kvjax.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kvjax.models.paged_runner import PagedModelRunner, SeqChunk
-from kvjax.scheduler.cake import MergeTrace
+from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
-from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager, KVCacheStats
-from kvjax.scheduler.level_policy import Candidate
-from kvjax.scheduler.output import (ComputeTiming, InsertItem, InsertTiming, SaveItem,
-                                    SchedulerOutput, StepResult, StoredChunk, StoredPrefix)
+from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager
+from kvjax.scheduler.output import (ComputeTiming, InsertItem, InsertTiming, SchedulerOutput,
+                                    StepResult)
 from kvjax.scheduler.request import Request, SamplingParams
-from kvjax.scheduler.scheduler import LoadConfig, Scheduler, SchedulerConfig
+from kvjax.scheduler.scheduler import Scheduler
 from kvjax.sessions import REROTATED_SALT_PREFIX
-from kvjax.storage import keys
-from kvjax.storage.chunk_store import choose_codec
 
 _log = logging.getLogger(__name__)
-
-def _candidates(record, raw_nbytes: int) -> list[Candidate]:
-  """The encodings of a stored chunk this engine can decode, as level-policy candidates.
-
-  A chunk whose tier lists no record (a tier without `peek`) is taken as raw. Each candidate's
-  name is its `codecs.EncodingId`.
-  """
-  if record is None:
-    raw = codecs.EncodingId(codecs.RAW, 0)
-    return [Candidate(raw, raw_nbytes, codecs.ACCURACY_RANK[raw])]
-  out = []
-  for e in record.encodings:
-    if codecs.is_decodable(e.codec, e.codec_version, e.level):
-      eid = codecs.EncodingId(e.codec, e.level)
-      out.append(Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid]))
-  return out
-
-
-def _first_rows(kv_L2CKH, rows: int):
-  """A staged chunk's first `rows` positions (a stored tail's, `Engine._insert_rows`); the
-  chunk itself when that is all of it."""
-  return kv_L2CKH if rows == kv_L2CKH.shape[2] else kv_L2CKH[:, :, :rows]
 
 
 class TokenizerLike(Protocol):
@@ -86,137 +65,6 @@ class TokenizerLike(Protocol):
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
-
-
-@dataclasses.dataclass
-class RequestMetrics:
-  """Per-request timing and token accounting.
-
-  Attributes:
-    arrival_s: when the engine accepted the request (engine clock, seconds).
-    scheduled_s: when its first scheduled step began: the executor's clock as it starts the
-      plan that first admitted the request from the waiting queue (given a slot); None while it
-      waits.
-    first_token_s: when the first output token was sampled.
-    finished_s: when the request finished.
-    ttft_s: time to first token, seconds (`first_token_s - arrival_s`: queueing included).
-    prefill_s: prefill wall time, seconds: `first_token_s - scheduled_s`, from the request's
-      first scheduled step to its first token (loads, inserts, its prefill chunks and the steps
-      it shared with other requests; not the queueing before it was admitted), so
-      0 <= prefill_s <= ttft_s. None until the first token.
-    num_computed_tokens: prompt tokens whose KV was computed by prefill.
-    num_loaded_tokens: prompt tokens whose KV was loaded from the store or served from the
-      device prefix cache.
-    num_device_cached_tokens: of those, tokens served from the device prefix cache.
-    num_rejected_chunks: stored chunks that failed verification and were computed instead.
-    num_wasted_chunks: loads that landed after compute had taken their chunk (dropped).
-    loaded_from_tiers: tier of each loaded chunk, in order; "device" once per device prefix
-      hit, first.
-    loaded_chunks: `(chunk index, tier)` of each store chunk inserted, in insertion order.
-    merge: the Cake merge trace (chunks computed, loaded and wasted, meeting index, level of each
-      loaded chunk, seconds per side), or None when nothing was stored.
-    lookup_s: seconds of the batched store lookup at admission (0 without a store).
-  """
-
-  arrival_s: float
-  scheduled_s: float | None = None
-  first_token_s: float | None = None
-  finished_s: float | None = None
-  ttft_s: float | None = None
-  prefill_s: float | None = None
-  num_computed_tokens: int = 0
-  num_loaded_tokens: int = 0
-  num_device_cached_tokens: int = 0
-  num_rejected_chunks: int = 0
-  num_wasted_chunks: int = 0
-  loaded_from_tiers: list[str] = dataclasses.field(default_factory=list)
-  loaded_chunks: list[tuple[int, str]] = dataclasses.field(default_factory=list)
-  merge: MergeTrace | None = None
-  lookup_s: float = 0.0
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-  """One generated sequence (vLLM's shape): text, ids, reason, per-token top log-probs."""
-
-  index: int
-  text: str
-  token_ids: list[int]
-  finish_reason: str | None
-  logprobs: list[dict[int, float]] | None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-  """A request's result (or progress, while `finished` is False).
-
-  Attributes:
-    request_id: the request's id.
-    prompt: the prompt text, when given as text.
-    prompt_token_ids: the prompt's tokens.
-    text: generated text (special tokens skipped; a matched stop string removed); filled when
-      the request finishes.
-    token_ids: generated tokens.
-    finish_reason: "stop" (EOS, stop token or stop string), "length", "abort", or None.
-    logprobs: per generated token, a dict of token id to log-probability, when asked.
-    num_cached_tokens: prompt tokens served from the prefix cache.
-    metrics: timing and token accounting.
-    finished: whether generation ended.
-  """
-
-  request_id: RequestId
-  prompt: str | None
-  prompt_token_ids: list[int]
-  text: str
-  token_ids: list[int]
-  finish_reason: str | None
-  logprobs: list[dict[int, float]] | None
-  num_cached_tokens: int
-  metrics: RequestMetrics
-  finished: bool
-
-  @property
-  def outputs(self) -> list[CompletionOutput]:
-    """vLLM-style view: one `CompletionOutput`."""
-    return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
-
-
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-  """One snapshot of the engine's accounting, plain data (the server's metrics and health read
-  it; nothing reads the engine's internals).
-
-  Attributes:
-    num_waiting: requests queued for a slot.
-    num_running: requests holding a slot.
-    loop: the step loop's accounting (steps, planner seconds).
-    loader: the store client's load accounting (None without a store).
-    saver: the saver's accounting (None without a store).
-    lookup_failures: store lookups that failed and degraded to computing.
-    link_bandwidth_bytes_per_s: the planner's estimate of the store link.
-    kv_cache_ok: the KV cache buffers are alive (False after a failed step consumed them).
-    tiers: per store tier, its counters (empty without a store).
-    kv_cache: the KV pool and device prefix cache (blocks, usage, hits, preemptions).
-    kv_cache_bytes: device bytes reserved for KV (the pool), int.
-    kv_cache_peak_used_bytes: bytes of the most pool blocks held at once.
-    prefetch: look-ahead prefetch accounting (issued, useful, wasted; None without a store).
-  """
-
-  num_waiting: int
-  num_running: int
-  loop: LoopStats
-  loader: LoaderStats | None
-  saver: SaverStats | None
-  lookup_failures: int
-  link_bandwidth_bytes_per_s: float
-  kv_cache_ok: bool
-  tiers: tuple[TierSnapshot, ...] = ()
-  kv_cache: KVCacheStats | None = None
-  kv_cache_bytes: int = 0
-  kv_cache_peak_used_bytes: int = 0
-  prefetch: PrefetchStats | None = None
 
 
 def device_namespace_root(cache_salt: str | None) -> str:
@@ -238,8 +86,7 @@ class _Live:
   logprobs: list[dict[int, float]] | None
   token_ids: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
-  pieces: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
-  save_tail: bool = False  # a session turn: store its tail when it finishes (`_save_tail`)
+  save_tail: bool = False  # a session turn: store its tail when it finishes (`KVSaves.save_tail`)
 
 
 class Engine:
@@ -326,12 +173,15 @@ class Engine:
     self._live: dict[RequestId, _Live] = {}
     self._ids = itertools.count()
     self._emitted: list[RequestOutput] = []
+    # The store side of execution, one part per direction (None without a store).
+    self._loads = (KVLoads(runner, kv_store, clock, self._fixed_encoding)
+                   if kv_store is not None else None)
+    self._saves = KVSaves(runner, kv_store) if kv_store is not None else None
     #: Block on the cache after each insert so `StepResult.inserts` times the device work
     #: (benchmarks; the next prefill waits for it anyway).
     self.timed_inserts = False
     #: A list to record layer-wise steps' order of inserts and layer groups in (tests), or None.
     self.layerwise_trace: list | None = None
-    self._window_ids: tuple[RequestId, ...] = ()  # the look-ahead window last handed over
 
   # ----------------------------------------------------------------------------- requests
   @property
@@ -429,27 +279,11 @@ class Engine:
                  RequestMetrics(arrival_s=arrival_s),
                  [] if params.logprobs is not None else None)
     stored = None
-    if self.kv_store is not None:
+    if self._loads is not None:
       tails = self.kv_store.stores_tails
       live.save_tail = tails and save_tail
-      t0 = time.perf_counter()
-      lookup = self.kv_store.open_request(rid, ids, cache_salt,
-                                          history_tokens=history_tokens if tails else 0)
-      live.metrics.lookup_s = time.perf_counter() - t0
-      raw_nbytes = self.kv_store.layout.nbytes
-      chunks = []
-      for tier, record in zip(lookup.present, lookup.records or [None] * len(lookup.present)):
-        cands = _candidates(record, raw_nbytes) if tier is not None else []
-        if self._fixed_encoding is not None:  # consistent: only the request's fixed encoding
-          cands = [cand for cand in cands if cand.name == self._fixed_encoding]
-        chunks.append(StoredChunk(tier, tuple(cands)) if cands else None)
-      tail, tail_tokens = lookup.tail, 0
-      if tail is not None:  # the merge's last unit: the chunks after it hold no hit
-        cands = tuple(_candidates(tail.record, raw_nbytes))
-        if cands:
-          chunks = chunks[:tail.index] + [StoredChunk(tail.tier, cands)]
-          tail_tokens = tail.num_tokens
-      stored = StoredPrefix(self.kv_store.chunk_size, tuple(chunks), tail_tokens)
+      stored, live.metrics.lookup_s = self._loads.open_request(
+          rid, ids, cache_salt, history_tokens if tails else 0)
     try:
       self._scheduler.add_request(
           Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
@@ -542,12 +376,9 @@ class Engine:
         if live is not None and live.metrics.scheduled_s is None:
           live.metrics.scheduled_s = started_s
     tables = dict(plan.block_tables)
-    for rid in plan.preempted:
-      live = self._live.get(rid)
-      if live is not None:
-        live.pieces = []
-      if kv is not None:
-        kv.cancel_loads(rid)
+    for rid in plan.preempted if kv is not None else ():
+      self._saves.drop(rid)
+      kv.cancel_loads(rid)
     for rid, tokens in plan.device_hits:
       if rid not in self._live:
         continue  # aborted since
@@ -556,39 +387,9 @@ class Engine:
       m.num_device_cached_tokens += tokens
       m.loaded_from_tiers.append("device")
     if kv is not None:
-      if plan.lookahead != self._window_ids:  # before the loads: a load may wait on a prefetch
-        self._window_ids = plan.lookahead
-        kv.set_lookahead(kv.lookahead_requests([rid for rid in plan.lookahead
-                                                if rid in self._live]))
-      for rid, index in plan.releases:
-        kv.release(rid, index)
-      for item in plan.loads:
-        choose = None
-        if item.encoding is not None:  # the level policy's pick, a `codecs.EncodingId`
-          choose = choose_codec(item.encoding.codec, item.encoding.level)
-        kv.start_request_load(item.request_id, item.index, choose=choose, nbytes=item.nbytes,
-                              max_in_flight=item.max_in_flight)
-      layerwise = plan.layer_groups > 1 and bool(plan.decodes or plan.prefills)
-      for ins in plan.inserts:
-        hit = kv.take(ins.request_id, ins.index)
-        t0, t0_clock = time.perf_counter(), self._clock()
-        rows = self._insert_rows(ins)
-        where = self._chunk_blocks(tables[ins.request_id], ins.start, rows)
-        if layerwise and hit.kv is not None:
-          layered.append((ins, hit, where))  # inserted group by group inside the step
-          continue
-        kv.charge_device(hit.encoding.nbytes)  # the host -> device link, whole chunk
-        if hit.kv is not None:
-          self.runner.insert_chunk(_first_rows(hit.kv, rows), where, ins.start)
-        elif ins.num_tokens is None:
-          self.runner.insert_payload(hit.encoding.codec, hit.payload, where, ins.start)
-        else:  # a stored tail is raw (`KVStoreClient.stores_tails`): never here
-          raise ValueError(f"stored tail {ins.index} of {ins.request_id} is not raw")
-        if self.timed_inserts:
-          self.runner.block_until_ready()
-        insert_timings.append(InsertTiming(ins.request_id, ins.index, t0_clock,
-                                           time.perf_counter() - t0))
-        self._record_loaded(ins, hit.tier)
+      for ins, tier in self._loads.execute(plan, tables, self._live, insert_timings, layered,
+                                           timed=self.timed_inserts):
+        self._record_loaded(ins, tier)
     if not plan.decodes and not plan.prefills:  # nothing to compute: loads and inserts at most
       reports = []
       if kv is not None and (plan.wait_s or plan.inserts):
@@ -604,21 +405,6 @@ class Engine:
                       loads=tuple(self._log_misses(reports)), compute=tuple(timings),
                       inserts=tuple(insert_timings))
 
-  def _insert_rows(self, ins: InsertItem) -> int:
-    """Rows of a staged chunk an insert writes: the whole chunk, or a stored tail's m rows
-    rounded up to whole blocks (the padding rows land in the request's own last block, past
-    its tail, where compute writes next)."""
-    c = self.kv_store.chunk_size
-    if ins.num_tokens is None:
-      return c
-    b = self.runner.block_size
-    return min(c, -(-ins.num_tokens // b) * b)
-
-  def _chunk_blocks(self, table, start: int, n: int) -> tuple[int, ...]:
-    """The blocks of a block table holding positions `[start, start + n)` (whole blocks)."""
-    b = self.runner.block_size
-    return tuple(table[start // b:(start + n) // b])
-
   def _execute_ragged(self, plan: SchedulerOutput, tables: dict, sampled: list, finished: list,
                       timings: list, layered: Sequence = (),
                       insert_timings: list | None = None) -> None:
@@ -626,7 +412,7 @@ class Engine:
     (`PagedModelRunner.step`), then sampling, metrics and saves per chunk. Each prefill chunk's
     `ComputeTiming` gets the step's seconds pro rata to its tokens. With `layered` inserts
     (layer-wise pre-loading) the step runs as `plan.layer_groups` layer-group calls instead
-    (`_step_layerwise`)."""
+    (`KVLoads.step_layerwise`)."""
     runner, kv = self.runner, self.kv_store
     seqs = [SeqChunk((d.token_id,), d.position, tables[d.request_id]) for d in plan.decodes]
     seqs += [SeqChunk(c.token_ids, c.start, tables[c.request_id]) for c in plan.prefills]
@@ -634,7 +420,10 @@ class Engine:
     compiled = runner.is_compiled(total)
     t0, t0_clock = time.perf_counter(), self._clock()
     if layered:
-      out = self._step_layerwise(seqs, plan.layer_groups, layered, insert_timings)
+      out, loaded = self._loads.step_layerwise(seqs, plan.layer_groups, layered, insert_timings,
+                                               trace=self.layerwise_trace)
+      for ins, tier in loaded:
+        self._record_loaded(ins, tier)
     else:
       out = runner.step(seqs)
     logits_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
@@ -642,9 +431,10 @@ class Engine:
     for i, d in enumerate(plan.decodes):
       if kv is not None:  # every token's K before RoPE is kept until its chunk is complete
         o = out.offsets[i]
-        self._save_chunks(self._live[d.request_id], d.position, d.saves, (),
-                          out.k_pre_rope_LTKH[:, o:o + 1], out.v_LTKH[:, o:o + 1],
-                          tables[d.request_id])
+        live = self._live[d.request_id]
+        self._saves.keep(d.request_id, live.prompt_token_ids, live.token_ids, d.position,
+                         d.saves, (), out.k_pre_rope_LTKH[:, o:o + 1], out.v_LTKH[:, o:o + 1],
+                         tables[d.request_id])
       self._sample(d.request_id, logits_SV[i], sampled, finished, tables[d.request_id])
     base = len(plan.decodes)
     for j, chunk in enumerate(plan.prefills):
@@ -655,53 +445,13 @@ class Engine:
       live.metrics.num_computed_tokens += chunk.num_tokens
       if kv is not None:
         o = out.offsets[base + j]
-        self._save_chunks(live, chunk.start, chunk.saves, chunk.roundtrip,
-                          out.k_pre_rope_LTKH[:, o:o + chunk.num_tokens],
-                          out.v_LTKH[:, o:o + chunk.num_tokens], tables[chunk.request_id])
+        self._saves.keep(chunk.request_id, live.prompt_token_ids, live.token_ids, chunk.start,
+                         chunk.saves, chunk.roundtrip,
+                         out.k_pre_rope_LTKH[:, o:o + chunk.num_tokens],
+                         out.v_LTKH[:, o:o + chunk.num_tokens], tables[chunk.request_id])
       if chunk.is_last:
         self._sample(chunk.request_id, logits_SV[base + j], sampled, finished,
                      tables[chunk.request_id])
-
-  def _step_layerwise(self, seqs: Sequence[SeqChunk], groups: int, layered: Sequence,
-                      insert_timings: list) -> Any:
-    """Layer-wise pre-loading (CachedAttention, arXiv 2403.19708, section 3.2.1): the step's
-    raw inserted chunks move host -> device layer group by layer group on the store client's
-    transfer thread (each group charged to the emulated link) while the step runs: for each
-    group g, wait for group g of every chunk, insert them (`insert_chunks_layers`: one call for
-    the whole chunks, one per stored tail, whose rows differ), run layer group g
-    (`PagedModelRunner.step_layers`). So the step's compute overlaps the transfer: about
-    max(transfer, compute) instead of their sum. `layerwise_trace`, when a list, gets
-    ("insert", request_id, chunk index, g) and ("layers", g) events in execution order."""
-    runner, kv = self.runner, self.kv_store
-    st = runner.step_begin(seqs, groups)
-    transfers = kv.transfer([hit.kv for _, hit, _ in layered], st.groups)
-    rows = [self._insert_rows(ins) for ins, _, _ in layered]
-    whole = [i for i, r in enumerate(rows) if r == kv.chunk_size]
-    tails = [[i] for i, r in enumerate(rows) if r != kv.chunk_size]  # each alone: rows differ
-    batches = sorted(([whole] if whole else []) + tails)  # in chunk order
-    spent = [0.0] * len(layered)
-    started = self._clock()
-    trace = self.layerwise_trace
-    for g, (l0, _) in enumerate(st.groups):
-      arrs = [tr.wait(g, timeout_s=60.0) for tr in transfers]
-      for idx in batches:
-        t0 = time.perf_counter()
-        runner.insert_chunks_layers([_first_rows(arrs[i], rows[i]) for i in idx],
-                                    [layered[i][2] for i in idx],
-                                    [layered[i][0].start for i in idx], l0)
-        share = (time.perf_counter() - t0) / len(idx)
-        for i in idx:
-          spent[i] += share
-          if trace is not None:
-            ins = layered[i][0]
-            trace.append(("insert", ins.request_id, ins.index, g))
-      runner.step_layers(st)
-      if trace is not None:
-        trace.append(("layers", g))
-    for (ins, hit, _), sec in zip(layered, spent):
-      insert_timings.append(InsertTiming(ins.request_id, ins.index, started, sec))
-      self._record_loaded(ins, hit.tier)
-    return runner.step_finish(st)
 
   def _record_loaded(self, ins: InsertItem, tier: str) -> None:
     """A store chunk (or stored tail) inserted into a request's KV: its metrics count it
@@ -724,94 +474,8 @@ class Engine:
   def _forget(self, rid: RequestId) -> None:
     self._live.pop(rid, None)
     if self.kv_store is not None:
+      self._saves.drop(rid)
       self.kv_store.close_request(rid)
-
-  # ----------------------------------------------------------------------------- saves
-  def _save_chunks(self, live: _Live, start: int, save_items: Sequence[SaveItem],
-                   roundtrip: Sequence[int], k_LTKH, v_LTKH, where) -> None:
-    """Keeps this step's KV of one request (a prefill chunk's rows, or a decode's one row at
-    `start`) until its store chunks are complete; then, per completed chunk: passes it through
-    the stored encoding when the plan says `roundtrip` (consistent codecs: encode, decode back
-    into the cache), and hands it to the saver when it is in `save_items` (one device array per
-    chunk, every level encoded in one device call; the saver makes the one device -> host copy).
-    A chunk's tokens are the prompt's, then the output's. `where` is the request's block
-    table."""
-    kv, c = self.kv_store, self.kv_store.chunk_size
-    if isinstance(k_LTKH, np.ndarray):  # the runner's `host_outputs` (CPU backend): own
-      # copies, since a view would keep the whole step's output alive
-      k_LTKH, v_LTKH = np.array(k_LTKH), np.array(v_LTKH)
-    live.pieces.append((start, k_LTKH, v_LTKH))
-    saves = {item.index: item for item in save_items}
-    if saves:  # the client extends the request's key chain over its output when needed
-      kv.extend_request_keys(live.request_id, live.prompt_token_ids + live.token_ids,
-                             max(saves) + 1)
-    for index in sorted(set(saves) | set(roundtrip)):
-      lo, hi = index * c, (index + 1) * c
-      kv_L2CKH = self._kept_rows(live, lo, hi, where)
-      if kv_L2CKH.shape[2] != c:
-        raise ValueError(f"chunk {index}: prefill pieces cover {kv_L2CKH.shape[2]} of {c}")
-      payloads = None
-      if kv.codec != codecs.RAW:
-        payloads = self.runner.encode_levels(kv_L2CKH, kv.codec, kv.codec_levels, lo)
-      if index in roundtrip and payloads is not None:
-        # The first stored level is the request's fixed encoding (`_fixed_encoding`).
-        blocks = self._chunk_blocks(where, lo, c)
-        self.runner.insert_payload(kv.codec, payloads[0][2], blocks, lo)
-      item = saves.get(index)
-      if item is not None:
-        tokens = (live.prompt_token_ids[lo:hi] if hi <= len(live.prompt_token_ids)
-                  else (live.prompt_token_ids + live.token_ids)[lo:hi])
-        namespace, key, parent = kv.request_chunk_key(live.request_id, index)
-        kv.submit_save(SaveJob(
-            namespace=namespace, chunk_hash=key, parent=parent, token_ids=tuple(tokens),
-            kv=kv_L2CKH if payloads is None else None, payloads=payloads,
-            replace=item.replace, verify_existing=item.verify_existing))
-    end = start + k_LTKH.shape[1]
-    keep_from = (end // c) * c  # pieces wholly below the last completed chunk end are done
-    live.pieces = [p for p in live.pieces if p[0] + p[1].shape[1] > keep_from]
-
-  def _kept_rows(self, live: _Live, lo: int, hi: int, where):
-    """`[L, 2, hi - lo, K, H]`: a request's KV at positions `[lo, hi)`, K before RoPE, from
-    the rows it kept (`live.pieces`, host arrays on the CPU backend, else device arrays, and so
-    is the result); a head those do not cover is device-resident (a prefix hit this request
-    did not compute) and is read back from its blocks, K un-rotated
-    (`PagedModelRunner.read_pre_rope`; `lo` a multiple of the block size)."""
-    xp = np if isinstance(live.pieces[-1][1], np.ndarray) else jnp
-    ks, vs = [], []
-    first = min(min((p[0] for p in live.pieces if p[0] + p[1].shape[1] > lo), default=hi), hi)
-    if lo < first:
-      b = self.runner.block_size
-      k, v = self.runner.read_pre_rope(where[lo // b:-(-first // b)], lo, first - lo)
-      ks.append(k)
-      vs.append(v)
-    for start, k, v in live.pieces:
-      a, b = max(start, lo), min(start + k.shape[1], hi)
-      if a < b:
-        ks.append(k[:, a - start:b - start])
-        vs.append(v[:, a - start:b - start])
-    return xp.stack([xp.concatenate(ks, axis=1), xp.concatenate(vs, axis=1)], axis=1)
-
-  def _save_tail(self, live: _Live, where) -> None:
-    """Stores a finished session turn's tail: its KV after the last full chunk of its prompt
-    and output but the last sampled token (which has no KV), padded to a chunk of C rows under
-    `keys.tail_hash` (`keys.tail_token_ids`), so the next turn loads every historical token
-    even once the device has evicted its blocks. Raw, like every chunk of a store that keeps
-    tails (`KVStoreClient.stores_tails`); queued to the saver like any save (dropped and
-    counted when its queue is full)."""
-    kv, c = self.kv_store, self.kv_store.chunk_size
-    seq = live.prompt_token_ids + live.token_ids
-    end = len(seq) - 1
-    k, m = divmod(end, c)
-    if not m or not live.pieces:
-      return  # no tail (its last chunk is full, saved as a chunk), or nothing kept
-    namespace, parent, key = kv.request_tail_key(live.request_id, seq, end)
-    rows = self._kept_rows(live, k * c, end, where)
-    if rows.shape[2] != m:
-      raise ValueError(f"tail of {live.request_id}: kept rows cover {rows.shape[2]} of {m}")
-    xp = np if isinstance(rows, np.ndarray) else jnp
-    padded = xp.pad(rows, ((0, 0), (0, 0), (0, c - m), (0, 0), (0, 0)))
-    kv.submit_save(SaveJob(namespace=namespace, chunk_hash=key, parent=parent,
-                           token_ids=keys.tail_token_ids(seq[k * c:end], c), kv=padded))
 
   # ----------------------------------------------------------------------------- outputs
   def _sample(self, rid: RequestId, logits_V: np.ndarray, sampled: list, finished: list,
@@ -836,11 +500,12 @@ class Engine:
       live.metrics.finished_s = now
       if live.save_tail:  # `where` is its block table
         try:
-          self._save_tail(live, where)
+          self._saves.save_tail(rid, live.prompt_token_ids + live.token_ids, where)
         except Exception:  # noqa: BLE001 - a tail is a cache entry: its next turn computes it
           _log.exception("the stored tail of %s was not saved", rid)
       del self._live[rid]
       if self.kv_store is not None:
+        self._saves.drop(rid)
         self.kv_store.close_request(rid)  # its keys; late loads of chunks compute took
     self._emitted.append(self._output(live, reason))
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from kvjax import codecs
 from kvjax.config import EngineOptions
-from kvjax.engine.engine import Engine, RequestOutput
+from kvjax.engine.engine import Engine
+from kvjax.engine.outputs import RequestOutput
 from kvjax.connector import KVStoreClient
 from kvjax.engine.rerotation import stage_rerotated
 from kvjax.models import kv_calibration

@@ -1,9 +1,9 @@
 """Quantization arithmetic every backend computes bit for bit: the int8 and int4 codecs' encoders.
 
-One definition shared by the jnp references (`kv_codec.encode_reference`), the TPU Pallas
+One definition shared by the jnp references (`kv_codec_ref.encode_reference`), the TPU Pallas
 kernels (`kv_codec._int8_encode_kernel`, `_int4_encode_kernel`) and the Triton kernels
 (`kv_codec_gpu`), so a chunk encoded on a GPU, a TPU or a CPU gets the same bytes (the payloads
-of `kv_codec.Int8Payload` and `Int4Payload`).
+of `kv_payloads.Int8Payload` and `Int4Payload`).
 
 Backends differ in three ways that move codes (measured on an H200, scripts/device_check_codec.py:
 f32 `/` was not correctly rounded in 28% of 65,536 quotients, in Triton kernels and in XLA's own

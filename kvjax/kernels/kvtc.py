@@ -160,7 +160,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.codecs import CODEC_LEVELS, KVTC as CODEC_KVTC
-from kvjax.kernels.kv_codec import _rope_CH, _write_chunk
+from kvjax.kernels.kv_codec_ref import rope_CH, write_chunk
 
 #: Predicted KL(raw || kvtc) per token, nats, at each level (finest first).
 KVTC_LEVEL_KL = (0.0005, 0.003, 0.006, 0.009, 0.018)
@@ -524,9 +524,9 @@ def dequantize_reference(payload: KVTCPayload, transform, num_kv_heads: int,
 @functools.partial(jax.jit, static_argnames=("k", "h"), donate_argnums=(2, 3))
 def _decode_jit(payload, t, k_LBSKH, v_LBSKH, slot, start, cos_CH, sin_CH, *, k, h):
   kv = _dequantize(payload, t, k, h, start)
-  k_LCKH = _rope_CH(kv[:, 0], cos_CH.astype(jnp.float32)[:, None],
-                    sin_CH.astype(jnp.float32)[:, None])
-  return _write_chunk(k_LBSKH, v_LBSKH, k_LCKH, kv[:, 1], slot, start)
+  k_LCKH = rope_CH(kv[:, 0], cos_CH.astype(jnp.float32)[:, None],
+                   sin_CH.astype(jnp.float32)[:, None])
+  return write_chunk(k_LBSKH, v_LBSKH, k_LCKH, kv[:, 1], slot, start)
 
 
 def kvtc_decode(payload: KVTCPayload, transform: KVTCDeviceTransform, k_LBSKH: jax.Array,

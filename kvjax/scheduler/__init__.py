@@ -12,8 +12,10 @@ from kvjax.scheduler.output import (ComputeTiming, DecodeItem, InsertItem, LoadI
                                     PrefillChunk, SaveItem, SchedulerOutput, StepResult,
                                     StoredChunk, StoredPrefix)
 from kvjax.scheduler.request import Request, RequestStatus, SamplingParams
-from kvjax.scheduler.scheduler import (LoadConfig, Scheduler, SchedulerConfig, chunk_tokens,
-                                       loads_ahead, reads_at_once)
+from kvjax.scheduler.config import LoadConfig, SchedulerConfig
+from kvjax.scheduler.prefill_policy import chunk_tokens
+from kvjax.scheduler.scheduler import Scheduler
+from kvjax.scheduler.transfer_policy import loads_ahead, reads_at_once
 
 __all__ = ["CakeMerge", "Candidate", "ChunkState", "ComputeTiming", "CostModel", "DecodeItem",
            "DoubleWriteError", "InsertItem", "LoadConfig", "LoadItem", "LoadReport", "LoadVerdict",

@@ -4,14 +4,18 @@ A request with stored chunks gets a `Prefix` record (its `CakeMerge`, its store 
 chunks whose stored copy was rejected, the loads issued and not yet reported). The `Scheduler`
 (`kvjax/scheduler/scheduler.py`) owns these records (one dict, request id -> `Prefix`) and calls
 the functions here from `schedule` and `update`, on its one thread: they plan the step's inserts,
-loads and releases from the merges, and apply the executor's load reports to them.
+loads and releases from the merges, apply the executor's load reports to them, close a finished
+request's merge, and answer the questions the step's policies ask about the store hits (which
+hits are in reach, when their loads land, which requests to look ahead for).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvjax._typing import RequestId
 from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeTrace, Writer
@@ -51,6 +55,59 @@ def new_prefix(request: Request, stored: StoredPrefix, lc: LoadConfig, merge_mod
       check_writes=lc.check_writes, resident=resident,
       last_unit_tokens=stored.tail_tokens or None)
   return Prefix(merge, stored)
+
+
+def close(prefix: Prefix, now_s: float) -> MergeTrace:
+  """Ends a finished (or aborted) request's merge: no chunk may be inserted any more, and its
+  loads still outstanding count as waste (their planned bytes, at `now_s`). Returns a snapshot
+  of its final trace."""
+  m = prefix.merge
+  m.cancel()
+  for j, nbytes in sorted(prefix.outstanding.items()):
+    m.load_done(j, False, nbytes, now_s)
+  return snapshot(m)
+
+
+def tokens_left(prefix: Prefix | None, r: Request) -> int:
+  """Prefill tokens request `r` has left to compute (a merge's: past its frontier; without a
+  merge, `prefix` None: all it has not computed)."""
+  if prefix is None:
+    return r.remaining_prefill_tokens
+  return r.num_prompt_tokens - prefix.merge.frontier
+
+
+def hits_in_reach(prefixes: Mapping[RequestId, Prefix], merges: Iterable[Request],
+                  waiting: Iterable[Request], queued: int) -> list[Request]:
+  """Store hits whose prefix is not all resident: among `merges` (running requests whose merge
+  still prefills, oldest first), then among the first `queued` of `waiting` (the ones a step
+  may admit)."""
+  out = [r for r in merges if not prefixes[r.request_id].merge.is_prefix_done]
+  out += [r for r in itertools.islice(waiting, queued) if r.request_id in prefixes]
+  return out
+
+
+def landing_hits(prefixes: Mapping[RequestId, Prefix], hits: Iterable[Request], now_s: float,
+                 cost: CostModel) -> Iterator[tuple[RequestId, int, Callable[[], float | None]]]:
+  """Per store hit of `hits`, in order: its id, its prefill tokens left once its loads are in,
+  and a call predicting when they have landed (`CakeMerge.loads_land_s`, engine clock; made only
+  when a policy needs it): what short first-token steps (rules b and c,
+  `kvjax/scheduler/prefill_policy.py`) read of a hit."""
+  for r in hits:
+    m = prefixes[r.request_id].merge
+    yield (r.request_id, m.tokens_left_after_loads(),
+           functools.partial(m.loads_land_s, now_s, cost))
+
+
+def lookahead(prefixes: Mapping[RequestId, Prefix], merges: Iterable[Request],
+              waiting: Iterable[Request], window: int) -> tuple[RequestId, ...]:
+  """The look-ahead window (`SchedulerOutput.lookahead`; CachedAttention, arXiv 2403.19708,
+  section 3.3): `merges` (running requests whose merge still prefills), then the first `window`
+  waiting requests with stored chunks; () when `window` is 0."""
+  if not window:
+    return ()
+  out = [r.request_id for r in merges]
+  out += [r.request_id for r in waiting if r.request_id in prefixes][:window]
+  return tuple(out)
 
 
 def snapshot(m: CakeMerge) -> MergeTrace:

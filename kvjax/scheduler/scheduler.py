@@ -27,7 +27,9 @@ Part 3, adaptive mode):
 The policies live beside it as plain functions: the prefill order, short first-token steps
 (rules a, b, c), the long-prefill threshold and chunk sizing in
 `kvjax/scheduler/prefill_policy.py`; loads ahead, saves and layer-wise deferral in
-`kvjax/scheduler/transfer_policy.py`; the configuration records in `kvjax/scheduler/config.py`.
+`kvjax/scheduler/transfer_policy.py`; the store side of its requests (each stored prefix's
+merge, its loads and inserts, what the policies ask of the store hits) in
+`kvjax/scheduler/prefix_loads.py`; the configuration records in `kvjax/scheduler/config.py`.
 The scheduler holds the state they read and applies their answers.
 
 A plan is a promise the executor keeps in order: the scheduler advances `num_computed_tokens` and
@@ -41,7 +43,6 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import functools
 import itertools
 
 from kvjax._typing import RequestId
@@ -52,15 +53,10 @@ from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
 from kvjax.scheduler.output import (DecodeItem, InsertItem, PrefillChunk, SaveItem, SchedulerOutput,
                                     StepResult, StoredPrefix)
-from kvjax.scheduler.prefix_loads import RELEASED, Prefix
-from kvjax.scheduler.prefill_policy import (FCFS, MAX_LOAD_WAIT_S, PREFILL_ORDERS,
-                                            SHORTEST_FIRST, chunk_tokens)
+from kvjax.scheduler.prefix_loads import Prefix
+from kvjax.scheduler.prefill_policy import FCFS, SHORTEST_FIRST, chunk_tokens
 from kvjax.scheduler.request import Request, RequestStatus
-from kvjax.scheduler.transfer_policy import loads_ahead, reads_at_once
 
-__all__ = ["FCFS", "MAX_LOAD_WAIT_S", "PREFILL_ORDERS", "RELEASED", "SHORTEST_FIRST",
-           "LoadConfig", "Scheduler", "SchedulerConfig", "chunk_tokens", "loads_ahead",
-           "reads_at_once"]
 
 class Scheduler:
   """Admits requests into decode slots and plans each step within the token budget.
@@ -240,13 +236,9 @@ class Scheduler:
       else:
         return None
     prefix = self._prefix.pop(request_id, None)
-    if prefix is not None:
-      m = prefix.merge
-      m.cancel()  # no chunk of a freed slot may be inserted any more
+    if prefix is not None:  # no chunk of a freed slot may be inserted any more
       now = self._last_now_s if self._last_now_s is not None else 0.0
-      for j, nbytes in sorted(prefix.outstanding.items()):
-        m.load_done(j, False, nbytes, now)  # abandoned loads count as waste (planned bytes)
-      self._final_traces[request_id] = prefix_loads.snapshot(m)
+      self._final_traces[request_id] = prefix_loads.close(prefix, now)
     if r.slot is not None:
       bisect.insort(self._free_slots, r.slot)
       r.slot = None
@@ -379,17 +371,10 @@ class Scheduler:
                            inserts=tuple(inserts), decodes=tuple(decodes), prefills=tuple(prefills),
                            wait_s=wait_s, block_tables=block_tables, preempted=preempted,
                            device_hits=device_hits, layer_groups=layer_groups,
-                           lookahead=self._lookahead(), admitted=tuple(admitted))
-
-  def _lookahead(self) -> tuple[RequestId, ...]:
-    """The look-ahead window (`SchedulerOutput.lookahead`): running requests whose merge still
-    prefills, then the first `lookahead_window` waiting requests with stored chunks."""
-    w = self.load_config.lookahead_window
-    if not w:
-      return ()
-    out = [r.request_id for r in self.cake_requests()]
-    out += [r.request_id for r in self.waiting if r.request_id in self._prefix][:w]
-    return tuple(out)
+                           lookahead=prefix_loads.lookahead(
+                               self._prefix, self.cake_requests(), self.waiting,
+                               self.load_config.lookahead_window),
+                           admitted=tuple(admitted))
 
   # ----------------------------------------------------------------------------- blocks
   def _prefill_share(self, budget: int) -> int:
@@ -489,12 +474,9 @@ class Scheduler:
     return prefill_policy.shortest_first(left, queued)
 
   def _hits_in_reach(self, queued: int) -> list[Request]:
-    """Merges whose prefix is not all resident: running ones (oldest first), then those among
-    the first `queued` waiting requests (the ones a step may admit)."""
-    out = [r for r in self.cake_requests() if not self._prefix[r.request_id].merge.is_prefix_done]
-    out += [r for r in itertools.islice(self.waiting, queued) if r.request_id in self._prefix]
-    return out
-
+    """Store hits not all resident, running or among the first `queued` waiting requests
+    (`prefix_loads.hits_in_reach`)."""
+    return prefix_loads.hits_in_reach(self._prefix, self.cake_requests(), self.waiting, queued)
 
   def _landing_cap(self, order: list[Request], now_s: float | None) -> tuple[int, int] | None:
     """Rule b of short first-token steps (`prefill_policy.landing_cap`): (the prefill tokens this
@@ -505,11 +487,8 @@ class Scheduler:
     if not merges or now_s is None:
       return None
     longest = max(self._tokens_left(r) for r in order)
-    hits = []
-    for r in merges:
-      m = self._prefix[r.request_id].merge
-      hits.append((m.tokens_left_after_loads(),
-                   functools.partial(m.loads_land_s, now_s, self.cost_model)))
+    hits = [(left, land) for _, left, land in prefix_loads.landing_hits(
+        self._prefix, merges, now_s, self.cost_model)]
     return prefill_policy.landing_cap(hits, longest, now_s,
                                       max(r.num_computed_tokens for r in order), self._plan_sizes,
                                       self.cost_model.predict_compute_s)
@@ -533,10 +512,9 @@ class Scheduler:
       return prefix is not None and prefix.merge.has_loads_to_come
 
     def hits():
-      for r in self._hits_in_reach(min(1, len(self._free_slots))):
-        m = self._prefix[r.request_id].merge
-        yield (r.request_id, m.tokens_left_after_loads(),
-               functools.partial(m.loads_land_s, now_s, self.cost_model))
+      return prefix_loads.landing_hits(
+          self._prefix, self._hits_in_reach(min(1, len(self._free_slots))), now_s,
+          self.cost_model)
 
     return self._landing.until(now_s, self._last_compute_step_s / 2, loads_to_come, hits,
                                self.config.token_budget)
@@ -551,12 +529,8 @@ class Scheduler:
 
 
   def _tokens_left(self, r: Request) -> int:
-    """Prefill tokens request `r` has left to compute (a merge's: past its frontier; a queued
-    one's: all of them)."""
-    prefix = self._prefix.get(r.request_id)
-    if prefix is None:
-      return r.remaining_prefill_tokens
-    return r.num_prompt_tokens - prefix.merge.frontier
+    """Prefill tokens request `r` has left to compute (`prefix_loads.tokens_left`)."""
+    return prefix_loads.tokens_left(self._prefix.get(r.request_id), r)
 
 
   def _room_behind(self, budget: int) -> int:

@@ -4,8 +4,8 @@ JAX). This docstring is the byte format's spec.
 A *payload* is a codec's quantized form of one chunk `[L, 2, C, K, H]`: a dict of named arrays,
 the table below. Codec ids, versions, levels and the rule deriving G and T from C are the
 registry's (`kvjax.codecs`, shared with the kernels room); the kernels room computes payloads
-from KV and KV from payloads (`kvjax.kernels.kv_codec`, whose payload NamedTuples have these
-array names); this module validates them and turns them into one stored bytes object and back.
+from KV and KV from payloads (`kvjax.kernels.kv_codec`; its payload NamedTuples, in
+`kvjax.kernels.kv_payloads`, have these array names); this module validates them and turns them into one stored bytes object and back.
 
     codec     version  levels  arrays (name: dtype[shape])
     raw       1        0       values: layout.dtype[L, 2, C, K, H]

@@ -21,14 +21,15 @@ from typing import Any, Iterator, Sequence
 from kvjax import codecs
 from kvjax._typing import ModelFingerprint
 from kvjax.engine import llm as llm_module
-from kvjax.engine.engine import Engine, RequestOutput
+from kvjax.engine.engine import Engine
+from kvjax.engine.outputs import RequestOutput
 from kvjax.engine.llm import LLM
 from kvjax.connector import KVStoreClient
 from kvjax.models.byte_tokenizer import ByteTokenizer
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION, paged_block_nbytes
 from kvjax.models.paged_runner import PagedRunnerConfig
 from kvjax.scheduler.request import SamplingParams
-from kvjax.scheduler.scheduler import SchedulerConfig
+from kvjax.scheduler.config import SchedulerConfig
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
 from kvjax.storage.tiers import StoreConfig, build_tiers

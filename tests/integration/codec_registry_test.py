@@ -8,6 +8,8 @@ from absl.testing import absltest, parameterized
 from kvjax import codecs
 from kvjax.codecs import EncodingId
 from kvjax.kernels import kv_codec as kc
+from kvjax.kernels import kv_codec_ref as kref
+from kvjax.kernels import kv_payloads as kp
 from kvjax.kernels import kvtc
 from kvjax.storage import codecs as stored
 from kvjax.storage.types import KVLayout
@@ -126,12 +128,12 @@ class ChunkSizeRuleTest(absltest.TestCase):
       layout = KVLayout(L, c, K, H, "float32")
       for codec in ("int4", "cachegen"):
         spec = stored.payload_spec(codec, 1, 0, layout)
-        payload = kc.payload_arrays(kc.encode_reference(kv_of(c), codec, 0))
+        payload = kc.payload_arrays(kref.encode_reference(kv_of(c), codec, 0))
         self.assertEqual({n: (a.dtype, a.shape) for n, a in payload.items()}, spec, (codec, c))
 
   def test_storage_arrays_are_the_kernel_payload_fields(self):
     for codec in codecs.CODECS:
-      payload_type = kvtc.KVTCPayload if codec == "kvtc" else kc.PAYLOAD_TYPES[codec]
+      payload_type = kvtc.KVTCPayload if codec == "kvtc" else kp.PAYLOAD_TYPES[codec]
       self.assertEqual(stored.codec_info(codec, codecs.CODEC_VERSIONS[codec]).arrays,
                        payload_type._fields, codec)
 
@@ -166,7 +168,7 @@ class EndToEndTest(parameterized.TestCase):
     for name, a in arrays.items():
       np.testing.assert_array_equal(back[name], a, err_msg=name)
     payload = kc.payload_from_arrays(enc.codec, back)
-    x_hat = np.asarray(kc.dequantize_reference(payload))
+    x_hat = np.asarray(kref.dequantize_reference(payload))
     if enc.codec == "int4":
       self.assertEqual(payload.scale.shape[2], c // codecs.int4_group_tokens(c))
     if enc.codec == "cachegen":
@@ -185,7 +187,7 @@ class EndToEndTest(parameterized.TestCase):
   def test_pallas_interpret_equals_reference_off_powers_of_two(self, codec):
     kv = kv_of(100, seed=5)  # G = 50, T = 10
     pallas, finite = kc.kv_encode(kv, codec, 0, interpret=True)
-    ref = kc.encode_reference(kv, codec, 0)
+    ref = kref.encode_reference(kv, codec, 0)
     self.assertTrue(bool(finite))
     for name, a, b in zip(type(ref)._fields, pallas, ref):
       a, b = np.asarray(a), np.asarray(b)
@@ -197,7 +199,7 @@ class EndToEndTest(parameterized.TestCase):
         rlo, rhi = (b & 15, b >> 4) if b.dtype == np.uint8 else (b, b)
         diff = np.maximum(np.abs(lo.astype(int) - rlo), np.abs(hi.astype(int) - rhi))
         self.assertLessEqual(diff.max(), 1, name)
-    self.assertLessEqual(rel_err(np.asarray(kc.dequantize_reference(pallas)), kv),
+    self.assertLessEqual(rel_err(np.asarray(kref.dequantize_reference(pallas)), kv),
                          MAX_REL_ERR[codec])
 
 

@@ -96,6 +96,15 @@ SESSIONS_FLOORS = (
     ("registry",),
     ("turn",),
 )
+# Floors of some modules of a room whose other modules have none (yet), bottom first: a listed
+# module imports no listed module of its own floor or above. The KV codec: its payload records
+# and argument checks, the jnp references, then the Pallas kernels and their wrappers. The
+# engine's parts: its output records and the load side of execution, the save side, then the
+# engine that owns them (neither part sees it).
+PART_FLOORS = {
+    "kernels": (("kv_payloads",), ("kv_codec_ref",), ("kv_codec",)),
+    "engine": (("outputs", "kv_loads"), ("kv_saves",), ("engine",)),
+}
 # The policy modules read plain records: no scheduler state module above them.
 SCHEDULER_POLICIES = {
     "prefill_policy": {"kvjax._typing", "kvjax.scheduler.request"},
@@ -232,6 +241,20 @@ class LayeringTest(absltest.TestCase):
         dep = mod.split(".")[2] if mod.startswith("kvjax.sessions.") else None
         if mod == "kvjax.sessions" or (dep in floor and floor[dep] >= floor[name]):
           violations.append(f"kvjax/sessions/{name}.py imports {mod}")
+    self.assertEqual(violations, [])
+
+  def test_part_floors_import_only_lower_floors(self):
+    modules = kvjax_modules()
+    violations = []
+    for room, floors in PART_FLOORS.items():
+      floor = {m: i for i, ms in enumerate(floors) for m in ms}
+      for name in floor:
+        path = PKG / room / f"{name}.py"
+        self.assertTrue(path.is_file(), path)
+        for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
+          dep = mod.split(".")[2] if mod.startswith(f"kvjax.{room}.") else None
+          if dep in floor and floor[dep] >= floor[name]:
+            violations.append(f"kvjax/{room}/{name}.py imports {mod}")
     self.assertEqual(violations, [])
 
   def test_connector_modules_import_only_lower_floors(self):

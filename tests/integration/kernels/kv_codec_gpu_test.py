@@ -11,6 +11,8 @@ from jax import export
 from kvjax import codecs
 from kvjax.kernels import exact_quant
 from kvjax.kernels import kv_codec as kc
+from kvjax.kernels import kv_codec_ref as kref
+from kvjax.kernels import kv_payloads as kp
 from kvjax.kernels import kv_codec_gpu as gpu
 
 # Interpret mode on CPU; compiled on a GPU (the Triton bodies run only there or interpreted).
@@ -58,7 +60,7 @@ class KvCodecGpuTest(parameterized.TestCase):
     if tokens and codec == codecs.CACHEGEN:
       kw["anchor_stride"] = tokens // 2
     x = jnp.asarray(synthetic_kv(1, c), dtype)
-    want = kc.encode_reference(x, codec, level, **kw)
+    want = kref.encode_reference(x, codec, level, **kw)
     got, finite = kc.kv_encode(x, codec, level, interpret=INTERPRET, platform="cuda", **kw)
     self.assertTrue(bool(finite))
     self.assertIsInstance(got, type(want))
@@ -84,12 +86,12 @@ class KvCodecGpuTest(parameterized.TestCase):
     c = 128
     d = jnp.dtype(dtype)
     x = jnp.asarray(synthetic_kv(2, c), d)
-    payload = kc.RawPayload(x) if codec == codecs.RAW else kc.encode_reference(x, codec, 1 if (
+    payload = kp.RawPayload(x) if codec == codecs.RAW else kref.encode_reference(x, codec, 1 if (
         codec == codecs.CACHEGEN) else 0)
     slot, start, s_max = 1, 5, c + 16
     cos, sin = rope_tables(start, c)
     cache = jnp.full((L, 2, s_max, K, H), jnp.nan, d)
-    want_k, want_v = kc.kv_decode_reference(payload, cache, cache, slot, start, cos, sin)
+    want_k, want_v = kref.kv_decode_reference(payload, cache, cache, slot, start, cos, sin)
     got_k, got_v = kc.kv_decode(payload, jnp.copy(cache), jnp.copy(cache), slot, start, cos, sin,
                                 interpret=INTERPRET, platform="cuda")
     tol = dict(rtol=2e-6, atol=2e-6) if dtype == "float32" else dict(rtol=2 ** -7, atol=1e-6)
@@ -199,7 +201,7 @@ class KvCodecGpuTest(parameterized.TestCase):
       enc = export.export(jax.jit(lambda x: kc.kv_encode(x, codec, level, platform="cuda")),
                           platforms=["cuda"], disabled_checks=_dis())(x)
       self.assertIn(f"kv_encode_{codec}_gpu", enc.mlir_module())
-    payload = jax.eval_shape(lambda x: kc.encode_reference(x, codec, level), x)
+    payload = jax.eval_shape(lambda x: kref.encode_reference(x, codec, level), x)
     cache = jax.ShapeDtypeStruct((num_layers, 2, 4 * c, k, h), jnp.bfloat16)
     cs = jax.ShapeDtypeStruct((c, h), jnp.float32)
     dec = export.export(

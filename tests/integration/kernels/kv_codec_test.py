@@ -8,6 +8,8 @@ from absl.testing import absltest, parameterized
 
 from kvjax import codecs
 from kvjax.kernels import kv_codec as kc
+from kvjax.kernels import kv_codec_ref as kref
+from kvjax.kernels import kv_payloads as kp
 from kvjax.models import layers
 
 # Both execution paths run every test body: the Pallas kernels (interpret mode on CPU, compiled
@@ -123,7 +125,7 @@ class KVDecodeTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*modes_x(*DECODE_CASES))
   def test_matches_oracle_and_leaves_the_rest_untouched(self, use_pallas, codec, level, dtype):
-    payload = kc.encode_reference(random_kv(1), codec, level, group_tokens=16)
+    payload = kref.encode_reference(random_kv(1), codec, level, group_tokens=16)
     slot, start = 1, 5  # not block aligned
     cos, sin = rope_tables(start)
     k_in, v_in = nan_cache(DTYPES[dtype]), nan_cache(DTYPES[dtype])
@@ -152,7 +154,7 @@ class KVDecodeTest(parameterized.TestCase):
     arrays = kc.payload_arrays(payload)
     np.testing.assert_array_equal(arrays["values"], np.asarray(kv))
     payload = kc.payload_from_arrays("raw", arrays)
-    np.testing.assert_array_equal(np.asarray(kc.dequantize_reference(payload)), as_f32(kv))
+    np.testing.assert_array_equal(np.asarray(kref.dequantize_reference(payload)), as_f32(kv))
     start = 7
     cos, sin = rope_tables(start)
     k, v = self.decode(payload, nan_cache(DTYPES[dtype]), nan_cache(DTYPES[dtype]), 0, start,
@@ -189,7 +191,7 @@ class KVDecodeTest(parameterized.TestCase):
     # A 3-4-5 angle for token 1: x * 0.6 + rotate_half(x) * 0.8.
     cos = np.array([[1, 1, 1, 1], [0.6, 0.6, 0.6, 0.6]], np.float32)
     sin = np.array([[0, 0, 0, 0], [0.8, 0.8, 0.8, 0.8]], np.float32)
-    k, v = self.decode(kc.RawPayload(values), nan_cache(jnp.float32, 1, 1, 2, 1, 4),
+    k, v = self.decode(kp.RawPayload(values), nan_cache(jnp.float32, 1, 1, 2, 1, 4),
                        nan_cache(jnp.float32, 1, 1, 2, 1, 4), 0, 0, cos, sin, use_pallas)
     # [5,6,7,8] * 0.6 = [3, 3.6, 4.2, 4.8]; [-7,-8,5,6] * 0.8 = [-5.6, -6.4, 4, 4.8].
     np.testing.assert_allclose(np.asarray(k)[0, 0, :, 0],
@@ -202,7 +204,7 @@ class KVDecodeTest(parameterized.TestCase):
     q[0, 0, :, 0] = [[2, -4, 6, 8], [1, 0, -1, 127]]
     q[0, 1, :, 0] = [[10, 20, 30, 40], [-10, -20, -30, -40]]
     scale = np.array([[[[0.5, 0.25, 1, 2]], [[1, 0.5, 0.25, 0.125]]]], np.float32)
-    k, v = self.hand_decode(kc.Int8Payload(q, scale), use_pallas)
+    k, v = self.hand_decode(kp.Int8Payload(q, scale), use_pallas)
     # K: [1, -1, 6, 16] and [0.5, 0, -1, 254] -> rotated [1, -254, 0.5, 0].
     np.testing.assert_array_equal(k, [[1, -1, 6, 16], [1, -254, 0.5, 0]])
     np.testing.assert_array_equal(v, [[10, 10, 7.5, 5], [-10, -10, -7.5, -5]])
@@ -218,7 +220,7 @@ class KVDecodeTest(parameterized.TestCase):
     scale[0, 0, 0, 0] = [0.5, 1, 2, 0.25]
     zero[0, 0, 0, 0] = [-1, 0, 1, 2]
     scale[0, 1, 0, 0] = 1
-    k, v = self.hand_decode(kc.Int4Payload(q, scale, zero), use_pallas)
+    k, v = self.hand_decode(kp.Int4Payload(q, scale, zero), use_pallas)
     # K: [1*.5-1, 2, 3*2+1, 4*.25+2] = [-0.5, 2, 7, 3]; [6.5, 0, 15, 4] -> [-15, -4, 6.5, 0].
     np.testing.assert_array_equal(k, [[-0.5, 2, 7, 3], [-15, -4, 6.5, 0]])
     np.testing.assert_array_equal(v, [[1, 2, 3, 4], [15, 0, 7, 8]])
@@ -232,7 +234,7 @@ class KVDecodeTest(parameterized.TestCase):
     delta_q = np.zeros((1, 2, 2, 1, 4), np.int8)
     delta_q[0, :, :, 0] = [[1, 2, 3, -4], [-1, 0, 0, 4]]
     delta_step = np.tile(np.array([0.25, 0.5, 1, 0.5], np.float32), (1, 2, 1, 1))
-    payload = kc.CacheGenPayload(anchor_q, anchor_scale, delta_q, delta_step)
+    payload = kp.CacheGenPayload(anchor_q, anchor_scale, delta_q, delta_step)
     k, v = self.hand_decode(payload, use_pallas)
     # anchor [5, -5, 0, 127]; deltas [.25, 1, 3, -2] and [-.25, 0, 0, 2].
     np.testing.assert_array_equal(v, [[5.25, -4, 3, 125], [4.75, -5, 0, 129]])
@@ -240,7 +242,7 @@ class KVDecodeTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*MODES)
   def test_bad_input(self, use_pallas):
-    payload = kc.encode_reference(random_kv(3), "int8")
+    payload = kref.encode_reference(random_kv(3), "int8")
     cos, sin = rope_tables(0)
     cache = lambda: nan_cache(jnp.float32)  # noqa: E731
     cases = {
@@ -256,13 +258,13 @@ class KVDecodeTest(parameterized.TestCase):
         "k != v": dict(v=nan_cache(jnp.bfloat16)),
         "short cache": dict(k=nan_cache(jnp.float32, s_max=C - 1),
                             v=nan_cache(jnp.float32, s_max=C - 1)),
-        "payload dtype": dict(payload=kc.Int8Payload(payload.q.astype(jnp.int16), payload.scale)),
-        "payload shape": dict(payload=kc.Int8Payload(payload.q, payload.scale[:, :, :1])),
+        "payload dtype": dict(payload=kp.Int8Payload(payload.q.astype(jnp.int16), payload.scale)),
+        "payload shape": dict(payload=kp.Int8Payload(payload.q, payload.scale[:, :, :1])),
         "not a payload": dict(payload=(payload.q, payload.scale)),
-        "int4 groups": dict(payload=kc.Int4Payload(
+        "int4 groups": dict(payload=kp.Int4Payload(
             jnp.zeros((L, 2, C, K, H // 2), jnp.uint8), jnp.zeros((L, 2, 5, K, H), jnp.float16),
             jnp.zeros((L, 2, 5, K, H), jnp.float16))),
-        "cachegen anchors": dict(payload=kc.CacheGenPayload(
+        "cachegen anchors": dict(payload=kp.CacheGenPayload(
             jnp.zeros((L, 2, 3, K, H), jnp.int8), jnp.zeros((L, 2, K, H)),
             jnp.zeros((L, 2, C, K, H), jnp.int8), jnp.zeros((L, 2, K, H)))),
     }
@@ -276,7 +278,7 @@ class KVDecodeTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*MODES)
   def test_traced_slot_and_start(self, use_pallas):
-    payload = kc.encode_reference(random_kv(4), "cachegen", 1)
+    payload = kref.encode_reference(random_kv(4), "cachegen", 1)
     cos, sin = rope_tables(3)
 
     @jax.jit
@@ -285,7 +287,7 @@ class KVDecodeTest(parameterized.TestCase):
                           use_pallas=use_pallas)
 
     k, _ = run(nan_cache(jnp.float32), nan_cache(jnp.float32), jnp.int32(1), jnp.int32(3))
-    want, _ = kc.kv_decode_reference(payload, nan_cache(jnp.float32), nan_cache(jnp.float32), 1,
+    want, _ = kref.kv_decode_reference(payload, nan_cache(jnp.float32), nan_cache(jnp.float32), 1,
                                      3, cos, sin)
     np.testing.assert_allclose(np.asarray(k), np.asarray(want), **TOL["float32"])
 
@@ -296,10 +298,10 @@ class KVEncodeTest(parameterized.TestCase):
   def test_matches_reference(self, use_pallas, codec, level, dtype):
     kv = jnp.asarray(random_kv(5), DTYPES[dtype])
     payload, finite = kc.kv_encode(kv, codec, level, interpret=INTERPRET, use_pallas=use_pallas)
-    want = kc.encode_reference(kv, codec, level)
+    want = kref.encode_reference(kv, codec, level)
     self.assertTrue(bool(finite))
-    self.assertIsInstance(payload, kc.PAYLOAD_TYPES[codec])
-    kc.validate_payload(payload)
+    self.assertIsInstance(payload, kp.PAYLOAD_TYPES[codec])
+    kp.validate_payload(payload)
     for name, got, ref in zip(want._fields, payload, want):
       got, ref = np.asarray(got), np.asarray(ref)
       self.assertEqual((got.shape, got.dtype), (ref.shape, ref.dtype), name)
@@ -346,7 +348,7 @@ class KVEncodeTest(parameterized.TestCase):
     # V = -K: zeros are the minima [-15, -16, -32, -3]; codes [15, 15, 15, 0] then all 0.
     np.testing.assert_array_equal(np.asarray(p.q)[0, 1, :, 0], [[255, 15], [0, 0]])
     np.testing.assert_array_equal(np.asarray(p.zero)[0, 1, 0, 0], [-15, -16, -32, -3])
-    np.testing.assert_array_equal(np.asarray(kc.dequantize_reference(p)), kv)
+    np.testing.assert_array_equal(np.asarray(kref.dequantize_reference(p)), kv)
 
   @parameterized.named_parameters(*MODES)
   def test_hand_cachegen(self, use_pallas):
@@ -413,7 +415,7 @@ class KVEncodeTest(parameterized.TestCase):
     kv = random_kv(13)[:, :, :24]  # C = 24: 16 does not divide it, and int8 needs no stride
     payload, finite = kc.kv_encode(kv, "int8", interpret=INTERPRET, use_pallas=use_pallas)
     self.assertTrue(bool(finite))
-    self.assertLess(rel_err(np.asarray(kc.dequantize_reference(payload)), kv), 0.01)
+    self.assertLess(rel_err(np.asarray(kref.dequantize_reference(payload)), kv), 0.01)
 
   @parameterized.named_parameters(*modes_x(*CODEC_CASES))
   def test_error_bound_on_synthetic_kv(self, use_pallas, codec, level):
@@ -421,7 +423,7 @@ class KVEncodeTest(parameterized.TestCase):
              ("cachegen", 1): 0.04, ("cachegen", 2): 0.08, ("cachegen", 3): 0.16}
     kv = synthetic_kv()
     payload, _ = kc.kv_encode(kv, codec, level, interpret=INTERPRET, use_pallas=use_pallas)
-    err = rel_err(np.asarray(kc.dequantize_reference(payload)), kv)
+    err = rel_err(np.asarray(kref.dequantize_reference(payload)), kv)
     self.assertLessEqual(err, bound[codec, level])
     if codec != "raw":
       self.assertGreater(err, bound[codec, level] / 20)  # really quantized
@@ -433,7 +435,7 @@ class KVEncodeTest(parameterized.TestCase):
     kv = synthetic_kv(1)
     kv[1, 1, 17, 0, 3] = 1000.0
     p, _ = kc.kv_encode(kv, codec, level, interpret=INTERPRET, use_pallas=use_pallas)
-    err = np.abs(np.asarray(kc.dequantize_reference(p)) - kv)
+    err = np.abs(np.asarray(kref.dequantize_reference(p)) - kv)
     step = p.scale if codec == "int8" else p.delta_step
     half = np.asarray(step)[:, :, None] / 2
     self.assertTrue((err <= half * (1 + 1e-5) + 1e-6).all())
@@ -447,7 +449,7 @@ class PayloadTest(absltest.TestCase):
     kv = random_kv(12)
     with self.assertRaisesRegex(ValueError, "use_pallas=False"):
       kc.kv_encode(kv, "int8")
-    payload = kc.encode_reference(kv, "int8")
+    payload = kref.encode_reference(kv, "int8")
     cos, sin = rope_tables(0)
     with self.assertRaisesRegex(ValueError, "interpret=True"):
       kc.kv_decode(payload, nan_cache(jnp.float32), nan_cache(jnp.float32), 0, 0, cos, sin)
@@ -455,26 +457,26 @@ class PayloadTest(absltest.TestCase):
   def test_dict_round_trip(self):
     kv = random_kv(9)
     for codec, level in CODEC_LEVELS:
-      payload = kc.encode_reference(kv, codec, level, group_tokens=8)
+      payload = kref.encode_reference(kv, codec, level, group_tokens=8)
       arrays = kc.payload_arrays(payload)
-      self.assertEqual(list(arrays), list(kc.PAYLOAD_TYPES[codec]._fields))
+      self.assertEqual(list(arrays), list(kp.PAYLOAD_TYPES[codec]._fields))
       self.assertTrue(all(isinstance(a, np.ndarray) for a in arrays.values()))
       back = kc.payload_from_arrays(codec, arrays)
-      self.assertEqual(kc.codec_of(back), codec)
+      self.assertEqual(kp.codec_of(back), codec)
       for a, b in zip(back, payload):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   def test_contract_shapes(self):
-    p = kc.encode_reference(random_kv(10), "int4", group_tokens=8)
+    p = kref.encode_reference(random_kv(10), "int4", group_tokens=8)
     self.assertEqual((p.q.shape, p.q.dtype), ((L, 2, C, K, H // 2), jnp.uint8))
     self.assertEqual((p.scale.shape, p.scale.dtype), ((L, 2, C // 8, K, H), jnp.float16))
-    p = kc.encode_reference(random_kv(10), "cachegen", 2)
+    p = kref.encode_reference(random_kv(10), "cachegen", 2)
     self.assertEqual(p.anchor_q.shape, (L, 2, C // codecs.CACHEGEN_ANCHOR_STRIDE, K, H))
     self.assertEqual(p.delta_step.shape, (L, 2, K, H))
-    self.assertEqual(kc.validate_payload(p), (L, C, K, H))
+    self.assertEqual(kp.validate_payload(p), (L, C, K, H))
 
   def test_bad_dicts(self):
-    arrays = kc.payload_arrays(kc.encode_reference(random_kv(11), "int8"))
+    arrays = kc.payload_arrays(kref.encode_reference(random_kv(11), "int8"))
     with self.assertRaisesRegex(ValueError, "unknown codec"):
       kc.payload_from_arrays("int3", arrays)
     with self.assertRaisesRegex(ValueError, "needs arrays"):

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from unittest import mock
 
 import httpx
@@ -25,6 +26,18 @@ from kvjax.models import gguf_loader
 REPO = pathlib.Path(__file__).resolve().parents[3]
 TINY = ["--model=tiny", "--port=0", "--cache_dir=", "--chunk_sizes=16,32", "--max_num_seqs=1"]
 ABORTS = ("Fatal Python error", "terminate called", "Traceback", "Exception ignored")
+
+
+def engine_requests(url: str, want: int, timeout_s: float = 120.0) -> int:
+  """Requests the engine holds (waiting + running, from /metrics), polled until `want` or
+  `timeout_s`; returns the last count read."""
+  deadline, held, idle = time.monotonic() + timeout_s, -1, threading.Event()
+  while held != want and time.monotonic() < deadline:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    held = sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith(("kvjax_num_requests_waiting ", "kvjax_num_requests_running ")))
+    idle.wait(0.02)  # a poll interval, not a timing assumption: the loop ends on the count
+  return held
 
 
 class Server:
@@ -135,6 +148,10 @@ class StartStopTest(absltest.TestCase):
     for t in readers:
       t.start()
     self.assertTrue(first.wait(120))
+    # Signal only once the engine holds all twelve: a request still in flight to the server
+    # when it stops listening gets a reset connection (no HTTP answer is possible), which is
+    # the client's to retry, not what this test is about.
+    self.assertEqual(engine_requests(url, want=12), 12)
     code = server.stop(signal.SIGINT)
     for t in readers:
       t.join(120)

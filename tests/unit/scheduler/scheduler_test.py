@@ -7,7 +7,7 @@ from kvjax.scheduler import (DecodeItem, PrefillChunk, Request, RequestStatus, S
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
 from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.output import StoredChunk, StoredPrefix
-from kvjax.scheduler.scheduler import LoadConfig
+from kvjax.scheduler.config import LoadConfig
 
 SIZES = (16, 32, 64, 128, 256, 512)
 
