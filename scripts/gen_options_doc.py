@@ -3,11 +3,11 @@ r"""Generates docs/usage/options.md, the options reference, from the code.
     python scripts/gen_options_doc.py            # rewrite docs/usage/options.md
     python scripts/gen_options_doc.py --check    # exit 1 if the checked-in page is stale
 
-The sources are the server's absl flags (`kvjax/serve/__main__.py`) and the `LLM(...)`
-constructor (`kvjax/engine/llm.py`: its signature for names and defaults, the "Args:" section
-of the class docstring for the text). `collect_options` is the one function that reads them;
-`render` turns its plain `Option` records into Markdown. When the options move to one
-configuration tree, only `collect_options` changes.
+The source is the configuration tree: the fields of `kvjax.config.EngineOptions`'s sections
+(`kvjax/config/options.py`: each field's default, text and flag) and `ServerConfig`'s
+(`kvjax/serve/server.py`), plus the server's few hand-written flags (`kvjax/serve/__main__.py`).
+`collect_options` is the one function that reads them; `render` turns its plain `Option`
+records into Markdown.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import difflib
 import importlib
-import inspect
 import os
 import re
 import sys
@@ -40,7 +39,8 @@ class Option:
   """One option as the page shows it.
 
   Attributes:
-    name: the `LLM(...)` keyword, or the flag's name for a server-only flag.
+    name: the `LLM(...)` keyword (a field of `kvjax.config.EngineOptions`), or the flag's name
+      for a server-only flag.
     llm_default: `repr` of the `LLM(...)` default, or None when `LLM` has no such keyword.
     flag_default: the server flag's default as absl prints it, or None when there is no flag.
     text: what it does (the `LLM` docstring's entry, else the flag's help).
@@ -53,75 +53,53 @@ class Option:
   flag_text: str = ""
 
 
-def _docstring_args(doc: str) -> dict[str, str]:
-  """The "Args:" entries of an absl-style docstring, one line each, by name.
-
-  An entry naming several arguments (`a, b, c: text`) is given to each of them.
-  """
-  lines = inspect.cleandoc(doc).splitlines()
-  out: dict[str, str] = {}
-  try:
-    start = lines.index("Args:") + 1
-  except ValueError:
-    return out
-  names: list[str] = []
-  for line in lines[start:]:
-    if line and not line.startswith(" "):  # the next section ("Raises:")
-      break
-    m = re.match(r"^  ([a-z_][a-z0-9_, ]*):\s*(.*)$", line)
-    if m:
-      names = [n.strip() for n in m.group(1).split(",")]
-      for n in names:
-        out[n] = m.group(2)
-    elif line.strip() and names:
-      for n in names:
-        out[n] += " " + line.strip()
-  return out
-
-
 def _scrub(text: str) -> str:
   for pattern, repl in _ISSUE_REFS:
     text = pattern.sub(repl, text)
   return re.sub(r"\s+", " ", text).strip()
 
 
-def _flag_default(flag) -> str:
-  if flag.default is None:  # resolved at start-up: the help text's "default: ..." says to what
-    m = re.search(r"[Dd]efault:? ([^;)]*)", flag.help or "")
+def _flag_default(default, help_text: str) -> str:
+  """A flag's default as the page shows it."""
+  if default is None:  # resolved at start-up: the help text's "default: ..." says to what
+    m = re.search(r"[Dd]efault:? ([^;)]*)", help_text or "")
     return m.group(1).split(". ")[0].rstrip(".").strip() if m else "none"
-  if isinstance(flag.default, bool):
-    return "true" if flag.default else "false"
-  if isinstance(flag.default, list):
-    return ",".join(str(v) for v in flag.default) or "(empty)"
-  return str(flag.default)
+  if isinstance(default, bool):
+    return "true" if default else "false"
+  if isinstance(default, (list, tuple)):
+    return ",".join(str(v) for v in default) or "(empty)"
+  return str(default)
 
 
 def collect_options() -> list[Option]:
-  """Every option of `LLM(...)` and of the server, from today's sources.
+  """Every option of `LLM(...)` and of the server, from the configuration tree.
 
-  Order: `LLM(...)`'s keywords in signature order (with their server flag, when one has the same
-  name), then the flags of the server alone in definition order.
+  Order: the engine's options (`kvjax.config.EngineOptions`, section by section), then the
+  server's own (`ServerConfig`'s fields), then the server's few hand-written flags (the S3
+  endpoint and region) in definition order.
   """
   from absl import flags
-  from kvjax.engine.llm import LLM
+  from kvjax import config
+  from kvjax.serve.server import ServerConfig
   importlib.import_module(SERVER_FLAGS_MODULE)
-  server_flags = {f.name: f for f in flags.FLAGS.flags_by_module_dict()[SERVER_FLAGS_MODULE]}
-  docs = _docstring_args(LLM.__doc__ or "")
   options: list[Option] = []
-  for name, param in inspect.signature(LLM.__init__).parameters.items():
-    if name == "self":
-      continue
-    flag = server_flags.pop(name, None)
-    default = param.default
+  for _, field in config.all_option_fields():
+    spec = config.spec(field)
     options.append(Option(
-        name=name,
-        llm_default=repr(default),
-        flag_default=None if flag is None else _flag_default(flag),
-        text=_scrub(docs.get(name, "")),
-        flag_text="" if flag is None else _scrub(flag.help)))
-  for name, flag in server_flags.items():
-    options.append(Option(name=name, llm_default=None, flag_default=_flag_default(flag),
-                          text=_scrub(flag.help)))
+        name=spec.name, llm_default=repr(config.field_default(field)),
+        flag_default=_flag_default(config.flag_default(field), spec.help),
+        text=_scrub(spec.doc), flag_text=_scrub(spec.help)))
+  for field in config.option_fields(ServerConfig):
+    spec = config.spec(field)
+    options.append(Option(name=spec.name, llm_default=None,
+                          flag_default=_flag_default(config.flag_default(field), spec.help),
+                          text=_scrub(spec.help)))
+  named = {o.name for o in options}
+  for flag in flags.FLAGS.flags_by_module_dict()[SERVER_FLAGS_MODULE]:
+    if flag.name not in named:
+      options.append(Option(name=flag.name, llm_default=None,
+                            flag_default=_flag_default(flag.default, flag.help),
+                            text=_scrub(flag.help)))
   return options
 
 
@@ -136,8 +114,8 @@ def render(options: list[Option]) -> str:
   out = [
       "# Options reference",
       "",
-      "<!-- Generated by scripts/gen_options_doc.py from the server's flags and LLM(...)'s",
-      "     signature and docstring. Do not edit by hand: change the code, then run",
+      "<!-- Generated by scripts/gen_options_doc.py from the configuration tree",
+      "     (kvjax/config/options.py, ServerConfig). Do not edit by hand: change the code, then run",
       "     `python scripts/gen_options_doc.py`. -->",
       "",
       "Every option of `LLM(...)` and of `python -m kvjax.serve`. A keyword of `LLM(...)` with",

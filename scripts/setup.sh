@@ -40,7 +40,7 @@ from kvjax.engine.llm import LLM
 from kvjax.serve.server import ServerConfig
 
 LLM(startup_progress=lambda e: print("kvjax:", e.message, flush=True),
-    **ServerConfig().llm_options()).close()
+    **ServerConfig.from_flat().llm_options()).close()
 PY
 fi
 step 5 "done: start the server with $venv/bin/python -m kvjax.serve"

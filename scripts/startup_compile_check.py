@@ -46,7 +46,7 @@ def child(mode: str, model: str) -> None:
       warm["s"] = event.seconds
 
   t0 = time.perf_counter()
-  config = ServerConfig(model=model, port=0)
+  config = ServerConfig.from_flat(model=model, port=0)
   if mode == "server":
     close_backend(*load_backend(config, startup_progress=progress))
   elif mode == "llm_same_options":

@@ -1,7 +1,8 @@
 """How much the server's default store grows under small chat sessions, and whether a session
 survives a restart.
 
-Builds the `LLM` the way `python -m kvjax.serve` does (`ServerConfig(...).llm_options()`, the
+Builds the `LLM` the way `python -m kvjax.serve` does
+(`ServerConfig.from_flat(...).llm_options()`, the
 default store's options) over a fresh store folder, runs `--conversations` ShareGPT
 conversations of `--turns` user turns each through `LLM.chat(..., session_id=...)` (greedy,
 `--max_tokens`), then measures the store folder (records' bytes and files on disk). Then it
@@ -75,7 +76,7 @@ def main() -> None:
   opts = dict(kv_store=f"file://{store}")
   if "kv_store_capacity_bytes" in ServerConfig.__dataclass_fields__:
     opts["kv_store_capacity_bytes"] = args.capacity_bytes
-  config = ServerConfig(**opts)
+  config = ServerConfig.from_flat(**opts)
   convs = conversations(args.conversations, args.turns, args.turn_chars, args.seed)
   params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
@@ -116,8 +117,9 @@ def main() -> None:
   result = {
       "machine": benchlib.machine(), "git_sha": benchlib.git_sha(),
       "versions": benchlib.versions("jax", "tensorstore"), "seed": args.seed,
-      "config": {"model": config.model, "dtype": config.dtype, "kv_chunk_size":
-                 config.kv_chunk_size, "store_tiers": repr(config.llm_options()["kv_store"]),
+      "config": {"model": config.model, "dtype": config.engine.model.dtype,
+                 "kv_chunk_size": config.engine.kv.kv_chunk_size,
+                 "store_tiers": repr(config.llm_options()["kv_store"]),
                  **{k: v for k, v in vars(args).items() if k != "out"}},
       "chat_requests": requests, "wall_s": round(wall_s, 1),
       "store_files": files, "store_disk_bytes": disk, "store_chunks": index_files,

@@ -1,6 +1,7 @@
 """pytest hooks shared by all kvjax tests."""
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -43,5 +44,15 @@ def pytest_configure(config):
   # builds about a hundred LLMs, each running a few of those programs: here they compile what
   # they run (about a fifth of the suite's time). Outputs do not depend on it; the tests of the
   # warm-up itself pass compile_on_init=True or call `warmup()`.
-  LLM.__init__.__kwdefaults__["compile_on_init"] = False
+  # The option is a field of the configuration tree (`kvjax.config.ModelOptions`), so the flat
+  # keyword's default is set here for calls that give neither it nor a whole tree.
+  init = LLM.__init__
+
+  @functools.wraps(init)
+  def init_compiling_what_runs(self, model=None, *, options=None, **flat):
+    if options is None:
+      flat.setdefault("compile_on_init", False)
+    init(self, model, options=options, **flat)
+
+  LLM.__init__ = init_compiling_what_runs
 

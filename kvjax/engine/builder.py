@@ -1,16 +1,15 @@
 """Builds a warmed-up `LLM` from plain options, for entry points that may not import lower rooms.
 
-The server (`kvjax.serve`) imports only the engine and request types (docs/architecture.md), so
-the things it needs from below come through here:
+The server (`kvjax.serve`) imports only the engine, the configuration tree (`kvjax.config`) and
+request types (docs/architecture.md), so the things it needs from below come through here:
 
     default_kv_store_url()        file store under kvjax's cache root (`<root>/store`, the
                                   default of `python -m kvjax.store` too)
     store_config_from_json(text)  a tier list (JSON) -> `kvjax.storage.StoreConfig`
     store_config_from_url(url, ...)  one store URL with its capacity and link -> `StoreConfig`
-    build_llm(model, **options)   `LLM(model, **options)`
+    build_llm(model, **options)   `LLM(model, **options)` (`options=` an `EngineOptions`, or
+                                  flat keywords)
     warmup(llm)                   compile every program a request can hit before serving
-    check_scheduling_options(...)  `LLM`'s check of its scheduling options (ValueError)
-    PREFILL_ORDERS, SHORTEST_FIRST  `LLM(prefill_order=...)`'s values and default
 
 `LLM.__init__` stays the one construction path; nothing here duplicates it.
 """
@@ -22,7 +21,8 @@ import os
 from typing import Any
 
 
-from kvjax.engine.llm import LLM, PREFILL_ORDERS, SHORTEST_FIRST, check_scheduling_options
+from kvjax.config import EngineOptions
+from kvjax.engine.llm import LLM
 from kvjax.storage import specs
 from kvjax.storage.tiers import DEFAULT_STORE_CAPACITY_BYTES, StoreConfig, TierConfig, url_kind
 
@@ -87,13 +87,14 @@ def store_config_from_url(url: str, *, capacity_bytes: int | None = None,
                                  link_bytes_per_s=link_bytes_per_s, link_trace=link_trace),))
 
 
-def build_llm(model: str, **options: Any) -> LLM:
-  """`LLM(model, **options)`.
+def build_llm(model: str | None = None, *, options: EngineOptions | None = None,
+              **flat: Any) -> LLM:
+  """`LLM(model, options=options, **flat)` (`startup_progress` among `flat`).
 
   Raises:
     ValueError: as `LLM`.
   """
-  return LLM(model, **options)
+  return LLM(model, options=options, **flat)
 
 
 def warmup(llm: LLM) -> None:

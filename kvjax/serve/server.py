@@ -3,7 +3,7 @@
     state = ServeState(); app = create_app(state)
     http = HttpServer(app, "127.0.0.1", 0)        # binds now; http.port is the chosen port
     http.start()                                  # uvicorn in a thread (or http.run() blocking)
-    backend, llm = load_backend(ServerConfig(model="tiny"))
+    backend, llm = load_backend(ServerConfig.from_flat(model="tiny"))
     state.attach(backend)                         # /health turns 200
 
 The socket is bound before uvicorn starts, so port 0 yields a known free port at once, and the
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from kvjax import codecs
+from kvjax.config import DEFAULT_MAX_NUM_SEQS, EngineOptions, option, server_defaults
 from kvjax.engine import LLM, builder
 from kvjax.engine.llm import StartupEvent
 from kvjax.serve import kv_events
@@ -27,180 +27,163 @@ from kvjax.serve.app import Backend
 from kvjax.serve.async_engine import AsyncEngine
 from kvjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, HttpPolicy
 from kvjax.serve.metrics import ServeMetrics
-from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
-                            DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
-                            DEFAULT_SESSION_TTL_S, SessionConfig)
 
-#: The codecs `--kv_codec` offers: every codec of the registry (`kvjax.codecs`).
-KV_CODECS = tuple(codecs.CODECS)
-PREFILL_ORDERS = builder.PREFILL_ORDERS
 #: Default `max_waiting_requests`: requests queued beyond the decode slots before 429s.
 DEFAULT_MAX_WAITING_REQUESTS = 256
-#: Default `max_num_seqs`: sequences reserve no memory up front (the KV pool is shared; a full
-#: pool preempts).
-DEFAULT_MAX_NUM_SEQS = 64
+# (`DEFAULT_MAX_NUM_SEQS` is imported above: the server's `max_num_seqs`, `kvjax.config`.)
+
+
+def server_engine_options(**flat: Any) -> EngineOptions:
+  """The server's engine options: `LLM`'s defaults but the server's own (`server_defaults()`:
+  `DEFAULT_MAX_NUM_SEQS` sequences, the "default" store), with `flat` applied.
+
+  Raises:
+    TypeError, ValueError: as `EngineOptions.from_flat`.
+  """
+  return EngineOptions.from_flat(**{**server_defaults(), **flat})
+
+
+def _none_if(value: Any, none: Any) -> Any:
+  return None if value == none else value
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-  """Options of `python -m kvjax.serve` (flags of the same names).
+  """Options of `python -m kvjax.serve`: the HTTP side here, the engine's in `engine`.
+
+  Each field is a flag of the same name (`--name`), as is each field of the engine's options
+  (`kvjax.config.EngineOptions`; docs/usage/options.md). `from_flat` takes both by their flat
+  names: `ServerConfig.from_flat(model="tiny", port=0, kv_codec="int8")`.
 
   Attributes:
-    model: model name or path (see `LLM`).
-    served_model_name: the `model` clients send; default the loaded model's name.
-    host: interface to listen on.
-    port: TCP port; 0 picks a free one.
-    dtype: compute and KV dtype ("auto", "float32", "bfloat16").
-    max_model_len: tokens per sequence; None: the model's context.
-    max_num_seqs: requests running at once; None: `DEFAULT_MAX_NUM_SEQS` (the KV pool, not
-      this number, bounds memory; preemption handles a full pool).
-    max_num_batched_tokens: token budget of one engine step; None: the largest chunk size.
-    long_prefill_token_threshold: one request's prefill tokens per step at most (vLLM's option;
-      see `LLM`), so a long prompt shares the step with other requests' prefills; 0: off.
-    prefill_order: one of `PREFILL_ORDERS`, "shortest_first" (default) or "fcfs": which
-      prefills take a step's budget first (see `LLM`).
-    short_first_token_steps: with "shortest_first", keep a step short when it carries a
-      prefill's first token or a store hit's last loads, or wait for a hit's loads that land
-      within half a step (see `LLM`); True (default).
-    chunk_sizes: compiled prefill chunk sizes; None: `LLM`'s default.
-    seed: seeds requests that give no seed.
-    cache_dir: kvjax's cache root (params, compiled programs); None: the default.
-    kv_store: store URL; "default" is `builder.default_kv_store_url()`; None: no store.
-    kv_tiers: a tier list as JSON (or a JSON file), instead of `kv_store`.
-    kv_store_capacity_bytes: byte limit of the `kv_store` (least recently used chunks, suffixes
-      before their prefixes, are evicted beyond; `kvjax.storage.eviction.LRUPolicy`); None:
-      `DEFAULT_STORE_CAPACITY_BYTES` (4 GiB) for a local or memory store, unbounded for s3://.
-      With `kv_tiers`, set each tier's `capacity_bytes` instead.
-    kv_chunk_size: tokens per stored chunk.
-    kv_codec: stored chunk encoding, one of `KV_CODECS` ("raw", "int8", "int4", "cachegen").
-    kv_merge_mode: "cake" (compute the front, load the back), "load_only" or "compute_only".
-    kv_codec_consistent: outputs independent of the meeting point with a lossy codec (None: on
-      where feasible; see `LLM`).
-    kv_link_bytes_per_s: emulated store link, bytes/s; None: unlimited.
-    kv_link_trace: file of "seconds bytes_per_s" lines instead of a constant link.
-    block_size: tokens per block of the KV pool (`kv_chunk_size` must be a multiple).
-    kv_cache_memory_bytes: the pool's size, bytes; None: `LLM`'s default.
-    enable_prefix_caching: keep finished prefixes' blocks on the device for later requests.
-    enable_admin: serve POST /admin/flush_kv.
-    log_level: uvicorn's log level.
-    max_request_bytes: largest request body, bytes (413 beyond, before any parsing).
-    max_waiting_requests: requests that may wait beyond the `max_num_seqs` running ones (429
-      beyond); None: unbounded.
-    allow_special_tokens_in_prompt: parse special-token text in completion string prompts
-      (chat content is always plain text).
-    allowed_hosts: extra `Host` names (see `guard.HttpPolicy`); None: the default for `host`.
-    allowed_origins: origins granted CORS; empty: no CORS headers.
-    api_key: required as `Authorization: Bearer` on all but /health and /metrics; None: open.
-    auth_health_and_metrics: require `api_key` on /health and /metrics too.
-    session_ttl_s: chat sessions (`session_id`): seconds a session may stay idle before it
-      expires; None: never.
-    max_sessions: sessions held at once (least recently used idle ones dropped beyond).
-    max_session_tokens: token ids held over all sessions (idle sessions dropped beyond).
-    kv_events_endpoint: publish the device prefix cache's KV events in vLLM's schema on this
-      ZMQ address (e.g. "tcp://*:5557"; `kv_events.ZmqKVEventPublisher`); None: off. Needs
-      prefix caching.
-    kv_events_topic: the events' topic frame (llm-d reads "kv@<pod>@<model>").
-    kv_events_replay_endpoint: a ZMQ ROUTER address serving replays of buffered batches.
-    kv_events_hash_algo: vLLM's block hash: "sha256_cbor" (default) or "sha256".
-    kv_events_hash_seed: vLLM's NONE_HASH seed (its PYTHONHASHSEED); None: $PYTHONHASHSEED,
-      else "0".
-    kv_events_int_hashes: hashes as 64-bit ints (vLLM's default) or 32 raw bytes.
-    tensor_parallel_size: devices the model is split over (`LLM`; docs/design/scale-out.md).
-    coordinator_address, num_processes, process_id: multi-host as one program
-      (`jax.distributed`, see `LLM`): process 0 serves HTTP, the others follow it.
-    session_truncation, session_rerotate, session_rerotate_boundary_chunks: as `LLM(...)` (a
-      session turn over the context drops its oldest turns; re-rotate the kept turns' stored
-      KV, the first chunks computed).
-    kv_lookahead_window, max_pinned_sessions, max_pinned_session_bytes: as `LLM(...)` (the
-      look-ahead window of prefetch and eviction; sessions' KV pinned in the host tier).
-    kv_placement: as `LLM(...)`: "write_through", "write_back" or None (the tiers' default).
+    engine: the engine's options (`LLM(...)`'s); default `server_engine_options()`: `LLM`'s
+      defaults but `DEFAULT_MAX_NUM_SEQS` sequences and the "default" store
+      (`builder.default_kv_store_url()`; the KV pool, not the sequence count, bounds memory).
+    (the other fields): see each one's text (`kvjax.config.spec(field).doc`).
 
   Raises:
-    ValueError: a bad port, codec, limit, host, origin, key or session limit, or KV events
-      asked for without the prefix cache.
+    ValueError: a bad port, limit, host, origin, key, store or tier list, or KV events asked
+      for without the prefix cache.
   """
 
-  model: str = "SmolLM2-135M-Instruct"
-  served_model_name: str | None = None
-  host: str = "127.0.0.1"
-  port: int = 8000
-  dtype: str = "auto"
-  max_model_len: int | None = None
-  max_num_seqs: int | None = None
-  max_num_batched_tokens: int | None = None
-  long_prefill_token_threshold: int = 0
-  prefill_order: str = builder.SHORTEST_FIRST
-  short_first_token_steps: bool = True
-  chunk_sizes: tuple[int, ...] | None = None
-  seed: int = 0
-  cache_dir: str | None = None
-  kv_store: str | None = "default"
-  kv_tiers: str | None = None
-  kv_store_capacity_bytes: int | None = None
-  kv_chunk_size: int = 256
-  kv_codec: str = "raw"
-  kv_merge_mode: str = "cake"
-  kv_codec_consistent: bool | None = None
-  kv_link_bytes_per_s: float | None = None
-  kv_link_trace: str | None = None
-  block_size: int = 16
-  kv_cache_memory_bytes: int | None = None
-  enable_prefix_caching: bool = True
-  enable_admin: bool = False
-  log_level: str = "warning"
-  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-  max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
-  allow_special_tokens_in_prompt: bool = False
-  allowed_hosts: tuple[str, ...] | None = None
-  allowed_origins: tuple[str, ...] = ()
-  api_key: str | None = dataclasses.field(default=None, repr=False)  # never in logs
-  auth_health_and_metrics: bool = False
-  session_ttl_s: float | None = DEFAULT_SESSION_TTL_S
-  max_sessions: int = DEFAULT_MAX_SESSIONS
-  max_session_tokens: int = DEFAULT_MAX_SESSION_TOKENS
-  kv_events_endpoint: str | None = None
-  kv_events_topic: str = ""
-  kv_events_replay_endpoint: str | None = None
-  kv_events_hash_algo: str = "sha256_cbor"
-  kv_events_hash_seed: str | None = None
-  kv_events_int_hashes: bool = True
-  tensor_parallel_size: int = 1
-  coordinator_address: str | None = None
-  num_processes: int | None = None
-  process_id: int | None = None
-  session_truncation: str = "none"
-  session_rerotate: bool = False
-  session_rerotate_boundary_chunks: int = DEFAULT_REROTATE_BOUNDARY_CHUNKS
-  kv_lookahead_window: int = 8
-  max_pinned_sessions: int = DEFAULT_MAX_PINNED_SESSIONS
-  max_pinned_session_bytes: int | None = None
-  kv_placement: str | None = None
+  engine: EngineOptions = dataclasses.field(default_factory=server_engine_options)
+  served_model_name: str | None = option(
+      None, "Name clients pass as `model` (default: the model's name).")
+  host: str = option("127.0.0.1", "Interface to listen on.")
+  port: int = option(8000, "TCP port; 0 picks a free port (printed).")
+  kv_tiers: str | None = option(
+      None,
+      'Tier list as JSON or a JSON file, instead of --kv_store, e.g. \'[{"kind": "host", '
+      '"capacity_bytes": 1073741824}, {"kind": "disk", "url": "/data/kv"}]\'.')
+  kv_store_capacity_bytes: int | None = option(
+      None,
+      "Byte limit of --kv_store: least recently used chunks (suffixes before their "
+      "prefixes) are evicted beyond it. Default: 4 GiB for a local or memory store, "
+      "unbounded for s3://. With --kv_tiers, give each tier its capacity_bytes.",
+      flag="integer")
+  enable_admin: bool = option(
+      False,
+      "Serve the admin endpoints: POST /admin/flush_kv (waits for queued KV saves) and POST "
+      "/reset_prefix_cache (drops the device prefix cache).")
+  log_level: str = option("warning", "uvicorn's log level.",
+                          choices=("critical", "error", "warning", "info", "debug"))
+  max_request_bytes: int = option(
+      DEFAULT_MAX_REQUEST_BYTES,
+      "Largest request body in bytes; larger ones get 413 before any parsing (also chunked "
+      "bodies without Content-Length).")
+  max_waiting_requests: int | None = option(
+      DEFAULT_MAX_WAITING_REQUESTS,
+      "Requests that may wait beyond the --max_num_seqs running ones; more get 429. -1: "
+      "unbounded.", flag="integer", parse=lambda v: _none_if(v, -1))
+  allow_special_tokens_in_prompt: bool = option(
+      False,
+      "Parse special-token text (e.g. '<|im_start|>') in completion string prompts into "
+      "control tokens; by default it is plain text. Chat message content is always plain "
+      "text.")
+  allowed_hosts: tuple[str, ...] | None = option(
+      None,
+      "Host header names served besides the loopback ones (exact, '*.example.com', or '*' "
+      "for any). Default: loopback names when --host is loopback, any name otherwise; given "
+      "with another --host, only these.",
+      flag="list", parse=lambda v: tuple(v) if v else None)
+  allowed_origins: tuple[str, ...] = option(
+      (),
+      "Origins granted CORS (e.g. https://app.example.com, or '*'); default none: no CORS "
+      "headers, so web pages cannot read answers.", flag="list", parse=tuple)
+  api_key: str | None = option(  # never in logs
+      None,
+      "Require 'Authorization: Bearer <key>' on /v1/*, admin and every other path but "
+      "/health and /metrics (401 otherwise). Default: $KVJAX_API_KEY, else no key.",
+      flag="string", repr=False)
+  auth_health_and_metrics: bool = option(
+      False, "With an API key, require it on /health and /metrics too.")
+  kv_events_endpoint: str | None = option(
+      None,
+      "Publish KV cache events (blocks stored, removed, all cleared) of the device prefix "
+      "cache in vLLM's schema on this ZMQ address, e.g. tcp://*:5557 (bound; an address "
+      "without '*' is connected to). Needs prefix caching. Default: off.",
+      flag="string", parse=lambda v: v or None)
+  kv_events_topic: str = option(
+      "", "Topic frame of every event message; llm-d's indexer reads 'kv@<pod>@<model>'.")
+  kv_events_replay_endpoint: str | None = option(
+      None,
+      "ZMQ ROUTER address (bound) answering replay requests: send an 8-byte big-endian "
+      "start sequence number, get the buffered (seq, payload) frames from there, then (-1, "
+      "'').", flag="string", parse=lambda v: v or None)
+  kv_events_hash_algo: str = option(
+      "sha256_cbor",
+      "vLLM's block hash for the events (its --prefix-caching-hash-algo): sha256_cbor (what "
+      "llm-d's indexer recomputes) or sha256 (pickle). Blocks are --block_size tokens.",
+      choices=kv_events.HASH_ALGOS)
+  kv_events_hash_seed: str | None = option(
+      None,
+      "vLLM's NONE_HASH seed (its PYTHONHASHSEED; llm-d's hashSeed). Default: "
+      "$PYTHONHASHSEED, else '0'.", flag="string")
+  kv_events_int_hashes: bool = option(
+      True,
+      "Block hashes as 64-bit ints (the low 8 bytes; vLLM's default) rather than 32 raw "
+      "bytes.")
+
+  @classmethod
+  def from_flat(cls, **options: Any) -> ServerConfig:
+    """A `ServerConfig` of flat names: its own fields, and the engine's options (applied to
+    `server_engine_options()`; `max_num_seqs=None` is the server's default).
+
+    Raises:
+      TypeError: a name that is neither.
+      ValueError: a bad value.
+    """
+    own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
+    engine = {k: v for k, v in options.items() if k not in own}
+    if engine.get("max_num_seqs", 0) is None:
+      del engine["max_num_seqs"]
+    return cls(engine=server_engine_options(**engine),
+               **{k: v for k, v in options.items() if k in own})
+
+  @property
+  def model(self) -> str:
+    """The model's name or path (`engine.model.model`)."""
+    return self.engine.model.model
 
   @property
   def is_follower(self) -> bool:
     """A multi-host process other than 0: no HTTP, it follows process 0's device calls."""
-    return (self.num_processes or 1) > 1 and self.process_id != 0
+    return self.engine.parallel.multihost and self.engine.parallel.process_id != 0
 
   def __post_init__(self):
-    if self.kv_codec not in KV_CODECS:
-      raise ValueError(f"kv_codec={self.kv_codec!r} is not one of {KV_CODECS}")
-    try:
-      codecs.check_chunk_size(self.kv_codec, None, self.kv_chunk_size)
-    except ValueError as e:
-      raise ValueError(f"kv_chunk_size={self.kv_chunk_size!r}: {e}") from e
-    builder.check_scheduling_options(self.long_prefill_token_threshold, self.chunk_sizes,
-                                     self.prefill_order, self.short_first_token_steps)
+    if not isinstance(self.engine, EngineOptions):
+      raise TypeError(f"engine must be a kvjax.config.EngineOptions, got "
+                      f"{type(self.engine).__name__}")
+    kv_store = self.engine.kv.kv_store
     if self.kv_store_capacity_bytes is not None and self.kv_tiers is not None:
       raise ValueError("kv_store_capacity_bytes bounds --kv_store; with kv_tiers, give each "
                        "tier its capacity_bytes")
-    for name in ("max_num_seqs", "block_size", "kv_cache_memory_bytes",
-                 "kv_store_capacity_bytes"):
-      v = getattr(self, name)
-      if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-        raise ValueError(f"{name}={v!r} must be a positive int")
+    v = self.kv_store_capacity_bytes
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+      raise ValueError(f"kv_store_capacity_bytes={v!r} must be a positive int")
     if not 0 <= self.port < 65536:
       raise ValueError(f"port={self.port} is not in [0, 65535]")
-    if self.kv_tiers is not None and self.kv_store not in (None, "default"):
+    if self.kv_tiers is not None and kv_store not in (None, "default"):
       raise ValueError("give kv_store or kv_tiers, not both")
     if self.kv_tiers is not None:
       try:
@@ -216,22 +199,10 @@ class ServerConfig:
     if self.kv_events_hash_algo not in kv_events.HASH_ALGOS:
       raise ValueError(f"kv_events_hash_algo={self.kv_events_hash_algo!r}; use one of "
                        f"{kv_events.HASH_ALGOS}")
-    if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+    if self.kv_events_endpoint is not None and not self.engine.cache.enable_prefix_caching:
       raise ValueError("kv_events_endpoint publishes the device prefix cache's blocks: it needs "
                        "enable_prefix_caching")
     self.http_policy()  # validates hosts, origins, key and body limit
-    SessionConfig(ttl_s=self.session_ttl_s, max_sessions=self.max_sessions,
-                  max_tokens=self.max_session_tokens, truncation=self.session_truncation,
-                  rerotate=self.session_rerotate,
-                  rerotate_boundary_chunks=self.session_rerotate_boundary_chunks,
-                  max_pinned_sessions=self.max_pinned_sessions,
-                  max_pinned_bytes=self.max_pinned_session_bytes)  # validates the session limits
-    w = self.kv_lookahead_window
-    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-      raise ValueError(f"kv_lookahead_window={w!r} must be an int >= 0")
-    if self.kv_placement not in (None, "write_through", "write_back"):
-      raise ValueError(f"kv_placement={self.kv_placement!r}; use 'write_through' or "
-                       "'write_back'")
 
   def http_policy(self) -> HttpPolicy:
     """The `guard.HttpPolicy` of these options."""
@@ -240,18 +211,12 @@ class ServerConfig:
                       api_key=self.api_key, auth_health_and_metrics=self.auth_health_and_metrics)
 
   @property
-  def resolved_max_num_seqs(self) -> int:
-    """`max_num_seqs`, or `DEFAULT_MAX_NUM_SEQS`."""
-    if self.max_num_seqs is not None:
-      return self.max_num_seqs
-    return DEFAULT_MAX_NUM_SEQS
-
-  @property
   def kv_store_url(self) -> str | None:
     """`kv_store` resolved ("default": `builder.default_kv_store_url()`), or None."""
-    if self.kv_store is None or self.kv_tiers is not None:
+    kv_store = self.engine.kv.kv_store
+    if kv_store is None or self.kv_tiers is not None or not isinstance(kv_store, str):
       return None
-    return builder.default_kv_store_url() if self.kv_store == "default" else self.kv_store
+    return builder.default_kv_store_url() if kv_store == "default" else kv_store
 
   def store_config(self):
     """The one-tier `StoreConfig` of `kv_store` (its capacity and link); None without one.
@@ -262,46 +227,36 @@ class ServerConfig:
     url = self.kv_store_url
     if url is None:
       return None
+    kv = self.engine.kv
     return builder.store_config_from_url(url, capacity_bytes=self.kv_store_capacity_bytes,
-                                         link_bytes_per_s=self.kv_link_bytes_per_s,
-                                         link_trace=self.kv_link_trace)
+                                         link_bytes_per_s=kv.kv_link_bytes_per_s,
+                                         link_trace=kv.kv_link_trace)
 
   def llm_options(self) -> dict[str, Any]:
-    """Keyword arguments of `builder.build_llm` (and so of `LLM`)."""
-    opts: dict[str, Any] = dict(
-        dtype=self.dtype, max_num_seqs=self.resolved_max_num_seqs,
-        max_model_len=self.max_model_len,
-        max_num_batched_tokens=self.max_num_batched_tokens,
-        long_prefill_token_threshold=self.long_prefill_token_threshold,
-        prefill_order=self.prefill_order,
-        short_first_token_steps=self.short_first_token_steps, seed=self.seed,
-        cache_dir=self.cache_dir, kv_codec=self.kv_codec,
-        session_ttl_s=self.session_ttl_s,
-        max_sessions=self.max_sessions, max_session_tokens=self.max_session_tokens,
-        session_truncation=self.session_truncation, session_rerotate=self.session_rerotate,
-        session_rerotate_boundary_chunks=self.session_rerotate_boundary_chunks,
-        kv_lookahead_window=self.kv_lookahead_window,
-        max_pinned_sessions=self.max_pinned_sessions,
-        max_pinned_session_bytes=self.max_pinned_session_bytes,
-        block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-        enable_prefix_caching=self.enable_prefix_caching)
-    if self.tensor_parallel_size != 1:
-      opts["tensor_parallel_size"] = self.tensor_parallel_size
-    if (self.num_processes or 1) > 1:
-      opts.update(coordinator_address=self.coordinator_address,
-                  num_processes=self.num_processes, process_id=self.process_id)
-    if self.chunk_sizes is not None:
-      opts["chunk_sizes"] = tuple(self.chunk_sizes)
+    """Keyword arguments of `builder.build_llm` (and so of `LLM`) besides the model: the
+    engine's options with the store resolved to a `StoreConfig` (`kv_tiers`, or `kv_store`
+    with its capacity and link); the store's options only with a store."""
+    opts = self.engine.flat()
+    del opts["model"]
+    if opts["compile_on_init"]:
+      del opts["compile_on_init"]  # LLM's default; callers may pass their own
+    store_keys = ("kv_store", "kv_link_bytes_per_s", "kv_link_trace", "kv_placement",
+                  "kv_chunk_size", "kv_merge_mode", "kv_codec_consistent")
+    store = {k: opts.pop(k) for k in store_keys}
     if self.kv_tiers is not None:
       opts["kv_store"] = builder.store_config_from_json(self.kv_tiers)
-      opts.update(kv_link_bytes_per_s=self.kv_link_bytes_per_s, kv_link_trace=self.kv_link_trace)
-    elif self.kv_store is not None:
+      opts.update(kv_link_bytes_per_s=store["kv_link_bytes_per_s"],
+                  kv_link_trace=store["kv_link_trace"])
+    elif isinstance(store["kv_store"], str):
       opts["kv_store"] = self.store_config()
+    elif store["kv_store"] is not None:  # a StoreConfig given in Python
+      opts.update(kv_store=store["kv_store"], kv_link_bytes_per_s=store["kv_link_bytes_per_s"],
+                  kv_link_trace=store["kv_link_trace"])
     if "kv_store" in opts:
-      opts.update(kv_chunk_size=self.kv_chunk_size, kv_merge_mode=self.kv_merge_mode,
-                  kv_codec_consistent=self.kv_codec_consistent)
-      if self.kv_placement is not None:
-        opts["kv_placement"] = self.kv_placement
+      opts.update(kv_chunk_size=store["kv_chunk_size"], kv_merge_mode=store["kv_merge_mode"],
+                  kv_codec_consistent=store["kv_codec_consistent"])
+      if store["kv_placement"] is not None:
+        opts["kv_placement"] = store["kv_placement"]
     return opts
 
 

@@ -28,6 +28,9 @@ FORBIDDEN = {
                  "kvjax.engine", "kvjax.connector", "kvjax.serve", "kvjax.store", "kvjax.testing", "jax", "flax",
                  "tensorstore", "numpy"},
     "engine": {"kvjax.serve", "kvjax.testing"},
+    # The configuration tree (every engine option declared once) sits below the engine and the
+    # server: it reads the lower rooms' defaults and config records, never an engine or a front end.
+    "config": {"kvjax.engine", "kvjax.connector", "kvjax.serve", "kvjax.store", "kvjax.testing"},
     # The KV connector sits below the engine: it never sees the engine, the models or a front end.
     "connector": {"kvjax.engine", "kvjax.models", "kvjax.serve", "kvjax.testing", "kvjax.store",
                   "kvjax.sessions",
@@ -46,8 +49,8 @@ BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"
 # Room -> the only kvjax modules it may import (besides itself): serve sees the engine, the
 # sessions and the request types, nothing below them; sessions see nothing but themselves.
 ALLOWED_KVJAX = {
-    "serve": {"kvjax.serve", "kvjax.engine", "kvjax.sessions", "kvjax.scheduler.request",
-              "kvjax._typing", "kvjax.codecs"},
+    "serve": {"kvjax.serve", "kvjax.engine", "kvjax.config", "kvjax.sessions",
+              "kvjax.scheduler.request", "kvjax._typing", "kvjax.codecs"},
     "sessions": {"kvjax.sessions"},
     "store": {"kvjax.store", "kvjax.storage", "kvjax.codecs", "kvjax._typing", "kvjax._paths"},
 }

@@ -66,10 +66,10 @@ class HasherTest(absltest.TestCase):
 
   def test_server_config_checks(self):
     with self.assertRaisesRegex(ValueError, "enable_prefix_caching"):
-      ServerConfig(model="tiny", enable_prefix_caching=False,
-                   kv_events_endpoint="tcp://*:5557")
+      ServerConfig.from_flat(model="tiny", enable_prefix_caching=False,
+                             kv_events_endpoint="tcp://*:5557")
     with self.assertRaisesRegex(ValueError, "kv_events_hash_algo"):
-      ServerConfig(model="tiny", kv_events_hash_algo="xxhash")
+      ServerConfig.from_flat(model="tiny", kv_events_hash_algo="xxhash")
 
 
 class PublisherTest(absltest.TestCase):

@@ -189,27 +189,28 @@ class MetricsFromOneSnapshotTest(absltest.TestCase):
 class ServerConfigTest(absltest.TestCase):
 
   def test_layout_options_reach_the_llm(self):
-    opts = ServerConfig(model="tiny", kv_store=None, block_size=32,
-                        kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False).llm_options()
+    opts = ServerConfig.from_flat(model="tiny", kv_store=None, block_size=32,
+                                  kv_cache_memory_bytes=1 << 20,
+                                  enable_prefix_caching=False).llm_options()
     self.assertEqual({k: opts[k] for k in ("block_size", "kv_cache_memory_bytes",
                                            "enable_prefix_caching", "max_num_seqs")},
                      {"block_size": 32, "kv_cache_memory_bytes": 1 << 20,
                       "enable_prefix_caching": False, "max_num_seqs": 64})
     self.assertNotIn("kv_cache_layout", opts)
-    self.assertEqual(ServerConfig(model="tiny",
-                                  max_num_seqs=8).llm_options()["max_num_seqs"], 8)
-    default = ServerConfig(model="tiny").llm_options()
+    self.assertEqual(ServerConfig.from_flat(model="tiny",
+                                            max_num_seqs=8).llm_options()["max_num_seqs"], 8)
+    default = ServerConfig.from_flat(model="tiny").llm_options()
     self.assertEqual((default["max_num_seqs"], default["enable_prefix_caching"]), (64, True))
     for codec in ("kvtc", "int8"):  # lossy, with the default store: the same pool options
-      opts = ServerConfig(model="tiny", kv_codec=codec).llm_options()
+      opts = ServerConfig.from_flat(model="tiny", kv_codec=codec).llm_options()
       self.assertEqual((opts["max_num_seqs"], opts["block_size"], opts["enable_prefix_caching"]),
                        (64, 16, True))
 
   def test_bad_layout_options(self):
     with self.assertRaises(TypeError):  # the option is gone: one KV layout
-      ServerConfig(kv_cache_layout="paged")  # pylint: disable=unexpected-keyword-arg
+      ServerConfig.from_flat(kv_cache_layout="paged")  # pylint: disable=unexpected-keyword-arg
     with self.assertRaisesRegex(ValueError, "block_size=0 must be a positive int"):
-      ServerConfig(block_size=0)
+      ServerConfig.from_flat(block_size=0)
 
 
 if __name__ == "__main__":

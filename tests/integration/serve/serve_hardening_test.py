@@ -445,17 +445,18 @@ class HttpPolicyTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, message):
       HttpPolicy(**kwargs)
     with self.assertRaisesRegex(ValueError, message):
-      ServerConfig(**kwargs)
+      ServerConfig.from_flat(**kwargs)
 
   def test_server_config_policy(self):
-    config = ServerConfig(host="0.0.0.0", max_request_bytes=10, api_key="k",
-                          allowed_hosts=("a.example",), allowed_origins=("https://b.example",))
+    config = ServerConfig.from_flat(host="0.0.0.0", max_request_bytes=10, api_key="k",
+                                    allowed_hosts=("a.example",),
+                                    allowed_origins=("https://b.example",))
     self.assertEqual(config.http_policy(), HttpPolicy(
         bind_host="0.0.0.0", max_request_bytes=10, allowed_hosts=("a.example",),
         allowed_origins=("https://b.example",), api_key="k"))
     with self.assertRaisesRegex(ValueError, "max_waiting_requests"):
-      ServerConfig(max_waiting_requests=-1)
-    self.assertNotIn("s3cret", repr(ServerConfig(api_key="s3cret")))
+      ServerConfig.from_flat(max_waiting_requests=-1)
+    self.assertNotIn("s3cret", repr(ServerConfig.from_flat(api_key="s3cret")))
     self.assertNotIn("s3cret", repr(HttpPolicy(api_key="s3cret")))
 
 

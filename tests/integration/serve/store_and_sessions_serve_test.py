@@ -72,33 +72,35 @@ class RestartTest(absltest.TestCase):
 class ServerConfigStoreTest(absltest.TestCase):
 
   def test_the_default_store_is_bounded(self):
-    (tier,) = ServerConfig(model="tiny").llm_options()["kv_store"].tiers
+    (tier,) = ServerConfig.from_flat(model="tiny").llm_options()["kv_store"].tiers
     self.assertEqual((tier.kind, tier.capacity_bytes), ("disk", DEFAULT_STORE_CAPACITY_BYTES))
     self.assertEqual(DEFAULT_STORE_CAPACITY_BYTES, 4 * 2**30)
     self.assertTrue(tier.url.startswith("file://") and tier.url.endswith("/store"))
 
   def test_the_capacity_flag(self):
-    config = ServerConfig(model="tiny", kv_store="memory://", kv_store_capacity_bytes=1 << 20,
-                          kv_link_bytes_per_s=1e9)
+    config = ServerConfig.from_flat(model="tiny", kv_store="memory://",
+                                    kv_store_capacity_bytes=1 << 20,
+                                    kv_link_bytes_per_s=1e9)
     (tier,) = config.llm_options()["kv_store"].tiers
     self.assertEqual((tier.url, tier.capacity_bytes, tier.link_bytes_per_s),
                      ("memory://", 1 << 20, 1e9))
     self.assertNotIn("kv_link_bytes_per_s", config.llm_options())  # on the tier
-    (s3,) = ServerConfig(model="tiny", kv_store="s3://bucket/kv").store_config().tiers
+    (s3,) = ServerConfig.from_flat(model="tiny", kv_store="s3://bucket/kv").store_config().tiers
     self.assertIsNone(s3.capacity_bytes)  # the bucket's lifecycle rules bound it
     for bad in (0, -1, True, 1.5):
       with self.assertRaisesRegex(ValueError, "kv_store_capacity_bytes"):
-        ServerConfig(model="tiny", kv_store_capacity_bytes=bad)
+        ServerConfig.from_flat(model="tiny", kv_store_capacity_bytes=bad)
     with self.assertRaisesRegex(ValueError, "give each tier its capacity_bytes"):
-      ServerConfig(model="tiny", kv_store_capacity_bytes=1 << 20,
-                   kv_tiers='[{"kind": "disk", "url": "memory://"}]')
+      ServerConfig.from_flat(model="tiny", kv_store_capacity_bytes=1 << 20,
+                             kv_tiers='[{"kind": "disk", "url": "memory://"}]')
     with self.assertRaisesRegex(ValueError, "kv_store: unknown store URL scheme 'ftp'"):
-      ServerConfig(model="tiny", kv_store="ftp://host/kv")
+      ServerConfig.from_flat(model="tiny", kv_store="ftp://host/kv")
 
   def test_start_up_line_says_where_how_large_and_sessions(self):
     d = tempfile.mkdtemp()
-    config = ServerConfig(model="tiny", kv_store=f"file://{d}", kv_chunk_size=C, cache_dir="",
-                          kv_store_capacity_bytes=3 << 20)
+    config = ServerConfig.from_flat(model="tiny", kv_store=f"file://{d}", kv_chunk_size=C,
+                                    cache_dir="",
+                                    kv_store_capacity_bytes=3 << 20)
     llm = LLM("tiny", compile_on_init=False, **config.llm_options())
     try:
       line = store_startup_line(config, llm)
@@ -107,7 +109,8 @@ class ServerConfigStoreTest(absltest.TestCase):
     self.assertIn(f"KV store file://{d} (disk: 0 B in 0 chunks, capacity 3.0 MiB; "
                   "--kv_store_capacity_bytes sets it", line)
     self.assertIn(f"chat sessions persist across restarts in {d}/sessions/", line)
-    config = ServerConfig(model="tiny", kv_store="memory://", kv_chunk_size=C, cache_dir="")
+    config = ServerConfig.from_flat(model="tiny", kv_store="memory://", kv_chunk_size=C,
+                                    cache_dir="")
     llm = LLM("tiny", compile_on_init=False, **config.llm_options())
     try:
       line = store_startup_line(config, llm)

@@ -317,12 +317,12 @@ class SessionsServeUnitTest(ServedLLMTestCase):
     self.assertIsNone(self.llm.sessions.get("toolong"))
 
   def test_session_flags_reach_the_llm(self):
-    opts = ServerConfig(model="tiny", session_ttl_s=5.0, max_sessions=3,
-                        max_session_tokens=100).llm_options()
+    opts = ServerConfig.from_flat(model="tiny", session_ttl_s=5.0, max_sessions=3,
+                                  max_session_tokens=100).llm_options()
     self.assertEqual((opts["session_ttl_s"], opts["max_sessions"], opts["max_session_tokens"]),
                      (5.0, 3, 100))
     with self.assertRaisesRegex(ValueError, "max_sessions=0"):
-      ServerConfig(max_sessions=0)
+      ServerConfig.from_flat(max_sessions=0)
     self.assertEqual(self.llm.sessions.config.ttl_s, 600.0)
 
 
