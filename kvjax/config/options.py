@@ -31,8 +31,8 @@ from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOK
                             DEFAULT_SESSION_TTL_S, SessionConfig)
 from kvjax.storage.store_config import PLACEMENTS, StoreConfig
 
-#: The server's `max_num_seqs` (`python -m kvjax.serve`): sequences reserve no memory up front
-#: (the KV pool is shared; a full pool preempts), so it runs more than `LLM`'s 4.
+#: `max_num_seqs`, for `LLM` and the server alike: sequences reserve no memory up front (the KV
+#: pool is shared; a full pool preempts), so many can run at once.
 DEFAULT_MAX_NUM_SEQS = 64
 #: Dtype names `ModelOptions.dtype` takes besides "auto".
 DTYPES = ("bf16", "bfloat16", "f32", "float32")
@@ -116,11 +116,9 @@ class SchedulerOptions:
   """Decode slots, the step's token budget and which prefills take it (`SchedulerConfig`)."""
 
   max_num_seqs: int = option(
-      4, "decode slots (requests running at once).", flag_default=None,
-      parse=lambda v: DEFAULT_MAX_NUM_SEQS if v is None else v,
-      server_default=DEFAULT_MAX_NUM_SEQS,
-      flag_help=f"Requests running at once (default: {DEFAULT_MAX_NUM_SEQS}; the KV pool, "
-                "not this number, bounds memory).")
+      DEFAULT_MAX_NUM_SEQS, "requests running at once (decode slots); the KV pool, not this "
+      "number, bounds memory: sequences reserve no blocks up front and a full pool preempts.",
+      flag="integer")
   max_num_batched_tokens: int | None = option(
       None, "token budget of one engine step.", flag="integer",
       flag_help="Token budget of one engine step (default: the largest chunk).")

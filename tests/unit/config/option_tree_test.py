@@ -97,7 +97,7 @@ class ServerFlagsTest(absltest.TestCase):
     self.assertEqual(config.engine, server_engine_options())
     self.assertEqual(config.engine.scheduler.max_num_seqs, DEFAULT_MAX_NUM_SEQS)
     self.assertEqual(config.engine.kv.kv_store, "default")
-    self.assertEqual(config.engine.replace(max_num_seqs=4, kv_store=None), EngineOptions())
+    self.assertEqual(config.engine.replace(kv_store=None), EngineOptions())
     self.assertEqual(config.llm_options(), ServerConfig.from_flat().llm_options())
 
   def test_flag_values_reach_the_engine_options(self):
