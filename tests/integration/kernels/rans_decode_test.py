@@ -56,17 +56,16 @@ def cases():
   ]
 
 
-# Interpreted Pallas cases that run only under `-m slow` (each is a compile of its own; the
-# reference runs them all by default): their paths are the default cases' (one symbol, a full
-# alphabet, a skewed one: other frequencies through the same tables; alphabet_16bit: the 16-bit
-# path of alphabet_16bit_small at scale 13).
-SLOW_PALLAS = ("one_symbol", "uniform_256", "skewed", "alphabet_16bit")
+# Cases that run only under `-m slow`, in both modes (each a compile of its own): their paths are
+# the default cases' (a full alphabet, a skewed one: other frequencies through the same tables;
+# alphabet_16bit: the 16-bit path of alphabet_16bit_small at scale 13).
+SLOW_CASES = ("uniform_256", "skewed", "alphabet_16bit")
 
 
 def modes_x(rest, slow=False):
   return [dict(m, testcase_name=f"{m['testcase_name']}_{name}", symbols=s, lengths=l, kwargs=k)
           for m in MODES for name, s, l, k in rest
-          if (m["use_pallas"] and name in SLOW_PALLAS) == slow]
+          if (name in SLOW_CASES) == slow]
 
 
 class RansDecodeTest(parameterized.TestCase):
