@@ -5,6 +5,7 @@ references, every codec, encode and decode; the CUDA lowering on CPU at the engi
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 from jax import export
 
@@ -21,6 +22,9 @@ INTERPRET = jax.default_backend() != "gpu"
 ENCODE = [(codecs.INT8, 0), (codecs.INT4, 0), (codecs.CACHEGEN, 0),
           (codecs.CACHEGEN, max(codecs.CODEC_LEVELS[codecs.CACHEGEN]))]
 DECODE = [codecs.RAW, codecs.INT8, codecs.INT4, codecs.CACHEGEN]
+# (dtype, C, int4 G / CacheGen 2T; None: the registry's rule for C)
+ENCODE_CASES = (("float32", 32, None), ("bfloat16", 64, 8))
+DTYPES = ("float32", "bfloat16")
 L, K, H = 2, 3, 16
 # Engine shapes, bf16 chunks of 256 tokens: (layers, kv heads, head dim).
 MODELS = {"smollm2": (30, 3, 64), "llama31_8b": (32, 8, 128)}
@@ -49,9 +53,18 @@ def _dis():
 
 class KvCodecGpuTest(parameterized.TestCase):
 
-  # (dtype, C, int4 G / CacheGen 2T; None: the registry's rule for C)
-  @parameterized.product(codec_level=ENCODE, case=(("float32", 32, None), ("bfloat16", 64, 8)))
+  # The default run: each codec (and CacheGen's finest and coarsest level) once, the two
+  # (dtype, C, tokens) cases alternating; the other half of the product is `slow`.
+  @parameterized.parameters(*[(cl, ENCODE_CASES[i % 2]) for i, cl in enumerate(ENCODE)])
   def test_encode_matches_reference(self, codec_level, case):
+    self._check_encode_matches_reference(codec_level, case)
+
+  @parameterized.parameters(*[(cl, ENCODE_CASES[1 - i % 2]) for i, cl in enumerate(ENCODE)])
+  @pytest.mark.slow
+  def test_encode_matches_reference_slow(self, codec_level, case):
+    self._check_encode_matches_reference(codec_level, case)
+
+  def _check_encode_matches_reference(self, codec_level, case):
     codec, level = codec_level
     dtype, c, tokens = case
     kw = {}
@@ -80,8 +93,17 @@ class KvCodecGpuTest(parameterized.TestCase):
         np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32),
                                    rtol=1e-6, atol=0, err_msg=name)
 
-  @parameterized.product(codec=DECODE, dtype=("float32", "bfloat16"))
+  # The default run: each codec once, the cache dtypes alternating; the rest `slow`.
+  @parameterized.parameters(*[(c, DTYPES[i % 2]) for i, c in enumerate(DECODE)])
   def test_decode_matches_reference(self, codec, dtype):
+    self._check_decode_matches_reference(codec, dtype)
+
+  @parameterized.parameters(*[(c, DTYPES[1 - i % 2]) for i, c in enumerate(DECODE)])
+  @pytest.mark.slow
+  def test_decode_matches_reference_slow(self, codec, dtype):
+    self._check_decode_matches_reference(codec, dtype)
+
+  def _check_decode_matches_reference(self, codec, dtype):
     # C = 128 runs two token tiles of 64 per (layer, kv head).
     c = 128
     d = jnp.dtype(dtype)

@@ -4,6 +4,7 @@ computed cases; NaN-poisoned caches; bad input; error bounds on synthetic KV."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import codecs
@@ -37,6 +38,19 @@ def modes_x(*rest):
   return out
 
 
+def split(cases, is_default):
+  """(default cases, slow cases) of named parameter dicts."""
+  return ([c for c in cases if is_default(c)], [c for c in cases if not is_default(c)])
+
+
+# CacheGen's levels change only a constant: the default run keeps its finest and coarsest.
+CACHEGEN_EDGE_LEVELS = (0, max(codecs.CODEC_LEVELS["cachegen"]))
+
+
+def edge_level(case):
+  return case["codec"] != "cachegen" or case["level"] in CACHEGEN_EDGE_LEVELS
+
+
 CODEC_CASES = [(f"{c}{lv}", dict(codec=c, level=lv)) for c, lv in CODEC_LEVELS]
 # Encoding: every codec and level in f32, and every codec once in bf16 (levels change constants).
 ENCODE_CASES = [(f"{c}{lv}_{d}", dict(codec=c, level=lv, dtype=d))
@@ -44,6 +58,16 @@ ENCODE_CASES = [(f"{c}{lv}_{d}", dict(codec=c, level=lv, dtype=d))
 # Decoding does not depend on the level: every codec in both cache dtypes.
 DECODE_CASES = [(f"{c}_{d}", dict(codec=c, level=max(KV_CODECS[c]), dtype=d))
                 for c in KV_CODECS for d in DTYPES]
+# Default run: each codec in each mode once, the cache dtypes alternating (each mode and each
+# codec still sees both dtypes); the other half `slow`.
+_CODEC_INDEX = {c: i for i, c in enumerate(KV_CODECS)}
+DECODE_DEFAULT, DECODE_SLOW = split(
+    modes_x(*DECODE_CASES),
+    lambda c: (_CODEC_INDEX[c["codec"]] + c["use_pallas"]) % 2 == list(DTYPES).index(c["dtype"]))
+ENCODE_DEFAULT, ENCODE_SLOW = split(modes_x(*ENCODE_CASES), edge_level)
+ERROR_BOUND_DEFAULT, ERROR_BOUND_SLOW = split(modes_x(*CODEC_CASES), edge_level)
+HALF_STEP_DEFAULT, HALF_STEP_SLOW = split(
+    modes_x(("int8", dict(codec="int8", level=0)), *CODEC_CASES[3:]), edge_level)
 
 
 def random_kv(seed=0, shape=(L, 2, C, K, H)):
@@ -123,8 +147,17 @@ class KVDecodeTest(parameterized.TestCase):
     return kc.kv_decode(payload, k, v, np.int32(slot), np.int32(start), cos, sin,
                         interpret=INTERPRET, use_pallas=use_pallas)
 
-  @parameterized.named_parameters(*modes_x(*DECODE_CASES))
+  @parameterized.named_parameters(*DECODE_DEFAULT)
   def test_matches_oracle_and_leaves_the_rest_untouched(self, use_pallas, codec, level, dtype):
+    self._check_matches_oracle_and_leaves_the_rest_untouched(use_pallas, codec, level, dtype)
+
+  @parameterized.named_parameters(*DECODE_SLOW)
+  @pytest.mark.slow
+  def test_matches_oracle_and_leaves_the_rest_untouched_slow(self, use_pallas, codec, level,
+                                                             dtype):
+    self._check_matches_oracle_and_leaves_the_rest_untouched(use_pallas, codec, level, dtype)
+
+  def _check_matches_oracle_and_leaves_the_rest_untouched(self, use_pallas, codec, level, dtype):
     payload = kref.encode_reference(random_kv(1), codec, level, group_tokens=16)
     slot, start = 1, 5  # not block aligned
     cos, sin = rope_tables(start)
@@ -294,8 +327,16 @@ class KVDecodeTest(parameterized.TestCase):
 
 class KVEncodeTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(*modes_x(*ENCODE_CASES))
+  @parameterized.named_parameters(*ENCODE_DEFAULT)
   def test_matches_reference(self, use_pallas, codec, level, dtype):
+    self._check_matches_reference(use_pallas, codec, level, dtype)
+
+  @parameterized.named_parameters(*ENCODE_SLOW)
+  @pytest.mark.slow
+  def test_matches_reference_slow(self, use_pallas, codec, level, dtype):
+    self._check_matches_reference(use_pallas, codec, level, dtype)
+
+  def _check_matches_reference(self, use_pallas, codec, level, dtype):
     kv = jnp.asarray(random_kv(5), DTYPES[dtype])
     payload, finite = kc.kv_encode(kv, codec, level, interpret=INTERPRET, use_pallas=use_pallas)
     want = kref.encode_reference(kv, codec, level)
@@ -417,8 +458,16 @@ class KVEncodeTest(parameterized.TestCase):
     self.assertTrue(bool(finite))
     self.assertLess(rel_err(np.asarray(kref.dequantize_reference(payload)), kv), 0.01)
 
-  @parameterized.named_parameters(*modes_x(*CODEC_CASES))
+  @parameterized.named_parameters(*ERROR_BOUND_DEFAULT)
   def test_error_bound_on_synthetic_kv(self, use_pallas, codec, level):
+    self._check_error_bound_on_synthetic_kv(use_pallas, codec, level)
+
+  @parameterized.named_parameters(*ERROR_BOUND_SLOW)
+  @pytest.mark.slow
+  def test_error_bound_on_synthetic_kv_slow(self, use_pallas, codec, level):
+    self._check_error_bound_on_synthetic_kv(use_pallas, codec, level)
+
+  def _check_error_bound_on_synthetic_kv(self, use_pallas, codec, level):
     bound = {("raw", 0): 0.0, ("int8", 0): 0.01, ("int4", 0): 0.08, ("cachegen", 0): 0.02,
              ("cachegen", 1): 0.04, ("cachegen", 2): 0.08, ("cachegen", 3): 0.16}
     kv = synthetic_kv()
@@ -428,9 +477,16 @@ class KVEncodeTest(parameterized.TestCase):
     if codec != "raw":
       self.assertGreater(err, bound[codec, level] / 20)  # really quantized
 
-  @parameterized.named_parameters(*modes_x(("int8", dict(codec="int8", level=0)),
-                                          *CODEC_CASES[3:]))
+  @parameterized.named_parameters(*HALF_STEP_DEFAULT)
   def test_each_value_within_half_a_step(self, use_pallas, codec, level):
+    self._check_each_value_within_half_a_step(use_pallas, codec, level)
+
+  @parameterized.named_parameters(*HALF_STEP_SLOW)
+  @pytest.mark.slow
+  def test_each_value_within_half_a_step_slow(self, use_pallas, codec, level):
+    self._check_each_value_within_half_a_step(use_pallas, codec, level)
+
+  def _check_each_value_within_half_a_step(self, use_pallas, codec, level):
     # A spike 1000x the rest must not clip: the step covers max|delta| / 127.
     kv = synthetic_kv(1)
     kv[1, 1, 17, 0, 3] = 1000.0

@@ -70,9 +70,12 @@ class PoolLayoutTest(absltest.TestCase):
             jnp.asarray([0, 5, 6], jnp.int32), jnp.int32(2))
     want = pa.paged_attention(q, jnp.asarray(k4), jnp.asarray(v4), *meta,
                               implementation="reference")
+    # Small tiles (4 query rows, 2 blocks a kv step): the interpreted TPU kernel stays cheap and
+    # the 3-column tables still take two kv steps.
+    blocks = dict(query_block=4, kv_tokens_per_step=8)
     for impl, kw in (("reference", {}), ("tpu", {"interpret": True})):
       got = pa.paged_attention(q, layout.fold(jnp.asarray(k4)), layout.fold(jnp.asarray(v4)),
-                               *meta, implementation=impl, num_kv_heads=2, **kw)
+                               *meta, implementation=impl, num_kv_heads=2, **blocks, **kw)
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, err_msg=impl)
 
 
