@@ -1,4 +1,8 @@
-"""pytest hooks shared by all kvjax tests."""
+"""pytest hooks shared by all kvjax tests.
+
+Test engines come from one factory, `kvjax.testing.engines` (`real_llm`: `LLM` with
+`compile_on_init=False`; `fake_llm`, `fake_engine`: the fake runner); nothing here changes a
+default of kvjax."""
 
 import atexit
 import os
@@ -7,8 +11,6 @@ import tempfile
 
 import jax
 from absl import flags
-
-from kvjax.engine.llm import LLM
 
 _JAX_CACHE_ENV = "KVJAX_TEST_JAX_CACHE_DIR"
 
@@ -38,10 +40,3 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  # `LLM(compile_on_init=True)`, the serving default, compiles every program a request could run
-  # (each chunk size, decode, insertion, the codec's encode) so no TTFT pays a compile. The suite
-  # builds about a hundred LLMs, each running a few of those programs: here they compile what
-  # they run (about a fifth of the suite's time). Outputs do not depend on it; the tests of the
-  # warm-up itself pass compile_on_init=True or call `warmup()`.
-  LLM.__init__.__kwdefaults__["compile_on_init"] = False
-

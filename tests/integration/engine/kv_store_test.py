@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.models import config, safetensors_loader
 from kvjax.models.registry import tiny_params
 
@@ -24,8 +25,8 @@ def make_llm(store, **kw):
   kw.setdefault("kv_merge_mode", "load_only")
   # These tests count store hits: a device prefix hit (paged layout) would serve them instead.
   kw.setdefault("enable_prefix_caching", False)
-  return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-             kv_chunk_size=C, **kw)
+  return real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+                  kv_chunk_size=C, **kw)
 
 
 class KVStoreEngineTest(parameterized.TestCase):
@@ -158,8 +159,8 @@ class KVStoreEngineTest(parameterized.TestCase):
     other_dir = self.create_tempdir("other_model").full_path
     cfg = config.tiny()
     safetensors_loader.save_safetensors(other_dir, cfg, tiny_params(cfg, seed=5))
-    other = LLM(other_dir, cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-                kv_store=self.url, kv_chunk_size=C)
+    other = real_llm(other_dir, cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+                     kv_store=self.url, kv_chunk_size=C)
     self.assertEqual(self.run_prompt(other).num_cached_tokens, 0)
     other.close()
 
@@ -221,7 +222,7 @@ class KVStoreEngineTest(parameterized.TestCase):
 
   def test_bad_store_arguments(self):
     with self.assertRaisesRegex(ValueError, "kv_chunk_size=0"):
-      LLM("tiny", cache_dir="", kv_store=self.url, kv_chunk_size=0)
+      real_llm("tiny", cache_dir="", kv_store=self.url, kv_chunk_size=0)
     with self.assertRaisesRegex(ValueError, "scheme|unknown|unsupported"):
       make_llm("gopher://x")
 

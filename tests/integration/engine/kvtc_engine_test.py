@@ -8,7 +8,8 @@ import tempfile
 import numpy as np
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.models import kv_calibration
 from kvjax.models.calibration_model import CalibrationModel
 from kvjax.models.llama import Llama
@@ -22,8 +23,8 @@ PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 256, 3 * C + 9)]
 
 def make_llm(cache_dir, store, **kw):
   kw.setdefault("enable_prefix_caching", False)  # repeats load from the store, not the device
-  return LLM("tiny", cache_dir=cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
-             kv_store=store, kv_chunk_size=C, kv_codec="kvtc", kv_merge_mode="load_only", **kw)
+  return real_llm("tiny", cache_dir=cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
+                  kv_store=store, kv_chunk_size=C, kv_codec="kvtc", kv_merge_mode="load_only", **kw)
 
 
 class KVTCEngineTest(absltest.TestCase):
@@ -127,9 +128,9 @@ class KVTCEngineTest(absltest.TestCase):
 
   def test_bad_options(self):
     with self.assertRaisesRegex(ValueError, "kv_codec_levels"):
-      LLM("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=(5,))
+      real_llm("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=(5,))
     with self.assertRaisesRegex(ValueError, "kv_codec_levels"):
-      LLM("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=())
+      real_llm("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=())
 
 
 if __name__ == "__main__":

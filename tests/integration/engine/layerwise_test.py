@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.llama import Llama
 from kvjax.models.paged_runner import (PagedModelRunner, PagedRunnerConfig, SeqChunk,
@@ -28,10 +29,10 @@ NEW = [int(t) for t in RNG.integers(0, 256, 20)]
 def llm(groups, **kw):
   store = StoreConfig((TierConfig("host", capacity_bytes=64 << 20),
                        TierConfig("disk", url="memory://")))
-  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
-             kv_cache_memory_bytes=256 * paged_block_nbytes(TINY.config, B, jnp.float32),
-             kv_store=store, kv_chunk_size=C, enable_prefix_caching=False,
-             kv_layerwise_groups=groups, **kw)
+  return real_llm("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
+                  kv_cache_memory_bytes=256 * paged_block_nbytes(TINY.config, B, jnp.float32),
+                  kv_store=store, kv_chunk_size=C, enable_prefix_caching=False,
+                  kv_layerwise_groups=groups, **kw)
 
 
 def run_hit(engine_llm):

@@ -7,7 +7,8 @@ from unittest import mock
 
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax import sessions
 from kvjax.sessions import (EXTENDED, FIRST, NOT_EXTENDED, SessionBusy, SessionConfig,
                                    SessionRegistry, chat_prompt, record_turn)
@@ -426,7 +427,7 @@ class LLMSessionTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2)
+    cls.llm = real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2)
 
   @classmethod
   def tearDownClass(cls):

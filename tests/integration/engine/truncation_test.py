@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.models.registry import DEFAULT_MODEL
+from kvjax.testing.engines import real_llm
 from kvjax import sessions
 from kvjax.engine.rerotation import stage_rerotated
 from kvjax.models.paged_runner import SeqChunk
@@ -142,11 +144,11 @@ class TruncatePromptTokensTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
-                  max_model_len=256, kv_store="memory://", kv_chunk_size=16,
-                  session_truncation="drop_oldest_turns", session_rerotate=True,
-                  session_rerotate_boundary_chunks=0,  # every staged chunk from the first
-                  kv_merge_mode="load_only")  # every stored chunk loads: exact hit counts
+    cls.llm = real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
+                       max_model_len=256, kv_store="memory://", kv_chunk_size=16,
+                       session_truncation="drop_oldest_turns", session_rerotate=True,
+                       session_rerotate_boundary_chunks=0,  # every staged chunk from the first
+                       kv_merge_mode="load_only")  # every stored chunk loads: exact hit counts
 
   @classmethod
   def tearDownClass(cls):
@@ -161,16 +163,16 @@ class TruncatePromptTokensTest(absltest.TestCase):
       self.llm.generate({"prompt_token_ids": [1, 2, 3],
                          "cache_salt": sessions.REROTATED_SALT_PREFIX + "x"})
     with self.assertRaisesRegex(ValueError, "needs a kv_store"):
-      LLM("tiny", cache_dir="", compile_on_init=False, session_truncation="drop_oldest_turns",
-          session_rerotate=True)
+      real_llm("tiny", cache_dir="", compile_on_init=False, session_truncation="drop_oldest_turns",
+               session_rerotate=True)
     with self.assertRaisesRegex(ValueError, "needs session_truncation"):
-      LLM("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
-          session_rerotate=True)
+      real_llm("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
+               session_rerotate=True)
     for bad in (-1, True, 1.5):
       with self.assertRaisesRegex(ValueError, "session_rerotate_boundary_chunks"):
-        LLM("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
-            session_truncation="drop_oldest_turns", session_rerotate=True,
-            session_rerotate_boundary_chunks=bad)
+        real_llm("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
+                 session_truncation="drop_oldest_turns", session_rerotate=True,
+                 session_rerotate_boundary_chunks=bad)
     with self.assertRaisesRegex(ValueError, "boundary_chunks"):
       stage_rerotated(self.llm.kv_store, [1, 2], None, [1, 2], [], "x", boundary_chunks=-1)
 
@@ -254,10 +256,10 @@ class BoundaryRerotationTest(absltest.TestCase):
 
   def test_first_chunk_computed_then_rerotated_chunks_equals_the_reference(self):
     c, n_out = 16, 8
-    llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
-              max_model_len=256, kv_store="memory://", kv_chunk_size=c,
-              enable_prefix_caching=False, session_truncation="drop_oldest_turns",
-              session_rerotate=True, session_rerotate_boundary_chunks=1)  # merge mode: cake
+    llm = real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
+                   max_model_len=256, kv_store="memory://", kv_chunk_size=c,
+                   enable_prefix_caching=False, session_truncation="drop_oldest_turns",
+                   session_rerotate=True, session_rerotate_boundary_chunks=1)  # merge mode: cake
     try:
       limit = llm.max_model_len - n_out - 40
       p = SamplingParams(max_tokens=n_out, temperature=0)
@@ -329,9 +331,9 @@ class RealModelTruncationTest(absltest.TestCase):
     book = ("The schoolmaster was a lank, tall man with narrow shoulders and long arms, and "
             "he taught the children of the hollow to read and to fear the rod. ") * 6
     for rerotate in (False, True):
-      llm = LLM(kv_store="memory://", kv_chunk_size=32, max_model_len=512,
-                chunk_sizes=(16, 32, 64, 128), max_num_seqs=2,
-                session_truncation="drop_oldest_turns", session_rerotate=rerotate)
+      llm = real_llm(DEFAULT_MODEL, kv_store="memory://", kv_chunk_size=32, max_model_len=512,
+                     chunk_sizes=(16, 32, 64, 128), max_num_seqs=2,
+                     session_truncation="drop_oldest_turns", session_rerotate=rerotate)
       p = SamplingParams(max_tokens=8, temperature=0)
       msgs, outs = [], []
       for i in range(4):

@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 from absl.testing import absltest
 
-from kvjax import LLM
+from kvjax.testing.engines import real_llm
 from kvjax.engine import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
                           KVCacheEvents)
 from kvjax.models.kv_cache import paged_block_nbytes
@@ -119,8 +119,8 @@ class KVEventsServeTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     nbytes = paged_block_nbytes(load_model("tiny").config, B, jnp.float32)
-    cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64),
-                  block_size=B, kv_cache_memory_bytes=NUM_BLOCKS * nbytes, max_num_seqs=2)
+    cls.llm = real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64),
+                       block_size=B, kv_cache_memory_bytes=NUM_BLOCKS * nbytes, max_num_seqs=2)
     cls.pub = kv_events.ZmqKVEventPublisher(
         "tcp://127.0.0.1:*", topic=TOPIC, replay_endpoint="tcp://127.0.0.1:*",
         hasher=kv_events.VllmBlockHasher("sha256_cbor", SEED))

@@ -8,7 +8,8 @@ import httpx
 import openai
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.testing.serve import ServedLLMTestCase
 
 CHUNK = 32
@@ -18,7 +19,7 @@ DOC = ("The quick brown fox jumps over the lazy dog while the cat watches from t
 
 
 def tiny_llm(**kw):
-  return LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), **kw)
+  return real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), **kw)
 
 
 class OpenAIApiTest(ServedLLMTestCase):

@@ -10,7 +10,8 @@ import numpy as np
 from absl.testing import absltest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.engine import EngineStats, LoopStats
 from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.registry import load_model
@@ -29,9 +30,9 @@ def tokens(seed, n):
 
 
 def paged_llm(**kw):
-  return LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64),
-             block_size=B, kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_NBYTES, max_num_seqs=4,
-             **kw)
+  return real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64),
+                  block_size=B, kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_NBYTES, max_num_seqs=4,
+                  **kw)
 
 
 class PagedServeTest(ServedLLMTestCase):

@@ -6,7 +6,7 @@ import httpx
 import openai
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM
+from kvjax.testing.engines import real_llm
 from kvjax.serve import HttpServer, ServeState, backend_from_llm, close_backend, create_app
 from kvjax.testing.serve import ServedLLMTestCase
 
@@ -93,9 +93,9 @@ class ServeErrorsTest(ServedLLMTestCase):
     # Store faults: no device hit may serve them, and load-only issues a load for every stored
     # chunk (under Cake, compute could take every chunk before a load was issued, and no read
     # would fail: the test failed that way once under CI load).
-    return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-               kv_store="memory://", kv_chunk_size=CHUNK, kv_merge_mode="load_only",
-               enable_prefix_caching=False)
+    return real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+                    kv_store="memory://", kv_chunk_size=CHUNK, kv_merge_mode="load_only",
+                    enable_prefix_caching=False)
 
   def post(self, endpoint, body):
     data = body.encode() if isinstance(body, str) else json.dumps(
@@ -254,7 +254,7 @@ class StartupTest(absltest.TestCase):
       r = httpx.post(http.url + "/v1/completions", json=completion())
       self.assertEqual(r.status_code, 503)
       self.assertEqual(r.json()["error"]["type"], "server_error")
-      backend = backend_from_llm(LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,)))
+      backend = backend_from_llm(real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,)))
       state.attach(backend)
       self.assertEqual(httpx.get(http.url + "/health").status_code, 200)
       r = httpx.post(http.url + "/v1/completions", json=completion())

@@ -205,11 +205,11 @@ class StartupEventsTest(absltest.TestCase):
   """`LLM(startup_progress=...)`, in-process: the steps the server logs, and cancellation."""
 
   def test_events_of_a_start_up_with_a_store(self):
-    from kvjax import LLM  # noqa: PLC0415
+    from kvjax.testing.engines import real_llm  # noqa: PLC0415
     events = []
-    llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2,
-              kv_store="memory://", kv_chunk_size=16,
-              compile_on_init=True, startup_progress=events.append)
+    llm = real_llm("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2,
+                   kv_store="memory://", kv_chunk_size=16,
+                   compile_on_init=True, startup_progress=events.append)
     llm.close()
     phases = [e.phase for e in events]
     self.assertEqual(phases, ["weights", "weights", "cache", "cache", "store"]
@@ -228,6 +228,7 @@ class StartupEventsTest(absltest.TestCase):
 
   def test_a_raising_callback_cancels_and_closes(self):
     from kvjax import LLM  # noqa: PLC0415
+    from kvjax.testing.engines import real_llm  # noqa: PLC0415
 
     class Cancel(Exception):
       pass
@@ -241,9 +242,9 @@ class StartupEventsTest(absltest.TestCase):
 
     with mock.patch.object(LLM, "close", autospec=True, side_effect=LLM.close) as close:
       with self.assertRaises(Cancel):
-        LLM("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=1,
-            kv_store="memory://", kv_chunk_size=16, compile_on_init=True,
-            startup_progress=progress)
+        real_llm("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=1,
+                 kv_store="memory://", kv_chunk_size=16, compile_on_init=True,
+                 startup_progress=progress)
     close.assert_called_once()
     self.assertEqual((seen[-1].phase, seen[-1].done), ("compile", 1))
 

@@ -11,6 +11,7 @@ import openai
 from absl.testing import absltest
 
 from kvjax import LLM
+from kvjax.testing.engines import real_llm
 from kvjax.serve.server import ServerConfig, store_startup_line
 from kvjax.storage import DEFAULT_STORE_CAPACITY_BYTES
 from kvjax.testing.serve import ServedLLMTestCase, serving
@@ -22,9 +23,9 @@ USER1 = "Tell me about stored session caches, briefly, please: " + "y" * 30
 
 def make_llm(store: str) -> LLM:
   # No device prefix cache, load-only: every cached token of turn 2 is a store hit.
-  return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-             kv_chunk_size=C, block_size=16,
-             enable_prefix_caching=False, kv_merge_mode="load_only")
+  return real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+                  kv_chunk_size=C, block_size=16,
+                  enable_prefix_caching=False, kv_merge_mode="load_only")
 
 
 def chat(srv, messages, **extra):
@@ -99,7 +100,7 @@ class ServerConfigStoreTest(absltest.TestCase):
     d = tempfile.mkdtemp()
     config = ServerConfig(model="tiny", kv_store=f"file://{d}", kv_chunk_size=C, cache_dir="",
                           kv_store_capacity_bytes=3 << 20)
-    llm = LLM("tiny", compile_on_init=False, **config.llm_options())
+    llm = real_llm("tiny", compile_on_init=False, **config.llm_options())
     try:
       line = store_startup_line(config, llm)
     finally:
@@ -108,7 +109,7 @@ class ServerConfigStoreTest(absltest.TestCase):
                   "--kv_store_capacity_bytes sets it", line)
     self.assertIn(f"chat sessions persist across restarts in {d}/sessions/", line)
     config = ServerConfig(model="tiny", kv_store="memory://", kv_chunk_size=C, cache_dir="")
-    llm = LLM("tiny", compile_on_init=False, **config.llm_options())
+    llm = real_llm("tiny", compile_on_init=False, **config.llm_options())
     try:
       line = store_startup_line(config, llm)
     finally:
@@ -121,7 +122,7 @@ class ValidationTest(ServedLLMTestCase):
 
   @classmethod
   def make_llm(cls):
-    return LLM("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2)
+    return real_llm("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2)
 
   def post(self, body: bytes | dict):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
