@@ -29,13 +29,21 @@ def make_llm(cache_dir, store, **kw):
 
 class KVTCEngineTest(absltest.TestCase):
 
-  def test_calibration_is_deterministic(self):
+  def test_calibration_is_deterministic_and_reports_each_step(self):
     loaded = load_model("tiny")
-    ts = []
-    for _ in range(2):
+    ts, steps = [], [[], []]
+    for run in range(2):
       model = CalibrationModel(Llama.from_params(loaded.config, loaded.params))
       ts.append(kv_calibration.calibrate_kvtc(
-          model, loaded.tokenizer.encode(kv_calibration.calibration_text()), max_tokens=2048))
+          model, loaded.tokenizer.encode(kv_calibration.calibration_text()), max_tokens=2048,
+          progress=lambda done, total, run=run: steps[run].append((done, total))))
+    # 2048 tokens: passages of the model's context, Fisher windows x 4 samples, the fit (the
+    # start-up's "kvtc calibration k/N" lines).
+    passages = -(-2048 // min(kv_calibration.PASSAGE_TOKENS, model.max_seq_len))
+    window = min(kv_calibration.FISHER_CONTEXT, model.max_seq_len // 2)
+    window += min(kv_calibration.FISHER_TAIL, model.max_seq_len - window)
+    total = passages + kv_calibration.FISHER_SAMPLES * (2048 // window) + 1
+    self.assertEqual(steps, [[(i, total) for i in range(1, total + 1)]] * 2)
     self.assertEqual(ts[0].transform_id, ts[1].transform_id)
     np.testing.assert_array_equal(ts[0].basis, ts[1].basis)
     t = ts[0]

@@ -112,7 +112,11 @@ class LayerGroupsTest(parameterized.TestCase):
 
 class LayerwiseEngineTest(parameterized.TestCase):
 
+  # The engine's layer-wise path (both modes, the group order) runs on the fake runner in the
+  # default suite (layerwise_unit_test.py); the real model's numbers of a split step and of
+  # layer-group inserts are LayerGroupsTest above. Two real engines per mode here: slow.
   @parameterized.parameters("cake", "load_only")
+  @pytest.mark.slow
   def test_equals_whole_chunk_path(self, mode):
     want = run_hit(llm(1, kv_merge_mode=mode))
     lw = llm(2, kv_merge_mode=mode)
