@@ -40,3 +40,9 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # Processes the tests start (`python -m kvjax.serve --cache_dir=`, drivers) read JAX's
+    # options from the environment: they share the cache too, so a server start after the first
+    # loads the programs instead of compiling them (its log lines are the same).
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=path,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
