@@ -78,8 +78,15 @@ class PagedEngineTest(absltest.TestCase):
     self.assert_same([done[cold], done[hit]], self.want([PROMPTS[2], head + [7] * 8]))
 
   def test_equals_the_reference_alone_and_batched(self):
+    self.check_equals_the_reference(1, 4)
+
+  @pytest.mark.slow  # one and four sequences a step run above
+  def test_equals_the_reference_two_a_step(self):
+    self.check_equals_the_reference(2)
+
+  def check_equals_the_reference(self, *max_num_seqs):
     want = self.want(PROMPTS)
-    for seqs in (1, 2, 4):
+    for seqs in max_num_seqs:
       llm = paged(max_num_seqs=seqs, enable_prefix_caching=False)
       got = llm.generate(ids(PROMPTS), GREEDY)
       self.assert_same(got, want)
