@@ -3,6 +3,7 @@ registry (TTL on an injected clock, caps, LRU drop order, salts, conflicts, rele
 `LLM.chat(..., session_id=...)` on the tiny model."""
 
 import dataclasses
+import functools
 from unittest import mock
 
 from absl.testing import absltest, parameterized
@@ -29,6 +30,7 @@ NEXT_TURN = [198, 1, 4093, 198, 5507, 2, 198, 1, 520, 9531, 198]
 IM_END = 2
 
 
+@functools.cache  # parsing the GGUF's vocabulary takes seconds; the tests only read it
 def smollm2_tokenizer():
   try:
     return Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
