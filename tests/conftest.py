@@ -1,15 +1,16 @@
-"""pytest hooks shared by all kvjax tests."""
+"""pytest hooks shared by all kvjax tests.
+
+Test engines come from one factory, `kvjax.testing.engines` (`real_llm`: `LLM` with
+`compile_on_init=False`; `fake_llm`, `fake_engine`: the fake runner); nothing here changes a
+default of kvjax."""
 
 import atexit
-import functools
 import os
 import shutil
 import tempfile
 
 import jax
 from absl import flags
-
-from kvjax.engine.llm import LLM
 
 _JAX_CACHE_ENV = "KVJAX_TEST_JAX_CACHE_DIR"
 
@@ -39,20 +40,9 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  # `LLM(compile_on_init=True)`, the serving default, compiles every program a request could run
-  # (each chunk size, decode, insertion, the codec's encode) so no TTFT pays a compile. The suite
-  # builds about a hundred LLMs, each running a few of those programs: here they compile what
-  # they run (about a fifth of the suite's time). Outputs do not depend on it; the tests of the
-  # warm-up itself pass compile_on_init=True or call `warmup()`.
-  # The option is a field of the configuration tree (`kvjax.config.ModelOptions`), so the flat
-  # keyword's default is set here for calls that give neither it nor a whole tree.
-  init = LLM.__init__
-
-  @functools.wraps(init)
-  def init_compiling_what_runs(self, model=None, *, options=None, **flat):
-    if options is None:
-      flat.setdefault("compile_on_init", False)
-    init(self, model, options=options, **flat)
-
-  LLM.__init__ = init_compiling_what_runs
-
+    # Processes the tests start (`python -m kvjax.serve --cache_dir=`, drivers) read JAX's
+    # options from the environment: they share the cache too, so a server start after the first
+    # loads the programs instead of compiling them (its log lines are the same).
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=path,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

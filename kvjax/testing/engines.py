@@ -1,10 +1,11 @@
-"""Test engines on the fake runner: the one factory for an `Engine` (and its store client) with
-no model, no jit and a byte tokenizer (`kvjax.testing.fake_runner`), and for an `LLM` front end
-(sessions, chat, option checks) over one.
+"""Test engines: the one factory for an `Engine` (and its store client) on the fake runner (no
+model, no jit, a byte tokenizer: `kvjax.testing.fake_runner`), for an `LLM` front end (sessions,
+chat, option checks) over one, and for an `LLM` on the real (jit'd) model.
 
     engine = fake_engine(kv_store="memory://t1", kv_chunk_size=32)
     outs = generate(engine, [prompt_ids], SamplingParams(max_tokens=4, temperature=0))
     llm = fake_llm(kv_store="memory://", kv_chunk_size=32)   # LLM("tiny", ...) on a FakeRunner
+    llm = real_llm("tiny", cache_dir="", kv_store="memory://")  # LLM(...), compiled on demand
 
 Defaults follow `LLM`'s (chunk sizes 16 .. 512, blocks of 16, 4 sequences, Cake merges), sized
 for the fake's 512 positions; options are `LLM`'s names where they mean the same.
@@ -230,12 +231,31 @@ def fake_llm(model: str = "tiny", *, runner_seed: int = 0, **options: Any) -> LL
   (generate, chat, sessions, option checks, the store client) over the numpy fake model.
 
   Defaults differ from `LLM`'s where the fake needs it: `cache_dir=""` (nothing cached on
-  disk). "tiny" (default): `kvjax.models.config.tiny`'s sizes and a
-  `ByteTokenizer`.
+  disk), `compile_on_init=False` (as `real_llm`). "tiny" (default): `kvjax.models.config.tiny`'s
+  sizes and a `ByteTokenizer`.
 
   Raises:
     ValueError: as `LLM`; `tensor_parallel_size` > 1; kvtc (the fake has no calibration).
   """
   options.setdefault("cache_dir", "")
+  options.setdefault("compile_on_init", False)
   with fake_runner_seam(runner_seed):
     return LLM(model, **options)
+
+
+def real_llm(model: str = "tiny", **options: Any) -> LLM:
+  """`LLM(model, **options)` on the real (jit'd) model: the factory every test that builds a real
+  `LLM` uses.
+
+  One default differs from `LLM`'s: `compile_on_init=False`. `LLM`'s serving default compiles
+  every program a request could run (each chunk size, decode, insertion, the codec's encode) so
+  no TTFT pays a compile; a test runs a few of them, and compiles (or loads from JAX's persistent
+  cache) only those. Outputs do not depend on it; a test of the warm-up itself passes
+  `compile_on_init=True` or calls `warmup()`. An in-process server (`kvjax.testing.serve`) warms
+  the `LLM` up as the server does.
+
+  Raises:
+    ValueError: as `LLM`.
+  """
+  options.setdefault("compile_on_init", False)
+  return LLM(model, **options)

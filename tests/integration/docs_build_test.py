@@ -56,8 +56,8 @@ class DocsBuildTest(absltest.TestCase):
 class OptionsPageTest(absltest.TestCase):
 
   def test_checked_in_page_equals_generator_output(self):
-    # A fresh interpreter: tests/conftest.py changes an `LLM(...)` default for the suite, and the
-    # page must show the real ones.
+    # A fresh interpreter: the page shows the real defaults, whatever this process imported or
+    # changed.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, os.path.join(_REPO, "scripts", "gen_options_doc.py"),

@@ -45,18 +45,18 @@ class BuilderTest(parameterized.TestCase):
   def test_a_host_tier_smaller_than_one_chunk_is_warned_about(self):
     # Found by a fresh-user check: a 1000-byte host tier was accepted silently and never held
     # a chunk.
-    from kvjax import LLM  # pylint: disable=g-import-not-at-top
+    from kvjax.testing.engines import real_llm  # pylint: disable=g-import-not-at-top
     tiers = StoreConfig.from_url("memory://", host_capacity_bytes=1000)
     with self.assertLogs("kvjax.connector", "WARNING") as logs:
-      llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,), kv_store=tiers,
-                kv_chunk_size=16)
+      llm = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,), kv_store=tiers,
+                     kv_chunk_size=16)
     llm.close()
     self.assertTrue(any("less than one raw chunk" in m for m in logs.output), logs.output)
 
   @parameterized.parameters("raw", "cachegen")
   def test_warmup_leaves_generation_unchanged(self, codec):
-    kw = dict(cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32), kv_store="memory://",
-              kv_chunk_size=16, kv_codec=codec)
+    kw = dict(cache_dir="", compile_on_init=False, max_num_seqs=2, chunk_sizes=(16, 32),
+              kv_store="memory://", kv_chunk_size=16, kv_codec=codec)
     cold, warmed = builder.build_llm("tiny", **kw), builder.build_llm("tiny", **kw)
     builder.warmup(warmed)
     prompt = {"prompt_token_ids": [int(t) for t in np.random.default_rng(3).integers(0, 256, 40)]}

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams, codecs
+from kvjax import SamplingParams, codecs
+from kvjax.testing.engines import real_llm
 
 C = 16
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
@@ -22,8 +23,8 @@ LENGTHS = (1, C - 1, C, C + 1, 3 * C, 3 * C + 17)
 
 def make_llm(store, mode="cake", **kw):
   kw.setdefault("enable_prefix_caching", False)  # store loads are counted: no device hits
-  llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-            kv_chunk_size=C, kv_merge_mode=mode, **kw)
+  llm = real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+                 kv_chunk_size=C, kv_merge_mode=mode, **kw)
   llm.engine.check_writes = True
   return llm
 

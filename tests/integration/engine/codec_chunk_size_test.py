@@ -4,7 +4,8 @@ kernels' old `min(64, C)` rule refused are saved and loaded back (no silent save
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0)
 
@@ -21,10 +22,10 @@ class CodecChunkSizeTest(parameterized.TestCase):
                         (dict(kv_codec="kvtc", kv_codec_levels="2"),
                          r"kv_codec_levels='2' must be a tuple of int levels")):
       with self.subTest(**kwargs), self.assertRaisesRegex(ValueError, msg):
-        LLM("gpt-5", cache_dir="", kv_store="memory://", **kwargs)
+        real_llm("gpt-5", cache_dir="", kv_store="memory://", **kwargs)
     # Without a store the chunk size is unused and not checked; the model name is.
     with self.assertRaisesRegex(ValueError, "unknown model 'gpt-5'"):
-      LLM("gpt-5", cache_dir="", kv_chunk_size=0)
+      real_llm("gpt-5", cache_dir="", kv_chunk_size=0)
 
   # C = 96 and 100: the kernels used to take G = min(64, C) and T = min(16, C), which must divide
   # C, so every save of these failed in the saver thread.
@@ -32,9 +33,9 @@ class CodecChunkSizeTest(parameterized.TestCase):
   def test_chunk_sizes_the_old_rule_refused_save_and_load(self, codec, c):
     # Blocks of 4 tokens: C = 96 and 100 are whole numbers of them. The repeat loads from the
     # store (no device prefix cache).
-    llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(32, 64), kv_store="memory://",
-              kv_chunk_size=c, kv_codec=codec, kv_codec_levels=(0,), kv_merge_mode="load_only",
-              block_size=4, enable_prefix_caching=False)
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(32, 64), kv_store="memory://",
+                   kv_chunk_size=c, kv_codec=codec, kv_codec_levels=(0,), kv_merge_mode="load_only",
+                   block_size=4, enable_prefix_caching=False)
     prompt = [int(t) for t in np.random.default_rng(c).integers(0, 256, 2 * c + 5)]
     cold = llm.generate({"prompt_token_ids": prompt}, PARAMS)[0]
     llm.flush()

@@ -8,7 +8,8 @@ cold run that stored the chunks (issue: identical requests get identical answers
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 
 C = 16
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5)
@@ -17,8 +18,8 @@ PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, 256, 5 * C + 7)]
 
 def make_llm(store, codec, mode="cake", **kw):
   kw.setdefault("enable_prefix_caching", False)  # meeting points over the store: no device hits
-  llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-            kv_chunk_size=C, kv_merge_mode=mode, kv_codec=codec, **kw)
+  llm = real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+                 kv_chunk_size=C, kv_merge_mode=mode, kv_codec=codec, **kw)
   llm.engine.check_writes = True
   return llm
 
@@ -138,11 +139,11 @@ class ConsistentCodecTest(parameterized.TestCase):
 
   def test_consistent_needs_the_chunk_size_compiled(self):
     with self.assertRaisesRegex(ValueError, "kv_codec_consistent=True needs kv_chunk_size=48"):
-      LLM("tiny", cache_dir="", chunk_sizes=(16, 32), kv_store="memory://x", kv_chunk_size=48,
-          kv_codec="int8", kv_codec_consistent=True, compile_on_init=False)
+      real_llm("tiny", cache_dir="", chunk_sizes=(16, 32), kv_store="memory://x", kv_chunk_size=48,
+               kv_codec="int8", kv_codec_consistent=True, compile_on_init=False)
     with self.assertRaisesRegex(ValueError, "kv_chunk_size=24 must be a whole number of blocks"):
-      LLM("tiny", cache_dir="", chunk_sizes=(16, 24), kv_store="memory://x", kv_chunk_size=24,
-          kv_codec="int8", kv_codec_consistent=True, compile_on_init=False)
+      real_llm("tiny", cache_dir="", chunk_sizes=(16, 24), kv_store="memory://x", kv_chunk_size=24,
+               kv_codec="int8", kv_codec_consistent=True, compile_on_init=False)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import tempfile
 import numpy as np
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.models import kv_calibration
 from kvjax.models.calibration_model import CalibrationModel
 from kvjax.models.llama import Llama
@@ -23,19 +24,27 @@ PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 256, 3 * C + 9)]
 
 def make_llm(cache_dir, store, **kw):
   kw.setdefault("enable_prefix_caching", False)  # repeats load from the store, not the device
-  return LLM("tiny", cache_dir=cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
-             kv_store=store, kv_chunk_size=C, kv_codec="kvtc", kv_merge_mode="load_only", **kw)
+  return real_llm("tiny", cache_dir=cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
+                  kv_store=store, kv_chunk_size=C, kv_codec="kvtc", kv_merge_mode="load_only", **kw)
 
 
 class KVTCEngineTest(absltest.TestCase):
 
-  def test_calibration_is_deterministic(self):
+  def test_calibration_is_deterministic_and_reports_each_step(self):
     loaded = load_model("tiny")
-    ts = []
-    for _ in range(2):
+    ts, steps = [], [[], []]
+    for run in range(2):
       model = CalibrationModel(Llama.from_params(loaded.config, loaded.params))
       ts.append(kv_calibration.calibrate_kvtc(
-          model, loaded.tokenizer.encode(kv_calibration.calibration_text()), max_tokens=2048))
+          model, loaded.tokenizer.encode(kv_calibration.calibration_text()), max_tokens=2048,
+          progress=lambda done, total, run=run: steps[run].append((done, total))))
+    # 2048 tokens: passages of the model's context, Fisher windows x 4 samples, the fit (the
+    # start-up's "kvtc calibration k/N" lines).
+    passages = -(-2048 // min(kv_calibration.PASSAGE_TOKENS, model.max_seq_len))
+    window = min(kv_calibration.FISHER_CONTEXT, model.max_seq_len // 2)
+    window += min(kv_calibration.FISHER_TAIL, model.max_seq_len - window)
+    total = passages + kv_calibration.FISHER_SAMPLES * (2048 // window) + 1
+    self.assertEqual(steps, [[(i, total) for i in range(1, total + 1)]] * 2)
     self.assertEqual(ts[0].transform_id, ts[1].transform_id)
     np.testing.assert_array_equal(ts[0].basis, ts[1].basis)
     t = ts[0]
@@ -128,9 +137,9 @@ class KVTCEngineTest(absltest.TestCase):
 
   def test_bad_options(self):
     with self.assertRaisesRegex(ValueError, "kv_codec_levels"):
-      LLM("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=(5,))
+      real_llm("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=(5,))
     with self.assertRaisesRegex(ValueError, "kv_codec_levels"):
-      LLM("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=())
+      real_llm("gpt-5", cache_dir="", kv_store="memory://", kv_codec="kvtc", kv_codec_levels=())
 
 
 if __name__ == "__main__":

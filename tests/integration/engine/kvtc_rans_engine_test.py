@@ -10,7 +10,8 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.storage import codecs, entropy
 
 C = 32
@@ -38,10 +39,10 @@ class KVTCRansEngineTest(absltest.TestCase):
     np.savez(os.path.join(params, name), **arrays)
 
   def make_llm(self, store):
-    return LLM("tiny", cache_dir=self.cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
-               kv_store=os.path.join(self.tmp, store), kv_chunk_size=C, kv_codec="kvtc",
-               kv_merge_mode="load_only",
-               enable_prefix_caching=False)  # repeats load from the store, not the device
+    return real_llm("tiny", cache_dir=self.cache_dir, max_num_seqs=1, chunk_sizes=(32, 64),
+                    kv_store=os.path.join(self.tmp, store), kv_chunk_size=C, kv_codec="kvtc",
+                    kv_merge_mode="load_only",
+                    enable_prefix_caching=False)  # repeats load from the store, not the device
 
   def cold_then_warm(self, store, coding):
     """(cold output, warm output, loader stats) with kvtc's q stored in `coding`."""

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.llama import Llama
 from kvjax.models.paged_runner import PagedModelRunner
@@ -28,10 +29,10 @@ NEW = [int(t) for t in RNG.integers(0, 256, 20)]
 def llm(groups, **kw):
   store = StoreConfig((TierConfig("host", capacity_bytes=64 << 20),
                        TierConfig("disk", url="memory://")))
-  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
-             kv_cache_memory_bytes=256 * paged_block_nbytes(TINY.config, B, jnp.float32),
-             kv_store=store, kv_chunk_size=C, enable_prefix_caching=False,
-             kv_layerwise_groups=groups, **kw)
+  return real_llm("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
+                  kv_cache_memory_bytes=256 * paged_block_nbytes(TINY.config, B, jnp.float32),
+                  kv_store=store, kv_chunk_size=C, enable_prefix_caching=False,
+                  kv_layerwise_groups=groups, **kw)
 
 
 def run_hit(engine_llm):
@@ -111,7 +112,11 @@ class LayerGroupsTest(parameterized.TestCase):
 
 class LayerwiseEngineTest(parameterized.TestCase):
 
+  # The engine's layer-wise path (both modes, the group order) runs on the fake runner in the
+  # default suite (layerwise_unit_test.py); the real model's numbers of a split step and of
+  # layer-group inserts are LayerGroupsTest above. Two real engines per mode here: slow.
   @parameterized.parameters("cake", "load_only")
+  @pytest.mark.slow
   def test_equals_whole_chunk_path(self, mode):
     want = run_hit(llm(1, kv_merge_mode=mode))
     lw = llm(2, kv_merge_mode=mode)

@@ -3,7 +3,8 @@
 import numpy as np
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.engine.engine import Engine
 from kvjax.models.registry import load_model
 from kvjax.scheduler import SchedulerConfig
@@ -39,7 +40,7 @@ class LLMTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64))
+    cls.llm = real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64))
     cls.want = [oracle_greedy(p, GREEDY.max_tokens) for p in PROMPTS]
 
   def test_greedy_equals_oracle_and_batching_changes_nothing(self):
@@ -58,7 +59,7 @@ class LLMTest(absltest.TestCase):
   def test_prefill_time_starts_at_admission_cold_and_hit(self):
     # One slot: the second and third requests wait in the queue until the one before finishes;
     # the third repeats the 130-token prompt, so all its tokens but the last are served from the device prefix cache.
-    llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64))
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64))
     outs = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[2], PROMPTS[1], PROMPTS[2])],
                         GREEDY)
     self.assertEqual([o.token_ids for o in outs], [self.want[2], self.want[1], self.want[2]])
@@ -75,7 +76,7 @@ class LLMTest(absltest.TestCase):
                               before.metrics.finished_s - after.metrics.arrival_s)
 
   def test_one_chunk_size_gives_the_same_tokens(self):
-    llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,))
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     self.assertEqual([o.token_ids for o in outs], self.want)
 
@@ -88,8 +89,8 @@ class LLMTest(absltest.TestCase):
                                             [(0, 80, 32)], [(0, 112, 16), (0, 128, 2)]]),
                         ("fcfs", [[(0, 32, 32), (1, 32, 8)], [(0, 64, 32)], [(0, 96, 32)],
                                   [(0, 128, 2)]])):
-      llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-                long_prefill_token_threshold=32, prefill_order=order)
+      llm = real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+                     long_prefill_token_threshold=32, prefill_order=order)
       steps = []
       llm.engine.add_step_observer(lambda rec, steps=steps: steps.append(
           [(c.request_id, c.start, c.num_tokens) for c in rec.plan.prefills]))
@@ -100,7 +101,7 @@ class LLMTest(absltest.TestCase):
                        [[(ids[0], 0, 32), (ids[1], 0, 32)]]
                        + [[(ids[i], start, n) for i, start, n in step] for step in rest], order)
     with self.assertRaisesRegex(ValueError, "prefill_order='lifo'; use one of"):
-      LLM("tiny", cache_dir="", prefill_order="lifo")
+      real_llm("tiny", cache_dir="", prefill_order="lifo")
 
   def test_text_prompt_uses_the_tokenizer(self):
     out = self.llm.generate("hello", SamplingParams(max_tokens=3, temperature=0))[0]
@@ -165,17 +166,17 @@ class LLMTest(absltest.TestCase):
                         (dict(long_prefill_token_threshold=8),
                          "long_prefill_token_threshold=8 is below the smallest chunk size 16")):
       with self.assertRaisesRegex(ValueError, msg):
-        LLM("tiny", cache_dir="", **kwargs)
+        real_llm("tiny", cache_dir="", **kwargs)
     with self.assertRaisesRegex(ValueError, "unknown model 'gpt-5'"):
-      LLM("gpt-5", cache_dir="")
+      real_llm("gpt-5", cache_dir="")
     with self.assertRaisesRegex(ValueError, "dtype 'int8'"):
-      LLM("tiny", cache_dir="", dtype="int8")
+      real_llm("tiny", cache_dir="", dtype="int8")
 
 
 class StopTest(absltest.TestCase):
 
   def test_stop_string_and_stop_token(self):
-    llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32))
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32))
     engine = Engine(llm.engine.runner, AsciiTokenizer(),
                     SchedulerConfig(num_slots=1, chunk_sizes=(16, 32), token_budget=32))
     prompt = PROMPTS[1]

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.connector import LookaheadRequest
 from kvjax.storage import StoreConfig, TierConfig, keys
 
@@ -20,15 +21,15 @@ LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 def make_llm(tmp, window, host_chunks=2, **kw):
   # Chunk bytes of the tiny model (f32): layers x 2 x C x kv heads x head dim x 4.
-  probe = LLM("tiny", cache_dir="", compile_on_init=False)
+  probe = real_llm("tiny", cache_dir="", compile_on_init=False)
   nbytes = probe.engine.runner.model_config
   chunk = nbytes.n_layers * 2 * C * nbytes.n_kv_heads * nbytes.head_dim * 4
   probe.close()
   store = StoreConfig((TierConfig("host", capacity_bytes=host_chunks * chunk),
                        TierConfig("disk", url=f"file://{tmp}")))
-  return LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64), kv_store=store,
-             kv_chunk_size=C, kv_merge_mode="load_only", enable_prefix_caching=False,
-             kv_lookahead_window=window, **kw)
+  return real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64), kv_store=store,
+                  kv_chunk_size=C, kv_merge_mode="load_only", enable_prefix_caching=False,
+                  kv_lookahead_window=window, **kw)
 
 
 def host_holds(llm, ids, salt=None):
@@ -42,7 +43,7 @@ class LookaheadTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cold = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64))
+    cold = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64))
     cls.cold = cold.generate({"prompt_token_ids": X}, GREEDY)[0].token_ids
     cold.close()
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.registry import load_model
 
@@ -22,8 +23,8 @@ PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(0, 256, n)]
 
 def paged(num_blocks=256, **kw):
   kw.setdefault("max_num_seqs", 4)
-  return LLM("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
-             kv_cache_memory_bytes=num_blocks * BLOCK_NBYTES, **kw)
+  return real_llm("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
+                  kv_cache_memory_bytes=num_blocks * BLOCK_NBYTES, **kw)
 
 
 def ids(prompts):
@@ -35,7 +36,7 @@ class PagedEngineTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.reference = LLM("tiny", cache_dir="", max_num_seqs=4, chunk_sizes=CHUNKS)
+    cls.reference = real_llm("tiny", cache_dir="", max_num_seqs=4, chunk_sizes=CHUNKS)
 
   def want(self, prompts, params=GREEDY):
     return self.reference.generate(ids(prompts), params)
@@ -77,8 +78,15 @@ class PagedEngineTest(absltest.TestCase):
     self.assert_same([done[cold], done[hit]], self.want([PROMPTS[2], head + [7] * 8]))
 
   def test_equals_the_reference_alone_and_batched(self):
+    self.check_equals_the_reference(1, 4)
+
+  @pytest.mark.slow  # one and four sequences a step run above
+  def test_equals_the_reference_two_a_step(self):
+    self.check_equals_the_reference(2)
+
+  def check_equals_the_reference(self, *max_num_seqs):
     want = self.want(PROMPTS)
-    for seqs in (1, 2, 4):
+    for seqs in max_num_seqs:
       llm = paged(max_num_seqs=seqs, enable_prefix_caching=False)
       got = llm.generate(ids(PROMPTS), GREEDY)
       self.assert_same(got, want)
@@ -296,16 +304,16 @@ class PagedEngineTest(absltest.TestCase):
 class DefaultLayoutTest(absltest.TestCase):
 
   def test_the_default_cpu_pool_holds_max_num_seqs_sequences_of_max_model_len(self):
-    llm = LLM("tiny", cache_dir="", max_num_seqs=2, max_model_len=64, chunk_sizes=CHUNKS,
-              compile_on_init=False)
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=2, max_model_len=64, chunk_sizes=CHUNKS,
+                   compile_on_init=False)
     # 2 sequences x 64 tokens = 8 blocks of 16 (every block usable); far below 2 GiB.
     self.assertEqual(llm.engine.runner.num_blocks, 2 * 64 // B)
     self.assertEqual(llm.engine.stats().kv_cache.num_blocks, 2 * 64 // B)
     llm.close()
 
   def test_a_lossy_codec_with_a_store_keeps_the_pool_and_the_prefix_cache(self):
-    llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=CHUNKS, block_size=B,
-              kv_store="memory://lossy-pool", kv_chunk_size=C, kv_codec="int8")
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=CHUNKS, block_size=B,
+                   kv_store="memory://lossy-pool", kv_chunk_size=C, kv_codec="int8")
     prompt = PROMPTS[2]
     first = llm.generate(ids([prompt]), GREEDY)[0]
     second = llm.generate(ids([prompt]), GREEDY)[0]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.connector import SAVING
 from kvjax.storage import StoreConfig, TierConfig, keys
 
@@ -26,9 +27,9 @@ NEW = [int(t) for t in RNG.integers(0, 256, 20)]
 def make_llm(store, **kw):
   # No device prefix cache: every hit is the store's (the device would serve the tail's
   # tokens from its parked block). Load-only makes the loaded-token counts exact.
-  return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-             kv_chunk_size=C, block_size=16,
-             enable_prefix_caching=False, **kw)
+  return real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+                  kv_chunk_size=C, block_size=16,
+                  enable_prefix_caching=False, **kw)
 
 
 def run(llm, ids, params=GREEDY, flush=True, **options):

@@ -11,7 +11,9 @@ import tempfile
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.models.registry import DEFAULT_MODEL
+from kvjax.testing.engines import real_llm
 from kvjax.sessions import EXTENDED
 from kvjax.storage import StoreConfig, TierConfig
 
@@ -47,8 +49,8 @@ class SessionsOnDiskTest(absltest.TestCase):
     # Sessions never expire here: on a busy 2-core machine turn 1 of all 8 takes minutes.
     # Load-only: every stored chunk is loaded (with Cake, compute may take the front chunks under
     # load, which made a first run's hit count timing-dependent: 13 of 15 chunks).
-    llm = LLM(kv_store=store, kv_chunk_size=CHUNK, max_model_len=4608, max_num_seqs=4,
-              session_ttl_s=None, kv_merge_mode="load_only")
+    llm = real_llm(DEFAULT_MODEL, kv_store=store, kv_chunk_size=CHUNK, max_model_len=4608,
+                   max_num_seqs=4, session_ttl_s=None, kv_merge_mode="load_only")
     try:
       tok = llm.get_tokenizer()
       ask = "What is the secret code word? Reply with the code word only."

@@ -14,6 +14,7 @@ import pytest
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.storage import keys
 from kvjax.sessions import EXTENDED, FIRST, SessionConfig, SessionFiles, SessionRegistry
 from kvjax.models.byte_tokenizer import ByteTokenizer
@@ -26,9 +27,9 @@ USER2 = "And after a restart?"
 
 def make_llm(store_dir: str, **kw) -> LLM:
   # No device prefix cache and load-only: every cached token is a store hit, counted exactly.
-  return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-             kv_store=f"file://{store_dir}", kv_chunk_size=C,
-             block_size=16, enable_prefix_caching=False, kv_merge_mode="load_only", **kw)
+  return real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+                  kv_store=f"file://{store_dir}", kv_chunk_size=C,
+                  block_size=16, enable_prefix_caching=False, kv_merge_mode="load_only", **kw)
 
 
 def conversation(out1) -> list[dict[str, str]]:
@@ -227,8 +228,8 @@ class SessionFilesTest(absltest.TestCase):
 class NoLocalStoreTest(absltest.TestCase):
 
   def test_a_memory_store_keeps_sessions_in_memory(self):
-    llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32), kv_store="memory://",
-              kv_chunk_size=C, compile_on_init=False)
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32), kv_store="memory://",
+                   kv_chunk_size=C, compile_on_init=False)
     try:
       self.assertIsNone(llm.sessions.persistence_dir)
     finally:

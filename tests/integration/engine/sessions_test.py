@@ -3,11 +3,13 @@ registry (TTL on an injected clock, caps, LRU drop order, salts, conflicts, rele
 `LLM.chat(..., session_id=...)` on the tiny model."""
 
 import dataclasses
+import functools
 from unittest import mock
 
 from absl.testing import absltest, parameterized
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax import sessions
 from kvjax.sessions import (EXTENDED, FIRST, NOT_EXTENDED, SessionBusy, SessionConfig,
                                    SessionRegistry, chat_prompt, record_turn)
@@ -28,6 +30,7 @@ NEXT_TURN = [198, 1, 4093, 198, 5507, 2, 198, 1, 520, 9531, 198]
 IM_END = 2
 
 
+@functools.cache  # parsing the GGUF's vocabulary takes seconds; the tests only read it
 def smollm2_tokenizer():
   try:
     return Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
@@ -426,7 +429,7 @@ class LLMSessionTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2)
+    cls.llm = real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2)
 
   @classmethod
   def tearDownClass(cls):

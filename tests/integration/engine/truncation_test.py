@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.models.registry import DEFAULT_MODEL
+from kvjax.testing.engines import real_llm
 from kvjax import sessions
 from kvjax.engine.rerotation import stage_rerotated
 from kvjax.models.runner_api import SeqChunk
 from kvjax.sessions import KeptSpan, truncate_prompt
 
 from tests.integration.engine.sessions_test import smollm2_tokenizer
+from tests.unit.engine import truncation_unit_test as unit
 
 
 def conv(*turns, system=None):
@@ -135,115 +138,13 @@ class SessionMetricsTest(absltest.TestCase):
     self.assertEqual(got[("kvjax_session_rerotated_tokens_total", ())], 128)
 
 
-class TruncatePromptTokensTest(absltest.TestCase):
-  """`SamplingParams.truncate_prompt_tokens` and re-rotation on the tiny model (its byte
-  tokenizer has no message marks: the session policy is a left cut, one shifted span)."""
+@pytest.mark.slow  # the assertions run on the fake runner in the default suite
+class TruncatePromptTokensTest(unit.TruncatePromptTokensUnitTest):
+  """The same tests as tests/unit/engine/truncation_unit_test.py on the real tiny model."""
 
   @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
-                  max_model_len=256, kv_store="memory://", kv_chunk_size=16,
-                  session_truncation="drop_oldest_turns", session_rerotate=True,
-                  session_rerotate_boundary_chunks=0,  # every staged chunk from the first
-                  kv_merge_mode="load_only")  # every stored chunk loads: exact hit counts
-
-  @classmethod
-  def tearDownClass(cls):
-    cls.llm.close()
-    super().tearDownClass()
-
-  def test_bad_values_raise(self):
-    for bad in (0, -1, True, 1.5, "3"):
-      with self.assertRaisesRegex(ValueError, "truncate_prompt_tokens"):
-        SamplingParams(truncate_prompt_tokens=bad)
-    with self.assertRaisesRegex(ValueError, "may not start with"):
-      self.llm.generate({"prompt_token_ids": [1, 2, 3],
-                         "cache_salt": sessions.REROTATED_SALT_PREFIX + "x"})
-    with self.assertRaisesRegex(ValueError, "needs a kv_store"):
-      LLM("tiny", cache_dir="", compile_on_init=False, session_truncation="drop_oldest_turns",
-          session_rerotate=True)
-    with self.assertRaisesRegex(ValueError, "needs session_truncation"):
-      LLM("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
-          session_rerotate=True)
-    for bad in (-1, True, 1.5):
-      with self.assertRaisesRegex(ValueError, "session_rerotate_boundary_chunks"):
-        LLM("tiny", cache_dir="", compile_on_init=False, kv_store="memory://",
-            session_truncation="drop_oldest_turns", session_rerotate=True,
-            session_rerotate_boundary_chunks=bad)
-    with self.assertRaisesRegex(ValueError, "boundary_chunks"):
-      stage_rerotated(self.llm.kv_store, [1, 2], None, [1, 2], [], "x", boundary_chunks=-1)
-
-  def test_plain_truncation_keeps_the_last_tokens_and_stays_exact(self):
-    ids = [int(x) for x in np.random.default_rng(0).integers(3, 250, 120)]
-    p = SamplingParams(max_tokens=6, temperature=0, logprobs=2, truncate_prompt_tokens=70)
-    cold = self.llm.generate({"prompt_token_ids": ids, "cache_salt": "cold-plain"}, p)[0]
-    self.assertEqual(cold.prompt_token_ids, ids[-70:])
-    self.llm.flush()
-    warm = self.llm.generate({"prompt_token_ids": ids, "cache_salt": "cold-plain"}, p)[0]
-    self.assertEqual(warm.num_cached_tokens, 69)  # a prefix hit on the truncated ids
-    plain = self.llm.generate({"prompt_token_ids": ids[-70:], "cache_salt": "other"},
-                              SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
-    self.assertEqual(warm.token_ids, cold.token_ids)
-    self.assertEqual(plain.token_ids, cold.token_ids)
-    np.testing.assert_allclose([d[t] for d, t in zip(warm.logprobs, warm.token_ids)],
-                               [d[t] for d, t in zip(cold.logprobs, cold.token_ids)],
-                               atol=1e-5)
-
-  @pytest.mark.slow  # same assertions on the fake runner: truncation_unit_test.py
-  def test_a_rerotated_session_turn_loads_the_kept_kv_from_a_private_namespace(self):
-    llm, c = self.llm, 16
-    p = SamplingParams(max_tokens=8, temperature=0)
-    msgs = [{"role": "user", "content": "x" * 150}]
-    out1 = llm.chat(msgs, p, session_id="rr", cache_salt="t")[0]
-    llm.flush()
-    msgs += [{"role": "assistant", "content": out1.text}, {"role": "user", "content": "y" * 60}]
-    limit = llm.max_model_len - 8 - 40
-    out2 = llm.chat(msgs, SamplingParams(max_tokens=8, temperature=0,
-                                         truncate_prompt_tokens=limit),
-                    session_id="rr", cache_salt="t")[0]
-    pr = llm.last_session_prompt
-    tr = pr.truncation
-    self.assertEqual(len(out2.prompt_token_ids), limit)
-    self.assertEqual(list(tr.token_ids), out2.prompt_token_ids)
-    (span,) = tr.spans
-    self.assertGreater(span.src_start, 0)
-    self.assertTrue(pr.kv_salt.startswith(sessions.REROTATED_SALT_PREFIX))
-    # Staged: target chunks whose every token's source chunk is stored (turn 1's full
-    # chunks of prompt + output: every token but the last sampled one has KV).
-    stored_end = (len(out1.prompt_token_ids) + len(out1.token_ids) - 1) // c * c
-    want = min((stored_end - span.src_start) // c, (limit - 1) // c) * c
-    self.assertEqual(pr.rerotated_tokens, want)
-    self.assertGreaterEqual(out2.num_cached_tokens, want)
-    # The staged chunks hold the source tokens' stored KV, token for token.
-    kv = llm.kv_store
-    src = kv.read_raw_chunks(kv.lookup(list(tr.source_ids), "t"), list(tr.source_ids),
-                             range(len(tr.source_ids) // c))
-    dst = kv.read_raw_chunks(kv.lookup(list(tr.token_ids), pr.kv_salt), list(tr.token_ids),
-                             range(want // c))
-    self.assertLen(dst, want // c)
-    for j, chunk in dst.items():
-      for t in range(c):
-        s = span.src_start + j * c + t
-        np.testing.assert_array_equal(chunk[:, :, t], src[s // c][:, :, s % c])
-    # Never an ordinary hit: the same ids under the tenant's salt find none of it in the store
-    # and answer as a cold run does.
-    ordinary = llm.generate({"prompt_token_ids": list(tr.token_ids), "cache_salt": "t"}, p)[0]
-    cold = llm.generate({"prompt_token_ids": list(tr.token_ids), "cache_salt": "cold-rr"}, p)[0]
-    self.assertEqual(ordinary.metrics.num_loaded_tokens
-                     - ordinary.metrics.num_device_cached_tokens, 0)
-    self.assertEqual(ordinary.token_ids, cold.token_ids)
-    # The next turn extends the re-rotated one under its private namespace.
-    llm.flush()
-    msgs += [{"role": "assistant", "content": out2.text}, {"role": "user", "content": "z"}]
-    out3 = llm.chat(msgs, p, session_id="rr", cache_salt="t")[0]
-    self.assertEqual(llm.last_session_prompt.kv_salt, pr.kv_salt)
-    self.assertIsNone(llm.last_session_prompt.truncation)
-    # Every token of turn 2's prompt (its reply's partial last block is not stored, and a
-    # request with store hits takes whole device chunks only).
-    self.assertGreaterEqual(out3.num_cached_tokens, limit)
-    stats = llm.sessions.stats()
-    self.assertEqual((stats.truncated, stats.rerotated, stats.rerotated_tokens), (1, 1, want))
+  def make_llm(cls, **options):
+    return real_llm("tiny", cache_dir="", **options)
 
 
 class BoundaryRerotationTest(absltest.TestCase):
@@ -254,10 +155,10 @@ class BoundaryRerotationTest(absltest.TestCase):
 
   def test_first_chunk_computed_then_rerotated_chunks_equals_the_reference(self):
     c, n_out = 16, 8
-    llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
-              max_model_len=256, kv_store="memory://", kv_chunk_size=c,
-              enable_prefix_caching=False, session_truncation="drop_oldest_turns",
-              session_rerotate=True, session_rerotate_boundary_chunks=1)  # merge mode: cake
+    llm = real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
+                   max_model_len=256, kv_store="memory://", kv_chunk_size=c,
+                   enable_prefix_caching=False, session_truncation="drop_oldest_turns",
+                   session_rerotate=True, session_rerotate_boundary_chunks=1)  # merge mode: cake
     try:
       limit = llm.max_model_len - n_out - 40
       p = SamplingParams(max_tokens=n_out, temperature=0)
@@ -329,9 +230,9 @@ class RealModelTruncationTest(absltest.TestCase):
     book = ("The schoolmaster was a lank, tall man with narrow shoulders and long arms, and "
             "he taught the children of the hollow to read and to fear the rod. ") * 6
     for rerotate in (False, True):
-      llm = LLM(kv_store="memory://", kv_chunk_size=32, max_model_len=512,
-                chunk_sizes=(16, 32, 64, 128), max_num_seqs=2,
-                session_truncation="drop_oldest_turns", session_rerotate=rerotate)
+      llm = real_llm(DEFAULT_MODEL, kv_store="memory://", kv_chunk_size=32, max_model_len=512,
+                     chunk_sizes=(16, 32, 64, 128), max_num_seqs=2,
+                     session_truncation="drop_oldest_turns", session_rerotate=rerotate)
       p = SamplingParams(max_tokens=8, temperature=0)
       msgs, outs = [], []
       for i in range(4):

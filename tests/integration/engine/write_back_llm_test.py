@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.storage import StoreConfig, TierConfig, keys
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -15,7 +16,7 @@ X = [int(t) for t in np.random.default_rng(5).integers(0, 256, 140)]  # 4 candid
 
 
 def chunk_bytes():
-  probe = LLM("tiny", cache_dir="", compile_on_init=False)
+  probe = real_llm("tiny", cache_dir="", compile_on_init=False)
   cfg = probe.engine.runner.model_config
   probe.close()
   return cfg.n_layers * 2 * C * cfg.n_kv_heads * cfg.head_dim * 4  # f32
@@ -27,7 +28,7 @@ class WriteBackLLMTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cold = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64))
+    cold = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64))
     cls.cold = cold.generate({"prompt_token_ids": X}, GREEDY)[0].token_ids
     cold.close()
     cls.chunk = chunk_bytes()
@@ -36,9 +37,9 @@ class WriteBackLLMTest(absltest.TestCase):
     tmp = self.create_tempdir().full_path
     store = StoreConfig((TierConfig("host", capacity_bytes=2 * self.chunk),
                          TierConfig("disk", url=f"file://{tmp}")))
-    llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64), kv_store=store,
-              kv_chunk_size=C, kv_merge_mode="load_only", enable_prefix_caching=False,
-              kv_placement="write_back")
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64), kv_store=store,
+                   kv_chunk_size=C, kv_merge_mode="load_only", enable_prefix_caching=False,
+                   kv_placement="write_back")
     try:
       first = llm.generate({"prompt_token_ids": X}, GREEDY)[0]
       llm.flush()
@@ -72,8 +73,8 @@ class PlacementOptionTest(absltest.TestCase):
 
   def test_a_bad_placement_is_rejected(self):
     with self.assertRaisesRegex(ValueError, "kv_placement"):
-      LLM("tiny", cache_dir="", compile_on_init=False, kv_store="memory://wb-bad",
-          kv_placement="write_around")
+      real_llm("tiny", cache_dir="", compile_on_init=False, kv_store="memory://wb-bad",
+               kv_placement="write_around")
 
 
 if __name__ == "__main__":

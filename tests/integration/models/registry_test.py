@@ -7,7 +7,8 @@ import os
 import numpy as np
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.models import checkpoint, config, safetensors_loader
 from kvjax.models.fingerprint import model_fingerprint
 from kvjax.models.registry import load_model, tiny_params
@@ -61,8 +62,8 @@ class RegistryTest(absltest.TestCase):
   def test_llm_from_safetensors_equals_tiny(self):
     ids = {"prompt_token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}
     greedy = SamplingParams(max_tokens=4, temperature=0)
-    a = LLM(self.model_dir, cache_dir="", max_num_seqs=1, chunk_sizes=(16,))
-    b = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,))
+    a = real_llm(self.model_dir, cache_dir="", max_num_seqs=1, chunk_sizes=(16,))
+    b = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,))
     self.assertEqual(a.generate(ids, greedy)[0].token_ids, b.generate(ids, greedy)[0].token_ids)
     with self.assertRaisesRegex(ValueError, "no tokenizer"):
       a.generate("text needs a tokenizer", greedy)

@@ -9,7 +9,8 @@ from absl.testing import absltest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "scripts"))
 import bench_cake as bench  # noqa: E402  pylint: disable=wrong-import-position
 
-from kvjax import LLM, SamplingParams  # noqa: E402
+from kvjax import SamplingParams  # noqa: E402
+from kvjax.testing.engines import real_llm  # noqa: E402
 from kvjax.engine.core import StepRecord  # noqa: E402
 from kvjax.scheduler.output import (ComputeTiming, InsertTiming, LoadReport,  # noqa: E402
                                     SchedulerOutput, StepResult)
@@ -46,9 +47,9 @@ class EngineStreamTest(absltest.TestCase):
   """A tiny model through the public observer, each request in its own merge mode."""
 
   def test_per_request_merge_mode_and_the_recorded_stream(self):
-    llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-              kv_store="memory://", kv_chunk_size=C,
-              enable_prefix_caching=False)  # every repeat reads the store
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
+                   kv_store="memory://", kv_chunk_size=C,
+                   enable_prefix_caching=False)  # every repeat reads the store
 
     eng = llm.engine
     eng.timed_inserts = True

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 FLAGS = ["--model=tiny-tp", "--cache_dir=", "--chunk_sizes=16,32", "--max_num_seqs=2",
@@ -60,7 +61,7 @@ class MultiHostServeTest(absltest.TestCase):
     for i, p in enumerate(procs):
       logs[i].seek(0)
       self.assertEqual(p.returncode, 0, f"process {i}: {logs[i].read()[-3000:]}")
-    llm = LLM("tiny-tp", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2)
+    llm = real_llm("tiny-tp", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2)
     want = llm.generate("The capital of France is",
                         SamplingParams(max_tokens=8, temperature=0))[0].text
     llm.close()

@@ -8,7 +8,8 @@ import openai
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM
+from kvjax.models.registry import DEFAULT_MODEL
+from kvjax.testing.engines import real_llm
 from kvjax.testing.serve import serving
 
 BOOK = (pathlib.Path(__file__).resolve().parents[4] / "shared" / "data" / "books" /
@@ -22,8 +23,8 @@ class RealModelServeTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.store_dir = tempfile.mkdtemp(prefix="kvjax-real-serve-")
-    cls.llm = LLM(max_num_seqs=2, kv_store=f"file://{cls.store_dir}/kv",
-                  kv_chunk_size=128, chunk_sizes=(16, 32, 64, 128))
+    cls.llm = real_llm(DEFAULT_MODEL, max_num_seqs=2, kv_store=f"file://{cls.store_dir}/kv",
+                       kv_chunk_size=128, chunk_sizes=(16, 32, 64, 128))
     cls._ctx = serving(cls.llm)
     cls.srv = cls._ctx.__enter__()
     cls.client = openai.OpenAI(base_url=cls.srv.url + "/v1", api_key="unused", max_retries=0,

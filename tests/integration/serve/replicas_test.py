@@ -31,7 +31,8 @@ except ImportError as e:
   raise ImportError("tests/integration/serve/replicas_test.py needs moto[server] and boto3: "
                     "pip install -e '.[test]'") from e
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
+from kvjax.testing.engines import real_llm
 from kvjax.serve import kv_events
 from kvjax.testing import vllm_hash
 from kvjax.testing.s3 import MotoServer
@@ -77,8 +78,8 @@ class TwoEnginesOneStoreTest(SharedS3TestCase):
 
   def replica(self, prefix):
     # load_only: every stored chunk is loaded (Cake would compute a timing-dependent front).
-    return LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
-               kv_store=f"s3://{BUCKET}/{prefix}", kv_chunk_size=C, kv_merge_mode="load_only")
+    return real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=2,
+                    kv_store=f"s3://{BUCKET}/{prefix}", kv_chunk_size=C, kv_merge_mode="load_only")
 
   def test_replica_b_serves_replica_as_document_from_the_store(self):
     a, b = self.replica("engines"), self.replica("engines")

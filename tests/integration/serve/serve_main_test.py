@@ -55,7 +55,7 @@ class ServeMainTest(absltest.TestCase):
       out, _ = proc.communicate(timeout=60)
     log.seek(0)
     self.assertEqual(proc.returncode, 0, log.read())
-    self.assertIn("stopping", out)
+    self.assertIn("kvjax: stopping (writing pending KV saves)", out)
 
   def test_a_bad_flag_value_is_one_line(self):
     # Found by a fresh-user check: absl's usage text (every flag, ~200 lines) came first.

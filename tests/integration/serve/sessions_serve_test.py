@@ -6,7 +6,7 @@ over `LLM("tiny")` (byte tokenizer, paged, device prefix cache) instead of the f
 import pytest
 from absl.testing import absltest
 
-from kvjax import LLM
+from kvjax.testing.engines import real_llm
 from tests.unit.serve import sessions_serve_unit_test as unit
 
 
@@ -15,7 +15,7 @@ class SessionsServeTest(unit.SessionsServeUnitTest):
 
   @classmethod
   def make_llm(cls):
-    return LLM("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=4)
+    return real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=4)
 
 
 class SessionsWithApiKeyTest(unit.SessionsWithApiKeyUnitTest):
@@ -23,7 +23,7 @@ class SessionsWithApiKeyTest(unit.SessionsWithApiKeyUnitTest):
 
   @classmethod
   def make_llm(cls):
-    return LLM("tiny", cache_dir="", chunk_sizes=(16,), max_num_seqs=1)
+    return real_llm("tiny", cache_dir="", chunk_sizes=(16,), max_num_seqs=1)
 
 
 if __name__ == "__main__":

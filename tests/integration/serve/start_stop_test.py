@@ -117,6 +117,9 @@ class StartStopTest(absltest.TestCase):
     self.assertIn("kvjax: stopping: cancelling the start-up", server.output())
     self.assertNotIn("kvjax: ready", server.output())
 
+  # The serving stage with a store and its pending saves: serve_main_test's port-0 case
+  # (SIGINT; SIGTERM: at compiling above). A server process each: slow.
+  @pytest.mark.slow
   def test_sigterm_while_serving_writes_pending_saves(self):
     server = Server(self, *TINY, "--kv_store=memory://", "--kv_chunk_size=16")
     url = server.wait_for("kvjax: ready").split(" at ")[-1]
@@ -222,11 +225,11 @@ class StartupEventsTest(absltest.TestCase):
   """`LLM(startup_progress=...)`, in-process: the steps the server logs, and cancellation."""
 
   def test_events_of_a_start_up_with_a_store(self):
-    from kvjax import LLM  # noqa: PLC0415
+    from kvjax.testing.engines import real_llm  # noqa: PLC0415
     events = []
-    llm = LLM("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2,
-              kv_store="memory://", kv_chunk_size=16,
-              compile_on_init=True, startup_progress=events.append)
+    llm = real_llm("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2,
+                   kv_store="memory://", kv_chunk_size=16,
+                   compile_on_init=True, startup_progress=events.append)
     llm.close()
     phases = [e.phase for e in events]
     self.assertEqual(phases, ["weights", "weights", "cache", "cache", "store"]
@@ -245,6 +248,7 @@ class StartupEventsTest(absltest.TestCase):
 
   def test_a_raising_callback_cancels_and_closes(self):
     from kvjax import LLM  # noqa: PLC0415
+    from kvjax.testing.engines import real_llm  # noqa: PLC0415
 
     class Cancel(Exception):
       pass
@@ -258,26 +262,9 @@ class StartupEventsTest(absltest.TestCase):
 
     with mock.patch.object(LLM, "close", autospec=True, side_effect=LLM.close) as close:
       with self.assertRaises(Cancel):
-        LLM("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=1,
-            kv_store="memory://", kv_chunk_size=16, compile_on_init=True,
-            startup_progress=progress)
+        # test_events_of_a_start_up_with_a_store's options: the two share compiled programs.
+        real_llm("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2,
+                 kv_store="memory://", kv_chunk_size=16, compile_on_init=True,
+                 startup_progress=progress)
     close.assert_called_once()
     self.assertEqual((seen[-1].phase, seen[-1].done), ("compile", 1))
-
-  def test_kvtc_calibration_reports_each_step(self):
-    from kvjax.models import kv_calibration  # noqa: PLC0415
-    from kvjax.models.llama import Llama  # noqa: PLC0415
-    from kvjax.models.registry import load_model  # noqa: PLC0415
-    from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
-    loaded = load_model("tiny")
-    runner = CalibrationModel(Llama.from_params(loaded.config, loaded.params))
-    steps = []
-    ids = loaded.tokenizer.encode(kv_calibration.calibration_text())
-    kv_calibration.calibrate_kvtc(runner, ids, max_tokens=2048,
-                                  progress=lambda done, total: steps.append((done, total)))
-    # 2048 tokens: passages of the model's context, Fisher windows x 4 samples, the fit.
-    passages = -(-2048 // min(kv_calibration.PASSAGE_TOKENS, runner.max_seq_len))
-    window = min(kv_calibration.FISHER_CONTEXT, runner.max_seq_len // 2)
-    window += min(kv_calibration.FISHER_TAIL, runner.max_seq_len - window)
-    total = passages + kv_calibration.FISHER_SAMPLES * (2048 // window) + 1
-    self.assertEqual(steps, [(i, total) for i in range(1, total + 1)])

@@ -11,6 +11,7 @@ import openai
 from absl.testing import absltest
 
 from kvjax import LLM
+from kvjax.testing.engines import real_llm
 from kvjax.serve.server import ServerConfig, store_startup_line
 from kvjax.storage import DEFAULT_STORE_CAPACITY_BYTES
 from kvjax.testing.serve import ServedLLMTestCase, serving
@@ -22,9 +23,9 @@ USER1 = "Tell me about stored session caches, briefly, please: " + "y" * 30
 
 def make_llm(store: str) -> LLM:
   # No device prefix cache, load-only: every cached token of turn 2 is a store hit.
-  return LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-             kv_chunk_size=C, block_size=16,
-             enable_prefix_caching=False, kv_merge_mode="load_only")
+  return real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+                  kv_chunk_size=C, block_size=16,
+                  enable_prefix_caching=False, kv_merge_mode="load_only")
 
 
 def chat(srv, messages, **extra):
@@ -78,9 +79,8 @@ class ServerConfigStoreTest(absltest.TestCase):
     self.assertTrue(tier.url.startswith("file://") and tier.url.endswith("/store"))
 
   def test_the_capacity_flag(self):
-    config = ServerConfig.from_flat(model="tiny", kv_store="memory://",
-                                    kv_store_capacity_bytes=1 << 20,
-                                    kv_link_bytes_per_s=1e9)
+    config = ServerConfig.from_flat(model="tiny", kv_store="memory://", kv_store_capacity_bytes=1 << 20,
+                          kv_link_bytes_per_s=1e9)
     (tier,) = config.llm_options()["kv_store"].tiers
     self.assertEqual((tier.url, tier.capacity_bytes, tier.link_bytes_per_s),
                      ("memory://", 1 << 20, 1e9))
@@ -92,16 +92,15 @@ class ServerConfigStoreTest(absltest.TestCase):
         ServerConfig.from_flat(model="tiny", kv_store_capacity_bytes=bad)
     with self.assertRaisesRegex(ValueError, "give each tier its capacity_bytes"):
       ServerConfig.from_flat(model="tiny", kv_store_capacity_bytes=1 << 20,
-                             kv_tiers='[{"kind": "disk", "url": "memory://"}]')
+                   kv_tiers='[{"kind": "disk", "url": "memory://"}]')
     with self.assertRaisesRegex(ValueError, "kv_store: unknown store URL scheme 'ftp'"):
       ServerConfig.from_flat(model="tiny", kv_store="ftp://host/kv")
 
   def test_start_up_line_says_where_how_large_and_sessions(self):
     d = tempfile.mkdtemp()
-    config = ServerConfig.from_flat(model="tiny", kv_store=f"file://{d}", kv_chunk_size=C,
-                                    cache_dir="",
-                                    kv_store_capacity_bytes=3 << 20)
-    llm = LLM("tiny", compile_on_init=False, **config.llm_options())
+    config = ServerConfig.from_flat(model="tiny", kv_store=f"file://{d}", kv_chunk_size=C, cache_dir="",
+                          kv_store_capacity_bytes=3 << 20)
+    llm = real_llm("tiny", compile_on_init=False, **config.llm_options())
     try:
       line = store_startup_line(config, llm)
     finally:
@@ -109,9 +108,8 @@ class ServerConfigStoreTest(absltest.TestCase):
     self.assertIn(f"KV store file://{d} (disk: 0 B in 0 chunks, capacity 3.0 MiB; "
                   "--kv_store_capacity_bytes sets it", line)
     self.assertIn(f"chat sessions persist across restarts in {d}/sessions/", line)
-    config = ServerConfig.from_flat(model="tiny", kv_store="memory://", kv_chunk_size=C,
-                                    cache_dir="")
-    llm = LLM("tiny", compile_on_init=False, **config.llm_options())
+    config = ServerConfig.from_flat(model="tiny", kv_store="memory://", kv_chunk_size=C, cache_dir="")
+    llm = real_llm("tiny", compile_on_init=False, **config.llm_options())
     try:
       line = store_startup_line(config, llm)
     finally:
@@ -124,7 +122,7 @@ class ValidationTest(ServedLLMTestCase):
 
   @classmethod
   def make_llm(cls):
-    return LLM("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2)
+    return real_llm("tiny", cache_dir="", chunk_sizes=(16, 32), max_num_seqs=2)
 
   def post(self, body: bytes | dict):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}

@@ -339,14 +339,15 @@ class S3EngineTest(MotoTestCase):
   """The engine end to end over s3:// (endpoint from AWS_ENDPOINT_URL)."""
 
   def test_second_request_hits(self):
-    from kvjax import LLM, SamplingParams  # pylint: disable=g-import-not-at-top
+    from kvjax import SamplingParams  # pylint: disable=g-import-not-at-top
+    from kvjax.testing.engines import real_llm  # pylint: disable=g-import-not-at-top
 
     greedy = SamplingParams(max_tokens=4, temperature=0)
     prompt = {"prompt_token_ids": [int(t) for t in
                                    np.random.default_rng(7).integers(0, 256, 150)]}
-    llm = LLM("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64),
-              kv_store=self.url(), kv_chunk_size=32, kv_merge_mode="load_only",
-              enable_prefix_caching=False)  # the second request must hit the store
+    llm = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16, 32, 64),
+                   kv_store=self.url(), kv_chunk_size=32, kv_merge_mode="load_only",
+                   enable_prefix_caching=False)  # the second request must hit the store
     try:
       first = llm.generate(prompt, greedy)[0]
       llm.flush()

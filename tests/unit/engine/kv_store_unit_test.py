@@ -18,22 +18,32 @@ C = 32
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 256, 150)]
 
 
-def make_llm(store, **kw):
+def store_options(store, **kw):
+  """The `LLM` options of these tests, over a store URL (or None)."""
   # Load-only makes the chunk accounting exact (every stored chunk is loaded); the Cake merge's
   # own tests (cake_engine_test.py) cover the other modes.
   kw.setdefault("kv_merge_mode", "load_only")
   # These tests count store hits: a device prefix hit (paged layout) would serve them instead.
   kw.setdefault("enable_prefix_caching", False)
-  return engines.fake_llm(max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
-             kv_chunk_size=C, **kw)
+  return dict(max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store, kv_chunk_size=C, **kw)
 
 
-class KVStoreEngineUnitTest(parameterized.TestCase):
+class KVStoreCase(parameterized.TestCase):
+  """The tests' `LLM`s and helpers: the fake runner here, the real tiny model in
+  tests/integration/engine/kv_store_test.py (which overrides `build_llm`)."""
+
+  @classmethod
+  def build_llm(cls, model="tiny", **options):
+    return engines.fake_llm(model, **options)
+
+  @classmethod
+  def make_llm(cls, store, **kw):
+    return cls.build_llm(**store_options(store, **kw))
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cold = make_llm(None)
+    cold = cls.make_llm(None)
     cls.cold = {n: cold.generate({"prompt_token_ids": PROMPT[:n]}, GREEDY)[0].token_ids
                 for n in (150, 128)}
 
@@ -50,10 +60,20 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     llm.flush()
     return out
 
+  def _data_files(self):
+    out = []
+    for root, _, files in os.walk(os.path.join(self.root, "data")):
+      out += [os.path.join(root, f) for f in files]
+    return sorted(out)
+
+
+class KVStoreHitUnitTest(KVStoreCase):
+  """The cases the real tiny model also runs in the default suite."""
+
   @parameterized.parameters("file", "memory", "ocdbt")
   def test_second_request_hits_and_equals_cold(self, backend):
     url = {"file": self.url, "memory": "memory://", "ocdbt": f"ocdbt+file://{self.root}"}[backend]
-    llm = make_llm(url)
+    llm = self.make_llm(url)
     first = self.run_prompt(llm)
     self.assertEqual((first.num_cached_tokens, first.metrics.num_computed_tokens), (0, 150))
     self.assertEqual(llm.kv_store.saver_stats.chunks_saved, 150 // C)
@@ -65,11 +85,29 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     self.assertEqual(second.token_ids, self.cold[150])
     llm.close()
 
+  def test_unwritable_store_and_bad_link_fail_fast(self):
+    blocker = self.create_tempfile("not_a_dir").full_path
+    with self.assertRaisesRegex(ValueError, "cannot create"):
+      self.make_llm(f"file://{blocker}/store")
+    with self.assertRaisesRegex(ValueError, "kv_link_bytes_per_s='fast'"):
+      self.make_llm(self.url, kv_link_bytes_per_s="fast")
+    with self.assertRaisesRegex(ValueError, "kv_store is empty"):
+      self.make_llm("")
+
+  def test_bad_store_arguments(self):
+    with self.assertRaisesRegex(ValueError, "kv_chunk_size=0"):
+      self.build_llm(kv_store=self.url, kv_chunk_size=0)
+    with self.assertRaisesRegex(ValueError, "scheme|unknown|unsupported"):
+      self.make_llm("gopher://x")
+
+
+class KVStoreEngineUnitTest(KVStoreCase):
+
   def test_fresh_llm_on_the_same_store_hits(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm)
     llm.close()
-    fresh = make_llm(self.url)
+    fresh = self.make_llm(self.url)
     out = self.run_prompt(fresh)
     self.assertEqual(out.num_cached_tokens, 128)
     self.assertEqual(out.token_ids, self.cold[150])
@@ -77,7 +115,7 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     fresh.close()
 
   def test_prompt_of_whole_chunks_still_computes_its_last_token(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm, n=128)
     out = self.run_prompt(llm, n=128)
     self.assertEqual(out.num_cached_tokens, 96)
@@ -86,7 +124,7 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     llm.close()
 
   def test_cache_salts_never_share_hits(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm, salt="tenant-a")
     self.assertEqual(self.run_prompt(llm, salt="tenant-b").num_cached_tokens, 0)
     self.assertEqual(self.run_prompt(llm).num_cached_tokens, 0)
@@ -95,14 +133,8 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     self.assertEqual(hit.token_ids, self.cold[150])
     llm.close()
 
-  def _data_files(self):
-    out = []
-    for root, _, files in os.walk(os.path.join(self.root, "data")):
-      out += [os.path.join(root, f) for f in files]
-    return sorted(out)
-
   def test_corrupt_chunk_is_rejected_recomputed_and_repaired(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm)
     # Corrupt the data of one stored chunk (chunk 2 of 4 candidates): flip bytes in the middle.
     ns = llm.kv_store.namespace(None)
@@ -124,7 +156,7 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     llm.close()
 
   def test_one_save_repairs_every_bad_chunk_of_the_chain(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm)
     from kvjax.storage import keys  # noqa: PLC0415
     hashes = keys.chunk_hashes(llm.kv_store.namespace(None), PROMPT)
@@ -141,10 +173,10 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     llm.close()
 
   def test_chunks_of_another_dtype_or_model_never_hit(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm)
     llm.close()
-    bf16 = make_llm(self.url, dtype="bfloat16")
+    bf16 = self.make_llm(self.url, dtype="bfloat16")
     out = self.run_prompt(bf16)
     self.assertEqual(out.num_cached_tokens, 0)  # nothing loaded: its tokens are a cold run's
     self.assertEqual(out.metrics.loaded_from_tiers, [])
@@ -152,22 +184,13 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     other_dir = self.create_tempdir("other_model").full_path
     cfg = config.tiny()
     safetensors_loader.save_safetensors(other_dir, cfg, tiny_params(cfg, seed=5))
-    other = engines.fake_llm(other_dir, max_num_seqs=2, chunk_sizes=(16, 32, 64),
-                kv_store=self.url, kv_chunk_size=C)
+    other = self.build_llm(other_dir, max_num_seqs=2, chunk_sizes=(16, 32, 64),
+                           kv_store=self.url, kv_chunk_size=C)
     self.assertEqual(self.run_prompt(other).num_cached_tokens, 0)
     other.close()
 
-  def test_unwritable_store_and_bad_link_fail_fast(self):
-    blocker = self.create_tempfile("not_a_dir").full_path
-    with self.assertRaisesRegex(ValueError, "cannot create"):
-      make_llm(f"file://{blocker}/store")
-    with self.assertRaisesRegex(ValueError, "kv_link_bytes_per_s='fast'"):
-      make_llm(self.url, kv_link_bytes_per_s="fast")
-    with self.assertRaisesRegex(ValueError, "kv_store is empty"):
-      make_llm("")
-
   def test_missing_middle_chunk_is_computed_and_the_chunks_around_it_load(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm)
     from kvjax.storage import keys  # noqa: PLC0415
     h1 = keys.chunk_hashes(llm.kv_store.namespace(None), PROMPT)[1]
@@ -180,7 +203,7 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     llm.close()
 
   def test_unreachable_store_degrades_to_compute(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm)
 
     async def broken(*args, **kwargs):
@@ -196,7 +219,7 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     llm.close()
 
   def test_store_lost_after_lookup_degrades_to_compute(self):
-    llm = make_llm(self.url)
+    llm = self.make_llm(self.url)
     self.run_prompt(llm)
 
     async def broken(*args, **kwargs):
@@ -209,12 +232,6 @@ class KVStoreEngineUnitTest(parameterized.TestCase):
     self.assertEqual(out.metrics.num_rejected_chunks, 4)
     self.assertEqual(out.token_ids, self.cold[150])
     llm.close()
-
-  def test_bad_store_arguments(self):
-    with self.assertRaisesRegex(ValueError, "kv_chunk_size=0"):
-      engines.fake_llm(kv_store=self.url, kv_chunk_size=0)
-    with self.assertRaisesRegex(ValueError, "scheme|unknown|unsupported"):
-      make_llm("gopher://x")
 
 
 if __name__ == "__main__":

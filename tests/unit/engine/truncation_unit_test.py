@@ -20,13 +20,18 @@ class TruncatePromptTokensUnitTest(absltest.TestCase):
   tokenizer has no message marks: the session policy is a left cut, one shifted span)."""
 
   @classmethod
+  def make_llm(cls, **options):
+    """The `LLM` under test (tests/integration/engine/truncation_test.py: the real tiny model)."""
+    return engines.fake_llm(**options)
+
+  @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.llm = engines.fake_llm(chunk_sizes=(16, 32, 64), max_num_seqs=2,
-                  max_model_len=256, kv_store="memory://", kv_chunk_size=16,
-                  session_truncation="drop_oldest_turns", session_rerotate=True,
-                  session_rerotate_boundary_chunks=0,  # every staged chunk from the first
-                  kv_merge_mode="load_only")  # every stored chunk loads: exact hit counts
+    cls.llm = cls.make_llm(chunk_sizes=(16, 32, 64), max_num_seqs=2,
+                           max_model_len=256, kv_store="memory://", kv_chunk_size=16,
+                           session_truncation="drop_oldest_turns", session_rerotate=True,
+                           session_rerotate_boundary_chunks=0,  # every staged chunk from the first
+                           kv_merge_mode="load_only")  # every stored chunk loads: exact hit counts
 
   @classmethod
   def tearDownClass(cls):
@@ -41,16 +46,13 @@ class TruncatePromptTokensUnitTest(absltest.TestCase):
       self.llm.generate({"prompt_token_ids": [1, 2, 3],
                          "cache_salt": sessions.REROTATED_SALT_PREFIX + "x"})
     with self.assertRaisesRegex(ValueError, "needs a kv_store"):
-      engines.fake_llm(compile_on_init=False, session_truncation="drop_oldest_turns",
-          session_rerotate=True)
+      self.make_llm(session_truncation="drop_oldest_turns", session_rerotate=True)
     with self.assertRaisesRegex(ValueError, "needs session_truncation"):
-      engines.fake_llm(compile_on_init=False, kv_store="memory://",
-          session_rerotate=True)
+      self.make_llm(kv_store="memory://", session_rerotate=True)
     for bad in (-1, True, 1.5):
       with self.assertRaisesRegex(ValueError, "session_rerotate_boundary_chunks"):
-        engines.fake_llm(compile_on_init=False, kv_store="memory://",
-            session_truncation="drop_oldest_turns", session_rerotate=True,
-            session_rerotate_boundary_chunks=bad)
+        self.make_llm(kv_store="memory://", session_truncation="drop_oldest_turns",
+                      session_rerotate=True, session_rerotate_boundary_chunks=bad)
     with self.assertRaisesRegex(ValueError, "boundary_chunks"):
       stage_rerotated(self.llm.kv_store, [1, 2], None, [1, 2], [], "x", boundary_chunks=-1)
 
