@@ -79,8 +79,8 @@ class ServerConfigStoreTest(absltest.TestCase):
     self.assertTrue(tier.url.startswith("file://") and tier.url.endswith("/store"))
 
   def test_the_capacity_flag(self):
-    config = ServerConfig.from_flat(model="tiny", kv_store="memory://", kv_store_capacity_bytes=1 << 20,
-                          kv_link_bytes_per_s=1e9)
+    config = ServerConfig.from_flat(model="tiny", kv_store="memory://",
+                                    kv_store_capacity_bytes=1 << 20, kv_link_bytes_per_s=1e9)
     (tier,) = config.llm_options()["kv_store"].tiers
     self.assertEqual((tier.url, tier.capacity_bytes, tier.link_bytes_per_s),
                      ("memory://", 1 << 20, 1e9))
@@ -98,8 +98,8 @@ class ServerConfigStoreTest(absltest.TestCase):
 
   def test_start_up_line_says_where_how_large_and_sessions(self):
     d = tempfile.mkdtemp()
-    config = ServerConfig.from_flat(model="tiny", kv_store=f"file://{d}", kv_chunk_size=C, cache_dir="",
-                          kv_store_capacity_bytes=3 << 20)
+    config = ServerConfig.from_flat(model="tiny", kv_store=f"file://{d}", kv_chunk_size=C,
+                                    cache_dir="", kv_store_capacity_bytes=3 << 20)
     llm = real_llm("tiny", compile_on_init=False, **config.llm_options())
     try:
       line = store_startup_line(config, llm)
@@ -108,7 +108,8 @@ class ServerConfigStoreTest(absltest.TestCase):
     self.assertIn(f"KV store file://{d} (disk: 0 B in 0 chunks, capacity 3.0 MiB; "
                   "--kv_store_capacity_bytes sets it", line)
     self.assertIn(f"chat sessions persist across restarts in {d}/sessions/", line)
-    config = ServerConfig.from_flat(model="tiny", kv_store="memory://", kv_chunk_size=C, cache_dir="")
+    config = ServerConfig.from_flat(model="tiny", kv_store="memory://", kv_chunk_size=C,
+                                    cache_dir="")
     llm = real_llm("tiny", compile_on_init=False, **config.llm_options())
     try:
       line = store_startup_line(config, llm)
