@@ -9,7 +9,7 @@ import importlib
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "kvjax.engine.llm", "RequestOutput": "kvjax.engine.outputs",
+_LAZY = {"LLM": "kvjax.entrypoints.llm", "RequestOutput": "kvjax.engine.outputs",
          "SamplingParams": "kvjax.scheduler.request"}
 
 

@@ -36,7 +36,7 @@ else
   # The server's own options (ServerConfig's defaults), so its compiled programs are the ones
   # cached here. A failure is not fatal: the first start then does this work itself.
   "$venv/bin/python" - <<'PY' || echo "kvjax setup: preparing failed (above); the first server start will convert and compile"
-from kvjax.engine.llm import LLM
+from kvjax.entrypoints.llm import LLM
 from kvjax.serve.server import ServerConfig
 
 LLM(startup_progress=lambda e: print("kvjax:", e.message, flush=True),

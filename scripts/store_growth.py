@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
 from kvjax import SamplingParams  # noqa: E402
-from kvjax.engine import builder  # noqa: E402
+from kvjax.entrypoints import builder  # noqa: E402
 from kvjax.serve.server import ServerConfig  # noqa: E402
 
 DATA = benchlib.REPO.parent / "shared" / "data" / "sharegpt" / "sharegpt_v3_multiturn_1000.json"

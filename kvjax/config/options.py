@@ -12,7 +12,7 @@ sessions) and `ParallelOptions` (tensor parallelism, multi-host). A field's name
 flag details sit in its metadata (`kvjax.config.fields.option`). `EngineOptions.validate` holds
 every check that needs no model: a bad value is a ValueError naming the option before any
 weights load. Checks that need the model (its context, layers, heads) stay where it is loaded
-(`kvjax.engine.llm.LLM`).
+(`kvjax.entrypoints.llm.LLM`).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import uvicorn
 
 from kvjax.config import DEFAULT_MAX_NUM_SEQS, EngineOptions, option, server_defaults
-from kvjax.engine import LLM, builder
-from kvjax.engine.llm import StartupEvent
+from kvjax.entrypoints import LLM, builder
+from kvjax.entrypoints.llm import StartupEvent
 from kvjax.serve import kv_events
 from kvjax.serve.app import Backend
 from kvjax.serve.async_engine import AsyncEngine

@@ -1,5 +1,5 @@
 """One chat-session turn's plan, shared by both front ends (`LLM.chat(session_id=)` in
-`kvjax/engine/llm.py` and the server's chat endpoint in `kvjax/serve/app.py`): plain data in
+`kvjax/entrypoints/llm.py` and the server's chat endpoint in `kvjax/serve/app.py`): plain data in
 (the lease, the conversation, the output limit, the context), plain data out (`TurnPlan`: the
 prompt ids, the cache salt, the history whose stored tail the engine looks up, the output tokens
 reserved).

@@ -24,7 +24,7 @@ from kvjax._typing import ModelFingerprint
 from kvjax.engine import llm as llm_module
 from kvjax.engine.engine import Engine
 from kvjax.engine.outputs import RequestOutput
-from kvjax.engine.llm import LLM
+from kvjax.entrypoints.llm import LLM
 from kvjax.connector import KVStoreClient
 from kvjax.models.byte_tokenizer import ByteTokenizer
 from kvjax.models.kv_cache import KV_LAYOUT_VERSION, paged_block_nbytes

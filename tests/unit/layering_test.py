@@ -27,7 +27,10 @@ FORBIDDEN = {
     "sessions": {"kvjax.models", "kvjax.kernels", "kvjax.storage", "kvjax.scheduler",
                  "kvjax.engine", "kvjax.connector", "kvjax.serve", "kvjax.store", "kvjax.testing", "jax", "flax",
                  "tensorstore", "numpy"},
-    "engine": {"kvjax.serve", "kvjax.testing"},
+    "engine": {"kvjax.entrypoints", "kvjax.serve", "kvjax.testing"},
+    # The entry points (`LLM`, the server's builder) build an engine from the configuration tree;
+    # the front ends (serve) and the tests sit above them.
+    "entrypoints": {"kvjax.serve", "kvjax.testing"},
     # The configuration tree (every engine option declared once) sits below the engine and the
     # server: it reads the lower rooms' defaults and config records, never an engine or a front end.
     "config": {"kvjax.engine", "kvjax.connector", "kvjax.serve", "kvjax.store", "kvjax.testing"},
@@ -40,6 +43,12 @@ FORBIDDEN = {
     "store": {"kvjax.models", "kvjax.kernels", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
               "kvjax.sessions", "kvjax.testing", "jax", "flax"},
 }
+
+# The entry points (`LLM`, the server's builder) sit above every room but the front ends and the
+# tests: no room below them imports them.
+for _room in ("kernels", "scheduler", "storage", "models", "sessions", "config", "connector",
+              "store"):
+  FORBIDDEN[_room] = FORBIDDEN[_room] | {"kvjax.entrypoints"}
 
 # Bottom-floor modules -> the only kvjax modules they may import, and the libraries they must not.
 BOTTOM_FLOORS = {"_typing.py": set(), "_paths.py": set(), "codecs.py": {"kvjax._typing"},
@@ -365,7 +374,7 @@ class LayeringTest(absltest.TestCase):
 
   def test_rooms_exist(self):
     for room in ("kernels", "scheduler", "models", "engine", "connector", "storage", "serve",
-                 "store", "sessions"):
+                 "store", "sessions", "config", "entrypoints"):
       self.assertTrue((PKG / room / "__init__.py").is_file(), room)
     for name in BOTTOM_FLOORS:
       self.assertTrue((PKG / name).is_file(), name)

@@ -8,7 +8,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
-from kvjax.engine import builder
+from kvjax.entrypoints import builder
 from kvjax.storage.tiers import StoreConfig, TierConfig
 
 

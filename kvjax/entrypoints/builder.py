@@ -22,7 +22,7 @@ from typing import Any
 
 
 from kvjax.config import EngineOptions
-from kvjax.engine.llm import LLM
+from kvjax.entrypoints.llm import LLM
 from kvjax.storage import specs
 from kvjax.storage.tiers import DEFAULT_STORE_CAPACITY_BYTES, StoreConfig, TierConfig, url_kind
 
