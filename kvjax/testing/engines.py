@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 from kvjax import codecs
 from kvjax._typing import ModelFingerprint
-from kvjax.engine import llm as llm_module
+from kvjax.entrypoints import llm as llm_module
 from kvjax.engine.engine import Engine
 from kvjax.engine.outputs import RequestOutput
 from kvjax.entrypoints.llm import LLM

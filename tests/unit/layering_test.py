@@ -55,10 +55,12 @@ BOTTOM_FLOORS = {"_typing.py": set(), "_paths.py": set(), "codecs.py": {"kvjax._
                  "block_hash.py": {"kvjax._typing"}}
 BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"}
 
-# Room -> the only kvjax modules it may import (besides itself): serve sees the engine, the
-# sessions and the request types, nothing below them; sessions see nothing but themselves.
+# Room -> the only kvjax modules it may import (besides itself): serve sees the entry points,
+# the engine, the configuration tree, the sessions and the request types, nothing below them;
+# sessions see nothing but themselves.
 ALLOWED_KVJAX = {
-    "serve": {"kvjax.serve", "kvjax.engine", "kvjax.config", "kvjax.sessions",
+    "serve": {"kvjax.serve", "kvjax.entrypoints", "kvjax.engine", "kvjax.config",
+              "kvjax.sessions",
               "kvjax.scheduler.request", "kvjax._typing", "kvjax.codecs"},
     "sessions": {"kvjax.sessions"},
     "store": {"kvjax.store", "kvjax.storage", "kvjax.codecs", "kvjax._typing", "kvjax._paths"},
