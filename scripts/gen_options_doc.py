@@ -81,7 +81,8 @@ def collect_options() -> list[Option]:
   from absl import flags
   from kvjax import config
   from kvjax.serve.server import ServerConfig
-  importlib.import_module(SERVER_FLAGS_MODULE)
+  server_flags = flags.FlagValues()  # the server's flags alone, whatever else this process holds
+  importlib.import_module(SERVER_FLAGS_MODULE).define_flags(server_flags)
   options: list[Option] = []
   for _, field in config.all_option_fields():
     spec = config.spec(field)
@@ -95,7 +96,7 @@ def collect_options() -> list[Option]:
                           flag_default=_flag_default(config.flag_default(field), spec.help),
                           text=_scrub(spec.help)))
   named = {o.name for o in options}
-  for flag in flags.FLAGS.flags_by_module_dict()[SERVER_FLAGS_MODULE]:
+  for flag in (f for fs in server_flags.flags_by_module_dict().values() for f in fs):
     if flag.name not in named:
       options.append(Option(name=flag.name, llm_default=None,
                             flag_default=_flag_default(flag.default, flag.help),

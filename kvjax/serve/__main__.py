@@ -103,39 +103,49 @@ _DEFINE = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer,
            "float": flags.DEFINE_float, "bool": flags.DEFINE_bool, "list": flags.DEFINE_list}
 
 
-def _define_flags(fields: list[dataclasses.Field]) -> None:
-  """One absl flag per option field (`kvjax.config.option`): its name, kind, default and help."""
-  for field in fields:
-    s = spec(field)
-    if s.flag == "enum":
-      flags.DEFINE_enum(s.name, flag_default(field), list(s.choices), s.help)
-    else:
-      _DEFINE[s.flag](s.name, flag_default(field), s.help)
-
-
 # Every engine option (`kvjax.config.EngineOptions`), then the server's own (`ServerConfig`).
 _ENGINE_FIELDS = [f for _, f in all_option_fields()]
 _SERVER_FIELDS = option_fields(ServerConfig)
-_define_flags(_ENGINE_FIELDS + _SERVER_FIELDS)
-# -- S3 endpoint and region: set in this process's environment, where the store spec reads them
-# (`kvjax.storage.specs.kvstore_spec`); no option of the engine or the server --------------------
-_S3_ENDPOINT = flags.DEFINE_string(
-    "s3_endpoint_url", None,
-    "S3-compatible endpoint of an s3:// --kv_store (MinIO, Ceph RGW, ...); sets AWS_ENDPOINT_URL "
-    "for this process. Default: $AWS_ENDPOINT_URL, else AWS. Credentials come from the usual "
-    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment or AWS config, never from flags.")
-_S3_REGION = flags.DEFINE_string("s3_region", None,
-                                 "Region of an s3:// --kv_store; sets AWS_REGION. Default: "
-                                 "$AWS_REGION, else $AWS_DEFAULT_REGION.")
 
 
-def _flag_values(fields: list[dataclasses.Field]) -> dict:
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Defines the server's flags in `flag_values`: one per option field (`kvjax.config.option`:
+  its name, kind, default and help), then the S3 endpoint and region (set in this process's
+  environment, where the store spec reads them: `kvjax.storage.specs.kvstore_spec`; no option
+  of the engine or the server).
+
+  `python -m kvjax.serve` defines them in absl's global `FLAGS` before parsing; importing this
+  module defines nothing, so a process that also holds other absl programs' flags (a test run)
+  can build the server's flags in a `FlagValues` of its own.
+
+  Raises:
+    absl.flags.DuplicateFlagError: a flag of the same name is already in `flag_values`.
+  """
+  for field in _ENGINE_FIELDS + _SERVER_FIELDS:
+    s = spec(field)
+    if s.flag == "enum":
+      flags.DEFINE_enum(s.name, flag_default(field), list(s.choices), s.help,
+                        flag_values=flag_values)
+    else:
+      _DEFINE[s.flag](s.name, flag_default(field), s.help, flag_values=flag_values)
+  flags.DEFINE_string(
+      "s3_endpoint_url", None,
+      "S3-compatible endpoint of an s3:// --kv_store (MinIO, Ceph RGW, ...); sets "
+      "AWS_ENDPOINT_URL for this process. Default: $AWS_ENDPOINT_URL, else AWS. Credentials "
+      "come from the usual AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment or AWS config, "
+      "never from flags.", flag_values=flag_values)
+  flags.DEFINE_string("s3_region", None,
+                      "Region of an s3:// --kv_store; sets AWS_REGION. Default: $AWS_REGION, "
+                      "else $AWS_DEFAULT_REGION.", flag_values=flag_values)
+
+
+def _flag_values(fields: list[dataclasses.Field], flag_values: flags.FlagValues) -> dict:
   """{field name: the parsed flag's value, through the field's `parse`}; UsageError on a bad
   one."""
   out = {}
   for field in fields:
     s = spec(field)
-    value = flags.FLAGS[s.name].value
+    value = flag_values[s.name].value
     if s.parse is not None:
       try:
         value = s.parse(value)
@@ -145,17 +155,19 @@ def _flag_values(fields: list[dataclasses.Field]) -> dict:
   return out
 
 
-def config_from_flags() -> ServerConfig:
-  """The `ServerConfig` of the parsed flags; `app.UsageError` on bad values."""
-  engine = _flag_values(_ENGINE_FIELDS)
-  server = _flag_values(_SERVER_FIELDS)
-  if server["kv_tiers"] is not None and flags.FLAGS["kv_store"].present:
+def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> ServerConfig:
+  """The `ServerConfig` of the parsed flags (`define_flags`' flags in `flag_values`);
+  `app.UsageError` on bad values."""
+  engine = _flag_values(_ENGINE_FIELDS, flag_values)
+  server = _flag_values(_SERVER_FIELDS, flag_values)
+  if server["kv_tiers"] is not None and flag_values["kv_store"].present:
     raise app.UsageError("give --kv_store or --kv_tiers, not both")
   if server["api_key"] is None:
     server["api_key"] = os.environ.get("KVJAX_API_KEY") or None
   if server["auth_health_and_metrics"] and not server["api_key"]:
     raise app.UsageError("--auth_health_and_metrics needs --api_key (or KVJAX_API_KEY)")
-  for value, var in ((_S3_ENDPOINT.value, "AWS_ENDPOINT_URL"), (_S3_REGION.value, "AWS_REGION")):
+  for name, var in (("s3_endpoint_url", "AWS_ENDPOINT_URL"), ("s3_region", "AWS_REGION")):
+    value = flag_values[name].value
     if value:
       os.environ[var] = value
   try:
@@ -301,4 +313,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main, flags_parser=parse_flags)

@@ -6,7 +6,7 @@ import os
 from unittest import mock
 
 from absl import flags
-from absl.testing import absltest, flagsaver
+from absl.testing import absltest
 
 from kvjax import config
 from kvjax.config import EngineOptions
@@ -15,9 +15,19 @@ from kvjax.serve.server import DEFAULT_MAX_NUM_SEQS, ServerConfig, server_engine
 from kvjax.testing import engines
 
 
+def server_flags(*argv: str) -> flags.FlagValues:
+  """The server's flags (`define_flags`) in a `FlagValues` of their own, parsed from `argv` (a
+  test process may hold other absl programs' flags of the same names)."""
+  flag_values = flags.FlagValues()
+  serve_main.define_flags(flag_values)
+  flag_values(["kvjax.serve", *argv])
+  return flag_values
+
+
 class OptionTreeTest(absltest.TestCase):
 
   def test_every_field_has_text_a_flag_and_an_llm_keyword(self):
+    server_flag_values = server_flags()
     names = [f.name for _, f in config.all_option_fields()]
     self.assertLen(set(names), len(names))  # one declaration per option
     server_own = {f.name for f in dataclasses.fields(ServerConfig)}
@@ -27,7 +37,7 @@ class OptionTreeTest(absltest.TestCase):
       with self.subTest(spec.name):
         self.assertTrue(spec.doc and spec.help)
         self.assertIn(spec.flag, config.FLAG_KINDS)
-        flag = flags.FLAGS[spec.name]  # the server's flag of the same name
+        flag = server_flag_values[spec.name]  # the server's flag of the same name
         self.assertEqual(flag.help.split(">: ", 1)[-1] if spec.flag == "enum" else flag.help,
                          spec.help)
         self.assertEqual(flag.default, config.flag_default(field))
@@ -36,7 +46,7 @@ class OptionTreeTest(absltest.TestCase):
         self.assertEqual(EngineOptions.from_flat(**{spec.name: default}).flat()[spec.name],
                          default)
     for field in config.option_fields(ServerConfig):
-      self.assertEndsWith(flags.FLAGS[field.name].help, config.spec(field).help)
+      self.assertEndsWith(server_flag_values[field.name].help, config.spec(field).help)
 
   def test_flat_round_trip_and_sections(self):
     opts = EngineOptions.from_flat(model="tiny", kv_store="memory://", kv_codec="int8",
@@ -90,9 +100,7 @@ class ServerFlagsTest(absltest.TestCase):
     os.environ.pop("KVJAX_API_KEY", None)
 
   def test_default_flags_are_the_default_server_config(self):
-    with flagsaver.flagsaver():
-      flags.FLAGS.mark_as_parsed()
-      config = serve_main.config_from_flags()
+    config = serve_main.config_from_flags(server_flags())
     self.assertEqual(config, ServerConfig())
     self.assertEqual(config.engine, server_engine_options())
     self.assertEqual(config.engine.scheduler.max_num_seqs, DEFAULT_MAX_NUM_SEQS)
@@ -101,19 +109,18 @@ class ServerFlagsTest(absltest.TestCase):
     self.assertEqual(config.llm_options(), ServerConfig.from_flat().llm_options())
 
   def test_flag_values_reach_the_engine_options(self):
-    with flagsaver.as_parsed(model="tiny", kv_store="memory://", kv_codec="cachegen",
-                             max_num_seqs="8", kv_codec_consistent="false",
-                             chunk_sizes="16,32,64,128,256", session_ttl_s="-1",
-                             max_waiting_requests="-1", allowed_origins="https://a.example",
-                             kv_codec_levels="0,1"):
-      config = serve_main.config_from_flags()
+    config = serve_main.config_from_flags(server_flags(
+        "--model=tiny", "--kv_store=memory://", "--kv_codec=cachegen", "--max_num_seqs=8",
+        "--kv_codec_consistent=false", "--chunk_sizes=16,32,64,128,256", "--session_ttl_s=-1",
+        "--max_waiting_requests=-1", "--allowed_origins=https://a.example",
+        "--kv_codec_levels=0,1"))
     self.assertEqual(config, ServerConfig.from_flat(
         model="tiny", kv_store="memory://", kv_codec="cachegen", max_num_seqs=8,
         kv_codec_consistent=False, chunk_sizes=(16, 32, 64, 128, 256), session_ttl_s=None,
         max_waiting_requests=None, allowed_origins=("https://a.example",),
         kv_codec_levels=(0, 1)))
-    with flagsaver.as_parsed(kv_store="none"):
-      self.assertIsNone(serve_main.config_from_flags().engine.kv.kv_store)
+    self.assertIsNone(
+        serve_main.config_from_flags(server_flags("--kv_store=none")).engine.kv.kv_store)
 
 
 if __name__ == "__main__":
