@@ -31,8 +31,10 @@ class OpenAIApiUnitTest(ServedLLMTestCase):
   @classmethod
   def make_llm(cls):
     cls.ref = cls.tiny_llm(max_num_seqs=1)
+    cls.addClassCleanup(cls.ref.close)
     # Load-only makes "the whole stored prefix is loaded" exact; Cake's own timing-dependent
-    # meeting point is covered by tests/integration/engine/cake_engine_test.py and the notebook test.
+    # meeting point is covered by tests/integration/engine/cake_engine_test.py and the notebook
+    # test.
     # No device prefix cache: the store-hit tests count loads from the store.
     return cls.tiny_llm(max_num_seqs=4, kv_store="memory://", kv_chunk_size=CHUNK,
                         enable_prefix_caching=False, kv_merge_mode="load_only")
