@@ -58,7 +58,7 @@ from typing import Any, Sequence
 
 from kvjax import codecs
 from kvjax._typing import ChunkHash
-from kvjax.connector import device
+from kvjax.connector.device import DeviceSeam
 from kvjax.connector.loader import LoaderMixin
 from kvjax.connector.lookup import LookupMixin
 from kvjax.connector.prefetch import PrefetchMixin
@@ -93,16 +93,12 @@ class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, T
     kvtc_transform_id: the 16-byte identity of this model's kvtc transform
       (`KVTCTransform.transform_id`), or None; a loaded kvtc chunk coded with another transform
       (or any kvtc chunk when None) is a miss (`MissReason.UNKNOWN_CODEC`), never decoded.
-    use_pallas_entropy: how a landed chunk whose arrays the reader left entropy-coded
-      (`storage.entropy.RansCodes`: kvtc's "rans-bands" `q`) is decoded on the device: the Pallas
-      rANS kernel (True) or the jit'd jnp reference (False); None: Pallas when `platform` is GPU
-      or TPU, the jnp reference on CPU (measured faster there than the numpy host decoder,
-      `scripts/bench_rans.py`). A chunk whose streams fail the decoder's `ok` check is a miss
-      (`MissReason.CORRUPT`), recomputed like any bad chunk.
-    platform: the target platform of the runner whose cache the chunks go to ("cpu" | "tpu" |
-      "cuda", `kvjax.kernels.platform`; a paged runner's `platform`): the entropy decoder is
-      chosen and compiled for it, not for the host. None: the platform being compiled for
-      (`resolve_platform`: the default backend outside an abstract mesh).
+    device: the runner's device seam (`kvjax.connector.device.DeviceSeam`; a runner's
+      `device_seam()`): every device call of the connector goes through it (host -> device puts,
+      device -> host copies of saved chunks, and the device decode of a landed chunk whose arrays
+      the reader left entropy-coded, `storage.entropy.RansCodes`: kvtc's "rans-bands" `q`). A
+      chunk whose streams fail the decoder's `ok` check is a miss (`MissReason.CORRUPT`),
+      recomputed like any bad chunk.
     prefetch_bytes: look-ahead prefetch reads' bytes in flight at most (the first never
       waits); None: 4 raw chunks.
     consistent: the engine runs `kv_codec_consistent` (a lossy codec's one level,
@@ -115,17 +111,14 @@ class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, T
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
                kvtc_transform_id: bytes | None = None, device_link=None,
-               use_pallas_entropy: bool | None = None, platform: str | None = None,
-               prefetch_bytes: int | None = None, consistent: bool = False):
+               device: DeviceSeam, prefetch_bytes: int | None = None, consistent: bool = False):
     self.codec = codec
     #: `KeyNamespace.encoding` of every key: "codec/level" of the one level a
     #: `kv_codec_consistent` engine stores and loads (lossy codecs), else None.
     self.key_encoding = (str(codecs.EncodingId(codec, tuple(codec_levels)[0]))
                          if consistent and codec != codecs.RAW else None)
-    #: The entropy decoder's target platform ("cpu" | "tpu" | "cuda").
-    self.platform = device.resolve_platform(platform)
-    self.use_pallas_entropy = (self.platform != "cpu" if use_pallas_entropy is None
-                               else bool(use_pallas_entropy))
+    #: The runner's device seam: the connector's only way to the device.
+    self.device = device
     #: The emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or None: every
     #: staged chunk's bytes pass it on their way into the KV cache (`transfer`, `charge_device`).
     self.device_link = device_link

@@ -1,60 +1,79 @@
-"""The connector's device seam: every jax call of the KV connector lives here.
+"""The connector's device seam: what the KV connector asks of the device, as a protocol.
 
-Device work belongs to the runner; until the runner takes it, the connector calls these few
-functions only (entropy decode on the device, host -> device puts, device -> host gets), so
-the rest of `kvjax/connector/` imports no jax.
-
-`resolve_platform` (re-exported from `kvjax.kernels.platform`) names the runner's platform.
+Device work belongs to the runner (`kvjax/models/device_seam.py`: `JaxDeviceSeam`, handed out
+by `PagedModelRunner.device_seam()`; the fake runner's is numpy). The connector calls the
+device only through a `DeviceSeam` it is given (`KVStoreClient(device=)`): entropy decode on
+the device, host -> device puts, device -> host gets, the device bytes a value holds. No
+module of `kvjax/connector/` imports jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-import jax
 import numpy as np
 
-from kvjax.kernels import kvtc_rans
-from kvjax.kernels.platform import resolve_platform
 from kvjax.storage import entropy
 from kvjax.storage.types import ChunkHit, ChunkMiss, MissReason
 
 
-def held_nbytes(hit: ChunkHit) -> int:
+@runtime_checkable
+class DeviceSeam(Protocol):
+  """The runner's device, as the connector sees it (plain data in, handles out).
+
+  Attributes:
+    platform: the target platform of the runner whose cache the chunks go to ("cpu" | "tpu" |
+      "cuda", `kvjax.kernels.platform`): the device decoders are chosen and compiled for it.
+  """
+
+  platform: str
+
+  def put(self, host_array: np.ndarray) -> Any:
+    """Starts putting a host array on the device (not waited for); returns its handle."""
+    ...
+
+  def get(self, tree: Any) -> Any:
+    """Copies a tree of device arrays (host arrays pass through) to the host in one
+    transfer."""
+    ...
+
+  def decode_entropy(self, codes: entropy.RansCodes) -> tuple[Any, bool]:
+    """(int16 codes `[L, 2, C, D]` on the device, ok: bool) of one array the reader left
+    rANS-coded (`entropy.RansCodes`); ok False: a stream did not decode to its initial state.
+
+    Raises:
+      ValueError: band arrays that do not fit together."""
+    ...
+
+  def nbytes(self, value: Any) -> int:
+    """Bytes `value` holds on the device: an array's size for a device array, 0 for anything
+    else (host arrays, scalars)."""
+    ...
+
+
+def held_nbytes(hit: ChunkHit, seam: DeviceSeam) -> int:
   """Bytes a staged chunk holds: its stored bytes plus every array already decoded on the device
   (`decode_on_device`)."""
-  return int(hit.encoding.nbytes) + sum(int(a.nbytes) for a in hit.payload.values()
-                                        if isinstance(a, jax.Array))
+  return int(hit.encoding.nbytes) + sum(seam.nbytes(a) for a in hit.payload.values())
 
 
-def rans_decode(a: entropy.RansCodes, *, use_pallas: bool, platform: str):
-  """(codes on the device, ok: bool) of one array the reader left rANS-coded.
-
-  Raises:
-    ValueError: band arrays that do not fit together (`kvtc_rans.pack_bands`)."""
-  packed = kvtc_rans.pack_bands(a.shape, a.bands, a.offsets, a.arrays)
-  q, ok = kvtc_rans.decode_codes(packed, use_pallas=use_pallas, platform=platform)
-  return q, bool(ok)
-
-
-def decode_on_device(got: ChunkHit, decode) -> ChunkHit | ChunkMiss:
-  """Host bytes -> device -> rANS decode of every entropy-coded array (one jit'd call each,
-  `kvtc_rans.decode_codes`); a failed `ok` check is a CORRUPT miss. The staged payload then
-  holds the int16 codes as a device array, for the runner's dequantize -> inverse transform ->
-  RoPE -> cache write.
+def decode_on_device(got: ChunkHit, seam: DeviceSeam) -> ChunkHit | ChunkMiss:
+  """Host bytes -> device -> rANS decode of every entropy-coded array (`seam.decode_entropy`,
+  one jit'd call each on a jax runner); a failed `ok` check, or bands that do not fit, is a
+  CORRUPT miss. The staged payload then holds the int16 codes as a device array, for the
+  runner's dequantize -> inverse transform -> RoPE -> cache write.
 
   Args:
     got: a landed hit whose payload may hold `entropy.RansCodes` arrays.
-    decode: `RansCodes -> (codes on the device, ok)` (`rans_decode` with the runner's
-      platform).
+    seam: the runner's device seam.
   """
   arrays = dict(got.payload)
   for name, a in got.payload.items():
     if not isinstance(a, entropy.RansCodes):
       continue
     try:
-      q, ok = decode(a)
+      q, ok = seam.decode_entropy(a)
     except ValueError as e:
       return ChunkMiss(got.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")
     if not ok:
@@ -64,14 +83,4 @@ def decode_on_device(got: ChunkHit, decode) -> ChunkHit | ChunkMiss:
   return dataclasses.replace(got, payload=arrays)
 
 
-def put(piece: np.ndarray) -> Any:
-  """Starts putting a host array on the default device (not waited for)."""
-  return jax.device_put(np.ascontiguousarray(piece))
-
-
-def get(tree: Any) -> Any:
-  """Copies a tree of device arrays to the host in one transfer."""
-  return jax.device_get(tree)
-
-
-__all__ = ["decode_on_device", "get", "held_nbytes", "put", "rans_decode", "resolve_platform"]
+__all__ = ["DeviceSeam", "decode_on_device", "held_nbytes"]

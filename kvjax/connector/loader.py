@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvjax import codecs
-from kvjax.connector import device
+from kvjax.connector.device import decode_on_device, held_nbytes
 from kvjax.connector.records import LoaderStats, Pending, PrefixLookup, TierSnapshot
 from kvjax.scheduler.output import LoadReport
 from kvjax.storage import codecs as storage_codecs
@@ -129,19 +129,19 @@ class LoaderMixin:
         raise RuntimeError(f"warming up the device entropy decoder: {name} did not decode")
 
   def _rans_decode(self, a: entropy.RansCodes):
-    """(codes on the device, ok: bool) of one array the reader left rANS-coded (the device
-    seam, `kvjax.connector.device.rans_decode`).
+    """(codes on the device, ok: bool) of one array the reader left rANS-coded (the runner's
+    device seam, `DeviceSeam.decode_entropy`).
 
     Raises:
-      ValueError: band arrays that do not fit together (`kvtc_rans.pack_bands`)."""
-    return device.rans_decode(a, use_pallas=self.use_pallas_entropy, platform=self.platform)
+      ValueError: band arrays that do not fit together."""
+    return self.device.decode_entropy(a)
 
   def _decode_on_device(self, got: ChunkHit) -> ChunkHit | ChunkMiss:
     """Decodes every entropy-coded array of a landed chunk on the device
     (`kvjax.connector.device.decode_on_device`); a failed `ok` check is a CORRUPT miss."""
     with self._lock:
       self._stats.device_decoded += 1
-    return device.decode_on_device(got, self._rans_decode)
+    return decode_on_device(got, self.device)
 
   def _check_transform(self, got: ChunkHit | ChunkMiss) -> ChunkHit | ChunkMiss:
     """A kvtc hit coded with another transform than this model's becomes a miss."""
@@ -176,7 +176,7 @@ class LoaderMixin:
           self._pf = dataclasses.replace(self._pf, useful=self._pf.useful + 1)
       if ok and not item.released:
         self._staged[key] = got
-        self._stats.staged_bytes += device.held_nbytes(got)
+        self._stats.staged_bytes += held_nbytes(got, self.device)
       self._reports.append(LoadReport(
           request_id=item.request_id, index=item.index, ok=ok, nbytes=nbytes,
           tier=got.tier if ok else "",
@@ -207,7 +207,7 @@ class LoaderMixin:
     """
     with self._lock:
       hit = self._staged.pop((request_id, index))
-      self._stats.staged_bytes -= device.held_nbytes(hit)
+      self._stats.staged_bytes -= held_nbytes(hit, self.device)
     self._pump()
     return hit
 
@@ -227,7 +227,7 @@ class LoaderMixin:
       elif key in self._reading:
         self._reading[key].released = True
       elif key in self._staged:
-        self._stats.staged_bytes -= device.held_nbytes(self._staged.pop(key))
+        self._stats.staged_bytes -= held_nbytes(self._staged.pop(key), self.device)
         self._stats.released_staged += 1
     self._pump()
 
@@ -243,7 +243,7 @@ class LoaderMixin:
         self._reading.pop(k).future.cancel()
       staged = [k for k in self._staged if k[0] == request_id]
       for k in staged:
-        self._stats.staged_bytes -= device.held_nbytes(self._staged.pop(k))
+        self._stats.staged_bytes -= held_nbytes(self._staged.pop(k), self.device)
       self._reports = [r for r in self._reports if r.request_id != request_id]
       n = len(queued) + len(reading) + len(staged)
       self._stats.cancelled += len(queued) + len(reading)

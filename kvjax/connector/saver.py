@@ -12,7 +12,6 @@ from typing import Sequence
 import numpy as np
 
 from kvjax._typing import ChunkHash
-from kvjax.connector import device
 from kvjax.connector.records import SaveJob
 from kvjax.storage import keys
 from kvjax.storage.types import EncodedPayload, MissReason, ChunkMiss
@@ -99,7 +98,7 @@ class SaverMixin:
 
   def _save(self, job: SaveJob) -> None:
     """Copies the chunk (or its encoded levels) to the host in one transfer, then stores it."""
-    host = device.get(job.kv if job.payloads is None else job.payloads)
+    host = self.device.get(job.kv if job.payloads is None else job.payloads)
     if job.payloads is None:
       put = lambda: self.store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
                                    np.asarray(host))

@@ -8,7 +8,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvjax.connector import device
 
 
 class LayerTransfer:
@@ -99,7 +98,7 @@ class TransferMixin:
           self.device_link.wait_reserved(done_s, int(piece.nbytes))
         # Not waited for here: on a CPU backend the copy would queue behind the step's compute
         # and pace the emulated link by the engine (an accelerator's copy engine does not).
-        t._set(g, device.put(piece))
+        t._set(g, self.device.put(piece))
       except Exception as e:  # noqa: BLE001 - reported to the waiter
         t._set(g, error=e)
 

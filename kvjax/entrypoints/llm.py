@@ -353,7 +353,7 @@ class LLM:
                            codec_levels=self.options.codec_levels, kvtc_transform_id=tid,
                            device_link=(LinkLimiter(kv.kv_device_link_bytes_per_s)
                                         if kv.kv_device_link_bytes_per_s is not None else None),
-                           consistent=consistent, platform=runner.platform)
+                           consistent=consistent, device=runner.device_seam())
     try:  # a store a larger capacity filled is brought under this one now, not at a write
       client.enforce_capacity()
     except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute, as loads do

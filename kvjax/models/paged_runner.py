@@ -34,6 +34,7 @@ from kvjax.kernels import kvtc
 from kvjax.kernels.platform import platform_of, resolve_platform
 from kvjax.models import multihost
 from kvjax.models.codec_programs import RunnerCodecs
+from kvjax.models.device_seam import JaxDeviceSeam
 from kvjax.models.kv_cache import (PagedKVCache, PoolLayout, init_paged_kv_cache,
                                    paged_pool_shape, pool_lane_multiple,
                                    read_pool_blocks, write_chunk_blocks)
@@ -325,6 +326,11 @@ class PagedModelRunner:
     if self._channel is not None:
       return np.asarray(k), np.asarray(v)
     return k, v
+
+  def device_seam(self) -> JaxDeviceSeam:
+    """The KV connector's way to this runner's device: puts, gets and the rANS entropy decoder
+    built for `platform` (`kvjax.models.device_seam.JaxDeviceSeam`)."""
+    return JaxDeviceSeam(self.platform)
 
   @property
   def is_follower(self) -> bool:

@@ -323,7 +323,7 @@ class Runner(Protocol):
     max_chunk_size: the largest of them.
     buckets: the step's compiled token counts, ascending.
     platform: the platform the programs are built for ("cpu" | "tpu" | "cuda",
-      `kvjax.kernels.platform`); the store client builds its device decoders for it.
+      `kvjax.kernels.platform`); its `device_seam()` decodes for it.
   """
 
   model_config: LlamaConfig
@@ -417,6 +417,12 @@ class Runner(Protocol):
   def encode_levels(self, kv_L2CKH: Any, codec: str, levels: tuple[int, ...],
                     start: int) -> list:
     """A chunk's payload at every level: `[(codec, level, {name: array}, finite flag)]`."""
+    ...
+
+  def device_seam(self) -> Any:
+    """The KV connector's way to this runner's device (`kvjax.connector.device.DeviceSeam`:
+    host -> device puts, device -> host gets, entropy decode, device bytes), built for
+    `platform`; the store client is given it (`KVStoreClient(device=)`)."""
     ...
 
   # --------------------------------------------------------------------------- lifetime

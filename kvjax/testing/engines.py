@@ -89,7 +89,7 @@ def fake_store_client(kv_store: str | StoreConfig, runner: FakeRunner, *,
                        codec_levels=levels,
                        device_link=(LinkLimiter(kv_device_link_bytes_per_s)
                                     if kv_device_link_bytes_per_s is not None else None),
-                       consistent=consistent, **client_options)
+                       consistent=consistent, device=runner.device_seam(), **client_options)
 
 
 def fake_engine(*, kv_store: str | StoreConfig | KVStoreClient | None = None,

@@ -48,6 +48,39 @@ from kvjax.testing import codec_payloads
 FAKE_CODECS = ("raw", "int8", "int4", "cachegen")
 
 
+class NumpyDeviceSeam:
+  """The fake runner's "device" as the KV connector sees it (`kvjax.connector.device.DeviceSeam`):
+  host memory, numpy only. Puts and gets copy nothing; entropy-coded arrays are decoded on the
+  host (`entropy.decode_rans_codes`).
+
+  Attributes:
+    platform: "cpu".
+  """
+
+  platform = "cpu"
+
+  def put(self, host_array: np.ndarray) -> np.ndarray:
+    """The host array itself, contiguous."""
+    return np.ascontiguousarray(host_array)
+
+  def get(self, tree: Any) -> Any:
+    """The tree itself: its arrays already live on the host."""
+    return tree
+
+  def decode_entropy(self, codes: entropy.RansCodes) -> tuple[np.ndarray, bool]:
+    """(int16 codes `[L, 2, C, D]`, True) of one `RansCodes`, decoded on the host.
+
+    Raises:
+      ValueError: a stream that does not decode, or codes outside int16
+        (`entropy.EntropyError`)."""
+    return entropy.decode_rans_codes(codes), True
+
+  def nbytes(self, value: Any) -> int:
+    """0: nothing is held on a device."""
+    del value
+    return 0
+
+
 def fake_model_config(**overrides: Any) -> LlamaConfig:
   """The fake's architecture: `kvjax.models.config.tiny` (2 layers, 3 KV heads of 8, a byte
   vocabulary of 256, 512 positions); only `vocab_size`, `n_layers`, `n_kv_heads`, `head_dim`
@@ -106,7 +139,7 @@ class FakeRunner:
     self.geometry = geo = RunnerGeometry.of(config, cfg)
     self.max_seq_len, self.block_size, self.buckets = (geo.max_seq_len, geo.block_size,
                                                        geo.buckets)
-    self.platform = "cpu"  # numpy: the store client decodes with its host code
+    self.platform = "cpu"  # numpy: `device_seam()` decodes on the host
     self.dtype = np.float32
     self.calls: list[tuple] = []
     n_l, k_, h_, v_ = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
@@ -439,6 +472,10 @@ class FakeRunner:
 
   def block_until_ready(self) -> None:
     pass
+
+  def device_seam(self) -> NumpyDeviceSeam:
+    """The KV connector's way to this runner's "device": host memory (`NumpyDeviceSeam`)."""
+    return NumpyDeviceSeam()
 
   def reset(self) -> None:
     """Zeroes the pool."""

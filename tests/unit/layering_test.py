@@ -34,10 +34,12 @@ FORBIDDEN = {
     # The configuration tree (every engine option declared once) sits below the engine and the
     # server: it reads the lower rooms' defaults and config records, never an engine or a front end.
     "config": {"kvjax.engine", "kvjax.connector", "kvjax.serve", "kvjax.store", "kvjax.testing"},
-    # The KV connector sits below the engine: it never sees the engine, the models or a front end.
+    # The KV connector sits below the engine: it never sees the engine, the models or a front end,
+    # and calls no device library (device work belongs to the runner: the connector is handed its
+    # `DeviceSeam`).
     "connector": {"kvjax.engine", "kvjax.models", "kvjax.serve", "kvjax.testing", "kvjax.store",
-                  "kvjax.sessions",
-                  "flax", "tensorstore"},
+                  "kvjax.sessions", "kvjax.kernels",
+                  "jax", "flax", "tensorstore"},
     "serve": {"kvjax.testing", "jax", "flax", "tensorstore"},
     # The operator CLI works on stores through the storage room, never through an engine.
     "store": {"kvjax.models", "kvjax.kernels", "kvjax.scheduler", "kvjax.engine", "kvjax.serve",
@@ -125,26 +127,26 @@ SCHEDULER_POLICIES = {
                         "kvjax.scheduler.output"},
 }
 
-# Connector floors, bottom first, as the storage ones: plain records and the device seam, then the
-# parts by concept (keys and lookups, the host -> device link), the load and save pipelines and
-# the look-ahead, and the client that owns their state on top.
+# Connector floors, bottom first, as the storage ones: plain records and the device seam's
+# protocol, then the parts by concept (keys and lookups, the host -> device link), the load and
+# save pipelines and the look-ahead, and the client that owns their state on top.
 CONNECTOR_FLOORS = (
     ("records", "device"),
     ("lookup", "transfer"),
     ("loader", "prefetch", "saver", "request_keys"),
     ("client",),
 )
-# Device work belongs to the runner: in the connector only the device seam calls jax (the device
-# entropy decoder, device puts and gets) or the kernels.
-CONNECTOR_DEVICE_SEAM = "device"
+# Device work belongs to the runner: no connector module calls jax or the kernels; the runner
+# hands the client its device seam (`kvjax.connector.device.DeviceSeam`).
 CONNECTOR_DEVICE_MODULES = {"jax", "kvjax.kernels"}
 
 # The paged runner's modules, bottom first: the interface and its records (`runner_api`, with
-# the sizes both runners derive), the step's host inputs and the codec programs, the layer-wise
-# step, the runner core that owns the pool, and the pool's sizing from device memory (it builds
-# runners) on top. The fake runner builds on the interface only.
+# the sizes both runners derive) and the connector's device seam (`device_seam`), the step's
+# host inputs and the codec programs, the layer-wise step, the runner core that owns the pool,
+# and the pool's sizing from device memory (it builds runners) on top. The fake runner builds on
+# the interface only.
 RUNNER_FLOORS = (
-    ("runner_api",),
+    ("runner_api", "device_seam"),
     ("step_inputs", "codec_programs"),
     ("layerwise_runner",),
     ("paged_runner",),
@@ -311,11 +313,9 @@ class LayeringTest(absltest.TestCase):
         violations.append(f"kvjax/testing/fake_runner.py imports {mod}")
     self.assertEqual(violations, [])
 
-  def test_only_the_connector_device_seam_touches_the_device(self):
+  def test_no_connector_module_touches_the_device(self):
     violations = []
     for path in sorted((PKG / "connector").glob("*.py")):
-      if path.stem == CONNECTOR_DEVICE_SEAM:
-        continue
       for mod in imported_modules(path):
         if any(mod == f or mod.startswith(f + ".") for f in CONNECTOR_DEVICE_MODULES):
           violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")

@@ -10,7 +10,10 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax.connector import KVStoreClient, SaveJob
-from kvjax.connector.device import held_nbytes
+from kvjax.connector.device import DeviceSeam, decode_on_device, held_nbytes
+from kvjax.models.device_seam import JaxDeviceSeam
+from kvjax.testing.fake_runner import NumpyDeviceSeam
+from kvjax.storage import entropy
 from kvjax.storage.tiers import KVStore
 from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout, MissReason
 
@@ -98,7 +101,7 @@ class SaverTest(absltest.TestCase):
   def test_full_queue_drops_and_counts_then_flush_writes_the_rest(self):
     store = BlockingStore()
     client = KVStoreClient(store, model_fingerprint="fp", layout=LAYOUT, kv_layout_version=1,
-                           max_pending_saves=1)
+                           device=JaxDeviceSeam(), max_pending_saves=1)
     self.assertTrue(client.submit_save(job()))
     self.assertTrue(store.entered.wait(timeout=30))  # the saver holds job 1
     self.assertTrue(client.submit_save(job(offset=100.0)))  # queued
@@ -113,7 +116,8 @@ class SaverTest(absltest.TestCase):
   def test_each_chunk_is_stored_with_its_parent_in_one_host_copy(self):
     store = BlockingStore()
     store.release.set()
-    client = KVStoreClient(store, model_fingerprint="fp", layout=LAYOUT, kv_layout_version=1)
+    client = KVStoreClient(store, model_fingerprint="fp", layout=LAYOUT, kv_layout_version=1,
+                           device=JaxDeviceSeam())
     jobs = [job(0), job(1, offset=100.0)]
     for j in jobs:
       client.submit_save(j)
@@ -152,14 +156,14 @@ class LoaderTest(absltest.TestCase):
   def setUp(self):
     super().setUp()
     probe = KVStoreClient(GatedStore({}), model_fingerprint="fp", layout=LAYOUT,
-                          kv_layout_version=1)
+                          kv_layout_version=1, device=JaxDeviceSeam())
     self.prompt = list(range(13))  # 3 full chunks of 4 before the last token
     self.hashes = probe.lookup(self.prompt, None).hashes
     probe.close()
     self.kv = {h: np.full(LAYOUT.shape, i, np.float32) for i, h in enumerate(self.hashes[:3])}
     self.store = GatedStore(self.kv)
     self.client = KVStoreClient(self.store, model_fingerprint="fp", layout=LAYOUT,
-                                kv_layout_version=1)
+                                kv_layout_version=1, device=JaxDeviceSeam())
     self.addCleanup(self.client.close)
 
   def test_lookup_lists_the_present_chunks_never_the_last_token(self):
@@ -251,25 +255,47 @@ class LoaderTest(absltest.TestCase):
 class EntropyDecoderPlatformTest(absltest.TestCase):
 
   def test_decoder_follows_the_target_platform_not_the_host(self):
-    # The runner's target (plain data) picks the rANS decoder: the Pallas kernel for a GPU or
-    # TPU target even on this CPU host (a program built for a topology), the jnp reference for
-    # CPU; None: the platform being compiled for (here the CPU backend), as before.
+    # The runner's target (plain data) picks the rANS decoder of its device seam: the Pallas
+    # kernel for a GPU or TPU target even on this CPU host (a program built for a topology), the
+    # jnp reference for CPU; None: the platform being compiled for (here the CPU backend).
     host = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
     for platform, want in ((None, (host, host != "cpu")), ("cpu", ("cpu", False)),
                            ("cuda", ("cuda", True)), ("tpu", ("tpu", True))):
+      seam = JaxDeviceSeam(platform)
       client = KVStoreClient(EmptyStore(), model_fingerprint="fp", layout=LAYOUT,
-                             kv_layout_version=1, platform=platform)
+                             kv_layout_version=1, device=seam)
       try:
-        self.assertEqual((client.platform, client.use_pallas_entropy), want, platform)
+        self.assertEqual((client.device.platform, client.device.use_pallas_entropy), want,
+                         platform)
       finally:
         client.close()
-    client = KVStoreClient(EmptyStore(), model_fingerprint="fp", layout=LAYOUT,
-                           kv_layout_version=1, platform="tpu", use_pallas_entropy=False)
-    self.assertFalse(client.use_pallas_entropy)  # an explicit choice wins
-    client.close()
+    seam = JaxDeviceSeam("tpu", use_pallas_entropy=False)
+    self.assertFalse(seam.use_pallas_entropy)  # an explicit choice wins
     with self.assertRaisesRegex(ValueError, "platform"):
-      KVStoreClient(EmptyStore(), model_fingerprint="fp", layout=LAYOUT, kv_layout_version=1,
-                    platform="metal")
+      JaxDeviceSeam("metal")
+
+
+class DeviceSeamTest(absltest.TestCase):
+
+  def test_the_runners_seams_decode_the_same_codes(self):
+    # The paged runner's seam (jax, on the device) and the fake's (numpy, on the host) are both
+    # the connector's `DeviceSeam`, and decode one rANS-coded array to the same int16 codes; a
+    # damaged stream is a CORRUPT miss through either.
+    rng = np.random.default_rng(0)
+    q = rng.integers(-40, 40, (2, 2, 8, 16)).astype(np.int16)
+    codes = entropy.parse_components_rans(entropy.encode_components_rans(q), q.shape)
+    enc = Encoding("kvtc", 5, 3, "obj", 100, "0" * 32)
+    record = ChunkRecord("h", "p", (), "root", LAYOUT, (enc,))
+    a = codes.arrays[-1]  # a lane state damaged past every checksum: only the decoder sees it
+    states = a.states.copy()
+    states[-1, 0, 0] += 1
+    bad = codes._replace(arrays=codes.arrays[:-1] + (a._replace(states=states),))
+    for seam in (JaxDeviceSeam("cpu"), NumpyDeviceSeam()):
+      self.assertIsInstance(seam, DeviceSeam)
+      got = decode_on_device(ChunkHit(record, enc, None, "disk", {"q": codes}), seam)
+      np.testing.assert_array_equal(np.asarray(seam.get(got.payload["q"])), q)
+      miss = decode_on_device(ChunkHit(record, enc, None, "disk", {"q": bad}), seam)
+      self.assertEqual(miss.reason, MissReason.CORRUPT, type(seam).__name__)
 
 
 class StagedBytesTest(absltest.TestCase):
@@ -281,8 +307,9 @@ class StagedBytesTest(absltest.TestCase):
     on_device = ChunkHit(None, enc, None, "disk",
                          {"q": jnp.zeros((4, 8), jnp.int16), "step": np.zeros(2, np.float32)})
     on_host = ChunkHit(None, enc, None, "disk", {"q": np.zeros((4, 8), np.int16)})
-    self.assertEqual(held_nbytes(on_device), 100 + 4 * 8 * 2)
-    self.assertEqual(held_nbytes(on_host), 100)
+    seam = JaxDeviceSeam()
+    self.assertEqual(held_nbytes(on_device, seam), 100 + 4 * 8 * 2)
+    self.assertEqual(held_nbytes(on_host, seam), 100)
 
 
 if __name__ == "__main__":
