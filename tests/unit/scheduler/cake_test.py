@@ -24,6 +24,11 @@ def model(bandwidth_bytes_per_s):
 
 
 FAST, SLOW = model(1e12), model(1e-3)
+#: A stored chunk's bytes where a FAST link derives how many loads go ahead: the derived count is
+#: capped by the staging budget over a chunk's bytes (1 GiB / 100 B is ten million loads ahead,
+#: which cost seconds a step in the forecast; 1 MiB gives 1024), and any count above a request's
+#: stored chunks plans the same.
+MIB = 1 << 20
 
 
 def land(merge, index, now, ok=True, nbytes=100):
@@ -417,7 +422,7 @@ class SchedulerCakeTest(absltest.TestCase):
       s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
                                     long_prefill_token_threshold=t, prefill_order="fcfs"), FAST)
       s.add_request(req("a", 200))                   # a cold prompt
-      s.add_request(req("x", 66), stored([T] * 4, 100))  # a store hit: its 2-token tail computes
+      s.add_request(req("x", 66), stored([T] * 4, MIB))  # a store hit: its 2-token tail computes
       plans[t] = self.plan_steps(s, 4)
     # Off, first come first served: x's chunks land and go in at step 1, but a fills every
     # step until its last, so x's tail (and its first token) waits for step 3.
@@ -431,7 +436,7 @@ class SchedulerCakeTest(absltest.TestCase):
     s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)), FAST)
     self.assertEqual(s.config.prefill_order, "shortest_first")  # the default
     s.add_request(req("a", 200))
-    s.add_request(req("x", 66), stored([T] * 4, 100))
+    s.add_request(req("x", 66), stored([T] * 4, MIB))
     # x's chunks go in at step 1 and leave it 2 tokens to compute: its tail goes first in that
     # very step, ahead of a's 136 left (x's first token two steps sooner than first come first
     # served). Its first token comes with the step, so the step stays short: a takes one
@@ -446,7 +451,7 @@ class SchedulerCakeTest(absltest.TestCase):
     s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
                                   short_first_token_steps=False), FAST)
     s.add_request(req("a", 200))
-    s.add_request(req("x", 66), stored([T] * 4, 100))
+    s.add_request(req("x", 66), stored([T] * 4, MIB))
     self.assertEqual(self.plan_steps(s, 4), [[("a", 0, 64)],
                                              [("x", 64, 2), ("a", 64, 32), ("a", 96, 16)],
                                              [("a", 112, 32), ("a", 144, 16)],
@@ -475,8 +480,8 @@ class SchedulerCakeTest(absltest.TestCase):
   def test_two_hits_tails_in_one_short_step_do_not_split_each_other(self):
     s = Scheduler(SchedulerConfig(num_slots=3, token_budget=64, chunk_sizes=(16, 32, 64)), FAST)
     s.add_request(req("a", 200))
-    s.add_request(req("x", 66), stored([T] * 4, 100))  # 2 new tokens
-    s.add_request(req("y", 84), stored([T] * 4, 100))  # 20 new tokens
+    s.add_request(req("x", 66), stored([T] * 4, MIB))  # 2 new tokens
+    s.add_request(req("y", 84), stored([T] * 4, MIB))  # 20 new tokens
     # Step 1: x's 2 end its prompt, so the longer prefills after it take 16 at most; y's 20 are
     # within twice that (32): y is short too and goes whole; a takes 16.
     self.assertEqual(self.plan_steps(s, 2), [[("a", 0, 64)],
@@ -561,7 +566,7 @@ class SchedulerCakeTest(absltest.TestCase):
       s = Scheduler(SchedulerConfig(num_slots=2, token_budget=32, chunk_sizes=(16, 32),
                                     prefill_order=order), FAST, kv_cache=kvm)
       s.add_request(req("a", 100))                       # 2 blocks at step 0, 2 more at step 1
-      s.add_request(req("x", 66), stored([T] * 4, 100))  # 5 blocks at admission (its prompt)
+      s.add_request(req("x", 66), stored([T] * 4, MIB))  # 5 blocks at admission (its prompt)
       plan = s.schedule(now_s=0.0)
       self.assertEqual([ld.index for ld in plan.loads], [3, 2, 1, 0], order)
       s.update(landed("x", [3, 2, 1, 0], 0.5))
