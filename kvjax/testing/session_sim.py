@@ -502,10 +502,9 @@ def smollm2_token_counter() -> tuple[Callable[[str, str], int], int]:
   Raises:
     FileNotFoundError: the SmolLM2 GGUF package is not installed.
   """
-  from kvjax.models import gguf_loader  # noqa: PLC0415  (only the ShareGPT path needs it)
-  from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
+  from kvjax.testing import tokenizers  # noqa: PLC0415  (only the ShareGPT path needs it)
 
-  tok = Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
+  tok = tokenizers.smollm2_tokenizer()
   end = len(tok.encode("<|im_end|>\n", add_special_tokens=False))
   heads = {role: len(tok.encode(f"<|im_start|>{role}\n", add_special_tokens=False))
            for role in ("user", "assistant")}

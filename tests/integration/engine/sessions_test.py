@@ -3,7 +3,6 @@ registry (TTL on an injected clock, caps, LRU drop order, salts, conflicts, rele
 `LLM.chat(..., session_id=...)` on the tiny model."""
 
 import dataclasses
-import functools
 from unittest import mock
 
 from absl.testing import absltest, parameterized
@@ -13,9 +12,8 @@ from kvjax.testing.engines import real_llm
 from kvjax import sessions
 from kvjax.sessions import (EXTENDED, FIRST, NOT_EXTENDED, SessionBusy, SessionConfig,
                                    SessionRegistry, chat_prompt, record_turn)
-from kvjax.models import gguf_loader
 from kvjax.models.byte_tokenizer import ByteTokenizer
-from kvjax.models.tokenizer import Tokenizer
+from kvjax.testing import tokenizers
 
 USER1 = [{"role": "user", "content": "Explain JSON with an example."}]
 #: The first 26 ids SmolLM2-135M-Instruct sampled for USER1 (temperature 1, seed 106):
@@ -30,10 +28,11 @@ NEXT_TURN = [198, 1, 4093, 198, 5507, 2, 198, 1, 520, 9531, 198]
 IM_END = 2
 
 
-@functools.cache  # parsing the GGUF's vocabulary takes seconds; the tests only read it
 def smollm2_tokenizer():
+  # Parsing the GGUF's vocabulary takes seconds: one per process (`kvjax.testing.tokenizers`);
+  # the tests only read it.
   try:
-    return Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
+    return tokenizers.smollm2_tokenizer()
   except FileNotFoundError as e:
     raise absltest.SkipTest(str(e))
 

