@@ -116,7 +116,11 @@ def landings(now_s: float, cost: CostModel, in_flight: Mapping[int, LoadInFlight
     dec_end = max(xfer_end, dec_end) + dpb * ld.nbytes
     land[j], start[j] = max(dec_end, now_s), xs
     slots.append(land[j])
-  slots += [now_s] * max(0, max_loads_in_flight - len(in_flight))
+  # Free slots: never more than the stored chunks left to issue (each takes one; a slot it frees
+  # lands no earlier than now), so a large `max_loads_in_flight` (bytes of staging over a small
+  # chunk: millions) costs nothing here.
+  to_issue = sum(1 for st in states if st is ChunkState.HIT)
+  slots += [now_s] * min(max(0, max_loads_in_flight - len(in_flight)), to_issue)
   heapq.heapify(slots)
   for j in reversed(range(len(states))):
     if states[j] is not ChunkState.HIT:
