@@ -12,22 +12,25 @@ r"""`python -m kvjax.serve`: the OpenAI-compatible server.
     python -m kvjax.serve --tensor_parallel_size=8 --num_processes=2 --process_id=$RANK \
         --coordinator_address=host0:1234             # 2 hosts x 4 devices; HTTP on process 0
 
-Thin entry point: absl flags (one per option field: `kvjax.config.EngineOptions`'s and
-`ServerConfig`'s) -> `ServerConfig` -> bind the socket -> uvicorn on a thread (GET
-/health answers 503 until the model is ready) -> load and warm up the model on a loader thread,
-one log line per step ("kvjax: compiled 3/8: ...") -> serve.
-
-Start and stop: the main thread owns SIGINT and SIGTERM (`StopRequest`, installed before JAX and
-uvicorn are imported) and sleeps until a signal, the loader or uvicorn wakes it. A signal while
-loading cancels the start-up at the loader's next step (between programs); a step that cannot be
-interrupted (a weight conversion, one long compile) gets `CANCEL_GRACE_S`, then the process ends
-with `os._exit` after flushing its output: the interpreter never tears XLA down under a thread
-inside it (that aborted the process: "terminate called ...", exit 134). A signal while serving
-stops uvicorn, fails what is still running (503), writes pending KV saves and exits 0. A second
-signal exits at once (130).
+Options: every flag below; the options reference (docs/usage/options.md) says what each does.
+Ctrl-C (or SIGTERM) stops the server cleanly at any moment: during start-up it cancels the
+start-up; while serving it ends running requests with an error (HTTP 503 or a stream error
+event), writes pending KV saves and exits 0; a second Ctrl-C exits at once (code 130).
 """
 
 from __future__ import annotations
+
+# How it runs. Thin entry point: absl flags (one per option field: `kvjax.config.EngineOptions`'s
+# and `ServerConfig`'s) -> `ServerConfig` -> bind the socket -> uvicorn on a thread (GET /health
+# answers 503 until the model is ready) -> load and warm up the model on a loader thread, one log
+# line per step ("kvjax: compiled k/N: ...") -> serve. Start and stop: the main thread owns SIGINT
+# and SIGTERM (`StopRequest`, installed before JAX and uvicorn are imported) and sleeps until a
+# signal, the loader or uvicorn wakes it. A signal while loading cancels the start-up at the
+# loader's next step (between programs); a step that cannot be interrupted (a weight conversion,
+# one long compile) gets `CANCEL_GRACE_S`, then the process ends with `os._exit` after flushing its
+# output: the interpreter never tears XLA down under a thread inside it (that aborted the process:
+# "terminate called ...", exit 134). A signal while serving stops uvicorn, fails what is still
+# running (503), writes pending KV saves and exits 0. A second signal exits at once (130).
 
 import os
 import select
@@ -191,8 +194,19 @@ _VLLM_NEGATIONS = {"--no_enable_prefix_caching": "--noenable_prefix_caching",
                    "--no-enable-prefix-caching": "--noenable_prefix_caching"}
 
 
+#: Help flags -> short help (this program's flags) or full help (every module's flags).
+_HELP_FLAGS = {"-h": True, "-?": True, "--help": True, "-help": True, "--helpshort": True,
+               "-helpshort": True, "--helpfull": False, "-helpfull": False}
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, accepting `--no_enable_prefix_caching` (vLLM's negation) as well."""
+  """absl's parser, accepting `--no_enable_prefix_caching` (vLLM's negation) as well; a help
+  flag prints the help and exits 0 (absl's own exits 1)."""
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    if arg in _HELP_FLAGS:
+      app.usage(shorthelp=_HELP_FLAGS[arg], writeto_stdout=True, exitcode=0)
   return app.parse_flags_with_usage([_VLLM_NEGATIONS.get(a, a) for a in argv])
 
 
