@@ -38,10 +38,16 @@ def conversation(out1) -> list[dict[str, str]]:
 class RestartUnitTest(absltest.TestCase):
 
   @classmethod
+  def make_llm(cls, store_dir: str, **kw) -> LLM:
+    """The `LLM` under test (tests/integration/engine/sessions_persist_test.py: the real tiny
+    model)."""
+    return make_llm(store_dir, **kw)
+
+  @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls.dir = tempfile.mkdtemp()
-    llm = make_llm(cls.dir)
+    llm = cls.make_llm(cls.dir)
     try:
       (cls.out1,) = llm.chat([{"role": "user", "content": USER1}], GREEDY, session_id="s1",
                              cache_salt="tenant")
@@ -50,7 +56,7 @@ class RestartUnitTest(absltest.TestCase):
       llm.flush()
     finally:
       llm.close()
-    cls.llm = make_llm(cls.dir)  # the restarted one
+    cls.llm = cls.make_llm(cls.dir)  # the restarted one
     # Turn 2 first, before other tests store chunks of this conversation.
     kv = cls.llm.kv_store
     ids1 = list(cls.turn1.token_ids)
@@ -101,9 +107,15 @@ class RestartUnitTest(absltest.TestCase):
 
 class NoLocalStoreUnitTest(absltest.TestCase):
 
+  @classmethod
+  def make_llm(cls, **kw) -> LLM:
+    """The `LLM` under test (tests/integration/engine/sessions_persist_test.py: the real tiny
+    model)."""
+    return engines.fake_llm(**kw)
+
   def test_a_memory_store_keeps_sessions_in_memory(self):
-    llm = engines.fake_llm(max_num_seqs=2, chunk_sizes=(16, 32), kv_store="memory://",
-              kv_chunk_size=C, compile_on_init=False)
+    llm = self.make_llm(max_num_seqs=2, chunk_sizes=(16, 32), kv_store="memory://",
+                        kv_chunk_size=C, compile_on_init=False)
     try:
       self.assertIsNone(llm.sessions.persistence_dir)
     finally:
