@@ -36,10 +36,16 @@ def chat(srv, messages, **extra):
 
 class RestartUnitTest(absltest.TestCase):
 
+  @classmethod
+  def make_llm(cls, store: str) -> LLM:
+    """The served `LLM` (tests/integration/serve/store_and_sessions_serve_test.py: the real tiny
+    model)."""
+    return make_llm(store)
+
   def test_a_session_survives_a_server_restart(self):
     store = f"file://{tempfile.mkdtemp()}"
     m1 = [{"role": "user", "content": USER1}]
-    llm = make_llm(store)
+    llm = self.make_llm(store)
     try:
       with serving(llm) as srv:
         r1 = chat(srv, m1, session_id="chat-1", cache_salt="tenant")
@@ -50,7 +56,7 @@ class RestartUnitTest(absltest.TestCase):
     self.assertNotEqual((n1 - 1) % C, 0)  # turn 1 leaves a stored tail
     m2 = m1 + [{"role": "assistant", "content": r1.choices[0].message.content},
                {"role": "user", "content": "and after a restart?"}]
-    llm = make_llm(store)  # the restarted server
+    llm = self.make_llm(store)  # the restarted server
     try:
       with serving(llm) as srv:
         r2 = chat(srv, m2, session_id="chat-1", cache_salt="tenant")
