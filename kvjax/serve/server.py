@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from kvjax.config import DEFAULT_MAX_NUM_SEQS, EngineOptions, option, server_defaults
+from kvjax.config import EngineOptions, option, server_defaults
 from kvjax.entrypoints import LLM, builder
 from kvjax.entrypoints.llm import StartupEvent
 from kvjax.serve import kv_events
@@ -30,12 +30,11 @@ from kvjax.serve.metrics import ServeMetrics
 
 #: Default `max_waiting_requests`: requests queued beyond the decode slots before 429s.
 DEFAULT_MAX_WAITING_REQUESTS = 256
-# (`DEFAULT_MAX_NUM_SEQS` is imported above: the server's `max_num_seqs`, `kvjax.config`.)
 
 
 def server_engine_options(**flat: Any) -> EngineOptions:
   """The server's engine options: `LLM`'s defaults but the server's own (`server_defaults()`:
-  `DEFAULT_MAX_NUM_SEQS` sequences, the "default" store), with `flat` applied.
+  the "default" store), with `flat` applied.
 
   Raises:
     TypeError, ValueError: as `EngineOptions.from_flat`.
@@ -57,8 +56,7 @@ class ServerConfig:
 
   Attributes:
     engine: the engine's options (`LLM(...)`'s); default `server_engine_options()`: `LLM`'s
-      defaults but `DEFAULT_MAX_NUM_SEQS` sequences and the "default" store
-      (`builder.default_kv_store_url()`; the KV pool, not the sequence count, bounds memory).
+      defaults but the "default" store (`builder.default_kv_store_url()`).
     (the other fields): see each one's text (`kvjax.config.spec(field).doc`).
 
   Raises:
@@ -147,7 +145,7 @@ class ServerConfig:
   @classmethod
   def from_flat(cls, **options: Any) -> ServerConfig:
     """A `ServerConfig` of flat names: its own fields, and the engine's options (applied to
-    `server_engine_options()`; `max_num_seqs=None` is the server's default).
+    `server_engine_options()`).
 
     Raises:
       TypeError: a name that is neither.
@@ -155,8 +153,6 @@ class ServerConfig:
     """
     own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
     engine = {k: v for k, v in options.items() if k not in own}
-    if engine.get("max_num_seqs", 0) is None:
-      del engine["max_num_seqs"]
     return cls(engine=server_engine_options(**engine),
                **{k: v for k, v in options.items() if k in own})
 

@@ -9,9 +9,9 @@ from absl import flags
 from absl.testing import absltest
 
 from kvjax import config
-from kvjax.config import EngineOptions
+from kvjax.config import DEFAULT_MAX_NUM_SEQS, EngineOptions
 from kvjax.serve import __main__ as serve_main
-from kvjax.serve.server import DEFAULT_MAX_NUM_SEQS, ServerConfig, server_engine_options
+from kvjax.serve.server import ServerConfig, server_engine_options
 from kvjax.testing import engines
 
 
