@@ -1,8 +1,16 @@
-"""Shared bits of the benchmark scripts: the run's provenance (machine, git SHA), the server
-starter and the plotting import."""
+"""Shared bits of the benchmark scripts: the run's provenance (`provenance`, `finish`), the
+server starter and the plotting import.
+
+Every results JSON under `benchmarks/results/` carries the top-level keys of `PROVENANCE_KEYS`
+(checked by `tests/unit/scripts/results_provenance_unit_test.py`): a script calls
+`provenance()` when it starts and `finish(record)` (or `write_json`) when it writes. Standard
+library only: the device machine runs these scripts without kvjax's dependencies.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pathlib
 import platform
@@ -20,6 +28,64 @@ def git_sha() -> str:
                                    text=True, stderr=subprocess.DEVNULL).strip()
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
+
+
+def git_dirty() -> tuple[bool | None, str | None]:
+  """(whether the work tree differs from HEAD, sha256 of `git diff HEAD` in hex), or (None, None)
+  outside a git checkout. Untracked files count as dirty (their names join the hashed text)."""
+  try:
+    diff = subprocess.check_output(["git", "-C", str(REPO), "diff", "HEAD", "--binary"],
+                                   stderr=subprocess.DEVNULL)
+    untracked = subprocess.check_output(
+        ["git", "-C", str(REPO), "ls-files", "--others", "--exclude-standard"],
+        stderr=subprocess.DEVNULL)
+  except (OSError, subprocess.CalledProcessError):
+    return None, None
+  text = diff + (b"\nuntracked:\n" + untracked if untracked else b"")
+  return bool(text), hashlib.sha256(text).hexdigest()
+
+
+#: Top-level keys of every results JSON (`provenance()` sets all but the last; `finish` that one).
+PROVENANCE_KEYS = ("argv", "git_sha", "git_dirty", "git_diff_sha256", "machine",
+                   "loadavg_before", "versions", "loadavg_after")
+
+#: Libraries whose versions a results file records by default.
+DEFAULT_PACKAGES = ("jax", "jaxlib", "flax", "numpy", "kvjax")
+
+
+def provenance(packages: tuple[str, ...] = DEFAULT_PACKAGES) -> dict:
+  """The run's provenance, taken when a script starts: `argv` (the command line, `sys.argv`
+  with the interpreter), `git_sha`, `git_dirty` and `git_diff_sha256` (`git_dirty()`),
+  `machine` (`machine()`), `loadavg_before` (1/5/15-minute load averages) and `versions`
+  (`versions(*packages)`, plus the Python version). Merge it into the results record first, so
+  the record's own keys follow."""
+  dirty, diff_sha = git_dirty()
+  return {"argv": [sys.executable, *sys.argv], "git_sha": git_sha(), "git_dirty": dirty,
+          "git_diff_sha256": diff_sha, "machine": machine(),
+          "loadavg_before": list(os.getloadavg()),
+          "versions": {**versions(*packages), "python": sys.version.split()[0]}}
+
+
+def finish(record: dict) -> dict:
+  """Sets `record["loadavg_after"]` (the load averages now) and returns `record`.
+
+  Raises:
+    KeyError: `record` lacks a key of `PROVENANCE_KEYS` (it was not built on `provenance()`).
+  """
+  record["loadavg_after"] = list(os.getloadavg())
+  missing = [k for k in PROVENANCE_KEYS if k not in record]
+  if missing:
+    raise KeyError(f"results record lacks provenance keys {missing}: start it from "
+                   "benchlib.provenance()")
+  return record
+
+
+def write_json(path: str | os.PathLike, record: dict) -> None:
+  """`finish(record)`, then writes it as indented JSON to `path` (folders made as needed)."""
+  finish(record)
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
 
 
 def machine() -> dict:
@@ -87,3 +153,42 @@ def start_server(flags: list[str], log_path: str, *, echo: bool = False):
     log.close()
     raise RuntimeError("the server did not start:\n" + open(log_path, encoding="utf-8").read()[-3000:])
   return proc, url, model
+
+
+def interleaved_rounds(settings: list[str], rounds: int = 3) -> list[list[str]]:
+  """The order to run `settings` in over `rounds` rounds: round r is the list rotated by r
+  (A B C, B C A, C A B, A B C, ...), so each setting runs at every position as often as the
+  rounds allow and a drift of the machine's load spreads over all of them.
+
+  Raises:
+    ValueError: `rounds` < 1 or `settings` empty or with duplicates.
+  """
+  if rounds < 1 or not settings or len(set(settings)) != len(settings):
+    raise ValueError(f"interleaved_rounds: need rounds >= 1 and distinct settings, got "
+                     f"{rounds} rounds of {settings}")
+  n = len(settings)
+  return [[settings[(r + i) % n] for i in range(n)] for r in range(rounds)]
+
+
+def summarize(values: list[float]) -> dict:
+  """Median, min, max and spread ((max - min) / median) of one setting's per-round values,
+  with the values themselves (`rounds`).
+
+  Raises:
+    ValueError: `values` is empty.
+  """
+  if not values:
+    raise ValueError("summarize: no values")
+  v = sorted(float(x) for x in values)
+  n = len(v)
+  median = v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+  return {"median": median, "min": v[0], "max": v[-1],
+          "spread": (v[-1] - v[0]) / median if median else None, "rounds": list(values)}
+
+
+def below_bound(measured: dict, bound: dict) -> bool:
+  """Whether a measurement (`summarize` of a time) beats its own lower bound (`summarize` of the
+  bound) by more than the rounds' spread: such a figure is a measurement error, never a
+  headline. True when measured's median < bound's median * (1 - the larger spread)."""
+  spread = max(measured.get("spread") or 0.0, bound.get("spread") or 0.0)
+  return measured["median"] < bound["median"] * (1.0 - spread)
