@@ -18,7 +18,7 @@ An encoding is one (codec, level) pair, `EncodingId`; "cachegen/2" is only its d
 Accuracy ranks order the encodings by their relative L2 error measured on real SmolLM2-135M KV
 (1024 tokens, chunks of 256, f32; `scripts/codec_error.py`, max over chunks; kvtc:
 `scripts/kvtc_design.py --rel_l2`, same passage and chunks, the model's calibrated transform,
-`benchmarks/results/kvtc_v5/kvtc_rel_l2.json`):
+`benchmarks/results/archive/kvtc_v5/kvtc_rel_l2.json`):
 
     raw/0 0%  <  int8/0 0.54%  <  cachegen/0 1.6%  <  cachegen/1 3.2%  <  int4/0 5.1%
               <  kvtc/0 6.2%  <  cachegen/2 6.3%  <  cachegen/3 12.6%  <  kvtc/1 13.5%
@@ -26,7 +26,7 @@ Accuracy ranks order the encodings by their relative L2 error measured on real S
 
 (kvtc puts its error where the model's output is least sensitive, version 5 by its Fisher metric,
 so its L2 error overstates its loss: on the 20 x 4K-token protocol kvtc/1 at 13.5% L2 costs KL
-0.0038 per token and cachegen/1 at 3.2% costs 0.0079 (`benchmarks/results/kvtc_v5/
+0.0038 per token and cachegen/1 at 3.2% costs 0.0079 (`benchmarks/results/archive/kvtc_v5/
 bench_codec.json`). The ranks only order the encodings one chunk is stored in; a store holds one
 codec's default level unless told otherwise.)
 

@@ -118,9 +118,14 @@ _WORKER_OUT = flags.DEFINE_string("worker_out", None, "Internal: worker output (
 _WORKER_CPU = flags.DEFINE_integer("worker_cpu", None, "Internal: the core the worker pins "
                                    "itself to.")
 _REFERENCE = flags.DEFINE_string(
-    "reference_prefill", str(REPO / "benchmarks" / "results" / "bench_prefill.json"),
+    "reference_prefill", None,
     "bench_prefill.json whose per-chunk kvjax times (chunk 256) give a second, reference balance "
-    "bandwidth ('' for none).")
+    "bandwidth ('' for none). Default: benchmarks/results/bench_prefill.json, else the archived "
+    "one (benchmarks/results/archive/); the file used is named in the results.")
+
+#: Where --reference_prefill looks by default, newest first.
+_REFERENCE_DEFAULTS = (REPO / "benchmarks" / "results" / "bench_prefill.json",
+                       REPO / "benchmarks" / "results" / "archive" / "bench_prefill.json")
 
 
 def _setting(flag, full, quick):
@@ -507,14 +512,17 @@ def longchat(bench: Bench, path: pathlib.Path, s: Settings, progress) -> dict:
 
 def reference_prefill(s: Settings) -> dict | None:
   """Per-chunk kvjax prefill seconds at chunk size C from an earlier bench_prefill.json."""
-  if not _REFERENCE.value or not os.path.isfile(_REFERENCE.value):
+  path = _REFERENCE.value
+  if path is None:
+    path = next((str(p) for p in _REFERENCE_DEFAULTS if p.is_file()), "")
+  if not path or not os.path.isfile(path):
     return None
-  with open(_REFERENCE.value, encoding="utf-8") as f:
+  with open(path, encoding="utf-8") as f:
     d = json.load(f)
   secs = d.get("results", {}).get(str(s.chunk), {}).get("kvjax_s")
   if not secs:
     return None
-  return {"file": os.path.relpath(_REFERENCE.value, REPO), "git_sha": d.get("git_sha"),
+  return {"file": os.path.relpath(path, REPO), "git_sha": d.get("git_sha"),
           "created_utc": d.get("created_utc"),
           "loadavg_1_5_15": d.get("machine", {}).get("loadavg_1_5_15"), "seconds": secs}
 

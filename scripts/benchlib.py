@@ -17,6 +17,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -86,6 +87,31 @@ def write_json(path: str | os.PathLike, record: dict) -> None:
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def missing_provenance(root: str | os.PathLike, skip: tuple[str, ...] = ("archive",)) -> dict:
+  """The results files under `root` that lack provenance: {path relative to `root`: the keys
+  of `PROVENANCE_KEYS` it lacks}, for every `*.json` found recursively outside the top-level
+  folders named in `skip` (archived results). A file that is not a JSON object maps to
+  `["<not a JSON object: ...>"]`. Empty when every file carries all keys."""
+  root = pathlib.Path(root)
+  out = {}
+  for path in sorted(root.rglob("*.json")):
+    rel = path.relative_to(root)
+    if rel.parts[0] in skip:
+      continue
+    try:
+      record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      out[str(rel)] = [f"<not a JSON object: {type(e).__name__}>"]
+      continue
+    if not isinstance(record, dict):
+      out[str(rel)] = [f"<not a JSON object: {type(record).__name__}>"]
+      continue
+    missing = [k for k in PROVENANCE_KEYS if k not in record]
+    if missing:
+      out[str(rel)] = missing
+  return out
 
 
 def machine() -> dict:
@@ -192,3 +218,19 @@ def below_bound(measured: dict, bound: dict) -> bool:
   headline. True when measured's median < bound's median * (1 - the larger spread)."""
   spread = max(measured.get("spread") or 0.0, bound.get("spread") or 0.0)
   return measured["median"] < bound["median"] * (1.0 - spread)
+
+
+class CpuClock:
+  """This process's CPU share over a span: CPU seconds (all threads, `time.process_time`) per
+  wall second (`time.perf_counter`) since the clock was made. 2.0 means two cores were busy for
+  us the whole time; a setting that got a smaller share than another ran on a busier machine."""
+
+  def __init__(self):
+    self.cpu0 = time.process_time()
+    self.wall0 = time.perf_counter()
+
+  def read(self) -> dict:
+    """{"wall_s", "cpu_s", "cpu_share"} since the clock was made (`cpu_share` None at 0 s)."""
+    wall = time.perf_counter() - self.wall0
+    cpu = time.process_time() - self.cpu0
+    return {"wall_s": wall, "cpu_s": cpu, "cpu_share": cpu / wall if wall > 0 else None}

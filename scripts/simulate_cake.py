@@ -8,7 +8,7 @@ budget; a compute share of s% gives the Cake request s% of each step's token bud
 going to competing work (priced as short prompts at position 0).
 
     .venv/bin/python scripts/simulate_cake.py
-    .venv/bin/python scripts/simulate_cake.py --costs benchmarks/results/bench_prefill.json \\
+    .venv/bin/python scripts/simulate_cake.py --costs benchmarks/results/archive/bench_prefill.json \\
         --out benchmarks/results
 
 Cost curves (`--costs`, JSON), either

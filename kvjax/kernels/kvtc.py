@@ -90,13 +90,13 @@ protocol, `scripts/bench_codec_reduced.py`, 5 book passages x 2,048 + 256 scored
     0.0097 / 0.0110 at predicted KL 0.012 / 0.018 / 0.024; 16 exact tokens gain nothing more, and
     token 0 alone at 1/16 of the step gives the KL of 4 exact tokens (0.01095 at 0.024) for
     about 6 B/token on a 2,048-token prefix (chunk 0 only;
-    `benchmarks/results/kvtc_v3_reduced/development/`). A chunk is always
+    `benchmarks/results/archive/kvtc_v3_reduced/development/`). A chunk is always
     decoded at the position it was encoded at (its prefix hash fixes it), so `start` tells both
     sides which tokens are protected; `kvtc_encode` and the decoders take it.
   - Level ladder (version 4): predicted KL per token 0.001 / 0.006 / 0.012 / 0.024 / 0.036;
     on the 20 x 4K-token protocol 5,468 / 3,768 / 3,198 / 2,685 / 2,412 stored B/token at
     perplexity x1.0011 / x1.0020 / x1.0100 / x1.0156 / x1.0133, LongChat outputs identical to
-    raw 5/5, 2/5, 1/5, 1/5, 2/5 (`benchmarks/results/kvtc_v4/`).
+    raw 5/5, 2/5, 1/5, 1/5, 2/5 (`benchmarks/results/archive/kvtc_v4/`).
 
 Version 5 (the Fisher-whitened transform above; calibration version 3 of
 `kv_calibration`). Development measurements on 4 book passages x 2,048-token prefix + 256
@@ -108,7 +108,7 @@ worse, 1000 (no whitening) much worse. Token 0's step: 1/16 -> 1/64 took the KL 
 0.0039 for about 4 B/token; 1/256 gained nothing more (token 0's largest code at level 0 is
 12,929, within int16). The measured KL follows the ladder's prediction, so the ladder is
 0.0005 / 0.003 / 0.006 / 0.009 / 0.018. The 20 x 4K-token protocol
-(`benchmarks/results/kvtc_v5/`, same passages and chunks as version 4's run):
+(`benchmarks/results/archive/kvtc_v5/`, same passages and chunks as version 4's run):
     3,743 / 2,271 / 1,824 / 1,594 / 1,255 stored B/token at perplexity x1.0001 / x1.0049 /
     x1.0097 / x1.0103 / x1.0201 (95% t upper ends 1.0010 / 1.0104 / 1.0137 / 1.0156 / 1.0274;
     KL 0.00066 / 0.0038 / 0.0070 / 0.0105 / 0.0202), against version 4's 5,468 / 3,768 /
