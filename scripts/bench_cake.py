@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct in f32 on the CPU, a real LongChat prompt truncated to eac
 its chunks stored in advance in a file store (run once with the store, flushed), and the store's
 link emulated by the store's own `LinkLimiter`.
 
-    .venv/bin/python scripts/bench_cake.py --quick            # < 5 min: 2K/4K, 100%, raw
+    .venv/bin/python scripts/bench_cake.py --quick            # 2K/4K, 100%, raw, 3 rounds
     .venv/bin/python scripts/bench_cake.py                    # the full plan (about an hour)
     .venv/bin/python scripts/bench_cake.py --lengths 2048,4096 --shares 100 --ratios 1/2,1,2
 
@@ -41,13 +41,20 @@ How each number is made:
   * B*. Per (codec, length, share): B* = stored bytes of the prefix / compute-only prefix time,
     both from this run (the compute-only run at that share). The sweep sets the link at
     B* x ratio.
-  * Order. Per block: compute-only (it does not depend on the link), then per bandwidth
-    load-only followed by kvjax (the load-only run lets the cost model see the link, as a
-    running server would have), then compute-only again (--compute_reps in all). The balance
-    cells (B*, share 100%, lengths up to --balance_max_len) get --balance_reps repetitions of
-    all three modes, interleaved. TTFTs are medians over repetitions; the ideal bound uses the
-    fastest compute-only run. Other work on the machine shows in each run's `cpu_cores` (this
-    process's CPU seconds per wall second) and load average, both in the JSON.
+  * Order: interleaved rounds. Per block, one compute-only run fixes B*; then the block's
+    settings (compute-only, and load-only and kvjax at each bandwidth) run in --rounds rounds,
+    each round the previous one's order rotated by one (`benchlib.interleaved_rounds`: A B C,
+    B C A, C A B), so a drift of the machine's load spreads over every setting. The engine's
+    cost model is warm and learns the link as loads land; a run sees the link the run before it
+    used until its own loads land (a server whose link changes).
+  * Fair comparison. Per cell and setting the JSON has the median, min, max and spread
+    ((max - min) / median) over the rounds (`summary`, `benchlib.summarize`); TTFTs in the
+    table are those medians. Each round's compute-only and load-only runs give that round's
+    ideal bound, summarized the same way. Each run records `cpu_cores`: this process's CPU
+    seconds per wall second (its CPU share; 2.0 is both cores) and the load average. A cell
+    whose kvjax median beats its bound's median by more than the larger spread
+    (`benchlib.below_bound`) is `invalid`: a measurement error (the settings got different
+    shares of the machine), left out of the targets, the summary line and the plot title.
   * Loader depth. The default (--max_loads_in_flight unset: LLM's kv_max_loads_in_flight=None):
     the scheduler queues each merge's loads ahead by the link's bandwidth-delay product over a
     step and the store client starts the next the moment one lands, so a multi-second CPU step
@@ -70,7 +77,8 @@ How each number is made:
     `Scheduler.update` (all `CakeMerge` calls happen inside them) per engine step of the kvjax
     runs (Cake section 5.8).
   * Fluctuation: random link traces (kv_link_trace format, written to --out) and a random
-    compute-share trace (changed between steps). Adaptive burst: one long request with a stored
+    compute-share trace (changed between steps), each mode once (not in rounds, never a
+    headline). Adaptive burst: one long request with a stored
     prefix plus 22 ShareGPT requests of 32-448 tokens arriving together; time until all finish.
 
 Writes <out>/cake.json (`{"cells": [...], ...}`), <out>/cake.png (speedup heatmap in the shape
@@ -103,7 +111,7 @@ from typing import Any, Callable
 
 from absl import app, flags, logging
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's kvjax, not another one an editable install names
@@ -113,7 +121,7 @@ DATA = next((d for d in (REPO.parent / "shared" / "data", REPO.parent.parent / "
 MODES = ("compute_only", "load_only", "cake")
 
 _QUICK = flags.DEFINE_bool("quick", False, "2K and 4K, share 100%, raw, B* x {1/4, 1, 4}; grid "
-                           "only; under 5 minutes on 2 cores.")
+                           "only; 44 runs at 3 rounds.")
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "4096", "6144", "8188"],
                              "Sequence lengths (tokens) at share 100%. 8K is 8188 so prompt plus "
                              "output stays inside the 8192-token context.")
@@ -130,10 +138,8 @@ _CODECS = flags.DEFINE_list("codecs", ["raw", "int8", "int4", "cachegen"],
 _CODEC_LENGTHS = flags.DEFINE_list("codec_lengths", ["4096"], "Lengths for non-raw codecs.")
 _CODEC_RATIOS = flags.DEFINE_list("codec_ratios", ["1", "2", "1/2"],
                                   "Bandwidth ratios for non-raw codecs (share 100%).")
-_BALANCE_REPS = flags.DEFINE_integer("balance_reps", 3, "Repetitions of the B/B* = 1, share "
-                                     "100% cells (median reported).")
-_BALANCE_MAX_LEN = flags.DEFINE_integer("balance_max_len", 4096,
-                                        "Longest length whose balance cell is repeated.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every block's settings "
+                               "(medians and spreads over them); at least 3 for a headline.")
 _LOAD_ONLY_CAP = flags.DEFINE_float("load_only_cap", 1.5, "Stop a load-only run after this many "
                                     "compute-only TTFTs (reported as a lower bound); 0: never.")
 _EXPERIMENTS = flags.DEFINE_list("experiments", ["grid", "codecs", "fluctuation", "burst"],
@@ -151,8 +157,6 @@ _IN_FLIGHT = flags.DEFINE_integer(
     "max_loads_in_flight", None, "LLM(kv_max_loads_in_flight): loads issued ahead per request "
     "(and its reads at once). Default None: the engine derives them from the link's "
     "bandwidth-delay product and the store client refills them as they land.")
-_COMPUTE_REPS = flags.DEFINE_integer("compute_reps", 2, "Compute-only runs per block (one before "
-                                     "the bandwidth sweep, the rest after it).")
 _PROMPT_FILE = flags.DEFINE_string(
     "prompt_file", str(DATA / "longchat" / "topics_15.jsonl"),
     "LongChat JSONL with the long prompt (topics_10 prompts are only 5.3-5.7K SmolLM2 tokens; "
@@ -290,7 +294,7 @@ class Run:
   steps: list         # (t0, t1, planner_s) of every engine step
   other_prefills: list  # (start, n, t0, t1) of competing requests
   wall_s: float
-  cpu_cores: float      # this process's CPU seconds per wall second (2.0: both cores ours)
+  cpu_cores: float      # this process's CPU share: CPU s per wall s (2.0: both cores ours)
   loadavg_1m: float
 
   def summary(self) -> dict:
@@ -380,7 +384,7 @@ class Bench:
     else:
       self.limiter.reset(trace=link[1])
     load1 = os.getloadavg()[0]
-    cpu0 = time.process_time()
+    clock = benchlib.CpuClock()
     t_arr = time.perf_counter()
     rid = eng.add_request(ids, greedy, request_id=self.rid(mode), merge_mode=mode)
     add_s = time.perf_counter() - t_arr  # the lookup, for a run aborted before its metrics
@@ -404,8 +408,8 @@ class Bench:
             result = o
     for other in live:
       eng.abort_request(other)
+    share_of_cpu = clock.read()
     wall = time.perf_counter() - t_arr
-    cpu = time.process_time() - cpu0
     if result is not None:  # the engine's own arrival (same clock), so TTFT and times agree
       t_arr = result.metrics.arrival_s
     mine = [(s, n, a - t_arr, b - t_arr) for r, s, n, a, b in rec.prefills if r == rid]
@@ -422,7 +426,7 @@ class Bench:
         prefills=mine, landings=lands,
         inserts=[(a - t_arr, b - t_arr) for _, _, a, b in rec.inserts],
         steps=[(a - t_arr, b - t_arr, p) for a, b, p in rec.steps],
-        other_prefills=others, wall_s=wall, cpu_cores=cpu / wall, loadavg_1m=load1)
+        other_prefills=others, wall_s=wall, cpu_cores=share_of_cpu["cpu_share"], loadavg_1m=load1)
 
   def store(self, ids: list[int]) -> float:
     """Computes the prompt once with the store and flushes (Cake's setup); returns seconds."""
@@ -518,84 +522,96 @@ def slowdown(kv_runs: list[Run], coef) -> dict:
           "median_time_over_fit_without_loads": med(without)}
 
 
-def _median_run(runs: list[Run]) -> Run:
-  done = [r for r in runs if r.ttft_s is not None]
-  if not done:
-    return runs[0]
-  return sorted(done, key=lambda r: r.ttft_s)[(len(done) - 1) // 2]
+def _summary_of(values: list[float | None]) -> dict | None:
+  """`benchlib.summarize` of the rounds' values, None when a run has none (censored)."""
+  return benchlib.summarize(values) if values and None not in values else None
+
+
+def cell_key(c: dict) -> str:
+  return f"{c['codec']}/{c['share']:g}%/{c['seq_len']}/x{c['ratio_text']}"
 
 
 # ----------------------------------------------------------------------------- experiments
 def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: list[str],
-               reps_at_balance: int, compute_reps: int, bar) -> tuple[list[dict], list[Run]]:
-  """One (codec, length, share) block: compute-only, per ratio load-only then kvjax (the balance
-  cell repeated with compute-only interleaved), then the remaining compute-only runs."""
+               rounds: int, bar) -> tuple[list[dict], list[Run], list[list[str]]]:
+  """One (codec, length, share) block: a compute-only run that fixes B*, then the settings
+  (compute-only; load-only and kvjax per ratio) in `rounds` interleaved rounds.
+
+  Returns:
+    (one cell per ratio, every kvjax run, the order the settings ran in per round).
+  """
   ids = ids_full[:n]
   chunk = _CHUNK.value
   n_chunks = (n - 1) // chunk
   share_at = lambda t: share / 100  # noqa: E731
   pbytes, per_chunk = bench.prefix_bytes(ids)
-  co_runs: list[Run] = []
-
-  def compute_only():
-    bar.set_description(f"{bench.codec} {n} {share:g}% compute-only #{len(co_runs) + 1}")
-    co_runs.append(bench.run("compute_only", ids, share_at=share_at))
-    bar.update(1)
-
-  compute_only()
-  fallback = _LINEAR_COST
-  coef0 = _fit(co_runs[0].prefills + co_runs[0].other_prefills) or fallback
-  b_star = pbytes / (done_at(co_runs[0], n_chunks * chunk, coef0) - co_runs[0].lookup_s)
-  swept = []
+  bar.set_description(f"{bench.codec} {n} {share:g}% compute-only for B*")
+  calib = bench.run("compute_only", ids, share_at=share_at)
+  bar.update(1)
+  coef0 = _fit(calib.prefills + calib.other_prefills) or _LINEAR_COST
+  b_star = pbytes / (done_at(calib, n_chunks * chunk, coef0) - calib.lookup_s)
+  settings = ["compute_only"] + [f"{mode}@{r}" for r in ratios for mode in ("load_only", "cake")]
+  order = benchlib.interleaved_rounds(settings, rounds)
+  runs: dict[str, list[Run]] = {name: [] for name in settings}
+  for k, names in enumerate(order):
+    for name in names:
+      mode, _, rtext = name.partition("@")
+      bar.set_description(f"{bench.codec} {n} {share:g}% round {k + 1}/{rounds} {name}")
+      if mode == "compute_only":
+        runs[name].append(bench.run(mode, ids, share_at=share_at))
+      else:
+        co_ttft = statistics.median(x.ttft_s for x in runs["compute_only"] or [calib])
+        if mode == "load_only":
+          cap = _LOAD_ONLY_CAP.value * co_ttft if _LOAD_ONLY_CAP.value > 0 else None
+        else:
+          cap = 3 * co_ttft + 10
+        runs[name].append(bench.run(mode, ids, share_at=share_at,
+                                    link=("rate", fraction(rtext) * b_star), cap_s=cap))
+      bar.update(1)
+  co_runs = runs["compute_only"]
+  co_sum = benchlib.summarize([x.ttft_s for x in co_runs])
+  cells, kv_all = [], []
   for rtext in ratios:
     r = fraction(rtext)
     bw = r * b_star
-    reps = reps_at_balance if (r == 1 and share == 100 and n <= _BALANCE_MAX_LEN.value) else 1
-    lo_runs, kv_runs = [], []
-    for rep in range(reps):
-      if rep > 0:
-        compute_only()
-      co_ttft = statistics.median(x.ttft_s for x in co_runs)
-      cap = _LOAD_ONLY_CAP.value * co_ttft if _LOAD_ONLY_CAP.value > 0 else None
-      bar.set_description(f"{bench.codec} {n} {share:g}% B*x{rtext} load-only")
-      lo_runs.append(bench.run("load_only", ids, share_at=share_at, link=("rate", bw), cap_s=cap))
-      bar.update(1)
-      bar.set_description(f"{bench.codec} {n} {share:g}% B*x{rtext} kvjax")
-      kv_runs.append(bench.run("cake", ids, share_at=share_at, link=("rate", bw),
-                               cap_s=3 * co_ttft + 10))
-      bar.update(1)
-    swept.append((rtext, r, bw, reps, lo_runs, kv_runs))
-  while len(co_runs) < compute_reps:
-    compute_only()
-  # The ideal bound takes C(m) from the fastest compute-only run (the least disturbed by other
-  # work on the machine: the tightest bound); TTFTs are medians over the repetitions.
-  co_fast = min(co_runs, key=lambda x: x.ttft_s)
-  coef = _fit(co_fast.prefills + co_fast.other_prefills) or fallback
-  co_t = statistics.median(x.ttft_s for x in co_runs)
-  cells, kv_all = [], []
-  for rtext, r, bw, reps, lo_runs, kv_runs in swept:
+    lo_runs, kv_runs = runs[f"load_only@{rtext}"], runs[f"cake@{rtext}"]
     kv_all += kv_runs
-    lo, kv = _median_run(lo_runs), _median_run(kv_runs)
-    ana = cell_analysis(co_fast, lo, kv, n_chunks, chunk, coef)
-    lo_done = [x.ttft_s for x in lo_runs if x.ttft_s is not None]
-    lo_t = statistics.median(lo_done) if len(lo_done) == len(lo_runs) else None
-    kv_done = [x.ttft_s for x in kv_runs if x.ttft_s is not None]
-    kv_t = statistics.median(kv_done) if kv_done else None
+    # Each round's bound from that round's compute-only and load-only runs (C(m) fitted to that
+    # compute-only run's calls): the bound saw the machine that round's kvjax run saw.
+    anas = [cell_analysis(co, lo, kv, n_chunks, chunk,
+                          _fit(co.prefills + co.other_prefills) or _LINEAR_COST)
+            for co, lo, kv in zip(co_runs, lo_runs, kv_runs)]
+    ideal_sum = benchlib.summarize([a["ideal_s"] for a in anas])
+    lo_sum = _summary_of([x.ttft_s for x in lo_runs])
+    kv_sum = _summary_of([x.ttft_s for x in kv_runs])
+    # The round whose bound is the median one stands for the cell's details.
+    mid = sorted(range(len(anas)), key=lambda i: anas[i]["ideal_s"])[(len(anas) - 1) // 2]
+    co, lo, kv = co_runs[mid], lo_runs[mid], kv_runs[mid]
+    co_t = co_sum["median"]
+    lo_t = lo_sum["median"] if lo_sum else None
+    kv_t = kv_sum["median"] if kv_sum else None
     lo_min = None if lo_t is not None else max(x.wall_s for x in lo_runs)
     best = min(co_t, lo_t) if lo_t is not None else co_t  # a censored load-only is slower
+    invalid = kv_sum is not None and benchlib.below_bound(kv_sum, ideal_sum)
     cell = {
         "seq_len": n, "share": share, "codec": bench.codec, "ratio_text": rtext,
         "bandwidth_bytes_per_s": bw, "bandwidth_ratio": r, "b_star_bytes_per_s": b_star,
+        "b_star_run": {"ttft_s": calib.ttft_s, "cpu_cores": round(calib.cpu_cores, 3)},
         "prefix_chunks": n_chunks, "prefix_bytes": pbytes, "chunk_bytes": per_chunk[0],
         "cake_tokens_per_step": int(round(share / 100 * _BUDGET.value)),
-        "reps": reps, "ttft_compute_only_s": co_t, "ttft_load_only_s": lo_t,
+        "reps": rounds, "rounds": rounds,
+        "summary": {"compute_only": co_sum, "load_only": lo_sum, "kvjax": kv_sum,
+                    "ideal": ideal_sum},
+        "invalid": invalid,
+        "ttft_compute_only_s": co_t, "ttft_load_only_s": lo_t,
         "ttft_load_only_min_s": lo_min,
-        "ttft_load_only_projected_s": (lo.lookup_s + pbytes / bw + ana["suffix_s"]
-                                       + ana["first_token_s"]),
-        "ttft_kvjax_s": kv_t, "ttft_ideal_s": ana["ideal_s"],
+        "ttft_load_only_projected_s": (lo.lookup_s + pbytes / bw + anas[mid]["suffix_s"]
+                                       + anas[mid]["first_token_s"]),
+        "ttft_kvjax_s": kv_t, "ttft_ideal_s": ideal_sum["median"],
         "ttft_compute_only_reps_s": [x.ttft_s for x in co_runs],
         "ttft_load_only_reps_s": [x.ttft_s for x in lo_runs],
         "ttft_kvjax_reps_s": [x.ttft_s for x in kv_runs],
+        "ttft_ideal_reps_s": [a["ideal_s"] for a in anas],
         "cpu_cores": {"compute_only": [round(x.cpu_cores, 3) for x in co_runs],
                       "load_only": [round(x.cpu_cores, 3) for x in lo_runs],
                       "cake": [round(x.cpu_cores, 3) for x in kv_runs]},
@@ -606,16 +622,17 @@ def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: 
         "speedup_vs_compute_only": co_t / kv_t if kv_t else None,
         "speedup_vs_load_only": (lo_t / kv_t) if (kv_t and lo_t) else None,
         "speedup_vs_load_only_min": (lo_min / kv_t) if (kv_t and lo_min) else None,
-        "kvjax_over_ideal": kv_t / ana["ideal_s"] if kv_t else None,
-        "first_tokens_agree": len({x.first_token_id for x in (co_fast, lo, kv)
+        "kvjax_over_ideal": kv_t / ideal_sum["median"] if kv_t else None,
+        "first_tokens_agree": len({x.first_token_id for x in co_runs + lo_runs + kv_runs
                                    if x.first_token_id is not None}) <= 1,
-        "ideal": ana,
-        "runs": {"compute_only": co_fast.summary(), "load_only": lo.summary(),
+        "ideal": anas[mid], "ideal_round": mid,
+        "runs": {"compute_only": co.summary(), "load_only": lo.summary(),
                  "cake": kv.summary()},
-        "compute_slowdown": slowdown(kv_runs, coef),
+        "compute_slowdown": slowdown(kv_runs, _fit(co.prefills + co.other_prefills)
+                                     or _LINEAR_COST),
     }
     cells.append(cell)
-  return cells, kv_all
+  return cells, kv_all, order
 
 
 def fluctuation(bench: Bench, ids_full: list[int], b_ref: float, out: pathlib.Path,
@@ -738,7 +755,7 @@ def print_cells(cells: list[dict]) -> None:
   print(f"{'codec':<8} {'share':>5} {'seq':>5} {'B/B*':>5} {'B/B*f':>5} {'B MB/s':>6} "
         f"{'compute':>7} "
         f"{'load':>8} {'kvjax':>7} {'ideal':>7} {'speedup':>7} {'kv/ideal':>8} {'meet':>6} "
-        f"{'waste':>5} {'reps':>4} {'cpu':>9}")
+        f"{'waste':>5} {'reps':>4} {'cpu':>9}")  # reps: rounds
   for c in cells:
     lo = fmt_s(c["ttft_load_only_s"]) if c["ttft_load_only_s"] is not None else (
         ">" + fmt_s(c["ttft_load_only_min_s"]))
@@ -753,7 +770,8 @@ def print_cells(cells: list[dict]) -> None:
           f"{lo:>8} {fmt_s(c['ttft_kvjax_s']):>7} {fmt_s(c['ttft_ideal_s']):>7} "
           f"{('-' if sp is None else f'{sp:.2f}x'):>7} "
           f"{('-' if kvi is None else f'{kvi:.3f}'):>8} {meet:>6} "
-          f"{len(mg.get('chunks_wasted', [])):>5} {c['reps']:>4} {cpu_text(c):>9}")
+          f"{len(mg.get('chunks_wasted', [])):>5} {c['reps']:>4} {cpu_text(c):>9}"
+          + (" INVALID" if c["invalid"] else ""))
 
 
 def cpu_text(c: dict) -> str:
@@ -762,7 +780,9 @@ def cpu_text(c: dict) -> str:
 
 
 def check_targets(cells: list[dict]) -> dict:
-  """The three targets; each miss is listed with its numbers."""
+  """The three targets over the cells that are not `invalid`; each miss is listed with its
+  numbers."""
+  cells = [c for c in cells if not c["invalid"]]
   t1 = [c for c in cells if c["speedup_vs_best"] is not None]
   miss1 = [c for c in t1 if c["speedup_vs_best"] < 0.97]
   t2 = [c for c in cells if c["seq_len"] >= 4096 and c["kvjax_over_ideal"] is not None]
@@ -771,7 +791,7 @@ def check_targets(cells: list[dict]) -> dict:
         and c["ttft_kvjax_s"] is not None]
   miss3 = [c for c in t3 if c["ttft_compute_only_s"] / c["ttft_kvjax_s"] < 1.7 or (
       c["ttft_load_only_s"] is not None and c["ttft_load_only_s"] / c["ttft_kvjax_s"] < 1.7)]
-  key = lambda c: f"{c['codec']}/{c['share']:g}%/{c['seq_len']}/x{c['ratio_text']}"  # noqa: E731
+  key = cell_key
   return {
       "kvjax_ge_0.97x_best": {"cells": len(t1), "met": len(t1) - len(miss1),
                               "misses": {key(c): round(c["speedup_vs_best"], 3) for c in miss1}},
@@ -785,7 +805,40 @@ def check_targets(cells: list[dict]) -> dict:
                      for c in miss3}}}
 
 
-def plot(cells: list[dict], path: pathlib.Path) -> None:
+def mark_invalid(cell: dict) -> None:
+  """Sets `cell["invalid"]`: kvjax's median beats its ideal bound's by more than the rounds'
+  spread (`benchlib.below_bound`). A cell from a file written before rounds (no `summary`) is
+  judged on its single values, spread 0."""
+  if "summary" not in cell:
+    kv, ideal = cell["ttft_kvjax_s"], cell["ttft_ideal_s"]
+    cell["invalid"] = kv is not None and benchlib.below_bound({"median": kv}, {"median": ideal})
+  elif "invalid" not in cell:
+    kv, ideal = cell["summary"]["kvjax"], cell["summary"]["ideal"]
+    cell["invalid"] = kv is not None and benchlib.below_bound(kv, ideal)
+
+
+def headline(cells: list[dict]) -> dict | None:
+  """The best speedup over the better baseline among the valid cells at balance (B = B*, share
+  100%) measured in at least 3 rounds; None when there is none. An invalid cell is never one."""
+  ok = [c for c in cells if c["bandwidth_ratio"] == 1 and c["share"] == 100
+        and not c["invalid"] and c["speedup_vs_best"] is not None and c.get("rounds", 1) >= 3]
+  if not ok:
+    return None
+  c = max(ok, key=lambda c: c["speedup_vs_best"])
+  kv = c["summary"]["kvjax"]
+  return {"cell": cell_key(c), "speedup_vs_best": c["speedup_vs_best"],
+          "ttft_kvjax_s": c["ttft_kvjax_s"], "ttft_ideal_s": c["ttft_ideal_s"],
+          "kvjax_spread": kv["spread"], "rounds": c["rounds"]}
+
+
+def headline_text(h: dict | None) -> str:
+  if h is None:
+    return "no headline: no valid balance cell measured in >= 3 rounds"
+  return (f"{h['cell']}: kvjax {h['speedup_vs_best']:.2f}x the better baseline (median of "
+          f"{h['rounds']} rounds, spread {100 * h['kvjax_spread']:.0f}%)")
+
+
+def plot(cells: list[dict], path: pathlib.Path, title: str) -> None:
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -809,15 +862,18 @@ def plot(cells: list[dict], path: pathlib.Path) -> None:
       for i, line in enumerate(grid):
         for j, v in enumerate(line):
           dark = row == 0 or (v is not None and v > 1.3)
-          ax.text(j, i, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=7,
-                  color="w" if dark else "k")
+          bad = next((c["invalid"] for c in mine if c["seq_len"] == lens[i]
+                      and c["ratio_text"] == ratios[j]), False)
+          text = "-" if v is None else f"{v:.2f}" + ("\ninvalid" if bad else "")
+          ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                  color="r" if bad else ("w" if dark else "k"))
       ax.set_xticks(range(len(ratios)), ratios)
       ax.set_yticks(range(len(lens)), lens)
       ax.set_xlabel("B / B*")
       ax.set_ylabel("sequence length")
       ax.set_title(f"{title}\ncompute share {share:g}%", fontsize=9)
       fig.colorbar(im, ax=ax, fraction=0.046)
-  fig.suptitle("SmolLM2-135M f32, 2 CPU cores, real engine (raw KV)", fontsize=10)
+  fig.suptitle(f"SmolLM2-135M f32, real engine (raw KV); {title}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
@@ -827,14 +883,13 @@ def plan(quick: bool) -> dict:
   if quick:
     return {"lengths": [2048, 4096], "shares": [100.0], "ratios": ["1", "4", "1/4"],
             "sub_lengths": [], "sub_ratios": [], "codecs": ["raw"], "codec_lengths": [],
-            "codec_ratios": [], "balance_reps": 1, "compute_reps": 1, "experiments": ["grid"]}
+            "codec_ratios": [], "rounds": _ROUNDS.value, "experiments": ["grid"]}
   return {"lengths": [int(x) for x in _LENGTHS.value],
           "shares": [float(x) for x in _SHARES.value], "ratios": list(_RATIOS.value),
           "sub_lengths": [int(x) for x in _SUB_LENGTHS.value],
           "sub_ratios": list(_SUB_RATIOS.value), "codecs": list(_CODECS.value),
           "codec_lengths": [int(x) for x in _CODEC_LENGTHS.value],
-          "codec_ratios": list(_CODEC_RATIOS.value), "balance_reps": _BALANCE_REPS.value,
-          "compute_reps": _COMPUTE_REPS.value,
+          "codec_ratios": list(_CODEC_RATIOS.value), "rounds": _ROUNDS.value,
           "experiments": list(_EXPERIMENTS.value)}
 
 
@@ -865,8 +920,11 @@ def main(argv):
 
   if _REPORT.value:
     path = pathlib.Path(_REPORT.value)
-    report(json.loads(path.read_text()), path.parent)
-    return
+    report(json.loads(path.read_text()), None)
+    return 0
+  if _ROUNDS.value < 1:
+    raise app.UsageError(f"--rounds must be >= 1, got {_ROUNDS.value}")
+  prov = benchlib.provenance(("jax", "jaxlib", "flax", "numpy", "kvjax"))
   t_start = time.perf_counter()
   p = plan(_QUICK.value)
   out = pathlib.Path(_OUT.value)
@@ -878,20 +936,18 @@ def main(argv):
   max_len = max([n for _, n, _, _ in blocks]
                 + ([_FLUCT_LENGTH.value] if "fluctuation" in p["experiments"] else [])
                 + ([_BURST_LENGTH.value] if "burst" in p["experiments"] else []))
-  # Runs: compute-only once per block, load-only + kvjax per ratio, extra balance reps.
+  # Runs: the B* compute-only run, then per round compute-only and load-only + kvjax per ratio.
   def runs_in(codec, n, share, r):
-    extra = (p["balance_reps"] - 1 if codec == "raw" and share == 100 and "1" in r
-             and n <= _BALANCE_MAX_LEN.value else 0)
-    return 2 * len(r) + 2 * extra + max(1 + extra, p["compute_reps"])
+    del codec, n, share
+    return 1 + p["rounds"] * (1 + 2 * len(r))
   total = sum(runs_in(*b) for b in blocks)
   total += 3 * _FLUCT_SEEDS.value * ("fluctuation" in p["experiments"])
   total += 4 * ("burst" in p["experiments"])
   record: dict[str, Any] = {
-      "benchmark": "bench_cake", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> f32)",
-      "dtype": "float32", "machine": machine(), "threads": os.cpu_count(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""), "git_sha": git_sha(),
-      "versions": {"kvjax": kvjax.__version__, "jax": jax.__version__,
-                   "backend": jax.default_backend()},
+      **prov, "benchmark": "bench_cake", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> f32)",
+      "dtype": "float32", "threads": os.cpu_count(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""), "backend": jax.default_backend(),
+      "kvjax_version": kvjax.__version__, "round_orders": {},
       "seeds": {"seed": _SEED.value}, "quick": _QUICK.value, "plan": p,
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "settings": {"budget_tokens": _BUDGET.value, "chunk_tokens": _CHUNK.value,
@@ -957,9 +1013,8 @@ def main(argv):
         bench = get_bench(codec)
         if bench is None:
           continue
-        reps = p["balance_reps"] if codec == "raw" else 1
-        cells, kv_runs = grid_block(bench, ids_full, n, share, ratios, reps,
-                                    p["compute_reps"], bar)
+        cells, kv_runs, order = grid_block(bench, ids_full, n, share, ratios, p["rounds"], bar)
+        record["round_orders"][name] = order
         record["cells"] += cells
         all_kv += kv_runs
       elif task[0] == "fluctuation":
@@ -969,7 +1024,7 @@ def main(argv):
       else:
         bench = get_bench("raw")
         record["burst"] = burst(bench, ids_full, b_ref_for(bench, _BURST_LENGTH.value), rng, bar)
-      (out / "cake.json").write_text(json.dumps(record, indent=1, default=str))
+      benchlib.write_json(out / "cake.json", record)  # what ran so far
   finally:
     bar.close()
     for codec, b in benches.items():
@@ -979,28 +1034,41 @@ def main(argv):
 
   record["planner_overhead"] = planner_overhead(all_kv)
   record["wall_s"] = time.perf_counter() - t_start
-  record["loadavg_end_1_5_15"] = list(os.getloadavg())
   report(record, out)
+  if record["skipped"]:
+    print(f"bench_cake: {len(record['skipped'])} part(s) skipped (above); exit status 1")
+    return 1
+  return 0
 
 
-def report(record: dict, out: pathlib.Path) -> None:
-  """Evaluates the targets, prints the tables, writes cake.json and cake.png into `out`."""
+def report(record: dict, out: pathlib.Path | None) -> None:
+  """Evaluates the targets and the headline, prints the tables, and writes cake.json and
+  cake.png into `out` (nothing with `out` None: --report on an existing file)."""
   cells = record["cells"]
   for c in cells:
     c["cpu_steady"] = steady(c)
+    mark_invalid(c)
     # B* is fixed from the block's first compute-only run, before the sweep; with other jobs on
     # the machine the fastest compute-only run can differ: the ratio against that one too.
     c["bandwidth_ratio_vs_fastest_compute_only"] = c["bandwidth_bytes_per_s"] / (
         c["prefix_bytes"] / c["ideal"]["compute_prefix_s"])
   record["targets"] = check_targets(cells)
   record["targets_steady_cells"] = check_targets([c for c in cells if c["cpu_steady"]])
-  (out / "cake.json").write_text(json.dumps(record, indent=1, default=str))
+  record["invalid_cells"] = {cell_key(c): {"ttft_kvjax_s": c["ttft_kvjax_s"],
+                                           "ttft_ideal_s": c["ttft_ideal_s"],
+                                           "kvjax_over_ideal": c["kvjax_over_ideal"]}
+                             for c in cells if c["invalid"]}
+  record["headline"] = headline(cells)
+  if out is not None:
+    benchlib.write_json(out / "cake.json", record)
   s = record["settings"]
+  load_start = record.get("loadavg_before", record["machine"]["loadavg_1_5_15"])
+  load_end = record.get("loadavg_after", record.get("loadavg_end_1_5_15", [math.nan]))
   print(f"\nCake on the real engine: SmolLM2-135M f32, {record['threads']} CPU threads, prompt "
         f"{record['prompt']['source']}, chunk {s['chunk_tokens']} tokens, budget "
         f"{s['budget_tokens']} tokens/step, {s['max_loads_in_flight'] or 'derived'} loads in "
-        f"flight; load average at start {record['machine']['loadavg_1_5_15'][0]:.1f}, at end "
-        f"{record.get('loadavg_end_1_5_15', [math.nan])[0]:.1f}")
+        f"flight; load average at start {load_start[0]:.1f}, at end "
+        f"{load_end[0]:.1f}")
   print("TTFT seconds; load '>x': stopped at x s (lower bound); speedup: vs the better "
         "baseline; meet: first loaded chunk / prefix chunks; cpu: min/max CPU cores this process "
         "got over the compute-only and kvjax runs (* steady: min/max >= 0.8); B/B*f: the link "
@@ -1036,17 +1104,23 @@ def report(record: dict, out: pathlib.Path) -> None:
       print(f"  {v:<22} all finished {r['all_finished_s']:7.2f} s, long TTFT "
             f"{r['long_ttft_s']:6.2f} s, short TTFT mean {r['short_ttft_mean_s']:6.2f} s, mean "
             f"TTFT of all {r['mean_ttft_all_s']:6.2f} s")
-  for title, key in (("targets, all cells", "targets"),
-                     ("targets, cells with steady CPU", "targets_steady_cells")):
+  for title, key in (("targets, valid cells", "targets"),
+                     ("targets, valid cells with steady CPU", "targets_steady_cells")):
     print(f"\n{title}:")
     for name, t in record[key].items():
       print(f"  {name}: {t['met']}/{t['cells']} met" + (f"; misses {t['misses']}"
                                                        if t["misses"] else ""))
   for msg in record["skipped"]:
     print(f"skipped: {msg}")
+  for key, v in record["invalid_cells"].items():
+    print(f"invalid (faster than its own bound by more than the rounds' spread): {key}: kvjax "
+          f"{fmt_s(v['ttft_kvjax_s'])} s against a bound of {fmt_s(v['ttft_ideal_s'])} s")
+  print(f"\nheadline: {headline_text(record['headline'])}")
+  if out is None:
+    return
   if cells:
     try:
-      plot(cells, out / "cake.png")
+      plot(cells, out / "cake.png", headline_text(record["headline"]))
     except ImportError:
       print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
   print(f"wrote {out / 'cake.json'}" + (" and cake.png" if cells else "")
