@@ -40,7 +40,7 @@ real model computes from real text (../shared/data), this measures:
     .venv/bin/python scripts/bench_codec.py --quick      # a few minutes
     .venv/bin/python scripts/bench_codec.py              # 20-40 minutes on 2 cores
 
-Writes <out>/bench_codec.json (machine, versions, threads, git SHA, seeds, settings, results),
+Writes <out>/bench_codec.json (benchlib.provenance(), threads, seeds, settings, results),
 <out>/bench_codec.png (bytes per token vs perplexity ratio and vs KL) and prints two tables. The CPU is shared
 with other jobs: the load average is recorded per phase and throughput can be affected by it.
 """
@@ -48,7 +48,6 @@ with other jobs: the load average is recorded per phase and throughput can be af
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import math
 import os
@@ -65,7 +64,8 @@ from absl import app, flags, logging
 
 from bench_codec_lib import (MODEL, Bench, loadavg, mean_ci, passage_windows,  # scripts/
                              pin_all_threads, time_codec, token_metrics)
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import machine
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BOOKS = ("pg1952_the_yellow_wallpaper_gilman.txt", "pg41_legend_of_sleepy_hollow_irving.txt",
@@ -178,15 +178,9 @@ class Settings:
 # Provenance.
 
 
-def versions() -> dict:
-  out = {}
-  for pkg in ("kvjax", "jax", "jaxlib", "flax", "numpy", "pcodec", "zstandard", "tensorstore",
-              "scipy"):
-    try:
-      out[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      out[pkg] = "unknown"
-  return out
+#: Libraries whose versions the results record (`benchlib.provenance`).
+VERSION_PACKAGES = ("kvjax", "jax", "jaxlib", "flax", "numpy", "pcodec", "zstandard",
+                    "tensorstore", "scipy")
 
 
 def data_dir() -> pathlib.Path:
@@ -702,7 +696,8 @@ def main(argv):
   import jax  # noqa: PLC0415
 
   t_start = time.perf_counter()
-  machine_start = machine()
+  prov = benchlib.provenance(VERSION_PACKAGES)
+  machine_start = prov["machine"]
   data = data_dir()
   lc_samples = s.longchat_samples
   max_seq_len = max(s.sweep_tokens, s.prefix_tokens + s.held_tokens + 1,
@@ -737,14 +732,14 @@ def main(argv):
   out_dir = pathlib.Path(_OUT.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   record = {
+      **prov,
       "benchmark": "bench_codec", "model": f"{MODEL} (GGUF Q4_1 -> f32)", "dtype": "float32",
-      "quick": _QUICK.value, "settings": dataclasses.asdict(s),
-      "machine": machine_start, "machine_end": machine(), "versions": versions(),
+      "quick": _QUICK.value, "settings": dataclasses.asdict(s), "machine_end": machine(),
       "backend": jax.default_backend(),
       "threads": {"model_phases": f"default XLA CPU threads over {os.cpu_count()} cores "
                                   "(sweep, quality, LongChat)",
                   "throughput": tp["pinning"]},
-      "git_sha": git_sha(), "seeds": {"bootstrap": s.seed, "note": "passages at fixed offsets; "
+      "seeds": {"bootstrap": s.seed, "note": "passages at fixed offsets; "
                                       "greedy decoding; no other randomness"},
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "encode_path": "kv_encode(use_pallas=False) jnp reference on CPU, then "
@@ -757,7 +752,7 @@ def main(argv):
       "compute_sweep": sweep, "sizes": sizes, "throughput": tp, "balance": bal,
       "quality": qual, "passages": passages, "longchat": lc, "targets": targets,
       "elapsed_s": time.perf_counter() - t_start}
-  (out_dir / "bench_codec.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out_dir / "bench_codec.json", record)
   print_table(s, sizes, qual, tp, bal, lc)
   wrote = plot(out_dir / "bench_codec.png", s, sizes, qual)
   print(f"\ntotal {record['elapsed_s']:.0f} s; load average (1 min) "

@@ -28,7 +28,8 @@ from absl import app, flags
 
 import bench_codec as bc  # scripts/
 from bench_codec_lib import MODEL, Bench  # scripts/
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import machine
 
 _TRANSFORM = flags.DEFINE_string("kvtc_transform", None, "kvtc transform .npz (mean, basis, "
                                  "variance, predictor, sensitivity).")
@@ -83,7 +84,7 @@ def main(argv):
   s = dataclasses.replace(s, codecs=tuple(codecs))
   from tqdm import tqdm  # noqa: PLC0415
   t0 = time.perf_counter()
-  machine_start = machine()
+  prov = benchlib.provenance(bc.VERSION_PACKAGES)
   data = bc.data_dir()
   max_seq_len = max(s.prefix_tokens + s.held_tokens + 1, 8192 if s.longchat_samples else 0)
   bench = ProtectBench(max_seq_len, tuple(sorted({s.held_tokens, s.chunk})), s.chunk,
@@ -102,11 +103,11 @@ def main(argv):
       lc = bc.longchat(bench, data / "longchat" / "topics_10.jsonl", s, pr)
   t = bench.kvtc_transform
   record = {
+      **prov,
       "benchmark": "bench_codec (reduced: scripts/bench_codec_reduced.py; phases "
                    + "+".join(_PHASES.value) + " of scripts/bench_codec.py)",
       "model": f"{MODEL} (GGUF Q4_1 -> f32)", "dtype": "float32",
-      "settings": dataclasses.asdict(s), "machine": machine_start, "machine_end": machine(),
-      "versions": bc.versions(), "git_sha": git_sha(),
+      "settings": dataclasses.asdict(s), "machine_end": machine(),
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "seeds": {"bootstrap": s.seed, "note": "passages at fixed offsets; greedy decoding"},
       "kvtc_transform": {"file": os.path.basename(_TRANSFORM.value) if _TRANSFORM.value
@@ -117,7 +118,7 @@ def main(argv):
       "elapsed_s": time.perf_counter() - t0}
   out = pathlib.Path(bc._OUT.value)  # noqa: SLF001
   out.mkdir(parents=True, exist_ok=True)
-  (out / "bench_codec.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out / "bench_codec.json", record)
   for label, _, _ in s.codecs if qual else ():
     q = qual[label]
     print(f"{label:12s} {sizes[label]['bytes_per_token']:9.1f} B/token  ppl x"

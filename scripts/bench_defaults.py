@@ -51,8 +51,9 @@ but by the machine's noise, and the verdict says so ("same plans") instead of fl
     .venv/bin/python scripts/bench_defaults.py --quick --workloads b \
         --settings defaults,kv_merge_mode=load_only,kv_merge_mode=compute_only  # one question
 
-Writes <out_dir>/bench_defaults[_quick].json (machine, versions, threads, git SHA, seeds,
-sizes, every cell, the defaults' ratio to the best setting per workload and metric) and a plot of
+Writes <out_dir>/bench_defaults[_quick].json (`benchlib.provenance()`, threads, seeds, sizes,
+every cell with its median, min, max and spread over the rounds and each run's CPU share, the
+defaults' ratio to the best setting per workload and metric) and a plot of
 the same name, and prints the table.
 """
 
@@ -70,7 +71,8 @@ import time
 
 from absl import app, flags
 
-from benchlib import git_sha, machine, pyplot, versions  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import pyplot
 import session_replay  # scripts/session_replay.py: the ShareGPT loader
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -309,11 +311,16 @@ class Bench:
 
 
 def median_cell(runs: list[dict]) -> dict:
-  """The median of each timing over the rounds; steps and plan fingerprints per round."""
+  """The median of each timing over the rounds (`summary`: `benchlib.summarize`, with min, max
+  and spread); steps, plan fingerprints and CPU shares per round."""
   out = dict(runs[0])
-  for k, v in runs[0].items():
+  out["summary"] = {}
+  for k in runs[0]:
     if k.endswith("_s") and all(r.get(k) is not None for r in runs):
-      out[k] = statistics.median(r[k] for r in runs)
+      out["summary"][k] = benchlib.summarize([r[k] for r in runs])
+      out[k] = out["summary"][k]["median"]
+  out.pop("cpu_share", None)
+  out["cpu_share_per_round"] = [r.get("cpu_share") for r in runs]
   out["steps_per_round"] = [r["steps"] for r in runs]
   out["plans_per_round"] = [r["plan"] for r in runs]
   out["reps"] = runs
@@ -350,7 +357,10 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"unknown settings {unknown}; known: {list(SETTINGS)}")
   work = [w for w in "abcde" if w in _WORKLOADS.value]
-  at_start = machine()
+  prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tokenizers", "matplotlib",
+                               "absl-py"))
+  at_start = prov["machine"]
+  order = benchlib.interleaved_rounds(names, sz["reps"])
   tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-bench-defaults-"))
   runs: dict[str, dict[str, list[dict]]] = {w: {n: [] for n in names} for w in work}
   t_all = time.perf_counter()
@@ -358,9 +368,8 @@ def main(argv):
     probe = LLM(_MODEL.value, dtype="float32", compile_on_init=False)
     text = Text(probe.get_tokenizer())
     probe.close()
-    for r in range(sz["reps"]):
-      k = r % len(names)
-      for name in names[k:] + names[:k]:  # rotated: each setting meets every position
+    for r, round_names in enumerate(order):
+      for name in round_names:  # rotated: each setting meets every position
         options, store_only = SETTINGS[name]
         folder = tmp / f"{name.replace('=', '_')}_{r}"
         bench = Bench(name, options, sz, folder)
@@ -375,7 +384,9 @@ def main(argv):
           llm = bench.make(store)
           try:
             for w in ws:
+              clock = benchlib.CpuClock()
               c = getattr(bench, f"run_{w}")(llm, text)
+              c["cpu_share"] = clock.read()["cpu_share"]  # this process's CPU s per wall s
               runs[w][name].append(c)
               print(f"  round {r} {w} {name:34s} wall {c['wall_s']:7.2f} s  TTFT p50 "
                     f"{c['ttft_p50_s']:6.2f}  p99 {c['ttft_p99_s']:6.2f}  steps {c['steps']}"
@@ -411,23 +422,23 @@ def main(argv):
       print(f"   defaults / best ({v['best_other']}) {m}: median of paired ratios {r:.3f}, "
             f"ratio of medians {q:.3f}{flag}")
 
-  record = {"benchmark": "bench_defaults", "machine": at_start, "machine_at_end": machine(),
+  record = {**prov, "benchmark": "bench_defaults", "machine_at_end": benchlib.machine(),
             "threads": {"cpu_count": os.cpu_count(),
                         "xla_flags": os.environ.get("XLA_FLAGS", "")},
-            "versions": versions("kvjax", "jax", "tokenizers", "matplotlib", "absl-py"),
-            "git_sha": git_sha(), "seeds": {"sharegpt_sample": _SEED.value,
+            "seeds": {"sharegpt_sample": _SEED.value,
                                              "sampling": "greedy"},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "model": _MODEL.value, "dtype": "float32", "quick": _QUICK.value, "sizes": sz,
             "settings": {n: SETTINGS[n][0] for n in names}, "rounds": sz["reps"],
-            "setting_order": "rotated by one per round",
+            "setting_order": "rotated by one per round (benchlib.interleaved_rounds)",
+            "round_orders": order,
             "link_mb_s": _LINK.value,
             "max_num_seqs": MAX_SEQS, "total_s": total, "cells": cells, "verdict": verdict}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
   stem = "bench_defaults" + ("_quick" if _QUICK.value else "") + (f"_{_TAG.value}" if _TAG.value
                                                                   else "")
-  (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out / f"{stem}.json", record)
   wrote = plot(cells, out / f"{stem}.png")
   print(f"wrote {out / stem}.json" + (" and .png" if wrote else ""))
 

@@ -24,8 +24,8 @@ identical request would be a bug); the script exits non-zero when they are not.
     .venv/bin/python scripts/bench_first_token_steps.py --trials=5 --history_tokens=1780
     .venv/bin/python scripts/bench_first_token_steps.py --scenario=decodes
 
-Writes <out_dir>/bench_first_token_steps.json (`..._decodes.json` for that scenario; machine and
-load average before and after, versions, threads, git SHA, settings, per-trial records, medians and
+Writes <out_dir>/bench_first_token_steps.json (`..._decodes.json` for that scenario;
+`benchlib.provenance()`, machine after, threads, settings, per-trial records, medians and
 ratios) and a plot of the same name. Timings on a shared 2-core VM are noisy: medians over trials.
 """
 
@@ -40,7 +40,8 @@ import tempfile
 
 from absl import app, flags
 
-from benchlib import git_sha, machine, pyplot, versions  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import machine, pyplot
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -202,7 +203,8 @@ def main(argv):
     plot(json.loads(path.read_text(encoding="utf-8")), path.with_suffix(".png"))
     return
   from kvjax.models.registry import load_model  # noqa: PLC0415
-  sha, before = git_sha(), machine()
+  prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tokenizers", "matplotlib",
+                               "absl-py"))
   tok = load_model(_MODEL.value).tokenizer
   # One more passage for a warm-up trial per setting, not recorded: the engines compile, and
   # their cost models learn the host tier's link from a first hit, as a running server's have
@@ -240,12 +242,10 @@ def main(argv):
     print(f"{name:14s} " + " ".join(f"{med[name][k]:17.3f}s" for k in keys))
   print(f"{'short / full':14s} " + " ".join(f"{ratios[k]:17.2f}x" for k in keys))
   print(f"texts equal across settings: {same}")
-  record = {"benchmark": "bench_first_token_steps", "machine": before,
-            "machine_at_end": machine(),
+  record = {**prov, "benchmark": "bench_first_token_steps", "machine_at_end": machine(),
             "threads": {"cpu_count": os.cpu_count(),
                         "xla_flags": os.environ.get("XLA_FLAGS", "")},
-            "versions": versions("kvjax", "jax", "tokenizers", "matplotlib", "absl-py"),
-            "git_sha": sha, "seeds": {"sampling": "greedy"},
+            "seeds": {"sampling": "greedy"},
             "settings": {"model": _MODEL.value, "book": pathlib.Path(_BOOK.value).name,
                          "history_tokens": _N.value, "new_tokens": _M.value,
                          "max_tokens": _MAX_TOKENS.value, "kv_chunk_size": _CHUNK.value,
@@ -259,7 +259,7 @@ def main(argv):
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
   stem = "bench_first_token_steps" + ("" if _SCENARIO.value == "cold_prefill" else "_decodes")
-  (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out / f"{stem}.json", record)
   plot(record, out / f"{stem}.png")
   print(f"wrote {out / (stem + '.json')}")
   if not same:

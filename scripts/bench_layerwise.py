@@ -19,14 +19,14 @@ new tokens, whole-chunk vs layer-wise, on an emulated host -> device link.
     nice -n 19 .venv/bin/python scripts/bench_layerwise.py
     nice -n 19 .venv/bin/python scripts/bench_layerwise.py --history_tokens=4096 --groups=6,10
 
-Writes <out_dir>/bench_layerwise.json (machine and load average before and after, versions,
-threads, git SHA, settings, per-repetition seconds, medians, the target check) and
-bench_layerwise.png. Timings on a shared 2-core VM are noisy: medians of --reps repetitions.
+Writes <out_dir>/bench_layerwise.json (`benchlib.provenance()`, machine after, threads,
+settings, per-repetition seconds, medians, the target check) and bench_layerwise.png. Timings
+on a shared 2-core VM are noisy: medians of --reps interleaved rounds (every mode once per
+round, the order rotated by one per round: `benchlib.interleaved_rounds`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import statistics
@@ -35,7 +35,8 @@ import time
 import numpy as np
 from absl import app, flags
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import machine
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -134,7 +135,8 @@ def main(argv):
   if n % c:
     raise ValueError(f"--history_tokens={n} must be a multiple of --chunk_tokens={c}")
   groups = [int(g) for g in _GROUPS.value]
-  machine_before = machine()
+  prov = benchlib.provenance()
+  machine_before = prov["machine"]
   tok = load_model(_MODEL.value).tokenizer
   ids = book_ids(tok, n + m_new)
   history, prompt = ids[:n], ids
@@ -162,11 +164,15 @@ def main(argv):
   rate = history_bytes / (_RATIO.value * compute0)
   rows = {"unlimited": [], "whole": []}
   rows.update({f"layerwise_{g}": [] for g in groups})
-  for rep in range(_REPS.value):
-    rows["unlimited"].append(run_turn2(modes[1], probes[1], prompt, None))
-    rows["whole"].append(run_turn2(modes[1], probes[1], prompt, rate))
-    for g in groups:
-      rows[f"layerwise_{g}"].append(run_turn2(modes[g], probes[g], prompt, rate))
+  # Interleaved rounds: each round runs every mode once, the order rotated by one per round.
+  order = benchlib.interleaved_rounds(list(rows), _REPS.value)
+  for rep, names in enumerate(order):
+    for name in names:
+      if name == "unlimited":
+        rows[name].append(run_turn2(modes[1], probes[1], prompt, None))
+      else:
+        g = 1 if name == "whole" else int(name.removeprefix("layerwise_"))
+        rows[name].append(run_turn2(modes[g], probes[g], prompt, rate))
     print(f"rep {rep}: " + ", ".join(f"{k} {v[-1]['ttft_s']:.3f} s" for k, v in rows.items()),
           flush=True)
   transfer_s = history_bytes / rate
@@ -183,8 +189,8 @@ def main(argv):
   max_lp_diff = max(abs(r["logprobs"].get(k, float("inf")) - v)
                     for rs in rows.values() for r in rs for k, v in ref["logprobs"].items())
   result = {
-      "bench": "layerwise", "git_sha": git_sha(), "machine_before": machine_before,
-      "machine_after": machine(), "jax": jax.__version__, "backend": jax.default_backend(),
+      **prov, "bench": "layerwise", "machine_after": machine(),
+      "backend": jax.default_backend(), "round_orders": order,
       "threads": os.environ.get("XLA_FLAGS", "default"), "dtype": "float32", "seed": 0,
       "settings": {"model": _MODEL.value, "book": pathlib.Path(_BOOK.value).name,
                    "history_tokens": n, "new_tokens": m_new, "chunk_tokens": c,
@@ -205,7 +211,7 @@ def main(argv):
   }
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "bench_layerwise.json").write_text(json.dumps(result, indent=1, default=str))
+  benchlib.write_json(out_dir / "bench_layerwise.json", result)
   print(f"\nhost hit: N={n} history tokens ({stored} chunks, {history_bytes / 2**20:.1f} MiB f32),"
         f" M={m_new} new tokens; link {rate / 1e6:.1f} MB/s; load avg before "
         f"{machine_before['loadavg_1_5_15']}, after {result['machine_after']['loadavg_1_5_15']}")

@@ -28,26 +28,25 @@ that landed, with their link seconds) and a summary of them (meeting index, what
 when loads landed, the planner's link estimate before the request), printed per repeat: what a
 missed target is diagnosed from.
 
-Writes `<out>.json` (settings, machine, versions, threads, git SHA, seeds, every repeat) and
+Writes `<out>.json` (`benchlib.provenance()`, settings, threads, seeds, every repeat) and
 `<out>.png` (matplotlib, the `bench` extra).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pathlib
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from absl import app
 from absl import flags
+
+import benchlib  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -70,33 +69,11 @@ _SEED = flags.DEFINE_integer("seed", 0, "LLM seed.")
 _QUICK = flags.DEFINE_bool("quick", False, "Short run: 2048 tokens, 2 repeats, 1 link run.")
 
 
-def _git_sha() -> str:
-  try:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.strip()
-    return sha + ("-dirty" if dirty else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
-def _versions() -> dict[str, str]:
-  from importlib import metadata  # noqa: PLC0415
-  out = {"python": platform.python_version()}
-  for name in ("kvjax", "jax", "jaxlib", "numpy", "tensorstore", "xxhash", "matplotlib"):
-    try:
-      out[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      out[name] = "n/a"
-  return out
-
-
-def _machine() -> dict[str, object]:
+def _runtime() -> dict[str, object]:
+  """What `benchlib.machine()` does not say: the cores this process may use, the JAX backend
+  and the thread settings."""
   import jax  # noqa: PLC0415
-  return {"platform": platform.platform(), "processor": platform.processor(),
-          "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
-          "jax_backend": jax.default_backend(),
+  return {"affinity": len(os.sched_getaffinity(0)), "jax_backend": jax.default_backend(),
           "threads": {k: os.environ.get(k) for k in ("XLA_FLAGS", "OMP_NUM_THREADS",
                                                        "TF_NUM_INTEROP_THREADS")}}
 
@@ -258,6 +235,8 @@ def main(argv):
   import kvjax  # noqa: PLC0415
   from kvjax.storage.chunk_store import ChunkStore  # noqa: PLC0415
 
+  prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tensorstore", "xxhash",
+                               "matplotlib"))
   tokens = 2048 if _QUICK.value else _TOKENS.value
   repeats = 2 if _QUICK.value else _REPEATS.value
   link_repeats = 1 if _QUICK.value else _LINK_REPEATS.value
@@ -327,8 +306,8 @@ def main(argv):
           "value": med["link"], "bound": link_bound, "met": med["link"] <= link_bound},
   }
   result = {
-      "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      "git_sha": _git_sha(), "machine": _machine(), "versions": _versions(),
+      **prov, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "runtime": _runtime(),
       "seeds": {"llm_seed": _SEED.value, "sampling": "greedy"}, "quick": _QUICK.value,
       "settings": {"repeats": repeats, "link_repeats": link_repeats,
                    "link_bytes_per_s": rate, "kv_chunk_size": c,
@@ -343,8 +322,7 @@ def main(argv):
   }
   out = pathlib.Path(_OUT.value)
   out = out if out.is_absolute() else REPO / out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+  benchlib.write_json(out.with_suffix(".json"), result)
   _plot(result, out.with_suffix(".png"))
 
   print(f"{len(ids)}-token prompt ({stored_tokens} stored in {len(records)} chunks, "

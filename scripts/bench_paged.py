@@ -12,13 +12,12 @@ device prefix cache.
     .venv/bin/python scripts/bench_paged.py
     .venv/bin/python scripts/bench_paged.py --parts=decode --decode_seqs=1,8,32
 
-Writes <out_dir>/bench_paged.json (machine and load average before and after, versions, git
-SHA, settings, per-N step seconds, TTFTs, texts) and bench_paged.png.
+Writes <out_dir>/bench_paged.json (`benchlib.provenance()`, machine after, settings, per-N
+step seconds, TTFTs, texts) and bench_paged.png.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import time
@@ -26,7 +25,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import machine
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -168,8 +168,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   import jax  # noqa: PLC0415
-  record = {"benchmark": "bench_paged", "machine": machine(), "git_sha": git_sha(),
-            "versions": {"jax": jax.__version__}, "backend": jax.default_backend(),
+  record = {**benchlib.provenance(), "benchmark": "bench_paged",
+            "backend": jax.default_backend(),
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "settings": {"model": _MODEL.value, "parts": _PARTS.value,
                          "decode_seqs": [int(s) for s in _SEQS.value],
@@ -186,7 +186,7 @@ def main(argv):
   record["machine_at_end"] = machine()
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "bench_paged.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out_dir / "bench_paged.json", record)
   wrote = plot(record, out_dir / "bench_paged.png")
   print(f"wrote {out_dir / 'bench_paged.json'}" + (" and bench_paged.png" if wrote else ""))
 

@@ -9,7 +9,7 @@ count, and the script prints the per-chunk ratio measured side by side in this o
     .venv/bin/python scripts/bench_prefill.py                # kvjax only
     /tmp/refvenv/bin/python scripts/bench_prefill.py         # with transformers (see README)
 
-Writes <out_dir>/bench_prefill.json (machine, versions, threads, git SHA, inputs, per-chunk
+Writes <out_dir>/bench_prefill.json (`benchlib.provenance()`, threads, inputs, per-chunk
 seconds) and <out_dir>/bench_prefill.png.
 
 Tensor parallelism (issue 14): `--tensor_parallel_size=1,2,4` instead times the paged runner's
@@ -28,7 +28,6 @@ speed-up. Writes <out_dir>/bench_prefill_tp.json and .png.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pathlib
 import sys
@@ -36,7 +35,11 @@ import time
 
 from absl import app, flags, logging
 
-from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import machine, pyplot
+
+#: Libraries whose versions the results record (`benchlib.provenance`).
+PACKAGES = ("kvjax", "jax", "jaxlib", "flax", "numpy", "torch", "transformers")
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -147,11 +150,10 @@ def time_tp(runner, ids: list[int], chunk: int, decode_tokens: int) -> dict:
   return {"prefill_s": prefill_s, "decode_s": decode_s, "logits": logits, "tokens": tokens}
 
 
-def main_tp(sizes: list[int]) -> None:
-  """The tensor-parallel mode (see the module docstring)."""
+def main_tp(sizes: list[int], prov: dict) -> None:
+  """The tensor-parallel mode (see the module docstring); `prov`: `benchlib.provenance()`."""
   import numpy as np  # noqa: PLC0415
   import jax  # noqa: PLC0415
-  import kvjax  # noqa: PLC0415
   from kvjax.models.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
   from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
 
@@ -197,21 +199,18 @@ def main_tp(sizes: list[int]) -> None:
           f"  {diff:12.2e}  {same}")
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
-  record = {"benchmark": "bench_prefill --tensor_parallel_size", "model": cfg.name,
+  record = {**prov, "benchmark": "bench_prefill --tensor_parallel_size", "model": cfg.name,
             "model_config": {k: getattr(cfg, k) for k in (
                 "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                 "mlp_dim")},
             "dtype": "float32", "prompt_source": os.path.basename(_BOOK.value),
             "prompt_tokens": len(ids), "chunk_size": chunk, "decode_tokens": _DECODE.value,
             "repeats": _REPEATS.value, "host_devices": base["devices"],
-            "xla_flags": os.environ.get("XLA_FLAGS"), "machine": machine(), "threads": threads,
-            "load_average_1_5_15min_at_end": list(os.getloadavg()),
-            "versions": {"kvjax": kvjax.__version__, "jax": jax.__version__,
-                         "backend": jax.default_backend()},
-            "git_sha": git_sha(), "seeds": {"weights": 0},
+            "xla_flags": os.environ.get("XLA_FLAGS"), "threads": threads,
+            "backend": jax.default_backend(), "seeds": {"weights": 0},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "results": results}
-  (out_dir / "bench_prefill_tp.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out_dir / "bench_prefill_tp.json", record)
   plt = pyplot()
   if plt is None:
     return
@@ -233,6 +232,7 @@ def main_tp(sizes: list[int]) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  prov = benchlib.provenance(PACKAGES)  # importlib.metadata only: jax is not imported yet
   if _TP.value:
     sizes = [int(n) for n in _TP.value]
     if sizes[0] != 1:
@@ -241,10 +241,9 @@ def main(argv):
       raise RuntimeError("jax was imported before the device count was set")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={max(sizes)}").strip()
-    main_tp(sizes)
+    main_tp(sizes, prov)
     return
   import jax  # noqa: PLC0415
-  import kvjax  # noqa: PLC0415
   from kvjax.models.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
   from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
 
@@ -256,15 +255,10 @@ def main(argv):
   want_hf = _TRANSFORMERS.value == "on" or (
       _TRANSFORMERS.value == "auto" and importlib.util.find_spec("transformers") is not None)
   threads = os.cpu_count() or 1
-  versions = {"kvjax": kvjax.__version__, "jax": jax.__version__,
-              "backend": jax.default_backend()}
   results = {}
   for chunk in (int(c) for c in _CHUNK_SIZES.value):
     row = {"kvjax_s": time_kvjax(ids, chunk)}
     if want_hf:
-      import torch  # noqa: PLC0415
-      import transformers  # noqa: PLC0415
-      versions.update(torch=torch.__version__, transformers=transformers.__version__)
       row["transformers_s"] = time_transformers(ids, chunk, threads)
     results[str(chunk)] = row
 
@@ -287,13 +281,14 @@ def main(argv):
 
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
-  record = {"benchmark": "bench_prefill", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> f32)",
+  record = {**prov, "benchmark": "bench_prefill",
+            "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> f32)",
             "dtype": "float32", "prompt_source": os.path.basename(_BOOK.value),
-            "prompt_tokens": len(ids), "machine": machine(), "threads": threads,
-            "versions": versions, "git_sha": git_sha(), "seeds": None,
+            "prompt_tokens": len(ids), "threads": threads, "backend": jax.default_backend(),
+            "seeds": None,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "results": results}
-  (out_dir / "bench_prefill.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out_dir / "bench_prefill.json", record)
   plt = pyplot()
   if plt is None:
     return

@@ -21,7 +21,7 @@ most pool blocks held at once).
     .venv/bin/python scripts/bench_serve.py --clients=8 --docs=4 --questions=4 --conversations=8
     .venv/bin/python scripts/bench_serve.py --url=http://host:8000   # an already running server
 
-Writes <out_dir>/bench_serve.json (machine, versions, git SHA, seeds, threads, settings,
+Writes <out_dir>/bench_serve.json (`benchlib.provenance()`, seeds, threads, settings,
 per-request rows, summaries) and bench_serve.png, and prints a table.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -46,7 +45,7 @@ import openai
 from absl import app, flags, logging
 
 import benchlib  # scripts/benchlib.py
-from benchlib import git_sha, machine
+from benchlib import machine
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
@@ -203,14 +202,9 @@ def kv_cache_bytes(metrics_text: str) -> dict:
   return {}
 
 
-def versions() -> dict:
-  out = {}
-  for pkg in ("kvjax", "jax", "jaxlib", "flax", "fastapi", "uvicorn", "openai", "tensorstore"):
-    try:
-      out[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      out[pkg] = None
-  return out
+#: Libraries whose versions the results record (`benchlib.provenance`).
+PACKAGES = ("kvjax", "jax", "jaxlib", "flax", "numpy", "fastapi", "uvicorn", "openai",
+            "tensorstore")
 
 
 def print_table(summaries: dict) -> None:
@@ -264,7 +258,7 @@ def main(argv):
   tasks = {wl: workloads[wl]() for wl in _WORKLOADS.value}
   work = tempfile.mkdtemp(prefix="kvjax-bench-serve-")
   layouts = [None]  # one KV layout: one server
-  machine_at_start = machine()
+  prov = benchlib.provenance(PACKAGES)
   rows, summaries, metrics, kv_memory = [], {}, {}, {}
   try:
     for layout in layouts:
@@ -305,11 +299,10 @@ def main(argv):
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   record = {
-      "benchmark": "bench_serve", "machine": machine_at_start, "machine_at_end": machine(),
+      **prov, "benchmark": "bench_serve", "machine_at_end": machine(),
       "threads": {"cpu_count": os.cpu_count(), "clients": clients,
                   "server_max_num_seqs": _MAX_NUM_SEQS.value or "server default"},
-      "versions": versions(), "git_sha": git_sha(), "seeds": {"workload": _SEED.value,
-                                                              "requests": 0},
+      "seeds": {"workload": _SEED.value, "requests": 0},
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "settings": {"quick": quick, "url": _URL.value, "model": model,
                    "server_flags": _SERVER_FLAGS.value,
@@ -324,7 +317,7 @@ def main(argv):
       "kv_cache_bytes": kv_memory,
       "server_metrics": metrics["server"] if list(metrics) == ["server"] else metrics,
   }
-  (out_dir / "bench_serve.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out_dir / "bench_serve.json", record)
   title = (f"bench_serve: {model}, {clients} clients, {os.cpu_count()} CPU cores"
            + (" (quick)" if quick else ""))
   wrote = plot(summaries, out_dir / "bench_serve.png", title)

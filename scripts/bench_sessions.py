@@ -74,8 +74,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
-import json
 import os
 import pathlib
 import time
@@ -85,7 +83,8 @@ from absl import app, flags
 
 import session_gap  # scripts/session_gap.py
 import session_replay  # scripts/session_replay.py
-from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import machine, pyplot
 from kvjax.storage.placement import POLICIES, TierSpec
 from kvjax.testing import session_sim as ss
 
@@ -224,20 +223,11 @@ What drives the differences (read with the tables):
 
 
 @functools.cache
-def start_sha() -> str:
-  """HEAD when this run started (`main` reads it first), so that a long run's record names the
-  code it ran rather than a later commit."""
-  return git_sha()
-
-
-def versions() -> dict:
-  out = {}
-  for pkg in ("kvjax", "tokenizers", "matplotlib", "absl-py"):
-    try:
-      out[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      out[pkg] = None
-  return out
+def start_provenance() -> dict:
+  """`benchlib.provenance()` when this run started (`main` takes it first), so that a long run's
+  record names the code it ran rather than a later commit. Copy it into a record (`**`)."""
+  return benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tokenizers", "matplotlib",
+                              "absl-py"))
 
 
 def token_counter(kind: str):
@@ -275,8 +265,8 @@ def sim_record(convs, base, footprint, counts_how, system, path) -> dict:
   except ValueError:
     trace = str(TRACE)
   return {
-      "machine": machine(), "versions": versions(),
-      "git_sha": start_sha(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      **start_provenance(), "machine_at_end": machine(),
+      "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "seeds": {"arrivals": f"{base.seed}/arrivals", "think": f"{base.seed}/think",
                 "rng": "python random.Random(str seed)"},
       "trace": {"path": trace, "conversations": len(convs),
@@ -357,7 +347,7 @@ def run_sim() -> None:
                                    "decode_s_per_token x reply tokens; independent of hits",
                    "capacity": "ratio x footprint_bytes, host and disk exclusive"},
       "findings": FINDINGS, "wall_s": wall, "loads": loads}
-  (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out / f"{stem}.json", record)
   plot(loads, sweep, labels, out / f"{stem}.png", len(convs), base.window)
   print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
 
@@ -469,7 +459,7 @@ def run_gap() -> None:
                                "/ disk_ratio x footprint; basis live: host + disk = value x "
                                "the load's mean live KV"},
       "findings": GAP_FINDINGS, "gaps": gaps, "wall_s": wall, "loads": loads}
-  (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out / f"{stem}.json", record)
   plot_gap(loads, labels, out / f"{stem}.png", len(convs))
   print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
 
@@ -568,19 +558,18 @@ def run_server() -> None:
       host_bytes=_SERVER_HOST.value, disk_bytes=_SERVER_DISK.value,
       host_ratio=_SERVER_HOST_RATIO.value, disk_ratio=_SERVER_DISK_RATIO.value,
       kv_chunk_size=_SERVER_CHUNK.value)
-  at_start = machine()
   got = session_replay.run_replay(cfg, pathlib.Path(_DATA.value), modes=tuple(_SERVER_MODES.value))
   session_replay.print_table(got["summary"])
-  record = {"benchmark": "bench_sessions_server", "machine": at_start, "machine_at_end": machine(),
+  record = {**start_provenance(), "benchmark": "bench_sessions_server",
+            "machine_at_end": machine(),
             "threads": {"cpu_count": os.cpu_count(), "clients": cfg.clients},
-            "versions": versions(), "git_sha": start_sha(),
             "seeds": {"conversations": cfg.seed, "requests": 0},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **got}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
   name = ("bench_sessions_server" + ("_quick" if quick else "") +
           (f"_{_SERVER_TAG.value}" if _SERVER_TAG.value else ""))
-  (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out / f"{name}.json", record)
   plot_server(got["summary"], out / f"{name}.png", cfg, got["conversations_used"])
   print(f"wrote {out / (name + '.json')} and .png")
 
@@ -765,11 +754,10 @@ def run_llm() -> None:
 
 def write_llm_record(benchmark: str, at_start: dict, n_convs: int, same: bool, runs: list,
                      plot, **fields) -> None:
-  """Writes <out>/<benchmark>[_host<N>].json (machine, versions, git SHA, seeds, `fields`,
+  """Writes <out>/<benchmark>[_host<N>].json (`start_provenance()`, machines, seeds, `fields`,
   runs) and its plot (`plot(runs, path, n_convs)`)."""
-  record = {"benchmark": benchmark, "machine": at_start,
+  record = {**start_provenance(), "benchmark": benchmark, "machine_at_run_start": at_start,
             "machine_at_end": machine(), "threads": {"cpu_count": os.cpu_count()},
-            "versions": versions(), "git_sha": start_sha(),
             "seeds": {"conversations": _SEED.value, "sampling": "greedy"},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "conversations": n_convs, "merge_mode": _LLM_MERGE.value,
@@ -777,7 +765,7 @@ def write_llm_record(benchmark: str, at_start: dict, n_convs: int, same: bool, r
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
   name = benchmark + ("" if _LLM_HOST.value == _LLM_HOST.default else f"_host{_LLM_HOST.value}")
-  (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out / f"{name}.json", record)
   plot(runs, out / f"{name}.png", n_convs)
   print(f"wrote {out / (name + '.json')} and .png")
 
@@ -902,7 +890,7 @@ MODES = {"sim": (_SIM, run_sim), "gap": (_GAP, run_gap), "server": (_SERVER, run
 
 def main(argv):
   del argv
-  start_sha()
+  start_provenance()
   chosen = [run for flag, run in MODES.values() if flag.value]
   if not chosen:
     raise app.UsageError(f"no mode selected; pass one of: {', '.join('--' + m for m in MODES)}")

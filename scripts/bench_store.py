@@ -29,15 +29,13 @@ codec, no compression); sizes would with zstd.
     .venv/bin/python scripts/bench_store.py            # default, about 2 minutes on 2 cores
     .venv/bin/python scripts/bench_store.py --quick    # seconds
 
-Writes <out_dir>/bench_store.json (machine, versions, threads, git SHA, seed, settings, results)
+Writes <out_dir>/bench_store.json (`benchlib.provenance()`, threads, seed, settings, results)
 and <out_dir>/bench_store.png, and prints a table.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
-import json
 import os
 import pathlib
 import shutil
@@ -47,7 +45,8 @@ import time
 
 from absl import app, flags, logging
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import machine
 import ml_dtypes
 import numpy as np
 
@@ -73,14 +72,8 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 30, 3, 64
 _BLOCK = 16 << 20
 
 
-def versions() -> dict:
-  out = {}
-  for pkg in ("kvjax", "tensorstore", "numpy", "ml_dtypes", "absl-py"):
-    try:
-      out[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      out[pkg] = "unknown"
-  return out
+#: Libraries whose versions the results record (`benchlib.provenance`).
+PACKAGES = ("kvjax", "tensorstore", "numpy", "ml_dtypes", "absl-py")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +400,8 @@ def main(argv):
   rng = np.random.default_rng(_SEED.value)
   work = tempfile.mkdtemp(prefix="kvjax-bench-store-", dir=_WORK_DIR.value)
   t_start = time.perf_counter()
-  machine_at_start = machine()
+  prov = benchlib.provenance(PACKAGES)
+  machine_at_start = prov["machine"]
   rows, lookups = [], []
   try:
     for backend in backends:
@@ -432,9 +426,8 @@ def main(argv):
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   record = {
-      "benchmark": "bench_store", "machine": machine_at_start, "machine_at_end": machine(),
-      "threads": threads,
-      "versions": versions(), "git_sha": git_sha(), "seeds": {"numpy": _SEED.value},
+      **prov, "benchmark": "bench_store", "machine_at_end": machine(),
+      "threads": threads, "seeds": {"numpy": _SEED.value},
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "settings": {
           "quick": quick, "bytes_per_config": budget, "backends": backends,
@@ -451,7 +444,7 @@ def main(argv):
       },
       "sha256_mb_per_s": sha_mbps, "elapsed_s": elapsed, "results": rows, "lookup": lookups,
   }
-  (out_dir / "bench_store.json").write_text(json.dumps(record, indent=1))
+  benchlib.write_json(out_dir / "bench_store.json", record)
   wrote = plot(rows, out_dir / "bench_store.png", threads)
   print(f"wrote {out_dir / 'bench_store.json'}" + (" and bench_store.png" if wrote else ""))
 

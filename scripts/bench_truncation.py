@@ -67,13 +67,12 @@ staged_b1, paired by conversation (same bootstrap).
     .venv/bin/python scripts/bench_truncation.py --variants=recompute,staged_b1,blend_r20 \
         --conversations=4 --tag=dev                                  # a quick subset
 
-Writes <out_dir>/bench_truncation.json (machine, versions, git SHA, settings, per-conversation
+Writes <out_dir>/bench_truncation.json (`benchlib.provenance()`, settings, per-conversation
 rows) and bench_truncation.png.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 import os
@@ -85,7 +84,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchlib import git_sha, machine, pyplot  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
+from benchlib import pyplot
 from kvjax import LLM
 from kvjax import sessions as sess
 from kvjax.kernels.attention import dense_attention_reference
@@ -393,6 +393,7 @@ def main(argv):
       raise app.UsageError(f"unknown variants {unknown}; known: {', '.join(ALL_VARIANTS)}")
     VARIANTS = tuple(v for v in ALL_VARIANTS
                      if v in set(FLAGS.variants) | {"full", "recompute"})
+  prov = benchlib.provenance()
   path = pathlib.Path(FLAGS.data_dir) / "sharegpt" / "sharegpt_v3_multiturn_1000.json"
   llm = LLM(max_num_seqs=4, max_model_len=FLAGS.max_history + FLAGS.max_reply + PIECE,
             compile_on_init=False)
@@ -524,8 +525,7 @@ def main(argv):
     out.mkdir(parents=True, exist_ok=True)
     name = "bench_truncation" + (f"_{FLAGS.tag}" if FLAGS.tag else "")
     result = {
-        "machine": machine(), "git_sha": git_sha(), "jax": jax.__version__,
-        "kvjax": importlib.metadata.version("kvjax"), "backend": jax.default_backend(),
+        **prov, "backend": jax.default_backend(),
         "dtype": "float32", "threads": os.cpu_count(), "seed": 0, "elapsed_s": elapsed,
         "complete": final, "conversations_scored": len(rows),
         "settings": {k: FLAGS[k].value for k in ("conversations", "max_context", "max_history",
@@ -557,7 +557,7 @@ def main(argv):
         "kv_rel_dev_by_seam_distance": seam, "kv_rel_dev_by_layer": layers_mean,
         "system_kv_max_abs_diff": sys_kv_max_abs,
         "scored_tokens": n_tok, "rows": rows}
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    benchlib.write_json(out / f"{name}.json", result)
     plt = _plot(result, out / f"{name}.png")
     say(f"wrote {out / name}.json" + (" and .png" if plt is not None else ""))
 

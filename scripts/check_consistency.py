@@ -9,14 +9,13 @@ then the same request is sent `--repeats` times, one after another, to one `LLM`
 meeting point depends on timing; the script counts distinct outputs (greedy token ids) and the
 meeting points seen, side by side in one run.
 
-Writes `<out>.json` (settings, machine, versions, git SHA, every repeat's meeting index and
+Writes `<out>.json` (`benchlib.provenance()`, settings, every repeat's meeting index and
 whether it equals the first output) and prints a table. SmolLM2-135M-Instruct, f32 on CPU.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import os
 import pathlib
 import sys
@@ -59,6 +58,7 @@ def main(argv):
   import jax  # noqa: PLC0415
   from kvjax import LLM, SamplingParams  # noqa: PLC0415
   import benchlib  # noqa: PLC0415  (scripts/benchlib.py)
+  prov = benchlib.provenance()
 
   book = pathlib.Path(_BOOK.value)
   if not book.is_absolute():
@@ -90,17 +90,15 @@ def main(argv):
       print(f"consistent={consistent}: {repeats} repeats, {len(counts)} distinct outputs, "
             f"{rows[consistent]['equal_to_cold']} equal to the cold run, meeting points "
             f"{dict(sorted(collections.Counter(meetings).items(), key=str))}", flush=True)
-  result = {"settings": {"codec": _CODEC.value, "tokens": _TOKENS.value,
+  result = {**prov, "settings": {"codec": _CODEC.value, "tokens": _TOKENS.value,
                          "max_tokens": _MAX_TOKENS.value, "book": _BOOK.value,
                          "link_mb_s": _LINK_MB_S.value},
-            "machine": benchlib.machine(), "git_sha": benchlib.git_sha(),
-            "versions": {"jax": jax.__version__}, "threads": os.cpu_count(),
+            "backend": jax.default_backend(), "threads": os.cpu_count(),
             "seed": 0, "consistent": rows[True], "inconsistent": rows[False]}
   out = pathlib.Path(_OUT.value)
   if not out.is_absolute():
     out = REPO / out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+  benchlib.write_json(out.with_suffix(".json"), result)
   _plot(rows, out.with_suffix(".png"))
   print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 

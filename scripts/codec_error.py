@@ -16,12 +16,11 @@ dequantization, and the script prints, per codec and level:
     .venv/bin/python scripts/codec_error.py
     .venv/bin/python scripts/codec_error.py --num_tokens 1024 --chunk 256 --interpret
 
-Writes benchmarks/results/codec_error.json (inputs, constants, machine, git SHA, results).
+Writes benchmarks/results/codec_error.json (`benchlib.provenance()`, inputs, constants, results).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import time
@@ -29,7 +28,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 _BOOK_NAME = "pg43_jekyll_and_hyde_stevenson.txt"
@@ -144,11 +143,11 @@ def rel(x_hat, x) -> float:
 
 def main(argv):
   del argv
-  import jax  # noqa: PLC0415
   from kvjax import codecs  # noqa: PLC0415
   from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
   from kvjax.kernels import kv_codec_ref as kref  # noqa: PLC0415
 
+  prov = benchlib.provenance()
   t0 = time.perf_counter()
   chunks, info = real_kv_chunks(find_book())
   print(f"SmolLM2-135M-Instruct f32 KV: {info['tokens']} tokens of {info['book']} "
@@ -186,8 +185,7 @@ def main(argv):
   print("\nbits: per stored value (raw f32 = 32, bf16 = 16); cachegen 'entropy' = per-channel "
         "empirical entropy of anchor_q + delta_q plus f32 scales, model cost excluded")
   if _OUT.value:
-    record = {"script": "codec_error", "info": info, "jax": jax.__version__,
-              "machine": machine(), "git_sha": git_sha(),
+    record = {**prov, "script": "codec_error", "info": info,
               "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "interpret": _INTERPRET.value, "int4_group_tokens": _INT4_GROUP.value,
               "constants": {"CACHEGEN_LEVEL_BINS": kref.CACHEGEN_LEVEL_BINS,
@@ -195,7 +193,7 @@ def main(argv):
                             "CACHEGEN_ANCHOR_STRIDE": codecs.CACHEGEN_ANCHOR_STRIDE,
                             "INT4_GROUP_TOKENS": codecs.INT4_GROUP_TOKENS},
               "results": results}
-    pathlib.Path(_OUT.value).write_text(json.dumps(record, indent=1))
+    benchlib.write_json(_OUT.value, record)
     print(f"wrote {_OUT.value}")
 
 

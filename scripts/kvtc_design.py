@@ -46,7 +46,7 @@ transform instead of calibrating):
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import pathlib
 import time
@@ -54,7 +54,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from benchlib import git_sha, machine  # scripts/benchlib.py
+import benchlib  # scripts/benchlib.py
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 _DATA = flags.DEFINE_string("data_dir", None, "The shared data folder (default ../shared/data).")
@@ -87,7 +87,14 @@ _SENS_FROM = flags.DEFINE_string("sensitivity_from", None, "A cached transform (
 C = 256
 
 
+@functools.cache
+def _provenance() -> dict:
+  """`benchlib.provenance()` when the run started (`main` takes it first)."""
+  return benchlib.provenance()
+
+
 def main(_):
+  _provenance()
   from bench_codec_lib import MODEL  # noqa: PLC0415  (scripts/)
   from kvjax.kernels import kvtc  # noqa: PLC0415
   from kvjax.models import kv_calibration as kc  # noqa: PLC0415
@@ -172,14 +179,12 @@ def main(_):
             f"predicted KL {kl / n_chunks:.4f}", flush=True)
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "kvtc_design.json").write_text(json.dumps({
-      "benchmark": "kvtc_design", "model": MODEL, "dtype": "float32", "machine": machine(),
-      "git_sha": git_sha(), "held_out": {"book": _BOOK.value, "offset": _OFFSET.value,
-                                         "tokens": len(held)},
+  benchlib.write_json(out / "kvtc_design.json", {
+      **_provenance(), "benchmark": "kvtc_design", "model": MODEL, "dtype": "float32",
+      "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": len(held)},
       "calibration_tokens": {"founding": len(cal_founding), "shipped": len(cal_all)},
       "chunk": C, "results": results, "elapsed_s": time.time() - t0,
-      "note": "sensitivities of the model's calibrated transform; same steps for every transform"},
-      indent=1))
+      "note": "sensitivities of the model's calibrated transform; same steps for every transform"})
 
 
 def rel_l2(kv_of, held, shipped, lm, dims, t0):
@@ -207,11 +212,10 @@ def rel_l2(kv_of, held, shipped, lm, dims, t0):
     out[level] = {"max": max(errs), "per_chunk": errs}
     print(f"kvtc level {level}: rel L2 max {max(errs):.4f} (chunks {np.round(errs, 4)})")
   pathlib.Path(_OUT.value).mkdir(parents=True, exist_ok=True)
-  (pathlib.Path(_OUT.value) / "kvtc_rel_l2.json").write_text(json.dumps({
-      "benchmark": "kvtc_design --rel_l2", "machine": machine(), "git_sha": git_sha(),
+  benchlib.write_json(pathlib.Path(_OUT.value) / "kvtc_rel_l2.json", {
+      **_provenance(), "benchmark": "kvtc_design --rel_l2",
       "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": len(held)},
-      "level_kl": list(kvtc.KVTC_LEVEL_KL), "results": out, "elapsed_s": time.time() - t0},
-      indent=1))
+      "level_kl": list(kvtc.KVTC_LEVEL_KL), "results": out, "elapsed_s": time.time() - t0})
 
 
 def _entropy_bits(sym: np.ndarray) -> float:
@@ -255,12 +259,12 @@ def delta_sweep(kv_of, held, t, dims, t0):
     print(f"kvtc level {level}: q entropy B/token " +
           "  ".join(f"{n} {v:,.0f} ({v / row['direct']:.3f}x)" for n, v in row.items()))
   pathlib.Path(_OUT.value).mkdir(parents=True, exist_ok=True)
-  (pathlib.Path(_OUT.value) / "kvtc_delta_sweep.json").write_text(json.dumps({
-      "benchmark": "kvtc_design --delta_sweep", "machine": machine(), "git_sha": git_sha(),
+  benchlib.write_json(pathlib.Path(_OUT.value) / "kvtc_delta_sweep.json", {
+      **_provenance(), "benchmark": "kvtc_design --delta_sweep",
       "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": len(held)},
       "level_kl": list(kvtc.KVTC_LEVEL_KL), "anchor_strides": strides,
       "measure": "order-0 entropy per (layer, K/V, band of components) model, bytes per token",
-      "results": out, "elapsed_s": time.time() - t0}, indent=1))
+      "results": out, "elapsed_s": time.time() - t0})
 
 
 def rounding_sweep(kv_of, held, shipped, lm, dims, t0):
@@ -336,14 +340,14 @@ def rounding_sweep(kv_of, held, shipped, lm, dims, t0):
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   name = "kvtc_component_sweep.json" if _COMPONENT.value else "kvtc_rounding_sweep.json"
-  (out / name).write_text(json.dumps({
-      "benchmark": "kvtc_design --rounding_sweep", "model": "SmolLM2-135M-Instruct",
-      "dtype": "float32", "machine": machine(), "git_sha": git_sha(),
+  benchlib.write_json(out / name, {
+      **_provenance(), "benchmark": "kvtc_design --rounding_sweep",
+      "model": "SmolLM2-135M-Instruct", "dtype": "float32",
       "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": len(held)},
       "chunk": C, "transform": "predict-shipped (fit_transform on the shipped calibration text, "
       "sensitivities of the model's cached calibration)",
       "bytes": "entropy.encode_components(q) + step + transform id (no container header or "
-               "index record)", "rows": rows, "elapsed_s": time.time() - t0}, indent=1))
+               "index record)", "rows": rows, "elapsed_s": time.time() - t0})
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ bytes per token, and single-thread decode throughput in compressed MB/s (best of
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 import time
@@ -39,13 +38,15 @@ import constriction
 import numpy as np
 import zstandard
 
+import benchlib  # scripts/benchlib.py
 from kvjax.storage import codecs
 from kvjax.storage import entropy
 from kvjax.storage.types import KVLayout
 from kvjax.testing import codec_payloads
 
 _KV_GLOB = flags.DEFINE_string("kv_glob", "/tmp/cs_kv/*.npy", "Real KV chunks (.npy).")
-_JSON = flags.DEFINE_string("json", None, "Write the table here as JSON.")
+_JSON = flags.DEFINE_string("json", None, "Write the table here as JSON ({provenance..., "
+                            "\"kv_files\": [...], \"rows\": [...]}).")
 _MAX_CHUNKS = flags.DEFINE_integer("max_chunks", 4, "Chunks to use.")
 _CODECS = flags.DEFINE_bool("codecs", True, "Also time kvjax.storage.codecs on whole payloads.")
 
@@ -218,6 +219,7 @@ def _time(fn, repeat=3):
 
 def main(argv):
   del argv
+  prov = benchlib.provenance(("kvjax", "numpy", "constriction", "zstandard"))
   files = sorted(glob.glob(_KV_GLOB.value))[:_MAX_CHUNKS.value]
   if not files:
     sys.exit(f"no KV files match {_KV_GLOB.value!r}")
@@ -267,8 +269,8 @@ def main(argv):
     print(f"{r['level']:>5} {r['array']:<9} {r['coder']:<16} {r['bits_per_value']:>10.3f} "
           f"{r['bytes_per_token']:>11.1f} {r['decode_MB_per_s']:>8.1f}")
   if _JSON.value:
-    with open(_JSON.value, "w") as f:
-      json.dump(rows, f, indent=1)
+    benchlib.write_json(_JSON.value, {**prov, "kv_files": [os.path.basename(f) for f in files],
+                                      "rows": rows})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ options, then `LLM()` with its own defaults, each a fresh process on one fresh c
 Per start: wall seconds, the warm-up's seconds (`StartupEvent` "ready"), and JAX's persistent
 compilation cache hits and misses (`jax.monitoring` events) with the seconds spent in XLA's
 backend compile (loading a cached program counts there too, briefly). Writes
-benchmarks/results/startup_compile.json (machine, versions, git SHA).
+benchmarks/results/startup_compile.json (`benchlib.provenance()`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def main() -> None:
   if "child" in args:
     child(args["child"], model)
     return
+  prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "flax", "numpy"))
   rows = []
   with tempfile.TemporaryDirectory(prefix="kvjax-startup-") as root:
     env = {**os.environ, "KVJAX_CACHE_DIR": root}
@@ -75,11 +76,8 @@ def main() -> None:
                            env=env, capture_output=True, text=True, check=True).stdout
       rows.append(json.loads(out.strip().splitlines()[-1]))
       print(rows[-1], flush=True)
-  result = {"model": model, "starts": rows, "machine": benchlib.machine(),
-            "versions": benchlib.versions("jax", "jaxlib"), "git_sha": benchlib.git_sha()}
-  os.makedirs("benchmarks/results", exist_ok=True)
-  with open("benchmarks/results/startup_compile.json", "w") as f:
-    json.dump(result, f, indent=1)
+  result = {**prov, "model": model, "starts": rows}
+  benchlib.write_json(benchlib.REPO / "benchmarks" / "results" / "startup_compile.json", result)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ def main() -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None)
   args = p.parse_args()
+  prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tensorstore"))
 
   store = tempfile.mkdtemp(prefix="kvjax-store-growth-")
   opts = dict(kv_store=f"file://{store}")
@@ -115,8 +116,7 @@ def main() -> None:
     llm.close()
 
   result = {
-      "machine": benchlib.machine(), "git_sha": benchlib.git_sha(),
-      "versions": benchlib.versions("jax", "tensorstore"), "seed": args.seed,
+      **prov, "seed": args.seed,
       "config": {"model": config.model, "dtype": config.engine.model.dtype,
                  "kv_chunk_size": config.engine.kv.kv_chunk_size,
                  "store_tiers": repr(config.llm_options()["kv_store"]),
@@ -125,11 +125,11 @@ def main() -> None:
       "store_files": files, "store_disk_bytes": disk, "store_chunks": index_files,
       "restart": restart,
   }
-  print(json.dumps(result, indent=1))
   if args.out:
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
+    benchlib.write_json(args.out, result)
+  else:
+    benchlib.finish(result)
+  print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
