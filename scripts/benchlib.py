@@ -3,7 +3,9 @@ server starter and the plotting import.
 
 Every results JSON under `benchmarks/results/` carries the top-level keys of `PROVENANCE_KEYS`
 (checked by `tests/unit/scripts/results_provenance_unit_test.py`): a script calls
-`provenance()` when it starts and `finish(record)` (or `write_json`) when it writes. Standard
+`provenance()` when it starts and `finish(record)` (or `write_json`) when it writes. A comparison
+runs its settings in `interleaved_rounds`, reports `summarize` per setting with each run's
+`CpuClock` share, and flags a figure that beats its own bound (`below_bound`). Standard
 library only: the device machine runs these scripts without kvjax's dependencies.
 """
 
@@ -89,7 +91,8 @@ def write_json(path: str | os.PathLike, record: dict) -> None:
   path.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
 
 
-def missing_provenance(root: str | os.PathLike, skip: tuple[str, ...] = ("archive",)) -> dict:
+def missing_provenance(root: str | os.PathLike,
+                       skip: tuple[str, ...] = ("archive",)) -> dict:
   """The results files under `root` that lack provenance: {path relative to `root`: the keys
   of `PROVENANCE_KEYS` it lacks}, for every `*.json` found recursively outside the top-level
   folders named in `skip` (archived results). A file that is not a JSON object maps to
