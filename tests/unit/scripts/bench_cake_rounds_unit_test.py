@@ -1,0 +1,120 @@
+"""scripts/bench_cake.py's rounds and validity on a scripted bench (no model, no engine).
+
+A fake `Bench` returns `Run` records with hand-set timings: compute-only computes one 256-token
+chunk per second, load-only lands one prefix chunk per second from the back, so the ideal bound
+of a 2,048-token prompt (7 prefix chunks) is max(C(4), L(3)) = 4 s + the 1 s suffix + 0.1 s for
+the first token = 5.1 s, in every round.
+"""
+
+import pathlib
+import sys
+
+from absl import flags
+from absl.testing import absltest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "scripts"))
+import bench_cake as bc  # noqa: E402  pylint: disable=wrong-import-position
+import benchlib  # noqa: E402  pylint: disable=wrong-import-position
+
+N, CHUNK, PREFIX = 2048, 256, 7
+
+
+class FakeBench:
+  """Scripted runs; `calls` is the order the modes ran in (with their link ratio)."""
+
+  codec = "raw"
+
+  def __init__(self, kvjax_ttfts):
+    self.kvjax_ttfts = list(kvjax_ttfts)
+    self.calls = []
+
+  def prefix_bytes(self, ids):
+    del ids
+    return PREFIX * 100, [100] * PREFIX
+
+  def run(self, mode, ids, *, share_at=None, link=None, cap_s=None):
+    del share_at, cap_s
+    self.calls.append(mode if link is None else f"{mode}@{link[1] / 100:g}")
+    prefills, landings, ttft = [], [], None
+    if mode == "compute_only":
+      prefills = [(j * CHUNK, CHUNK, float(j), j + 1.0) for j in range(len(ids) // CHUNK)]
+      ttft = 8.1
+    elif mode == "load_only":
+      landings = [(j, 0.0, float(PREFIX - j), 100, True) for j in range(PREFIX)]
+      prefills = [(PREFIX * CHUNK, CHUNK, 7.0, 8.0)]
+      ttft = 8.1
+    else:
+      ttft = self.kvjax_ttfts.pop(0)
+    return bc.Run(mode=mode, seq_len=len(ids), ttft_s=ttft, censored=False, lookup_s=0.0,
+                  first_token_id=7, merge=None, num_loaded_tokens=0, num_computed_tokens=0,
+                  prefills=prefills, landings=landings, inserts=[], steps=[(0.0, 1.0, 1e-4)],
+                  other_prefills=[], wall_s=ttft, cpu_cores=1.0, loadavg_1m=0.5)
+
+
+class Bar:
+
+  def set_description(self, text):
+    del text
+
+  def update(self, n):
+    del n
+
+
+class GridBlockRoundsTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()  # the script's flag defaults (chunk 256, budget 512)
+
+  def block(self, kvjax_ttfts):
+    bench = FakeBench(kvjax_ttfts)
+    cells, kv_runs, order = bc.grid_block(bench, list(range(N)), N, 100.0, ["1"], 3, Bar())
+    return bench, cells, kv_runs, order
+
+  def test_settings_run_in_rotated_rounds_after_the_b_star_run(self):
+    bench, cells, kv_runs, order = self.block([5.5, 5.6, 5.4])
+    self.assertEqual(order, [["compute_only", "load_only@1", "cake@1"],
+                             ["load_only@1", "cake@1", "compute_only"],
+                             ["cake@1", "compute_only", "load_only@1"]])
+    self.assertEqual(bench.calls, ["compute_only"] + [m for names in order for m in names])
+    self.assertLen(kv_runs, 3)
+    (cell,) = cells
+    self.assertAlmostEqual(cell["b_star_bytes_per_s"], 100.0)  # 700 bytes in 7 s
+    self.assertSequenceAlmostEqual(cell["ttft_ideal_reps_s"], [5.1, 5.1, 5.1])
+    self.assertEqual(cell["summary"]["kvjax"]["median"], 5.5)
+    self.assertAlmostEqual(cell["summary"]["kvjax"]["spread"], 0.2 / 5.5)
+    self.assertAlmostEqual(cell["speedup_vs_best"], 8.1 / 5.5)
+    self.assertEqual(cell["cpu_cores"]["cake"], [1.0, 1.0, 1.0])
+    self.assertFalse(cell["invalid"])
+    bc.mark_invalid(cell)  # keeps the rounds' verdict
+    self.assertFalse(cell["invalid"])
+    self.assertEqual(bc.headline(cells)["cell"], "raw/100%/2048/x1")
+
+  def test_faster_than_its_bound_is_invalid_and_never_the_headline(self):
+    _, cells, _, _ = self.block([4.0, 4.1, 3.9])  # 4.0 s against a 5.1 s bound, spread 5%
+    (cell,) = cells
+    self.assertTrue(cell["invalid"])
+    self.assertIsNone(bc.headline(cells))
+    self.assertEqual(bc.check_targets(cells)["kvjax_ge_0.97x_best"]["cells"], 0)
+
+  def test_an_old_single_run_cell_is_judged_on_its_values(self):
+    # benchmarks/results/archive/cake.json, 4,096 tokens at B*: 8.49 s against 10.38 s.
+    old = {"ttft_kvjax_s": 8.49, "ttft_ideal_s": 10.38}
+    bc.mark_invalid(old)
+    self.assertTrue(old["invalid"])
+    ok = {"ttft_kvjax_s": 4.52, "ttft_ideal_s": 4.40}
+    bc.mark_invalid(ok)
+    self.assertFalse(ok["invalid"])
+
+  def test_one_round_is_never_a_headline(self):
+    bench = FakeBench([5.5])
+    cells, _, order = bc.grid_block(bench, list(range(N)), N, 100.0, ["1"], 1, Bar())
+    self.assertEqual(order, benchlib.interleaved_rounds(["compute_only", "load_only@1",
+                                                         "cake@1"], 1))
+    self.assertFalse(cells[0]["invalid"])
+    self.assertIsNone(bc.headline(cells))
+
+
+if __name__ == "__main__":
+  absltest.main()
