@@ -1118,12 +1118,14 @@ def report(record: dict, out: pathlib.Path | None) -> None:
   print(f"\nheadline: {headline_text(record['headline'])}")
   if out is None:
     return
+  plotted = False
   if cells:
     try:
       plot(cells, out / "cake.png", headline_text(record["headline"]))
+      plotted = True
     except ImportError:
       print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
-  print(f"wrote {out / 'cake.json'}" + (" and cake.png" if cells else "")
+  print(f"wrote {out / 'cake.json'}" + (" and cake.png" if plotted else "")
         + (f" in {record['wall_s'] / 60:.1f} min" if "wall_s" in record else ""))
 
 

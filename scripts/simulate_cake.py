@@ -147,11 +147,12 @@ def main(argv):
   print(f"\n{len(cells)} cells: speedup min {min(speedups):.2f}x, max {max(speedups):.2f}x; "
         f"kvjax/ideal max {max(vs_ideal):.3f}; within one step of ideal: "
         f"{sum(c['within_one_step'] for c in cells)}/{len(cells)}; simulated in {wall:.1f} s")
-  # No timing noise here: a cell under its ideal bound means the bound is not a true one there.
+  # No timing noise here: a cell more than 0.1% under its ideal bound means the bound is not a
+  # true lower bound there (smaller differences: the bound's split of a chunk's cost).
   under = [f"{c['seq_len']}/x{c['ratio_text']}/{c['share_pct']:g}%: {c['vs_ideal']:.3f}"
-           for c in cells if c["vs_ideal"] < 1.0 - 1e-9]
-  print(f"cells under their ideal bound: {len(under)}" + (f" ({', '.join(under)})" if under
-                                                           else ""))
+           for c in cells if c["vs_ideal"] < 0.999]
+  print(f"cells more than 0.1% under their ideal bound: {len(under)}"
+        + (f" ({', '.join(under)})" if under else ""))
   if _OUT.value:
     out = pathlib.Path(_OUT.value)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,14 +164,15 @@ def main(argv):
                          "max_in_flight": _IN_FLIGHT.value, "cold": _COLD.value},
               "wall_s": wall, "cells": cells}
     benchlib.write_json(out / "simulate_cake.json", record)
-    plot(cells, seq_lens, _RATIOS.value, shares, out / "simulate_cake.png")
-    print(f"wrote {out / 'simulate_cake.json'} and {out / 'simulate_cake.png'}")
+    wrote = plot(cells, seq_lens, _RATIOS.value, shares, out / "simulate_cake.png")
+    print(f"wrote {out / 'simulate_cake.json'}" + (" and simulate_cake.png" if wrote else ""))
 
 
-def plot(cells, seq_lens, ratios, shares, path):
-  import matplotlib  # noqa: PLC0415
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+def plot(cells, seq_lens, ratios, shares, path) -> bool:
+  """The speedup and kvjax/ideal heatmaps; False (nothing written) without matplotlib."""
+  plt = benchlib.pyplot()
+  if plt is None:
+    return False
 
   fig, axes = plt.subplots(2, len(shares), figsize=(3.6 * len(shares), 6.4), squeeze=False)
   for col, share in enumerate(shares):
@@ -194,6 +196,7 @@ def plot(cells, seq_lens, ratios, shares, path):
       fig.colorbar(im, ax=ax, fraction=0.046)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+  return True
 
 
 if __name__ == "__main__":
