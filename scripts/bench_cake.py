@@ -819,9 +819,11 @@ def mark_invalid(cell: dict) -> None:
 
 def headline(cells: list[dict]) -> dict | None:
   """The best speedup over the better baseline among the valid cells at balance (B = B*, share
-  100%) measured in at least 3 rounds; None when there is none. An invalid cell is never one."""
+  100%) measured in at least 3 rounds with steady CPU shares (`steady`); None when there is
+  none. An invalid cell is never one."""
   ok = [c for c in cells if c["bandwidth_ratio"] == 1 and c["share"] == 100
-        and not c["invalid"] and c["speedup_vs_best"] is not None and c.get("rounds", 1) >= 3]
+        and not c["invalid"] and c["speedup_vs_best"] is not None and c.get("rounds", 1) >= 3
+        and steady(c)]
   if not ok:
     return None
   c = max(ok, key=lambda c: c["speedup_vs_best"])
@@ -833,7 +835,7 @@ def headline(cells: list[dict]) -> dict | None:
 
 def headline_text(h: dict | None) -> str:
   if h is None:
-    return "no headline: no valid balance cell measured in >= 3 rounds"
+    return "no headline: no valid balance cell with steady CPU measured in >= 3 rounds"
   return (f"{h['cell']}: kvjax {h['speedup_vs_best']:.2f}x the better baseline (median of "
           f"{h['rounds']} rounds, spread {100 * h['kvjax_spread']:.0f}%)")
 

@@ -24,8 +24,9 @@ class FakeBench:
 
   codec = "raw"
 
-  def __init__(self, kvjax_ttfts):
+  def __init__(self, kvjax_ttfts, kvjax_cpu=1.0):
     self.kvjax_ttfts = list(kvjax_ttfts)
+    self.kvjax_cpu = kvjax_cpu  # CPU share of the kvjax runs (the others get 1.0)
     self.calls = []
 
   def prefix_bytes(self, ids):
@@ -48,7 +49,8 @@ class FakeBench:
     return bc.Run(mode=mode, seq_len=len(ids), ttft_s=ttft, censored=False, lookup_s=0.0,
                   first_token_id=7, merge=None, num_loaded_tokens=0, num_computed_tokens=0,
                   prefills=prefills, landings=landings, inserts=[], steps=[(0.0, 1.0, 1e-4)],
-                  other_prefills=[], wall_s=ttft, cpu_cores=1.0, loadavg_1m=0.5)
+                  other_prefills=[], wall_s=ttft,
+                  cpu_cores=self.kvjax_cpu if mode == "cake" else 1.0, loadavg_1m=0.5)
 
 
 class Bar:
@@ -67,8 +69,8 @@ class GridBlockRoundsTest(absltest.TestCase):
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()  # the script's flag defaults (chunk 256, budget 512)
 
-  def block(self, kvjax_ttfts):
-    bench = FakeBench(kvjax_ttfts)
+  def block(self, kvjax_ttfts, kvjax_cpu=1.0):
+    bench = FakeBench(kvjax_ttfts, kvjax_cpu)
     cells, kv_runs, order = bc.grid_block(bench, list(range(N)), N, 100.0, ["1"], 3, Bar())
     return bench, cells, kv_runs, order
 
@@ -97,6 +99,12 @@ class GridBlockRoundsTest(absltest.TestCase):
     self.assertTrue(cell["invalid"])
     self.assertIsNone(bc.headline(cells))
     self.assertEqual(bc.check_targets(cells)["kvjax_ge_0.97x_best"]["cells"], 0)
+
+  def test_unsteady_cpu_shares_are_no_headline(self):
+    _, cells, _, _ = self.block([5.5, 5.6, 5.4], kvjax_cpu=0.5)  # kvjax got half the CPU
+    self.assertFalse(cells[0]["invalid"])
+    self.assertEqual(cells[0]["cpu_cores"]["cake"], [0.5, 0.5, 0.5])
+    self.assertIsNone(bc.headline(cells))
 
   def test_an_old_single_run_cell_is_judged_on_its_values(self):
     # benchmarks/results/archive/cake.json, 4,096 tokens at B*: 8.49 s against 10.38 s.
