@@ -56,7 +56,7 @@ class FakeTier:
   async def peek(self, hashes):
     return [self.data[h][0] if h in self.data else None for h in hashes]
 
-  async def get(self, chunk_hash, token_ids, namespace, layout, *, choose=None):
+  async def get(self, chunk_hash, token_ids, namespace, layout, *, choose=None, origin=None):
     self.gets.append(chunk_hash)
     if chunk_hash not in self.data:
       return ChunkMiss(chunk_hash, MissReason.ABSENT)
@@ -68,7 +68,7 @@ class FakeTier:
     return ChunkHit(rec, rec.encodings[0], kv, self.name)
 
   async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
-                payloads=()):
+                payloads=(), origin=None):
     if kv is None or payloads:
       raise NotImplementedError("FakeTier holds raw KV only")
     if chunk_hash in self.data:
@@ -127,7 +127,9 @@ class HostMemoryTierTest(parameterized.TestCase):
       ("tokens", "h", toks(1), NS, LAYOUT, MissReason.TOKEN_MISMATCH),
       ("namespace", "h", toks(0), "other", LAYOUT, MissReason.NAMESPACE_MISMATCH),
       ("layout", "h", toks(0), NS,
-       KVLayout(2, C, 1, 2, "bfloat16"), MissReason.LAYOUT_MISMATCH),
+       KVLayout(2, C, 2, 2, "float32"), MissReason.LAYOUT_MISMATCH),
+      ("dtype", "h", toks(0), NS,
+       KVLayout(2, C, 1, 2, "bfloat16"), MissReason.DTYPE_MISMATCH),
   )
   def test_get_verifies_like_a_store(self, h, tokens, ns, layout, reason):
     t = HostMemoryTier(None)
