@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvjax import SamplingParams
 from kvjax.entrypoints import llm as llm_module
 from kvjax.serve.metrics import ServeMetrics
-from kvjax.storage import keys
+from kvjax.storage import StoreConfig, TierConfig, keys
 from kvjax.storage.chunk_store import ChunkStore, index_key, run_sync
 from kvjax.storage.types import ChunkHit, EncodedPayload, MissReason
 from kvjax.testing import engines
@@ -177,6 +177,29 @@ class StoredChunkGuardUnitTest(absltest.TestCase):
     self.assertEqual({r.origin for r in recs}, {origin})
     out = again.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
     self.assertEqual((out.token_ids, out.num_cached_tokens), (self.cold, N_CHUNKS * C))
+
+  def test_origin_survives_demotion_and_promotion(self):
+    # Write-back: the host tier's records carry the origin into the disk tier when it demotes
+    # them, and promotions carry it back up; the chunks then load from both.
+    url = engines.memory_store_url("demote")
+    config = StoreConfig((TierConfig("host", capacity_bytes=2 * 12288),
+                          TierConfig("disk", url=url)), placement="write_back")
+    llm = make_llm(config)
+    self.addCleanup(llm.close)
+    self.assertEqual(llm.kv_store.layout.nbytes, 12288)  # the host holds two raw chunks
+    llm.generate({"prompt_token_ids": PROMPT}, GREEDY)
+    llm.flush()
+    other = [int(t) for t in np.random.default_rng(12).integers(0, 256, 150)]
+    llm.generate({"prompt_token_ids": other}, GREEDY)
+    llm.flush()
+    host, disk_tier = llm.kv_store.store.tiers
+    on_disk = run_sync(disk_tier.records())
+    self.assertGreaterEqual(len(on_disk), N_CHUNKS)
+    self.assertEqual({r.origin for r in on_disk}, {llm.kv_store.origin})
+    out = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+    self.assertEqual((out.token_ids, out.num_cached_tokens), (self.cold, N_CHUNKS * C))
+    self.assertGreater(llm.engine.stats().tiers[0].promotions, 0)
+    self.assertEqual({r.origin for r in run_sync(host.records())}, {llm.kv_store.origin})
 
 
 if __name__ == "__main__":
