@@ -22,7 +22,8 @@ from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, Chu
 
 __all__ = [
     "DEFAULT_STORE_CAPACITY_BYTES", "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit",
-    "ChunkMiss", "ChunkOrigin", "ChunkRecord", "ChunkStore", "CorruptPayload", "EncodedPayload", "Encoding",
+    "ChunkMiss", "ChunkOrigin", "ChunkRecord", "ChunkStore", "CorruptPayload", "EncodedPayload",
+    "Encoding",
     "EntryInfo", "FIFOPolicy", "LookaheadPolicy", "HostMemoryTier", "KVLayout", "KVStore",
     "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason", "POLICIES", "PlacementPolicy",
     "PlacementStats", "StoreConfig", "StoreStats", "Tier", "TierConfig", "TierHierarchy",

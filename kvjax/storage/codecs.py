@@ -610,6 +610,8 @@ def decode_payload(codec: str, version: int, level: int, data: bytes | memoryvie
 
   Raises:
     UnknownCodec: `codec`/`version`/`level` is not one this reader knows.
+    CodecVersionMismatch: the header names `codec` and `level` at another version (a
+      `CorruptPayload`).
     CorruptPayload: anything malformed, truncated, damaged (CRC) or not matching the requested
       encoding and layout.
   """
