@@ -27,9 +27,9 @@ so prompts share prefixes and load each other's chunks. Every request's output i
 its reference: raw (lossless) with a cold run without a store, token for token and logprobs
 within 1e-5; a lossy codec with a cold run of the same codec in `kv_codec_consistent` mode (each
 prompt under its own cache salt, so it loads nothing): token for token, across repeats, engines
-and orders (their largest logprob difference is recorded, not judged). A request that differs is wrong; a cell whose warm pass loads nothing from its tier
-fails (it would test nothing). Engines run `kv_merge_mode="load_only"` so every stored chunk
-found is loaded.
+and orders (their largest logprob difference is recorded, not judged). A request that differs
+is wrong; a cell whose warm pass loads nothing from its tier fails (it would test nothing).
+Engines run `kv_merge_mode="load_only"` so every stored chunk found is loaded.
 
 Writes benchmarks/results/loadback_matrix.json (provenance from scripts/benchlib.py) and prints
 a table; the last line reads "<N> load-backs, <K> wrong". Exits non-zero when a load-back is
@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
 import pathlib
 import sys
@@ -77,17 +76,6 @@ CHURN = 32
 LOGPROB_TOL = 1e-5
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
 BUCKET = "kvjax-loadback"
-
-_OUT = flags.DEFINE_string("out", str(REPO / "benchmarks" / "results" / "loadback_matrix.json"),
-                           "Results JSON.")
-_QUICK = flags.DEFINE_bool("quick", False, "A slice: host and disk, raw and int8, fresh and "
-                           "restart, two prompts.")
-_TIERS = flags.DEFINE_list("tiers", list(TIERS), "Tiers to run.")
-_CODECS = flags.DEFINE_list("codecs", list(CODECS), "Codecs to run.")
-_EVENTS = flags.DEFINE_list("events", list(EVENTS), "Events to run.")
-_LENGTHS = flags.DEFINE_list("lengths", [str(n) for n in EDGE_LENGTHS],
-                             "Prompt lengths, tokens (each at least C + 1 = 33).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the prompts' tokens and the churn orders.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,14 +404,35 @@ def run_plan(plan: Plan, work_dir: str | None = None,
     return Matrix(plan, work_dir).run(on_cell)
 
 
+def define_flags() -> dict[str, Any]:
+  """The script's flags (defined only when it runs as a script: tests import this module beside
+  other scripts whose flags share these names)."""
+  return {
+      "out": flags.DEFINE_string(
+          "out", str(REPO / "benchmarks" / "results" / "loadback_matrix.json"), "Results JSON."),
+      "quick": flags.DEFINE_bool("quick", False, "A slice: host and disk, raw and int8, fresh "
+                                 "and restart, two prompts."),
+      "tiers": flags.DEFINE_list("tiers", list(TIERS), "Tiers to run."),
+      "codecs": flags.DEFINE_list("codecs", list(CODECS), "Codecs to run."),
+      "events": flags.DEFINE_list("events", list(EVENTS), "Events to run."),
+      "lengths": flags.DEFINE_list("lengths", [str(n) for n in EDGE_LENGTHS],
+                                   "Prompt lengths, tokens (each at least C + 1 = 33)."),
+      "seed": flags.DEFINE_integer("seed", 0, "Seed of the prompts' tokens and the churn "
+                                   "orders."),
+  }
+
+
+_FLAGS: dict[str, Any] = {}
+
+
 def main(argv):
   del argv
-  if _QUICK.value:
-    plan = dataclasses.replace(QUICK, seed=_SEED.value)
+  f = {name: flag.value for name, flag in _FLAGS.items()}
+  if f["quick"]:
+    plan = dataclasses.replace(QUICK, seed=f["seed"])
   else:
-    plan = Plan(tiers=tuple(_TIERS.value), codecs=tuple(_CODECS.value),
-                events=tuple(_EVENTS.value), lengths=tuple(int(n) for n in _LENGTHS.value),
-                seed=_SEED.value)
+    plan = Plan(tiers=tuple(f["tiers"]), codecs=tuple(f["codecs"]), events=tuple(f["events"]),
+                lengths=tuple(int(n) for n in f["lengths"]), seed=f["seed"])
   if min(plan.lengths) <= C:
     raise app.UsageError(f"prompt lengths must be > C = {C} (one loadable chunk at least)")
   for name, got, known in (("tier", plan.tiers, TIERS), ("codec", plan.codecs, CODECS),
@@ -431,7 +440,7 @@ def main(argv):
     unknown = sorted(set(got) - set(known))
     if unknown:
       raise app.UsageError(f"unknown {name}s {unknown}; known: {list(known)}")
-  record = {**benchlib.provenance(), "quick": _QUICK.value, "seed": plan.seed,
+  record = {**benchlib.provenance(), "quick": f["quick"], "seed": plan.seed,
             "chunk_size": C, "block_size": BLOCK, "prompt_lengths": list(plan.lengths),
             "tiers": list(plan.tiers), "codecs": list(plan.codecs), "events": list(plan.events),
             "logprob_tolerance": LOGPROB_TOL, "max_tokens": PARAMS.max_tokens}
@@ -445,7 +454,7 @@ def main(argv):
       "wrong": sum(len(r.wrong) for r in results),
       "failed_cells": [f"{r.tier}/{r.codec}/{r.event}: {r.error}" for r in results if r.error],
       "cells": [{**dataclasses.asdict(r), "ok": r.ok} for r in results]})
-  benchlib.write_json(_OUT.value, record)
+  benchlib.write_json(f["out"], record)
   print(table(results))
   failed = [r for r in results if not r.ok]
   if failed:
@@ -453,4 +462,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _FLAGS.update(define_flags())
   app.run(main)
