@@ -69,7 +69,7 @@ from kvjax.connector.saver import SaverMixin
 from kvjax.connector.transfer import TransferMixin
 from kvjax.scheduler.output import LoadReport
 from kvjax.storage.tiers import TierUsage
-from kvjax.storage.types import ChunkHit, KVLayout
+from kvjax.storage.types import ChunkHit, ChunkOrigin, KVLayout
 
 _log = logging.getLogger(__name__)
 
@@ -131,6 +131,10 @@ class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, T
     self.chunk_size = layout.chunk_size
     self._fingerprint = model_fingerprint
     self._layout_version = kv_layout_version
+    #: What every chunk this client stores records as its origin, and every chunk it loads must
+    #: have recorded (the stored-chunk guard, `ChunkRecord.mismatch`).
+    self.origin = ChunkOrigin(model_fingerprint=model_fingerprint,
+                              kv_layout_version=kv_layout_version)
     self._timeout_s = timeout_s
     self.saver_stats = SaverStats()
     self._loop = asyncio.new_event_loop()

@@ -96,6 +96,7 @@ class LoaderMixin:
     self._store_reads[item.chunk_hash] += 1  # no prefetch of it starts meanwhile
     try:
       got = await self.store.get(item.chunk_hash, item.token_ids, item.namespace, self.layout,
+                                 origin=self.origin,
                                  **({"choose": item.choose} if item.choose is not None else {}))
     except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
       got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))

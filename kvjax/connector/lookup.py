@@ -126,6 +126,7 @@ class LookupMixin:
     async def read_all():
       return await asyncio.gather(*(self.store.get(
           lookup.hashes[i], tuple(token_ids[i * c:(i + 1) * c]), lookup.namespace, self.layout,
+          origin=self.origin,
           choose=lambda encs: next((e for e in encs if e.codec == codecs.RAW), None))
           for i in want), return_exceptions=True)
 
@@ -156,7 +157,8 @@ class LookupMixin:
     async def put_all():
       return await asyncio.gather(*(self.store.put(
           hashes[i], hashes[i - 1] if i else root, tuple(token_ids[i * c:(i + 1) * c]), root,
-          np.asarray(chunks[i - first])) for i in range(first, first + len(chunks))),
+          np.asarray(chunks[i - first]), origin=self.origin)
+          for i in range(first, first + len(chunks))),
           return_exceptions=True)
 
     return sum(not isinstance(r, BaseException) for r in self._run(put_all()))

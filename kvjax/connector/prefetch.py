@@ -125,7 +125,7 @@ class PrefetchMixin:
         c = self.chunk_size
         self._tried.add(h)
         task = self._loop.create_task(self.store.prefetch(
-            h, r.token_ids[j * c:(j + 1) * c], r.namespace, self.layout))
+            h, r.token_ids[j * c:(j + 1) * c], r.namespace, self.layout, origin=self.origin))
         self._prefetching[h] = (task, nb)
         in_flight += nb
         with self._lock:

@@ -101,7 +101,7 @@ class SaverMixin:
     host = self.device.get(job.kv if job.payloads is None else job.payloads)
     if job.payloads is None:
       put = lambda: self.store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
-                                   np.asarray(host))
+                                   np.asarray(host), origin=self.origin)
     else:
       encoded = []
       for codec, level, arrays, finite in host:
@@ -110,13 +110,13 @@ class SaverMixin:
                            "range); refusing to store it")
         encoded.append(EncodedPayload(codec, level, {k: np.asarray(v) for k, v in arrays.items()}))
       put = lambda: self.store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
-                                   layout=self.layout, payloads=encoded)
+                                   layout=self.layout, payloads=encoded, origin=self.origin)
     if job.replace:
       self._run(self._delete_everywhere(job.chunk_hash))
     published = self._run(put())
     if not published and job.verify_existing:
       got = self._run(self.store.get(job.chunk_hash, job.token_ids, job.namespace, self.layout,
-                                     promote=False))
+                                     promote=False, origin=self.origin))
       if isinstance(got, ChunkMiss) and got.reason is not MissReason.ABSENT:
         self._run(self._delete_everywhere(job.chunk_hash))
         published = self._run(put())

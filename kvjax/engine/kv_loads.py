@@ -37,7 +37,10 @@ def candidates(record, raw_nbytes: int) -> list[Candidate]:
   """The encodings of a stored chunk this engine can decode, as level-policy candidates.
 
   A chunk whose tier lists no record (a tier without `peek`) is taken as raw. Each candidate's
-  name is its `codecs.EncodingId`.
+  name is its `codecs.EncodingId`. A record whose only encodings are codecs this engine knows at
+  another byte-format version offers those: the load reads the record and the store refuses it
+  (a CODEC_VERSION_MISMATCH miss, counted per tier like every rejected chunk; the stored-chunk
+  guard), so the chunk is recomputed and its stored copy replaced, never decoded.
   """
   if record is None:
     raw = codecs.EncodingId(codecs.RAW, 0)
@@ -47,6 +50,11 @@ def candidates(record, raw_nbytes: int) -> list[Candidate]:
     if codecs.is_decodable(e.codec, e.codec_version, e.level):
       eid = codecs.EncodingId(e.codec, e.level)
       out.append(Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid]))
+  if not out:
+    for e in record.encodings:
+      if e.codec in codecs.CODECS and e.level in codecs.CODECS[e.codec].levels:
+        eid = codecs.EncodingId(e.codec, e.level)
+        out.append(Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid]))
   return out
 
 

@@ -17,12 +17,13 @@ from kvjax.storage.specs import chunk_array_spec, kvstore_spec
 from kvjax.storage.tiers import (DEFAULT_STORE_CAPACITY_BYTES, HostMemoryTier, KVStore,
                                  StoreConfig, Tier, TierConfig, TieredStore, TierUsage,
                                  build_tiers, url_kind)
-from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, ChunkRecord,
-                                 EncodedPayload, Encoding, KVLayout, MissReason)
+from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, ChunkOrigin,
+                                 ChunkRecord, EncodedPayload, Encoding, KVLayout, MissReason)
 
 __all__ = [
     "DEFAULT_STORE_CAPACITY_BYTES", "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit",
-    "ChunkMiss", "ChunkRecord", "ChunkStore", "CorruptPayload", "EncodedPayload", "Encoding",
+    "ChunkMiss", "ChunkOrigin", "ChunkRecord", "ChunkStore", "CorruptPayload", "EncodedPayload",
+    "Encoding",
     "EntryInfo", "FIFOPolicy", "LookaheadPolicy", "HostMemoryTier", "KVLayout", "KVStore",
     "KeyNamespace", "LRUPolicy", "LinkLimiter", "MissReason", "POLICIES", "PlacementPolicy",
     "PlacementStats", "StoreConfig", "StoreStats", "Tier", "TierConfig", "TierHierarchy",

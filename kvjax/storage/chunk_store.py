@@ -46,8 +46,10 @@ Architecture (`docs/design/storage-format.md`):
   record (the later one replaces the earlier; the earlier one's data object is then garbage for
   `gc`, and a reader caught in between gets a MISSING_DATA miss). Passing
   `conditional_write=False` selects that fallback up front.
-- Verify on read: `get` returns a `ChunkHit` only after checking the record's token ids,
-  namespace, layout, codec, the object's size and the checksum of the bytes read;
+- Verify on read: `get` returns a `ChunkHit` only after checking the record's model and layout
+  version (`ChunkOrigin`), dtype, chunk size, layout, token ids, namespace, codec and codec
+  version, the object's size, the checksum of the bytes read and the payload header's codec
+  version (the stored-chunk guard, `ChunkRecord.mismatch`);
   anything else is a `ChunkMiss` with a reason, counted in `stats.misses_by_reason`, never an
   exception and never someone else's KV.
 - Concurrency: one `ts.Context` per store (cache pool, copy/io concurrency limits), a byte limiter
@@ -94,8 +96,8 @@ from kvjax.storage.store_layout import (ABSENT_PROBE_KEY, DATA_PREFIX, INDEX_PRE
 from kvjax.storage.store_layout import prefix_range as _prefix_range
 from kvjax.storage.store_runtime import (ByteLimiter, Limiter, StoreStats, default_context_spec,
                                          run_sync)
-from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
-                                 Encoding, KVLayout, MissReason)
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkOrigin, ChunkRecord,
+                                 EncodedPayload, Encoding, KVLayout, MissReason)
 
 __all__ = ["RAW_CODEC", "RAW_CODEC_VERSION", "RAW_LEVEL", "ByteLimiter", "ChunkStore",
            "DataObject", "Limiter", "StoreIndex", "StoreStats", "choose_codec", "default_choose",
@@ -285,7 +287,8 @@ class ChunkStore(StoreAdmin):
     return list(await asyncio.gather(*(one(h) for h in hashes)))
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+                layout: KVLayout, *, choose: Chooser | None = None,
+                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
     """Reads and verifies one chunk, in the encoding `choose` picks.
 
     Args:
@@ -296,18 +299,23 @@ class ChunkStore(StoreAdmin):
       choose: called with the record's encodings this reader can decode (in record order,
         unknown codecs, versions and levels left out); returns the one to read, or None for none
         of them. Default `default_choose`: raw if stored, else the first.
+      origin: the model and layout version the caller's KV must come from (checked against the
+        record's own, `ChunkRecord.mismatch`); None: not checked.
 
     Returns:
       A `ChunkHit` (`payload`: the encoding's arrays; `kv`: `layout.dtype[L, 2, C, K, H]`, K
       before RoPE, for raw, else None), or a `ChunkMiss` with its reason (also counted in
-      `stats.misses_by_reason`): UNKNOWN_CODEC when no encoding is decodable or `choose` takes
-      none. Never raises for store faults.
+      `stats.misses_by_reason`): the record's model, layout, dtype, chunk size, tokens or
+      namespace differ (`ChunkRecord.mismatch`); CODEC_VERSION_MISMATCH when nothing is chosen
+      and the record holds a codec this reader knows at another version, or the payload's
+      header names another version than its record; UNKNOWN_CODEC when no encoding is
+      decodable or `choose` takes none. Never raises for store faults.
 
     Raises:
       ValueError: `choose` returned something that is not one of the encodings it was given.
     """
     result = await self._get(chunk_hash, tuple(int(t) for t in token_ids), namespace, layout,
-                             choose or default_choose)
+                             choose or default_choose, origin)
     if isinstance(result, ChunkMiss):
       self.stats.miss(result.reason)
     else:
@@ -315,7 +323,8 @@ class ChunkStore(StoreAdmin):
     return result
 
   async def _get(self, chunk_hash: ChunkHash, token_ids: tuple[int, ...], namespace: str,
-                 layout: KVLayout, choose: Chooser) -> ChunkHit | ChunkMiss:
+                 layout: KVLayout, choose: Chooser,
+                 origin: ChunkOrigin | None) -> ChunkHit | ChunkMiss:
     def miss(reason: MissReason, detail: str = "") -> ChunkMiss:
       return ChunkMiss(chunk_hash, reason, detail)
 
@@ -331,7 +340,7 @@ class ChunkStore(StoreAdmin):
       return miss(MissReason.CORRUPT, str(e))
     if record.chunk_hash != chunk_hash:
       return miss(MissReason.CORRUPT, f"record names chunk {record.chunk_hash}")
-    bad = record.mismatch(token_ids, namespace, layout)
+    bad = record.mismatch(token_ids, namespace, layout, origin)
     if bad is not None:
       return bad
     usable = [e for e in record.encodings
@@ -339,6 +348,9 @@ class ChunkStore(StoreAdmin):
               and e.checksum_algo in checksums.ALGORITHMS]
     encoding = choose(usable) if usable else None
     if encoding is None:
+      stale = codecs.other_versions(record.encodings)
+      if stale:
+        return miss(MissReason.CODEC_VERSION_MISMATCH, stale)
       return miss(MissReason.UNKNOWN_CODEC,
                   ("none chosen of " if usable else "")
                   + ",".join(f"{e.codec}/{e.codec_version}/{e.level}" for e in record.encodings))
@@ -441,13 +453,16 @@ class ChunkStore(StoreAdmin):
           encoding.level, memoryview(buf), layout)
     except codecs.UnknownCodec as e:
       return miss(MissReason.UNKNOWN_CODEC, str(e))
+    except codecs.CodecVersionMismatch as e:
+      return miss(MissReason.CODEC_VERSION_MISMATCH, f"{encoding.object}: {e}")
     except ValueError as e:  # CorruptPayload
       return miss(MissReason.CORRUPT, f"{encoding.object}: {e}")
     return ChunkHit(record=record, encoding=encoding, kv=None, tier=self.name, payload=payload)
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
-                payloads: Sequence[EncodedPayload] = ()) -> bool:
+                payloads: Sequence[EncodedPayload] = (),
+                origin: ChunkOrigin | None = None) -> bool:
     """Stores one chunk in one or more encodings: data first, then the record if none exists
     (commit last).
 
@@ -465,6 +480,8 @@ class ChunkStore(StoreAdmin):
       payloads: encodings to store beside (or instead of) `kv`, each one bytes object
         (`codecs.encode_payload`); a "raw" payload is the same as `kv`. At most one per
         (codec, level). Record order: raw first, then `payloads` in order.
+      origin: the model and layout version that computed the KV, kept in the record for every
+        reader to check (`ChunkRecord.mismatch`); None: none recorded.
 
     Returns:
       True if this call published the record; False if a record already existed (counted in
@@ -521,7 +538,8 @@ class ChunkStore(StoreAdmin):
       encodings.append(enc)
       writes.append(functools.partial(self._write_blob, enc.object, blob))
     record = ChunkRecord(chunk_hash=chunk_hash, parent_hash=parent_hash, token_ids=token_ids,
-                         namespace=namespace, layout=layout, encodings=tuple(encodings))
+                         namespace=namespace, layout=layout, encodings=tuple(encodings),
+                         origin=origin)
     nbytes = sum(e.nbytes for e in encodings)
     objects = [e.object for e in encodings]
 
@@ -620,14 +638,17 @@ class ChunkStore(StoreAdmin):
     return run_sync(self.contains(hashes))
 
   def get_sync(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-               layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
-    return run_sync(self.get(chunk_hash, token_ids, namespace, layout, choose=choose))
+               layout: KVLayout, *, choose: Chooser | None = None,
+               origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
+    return run_sync(self.get(chunk_hash, token_ids, namespace, layout, choose=choose,
+                             origin=origin))
 
   def put_sync(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
-               payloads: Sequence[EncodedPayload] = ()) -> bool:
+               payloads: Sequence[EncodedPayload] = (),
+               origin: ChunkOrigin | None = None) -> bool:
     return run_sync(self.put(chunk_hash, parent_hash, token_ids, namespace, kv, layout=layout,
-                             payloads=payloads))
+                             payloads=payloads, origin=origin))
 
   def delete_sync(self, chunk_hash: ChunkHash) -> bool:
     return run_sync(self.delete(chunk_hash))

@@ -113,7 +113,7 @@ from kvjax import codecs as registry
 from kvjax.codecs import cachegen_anchor_stride, int4_group_tokens
 from kvjax.storage import checksum
 from kvjax.storage import entropy
-from kvjax.storage.types import EncodedPayload, KVLayout
+from kvjax.storage.types import EncodedPayload, Encoding, KVLayout
 
 MAGIC = b"KVJC"
 CONTAINER_VERSION = 1
@@ -136,6 +136,11 @@ class UnknownCodec(ValueError):
 
 class CorruptPayload(ValueError):
   """Stored payload bytes that are malformed, truncated or do not match what was asked for."""
+
+
+class CodecVersionMismatch(CorruptPayload):
+  """Payload bytes whose header names the asked codec and level at another byte-format version
+  than their index record (written by another version of the codec): never decoded."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +192,14 @@ def codec_info(codec: str, version: int, level: int | None = None) -> CodecInfo:
 def is_decodable(codec: str, version: int, level: int) -> bool:
   """Whether this reader can decode that encoding (`kvjax.codecs.is_decodable`)."""
   return registry.is_decodable(codec, version, level)
+
+
+def other_versions(encodings: Sequence[Encoding]) -> str:
+  """The encodings of a codec this reader knows at another byte-format version than the one it
+  reads ("int8/v2/0,...", codec/version/level), or "" if none (the stored-chunk guard's
+  CODEC_VERSION_MISMATCH)."""
+  return ",".join(f"{e.codec}/v{e.codec_version}/{e.level}" for e in encodings
+                  if e.codec in CURRENT_VERSION and e.codec_version != CURRENT_VERSION[e.codec])
 
 
 Spec = dict[str, tuple[np.dtype, tuple[int, ...]]]
@@ -597,11 +610,16 @@ def decode_payload(codec: str, version: int, level: int, data: bytes | memoryvie
 
   Raises:
     UnknownCodec: `codec`/`version`/`level` is not one this reader knows.
+    CodecVersionMismatch: the header names `codec` and `level` at another version (a
+      `CorruptPayload`).
     CorruptPayload: anything malformed, truncated, damaged (CRC) or not matching the requested
       encoding and layout.
   """
   codec_info(codec, version, level)
   header = read_header(data)
+  if (header.codec, header.level) == (codec, level) and header.version != version:
+    raise CodecVersionMismatch(f"payload is {codec} version {header.version}, its record says "
+                               f"version {version}")
   if (header.codec, header.version, header.level) != (codec, version, level):
     raise CorruptPayload(f"payload is {header.codec}/{header.version} level {header.level}, "
                          f"want {codec}/{version} level {level}")

@@ -30,8 +30,8 @@ from kvjax.storage import checksum as checksums
 from kvjax.storage import codecs
 from kvjax.storage import entropy
 from kvjax.storage.eviction import EntryInfo, LRUPolicy, PlacementPolicy, chain_depths
-from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
-                                 Encoding, KVLayout, MissReason)
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkOrigin, ChunkRecord,
+                                 EncodedPayload, Encoding, KVLayout, MissReason)
 
 
 @runtime_checkable
@@ -49,13 +49,17 @@ class Tier(Protocol):
     """Each chunk's record (its encodings and stored sizes), None if absent or unreadable."""
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
-    """Reads and verifies one chunk in the encoding `choose` picks (None: raw, else first)."""
+                layout: KVLayout, *, choose: Chooser | None = None,
+                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
+    """Reads and verifies one chunk in the encoding `choose` picks (None: raw, else first);
+    `origin` (if given) is checked against the record's (`ChunkRecord.mismatch`)."""
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
-                payloads: Sequence[EncodedPayload] = ()) -> bool:
-    """Stores one chunk (raw `kv` and/or codec payloads); True if this call published it."""
+                payloads: Sequence[EncodedPayload] = (),
+                origin: ChunkOrigin | None = None) -> bool:
+    """Stores one chunk (raw `kv` and/or codec payloads) with its `origin` in its record; True
+    if this call published it."""
 
   async def delete(self, chunk_hash: ChunkHash) -> bool:
     """Removes one chunk; True if it was there."""
@@ -175,11 +179,13 @@ class HostMemoryTier:
       return out
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout, *, choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
-    """Returns the chunk if its namespace, token ids and layout match, else a miss.
+                layout: KVLayout, *, choose: Chooser | None = None,
+                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
+    """Returns the chunk if its record matches (`ChunkRecord.mismatch`: model, layout, dtype,
+    chunk size, token ids, namespace), else a miss.
 
     Args:
-      chunk_hash, token_ids, namespace, layout: as `ChunkStore.get`.
+      chunk_hash, token_ids, namespace, layout, origin: as `ChunkStore.get`.
       choose: picks one of the held encodings (default: raw, else the first); None from it is an
         UNKNOWN_CODEC miss.
 
@@ -191,7 +197,7 @@ class HostMemoryTier:
       if entry is None:
         return ChunkMiss(chunk_hash, MissReason.ABSENT)
       rec = entry.record
-      bad = rec.mismatch(tuple(int(t) for t in token_ids), namespace, layout)
+      bad = rec.mismatch(tuple(int(t) for t in token_ids), namespace, layout, origin)
       if bad is not None:
         return bad
       encoding = (choose or _default_choose)(rec.encodings)
@@ -208,7 +214,8 @@ class HostMemoryTier:
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
                 payloads: Sequence[EncodedPayload] = (), checksum: str | None = None,
-                checksum_algo: str = checksums.CURRENT) -> bool:
+                checksum_algo: str = checksums.CURRENT,
+                origin: ChunkOrigin | None = None) -> bool:
     """Stores copies of `kv` and/or `payloads`, evicting by the policy if the tier is full.
 
     A chunk already held gains the encodings it lacks (if its record matches: same token ids,
@@ -225,6 +232,7 @@ class HostMemoryTier:
       checksum: hex checksum of `kv`'s bytes if the caller knows it (skips hashing), e.g. a
         promoted hit's `Encoding.checksum`.
       checksum_algo: the algorithm of `checksum` (`storage.checksum`).
+      origin: the model and layout version that computed the KV (kept in the record).
 
     Returns:
       True if something was stored now; False if everything given is already held, the chunk is
@@ -240,7 +248,7 @@ class HostMemoryTier:
       held = self._entries.get(chunk_hash)
       if held is not None:
         held.last_access = next(self._counter)
-        if held.record.mismatch(token_ids, namespace, layout) is not None:
+        if held.record.mismatch(token_ids, namespace, layout, origin) is not None:
           return False
         checked = [p for p in checked if (p.codec, p.level) not in held.arrays]
         if not checked:
@@ -262,8 +270,9 @@ class HostMemoryTier:
           checksum_algo=checksum_algo if known else checksums.CURRENT))
     with self._lock:
       held = self._entries.get(chunk_hash)  # a concurrent put or delete may have changed it
-      if held is not None and (held.record.mismatch(token_ids, namespace, layout) is not None
-                               or any(k in held.arrays for k in new_arrays)):
+      if held is not None and (
+          held.record.mismatch(token_ids, namespace, layout, origin) is not None
+          or any(k in held.arrays for k in new_arrays)):
         return False
       if self.capacity_bytes is not None:
         need = self._used + nbytes - self.capacity_bytes
@@ -272,7 +281,8 @@ class HostMemoryTier:
       n = next(self._counter)
       if held is None:
         rec = ChunkRecord(chunk_hash=chunk_hash, parent_hash=parent_hash, token_ids=token_ids,
-                          namespace=namespace, layout=layout, encodings=tuple(new_encodings))
+                          namespace=namespace, layout=layout, encodings=tuple(new_encodings),
+                          origin=origin)
         self._entries[chunk_hash] = _HostEntry(rec, new_arrays, nbytes, last_access=n, inserted=n)
       else:
         encodings = held.record.encodings + tuple(new_encodings)

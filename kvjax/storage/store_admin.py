@@ -183,7 +183,7 @@ class StoreAdmin:
              and e.checksum_algo in checksums.ALGORITHMS] or [None]
     for enc in known:  # None: no known encoding; get reports UNKNOWN_CODEC
       got = await self.get(record.chunk_hash, record.token_ids, record.namespace, record.layout,
-                           choose=lambda encodings, want=enc: next(
+                           origin=record.origin, choose=lambda encodings, want=enc: next(
                                (e for e in encodings if e == want), None))
       if isinstance(got, ChunkHit):
         got = await asyncio.to_thread(_decode_deferred, got)

@@ -13,7 +13,8 @@ import numpy as np
 from kvjax._typing import ChunkHash
 from kvjax.storage.host_tier import Tier
 from kvjax.storage.link import LinkLimiter
-from kvjax.storage.types import Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload, KVLayout
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkOrigin, ChunkRecord,
+                                 EncodedPayload, KVLayout)
 
 __all__ = ["KVStore", "TierStats", "TierUsage"]
 
@@ -75,13 +76,14 @@ class KVStore(Protocol):
     """(tier, record) of the highest tier holding each chunk, or None."""
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout, *, promote: bool = True,
-                choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+                layout: KVLayout, *, promote: bool = True, choose: Chooser | None = None,
+                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
     """A verified read from the highest tier with a good copy."""
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
-                payloads: Sequence[EncodedPayload] = ()) -> list[str]:
+                payloads: Sequence[EncodedPayload] = (),
+                origin: ChunkOrigin | None = None) -> list[str]:
     """Write-through; the names of the tiers that published the chunk."""
 
   async def delete(self, chunk_hash: ChunkHash) -> list[str]:
@@ -94,7 +96,7 @@ class KVStore(Protocol):
     """The look-ahead window for eviction."""
 
   async def prefetch(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                     layout: KVLayout) -> str | None:
+                     layout: KVLayout, *, origin: ChunkOrigin | None = None) -> str | None:
     """Copies a chunk held only below the host tier up into it; the tier it came from."""
 
   def host_capacity(self) -> tuple[str, int | None] | None:

@@ -144,7 +144,7 @@ class TierMover:
     coded = tuple(q for q in payloads if q.codec != "raw")
     try:
       ok = await lower.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace, raw,
-                           layout=rec.layout, payloads=coded)
+                           layout=rec.layout, payloads=coded, origin=rec.origin)
     except Exception:  # noqa: BLE001
       log.warning("demotion put failed on tier %s", lower.name, exc_info=True)
       self._count(lower.name, "put_errors")
@@ -174,7 +174,8 @@ class TierMover:
       pick = lambda encs, e=e: next((x for x in encs if (x.codec, x.level) == (e.codec, e.level)),
                                     None)
       try:
-        got = await t.get(h, rec.token_ids, rec.namespace, rec.layout, choose=pick)
+        got = await t.get(h, rec.token_ids, rec.namespace, rec.layout, choose=pick,
+                          origin=rec.origin)
       except Exception:  # noqa: BLE001
         log.warning("demotion read failed on tier %s", t.name, exc_info=True)
         continue

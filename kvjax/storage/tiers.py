@@ -71,8 +71,8 @@ from kvjax.storage.store_config import (DEFAULT_DEMOTION_BYTES_IN_FLIGHT,
                                         TierConfig, url_kind)
 from kvjax.storage.tier_api import KVStore, TierStats, TierUsage
 from kvjax.storage.tier_mover import PersistentBook, TierMover
-from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkRecord, EncodedPayload,
-                                 KVLayout, MissReason)
+from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkOrigin, ChunkRecord,
+                                 EncodedPayload, KVLayout, MissReason)
 
 __all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "DEFAULT_STORE_CAPACITY_BYTES", "HostMemoryTier",
            "KVStore", "StoreConfig", "Tier", "TierConfig", "TierUsage",
@@ -216,7 +216,7 @@ class TieredStore(TierMover):
     return self.host.name, self.host.capacity_bytes
 
   async def prefetch(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                     layout: KVLayout) -> str | None:
+                     layout: KVLayout, *, origin: ChunkOrigin | None = None) -> str | None:
     """Look-ahead prefetch (CachedAttention, arXiv 2403.19708, section 3.3.1): copies one chunk
     that only a tier below the host holds up into the host tier, verified like any read.
 
@@ -225,7 +225,7 @@ class TieredStore(TierMover):
     tier read.
 
     Args:
-      chunk_hash, token_ids, namespace, layout: as `get`.
+      chunk_hash, token_ids, namespace, layout, origin: as `get`.
 
     Returns:
       The name of the tier the chunk was read from when the host tier now holds a copy made by
@@ -238,7 +238,7 @@ class TieredStore(TierMover):
     if not self.host.can_admit(layout.nbytes):
       return None  # only hinted chunks could make room: do not spend the link on it
     before = self._stats[self.host.name].promotions
-    got = await self.get(chunk_hash, token_ids, namespace, layout, promote=True)
+    got = await self.get(chunk_hash, token_ids, namespace, layout, promote=True, origin=origin)
     if not isinstance(got, ChunkHit) or got.tier == self.host.name:
       return None
     with self._lock:
@@ -299,8 +299,8 @@ class TieredStore(TierMover):
     return out
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
-                layout: KVLayout, *, promote: bool = True,
-                choose: Chooser | None = None) -> ChunkHit | ChunkMiss:
+                layout: KVLayout, *, promote: bool = True, choose: Chooser | None = None,
+                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
     """Reads one chunk from the highest tier that has a good copy.
 
     Tiers are tried top down; any miss falls through to the next tier (a bad copy is deleted
@@ -314,6 +314,8 @@ class TieredStore(TierMover):
       promote: copy a lower-tier hit into the host tier (the encoding that was read).
       choose: which encoding to read, per tier (see `ChunkStore.get`); a tier whose encodings it
         declines misses with UNKNOWN_CODEC and the next tier is tried.
+      origin: the model and layout version it must come from (`ChunkRecord.mismatch`; a
+        mismatch is a miss with its own reason, counted per tier), or None.
 
     Returns:
       The hit (its `tier` names where it was read), or the first miss that is not ABSENT (else
@@ -325,7 +327,7 @@ class TieredStore(TierMover):
       with self._lock:  # a persistent tier does not choose a chunk being read as a victim
         self._reading[key] = self._reading.get(key, 0) + 1
       try:
-        res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose)
+        res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose, origin=origin)
       except Exception as e:  # noqa: BLE001  (a failing tier is a miss, never a user error)
         log.warning("get failed on tier %s", t.name, exc_info=True)
         res = ChunkMiss(chunk_hash, MissReason.READ_ERROR, repr(e))
@@ -359,11 +361,12 @@ class TieredStore(TierMover):
     if hit.encoding.codec == "raw":
       stored = await self.host.put(rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace,
                                    hit.kv, checksum=hit.encoding.checksum,
-                                   checksum_algo=hit.encoding.checksum_algo)
+                                   checksum_algo=hit.encoding.checksum_algo, origin=rec.origin)
     else:
       stored = await self.host.put(
           rec.chunk_hash, rec.parent_hash, rec.token_ids, rec.namespace, layout=rec.layout,
-          payloads=[EncodedPayload(hit.encoding.codec, hit.encoding.level, hit.payload)])
+          payloads=[EncodedPayload(hit.encoding.codec, hit.encoding.level, hit.payload)],
+          origin=rec.origin)
     if stored:
       self._count(self.host.name, "promotions")
       self._count(self.host.name, "bytes_written", int(hit.encoding.nbytes))
@@ -409,7 +412,8 @@ class TieredStore(TierMover):
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
-                payloads: Sequence[EncodedPayload] = ()) -> list[str]:
+                payloads: Sequence[EncodedPayload] = (),
+                origin: ChunkOrigin | None = None) -> list[str]:
     """Writes a chunk through to the host tier and the first persistent tier.
 
     The host copy serves the next turn at once; the persistent copy survives the process
@@ -425,6 +429,7 @@ class TieredStore(TierMover):
       kv: raw `[L, 2, C, K, H]` values, K before RoPE, or None.
       layout: the raw layout (default `kv`'s; required without `kv`).
       payloads: codec payloads stored beside or instead of `kv` (see `ChunkStore.put`).
+      origin: the model and layout version that computed it, kept in every tier's record.
 
     Returns:
       Names of the tiers that published the chunk by this call (already present: not listed).
@@ -448,7 +453,7 @@ class TieredStore(TierMover):
     async def one(t: Tier) -> bool:
       try:
         ok = await t.put(chunk_hash, parent_hash, token_ids, namespace, kv, layout=layout,
-                         payloads=tuple(payloads))
+                         payloads=tuple(payloads), origin=origin)
       except Exception:  # noqa: BLE001
         log.warning("put failed on tier %s", t.name, exc_info=True)
         self._count(t.name, "put_errors")

@@ -4,6 +4,12 @@ A stored chunk is C tokens of KV for all layers, `[L, 2, C, K, H]` (K before RoP
 an index record that says which tokens it holds, under which key namespace, in which layout, and
 which encodings of it exist (`docs/design/storage-format.md`). The codec is not part of the key: a
 reader picks any encoding it can decode.
+
+The stored-chunk guard: a record also names what wrote it (`ChunkOrigin`: the model fingerprint
+and the stored layout's version), and every reader checks the record's own model, layout version,
+dtype, chunk size and shape (`ChunkRecord.mismatch`) and each encoding's codec version (the
+record's and the payload header's) before using a byte, so a chunk that lands under the right key
+with another setting's contents is a miss with its own reason, never decoded.
 """
 
 from __future__ import annotations
@@ -81,6 +87,25 @@ class Encoding:
   checksum_algo: str = "xxh3-128"
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkOrigin:
+  """What wrote a chunk besides its tokens and layout: stored in its record, checked field by
+  field on every read (a key hashes these too, but a chunk can land under a key it does not
+  belong to: a writer that keyed it without one of them, a copied store).
+
+  Attributes:
+    model_fingerprint: hex digest of the model's architecture, config and weights
+      (`kvjax.models.fingerprint`).
+    kv_layout_version: version of the stored `[L, 2, C, K, H]` layout and its conventions
+      (`kvjax.models.kv_cache.KV_LAYOUT_VERSION`: K before RoPE). The device pool's own layout
+      (`PoolLayout`: heads folded, lanes padded, shards) is not stored: a chunk is unfolded
+      before it is saved, so it is the same for every pool layout.
+  """
+
+  model_fingerprint: str
+  kv_layout_version: int
+
+
 #: Picks which of a record's decodable encodings to read (None: none of them). It gets them in
 #: record order and must return one of them.
 Chooser = Callable[[Sequence[Encoding]], "Encoding | None"]
@@ -103,6 +128,9 @@ class ChunkRecord:
     layout: shape and dtype of the raw values.
     encodings: stored encodings, any of which a reader may use.
     format_version: `RECORD_FORMAT_VERSION` when written; a parsed format 1 record keeps 1.
+    origin: the model and layout version that wrote it, or None (records written before the
+      guard, and writers that give none: such a record is checked by its namespace only). An
+      optional JSON field ("origin"): readers that predate it ignore it.
   """
 
   chunk_hash: ChunkHash
@@ -112,24 +140,50 @@ class ChunkRecord:
   layout: KVLayout
   encodings: tuple[Encoding, ...]
   format_version: int = RECORD_FORMAT_VERSION
+  origin: ChunkOrigin | None = None
 
-  def mismatch(self, token_ids: tuple[int, ...], namespace: str,
-               layout: KVLayout) -> ChunkMiss | None:
+  def mismatch(self, token_ids: tuple[int, ...], namespace: str, layout: KVLayout,
+               origin: ChunkOrigin | None = None) -> ChunkMiss | None:
     """The miss a reader must report if this record is not the chunk it asked for, else None.
 
-    Every tier checks the same three things, in this order: token ids, namespace, layout.
+    Every tier checks the same things, in this order, each from the record's own fields (not
+    from the key it was found under): the model (`origin`, when both the reader and the record
+    name one; MODEL_MISMATCH), the layout version (LAYOUT_MISMATCH), the dtype
+    (DTYPE_MISMATCH), the chunk size (CHUNK_SIZE_MISMATCH), the rest of the layout's shape
+    (LAYOUT_MISMATCH), the token ids (TOKEN_MISMATCH), the namespace (NAMESPACE_MISMATCH: the
+    cache salt, a consistent engine's encoding, and everything else for a record without an
+    origin). Codec versions are checked per encoding by the tier that decodes it
+    (CODEC_VERSION_MISMATCH).
     """
-    if self.token_ids != token_ids:
-      return ChunkMiss(self.chunk_hash, MissReason.TOKEN_MISMATCH)
-    if self.namespace != namespace:
-      return ChunkMiss(self.chunk_hash, MissReason.NAMESPACE_MISMATCH, self.namespace)
+    def miss(reason: MissReason, detail: str) -> ChunkMiss:
+      return ChunkMiss(self.chunk_hash, reason, detail)
+
+    if origin is not None and self.origin is not None:
+      if self.origin.model_fingerprint != origin.model_fingerprint:
+        return miss(MissReason.MODEL_MISMATCH, f"stored by model {self.origin.model_fingerprint}, "
+                    f"want {origin.model_fingerprint}")
+      if self.origin.kv_layout_version != origin.kv_layout_version:
+        return miss(MissReason.LAYOUT_MISMATCH, f"stored layout version "
+                    f"{self.origin.kv_layout_version}, want {origin.kv_layout_version}")
+    if self.layout.dtype != layout.dtype:
+      return miss(MissReason.DTYPE_MISMATCH, f"stored {self.layout.dtype}, want {layout.dtype}")
+    if self.layout.chunk_size != layout.chunk_size:
+      return miss(MissReason.CHUNK_SIZE_MISMATCH,
+                  f"stored C={self.layout.chunk_size}, want C={layout.chunk_size}")
     if self.layout != layout:
-      return ChunkMiss(self.chunk_hash, MissReason.LAYOUT_MISMATCH, f"stored {self.layout}")
+      return miss(MissReason.LAYOUT_MISMATCH, f"stored {self.layout}")
+    if self.token_ids != token_ids:
+      return miss(MissReason.TOKEN_MISMATCH, "")
+    if self.namespace != namespace:
+      return miss(MissReason.NAMESPACE_MISMATCH, self.namespace)
     return None
 
   def to_json(self) -> bytes:
-    """The record as JSON, in its own `format_version` (format 1: no `checksum_algo`)."""
+    """The record as JSON, in its own `format_version` (format 1: no `checksum_algo`; no
+    "origin" key when `origin` is None)."""
     d = dataclasses.asdict(self)
+    if d["origin"] is None:
+      del d["origin"]
     if self.format_version == 1:
       for e in d["encodings"]:
         del e["checksum_algo"]
@@ -160,7 +214,10 @@ class ChunkRecord:
       return cls(
           chunk_hash=ChunkHash(str(d["chunk_hash"])), parent_hash=ChunkHash(str(d["parent_hash"])),
           token_ids=tuple(int(t) for t in d["token_ids"]), namespace=str(d["namespace"]),
-          layout=KVLayout(**d["layout"]), encodings=encodings, format_version=int(version))
+          layout=KVLayout(**d["layout"]), encodings=encodings, format_version=int(version),
+          origin=(ChunkOrigin(model_fingerprint=str(d["origin"]["model_fingerprint"]),
+                              kv_layout_version=int(d["origin"]["kv_layout_version"]))
+                  if d.get("origin") is not None else None))
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ValueError(f"malformed chunk record: {e!r}") from e
 
@@ -184,8 +241,14 @@ class MissReason(str, enum.Enum):
 
   ABSENT = "absent"                      # no index record
   TOKEN_MISMATCH = "token_mismatch"      # record holds other token ids
-  NAMESPACE_MISMATCH = "namespace_mismatch"  # another model, dtype, layout version or salt
-  LAYOUT_MISMATCH = "layout_mismatch"    # another shape or dtype
+  NAMESPACE_MISMATCH = "namespace_mismatch"  # another salt or consistent encoding (or, record
+                                             # without an origin: model, dtype, layout, C)
+  MODEL_MISMATCH = "model_mismatch"      # written by another model (`ChunkOrigin`)
+  LAYOUT_MISMATCH = "layout_mismatch"    # another layout version, or shape [L, 2, C, K, H]
+  DTYPE_MISMATCH = "dtype_mismatch"      # another KV dtype
+  CHUNK_SIZE_MISMATCH = "chunk_size_mismatch"  # another C
+  CODEC_VERSION_MISMATCH = "codec_version_mismatch"  # a codec this reader knows, at another
+                                                     # version (record or payload header)
   UNKNOWN_CODEC = "unknown_codec"        # no encoding this reader can decode
   MISSING_DATA = "missing_data"          # record present, data object gone
   CHECKSUM_MISMATCH = "checksum_mismatch"

@@ -48,8 +48,9 @@ EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
 #: Characters of a hash shown by `ls`.
 SHORT = 12
 #: Reasons `verify --delete_bad` leaves alone: the chunk may be fine (a transient backend error,
-#: or a codec newer than this reader).
-KEEP_REASONS = frozenset({MissReason.READ_ERROR, MissReason.UNKNOWN_CODEC})
+#: or a codec or codec version newer than this reader).
+KEEP_REASONS = frozenset({MissReason.READ_ERROR, MissReason.UNKNOWN_CODEC,
+                          MissReason.CODEC_VERSION_MISMATCH})
 
 class StoreError(Exception):
   """The store cannot be opened or read; the message is one line for the operator."""

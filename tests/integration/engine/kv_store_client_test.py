@@ -34,11 +34,12 @@ class EmptyStore:
   async def peek(self, hashes):
     return [None for _ in hashes]
 
-  async def get(self, chunk_hash, token_ids, namespace, layout, *, promote=True, choose=None):
+  async def get(self, chunk_hash, token_ids, namespace, layout, *, promote=True, choose=None,
+                origin=None):
     return ChunkMiss(chunk_hash, MissReason.ABSENT)
 
   async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
-                payloads=()):
+                payloads=(), origin=None):
     return []
 
   async def delete(self, chunk_hash):
@@ -50,7 +51,7 @@ class EmptyStore:
   def hint(self, upcoming):
     pass
 
-  async def prefetch(self, chunk_hash, token_ids, namespace, layout):
+  async def prefetch(self, chunk_hash, token_ids, namespace, layout, *, origin=None):
     return None
 
   def host_capacity(self):
@@ -77,7 +78,7 @@ class BlockingStore(EmptyStore):
     self.release = threading.Event()
 
   async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
-                payloads=()):
+                payloads=(), origin=None):
     self.entered.set()
     await asyncio.get_running_loop().run_in_executor(None, self.release.wait)
     self.puts.append((chunk_hash, parent_hash, tuple(token_ids), kv.copy()))
@@ -144,7 +145,8 @@ class GatedStore(EmptyStore):
   async def peek(self, hashes):
     return [("disk", self._record(h)) if h in self.chunks else None for h in hashes]
 
-  async def get(self, chunk_hash, token_ids, namespace, layout, *, promote=True, choose=None):
+  async def get(self, chunk_hash, token_ids, namespace, layout, *, promote=True, choose=None,
+                origin=None):
     await asyncio.get_running_loop().run_in_executor(None, self.gates[chunk_hash].wait)
     record = self._record(chunk_hash, token_ids, namespace)
     return ChunkHit(record=record, encoding=record.encodings[0], kv=self.chunks[chunk_hash],

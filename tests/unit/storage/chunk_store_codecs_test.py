@@ -8,7 +8,9 @@ import asyncio
 import contextvars
 import dataclasses
 import io
+import struct
 import threading
+import zlib
 from unittest import mock
 
 from absl.testing import absltest
@@ -152,11 +154,51 @@ class SideBySideTest(Base):
       self.assertEqual([(e.codec, e.codec_version) for e in seen], [("int8", 1)])
       self.assert_payload(hit, ps[0].arrays)
       await self.rewrite_record(store, encodings=(
-          future, dataclasses.replace(rec.encodings[0], codec="zfp"),
+          dataclasses.replace(rec.encodings[0], codec="zfp"),
           dataclasses.replace(rec.encodings[0], level=5)))
       return await store.get(HASHES[0], TOKENS[:C], ROOT, LAYOUT)
 
     self.assert_miss(store, run(body()), MissReason.UNKNOWN_CODEC)
+
+  def test_a_known_codec_at_another_version_only_is_its_own_miss(self):
+    store = self.make_store()
+
+    async def body():
+      await self.put_all(store, which=(("int8", 0),), with_raw=False)
+      rec = await self.record(store)
+      await self.rewrite_record(store, encodings=(
+          dataclasses.replace(rec.encodings[0], codec_version=9),
+          dataclasses.replace(rec.encodings[0], codec="zfp")))
+      return await store.get(HASHES[0], TOKENS[:C], ROOT, LAYOUT)
+
+    miss = run(body())
+    self.assert_miss(store, miss, MissReason.CODEC_VERSION_MISMATCH)
+    self.assertEqual(miss.detail, "int8/v9/0")
+
+  def test_a_payload_of_another_version_than_its_record_is_never_decoded(self):
+    # The record says int8 version 1 (this reader's), the bytes' header another version: a
+    # payload written by another codec version under a record that does not say so.
+    store = self.make_store()
+
+    async def body():
+      _, ps = await self.put_all(store, which=(("int8", 0),), with_raw=False)
+      rec = await self.record(store)
+      blob = bytearray(codecs.encode_payload("int8", 0, ps[0].arrays, LAYOUT))
+      header = codecs.read_header(bytes(blob))
+      version_at = blob.index(struct.pack("<HBB", 1, 0, len(ps[0].arrays)))
+      blob[version_at:version_at + 2] = struct.pack("<H", 2)
+      end = header.data_offset - 4  # the header's CRC-32 sits just before the data
+      blob[end:end + 4] = struct.pack("<I", zlib.crc32(bytes(blob[:end])))
+      root = await store.kvstore()
+      digest = checksum.digest(bytes(blob))
+      await root.write(rec.encodings[0].object, bytes(blob))
+      await self.rewrite_record(store, encodings=(dataclasses.replace(
+          rec.encodings[0], nbytes=len(blob), checksum=digest),))
+      return await store.get(HASHES[0], TOKENS[:C], ROOT, LAYOUT)
+
+    miss = run(body())
+    self.assert_miss(store, miss, MissReason.CODEC_VERSION_MISMATCH)
+    self.assertIn("int8 version 2, its record says version 1", miss.detail)
 
   def test_limiter_charges_stored_bytes(self):
     acquired = []

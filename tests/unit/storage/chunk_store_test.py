@@ -346,16 +346,17 @@ class FaultTest(StoreTestBase):
     self.assert_miss(store, run(body()), MissReason.NAMESPACE_MISMATCH)
 
   @parameterized.named_parameters(
-      ("dtype", _layout("bfloat16")), ("layers", _layout(num_layers=2)),
-      ("heads", dataclasses.replace(_layout(), num_kv_heads=1)))
-  def test_layout_mismatch(self, layout):
+      ("dtype", _layout("bfloat16"), MissReason.DTYPE_MISMATCH),
+      ("layers", _layout(num_layers=2), MissReason.LAYOUT_MISMATCH),
+      ("heads", dataclasses.replace(_layout(), num_kv_heads=1), MissReason.LAYOUT_MISMATCH))
+  def test_layout_mismatch(self, layout, reason):
     store = self.make_store("memory")
 
     async def body():
       await self.put0(store)
       return await store.get(HASHES[0], TOKENS[:C], ROOT, layout)
 
-    self.assert_miss(store, run(body()), MissReason.LAYOUT_MISMATCH)
+    self.assert_miss(store, run(body()), reason)
 
   @parameterized.named_parameters(
       ("not_json", b"{not json"),

@@ -12,8 +12,8 @@ from kvjax.storage.link import LinkLimiter
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.tiers import (DEFAULT_DISK_CAPACITY_BYTES, HostMemoryTier, KVStore, StoreConfig,
                                  Tier, TierConfig, TieredStore, build_tiers, url_kind)
-from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout,
-                                 MissReason)
+from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkOrigin, ChunkRecord, EncodedPayload,
+                                 Encoding, KVLayout, MissReason)
 
 NS = "ns0"
 C = 4
@@ -56,7 +56,7 @@ class FakeTier:
   async def peek(self, hashes):
     return [self.data[h][0] if h in self.data else None for h in hashes]
 
-  async def get(self, chunk_hash, token_ids, namespace, layout, *, choose=None):
+  async def get(self, chunk_hash, token_ids, namespace, layout, *, choose=None, origin=None):
     self.gets.append(chunk_hash)
     if chunk_hash not in self.data:
       return ChunkMiss(chunk_hash, MissReason.ABSENT)
@@ -68,7 +68,7 @@ class FakeTier:
     return ChunkHit(rec, rec.encodings[0], kv, self.name)
 
   async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
-                payloads=()):
+                payloads=(), origin=None):
     if kv is None or payloads:
       raise NotImplementedError("FakeTier holds raw KV only")
     if chunk_hash in self.data:
@@ -127,7 +127,9 @@ class HostMemoryTierTest(parameterized.TestCase):
       ("tokens", "h", toks(1), NS, LAYOUT, MissReason.TOKEN_MISMATCH),
       ("namespace", "h", toks(0), "other", LAYOUT, MissReason.NAMESPACE_MISMATCH),
       ("layout", "h", toks(0), NS,
-       KVLayout(2, C, 1, 2, "bfloat16"), MissReason.LAYOUT_MISMATCH),
+       KVLayout(2, C, 2, 2, "float32"), MissReason.LAYOUT_MISMATCH),
+      ("dtype", "h", toks(0), NS,
+       KVLayout(2, C, 1, 2, "bfloat16"), MissReason.DTYPE_MISMATCH),
   )
   def test_get_verifies_like_a_store(self, h, tokens, ns, layout, reason):
     t = HostMemoryTier(None)
@@ -135,6 +137,28 @@ class HostMemoryTierTest(parameterized.TestCase):
     miss = run(t.get(h, tokens, ns, layout))
     self.assertIsInstance(miss, ChunkMiss)
     self.assertEqual(miss.reason, reason)
+
+  def test_get_checks_the_records_origin(self):
+    # The stored-chunk guard on the host tier: the record's model and layout version, when both
+    # the record and the reader name one (a record without one is checked by its namespace).
+    mine = ChunkOrigin("model-a", 1)
+    t = HostMemoryTier(None)
+    run(t.put("h", "root", toks(0), NS, kv_of(0), origin=mine))
+    run(t.put("old", "root", toks(1), NS, kv_of(1)))
+    self.assertEqual(run(t.peek(["h", "old"]))[0].origin, mine)
+    for origin, reason in ((ChunkOrigin("model-b", 1), MissReason.MODEL_MISMATCH),
+                           (ChunkOrigin("model-a", 2), MissReason.LAYOUT_MISMATCH)):
+      miss = run(t.get("h", toks(0), NS, LAYOUT, origin=origin))
+      self.assertIsInstance(miss, ChunkMiss)
+      self.assertEqual(miss.reason, reason)
+    for h, tokens, origin in (("h", toks(0), mine), ("h", toks(0), None),
+                              ("old", toks(1), mine)):
+      self.assertIsInstance(run(t.get(h, tokens, NS, LAYOUT, origin=origin)), ChunkHit)
+    # A put under another origin does not add encodings to a chunk held under this one.
+    self.assertFalse(run(t.put("h", "root", toks(0), NS, layout=LAYOUT, origin=ChunkOrigin(
+        "model-b", 1), payloads=[EncodedPayload("int8", 0, {
+            "q": np.zeros((2, 2, C, 1, 2), np.int8),
+            "scale": np.ones((2, 2, 1, 2), np.float32)})])))
 
   def test_put_rejects_a_bad_shape(self):
     with self.assertRaisesRegex(ValueError, "L, 2, C=4"):
