@@ -35,5 +35,4 @@ if [[ " $* " != *" --prepare "* && " $* " != *" --dry-run "* ]] \
     --target "$site" benchmarks/device_inputs/wheels/*.whl || exit 3
   export PYTHONPATH="$PYTHONPATH:$site"
 fi
-"$PYTHON" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
 exec "$PYTHON" scripts/device_check_all.py "$@"

@@ -54,7 +54,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 INPUTS = REPO / "benchmarks" / "device_inputs"
 #: The dry run's engine cache (converted weights, its kvtc transform, compiled programs):
 #: `--prepare --dry-run` fills it (the kvtc calibration is a minute on two CPU cores).
-DRY_RUN_CACHE = INPUTS / "dry_run_cache"
+DRY_RUN_CACHE = REPO / "build" / "device_check_dry_run_cache"  # git-ignored, not carried
 #: The storage link rans_decode is judged against when device_check_rans.py states none: 32 Gbps
 #: (scripts/device_check_rans.py's LINK_BYTES_PER_S).
 DEFAULT_LINK_BYTES_PER_S = 4e9
@@ -65,7 +65,8 @@ CAKE_MIN_FRACTION = 0.9
 #: as wheels (KINDS.md lists what the image has).
 DEVICE_WHEELS = ("gguf", "zstandard", "pcodec", "fastapi", "starlette", "uvicorn", "pydantic",
                  "pydantic-core", "annotated-types", "typing-inspection", "cbor2", "pyzmq",
-                 "openai", "distro", "jiter", "sniffio")
+                 "openai", "distro", "jiter", "sniffio", "opentelemetry-api",
+                 "importlib-metadata")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,6 +431,8 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   record = benchlib.provenance()
   kind, backend = probe_device(py, env)
+  print(f"device: {kind} (jax backend {backend}); jax {record['versions'].get('jax')}, "
+        f"jaxlib {record['versions'].get('jaxlib')}", flush=True)
   if not dry and backend == "cpu":
     print("no accelerator (jax backend cpu): use --dry-run", file=sys.stderr)
     return 2
