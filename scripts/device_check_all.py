@@ -205,7 +205,8 @@ def extract_checks(out: pathlib.Path, dry: bool) -> dict:
       checks["engine_greedy_match"] = _entry(
           g["prompts_matched"], "prompts", g["ok"], ceiling=g["prompts"],
           ceiling_what="prompts compared", max_logprob_abs_err=g["max_logprob_abs_err"],
-          tie_margin_nats=g["tie_margin_nats"], dtype=g.get("dtype"))
+          tie_margin_nats=g["tie_margin_nats"], dtype=g.get("dtype"),
+          tokens_compared=sum(x["tokens_compared"] for x in g.get("per_prompt", [])))
     else:
       checks["engine_greedy_match"] = _failed(g)
     w = r.get("engine_warm_equals_cold", {})
