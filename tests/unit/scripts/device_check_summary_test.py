@@ -126,3 +126,36 @@ class SummaryTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class GreedyMatchTest(absltest.TestCase):
+  """scripts/device_check_engine.py's comparison with the CPU f32 reference: tokens must equal
+  up to the reference's first near-tie (top-1 minus top-2 under the margin)."""
+
+  @staticmethod
+  def steps(tokens, margins, logprobs=None):
+    logprobs = logprobs or [-1.0] * len(tokens)
+    return [{"token": t, "margin": m, "logprob": lp}
+            for t, m, lp in zip(tokens, margins, logprobs)]
+
+  def compare(self, want, got):
+    import device_check_engine as dce  # noqa: PLC0415
+    return dce.compare_greedy({"steps": [want]}, [got], tie_margin=0.05)
+
+  def test_equal_tokens_match_with_the_logprob_error(self):
+    r = self.compare(self.steps([5, 6, 7], [1.0, 1.0, 1.0], [-1.0, -2.0, -3.0]),
+                     self.steps([5, 6, 7], [1.0, 1.0, 1.0], [-1.0, -2.25, -3.0]))
+    self.assertEqual((r["ok"], r["prompts_matched"], r["max_logprob_abs_err"]), (True, 1, 0.25))
+    self.assertEqual(r["per_prompt"][0]["tokens_compared"], 3)
+
+  def test_a_difference_before_any_tie_fails(self):
+    r = self.compare(self.steps([5, 6, 7], [1.0, 1.0, 0.01]), self.steps([5, 9, 7], [1.0] * 3))
+    self.assertFalse(r["ok"])
+    self.assertEqual(r["per_prompt"][0]["first_difference"], 1)
+
+  def test_a_difference_at_or_after_a_tie_is_allowed(self):
+    for got in ([5, 9, 7], [5, 6, 9]):
+      r = self.compare(self.steps([5, 6, 7], [1.0, 0.01, 1.0]), self.steps(got, [1.0] * 3))
+      self.assertTrue(r["ok"], got)
+      self.assertEqual(r["per_prompt"][0]["tokens_compared"], 1)
+      self.assertEqual(r["per_prompt"][0]["reference_tie_at"], 1)
