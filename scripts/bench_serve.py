@@ -248,7 +248,7 @@ def main(argv):
                                                            _DOC_CHARS.value)
   convs, turns = (2, 3) if quick else (_CONVS.value, _TURNS.value)
   max_tokens = 8 if quick else _MAX_TOKENS.value
-  clients = 2 if quick else _CLIENTS.value
+  clients = 2 if quick and not _CLIENTS.present else _CLIENTS.value  # --quick --clients=32
   rng = random.Random(_SEED.value)
   workloads = {"longchat": lambda: longchat_tasks(rng, docs, questions, doc_chars),
                "sharegpt": lambda: sharegpt_tasks(rng, convs, turns, _TURN_CHARS.value)}

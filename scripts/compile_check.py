@@ -8,17 +8,18 @@ Per target (`jax.experimental.topologies.get_topology_desc`: v5e, v6e, v5p) and 
 size (1, 4, 8 where the model's heads allow, via `kvjax.models.sharding`), an abstract
 `PagedModelRunner` (random weights as ShapeDtypeStructs; no weights needed) lists its programs
 (`PagedModelRunner.aot_programs`): the step at several token buckets, the raw chunk insert, per
-codec the payload insert (`kv_codec.kv_decode`) and the encode of every level, the pre-RoPE
-read, the layer-group programs of layer-wise loading; plus the rANS decode (`kvtc_rans`) and the
-kvtc inverse transform. Each is traced inside the target's abstract mesh (so Pallas TPU kernels
+codec (kvtc included) the payload insert and the encode of every level, the pre-RoPE read, the
+layer-group programs of layer-wise loading; plus the rANS decode (`kvtc_rans`) and the kvtc
+inverse transform. Each is traced inside the target's abstract mesh (so Pallas TPU kernels
 lower for that chip's kind), compiled, and reported: compile OK or the error, seconds, argument /
 temp / output bytes against the chip's HBM (`memory_analysis`), and XLA's cost model
 (`cost_analysis`: flops, bytes accessed, optimal seconds). The cost figures are the COMPILER'S
 ESTIMATES, not measurements; nothing here runs on a TPU or GPU. XLA counts a while loop's body
 once: the step's `lax.scan` over layers is one layer's work plus what lies outside the loop
-(embedding, logits), not L layers'. CUDA: the same programs built for
-platform "cuda" (Pallas GPU kernels) and lowered with `jax.export(platforms=["cuda"])` (lowering
-only: no GPU compiler here).
+(embedding, logits), not L layers'. CUDA: every program `LLM()` builds on one GPU
+(`cuda_programs`: layer-wise and kvtc programs included) built for platform "cuda" (Pallas GPU
+kernels, Triton) and lowered for CUDA (lowering only: no GPU compiler here;
+tests/integration/scripts/compile_check_cuda_test.py does the same at tiny shapes).
 
 Writes JSON (machine, versions, git SHA, every row) and prints a table.
 """
@@ -189,6 +190,22 @@ def extra_programs(cfg, chunk: int, device, platform: str):
   return out
 
 
+def cuda_programs(cfg, model, rc: PagedRunnerConfig, *, chunk: int, buckets, codecs, groups,
+                  extras: bool = True) -> list[tuple[str, object, tuple]]:
+  """Every program `LLM()` builds on one CUDA device, as `(name, jitted function, abstract
+  arguments)`: an abstract `PagedModelRunner` for platform "cuda" on the host's CPU device
+  (nothing allocated) lists the step per bucket, the raw insert and pre-RoPE read, per codec
+  (kvtc included) the payload insert and level encoder, with `groups` the layer-wise programs
+  (begin, each group size, finish, the layer insert); `extras` adds the store client's rANS
+  decode of kvtc codes and the kvtc decode (`extra_programs`). `lower_cuda` lowers each."""
+  runner = PagedModelRunner(model, rc, None, device=jax.devices("cpu")[0], abstract=True,
+                            platform="cuda")
+  progs = runner.aot_programs(chunk_tokens=chunk, buckets=buckets, codecs=codecs, groups=groups)
+  if extras:
+    progs += extra_programs(cfg, chunk, None, "cuda")
+  return progs
+
+
 def jobs(args) -> list[tuple[str, str, int, int, tuple[int, ...], bool]]:
   """(model, chip, TP, max_model_len, buckets, every program?) in the order they run: the full
   program set on `full_chips` first, then the step and inserts elsewhere, then a long-context
@@ -221,12 +238,8 @@ def run(args, on_row) -> None:
     rc = runner_config(cfg, args, max_len)
     common = dict(model=model_name, max_model_len=rc.max_seq_len, num_blocks=rc.num_blocks)
     if chip == "cuda":
-      runner = PagedModelRunner(model, rc, None, device=jax.devices("cpu")[0], abstract=True,
-                                platform="cuda")
-      progs = runner.aot_programs(chunk_tokens=args.chunk, buckets=buckets,
-                                  codecs=args.codecs, groups=None)
-      if args.extras:
-        progs += extra_programs(cfg, args.chunk, None, "cuda")
+      progs = cuda_programs(cfg, model, rc, chunk=args.chunk, buckets=buckets, codecs=args.codecs,
+                            groups=args.groups, extras=args.extras)
       for name, fn, fargs in selected(progs, args.programs):
         on_row(dict(lower_cuda(name, fn, fargs), target="cuda (lowering only)", chip="cuda",
                     tp=1, platform="cuda", **common))
@@ -482,7 +495,7 @@ def main(argv=None):
                  help="TPU chips to compile for; none (a bare --chips): the CUDA lowerings only")
   p.add_argument("--tp", nargs="+", type=int, default=[1, 4, 8])
   p.add_argument("--buckets", nargs="+", type=int, default=[8, 512])
-  p.add_argument("--codecs", nargs="+", default=["raw", "int8", "int4", "cachegen"])
+  p.add_argument("--codecs", nargs="+", default=["raw", "int8", "int4", "cachegen", "kvtc"])
   p.add_argument("--chunk", type=int, default=256, help="stored chunk tokens C")
   p.add_argument("--groups", type=int, default=4, help="layer groups of the layer-wise step")
   p.add_argument("--block_size", type=int, default=16)

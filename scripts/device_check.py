@@ -16,7 +16,6 @@ JSON goes to $OUT/device_check.json if $OUT is set, else benchmarks/results/; a 
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
@@ -29,7 +28,7 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/benchlib.py
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent.parent))  # the kvjax package
-from benchlib import git_sha, machine  # noqa: E402
+import benchlib  # noqa: E402
 
 from kvjax.kernels import paged_attention as pa  # noqa: E402
 
@@ -150,7 +149,7 @@ def main(argv):
   batches = [int(x) for x in (_BATCHES.value or (["1", "2"] if interpret else ["1", "8", "32"]))]
   iters = _ITERS.value or (2 if interpret else 20)
   heads = (8, 2, 32) if interpret else LLAMA_HEADS
-  result = dict(script="scripts/device_check.py", git_sha=git_sha(), machine=machine(),
+  result = dict(**benchlib.provenance(), script="scripts/device_check.py",
                 jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d) for d in jax.devices()], interpret=interpret,
                 block_size=BLOCK, heads=list(heads), dtype="bfloat16")
@@ -188,7 +187,7 @@ def main(argv):
   out_dir = pathlib.Path(_OUT.value or os.environ.get("OUT") or REPO / "benchmarks" / "results")
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / ("device_check_cpu.json" if interpret else "device_check.json")
-  path.write_text(json.dumps(result, indent=1) + "\n")
+  benchlib.write_json(path, result)
 
   print(f"jax {jax.__version__} on {result['devices'][0]}; interpret={interpret}")
   print("correctness (GPU kernel vs reference):")

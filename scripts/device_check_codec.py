@@ -1,7 +1,7 @@
 """Device check of the KV codec kernels (kvjax/kernels/kv_codec_gpu.py): compile, compare, time.
 
-Run by scripts/device_check.sh on a GPU machine (H200 in mind; jax, absl, numpy only), alone with
-`DEVICE_CHECK_ONLY=kv_codec`. For the engine's two model shapes (SmolLM2-135M: 30 layers, 3 kv
+Run by scripts/device_check.sh on a GPU machine (H200 in mind; jax, absl, numpy only; its
+kv_codec step runs int8 and int4 at LLaMA-3.1-8B shapes, alone with `--only kv_codec`). For the engine's two model shapes (SmolLM2-135M: 30 layers, 3 kv
 heads, head dim 64; LLaMA-3.1-8B: 32 layers, 8 kv heads, head dim 128), bf16 chunks of C = 256
 tokens, and every codec (int4 and int8 first, then cachegen level 1, raw), one case each:
 
@@ -47,7 +47,7 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/benchlib.py
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent.parent))  # the kvjax package
-from benchlib import git_sha, machine  # noqa: E402
+import benchlib  # noqa: E402
 
 from kvjax.kernels import kv_codec as kc  # noqa: E402
 from kvjax.kernels import kv_codec_ref as kref  # noqa: E402
@@ -369,14 +369,14 @@ def main(argv):
   out_dir = pathlib.Path(_OUT.value or os.environ.get("OUT") or REPO / "benchmarks" / "results")
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / ("device_check_codec_cpu.json" if interpret else "device_check_codec.json")
-  result = dict(script="scripts/device_check_codec.py", git_sha=git_sha(), machine=machine(),
+  result = dict(**benchlib.provenance(), script="scripts/device_check_codec.py",
                 jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d) for d in jax.devices()], interpret=interpret, iters=iters,
                 rounds=rounds, cache_dtype="bfloat16", cases=cases, skipped=skipped)
 
   def write():
     result["wall_s"] = round(time.time() - start, 1)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    benchlib.write_json(path, result)
 
   try:
     result["probes"] = probes(interpret)

@@ -36,6 +36,37 @@ from kvjax.storage.store_config import PLACEMENTS, StoreConfig
 DEFAULT_MAX_NUM_SEQS = 64
 #: Dtype names `ModelOptions.dtype` takes besides "auto".
 DTYPES = ("bf16", "bfloat16", "f32", "float32")
+_CANONICAL_DTYPE = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32",
+                    "float32": "float32"}
+#: What `dtype="auto"` means on each platform (`jax.default_backend()`'s names, and "cuda" /
+#: "rocm" for the GPU backends): float32 on the CPU (no bf16 arithmetic units there, so f32 is
+#: faster and exact); bfloat16 weights and KV on an accelerator (half the HBM bytes a decode
+#: step reads, and the matrix units' native type).
+AUTO_DTYPE = {"cpu": "float32", "gpu": "bfloat16", "cuda": "bfloat16", "rocm": "bfloat16",
+              "tpu": "bfloat16"}
+
+
+def resolve_dtype(dtype: str, platform: str) -> str:
+  """The weights' and KV cache's dtype name ("float32" or "bfloat16") for `dtype` on `platform`.
+
+  The one place "auto" is resolved (`AUTO_DTYPE`): float32 on "cpu", bfloat16 on "gpu", "cuda",
+  "rocm" and "tpu". An explicit name wins on every platform ("bf16"/"f32" are aliases).
+
+  Args:
+    dtype: "auto" or a name of `DTYPES`.
+    platform: the backend the engine runs on, as `jax.default_backend()` names it.
+
+  Raises:
+    ValueError: an unknown dtype name, or "auto" on an unknown platform.
+  """
+  if dtype == "auto":
+    if platform not in AUTO_DTYPE:
+      raise ValueError(f"dtype 'auto': unknown platform {platform!r} (one of "
+                       f"{sorted(AUTO_DTYPE)}); pass dtype='float32' or 'bfloat16'")
+    return AUTO_DTYPE[platform]
+  if dtype not in _CANONICAL_DTYPE:
+    raise ValueError(f"dtype {dtype!r} is not one of 'auto', {sorted(DTYPES)}")
+  return _CANONICAL_DTYPE[dtype]
 MERGE_MODES = ("cake", "load_only", "compute_only")
 SESSION_TRUNCATIONS = ("none", "drop_oldest_turns")
 _CONSISTENT_FLAG = {"auto": None, "true": True, "false": False}

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from kvjax import codecs
 from kvjax.config import EngineOptions
+from kvjax.config import options as options_lib
 from kvjax.engine.engine import Engine
 from kvjax.engine.outputs import RequestOutput
 from kvjax.connector import KVStoreClient
@@ -125,17 +126,15 @@ def _check_local_store_writable(url: str) -> None:
     raise ValueError(f"kv_store {url!r}: {path} is not writable")
 
 
-def resolve_dtype(dtype: str):
-  """'auto' is f32 on CPU (faster there) and bf16 on accelerators.
+def resolve_dtype(dtype: str, platform: str | None = None):
+  """The jnp dtype of the weights and KV cache: `kvjax.config.options.resolve_dtype` (the one
+  place "auto" is resolved: float32 on CPU, bfloat16 on accelerators) on `platform` (None: this
+  process's `jax.default_backend()`).
 
   Raises:
     ValueError: for an unknown dtype name.
   """
-  if dtype == "auto":
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-  if dtype not in _DTYPES:
-    raise ValueError(f"dtype {dtype!r} is not one of 'auto', {sorted(_DTYPES)}")
-  return _DTYPES[dtype]
+  return _DTYPES[options_lib.resolve_dtype(dtype, platform or jax.default_backend())]
 
 
 def _options(model: str | None, options: EngineOptions | None,
@@ -193,7 +192,8 @@ class LLM:
     cache_root = default_cache_root() if m.cache_dir is None else m.cache_dir
     if cache_root:
       enable_persistent_compilation_cache(os.path.join(cache_root, "jax"))
-    self.dtype = resolve_dtype(m.dtype)
+    platform = jax.default_backend()
+    self.dtype = resolve_dtype(m.dtype, platform)
     params_dir = os.path.join(cache_root, "params") if cache_root else None
     self._progress(StartupEvent("weights", f"loading {m.model} weights" + (
         f" (converted once, cached in {params_dir})" if params_dir else "")))
@@ -227,7 +227,8 @@ class LLM:
         max_num_batched_tokens=sched.token_budget,
         tensor_parallel=None if tp == 1 else TensorParallel.build(loaded.config, tp))
     secs = time.perf_counter() - t0
-    what = (f"{runner.num_blocks} blocks of {block_size} tokens "
+    what = (f"{jnp.dtype(self.dtype).name} weights and KV (dtype={m.dtype!r} on {platform}), "
+            f"{runner.num_blocks} blocks of {block_size} tokens "
             f"({_fmt_bytes(runner.kv_cache_nbytes())}), up to {sched.num_slots} sequences")
     self._progress(StartupEvent("cache", f"KV cache: {what} ({secs:.1f} s)", seconds=secs))
     self.kvtc_transform = None

@@ -258,11 +258,18 @@ class RunnerCodecs:
                    dtype, sds) -> list[tuple[str, object, tuple]]:
     """Per codec the payload insert and the encode of every level, as `(name, jitted function,
     abstract arguments)` (see `PagedModelRunner.aot_programs`); `sds(shape, dtype, sharding=None)`
-    places an argument as the runner places host inputs."""
+    places an argument as the runner places host inputs. kvtc (one device only: none under
+    tensor parallelism) gets its insert (`kvtc_insert_program`) and level encoder with an
+    abstract device transform; the rANS decode that precedes its insert is the store client's
+    (`kvjax.kernels.kvtc_rans`), not the runner's."""
     cfg, c = self._cfg, chunk_tokens
     chunk = sds((cfg.n_layers, 2, c, cfg.n_kv_heads, cfg.head_dim), dtype)
     out = []
     for codec in codec_names:
+      if codec == codecs.KVTC:
+        if self._tp is None:
+          out += self._kvtc_aot_programs(pool, chunk, c, block_size, sds)
+        continue
       if codec != "raw" or self._tp is None:
         payload = payload_specs(cfg, codec, c, sharding=sds(()).sharding, tp=self._tp,
                                 kv_head_repeat=self._kv_head_repeat)
@@ -273,3 +280,20 @@ class RunnerCodecs:
       fn = level_encoder(codec, levels, self.use_pallas, self._platform)
       out.append((f"encode[{codec},levels={len(levels)},C={c}]", fn, (chunk, None, sds(()))))
     return out
+
+  def _kvtc_aot_programs(self, pool, chunk, c: int, block_size: int, sds) -> list:
+    """kvtc's insert and level encoder with abstract arguments (see `aot_programs`)."""
+    cfg = self._cfg
+    l_, d, f32 = cfg.n_layers, cfg.n_kv_heads * cfg.head_dim, jnp.float32
+    levels = tuple(codecs.CODEC_LEVELS[codecs.KVTC])
+    t = kvtc.KVTCDeviceTransform(
+        sds((l_, 2, d), f32), sds((l_, 2, d, d), f32), sds((l_, 2, d, d), f32),
+        sds((len(levels), l_, 2), f32), sds((l_, 2, kvtc.PREDICT_FEATURES * d, d), f32),
+        sds((16,), jnp.uint8))
+    payload = kvtc.KVTCPayload(sds((l_, 2, c, d), jnp.int16), sds((l_, 2), f32),
+                               sds((16,), jnp.uint8))
+    insert = self._kvtc_insert or kvtc_insert_program(cfg, self._inv_freq)
+    fn = level_encoder(codecs.KVTC, levels, self.use_pallas, self._platform)
+    return [(f"insert_payload[kvtc,C={c}]", insert,
+             (pool, payload, t, sds((c // block_size,)), sds(()))),
+            (f"encode[kvtc,levels={len(levels)},C={c}]", fn, (chunk, t, sds(())))]

@@ -615,8 +615,9 @@ class PagedModelRunner:
     `jax.sharding.use_abstract_mesh` of their mesh so Pallas TPU kernels see the target chip).
 
     Programs: the step at each token bucket; the raw chunk insert; per codec the payload
-    insert (`kv_codec.kv_decode` + block write) and the encode of every level; the pre-RoPE
-    read; with `groups` (one device only), the layer-group programs of layer-wise loading.
+    insert (`kv_codec.kv_decode` + block write; kvtc's `kvtc_insert_program`, one device only)
+    and the encode of every level; the pre-RoPE read; with `groups` (one device only), the
+    layer-group programs of layer-wise loading.
 
     Args:
       chunk_tokens: the stored chunk's tokens C (default the largest chunk size).
