@@ -56,6 +56,27 @@ PROVENANCE_KEYS = ("argv", "git_sha", "git_dirty", "git_diff_sha256", "machine",
 DEFAULT_PACKAGES = ("jax", "jaxlib", "flax", "numpy", "kvjax")
 
 
+def _portable(arg: str) -> str:
+  """`arg` with this checkout's path cut to a repo-relative one, the shared data folder beside it
+  to "../shared/" and a home folder to "~", so a
+  results file names no folder of the machine that wrote it."""
+  for root, short in ((str(REPO) + os.sep, ""), (str(REPO), "."),
+                      (str(REPO.parent / "shared") + os.sep, "../shared/"),
+                      (os.path.expanduser("~") + os.sep, "~/")):
+    if root not in (os.sep, "~/") and root in arg:
+      arg = arg.replace(root, short)
+  return arg
+
+
+def command_line() -> list[str]:
+  """The run's command line: the interpreter (repo-relative, e.g. ".venv/bin/python", or its
+  base name when it lives elsewhere) and `sys.argv` with paths in this checkout made
+  repo-relative (`_portable`)."""
+  exe = sys.executable or "python"
+  exe = _portable(exe) if exe.startswith(str(REPO)) else os.path.basename(exe)
+  return [exe, *(_portable(a) for a in sys.argv)]
+
+
 def provenance(packages: tuple[str, ...] = DEFAULT_PACKAGES) -> dict:
   """The run's provenance, taken when a script starts: `argv` (the command line, `sys.argv`
   with the interpreter), `git_sha`, `git_dirty` and `git_diff_sha256` (`git_dirty()`),
@@ -63,7 +84,7 @@ def provenance(packages: tuple[str, ...] = DEFAULT_PACKAGES) -> dict:
   (`versions(*packages)`, plus the Python version). Merge it into the results record first, so
   the record's own keys follow."""
   dirty, diff_sha = git_dirty()
-  return {"argv": [sys.executable, *sys.argv], "git_sha": git_sha(), "git_dirty": dirty,
+  return {"argv": command_line(), "git_sha": git_sha(), "git_dirty": dirty,
           "git_diff_sha256": diff_sha, "machine": machine(),
           "loadavg_before": list(os.getloadavg()),
           "versions": {**versions(*packages), "python": sys.version.split()[0]}}

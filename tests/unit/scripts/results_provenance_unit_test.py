@@ -76,7 +76,7 @@ class ProvenanceRecordTest(absltest.TestCase):
     got = json.loads(path.read_text(encoding="utf-8"))
     self.assertEqual([k for k in benchlib.PROVENANCE_KEYS if k not in got], [])
     self.assertEqual(got["v"], 2)
-    self.assertEqual(got["argv"][0], sys.executable)
+    self.assertEqual(got["argv"][0], benchlib.command_line()[0])
     self.assertLen(got["loadavg_before"], 3)
     self.assertLen(got["loadavg_after"], 3)
     self.assertIsNone(got["versions"]["no-such-package-xyz"])
@@ -84,6 +84,19 @@ class ProvenanceRecordTest(absltest.TestCase):
     self.assertRegex(got["git_sha"], r"^([0-9a-f]{40}|unknown)$")
     if got["git_dirty"] is not None:  # inside a git checkout
       self.assertRegex(got["git_diff_sha256"], r"^[0-9a-f]{64}$")
+
+  def test_command_line_names_no_folder_of_this_machine(self):
+    argv = sys.argv
+    try:
+      sys.argv = [str(REPO / "scripts" / "x.py"), f"--out={REPO}/benchmarks/results",
+                  f"--data={REPO.parent}/shared/data/books", "--n=3"]
+      got = benchlib.command_line()
+    finally:
+      sys.argv = argv
+    self.assertEqual(got[1:], ["scripts/x.py", "--out=benchmarks/results",
+                               "--data=../shared/data/books", "--n=3"])
+    self.assertNotIn(str(REPO), " ".join(got))
+    self.assertFalse(pathlib.Path(got[0]).is_absolute(), msg=got[0])
 
   def test_finish_refuses_a_record_without_provenance(self):
     with self.assertRaisesRegex(KeyError, "argv"):
