@@ -36,13 +36,16 @@ dims break its 8 x 128 tiling), so blocks are packed into vregs outside the kern
 The storage format is the same for both kernels; B = 128 fills a TPU row, B = 32 a warp.
 
 Each step is a dependent chain of about ten integer ops, the table lookups and one word read
-per lane. The parallelism is the number of lanes: a SmolLM2 chunk as
-one stream per (layer, K/V, head, channel) is 11,520 lanes of 256 steps. The issue's target
-(4 GB/s of compressed input, what a 32 Gbps link delivers) is 4e9 / 11,520 lanes / (bytes per
-lane step ~ 0.5) ~ 0.7 M steps per lane per second, i.e. about 1.4 us per step: latency, not
-throughput, bounds it, and chunks can be batched along M for more lanes. No GPU or TPU number
-is claimed here (scripts/compile_check.py compiles the TPU kernel without a TPU and reports the
-compiler's estimates).
+per lane. The parallelism is the number of lanes, and the time the number of steps of the
+longest lane: format version 2 cuts each stream into K segments, each a lane of U = ceil(T / K)
+steps with its own state (`segments`; the decoders loop over U and put the segments back in
+stream order, `rans_step.lanes_to_streams`). A SmolLM2 chunk's kvtc codes are 17,280 lanes of
+at most 171 steps in version 2 (5,760 of 512 in version 1; the lane count is what the stored
+bytes allow, docs/design/storage-format.md). The 4 GB/s link target is then 4e9 / 17,280 lanes
+/ (about 0.5 coded bytes per lane step) ~ 0.46 M steps per lane per second, about 2.2 us per
+step: latency, not throughput, bounds it, and chunks can be batched along M for more lanes.
+No GPU or TPU number is claimed here (scripts/compile_check.py compiles the TPU kernel without
+a TPU and reports the compiler's estimates).
 
 Both decoders return `ok`: every lane ended in the encoder's initial state 2**16 and every
 block consumed exactly its words. Parsing already checked the checksum; `ok` is false only for

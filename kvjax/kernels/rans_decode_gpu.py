@@ -7,7 +7,8 @@ Triton params (without them Pallas picks Mosaic GPU, which lowers the block copi
 copies it cannot place; with Triton params every band shape lowers). The step math is
 `rans_step.step` (shared with the jnp reference); this file owns the GPU launch:
 
-    grid (M, J)       one program per block: B lanes (32 in storage's format: one warp)
+    grid (M, J)       one program per block: B lanes (32 in storage's format: one warp),
+                      each lane decoding U = ceil(T / K) steps of one stream segment
     num_warps 1       B lanes fit one warp; more warps would idle
     table gathers     sym[slot], freq_bias[slot], words[pos + prefix]: pointer-tensor loads
                       from global memory (the Z-entry tables, 8 * Z bytes, stay in L1/L2)
