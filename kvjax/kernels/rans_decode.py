@@ -39,10 +39,10 @@ Each step is a dependent chain of about ten integer ops, the table lookups and o
 per lane. The parallelism is the number of lanes, and the time the number of steps of the
 longest lane: format version 2 cuts each stream into K segments, each a lane of U = ceil(T / K)
 steps with its own state (`segments`; the decoders loop over U and put the segments back in
-stream order, `rans_step.lanes_to_streams`). A SmolLM2 chunk's kvtc codes are 17,280 lanes of
-at most 171 steps in version 2 (5,760 of 512 in version 1; the lane count is what the stored
-bytes allow, docs/design/storage-format.md). The 4 GB/s link target is then 4e9 / 17,280 lanes
-/ (about 0.5 coded bytes per lane step) ~ 0.46 M steps per lane per second, about 2.2 us per
+stream order, `rans_step.lanes_to_streams`). A SmolLM2 chunk's kvtc codes are 11,520 lanes of
+256 steps in version 2 (5,760 of 512 in version 1; the lane count is what the stored bytes
+allow, docs/design/storage-format.md). The 4 GB/s link target is then 4e9 / 11,520 lanes /
+(about 0.5 coded bytes per lane step) ~ 0.7 M steps per lane per second, about 1.4 us per
 step: latency, not throughput, bounds it, and chunks can be batched along M for more lanes.
 No GPU or TPU number is claimed here (scripts/compile_check.py compiles the TPU kernel without
 a TPU and reports the compiler's estimates).

@@ -190,11 +190,12 @@ def decode_components(data: bytes | memoryview, shape: tuple[int, ...]) -> np.nd
 #: `scripts/bench_rans.py`'s kvtc phase).
 RANS_STEPS = 512
 #: The most symbols one rANS lane decodes: format version 2 cuts each stream into segments of
-#: at most this many, each a lane with its own state (512-symbol streams: 3 lanes of at most
-#: 171). A lane costs about 2 bytes net, so the lane count is what the stored bytes allow: on
-#: real SmolLM2 KV, 3 lanes per stream store 4.5% fewer bytes than version 1 at kvtc level 0
-#: and 1.5% more at level 4, 4 lanes 4.3% more at level 4 (`scripts/bench_rans.py`, kvtc phase).
-RANS_LANE_STEPS = 192
+#: at most this many, each a lane with its own state (512-symbol streams: 2 lanes of 256). A
+#: lane costs about 2 bytes net, so the lane count is what the stored bytes allow (+2% over
+#: version 1 at most, per kvtc level): on 8 chunks of real SmolLM2 KV, 2 lanes per stream store
+#: 0.5-0.9% fewer bytes of `q` than version 1 at kvtc levels 1-4, 3 lanes 2.5-2.9% more of the
+#: whole payload at levels 2-4 (`scripts/bench_rans.py`, kvtc phase).
+RANS_LANE_STEPS = 256
 
 
 class RansCodes(NamedTuple):
