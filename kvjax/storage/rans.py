@@ -39,29 +39,31 @@ anywhere but at its last word, has read damaged bytes.
 Byte format, version 2 (what `encode` writes; little endian):
 
     "KVRA" u8 version (2) u8 scale_bits n (8..15) u8 flags u8 0
-           (flags bit 0: explicit lengths; bit 1: the tables are one zstd frame)
+           (flags bit 0: explicit lengths; bit 1: the side data is one zstd frame)
     u32 M  u32 S  u32 T  u32 B  u32 A (1..65536)  u32 K (1..max(T, 1))  u64 total bytes
     16 B   xxh3-128 of every byte of the encoding except these 16 (`checksum.XXH3_128`)
-    tables: with flag bit 1: u32 nbytes, then a zstd frame of nbytes that holds the section
-            below; else the section itself:
+    u32 nbytes, then nbytes of side data: with flag bit 1 a zstd frame holding the section
+      below (the encoder compresses when that is shorter), else the section itself:
       per model: u32 lo  u32 count  u8 freq[count]  u16 big[number of 255s in freq]
                    (frequencies of symbols lo .. lo+count-1, the others 0; a byte 255 means
                    "the next u16 of big", so small tail frequencies cost one byte; count 0: no
                    stream of m has a symbol)
-    u32 lengths[M * S]                      (only with flag bit 0; else all T) of the streams
-    u32 state[lanes with length > 0], in (m, l) order  (lane l's length: its stream's symbols
-                                                        in k * U .. k * U + U - 1)
-    u32 words[M * J]                        (16-bit words per block)
+      u32 lengths[M * S]                    (only with flag bit 0; else all T) of the streams
+      u8 state bytes [4][N]: the N = lanes with length > 0 (in (m, l) order) as four byte
+                   planes, least significant first (lane l's length: its stream's symbols in
+                   k * U .. k * U + U - 1)
+      u32 words[M * J]                      (16-bit words per block)
     u16 word arrays of the blocks, (m, j) order, back to back, nothing after
 
-Version 1 (still read; `encode(version=1)` writes it for tests) is version 2 with K = 1, no
-K field (a 36-byte header before the checksum) and the tables never compressed (flags bit 1
-unused).
+Version 1 (still read; `encode(version=1)` writes it for tests): no K field (K = 1, a 36-byte
+header before the checksum), no nbytes, the side data never compressed and the states u32
+values (`u32 state[N]`) in place of the planes; flags bit 1 unused.
 
 Costs: 4 bytes per non-empty lane (its final state; it holds about a byte of its symbols, so a
-lane costs about 3 bytes over one long stream) on top of the words, 8 + count + 2 *
-(frequencies >= 255) bytes per model before zstd (about a third after it on kvtc's tables),
-56 bytes of header; measured against the empirical entropy and pcodec/zstd in
+lane costs about 3 bytes over one long stream, less after zstd: the states' high bytes are
+mostly small) on top of the words, 8 + count + 2 * (frequencies >= 255) bytes per model before
+zstd (frequency tables are smooth: zstd -19 took two thirds off those of a synthetic kvtc
+chunk), 60 bytes of header and length; measured against the empirical entropy and pcodec/zstd in
 `tests/unit/storage/rans_test.py` and `scripts/bench_rans.py`.
 """
 
