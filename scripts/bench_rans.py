@@ -1,46 +1,48 @@
-"""Size and speed of the interleaved rANS format (kvjax/storage/rans.py) on this machine.
+"""Size and speed of the interleaved rANS format (kvjax/storage/rans.py), version 2 against 1.
 
 Usage:
-  python scripts/bench_rans.py [--out benchmarks/results] [--seed 0] [--reps 3]
+  python scripts/bench_rans.py [--out benchmarks/results] [--seed 0] [--rounds 3]
+
+Version 1 runs one lane per stream of about 512 symbols (kvtc's bands); version 2 (what
+encoders write) cuts streams into segments of at most `entropy.RANS_LANE_STEPS` symbols, each a
+lane with its own state, and zstd-compresses the side data (tables, states, word counts). Both
+are measured side by side in one run:
 
 Data: a chunk-shaped set of quantized Laplacian symbols, like CacheGen/transform-codec deltas
 of SmolLM2-135M (30 layers x K/V = 60 models, 256 tokens, 3 heads x 64 channels = 192 streams
 per model: 2.95 M symbols), each model with its own spread (0.5..8 steps, log-uniform: about
-1.4..5.9 bits per symbol). Measured, best of --reps, one process:
+1.4..5.9 bits per symbol).
 
-  size     bytes of the encoding vs the order-0 entropy with one model per (layer, K/V), pcodec
-           with the same models (`kvjax.storage.entropy`, what cachegen stores today) and zstd
-           -1 / -19; also with 4x longer streams (T = 1024, S = 48: 4 tokens-chunks per lane) and
-           scale_bits 14.
-  speed    numpy encode (`rans.encode`), parse (`rans.parse`), numpy decode
-           (`rans.decode_arrays`), pcodec's decode of the same symbols (MB/s of its own
-           bytes), and the jit'd jnp decoder (`rans_decode_reference`, compiled
-           once, arrays already on the device; also parse + transfer + decode), in MB/s of the
-           encoding (compressed bytes; 1 MB = 1e6 bytes) and M symbols/s.
-  pallas   `rans_decode` in interpret mode on a slice (2 models x 64 steps x 64 streams):
-           byte-exact against numpy (interpret mode is a correctness check, not a speed).
+  size     bytes of the encoding (version 1; version 2 with lanes of at most --lane_steps) vs
+           the order-0 entropy with one model per (layer, K/V), pcodec with the same models
+           (`kvjax.storage.entropy`) and zstd -1 / -19.
+  speed    numpy encode, parse and decode (`rans.encode`, `rans.parse`, `rans.decode_arrays`)
+           and the jit'd jnp decoder (`rans_decode_reference`, compiled once, arrays already on
+           the device), each version, `--rounds` interleaved rounds (`benchlib`), seconds and
+           MB/s of the encoding (1 MB = 1e6 bytes).
+  pallas   `rans_decode` in interpret mode on a slice (2 models x 64 steps x 64 streams, both
+           versions): byte-exact against numpy (interpret mode is a correctness check only).
 
   kvtc     (--kvtc, default on) real SmolLM2-135M KV: a held-out passage (--book, --offset,
            --tokens; chunks of 256, fresh sequence from position 0) coded by kvtc at every level
            (transform: the model's cached calibration, or --transform FILE); kvtc's `q` stored as
-           "pco-bands" (pcodec, host-decoded) and "rans-bands" (this format, device-decoded):
-           stored bytes per token of the whole payload (`storage.codecs.encode_payload`) for both,
-           and, per chunk at --kvtc_level, decode throughput in MB/s of the coded `q`: host
-           pcodec (`entropy.decode_components`), numpy rANS (`entropy.decode_rans_codes`), the
-           jit'd jnp rANS reference (`kvtc_rans.decode_codes`, arrays on the device; and
-           parse + pack + transfer + decode, what a load runs), byte-exact checked; the Pallas
-           kernel in interpret mode on a slice of one chunk (2 layers x 16 tokens x 40 components).
+           "pco-bands" (pcodec, host-decoded) and "rans-bands" in rANS version 1 and 2: stored
+           bytes per token of the whole payload (`storage.codecs.encode_payload`), lanes and
+           steps per lane; per chunk at --kvtc_level, decode times of the coded `q` in
+           interleaved rounds: host pcodec, numpy rANS (`entropy.decode_rans_codes`) and the
+           jit'd jnp rANS reference (`kvtc_rans.decode_codes`, arrays on the device), each
+           version, byte-exact checked; the Pallas kernel in interpret mode on a slice.
 
-No GPU was used; the kernel's layout for one (kvjax/kernels/rans_decode.py docstring) targets
-the issue's 4 GB/s (a 32 Gbps link) and is not measured here. Writes <out>/bench_rans.json
-(machine, versions, threads, git SHA, seed) and prints a table.
+No GPU is used; every time is from the machine in the JSON's `machine` (its load averages before
+and after included). Writes <out>/bench_rans.json (`scripts/benchlib.py` provenance, seed) and
+<out>/bench_rans.png, and prints a table. Exits non-zero when a decoder is not byte-exact.
 
     PYTHONPATH=. nice -n 19 .venv/bin/python scripts/bench_rans.py
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import pathlib
 import sys
@@ -56,7 +58,6 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import pcodec  # noqa: E402
 import zstandard  # noqa: E402
 
 import benchlib  # noqa: E402
@@ -65,7 +66,9 @@ from kvjax.storage import entropy, rans  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", str(REPO / "benchmarks" / "results"), "Output folder.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the synthetic symbols.")
-_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions (best is reported).")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved timing rounds (median reported).")
+_LANE_STEPS = flags.DEFINE_integer("lane_steps", entropy.RANS_LANE_STEPS,
+                                   "Version 2's most steps per lane (synthetic phase).")
 _LAYERS = flags.DEFINE_integer("layers", 30, "Layers (models = 2 x layers).")
 _KVTC = flags.DEFINE_bool("kvtc", True, "Run the kvtc phase on real SmolLM2 KV.")
 _DATA = flags.DEFINE_string("data_dir", None, "The shared data folder (default ../shared/data).")
@@ -78,8 +81,32 @@ _KVTC_LEVEL = flags.DEFINE_integer("kvtc_level", 0, "kvtc level of the throughpu
 C = 256
 
 
-def kvtc_phase(reps: int) -> dict:
-  """Stored bytes and decode rates of kvtc's q as pco-bands and rans-bands (module docstring)."""
+def timed(fn) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - t0
+
+
+def rounds_of(settings: dict, rounds: int) -> dict:
+  """{name: benchlib.summarize(seconds)} of each callable, run in interleaved rounds."""
+  got = {name: [] for name in settings}
+  for order in benchlib.interleaved_rounds(list(settings), rounds):
+    for name in order:
+      got[name].append(timed(settings[name]))
+  return {name: benchlib.summarize(v) for name, v in got.items()}
+
+
+def lane_counts(parsed) -> dict:
+  """Lanes and steps per lane of one chunk's `RansCodes`."""
+  return {"lanes": sum(int((a.lengths > 0).sum()) for a in parsed.arrays),
+          "lanes_per_band": [int((a.lengths > 0).sum()) for a in parsed.arrays],
+          "steps_per_lane": [rans.steps_per_lane(a.num_steps, a.segments)
+                             for a in parsed.arrays]}
+
+
+def kvtc_phase(rounds: int) -> dict:
+  """Stored bytes and decode times of kvtc's q as pco-bands and rans-bands v1/v2 (module
+  docstring)."""
   from unittest import mock  # noqa: PLC0415
   from bench_codec_lib import MODEL  # noqa: PLC0415
   from kvjax.kernels import kvtc, kvtc_rans  # noqa: PLC0415
@@ -127,73 +154,84 @@ def kvtc_phase(reps: int) -> dict:
       payloads[level].append(kvtc.kvtc_encode_host(kv, dt, level, start=s0))
   runner.close()
   tokens = len(held)
+  encoders = {"pco-bands": ("pco-bands", entropy.encode_components_rans),
+              "rans_v1": ("rans-bands", functools.partial(entropy.encode_components_rans,
+                                                          version=1)),
+              "rans_v2": ("rans-bands", entropy.encode_components_rans)}
   size = {}
   for level in levels:
     row = {}
-    for coding in ("pco-bands", "rans-bands"):
-      with mock.patch.object(codecs, "KVTC_Q_CODING", coding):
+    for name, (coding, encoder) in encoders.items():
+      with mock.patch.object(codecs, "KVTC_Q_CODING", coding), \
+          mock.patch.object(entropy, "encode_components_rans", encoder):
         blobs = [codecs.encode_payload("kvtc", level, p, layout) for p in payloads[level]]
       assert {codecs.read_header(b).arrays[0].coding for b in blobs} == {coding}
       q_bytes = sum(codecs.read_header(b).arrays[0].nbytes for b in blobs)
-      row[coding] = {"bytes_per_token": sum(map(len, blobs)) / tokens,
-                     "q_bytes_per_token": q_bytes / tokens}
-    row["rans_over_pco"] = (row["rans-bands"]["bytes_per_token"] /
-                            row["pco-bands"]["bytes_per_token"] - 1.0)
+      row[name] = {"bytes": sum(map(len, blobs)), "bytes_per_token": sum(map(len, blobs)) / tokens,
+                   "q_bytes_per_token": q_bytes / tokens}
+    row["v2_over_v1"] = row["rans_v2"]["bytes"] / row["rans_v1"]["bytes"] - 1.0
+    row["v1_over_pco"] = row["rans_v1"]["bytes"] / row["pco-bands"]["bytes"] - 1.0
+    row["v2_over_pco"] = row["rans_v2"]["bytes"] / row["pco-bands"]["bytes"] - 1.0
     size[f"level_{level}"] = row
 
   level = _KVTC_LEVEL.value
   qs = [p["q"] for p in payloads[level]]
   pco = [entropy.encode_components(q) for q in qs]
-  rb = [entropy.encode_components_rans(q) for q in qs]
-  parsed = [entropy.parse_components_rans(b, q.shape) for b, q in zip(rb, qs)]
-  use_pallas = jax.default_backend() != "cpu"
-  t0 = time.perf_counter()
-  got, ok = kvtc_rans.decode_codes(kvtc_rans.pack_bands(parsed[0].shape, *parsed[0][1:]),
-                                   use_pallas=use_pallas)
-  jax.block_until_ready(got)
-  t_compile = time.perf_counter() - t0
-  dev = [jax.device_put(kvtc_rans.pack_bands(p.shape, *p[1:])) for p in parsed]
-  exact = bool(ok)
-  for q, d in zip(qs, dev):
-    g, ok = kvtc_rans.decode_codes(d, use_pallas=use_pallas)
-    exact &= bool(ok) and bool(np.array_equal(np.asarray(g), q))
-  for q, p in zip(qs, parsed):
-    exact &= bool(np.array_equal(entropy.decode_rans_codes(p), q))
-  assert exact, "rANS decoders are not byte-exact"
+  coded = {"v1": [entropy.encode_components_rans(q, version=1) for q in qs],
+           "v2": [entropy.encode_components_rans(q) for q in qs]}
+  parsed = {v: [entropy.parse_components_rans(b, q.shape) for b, q in zip(blobs, qs)]
+            for v, blobs in coded.items()}
+  exact, compile_s, dev = True, {}, {}
+  for v in coded:
+    t0 = time.perf_counter()
+    jax.block_until_ready(kvtc_rans.decode_codes(kvtc_rans.pack_bands(
+        parsed[v][0].shape, *parsed[v][0][1:])))
+    compile_s[v] = time.perf_counter() - t0
+    dev[v] = [jax.device_put(kvtc_rans.pack_bands(p.shape, *p[1:])) for p in parsed[v]]
+    for q, d, p in zip(qs, dev[v], parsed[v]):
+      g, ok = kvtc_rans.decode_codes(d)
+      exact &= bool(ok) and bool(np.array_equal(np.asarray(g), q))
+      exact &= bool(np.array_equal(entropy.decode_rans_codes(p), q))
+  if not exact:
+    raise SystemExit("kvtc phase: rANS decoders are not byte-exact")
 
-  def per_chunk(fn, blobs, r=reps):
-    return sum(best_of(lambda i=i: fn(i), r)[0] for i in range(len(blobs))), sum(map(len, blobs))
+  def per_chunk(fn):  # all chunks, one after another
+    return lambda: [fn(i) for i in range(len(qs))]
 
-  def load(i):
-    p = entropy.parse_components_rans(rb[i], qs[i].shape)
-    return jax.block_until_ready(kvtc_rans.decode_codes(kvtc_rans.pack_bands(p.shape, *p[1:]),
-                                                        use_pallas=use_pallas))
-
-  timings = {
-      "pcodec_host": per_chunk(lambda i: entropy.decode_components(pco[i], qs[i].shape), pco),
-      "rans_numpy_host": per_chunk(lambda i: entropy.decode_rans_codes(parsed[i]), rb, 1),
-      "rans_jnp_device": per_chunk(lambda i: jax.block_until_ready(
-          kvtc_rans.decode_codes(dev[i], use_pallas=use_pallas)), rb),
-      "rans_parse_pack_transfer_jnp": per_chunk(load, rb),
-  }
-  speed = {name: {"s_per_chunk": secs / len(qs), "MB_per_s": nbytes / secs / 1e6}
-           for name, (secs, nbytes) in timings.items()}
-  speed["compile_and_first_s"] = t_compile
+  settings = {"pcodec_host": per_chunk(lambda i: entropy.decode_components(pco[i], qs[i].shape))}
+  for v in coded:
+    settings[f"rans_{v}_numpy_host"] = per_chunk(
+        lambda i, v=v: entropy.decode_rans_codes(parsed[v][i]))
+    settings[f"rans_{v}_jnp"] = per_chunk(lambda i, v=v: kvtc_rans.decode_codes(dev[v][i]))
+  timings = rounds_of(settings, rounds)
+  coded_bytes = {"pcodec_host": sum(map(len, pco)), **{
+      n: sum(map(len, coded[n.split("_")[1]])) for n in settings if n.startswith("rans_")}}
+  speed = {n: {"s_per_chunk": timings[n]["median"] / len(qs),
+               "MB_per_s": coded_bytes[n] / timings[n]["median"] / 1e6, "rounds_s": timings[n]}
+           for n in settings}
+  speed["jnp_v1_over_v2"] = (timings["rans_v1_jnp"]["median"] /
+                             timings["rans_v2_jnp"]["median"])
+  speed["numpy_v1_over_v2"] = (timings["rans_v1_numpy_host"]["median"] /
+                               timings["rans_v2_numpy_host"]["median"])
+  speed["jnp_compile_and_first_s"] = compile_s
 
   small = np.ascontiguousarray(qs[0][:2, :, :16, :40])
-  sp = entropy.parse_components_rans(entropy.encode_components_rans(small), small.shape)
-  t0 = time.perf_counter()
-  gp, okp = kvtc_rans.decode_codes(kvtc_rans.pack_bands(sp.shape, *sp[1:]), use_pallas=True,
-                                   interpret=True)
-  pallas = {"shape": list(small.shape), "s_including_compile": time.perf_counter() - t0,
-            "byte_exact": bool(okp) and bool(np.array_equal(np.asarray(gp), small))}
+  pallas = {"shape": list(small.shape)}
+  for v, kw in (("v1", dict(version=1)), ("v2", dict(lane_steps=8))):
+    sp = entropy.parse_components_rans(entropy.encode_components_rans(small, **kw), small.shape)
+    gp, okp = kvtc_rans.decode_codes(kvtc_rans.pack_bands(sp.shape, *sp[1:]), use_pallas=True,
+                                     interpret=True)
+    pallas[f"byte_exact_{v}"] = bool(okp) and bool(np.array_equal(np.asarray(gp), small))
+  if not all(v for k_, v in pallas.items() if k_.startswith("byte_exact")):
+    raise SystemExit(f"kvtc phase: Pallas interpret not byte-exact: {pallas}")
   return {"model": MODEL, "transform": transform_source,
           "held_out": {"book": _BOOK.value, "offset": _OFFSET.value, "tokens": tokens,
                        "chunk": C},
-          "rans_steps_per_stream": entropy.RANS_STEPS, "size": size,
-          "throughput_level": level, "throughput": speed, "byte_exact": exact,
-          "decoder": "pallas" if use_pallas else "jnp reference",
-          "pallas_interpret": pallas}
+          "rans_steps_per_stream": entropy.RANS_STEPS,
+          "rans_lane_steps": entropy.RANS_LANE_STEPS,
+          "lanes": {v: lane_counts(parsed[v][0]) for v in parsed},
+          "size": size, "throughput_level": level, "throughput": speed, "byte_exact": exact,
+          "decoder": "jnp reference (CPU)", "pallas_interpret": pallas}
 
 
 def chunk_symbols(seed: int, models: int, steps: int, streams: int) -> np.ndarray:
@@ -204,16 +242,6 @@ def chunk_symbols(seed: int, models: int, steps: int, streams: int) -> np.ndarra
   return np.clip(q, 0, 255).astype(np.uint8)
 
 
-def best_of(fn, reps):
-  times = []
-  out = None
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - t0)
-  return min(times), out
-
-
 def sizes(symbols, **kw):
   data = rans.encode(symbols, **kw)
   bound = rans.empirical_entropy_bits(symbols) / 8
@@ -222,29 +250,27 @@ def sizes(symbols, **kw):
 
 
 def plot(kv: dict, path: pathlib.Path) -> bool:
-  """Bytes per token (pco-bands vs rans-bands per level) and q decode rates; False without
+  """Bytes per token (pco-bands, rans v1, rans v2 per level) and q decode times; False without
   matplotlib."""
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
+  plt = benchlib.pyplot()
+  if plt is None:
     return False
   fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
   levels = sorted(kv["size"])
   x = np.arange(len(levels))
-  for i, coding in enumerate(("pco-bands", "rans-bands")):
-    a.bar(x + (i - 0.5) * 0.4, [kv["size"][lv][coding]["bytes_per_token"] for lv in levels], 0.4,
-          label=coding)
+  names = ("pco-bands", "rans_v1", "rans_v2")
+  for i, name in enumerate(names):
+    a.bar(x + (i - 1) * 0.27, [kv["size"][lv][name]["bytes_per_token"] for lv in levels], 0.27,
+          label=name)
   a.set_xticks(x, [lv.replace("level_", "level ") for lv in levels])
   a.set_ylabel("stored bytes / token (kvtc payload)")
   a.set_title(f"kvtc on {kv['held_out']['tokens']} tokens of SmolLM2-135M KV")
   a.legend()
-  names = [n for n, v in kv["throughput"].items() if isinstance(v, dict)]
-  b.barh(names, [kv["throughput"][n]["MB_per_s"] for n in names])
+  rows = [n for n, v in kv["throughput"].items() if isinstance(v, dict) and "s_per_chunk" in v]
+  b.barh(rows, [1e3 * kv["throughput"][n]["s_per_chunk"] for n in rows])
   b.set_xscale("log")
-  b.set_xlabel(f"MB/s of coded q, level {kv['throughput_level']} chunk (2-core CPU VM)")
-  b.set_title("decode of one 256-token chunk's codes")
+  b.set_xlabel(f"ms per 256-token chunk, level {kv['throughput_level']} (loaded 2-core CPU)")
+  b.set_title("decode of one chunk's codes (median of interleaved rounds)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -253,123 +279,115 @@ def plot(kv: dict, path: pathlib.Path) -> bool:
 
 def main(argv):
   del argv
-  reps = _REPS.value
+  record = {**benchlib.provenance(("jax", "jaxlib", "numpy", "pcodec", "zstandard", "kvjax")),
+            "script": "scripts/bench_rans.py"}
+  rounds = _ROUNDS.value
   m_, t_, s_ = 2 * _LAYERS.value, 256, 192
   symbols = chunk_symbols(_SEED.value, m_, t_, s_)
   n_sym = symbols.size
   bound = rans.empirical_entropy_bits(symbols) / 8
   signed = (symbols.astype(np.int16) - 128).astype(np.int8)
-
-  data, main_size = sizes(symbols)
-  size = {
-      "entropy_bound": {"bytes": bound, "bits_per_symbol": 8 * bound / n_sym},
-      "rans_T256_S192_n12": main_size,
-      "rans_T1024_S48_n12": sizes(symbols.reshape(m_, t_, 4, 48).transpose(0, 2, 1, 3)
-                                  .reshape(m_, 4 * t_, 48))[1],
-      "rans_T256_S192_n14": sizes(symbols, scale_bits=14)[1],
-  }
+  kw = {"v1": dict(version=1), "v2": dict(lane_steps=_LANE_STEPS.value)}
+  data, size = {}, {"entropy_bound": {"bytes": bound, "bits_per_symbol": 8 * bound / n_sym}}
+  for v, k in kw.items():
+    data[v], size[f"rans_{v}"] = sizes(symbols, **k)
   for name, blob in (("pcodec_per_model", entropy.encode_groups(signed, m_)),
                      ("zstd_1", zstandard.ZstdCompressor(level=1).compress(symbols.tobytes())),
                      ("zstd_19", zstandard.ZstdCompressor(level=19).compress(symbols.tobytes()))):
     size[name] = {"bytes": len(blob), "bits_per_symbol": 8 * len(blob) / n_sym,
                   "over_entropy": len(blob) / bound - 1.0}
+  size["v2_over_v1"] = len(data["v2"]) / len(data["v1"]) - 1.0
 
-  mb = len(data) / 1e6
-  t_enc, _ = best_of(lambda: rans.encode(symbols), reps)
-  t_parse, arrays = best_of(lambda: rans.parse(data), reps)
-  t_np, decoded = best_of(lambda: rans.decode_arrays(arrays), reps)
-  assert np.array_equal(decoded, symbols), "numpy decoder mismatch"
-
-  static = dict(scale_bits=arrays.scale_bits, num_streams=arrays.num_streams,
-                num_steps=arrays.num_steps)
-  dev = [jax.device_put(a) for a in arrays[:5]]
-  t0 = time.perf_counter()
-  got, ok = rd.rans_decode_reference(*dev, **static)
-  jax.block_until_ready(got)
-  t_compile = time.perf_counter() - t0
-  assert np.array_equal(np.asarray(got), symbols) and bool(ok), "jnp reference mismatch"
-
-  def jnp_decode():
-    return jax.block_until_ready(rd.rans_decode_reference(*dev, **static))
-
-  def end_to_end():
-    a = rans.parse(data)
-    return jax.block_until_ready(rd.rans_decode_reference(*[jnp.asarray(x) for x in a[:5]],
-                                                          **static))
-
-  pco_blob = entropy.encode_groups(signed, m_)
-  t_pco, _ = best_of(lambda: entropy.decode_groups(pco_blob, signed.shape), reps)
-  t_jnp, _ = best_of(jnp_decode, reps)
-  t_e2e, _ = best_of(end_to_end, reps)
+  arrays = {v: rans.parse(d) for v, d in data.items()}
+  dev, compile_s = {}, {}
+  for v, a in arrays.items():
+    assert np.array_equal(rans.decode_arrays(a), symbols), f"numpy decoder mismatch ({v})"
+    dev[v] = {k: jax.device_put(x) if isinstance(x, np.ndarray) else x
+              for k, x in a._asdict().items()}
+    t0 = time.perf_counter()
+    got, ok = rd.rans_decode_reference(**dev[v])
+    jax.block_until_ready(got)
+    compile_s[v] = time.perf_counter() - t0
+    if not (np.array_equal(np.asarray(got), symbols) and bool(ok)):
+      raise SystemExit(f"jnp reference not byte-exact ({v})")
+  settings = {}
+  for v in kw:
+    settings[f"{v}_numpy_encode"] = lambda v=v: rans.encode(symbols, **kw[v])
+    settings[f"{v}_numpy_parse"] = lambda v=v: rans.parse(data[v])
+    settings[f"{v}_numpy_decode"] = lambda v=v: rans.decode_arrays(arrays[v])
+    settings[f"{v}_jnp_decode"] = lambda v=v: rd.rans_decode_reference(**dev[v])
+  timings = rounds_of(settings, rounds)
+  speed = {n: {"s": t["median"], "MB_per_s": len(data[n[:2]]) / t["median"] / 1e6,
+               "Msymbols_per_s": n_sym / t["median"] / 1e6, "rounds_s": t}
+           for n, t in timings.items()}
+  speed["jnp_v1_over_v2"] = timings["v1_jnp_decode"]["median"] / timings["v2_jnp_decode"]["median"]
+  speed["jnp_compile_and_first_s"] = compile_s
 
   small = symbols[:2, :64, :64]
-  small_arrays = rans.parse(rans.encode(small))
-  t0 = time.perf_counter()
-  got_p, ok_p = rd.rans_decode(**small_arrays._asdict(), interpret=True)
-  t_interp = time.perf_counter() - t0
-  pallas_exact = bool(np.array_equal(np.asarray(got_p), rans.decode_arrays(small_arrays))
-                      and bool(ok_p))
+  pallas = {"shape": list(small.shape)}
+  for v, k in (("v1", dict(version=1)), ("v2", dict(lane_steps=16))):
+    small_arrays = rans.parse(rans.encode(small, **k))
+    got_p, ok_p = rd.rans_decode(**small_arrays._asdict(), interpret=True)
+    pallas[f"byte_exact_{v}"] = bool(np.array_equal(np.asarray(got_p),
+                                                    rans.decode_arrays(small_arrays))
+                                     and bool(ok_p))
+  if not (pallas["byte_exact_v1"] and pallas["byte_exact_v2"]):
+    raise SystemExit(f"Pallas interpret not byte-exact: {pallas}")
 
-  def rate(t):
-    return {"s": t, "MB_per_s": mb / t, "Msymbols_per_s": n_sym / t / 1e6}
-
-  speed = {"numpy_encode": rate(t_enc), "numpy_parse": rate(t_parse),
-           "numpy_decode": rate(t_np), "jnp_reference_decode": rate(t_jnp),
-           "parse_transfer_jnp_decode": rate(t_e2e), "jnp_compile_and_first_s": t_compile,
-           "pcodec_decode_same_symbols": {"s": t_pco, "MB_per_s": len(pco_blob) / 1e6 / t_pco,
-                                          "Msymbols_per_s": n_sym / t_pco / 1e6}}
-  result = {
-      "script": "scripts/bench_rans.py", "git_sha": benchlib.git_sha(),
-      "machine": benchlib.machine(), "seed": _SEED.value, "reps": reps,
-      "versions": {"jax": jax.__version__, "numpy": np.__version__,
-                   "pcodec": getattr(pcodec, "__version__", "?"),
-                   "zstandard": zstandard.__version__, "format_version": rans.VERSION},
+  record.update({
+      "seed": _SEED.value, "rounds": rounds,
+      "format": {"before": 1, "after": rans.VERSION, "lane_steps": _LANE_STEPS.value},
       "threads": {"jax_backend": jax.default_backend(), "jax_devices": len(jax.devices()),
                   "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", ""),
                   "note": "numpy: one thread; XLA CPU: its default intra-op pool"},
       "data": {"models": m_, "steps": t_, "streams_per_model": s_, "symbols": n_sym,
-               "lanes": rans.DEFAULT_LANES, "scale_bits": rans.DEFAULT_SCALE_BITS,
-               "encoded_bytes": len(data)},
-      "size": size, "speed": speed,
-      "pallas_interpret": {"shape": list(small.shape), "byte_exact": pallas_exact,
-                           "s_including_compile": t_interp},
-  }
+               "lanes_per_block": rans.DEFAULT_LANES, "scale_bits": rans.DEFAULT_SCALE_BITS,
+               "lanes": {v: int((a.lengths > 0).sum()) for v, a in arrays.items()},
+               "steps_per_lane": {v: rans.steps_per_lane(a.num_steps, a.segments)
+                                  for v, a in arrays.items()}},
+      "size": size, "speed": speed, "pallas_interpret": pallas})
   if _KVTC.value:
-    result["kvtc"] = kvtc_phase(reps)
+    record["kvtc"] = kvtc_phase(rounds)
   out = pathlib.Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "bench_rans.json").write_text(json.dumps(result, indent=1) + "\n")
+  benchlib.write_json(out / "bench_rans.json", record)
 
   print(f"{m_} models x {t_} steps x {s_} streams = {n_sym / 1e6:.2f} M symbols, "
-        f"{jax.default_backend()} backend, {os.cpu_count()} cores")
+        f"{jax.default_backend()} backend, {os.cpu_count()} cores, load "
+        f"{record['loadavg_before']}")
   print(f"{'coder':24s} {'bytes':>10s} {'bits/sym':>9s} {'over H':>8s}")
   for name, v in size.items():
-    over = f"{100 * v['over_entropy']:+.2f}%" if "over_entropy" in v else ""
-    print(f"{name:24s} {v['bytes']:10.0f} {v['bits_per_symbol']:9.3f} {over:>8s}")
-  print(f"{'step':28s} {'seconds':>9s} {'MB/s':>8s} {'Msym/s':>8s}")
-  for name, v in speed.items():
     if isinstance(v, dict):
+      over = f"{100 * v['over_entropy']:+.2f}%" if "over_entropy" in v else ""
+      print(f"{name:24s} {v['bytes']:10.0f} {v['bits_per_symbol']:9.3f} {over:>8s}")
+  print(f"version 2 over version 1: {100 * size['v2_over_v1']:+.2f}% bytes; lanes "
+        f"{record['data']['lanes']}, steps per lane {record['data']['steps_per_lane']}")
+  print(f"{'step (median of rounds)':28s} {'seconds':>9s} {'MB/s':>8s} {'Msym/s':>8s}")
+  for name, v in speed.items():
+    if isinstance(v, dict) and "s" in v:
       print(f"{name:28s} {v['s']:9.4f} {v['MB_per_s']:8.1f} {v['Msymbols_per_s']:8.1f}")
-  print(f"jnp compile + first decode {t_compile:.2f} s; Pallas interpret {list(small.shape)}: "
-        f"byte-exact={pallas_exact} ({t_interp:.1f} s)")
-  if _KVTC.value and plot(result["kvtc"], out / "bench_rans.png"):
-    print(f"wrote {out / 'bench_rans.png'}")
+  print(f"jnp decode v1 / v2 time: {speed['jnp_v1_over_v2']:.2f}x; Pallas interpret "
+        f"{list(small.shape)}: {pallas}")
   if _KVTC.value:
-    kv = result["kvtc"]
+    kv = record["kvtc"]
+    if plot(kv, out / "bench_rans.png"):
+      print(f"wrote {out / 'bench_rans.png'}")
     print(f"kvtc on {kv['held_out']['tokens']} tokens of {kv['held_out']['book']} "
           f"(transform {kv['transform']}): bytes per token of the stored payload")
     for name, row in kv["size"].items():
-      print(f"  {name}: pco-bands {row['pco-bands']['bytes_per_token']:8.1f}  rans-bands "
-            f"{row['rans-bands']['bytes_per_token']:8.1f}  ({100 * row['rans_over_pco']:+.2f}%)")
-    print(f"kvtc level {kv['throughput_level']} q decode, MB/s of coded q (byte-exact: "
+      print(f"  {name}: pco-bands {row['pco-bands']['bytes_per_token']:8.1f}  rans v1 "
+            f"{row['rans_v1']['bytes_per_token']:8.1f}  rans v2 "
+            f"{row['rans_v2']['bytes_per_token']:8.1f}  (v2 over v1 "
+            f"{100 * row['v2_over_v1']:+.2f}%)")
+    print(f"  lanes per chunk: {kv['lanes']}")
+    print(f"kvtc level {kv['throughput_level']} q decode per chunk (byte-exact: "
           f"{kv['byte_exact']}):")
     for name, v in kv["throughput"].items():
-      if isinstance(v, dict):
-        print(f"  {name:32s} {1e3 * v['s_per_chunk']:8.1f} ms/chunk {v['MB_per_s']:8.1f} MB/s")
-    print(f"  compile + first decode {kv['throughput']['compile_and_first_s']:.2f} s; Pallas "
-          f"interpret {kv['pallas_interpret']['shape']}: byte-exact="
-          f"{kv['pallas_interpret']['byte_exact']}")
+      if isinstance(v, dict) and "s_per_chunk" in v:
+        print(f"  {name:24s} {1e3 * v['s_per_chunk']:8.1f} ms/chunk {v['MB_per_s']:8.1f} MB/s")
+    print(f"  jnp v1 / v2 time {kv['throughput']['jnp_v1_over_v2']:.2f}x, numpy v1 / v2 "
+          f"{kv['throughput']['numpy_v1_over_v2']:.2f}x; Pallas interpret "
+          f"{kv['pallas_interpret']}")
   print(f"wrote {out / 'bench_rans.json'}")
 
 

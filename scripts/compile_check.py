@@ -165,7 +165,7 @@ def extra_programs(cfg, chunk: int, device, platform: str):
   packed = kvtc_rans.pack_bands(p.shape, p.bands, p.offsets, p.arrays)
   static = tuple(tuple(int(getattr(b, n)) for n in kvtc_rans._STATIC) for b in packed.bands)
   arrays = tuple(tuple(sds(getattr(b, n)) for n in kvtc_rans._ARRAYS) for b in packed.bands)
-  capacity = sum(int(np.prod(b.states.shape)) * b.num_steps for b in packed.bands)
+  capacity = kvtc_rans.word_capacity(packed.bands)
   words = jax.ShapeDtypeStruct((capacity,), jnp.uint16, sharding=sh)
   fn = jax.jit(lambda w, a: kvtc_rans._decode_jit(
       w, a, shape=packed.shape, static=static, use_pallas=True, interpret=False,

@@ -48,7 +48,8 @@ class BandInput(NamedTuple):
     block_start: int32[M, J] where each block's words start in the flat word array.
     states, lengths, num_words: the band's `RansArrays` arrays ([M, J, B], [M, J, B], [M, J]).
     freqs: int32[M, A'] its frequencies, A' = A rounded up to a power of two (>= 256).
-    scale_bits, num_streams, num_steps: its static sizes.
+    scale_bits, num_streams, num_steps, segments: its static sizes (segments: lanes per
+      stream, `RansArrays.segments`).
   """
   lo: int
   hi: int
@@ -61,6 +62,7 @@ class BandInput(NamedTuple):
   scale_bits: int
   num_streams: int
   num_steps: int
+  segments: int = 1
 
 
 class PackedCodes(NamedTuple):
@@ -77,7 +79,7 @@ class PackedCodes(NamedTuple):
   bands: tuple[BandInput, ...]
 
 
-_STATIC = ("lo", "hi", "scale_bits", "num_streams", "num_steps")
+_STATIC = ("lo", "hi", "scale_bits", "num_streams", "num_steps", "segments")
 _ARRAYS = ("offset", "block_start", "states", "lengths", "num_words", "freqs")
 _MIN_WORDS = 4096
 
@@ -101,7 +103,7 @@ def pack_bands(shape: Sequence[int], bands: Sequence[tuple[int, int]], offsets: 
     offsets: int32[M] per band.
     arrays: per band a NamedTuple with the fields of `kvjax.storage.rans.RansArrays` (words
       uint16[M, J, W] zero-padded past num_words, states, lengths, num_words, freqs, scale_bits,
-      num_streams, num_steps).
+      num_streams, num_steps, segments).
 
   Raises:
     ValueError: sequences of different lengths.
@@ -122,12 +124,23 @@ def pack_bands(shape: Sequence[int], bands: Sequence[tuple[int, int]], offsets: 
                          block_start.reshape(counts.shape).astype(np.int32),
                          np.asarray(a.states, np.uint32), np.asarray(a.lengths, np.int32),
                          counts.astype(np.int32), freqs, int(a.scale_bits),
-                         int(a.num_streams), int(a.num_steps)))
-  capacity = sum(int(np.prod(np.shape(b.states))) * b.num_steps for b in out)
+                         int(a.num_streams), int(a.num_steps), int(a.segments)))
+  capacity = word_capacity(out)
   words = np.zeros(min(_bucket(start), max(capacity, start)), np.uint16)
   if start:
     words[:start] = np.concatenate(flat)
   return PackedCodes(tuple(int(x) for x in shape), words, tuple(out))
+
+
+def _lane_steps(b: BandInput) -> int:
+  """U: the steps each lane of a band decodes (at most one word per lane step)."""
+  return rd.steps_per_lane(b.num_steps, b.segments)
+
+
+def word_capacity(bands: Sequence[BandInput]) -> int:
+  """The most words a chunk of these bands' shapes can hold: one per lane step (what
+  `decode_codes` pads the flat words to, so one compiled decoder serves the shape)."""
+  return sum(int(np.prod(np.shape(b.states))) * _lane_steps(b) for b in bands)
 
 
 def _check(shape, bands: Sequence[BandInput]) -> None:
@@ -153,8 +166,8 @@ def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bo
                  platform: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Decodes rANS-coded kvtc codes on the device, in one jit'd call.
 
-  Each band's blocks are sliced from the flat words into [M, J, T * B] (T * B bounds a block:
-  at most one word per symbol), then decoded by `rans_decode`.
+  Each band's blocks are sliced from the flat words into [M, J, U * B] (U = ceil(T / K) steps
+  per lane: U * B bounds a block, at most one word per symbol), then decoded by `rans_decode`.
 
   Args:
     packed: `pack_bands`'s result (host or device arrays: they are transferred once).
@@ -182,8 +195,7 @@ def decode_codes(packed: PackedCodes, *, use_pallas: bool = False, interpret: bo
   # The words travel in their size bucket; on the device they are padded to the most words a
   # chunk of this shape can have (one word per symbol per lane), so the decoder compiles once
   # per shape (the pad is a small program per bucket).
-  capacity = sum(b.states.shape[0] * b.states.shape[1] * b.states.shape[2] * b.num_steps
-                 for b in bands)
+  capacity = word_capacity(bands)
   words = packed.words
   if words.shape[0] > capacity:
     raise ValueError(f"{words.shape[0]} words for a chunk of at most {capacity}")
@@ -204,15 +216,17 @@ def _decode_jit(flat_words, arrays, *, shape, static, use_pallas, interpret, pla
   flat = flat_words.astype(jnp.int32)
   # Room for one block's words past the end: a slice that starts at the last word is never
   # clamped back (what `lax.dynamic_slice` does to a slice that would leave its array).
-  most = max(max(1, st[4] * band[2].shape[2]) for st, band in zip(static, arrays))
+  most = max(max(1, rd.steps_per_lane(st[4], st[5]) * band[2].shape[2])
+             for st, band in zip(static, arrays))
   padded = jnp.pad(flat, (0, most))
   parts, ok = [], jnp.bool_(True)
-  for (lo, hi, scale_bits, num_streams, num_steps), band in zip(static, arrays):
+  for (lo, hi, scale_bits, num_streams, num_steps, segments), band in zip(static, arrays):
     offset, block_start, states, lengths, num_words, freqs = band
-    w_ = max(1, num_steps * states.shape[2])  # a block's words, at most
+    w_ = max(1, rd.steps_per_lane(num_steps, segments) * states.shape[2])  # a block's words
     words = jax.vmap(lambda start, size=w_: lax.dynamic_slice(padded, (start,), (size,)))(
         jnp.clip(block_start.reshape(-1), 0, flat.shape[0])).reshape(*block_start.shape, w_)
-    kw = dict(scale_bits=scale_bits, num_streams=num_streams, num_steps=num_steps)
+    kw = dict(scale_bits=scale_bits, num_streams=num_streams, num_steps=num_steps,
+              segments=segments)
     if use_pallas:
       sym_MTS, ok_b = rd.rans_decode(words, states, lengths, num_words, freqs,
                                      interpret=interpret, platform=platform, **kw)

@@ -36,13 +36,16 @@ dims break its 8 x 128 tiling), so blocks are packed into vregs outside the kern
 The storage format is the same for both kernels; B = 128 fills a TPU row, B = 32 a warp.
 
 Each step is a dependent chain of about ten integer ops, the table lookups and one word read
-per lane. The parallelism is the number of lanes: a SmolLM2 chunk as
-one stream per (layer, K/V, head, channel) is 11,520 lanes of 256 steps. The issue's target
-(4 GB/s of compressed input, what a 32 Gbps link delivers) is 4e9 / 11,520 lanes / (bytes per
-lane step ~ 0.5) ~ 0.7 M steps per lane per second, i.e. about 1.4 us per step: latency, not
-throughput, bounds it, and chunks can be batched along M for more lanes. No GPU or TPU number
-is claimed here (scripts/compile_check.py compiles the TPU kernel without a TPU and reports the
-compiler's estimates).
+per lane. The parallelism is the number of lanes, and the time the number of steps of the
+longest lane: format version 2 cuts each stream into K segments, each a lane of U = ceil(T / K)
+steps with its own state (`segments`; the decoders loop over U and put the segments back in
+stream order, `rans_step.lanes_to_streams`). A SmolLM2 chunk's kvtc codes are 11,520 lanes of
+256 steps in version 2 (5,760 of 512 in version 1; the lane count is what the stored bytes
+allow, docs/design/storage-format.md). The 4 GB/s link target is then 4e9 / 11,520 lanes /
+(about 0.5 coded bytes per lane step) ~ 0.7 M steps per lane per second, about 1.4 us per
+step: latency, not throughput, bounds it, and chunks can be batched along M for more lanes.
+No GPU or TPU number is claimed here (scripts/compile_check.py compiles the TPU kernel without
+a TPU and reports the compiler's estimates).
 
 Both decoders return `ok`: every lane ended in the encoder's initial state 2**16 and every
 block consumed exactly its words. Parsing already checked the checksum; `ok` is false only for
@@ -64,7 +67,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvjax.kernels import rans_decode_gpu
 from kvjax.kernels.platform import resolve_platform
-from kvjax.kernels.rans_step import STATE_LOWER, WORD_BITS, decode_tables
+from kvjax.kernels.rans_step import (STATE_LOWER, WORD_BITS, decode_tables, lanes_to_streams,
+                                     steps_per_lane)
 from kvjax.kernels.rans_step import step as _step
 
 # ---------------------------------------------------------------------------------------------
@@ -110,8 +114,10 @@ def tpu_tables(freqs_MA: jax.Array, scale_bits: int) -> tuple[jax.Array, jax.Arr
 
 
 def rans_decode_reference(words, states, lengths, num_words, freqs, *, scale_bits: int,
-                          num_streams: int, num_steps: int) -> tuple[jax.Array, jax.Array]:
-  """Decodes every stream with jnp: lax.fori_loop over the T steps, vectorized over lanes.
+                          num_streams: int, num_steps: int, segments: int = 1
+                          ) -> tuple[jax.Array, jax.Array]:
+  """Decodes every stream with jnp: lax.fori_loop over the U = ceil(T / K) steps of a lane,
+  vectorized over all lanes of all blocks.
 
   Args:
     words: uint16 (or int32/uint32 holding 16-bit words)[M, J, W] each block's word array,
@@ -121,8 +127,9 @@ def rans_decode_reference(words, states, lengths, num_words, freqs, *, scale_bit
     num_words: int32[M, J] words in each block.
     freqs: int32[M, A] quantized frequencies (rows sum to 2**scale_bits or are all 0).
     scale_bits: n, 8..15 (static).
-    num_streams: S <= J * B streams per model (static).
+    num_streams: S streams per model, S * K <= J * B (static).
     num_steps: T (static), the longest stream.
+    segments: K (static), lanes per stream (format version 2; 1: a lane per stream).
 
   Returns:
     (symbols_MTS int32[M, T, S], 0 past each stream's length; ok bool[]: see the module
@@ -131,14 +138,16 @@ def rans_decode_reference(words, states, lengths, num_words, freqs, *, scale_bit
   Raises:
     ValueError: shapes, dtypes or static arguments that do not fit together.
   """
-  _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
+  _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps, segments)
   return _reference_jit(words, states, lengths, num_words, freqs, scale_bits=int(scale_bits),
-                        num_streams=int(num_streams), num_steps=int(num_steps))
+                        num_streams=int(num_streams), num_steps=int(num_steps),
+                        segments=int(segments))
 
 
-@functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps"))
+@functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps",
+                                             "segments"))
 def _reference_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_streams,
-                   num_steps):
+                   num_steps, segments):
   m_, j_, b_ = states.shape
   w_ = words.shape[2]
   sym_MZ, fb_MZ = decode_tables(freqs, scale_bits)
@@ -158,12 +167,14 @@ def _reference_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_
     x, pos, sym = _step(x, lengths_KB, pos, t, slot_lookup, word_lookup, scale_bits)
     return x, pos, lax.dynamic_update_index_in_dim(out, sym, t, axis=0)
 
+  u_ = steps_per_lane(num_steps, segments)
   x0 = states.reshape(m_ * j_, b_).astype(jnp.uint32)
   pos0 = jnp.zeros((m_ * j_,), jnp.int32)
-  out0 = jnp.zeros((num_steps, m_ * j_, b_), jnp.int32)
-  x, pos, out_TKB = lax.fori_loop(0, num_steps, body, (x0, pos0, out0))
+  out0 = jnp.zeros((u_, m_ * j_, b_), jnp.int32)
+  x, pos, out_UKB = lax.fori_loop(0, u_, body, (x0, pos0, out0))
   ok = jnp.all(x == STATE_LOWER) & jnp.all(pos == num_words.reshape(-1))
-  symbols = out_TKB.reshape(num_steps, m_, j_ * b_).transpose(1, 0, 2)[:, :, :num_streams]
+  symbols = lanes_to_streams(out_UKB.reshape(u_, m_, j_ * b_), num_streams=num_streams,
+                             num_steps=num_steps, segments=segments)
   return symbols, ok
 
 
@@ -171,7 +182,8 @@ def _reference_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_
 # Validation
 
 
-def _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps):
+def _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps,
+           segments):
   if not isinstance(scale_bits, int) or not MIN_SCALE_BITS <= scale_bits <= MAX_SCALE_BITS:
     raise ValueError(f"scale_bits must be an int in {MIN_SCALE_BITS}..{MAX_SCALE_BITS}, "
                      f"got {scale_bits!r}")
@@ -192,10 +204,13 @@ def _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, nu
   if words.shape[2] < 1 or freqs.shape[1] < 1:
     raise ValueError(f"words [.., W={words.shape[2]}] and freqs [.., A={freqs.shape[1]}] "
                      f"need W, A >= 1")
-  if not isinstance(num_streams, int) or not 0 <= num_streams <= j_ * b_:
-    raise ValueError(f"num_streams={num_streams!r} must be an int in 0..J*B={j_ * b_}")
   if not isinstance(num_steps, int) or num_steps < 0:
     raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+  if not isinstance(segments, int) or not 1 <= segments <= max(num_steps, 1):
+    raise ValueError(f"segments={segments!r} must be an int in 1..max(T, 1)")
+  if not isinstance(num_streams, int) or not 0 <= num_streams * segments <= j_ * b_:
+    raise ValueError(f"num_streams={num_streams!r} x segments={segments} must be an int in "
+                     f"0..J*B={j_ * b_}")
 
 
 def _check_backend(interpret: bool, platform: str | None) -> str:
@@ -285,8 +300,8 @@ def _tpu_kernel(words_ref, states_ref, lengths_ref, sym_ref, fb_ref, out_ref, x_
 
 
 def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, num_streams: int,
-                num_steps: int, interpret: bool = False, platform: str | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+                num_steps: int, segments: int = 1, interpret: bool = False,
+                platform: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Decodes every stream with a Pallas kernel (the module docstring: the TPU layout for "tpu"
   and interpret mode on a CPU, the Triton kernel for "cuda").
 
@@ -304,19 +319,20 @@ def rans_decode(words, states, lengths, num_words, freqs, *, scale_bits: int, nu
     ValueError: also for interpret=False for a CPU target, an unknown platform, or blocks of
       more than LANES = 128 lanes, or blocks over MAX_VMEM_BYTES, for the TPU kernel.
   """
-  _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps)
+  _check(words, states, lengths, num_words, freqs, scale_bits, num_streams, num_steps, segments)
   platform = resolve_platform(platform)
   if platform == "cuda":
     return rans_decode_gpu.decode_jit(words, states, lengths, num_words, freqs,
                                       scale_bits=int(scale_bits), num_streams=int(num_streams),
-                                      num_steps=int(num_steps), interpret=bool(interpret))
+                                      num_steps=int(num_steps), segments=int(segments),
+                                      interpret=bool(interpret))
   platform = _check_backend(interpret, platform)
   if states.shape[2] > LANES:
     raise ValueError(f"the TPU rANS kernel decodes blocks of at most {LANES} lanes, got "
                      f"B={states.shape[2]}")
   return _pallas_jit(words, states, lengths, num_words, freqs, scale_bits=int(scale_bits),
                      num_streams=int(num_streams), num_steps=int(num_steps),
-                     interpret=bool(interpret), platform=platform)
+                     segments=int(segments), interpret=bool(interpret), platform=platform)
 
 
 
@@ -397,15 +413,17 @@ def _tpu_cost(programs: int, steps: int, word_rows: int, tiles: int) -> pl.CostE
 
 
 @functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps",
-                                             "interpret", "platform"))
+                                             "segments", "interpret", "platform"))
 def _pallas_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_streams, num_steps,
-                interpret, platform):
+                segments, interpret, platform):
   del platform  # the TPU kernel (also what interpret mode runs on a CPU)
   m_, j_, b_ = states.shape
   if m_ * j_ == 0:  # no lanes: nothing to decode (a zero-size grid is not a grid)
     return jnp.zeros((m_, num_steps, num_streams), jnp.int32), jnp.bool_(True)
-  sym_MJTB, x_MJB, pos_MJ = tpu_call(words, states, lengths, freqs, scale_bits=scale_bits,
-                                     num_steps=num_steps, interpret=interpret)
+  u_ = steps_per_lane(num_steps, segments)
+  sym_MJUB, x_MJB, pos_MJ = tpu_call(words, states, lengths, freqs, scale_bits=scale_bits,
+                                     num_steps=u_, interpret=interpret)
   ok = jnp.all(x_MJB == STATE_LOWER) & jnp.all(pos_MJ == num_words)
-  symbols = sym_MJTB.transpose(0, 2, 1, 3).reshape(m_, num_steps, j_ * b_)[:, :, :num_streams]
-  return symbols, ok
+  sym_UML = sym_MJUB.transpose(2, 0, 1, 3).reshape(u_, m_, j_ * b_)
+  return lanes_to_streams(sym_UML, num_streams=num_streams, num_steps=num_steps,
+                          segments=segments), ok

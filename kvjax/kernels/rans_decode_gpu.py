@@ -7,7 +7,8 @@ Triton params (without them Pallas picks Mosaic GPU, which lowers the block copi
 copies it cannot place; with Triton params every band shape lowers). The step math is
 `rans_step.step` (shared with the jnp reference); this file owns the GPU launch:
 
-    grid (M, J)       one program per block: B lanes (32 in storage's format: one warp)
+    grid (M, J)       one program per block: B lanes (32 in storage's format: one warp),
+                      each lane decoding U = ceil(T / K) steps of one stream segment
     num_warps 1       B lanes fit one warp; more warps would idle
     table gathers     sym[slot], freq_bias[slot], words[pos + prefix]: pointer-tensor loads
                       from global memory (the Z-entry tables, 8 * Z bytes, stay in L1/L2)
@@ -106,27 +107,29 @@ def decode_call(words, states, lengths, freqs, *, scale_bits: int, num_steps: in
   )(words.astype(jnp.int32), states, lengths.astype(jnp.int32), sym_MZ, fb_MZ)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("scale_bits", "num_streams", "num_steps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale_bits", "num_streams", "num_steps",
+                                             "segments", "interpret"))
 def decode_jit(words, states, lengths, num_words, freqs, *, scale_bits, num_streams, num_steps,
-               interpret=False):
+               segments=1, interpret=False):
   """The Triton decoder; arguments and results as `rans_decode.rans_decode` (validated there)."""
   m_, j_, b0 = states.shape
   if m_ * j_ == 0:  # no lanes: nothing to decode (a zero-size grid is not a grid)
     return jnp.zeros((m_, num_steps, num_streams), jnp.int32), jnp.bool_(True)
   # Power-of-two blocks: padding lanes start in the final state and decode nothing, padding
   # words are never read by a valid stream, padding rows are never written (all cut off below).
+  u_ = rd.steps_per_lane(num_steps, segments)
   b_, w_ = _pow2_at_least(b0), _pow2_at_least(words.shape[2])
-  t_ = _pow2_at_least(max(num_steps, 1))
+  t_ = _pow2_at_least(max(u_, 1))
   lanes = ((0, 0), (0, 0), (0, b_ - b0))
   states = jnp.pad(states, lanes, constant_values=rd.STATE_LOWER)
   lengths = jnp.pad(lengths.astype(jnp.int32), lanes)
   words = jnp.pad(words.astype(jnp.int32), ((0, 0), (0, 0), (0, w_ - words.shape[2])))
   out_TB, x_MJB, pos_MJB = decode_call(
-      words, states, lengths, freqs, scale_bits=scale_bits, num_steps=num_steps, rows=t_,
+      words, states, lengths, freqs, scale_bits=scale_bits, num_steps=u_, rows=t_,
       interpret=interpret, name="rans_decode_gpu", kernel=_decode_kernel,
       compiler_params=triton_params(num_warps=NUM_WARPS, num_stages=1))
-  out_TB = out_TB[:, :, :num_steps, :b0]
+  out_MJUB = out_TB[:, :, :u_, :b0]
   ok = jnp.all(x_MJB == rd.STATE_LOWER) & jnp.all(pos_MJB == num_words[..., None])
-  symbols = out_TB.transpose(0, 2, 1, 3).reshape(m_, num_steps, j_ * b0)[:, :, :num_streams]
-  return symbols, ok
+  sym_UML = out_MJUB.transpose(2, 0, 1, 3).reshape(u_, m_, j_ * b0)
+  return rd.lanes_to_streams(sym_UML, num_streams=num_streams, num_steps=num_steps,
+                             segments=segments), ok

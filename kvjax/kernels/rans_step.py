@@ -15,6 +15,28 @@ STATE_LOWER = 1 << 16
 WORD_BITS = 16
 
 
+def steps_per_lane(num_steps: int, segments: int) -> int:
+  """U = ceil(T / K): the steps each lane decodes (storage's `rans.steps_per_lane`)."""
+  return -(-int(num_steps) // max(1, int(segments)))
+
+
+def lanes_to_streams(sym_UML: jax.Array, *, num_streams: int, num_steps: int,
+                     segments: int) -> jax.Array:
+  """Decoded lanes back to streams: lane l = s * K + k holds symbols k * U .. k * U + U - 1
+  of stream s (the format's segments; K = 1 is a lane per stream).
+
+  Args:
+    sym_UML: int32[U, M, >= S * K] symbol u of each lane (lanes past S * K are padding).
+
+  Returns:
+    int32[M, T, S].
+  """
+  u_, m_ = sym_UML.shape[:2]
+  k_, s_ = segments, num_streams
+  lanes = sym_UML[:, :, :s_ * k_].reshape(u_, m_, s_, k_)
+  return lanes.transpose(1, 3, 0, 2).reshape(m_, k_ * u_, s_)[:, :num_steps]
+
+
 def decode_tables(freqs_MA: jax.Array, scale_bits: int) -> tuple[jax.Array, jax.Array]:
   """Slot -> symbol and packed (frequency, bias) tables of each model.
 

@@ -36,12 +36,13 @@ Codings: "plain" (the C-order bytes), "zstd" (one zstandard frame, level 1), "pc
 cachegen's `delta_q` and `anchor_q` are entropy-coded ("pco"); other arrays try "zstd"; either
 falls back to "plain" when it does not save at least `MIN_SAVING`. kvtc's `q` is "rans-bands"
 (`KVTC_Q_CODING`; `entropy.encode_components_rans`: one static rANS model per (layer, K/V, band
-of PCA components), each band one interleaved-rANS encoding of `kvjax.storage.rans`, streams of
-about 512 symbols, decodable on the device) or, for chunks stored before it (and if a model had
-more than 2**15 distinct codes), "pco-bands" (`entropy.encode_components`: pcodec with the same
-models). On real SmolLM2 KV "rans-bands" stores 1.2-1.3% more bytes per token than "pco-bands"
-at every kvtc level (`scripts/bench_rans.py`, kvtc phase; its decode on a 2-core CPU: 5-9 MB/s
-with the jit'd jnp reference against pcodec's 92-122 MB/s on the host).
+of PCA components), each band one interleaved-rANS encoding of `kvjax.storage.rans` (format
+version 2: streams of 512 symbols in lanes of 256; version 1 bands still decode), decodable on
+the device) or, for chunks stored before it (and if a model had more than 2**15 distinct
+codes), "pco-bands" (`entropy.encode_components`: pcodec with the same models). On real SmolLM2
+KV "rans-bands" stores 2.2-4.3% more bytes per token than "pco-bands" at the kvtc levels
+(`scripts/bench_rans.py`, kvtc phase; its decode on a loaded 2-core CPU: 3.5 MB/s with the
+jit'd jnp reference against pcodec's 13 MB/s on the host).
 `decode_payload(defer_entropy=True)` (what `ChunkStore` reads with) returns a "rans-bands" array parsed and verified but not decoded,
 as `entropy.RansCodes` (plain numpy), for the kernels' device decoder (`kvjax.kernels.kvtc_rans`,
 run by the engine's store client); without it the array is decoded on the host (numpy rANS) and

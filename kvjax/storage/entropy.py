@@ -189,6 +189,13 @@ def decode_components(data: bytes | memoryview, shape: tuple[int, ...]) -> np.nd
 #: longer streams cost fewer bytes, shorter ones give a decoder more lanes; measured in
 #: `scripts/bench_rans.py`'s kvtc phase).
 RANS_STEPS = 512
+#: The most symbols one rANS lane decodes: format version 2 cuts each stream into segments of
+#: at most this many, each a lane with its own state (512-symbol streams: 2 lanes of 256). A
+#: lane costs about 2 bytes net, so the lane count is what the stored bytes allow (+2% over
+#: version 1 at most, per kvtc level): on 8 chunks of real SmolLM2 KV, 2 lanes per stream store
+#: 0.5-0.9% fewer bytes of `q` than version 1 at kvtc levels 1-4, 3 lanes 2.5-2.9% more of the
+#: whole payload at levels 2-4 (`scripts/bench_rans.py`, kvtc phase).
+RANS_LANE_STEPS = 256
 
 
 class RansCodes(NamedTuple):
@@ -248,13 +255,16 @@ def _lanes(streams: int) -> int:
   return min(rans.DEFAULT_LANES, 1 << max(streams - 1, 0).bit_length())
 
 
-def encode_components_rans(q_L2CD: np.ndarray, *, steps: int = RANS_STEPS) -> bytes:
+def encode_components_rans(q_L2CD: np.ndarray, *, steps: int = RANS_STEPS,
+                           lane_steps: int | None = RANS_LANE_STEPS,
+                           version: int = rans.VERSION) -> bytes:
   """Entropy-codes kvtc codes with interleaved rANS, one model per (layer, K/V, band).
 
   The models are `encode_components`' (bands `COMPONENT_BANDS`); each band is one rANS
-  encoding (`kvjax.storage.rans`, format version 1) of L * 2 models whose values are split into
-  S streams of T = (hi - lo) * C / S symbols, S chosen so that T is near `steps`, in blocks of
-  B = min(32, S rounded up to a power of two) lanes. Format:
+  encoding (`kvjax.storage.rans`, format `version`) of L * 2 models whose values are split into
+  S streams of T = (hi - lo) * C / S symbols, S chosen so that T is near `steps`, each stream
+  cut into K = ceil(T / lane_steps) lanes (version 2), in blocks of B = min(32, S * K rounded
+  up to a power of two) lanes. Format:
 
       u32 B                                      bands actually used (after clipping to D)
       per band: u32 S  u32 nbytes                streams per model, bytes of its rANS encoding
@@ -264,6 +274,8 @@ def encode_components_rans(q_L2CD: np.ndarray, *, steps: int = RANS_STEPS) -> by
   Args:
     q_L2CD: int16[L, 2, C, D].
     steps: the stream length to aim for (>= 1).
+    lane_steps: the most symbols per lane (version 2; None: a lane per stream).
+    version: the rANS format version to write (1: what readers before version 2 read).
 
   Returns:
     The coded bytes.
@@ -290,8 +302,10 @@ def encode_components_rans(q_L2CD: np.ndarray, *, steps: int = RANS_STEPS) -> by
       raise ValueError(f"band {lo}..{hi}: {distinct} distinct codes over {alphabet} values do "
                        f"not fit one rANS model")
     sym_MTS = sym.reshape(l_ * 2, s_, n // s_).transpose(0, 2, 1)
+    k_ = rans.segments_for(n // s_, lane_steps) if version >= 2 else 1
     blob = rans.encode(sym_MTS.astype(np.uint16), scale_bits=scale_bits,
-                       lanes=_lanes(s_), alphabet=alphabet)
+                       lanes=_lanes(s_ * k_), alphabet=alphabet,
+                       lane_steps=lane_steps if version >= 2 else None, version=version)
     head.append((s_, len(blob)))
     offsets.append(off.astype("<i4"))
     blobs.append(blob)
@@ -344,8 +358,7 @@ def parse_components_rans(data: bytes | memoryview, shape: tuple[int, ...]) -> R
       raise EntropyError(f"band {lo}..{hi}: {e}") from e
     n = (hi - lo) * c
     if (a.states.shape[0], a.num_streams, a.num_streams * a.num_steps) != (m_, s_, n) or (
-        a.lengths != np.where(a.lengths > 0, a.num_steps, 0)).any() or (
-            int((a.lengths > 0).sum()) != m_ * s_):
+        rans.stream_lengths(a) != a.num_steps).any():
       raise EntropyError(f"band {lo}..{hi}: rANS encoding of {a.states.shape[0]} models x "
                          f"{a.num_streams} streams x {a.num_steps} steps, want {m_} x {s_} "
                          f"covering {n} codes each")

@@ -1,21 +1,26 @@
-"""Interleaved rANS over many independent streams: a byte format decoded one lane per stream.
+"""Interleaved rANS over many independent lanes: a byte format decoded one lane per state.
 
 rANS is Duda's range variant of asymmetric numeral systems (arXiv 1311.2540, section 4); the
 lanes share one word array per block the way Giesen interleaves SIMD coders ("Interleaved
 entropy coders", arXiv 1402.3392, section 3) and DietGPU lays out a warp (32 lanes, 16-bit
-words). Encoding and the reference decoder are numpy here (storage imports no JAX); the device
-decoders (`kvjax.kernels.rans_decode`: a jit'd jnp reference and a Pallas kernel) take what
-`parse` returns.
+words, short segments of a long input each with its own state). Encoding and the reference
+decoder are numpy here (storage imports no JAX); the device decoders
+(`kvjax.kernels.rans_decode`: a jit'd jnp reference and Pallas kernels) take what `parse`
+returns.
 
 Axis letters of this module (local to the entropy format, not `kvjax._typing`'s key):
 M models (frequency tables, one per stream group), T steps (symbols per stream, at most),
-S streams per model, J blocks per model (J = ceil(S / B)), B lanes per block, W words per block
-(padded), A alphabet size, Z = 2**scale_bits slots.
+S streams per model, K segments per stream, U = ceil(T / K) steps per lane, L = S * K lanes per
+model, J blocks per model (J = ceil(L / B)), B lanes per block, W words per block (padded),
+A alphabet size, Z = 2**scale_bits slots.
 
     symbols_MTS[m, t, s]: symbol t of stream s of model m (KV [L, 2, C, K, H] as
     [L * 2, C, K * H] is one stream per (layer, K/V, head, channel) over the C tokens).
 
-    model m:   streams 0 .. B-1 | B .. 2B-1 | ... | (J-1)B .. S-1, pad     (blocks j = 0 .. J-1)
+    stream s of model m:  symbols 0 .. U-1 | U .. 2U-1 | ... | (K-1)U .. T-1   (segments k)
+    lane l = s * K + k decodes segment k of stream s with a state of its own (version 2;
+    version 1 is K = 1: a lane per stream)
+    model m:   lanes 0 .. B-1 | B .. 2B-1 | ... | (J-1)B .. L-1, pad        (blocks j = 0 .. J-1)
     block (m, j): B lanes, one 32-bit state each, one shared word array:
       step 0: lanes that renormalise read the next words in lane order (0, 3, 7 below)
       step 1: ...
@@ -31,22 +36,34 @@ to Z = 2**n, cumulative c):
 The encoder starts every lane at 2**16, so a decoder that ends a lane elsewhere, or a block
 anywhere but at its last word, has read damaged bytes.
 
-Byte format, version 1 (little endian):
+Byte format, version 2 (what `encode` writes; little endian):
 
-    "KVRA" u8 version (1) u8 scale_bits n (8..15) u8 flags (bit 0: explicit lengths) u8 0
-    u32 M  u32 S  u32 T  u32 B  u32 A (1..65536)  u64 total bytes of the encoding
+    "KVRA" u8 version (2) u8 scale_bits n (8..15) u8 flags u8 0
+           (flags bit 0: explicit lengths; bit 1: the side data is one zstd frame)
+    u32 M  u32 S  u32 T  u32 B  u32 A (1..65536)  u32 K (1..max(T, 1))  u64 total bytes
     16 B   xxh3-128 of every byte of the encoding except these 16 (`checksum.XXH3_128`)
-    per model: u32 lo  u32 count  u8 freq[count]  u16 big[number of 255s in freq]
+    u32 nbytes, then nbytes of side data: with flag bit 1 a zstd frame holding the section
+      below (the encoder compresses when that is shorter), else the section itself:
+      per model: u32 lo  u32 count  u8 freq[count]  u16 big[number of 255s in freq]
                    (frequencies of symbols lo .. lo+count-1, the others 0; a byte 255 means
                    "the next u16 of big", so small tail frequencies cost one byte; count 0: no
                    stream of m has a symbol)
-    u32 lengths[M * S]                                (only with flag bit 0; else all T)
-    u32 state[streams with length > 0], in (m, s) order
-    u32 words[M * J]                                  (16-bit words per block)
+      u32 lengths[M * S]                    (only with flag bit 0; else all T) of the streams
+      u8 state bytes [4][N]: the N = lanes with length > 0 (in (m, l) order) as four byte
+                   planes, least significant first (lane l's length: its stream's symbols in
+                   k * U .. k * U + U - 1)
+      u32 words[M * J]                      (16-bit words per block)
     u16 word arrays of the blocks, (m, j) order, back to back, nothing after
 
-Costs: 4 bytes per non-empty stream (its final state) on top of the words, 8 + count + 2 *
-(frequencies >= 255) bytes per model, 52 bytes of header; measured against the empirical entropy and pcodec/zstd in
+Version 1 (still read; `encode(version=1)` writes it for tests): no K field (K = 1, a 36-byte
+header before the checksum), no nbytes, the side data never compressed and the states u32
+values (`u32 state[N]`) in place of the planes; flags bit 1 unused.
+
+Costs: 4 bytes per non-empty lane (its final state; it holds about a byte of its symbols, so a
+lane costs about 3 bytes over one long stream, less after zstd: the states' high bytes are
+mostly small) on top of the words, 8 + count + 2 * (frequencies >= 255) bytes per model before
+zstd (frequency tables are smooth: zstd -19 took two thirds off those of a synthetic kvtc
+chunk), 60 bytes of header and length; measured against the empirical entropy and pcodec/zstd in
 `tests/unit/storage/rans_test.py` and `scripts/bench_rans.py`.
 """
 
@@ -58,11 +75,14 @@ import struct
 from typing import NamedTuple
 
 import numpy as np
+import zstandard
 
 from kvjax.storage import checksum
 
 MAGIC = b"KVRA"
-VERSION = 1
+#: The version `encode` writes; `parse` reads every one of VERSIONS.
+VERSION = 2
+VERSIONS = (1, 2)
 #: Smallest and largest quantization precision (Z = 2**scale_bits); 2**16 would not fit u16.
 MIN_SCALE_BITS, MAX_SCALE_BITS = 8, 15
 DEFAULT_SCALE_BITS = 12
@@ -76,11 +96,18 @@ WORD_BITS = 16
 MAX_SYMBOLS = 1 << 32
 
 _FLAG_LENGTHS = 1
+_FLAG_ZSTD_META = 2
 #: Frequencies below this take one byte in a table; the others the byte 255 and a u16.
 _ESCAPE = 255
+#: Version 1's header (without the checksum) and version 2's (one more u32: K).
 _HEAD = struct.Struct("<4sBBBBIIIIIQ")
 _HEAD_BYTES = _HEAD.size + 16
+_HEAD2 = struct.Struct("<4sBBBBIIIIIIQ")
+_HEAD2_BYTES = _HEAD2.size + 16
 _TABLE = struct.Struct("<II")
+_U32 = struct.Struct("<I")
+#: zstd level of version 2's side data (small next to the words: level 19 costs milliseconds).
+_ZSTD_LEVEL = 19
 
 
 class RansError(ValueError):
@@ -95,17 +122,20 @@ class RansArrays(NamedTuple):
   """Fixed-shape arrays a decoder needs (numpy; what `parse` returns).
 
   Field names are the keyword arguments of `kvjax.kernels.rans_decode.rans_decode` and
-  `rans_decode_reference`: `rans_decode(**parse(data)._asdict())`.
+  `rans_decode_reference`: `rans_decode(**parse(data)._asdict())`. The arrays are per lane
+  (L = S * K lanes per model, each decoding U = ceil(T / K) steps: `steps_per_lane`); decoders
+  return symbols per stream.
 
   Attributes:
     words: uint16[M, J, W] each block's word array, zero-padded to W (`parse`'s bucket).
     states: uint32[M, J, B] initial decoder state per lane (2**16 on empty and padding lanes).
-    lengths: int32[M, J, B] symbols per lane (0 on padding lanes).
+    lengths: int32[M, J, B] symbols per lane, 0..U (0 on padding lanes).
     num_words: int32[M, J] words each block holds (the rest of its row is padding).
     freqs: int32[M, A] quantized frequencies; each row sums to 2**scale_bits (or is all 0).
     scale_bits: n, the precision (Z = 2**n).
-    num_streams: S, streams per model (lanes past S are padding).
-    num_steps: T, the longest stream a decoder loops over.
+    num_streams: S, streams per model (lanes past S * K are padding).
+    num_steps: T, the longest stream.
+    segments: K, lanes per stream (1 in version 1).
   """
   words: np.ndarray
   states: np.ndarray
@@ -115,6 +145,34 @@ class RansArrays(NamedTuple):
   scale_bits: int
   num_streams: int
   num_steps: int
+  segments: int = 1
+
+
+def steps_per_lane(num_steps: int, segments: int) -> int:
+  """U = ceil(T / K): the steps every lane of an encoding decodes (0 when T = 0)."""
+  return -(-int(num_steps) // max(1, int(segments)))
+
+
+def segments_for(num_steps: int, lane_steps_max: int | None) -> int:
+  """K: the fewest segments per stream so that no lane decodes more than `lane_steps_max`
+  steps (None: 1, a lane per stream).
+
+  Raises:
+    ValueError: lane_steps_max below 1.
+  """
+  if lane_steps_max is None:
+    return 1
+  if not isinstance(lane_steps_max, (int, np.integer)) or lane_steps_max < 1:
+    raise ValueError(f"lane_steps must be a positive int, got {lane_steps_max!r}")
+  return max(1, -(-int(num_steps) // int(lane_steps_max)))
+
+
+def stream_lengths(arrays: RansArrays) -> np.ndarray:
+  """int32[M, S] symbols per stream: the lane lengths of `arrays` summed over segments."""
+  m_, j_, b_ = arrays.lengths.shape
+  k_, s_ = max(1, arrays.segments), arrays.num_streams
+  lanes = arrays.lengths.reshape(m_, j_ * b_)[:, :s_ * k_]
+  return lanes.reshape(m_, s_, k_).sum(axis=2).astype(np.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,32 +250,43 @@ def empirical_entropy_bits(symbols_MTS: np.ndarray, lengths_MS: np.ndarray | Non
 
 def encode(symbols_MTS: np.ndarray, lengths_MS: np.ndarray | None = None, *,
            scale_bits: int = DEFAULT_SCALE_BITS, lanes: int = DEFAULT_LANES,
-           alphabet: int | None = None) -> bytes:
+           alphabet: int | None = None, lane_steps: int | None = None,
+           version: int = VERSION) -> bytes:
   """Encodes M x S streams, one static frequency table per model m (built from its symbols).
 
-  Vectorized across all streams: one numpy pass per step, T steps in reverse.
+  Vectorized across all lanes: one numpy pass per step, U steps in reverse.
 
   Args:
     symbols_MTS: uint8/uint16 (any integer dtype)[M, T, S]; symbol t of stream s of model m,
       in [0, alphabet). Values past a stream's length are ignored.
     lengths_MS: int[M, S] symbols in each stream, 0..T (default: T each).
     scale_bits: n, frequencies sum to 2**n (8..15; 12 keeps the decode table at 4096 slots).
-    lanes: B, streams per block (the decoder's SIMD width; a block shares one word array).
+    lanes: B, lanes per block (the decoder's SIMD width; a block shares one word array).
     alphabet: A, 1..65536 (default 256 when every symbol is below 256, else 65536). Stored in
       the header; `parse` gives freqs of A columns.
+    lane_steps: the most steps a lane decodes: each stream is cut into K = ceil(T / lane_steps)
+      segments of U = ceil(T / K) symbols, each a lane with its own state (about 3 bytes per
+      lane more); None: K = 1, a lane per stream. Version 2 only.
+    version: 2 (the default, the module docstring's format) or 1 (the previous format, for
+      tests of readers of old bytes: K = 1, tables uncompressed).
 
   Returns:
     The encoding (format in the module docstring).
 
   Raises:
-    ValueError: bad shapes, dtypes or lengths, symbols outside the alphabet, a bad scale_bits
-      or lanes, or a model with more distinct symbols than 2**n.
+    ValueError: bad shapes, dtypes or lengths, symbols outside the alphabet, a bad scale_bits,
+      lanes, lane_steps or version, or a model with more distinct symbols than 2**n.
   """
   _check_scale_bits(scale_bits)
   symbols_MTS, lengths_MS = _check_symbols(symbols_MTS, lengths_MS)
   m_, t_, s_ = symbols_MTS.shape
   if not isinstance(lanes, (int, np.integer)) or lanes < 1:
     raise ValueError(f"lanes must be a positive int, got {lanes!r}")
+  if version not in VERSIONS:
+    raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+  k_ = segments_for(t_, lane_steps)
+  if version == 1 and k_ != 1:
+    raise ValueError("version 1 has one lane per stream: lane_steps needs version 2")
   mask_MTS = np.arange(t_)[None, :, None] < lengths_MS[:, None, :]
   top = int(symbols_MTS[mask_MTS].max(initial=0))
   if alphabet is None:
@@ -226,60 +295,87 @@ def encode(symbols_MTS: np.ndarray, lengths_MS: np.ndarray | None = None, *,
     raise ValueError(f"alphabet must be 1..{MAX_ALPHABET}, got {alphabet}")
   if mask_MTS.any() and (top >= alphabet or int(symbols_MTS[mask_MTS].min()) < 0):
     raise ValueError(f"symbols must lie in [0, {alphabet})")
-  z = 1 << scale_bits
 
   freqs_MA = np.zeros((m_, alphabet), np.int64)
   for m in range(m_):
     counts = np.bincount(symbols_MTS[m][mask_MTS[m]].astype(np.int64), minlength=alphabet)
     if counts.any():
       freqs_MA[m] = quantize_frequencies(counts, scale_bits)
-  cum_MA = np.cumsum(freqs_MA, axis=1) - freqs_MA
 
-  b_, j_ = int(lanes), -(-s_ // int(lanes))
-  pad = j_ * b_ - s_
-  sym = np.pad(symbols_MTS, ((0, 0), (0, 0), (0, pad))).astype(np.int64)     # [M, T, JB]
-  length = np.pad(lengths_MS, ((0, 0), (0, pad))).reshape(-1)                 # [MJB]
+  # Lanes: segment k of stream s is lane s * K + k, its symbols k * U .. k * U + U - 1.
+  u_ = steps_per_lane(t_, k_)
+  sym = np.pad(symbols_MTS, ((0, 0), (0, k_ * u_ - t_), (0, 0)))
+  sym_MUL = sym.reshape(m_, k_, u_, s_).transpose(0, 2, 3, 1).reshape(m_, u_, s_ * k_)
+  len_ML = np.clip(lengths_MS[:, :, None] - np.arange(k_) * u_, 0, u_).reshape(m_, s_ * k_)
+  states, num_words, words = _encode_lanes(sym_MUL, len_ML, freqs_MA, scale_bits, int(lanes))
+
+  explicit = bool((lengths_MS != t_).any())
+  tables = []
+  for m in range(m_):
+    nz = np.flatnonzero(freqs_MA[m])
+    lo, count = (int(nz[0]), int(nz[-1] - nz[0] + 1)) if nz.size else (0, 0)
+    f = freqs_MA[m, lo:lo + count]
+    tables += [_TABLE.pack(lo, count), np.minimum(f, _ESCAPE).astype(np.uint8).tobytes(),
+               f[f >= _ESCAPE].astype("<u2").tobytes()]
+  flags = _FLAG_LENGTHS if explicit else 0
+  lengths_bytes = lengths_MS.astype("<u4").tobytes() if explicit else b""
+  if version == 1:
+    parts = tables + [lengths_bytes, states.astype("<u4").tobytes(),
+                      num_words.astype("<u4").tobytes()]
+  else:
+    # The side data, states as byte planes (their high bytes are mostly small), one zstd
+    # frame when that is shorter.
+    planes = states.astype("<u4").view(np.uint8).reshape(-1, 4).T.tobytes()
+    meta = b"".join(tables + [lengths_bytes, planes, num_words.astype("<u4").tobytes()])
+    packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(meta)
+    if len(packed) < len(meta):
+      meta, flags = packed, flags | _FLAG_ZSTD_META
+    parts = [_U32.pack(len(meta)), meta]
+  parts.append(words.astype("<u2").tobytes())
+  body = b"".join(parts)
+  if version == 1:
+    head = _HEAD.pack(MAGIC, 1, scale_bits, flags, 0, m_, s_, t_, int(lanes), alphabet,
+                      _HEAD_BYTES + len(body))
+  else:
+    head = _HEAD2.pack(MAGIC, 2, scale_bits, flags, 0, m_, s_, t_, int(lanes), alphabet, k_,
+                       _HEAD2_BYTES + len(body))
+  return b"".join([head, _digest(head, body), body])
+
+
+def _encode_lanes(sym_MUL: np.ndarray, len_ML: np.ndarray, freqs_MA: np.ndarray,
+                  scale_bits: int, lanes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The coder over every lane at once: (states uint32[non-empty lanes] in (m, l) order,
+  num_words int64[M * J], words uint16[sum num_words] in (m, j, step, lane) order)."""
+  m_, u_, l_ = sym_MUL.shape
+  alphabet = freqs_MA.shape[1]
+  cum_MA = np.cumsum(freqs_MA, axis=1) - freqs_MA
+  b_, j_ = lanes, -(-l_ // lanes)
+  pad = j_ * b_ - l_
+  sym = np.pad(sym_MUL, ((0, 0), (0, 0), (0, pad))).astype(np.int64)         # [M, U, JB]
+  length = np.pad(len_ML, ((0, 0), (0, pad))).reshape(-1)                     # [MJB]
   base = (np.arange(m_, dtype=np.int64) * alphabet)[:, None]                  # [M, 1]
   f_flat, c_flat = freqs_MA.reshape(-1), cum_MA.reshape(-1)
   x = np.full(m_ * j_ * b_, STATE_LOWER, np.uint64)
-  need_T = np.zeros((t_, m_ * j_ * b_), bool)
-  word_T = np.zeros((t_, m_ * j_ * b_), np.uint16)
+  need_U = np.zeros((u_, m_ * j_ * b_), bool)
+  word_U = np.zeros((u_, m_ * j_ * b_), np.uint16)
   shift = np.uint64(32 - scale_bits)
-  for t in range(t_ - 1, -1, -1):
+  for t in range(u_ - 1, -1, -1):
     active = t < length
     k = (base + sym[:, t]).reshape(-1)
     f = f_flat[k].astype(np.uint64)
     c = c_flat[k].astype(np.uint64)
     need = active & (x >= (f << shift))
-    need_T[t] = need
-    word_T[t] = (x & np.uint64(0xFFFF)).astype(np.uint16)
+    need_U[t] = need
+    word_U[t] = (x & np.uint64(0xFFFF)).astype(np.uint16)
     x = np.where(need, x >> np.uint64(WORD_BITS), x)
     fa = np.where(active, f, np.uint64(1))
     x = np.where(active, ((x // fa) << np.uint64(scale_bits)) + (x % fa) + c, x)
-  # Block (m, j) reads step by step, lanes ascending: C order of [MJ, T, B].
-  need_KTB = need_T.reshape(t_, m_ * j_, b_).transpose(1, 0, 2)
-  words = word_T.reshape(t_, m_ * j_, b_).transpose(1, 0, 2)[need_KTB]
-  num_words = need_KTB.sum(axis=(1, 2))
-  states = x.reshape(m_, j_ * b_)[:, :s_][lengths_MS > 0].astype(np.uint32)
-
-  explicit = bool((lengths_MS != t_).any())
-  parts = [b"", b""]
-  for m in range(m_):
-    nz = np.flatnonzero(freqs_MA[m])
-    lo, count = (int(nz[0]), int(nz[-1] - nz[0] + 1)) if nz.size else (0, 0)
-    f = freqs_MA[m, lo:lo + count]
-    parts += [_TABLE.pack(lo, count), np.minimum(f, _ESCAPE).astype(np.uint8).tobytes(),
-              f[f >= _ESCAPE].astype("<u2").tobytes()]
-  if explicit:
-    parts.append(lengths_MS.astype("<u4").tobytes())
-  parts += [states.astype("<u4").tobytes(), num_words.astype("<u4").tobytes(),
-            words.astype("<u2").tobytes()]
-  total = sum(len(p) for p in parts) + _HEAD_BYTES
-  parts[0] = _HEAD.pack(MAGIC, VERSION, scale_bits, _FLAG_LENGTHS if explicit else 0, 0,
-                        m_, s_, t_, b_, alphabet, total)
-  body = b"".join(parts[2:])
-  parts[1] = _digest(parts[0], body)
-  return b"".join(parts)
+  # Block (m, j) reads step by step, lanes ascending: C order of [MJ, U, B].
+  need_KUB = need_U.reshape(u_, m_ * j_, b_).transpose(1, 0, 2)
+  words = word_U.reshape(u_, m_ * j_, b_).transpose(1, 0, 2)[need_KUB]
+  num_words = need_KUB.sum(axis=(1, 2))
+  states = x.reshape(m_, j_ * b_)[:, :l_][len_ML > 0].astype(np.uint32)
+  return states, num_words, words
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +383,8 @@ def encode(symbols_MTS: np.ndarray, lengths_MS: np.ndarray | None = None, *,
 
 
 def parse(data: bytes | memoryview, *, words_per_block: int | None = None) -> RansArrays:
-  """Validates an encoding and unpacks it into the fixed-shape arrays the decoders take.
+  """Validates an encoding (version 1 or 2) and unpacks it into the fixed-shape arrays the
+  decoders take.
 
   Args:
     data: the bytes of `encode`.
@@ -300,32 +397,109 @@ def parse(data: bytes | memoryview, *, words_per_block: int | None = None) -> Ra
 
   Raises:
     RansError: bad magic or version, truncated or trailing bytes, checksum mismatch, a table
-      that does not sum to 2**n or leaves the alphabet, lengths past T, a non-empty stream of
-      a model without a table, states outside [2**16, 2**32), word counts that do not add up.
+      section that does not decompress or fill its models exactly, a table that does not sum
+      to 2**n or leaves the alphabet, lengths past T, a non-empty stream of a model without a
+      table, states outside [2**16, 2**32), word counts that do not add up.
     ValueError: words_per_block below the longest block.
   """
   view = memoryview(data).cast("B")
   if len(view) < _HEAD_BYTES:
     raise RansError(f"truncated rANS header: {len(view)} bytes, need {_HEAD_BYTES}")
-  magic, version, n, flags, reserved, m_, s_, t_, b_, a_, total = _HEAD.unpack_from(view, 0)
-  if magic != MAGIC:
+  if bytes(view[:4]) != MAGIC:
     raise RansError("not a kvjax rANS encoding (bad magic)")
-  if version != VERSION:
-    raise RansError(f"rANS format version {version}, this reader knows {VERSION}")
+  version = view[4]
+  if version not in VERSIONS:
+    raise RansError(f"rANS format version {version}, this reader knows {VERSIONS}")
+  if version == 1:
+    head, head_bytes = _HEAD, _HEAD_BYTES
+  else:
+    head, head_bytes = _HEAD2, _HEAD2_BYTES
+    if len(view) < head_bytes:
+      raise RansError(f"truncated rANS header: {len(view)} bytes, need {head_bytes}")
+  fields = head.unpack_from(view, 0)
+  _, _, n, flags, reserved, m_, s_, t_, b_, a_ = fields[:10]
+  k_, total = (1, fields[10]) if version == 1 else fields[10:12]
   if total != len(view):
     raise RansError(f"rANS encoding of {len(view)} bytes, header says {total} (truncated or "
                     f"trailing bytes)")
-  if bytes(view[_HEAD.size:_HEAD_BYTES]) != _digest(view[:_HEAD.size], view[_HEAD_BYTES:]):
+  if bytes(view[head.size:head_bytes]) != _digest(view[:head.size], view[head_bytes:]):
     raise RansError("rANS checksum mismatch (damaged bytes)")
-  if not MIN_SCALE_BITS <= n <= MAX_SCALE_BITS or flags & ~_FLAG_LENGTHS or reserved:
+  known = _FLAG_LENGTHS | (_FLAG_ZSTD_META if version == 2 else 0)
+  if not MIN_SCALE_BITS <= n <= MAX_SCALE_BITS or flags & ~known or reserved:
     raise RansError(f"bad rANS header: scale_bits {n}, flags {flags}, reserved {reserved}")
   if not 1 <= a_ <= MAX_ALPHABET or b_ < 1 or m_ * s_ * max(t_, 1) > MAX_SYMBOLS:
     raise RansError(f"bad rANS header: M={m_} S={s_} T={t_} B={b_} A={a_}")
-  j_ = -(-s_ // b_)
+  if not 1 <= k_ <= max(t_, 1):
+    raise RansError(f"bad rANS header: K={k_} segments for T={t_} steps")
+  u_, l_ = steps_per_lane(t_, k_), s_ * k_
+  j_ = -(-l_ // b_)
   if m_ * j_ * b_ > MAX_SYMBOLS or m_ * a_ > MAX_SYMBOLS:
-    raise RansError(f"bad rANS header: M={m_} S={s_} B={b_} A={a_}")
-  r = _Reader(view, _HEAD_BYTES)
+    raise RansError(f"bad rANS header: M={m_} S={s_} K={k_} B={b_} A={a_}")
+  r = _Reader(view, head_bytes)
 
+  len_bound = m_ * (_TABLE.size + 3 * a_) + 4 * m_ * (s_ + l_ + j_)
+  if version == 2:
+    (meta_bytes,) = r.unpack(_U32)
+    meta = r.take(meta_bytes)
+    if flags & _FLAG_ZSTD_META:
+      try:
+        meta = memoryview(zstandard.ZstdDecompressor().decompress(
+            bytes(meta), max_output_size=len_bound))
+      except zstandard.ZstdError as e:
+        raise RansError(f"rANS side data does not decompress: {e}") from e
+    side = _Reader(meta, 0)
+  else:
+    side = r
+  freqs = _read_tables(side, m_, a_, n)
+  if flags & _FLAG_LENGTHS:
+    lengths_MS = side.array("<u4", m_ * s_).reshape(m_, s_).astype(np.int64)
+    if (lengths_MS > t_).any():
+      raise RansError(f"stream lengths exceed T={t_}")
+  else:
+    lengths_MS = np.full((m_, s_), t_, np.int64)
+  empty_models = ~freqs.any(axis=1)
+  if ((lengths_MS > 0) & empty_models[:, None]).any():
+    raise RansError("a non-empty stream belongs to a model without a table")
+  len_ML = np.clip(lengths_MS[:, :, None] - np.arange(k_) * u_, 0, u_).reshape(m_, l_)
+  live = len_ML > 0
+  if version == 1:
+    stored = side.array("<u4", int(live.sum()))
+  else:  # four byte planes
+    planes = side.array("u1", 4 * int(live.sum())).reshape(4, -1).astype(np.uint32)
+    stored = planes[0] | planes[1] << 8 | planes[2] << 16 | planes[3] << 24
+  if (stored < STATE_LOWER).any():
+    raise RansError("rANS state below 2**16")
+  counts = side.array("<u4", m_ * j_).astype(np.int64)
+  if (counts > u_ * b_).any():
+    raise RansError("a block holds more words than steps x lanes")
+  if side is not r and side.pos != len(side.view):
+    raise RansError(f"rANS side data ends at byte {side.pos} of {len(side.view)}")
+  words_flat = r.array("<u2", int(counts.sum()))
+  if r.pos != len(view):
+    raise RansError(f"rANS sections end at byte {r.pos} of {len(view)}")
+
+  longest = int(counts.max(initial=0))
+  if words_per_block is None:
+    w_ = max(64, 1 << max(longest - 1, 0).bit_length())
+  elif words_per_block < longest:
+    raise ValueError(f"words_per_block={words_per_block} < the longest block ({longest})")
+  else:
+    w_ = max(1, int(words_per_block))  # decoders want W >= 1
+  words = np.zeros((m_ * j_, w_), np.uint16)
+  cols = np.arange(w_)[None, :]
+  words[cols < counts[:, None]] = words_flat
+  states_ML = np.full((m_, l_), STATE_LOWER, np.uint32)
+  states_ML[live] = stored
+  pad = ((0, 0), (0, j_ * b_ - l_))
+  states = np.pad(states_ML, pad, constant_values=STATE_LOWER).reshape(m_, j_, b_)
+  lengths = np.pad(len_ML, pad).astype(np.int32).reshape(m_, j_, b_)
+  return RansArrays(words.reshape(m_, j_, w_), states, lengths,
+                    counts.astype(np.int32).reshape(m_, j_), freqs, int(n), int(s_), int(t_),
+                    int(k_))
+
+
+def _read_tables(r: "_Reader", m_: int, a_: int, n: int) -> np.ndarray:
+  """int32[M, A] frequencies from the table section at r (the module docstring)."""
   z = 1 << n
   freqs = np.zeros((m_, a_), np.int32)
   for m in range(m_):
@@ -340,44 +514,7 @@ def parse(data: bytes | memoryview, *, words_per_block: int | None = None) -> Ra
     if count and int(f.sum()) != z:
       raise RansError(f"model {m}: frequencies sum to {int(f.sum())}, want {z}")
     freqs[m, lo:lo + count] = f
-  if flags & _FLAG_LENGTHS:
-    lengths_MS = r.array("<u4", m_ * s_).reshape(m_, s_).astype(np.int64)
-    if (lengths_MS > t_).any():
-      raise RansError(f"stream lengths exceed T={t_}")
-  else:
-    lengths_MS = np.full((m_, s_), t_, np.int64)
-  live = lengths_MS > 0
-  empty_models = ~freqs.any(axis=1)
-  if (live & empty_models[:, None]).any():
-    raise RansError("a non-empty stream belongs to a model without a table")
-  stored = r.array("<u4", int(live.sum()))
-  if (stored < STATE_LOWER).any():
-    raise RansError("rANS state below 2**16")
-  counts = r.array("<u4", m_ * j_).astype(np.int64)
-  if (counts > t_ * b_).any():
-    raise RansError("a block holds more words than steps x lanes")
-  words_flat = r.array("<u2", int(counts.sum()))
-  if r.pos != len(view):
-    raise RansError(f"rANS sections end at byte {r.pos} of {len(view)}")
-
-  longest = int(counts.max(initial=0))
-  if words_per_block is None:
-    w_ = max(64, 1 << max(longest - 1, 0).bit_length())
-  elif words_per_block < longest:
-    raise ValueError(f"words_per_block={words_per_block} < the longest block ({longest})")
-  else:
-    w_ = max(1, int(words_per_block))  # decoders want W >= 1
-  k_ = m_ * j_
-  words = np.zeros((k_, w_), np.uint16)
-  cols = np.arange(w_)[None, :]
-  words[cols < counts[:, None]] = words_flat
-  states_MS = np.full((m_, s_), STATE_LOWER, np.uint32)
-  states_MS[live] = stored
-  pad = ((0, 0), (0, j_ * b_ - s_))
-  states = np.pad(states_MS, pad, constant_values=STATE_LOWER).reshape(m_, j_, b_)
-  lengths = np.pad(lengths_MS, pad).astype(np.int32).reshape(m_, j_, b_)
-  return RansArrays(words.reshape(m_, j_, w_), states, lengths,
-                    counts.astype(np.int32).reshape(m_, j_), freqs, int(n), int(s_), int(t_))
+  return freqs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,8 +557,9 @@ def decode_arrays(arrays: RansArrays) -> np.ndarray:
       another state than the encoder's initial 2**16 (bytes inconsistent with their checksum:
       an encoder bug or forged input).
   """
-  words, states, lengths, num_words, freqs, n, s_, t_ = arrays
+  words, states, lengths, num_words, freqs, n, s_, t_, k_ = arrays
   m_, j_, b_ = states.shape
+  u_ = steps_per_lane(t_, k_)
   a_ = freqs.shape[1]
   sym_t, f_t, bias_t = decode_tables(freqs, n)
   z = 1 << n
@@ -433,10 +571,10 @@ def decode_arrays(arrays: RansArrays) -> np.ndarray:
   length = lengths.reshape(m_ * j_, b_)
   limit = num_words.reshape(m_ * j_, 1).astype(np.int64)
   pos = np.zeros((m_ * j_, 1), np.int64)
-  out = np.zeros((t_, m_ * j_, b_), np.uint8 if a_ <= 256 else np.uint16)
+  out = np.zeros((u_, m_ * j_, b_), np.uint8 if a_ <= 256 else np.uint16)
   sym_f, f_f, bias_f = (a.reshape(-1) for a in (sym_t, f_t, bias_t))
   mask = np.uint64(z - 1)
-  for t in range(t_):
+  for t in range(u_):
     active = t < length
     k = lut_base + (x & mask).astype(np.int64)
     out[t] = np.where(active, sym_f[k], 0)
@@ -451,7 +589,9 @@ def decode_arrays(arrays: RansArrays) -> np.ndarray:
     pos += need.sum(axis=1, keepdims=True)
   if (pos != limit).any() or (x != STATE_LOWER).any():
     raise RansError("rANS streams do not end where they began (damaged or forged bytes)")
-  return out.reshape(t_, m_, j_ * b_).transpose(1, 0, 2)[:, :, :s_].copy()
+  # [U, M * J, B] lanes -> [M, U, S, K] -> streams [M, K * U, S], cut to T.
+  lanes = out.reshape(u_, m_, j_ * b_)[:, :, :s_ * k_].reshape(u_, m_, s_, k_)
+  return np.ascontiguousarray(lanes.transpose(1, 3, 0, 2).reshape(m_, k_ * u_, s_)[:, :t_])
 
 
 def decode(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
@@ -461,9 +601,7 @@ def decode(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
     RansError: as `parse` and `decode_arrays`.
   """
   arrays = parse(data)
-  m_, j_, b_ = arrays.lengths.shape
-  lengths_MS = arrays.lengths.reshape(m_, j_ * b_)[:, :arrays.num_streams]
-  return decode_arrays(arrays), lengths_MS
+  return decode_arrays(arrays), stream_lengths(arrays)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,6 +653,9 @@ class _Reader:
     out = self.view[self.pos:self.pos + n]
     self.pos += n
     return out
+
+  def take(self, n: int) -> memoryview:
+    return self._take(n)
 
   def unpack(self, st: struct.Struct) -> tuple:
     return st.unpack(self._take(st.size))

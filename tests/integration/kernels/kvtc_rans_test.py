@@ -16,8 +16,9 @@ def codes(shape, seed=0, top=20.0):
   return np.clip(np.rint(rng.laplace(size=shape) * spread), -32767, 32767).astype(np.int16)
 
 
-def parsed(q, steps=entropy.RANS_STEPS):
-  return entropy.parse_components_rans(entropy.encode_components_rans(q, steps=steps), q.shape)
+def parsed(q, steps=entropy.RANS_STEPS, **kwargs):
+  return entropy.parse_components_rans(entropy.encode_components_rans(q, steps=steps, **kwargs),
+                                       q.shape)
 
 
 def inputs(p):
@@ -38,17 +39,23 @@ def forge(p):
 
 class KVTCRansTest(parameterized.TestCase):
 
-  @parameterized.parameters(((3, 2, 32, 24), 512), ((3, 2, 32, 24), 16), ((1, 2, 8, 3), 4))
-  def test_reference_is_byte_exact(self, shape, steps):
-    self._check_reference_is_byte_exact(shape, steps)
+  @parameterized.parameters(((3, 2, 32, 24), 512), ((3, 2, 32, 24), 16), ((1, 2, 8, 3), 4),
+                            # rANS format version 2's segments (lanes of at most 24 steps of
+                            # streams of up to 512), and version 1's bytes.
+                            ((3, 2, 32, 24), 512, dict(lane_steps=24)),
+                            ((3, 2, 32, 24), 512, dict(version=1)))
+  def test_reference_is_byte_exact(self, shape, steps, kwargs=None):
+    self._check_reference_is_byte_exact(shape, steps, **(kwargs or {}))
 
   @pytest.mark.slow
   def test_reference_is_byte_exact_at_a_large_shape(self):
     self._check_reference_is_byte_exact((2, 2, 256, 192), 512)
 
-  def _check_reference_is_byte_exact(self, shape, steps):
+  def _check_reference_is_byte_exact(self, shape, steps, **kwargs):
     q = codes(shape, seed=shape[3])
-    p = parsed(q, steps)
+    p = parsed(q, steps, **kwargs)
+    if "lane_steps" in kwargs:
+      self.assertGreater(max(a.segments for a in p.arrays), 1)
     got, ok = kvtc_rans.decode_codes(inputs(p))
     self.assertTrue(bool(ok))
     self.assertEqual(got.dtype, np.int16)
@@ -58,8 +65,9 @@ class KVTCRansTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(got), pco)
 
   def test_pallas_interpret_is_byte_exact(self):
-    q = codes((1, 2, 8, 8), seed=1)
-    p = parsed(q, steps=8)
+    q = codes((1, 2, 16, 8), seed=1)
+    p = parsed(q, steps=16, lane_steps=6)           # streams of 16 in lanes of 6, 6 and 4
+    self.assertEqual({a.segments for a in p.arrays}, {3})
     ref, ok_ref = kvtc_rans.decode_codes(inputs(p))
     got, ok = kvtc_rans.decode_codes(inputs(p), use_pallas=True, interpret=True)
     self.assertTrue(bool(ok) and bool(ok_ref))

@@ -33,6 +33,9 @@ class RansDecodeGpuTest(parameterized.TestCase):
       ("uniform_t_13", np.random.default_rng(4).integers(0, 256, (1, 13, 8)).astype(np.uint8),
        None, dict(lanes=4), None),
       ("empty", laplace_symbols(2, (2, 4, 3), 1.0), np.zeros((2, 3), int), {}, None),
+      # Format version 2's segments: lanes of at most 6 of the 20 steps, ragged streams.
+      ("segments_ragged", laplace_symbols(1, (2, 20, 13), 1.0),
+       np.random.default_rng(3).integers(0, 21, (2, 13)), dict(lanes=8, lane_steps=6), None),
   )
   def test_matches_numpy_decoder(self, symbols, lengths, kwargs, words_per_block):
     self._check_matches_numpy_decoder(symbols, lengths, kwargs, words_per_block)

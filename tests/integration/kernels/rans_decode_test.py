@@ -53,6 +53,11 @@ def cases():
       # A full TPU row (128 lanes, up to 128 words a step: two word rows) and 9 blocks (two
       # programs of 8 rows).
       ("lanes_128", laplace_symbols(4, (3, 12, 300), 30.0), None, dict(lanes=128)),
+      # Format version 2's segments: streams of 20 cut into lanes of at most 6 steps (4 lanes
+      # each, the last of 2), ragged and empty streams; and version 1's bytes (a lane each).
+      ("segments_ragged", laplace_symbols(1, (2, 20, 13), 1.0), ragged,
+       dict(lanes=8, lane_steps=6)),
+      ("version_1", laplace_symbols(5, (2, 24, 16), 2.0), None, dict(lanes=8, version=1)),
   ]
 
 
@@ -166,6 +171,9 @@ class RansDecodeTest(parameterized.TestCase):
         (dict(scale_bits=16), "scale_bits"),
         (dict(num_streams=5), "num_streams"),
         (dict(num_steps=-1), "num_steps"),
+        (dict(segments=0), "segments"),
+        (dict(segments=5), "segments"),            # more segments than the 4 steps
+        (dict(segments=2), "num_streams"),         # 4 streams x 2 lanes do not fit 4 lanes
         (dict(states=arrays.states.astype(np.int32)), "uint32"),
         (dict(words=arrays.words[0]), "words has shape"),
         (dict(lengths=arrays.lengths[:, :, :2]), "lengths has shape"),

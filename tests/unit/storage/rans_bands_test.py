@@ -3,6 +3,7 @@
 damage detected, the host tier keeping the coded form, and "pco-bands" chunks still read."""
 
 import asyncio
+import functools
 from unittest import mock
 
 import numpy as np
@@ -58,10 +59,21 @@ class RansBandsTest(parameterized.TestCase):
     self.assertEqual(entropy._streams(10 * 256, 512), 5)
     self.assertEqual(entropy._streams(7, 512), 1)
     q = codes((2, 2, 256, 192), seed=4)
+    # rANS version 2: each stream of 512 in K = 2 lanes of 256 (RANS_LANE_STEPS), 2 S lanes
+    # per model in blocks of up to 32.
     parsed = entropy.parse_components_rans(entropy.encode_components_rans(q), q.shape)
     self.assertEqual([a.num_streams for a in parsed.arrays], [1, 2, 5, 12, 28, 48])
-    self.assertEqual({a.num_steps for a in parsed.arrays}, {512})
+    self.assertEqual({(a.num_steps, a.segments) for a in parsed.arrays}, {(512, 2)})
+    self.assertEqual({int(a.lengths.max()) for a in parsed.arrays}, {256})
     self.assertEqual([a.states.shape[1:] for a in parsed.arrays],  # (blocks, lanes): powers of 2
+                     [(1, 2), (1, 4), (1, 16), (1, 32), (2, 32), (3, 32)])
+    self.assertEqual([int((a.lengths > 0).sum()) for a in parsed.arrays],
+                     [2 * 4, 4 * 4, 10 * 4, 24 * 4, 56 * 4, 96 * 4])
+    # Version 1 (what chunks stored before version 2 hold): a lane per stream.
+    parsed = entropy.parse_components_rans(entropy.encode_components_rans(q, version=1),
+                                           q.shape)
+    self.assertEqual({(a.num_steps, a.segments) for a in parsed.arrays}, {(512, 1)})
+    self.assertEqual([a.states.shape[1:] for a in parsed.arrays],
                      [(1, 1), (1, 2), (1, 8), (1, 16), (1, 32), (2, 32)])
 
   def test_extreme_and_constant_codes(self):
@@ -79,6 +91,10 @@ class RansBandsTest(parameterized.TestCase):
     rans_bytes = len(entropy.encode_components_rans(q))
     pco_bytes = len(entropy.encode_components(q))
     self.assertLess(abs(rans_bytes / pco_bytes - 1), 0.06, (rans_bytes, pco_bytes))
+    # rANS version 2's 2x lanes stay within the +2% byte budget over version 1 (measured on
+    # real SmolLM2 codes at every kvtc level by scripts/bench_rans.py).
+    v1_bytes = len(entropy.encode_components_rans(q, version=1))
+    self.assertLess(rans_bytes, 1.02 * v1_bytes, (rans_bytes, v1_bytes))
 
   def test_damage_is_detected(self):
     q = codes()
@@ -135,6 +151,17 @@ class RansBandsTest(parameterized.TestCase):
     got = codecs.decode_payload("kvtc", VERSION, 1, blob, LAYOUT, defer_entropy=True)
     self.assertIsInstance(got["q"], np.ndarray)
     np.testing.assert_array_equal(got["q"], q)
+
+  def test_rans_version_1_chunks_still_decode(self):
+    q = codes(seed=6)
+    old = functools.partial(entropy.encode_components_rans, version=1)
+    with mock.patch.object(entropy, "encode_components_rans", old):
+      blob = codecs.encode_payload("kvtc", 1, payload(q), LAYOUT)
+    self.assertEqual(codecs.read_header(blob).arrays[0].coding, "rans-bands")
+    got = codecs.decode_payload("kvtc", VERSION, 1, blob, LAYOUT, defer_entropy=True)
+    self.assertEqual({a.segments for a in got["q"].arrays}, {1})
+    np.testing.assert_array_equal(entropy.decode_rans_codes(got["q"]), q)
+    np.testing.assert_array_equal(codecs.decode_payload("kvtc", VERSION, 1, blob, LAYOUT)["q"], q)
 
   def test_host_tier_keeps_the_coded_form(self):
     q = codes(seed=7)

@@ -10,6 +10,7 @@ from absl.testing import absltest, parameterized
 from kvjax.storage import entropy, rans
 
 HEAD = struct.Struct("<4sBBBBIIIIIQ")
+HEAD2 = struct.Struct("<4sBBBBIIIIIIQ")
 
 
 def laplace_symbols(seed, shape, scale, centre=128):
@@ -26,8 +27,10 @@ def masked(symbols_MTS, lengths_MS):
 
 def resign(data: bytes) -> bytes:
   """Recomputes the checksum of (deliberately forged) bytes, so the structural checks run."""
-  head = data[:HEAD.size]
-  return head + rans._digest(head, data[rans._HEAD_BYTES:]) + data[rans._HEAD_BYTES:]
+  size, total = (HEAD.size, rans._HEAD_BYTES) if data[4] == 1 else (HEAD2.size,
+                                                                    rans._HEAD2_BYTES)
+  head = data[:size]
+  return head + rans._digest(head, data[total:]) + data[total:]
 
 
 def cases():
@@ -61,7 +64,7 @@ class HandComputedTest(absltest.TestCase):
   def test_two_symbols_half_half(self):
     # Model 0: symbols 0 and 1, 2048 each of Z = 4096. Stream 0 holds [1], stream 1 [0]:
     # x = (65536 // 2048) << 12 + 65536 % 2048 + c = 131072 + c, c = 2048 for symbol 1.
-    data = rans.encode(np.array([[[1, 0]]], np.uint8), scale_bits=12, lanes=32)
+    data = rans.encode(np.array([[[1, 0]]], np.uint8), scale_bits=12, lanes=32, version=1)
     head = HEAD.unpack_from(data)
     self.assertEqual(head, (b"KVRA", 1, 12, 0, 0, 1, 2, 1, 32, 256, len(data)))
     body = data[rans._HEAD_BYTES:]
@@ -71,6 +74,46 @@ class HandComputedTest(absltest.TestCase):
     symbols, lengths = rans.decode(data)
     np.testing.assert_array_equal(symbols, [[[1, 0]]])
     np.testing.assert_array_equal(lengths, [[1, 1]])
+
+  def test_two_symbols_half_half_version_2(self):
+    # Version 2: a header with K, then u32 nbytes and the side data (here raw: too small for
+    # zstd to pay): the same table as version 1, the two states as four byte planes, the
+    # block's word count; no words.
+    data = rans.encode(np.array([[[1, 0]]], np.uint8), scale_bits=12, lanes=32)
+    self.assertEqual(HEAD2.unpack_from(data), (b"KVRA", 2, 12, 0, 0, 1, 2, 1, 32, 256, 1,
+                                                len(data)))
+    body = data[rans._HEAD2_BYTES:]
+    self.assertEqual(struct.unpack_from("<IIIBBHH", body), (26, 0, 2, 255, 255, 2048, 2048))
+    # 133120 = 0x00020800, 131072 = 0x00020000: planes [00 00] [08 00] [02 02] [00 00].
+    self.assertEqual(body[18:26], bytes([0, 0, 8, 0, 2, 2, 0, 0]))
+    self.assertEqual(struct.unpack_from("<I", body, 26), (0,))
+    self.assertLen(body, 30)
+    # lane_steps=1: streams of 2 symbols are 2 lanes each: stream 0 [1, 1] is lanes 0 (its
+    # first symbol) and 1, stream 1 [0, 0] lanes 2 and 3, each lane in state 131072 + c.
+    data = rans.encode(np.array([[[1, 0], [1, 0]]], np.uint8), lane_steps=1)
+    self.assertEqual(HEAD2.unpack_from(data), (b"KVRA", 2, 12, 2, 0, 1, 2, 2, 32, 256, 2,
+                                                len(data)))          # flags 2: zstd side data
+    arrays = rans.parse(data)
+    self.assertEqual((arrays.num_streams, arrays.num_steps, arrays.segments), (2, 2, 2))
+    np.testing.assert_array_equal(arrays.states[0, 0, :5],
+                                  [133120, 133120, 131072, 131072, 65536])
+    np.testing.assert_array_equal(arrays.lengths[0, 0, :5], [1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(rans.decode_arrays(arrays), [[[1, 0], [1, 0]]])
+
+  def test_side_data_is_one_zstd_frame_when_it_pays(self):
+    symbols = laplace_symbols(3, (8, 64, 16), 20.0)
+    v1, v2 = rans.encode(symbols, version=1), rans.encode(symbols)
+    self.assertEqual(v2[6], 2)                              # flags: zstd side data
+    (packed,) = struct.unpack_from("<I", v2, rans._HEAD2_BYTES)
+    side = zstandard.ZstdDecompressor().decompress(
+        v2[rans._HEAD2_BYTES + 4:rans._HEAD2_BYTES + 4 + packed])
+    arrays = rans.parse(v1)
+    words = 2 * int(arrays.num_words.sum())
+    # The same tables, states (as planes) and word counts as version 1, and the same words.
+    self.assertLen(side, len(v1) - rans._HEAD_BYTES - words)
+    self.assertEqual(v2[-words:], v1[-words:])
+    self.assertLess(len(v2), len(v1) - len(side) // 3)
+    np.testing.assert_array_equal(rans.decode(v2)[0], symbols)
 
   def test_one_symbol_costs_no_words(self):
     data = rans.encode(np.full((1, 1000, 3), 9, np.uint8))
@@ -86,7 +129,7 @@ class HandComputedTest(absltest.TestCase):
     # symbol; the decoder reads, at every even step t, one word per lane in lane order: the
     # next two symbols s[t+2] << 8 | s[t+1] (at t = 62 only s[63] is left).
     symbols = np.random.default_rng(0).permutation(256).reshape(1, 64, 4).astype(np.uint8)
-    arrays = rans.parse(rans.encode(symbols, scale_bits=8, lanes=4))
+    arrays = rans.parse(rans.encode(symbols, scale_bits=8, lanes=4, version=1))
     s = symbols[0].astype(np.int64)                                    # [T, lanes]
     np.testing.assert_array_equal(arrays.states[0, 0], 65536 + s[0])
     want = [s[t + 2] * 256 + s[t + 1] if t < 62 else s[63] for t in range(0, 64, 2)]
@@ -129,11 +172,22 @@ class QuantizeFrequenciesTest(parameterized.TestCase):
       rans.quantize_frequencies(np.ones(3), 16)
 
 
+def versions_x(rest):
+  """Each case as version 1, version 2 with a lane per stream, and version 2 in segments."""
+  out = []
+  for name, symbols, lengths, kwargs in rest:
+    out += [(name + "_v1", symbols, lengths, dict(kwargs, version=1)),
+            (name + "_v2", symbols, lengths, kwargs),
+            (name + "_v2_lane_steps_7", symbols, lengths, dict(kwargs, lane_steps=7))]
+  return out
+
+
 class RoundTripTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(*cases())
+  @parameterized.named_parameters(*versions_x(cases()))
   def test_numpy_round_trip(self, symbols, lengths, kwargs):
     data = rans.encode(symbols, lengths, **kwargs)
+    self.assertEqual(data[4], kwargs.get("version", 2))
     decoded, got_lengths = rans.decode(data)
     want_lengths = (np.full(symbols.shape[::2], symbols.shape[1]) if lengths is None
                     else lengths)
@@ -144,11 +198,13 @@ class RoundTripTest(parameterized.TestCase):
     self.assertEqual(rans.encode(symbols, lengths, **kwargs), data)
     arrays = rans.parse(data)
     m_, t_, s_ = symbols.shape
+    k_ = max(1, -(-t_ // kwargs.get("lane_steps", max(t_, 1))))
     b_ = kwargs.get("lanes", rans.DEFAULT_LANES)
-    j_ = -(-s_ // b_)
+    j_ = -(-s_ * k_ // b_)
     self.assertEqual(arrays.states.shape, (m_, j_, b_))
     self.assertEqual(arrays.words.shape[:2], (m_, j_))
-    self.assertEqual((arrays.num_streams, arrays.num_steps), (s_, t_))
+    self.assertEqual((arrays.num_streams, arrays.num_steps, arrays.segments), (s_, t_, k_))
+    self.assertLessEqual(int(arrays.lengths.max(initial=0)), rans.steps_per_lane(t_, k_))
     self.assertEqual(arrays.words.dtype, np.uint16)
     self.assertEqual(arrays.states.dtype, np.uint32)
 
@@ -176,6 +232,9 @@ class RoundTripTest(parameterized.TestCase):
         (dict(symbols_MTS=sym, scale_bits=7), "scale_bits"),
         (dict(symbols_MTS=sym, alphabet=70000), "alphabet"),
         (dict(symbols_MTS=np.arange(300).reshape(1, 300, 1), scale_bits=8), "distinct"),
+        (dict(symbols_MTS=sym, lane_steps=0), "lane_steps"),
+        (dict(symbols_MTS=sym, version=3), "version"),
+        (dict(symbols_MTS=sym, lane_steps=2, version=1), "version 1"),
     ]:
       with self.subTest(pattern):
         with self.assertRaisesRegex(ValueError, pattern):
@@ -188,7 +247,7 @@ class CorruptionTest(absltest.TestCase):
     super().setUp()
     lengths = np.full((2, 10), 30)
     lengths[0, 0] = 0
-    self.data = rans.encode(laplace_symbols(9, (2, 30, 10), 2.0), lengths, lanes=4)
+    self.data = rans.encode(laplace_symbols(9, (2, 30, 10), 2.0), lengths, lanes=4, version=1)
 
   def test_every_truncation_and_extension(self):
     for n in range(len(self.data)):
@@ -207,7 +266,9 @@ class CorruptionTest(absltest.TestCase):
   def test_bad_magic_and_version(self):
     with self.assertRaisesRegex(rans.RansError, "magic"):
       rans.parse(b"KVRB" + self.data[4:])
-    with self.assertRaisesRegex(rans.RansError, "version 2"):
+    with self.assertRaisesRegex(rans.RansError, "version 3"):
+      rans.parse(self.data[:4] + b"\3" + self.data[5:])
+    with self.assertRaisesRegex(rans.RansError, "checksum|header says"):
       rans.parse(self.data[:4] + b"\2" + self.data[5:])
 
   def forge(self, offset, fmt, value):
@@ -246,7 +307,7 @@ class CorruptionTest(absltest.TestCase):
 
   def test_forged_stream_of_a_model_without_table(self):
     lengths = np.array([[3, 3], [0, 0]])
-    data = bytearray(rans.encode(laplace_symbols(1, (2, 3, 2), 1.0), lengths))
+    data = bytearray(rans.encode(laplace_symbols(1, (2, 3, 2), 1.0), lengths, version=1))
     words = int(rans.parse(bytes(data)).num_words.sum())
     lengths_at = len(data) - 2 * words - 4 * 2 - 4 * 2 - 4 * 4  # words, counts, states, lengths
     self.assertEqual(struct.unpack_from("<4I", data, lengths_at), (3, 3, 0, 0))
@@ -266,6 +327,97 @@ class CorruptionTest(absltest.TestCase):
       rans.decode_arrays(arrays._replace(num_words=fewer))
 
 
+class CorruptionVersion2Test(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    lengths = np.full((2, 10), 30)
+    lengths[0, 0] = 0
+    lengths[1, 4] = 11
+    # Wide spreads: the tables are a zstd frame.
+    self.data = rans.encode(laplace_symbols(9, (2, 30, 10), 30.0), lengths, lanes=4,
+                            lane_steps=8)
+    self.assertEqual(self.data[6], 3)     # explicit lengths, zstd side data
+
+  def test_every_truncation_and_flipped_byte(self):
+    for n in range(len(self.data)):
+      with self.assertRaisesRegex(rans.RansError, "truncated|header says"):
+        rans.parse(self.data[:n])
+    for i in range(len(self.data)):
+      bad = bytearray(self.data)
+      bad[i] ^= 0x10
+      with self.assertRaises(rans.RansError):
+        rans.parse(bytes(bad))
+
+  def forge(self, offset, fmt, value):
+    bad = bytearray(self.data)
+    struct.pack_into(fmt, bad, offset, value)
+    return resign(bytes(bad))
+
+  def test_forged_structure(self):
+    body = rans._HEAD2_BYTES
+    (packed,) = struct.unpack_from("<I", self.data, body)
+    for name, forged, pattern in [
+        ("segments_0", self.forge(28, "<I", 0), "K=0"),
+        ("segments_over_T", self.forge(28, "<I", 31), "K=31"),
+        ("segments_other", self.forge(28, "<I", 3), "side data ends|truncated|more words"),
+        ("flags", self.forge(6, "<B", 7), "flags"),
+        ("raw_side_data", self.forge(6, "<B", 1), "sum to|alphabet|escaped|truncated|exceed"),
+        ("frame_size", self.forge(body, "<I", packed - 1), "decompress|truncated|header says"),
+        ("frame_byte", self.forge(body + 4 + packed // 2, "<B",
+                                  self.data[body + 4 + packed // 2] ^ 0xFF),
+         "decompress|tables|sum to|alphabet|escaped|side data|exceed|below|more words|"
+         "do not end|reads past"),
+    ]:
+      with self.subTest(name):
+        with self.assertRaisesRegex(rans.RansError, pattern):
+          rans.decode(forged)
+
+  def test_forged_side_data(self):
+    # Raw side data (flag bit 1 clear) forged inside a valid frame: each check still fires.
+    arrays = rans.parse(self.data)
+    (packed,) = struct.unpack_from("<I", self.data, rans._HEAD2_BYTES)
+    start = rans._HEAD2_BYTES + 4
+    side = bytearray(zstandard.ZstdDecompressor().decompress(self.data[start:start + packed]))
+    words = self.data[start + packed:]
+    lengths_at = len(side) - 4 * int(arrays.num_words.size) - 4 * int(
+        (arrays.lengths > 0).sum()) - 4 * 20
+
+    def rebuilt(side_bytes):
+      head = bytearray(self.data[:rans._HEAD2_BYTES])
+      head[6] = 1
+      body = struct.pack("<I", len(side_bytes)) + bytes(side_bytes) + words
+      struct.pack_into("<Q", head, 32, rans._HEAD2_BYTES + len(body))
+      return resign(bytes(head) + body)
+
+    np.testing.assert_array_equal(rans.decode(rebuilt(side))[0], rans.decode(self.data)[0])
+    for name, offset, fmt, value, pattern in [
+        ("length", lengths_at + 4, "<I", 31, "exceed T"),
+        ("state_plane", len(side) - 4 * int(arrays.num_words.size) - 1, "<B", 0,
+         "below 2\\*\\*16|do not end|reads past"),
+        ("word_count", len(side) - 4, "<I", 10 ** 6, "more words"),
+    ]:
+      with self.subTest(name):
+        bad = bytearray(side)
+        struct.pack_into(fmt, bad, offset, value)
+        with self.assertRaisesRegex(rans.RansError, pattern):
+          rans.decode(rebuilt(bad))
+
+  def test_version_1_flag_bit_1_is_unknown(self):
+    data = rans.encode(laplace_symbols(9, (2, 30, 10), 2.0), version=1)
+    bad = bytearray(data)
+    bad[6] = 2
+    with self.assertRaisesRegex(rans.RansError, "flags"):
+      rans.parse(resign(bytes(bad)))
+
+  def test_forged_words_fail_the_end_state_check(self):
+    arrays = rans.parse(self.data)
+    words = arrays.words.copy()
+    words[1, 0, 0] ^= 1
+    with self.assertRaisesRegex(rans.RansError, "do not end where they began|reads past"):
+      rans.decode_arrays(arrays._replace(words=words))
+
+
 class CompressionTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -278,7 +430,8 @@ class CompressionTest(parameterized.TestCase):
   )
   def test_near_entropy_and_against_pcodec_and_zstd(self, scale, steps, streams, most):
     symbols = laplace_symbols(int(scale * 10), (16, steps, streams), scale)
-    data = rans.encode(symbols)
+    data = rans.encode(symbols, version=1)
+    self.assertLessEqual(len(rans.encode(symbols)), len(data) + 4)  # version 2, same lanes
     bound = rans.empirical_entropy_bits(symbols) / 8
     arrays = rans.parse(data)
     tables = sum(8 + int(np.ptp(np.flatnonzero(f)) + 1) + 2 * int((f >= 255).sum())
