@@ -545,11 +545,11 @@ def main(argv=None):
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   result = dict(
+      **benchlib.provenance(("jax", "jaxlib", "libtpu", "flax", "numpy", "kvjax")),
       what="compile check: XLA TPU compiles (libtpu, deviceless AOT) and CUDA lowerings of "
            "every program the paged engine builds; cost figures are the compiler's ESTIMATES (a "
            "while loop's body, the scan over layers, counted once)",
-      args=vars(args), machine=benchlib.machine(), git_sha=benchlib.git_sha(),
-      versions=benchlib.versions("jax", "jaxlib", "libtpu", "flax"), complete=False, rows=[])
+      args=vars(args), complete=False, rows=[])
 
   mode = "paper" if args.paper else "pool_memory" if args.pool_memory else "programs"
   result["mode"] = mode
@@ -557,13 +557,13 @@ def main(argv=None):
   def on_row(row):  # the JSON is rewritten after every program: a cut-short run keeps its rows
     result["rows"].append(row)
     result["total_seconds"] = round(time.perf_counter() - t0, 1)
-    out.write_text(json.dumps(result, indent=1))
+    benchlib.write_json(out, result)
     (print_paper if mode == "paper" else print_row)(row)
 
   {"paper": paper_figures, "pool_memory": pool_memory, "programs": run}[mode](args, on_row)
   result["complete"] = True
   result["total_seconds"] = round(time.perf_counter() - t0, 1)
-  out.write_text(json.dumps(result, indent=1))
+  benchlib.write_json(out, result)
   rows = result["rows"]
   print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} programs OK; wrote {out}")
   return 0
