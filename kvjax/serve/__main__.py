@@ -244,7 +244,8 @@ def main(argv):
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, lambda *_: _exit_now(0))
     llm = build_follower(config)
-    print(f"kvjax: process {config.process_id} of {config.num_processes} follows process 0",
+    parallel = config.engine.parallel
+    print(f"kvjax: process {parallel.process_id} of {parallel.num_processes} follows process 0",
           flush=True)
     llm.follow()
     return
