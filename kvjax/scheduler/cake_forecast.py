@@ -84,6 +84,27 @@ def late_at_s(in_flight: Mapping[int, LoadInFlight], last_landing_s: float, late
   return out
 
 
+def free_slots(max_loads_in_flight: int, num_in_flight: int,
+               states: Sequence[ChunkState]) -> int:
+  """Free issue slots `landings` heaps: the slots `max_loads_in_flight` leaves beside the loads
+  in flight, never more than the stored chunks left to issue (`ChunkState.HIT`).
+
+  Each chunk left to issue takes one slot, and a slot it frees lands no earlier than now, so
+  more free slots forecast the same landings; without the bound a large `max_loads_in_flight`
+  (staging bytes over a small chunk: millions) cost seconds a step in building the heap.
+
+  Args:
+    max_loads_in_flight: `CakeMerge.max_loads_in_flight`, >= 1 (may be huge).
+    num_in_flight: loads issued and not yet finished.
+    states: each chunk's state, in chunk order.
+
+  Returns:
+    min(max(0, max_loads_in_flight - num_in_flight), number of HIT chunks).
+  """
+  to_issue = sum(1 for st in states if st is ChunkState.HIT)
+  return min(max(0, max_loads_in_flight - num_in_flight), to_issue)
+
+
 def landings(now_s: float, cost: CostModel, in_flight: Mapping[int, LoadInFlight],
              last_landing_s: float, max_loads_in_flight: int, states: Sequence[ChunkState],
              nbytes: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
@@ -116,11 +137,7 @@ def landings(now_s: float, cost: CostModel, in_flight: Mapping[int, LoadInFlight
     dec_end = max(xfer_end, dec_end) + dpb * ld.nbytes
     land[j], start[j] = max(dec_end, now_s), xs
     slots.append(land[j])
-  # Free slots: never more than the stored chunks left to issue (each takes one; a slot it frees
-  # lands no earlier than now), so a large `max_loads_in_flight` (bytes of staging over a small
-  # chunk: millions) costs nothing here.
-  to_issue = sum(1 for st in states if st is ChunkState.HIT)
-  slots += [now_s] * min(max(0, max_loads_in_flight - len(in_flight)), to_issue)
+  slots += [now_s] * free_slots(max_loads_in_flight, len(in_flight), states)
   heapq.heapify(slots)
   for j in reversed(range(len(states))):
     if states[j] is not ChunkState.HIT:

@@ -29,8 +29,9 @@ from __future__ import annotations
 # loader's next step (between programs); a step that cannot be interrupted (a weight conversion,
 # one long compile) gets `CANCEL_GRACE_S`, then the process ends with `os._exit` after flushing its
 # output: the interpreter never tears XLA down under a thread inside it (that aborted the process:
-# "terminate called ...", exit 134). A signal while serving stops uvicorn, fails what is still
-# running (503), writes pending KV saves and exits 0. A second signal exits at once (130).
+# "terminate called ...", exit 134). A signal while serving fails what is still running (503),
+# stops uvicorn (it stops accepting, answers requests still arriving on connections it accepted:
+# `HttpServer.stop`), writes pending KV saves and exits 0. A second signal exits at once (130).
 
 import os
 import select
@@ -243,7 +244,8 @@ def main(argv):
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, lambda *_: _exit_now(0))
     llm = build_follower(config)
-    print(f"kvjax: process {config.process_id} of {config.num_processes} follows process 0",
+    parallel = config.engine.parallel
+    print(f"kvjax: process {parallel.process_id} of {parallel.num_processes} follows process 0",
           flush=True)
     llm.follow()
     return

@@ -12,6 +12,7 @@ server listens (answering 503) while the model loads and compiles.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 import threading
@@ -400,16 +401,48 @@ def close_backend(backend: Backend | None, llm: LLM | None) -> None:
     llm.close()
 
 
-class _Uvicorn(uvicorn.Server):
-  """uvicorn that says when its sockets accept connections."""
+#: Seconds a stopping server waits for the request of a connection it accepted before the stop
+#: (and that has sent none yet) before closing it.
+DRAIN_S = 5.0
 
-  def __init__(self, config: uvicorn.Config):
+
+class _Uvicorn(uvicorn.Server):
+  """uvicorn that says when its sockets accept connections, and whose stop answers every
+  connection it accepted.
+
+  uvicorn's own shutdown closes at once each connection without a request in progress, and so
+  also one whose request is on its way (connected before the stop, its bytes not yet read): the
+  client saw a dropped connection where the stopping server would have answered 503. Here the
+  stop first stops accepting (`draining` is set), then waits until every open connection has
+  sent its first request (answered as any request then is: 503 once the engine is stopped), at
+  most `drain_s`, and only then runs uvicorn's shutdown (responses in progress finish within
+  `timeout_graceful_shutdown`, idle connections close).
+  """
+
+  def __init__(self, config: uvicorn.Config, drain_s: float = DRAIN_S):
     super().__init__(config)
     self.listening = threading.Event()
+    self.draining = threading.Event()
+    self.drain_s = drain_s
 
   async def startup(self, sockets=None):
     await super().startup(sockets)
     self.listening.set()
+
+  def _awaiting_first_request(self) -> int:
+    # uvicorn's HTTP protocols (h11, httptools) hold a connection's request in progress as
+    # `cycle`: None until its first request's head is parsed.
+    return sum(1 for c in self.server_state.connections if c.cycle is None)
+
+  async def shutdown(self, sockets=None):
+    for server in self.servers:  # stop accepting; connections already accepted stay open
+      server.close()
+    self.draining.set()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + self.drain_s
+    while self._awaiting_first_request() and loop.time() < deadline:
+      await asyncio.sleep(0.01)  # as uvicorn's own shutdown polls its connections (0.1 s)
+    await super().shutdown(sockets)
 
 
 class HttpServer:
@@ -420,13 +453,15 @@ class HttpServer:
     host: interface.
     port: TCP port; 0 picks a free one (read `port`).
     log_level: uvicorn's log level.
+    drain_s: seconds `stop()` waits for the first request of connections accepted before it
+      (then answered: 503 once the engine is stopped) before closing them.
 
   Raises:
     OSError: the address cannot be bound (in use, no such interface).
   """
 
   def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *,
-               log_level: str = "warning"):
+               log_level: str = "warning", drain_s: float = DRAIN_S):
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     self.sock = socket.socket(family, socket.SOCK_STREAM)
     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -437,8 +472,15 @@ class HttpServer:
       raise
     self.host, self.port = host, self.sock.getsockname()[1]
     self.server = _Uvicorn(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                          access_log=False, timeout_graceful_shutdown=5))
+                                          access_log=False, timeout_graceful_shutdown=5),
+                           drain_s=drain_s)
     self._thread: threading.Thread | None = None
+
+  @property
+  def draining(self) -> threading.Event:
+    """Set once a stop has closed the listening socket: from then on no connection is accepted,
+    and those already accepted get their requests answered before they close."""
+    return self.server.draining
 
   @property
   def url(self) -> str:
@@ -471,6 +513,9 @@ class HttpServer:
       raise RuntimeError(f"uvicorn did not start within {timeout_s} s")
 
   def stop(self, timeout_s: float = 30.0) -> None:
+    """Stops accepting, answers the connections already accepted (at most `drain_s` for a
+    request still on its way, then uvicorn's 5 s graceful shutdown for responses in progress),
+    and returns once uvicorn has ended or `timeout_s` passed."""
     self.server.should_exit = True
     if self._thread is not None:
       self._thread.join(timeout_s)

@@ -2,11 +2,14 @@
 model's paged step and codec programs for a v5e, built by an abstract `PagedModelRunner` on TPU
 topology devices, the paged-attention kernel with a block table cut into windows, and the rANS
 decoder's TPU kernel.
-Skipped when libtpu is not installed (`pip install 'jax[tpu]==<jax>'`); scripts/compile_check.py
-runs the same at real model shapes."""
+libtpu comes with the `tpu` extra (`pip install -e '.[tpu]'`), not with `test`. Without it these
+tests skip, naming the extra; with KVJAX_REQUIRE_LIBTPU=1 (what .ci/run sets after installing the
+extra) they fail instead, so a CI run that promised the compiles cannot pass without them.
+scripts/compile_check.py runs the same at real model shapes."""
 
 import importlib.util
 import os
+import unittest
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,32 @@ from kvjax.models.runner_api import PagedRunnerConfig
 from kvjax.models.sharding import TensorParallel
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+#: Set to 1 where libtpu was installed on purpose (.ci/run): a missing libtpu fails the tests.
+REQUIRE_ENV = "KVJAX_REQUIRE_LIBTPU"
+
+
+def check_libtpu(has_libtpu: bool, environ) -> None:
+  """Returns when libtpu is installed; else skips (unittest.SkipTest) or, with
+  KVJAX_REQUIRE_LIBTPU=1 in `environ`, fails (AssertionError)."""
+  if has_libtpu:
+    return
+  if environ.get(REQUIRE_ENV, "") == "1":
+    raise AssertionError(f"{REQUIRE_ENV}=1 but libtpu is not installed: the TPU compile tests "
+                         "were promised (pip install -e '.[tpu]')")
+  raise unittest.SkipTest(f"libtpu is not installed (pip install -e '.[tpu]'; {REQUIRE_ENV}=1 "
+                          "makes this a failure)")
+
+
+class LibtpuRequirementTest(absltest.TestCase):
+
+  def test_missing_libtpu_skips_unless_required(self):
+    check_libtpu(True, {REQUIRE_ENV: "1"})
+    with self.assertRaisesRegex(unittest.SkipTest, r"pip install -e '\.\[tpu\]'"):
+      check_libtpu(False, {})
+    with self.assertRaisesRegex(unittest.SkipTest, "libtpu is not installed"):
+      check_libtpu(False, {REQUIRE_ENV: "0"})
+    with self.assertRaisesRegex(AssertionError, f"{REQUIRE_ENV}=1 but libtpu is not installed"):
+      check_libtpu(False, {REQUIRE_ENV: "1"})
 
 
 def v5e_devices():
@@ -41,12 +70,12 @@ def compile_for(devices, fn, args):
   return lowered.compile()
 
 
-@absltest.skipUnless(HAS_LIBTPU, "libtpu is not installed")
 class TpuCompileTest(absltest.TestCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
+    check_libtpu(HAS_LIBTPU, os.environ)
     cls.devices = v5e_devices()
     cls.cfg = model_configs.tiny()
     cls.model = nnx.eval_shape(lambda: Llama(cls.cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,

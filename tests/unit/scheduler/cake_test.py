@@ -5,8 +5,11 @@ Cost models are frozen (`learn=False`) so every decision is hand-checkable: comp
 them), SLOW loads never help.
 """
 
+import sys
+
 from absl.testing import absltest, parameterized
 
+from kvjax.scheduler import cake_forecast
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
 from kvjax.testing.plans import plan_steps, prefills
 from kvjax.scheduler import (CakeMerge, Candidate, ChunkState, CostModel, DecodeItem,
@@ -308,6 +311,33 @@ class LoadsLandTest(absltest.TestCase):
     self.assertEqual(m.tokens_left_after_loads(), 100 - 48)
     self.assertEqual(steps(m, 16, 2.3), [(0, 16)])
     self.assertEqual(m.tokens_left_after_loads(), 100 - 64)  # the suffix
+
+  def test_free_slots_are_bounded_by_the_chunks_left_to_issue(self):
+    # A FAST link over 100-byte chunks derives ten million loads ahead (staging / chunk bytes);
+    # the forecast heaps one free slot per stored chunk left to issue, whatever the bound.
+    H, L, M = ChunkState.HIT, ChunkState.LOADING, ChunkState.MISSING
+    self.assertEqual(cake_forecast.free_slots(10_000_000, 0, [H] * 4), 4)
+    self.assertEqual(cake_forecast.free_slots(sys.maxsize, 2, [M, H, H, L, L]), 2)
+    self.assertEqual(cake_forecast.free_slots(3, 2, [H, H, H, L, L]), 1)  # the bound binds
+    self.assertEqual(cake_forecast.free_slots(2, 2, [H, L, L]), 0)
+    self.assertEqual(cake_forecast.free_slots(10_000_000, 1, [L, M, M]), 0)  # nothing to issue
+
+  def test_a_huge_max_loads_in_flight_plans_as_the_stored_chunks_count(self):
+    # A bound of sys.maxsize used to build a heap of that many slots each forecast (a
+    # MemoryError; ten million: seconds a step). It forecasts and issues exactly as a bound of
+    # one slot per stored chunk does.
+    cost = model(160)  # a 100-byte chunk moves in 0.625 s, one at a time
+    merges = [CakeMerge(100, C, [F, T, T, T], chunk_nbytes=100, max_loads_in_flight=k)
+              for k in (3, sys.maxsize)]
+    for m in merges:
+      self.assertAlmostEqual(m.loads_land_s(1.0, cost), 1.0 + 3 * 0.625)
+      self.assertEqual([m.next_load(1.0, cost) for _ in range(4)], [3, 2, 1, None])
+      self.assertAlmostEqual(m.loads_land_s(1.5, cost), 1.0 + 3 * 0.625)
+    states = [ChunkState.MISSING] + [ChunkState.HIT] * 3
+    land_s = [cake_forecast.landings(1.0, cost, {}, float("-inf"), k, states, [100] * 4)
+              for k in (3, sys.maxsize)]
+    self.assertEqual(land_s[0], land_s[1])
+    self.assertEqual(land_s[1][0], {3: 1.625, 2: 2.25, 1: 2.875})
 
 
 def req(rid, n, max_tokens=4):
