@@ -258,3 +258,24 @@ class CpuClock:
     wall = time.perf_counter() - self.wall0
     cpu = time.process_time() - self.cpu0
     return {"wall_s": wall, "cpu_s": cpu, "cpu_share": cpu / wall if wall > 0 else None}
+
+
+def median_seconds(fn, iters: int, block=lambda out: out) -> float:
+  """Median wall seconds of `iters` calls of `fn()` after one untimed call (compile, warm-up);
+  `block(out)` waits for an asynchronous result (e.g. `jax.block_until_ready`) inside the timed
+  span.
+
+  Raises:
+    ValueError: `iters` < 1.
+  """
+  if iters < 1:
+    raise ValueError(f"median_seconds: iters must be >= 1, got {iters}")
+  import statistics  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  block(fn())
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    block(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +31,8 @@ MIB = 1 << 20
 
 
 def median_s(fn, iters: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+  """Median seconds of `iters` calls of `fn` on the device (`benchlib.median_seconds`)."""
+  return benchlib.median_seconds(fn, iters, jax.block_until_ready)
 
 
 def hbm_copy(nbytes: int, iters: int) -> dict:

@@ -79,13 +79,8 @@ def _code(q: np.ndarray) -> dict:
 
 
 def median_s(fn, iters: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+  """Median seconds of `iters` calls of `fn` on the device (`benchlib.median_seconds`)."""
+  return benchlib.median_seconds(fn, iters, jax.block_until_ready)
 
 
 def check(c: dict, interpret: bool, iters: int) -> dict:

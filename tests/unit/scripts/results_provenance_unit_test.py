@@ -98,6 +98,14 @@ class ProvenanceRecordTest(absltest.TestCase):
     self.assertNotIn(str(REPO), " ".join(got))
     self.assertFalse(pathlib.Path(got[0]).is_absolute(), msg=got[0])
 
+  def test_median_seconds_blocks_inside_the_timed_span(self):
+    calls, blocked = [], []
+    got = benchlib.median_seconds(lambda: calls.append(1) or len(calls), 4, blocked.append)
+    self.assertEqual((len(calls), blocked), (5, [1, 2, 3, 4, 5]))  # one untimed call first
+    self.assertGreaterEqual(got, 0.0)
+    with self.assertRaises(ValueError):
+      benchlib.median_seconds(lambda: None, 0)
+
   def test_finish_refuses_a_record_without_provenance(self):
     with self.assertRaisesRegex(KeyError, "argv"):
       benchlib.finish({"git_sha": "abc"})
