@@ -307,7 +307,28 @@ def extract_checks(out: pathlib.Path, dry: bool) -> dict:
                       "a 32 Gbps storage link (4e9 bytes/s): fraction = times the link"),
         setting={"shape": rans["shape"], "coded_bytes": rans["coded_bytes"]},
         byte_exact=pal["byte_exact"])
+  if judged:
+    flag_above_ceiling(checks)
   return checks
+
+
+#: Checks whose ceiling is a physical bound measured in the same run (HBM copy, pinned copy,
+#: the HBM roofline): a value above it by more than `ABOVE_CEILING_TOLERANCE` is a measurement
+#: error, not a result (Cake's and rANS's fractions are speed-ups over a baseline, not bounds).
+BOUNDED_CHECKS = ("h2d_copy", "decode_tps_b1", "decode_tps_b32", "decode_tps_b64",
+                  "attention_b32_4k", "attention_b1_32k", "kv_decode_int8", "kv_decode_int4")
+ABOVE_CEILING_TOLERANCE = 0.05
+
+
+def flag_above_ceiling(checks: dict) -> None:
+  """Marks each of `BOUNDED_CHECKS` whose fraction exceeds 1 + `ABOVE_CEILING_TOLERANCE` not ok,
+  with an `error` saying so (a device run only: on the CPU dry run the ceilings mean nothing)."""
+  for name in BOUNDED_CHECKS:
+    e = checks.get(name)
+    if e and e.get("fraction") is not None and e["fraction"] > 1 + ABOVE_CEILING_TOLERANCE:
+      e["ok"] = False
+      e["error"] = (f"{e['fraction']:.2f}x its own ceiling ({e.get('ceiling_what', 'ceiling')}):"
+                    " a measurement error, not a result")
 
 
 def _failed(r: dict) -> dict:

@@ -113,6 +113,23 @@ class SummaryTest(absltest.TestCase):
         (self.dir / "device_check_rans.json").read_text()))
     self.assertTrue(dca.extract_checks(self.dir, dry=True)["rans_decode"]["ok"])
 
+  def test_above_its_own_ceiling_is_a_measurement_error_on_a_device(self):
+    eng = json.loads((self.dir / "device_check_engine_engine.json").read_text())
+    # b1 at 2x its roofline (1 / (3e8 / HBM) = 10,000 tokens/s), b32 at 1.04x (within 5%).
+    eng["results"]["decode"]["b1"]["tokens_per_s"] = 20000.0
+    eng["results"]["decode"]["b32"]["tokens_per_s"] = 1.04 * 32 / (6e8 / HBM)
+    write(self.dir, "device_check_engine_engine.json", eng)
+    c = dca.extract_checks(self.dir, dry=False)
+    self.assertFalse(c["decode_tps_b1"]["ok"])
+    self.assertIn("2.00x its own ceiling", c["decode_tps_b1"]["error"])
+    self.assertTrue(c["decode_tps_b32"]["ok"])
+    self.assertNotIn("error", c["decode_tps_b32"])
+    self.assertTrue(c["cake_vs_better"]["ok"])  # a speed-up over a baseline, not a bound
+    write(self.dir, "device_check_engine_engine_cpu.json", eng)
+    write(self.dir, "device_check_ceilings_cpu.json", json.loads(
+        (self.dir / "device_check_ceilings.json").read_text()))
+    self.assertTrue(dca.extract_checks(self.dir, dry=True)["decode_tps_b1"]["ok"])
+
   def test_only_the_wanted_steps_checks(self):
     checks, bad = dca.summarize({}, dca.extract_checks(self.dir, dry=False), {}, ["rans"])
     self.assertEqual((list(checks), bad), (["rans_decode"], []))
