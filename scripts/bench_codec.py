@@ -146,6 +146,8 @@ _G_MAX_PROMPT = flags.DEFINE_integer("greedy_max_prompt_tokens", 544, "Greedy ph
                                      "prompt, tokens.")
 _G_MAX_TAIL = flags.DEFINE_integer("greedy_max_tail", 64, "Greedy phase: a prompt's tokens after "
                                    "its stored chunks (computed, not loaded), at most.")
+_G_SEQS = flags.DEFINE_integer("greedy_max_num_seqs", 32, "Greedy phase: sequences at once (the "
+                               "KV pool holds this many prompts plus answers: 0.9 GB at 32).")
 _G_WORK = flags.DEFINE_string("greedy_work_dir", None, "Greedy phase: folder of its temporary "
                               "stores (default: a new temporary folder; deleted after).")
 
@@ -744,12 +746,14 @@ def greedy_phase(s: Settings) -> list[str]:
   def make_llm(codec: str, level: int, url: str):
     return LLM(MODEL, dtype="float32", kv_store=url, kv_codec=codec, kv_codec_levels=(level,),
                kv_merge_mode="load_only", kv_codec_consistent=False, kv_chunk_size=s.chunk,
-               max_model_len=max_prompt + n_tokens, compile_on_init=False)
+               max_model_len=max_prompt + n_tokens, max_num_seqs=_G_SEQS.value,
+               compile_on_init=False)
 
   out_path = pathlib.Path(_OUT.value) / "bench_codec_greedy.json"
   out_path.parent.mkdir(parents=True, exist_ok=True)
   settings = {"prompts": n_prompts, "tokens": n_tokens, "chunk": s.chunk,
               "max_prompt_tokens": max_prompt, "max_tail": _G_MAX_TAIL.value, "seed": s.seed,
+              "max_num_seqs": _G_SEQS.value,
               "codecs": [lv.label for lv in levels]}
 
   def write(result: dict) -> None:
