@@ -36,13 +36,23 @@ real model computes from real text (../shared/data), this measures:
               prompt's full chunks (of prompt[:-1]) are computed once, raw, then per codec
               decoded into a fresh slot; the tail is prefilled, then greedy decoding; correct if
               `topics[0]` appears in the output (case-insensitive).
+  greedy      (`--phases greedy`, scripts/bench_codec_greedy.py) greedy agreement with raw over
+              `--greedy_tokens` (64) tokens on `--greedy_prompts` (200) ShareGPT chats per
+              codec level, through real store loads: raw's cold answer is the reference, each
+              level's answer is generated after every stored chunk of the prompt was loaded
+              from a store of that encoding (checked per prompt); exact-match rate, tokens
+              before the first divergence, its position, token agreement, 95% intervals.
 
     .venv/bin/python scripts/bench_codec.py --quick      # a few minutes
-    .venv/bin/python scripts/bench_codec.py              # 20-40 minutes on 2 cores
+    .venv/bin/python scripts/bench_codec.py --phases main  # 20-40 minutes on 2 cores
+    .venv/bin/python scripts/bench_codec.py --phases greedy  # about an hour on 2 busy cores
 
 Writes <out>/bench_codec.json (benchlib.provenance(), threads, seeds, settings, results),
-<out>/bench_codec.png (bytes per token vs perplexity ratio and vs KL) and prints two tables. The CPU is shared
-with other jobs: the load average is recorded per phase and throughput can be affected by it.
+<out>/bench_codec.png (bytes per token vs perplexity ratio and vs KL) and prints two tables;
+the greedy phase writes <out>/bench_codec_greedy.json (after every level, "complete" once all
+are done) and .png and prints its table, and exits non-zero when a level's stored chunks were
+not all loaded. The CPU is shared with other jobs: the load average is recorded per phase and
+throughput can be affected by it.
 """
 
 from __future__ import annotations
@@ -122,6 +132,24 @@ _REFERENCE = flags.DEFINE_string(
     "bench_prefill.json whose per-chunk kvjax times (chunk 256) give a second, reference balance "
     "bandwidth ('' for none). Default: benchmarks/results/bench_prefill.json, else the archived "
     "one (benchmarks/results/archive/); the file used is named in the results.")
+
+_PHASES = flags.DEFINE_list(
+    "phases", ["main", "greedy"],
+    "Phases to run: main (compute sweep, throughput, sizes and teacher-forced quality, LongChat; "
+    "writes bench_codec.json) and greedy (greedy agreement with raw through real store loads, "
+    "scripts/bench_codec_greedy.py; writes bench_codec_greedy.json).")
+_G_PROMPTS = flags.DEFINE_integer("greedy_prompts", None, "Greedy phase: ShareGPT prompts per "
+                                  "codec level (default 200; quick 8).")
+_G_TOKENS = flags.DEFINE_integer("greedy_tokens", None, "Greedy phase: greedy tokens per answer "
+                                 "(default 64; quick 16).")
+_G_MAX_PROMPT = flags.DEFINE_integer("greedy_max_prompt_tokens", 544, "Greedy phase: longest "
+                                     "prompt, tokens.")
+_G_MAX_TAIL = flags.DEFINE_integer("greedy_max_tail", 64, "Greedy phase: a prompt's tokens after "
+                                   "its stored chunks (computed, not loaded), at most.")
+_G_SEQS = flags.DEFINE_integer("greedy_max_num_seqs", 32, "Greedy phase: sequences at once (the "
+                               "KV pool holds this many prompts plus answers: 0.9 GB at 32).")
+_G_WORK = flags.DEFINE_string("greedy_work_dir", None, "Greedy phase: folder of its temporary "
+                              "stores (default: a new temporary folder; deleted after).")
 
 #: Where --reference_prefill looks by default, newest first.
 _REFERENCE_DEFAULTS = (REPO / "benchmarks" / "results" / "bench_prefill.json",
@@ -685,6 +713,82 @@ def plot(path: pathlib.Path, s: Settings, sizes, qual) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+#: The order the greedy phase measures levels in: raw (the reference) first, then each codec's
+#: default level, so an interrupted run still has the levels a server stores by default.
+GREEDY_ORDER = ("raw", "int8", "kvtc-1", "cachegen-1", "int4", "kvtc-0", "kvtc-2", "kvtc-3",
+                "kvtc-4", "cachegen-0", "cachegen-2", "cachegen-3")
+
+
+def greedy_phase(s: Settings) -> list[str]:
+  """Greedy agreement with raw through real store loads (scripts/bench_codec_greedy.py);
+  writes <out>/bench_codec_greedy.json after every level. Returns the levels that failed (a
+  load that did not happen)."""
+  import jax  # noqa: PLC0415
+  from kvjax import LLM  # noqa: PLC0415
+  from kvjax.models.registry import load_model  # noqa: PLC0415
+  from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
+  import bench_codec_greedy as greedy  # noqa: PLC0415  scripts/
+
+  n_prompts = _setting(_G_PROMPTS, 200, 8)
+  n_tokens = _setting(_G_TOKENS, 64, 16)
+  max_prompt = _G_MAX_PROMPT.value
+  prov = benchlib.provenance(VERSION_PACKAGES)
+  t_start = time.perf_counter()
+  tok = load_model(MODEL, cache_dir=os.path.join(default_cache_root(), "params")).tokenizer
+  with open(data_dir() / "sharegpt" / "sharegpt_v3_multiturn_1000.json", encoding="utf-8") as f:
+    conversations = json.load(f)
+  prompts = greedy.sharegpt_prompts(conversations, tok.encode_chat, n_prompts,
+                                    max_tokens=max_prompt, max_tail=_G_MAX_TAIL.value,
+                                    chunk=s.chunk, seed=s.seed)
+  rank = {label: i for i, label in enumerate(GREEDY_ORDER)}
+  levels = [greedy.Level(*c) for c in sorted(s.codecs, key=lambda c: rank[c[0]])]
+
+  def make_llm(codec: str, level: int, url: str):
+    return LLM(MODEL, dtype="float32", kv_store=url, kv_codec=codec, kv_codec_levels=(level,),
+               kv_merge_mode="load_only", kv_codec_consistent=False, kv_chunk_size=s.chunk,
+               max_model_len=max_prompt + n_tokens, max_num_seqs=_G_SEQS.value,
+               compile_on_init=False)
+
+  out_path = pathlib.Path(_OUT.value) / "bench_codec_greedy.json"
+  out_path.parent.mkdir(parents=True, exist_ok=True)
+  settings = {"prompts": n_prompts, "tokens": n_tokens, "chunk": s.chunk,
+              "max_prompt_tokens": max_prompt, "max_tail": _G_MAX_TAIL.value, "seed": s.seed,
+              "max_num_seqs": _G_SEQS.value,
+              "codecs": [lv.label for lv in levels]}
+
+  def write(result: dict) -> None:
+    record = {**prov, "benchmark": "bench_codec greedy agreement",
+              "model": f"{MODEL} (GGUF Q4_1 -> f32)", "dtype": "float32",
+              "backend": jax.default_backend(), "quick": _QUICK.value, "settings": settings,
+              "method": greedy.METHOD,
+              "prompts": [{k: p[k] for k in ("id", "user_turn", "tokens")} for p in prompts],
+              "elapsed_s": time.perf_counter() - t_start, **result}
+    benchlib.write_json(out_path, record)
+
+  def on_level(result: dict) -> None:
+    write(result)
+    label = next(reversed(result["levels"]))
+    r = result["levels"][label]
+    print(f"{label}: exact {r['summary']['exact_match']['count']}/{n_prompts}, "
+          f"{len(r['load_failures'])} load failures, {sum(r['seconds'].values()):.0f} s, "
+          f"load average {loadavg():.1f}", flush=True)
+
+  work = _G_WORK.value or tempfile.mkdtemp(prefix="bench_codec_greedy_")
+  try:
+    result = greedy.run_phase(make_llm, levels, prompts, n_tokens, work, s.seed, on_level)
+  finally:
+    if not _G_WORK.value:
+      shutil.rmtree(work, ignore_errors=True)
+  write(result)
+  print(greedy.table(result, [c[0] for c in s.codecs], n_tokens))
+  wrote = greedy.plot(out_path.with_suffix(".png"), result, [c[0] for c in s.codecs],
+                      n_tokens)
+  print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average (1 min) "
+        f"{prov['machine']['loadavg_1_5_15'][0]:.1f} at start, {loadavg():.1f} at end; wrote "
+        f"{out_path}" + (" and its .png" if wrote else ""))
+  return result["failed"]
+
+
 def main(argv):
   del argv
   if _WORKER.value == "throughput":
@@ -692,6 +796,21 @@ def main(argv):
     return
   logging.set_verbosity(logging.WARNING)
   s = Settings.from_flags()
+  unknown = sorted(set(_PHASES.value) - {"main", "greedy"})
+  if unknown or not _PHASES.value:
+    raise app.UsageError(f"--phases takes main and/or greedy, got {_PHASES.value}")
+  if "main" in _PHASES.value:
+    main_phases(s)
+  if "greedy" in _PHASES.value:
+    failed = greedy_phase(s)
+    if failed:
+      print(f"greedy phase: stored chunks were not all loaded for {failed}; their figures are "
+            "not codec figures", file=sys.stderr)
+      sys.exit(1)
+
+
+def main_phases(s: Settings) -> None:
+  """The compute sweep, throughput, sizes and quality, LongChat: bench_codec.json."""
   from tqdm import tqdm  # noqa: PLC0415
   import jax  # noqa: PLC0415
 
