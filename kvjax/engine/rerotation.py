@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvjax.block_hash import loadable_units
 from kvjax.connector import KVStoreClient
 
 
@@ -73,7 +74,7 @@ def stage_rerotated(kv: KVStoreClient | None, source_ids: Sequence[int],
                                                                sp.src_start + sp.length)
   kv.flush()  # the previous turn's chunks (its reply's too) are readable
   lookup = kv.lookup(list(source_ids), source_salt)
-  n_chunks = (n_dst - 1) // c  # never the last prompt token, as any hit
+  n_chunks = loadable_units(n_dst, c)  # never the last prompt token, as any hit
   b = min(boundary_chunks, n_chunks)
   needed = sorted({int(s) // c for s in src_of[:n_chunks * c] if s >= 0})
   got = kv.read_raw_chunks(lookup, list(source_ids), needed)

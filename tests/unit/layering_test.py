@@ -1,7 +1,9 @@
 """Holds the import direction between rooms (DESIGN.md section 2).
 
 Bottom floors (`kvjax/_typing.py`, `kvjax/_paths.py`, `kvjax/codecs.py`, the codec registry,
-`kvjax/block_hash.py`) import no kvjax module but `kvjax._typing` and no array or storage library, so every room may import them.
+`kvjax/block_hash.py`, with the chunk-is-whole-blocks and last-token rules, `kvjax/merge_mode.py`,
+the merge modes) import no kvjax module but `kvjax._typing` and no array or storage library, so
+every room may import them.
 """
 
 import ast
@@ -54,7 +56,7 @@ for _room in ("kernels", "scheduler", "storage", "models", "sessions", "config",
 
 # Bottom-floor modules -> the only kvjax modules they may import, and the libraries they must not.
 BOTTOM_FLOORS = {"_typing.py": set(), "_paths.py": set(), "codecs.py": {"kvjax._typing"},
-                 "block_hash.py": {"kvjax._typing"}}
+                 "block_hash.py": {"kvjax._typing"}, "merge_mode.py": set()}
 BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"}
 
 # Room -> the only kvjax modules it may import (besides itself): serve sees the entry points,
