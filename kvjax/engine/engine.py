@@ -55,7 +55,6 @@ from kvjax.scheduler.output import (ComputeTiming, InsertItem, InsertTiming, Sch
                                     StepResult)
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import Scheduler
-from kvjax.sessions.truncation import is_rerotated_salt
 
 _log = logging.getLogger(__name__)
 
@@ -244,11 +243,9 @@ class Engine:
     here); the scheduler gets the answer as plain data and plans the merge. `cache_salt`
     isolates tenants: prompts share stored KV only under equal salts. `merge_mode` (a
     `kvjax.merge_mode.MergeMode` or its value) overrides the engine's for this request
-    (benchmarks compare the modes on one warm engine). A request under a re-rotated session namespace
-    (`kvjax.sessions.REROTATED_SALT_PREFIX`) runs "load_only" unless told otherwise: its stored
-    KV is not what compute would give, so a Cake merge, whose meeting point depends on timing, would
-    make the answer depend on it; load-only computes exactly the holes (the boundary chunks,
-    `kvjax.engine.rerotation.stage_rerotated`) and the suffix.
+    (benchmarks compare the modes on one warm engine; a session turn under re-rotated KV asks
+    for load-only in its options, `kvjax.sessions.TurnPlan.request_options`: the engine reads no
+    meaning into a salt).
 
     Session turns (a raw store: `KVStoreClient.stores_tails`): `save_tail` stores
     the request's tail when it finishes cleanly (its tokens after the last full chunk of its
@@ -268,8 +265,6 @@ class Engine:
     if isinstance(history_tokens, bool) or not isinstance(history_tokens, int) or (
         history_tokens < 0):
       raise ValueError(f"history_tokens={history_tokens!r} must be an int >= 0")
-    if merge_mode is None and is_rerotated_salt(cache_salt):
-      merge_mode = MergeMode.LOAD_ONLY
     ids = self.validate(prompt_token_ids, params)
     rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
     if rid in self._live:

@@ -35,9 +35,9 @@ def stage_rerotated(kv: KVStoreClient | None, source_ids: Sequence[int],
   new chunks chained from `target_salt`'s root (new parent chains; RoPE is applied at the new
   positions when they are inserted, like any chunk). The KV is approximate (computed with the
   dropped tokens in context), so `target_salt` must be a namespace no ordinary request uses
-  (`kvjax.sessions.REROTATED_SALT_PREFIX`); a request under it then loads these chunks
-  through a load-only merge (`Engine.add_request`) and computes the rest. Blocks the caller (store
-  reads and writes).
+  (`kvjax.sessions.REROTATED_SALT_PREFIX`); the session turn under it then loads these chunks
+  through a load-only merge (its request options, `kvjax.sessions.TurnPlan.request_options`)
+  and computes the rest. Blocks the caller (store reads and writes).
 
   `boundary_chunks` b: the target's first b chunks (the system prompt and the seam, the kept
   tokens right after the dropped ones, whose KV deviates most from a recompute) are not

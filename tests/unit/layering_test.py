@@ -29,7 +29,9 @@ FORBIDDEN = {
     "sessions": {"kvjax.models", "kvjax.kernels", "kvjax.storage", "kvjax.scheduler",
                  "kvjax.engine", "kvjax.connector", "kvjax.serve", "kvjax.store", "kvjax.testing", "jax", "flax",
                  "tensorstore", "numpy"},
-    "engine": {"kvjax.entrypoints", "kvjax.serve", "kvjax.testing"},
+    # The engine reads no session rule: a session turn's merge mode arrives in its request
+    # options (`kvjax.sessions.TurnPlan.request_options`), the salt carries no meaning.
+    "engine": {"kvjax.entrypoints", "kvjax.serve", "kvjax.sessions", "kvjax.testing"},
     # The entry points (`LLM`, the server's builder) build an engine from the configuration tree;
     # the front ends (serve) and the tests sit above them.
     "entrypoints": {"kvjax.serve", "kvjax.testing"},
@@ -61,12 +63,13 @@ BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"
 
 # Room -> the only kvjax modules it may import (besides itself): serve sees the entry points,
 # the engine, the configuration tree, the sessions and the request types, nothing below them;
-# sessions see nothing but themselves.
+# sessions see nothing but themselves and the merge modes.
 ALLOWED_KVJAX = {
     "serve": {"kvjax.serve", "kvjax.entrypoints", "kvjax.engine", "kvjax.config",
               "kvjax.sessions",
-              "kvjax.scheduler.request", "kvjax._typing", "kvjax.codecs"},
-    "sessions": {"kvjax.sessions"},
+              "kvjax.scheduler.request", "kvjax._typing", "kvjax.codecs", "kvjax.merge_mode"},
+    # A session turn names its merge mode in its request options (`TurnPlan.request_options`).
+    "sessions": {"kvjax.sessions", "kvjax.merge_mode"},
     "store": {"kvjax.store", "kvjax.storage", "kvjax.codecs", "kvjax._typing", "kvjax._paths"},
 }
 
