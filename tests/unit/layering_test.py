@@ -31,7 +31,10 @@ FORBIDDEN = {
                  "tensorstore", "numpy"},
     # The engine reads no session rule: a session turn's merge mode arrives in its request
     # options (`kvjax.sessions.TurnPlan.request_options`), the salt carries no meaning.
-    "engine": {"kvjax.entrypoints", "kvjax.serve", "kvjax.sessions", "kvjax.testing"},
+    # The store sits behind the client: the engine hands it plain ids (the plan's encoding, a
+    # request's tokens), never a storage object, a codec chooser or a key scheme.
+    "engine": {"kvjax.entrypoints", "kvjax.serve", "kvjax.sessions", "kvjax.storage",
+               "kvjax.testing", "tensorstore"},
     # The entry points (`LLM`, the server's builder) build an engine from the configuration tree;
     # the front ends (serve) and the tests sit above them.
     "entrypoints": {"kvjax.serve", "kvjax.testing"},
