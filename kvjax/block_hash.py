@@ -135,6 +135,23 @@ def block_hashes(namespace_root: str, token_ids: Sequence[int], block_size: int,
   return out
 
 
+def loadable_units(num_tokens: int, unit_tokens: int) -> int:
+  """Whole units of `unit_tokens` (store chunks of C, device blocks of B) a prefix hit of an
+  n-token prompt may cover: `floor((n - 1) / unit)`, 0 for an empty prompt.
+
+  The last-token rule, stated once: a hit never covers the prompt's last token, whose logits
+  must be computed to sample the first output token (so a fully stored prompt still computes
+  at least one token). The store's candidate chunks (`kvjax.storage.keys`,
+  `kvjax.connector.lookup`), the device prefix cache (`kvjax.scheduler.kv_cache_manager`), a
+  Cake merge's prefix (`kvjax.scheduler.cake`) and re-rotated session KV
+  (`kvjax.engine.rerotation`) all take their bound from here:
+
+    C = 4, n = 8:   [t0 t1 t2 t3][t4 t5 t6 | t7]   -> 1 unit; t4..t7 computed
+    C = 4, n = 9:   [t0 t1 t2 t3][t4 t5 t6 t7] t8  -> 2 units; t8 computed
+  """
+  return max(0, (num_tokens - 1) // unit_tokens)
+
+
 def blocks_per_chunk(block_size: int, chunk_size: int) -> int:
   """R = C / B, the blocks one store chunk spans.
 
@@ -145,8 +162,8 @@ def blocks_per_chunk(block_size: int, chunk_size: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
       raise ValueError(f"{name} must be a positive int, got {v!r}")
   if chunk_size % block_size:
-    raise ValueError(f"a store chunk must span a whole number of blocks: kv_chunk_size="
-                     f"{chunk_size} is not a multiple of block_size={block_size}")
+    raise ValueError(f"kv_chunk_size={chunk_size} must be a whole number of blocks of "
+                     f"block_size={block_size} (a store chunk spans whole blocks)")
   return chunk_size // block_size
 
 

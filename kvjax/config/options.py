@@ -21,7 +21,9 @@ import dataclasses
 from typing import Any, Sequence
 
 from kvjax import codecs
+from kvjax.block_hash import blocks_per_chunk
 from kvjax.config.fields import option, option_fields, spec
+from kvjax.merge_mode import MERGE_MODES, parse_merge_mode
 from kvjax.models.runner_api import DEFAULT_CHUNK_SIZES
 from kvjax.models.registry import DEFAULT_MODEL
 from kvjax.scheduler.config import SchedulerConfig
@@ -67,7 +69,6 @@ def resolve_dtype(dtype: str, platform: str) -> str:
   if dtype not in _CANONICAL_DTYPE:
     raise ValueError(f"dtype {dtype!r} is not one of 'auto', {sorted(DTYPES)}")
   return _CANONICAL_DTYPE[dtype]
-MERGE_MODES = ("cake", "load_only", "compute_only")
 SESSION_TRUNCATIONS = ("none", "drop_oldest_turns")
 _CONSISTENT_FLAG = {"auto": None, "true": True, "false": False}
 
@@ -572,18 +573,15 @@ class EngineOptions:
     check_scheduling_options(s.long_prefill_token_threshold, sizes, s.prefill_order,
                              s.short_first_token_steps)
     self._check_codec(with_store)
-    if kv.kv_merge_mode not in MERGE_MODES:
-      raise ValueError(f"kv_merge_mode={kv.kv_merge_mode!r}; use 'cake', 'load_only' or "
-                       "'compute_only'")
+    parse_merge_mode(kv.kv_merge_mode, "kv_merge_mode")
     _positive_number_or_none("kv_ttft_target_s", kv.kv_ttft_target_s,
                              "must be a positive number of seconds or None")
     for name, v in (("block_size", c.block_size),
                     ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):
       if v is not None:
         _positive_int(name, v)
-    if with_store and isinstance(kv.kv_chunk_size, int) and kv.kv_chunk_size % c.block_size:
-      raise ValueError(f"kv_chunk_size={kv.kv_chunk_size} must be a whole number of blocks of "
-                       f"block_size={c.block_size}")
+    if with_store and isinstance(kv.kv_chunk_size, int) and kv.kv_chunk_size > 0:
+      blocks_per_chunk(c.block_size, kv.kv_chunk_size)  # a chunk is whole blocks
     if m.dtype != "auto" and m.dtype not in DTYPES:
       raise ValueError(f"dtype {m.dtype!r} is not one of 'auto', {sorted(DTYPES)}")
     g = kv.kv_layerwise_groups

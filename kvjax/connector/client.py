@@ -21,7 +21,9 @@ and adds a saver thread:
 
 The client owns each request's prefix lookup and chained chunk keys from admission to its end
 (`open_request` ... `close_request`; the engine names requests by id and gets plain data back:
-`start_request_load`, `request_chunk_key`, `request_tail_key`, `lookahead_requests`). It owns
+`start_request_load` (given the plan's encoding id: the codec choice is made here),
+`request_chunk_key`, `request_tail_key`, `request_tail_job` (the tail's key scheme stays here),
+`lookahead_requests`). It owns
 the load pipeline's state (queue, reads in flight, staged payloads) and its
 accounting (`loader_stats`); the scheduler owns which loads exist and what they mean. Loads never
 block the engine: `start_load` returns at once and reads are refilled on the event loop the moment

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvjax import codecs
 from kvjax._typing import ChunkHash
+from kvjax.block_hash import loadable_units
 from kvjax.connector.records import SAVING, PrefixLookup, StoredTail
 from kvjax.storage import keys
 from kvjax.storage.types import ChunkHit, ChunkRecord
@@ -61,7 +62,7 @@ class LookupMixin:
     ns = self.namespace(cache_salt)
     hashes = keys.chunk_hashes(ns, prompt_ids)
     root = ns.root_hash()
-    candidates = hashes[:(len(prompt_ids) - 1) // self.chunk_size]
+    candidates = hashes[:loadable_units(len(prompt_ids), self.chunk_size)]
     tail = None
     if self.stores_tails and 0 < history_tokens < len(prompt_ids):
       tail = self.tail_key(root, hashes, prompt_ids, history_tokens)

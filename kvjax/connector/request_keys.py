@@ -12,8 +12,11 @@ import dataclasses
 import threading
 from typing import Any, Sequence
 
+from kvjax import codecs
 from kvjax._typing import ChunkHash
-from kvjax.connector.records import LookaheadRequest, PrefixLookup
+from kvjax.connector.records import LookaheadRequest, PrefixLookup, SaveJob
+from kvjax.storage import keys
+from kvjax.storage.chunk_store import choose_codec
 
 
 @dataclasses.dataclass
@@ -70,13 +73,19 @@ class RequestKeysMixin:
       self._requests.pop(request_id, None)
     return self.cancel_loads(request_id)
 
-  def start_request_load(self, request_id: Any, index: int, *, choose=None, nbytes: int = 0,
+  def start_request_load(self, request_id: Any, index: int, *,
+                         encoding: codecs.EncodingId | None = None, nbytes: int = 0,
                          max_in_flight: int = 2) -> None:
     """`start_load` of chunk `index` of an open request's prompt, with its own lookup.
+
+    `encoding` is the level policy's pick (the scheduler's `LoadItem.encoding`): that encoding
+    is read (`kvjax.storage.chunk_store.choose_codec`); None: the loader's own choice. The
+    codec choice stays behind the client: the engine hands over the plan's plain id.
 
     Raises:
       KeyError: the request is not open.
     """
+    choose = None if encoding is None else choose_codec(encoding.codec, encoding.level)
     r = self._request(request_id)
     self.start_load(request_id, index, r.lookup, r.prompt_ids, choose=choose, nbytes=nbytes,
                     max_in_flight=max_in_flight)
@@ -127,3 +136,22 @@ class RequestKeysMixin:
     if tail is None:
       return None
     return r.lookup.namespace, tail[1], tail[2]
+
+  def request_tail_job(self, request_id: Any, token_ids: Sequence[int], end: int,
+                       kv: Any) -> SaveJob:
+    """The `SaveJob` of the tail of an open request's `token_ids[:end]`: its key
+    (`request_tail_key`), its tokens after the last full chunk padded to a chunk
+    (`keys.tail_token_ids`) and `kv`, the tail's rows `[L, 2, C, K, H]` padded to C (the caller
+    reads them from the device). The tail's key scheme stays behind the client.
+
+    Raises:
+      KeyError: the request is not open; ValueError: `end` is a multiple of C (no tail).
+    """
+    ids = [int(t) for t in token_ids]
+    key = self.request_tail_key(request_id, ids, end)
+    if key is None:
+      raise ValueError(f"no tail: end={end} is a multiple of the chunk size {self.chunk_size}")
+    namespace, parent, chunk_hash = key
+    c = self.chunk_size
+    return SaveJob(namespace=namespace, chunk_hash=chunk_hash, parent=parent,
+                   token_ids=keys.tail_token_ids(ids[end // c * c:end], c), kv=kv)

@@ -46,6 +46,7 @@ from kvjax.engine.core import EngineCore, StepRecord
 from kvjax.engine.kv_loads import KVLoads
 from kvjax.engine.kv_saves import KVSaves
 from kvjax.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from kvjax.merge_mode import MergeMode, parse_merge_mode
 from kvjax.models.runner_api import Runner, SeqChunk
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
@@ -54,7 +55,6 @@ from kvjax.scheduler.output import (ComputeTiming, InsertItem, InsertTiming, Sch
                                     StepResult)
 from kvjax.scheduler.request import Request, SamplingParams
 from kvjax.scheduler.scheduler import Scheduler
-from kvjax.sessions import REROTATED_SALT_PREFIX
 
 _log = logging.getLogger(__name__)
 
@@ -234,19 +234,18 @@ class Engine:
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                   prompt: str | None = None, request_id: str | None = None,
-                  cache_salt: str | None = None, merge_mode: str | None = None,
-                  history_tokens: int = 0, save_tail: bool = False) -> RequestId:
+                  cache_salt: str | None = None,
+                  merge_mode: MergeMode | str | None = None, history_tokens: int = 0,
+                  save_tail: bool = False) -> RequestId:
     """Validates and queues a request; returns its id.
 
     With a store, one batched lookup finds which prefix chunks are stored (no data is read
     here); the scheduler gets the answer as plain data and plans the merge. `cache_salt`
-    isolates tenants: prompts share stored KV only under equal salts. `merge_mode` ("cake",
-    "load_only", "compute_only") overrides the engine's for this request (benchmarks compare the
-    modes on one warm engine). A request under a re-rotated session namespace
-    (`kvjax.sessions.REROTATED_SALT_PREFIX`) runs "load_only" unless told otherwise: its stored
-    KV is not what compute would give, so a Cake merge, whose meeting point depends on timing, would
-    make the answer depend on it; load-only computes exactly the holes (the boundary chunks,
-    `kvjax.engine.rerotation.stage_rerotated`) and the suffix.
+    isolates tenants: prompts share stored KV only under equal salts. `merge_mode` (a
+    `kvjax.merge_mode.MergeMode` or its value) overrides the engine's for this request
+    (benchmarks compare the modes on one warm engine; a session turn under re-rotated KV asks
+    for load-only in its options, `kvjax.sessions.TurnPlan.request_options`: the engine reads no
+    meaning into a salt).
 
     Session turns (a raw store: `KVStoreClient.stores_tails`): `save_tail` stores
     the request's tail when it finishes cleanly (its tokens after the last full chunk of its
@@ -261,14 +260,11 @@ class Engine:
     """
     if cache_salt is not None and not isinstance(cache_salt, str):
       raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-    if merge_mode is not None and merge_mode not in ("cake", "load_only", "compute_only"):
-      raise ValueError(f"merge_mode={merge_mode!r}; use 'cake', 'load_only' or 'compute_only'")
+    if merge_mode is not None:
+      merge_mode = parse_merge_mode(merge_mode)
     if isinstance(history_tokens, bool) or not isinstance(history_tokens, int) or (
         history_tokens < 0):
       raise ValueError(f"history_tokens={history_tokens!r} must be an int >= 0")
-    if merge_mode is None and cache_salt is not None and cache_salt.startswith(
-        REROTATED_SALT_PREFIX):
-      merge_mode = "load_only"
     ids = self.validate(prompt_token_ids, params)
     rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
     if rid in self._live:

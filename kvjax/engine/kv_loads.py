@@ -27,7 +27,6 @@ from kvjax.models.runner_api import Runner, SeqChunk
 from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.output import (InsertItem, InsertTiming, SchedulerOutput, StoredChunk,
                                     StoredPrefix)
-from kvjax.storage.chunk_store import choose_codec
 
 #: What an insert reports back for the engine's metrics: the item and the tier it came from.
 Loaded = tuple[InsertItem, str]
@@ -138,12 +137,9 @@ class KVLoads:
       kv.set_lookahead(kv.lookahead_requests([rid for rid in plan.lookahead if rid in live]))
     for rid, index in plan.releases:
       kv.release(rid, index)
-    for item in plan.loads:
-      choose = None
-      if item.encoding is not None:  # the level policy's pick, a `codecs.EncodingId`
-        choose = choose_codec(item.encoding.codec, item.encoding.level)
-      kv.start_request_load(item.request_id, item.index, choose=choose, nbytes=item.nbytes,
-                            max_in_flight=item.max_in_flight)
+    for item in plan.loads:  # `item.encoding`: the level policy's pick, or None
+      kv.start_request_load(item.request_id, item.index, encoding=item.encoding,
+                            nbytes=item.nbytes, max_in_flight=item.max_in_flight)
     layerwise = plan.layer_groups > 1 and bool(plan.decodes or plan.prefills)
     loaded: list[Loaded] = []
     for ins in plan.inserts:

@@ -25,7 +25,6 @@ from kvjax.connector import KVStoreClient, SaveJob
 from kvjax.engine.kv_loads import chunk_blocks
 from kvjax.models.runner_api import Runner
 from kvjax.scheduler.output import SaveItem
-from kvjax.storage import keys
 
 
 class KVSaves:
@@ -127,7 +126,7 @@ class KVSaves:
   def save_tail(self, rid: RequestId, seq: Sequence[int], where) -> None:
     """Stores a finished session turn's tail: its KV after the last full chunk of its prompt
     and output (`seq`) but the last sampled token (which has no KV), padded to a chunk of C rows
-    under `keys.tail_hash` (`keys.tail_token_ids`), so the next turn loads every historical
+    under its tail key (`KVStoreClient.request_tail_job`), so the next turn loads every historical
     token even once the device has evicted its blocks. Raw, like every chunk of a store that
     keeps tails (`KVStoreClient.stores_tails`); queued to the saver like any save (dropped and
     counted when its queue is full). `where` is the request's block table.
@@ -142,11 +141,9 @@ class KVSaves:
     pieces = self._pieces.get(rid)
     if not m or not pieces:
       return  # no tail (its last chunk is full, saved as a chunk), or nothing kept
-    namespace, parent, key = kv.request_tail_key(rid, seq, end)
     rows = self._kept_rows(pieces, k * c, end, where)
     if rows.shape[2] != m:
       raise ValueError(f"tail of {rid}: kept rows cover {rows.shape[2]} of {m}")
     xp = np if isinstance(rows, np.ndarray) else jnp
     padded = xp.pad(rows, ((0, 0), (0, 0), (0, c - m), (0, 0), (0, 0)))
-    kv.submit_save(SaveJob(namespace=namespace, chunk_hash=key, parent=parent,
-                           token_ids=keys.tail_token_ids(seq[k * c:end], c), kv=padded))
+    kv.submit_save(kv.request_tail_job(rid, seq, end, padded))

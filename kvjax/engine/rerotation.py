@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvjax.block_hash import loadable_units
 from kvjax.connector import KVStoreClient
 
 
@@ -34,9 +35,9 @@ def stage_rerotated(kv: KVStoreClient | None, source_ids: Sequence[int],
   new chunks chained from `target_salt`'s root (new parent chains; RoPE is applied at the new
   positions when they are inserted, like any chunk). The KV is approximate (computed with the
   dropped tokens in context), so `target_salt` must be a namespace no ordinary request uses
-  (`kvjax.sessions.REROTATED_SALT_PREFIX`); a request under it then loads these chunks
-  through a load-only merge (`Engine.add_request`) and computes the rest. Blocks the caller (store
-  reads and writes).
+  (`kvjax.sessions.REROTATED_SALT_PREFIX`); the session turn under it then loads these chunks
+  through a load-only merge (its request options, `kvjax.sessions.TurnPlan.request_options`)
+  and computes the rest. Blocks the caller (store reads and writes).
 
   `boundary_chunks` b: the target's first b chunks (the system prompt and the seam, the kept
   tokens right after the dropped ones, whose KV deviates most from a recompute) are not
@@ -73,7 +74,7 @@ def stage_rerotated(kv: KVStoreClient | None, source_ids: Sequence[int],
                                                                sp.src_start + sp.length)
   kv.flush()  # the previous turn's chunks (its reply's too) are readable
   lookup = kv.lookup(list(source_ids), source_salt)
-  n_chunks = (n_dst - 1) // c  # never the last prompt token, as any hit
+  n_chunks = loadable_units(n_dst, c)  # never the last prompt token, as any hit
   b = min(boundary_chunks, n_chunks)
   needed = sorted({int(s) // c for s in src_of[:n_chunks * c] if s >= 0})
   got = kv.read_raw_chunks(lookup, list(source_ids), needed)

@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 
+from kvjax.block_hash import loadable_units
 from kvjax.scheduler import cake_forecast, level_policy
 from kvjax.scheduler.cake_forecast import ideal_merge_s
 from kvjax.scheduler.cake_share import ComputeShare
@@ -135,7 +136,7 @@ class CakeMerge:
     if prefix_tokens >= num_prompt_tokens:
       raise ValueError(f"{len(hits)} prefix units ({prefix_tokens} tokens, chunks of "
                        f"{chunk_size}) cover the last token of a {num_prompt_tokens}-token "
-                       f"prompt: at most {(num_prompt_tokens - 1) // chunk_size} chunks")
+                       f"prompt: at most {loadable_units(num_prompt_tokens, chunk_size)} chunks")
     if not late_factor >= 1:
       raise ValueError(f"late_factor={late_factor!r} must be >= 1")
     if compute_share_prior is not None and not 0 < compute_share_prior <= 1:

@@ -3,7 +3,8 @@
 The vocabulary of `kvjax.scheduler.cake.CakeMerge` (Cake, arXiv 2410.03065, section 4): each
 prefix chunk moves through `ChunkState`s (the state diagram in `kvjax/scheduler/cake.py`), a
 finished load gets a `LoadVerdict`, each prompt position has one `Writer`, and `MergeTrace`
-records what the merge did. Plain data, no behaviour.
+records what the merge did. Plain data, no behaviour. The merge modes (`MergeMode`) live in
+`kvjax/merge_mode.py`, below every room; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -12,16 +13,8 @@ import dataclasses
 import enum
 from collections.abc import Hashable
 
+from kvjax.merge_mode import MergeMode
 from kvjax.scheduler.level_policy import Candidate
-
-
-class MergeMode(enum.Enum):
-  """CAKE: both sides. COMPUTE_ONLY: ordinary chunked prefill, no loads. LOAD_ONLY: compute waits
-  until every stored chunk is resident or rejected, then computes holes and the suffix."""
-
-  CAKE = "cake"
-  COMPUTE_ONLY = "compute_only"
-  LOAD_ONLY = "load_only"
 
 
 class ChunkState(enum.Enum):

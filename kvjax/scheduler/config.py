@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.scheduler.cake_state import MergeMode
+from kvjax.merge_mode import parse_merge_mode
 from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +107,7 @@ class LoadConfig:
     g = self.layerwise_groups
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
       raise ValueError(f"layerwise_groups={g!r} must be an int >= 1")
-    try:
-      MergeMode(self.merge_mode)
-    except ValueError:
-      raise ValueError(f"merge_mode={self.merge_mode!r}; use one of "
-                       f"{[m.value for m in MergeMode]}") from None
+    parse_merge_mode(self.merge_mode)
     for name in ("max_loads_in_flight", "max_loads_ahead"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

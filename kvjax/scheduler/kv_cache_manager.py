@@ -36,7 +36,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvjax._typing import RequestId
-from kvjax.block_hash import BlockHash, hash_block_tokens
+from kvjax.block_hash import BlockHash, hash_block_tokens, loadable_units
 from kvjax.scheduler.block_pool import BlockEvent, BlockId, BlockPool
 from kvjax.scheduler.request import Request
 
@@ -212,7 +212,7 @@ class KVCacheManager:
     state.indexing = True
     hits: list[BlockId] = []
     b = self.block_size
-    for i in range(max(0, (request.num_tokens - 1) // b)):
+    for i in range(loadable_units(request.num_tokens, b)):
       block = self.pool.lookup(self._hash(state, request, i))
       if block is None:
         break

@@ -18,7 +18,8 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvjax._typing import RequestId
-from kvjax.scheduler.cake import CakeMerge, ChunkState, LoadVerdict, MergeTrace, Writer
+from kvjax.scheduler.cake import (CakeMerge, ChunkState, LoadVerdict, MergeMode, MergeTrace,
+                                  Writer)
 from kvjax.scheduler.config import LoadConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.output import InsertItem, LoadItem, LoadReport, StoredPrefix
@@ -40,7 +41,8 @@ class Prefix:
   outstanding: dict[int, int] = dataclasses.field(default_factory=dict)  # issued: planned bytes
 
 
-def new_prefix(request: Request, stored: StoredPrefix, lc: LoadConfig, merge_mode: str | None,
+def new_prefix(request: Request, stored: StoredPrefix, lc: LoadConfig,
+               merge_mode: MergeMode | str | None,
                kv_ttft_target_s: float | None, resident: int) -> Prefix:
   """The record of a request whose lookup has stored chunks: a Cake merge of its prompt
   (`merge_mode` and `kv_ttft_target_s` override `lc`'s; `resident` leading chunks are on the

@@ -46,6 +46,7 @@ import dataclasses
 import itertools
 
 from kvjax._typing import RequestId
+from kvjax.block_hash import blocks_per_chunk
 from kvjax.scheduler import device_prefix, prefill_policy, prefix_loads, transfer_policy
 from kvjax.scheduler.cake import CakeMerge, MergeMode, MergeTrace
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
@@ -91,10 +92,8 @@ class Scheduler:
   def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None, *,
                load_config: LoadConfig | None = None, save_chunk_size: int | None = None,
                consistent: bool = False, kv_cache: KVCacheManager | None = None):
-    if kv_cache is not None and save_chunk_size is not None and (
-        save_chunk_size % kv_cache.block_size):
-      raise ValueError(f"kv_chunk_size={save_chunk_size} must be a whole number of blocks of "
-                       f"block_size={kv_cache.block_size}")
+    if kv_cache is not None and save_chunk_size is not None:
+      blocks_per_chunk(kv_cache.block_size, save_chunk_size)
     self.kv_cache = kv_cache
     self._roots: dict[RequestId, str | None] = {}  # per-request namespace root (paged)
     self._device_hit_tokens: dict[RequestId, int] = {}

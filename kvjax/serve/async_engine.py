@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from kvjax.engine import Engine, RequestOutput
+from kvjax.merge_mode import MergeMode
 from kvjax.scheduler.request import SamplingParams
 
 _log = logging.getLogger(__name__)
@@ -132,9 +133,10 @@ class AsyncEngine:
   # --------------------------------------------------------------------- handler side
   def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
              cache_salt: str | None = None, *, history_tokens: int = 0,
-             save_tail: bool = False) -> asyncio.Queue:
-    """Queues a request; returns the asyncio queue its outputs arrive on. `history_tokens` and
-    `save_tail` are a session turn's (`Engine.add_request`).
+             save_tail: bool = False, merge_mode: MergeMode | str | None = None) -> asyncio.Queue:
+    """Queues a request; returns the asyncio queue its outputs arrive on. `history_tokens`,
+    `save_tail` and `merge_mode` are a session turn's (`Engine.add_request`,
+    `kvjax.sessions.TurnPlan.request_options`).
 
     Items are `(output, ttft_s, elapsed_s)`: a `RequestOutput` (cumulative: it holds all tokens
     so far; the last has `finished=True`), the server-side time to first token (seconds, on the
@@ -146,10 +148,11 @@ class AsyncEngine:
     """
     with self._submit_lock:  # a command never lands behind the stop unanswered (`_stop`)
       return self._submit(request_id, prompt_token_ids, params, cache_salt,
-                          history_tokens=history_tokens, save_tail=save_tail)
+                          history_tokens=history_tokens, save_tail=save_tail,
+                          merge_mode=merge_mode)
 
   def _submit(self, request_id, prompt_token_ids, params, cache_salt, *, history_tokens,
-              save_tail) -> asyncio.Queue:
+              save_tail, merge_mode) -> asyncio.Queue:
     if self._stopped.is_set():
       raise EngineFault("the server is shutting down", status=503)
     with self._unfinished_lock:
@@ -160,7 +163,8 @@ class AsyncEngine:
       self._unfinished += 1
     sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
     self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt,
-                        {"history_tokens": history_tokens, "save_tail": save_tail}, sink))
+                        {"history_tokens": history_tokens, "save_tail": save_tail,
+                         "merge_mode": merge_mode}, sink))
     return sink.queue
 
   def abort(self, request_id: str) -> None:

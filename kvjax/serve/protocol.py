@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvjax.engine import MergeTrace
 from kvjax.scheduler.request import MAX_LOGPROBS
-from kvjax.sessions import REROTATED_SALT_PREFIX, check_session_id
+from kvjax.sessions import check_client_salt, check_session_id
 
 
 class ApiError(Exception):
@@ -104,9 +104,10 @@ def check_cache_salt(cache_salt: Any) -> None:
   if len(cache_salt) > MAX_CACHE_SALT_CHARS:
     raise bad_request(f"cache_salt is {len(cache_salt)} characters; at most "
                       f"{MAX_CACHE_SALT_CHARS} are allowed.", "cache_salt")
-  if cache_salt.startswith(REROTATED_SALT_PREFIX):
-    raise bad_request(f"cache_salt may not start with {REROTATED_SALT_PREFIX!r} (reserved).",
-                      "cache_salt")
+  try:
+    check_client_salt(cache_salt)
+  except ValueError as e:
+    raise bad_request(f"{e}.", "cache_salt") from None
 
 
 def check_session_params(session_id: Any, cache_salt: Any) -> None:

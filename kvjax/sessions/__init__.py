@@ -68,8 +68,8 @@ from kvjax.sessions.prompt import chat_prompt, record_turn
 from kvjax.sessions.registry import SessionRegistry
 from kvjax.sessions.truncation import (DROP_OLDEST_TURNS, REROTATED_SALT_PREFIX, TRUNCATE_NONE,
                                        TRUNCATION_POLICIES, KeptSpan, Truncation,
-                                       check_client_salt, message_segments, rerotation_salt,
-                                       truncate_prompt)
+                                       check_client_salt, is_rerotated_salt, message_segments,
+                                       rerotation_salt, truncate_prompt)
 from kvjax.sessions.turn import (StageFn, TurnPlan, output_reservation, prompt_limit,
                                  run_turn)
 from kvjax.sessions.types import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
@@ -86,6 +86,7 @@ __all__ = [
     "TRUNCATE_NONE", "TRUNCATION_POLICIES", "ChatPrompt", "KeptSpan", "Message", "PinnedSession",
     "SessionBusy", "SessionConfig", "SessionFiles", "SessionInfo", "SessionRegistry",
     "SessionStats", "SessionTurn", "StageFn", "Truncation", "Turn", "TurnPlan", "chat_prompt",
-    "check_client_salt", "check_session_id", "message_segments", "output_reservation",
+    "check_client_salt", "check_session_id", "is_rerotated_salt", "message_segments",
+    "output_reservation",
     "prompt_limit", "record_turn", "rerotation_salt", "run_turn", "truncate_prompt",
 ]

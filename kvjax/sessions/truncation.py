@@ -33,9 +33,16 @@ def rerotation_salt(cache_salt: str | None, source_salt: str | None,
   return REROTATED_SALT_PREFIX + h.hexdigest()
 
 
+def is_rerotated_salt(cache_salt: Any) -> bool:
+  """Whether `cache_salt` names a re-rotated namespace (`rerotation_salt`'s): the one test of
+  the reserved prefix."""
+  return isinstance(cache_salt, str) and cache_salt.startswith(REROTATED_SALT_PREFIX)
+
+
 def check_client_salt(cache_salt: Any) -> None:
-  """Raises ValueError for a client `cache_salt` in the reserved re-rotated namespace."""
-  if isinstance(cache_salt, str) and cache_salt.startswith(REROTATED_SALT_PREFIX):
+  """Raises ValueError for a client `cache_salt` in the reserved re-rotated namespace (both
+  front ends: `LLM`, and the server's `kvjax.serve.protocol.check_cache_salt`)."""
+  if is_rerotated_salt(cache_salt):
     raise ValueError(f"cache_salt may not start with {REROTATED_SALT_PREFIX!r} (reserved for "
                      "re-rotated session KV)")
 

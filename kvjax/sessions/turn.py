@@ -9,7 +9,8 @@ The flow of a turn (CachedAttention, arXiv 2403.19708, section 3):
     SessionRegistry.begin   lease the session (SessionBusy while a turn of it runs)
     run_turn                 prompt by the extension rule, cut to its limit (section 3.4), kept
                              KV staged re-rotated when asked  -> TurnPlan
-    (the front end runs the request: ids, kv_salt, history_tokens, save_tail=True)
+    (the front end runs the request: ids, kv_salt, `TurnPlan.request_options()`: history_tokens,
+     save_tail=True, and merge_mode=load_only under re-rotated KV)
     SessionRegistry.finish   record the finished turn (or `release` on any other ending)
 
 Output-token reservation (`prompt_limit`): with a truncation policy, the prompt may take the
@@ -24,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+from kvjax.merge_mode import MergeMode
 from kvjax.sessions.registry import SessionRegistry
-from kvjax.sessions.truncation import TRUNCATE_NONE
+from kvjax.sessions.truncation import TRUNCATE_NONE, is_rerotated_salt
 from kvjax.sessions.types import ChatPrompt, SessionTurn
 
 #: `stage(source_ids, source_salt, target_ids, spans, target_salt, *, boundary_chunks) -> int`:
@@ -86,9 +88,16 @@ class TurnPlan:
   limit: int | None
 
   def request_options(self) -> dict:
-    """`Engine.add_request` / `AsyncEngine.submit` keywords of a session turn (it stores its
-    tail and finds the last turn's)."""
-    return {"save_tail": True, "history_tokens": self.history_tokens}
+    """`Engine.add_request` / `AsyncEngine.submit` keywords of a session turn: it stores its
+    tail and finds the last turn's; under a re-rotated namespace (`is_rerotated_salt`) it runs
+    `MergeMode.LOAD_ONLY`. Re-rotated KV is not what compute would give, so a Cake merge, whose
+    meeting point depends on timing, would make the answer depend on it; load-only computes
+    exactly the holes (the boundary chunks, `kvjax.engine.rerotation.stage_rerotated`) and the
+    suffix. Otherwise the engine's own merge mode applies."""
+    options = {"save_tail": True, "history_tokens": self.history_tokens}
+    if is_rerotated_salt(self.kv_salt):
+      options["merge_mode"] = MergeMode.LOAD_ONLY
+    return options
 
 
 def run_turn(registry: SessionRegistry, turn: SessionTurn,

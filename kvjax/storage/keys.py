@@ -205,7 +205,7 @@ def prefix_chunk_hashes_for_prompt(namespace: KeyNamespace,
   """Keys of the chunks of a prompt that may be served from the store.
 
   A hit may never cover the last prompt token: its logits must be computed fresh to sample the
-  first output token. So only the full chunks of `prompt_ids[:-1]` are candidates, and a fully
+  first output token (`kvjax.block_hash.loadable_units`, the one statement of the rule). So only the full chunks of `prompt_ids[:-1]` are candidates, and a fully
   stored prompt of n tokens yields `C * floor((n - 1) / C)` cached tokens:
 
     C = 4, n = 8:   [t0 t1 t2 t3][t4 t5 t6 | t7]   -> 1 chunk (4 tokens); t4..t7 computed
@@ -218,4 +218,6 @@ def prefix_chunk_hashes_for_prompt(namespace: KeyNamespace,
   Returns:
     `floor((n - 1) / C)` hex keys (none for an empty prompt).
   """
-  return chunk_hashes(namespace, prompt_ids, max_tokens=max(0, len(prompt_ids) - 1))
+  c = namespace.chunk_size
+  return chunk_hashes(namespace, prompt_ids,
+                      max_tokens=block_hash.loadable_units(len(prompt_ids), c) * c)

@@ -1,7 +1,9 @@
 """Holds the import direction between rooms (DESIGN.md section 2).
 
 Bottom floors (`kvjax/_typing.py`, `kvjax/_paths.py`, `kvjax/codecs.py`, the codec registry,
-`kvjax/block_hash.py`) import no kvjax module but `kvjax._typing` and no array or storage library, so every room may import them.
+`kvjax/block_hash.py`, with the chunk-is-whole-blocks and last-token rules, `kvjax/merge_mode.py`,
+the merge modes) import no kvjax module but `kvjax._typing` and no array or storage library, so
+every room may import them.
 """
 
 import ast
@@ -27,7 +29,12 @@ FORBIDDEN = {
     "sessions": {"kvjax.models", "kvjax.kernels", "kvjax.storage", "kvjax.scheduler",
                  "kvjax.engine", "kvjax.connector", "kvjax.serve", "kvjax.store", "kvjax.testing", "jax", "flax",
                  "tensorstore", "numpy"},
-    "engine": {"kvjax.entrypoints", "kvjax.serve", "kvjax.testing"},
+    # The engine reads no session rule: a session turn's merge mode arrives in its request
+    # options (`kvjax.sessions.TurnPlan.request_options`), the salt carries no meaning.
+    # The store sits behind the client: the engine hands it plain ids (the plan's encoding, a
+    # request's tokens), never a storage object, a codec chooser or a key scheme.
+    "engine": {"kvjax.entrypoints", "kvjax.serve", "kvjax.sessions", "kvjax.storage",
+               "kvjax.testing", "tensorstore"},
     # The entry points (`LLM`, the server's builder) build an engine from the configuration tree;
     # the front ends (serve) and the tests sit above them.
     "entrypoints": {"kvjax.serve", "kvjax.testing"},
@@ -54,17 +61,18 @@ for _room in ("kernels", "scheduler", "storage", "models", "sessions", "config",
 
 # Bottom-floor modules -> the only kvjax modules they may import, and the libraries they must not.
 BOTTOM_FLOORS = {"_typing.py": set(), "_paths.py": set(), "codecs.py": {"kvjax._typing"},
-                 "block_hash.py": {"kvjax._typing"}}
+                 "block_hash.py": {"kvjax._typing"}, "merge_mode.py": set()}
 BOTTOM_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec"}
 
 # Room -> the only kvjax modules it may import (besides itself): serve sees the entry points,
 # the engine, the configuration tree, the sessions and the request types, nothing below them;
-# sessions see nothing but themselves.
+# sessions see nothing but themselves and the merge modes.
 ALLOWED_KVJAX = {
     "serve": {"kvjax.serve", "kvjax.entrypoints", "kvjax.engine", "kvjax.config",
               "kvjax.sessions",
-              "kvjax.scheduler.request", "kvjax._typing", "kvjax.codecs"},
-    "sessions": {"kvjax.sessions"},
+              "kvjax.scheduler.request", "kvjax._typing", "kvjax.codecs", "kvjax.merge_mode"},
+    # A session turn names its merge mode in its request options (`TurnPlan.request_options`).
+    "sessions": {"kvjax.sessions", "kvjax.merge_mode"},
     "store": {"kvjax.store", "kvjax.storage", "kvjax.codecs", "kvjax._typing", "kvjax._paths"},
 }
 

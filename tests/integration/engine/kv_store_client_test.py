@@ -13,7 +13,7 @@ from kvjax.connector import KVStoreClient, SaveJob
 from kvjax.connector.device import DeviceSeam, decode_on_device, held_nbytes
 from kvjax.models.device_seam import JaxDeviceSeam
 from kvjax.testing.fake_runner import NumpyDeviceSeam
-from kvjax.storage import entropy
+from kvjax.storage import entropy, keys
 from kvjax.storage.tiers import KVStore
 from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout, MissReason
 
@@ -243,6 +243,12 @@ class LoaderTest(absltest.TestCase):
                      (lookup.namespace,) + self.client.tail_key(lookup.namespace, want, seq,
                                                                 14)[1:])
     self.assertIsNone(self.client.request_tail_key("r", seq, 12))
+    job = self.client.request_tail_job("r", seq, 14, "rows")  # the tail's key, tokens padded
+    ns, parent, key = self.client.request_tail_key("r", seq, 14)
+    self.assertEqual((job.namespace, job.parent, job.chunk_hash, job.kv), (ns, parent, key, "rows"))
+    self.assertEqual(tuple(job.token_ids), tuple(keys.tail_token_ids(seq[12:14], 4)))
+    with self.assertRaisesRegex(ValueError, "no tail"):
+      self.client.request_tail_job("r", seq, 12, "rows")
     self.assertEqual([w.request_id for w in self.client.lookahead_requests(["x", "r"])], ["r"])
     self.client.start_request_load("r", 2)
     self.assertEqual(self.client.close_request("r"), 1)  # its load is dropped with its keys

@@ -3,15 +3,17 @@ prompt of a turn under a truncation policy may take the context minus the turn's
 or minus one token when it gives none; `LLM.chat` and the server's chat endpoint
 (`kvjax.serve.completions.session_plan`) plan by it alike. Byte tokenizer, no model."""
 
+import dataclasses
 import json
 
 from absl.testing import absltest
 
 from kvjax import SamplingParams
+from kvjax.merge_mode import MergeMode
 from kvjax.models.byte_tokenizer import ByteTokenizer
 from kvjax.serve import completions, protocol
-from kvjax.sessions import (DROP_OLDEST_TURNS, TRUNCATE_NONE, SessionConfig, SessionRegistry,
-                            output_reservation, prompt_limit, run_turn)
+from kvjax.sessions import (DROP_OLDEST_TURNS, REROTATED_SALT_PREFIX, TRUNCATE_NONE, SessionConfig,
+                            SessionRegistry, output_reservation, prompt_limit, run_turn)
 from kvjax.testing import engines
 
 MSGS = [{"role": "user", "content": "x" * 200}]  # 200 + len("user: \nassistant: ") bytes
@@ -58,6 +60,20 @@ class RunTurnTest(absltest.TestCase):
     self.assertEqual(plan.kv_salt, None)
     self.assertEqual(plan.request_options(), {"save_tail": True, "history_tokens": 0})
     reg.release(turn)
+
+  def test_a_turn_under_rerotated_kv_asks_for_load_only(self):
+    # The merge mode travels in the request's options; the engine reads nothing into the salt.
+    reg = _registry()
+    turn = reg.begin("s")
+    plan = run_turn(reg, turn, MSGS, max_model_len=1024, max_tokens=8,
+                    truncate_prompt_tokens=None)
+    reg.release(turn)
+    for salt in (REROTATED_SALT_PREFIX + "ab", REROTATED_SALT_PREFIX):
+      self.assertEqual(dataclasses.replace(plan, kv_salt=salt, history_tokens=5).request_options(),
+                       {"save_tail": True, "history_tokens": 5,
+                        "merge_mode": MergeMode.LOAD_ONLY})
+    for salt in (None, "tenant", "x" + REROTATED_SALT_PREFIX):
+      self.assertNotIn("merge_mode", dataclasses.replace(plan, kv_salt=salt).request_options())
 
   def test_both_front_ends_plan_alike(self):
     # The server without max_tokens reserves one token; with it, max_tokens, as LLM.chat does.

@@ -126,6 +126,36 @@ class TruncatePromptTokensUnitTest(absltest.TestCase):
     stats = llm.sessions.stats()
     self.assertEqual((stats.truncated, stats.rerotated, stats.rerotated_tokens), (1, 1, want))
 
+  def test_the_turn_asks_for_load_only_whatever_the_engine_mode(self):
+    # The session turn's request options carry the merge mode: even an engine that ignores
+    # hits (compute_only) loads the re-rotated chunks, as no other merge would be exact.
+    llm, c = self.make_llm(chunk_sizes=(16, 32, 64), max_num_seqs=2, max_model_len=256,
+                           kv_store="memory://", kv_chunk_size=16,
+                           session_truncation="drop_oldest_turns", session_rerotate=True,
+                           session_rerotate_boundary_chunks=0,
+                           kv_merge_mode="compute_only"), 16
+    try:
+      p = SamplingParams(max_tokens=8, temperature=0)
+      msgs = [{"role": "user", "content": "x" * 150}]
+      out1 = llm.chat(msgs, p, session_id="co", cache_salt="t")[0]
+      llm.flush()
+      msgs += [{"role": "assistant", "content": out1.text}, {"role": "user", "content": "y" * 60}]
+      limit = llm.max_model_len - 8 - 40
+      out2 = llm.chat(msgs, SamplingParams(max_tokens=8, temperature=0,
+                                           truncate_prompt_tokens=limit),
+                      session_id="co", cache_salt="t")[0]
+      pr = llm.last_session_prompt
+      self.assertTrue(sessions.is_rerotated_salt(pr.kv_salt))
+      self.assertGreaterEqual(pr.rerotated_tokens, c)
+      self.assertEqual(out2.metrics.num_loaded_tokens - out2.metrics.num_device_cached_tokens,
+                       pr.rerotated_tokens)
+      # An ordinary request on this engine still ignores its hits.
+      again = llm.generate({"prompt_token_ids": out1.prompt_token_ids, "cache_salt": "t"}, p)[0]
+      self.assertEqual(again.metrics.num_loaded_tokens - again.metrics.num_device_cached_tokens,
+                       0)
+    finally:
+      llm.close()
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -79,6 +79,20 @@ class BlockHashTest(parameterized.TestCase):
     for i in range(3):
       self.assertLen({c[i] for c in chains}, 4)
 
+  def test_the_last_token_rule(self):
+    # A hit never covers the last prompt token: floor((n - 1) / unit) whole units.
+    got = [bh.loadable_units(n, 4) for n in (0, 1, 4, 5, 8, 9, 12, 13)]
+    self.assertEqual(got, [0, 0, 0, 1, 1, 2, 2, 3])
+    self.assertEqual(bh.loadable_units(256, 256), 0)
+    self.assertEqual(bh.loadable_units(257, 256), 1)
+
+  def test_a_chunk_is_whole_blocks(self):
+    self.assertEqual(bh.blocks_per_chunk(16, 64), 4)
+    with self.assertRaisesRegex(ValueError,
+                                "kv_chunk_size=24 must be a whole number of blocks of "
+                                "block_size=16"):
+      bh.blocks_per_chunk(16, 24)
+
   def test_bad_sizes_raise(self):
     for b, c in ((3, 8), (0, 8), (8, 4), (True, 8)):
       with self.assertRaisesRegex(ValueError, "block_size|chunk_size|multiple"):

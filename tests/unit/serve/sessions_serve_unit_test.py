@@ -345,5 +345,34 @@ class SessionsWithApiKeyUnitTest(ServedLLMTestCase):
     self.assertEqual(r.status_code, 200)
 
 
+class RerotatedTurnServeUnitTest(ServedLLMTestCase):
+  """A session turn's merge mode travels in its request options through the server's engine
+  thread (`AsyncEngine.submit`): a re-rotated turn loads its staged chunks even on an engine
+  whose own mode ignores hits."""
+
+  @classmethod
+  def make_llm(cls):
+    return engines.fake_llm(chunk_sizes=(16, 32, 64), max_num_seqs=2, max_model_len=256,
+                            kv_store="memory://", kv_chunk_size=16,
+                            session_truncation="drop_oldest_turns", session_rerotate=True,
+                            session_rerotate_boundary_chunks=0, kv_merge_mode="compute_only")
+
+  def test_a_rerotated_turn_loads_under_a_compute_only_engine(self):
+    def chat(messages, **kw):
+      return self.client.chat.completions.create(
+          model="tiny", messages=messages, temperature=0.0, max_tokens=8,
+          extra_body={"session_id": "co", "cache_salt": "t", **kw})
+
+    m1 = [{"role": "user", "content": "x" * 150}]
+    r1 = chat(m1)
+    m2 = m1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+               {"role": "user", "content": "y" * 60}]
+    r2 = chat(m2, truncate_prompt_tokens=256 - 8 - 40)
+    staged = r2.model_extra["kvjax"]["session"]["truncation"]["rerotated_tokens"]
+    self.assertGreaterEqual(staged, B)
+    # Nothing of the private namespace is on the device: every cached token was loaded.
+    self.assertEqual(r2.usage.prompt_tokens_details.cached_tokens, staged)
+
+
 if __name__ == "__main__":
   absltest.main()
