@@ -6,6 +6,6 @@
 imports it.
 """
 
-from kvjax.entrypoints.llm import LLM, StartupEvent
+from kvjax.entrypoints.llm import LLM, StartupEvent, log_startup, print_startup
 
-__all__ = ["LLM", "StartupEvent"]
+__all__ = ["LLM", "StartupEvent", "log_startup", "print_startup"]

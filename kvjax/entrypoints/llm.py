@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -33,9 +34,10 @@ from kvjax.models.compilation_cache import (default_cache_root,
                                             enable_persistent_compilation_cache)
 from kvjax.models.paged_runner import PagedModelRunner
 from kvjax.models.pool_memory import build_paged_runner
-from kvjax.models.registry import load_model
+from kvjax.models.registry import load_config, load_model
 from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
+from kvjax.models.weights_memory import check_weights_fit, device_free_bytes
 from kvjax.scheduler.request import SamplingParams
 from kvjax.sessions import SessionRegistry, StageFn, check_client_salt, run_turn
 from kvjax.storage.chunk_store import ChunkStore
@@ -74,9 +76,20 @@ class StartupEvent:
   seconds: float = 0.0
 
 
+def print_startup(event: StartupEvent) -> None:
+  """`LLM`'s default `startup_progress`: `kvjax: <message>` on stderr (flushed), the lines
+  `python -m kvjax.serve` prints for its start-up."""
+  print(f"kvjax: {event.message}", file=sys.stderr, flush=True)
+
+
 def log_startup(event: StartupEvent) -> None:
-  """`LLM`'s default `startup_progress`: the event's message at INFO on this module's logger."""
+  """A `startup_progress` for applications that route output through `logging`: the event's
+  message at INFO on this module's logger (`kvjax.entrypoints.llm`)."""
   _log.info("%s", event.message)
+
+
+def _quiet(event: StartupEvent) -> None:
+  del event
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -165,24 +178,29 @@ class LLM:
       directory, or `"tiny"` (random, for tests); the tree's `model` field.
     options: the options; None: the defaults.
     startup_progress: called with a `StartupEvent` at each step of construction (weights,
-      calibration, store, each compiled program, ready), on the constructing thread; an
-      exception it raises (e.g. to cancel a start-up on Ctrl-C) ends the construction, after
-      closing what was opened, and propagates. None (default): `log_startup` (INFO log lines).
+      KV cache, calibration, store, each compiled program, ready, each with its seconds), on
+      the constructing thread; an exception it raises (e.g. to cancel a start-up on Ctrl-C)
+      ends the construction, after closing what was opened, and propagates. Default:
+      `print_startup` (`kvjax: <message>` lines on stderr, as the server prints);
+      `log_startup`: INFO lines on the `kvjax.entrypoints.llm` logger; None: nothing.
     **flat: options by their flat names (`EngineOptions.from_flat`).
 
   Raises:
     TypeError: a keyword that is no option.
-    ValueError: a bad option, an unknown model or dtype, or sizes that do not fit the model.
+    ValueError: a bad option, an unknown model or dtype, sizes that do not fit the model, or
+      weights that do not fit the device's free memory (checked before they load, where the
+      device reports its memory: `kvjax.models.weights_memory`; not on the CPU).
     FileNotFoundError: a missing model file.
   """
 
   def __init__(self, model: str | None = None, *, options: EngineOptions | None = None,
-               startup_progress: Callable[[StartupEvent], None] | None = None, **flat: Any):
+               startup_progress: Callable[[StartupEvent], None] | None = print_startup,
+               **flat: Any):
     opts = _options(model, options, flat)
     #: The options this LLM was built with (`kvjax.config.EngineOptions`).
     self.options = opts
     m, kv, par = opts.model, opts.kv, opts.parallel
-    self._progress = startup_progress or log_startup
+    self._progress = startup_progress if startup_progress is not None else _quiet
     multihost_run = initialize_distributed(par.coordinator_address, par.num_processes,
                                            par.process_id)
     kv_store = kv.kv_store
@@ -195,6 +213,12 @@ class LLM:
     platform = jax.default_backend()
     self.dtype = resolve_dtype(m.dtype, platform)
     params_dir = os.path.join(cache_root, "params") if cache_root else None
+    device = jax.local_devices()[0]
+    free_bytes = device_free_bytes(device)
+    if free_bytes is not None:  # shapes from the checkpoint's header, before any weight is read
+      check_weights_fit(load_config(m.model, cache_dir=params_dir), self.dtype, free_bytes,
+                        tensor_parallel_size=par.tensor_parallel_size, where=str(device),
+                        model=m.model)
     self._progress(StartupEvent("weights", f"loading {m.model} weights" + (
         f" (converted once, cached in {params_dir})" if params_dir else "")))
     t0 = time.perf_counter()

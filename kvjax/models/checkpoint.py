@@ -45,6 +45,18 @@ def entry_dir(cache_dir: str, source_paths: Sequence[str]) -> str:
   return os.path.join(cache_dir, source_key(source_paths))
 
 
+def cached_config(source_paths: Sequence[str], cache_dir: str | None) -> LlamaConfig | None:
+  """The config of these source files' cache entry (its meta.json alone, no weights), or None
+  when there is no readable entry (`load_converted` rebuilds a bad one)."""
+  if cache_dir is None:
+    return None
+  try:
+    with open(os.path.join(entry_dir(cache_dir, source_paths), "meta.json")) as f:
+      return LlamaConfig.from_dict(json.load(f)["config"])
+  except Exception:  # noqa: BLE001 - any failure means: no usable entry
+    return None
+
+
 def load_converted(
     source_paths: Sequence[str],
     convert: Callable[[], tuple[LlamaConfig, dict[str, np.ndarray]]],

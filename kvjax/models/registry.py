@@ -60,6 +60,59 @@ def tiny_params(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
           for name, shape in param_shapes(cfg).items()}
 
 
+def _source(model: str) -> tuple[str, str, str]:
+  """(kind, path, served name) of a model name or path: kind "tiny", "gguf" or "safetensors".
+
+  Raises:
+    ValueError, FileNotFoundError: as `load_model`.
+  """
+  if not isinstance(model, str) or not model:
+    raise ValueError(f"model must be a non-empty string, got {model!r}")
+  if model in ("tiny", "tiny-tp"):
+    return "tiny", "", model
+  if model.lower() in _SMOLLM2_NAMES:
+    return "gguf", gguf_loader.find_smollm2_gguf(), DEFAULT_MODEL
+  if model.endswith(".gguf"):
+    if not os.path.isfile(model):
+      raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+    return "gguf", model, os.path.basename(model)[:-len(".gguf")]
+  if os.path.isdir(model):
+    if not os.path.isfile(os.path.join(model, "config.json")):
+      raise FileNotFoundError(f"{model!r} is a directory without config.json; expected a Hugging "
+                              "Face LLaMA checkpoint (config.json + *.safetensors)")
+    return "safetensors", model, os.path.basename(os.path.normpath(model))
+  raise ValueError(
+      f"unknown model {model!r}: use {DEFAULT_MODEL!r}, 'tiny', a path to a .gguf file, or a "
+      "directory holding a Hugging Face LLaMA checkpoint (config.json + *.safetensors)")
+
+
+def _tiny_config(model: str) -> LlamaConfig:
+  return config_lib.tiny() if model == "tiny" else config_lib.tiny(
+      name="tiny-tp", n_heads=8, n_kv_heads=2)
+
+
+def load_config(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None) -> LlamaConfig:
+  """A model's architecture (its parameter shapes) without its weights, so a caller can size
+  the model before loading it (`kvjax.models.weights_memory`): the converted-params cache
+  entry's meta.json when there is one, else a safetensors directory's config.json or a GGUF's
+  header (parsed once per process: `load_model` then reuses the parse).
+
+  Args:
+    model: as `load_model`.
+    cache_dir: as `load_model`.
+
+  Raises:
+    ValueError, FileNotFoundError: as `load_model`.
+  """
+  kind, path, name = _source(model)
+  if kind == "tiny":
+    return _tiny_config(name)
+  if kind == "gguf":
+    cached = checkpoint.cached_config([path], cache_dir)
+    return cached if cached is not None else gguf_loader.read_gguf_config(path)
+  return safetensors_loader.read_safetensors_config(path)
+
+
 def load_model(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None) -> LoadedModel:
   """Loads a model by name or path.
 
@@ -71,27 +124,14 @@ def load_model(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None) -> L
     ValueError: unknown name, or a file of another architecture.
     FileNotFoundError: the GGUF, directory or default model package is missing.
   """
-  if not isinstance(model, str) or not model:
-    raise ValueError(f"model must be a non-empty string, got {model!r}")
-  if model in ("tiny", "tiny-tp"):
-    cfg = config_lib.tiny() if model == "tiny" else config_lib.tiny(
-        name="tiny-tp", n_heads=8, n_kv_heads=2)
+  kind, path, name = _source(model)
+  if kind == "tiny":
+    cfg = _tiny_config(name)
     params = tiny_params(cfg)
-    return LoadedModel(model, cfg, params, ByteTokenizer(), model_fingerprint(cfg, params))
-  if model.lower() in _SMOLLM2_NAMES:
-    return _load_gguf(gguf_loader.find_smollm2_gguf(), DEFAULT_MODEL, cache_dir)
-  if model.endswith(".gguf"):
-    if not os.path.isfile(model):
-      raise FileNotFoundError(f"GGUF file {model!r} does not exist")
-    return _load_gguf(model, os.path.basename(model)[:-len(".gguf")], cache_dir)
-  if os.path.isdir(model):
-    if not os.path.isfile(os.path.join(model, "config.json")):
-      raise FileNotFoundError(f"{model!r} is a directory without config.json; expected a Hugging "
-                              "Face LLaMA checkpoint (config.json + *.safetensors)")
-    return _load_safetensors(model, cache_dir)
-  raise ValueError(
-      f"unknown model {model!r}: use {DEFAULT_MODEL!r}, 'tiny', a path to a .gguf file, or a "
-      "directory holding a Hugging Face LLaMA checkpoint (config.json + *.safetensors)")
+    return LoadedModel(name, cfg, params, ByteTokenizer(), model_fingerprint(cfg, params))
+  if kind == "gguf":
+    return _load_gguf(path, name, cache_dir)
+  return _load_safetensors(path, cache_dir)
 
 
 def _load_gguf(path: str, name: str, cache_dir: str | None) -> LoadedModel:

@@ -175,6 +175,29 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
   }
 
 
+def read_safetensors_config(model_dir: str | os.PathLike[str]) -> LlamaConfig:
+  """The architecture of a Hugging Face LLaMA checkpoint directory, from its `config.json`
+  alone (no weight file is opened).
+
+  Raises:
+    FileNotFoundError: config.json is missing.
+    ValueError: invalid JSON, or not a supported LLaMA config.
+  """
+  model_dir = os.fspath(model_dir)
+  config_path = os.path.join(model_dir, CONFIG_FILE)
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"{config_path} not found")
+  with open(config_path) as f:
+    try:
+      hf = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{config_path}: invalid JSON: {e}") from e
+  if not isinstance(hf, dict):
+    raise ValueError(f"{config_path}: expected a JSON object")
+  name = hf.get("_name_or_path") or os.path.basename(os.path.normpath(model_dir))
+  return config_from_hf(hf, str(name))
+
+
 def load_safetensors(
     model_dir: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
   """Reads a Hugging Face LLaMA checkpoint directory into canonical float32 parameters.
@@ -193,18 +216,7 @@ def load_safetensors(
       (message names tensor, got, expected).
   """
   model_dir = os.fspath(model_dir)
-  config_path = os.path.join(model_dir, CONFIG_FILE)
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"{config_path} not found")
-  with open(config_path) as f:
-    try:
-      hf = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{config_path}: invalid JSON: {e}") from e
-  if not isinstance(hf, dict):
-    raise ValueError(f"{config_path}: expected a JSON object")
-  name = hf.get("_name_or_path") or os.path.basename(os.path.normpath(model_dir))
-  cfg = config_from_hf(hf, str(name))
+  cfg = read_safetensors_config(model_dir)
   files = _weight_files(model_dir)
   handles: dict[str, Any] = {}
 

@@ -365,7 +365,7 @@ def load_backend(config: ServerConfig,
     config: the server's options.
     startup_progress: `LLM(startup_progress=...)`: called at each step of the start-up (weights,
       calibration, store, each compiled program); what it raises cancels the start-up (the
-      partly built `LLM` is closed) and propagates.
+      partly built `LLM` is closed) and propagates. None (default): nothing reported.
 
   Raises:
     ValueError, FileNotFoundError: as `LLM`.

@@ -231,14 +231,15 @@ def fake_llm(model: str = "tiny", *, runner_seed: int = 0, **options: Any) -> LL
   (generate, chat, sessions, option checks, the store client) over the numpy fake model.
 
   Defaults differ from `LLM`'s where the fake needs it: `cache_dir=""` (nothing cached on
-  disk), `compile_on_init=False` (as `real_llm`). "tiny" (default): `kvjax.models.config.tiny`'s
-  sizes and a `ByteTokenizer`.
+  disk), `compile_on_init=False` and `startup_progress=None` (as `real_llm`). "tiny" (default):
+  `kvjax.models.config.tiny`'s sizes and a `ByteTokenizer`.
 
   Raises:
     ValueError: as `LLM`; `tensor_parallel_size` > 1; kvtc (the fake has no calibration).
   """
   options.setdefault("cache_dir", "")
   options.setdefault("compile_on_init", False)
+  options.setdefault("startup_progress", None)
   with fake_runner_seam(runner_seed):
     return LLM(model, **options)
 
@@ -247,15 +248,17 @@ def real_llm(model: str = "tiny", **options: Any) -> LLM:
   """`LLM(model, **options)` on the real (jit'd) model: the factory every test that builds a real
   `LLM` uses.
 
-  One default differs from `LLM`'s: `compile_on_init=False`. `LLM`'s serving default compiles
-  every program a request could run (each chunk size, decode, insertion, the codec's encode) so
-  no TTFT pays a compile; a test runs a few of them, and compiles (or loads from JAX's persistent
-  cache) only those. Outputs do not depend on it; a test of the warm-up itself passes
-  `compile_on_init=True` or calls `warmup()`. An in-process server (`kvjax.testing.serve`) warms
-  the `LLM` up as the server does.
+  Two defaults differ from `LLM`'s. `startup_progress=None`: a suite builds hundreds of `LLM`s,
+  so none prints its start-up (a test of the start-up passes its own callback).
+  `compile_on_init=False`: `LLM`'s serving default compiles every program a request could run
+  (each chunk size, decode, insertion, the codec's encode) so no TTFT pays a compile; a test runs
+  a few of them, and compiles (or loads from JAX's persistent cache) only those. Outputs do not
+  depend on it; a test of the warm-up itself passes `compile_on_init=True` or calls `warmup()`.
+  An in-process server (`kvjax.testing.serve`) warms the `LLM` up as the server does.
 
   Raises:
     ValueError: as `LLM`.
   """
   options.setdefault("compile_on_init", False)
+  options.setdefault("startup_progress", None)
   return LLM(model, **options)

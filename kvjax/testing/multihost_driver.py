@@ -45,7 +45,7 @@ def main(argv):
     # jax.distributed starts with the first LLM; the device count is known after it.
     llm = LLM(_MODEL.value, cache_dir="", chunk_sizes=(16, 32, 64), block_size=16,
               max_num_seqs=4, max_model_len=512, kv_store=_STORE.value, kv_chunk_size=32,
-              tensor_parallel_size=_total_devices(multi), **multi)
+              tensor_parallel_size=_total_devices(multi), startup_progress=None, **multi)
     if llm.is_follower:
       llm.follow()
       continue

@@ -68,7 +68,7 @@ def main(argv):
   sizes = [int(s) for s in _SIZES.value]
   params = SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0.0, logprobs=5)
   opts = dict(cache_dir="", chunk_sizes=(16, 32, 64), block_size=16, max_num_seqs=4,
-              max_model_len=512, kv_chunk_size=_CHUNK.value)
+              max_model_len=512, kv_chunk_size=_CHUNK.value, startup_progress=None)
   result = {"devices": jax.device_count(), "runs": {}, "refused": {}, "payload_blocks": {}}
   with tempfile.TemporaryDirectory() as root:
     prompts = None
