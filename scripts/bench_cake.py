@@ -1,6 +1,6 @@
 """Cake on the real engine: TTFT of compute-only, load-only and kvjax (the Cake merge).
 
-The proof of kvjax's core idea (DESIGN.md sections 1, 3 and 9; Cake, arXiv 2410.03065, Tables 3
+The proof of kvjax's core idea (docs/design/cake.md; Cake, arXiv 2410.03065, Tables 3
 and 4, section 5.8). Everything runs through one `LLM` engine per codec: the real
 SmolLM2-135M-Instruct in f32 on the CPU, a real LongChat prompt truncated to each sequence length,
 its chunks stored in advance in a file store (run once with the store, flushed), and the store's

@@ -1,7 +1,7 @@
 """Pieces of scripts/bench_codec.py: the codec path on the real model, per-token metrics, the
 one-thread timing loop, passage selection and interval statistics.
 
-The codec path is the one the engine takes (DESIGN.md sections 3-5):
+The codec path is the one the engine takes (docs/design/codecs.md):
 
     prefill chunk ──k_pre_rope, v──> kv_L2CKH ──kv_encode_host──> payload ──encode_payload──> bytes
                                                                                               │

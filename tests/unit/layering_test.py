@@ -1,4 +1,4 @@
-"""Holds the import direction between rooms (DESIGN.md section 2).
+"""Holds the import direction between rooms (docs/architecture.md).
 
 Bottom floors (`kvjax/_typing.py`, `kvjax/_paths.py`, `kvjax/codecs.py`, the codec registry,
 `kvjax/block_hash.py`, with the chunk-is-whole-blocks and last-token rules, `kvjax/merge_mode.py`,
