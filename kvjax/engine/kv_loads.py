@@ -44,17 +44,16 @@ def candidates(record, raw_nbytes: int) -> list[Candidate]:
   if record is None:
     raw = codecs.EncodingId(codecs.RAW, 0)
     return [Candidate(raw, raw_nbytes, codecs.ACCURACY_RANK[raw])]
-  out = []
+  # Registered (codec, level) pairs, at this engine's byte-format version or another.
+  decodable, other_version = [], []
   for e in record.encodings:
-    if codecs.is_decodable(e.codec, e.codec_version, e.level):
-      eid = codecs.EncodingId(e.codec, e.level)
-      out.append(Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid]))
-  if not out:
-    for e in record.encodings:
-      if e.codec in codecs.CODECS and e.level in codecs.CODECS[e.codec].levels:
-        eid = codecs.EncodingId(e.codec, e.level)
-        out.append(Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid]))
-  return out
+    info = codecs.CODECS.get(e.codec) if isinstance(e.codec, str) else None
+    if info is None or e.level not in info.levels:
+      continue
+    eid = codecs.EncodingId(e.codec, e.level)
+    (decodable if e.codec_version == info.version else other_version).append(
+        Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid]))
+  return decodable or other_version
 
 
 def first_rows(kv_L2CKH, rows: int):
