@@ -15,6 +15,25 @@ from kvjax.engine.rerotation import stage_rerotated
 from kvjax.testing import engines
 
 
+def two_truncated_turns(llm, session_id: str):
+  """Session `session_id` under cache_salt "t": turn 1 (150 x's), flushed, then turn 2 (turn 1's
+  reply and 60 y's) truncated to `max_model_len - 48` tokens; 8 greedy tokens each.
+
+  Returns:
+    (sampling params, the messages of turn 2, turn 1's output, turn 2's output, the limit).
+  """
+  p = SamplingParams(max_tokens=8, temperature=0)
+  msgs = [{"role": "user", "content": "x" * 150}]
+  out1 = llm.chat(msgs, p, session_id=session_id, cache_salt="t")[0]
+  llm.flush()
+  msgs += [{"role": "assistant", "content": out1.text}, {"role": "user", "content": "y" * 60}]
+  limit = llm.max_model_len - 8 - 40
+  out2 = llm.chat(msgs, SamplingParams(max_tokens=8, temperature=0,
+                                       truncate_prompt_tokens=limit),
+                  session_id=session_id, cache_salt="t")[0]
+  return p, msgs, out1, out2, limit
+
+
 class TruncatePromptTokensUnitTest(absltest.TestCase):
   """`SamplingParams.truncate_prompt_tokens` and re-rotation on the tiny model (its byte
   tokenizer has no message marks: the session policy is a left cut, one shifted span)."""
@@ -74,15 +93,7 @@ class TruncatePromptTokensUnitTest(absltest.TestCase):
 
   def test_a_rerotated_session_turn_loads_the_kept_kv_from_a_private_namespace(self):
     llm, c = self.llm, 16
-    p = SamplingParams(max_tokens=8, temperature=0)
-    msgs = [{"role": "user", "content": "x" * 150}]
-    out1 = llm.chat(msgs, p, session_id="rr", cache_salt="t")[0]
-    llm.flush()
-    msgs += [{"role": "assistant", "content": out1.text}, {"role": "user", "content": "y" * 60}]
-    limit = llm.max_model_len - 8 - 40
-    out2 = llm.chat(msgs, SamplingParams(max_tokens=8, temperature=0,
-                                         truncate_prompt_tokens=limit),
-                    session_id="rr", cache_salt="t")[0]
+    p, msgs, out1, out2, limit = two_truncated_turns(llm, "rr")
     pr = llm.last_session_prompt
     tr = pr.truncation
     self.assertEqual(len(out2.prompt_token_ids), limit)
@@ -135,15 +146,7 @@ class TruncatePromptTokensUnitTest(absltest.TestCase):
                            session_rerotate_boundary_chunks=0,
                            kv_merge_mode="compute_only"), 16
     try:
-      p = SamplingParams(max_tokens=8, temperature=0)
-      msgs = [{"role": "user", "content": "x" * 150}]
-      out1 = llm.chat(msgs, p, session_id="co", cache_salt="t")[0]
-      llm.flush()
-      msgs += [{"role": "assistant", "content": out1.text}, {"role": "user", "content": "y" * 60}]
-      limit = llm.max_model_len - 8 - 40
-      out2 = llm.chat(msgs, SamplingParams(max_tokens=8, temperature=0,
-                                           truncate_prompt_tokens=limit),
-                      session_id="co", cache_salt="t")[0]
+      p, _, out1, out2, _ = two_truncated_turns(llm, "co")
       pr = llm.last_session_prompt
       self.assertTrue(sessions.is_rerotated_salt(pr.kv_salt))
       self.assertGreaterEqual(pr.rerotated_tokens, c)
