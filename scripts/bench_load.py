@@ -6,15 +6,21 @@ One run, one local file store, default `LLM` settings (a plain store URL: one di
 host tier, so every repeat reads the store), only the public API (`kvjax.LLM`, `SamplingParams`,
 `RequestOutput.metrics`):
 
-  1. cold: `kv_merge_mode="compute_only"` TTFT (compute only; the first run also saves the
-     prompt's chunks, `llm.flush()` waits for them); then the suffix alone: a prompt of just the
-     tokens after the stored prefix (attention over the suffix only: a lower bound of the suffix
-     compute a warm request does; the API has no number for that part of a warm TTFT).
+  1. save: one `kv_merge_mode="compute_only"` request computes the prompt and saves its
+     chunks (`llm.flush()` waits for them); untimed.
   2. plain read: every stored data file read sequentially (`open().read()`, page cache).
   3. verified loads: every chunk through `ChunkStore.get` (read + size + checksum + token ids +
      staging in host memory, no insertion), 1 and `kv_max_loads_in_flight` (2) at a time.
-  4. warm `load_only` and `cake`: `--repeats` requests each, one `LLM` per mode.
-  5. emulated link (`kv_link_bytes_per_s`, default 100 MB/s), `load_only`, default loads in
+  4. cold (`compute_only`), warm `load_only` and `cake`, one `LLM` per mode, each warmed up by
+     one untimed request, then `--repeats` interleaved rounds (`benchlib.interleaved_rounds`:
+     cold load_only cake, load_only cake cold, cake cold load_only, ...): one request per mode
+     per round, so a drift of the machine's load spreads over all three. Each request records
+     this process's CPU share (`cpu_share`, `benchlib.CpuClock`); per mode the median, min, max
+     and spread over the rounds (`summary`, `benchlib.summarize`).
+  5. the suffix alone: a prompt of just the tokens after the stored prefix (attention over the
+     suffix only: a lower bound of the suffix compute a warm request does; the API has no number
+     for that part of a warm TTFT), `--cold_repeats` requests.
+  6. emulated link (`kv_link_bytes_per_s`, default 100 MB/s), `load_only`, default loads in
      flight.
 
 Targets (issue 10), printed met / not met and stored in the JSON:
@@ -55,10 +61,10 @@ _BOOK = flags.DEFINE_string(
     "book", "../shared/data/books/pg1952_the_yellow_wallpaper_gilman.txt",
     "Book text; a relative path is taken from the repository root.")
 _TOKENS = flags.DEFINE_integer("tokens", 7400, "Prompt tokens (the book's first ones).")
-_REPEATS = flags.DEFINE_integer("repeats", 8, "Warm requests per merge mode.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 8, "Interleaved rounds: one cold, one load_only and one cake request each.")
 _COLD_REPEATS = flags.DEFINE_integer(
-    "cold_repeats", None, "Cold (compute-only) and suffix-alone requests (default --repeats); "
-    "cold runs take ~10x a warm one, so fewer keep the run short.")
+    "cold_repeats", None, "Suffix-alone requests (default --repeats).")
 _LINK_MB_S = flags.DEFINE_float("link_mb_s", 100.0, "Emulated link rate, MB/s (1e6 bytes/s).")
 _LINK_REPEATS = flags.DEFINE_integer("link_repeats", 2, "Requests over the emulated link.")
 _STORE = flags.DEFINE_string("store", None, "Store directory (default: a fresh temp dir, "
@@ -66,7 +72,7 @@ _STORE = flags.DEFINE_string("store", None, "Store directory (default: a fresh t
 _OUT = flags.DEFINE_string("out", "benchmarks/results/bench_load",
                            "Output path without extension (relative: from the repo root).")
 _SEED = flags.DEFINE_integer("seed", 0, "LLM seed.")
-_QUICK = flags.DEFINE_bool("quick", False, "Short run: 2048 tokens, 2 repeats, 1 link run.")
+_QUICK = flags.DEFINE_bool("quick", False, "Short run: 2048 tokens, 3 rounds, 1 link run.")
 
 
 def _runtime() -> dict[str, object]:
@@ -113,6 +119,10 @@ class _StepLog:
     self.records = []
     return out
 
+  def clear(self) -> None:
+    """Drops the records so far (warm-up requests)."""
+    self.records = []
+
 
 def _summary(steps: list[dict[str, object]]) -> dict[str, object]:
   """What compute took and when loads landed, from one request's step records."""
@@ -138,11 +148,13 @@ def _ttfts(llm, ids, params, n, log: _StepLog | None = None) -> list[dict[str, o
   out = []
   for _ in range(n):
     before = llm.engine.stats()
+    clock = benchlib.CpuClock()
     res = llm.generate({"prompt_token_ids": ids}, params)[0]
+    cpu = clock.read()
     after = llm.engine.stats()
     m = res.metrics
     merge = m.merge
-    row = {"ttft_s": m.ttft_s, "loaded_tokens": m.num_loaded_tokens,
+    row = {"ttft_s": m.ttft_s, "cpu_share": cpu["cpu_share"], "loaded_tokens": m.num_loaded_tokens,
            "computed_tokens": m.num_computed_tokens, "rejected": m.num_rejected_chunks,
            "tiers": sorted(set(m.loaded_from_tiers)),
            "meeting_index": None if merge is None else merge.meeting_index,
@@ -238,7 +250,7 @@ def main(argv):
   prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tensorstore", "xxhash",
                                "matplotlib"))
   tokens = 2048 if _QUICK.value else _TOKENS.value
-  repeats = 2 if _QUICK.value else _REPEATS.value
+  repeats = 3 if _QUICK.value else _REPEATS.value
   link_repeats = 1 if _QUICK.value else _LINK_REPEATS.value
   book = pathlib.Path(_BOOK.value)
   book = book if book.is_absolute() else (REPO / book).resolve()
@@ -257,18 +269,17 @@ def main(argv):
       llm.engine.add_step_observer(log)
       return llm, log
 
-    llm, log = make("compute_only")
+    llms = {}
+    llms["cold"] = make("compute_only")
+    llm, log = llms["cold"]
     ids = llm.get_tokenizer().encode(text)[:tokens]
     if len(ids) < tokens:
       raise app.UsageError(f"{book} has {len(ids)} tokens, fewer than --tokens={tokens}")
     c = 256
     stored_tokens = c * ((len(ids) - 1) // c)
-    log.take(0.0)  # the tokenizer run and warm-up: no records wanted
-    cold_repeats = _COLD_REPEATS.value or repeats
-    runs["cold"] = _ttfts(llm, ids, params, cold_repeats, log)
+    _ttfts(llm, ids, params, 1)  # compiles, and saves the prompt's chunks
     llm.flush()
-    runs["suffix"] = _ttfts(llm, ids[stored_tokens:], params, cold_repeats, log)
-    llm.close()
+    log.clear()  # the tokenizer run and the saving run: no records wanted
 
     store = ChunkStore(store_dir)
     records = store.records_sync()
@@ -278,10 +289,22 @@ def main(argv):
     v2_bytes, v2_s = _verified(store, records, 2)
     store.close()
 
+    for key, mode in (("load_only", "load_only"), ("cake", "cake")):
+      llms[key] = make(mode)
+      _ttfts(llms[key][0], ids, params, 1)  # compiles; its loads warm the page cache too
+      llms[key][1].clear()
+    order = benchlib.interleaved_rounds(list(llms), repeats)
+    for mode in llms:
+      runs[mode] = []
+    for round_order in order:
+      for mode in round_order:
+        mode_llm, mode_log = llms[mode]
+        runs[mode] += _ttfts(mode_llm, ids, params, 1, mode_log)
     for mode in ("load_only", "cake"):
-      llm, log = make(mode)
-      runs[mode] = _ttfts(llm, ids, params, repeats, log)
-      llm.close()
+      llms.pop(mode)[0].close()
+    cold_repeats = _COLD_REPEATS.value or repeats
+    runs["suffix"] = _ttfts(llm, ids[stored_tokens:], params, cold_repeats, log)
+    llm.close()
     rate = _LINK_MB_S.value * 1e6
     llm, log = make("load_only", kv_link_bytes_per_s=rate)
     runs["link"] = _ttfts(llm, ids, params, link_repeats, log)
@@ -318,6 +341,8 @@ def main(argv):
       "rates_gb_s": {"plain_read": plain_bytes / plain_s / 1e9,
                      "verified_1_in_flight": v1_bytes / v1_s / 1e9,
                      "verified_2_in_flight": verified_gb_s},
+      "order": order,
+      "summary": {k: benchlib.summarize([r["ttft_s"] for r in v]) for k, v in runs.items()},
       "median_ttft_s": med, "runs": runs, "targets": targets,
   }
   out = pathlib.Path(_OUT.value)
@@ -326,7 +351,7 @@ def main(argv):
   _plot(result, out.with_suffix(".png"))
 
   print(f"{len(ids)}-token prompt ({stored_tokens} stored in {len(records)} chunks, "
-        f"{plain_bytes / 1e6:.1f} MB), {repeats} repeats")
+        f"{plain_bytes / 1e6:.1f} MB), {repeats} interleaved rounds of cold, load_only, cake")
   print(f"{'run':<28}{'median TTFT s':>14}{'min':>8}{'max':>8}  loaded tokens")
   for k, v in runs.items():
     ys = [r["ttft_s"] for r in v]
