@@ -11,6 +11,14 @@ written (POST /admin/flush_kv), "warm". "Warm" is served from the device prefix 
 blocks are still resident, from the store otherwise. N clients (the openai client, streaming) pull tasks from a
 queue; a document's questions and a conversation's turns are one task, sent in order.
 
+Rounds (`--rounds`, default 3; 1 with --quick unless given): the whole cold/warm pair of every
+workload again, under a new `cache_salt` per round (round r's stored KV and prefix blocks are
+keyed apart from every other round's, so each round's cold phase is cold on the same server);
+the workloads' order rotates per round (`benchlib.interleaved_rounds`). Cold precedes warm
+within a round by construction. Per phase: the server's CPU share (its CPU seconds from /proc
+over the phase's wall seconds); per workload and phase, `benchlib.summarize` over the rounds of
+TTFT p50/p99 and output tokens/s, and the paired warm / cold TTFT p50 ratio per round.
+
 TTFT is measured by the client (request sent to the first streamed event, which the server sends
 with the first token) and also reported by the server (`kvjax.ttft_s`, submission to the first
 token). Output tokens/s is all completion tokens over the phase's wall time. Device KV memory
@@ -36,6 +44,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -71,6 +80,8 @@ _TURNS = flags.DEFINE_integer("turns", 3, "Turns replayed per conversation, at m
 _TURN_CHARS = flags.DEFINE_integer("turn_chars", 1200, "Characters kept of each turn.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Output tokens per request.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the choice of documents and conversations.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds of every workload's cold and warm phase, each "
+                                "under its own cache_salt (--quick: 1 unless given).")
 _QUICK = flags.DEFINE_bool("quick", False, "Short run: 2 docs x 2 questions of 4000 chars, "
                            "2 conversations x 3 turns, 8 output tokens, 2 clients.")
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
@@ -109,9 +120,9 @@ def sharegpt_tasks(rng: random.Random, convs: int, turns: int, turn_chars: int) 
 class Row:
   workload: str
   phase: str
+  round: int
   task: int
   step: int
-  layout: str | None = None
   ttft_s: float | None = None
   server_ttft_s: float | None = None
   e2e_s: float | None = None
@@ -121,12 +132,12 @@ class Row:
   error: str | None = None
 
 
-async def one_request(client, model, messages, max_tokens, row: Row) -> None:
+async def one_request(client, model, messages, max_tokens, row: Row, salt: str) -> None:
   t0 = time.perf_counter()
   try:
     stream = await client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, seed=0,
-        stream=True, stream_options={"include_usage": True})
+        stream=True, stream_options={"include_usage": True}, extra_body={"cache_salt": salt})
     async for chunk in stream:
       if row.ttft_s is None:
         row.ttft_s = time.perf_counter() - t0
@@ -143,8 +154,9 @@ async def one_request(client, model, messages, max_tokens, row: Row) -> None:
   row.e2e_s = time.perf_counter() - t0
 
 
-async def run_phase(url, model, workload, phase, tasks, clients, max_tokens):
-  """Runs every task with `clients` workers; returns (rows, wall seconds)."""
+async def run_phase(url, model, workload, phase, tasks, clients, max_tokens, round_index):
+  """Runs every task with `clients` workers under round `round_index`'s cache salt; returns
+  (rows, wall seconds)."""
   queue: asyncio.Queue = asyncio.Queue()
   for i, t in enumerate(tasks):
     queue.put_nowait((i, t))
@@ -154,9 +166,10 @@ async def run_phase(url, model, workload, phase, tasks, clients, max_tokens):
     while not queue.empty():
       i, task = queue.get_nowait()
       for step, messages in enumerate(task):
-        row = Row(workload, phase, i, step)
+        row = Row(workload, phase, round_index, i, step)
         rows.append(row)
-        await one_request(client, model, messages, max_tokens, row)
+        await one_request(client, model, messages, max_tokens, row,
+                          f"bench-serve-round-{round_index}")
 
   t0 = time.perf_counter()
   async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
@@ -182,14 +195,14 @@ def summarize(rows: list[Row], wall_s: float) -> dict:
 
 
 # ------------------------------------------------------------------------------- server
-def start_server(store_dir: str, layout: str | None) -> tuple[subprocess.Popen, str, str]:
+def start_server(store_dir: str) -> tuple[subprocess.Popen, str, str]:
   """Starts `python -m kvjax.serve` on a free port; returns (process, url, model name)."""
   flags = [f"--model={_MODEL.value}", f"--kv_store=file://{store_dir}",
            f"--kv_chunk_size={_KV_CHUNK.value}",
            *([f"--max_num_seqs={_MAX_NUM_SEQS.value}"] if _MAX_NUM_SEQS.value else []),
            "--enable_admin",
            *[f"--{f}" for f in _SERVER_FLAGS.value]]
-  return benchlib.start_server(flags, os.path.join(store_dir, "..", f"server-{layout}.log"),
+  return benchlib.start_server(flags, os.path.join(store_dir, "..", "server.log"),
                                echo=True)
 
 
@@ -207,31 +220,68 @@ PACKAGES = ("kvjax", "jax", "jaxlib", "flax", "numpy", "fastapi", "uvicorn", "op
             "tensorstore")
 
 
-def print_table(summaries: dict) -> None:
-  head = (f"{'layout':7} {'workload':9} {'phase':5} {'req':>4} {'err':>3} {'TTFT p50':>9} {'p90':>7} "
-          f"{'p99':>7} {'srv p50':>8} {'out tok/s':>9} {'cached':>7}")
+#: Per-phase figures summarized over the rounds (`benchlib.summarize`).
+ROUND_METRICS = ("ttft_p50_s", "ttft_p99_s", "server_ttft_p50_s", "output_tokens_per_s",
+                 "cached_fraction", "server_cpu_share")
+
+
+def over_rounds(phases: dict) -> dict:
+  """Per (workload, phase): `benchlib.summarize` over the rounds of each of ROUND_METRICS, and
+  per workload the paired warm / cold TTFT p50 ratio of each round, summarized.
+
+  Args:
+    phases: {(workload, phase, round): summarize() of that phase}.
+  """
+  out: dict = {}
+  for wl, phase in dict.fromkeys((k[0], k[1]) for k in phases):
+    rows = [v for k, v in phases.items() if k[:2] == (wl, phase)]
+    out[f"{wl}/{phase}"] = {
+        m: benchlib.summarize([r[m] for r in rows])
+        for m in ROUND_METRICS if all(r.get(m) is not None for r in rows)}
+  for wl in dict.fromkeys(k[0] for k in phases):
+    ratios = [phases[(wl, "warm", r)]["ttft_p50_s"] / phases[(wl, "cold", r)]["ttft_p50_s"]
+              for (w, p, r) in phases if w == wl and p == "cold" and (wl, "warm", r) in phases]
+    if ratios:
+      out[f"{wl}/warm_over_cold_ttft_p50"] = benchlib.summarize(ratios)
+  return out
+
+
+def spread(summary: dict) -> str:
+  return "-" if summary["spread"] is None else f"{summary['spread']:.0%}"
+
+
+def print_table(phases: dict, rounds: dict) -> None:
+  head = (f"{'workload':9} {'phase':5} {'round':>5} {'req':>4} {'err':>3} {'TTFT p50':>9} "
+          f"{'p90':>7} {'p99':>7} {'srv p50':>8} {'out tok/s':>9} {'cached':>7} {'srv CPU':>7}")
   print("\n" + head + "\n" + "-" * len(head))
-  for key, s in summaries.items():
-    layout, wl, phase = key if len(key) == 3 else ("", *key)
-    print(f"{layout:7} {wl:9} {phase:5} {s['requests']:4d} {s['errors']:3d} {s['ttft_p50_s']:8.2f}s "
+  for (wl, phase, r), s in phases.items():
+    cpu = "-" if s.get("server_cpu_share") is None else f"{s['server_cpu_share']:.2f}"
+    print(f"{wl:9} {phase:5} {r:5d} {s['requests']:4d} {s['errors']:3d} {s['ttft_p50_s']:8.2f}s "
           f"{s['ttft_p90_s']:6.2f}s {s['ttft_p99_s']:6.2f}s {s['server_ttft_p50_s']:7.2f}s "
-          f"{s['output_tokens_per_s']:9.2f} {100 * s['cached_fraction']:6.1f}%")
+          f"{s['output_tokens_per_s']:9.2f} {100 * s['cached_fraction']:6.1f}% {cpu:>7}")
+  print("\nover the rounds: median [min, max] (spread)")
+  for key, metrics in rounds.items():
+    if "median" in metrics:  # a ratio: one summary
+      metrics = {"": metrics}
+    for m, v in metrics.items():
+      print(f"  {key} {m}: {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}] "
+            f"({spread(v)})")
 
 
-def plot(summaries: dict, path: pathlib.Path, title: str) -> bool:
+def plot(phases: dict, path: pathlib.Path, title: str) -> bool:
   try:
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
   except ImportError:
     return False
-  keys = list(summaries)
+  keys = list(phases)
   x = np.arange(len(keys))
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(keys)), 4))
   for j, (q, name) in enumerate([("ttft_p50_s", "p50"), ("ttft_p90_s", "p90"),
                                  ("ttft_p99_s", "p99")]):
-    ax.bar(x + (j - 1) * 0.25, [summaries[k][q] for k in keys], 0.25, label=f"TTFT {name}")
-  ax.set_xticks(x, ["\n".join(k) for k in keys], fontsize=7)
+    ax.bar(x + (j - 1) * 0.25, [phases[k][q] for k in keys], 0.25, label=f"TTFT {name}")
+  ax.set_xticks(x, [f"{wl}\n{phase}\nround {r}" for wl, phase, r in keys], fontsize=7)
   ax.set_ylabel("seconds")
   ax.set_title(title, fontsize=9)
   ax.legend()
@@ -249,6 +299,9 @@ def main(argv):
   convs, turns = (2, 3) if quick else (_CONVS.value, _TURNS.value)
   max_tokens = 8 if quick else _MAX_TOKENS.value
   clients = 2 if quick and not _CLIENTS.present else _CLIENTS.value  # --quick --clients=32
+  rounds = 1 if quick and not _ROUNDS.present else _ROUNDS.value
+  if rounds < 1:
+    raise app.UsageError(f"--rounds must be >= 1, got {rounds}")
   rng = random.Random(_SEED.value)
   workloads = {"longchat": lambda: longchat_tasks(rng, docs, questions, doc_chars),
                "sharegpt": lambda: sharegpt_tasks(rng, convs, turns, _TURN_CHARS.value)}
@@ -257,47 +310,47 @@ def main(argv):
     raise app.UsageError(f"unknown workloads {sorted(unknown)}")
   tasks = {wl: workloads[wl]() for wl in _WORKLOADS.value}
   work = tempfile.mkdtemp(prefix="kvjax-bench-serve-")
-  layouts = [None]  # one KV layout: one server
   prov = benchlib.provenance(PACKAGES)
-  rows, summaries, metrics, kv_memory = [], {}, {}, {}
+  rows, phases = [], {}
+  proc, url = None, _URL.value
   try:
-    for layout in layouts:
-      proc, url, model = None, _URL.value, None
-      try:
-        if url is None:
-          store = os.path.join(work, f"kv-{layout}")
-          os.makedirs(store)
-          proc, url, model = start_server(store, layout)
-        else:
-          model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        for wl, wl_tasks in tasks.items():
-          for phase in ("cold", "warm"):
-            got, wall = asyncio.run(run_phase(url, model, wl, phase, wl_tasks, clients,
-                                              max_tokens))
-            for r in got:
-              r.layout = layout
-            rows += got
-            key = (wl, phase) if layout is None else (layout, wl, phase)
-            summaries[key] = summarize(got, wall)
-            print(f"{layout or ''} {wl} {phase}: {summaries[key]}", flush=True)
-            r = httpx.post(url + "/admin/flush_kv", timeout=3600)
-            if r.status_code != 200:
-              print(f"  (no /admin/flush_kv: {r.status_code}; warm may miss unsaved chunks)")
-        metrics[layout or "server"] = httpx.get(url + "/metrics").text
-        kv_memory[layout or "server"] = kv_cache_bytes(metrics[layout or "server"])
-        print(f"{layout or ''} KV memory: {kv_memory[layout or 'server']}", flush=True)
-      finally:
-        if proc is not None:
-          proc.send_signal(signal.SIGINT)
-          proc.wait(120)
+    if url is None:
+      store = os.path.join(work, "kv")
+      os.makedirs(store)
+      proc, url, model = start_server(store)
+    else:
+      model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    order = benchlib.interleaved_rounds(list(tasks), rounds)
+    for round_index, round_order in enumerate(order):
+      for wl in round_order:
+        for phase in ("cold", "warm"):
+          cpu0 = None if proc is None else benchlib.process_cpu_s(proc.pid)
+          got, wall = asyncio.run(run_phase(url, model, wl, phase, tasks[wl], clients,
+                                            max_tokens, round_index))
+          cpu1 = None if proc is None else benchlib.process_cpu_s(proc.pid)
+          rows += got
+          key = (wl, phase, round_index)
+          phases[key] = summarize(got, wall)
+          phases[key]["server_cpu_share"] = (
+              None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / wall)
+          print(f"round {round_index} {wl} {phase}: {phases[key]}", flush=True)
+          r = httpx.post(url + "/admin/flush_kv", timeout=3600)
+          if r.status_code != 200:
+            print(f"  (no /admin/flush_kv: {r.status_code}; warm may miss unsaved chunks)")
+    metrics = httpx.get(url + "/metrics").text
+    kv_memory = kv_cache_bytes(metrics)
   finally:
+    if proc is not None:
+      proc.send_signal(signal.SIGINT)
+      proc.wait(120)
     shutil.rmtree(work, ignore_errors=True)
-  print_table(summaries)
-  for name, mem in kv_memory.items():
-    print(f"{name}: device KV reserved {mem.get('reserved', 0) / 2**20:.0f} MiB, "
-          f"peak held by requests {mem.get('peak_used', 0) / 2**20:.0f} MiB")
+  summary_rounds = over_rounds(phases)
+  print_table(phases, summary_rounds)
+  print(f"device KV reserved {kv_memory.get('reserved', 0) / 2**20:.0f} MiB, "
+        f"peak held by requests {kv_memory.get('peak_used', 0) / 2**20:.0f} MiB")
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
+  errors = sum(1 for r in rows if r.error is not None)
   record = {
       **prov, "benchmark": "bench_serve", "machine_at_end": machine(),
       "threads": {"cpu_count": os.cpu_count(), "clients": clients,
@@ -306,22 +359,28 @@ def main(argv):
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "settings": {"quick": quick, "url": _URL.value, "model": model,
                    "server_flags": _SERVER_FLAGS.value,
-                   "kv_chunk_size": _KV_CHUNK.value,
+                   "kv_chunk_size": _KV_CHUNK.value, "rounds": rounds,
                    "docs": docs, "questions": questions, "doc_chars": doc_chars,
                    "conversations": convs, "turns": turns, "turn_chars": _TURN_CHARS.value,
                    "max_tokens": max_tokens, "temperature": 0,
                    "ttft": "client: request sent to first SSE event (sent with the first token)"},
-      "summary": [{**({"kv_cache_layout": k[0]} if len(k) == 3 else {}), "workload": k[-2],
-                   "phase": k[-1], **s} for k, s in summaries.items()],
+      "order": order,
+      "summary": [{"workload": k[0], "phase": k[1], "round": k[2], **s}
+                  for k, s in phases.items()],
+      "over_rounds": summary_rounds,
+      "errors": errors,
       "requests": [dataclasses.asdict(r) for r in rows],
       "kv_cache_bytes": kv_memory,
-      "server_metrics": metrics["server"] if list(metrics) == ["server"] else metrics,
+      "server_metrics": metrics,
   }
   benchlib.write_json(out_dir / "bench_serve.json", record)
-  title = (f"bench_serve: {model}, {clients} clients, {os.cpu_count()} CPU cores"
-           + (" (quick)" if quick else ""))
-  wrote = plot(summaries, out_dir / "bench_serve.png", title)
+  title = (f"bench_serve: {model}, {clients} clients, {rounds} rounds, {os.cpu_count()} CPU "
+           f"cores" + (" (quick)" if quick else ""))
+  wrote = plot(phases, out_dir / "bench_serve.png", title)
   print(f"wrote {out_dir / 'bench_serve.json'}" + (" and bench_serve.png" if wrote else ""))
+  if errors:
+    print(f"{errors} requests failed (their `error` in the JSON)", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

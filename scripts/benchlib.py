@@ -260,6 +260,19 @@ class CpuClock:
     return {"wall_s": wall, "cpu_s": cpu, "cpu_share": cpu / wall if wall > 0 else None}
 
 
+def process_cpu_s(pid: int) -> float | None:
+  """CPU seconds (user + system, all threads) another process has used so far, from
+  /proc/<pid>/stat; None where /proc is missing (not Linux) or the process is gone. The CPU share
+  a server got over a span: the difference of two readings over the wall seconds between."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except OSError:
+    return None
+  # After the command name: state is field 3, utime 14 and stime 15 (1-based, proc(5)).
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def median_seconds(fn, iters: int, block=lambda out: out) -> float:
   """Median wall seconds of `iters` calls of `fn()` after one untimed call (compile, warm-up);
   `block(out)` waits for an asynchronous result (e.g. `jax.block_until_ready`) inside the timed

@@ -98,6 +98,12 @@ CHECKS = {
 }
 
 
+def _phase_name(row: dict) -> str:
+  """bench_serve's phase row as "workload/phase", "/round<r>" added after round 0."""
+  suffix = f"/round{row['round']}" if row.get("round") else ""
+  return f"{row['workload']}/{row['phase']}{suffix}"
+
+
 def step_commands(step: str, py: str, out: pathlib.Path, work: pathlib.Path, dry: bool,
                   limit_s: int) -> list[list[str]]:
   """The command lines of a step (run in order, in the repository root)."""
@@ -263,7 +269,7 @@ def extract_checks(out: pathlib.Path, dry: bool) -> dict:
         min(s["output_tokens_per_s"] for s in rows), "output tokens/s (slowest phase)",
         errors == 0 and all(s["requests"] > 0 for s in rows),
         setting={"clients": serve["threads"]["clients"], "quick": True}, errors=errors,
-        phases={f"{s['workload']}/{s['phase']}": {k: s[k] for k in (
+        phases={_phase_name(s): {k: s[k] for k in (
             "requests", "ttft_p50_s", "output_tokens_per_s", "cached_fraction")} for s in rows})
   att = _load(out / f"device_check{sfx}.json")
   if att:

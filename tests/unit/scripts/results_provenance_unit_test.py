@@ -7,6 +7,7 @@ pinned on small hand-made records.
 """
 
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -112,6 +113,20 @@ class ProvenanceRecordTest(absltest.TestCase):
     with tempfile.TemporaryDirectory() as d:
       with self.assertRaises(KeyError):
         benchlib.write_json(pathlib.Path(d) / "r.json", {"x": 1})
+
+
+@absltest.skipUnless(os.path.exists("/proc/self/stat"), "reads Linux's /proc")
+class ProcessCpuTest(absltest.TestCase):
+
+  def test_reads_user_plus_system_seconds_of_a_process(self):
+    sum(i * i for i in range(200_000))  # some CPU time of our own
+    got = benchlib.process_cpu_s(os.getpid())
+    t = os.times()  # the same kernel counters, read in the same tick
+    self.assertAlmostEqual(got, t.user + t.system, delta=0.05)
+    self.assertGreater(got, 0.0)
+
+  def test_a_process_that_is_gone_reads_none(self):
+    self.assertIsNone(benchlib.process_cpu_s(2**22 + 12345))  # above Linux's pid_max
 
 
 class RoundsTest(absltest.TestCase):
