@@ -45,8 +45,9 @@ Writes <out_dir>/bench_sessions_llm_lookahead.json and .png.
     nice -n 19 .venv/bin/python scripts/bench_sessions.py --nosim --llm_lookahead
 
 Mode `--llm_placement`: the same replay on the real engine, once per configuration of
-`--llm_configs` (placement:eviction:window, run one after another, each on a fresh LLM and disk
-tier, after a discarded warm-up replay): write_through vs write_back (`StoreConfig.placement`:
+`--llm_configs` (placement:eviction:window, each on a fresh LLM and disk tier, all advancing
+conversation round by round in turn with the order rotated per round, after a discarded warm-up
+replay): write_through vs write_back (`StoreConfig.placement`:
 write-back saves go to the host tier only and its victims are demoted to disk), LRU vs FIFO
 eviction (`StoreConfig.eviction`), look-ahead window 0 vs `--llm_window`, and "none" (no store:
 recompute). Reports host hit share of history chunks, disk bytes written, demotions, TTFT, and
@@ -702,6 +703,16 @@ class _Replay:
                      "dtype_bytes": self.dtype_bytes}}
 
 
+def advance_interleaved(reps: list, rounds: range) -> None:
+  """Advances every replay through the conversation rounds, all replays round t before any
+  round t + 1, their order rotated per round (A B C, B C A, ...: `benchlib.interleaved_rounds`),
+  so a drift of the machine's load falls on every configuration alike."""
+  orders = benchlib.interleaved_rounds(list(range(len(reps))), len(rounds))
+  for t, order in zip(rounds, orders):
+    for k in order:
+      reps[k].round(t)
+
+
 def run_llm() -> None:
   import tempfile  # noqa: PLC0415
   import shutil  # noqa: PLC0415
@@ -717,11 +728,10 @@ def run_llm() -> None:
     for t in rounds:
       warm.round(t)
     warm = warm.result()
-    # The two engines advance round by round in turn, so the shared machine's load falls on both.
+    # The two engines advance round by round in turn, which goes first alternating, so the
+    # shared machine's load falls on both.
     reps = [_Replay(w, convs, tmp / f"disk-{k}") for k, w in enumerate((0, _LLM_WINDOW.value))]
-    for t in rounds:
-      for rep in reps:
-        rep.round(t)
+    advance_interleaved(reps, rounds)
     runs = [rep.result() for rep in reps]
     same = all(a["output_token_ids"] == b["output_token_ids"]
                for a, b in zip(runs[0]["rows"], runs[1]["rows"]))
@@ -746,7 +756,8 @@ def run_llm() -> None:
         f"greedy outputs identical across the two: {same}")
   write_llm_record("bench_sessions_llm_lookahead", at_start, len(convs), same, runs, plot_llm,
                    ttft_p50_ratio_window_over_0=ratio,
-                   order="the two engines alternate round by round (both in one process)",
+                   order="the two engines alternate round by round (both in one process), "
+                         "the first of a round rotating (benchlib.interleaved_rounds)",
                    warmup_run={"window": warm["window"],
                                "generate_wall_s": warm["generate_wall_s"],
                                "note": "discarded: compiles every program shape"})
@@ -820,10 +831,9 @@ def run_llm_placement() -> None:
     for t in rounds:
       warm.round(t)
     warm = warm.result()
-    for k, cfg in enumerate(configs):
-      rep = _Replay(convs=convs, disk=tmp / f"disk-{k}", **cfg)
-      for t in rounds:
-        rep.round(t)
+    reps = [_Replay(convs=convs, disk=tmp / f"disk-{k}", **cfg) for k, cfg in enumerate(configs)]
+    advance_interleaved(reps, rounds)
+    for rep in reps:
       runs.append(rep.result())
       print(f"  done {runs[-1]['label']}: {runs[-1]['generate_wall_s']:.0f} s", flush=True)
   finally:
@@ -851,7 +861,9 @@ def run_llm_placement() -> None:
   print(f"greedy outputs identical across all {len(runs)} configurations: {same}")
   write_llm_record("bench_sessions_llm_placement", at_start, len(convs), same, runs,
                    plot_llm_placement, configs=list(_LLM_CONFIGS.value),
-                   order="one configuration after another, each a fresh LLM in this process",
+                   order="every configuration's fresh LLM in this process, advancing "
+                         "conversation round by round in turn, the order rotated per round "
+                         "(benchlib.interleaved_rounds)",
                    warmup_run={"label": warm["label"], "generate_wall_s": warm["generate_wall_s"],
                                "note": "discarded: compiles every program shape"})
 
