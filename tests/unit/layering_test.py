@@ -135,13 +135,15 @@ SCHEDULER_POLICIES = {
                         "kvjax.scheduler.output"},
 }
 
-# Connector floors, bottom first, as the storage ones: plain records and the device seam's
-# protocol, then the parts by concept (keys and lookups, the host -> device link), the load and
-# save pipelines and the look-ahead, and the client that owns their state on top.
+# Connector floors, bottom first, as the storage ones: plain records, the device seam's protocol
+# and the event loop, then the parts, each owning its state (keys and lookups, the host -> device
+# link; the saver, the look-ahead and the open requests; the loader, which asks the saver and the
+# prefetcher through narrow calls), and the client, a front that builds them, on top.
 CONNECTOR_FLOORS = (
-    ("records", "device"),
+    ("records", "device", "loop"),
     ("lookup", "transfer"),
-    ("loader", "prefetch", "saver", "request_keys"),
+    ("prefetch", "saver", "request_keys"),
+    ("loader",),
     ("client",),
 )
 # Device work belongs to the runner: no connector module calls jax or the kernels; the runner
