@@ -83,7 +83,7 @@ ALLOWED_KVJAX = {
 # (`placement`) sit below every mover: the real tiers (`host_tier`, `tier_mover`, `tiers`) and
 # the simulator both build on them. The chunk store's parts (object names, run-time plumbing,
 # object reads, S3 publish mode, maintenance) sit below the store core (`chunk_store`), and the
-# tier interface and the mover below `tiers`.
+# tier interface, the tiers' books (`tier_ledger`) and the mover below `tiers`.
 STORAGE_FLOORS = (
     ("types", "checksum", "keys", "link", "store_config", "eviction"),
     ("specs", "rans", "placement", "store_runtime", "object_io"),
@@ -91,6 +91,7 @@ STORAGE_FLOORS = (
     ("codecs", "s3_conditional"),
     ("host_tier", "store_admin"),
     ("chunk_store", "tier_api"),
+    ("tier_ledger",),
     ("tier_mover",),
     ("tiers",),
 )
