@@ -5,8 +5,8 @@ thread that owns the device. `KVStoreClient` is a small front over parts that ea
 state, lock and thread, and ask each other only through narrow calls:
 
     engine thread ── open_request() ─> PrefixLookups ─ store loop: which prefix chunks does any
-                  │                    tier hold (keys being saved count: Saver.pending_keys)
-                  │                  > OpenRequests: the request's lookup and key chain
+                  │                  tier hold (keys being saved count: Saver.pending_keys);
+                  │                  then OpenRequests keeps the request's lookup and key chain
                   ├─ start_request_load() ─> Loader: queue ─> store loop: get + verify +
                   │                  entropy-decode (on the device for kvtc's rANS codes), a
                   │                  few reads at once; the next starts as one lands. A read
