@@ -1,37 +1,49 @@
 """The engine's side of the KV store: namespaced keys, verified prefix loads, asynchronous saves.
 
 Architecture. The store (`kvjax.storage.TieredStore`) is asyncio code; the engine is one plain
-thread that owns the device. This client runs the store's coroutines on its own event-loop thread
-and adds a saver thread:
+thread that owns the device. `KVStoreClient` is a small front over parts that each own their
+state, lock and thread, and ask each other only through narrow calls:
 
-    engine thread ── open_request() / lookup() ─> event loop: which prefix chunks does any tier
-                  │                               hold (open_request keeps the request's keys)
-                  ├─ start_load() ─> queue ─> event loop: get + verify + entropy-decode (on the
-                  │                           device for kvtc's rANS codes), a few reads at
-                  │                           once; the next starts as one lands
+    engine thread ── open_request() ─> PrefixLookups ─ store loop: which prefix chunks does any
+                  │                  tier hold (keys being saved count: Saver.pending_keys);
+                  │                  then OpenRequests keeps the request's lookup and key chain
+                  ├─ start_request_load() ─> Loader: queue ─> store loop: get + verify +
+                  │                  entropy-decode (on the device for kvtc's rANS codes), a
+                  │                  few reads at once; the next starts as one lands. A read
+                  │                  waits for its prefetch (Prefetcher.in_flight) and its save
+                  │                  (Saver.pending) first
                   │  landed() <──── LoadReports (plain data for the scheduler)
                   │  take() <────── a staged chunk, when the scheduler plans its insertion
                   ├─ release() / cancel_loads(): unwanted loads never start, staging is freed
-                  ├─ submit_save() ─> bounded queue ─> saver thread: one device -> host copy
-                  │                                    per chunk, put (data, then record)
-                  ├─ set_lookahead() ─> event loop: hint the window's chunks (never evicted),
-                  │                     prefetch those only a lower tier holds into the host
-                  │                     tier, a few bytes in flight, within the host's room
-                  └─ set_pins() ──────> event loop: open sessions' chunks join the hint
+                  ├─ transfer() ─> HostToDevice: staged chunks layer group by layer group
+                  ├─ submit_save() ─> Saver: bounded queue ─> saver thread: one device -> host
+                  │                  copy per chunk, put (data, then record)
+                  ├─ set_lookahead() ─> Prefetcher ─ store loop: hint the window's chunks
+                  │                  (never evicted), prefetch those only a lower tier holds
+                  │                  into the host tier, a few bytes in flight, within its room
+                  └─ set_pins() ──────> Prefetcher: open sessions' chunks join the hint
 
-The client owns each request's prefix lookup and chained chunk keys from admission to its end
+    part            owns                                         threads that call it
+    StoreLoop       the event loop and its thread                any (run / submit)
+    KeyScheme       nothing (frozen: namespaces, tail keys)      any
+    PrefixLookups   lookup failures                              engine
+    OpenRequests    each open request's lookup and key chain     engine
+    Loader          load queue, reads, staging, reports, stats   engine; store loop (reads)
+    Prefetcher      window, pins, hint, prefetches, their stats  engine, registry; store loop
+    Saver           save queue, keys being saved, saver thread   engine, registry; saver
+    HostToDevice    transfer queue and thread                    engine; transfer thread
+
+The client keeps each request's prefix lookup and chained chunk keys from admission to its end
 (`open_request` ... `close_request`; the engine names requests by id and gets plain data back:
 `start_request_load` (given the plan's encoding id: the codec choice is made here),
 `request_chunk_key`, `request_tail_key`, `request_tail_job` (the tail's key scheme stays here),
-`lookahead_requests`). It owns
-the load pipeline's state (queue, reads in flight, staged payloads) and its
-accounting (`loader_stats`); the scheduler owns which loads exist and what they mean. Loads never
+`lookahead_requests`). The scheduler owns which loads exist and what they mean. Loads never
 block the engine: `start_load` returns at once and reads are refilled on the event loop the moment
 one lands, so a long engine step never idles the link. The link time each report carries is
-measured here, from the read's start or the previous landing (whichever is later), so it is the
-link's (and verifier's) rate, not the engine's pacing. Saves never block the engine either: when
-the queue is full the job is dropped and counted. `flush()` waits until every queued save is
-written (tests and `LLM.flush()` use it).
+measured by the loader, from the read's start or the previous landing (whichever is later), so
+it is the link's (and verifier's) rate, not the engine's pacing. Saves never block the engine
+either: when the queue is full the job is dropped and counted. `flush()` waits until every
+queued save is written (tests and `LLM.flush()` use it).
 
 Look-ahead (CachedAttention, arXiv 2403.19708, section 3.3). The scheduler names the requests
 that will read stored chunks next (`SchedulerOutput.lookahead`); the engine hands their prefix
@@ -41,44 +53,47 @@ store's hint (`TieredStore.hint`: no tier evicts them), and chunks of windowed r
 a lower tier holds are copied up to the host tier (`TieredStore.prefetch`), in window order,
 at most `prefetch_bytes` in flight, and only while the window's chunks plus the pinned ones fit
 the host tier; a chunk that a load is already reading is left to it (a load promotes what it
-reads), and a load that starts while its chunk's prefetch is in flight waits for it. A load of a chunk whose prefetch is in flight waits for it and reads the host
-copy (one read of the lower tier, not two). Outcomes (`prefetch_stats`): issued (a copy made),
-useful (a load later read it from the host tier), wasted (it left the window unread: evicted,
-computed instead, or its request ended).
+reads). A load of a chunk whose prefetch is in flight waits for it and reads the host copy (one
+read of the lower tier, not two). Outcomes (`prefetch_stats`): issued (a copy made), useful (a
+load later read it from the host tier), wasted (it left the window unread: evicted, computed
+instead, or its request ended).
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
+import concurrent.futures
 import logging
-import math
 import os
-import queue
-import threading
 from typing import Any, Sequence
+
+import numpy as np
 
 from kvjax import codecs
 from kvjax._typing import ChunkHash
 from kvjax.connector.device import DeviceSeam
-from kvjax.connector.loader import LoaderMixin
-from kvjax.connector.lookup import LookupMixin
-from kvjax.connector.prefetch import PrefetchMixin
-from kvjax.connector.records import (LoaderStats, LookaheadRequest, Pending, PrefetchStats, SaveJob,
-                                     SaverStats)
-from kvjax.connector.request_keys import RequestKeysMixin
-from kvjax.connector.saver import SaverMixin
-from kvjax.connector.transfer import TransferMixin
+from kvjax.connector.loader import Loader
+from kvjax.connector.lookup import KeyScheme, PrefixLookups
+from kvjax.connector.loop import StoreLoop
+from kvjax.connector.prefetch import Prefetcher
+from kvjax.connector.records import (LoaderStats, LookaheadRequest, PrefetchStats, PrefixLookup,
+                                     SaveJob, SaverStats, TierSnapshot)
+from kvjax.connector.request_keys import OpenRequests
+from kvjax.connector.saver import Saver
+from kvjax.connector.transfer import HostToDevice, LayerTransfer
 from kvjax.scheduler.output import LoadReport
+from kvjax.storage import keys
+from kvjax.storage.chunk_store import choose_codec
 from kvjax.storage.tiers import TierUsage
-from kvjax.storage.types import ChunkHit, ChunkOrigin, KVLayout
+from kvjax.storage.types import ChunkHit, KVLayout
 
 _log = logging.getLogger(__name__)
 
 
-class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, TransferMixin,
-                    SaverMixin):
+class KVStoreClient:
   """Keys, loads and saves for one model's KV layout over a `TieredStore`.
+
+  A front: it builds its parts (`lookups`, `requests`, `loader`, `prefetcher`, `saver`,
+  `to_device`, over one `loop`; the module docstring says who owns what) and forwards to them.
 
   Args:
     store: the tiered store (async API).
@@ -95,6 +110,9 @@ class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, T
     kvtc_transform_id: the 16-byte identity of this model's kvtc transform
       (`KVTCTransform.transform_id`), or None; a loaded kvtc chunk coded with another transform
       (or any kvtc chunk when None) is a miss (`MissReason.UNKNOWN_CODEC`), never decoded.
+    device_link: the emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or
+      None: every staged chunk's bytes pass it on their way into the KV cache (`transfer`,
+      `charge_device`).
     device: the runner's device seam (`kvjax.connector.device.DeviceSeam`; a runner's
       `device_seam()`): every device call of the connector goes through it (host -> device puts,
       device -> host copies of saved chunks, and the device decode of a landed chunk whose arrays
@@ -114,75 +132,309 @@ class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, T
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
                kvtc_transform_id: bytes | None = None, device_link=None,
                device: DeviceSeam, prefetch_bytes: int | None = None, consistent: bool = False):
+    self.store = store
     self.codec = codec
+    self.codec_levels = tuple(codec_levels)
     #: `KeyNamespace.encoding` of every key: "codec/level" of the one level a
     #: `kv_codec_consistent` engine stores and loads (lossy codecs), else None.
-    self.key_encoding = (str(codecs.EncodingId(codec, tuple(codec_levels)[0]))
+    self.key_encoding = (str(codecs.EncodingId(codec, self.codec_levels[0]))
                          if consistent and codec != codecs.RAW else None)
     #: The runner's device seam: the connector's only way to the device.
     self.device = device
-    #: The emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or None: every
-    #: staged chunk's bytes pass it on their way into the KV cache (`transfer`, `charge_device`).
-    self.device_link = device_link
-    self._transfers: queue.Queue = queue.Queue()
-    self._transfer_thread: threading.Thread | None = None
-    self.kvtc_transform_id = kvtc_transform_id
-    self.codec_levels = tuple(codec_levels)
-    self.store = store
-    self.layout = layout
-    self.chunk_size = layout.chunk_size
-    self._fingerprint = model_fingerprint
-    self._layout_version = kv_layout_version
-    #: What every chunk this client stores records as its origin, and every chunk it loads must
-    #: have recorded (the stored-chunk guard, `ChunkRecord.mismatch`).
-    self.origin = ChunkOrigin(model_fingerprint=model_fingerprint,
-                              kv_layout_version=kv_layout_version)
-    self._timeout_s = timeout_s
-    self.saver_stats = SaverStats()
-    self._loop = asyncio.new_event_loop()
-    self._loop_thread = threading.Thread(target=self._loop.run_forever, name="kvjax-store-loop",
-                                         daemon=True)
-    self._loop_thread.start()
-    self._jobs: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending_saves)
-    # Keys of saves queued or being written: [jobs, a future done with the last] (`_lock`).
-    self._saving: dict[ChunkHash, list] = {}
-    self._saver = threading.Thread(target=self._save_loop, name="kvjax-saver", daemon=True)
-    self._saver.start()
+    self.scheme = KeyScheme(model_fingerprint, layout, kv_layout_version, codec,
+                            self.key_encoding)
     self._closed = False
-    self.lookup_failures = 0
-    self.staging_bytes = staging_bytes
-    self._lock = threading.Lock()
-    self._stats = LoaderStats()
-    self._queue: collections.deque[Pending] = collections.deque()
-    self._reading: dict[tuple[Any, int], Pending] = {}
-    self._staged: dict[tuple[Any, int], ChunkHit] = {}
-    self._reports: list[LoadReport] = []
-    self._reported = threading.Event()
-    self._last_done_s = -math.inf
-    self._loaded_by_tier: dict[str, tuple[int, int]] = {}
-    self._busy_since_s = 0.0
-    # Look-ahead state. `_window`, `_pins` are replaced under `_lock` by the engine and the
-    # session registry; everything else below is touched on the event loop only.
-    self.prefetch_bytes = (int(prefetch_bytes) if prefetch_bytes is not None
-                           else 4 * layout.nbytes)
-    self._window: tuple[LookaheadRequest, ...] = ()
-    self._pins: tuple[tuple[ChunkHash, ...], ...] = ()
-    self._hint_key: tuple | None = None
-    self._prefetching: dict[ChunkHash, tuple[asyncio.Task, int]] = {}
-    self._prefetched: set[ChunkHash] = set()  # issued, not yet read from the host or wasted
-    self._tried: set[ChunkHash] = set()       # started for the current window
-    self._store_reads: collections.Counter = collections.Counter()  # loads reading a chunk now
-    self._pf = PrefetchStats()
-    self._init_requests()  # each open request's lookup and key chain (`open_request`)
+    self.loop = StoreLoop(timeout_s)
+    self.saver = Saver(store, self.scheme, self.loop, device, max_pending_saves)
+    self.lookups = PrefixLookups(store, self.scheme, self.loop, self.saver.pending_keys)
+    self.requests = OpenRequests(self.scheme)
+    self.prefetcher = Prefetcher(store, self.scheme, self.loop, prefetch_bytes)
+    self.loader = Loader(store, self.scheme, self.loop, device, self.saver, self.prefetcher,
+                         staging_bytes=staging_bytes, kvtc_transform_id=kvtc_transform_id)
+    self.to_device = HostToDevice(device, device_link)
     host = store.host_capacity()
     if codec == "raw" and host is not None and host[1] is not None and host[1] < layout.nbytes:
       _log.warning("host tier %r holds %d bytes, less than one raw chunk (%d bytes): it will "
                    "hold no chunk", host[0], host[1], layout.nbytes)
 
-  def _run(self, coro):
-    return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)
+  # ------------------------------------------------------------------ configuration (read-only)
+  @property
+  def layout(self) -> KVLayout:
+    return self.scheme.layout
 
-  # ----------------------------------------------------------------------------- capacity
+  @property
+  def chunk_size(self) -> int:
+    return self.scheme.chunk_size
+
+  @property
+  def origin(self):
+    """What every chunk this client stores records as its origin, and every chunk it loads must
+    have recorded (`kvjax.storage.types.ChunkOrigin`; the stored-chunk guard)."""
+    return self.scheme.origin
+
+  @property
+  def device_link(self):
+    return self.to_device.device_link
+
+  @property
+  def kvtc_transform_id(self) -> bytes | None:
+    return self.loader.kvtc_transform_id
+
+  @property
+  def staging_bytes(self) -> int:
+    return self.loader.staging_bytes
+
+  @property
+  def prefetch_bytes(self) -> int:
+    return self.prefetcher.prefetch_bytes
+
+  @property
+  def stores_tails(self) -> bool:
+    """Whether session tails are stored and looked up (`KeyScheme.stores_tails`)."""
+    return self.scheme.stores_tails
+
+  def _run(self, coro):
+    return self.loop.run(coro)
+
+  # ------------------------------------------------------------------------------ keys, lookups
+  def namespace(self, cache_salt: str | None) -> keys.KeyNamespace:
+    return self.scheme.namespace(cache_salt)
+
+  def tail_key(self, namespace: str, hashes: Sequence[ChunkHash], token_ids: Sequence[int],
+               end: int) -> tuple[int, ChunkHash, ChunkHash] | None:
+    """`KeyScheme.tail_key`."""
+    return self.scheme.tail_key(namespace, hashes, token_ids, end)
+
+  def lookup(self, prompt_ids: Sequence[int], cache_salt: str | None, *,
+             history_tokens: int = 0) -> PrefixLookup:
+    """`PrefixLookups.lookup`: which prefix chunks (and session tail) any tier holds."""
+    return self.lookups.lookup(prompt_ids, cache_salt, history_tokens=history_tokens)
+
+  @property
+  def lookup_failures(self) -> int:
+    return self.lookups.failures
+
+  def extend_chunk_hashes(self, lookup: PrefixLookup, hashes: Sequence[ChunkHash],
+                          token_ids: Sequence[int], num_chunks: int) -> list[ChunkHash]:
+    """`hashes` (chained keys of the first chunks of `token_ids`, under `lookup`'s namespace)
+    extended to `num_chunks` keys (`KeyScheme.extend_chunk_hashes`).
+
+    Raises:
+      ValueError: `token_ids` shorter than `num_chunks` chunks.
+    """
+    return self.scheme.extend_chunk_hashes(lookup.namespace, hashes, token_ids, num_chunks)
+
+  def read_raw_chunks(self, lookup: PrefixLookup, token_ids: Sequence[int],
+                      indices: Sequence[int]) -> dict[int, np.ndarray]:
+    """`PrefixLookups.read_raw_chunks` (session re-rotation)."""
+    return self.lookups.read_raw_chunks(lookup, token_ids, indices)
+
+  def put_raw_chunks(self, cache_salt: str | None, token_ids: Sequence[int],
+                     chunks: Sequence[np.ndarray], *, first: int = 0) -> int:
+    """`PrefixLookups.put_raw_chunks` (session re-rotation).
+
+    Raises:
+      ValueError: `first` < 0 or chunks past the end of `token_ids`.
+    """
+    return self.lookups.put_raw_chunks(cache_salt, token_ids, chunks, first=first)
+
+  # ----------------------------------------------------------------------- open requests' keys
+  def open_request(self, request_id: Any, prompt_ids: Sequence[int], cache_salt: str | None, *,
+                   history_tokens: int = 0) -> PrefixLookup:
+    """Looks the prompt up (`lookup`, one batch) and keeps its lookup and key chain for the
+    request until `close_request`; returns the lookup (plain data). A request id still open is
+    replaced."""
+    lookup = self.lookup(prompt_ids, cache_salt, history_tokens=history_tokens)
+    self.requests.open(request_id, lookup, prompt_ids)
+    return lookup
+
+  def is_open(self, request_id: Any) -> bool:
+    """Whether `open_request` keeps state for the request."""
+    return self.requests.is_open(request_id)
+
+  def close_request(self, request_id: Any) -> int:
+    """Forgets the request's lookup and keys and drops its loads (`cancel_loads`); returns how
+    many loads were dropped. Idempotent."""
+    self.requests.close(request_id)
+    return self.loader.cancel(request_id)
+
+  def start_request_load(self, request_id: Any, index: int, *,
+                         encoding: codecs.EncodingId | None = None, nbytes: int = 0,
+                         max_in_flight: int = 2) -> None:
+    """`start_load` of chunk `index` of an open request's prompt, with its own lookup.
+
+    `encoding` is the level policy's pick (the scheduler's `LoadItem.encoding`): that encoding
+    is read (`kvjax.storage.chunk_store.choose_codec`); None: the loader's own choice. The
+    codec choice stays behind the client: the engine hands over the plan's plain id.
+
+    Raises:
+      KeyError: the request is not open.
+    """
+    choose = None if encoding is None else choose_codec(encoding.codec, encoding.level)
+    r = self.requests.get(request_id)
+    self.loader.start(request_id, index, r.lookup, r.prompt_ids, choose=choose, nbytes=nbytes,
+                      max_in_flight=max_in_flight)
+
+  def lookahead_requests(self, request_ids: Sequence[Any]) -> list[LookaheadRequest]:
+    """The look-ahead window's records (`lookahead_request`) of those of `request_ids` that are
+    open, in order."""
+    return [self.prefetcher.lookahead_request(rid, r.lookup, r.prompt_ids)
+            for rid, r in self.requests.open_of(request_ids)]
+
+  def extend_request_keys(self, request_id: Any, token_ids: Sequence[int],
+                          num_chunks: int) -> None:
+    """`OpenRequests.extend`.
+
+    Raises:
+      KeyError: the request is not open; ValueError: `token_ids` shorter than `num_chunks`
+        chunks.
+    """
+    self.requests.extend(request_id, token_ids, num_chunks)
+
+  def request_chunk_key(self, request_id: Any, index: int) -> tuple[str, ChunkHash, str]:
+    """`OpenRequests.chunk_key`: `(namespace root, key, parent key)`.
+
+    Raises:
+      KeyError: the request is not open; IndexError: the chain is shorter.
+    """
+    return self.requests.chunk_key(request_id, index)
+
+  def request_tail_key(self, request_id: Any, token_ids: Sequence[int], end: int
+                       ) -> tuple[str, ChunkHash, ChunkHash] | None:
+    """`OpenRequests.tail_key`: `(namespace root, parent key, key)`, or None.
+
+    Raises:
+      KeyError: the request is not open.
+    """
+    return self.requests.tail_key(request_id, token_ids, end)
+
+  def request_tail_job(self, request_id: Any, token_ids: Sequence[int], end: int,
+                       kv: Any) -> SaveJob:
+    """`OpenRequests.tail_job`: the tail's `SaveJob` (the key scheme stays behind the client).
+
+    Raises:
+      KeyError: the request is not open; ValueError: `end` is a multiple of C (no tail).
+    """
+    return self.requests.tail_job(request_id, token_ids, end, kv)
+
+  # ---------------------------------------------------------------------------------- loads
+  def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
+                 prompt_ids: Sequence[int], *, choose=None, nbytes: int = 0,
+                 max_in_flight: int = 2) -> None:
+    """`Loader.start`: queues a background load; its `LoadReport` comes from `landed()`."""
+    self.loader.start(request_id, index, lookup, prompt_ids, choose=choose, nbytes=nbytes,
+                      max_in_flight=max_in_flight)
+
+  def warmup_entropy(self, codec: str, level: int, arrays) -> None:
+    """`Loader.warmup_entropy`.
+
+    Raises:
+      ValueError: a payload that does not match the layout; RuntimeError: the decode failed.
+    """
+    self.loader.warmup_entropy(codec, level, arrays)
+
+  def landed(self, wait_s: float | None = None) -> list[LoadReport]:
+    """`Loader.landed`: the reports of every load that finished since the last call."""
+    return self.loader.landed(wait_s)
+
+  def take(self, request_id: Any, index: int) -> ChunkHit:
+    """`Loader.take`.
+
+    Raises:
+      KeyError: if the chunk is not staged (a planner bug).
+    """
+    return self.loader.take(request_id, index)
+
+  def release(self, request_id: Any, index: int) -> None:
+    """`Loader.release`."""
+    self.loader.release(request_id, index)
+
+  def cancel_loads(self, request_id: Any) -> int:
+    """`Loader.cancel`: drops every queued, reading and staged load of the request."""
+    return self.loader.cancel(request_id)
+
+  def loads_in_flight(self, request_id: Any = None) -> int:
+    """Loads queued or reading (of one request, or all)."""
+    return self.loader.in_flight(request_id)
+
+  def tier_snapshots(self) -> tuple[TierSnapshot, ...]:
+    """Per-tier counters (misses, loaded bytes, link limiter), plain data."""
+    return self.loader.tier_snapshots()
+
+  @property
+  def loader_stats(self) -> LoaderStats:
+    return self.loader.stats
+
+  # --------------------------------------------------------------------------------- look-ahead
+  def lookahead_request(self, request_id: Any, lookup: PrefixLookup,
+                        prompt_ids: Sequence[int]) -> LookaheadRequest:
+    """`Prefetcher.lookahead_request`."""
+    return self.prefetcher.lookahead_request(request_id, lookup, prompt_ids)
+
+  def set_lookahead(self, requests: Sequence[LookaheadRequest]) -> None:
+    """Replaces the look-ahead window (the engine calls it when the scheduler's window
+    changed): its chunks join the store's hint and those only a lower tier holds are
+    prefetched into the host tier, on the event loop. Never blocks."""
+    self.prefetcher.set_lookahead(requests)
+
+  def set_pins(self, sessions: Sequence[tuple[str | None, Sequence[int]]]) -> None:
+    """Replaces the pinned sessions: per session, most important first, its `cache_salt` and
+    exact token ids (its last turn's prompt and output). Their full chunks join the store's
+    hint (never evicted), as many whole sessions as fit half the host tier (the other half is
+    the window's), each with its stored tail (`stores_tails`, a chunk's bytes) while that fits
+    too. The session registry owns which sessions are pinned (`SessionRegistry.pinned`). Never
+    blocks on the store. Without a host tier nothing is pinned: pins keep sessions in the host
+    tier, and a persistent tier's own LRU order keeps recent sessions (pinning there would let
+    open sessions hold a bounded store over its capacity)."""
+    self.prefetcher.set_pins(sessions)
+
+  def wait_prefetches(self, timeout_s: float | None = None) -> None:
+    """Blocks until no prefetch is in flight or startable (tests, benchmarks)."""
+    self.prefetcher.wait(timeout_s)
+
+  @property
+  def prefetch_stats(self) -> PrefetchStats:
+    return self.prefetcher.stats
+
+  # --------------------------------------------------------------------------- host -> device
+  def transfer(self, chunks: Sequence[np.ndarray], groups: Sequence[tuple[int, int]]
+               ) -> list[LayerTransfer]:
+    """`HostToDevice.transfer`: staged raw chunks to the device in layer groups. Never
+    blocks."""
+    return self.to_device.transfer(chunks, groups)
+
+  def charge_device(self, nbytes: int) -> None:
+    """`HostToDevice.charge_device`."""
+    self.to_device.charge_device(nbytes)
+
+  # ---------------------------------------------------------------------------------- saves
+  def submit_save(self, job: SaveJob) -> bool:
+    """Queues a save without blocking; returns False (and counts it) when the queue is full.
+    Until it is written (or has failed), lookups find its key as `SAVING`."""
+    return self.saver.submit(job)
+
+  def drop_tail(self, cache_salt: str | None, token_ids: Sequence[int]
+                ) -> concurrent.futures.Future | None:
+    """Deletes, in the background, the stored tail a finished session turn left (`tail_key` of
+    its ids but the last sampled one) once no session will extend that turn any more: the
+    session's next turn superseded it, or the session was closed, expired or evicted (the
+    session registry says so, `SessionRegistry.set_tail_sink`). A tail only a session's next
+    turn ever looks up would otherwise stay until evicted. (Two sessions with the very same
+    history share its tail: the other's next turn then recomputes those tokens.) Never blocks;
+    returns the delete's future (None: no tail), which callers need not wait for."""
+    return self.saver.drop_tail(cache_salt, token_ids)
+
+  @property
+  def saver_stats(self) -> SaverStats:
+    return self.saver.stats
+
+  def flush(self) -> None:
+    """Blocks until every queued save has been written (or has failed and been counted), and
+    every demotion those saves started (write-back placement) is done."""
+    self.saver.join()
+    self._run(self.store.drain())
+
+  # ------------------------------------------------------------------------------- capacity
   def usage(self) -> list[TierUsage]:
     """What each persistent tier holds now: chunks, stored bytes, capacity (blocking; lists
     every tier's records: start-up and tools, not the request path)."""
@@ -200,7 +452,7 @@ class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, T
     for tier in self.store.tiers:
       d = self.store.local_dirs.get(tier.name)
       if d is not None:
-        return os.path.join(d, "sessions", self._fingerprint)
+        return os.path.join(d, "sessions", self.scheme.model_fingerprint)
     return None
 
   def close(self) -> None:
@@ -208,14 +460,10 @@ class KVStoreClient(LookupMixin, RequestKeysMixin, LoaderMixin, PrefetchMixin, T
     if self._closed:
       return
     self._closed = True
-    if self._transfer_thread is not None:
-      self._transfers.put(None)
-      self._transfer_thread.join()
-    self._jobs.put(None)
-    self._saver.join()
+    self.to_device.close()
+    self.saver.close()
     try:  # demotions in flight (write-back) are written before the loop stops
       self._run(self.store.drain())
     except Exception as e:  # noqa: BLE001 - closing must not fail on a stuck tier
       _log.warning("waiting for demotions at close failed: %r", e)
-    self._loop.call_soon_threadsafe(self._loop.stop)
-    self._loop_thread.join()
+    self.loop.stop()

@@ -6,24 +6,73 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
+import threading
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from kvjax import codecs
-from kvjax.connector.device import decode_on_device, held_nbytes
+from kvjax.connector.device import DeviceSeam, decode_on_device, held_nbytes
+from kvjax.connector.lookup import KeyScheme
+from kvjax.connector.loop import StoreLoop
+from kvjax.connector.prefetch import Prefetcher
 from kvjax.connector.records import LoaderStats, Pending, PrefixLookup, TierSnapshot
+from kvjax.connector.saver import Saver
 from kvjax.scheduler.output import LoadReport
 from kvjax.storage import codecs as storage_codecs
 from kvjax.storage import entropy, keys
 from kvjax.storage.types import ChunkHit, ChunkMiss, MissReason
 
 
-class LoaderMixin:
-  """Background loads of `KVStoreClient` (`kvjax/connector/client.py` owns the state)."""
+class Loader:
+  """Background loads: queue, reads in flight, staged chunks, their reports and accounting.
 
-  def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
+  Owns, under its own lock: the queue of loads not started, the reads in flight and the
+  landed chunks staged for insertion (`staging_bytes` bounds both), the reports not yet taken
+  (`landed`), the bytes loaded per tier and `loader_stats`. Called from the engine thread
+  (`start`, `landed`, `take`, `release`, `cancel`); reads run and land on the store loop
+  (`_read`, `_on_land`), device entropy decodes on a worker thread. A read waits for the
+  chunk's prefetch (`Prefetcher.in_flight`) and its save (`Saver.pending`) first, and tells
+  the prefetcher what it reads (`load_started`, `load_ended`, `load_landed`).
+
+  Args:
+    store: the tiered store.
+    scheme: the key scheme (layout, origin).
+    loop: the connector's event loop.
+    device: the runner's device seam (entropy decode, staged device bytes).
+    saver: the saver (loads of a key being saved wait for its write).
+    prefetcher: the look-ahead prefetcher.
+    staging_bytes: stored bytes of reads in flight plus landed chunks not yet inserted, at most
+      (a read that would pass it waits; the first never does).
+    kvtc_transform_id: the 16-byte identity of this model's kvtc transform, or None; a kvtc
+      chunk coded with another (or any, when None) is a miss (`MissReason.UNKNOWN_CODEC`).
+  """
+
+  def __init__(self, store, scheme: KeyScheme, loop: StoreLoop, device: DeviceSeam,
+               saver: Saver, prefetcher: Prefetcher, *, staging_bytes: int = 1 << 30,
+               kvtc_transform_id: bytes | None = None):
+    self._store = store
+    self._scheme = scheme
+    self._loop = loop
+    self._device = device
+    self._saver = saver
+    self._prefetcher = prefetcher
+    self.staging_bytes = staging_bytes
+    self.kvtc_transform_id = kvtc_transform_id
+    self._lock = threading.Lock()
+    self._stats = LoaderStats()
+    self._queue: collections.deque[Pending] = collections.deque()
+    self._reading: dict[tuple[Any, int], Pending] = {}
+    self._staged: dict[tuple[Any, int], ChunkHit] = {}
+    self._reports: list[LoadReport] = []
+    self._reported = threading.Event()
+    self._last_done_s = -math.inf
+    self._loaded_by_tier: dict[str, tuple[int, int]] = {}
+    self._busy_since_s = 0.0
+
+  def start(self, request_id: Any, index: int, lookup: PrefixLookup,
                  prompt_ids: Sequence[int], *, choose=None, nbytes: int = 0,
                  max_in_flight: int = 2) -> None:
     """Queues a background load of prompt chunk `index`; its `LoadReport` comes from `landed()`.
@@ -35,7 +84,7 @@ class LoaderMixin:
     bound them). Never blocks the caller.
 
     Args:
-      request_id: the owner; `cancel_loads(request_id)` drops its loads.
+      request_id: the owner; `cancel(request_id)` drops its loads.
       index: chunk index within the prompt; the lookup's stored tail when it is
         `lookup.tail.index`.
       lookup: the prompt's `PrefixLookup`.
@@ -45,7 +94,7 @@ class LoaderMixin:
       nbytes: the planner's stored bytes for it (for the staging budget).
       max_in_flight: the request's reads at once, >= 1.
     """
-    c = self.chunk_size
+    c = self._scheme.chunk_size
     tail = lookup.tail
     if tail is not None and index == tail.index:  # the stored tail, padded to C ids
       key, tokens = tail.chunk_hash, keys.tail_token_ids(
@@ -53,7 +102,7 @@ class LoaderMixin:
     else:
       key, tokens = lookup.hashes[index], tuple(prompt_ids[index * c:(index + 1) * c])
     item = Pending(request_id, index, key, tokens, lookup.namespace, choose,
-                    int(nbytes) or self.layout.nbytes, max(1, int(max_in_flight)))
+                    int(nbytes) or self._scheme.layout.nbytes, max(1, int(max_in_flight)))
     with self._lock:
       self._queue.append(item)
     self._pump()
@@ -81,29 +130,26 @@ class LoaderMixin:
         reading_of[item.request_id] += 1
         held += item.nbytes
         self._stats.started += 1
-        item.future = asyncio.run_coroutine_threadsafe(self._read(item), self._loop)
+        item.future = self._loop.submit(self._read(item))
 
   async def _read(self, item: Pending) -> None:
-    pending = self._prefetching.get(item.chunk_hash)
-    if pending is not None:  # its prefetch is moving it up: read the host copy it makes
-      await asyncio.wait({pending[0]})
-    with self._lock:
-      saving = self._saving.get(item.chunk_hash)
+    prefetch = self._prefetcher.in_flight(item.chunk_hash)
+    if prefetch is not None:  # its prefetch is moving it up: read the host copy it makes
+      await asyncio.wait({prefetch})
+    saving = self._saver.pending(item.chunk_hash)
     if saving is not None:  # found while its save was queued or being written: wait for it
       # (on the loop, no worker thread: the write itself needs one; shielded, so a cancelled
       # load never cancels the future other loads of the key wait on)
-      await asyncio.shield(asyncio.wrap_future(saving[1]))
-    self._store_reads[item.chunk_hash] += 1  # no prefetch of it starts meanwhile
+      await asyncio.shield(asyncio.wrap_future(saving))
+    self._prefetcher.load_started(item.chunk_hash)  # no prefetch of it starts meanwhile
     try:
-      got = await self.store.get(item.chunk_hash, item.token_ids, item.namespace, self.layout,
-                                 origin=self.origin,
-                                 **({"choose": item.choose} if item.choose is not None else {}))
+      got = await self._store.get(item.chunk_hash, item.token_ids, item.namespace,
+                                  self._scheme.layout, origin=self._scheme.origin,
+                                  **({"choose": item.choose} if item.choose is not None else {}))
     except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
       got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
     finally:
-      self._store_reads[item.chunk_hash] -= 1
-      if not self._store_reads[item.chunk_hash]:
-        del self._store_reads[item.chunk_hash]
+      self._prefetcher.load_ended(item.chunk_hash)
     got = self._check_transform(got)
     if isinstance(got, ChunkHit) and any(isinstance(a, entropy.RansCodes)
                                          for a in got.payload.values()):
@@ -122,9 +168,10 @@ class LoaderMixin:
     Raises:
       ValueError: a payload that does not match the layout; RuntimeError: the decode failed.
     """
-    blob = storage_codecs.encode_payload(codec, level, arrays, self.layout)
+    layout = self._scheme.layout
+    blob = storage_codecs.encode_payload(codec, level, arrays, layout)
     payload = storage_codecs.decode_payload(codec, storage_codecs.CURRENT_VERSION[codec], level,
-                                            blob, self.layout, defer_entropy=True)
+                                            blob, layout, defer_entropy=True)
     for name, a in payload.items():
       if isinstance(a, entropy.RansCodes) and not self._rans_decode(a)[1]:
         raise RuntimeError(f"warming up the device entropy decoder: {name} did not decode")
@@ -135,14 +182,14 @@ class LoaderMixin:
 
     Raises:
       ValueError: band arrays that do not fit together."""
-    return self.device.decode_entropy(a)
+    return self._device.decode_entropy(a)
 
   def _decode_on_device(self, got: ChunkHit) -> ChunkHit | ChunkMiss:
     """Decodes every entropy-coded array of a landed chunk on the device
     (`kvjax.connector.device.decode_on_device`); a failed `ok` check is a CORRUPT miss."""
     with self._lock:
       self._stats.device_decoded += 1
-    return decode_on_device(got, self.device)
+    return decode_on_device(got, self._device)
 
   def _check_transform(self, got: ChunkHit | ChunkMiss) -> ChunkHit | ChunkMiss:
     """A kvtc hit coded with another transform than this model's becomes a miss."""
@@ -172,12 +219,10 @@ class LoaderMixin:
       if ok:
         b, n = self._loaded_by_tier.get(got.tier, (0, 0))
         self._loaded_by_tier[got.tier] = (b + nbytes, n + 1)
-        if item.chunk_hash in self._prefetched and got.tier == self._host_name():
-          self._prefetched.discard(item.chunk_hash)
-          self._pf = dataclasses.replace(self._pf, useful=self._pf.useful + 1)
+        self._prefetcher.load_landed(item.chunk_hash, got.tier)
       if ok and not item.released:
         self._staged[key] = got
-        self._stats.staged_bytes += held_nbytes(got, self.device)
+        self._stats.staged_bytes += held_nbytes(got, self._device)
       self._reports.append(LoadReport(
           request_id=item.request_id, index=item.index, ok=ok, nbytes=nbytes,
           tier=got.tier if ok else "",
@@ -208,7 +253,7 @@ class LoaderMixin:
     """
     with self._lock:
       hit = self._staged.pop((request_id, index))
-      self._stats.staged_bytes -= held_nbytes(hit, self.device)
+      self._stats.staged_bytes -= held_nbytes(hit, self._device)
     self._pump()
     return hit
 
@@ -228,11 +273,11 @@ class LoaderMixin:
       elif key in self._reading:
         self._reading[key].released = True
       elif key in self._staged:
-        self._stats.staged_bytes -= held_nbytes(self._staged.pop(key), self.device)
+        self._stats.staged_bytes -= held_nbytes(self._staged.pop(key), self._device)
         self._stats.released_staged += 1
     self._pump()
 
-  def cancel_loads(self, request_id: Any) -> int:
+  def cancel(self, request_id: Any) -> int:
     """Drops every queued, reading and staged load of the request (no reports); returns how
     many."""
     with self._lock:
@@ -244,7 +289,7 @@ class LoaderMixin:
         self._reading.pop(k).future.cancel()
       staged = [k for k in self._staged if k[0] == request_id]
       for k in staged:
-        self._stats.staged_bytes -= held_nbytes(self._staged.pop(k), self.device)
+        self._stats.staged_bytes -= held_nbytes(self._staged.pop(k), self._device)
       self._reports = [r for r in self._reports if r.request_id != request_id]
       n = len(queued) + len(reading) + len(staged)
       self._stats.cancelled += len(queued) + len(reading)
@@ -253,7 +298,7 @@ class LoaderMixin:
     self._pump()
     return n
 
-  def loads_in_flight(self, request_id: Any = None) -> int:
+  def in_flight(self, request_id: Any = None) -> int:
     """Loads queued or reading (of one request, or all)."""
     with self._lock:
       if request_id is None:
@@ -263,13 +308,13 @@ class LoaderMixin:
 
   def tier_snapshots(self) -> tuple[TierSnapshot, ...]:
     """Per-tier counters (misses, loaded bytes, link limiter), plain data."""
-    stats = self.store.stats
+    stats = self._store.stats
     out = []
     with self._lock:
       loaded = dict(self._loaded_by_tier)
-    for tier in self.store.tiers:
+    for tier in self._store.tiers:
       s = stats.get(tier.name)
-      limiter = self.store.limiters.get(tier.name)
+      limiter = self._store.limiters.get(tier.name)
       nbytes, nchunks = loaded.get(tier.name, (0, 0))
       out.append(TierSnapshot(
           tier.name, dict(s.misses) if s is not None else {}, nbytes, nchunks,
@@ -282,7 +327,7 @@ class LoaderMixin:
     return tuple(out)
 
   @property
-  def loader_stats(self) -> LoaderStats:
+  def stats(self) -> LoaderStats:
     """A snapshot of the load accounting."""
     with self._lock:
       return dataclasses.replace(self._stats, queued=len(self._queue),

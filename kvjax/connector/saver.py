@@ -7,54 +7,68 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import threading
 from typing import Sequence
 
 import numpy as np
 
 from kvjax._typing import ChunkHash
-from kvjax.connector.records import SaveJob
+from kvjax.connector.device import DeviceSeam
+from kvjax.connector.lookup import KeyScheme
+from kvjax.connector.loop import StoreLoop
+from kvjax.connector.records import SaveJob, SaverStats
 from kvjax.storage import keys
-from kvjax.storage.types import EncodedPayload, MissReason, ChunkMiss
+from kvjax.storage.types import ChunkMiss, EncodedPayload, MissReason
 
 _log = logging.getLogger(__name__)
 
 
-class SaverMixin:
-  """Saves of `KVStoreClient` (`kvjax/connector/client.py` owns the state)."""
+class Saver:
+  """Queued saves of full chunks and session tails, written by one saver thread.
 
-  def drop_tail(self, cache_salt: str | None, token_ids: Sequence[int]
-                ) -> concurrent.futures.Future | None:
-    """Deletes, in the background, the stored tail a finished session turn left (`tail_key` of
-    its ids but the last sampled one) once no session will extend that turn any more: the
-    session's next turn superseded it, or the session was closed, expired or evicted (the
-    session registry says so, `SessionRegistry.set_tail_sink`). A tail only a session's next
-    turn ever looks up would otherwise stay until evicted. (Two sessions with the very same
-    history share its tail: the other's next turn then recomputes those tokens.) Never blocks;
-    returns the delete's future (None: no tail), which callers need not wait for."""
-    ids = [int(t) for t in token_ids]
-    if not self.stores_tails or len(ids) < 2:
-      return None
-    ns = self.namespace(cache_salt)
-    end = len(ids) - 1
-    tail = self.tail_key(ns.root_hash(), keys.chunk_hashes(ns, ids, max_tokens=end), ids, end)
-    if tail is None:
-      return None
-    return asyncio.run_coroutine_threadsafe(self._drop_tail(tail[2]), self._loop)
+  Owns: the job queue, the saver thread ("kvjax-saver"), the keys being saved (`pending`,
+  under its own lock) and `stats`. `submit` and `drop_tail` are called from the engine thread
+  (and the session registry's), `pending`/`pending_keys` from the engine thread and the store
+  loop (loads of a key being saved wait for its write); the saver thread runs `write`.
 
-  async def _drop_tail(self, key: ChunkHash) -> None:
+  Args:
+    store: the tiered store.
+    scheme: the key scheme (origin and layout of every put; tail keys).
+    loop: the connector's event loop (the saver thread blocks on it for each put).
+    device: the runner's device seam (one device -> host copy per job).
+    max_pending_saves: jobs queued at most; more are dropped and counted.
+  """
+
+  def __init__(self, store, scheme: KeyScheme, loop: StoreLoop, device: DeviceSeam,
+               max_pending_saves: int = 16):
+    self._store = store
+    self._scheme = scheme
+    self._loop = loop
+    self._device = device
+    #: Saves done, dropped and failed (written by the saver thread and `submit`).
+    self.stats = SaverStats()
+    self._jobs: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending_saves)
+    self._lock = threading.Lock()
+    # Keys of saves queued or being written: [jobs, a future done with the last] (`_lock`).
+    self._saving: dict[ChunkHash, list] = {}
+    self._thread = threading.Thread(target=self._save_loop, name="kvjax-saver", daemon=True)
+    self._thread.start()
+
+  def pending(self, chunk_hash: ChunkHash) -> concurrent.futures.Future | None:
+    """A future done once the last queued save of `chunk_hash` is written (or has failed), or
+    None when none is queued or being written."""
     with self._lock:
-      saving = self._saving.get(key)
-    if saving is not None:  # still being written: delete it once it is
-      await asyncio.shield(asyncio.wrap_future(saving[1]))
-    try:
-      if await self.store.delete(key):
-        self.saver_stats.tails_dropped += 1
-    except Exception as e:  # noqa: BLE001 - best effort: the tier's LRU evicts it later
-      _log.warning("deleting a superseded session tail failed: %r", e)
+      entry = self._saving.get(chunk_hash)
+      return None if entry is None else entry[1]
 
-  def submit_save(self, job: SaveJob) -> bool:
+  def pending_keys(self, hashes: Sequence[ChunkHash]) -> set[ChunkHash]:
+    """Those of `hashes` whose save is queued or being written."""
+    with self._lock:
+      return {h for h in hashes if h in self._saving}
+
+  def submit(self, job: SaveJob) -> bool:
     """Queues a save without blocking; returns False (and counts it) when the queue is full.
-    Until it is written (or has failed), lookups find its key as `SAVING`."""
+    Until it is written (or has failed), `pending` names its key."""
     with self._lock:
       entry = self._saving.setdefault(job.chunk_hash, [0, concurrent.futures.Future()])
       entry[0] += 1
@@ -62,7 +76,7 @@ class SaverMixin:
       self._jobs.put_nowait(job)
       return True
     except queue.Full:
-      self.saver_stats.jobs_dropped += 1
+      self.stats.jobs_dropped += 1
       self._save_ended(job.chunk_hash)
       return False
 
@@ -74,11 +88,41 @@ class SaverMixin:
         del self._saving[chunk_hash]
         entry[1].set_result(None)
 
-  def flush(self) -> None:
-    """Blocks until every queued save has been written (or has failed and been counted), and
-    every demotion those saves started (write-back placement) is done."""
+  def join(self) -> None:
+    """Blocks until every queued save has been written (or has failed and been counted)."""
     self._jobs.join()
-    self._run(self.store.drain())
+
+  def close(self) -> None:
+    """Writes the queued saves, then stops the saver thread."""
+    self._jobs.put(None)
+    self._thread.join()
+
+  def drop_tail(self, cache_salt: str | None, token_ids: Sequence[int]
+                ) -> concurrent.futures.Future | None:
+    """Deletes, in the background, the stored tail a finished session turn left (`tail_key` of
+    its ids but the last sampled one) once no session will extend that turn any more (see
+    `KVStoreClient.drop_tail`); a tail still being written is deleted once it is. Never
+    blocks; returns the delete's future (None: no tail)."""
+    s = self._scheme
+    ids = [int(t) for t in token_ids]
+    if not s.stores_tails or len(ids) < 2:
+      return None
+    ns = s.namespace(cache_salt)
+    end = len(ids) - 1
+    tail = s.tail_key(ns.root_hash(), keys.chunk_hashes(ns, ids, max_tokens=end), ids, end)
+    if tail is None:
+      return None
+    return self._loop.submit(self._drop_tail(tail[2]))
+
+  async def _drop_tail(self, key: ChunkHash) -> None:
+    saving = self.pending(key)
+    if saving is not None:  # still being written: delete it once it is
+      await asyncio.shield(asyncio.wrap_future(saving))
+    try:
+      if await self._store.delete(key):
+        self.stats.tails_dropped += 1
+    except Exception as e:  # noqa: BLE001 - best effort: the tier's LRU evicts it later
+      _log.warning("deleting a superseded session tail failed: %r", e)
 
   def _save_loop(self) -> None:
     while True:
@@ -86,22 +130,28 @@ class SaverMixin:
       try:
         if job is None:
           return
-        self._save(job)
-        self.saver_stats.jobs_done += 1
+        self.write(job)
+        self.stats.jobs_done += 1
       except Exception as e:  # noqa: BLE001 - a failed save must not kill the saver
-        self.saver_stats.failures += 1
+        self.stats.failures += 1
         _log.warning("saving KV chunks failed: %r", e)
       finally:
         if job is not None:
           self._save_ended(job.chunk_hash)
         self._jobs.task_done()
 
-  def _save(self, job: SaveJob) -> None:
-    """Copies the chunk (or its encoded levels) to the host in one transfer, then stores it."""
-    host = self.device.get(job.kv if job.payloads is None else job.payloads)
+  def write(self, job: SaveJob) -> None:
+    """Writes one job now, on the calling thread (the saver thread's body): copies the chunk
+    (or its encoded levels) to the host in one transfer, then stores it.
+
+    Raises:
+      ValueError: a coded chunk holding NaN/inf (never stored); whatever the store raised.
+    """
+    s, run = self._scheme, self._loop.run
+    host = self._device.get(job.kv if job.payloads is None else job.payloads)
     if job.payloads is None:
-      put = lambda: self.store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
-                                   np.asarray(host), origin=self.origin)
+      put = lambda: self._store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
+                                    np.asarray(host), origin=s.origin)
     else:
       encoded = []
       for codec, level, arrays, finite in host:
@@ -109,22 +159,21 @@ class SaverMixin:
           raise ValueError(f"KV chunk holds NaN/inf (or values beyond the {codec} codec's "
                            "range); refusing to store it")
         encoded.append(EncodedPayload(codec, level, {k: np.asarray(v) for k, v in arrays.items()}))
-      put = lambda: self.store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
-                                   layout=self.layout, payloads=encoded, origin=self.origin)
+      put = lambda: self._store.put(job.chunk_hash, job.parent, job.token_ids, job.namespace,
+                                    layout=s.layout, payloads=encoded, origin=s.origin)
     if job.replace:
-      self._run(self._delete_everywhere(job.chunk_hash))
-    published = self._run(put())
+      run(self._delete_everywhere(job.chunk_hash))
+    published = run(put())
     if not published and job.verify_existing:
-      got = self._run(self.store.get(job.chunk_hash, job.token_ids, job.namespace, self.layout,
-                                     promote=False, origin=self.origin))
+      got = run(self._store.get(job.chunk_hash, job.token_ids, job.namespace, s.layout,
+                                promote=False, origin=s.origin))
       if isinstance(got, ChunkMiss) and got.reason is not MissReason.ABSENT:
-        self._run(self._delete_everywhere(job.chunk_hash))
-        published = self._run(put())
+        run(self._delete_everywhere(job.chunk_hash))
+        published = run(put())
     if published:
-      self.saver_stats.chunks_saved += 1
+      self.stats.chunks_saved += 1
     else:
-      self.saver_stats.chunks_already_stored += 1
+      self.stats.chunks_already_stored += 1
 
   async def _delete_everywhere(self, chunk_hash: ChunkHash) -> None:
-    await asyncio.gather(*(t.delete(chunk_hash) for t in self.store.tiers))
-
+    await asyncio.gather(*(t.delete(chunk_hash) for t in self._store.tiers))

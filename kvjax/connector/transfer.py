@@ -3,16 +3,18 @@ transfer thread, each piece charged to the emulated link first."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Any, Sequence
 
 import numpy as np
 
+from kvjax.connector.device import DeviceSeam
 
 
 class LayerTransfer:
   """One staged chunk moving host -> device layer group by layer group (layer-wise
-  pre-loading, CachedAttention arXiv 2403.19708, section 3.2.1), on the client's transfer
+  pre-loading, CachedAttention arXiv 2403.19708, section 3.2.1), on `HostToDevice`'s transfer
   thread, each group's bytes charged to the host -> device link (`KVStoreClient(device_link=)`)
   before it is put on the device.
 
@@ -49,9 +51,24 @@ class LayerTransfer:
       return self._arrays[g]
 
 
-class TransferMixin:
-  """Host -> device transfers of `KVStoreClient` (`kvjax/connector/client.py` owns the
-  state)."""
+class HostToDevice:
+  """The host -> device link of staged chunks: one transfer thread ("kvjax-host-to-device",
+  started on first use), every piece charged to the emulated link first.
+
+  Owns: the transfer queue and thread. Called from the engine thread (`transfer`,
+  `charge_device`, `close`); the transfer thread puts pieces through the device seam.
+
+  Args:
+    device: the runner's device seam (`put`).
+    device_link: the emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or
+      None: no pacing.
+  """
+
+  def __init__(self, device: DeviceSeam, device_link=None):
+    self._device = device
+    self.device_link = device_link
+    self._transfers: queue.Queue = queue.Queue()
+    self._thread: threading.Thread | None = None
 
   def transfer(self, chunks: Sequence[np.ndarray], groups: Sequence[tuple[int, int]]
                ) -> list[LayerTransfer]:
@@ -69,10 +86,10 @@ class TransferMixin:
     Returns:
       One `LayerTransfer` per chunk, in order.
     """
-    if self._transfer_thread is None:
-      self._transfer_thread = threading.Thread(target=self._transfer_loop,
-                                               name="kvjax-host-to-device", daemon=True)
-      self._transfer_thread.start()
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._transfer_loop, name="kvjax-host-to-device",
+                                      daemon=True)
+      self._thread.start()
     out = [LayerTransfer(groups) for _ in chunks]
     link = self.device_link
     for g, (l0, l1) in enumerate(groups):
@@ -98,7 +115,12 @@ class TransferMixin:
           self.device_link.wait_reserved(done_s, int(piece.nbytes))
         # Not waited for here: on a CPU backend the copy would queue behind the step's compute
         # and pace the emulated link by the engine (an accelerator's copy engine does not).
-        t._set(g, self.device.put(piece))
+        t._set(g, self._device.put(piece))
       except Exception as e:  # noqa: BLE001 - reported to the waiter
         t._set(g, error=e)
 
+  def close(self) -> None:
+    """Finishes the queued pieces, then stops the transfer thread (if it started)."""
+    if self._thread is not None:
+      self._transfers.put(None)
+      self._thread.join()

@@ -60,8 +60,8 @@ Architecture (`docs/design/storage-format.md`):
 Modules: this one is the store core (`ChunkStore`: read, write, delete, list records);
 `store_layout` names the objects and holds the encoding choosers; `store_runtime` the counters,
 the byte limiter and the background loop (`run_sync`); `object_io` whole-object reads and miss
-reasons; `s3_conditional` the S3 publish mode; `store_admin` the maintenance mixin (`scan`,
-`orphans`, `gc`, `verify`, `object_files`).
+reasons; `s3_conditional` the S3 publish mode; `store_admin` the maintenance part (`StoreAdmin`, the
+store's `admin`: `scan`, `orphans`, `gc`, `verify`, `object_files`, which the store forwards).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class ChunkStore(StoreAdmin):
+class ChunkStore:
   """Stored KV chunks under one kvstore root, verified on every read.
 
   Example:
@@ -154,6 +154,48 @@ class ChunkStore(StoreAdmin):
     self._in_flight_lock = threading.Lock()
     self._in_flight: collections.Counter[str] = collections.Counter()
     self._closed = False
+    #: Maintenance (`StoreAdmin`: scan, orphans, gc, verify, object files), over this store's
+    #: public calls.
+    self.admin = StoreAdmin(self)
+
+  # -- maintenance (the admin part's) -----------------------------------------------------------
+
+  def local_dir(self) -> str | None:
+    """`StoreAdmin.local_dir`."""
+    return self.admin.local_dir()
+
+  async def scan(self, namespace: str = "") -> StoreIndex:
+    """`StoreAdmin.scan`: every index record, failing loudly."""
+    return await self.admin.scan(namespace)
+
+  async def orphans(self, index: StoreIndex | None = None) -> list[DataObject]:
+    """`StoreAdmin.orphans`: data objects no record references."""
+    return await self.admin.orphans(index)
+
+  async def gc(self) -> int:
+    """`StoreAdmin.gc`: removes data objects no record references; returns how many."""
+    return await self.admin.gc()
+
+  async def verify(self, record: ChunkRecord) -> ChunkMiss | None:
+    """`StoreAdmin.verify`: reads back every encoding of `record`; None, or the first miss."""
+    return await self.admin.verify(record)
+
+  def object_files(self, record: ChunkRecord) -> list[str]:
+    """`StoreAdmin.object_files`.
+
+    Raises:
+      ValueError: not a plain file store.
+    """
+    return self.admin.object_files(record)
+
+  def objects_being_written(self) -> set[str]:
+    """Data objects this store is writing now (`gc` leaves them alone)."""
+    with self._in_flight_lock:
+      return set(self._in_flight)
+
+  async def delete_object(self, object_key: str, *, array: bool = False) -> None:
+    """Deletes one data object: a single key, or (`array`, record format 1) a key prefix."""
+    await self._delete_object(object_key, array=array)
 
   # -- plumbing ---------------------------------------------------------------------------------
 

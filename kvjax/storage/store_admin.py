@@ -1,7 +1,8 @@
 """Maintenance of a chunk store (the `kvjax.store` CLI and tools): scanning the index, the
 data objects no record references and their removal (`gc`), read-back verification, and the
-files behind a record. `StoreAdmin` is a mixin of `kvjax.storage.chunk_store.ChunkStore` (it
-uses the store's kvstore, timeout, in-flight marks and object deletion)."""
+files behind a record. `StoreAdmin` is a part of `kvjax.storage.chunk_store.ChunkStore`
+(`ChunkStore.admin`); it asks the store only through its public calls (`kvstore`, `get`,
+`objects_being_written`, `delete_object`, `kvstore_spec`, `url`, `timeout_s`)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,24 @@ def _decode_deferred(hit: ChunkHit) -> ChunkHit | ChunkMiss:
 
 
 class StoreAdmin:
-  """Listing, sizes, garbage and verification of a `ChunkStore` (mixed into it)."""
+  """Listing, sizes, garbage and verification of a `ChunkStore`.
+
+  Owns nothing: every call reads the store afresh through its public calls. Async methods run
+  on the caller's event loop, as the store's own.
+
+  Args:
+    store: the `ChunkStore`.
+  """
+
+  def __init__(self, store):
+    self._store = store
+
+  async def _op(self, fut):
+    return await asyncio.wait_for(fut, self._store.timeout_s)
 
   def local_dir(self) -> str | None:
     """The directory of a file or ocdbt+file store (no trailing "/"), else None."""
-    spec = self.kvstore_spec
+    spec = self._store.kvstore_spec
     if spec.get("driver") == "ocdbt":
       spec = spec["base"]
     if spec.get("driver") == "file":
@@ -91,7 +105,7 @@ class StoreAdmin:
     Raises:
       Exception: tensorstore's error when listing or reading the index fails.
     """
-    root = await self.kvstore()
+    root = await self._store.kvstore()
     keys = sorted(k.decode() for k in await self._op(root.list(prefix_range(INDEX_PREFIX))))
     keys = [k for k in keys if k.endswith(".json")]
     reads = await asyncio.gather(*(self._op(root.read(k)) for k in keys))
@@ -115,7 +129,7 @@ class StoreAdmin:
     A chunk whose record exists but does not parse still names its chunk (index/<hash>.json):
     its data is kept, so an operator can inspect or restore it.
     """
-    root = await self.kvstore()
+    root = await self._store.kvstore()
     kept = set(index.malformed)
     out: dict[str, list[str]] = collections.defaultdict(list)
     for key in sorted(k.decode() for k in await self._op(root.list(prefix_range(DATA_PREFIX)))):
@@ -137,10 +151,9 @@ class StoreAdmin:
     index = index if index is not None else await self.scan()
     referenced = {e.object for r in index.records for e in r.encodings}
     by_object = await self._data_objects(index)
-    with self._in_flight_lock:
-      busy = set(self._in_flight)
-    root = await self.kvstore()
-    path = self.local_dir() if self.kvstore_spec.get("driver") == "file" else None
+    busy = self._store.objects_being_written()
+    root = await self._store.kvstore()
+    path = self.local_dir() if self._store.kvstore_spec.get("driver") == "file" else None
     out = []
     for obj in sorted(set(by_object) - referenced - busy):
       keys = by_object[obj]
@@ -164,7 +177,8 @@ class StoreAdmin:
       Number of data objects removed.
     """
     garbage = await self.orphans()
-    await asyncio.gather(*(self._delete_object(o.object, array=o.array) for o in garbage))
+    await asyncio.gather(*(self._store.delete_object(o.object, array=o.array)
+                           for o in garbage))
     return len(garbage)
 
   async def verify(self, record: ChunkRecord) -> ChunkMiss | None:
@@ -182,7 +196,7 @@ class StoreAdmin:
              if codecs.is_decodable(e.codec, e.codec_version, e.level)
              and e.checksum_algo in checksums.ALGORITHMS] or [None]
     for enc in known:  # None: no known encoding; get reports UNKNOWN_CODEC
-      got = await self.get(record.chunk_hash, record.token_ids, record.namespace, record.layout,
+      got = await self._store.get(record.chunk_hash, record.token_ids, record.namespace, record.layout,
                            origin=record.origin, choose=lambda encodings, want=enc: next(
                                (e for e in encodings if e == want), None))
       if isinstance(got, ChunkHit):
@@ -198,9 +212,10 @@ class StoreAdmin:
     Raises:
       ValueError: not a plain file store (ocdbt, memory and s3 have no file per object).
     """
-    if self.kvstore_spec.get("driver") != "file":
-      raise ValueError(f"store {self.url!r} is not a plain file store")
-    base = self.kvstore_spec["path"]
+    spec = self._store.kvstore_spec
+    if spec.get("driver") != "file":
+      raise ValueError(f"store {self._store.url!r} is not a plain file store")
+    base = spec["path"]
     out = []
     for e in record.encodings:
       if record.format_version == 1 and e.codec == RAW_CODEC:

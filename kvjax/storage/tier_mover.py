@@ -1,6 +1,6 @@
 """The mover of the real tiers: it executes what the placement policy decides.
 
-`TieredStore` (`kvjax/storage/tiers.py`) mixes this in. Two kinds of moves run here, their
+`TieredStore` (`kvjax/storage/tiers.py`) owns one (`TieredStore.mover`). Two kinds of moves run here, their
 victims chosen by each tier's `kvjax.storage.eviction.PlacementPolicy` (the policy classes the
 planner `kvjax.storage.placement.TierHierarchy` runs, with the same `eviction.leaf_first`):
 
@@ -17,38 +17,51 @@ planner `kvjax.storage.placement.TierHierarchy` runs, with the same `eviction.le
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 
 from kvjax._typing import ChunkHash
-from kvjax.storage.eviction import EntryInfo, PlacementPolicy, chain_depths
-from kvjax.storage.host_tier import Evicted, Tier
+from kvjax.storage.eviction import EntryInfo, PlacementPolicy
+from kvjax.storage.host_tier import Evicted, HostMemoryTier, Tier
 from kvjax.storage.tier_api import TierUsage
+from kvjax.storage.tier_ledger import PersistentTier, TierLedger, record_nbytes
 from kvjax.storage.types import ChunkHit, ChunkRecord, EncodedPayload
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class PersistentBook:
-  """Capacity bookkeeping of a persistent tier."""
-
-  capacity_bytes: int | None
-  policy: PlacementPolicy
-  access: dict[ChunkHash, int] = dataclasses.field(default_factory=dict)
-  inserted: dict[ChunkHash, int] = dataclasses.field(default_factory=dict)
-  mirror: dict[ChunkHash, int] | None = None  # chunk -> bytes, from records() plus our puts
-  evicting: bool = False
-
-
-def record_nbytes(rec: ChunkRecord) -> int:
-  return sum(e.nbytes for e in rec.encodings)
-
-
 class TierMover:
-  """Demotions and capacity eviction of a `TieredStore` (mixed into it; it uses the store's
-  tiers, counters, locks and per-tier bookkeeping)."""
+  """Demotions and capacity eviction of a `TieredStore`'s tiers.
+
+  Owns: the demotions in flight (under its own lock) and the eviction passes. Runs on the
+  store's event loop (a put or a promotion starts its work); `_pending_demotions` may be read
+  from any thread. It records counts, recency and bytes in the store's `TierLedger` and asks
+  the store where chunks are held only through `held` (`TieredStore.lookup`).
+
+  Args:
+    tiers: the store's tiers, top first.
+    host: the host tier, or None.
+    persistent: persistent tier name -> its capacity and policy.
+    ledger: the store's books.
+    held: `async (hashes) -> [tier name or None]`, where each chunk is held.
+    placement: "write_through" or "write_back".
+    demotion_bytes_in_flight: write-back: bytes of demotions being written at most.
+  """
+
+  def __init__(self, tiers: Sequence[Tier], host: HostMemoryTier | None,
+               persistent: dict[str, PersistentTier], ledger: TierLedger,
+               held: Callable[[Sequence[ChunkHash]], Awaitable[list[str | None]]], *,
+               placement: str, demotion_bytes_in_flight: int):
+    self._tiers = list(tiers)
+    self._host = host
+    self._persist = persistent
+    self._ledger = ledger
+    self._held = held
+    self._placement = placement
+    self._bytes_bound = int(demotion_bytes_in_flight)
+    self._lock = threading.Lock()
+    self._demotions: dict[asyncio.Task, int] = {}  # in flight -> its bytes
 
   def _pending_demotions(self, loop: asyncio.AbstractEventLoop | None = None
                          ) -> tuple[list[asyncio.Task], int]:
@@ -58,23 +71,29 @@ class TierMover:
                if not t.done() and (loop is None or t.get_loop() is loop)]
       return tasks, sum(self._demotions[t] for t in tasks)
 
-  def _demoting_bytes(self) -> int:
+  def demoting_bytes(self) -> int:
+    """Bytes of the demotions in flight."""
     return self._pending_demotions()[1]
 
-  async def _demotion_room(self) -> None:
+  def has_room(self) -> bool:
+    """Whether the demotions in flight leave room under the byte bound (a promotion is skipped
+    when they do not: the load path never waits for demotions)."""
+    return self.demoting_bytes() < self._bytes_bound
+
+  async def demotion_room(self) -> None:
     """Waits (a put's caller: the saver) while the demotions in flight hold the byte bound."""
     loop = asyncio.get_running_loop()
     while True:
       mine, nbytes = self._pending_demotions(loop)
-      if not mine or nbytes < self.demotion_bytes_in_flight:
+      if not mine or nbytes < self._bytes_bound:
         return
       await asyncio.wait(mine, return_when=asyncio.FIRST_COMPLETED)
 
-  def _start_demotions(self) -> None:
+  def start_demotions(self) -> None:
     """Starts one demotion task per chunk the host tier evicted since the last call."""
-    if self.host is None or not self.host.demote:
+    if self._host is None or not self._host.demote:
       return
-    evicted = self.host.take_evicted()
+    evicted = self._host.take_evicted()
     if not evicted:
       return
     loop = asyncio.get_running_loop()
@@ -99,40 +118,40 @@ class TierMover:
 
   def _below(self, tier_name: str) -> Tier | None:
     """The next persistent tier under `tier_name`, or None."""
-    names = [t.name for t in self.tiers]
-    return next((t for t in self.tiers[names.index(tier_name) + 1:]
+    names = [t.name for t in self._tiers]
+    return next((t for t in self._tiers[names.index(tier_name) + 1:]
                  if t.name in self._persist), None)
 
   async def _held_anywhere(self, hashes: Sequence[ChunkHash]) -> list[bool]:
-    return [t is not None for t in await self.lookup(hashes)]
+    return [t is not None for t in await self._held(hashes)]
 
   async def _demote_host_chunk(self, ev: Evicted) -> None:
     """Writes one chunk the host evicted to the first persistent tier, then releases the host
     copy (which served reads meanwhile). Never raises: a failure is counted and the chunk lost."""
-    rec, host = ev.record, self.host
+    rec, host = ev.record, self._host
     h = rec.chunk_hash
     try:
       lower = self._below(host.name)
       if lower is None:
-        self._count(host.name, "demotion_drops")
+        self._ledger.count(host.name, "demotion_drops")
         return
       if (await lower.contains([h]))[0]:
-        self._count(host.name, "demotions_unneeded")
-        self._touch(lower.name, h)
+        self._ledger.count(host.name, "demotions_unneeded")
+        self._ledger.touch(lower.name, h)
         return
       if not host.is_leaving(h):
         return  # deleted meanwhile (e.g. a bad copy being replaced): nothing to demote
       if rec.parent_hash != rec.namespace and not (await self._held_anywhere(
           [rec.parent_hash]))[0]:
-        self._count(host.name, "orphans_dropped")
+        self._ledger.count(host.name, "orphans_dropped")
         return
       if await self._demote_into(host.name, lower, rec, ev.payloads, ev.nbytes):
         return
       if not (await lower.contains([h]))[0]:
-        self._count(host.name, "demotion_drops")
+        self._ledger.count(host.name, "demotion_drops")
     except Exception:  # noqa: BLE001  (a demotion is best effort; counted)
       log.warning("demotion of %s from %s failed", h, host.name, exc_info=True)
-      self._count(host.name, "demotion_drops")
+      self._ledger.count(host.name, "demotion_drops")
     finally:
       host.release(h)
 
@@ -147,19 +166,16 @@ class TierMover:
                            layout=rec.layout, payloads=coded, origin=rec.origin)
     except Exception:  # noqa: BLE001
       log.warning("demotion put failed on tier %s", lower.name, exc_info=True)
-      self._count(lower.name, "put_errors")
+      self._ledger.count(lower.name, "put_errors")
       return False
     if not ok:
       return False
-    self._count(src, "demotions_out")
-    self._count(lower.name, "demotions_in")
-    self._count(lower.name, "bytes_written", int(nbytes))
-    self._touch(lower.name, rec.chunk_hash, new=True)
-    p = self._persist[lower.name]
-    with self._lock:
-      if p.mirror is not None:
-        p.mirror[rec.chunk_hash] = nbytes
-    await self._enforce_capacity(lower)
+    self._ledger.count(src, "demotions_out")
+    self._ledger.count(lower.name, "demotions_in")
+    self._ledger.count(lower.name, "bytes_written", int(nbytes))
+    self._ledger.touch(lower.name, rec.chunk_hash, new=True)
+    self._ledger.wrote(lower.name, rec.chunk_hash, nbytes)
+    await self.enforce(lower)
     return True
 
   async def _demote_persistent(self, t: Tier, lower: Tier, rec: ChunkRecord) -> None:
@@ -167,7 +183,7 @@ class TierMover:
     before `t` deletes it; a chunk it cannot copy is counted as dropped."""
     h = rec.chunk_hash
     if (await lower.contains([h]))[0]:
-      self._count(t.name, "demotions_unneeded")
+      self._ledger.count(t.name, "demotions_unneeded")
       return
     payloads, nbytes = [], 0
     for e in rec.encodings:
@@ -183,12 +199,12 @@ class TierMover:
         payloads.append(EncodedPayload(got.encoding.codec, got.encoding.level, got.payload))
         nbytes += int(got.encoding.nbytes)
     if not payloads or not await self._demote_into(t.name, lower, rec, payloads, nbytes):
-      self._count(t.name, "demotion_drops")
+      self._ledger.count(t.name, "demotion_drops")
 
   async def usage(self) -> list[TierUsage]:
     """What each persistent tier holds now, top first (lists every tier's records)."""
     out = []
-    for t in self.tiers:
+    for t in self._tiers:
       p = self._persist.get(t.name)
       if p is None:
         continue
@@ -199,44 +215,32 @@ class TierMover:
 
   async def enforce_capacity(self) -> None:
     """Brings every bounded persistent tier under its capacity (rescanning its records)."""
-    for t in self.tiers:
+    for t in self._tiers:
       p = self._persist.get(t.name)
       if p is not None and p.capacity_bytes is not None:
-        with self._lock:
-          p.mirror = None
-        await self._enforce_capacity(t)
+        self._ledger.rescan(t.name)
+        await self.enforce(t)
 
-  async def _enforce_capacity(self, t: Tier) -> None:
+  async def enforce(self, t: Tier) -> None:
     """Evicts from persistent tier `t` by its policy until it fits its capacity.
 
     The byte count is a mirror of `records()` updated by our own puts; when it says the tier is
     over capacity (or it is unknown) the records are listed afresh before choosing victims, so
     other writers' chunks count too. One pass runs at a time per tier.
     """
-    p = self._persist[t.name]
-    with self._lock:
-      if p.capacity_bytes is None or p.evicting:
-        return
-      if p.mirror is not None and sum(p.mirror.values()) <= p.capacity_bytes:
-        return
-      p.evicting = True
-    progress = False
+    p, ledger = self._persist[t.name], self._ledger
+    if not ledger.begin_eviction(t.name):
+      return
+    progress = again = False
     try:
       recs = await t.records()
-      with self._lock:
-        p.mirror = {r.chunk_hash: record_nbytes(r) for r in recs}
-        total = sum(p.mirror.values())
-        if total <= p.capacity_bytes:
-          return
-        depths = chain_depths({r.chunk_hash: r.parent_hash for r in recs})
-        infos = [EntryInfo(r.chunk_hash, r.parent_hash, p.mirror[r.chunk_hash],
-                           p.access.get(r.chunk_hash, 0), depths[r.chunk_hash],
-                           p.inserted.get(r.chunk_hash, 0)) for r in recs]
-        reading = {h for (name, h) in self._reading if name == t.name}
-      need = total - p.capacity_bytes
+      view = ledger.eviction_view(t.name, recs)
+      if view is None:
+        return
+      need, infos, reading = view
       by_hash = {r.chunk_hash: r for r in recs}
       orphans: list[ChunkHash] = []
-      write_back = self.placement == "write_back"
+      write_back = self._placement == "write_back"
       if write_back:  # across the hierarchy: a chunk whose prefix is broken everywhere goes first
         dead_order = await self._orphans(t, recs, p.policy, infos, reading)
         sizes = {i.chunk_hash: i.nbytes for i in infos}
@@ -253,11 +257,10 @@ class TierMover:
         victims = p.policy.victims(infos, need, keep=reading)
       lower = self._below(t.name) if write_back else None
       for v in victims:
-        with self._lock:
-          if (t.name, v) in self._reading:
-            continue  # a load began reading it: not this pass
+        if ledger.is_reading(t.name, v):
+          continue  # a load began reading it: not this pass
         if v in orphans:
-          self._count(t.name, "orphans_dropped")
+          self._ledger.count(t.name, "orphans_dropped")
         elif lower is not None:
           await self._demote_persistent(t, lower, by_hash[v])
         try:
@@ -266,15 +269,13 @@ class TierMover:
           log.warning("eviction delete failed on tier %s", t.name, exc_info=True)
           continue
         if gone:
-          self._count(t.name, "evictions")
+          self._ledger.count(t.name, "evictions")
           progress = True
-        self._forget(t.name, v)
+        ledger.forget(t.name, v)
     finally:
-      with self._lock:
-        p.evicting = False
-        again = p.mirror is not None and sum(p.mirror.values()) > p.capacity_bytes
-    if again and progress and self.placement == "write_back":  # demotions landed during this pass
-      await self._enforce_capacity(t)
+      again = ledger.end_eviction(t.name)
+    if again and progress and self._placement == "write_back":  # demotions landed meanwhile
+      await self.enforce(t)
 
   async def _orphans(self, t: Tier, recs: Sequence[ChunkRecord], policy: PlacementPolicy,
                      infos: Sequence[EntryInfo], reading: set[ChunkHash]) -> list[ChunkHash]:

@@ -44,18 +44,18 @@ found on disk at start count as least recent).
 `TierConfig` / `StoreConfig` are the frozen configuration; `build_tiers` turns one into a
 `TieredStore`, given a factory for chunk stores (the engine passes the real `ChunkStore`).
 
-Modules: this one holds `TieredStore`'s reads, writes and hints and `build_tiers`;
+Modules and parts: this one holds `TieredStore`'s reads, writes and hints and `build_tiers`;
 `kvjax/storage/tier_api.py` the `KVStore` interface and its records (`TierStats`, `TierUsage`);
-`kvjax/storage/tier_mover.py` the mover (`TierMover`: demotions and capacity eviction).
+`kvjax/storage/tier_ledger.py` the books (`TierLedger`: counters, persistent tiers' recency and
+byte mirrors, reads in progress); `kvjax/storage/tier_mover.py` the mover (`TierMover`:
+demotions and capacity eviction). The store owns one ledger and one mover; the mover records in
+the ledger and asks the store only where chunks are held (`lookup`).
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import itertools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -70,7 +70,8 @@ from kvjax.storage.store_config import (DEFAULT_DEMOTION_BYTES_IN_FLIGHT,
                                         DEFAULT_STORE_CAPACITY_BYTES, PLACEMENTS, StoreConfig,
                                         TierConfig, url_kind)
 from kvjax.storage.tier_api import KVStore, TierStats, TierUsage
-from kvjax.storage.tier_mover import PersistentBook, TierMover
+from kvjax.storage.tier_ledger import PersistentTier, TierLedger
+from kvjax.storage.tier_mover import TierMover
 from kvjax.storage.types import (Chooser, ChunkHit, ChunkMiss, ChunkOrigin, ChunkRecord,
                                  EncodedPayload, KVLayout, MissReason)
 
@@ -85,7 +86,7 @@ log = logging.getLogger(__name__)
 _BAD_COPY = frozenset({MissReason.CORRUPT, MissReason.CHECKSUM_MISMATCH, MissReason.MISSING_DATA})
 
 
-class TieredStore(TierMover):
+class TieredStore:
   """Tiers searched from the top, with promotion, write-through or write-back, and capacity
   eviction (demotion in write-back; see the module docstring).
 
@@ -97,6 +98,7 @@ class TieredStore(TierMover):
       (set by `build_tiers`; `specs.local_dir`).
     placement: "write_through" or "write_back".
     demotion_bytes_in_flight: write-back: bytes of demotions being written at most.
+    mover: its `TierMover` (demotions, capacity eviction).
   """
 
   def __init__(self, tiers: Sequence[Tier], *,
@@ -141,7 +143,7 @@ class TieredStore(TierMover):
     if len(policies) != n or len(capacities) != n:
       raise ValueError(f"{n} tiers but {len(policies)} policies and {len(capacities)} capacities")
     self.host = next((t for t in self.tiers if isinstance(t, HostMemoryTier)), None)
-    self._persist: dict[str, PersistentBook] = {}
+    self._persist: dict[str, PersistentTier] = {}
     for t, p, c in zip(self.tiers, policies, capacities):
       if isinstance(t, HostMemoryTier):
         if p is not None or c is not None:
@@ -149,7 +151,7 @@ class TieredStore(TierMover):
         continue
       if c is not None and c <= 0:
         raise ValueError(f"capacity of tier {t.name!r} must be positive, got {c}")
-      self._persist[t.name] = PersistentBook(c, p if p is not None else LRUPolicy())
+      self._persist[t.name] = PersistentTier(c, p if p is not None else LRUPolicy())
     if placement not in PLACEMENTS:
       raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if placement == "write_back" and write_all_persistent:
@@ -165,37 +167,32 @@ class TieredStore(TierMover):
       self.host.demote = True
     self.limiters: dict[str, LinkLimiter] = {}
     self.local_dirs: dict[str, str] = {}
-    self._stats = {name: TierStats() for name in names}
-    self._lock = threading.Lock()
-    self._counter = itertools.count(1)
-    self._demotions: dict[asyncio.Task, int] = {}  # in flight -> its bytes
-    self._reading: dict[tuple[str, ChunkHash], int] = {}  # (tier, chunk) -> reads in progress
+    self._ledger = TierLedger(names, self._persist)
+    self.mover = TierMover(self.tiers, self.host, self._persist, self._ledger, self.lookup,
+                           placement=placement,
+                           demotion_bytes_in_flight=self.demotion_bytes_in_flight)
 
   # -- bookkeeping ------------------------------------------------------------------------------
 
   @property
   def stats(self) -> dict[str, TierStats]:
     """A snapshot of each tier's counters, by tier name."""
-    with self._lock:
-      out = {k: dataclasses.replace(v, misses=dict(v.misses)) for k, v in self._stats.items()}
+    out = self._ledger.stats()
     if self.host is not None:
       out[self.host.name].evictions = self.host.evictions
     return out
 
-  def _count(self, tier: str, field: str, n: int = 1) -> None:
-    with self._lock:
-      s = self._stats[tier]
-      setattr(s, field, getattr(s, field) + n)
+  async def drain(self) -> None:
+    """Waits until every demotion started so far (on this event loop) is done."""
+    await self.mover.drain()
 
-  def _touch(self, tier: str, chunk_hash: ChunkHash, *, new: bool = False) -> None:
-    p = self._persist.get(tier)
-    if p is None:
-      return
-    with self._lock:
-      n = next(self._counter)
-      p.access[chunk_hash] = n
-      if new:
-        p.inserted[chunk_hash] = n
+  async def usage(self) -> list[TierUsage]:
+    """What each persistent tier holds now, top first (lists every tier's records)."""
+    return await self.mover.usage()
+
+  async def enforce_capacity(self) -> None:
+    """Brings every bounded persistent tier under its capacity (rescanning its records)."""
+    await self.mover.enforce_capacity()
 
   def hint(self, upcoming: Sequence[Sequence[ChunkHash]]) -> None:
     """Passes the look-ahead window's chunk hashes to every tier's policy.
@@ -237,12 +234,11 @@ class TieredStore(TierMover):
       return None
     if not self.host.can_admit(layout.nbytes):
       return None  # only hinted chunks could make room: do not spend the link on it
-    before = self._stats[self.host.name].promotions
+    before = self._ledger.value(self.host.name, "promotions")
     got = await self.get(chunk_hash, token_ids, namespace, layout, promote=True, origin=origin)
     if not isinstance(got, ChunkHit) or got.tier == self.host.name:
       return None
-    with self._lock:
-      promoted = self._stats[self.host.name].promotions > before
+    promoted = self._ledger.value(self.host.name, "promotions") > before
     return got.tier if promoted and (await self.host.contains([chunk_hash]))[0] else None
 
   # -- reads ------------------------------------------------------------------------------------
@@ -323,29 +319,23 @@ class TieredStore(TierMover):
     """
     first_miss: ChunkMiss | None = None
     for i, t in enumerate(self.tiers):
-      key = (t.name, chunk_hash)
-      with self._lock:  # a persistent tier does not choose a chunk being read as a victim
-        self._reading[key] = self._reading.get(key, 0) + 1
+      # A persistent tier does not choose a chunk being read as a victim.
+      self._ledger.read_started(t.name, chunk_hash)
       try:
         res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose, origin=origin)
       except Exception as e:  # noqa: BLE001  (a failing tier is a miss, never a user error)
         log.warning("get failed on tier %s", t.name, exc_info=True)
         res = ChunkMiss(chunk_hash, MissReason.READ_ERROR, repr(e))
       finally:
-        with self._lock:
-          n = self._reading.pop(key) - 1
-          if n:
-            self._reading[key] = n
+        self._ledger.read_ended(t.name, chunk_hash)
       if isinstance(res, ChunkHit):
-        self._count(t.name, "hits")
-        self._count(t.name, "bytes_read", int(res.encoding.nbytes))
-        self._touch(t.name, chunk_hash)
+        self._ledger.count(t.name, "hits")
+        self._ledger.count(t.name, "bytes_read", int(res.encoding.nbytes))
+        self._ledger.touch(t.name, chunk_hash)
         if promote and self.host is not None and i > self.tiers.index(self.host):
           await self._promote(res)
         return res
-      with self._lock:
-        m = self._stats[t.name].misses
-        m[res.reason.value] = m.get(res.reason.value, 0) + 1
+      self._ledger.miss(t.name, res.reason.value)
       if res.reason in _BAD_COPY and self.drop_bad_copies:
         await self._drop(t, chunk_hash)
       if first_miss is None or (first_miss.reason == MissReason.ABSENT
@@ -355,7 +345,7 @@ class TieredStore(TierMover):
     return first_miss
 
   async def _promote(self, hit: ChunkHit) -> None:
-    if self.host.demote and self._demoting_bytes() >= self.demotion_bytes_in_flight:
+    if self.host.demote and not self.mover.has_room():
       return  # the load path never waits for demotions: no copy now, no eviction
     rec = hit.record
     if hit.encoding.codec == "raw":
@@ -368,9 +358,9 @@ class TieredStore(TierMover):
           payloads=[EncodedPayload(hit.encoding.codec, hit.encoding.level, hit.payload)],
           origin=rec.origin)
     if stored:
-      self._count(self.host.name, "promotions")
-      self._count(self.host.name, "bytes_written", int(hit.encoding.nbytes))
-    self._start_demotions()
+      self._ledger.count(self.host.name, "promotions")
+      self._ledger.count(self.host.name, "bytes_written", int(hit.encoding.nbytes))
+    self.mover.start_demotions()
 
   async def delete(self, chunk_hash: ChunkHash) -> list[str]:
     """Removes a chunk from every tier (e.g. before rewriting a bad copy).
@@ -384,7 +374,7 @@ class TieredStore(TierMover):
       except Exception:  # noqa: BLE001
         log.warning("delete failed on tier %s", t.name, exc_info=True)
         return False
-      self._forget(t.name, chunk_hash)
+      self._ledger.forget(t.name, chunk_hash)
       return gone
 
     done = await asyncio.gather(*(one(t) for t in self.tiers))
@@ -393,20 +383,10 @@ class TieredStore(TierMover):
   async def _drop(self, t: Tier, chunk_hash: ChunkHash) -> None:
     try:
       if await t.delete(chunk_hash):
-        self._count(t.name, "dropped")
-        self._forget(t.name, chunk_hash)
+        self._ledger.count(t.name, "dropped")
+        self._ledger.forget(t.name, chunk_hash)
     except Exception:  # noqa: BLE001
       log.warning("delete of a bad copy failed on tier %s", t.name, exc_info=True)
-
-  def _forget(self, tier: str, chunk_hash: ChunkHash) -> None:
-    p = self._persist.get(tier)
-    if p is None:
-      return
-    with self._lock:
-      p.access.pop(chunk_hash, None)
-      p.inserted.pop(chunk_hash, None)
-      if p.mirror is not None:
-        p.mirror.pop(chunk_hash, None)
 
   # -- writes -----------------------------------------------------------------------------------
 
@@ -456,27 +436,24 @@ class TieredStore(TierMover):
                          payloads=tuple(payloads), origin=origin)
       except Exception:  # noqa: BLE001
         log.warning("put failed on tier %s", t.name, exc_info=True)
-        self._count(t.name, "put_errors")
+        self._ledger.count(t.name, "put_errors")
         return False
       if t.name in self._persist:
-        self._touch(t.name, chunk_hash, new=bool(ok))
+        self._ledger.touch(t.name, chunk_hash, new=bool(ok))
       if ok:
-        self._count(t.name, "puts")
-        self._count(t.name, "bytes_written", nbytes)
-        p = self._persist.get(t.name)
-        if p is not None:
-          with self._lock:
-            if p.mirror is not None:  # an estimate (encoded sizes differ); rescanned when full
-              p.mirror[chunk_hash] = nbytes
-          await self._enforce_capacity(t)
+        self._ledger.count(t.name, "puts")
+        self._ledger.count(t.name, "bytes_written", nbytes)
+        if t.name in self._persist:  # an estimate (encoded sizes differ); rescanned when full
+          self._ledger.wrote(t.name, chunk_hash, nbytes)
+          await self.mover.enforce(t)
       return bool(ok)
 
     if write_back:
-      await self._demotion_room()
+      await self.mover.demotion_room()
       if await one(self.host):
-        self._start_demotions()
+        self.mover.start_demotions()
         return [self.host.name]
-      self._start_demotions()
+      self.mover.start_demotions()
       if (await self.host.contains([chunk_hash]))[0] or not persistent:
         return []
       # The host declined it (no room but hinted chunks, or larger than the host): the first
@@ -484,6 +461,7 @@ class TieredStore(TierMover):
       return [persistent[0].name] if await one(persistent[0]) else []
     done = await asyncio.gather(*(one(t) for t in targets))
     return [t.name for t, ok in zip(targets, done) if ok]
+
 
 def build_tiers(config: StoreConfig, *,
                 make_chunk_store: Callable[[str, str, LinkLimiter], Tier],

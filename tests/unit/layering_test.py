@@ -83,7 +83,7 @@ ALLOWED_KVJAX = {
 # (`placement`) sit below every mover: the real tiers (`host_tier`, `tier_mover`, `tiers`) and
 # the simulator both build on them. The chunk store's parts (object names, run-time plumbing,
 # object reads, S3 publish mode, maintenance) sit below the store core (`chunk_store`), and the
-# tier interface and the mover below `tiers`.
+# tier interface, the tiers' books (`tier_ledger`) and the mover below `tiers`.
 STORAGE_FLOORS = (
     ("types", "checksum", "keys", "link", "store_config", "eviction"),
     ("specs", "rans", "placement", "store_runtime", "object_io"),
@@ -91,6 +91,7 @@ STORAGE_FLOORS = (
     ("codecs", "s3_conditional"),
     ("host_tier", "store_admin"),
     ("chunk_store", "tier_api"),
+    ("tier_ledger",),
     ("tier_mover",),
     ("tiers",),
 )
@@ -135,13 +136,15 @@ SCHEDULER_POLICIES = {
                         "kvjax.scheduler.output"},
 }
 
-# Connector floors, bottom first, as the storage ones: plain records and the device seam's
-# protocol, then the parts by concept (keys and lookups, the host -> device link), the load and
-# save pipelines and the look-ahead, and the client that owns their state on top.
+# Connector floors, bottom first, as the storage ones: plain records, the device seam's protocol
+# and the event loop, then the parts, each owning its state (keys and lookups, the host -> device
+# link; the saver, the look-ahead and the open requests; the loader, which asks the saver and the
+# prefetcher through narrow calls), and the client, a front that builds them, on top.
 CONNECTOR_FLOORS = (
-    ("records", "device"),
+    ("records", "device", "loop"),
     ("lookup", "transfer"),
-    ("loader", "prefetch", "saver", "request_keys"),
+    ("prefetch", "saver", "request_keys"),
+    ("loader",),
     ("client",),
 )
 # Device work belongs to the runner: no connector module calls jax or the kernels; the runner

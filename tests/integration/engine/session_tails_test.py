@@ -155,8 +155,8 @@ class UnwrittenSavesTest(absltest.TestCase):
   def test_the_next_turn_finds_history_whose_saves_are_still_queued(self):
     llm = make_llm("memory://")
     kv, gate = llm.kv_store, threading.Event()
-    write = kv._save
-    kv._save = lambda job: (gate.wait(60), write(job))  # the saver holds every job until told
+    write = kv.saver.write
+    kv.saver.write = lambda job: (gate.wait(60), write(job))  # the saver holds every job until told
     try:
       first = run(llm, TURN1, save_tail=True, flush=False)
       history = TURN1 + first.token_ids

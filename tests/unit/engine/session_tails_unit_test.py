@@ -133,8 +133,8 @@ class UnwrittenSavesUnitTest(absltest.TestCase):
   def test_the_next_turn_finds_history_whose_saves_are_still_queued(self):
     eng = make_engine(engines.memory_store_url())
     kv, gate = eng.kv_store, threading.Event()
-    write = kv._save
-    kv._save = lambda job: (gate.wait(60), write(job))  # the saver holds every job until told
+    write = kv.saver.write
+    kv.saver.write = lambda job: (gate.wait(60), write(job))  # the saver holds every job until told
     try:
       first = run(eng, TURN1, save_tail=True, flush=False)
       history = TURN1 + first.token_ids
