@@ -27,7 +27,7 @@ class Saver:
   """Queued saves of full chunks and session tails, written by one saver thread.
 
   Owns: the job queue, the saver thread ("kvjax-saver"), the keys being saved (`pending`,
-  under its own lock) and `stats`. `submit` and `drop_tail` are called from the engine thread
+  under its own lock), the tail deletes in flight and `stats`. `submit` and `drop_tail` are called from the engine thread
   (and the session registry's), `pending`/`pending_keys` from the engine thread and the store
   loop (loads of a key being saved wait for its write); the saver thread runs `write`.
 
@@ -51,6 +51,9 @@ class Saver:
     self._lock = threading.Lock()
     # Keys of saves queued or being written: [jobs, a future done with the last] (`_lock`).
     self._saving: dict[ChunkHash, list] = {}
+    # Tail deletes started and not yet done (`_lock`): `join` and `close` wait for them, so
+    # the loop never stops with a delete half done.
+    self._dropping: set[concurrent.futures.Future] = set()
     self._thread = threading.Thread(target=self._save_loop, name="kvjax-saver", daemon=True)
     self._thread.start()
 
@@ -89,13 +92,22 @@ class Saver:
         entry[1].set_result(None)
 
   def join(self) -> None:
-    """Blocks until every queued save has been written (or has failed and been counted)."""
+    """Blocks until every queued save has been written (or has failed and been counted) and
+    every tail delete started before has ended."""
     self._jobs.join()
+    self._wait_dropping()
 
   def close(self) -> None:
-    """Writes the queued saves, then stops the saver thread."""
+    """Writes the queued saves, then stops the saver thread; the tail deletes started before
+    end first (a delete waiting for a save is then free to run)."""
     self._jobs.put(None)
     self._thread.join()
+    self._wait_dropping()
+
+  def _wait_dropping(self) -> None:
+    with self._lock:
+      dropping = list(self._dropping)
+    concurrent.futures.wait(dropping)  # each ends: `_drop_tail` catches its own errors
 
   def drop_tail(self, cache_salt: str | None, token_ids: Sequence[int]
                 ) -> concurrent.futures.Future | None:
@@ -112,7 +124,15 @@ class Saver:
     tail = s.tail_key(ns.root_hash(), keys.chunk_hashes(ns, ids, max_tokens=end), ids, end)
     if tail is None:
       return None
-    return self._loop.submit(self._drop_tail(tail[2]))
+    future = self._loop.submit(self._drop_tail(tail[2]))
+    with self._lock:
+      self._dropping.add(future)
+    future.add_done_callback(self._drop_ended)
+    return future
+
+  def _drop_ended(self, future: concurrent.futures.Future) -> None:
+    with self._lock:
+      self._dropping.discard(future)
 
   async def _drop_tail(self, key: ChunkHash) -> None:
     saving = self.pending(key)

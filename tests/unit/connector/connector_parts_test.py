@@ -3,6 +3,7 @@ prefix lookups, the open requests, the saver, the prefetcher, the loader and the
 link, each asked only through its own calls (`kvjax/connector/client.py` builds them the same
 way)."""
 
+import asyncio
 import threading
 
 import numpy as np
@@ -153,6 +154,36 @@ class SaverTest(PartTestCase):
     self.assertEqual((saver.stats.jobs_done, saver.stats.chunks_saved, saver.stats.jobs_dropped),
                      (2, 2, 1))
     self.assertEqual(self.loop.run(store.lookup(hashes)), ["disk", "disk", None])
+
+
+  def test_close_ends_a_tail_delete_that_waited_for_its_save(self):
+    store = make_store()
+    saver = Saver(store, SCHEME, self.loop, NumpyDeviceSeam())
+    gate, write = threading.Event(), saver.write
+    saver.write = lambda job: (gate.wait(60), write(job))
+    delete = store.delete
+
+    async def slow_delete(key):  # many turns of the loop, no wall-clock wait
+      for _ in range(2000):
+        await asyncio.sleep(0)
+      return await delete(key)
+
+    store.delete = slow_delete
+    ns = SCHEME.namespace(None)
+    root, hashes = ns.root_hash(), keys.chunk_hashes(ns, TOKENS)
+    ids = TOKENS + [113, 114]  # 3 chunks, a 2-token tail (ids[:-1]), one sampled token
+    tail = SCHEME.tail_key(root, keys.chunk_hashes(ns, ids, max_tokens=len(ids) - 1), ids,
+                           len(ids) - 1)
+    self.assertIsNotNone(tail)
+    self.assertTrue(saver.submit(SaveJob(root, tail[2], hashes[-1], tuple(ids[3 * C:-1]),
+                                         kv=chunk(9)[:, :, :2])))
+    dropped = saver.drop_tail(None, ids)  # waits for the tail's save
+    self.assertFalse(dropped.done())
+    gate.set()
+    saver.close()
+    self.assertTrue(dropped.done())  # close waited for it: the loop may stop now
+    self.assertEqual(saver.stats.tails_dropped, 1)
+    self.assertEqual(self.loop.run(store.lookup([tail[2]])), [None])
 
 
 class PrefetcherTest(PartTestCase):
