@@ -1,10 +1,83 @@
-"""Host-side token sampling from one row of logits (numpy; f32[V] in, a token id out)."""
+"""Token sampling: penalties and logit bias on the device, then host-side sampling per row.
+
+    logits_SV (device) --process_logits--> penalized f32[S, V] (one jit'd program per S)
+                       --np.asarray------> sample_token per row (numpy: temperature, top-k,
+                                           top-p; f32[V] in, a token id out)
+
+`process_logits` runs only in steps where some request sets `presence_penalty`,
+`frequency_penalty` or `logit_bias` (`SamplingParams.processes_logits`); its inputs have fixed
+shapes per row count (dense per-request counts f32[S, V], bias as `MAX_LOGIT_BIAS` (id, value)
+pairs per row), so no request compiles a program of its own. `penalize_reference` is the same
+formula in numpy (OpenAI's, from its API reference "frequency and presence penalties"):
+
+    logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty;  logit[j] += bias[j]
+
+where c[j] counts token j among the tokens generated so far (not the prompt).
+"""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from kvjax.scheduler.request import SamplingParams
+from kvjax.scheduler.request import MAX_LOGIT_BIAS, SamplingParams
+
+
+def penalize_reference(logits_V: np.ndarray, counts_V: np.ndarray, params: SamplingParams
+                       ) -> np.ndarray:
+  """OpenAI's penalties and logit bias on one row, in numpy (the reference of `process_logits`).
+
+  Args:
+    logits_V: f32[V] raw logits.
+    counts_V: int[V] times each token was generated so far.
+    params: the request's `presence_penalty`, `frequency_penalty` and `logit_bias`.
+
+  Returns:
+    f32[V] processed logits.
+  """
+  x = np.asarray(logits_V, np.float32).copy()
+  c = np.asarray(counts_V, np.float32)
+  x -= c * np.float32(params.frequency_penalty) + (c > 0) * np.float32(params.presence_penalty)
+  for tid, b in params.logit_bias:
+    x[tid] += np.float32(b)
+  return x
+
+
+@jax.jit
+def _process(logits_SV, counts_SV, presence_S, frequency_S, bias_ids_SE, bias_SE):
+  x = logits_SV.astype(jnp.float32)
+  x = x - counts_SV * frequency_S[:, None] - (counts_SV > 0) * presence_S[:, None]
+  rows_S1 = jnp.arange(x.shape[0])[:, None]
+  return x.at[rows_S1, bias_ids_SE].add(bias_SE)  # padding adds 0.0 to token 0: exact
+
+
+def process_logits(logits_SV, rows: list[tuple[SamplingParams, np.ndarray | None]]):
+  """Applies each row's penalties and logit bias on the device (one jit'd call).
+
+  Args:
+    logits_SV: f32[S, V] logits, device or host.
+    rows: per row of `logits_SV`, its request's params and int32[V] counts of its generated
+      tokens (None: the row is left as is, e.g. a prefill chunk that samples nothing).
+
+  Returns:
+    f32[S, V] processed logits, a device array; rows without penalties or bias are equal to the
+    input bit for bit (they subtract and add exact zeros).
+  """
+  s, v = np.shape(logits_SV)
+  counts = np.zeros((s, v), np.float32)
+  presence = np.zeros(s, np.float32)
+  frequency = np.zeros(s, np.float32)
+  bias_ids = np.zeros((s, MAX_LOGIT_BIAS), np.int32)
+  bias = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
+  for i, (params, c) in enumerate(rows):
+    if c is None or not params.processes_logits:
+      continue
+    counts[i] = c
+    presence[i], frequency[i] = params.presence_penalty, params.frequency_penalty
+    for j, (tid, b) in enumerate(params.logit_bias):
+      bias_ids[i, j], bias[i, j] = tid, b
+  return _process(logits_SV, counts, presence, frequency, bias_ids, bias)
 
 
 def log_softmax(logits_V: np.ndarray) -> np.ndarray:
