@@ -183,7 +183,8 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     else:
       ids = prompt
     ids = completions.truncate(ids, req)
-    params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=False)
+    params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=False,
+                                         vocab_size=backend.vocab_size)
     return await completions.Generation(backend, "completions", request, req, ids,
                                         params).run()
 
@@ -199,14 +200,15 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     if req.session_id is None:
       ids = await off_loop(completions.prompt_ids_for_chat, req, backend.tokenizer)
       ids = completions.truncate(ids, req)
-      params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True)
+      params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True,
+                                           vocab_size=backend.vocab_size)
       return await completions.Generation(backend, "chat", request, req, ids, params).run()
     turn = completions.begin_session_turn(backend.sessions, req)  # 409 while it is leased
     try:
       plan = await off_loop(completions.session_plan, backend.sessions, turn, req,
                             backend.max_model_len, backend.stage_rerotated)
       params = completions.sampling_params(req, len(plan.token_ids), backend.max_model_len,
-                                           chat=True)
+                                           chat=True, vocab_size=backend.vocab_size)
     except BaseException:
       backend.sessions.release(turn)
       raise
