@@ -51,8 +51,8 @@ from kvjax.models.runner_api import Runner, SeqChunk
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager
-from kvjax.scheduler.output import (ComputeTiming, InsertItem, InsertTiming, SchedulerOutput,
-                                    StepResult)
+from kvjax.scheduler.output import (ComputeTiming, ForkItem, InsertItem, InsertTiming,
+                                    SchedulerOutput, StepResult)
 from kvjax.scheduler.request import Request, SamplingParams, SamplingParamsError
 from kvjax.scheduler.scheduler import Scheduler
 
@@ -243,7 +243,7 @@ class Engine:
                   prompt: str | None = None, request_id: str | None = None,
                   cache_salt: str | None = None,
                   merge_mode: MergeMode | str | None = None, history_tokens: int = 0,
-                  save_tail: bool = False) -> RequestId:
+                  save_tail: bool = False, fork_of: RequestId | str | None = None) -> RequestId:
     """Validates and queues a request; returns its id.
 
     With a store, one batched lookup finds which prefix chunks are stored (no data is read
@@ -261,9 +261,16 @@ class Engine:
     next turn loads every historical token's KV even after the device evicted it
     (CachedAttention, arXiv 2403.19708, section 3.2.2).
 
+    `n` > 1 (`fork_of`, the id of a request added before with the same prompt and salt, still
+    unfinished): this request shares that request's prompt computation: the scheduler forks
+    it from the parent's last prefill chunk (`Scheduler.add_request`), and this engine copies
+    the parent's partly filled last block and samples this request's first token from the
+    parent's logits with this request's own generator (seed). No store lookup is made for it.
+
     Raises:
       ValueError: as `validate`, a duplicate id, a `cache_salt` that is not a string, an
-        unknown `merge_mode`, or a negative `history_tokens`.
+        unknown `merge_mode`, a negative `history_tokens`, or a `fork_of` that is not an
+        unfinished request with the same prompt and salt.
     """
     if cache_salt is not None and not isinstance(cache_salt, str):
       raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -284,7 +291,11 @@ class Engine:
     if params.processes_logits:
       live.counts_V = np.zeros(self.runner.model_config.vocab_size, np.int32)
     stored = None
-    if self._loads is not None:
+    if fork_of is not None:
+      parent = self._live.get(RequestId(fork_of))
+      if parent is None or parent.prompt_token_ids != ids:
+        raise ValueError(f"fork_of={fork_of!r}: not an unfinished request with this prompt")
+    elif self._loads is not None:
       tails = self.kv_store.stores_tails
       live.save_tail = tails and save_tail
       stored, live.metrics.lookup_s = self._loads.open_request(
@@ -292,7 +303,8 @@ class Engine:
     try:
       self._scheduler.add_request(
           Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
-          namespace_root=self._namespace_root(cache_salt))
+          namespace_root=self._namespace_root(cache_salt),
+          fork_of=RequestId(fork_of) if fork_of is not None else None)
     except BaseException:
       if self.kv_store is not None:
         self.kv_store.close_request(rid)
@@ -459,6 +471,26 @@ class Engine:
       if chunk.is_last:
         self._sample(chunk.request_id, logits_SV[base + j], sampled, finished,
                      tables[chunk.request_id], raw_SV[base + j])
+        for fork in plan.forks:
+          if fork.parent_id == chunk.request_id:
+            self._fork(fork, raw_SV[base + j], sampled, finished, tables)
+
+  def _fork(self, fork: ForkItem, raw_V: np.ndarray, sampled: list, finished: list,
+            tables: dict) -> None:
+    """A request forked from its parent's prompt (`ForkItem`): the parent's partly filled last
+    block copied into the child's, then the child's first token sampled from the parent's last
+    logits row (`raw_V`, processed for the child's own penalties and bias)."""
+    if fork.copies:
+      src, dst = zip(*fork.copies)
+      self.runner.copy_blocks(src, dst)
+    live = self._live.get(fork.child_id)
+    if live is None:
+      return  # aborted since
+    logits_V = raw_V
+    if live.counts_V is not None:
+      logits_V = np.asarray(sampling.process_logits(raw_V[None], [(live.params,
+                                                                    live.counts_V)]))[0]
+    self._sample(fork.child_id, logits_V, sampled, finished, tables[fork.child_id], raw_V)
 
   def _processed(self, logits_SV, plan: SchedulerOutput, raw_SV: np.ndarray) -> np.ndarray:
     """The step's logits after each sampling row's penalties and logit bias

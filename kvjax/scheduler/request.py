@@ -139,6 +139,12 @@ def choice_seed(seed: int | None, index: int) -> int | None:
   return (seed * 1_000_003 + index * 0x9E3779B97F4A7C15) % 2**63
 
 
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+  """The params of choice `index` of an `n` > 1 request: the same, seeded with
+  `choice_seed(params.seed, index)`."""
+  return dataclasses.replace(params, seed=choice_seed(params.seed, index))
+
+
 def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
   """`SamplingParams.logit_bias` as sorted (id, bias) pairs, checked.
 
