@@ -422,7 +422,7 @@ class ChatCompletionRequest(_Sampling):
       raise bad_request(f"max_completion_tokens={self.max_completion_tokens} must be at least "
                         "1.", "max_completion_tokens")
     if self.tools:
-      raise bad_request("tools are not supported.", "tools", "unsupported_parameter")
+      raise bad_request("tools are not supported.", "tools")
     if self.top_logprobs is not None and not self.logprobs:
       raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
 

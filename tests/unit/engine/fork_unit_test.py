@@ -4,8 +4,6 @@ The prompt is computed once (exact counts of prefill tokens and steps), choice i
 request seeded with `choice_seed(seed, i)`, and the fork copies exactly the parent's partly
 filled last block."""
 
-import dataclasses
-
 from absl.testing import absltest, parameterized
 
 from kvjax.scheduler import SamplingParams
@@ -57,6 +55,26 @@ class ForkTest(parameterized.TestCase):
     # Identical requests get identical answers.
     again, _ = run_forked(engines.fake_engine(enable_prefix_caching=False), prompt, params)
     self.assertEqual([o.token_ids for o in again], [o.token_ids for o in outs])
+
+  def test_a_parent_loading_its_prefix_from_the_store_forks_too(self):
+    """A Cake merge (load-only: every stored chunk is loaded) forks at its last computed chunk:
+    the children share the loaded blocks and equal cold single requests."""
+    c = 32
+    prompt = [(5 * i + 1) % 250 + 1 for i in range(3 * c + 17)]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=77)
+    engine = engines.fake_engine(kv_store=engines.memory_store_url(), kv_chunk_size=c,
+                                 enable_prefix_caching=False, merge_mode="load_only")
+    engines.generate(engine, [prompt[:3 * c + 1]], SamplingParams(max_tokens=1))
+    engine.kv_store.flush()
+    outs, plans = run_forked(engine, prompt, params)
+    self.assertEqual(sum(ch.num_tokens for p in plans for ch in p.prefills), 17)
+    self.assertEqual(outs[0].num_cached_tokens, 3 * c)
+    self.assertEqual(sum(len(p.forks) for p in plans), N - 1)
+    cold = engines.fake_engine(enable_prefix_caching=False)
+    for i, out in enumerate(outs):
+      alone = engines.generate(cold, [prompt], choice_params(params, i))[0]
+      self.assertEqual(out.token_ids, alone.token_ids, i)
+    engines.close_engine(engine)
 
   def test_greedy_choices_are_equal_and_penalties_apply_per_choice(self):
     prompt = list(range(1, 30))

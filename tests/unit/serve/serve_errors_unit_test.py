@@ -118,7 +118,7 @@ BAD = [
      completion(stream_options={"include_usage": True}), 400, "stream_options", "invalid_value"),
     ("echo", "completions", completion(echo=True), 400, "echo", "unsupported_value"),
     ("tools", "chat/completions", chat(tools=[{"type": "function"}]), 400,
-     "tools", "unsupported_parameter"),
+     "tools", "invalid_value"),
 ]
 
 
