@@ -105,6 +105,22 @@ class ForkTest(parameterized.TestCase):
       alone = engines.generate(single, [prompt], choice_params(params, i))[0]
       self.assertEqual(out.token_ids, alone.token_ids, i)
 
+  def test_forks_preempted_by_a_short_pool_recompute_and_still_equal_single_requests(self):
+    """6 blocks of 16 for a 45-token prompt and 4 x 20 tokens: the children's decodes run the
+    pool short, the newest are preempted and resume from the device prefix cache (one token
+    each, exactly), and every choice still equals its single seeded request."""
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(45)]
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=3)
+    engine = engines.fake_engine(num_blocks=6)
+    outs, plans = run_forked(engine, prompt, params)
+    self.assertEqual(sum(len(p.forks) for p in plans), N - 1)
+    self.assertEqual(sum(len(p.preempted) for p in plans), 2)
+    self.assertEqual(sum(c.num_tokens for p in plans for c in p.prefills), 45 + 2)
+    single = engines.fake_engine()
+    for i, out in enumerate(outs):
+      alone = engines.generate(single, [prompt], choice_params(params, i))[0]
+      self.assertEqual(out.token_ids, alone.token_ids, i)
+
   def test_aborting_a_waiting_fork_and_a_bad_parent(self):
     engine = engines.fake_engine()
     parent = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
