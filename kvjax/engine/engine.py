@@ -265,7 +265,8 @@ class Engine:
     unfinished): this request shares that request's prompt computation: the scheduler forks
     it from the parent's last prefill chunk (`Scheduler.add_request`), and this engine copies
     the parent's partly filled last block and samples this request's first token from the
-    parent's logits with this request's own generator (seed). No store lookup is made for it.
+    parent's logits with this request's own generator (seed). Its store lookup is not planned
+    (the store client only keeps its key chain, for the chunks its decodes complete).
 
     Raises:
       ValueError: as `validate`, a duplicate id, a `cache_salt` that is not a string, an
@@ -295,11 +296,14 @@ class Engine:
       parent = self._live.get(RequestId(fork_of))
       if parent is None or parent.prompt_token_ids != ids:
         raise ValueError(f"fork_of={fork_of!r}: not an unfinished request with this prompt")
-    elif self._loads is not None:
+    if self._loads is not None:
       tails = self.kv_store.stores_tails
-      live.save_tail = tails and save_tail
+      live.save_tail = tails and save_tail and fork_of is None
+      # A fork is opened too (its key chain: its decodes complete and save chunks), but its
+      # prompt is its parent's: the scheduler gets no lookup for it.
       stored, live.metrics.lookup_s = self._loads.open_request(
-          rid, ids, cache_salt, history_tokens if tails else 0)
+          rid, ids, cache_salt, history_tokens if tails and fork_of is None else 0)
+      stored = stored if fork_of is None else None
     try:
       self._scheduler.add_request(
           Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,

@@ -61,7 +61,7 @@ class ForkTest(parameterized.TestCase):
     the children share the loaded blocks and equal cold single requests."""
     c = 32
     prompt = [(5 * i + 1) % 250 + 1 for i in range(3 * c + 17)]
-    params = SamplingParams(max_tokens=8, temperature=1.0, seed=77)
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=77, ignore_eos=True)
     engine = engines.fake_engine(kv_store=engines.memory_store_url(), kv_chunk_size=c,
                                  enable_prefix_caching=False, merge_mode="load_only")
     engines.generate(engine, [prompt[:3 * c + 1]], SamplingParams(max_tokens=1))
@@ -74,6 +74,15 @@ class ForkTest(parameterized.TestCase):
     for i, out in enumerate(outs):
       alone = engines.generate(cold, [prompt], choice_params(params, i))[0]
       self.assertEqual(out.token_ids, alone.token_ids, i)
+    # A child's decodes completed store chunk 3 (positions 96..128: the shared prompt rows read
+    # back from the pool, then its own tokens): a follow-up of that child's sequence loads it
+    # and answers as cold.
+    engine.kv_store.flush()
+    follow = prompt + outs[2].token_ids + [9, 8, 7]
+    greedy = SamplingParams(max_tokens=4, temperature=0, logprobs=2)
+    warm = engines.generate(engine, [follow], greedy)[0]
+    self.assertEqual(warm.num_cached_tokens, 4 * c)
+    self.assertEqual(warm.logprobs, engines.generate(cold, [follow], greedy)[0].logprobs)
     engines.close_engine(engine)
 
   def test_greedy_choices_are_equal_and_penalties_apply_per_choice(self):
