@@ -15,7 +15,8 @@ class NChoicesTest(unit.NChoicesUnitTest):
 
   @classmethod
   def tiny_llm(cls, **kw):
-    return real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=4, **kw)
+    return real_llm("tiny", cache_dir="", chunk_sizes=(16, 32, 64), max_num_seqs=4,
+                    kv_store="memory://", kv_chunk_size=16, **kw)
 
 
 if __name__ == "__main__":

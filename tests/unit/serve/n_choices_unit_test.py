@@ -6,7 +6,9 @@ index, and usage counts the prompt once. The real model's run:
 tests/integration/serve/n_choices_test.py."""
 
 import collections
+import threading
 
+import httpx
 from absl.testing import absltest
 
 from kvjax import SamplingParams
@@ -21,7 +23,9 @@ class NChoicesUnitTest(ServedLLMTestCase):
 
   @classmethod
   def tiny_llm(cls, **kw):
-    return engines.fake_llm(chunk_sizes=(16, 32, 64), max_num_seqs=4, **kw)
+    # A store too: forks are opened in its client (their decodes complete and save chunks).
+    return engines.fake_llm(chunk_sizes=(16, 32, 64), max_num_seqs=4, kv_store="memory://",
+                            kv_chunk_size=16, **kw)
 
   @classmethod
   def make_llm(cls):
@@ -91,6 +95,52 @@ class NChoicesUnitTest(ServedLLMTestCase):
         logit_bias={str(first): -100}, logprobs=True, top_logprobs=1)
     self.assertNotEqual(resp.choices[0].logprobs.content[0].token,
                         self.ref.get_tokenizer().decode([first]))
+
+
+class NChoicesDisconnectUnitTest(ServedLLMTestCase):
+
+  @classmethod
+  def make_llm(cls):
+    return engines.fake_llm(chunk_sizes=(16, 32, 64), max_num_seqs=4)
+
+  def test_a_client_leaving_a_stream_aborts_every_choice(self):
+    """The engine is held after the first outputs; the client reads one event and leaves: all
+    three choices are aborted, nothing is left running, and the server still answers."""
+    engine, backend = self.llm.engine, self.srv.backend.engine
+    step, abort = engine.step, backend.abort
+    emitted, proceed, aborted = threading.Event(), threading.Event(), threading.Event()
+    ids = []
+
+    def gated_step():
+      if emitted.is_set():
+        proceed.wait(60)
+      outs = step()
+      if outs:
+        emitted.set()
+      return outs
+
+    def noted_abort(rid):
+      abort(rid)
+      ids.append(rid)
+      if len(ids) == 3:
+        aborted.set()
+
+    engine.step, backend.abort = gated_step, noted_abort
+    self.addCleanup(lambda: (proceed.set(), delattr(engine, "step"), delattr(backend, "abort")))
+    before = backend.stats.aborted
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "leave me"}], "n": 3,
+            "max_tokens": 400, "stream": True, "ignore_eos": True}  # chat: role chunks first
+    with httpx.stream("POST", self.srv.url + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+      self.assertEqual(r.status_code, 200)
+      next(line for line in r.iter_lines() if line.startswith("data:"))
+    self.assertTrue(aborted.wait(60))
+    proceed.set()
+    self.assertLen(set(ids), 3)
+    self.assertFalse(self.srv.engine_call(lambda e: e.has_unfinished_requests()))
+    self.assertEqual(backend.stats.aborted, before + 3)
+    ok = self.client.completions.create(model="tiny", prompt="still alive", n=2, max_tokens=3)
+    self.assertEqual([c.finish_reason for c in ok.choices], ["length", "length"])
 
 
 if __name__ == "__main__":
