@@ -449,7 +449,7 @@ class Engine:
       out = runner.step(seqs)
     raw_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
     seconds = time.perf_counter() - t0
-    logits_SV = self._processed(out.logits_SV, plan, raw_SV)
+    logits_SV = self._processed(plan, raw_SV)
     for i, d in enumerate(plan.decodes):
       if kv is not None:  # every token's K before RoPE is kept until its chunk is complete
         o = out.offsets[i]
@@ -492,20 +492,19 @@ class Engine:
       return  # aborted since
     logits_V = raw_V
     if live.counts_V is not None:
-      logits_V = np.asarray(sampling.process_logits(raw_V[None], [(live.params,
-                                                                    live.counts_V)]))[0]
+      logits_V = sampling.process_logits(raw_V[None], [(live.params, live.counts_V)])[0]
     self._sample(fork.child_id, logits_V, sampled, finished, tables[fork.child_id], raw_V)
 
-  def _processed(self, logits_SV, plan: SchedulerOutput, raw_SV: np.ndarray) -> np.ndarray:
+  def _processed(self, plan: SchedulerOutput, raw_SV: np.ndarray) -> np.ndarray:
     """The step's logits after each sampling row's penalties and logit bias
     (`sampling.process_logits`, on the device); `raw_SV` itself when no row has any."""
     rows = [self._live[d.request_id] for d in plan.decodes]
     rows += [self._live[c.request_id] if c.is_last else None for c in plan.prefills]
     if not any(live is not None and live.counts_V is not None for live in rows):
       return raw_SV
-    return np.asarray(sampling.process_logits(
-        logits_SV, [(live.params, live.counts_V) if live is not None else (None, None)
-                    for live in rows]))
+    return sampling.process_logits(
+        raw_SV, [(live.params, live.counts_V) if live is not None else (None, None)
+                 for live in rows])
 
   def _record_loaded(self, ins: InsertItem, tier: str) -> None:
     """A store chunk (or stored tail) inserted into a request's KV: its metrics count it

@@ -1,14 +1,16 @@
 """Token sampling: penalties and logit bias on the device, then host-side sampling per row.
 
-    logits_SV (device) --process_logits--> penalized f32[S, V] (one jit'd program per S)
-                       --np.asarray------> sample_token per row (numpy: temperature, top-k,
-                                           top-p; f32[V] in, a token id out)
+    logits_SV (host) --process_logits--> the R rows with penalties or bias, on the device
+                     (one jit'd program per power of two of R) --> f32[S, V]
+                     --sample_token per row (numpy: temperature, top-k, top-p; f32[V] in,
+                       a token id out)
 
 `process_logits` runs only in steps where some request sets `presence_penalty`,
 `frequency_penalty` or `logit_bias` (`SamplingParams.processes_logits`); its inputs have fixed
-shapes per row count (dense per-request counts f32[S, V], bias as `MAX_LOGIT_BIAS` (id, value)
-pairs per row), so no request compiles a program of its own. `penalize_reference` is the same
-formula in numpy (OpenAI's, from its API reference "frequency and presence penalties"):
+shapes per padded row count (dense per-request counts f32[R, V], bias as E = `MAX_LOGIT_BIAS`
+(id, value) pairs per row), so no request compiles a program of its own. `penalize_reference`
+is the same formula in numpy (OpenAI's, from its API reference "frequency and presence
+penalties"):
 
     logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty;  logit[j] += bias[j]
 
@@ -45,39 +47,51 @@ def penalize_reference(logits_V: np.ndarray, counts_V: np.ndarray, params: Sampl
 
 
 @jax.jit
-def _process(logits_SV, counts_SV, presence_S, frequency_S, bias_ids_SE, bias_SE):
-  x = logits_SV.astype(jnp.float32)
-  x = x - counts_SV * frequency_S[:, None] - (counts_SV > 0) * presence_S[:, None]
-  rows_S1 = jnp.arange(x.shape[0])[:, None]
-  return x.at[rows_S1, bias_ids_SE].add(bias_SE)  # padding adds 0.0 to token 0: exact
+def _process(logits_RV, counts_RV, presence_R, frequency_R, bias_ids_RE, bias_RE):
+  x = logits_RV.astype(jnp.float32)
+  x = x - counts_RV * frequency_R[:, None] - (counts_RV > 0) * presence_R[:, None]
+  rows_R1 = jnp.arange(x.shape[0])[:, None]
+  return x.at[rows_R1, bias_ids_RE].add(bias_RE)  # padding adds 0.0 to token 0: exact
 
 
-def process_logits(logits_SV, rows: list[tuple[SamplingParams, np.ndarray | None]]):
-  """Applies each row's penalties and logit bias on the device (one jit'd call).
+def process_logits(logits_SV: np.ndarray, rows: list[tuple[SamplingParams | None,
+                                                            np.ndarray | None]]) -> np.ndarray:
+  """Applies each row's penalties and logit bias on the device, in one jit'd call.
+
+  Only the R rows whose request sets penalties or a bias go to the device, padded to a power
+  of two (zero rows), so the programs are one per power of two up to the step's rows, never
+  one per request; the other rows are returned untouched.
 
   Args:
-    logits_SV: f32[S, V] logits, device or host.
+    logits_SV: f32[S, V] host logits (the step's, as sampled from).
     rows: per row of `logits_SV`, its request's params and int32[V] counts of its generated
-      tokens (None: the row is left as is, e.g. a prefill chunk that samples nothing).
+      tokens; (None, None) or a request without penalties or bias leaves the row as is (e.g. a
+      prefill chunk that samples nothing).
 
   Returns:
-    f32[S, V] processed logits, a device array; rows without penalties or bias are equal to the
-    input bit for bit (they subtract and add exact zeros).
+    f32[S, V] processed logits (host), a new array.
   """
-  s, v = np.shape(logits_SV)
-  counts = np.zeros((s, v), np.float32)
-  presence = np.zeros(s, np.float32)
-  frequency = np.zeros(s, np.float32)
-  bias_ids = np.zeros((s, MAX_LOGIT_BIAS), np.int32)
-  bias = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
-  for i, (params, c) in enumerate(rows):
-    if c is None or not params.processes_logits:
-      continue
-    counts[i] = c
-    presence[i], frequency[i] = params.presence_penalty, params.frequency_penalty
+  out = np.array(logits_SV, np.float32)
+  todo = [i for i, (params, c) in enumerate(rows)
+          if c is not None and params is not None and params.processes_logits]
+  if not todo:
+    return out
+  r, v = 1 << (len(todo) - 1).bit_length(), out.shape[1]
+  logits = np.zeros((r, v), np.float32)
+  counts = np.zeros((r, v), np.float32)
+  presence = np.zeros(r, np.float32)
+  frequency = np.zeros(r, np.float32)
+  bias_ids = np.zeros((r, MAX_LOGIT_BIAS), np.int32)
+  bias = np.zeros((r, MAX_LOGIT_BIAS), np.float32)
+  for k, i in enumerate(todo):
+    params, c = rows[i]
+    logits[k], counts[k] = out[i], c
+    presence[k], frequency[k] = params.presence_penalty, params.frequency_penalty
     for j, (tid, b) in enumerate(params.logit_bias):
-      bias_ids[i, j], bias[i, j] = tid, b
-  return _process(logits_SV, counts, presence, frequency, bias_ids, bias)
+      bias_ids[k, j], bias[k, j] = tid, b
+  done = np.asarray(_process(logits, counts, presence, frequency, bias_ids, bias))
+  out[todo] = done[:len(todo)]
+  return out
 
 
 def log_softmax(logits_V: np.ndarray) -> np.ndarray:
