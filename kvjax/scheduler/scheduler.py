@@ -24,6 +24,10 @@ Part 3, adaptive mode):
      aligned to store chunks, possibly several pieces (skipping resident chunks), none when loads
      are predicted to finish the next chunk first.
 
+A plan that runs a request's last prefill chunk also forks the requests waiting on its prompt
+(`n` > 1, `add_request(fork_of=)`): they take free slots, share its full blocks and get a copy
+of its partly filled last block (`KVCacheManager.fork`, `SchedulerOutput.forks`).
+
 The policies live beside it as plain functions: the prefill order, short first-token steps
 (rules a, b, c), the long-prefill threshold and chunk sizing in
 `kvjax/scheduler/prefill_policy.py`; loads ahead, saves and layer-wise deferral in
@@ -227,6 +231,9 @@ class Scheduler:
   def num_waiting(self) -> int:
     return len(self.waiting) + sum(len(c) for c in self._forks.values())
 
+  def num_running(self) -> int:
+    return len(self.running)
+
   def _pending_fork(self, request_id: RequestId) -> RequestId | None:
     """The parent a request waits to fork from, or None."""
     return next((p for p, children in self._forks.items()
@@ -250,9 +257,6 @@ class Scheduler:
       # Its store chunks (a decode's completing one) read the shared rows back from the pool.
       self._device_hit_tokens[child.request_id] = parent.num_prompt_tokens
       self._planned_forks.append(ForkItem(parent.request_id, child.request_id, copies))
-
-  def num_running(self) -> int:
-    return len(self.running)
 
   def merge(self, request_id: RequestId) -> CakeMerge | None:
     """The request's merge (read-only use: tests and traces), or None."""
