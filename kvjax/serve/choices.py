@@ -36,9 +36,11 @@ class ForkedGeneration(Generation):
     return [self.id] + [f"{self.id}-{i}" for i in range(1, self.params.n)]
 
   def _abort_unfinished(self, done: set[int]) -> None:
+    """Aborts the choices not in `done` (finished or aborted already) and adds them to it."""
     for i, rid in enumerate(self._ids()):
       if i not in done:
         self.b.engine.abort(rid)
+        done.add(i)
 
   async def run(self) -> Response:
     n, ids = self.params.n, self._ids()
@@ -54,12 +56,20 @@ class ForkedGeneration(Generation):
     merged: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.ensure_future(_pump(i, q, merged)) for i, q in enumerate(queues)]
     done: set[int] = set()
+
+    def end() -> None:  # every ending: unfinished choices aborted, no pump left waiting
+      self._abort_unfinished(done)
+      for p in pumps:
+        p.cancel()
+
+    streaming = False
     try:
       first = await self._first_of(merged, done)
       if first is None:
         return Response(status_code=499)
       if self.req.stream:
-        return _EventStream(self._stream_n(merged, first, done, pumps), on_close=lambda: None,
+        streaming = True
+        return _EventStream(self._stream_n(merged, first, done), on_close=end,
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
       outs: dict[int, RequestOutput] = {}
       self._note(first, outs, done)
@@ -70,18 +80,15 @@ class ForkedGeneration(Generation):
           finished, _ = await asyncio.wait({gone, get}, return_when=asyncio.FIRST_COMPLETED)
           if get not in finished:
             get.cancel()
-            self._abort_unfinished(done)
             return Response(status_code=499)
           self._note(self._unpack(get.result()), outs, done)
       finally:
         gone.cancel()
       self.b.count(self.endpoint, outs[0].finish_reason)  # one request
       return JSONResponse(self._body_n([outs[i] for i in range(n)]))
-    except BaseException:
-      self._abort_unfinished(done)
-      for p in pumps:
-        p.cancel()
-      raise
+    finally:
+      if not streaming:
+        end()
 
   def _unpack(self, item) -> tuple[int, RequestOutput]:
     i, got = item
@@ -96,7 +103,7 @@ class ForkedGeneration(Generation):
 
   async def _first_of(self, merged: asyncio.Queue, done: set[int]
                       ) -> tuple[int, RequestOutput] | None:
-    """The first output of any choice, or None if the client left first (all are aborted)."""
+    """The first output of any choice, or None if the client left first."""
     gone = asyncio.ensure_future(self._disconnected())
     get = asyncio.ensure_future(merged.get())
     try:
@@ -105,7 +112,6 @@ class ForkedGeneration(Generation):
       gone.cancel()
     if get not in finished:
       get.cancel()
-      self._abort_unfinished(done)
       return None
     return self._unpack(get.result())
 
@@ -126,7 +132,7 @@ class ForkedGeneration(Generation):
     return chunk
 
   async def _stream_n(self, merged: asyncio.Queue, first: tuple[int, RequestOutput],
-                      done: set[int], pumps: list) -> AsyncIterator[str]:
+                      done: set[int]) -> AsyncIterator[str]:
     """SSE events of n choices: per choice (chat: a role chunk), its text deltas and finish
     chunk, interleaved as they come; then (usage) and the `kvjax` object, [DONE]."""
     n = self.params.n
@@ -170,9 +176,7 @@ class ForkedGeneration(Generation):
       self.b.count(self.endpoint, outs[0].finish_reason if 0 in done else "error")
       yield "data: [DONE]\n\n"
     finally:
-      self._abort_unfinished(done)
-      for p in pumps:
-        p.cancel()
+      self._abort_unfinished(done)  # the client left (the stream's `on_close` does it too)
 
 
 def _indexed(choice: dict, index: int) -> dict:
