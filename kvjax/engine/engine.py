@@ -51,9 +51,9 @@ from kvjax.models.runner_api import Runner, SeqChunk
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager
-from kvjax.scheduler.output import (ComputeTiming, InsertItem, InsertTiming, SchedulerOutput,
-                                    StepResult)
-from kvjax.scheduler.request import Request, SamplingParams
+from kvjax.scheduler.output import (ComputeTiming, ForkItem, InsertItem, InsertTiming,
+                                    SchedulerOutput, StepResult)
+from kvjax.scheduler.request import Request, SamplingParams, SamplingParamsError
 from kvjax.scheduler.scheduler import Scheduler
 
 _log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ class _Live:
   logprobs: list[dict[int, float]] | None
   token_ids: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
+  #: int32[V] times each token was generated so far, when penalties need it (else None).
+  counts_V: np.ndarray | None = None
   save_tail: bool = False  # a session turn: store its tail when it finishes (`KVSaves.save_tail`)
 
 
@@ -213,7 +215,8 @@ class Engine:
     its last `params.truncate_prompt_tokens` tokens when that is set.
 
     Raises:
-      ValueError: empty prompt, token ids outside the vocabulary, or prompt plus `max_tokens`
+      ValueError: empty prompt, token ids outside the vocabulary (prompt or `logit_bias`:
+        `SamplingParamsError` naming `logit_bias` for the latter), or prompt plus `max_tokens`
         beyond the context length.
     """
     ids = [int(t) for t in prompt_token_ids]
@@ -222,6 +225,10 @@ class Engine:
     if params.truncate_prompt_tokens is not None:
       ids = ids[-params.truncate_prompt_tokens:]
     vocab = self.runner.model_config.vocab_size
+    bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad_bias:
+      raise SamplingParamsError("logit_bias", f"logit_bias token ids {bad_bias[:5]} are outside "
+                                f"the vocabulary [0, {vocab})")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
       raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -236,7 +243,7 @@ class Engine:
                   prompt: str | None = None, request_id: str | None = None,
                   cache_salt: str | None = None,
                   merge_mode: MergeMode | str | None = None, history_tokens: int = 0,
-                  save_tail: bool = False) -> RequestId:
+                  save_tail: bool = False, fork_of: RequestId | str | None = None) -> RequestId:
     """Validates and queues a request; returns its id.
 
     With a store, one batched lookup finds which prefix chunks are stored (no data is read
@@ -254,9 +261,17 @@ class Engine:
     next turn loads every historical token's KV even after the device evicted it
     (CachedAttention, arXiv 2403.19708, section 3.2.2).
 
+    `n` > 1 (`fork_of`, the id of a request added before with the same prompt and salt, still
+    unfinished): this request shares that request's prompt computation: the scheduler forks
+    it from the parent's last prefill chunk (`Scheduler.add_request`), and this engine copies
+    the parent's partly filled last block and samples this request's first token from the
+    parent's logits with this request's own generator (seed). Its store lookup is not planned
+    (the store client only keeps its key chain, for the chunks its decodes complete).
+
     Raises:
       ValueError: as `validate`, a duplicate id, a `cache_salt` that is not a string, an
-        unknown `merge_mode`, or a negative `history_tokens`.
+        unknown `merge_mode`, a negative `history_tokens`, or a `fork_of` that is not an
+        unfinished request with the same prompt and salt.
     """
     if cache_salt is not None and not isinstance(cache_salt, str):
       raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -274,16 +289,26 @@ class Engine:
     live = _Live(rid, prompt, ids, params, np.random.default_rng(seed),
                  RequestMetrics(arrival_s=arrival_s),
                  [] if params.logprobs is not None else None)
+    if params.processes_logits:
+      live.counts_V = np.zeros(self.runner.model_config.vocab_size, np.int32)
     stored = None
+    if fork_of is not None:
+      parent = self._live.get(RequestId(fork_of))
+      if parent is None or parent.prompt_token_ids != ids:
+        raise ValueError(f"fork_of={fork_of!r}: not an unfinished request with this prompt")
     if self._loads is not None:
       tails = self.kv_store.stores_tails
-      live.save_tail = tails and save_tail
+      live.save_tail = tails and save_tail and fork_of is None
+      # A fork is opened too (its key chain: its decodes complete and save chunks), but its
+      # prompt is its parent's: the scheduler gets no lookup for it.
       stored, live.metrics.lookup_s = self._loads.open_request(
-          rid, ids, cache_salt, history_tokens if tails else 0)
+          rid, ids, cache_salt, history_tokens if tails and fork_of is None else 0)
+      stored = stored if fork_of is None else None
     try:
       self._scheduler.add_request(
           Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
-          namespace_root=self._namespace_root(cache_salt))
+          namespace_root=self._namespace_root(cache_salt),
+          fork_of=RequestId(fork_of) if fork_of is not None else None)
     except BaseException:
       if self.kv_store is not None:
         self.kv_store.close_request(rid)
@@ -422,8 +447,9 @@ class Engine:
         self._record_loaded(ins, tier)
     else:
       out = runner.step(seqs)
-    logits_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
+    raw_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
     seconds = time.perf_counter() - t0
+    logits_SV = self._processed(plan, raw_SV)
     for i, d in enumerate(plan.decodes):
       if kv is not None:  # every token's K before RoPE is kept until its chunk is complete
         o = out.offsets[i]
@@ -431,7 +457,8 @@ class Engine:
         self._saves.keep(d.request_id, live.prompt_token_ids, live.token_ids, d.position,
                          d.saves, (), out.k_pre_rope_LTKH[:, o:o + 1], out.v_LTKH[:, o:o + 1],
                          tables[d.request_id])
-      self._sample(d.request_id, logits_SV[i], sampled, finished, tables[d.request_id])
+      self._sample(d.request_id, logits_SV[i], sampled, finished, tables[d.request_id],
+                   raw_SV[i])
     base = len(plan.decodes)
     for j, chunk in enumerate(plan.prefills):
       timings.append(ComputeTiming(chunk.start, chunk.num_tokens,
@@ -447,7 +474,37 @@ class Engine:
                          out.v_LTKH[:, o:o + chunk.num_tokens], tables[chunk.request_id])
       if chunk.is_last:
         self._sample(chunk.request_id, logits_SV[base + j], sampled, finished,
-                     tables[chunk.request_id])
+                     tables[chunk.request_id], raw_SV[base + j])
+        for fork in plan.forks:
+          if fork.parent_id == chunk.request_id:
+            self._fork(fork, raw_SV[base + j], sampled, finished, tables)
+
+  def _fork(self, fork: ForkItem, raw_V: np.ndarray, sampled: list, finished: list,
+            tables: dict) -> None:
+    """A request forked from its parent's prompt (`ForkItem`): the parent's partly filled last
+    block copied into the child's, then the child's first token sampled from the parent's last
+    logits row (`raw_V`, processed for the child's own penalties and bias)."""
+    if fork.copies:
+      src, dst = zip(*fork.copies)
+      self.runner.copy_blocks(src, dst)
+    live = self._live.get(fork.child_id)
+    if live is None:
+      return  # aborted since
+    logits_V = raw_V
+    if live.counts_V is not None:
+      logits_V = sampling.process_logits(raw_V[None], [(live.params, live.counts_V)])[0]
+    self._sample(fork.child_id, logits_V, sampled, finished, tables[fork.child_id], raw_V)
+
+  def _processed(self, plan: SchedulerOutput, raw_SV: np.ndarray) -> np.ndarray:
+    """The step's logits after each sampling row's penalties and logit bias
+    (`sampling.process_logits`, on the device); `raw_SV` itself when no row has any."""
+    rows = [self._live[d.request_id] for d in plan.decodes]
+    rows += [self._live[c.request_id] if c.is_last else None for c in plan.prefills]
+    if not any(live is not None and live.counts_V is not None for live in rows):
+      return raw_SV
+    return sampling.process_logits(
+        raw_SV, [(live.params, live.counts_V) if live is not None else (None, None)
+                 for live in rows])
 
   def _record_loaded(self, ins: InsertItem, tier: str) -> None:
     """A store chunk (or stored tail) inserted into a request's KV: its metrics count it
@@ -475,12 +532,16 @@ class Engine:
 
   # ----------------------------------------------------------------------------- outputs
   def _sample(self, rid: RequestId, logits_V: np.ndarray, sampled: list, finished: list,
-              where=None) -> None:
-    """Samples a request's next token; on a finish, ends it (and, for a session turn, `where`
-    being its block table, stores its tail)."""
+              where=None, raw_V: np.ndarray | None = None) -> None:
+    """Samples a request's next token from `logits_V` (penalized); on a finish, ends it (and,
+    for a session turn, `where` being its block table, stores its tail). Log-probabilities are
+    of `raw_V`, the model's logits (default: `logits_V`)."""
     live = self._live[rid]
     token = sampling.sample_token(logits_V, live.params, live.rng)
     live.token_ids.append(token)
+    if live.counts_V is not None:
+      live.counts_V[token] += 1
+    logits_V = logits_V if raw_V is None else raw_V
     sampled.append((rid, token))
     now = self._clock()
     if live.metrics.first_token_s is None:

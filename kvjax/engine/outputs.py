@@ -91,6 +91,8 @@ class RequestOutput:
     num_cached_tokens: prompt tokens served from the prefix cache.
     metrics: timing and token accounting.
     finished: whether generation ended.
+    forked: `n` > 1 (`LLM.generate`): the other choices, 1 to n - 1, forked from this
+      request's prompt (their own text, tokens, reason and log-probs); empty otherwise.
   """
 
   request_id: RequestId
@@ -103,11 +105,17 @@ class RequestOutput:
   num_cached_tokens: int
   metrics: RequestMetrics
   finished: bool
+  forked: list[CompletionOutput] = dataclasses.field(default_factory=list)
 
   @property
   def outputs(self) -> list[CompletionOutput]:
-    """vLLM-style view: one `CompletionOutput`."""
-    return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
+    """vLLM-style view: one `CompletionOutput` per choice (this request's, then `forked`)."""
+    return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
+                             self.logprobs)] + list(self.forked)
+
+  def as_choice(self, index: int) -> CompletionOutput:
+    """This request's sequence as choice `index` of a forked (`n` > 1) request."""
+    return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, self.logprobs)
 
 
 @dataclasses.dataclass(frozen=True)

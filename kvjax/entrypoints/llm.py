@@ -38,7 +38,7 @@ from kvjax.models.registry import load_config, load_model
 from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
 from kvjax.models.weights_memory import check_weights_fit, device_free_bytes
-from kvjax.scheduler.request import SamplingParams
+from kvjax.scheduler.request import SamplingParams, choice_params
 from kvjax.sessions import SessionRegistry, StageFn, check_client_salt, run_turn
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
@@ -534,7 +534,9 @@ class LLM:
       sampling_params: one for all prompts, or one per prompt; default `SamplingParams()`.
 
     Returns:
-      One finished `RequestOutput` per prompt, in input order.
+      One finished `RequestOutput` per prompt, in input order. With `SamplingParams.n` > 1 its
+      `outputs` hold n choices: the prompt is computed once and forked into n sequences
+      (`Engine.add_request(fork_of=)`), choice i seeded with `choice_seed(seed, i)`.
 
     Raises:
       ValueError: bad prompt or parameters (nothing is queued then).
@@ -568,16 +570,26 @@ class LLM:
     `save_tail`)."""
     for (ids, _, _), sp in zip(encoded, params):  # validate all before queueing any
       self.engine.validate(ids, sp)
-    rids = [self.engine.add_request(ids, sp, prompt=text, cache_salt=salt, **options)
-            for (ids, text, salt), sp in zip(encoded, params)]
+    rids, forks = [], {}
+    for (ids, text, salt), sp in zip(encoded, params):
+      rid = self.engine.add_request(ids, choice_params(sp, 0), prompt=text, cache_salt=salt,
+                                    **options)
+      rids.append(rid)
+      # n > 1: the other choices fork this one's prompt (computed once), seeded per choice.
+      forks[rid] = [self.engine.add_request(ids, choice_params(sp, i), prompt=text,
+                                            cache_salt=salt, fork_of=rid)
+                    for i in range(1, sp.n)]
+    want = len(rids) + sum(len(f) for f in forks.values())
     done: dict[str, RequestOutput] = {}
-    while len(done) < len(rids):
+    while len(done) < want:
       outs = self.engine.step()
       for out in outs:
         if out.finished:
           done[out.request_id] = out
-      if not outs and not self.engine.has_unfinished_requests() and len(done) < len(rids):
+      if not outs and not self.engine.has_unfinished_requests() and len(done) < want:
         raise RuntimeError("the engine finished without completing every request")
+    for rid, children in forks.items():
+      done[rid].forked = [done[c].as_choice(i) for i, c in enumerate(children, 1)]
     return [done[r] for r in rids]
 
   def chat(self, messages: Any, sampling_params: SamplingParams | None = None, *,

@@ -32,7 +32,7 @@ _DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16
            np.dtype(np.float16))
 
 # Opcodes of the paged runner's device calls.
-STEP, INSERT, READ, RESET, CLOSE = 1, 2, 3, 4, 5
+STEP, INSERT, READ, RESET, CLOSE, COPY = 1, 2, 3, 4, 5, 6
 
 
 def _header(op: int, arrays: Sequence[np.ndarray]) -> np.ndarray:

@@ -23,6 +23,7 @@ pool's sizing from device memory (`kvjax.models.pool_memory`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -173,15 +174,22 @@ class PagedModelRunner:
       positions_1N = (start + jnp.arange(n, dtype=jnp.int32))[None]
       return apply_rope(k, positions_1N, self._inv_freq, inverse=True), v
 
+    def copy_blocks(pool, src_R, dst_R):
+      return dataclasses.replace(pool, k_LPBF=pool.k_LPBF.at[:, dst_R].set(pool.k_LPBF[:, src_R]),
+                                 v_LPBF=pool.v_LPBF.at[:, dst_R].set(pool.v_LPBF[:, src_R]))
+
     if tp is None:
       self._read_pre_rope = jax.jit(read_pre_rope)
       self._insert = jax.jit(insert_raw, donate_argnums=(0,))
+      self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
     else:
       rep_, pool_sh, kv_sh = tp.replicated, self._pool_shardings(), tp.kv_out_sharding
       self._read_pre_rope = jax.jit(read_pre_rope, out_shardings=(kv_sh, kv_sh))
       self._insert = jax.jit(insert_raw, donate_argnums=(0,),
                              in_shardings=(pool_sh, tp.chunk_sharding, rep_, rep_),
                              out_shardings=pool_sh)
+      self._copy = jax.jit(copy_blocks, donate_argnums=(0,),
+                           in_shardings=(pool_sh, rep_, rep_), out_shardings=pool_sh)
     #: The codec programs and the kvtc transform (`kvjax.models.codec_programs`).
     self._codecs = RunnerCodecs(model.cfg, self._inv_freq, platform=platform, tp=tp,
                                 kv_head_repeat=r,
@@ -356,6 +364,8 @@ class PagedModelRunner:
         self.pool = self._insert(self.pool, self._place_chunk(kv), ids, start)
       elif op == multihost.READ:
         self._read_pre_rope(self.pool, *arrays)
+      elif op == multihost.COPY:
+        self.pool = self._copy(self.pool, *arrays)
       elif op == multihost.RESET:
         self.pool = self._new_pool()
       elif op == multihost.CLOSE:
@@ -497,6 +507,24 @@ class PagedModelRunner:
       self.pool = self._insert(self.pool, kv_L2CKH, ids, np.int32(start))
     else:
       self._device_insert(kv_L2CKH, ids, np.int32(start))
+
+  def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    """Copies whole pool blocks `src_ids[i]` -> `dst_ids[i]` (every layer's K after RoPE and V,
+    as stored: bit for bit), in one jit'd call. The lists are padded to a power of two by
+    repeating the last pair (the same block written twice with the same values), so the
+    programs are the powers of two up to the longest list.
+
+    Raises:
+      ValueError: see `RunnerGeometry.check_copy`.
+    """
+    src, dst = self.geometry.check_copy(src_ids, dst_ids)
+    if not len(src):
+      return
+    pad = (1 << (len(src) - 1).bit_length()) - len(src)
+    src, dst = np.pad(src, (0, pad), mode="edge"), np.pad(dst, (0, pad), mode="edge")
+    if self._channel is not None:
+      src, dst = self._channel.send(multihost.COPY, src, dst)
+    self.pool = self._copy(self.pool, src, dst)
 
   def insert_payload(self, codec: str, arrays, block_ids: Sequence[int], start: int) -> None:
     """Decodes a stored chunk's payload (`kv_codec.kv_decode`: dequantize, RoPE K at

@@ -11,6 +11,7 @@ tables; the engine hands a runner sequences and chunks, and gets back numbers:
     insert_chunks_layers(kvs, block_ids, starts, l0) some layers of several raw chunks -> blocks
     insert_payload(codec, arrays, block_ids, start)  a stored encoded chunk -> blocks
     read_pre_rope(block_ids, start, n)               blocks -> K before RoPE and V (for saving)
+    copy_blocks(src_ids, dst_ids)                    whole blocks -> other blocks (a fork)
     encode_levels(kv_L2CKH, codec, levels, start)    a chunk -> its payload at each level
 
 Two runners implement it: `kvjax.models.paged_runner.PagedModelRunner` (the model, jit'd) and
@@ -275,6 +276,23 @@ class RunnerGeometry:
                        "one call inserts chunks of one shape")
     return [self.check_chunk(shape[2], b, s) for b, s in zip(block_ids, starts)]
 
+  def check_copy(self, src_ids: Sequence[int], dst_ids: Sequence[int]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """`Runner.copy_blocks`' arguments: (int32 sources, int32 destinations).
+
+    Raises:
+      ValueError: lists of different lengths, a block outside the pool, or a destination that
+        is also a source or given twice.
+    """
+    src, dst = np.asarray(src_ids, np.int32), np.asarray(dst_ids, np.int32)
+    both = np.concatenate([src, dst])
+    if src.shape != dst.shape or src.ndim != 1 or np.any((both < 0) | (both >= self.num_blocks)) \
+        or len(set(dst.tolist())) != len(dst) or set(dst.tolist()) & set(src.tolist()):
+      raise ValueError(f"copying blocks {src.tolist()} -> {dst.tolist()}: want equal lengths, "
+                       f"blocks inside the pool of {self.num_blocks}, distinct destinations "
+                       "that are not sources")
+    return src, dst
+
   def check_read(self, block_ids: Sequence[int], start: int, n: int) -> np.ndarray:
     """`Runner.read_pre_rope`'s positions against its blocks: int32 ids.
 
@@ -417,6 +435,12 @@ class Runner(Protocol):
   def encode_levels(self, kv_L2CKH: Any, codec: str, levels: tuple[int, ...],
                     start: int) -> list:
     """A chunk's payload at every level: `[(codec, level, {name: array}, finite flag)]`."""
+    ...
+
+  def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    """Copies whole blocks, every layer's K and V as stored (no RoPE round trip: bit for bit),
+    `src_ids[i]` -> `dst_ids[i]`: a sequence forked from another gets its own copy of the
+    partly filled last block (`SchedulerOutput.forks`)."""
     ...
 
   def device_seam(self) -> Any:

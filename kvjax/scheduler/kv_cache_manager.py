@@ -361,6 +361,51 @@ class KVCacheManager:
     state.num_indexed = max(state.num_indexed, num_tokens // self.block_size)
     return out
 
+  def fork(self, parent_id: RequestId, child_id: RequestId, num_tokens: int
+           ) -> tuple[tuple[BlockId, BlockId], ...] | None:
+    """Gives `child_id` the KV of `parent_id`'s first `num_tokens` tokens without computing it
+    (`n` > 1: one prefill, n decodes): the parent's full blocks are shared (one more reference
+    each: read, never written), and a partly filled last block gets a fresh block of the
+    child's own, which the engine fills by copying the parent's (`Runner.copy_blocks`) once
+    the step that writes it has run. B = 4, 10 prompt tokens:
+
+        parent table   (0)      (1)      (2) t8 t9 . .     <- the parent decodes into (2)
+        child table    (0) ref2 (1) ref2 (5) t8 t9 . .     <- a copy of (2); the child decodes
+                                                              into (5)
+
+    Args:
+      parent_id: a request holding blocks that cover `num_tokens` (its prompt, planned).
+      child_id: a request that holds no blocks (its prompt is the parent's).
+      num_tokens: tokens to share, >= 1.
+
+    Returns:
+      The (source, destination) block pairs to copy (none when `num_tokens` is a whole number
+      of blocks), or None when the pool is short (nothing changes then).
+
+    Raises:
+      ValueError: unknown parent, a child that holds blocks, or `num_tokens` beyond the
+        parent's blocks.
+    """
+    _check_count("num_tokens", num_tokens)
+    parent = self._state(parent_id)
+    b = self.block_size
+    known = self._requests.get(child_id)
+    if known is not None and known.blocks:
+      raise ValueError(f"request {child_id!r} already holds {len(known.blocks)} blocks")
+    if not 1 <= num_tokens <= len(parent.blocks) * b:
+      raise ValueError(f"request {parent_id!r} holds {len(parent.blocks)} blocks of {b} "
+                       f"tokens: cannot fork {num_tokens} tokens")
+    full, tail = divmod(num_tokens, b)
+    if tail and not self.pool.num_free:
+      return None
+    shared = parent.blocks[:full]
+    self.pool.touch(shared)
+    own = self.pool.allocate(1) if tail else []
+    self._requests[child_id] = _RequestBlocks(
+        parent.namespace_root, blocks=shared + own, hashes=list(parent.hashes[:full]),
+        num_indexed=full, indexing=parent.indexing)  # the parent indexes the shared blocks
+    return ((parent.blocks[full], own[0]),) if tail else ()
+
   # -- queries -----------------------------------------------------------------------------------
 
   def _state(self, request_id: RequestId) -> _RequestBlocks:

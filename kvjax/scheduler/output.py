@@ -122,6 +122,20 @@ class InsertItem:
 
 
 @dataclasses.dataclass(frozen=True)
+class ForkItem:
+  """A request forked from another's prompt (`n` > 1: one prefill, n decodes): after the step
+  runs the parent's last prefill chunk, copy the parent's partly filled last block into the
+  child's (`copies`, (source, destination) block pairs; empty when the prompt fills whole
+  blocks) and sample the child's first token from the parent's last logits row, with the
+  child's own generator. The child shares the parent's full blocks and decodes from then on.
+  """
+
+  parent_id: RequestId
+  child_id: RequestId
+  copies: tuple[tuple[int, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
   """One step's plan, run in field order. Empty (`is_empty`) when nothing can run.
 
@@ -155,7 +169,9 @@ class SchedulerOutput:
     admitted: requests this plan admitted from the waiting queue (given a slot), in admission
       order; a preempted request appears again when it is admitted anew. The executor stamps a
       request's first admission as its `scheduled_s` (the start of its prefill wall time: the
-      queueing before it is not prefill).
+      queueing before it is not prefill). Forked requests (`forks`) are listed too.
+    forks: requests forked in this step from a parent whose last prefill chunk it runs
+      (`ForkItem`), in order.
   """
 
   finished_request_ids: tuple[RequestId, ...] = ()
@@ -171,6 +187,7 @@ class SchedulerOutput:
   layer_groups: int = 1
   lookahead: tuple[RequestId, ...] = ()
   admitted: tuple[RequestId, ...] = ()
+  forks: tuple[ForkItem, ...] = ()
 
   @property
   def num_scheduled_tokens(self) -> int:

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from kvjax._typing import RequestId
 
 
 MAX_LOGPROBS = 20
+
+#: Most `logit_bias` entries a request may give (OpenAI's limit).
+MAX_LOGIT_BIAS = 300
+
+
+class SamplingParamsError(ValueError):
+  """A `SamplingParams` field out of range; `param` is the field's name (the server's `param`).
+
+  Attributes:
+    param: the field, e.g. "top_p".
+  """
+
+  def __init__(self, param: str, message: str):
+    super().__init__(message)
+    self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +45,23 @@ class SamplingParams:
     truncate_prompt_tokens: keep at most this many prompt tokens, the LAST ones (vLLM's name;
       a plain left cut, so the cache stays exact: the truncated ids hit by prefix like any
       prompt); None keeps the whole prompt.
+    presence_penalty: in [-2, 2]; subtracted once from the logit of every token generated so
+      far (OpenAI's semantics: positive values favour new tokens).
+    frequency_penalty: in [-2, 2]; subtracted from each token's logit once per time it was
+      generated so far. Both penalties count generated tokens only, not the prompt (OpenAI's
+      formula: `logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`).
+    logit_bias: token id -> bias in [-100, 100], added to that token's logit before sampling
+      (-100 bans it, +100 forces it at temperature 0); at most `MAX_LOGIT_BIAS` entries; stored
+      as a tuple of (id, bias) pairs sorted by id. Ids beyond the vocabulary are rejected when
+      the request is added (`Engine.validate`).
+    n: output sequences for the prompt (>= 1); `LLM.generate` and the server compute the
+      prompt once and fork it into n sequences, choice i seeded with `choice_seed(seed, i)`.
+
+  Penalties and bias change the logits the token is sampled from (on the device,
+  `kvjax.engine.sampling.process_logits`); returned log-probabilities stay the model's raw ones.
+
+  Raises:
+    SamplingParamsError: (a ValueError) a field out of range, naming the field.
   """
 
   max_tokens: int = 16
@@ -42,10 +74,14 @@ class SamplingParams:
   ignore_eos: bool = False
   logprobs: int | None = None
   truncate_prompt_tokens: int | None = None
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+  n: int = 1
 
   def __post_init__(self):
     def bad(field, want):
-      raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {want}")
+      raise SamplingParamsError(field, f"{field}={getattr(self, field)!r}: {want}")
 
     if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or (
         self.max_tokens < 1):
@@ -79,6 +115,64 @@ class SamplingParams:
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
       bad("stop_token_ids", "must be a list of ints")
     object.__setattr__(self, "stop_token_ids", ids)
+    for name in ("presence_penalty", "frequency_penalty"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+        bad(name, "must be a number in [-2, 2]")
+      object.__setattr__(self, name, float(v))
+    if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+      bad("n", "must be an int >= 1")
+    object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+  @property
+  def processes_logits(self) -> bool:
+    """Whether penalties or a logit bias change the logits before sampling."""
+    return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+  """The seed of choice `index` of a request with `n` choices: `seed` for choice 0, and a
+  distinct seed derived from (`seed`, `index`) for the others, so identical requests get
+  identical choices; None without a seed (each choice draws from the engine's generator)."""
+  if seed is None or index == 0:
+    return seed
+  return (seed * 1_000_003 + index * 0x9E3779B97F4A7C15) % 2**63
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+  """The params of choice `index` of an `n` > 1 request: the same, seeded with
+  `choice_seed(params.seed, index)`."""
+  return dataclasses.replace(params, seed=choice_seed(params.seed, index))
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+  """`SamplingParams.logit_bias` as sorted (id, bias) pairs, checked.
+
+  Raises:
+    SamplingParamsError: not a mapping or pairs, more than `MAX_LOGIT_BIAS` entries, an id that
+      is not an int >= 0, a bias outside [-100, 100], or an id given twice.
+  """
+  def bad(want: str):
+    raise SamplingParamsError("logit_bias", f"logit_bias: {want}")
+
+  if bias is None:
+    return ()
+  items = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+  if len(items) > MAX_LOGIT_BIAS:
+    bad(f"{len(items)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+  out = {}
+  for item in items:
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+      bad(f"{item!r} is not a (token id, bias) pair")
+    tid, b = item
+    if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+      bad(f"token id {tid!r} must be an int >= 0")
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+      bad(f"bias {b!r} of token {tid} must be a number in [-100, 100]")
+    if tid in out:
+      bad(f"token id {tid} is given twice")
+    out[tid] = float(b)
+  return tuple(sorted(out.items()))
 
 
 class RequestStatus(enum.Enum):

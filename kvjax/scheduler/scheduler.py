@@ -24,6 +24,10 @@ Part 3, adaptive mode):
      aligned to store chunks, possibly several pieces (skipping resident chunks), none when loads
      are predicted to finish the next chunk first.
 
+A plan that runs a request's last prefill chunk also forks the requests waiting on its prompt
+(`n` > 1, `add_request(fork_of=)`): they take free slots, share its full blocks and get a copy
+of its partly filled last block (`KVCacheManager.fork`, `SchedulerOutput.forks`).
+
 The policies live beside it as plain functions: the prefill order, short first-token steps
 (rules a, b, c), the long-prefill threshold and chunk sizing in
 `kvjax/scheduler/prefill_policy.py`; loads ahead, saves and layer-wise deferral in
@@ -52,8 +56,8 @@ from kvjax.scheduler.cake import CakeMerge, MergeMode, MergeTrace
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
-from kvjax.scheduler.output import (DecodeItem, InsertItem, PrefillChunk, SaveItem, SchedulerOutput,
-                                    StepResult, StoredPrefix)
+from kvjax.scheduler.output import (DecodeItem, ForkItem, InsertItem, PrefillChunk, SaveItem,
+                                    SchedulerOutput, StepResult, StoredPrefix)
 from kvjax.scheduler.prefix_loads import Prefix
 from kvjax.scheduler.prefill_policy import FCFS, SHORTEST_FIRST, chunk_tokens
 from kvjax.scheduler.request import Request, RequestStatus
@@ -131,12 +135,17 @@ class Scheduler:
     self._computed_last = False
     self._landing = prefill_policy.LandingWait()
     self._final_traces: dict[RequestId, MergeTrace] = {}
+    # n > 1: requests waiting to fork from a parent's prompt, by parent (`add_request(fork_of=)`),
+    # and this plan's forks.
+    self._forks: dict[RequestId, list[Request]] = {}
+    self._planned_forks: list[ForkItem] = []
 
   # ----------------------------------------------------------------------------- requests
   def add_request(self, request: Request, stored: StoredPrefix | None = None, *,
                   merge_mode: MergeMode | str | None = None,
                   kv_ttft_target_s: float | None = None,
-                  namespace_root: str | None = None) -> None:
+                  namespace_root: str | None = None,
+                  fork_of: RequestId | None = None) -> None:
     """Takes ownership of a new request (the caller keeps no reference to it).
 
     Args:
@@ -147,16 +156,38 @@ class Scheduler:
       kv_ttft_target_s: this request's TTFT target instead of `load_config.kv_ttft_target_s`.
       namespace_root: the root of its block hashes (the store's namespace with
         its `cache_salt`); None: the manager's default.
+      fork_of: `n` > 1: the request whose prompt this one shares (the same tokens and root).
+        It waits for the parent's last prefill chunk and is forked in that plan
+        (`SchedulerOutput.forks`: the parent's full blocks shared, its partly filled last block
+        copied, the first token sampled from the parent's logits), so the prompt is computed
+        once. When the parent is already past its prompt, or at the fork there is no free
+        slot or block, it is queued as an ordinary request (it then hits the parent's blocks in
+        the device prefix cache). `stored` is ignored for it.
 
     Raises:
-      ValueError: a duplicate id, a lookup that does not fit the prompt, or (paged) a request
-        whose prompt + max_tokens can never fit the pool.
+      ValueError: a duplicate id, a lookup that does not fit the prompt, (paged) a request
+        whose prompt + max_tokens can never fit the pool, or a `fork_of` that is unknown or has
+        another prompt.
     """
     rid = request.request_id
     if rid in self.running or rid in self._prefix or any(
-        r.request_id == rid for r in self.waiting):
+        r.request_id == rid for r in self.waiting) or self._pending_fork(rid) is not None:
       raise ValueError(f"request id {rid!r} is already scheduled")
     self.check_fits(request.num_prompt_tokens + request.sampling_params.max_tokens)
+    if fork_of is not None:
+      parent = self.running.get(fork_of) or next(
+          (r for r in self.waiting if r.request_id == fork_of), None)
+      if parent is None or parent.prompt_token_ids != request.prompt_token_ids or (
+          self._roots.get(fork_of) != namespace_root):
+        raise ValueError(f"request {rid!r} cannot fork from {fork_of!r}: unknown, or another "
+                         "prompt or cache salt")
+      self._roots[rid] = namespace_root
+      request.status = RequestStatus.WAITING
+      if parent.output_token_ids or parent.status is RequestStatus.DECODING:
+        self.waiting.append(request)  # past its prompt: an ordinary request
+      else:
+        self._forks.setdefault(fork_of, []).append(request)
+      return
     self._roots[rid] = namespace_root
     if stored is not None and any(stored.hits) and self.kv_cache is not None and (
         device_prefix.covers(self.kv_cache, request, stored, namespace_root)):
@@ -195,13 +226,37 @@ class Scheduler:
     self.load_config = dataclasses.replace(self.load_config, check_writes=bool(on))
 
   def has_unfinished(self) -> bool:
-    return bool(self.waiting or self.running)
+    return bool(self.waiting or self.running or self._forks)
 
   def num_waiting(self) -> int:
-    return len(self.waiting)
+    return len(self.waiting) + sum(len(c) for c in self._forks.values())
 
   def num_running(self) -> int:
     return len(self.running)
+
+  def _pending_fork(self, request_id: RequestId) -> RequestId | None:
+    """The parent a request waits to fork from, or None."""
+    return next((p for p, children in self._forks.items()
+                 if any(c.request_id == request_id for c in children)), None)
+
+  def _fork_children(self, parent: Request) -> None:
+    """The plan runs `parent`'s last prefill chunk (its prompt, no output yet): forks every
+    request waiting on it into a free slot (`KVCacheManager.fork`), or queues it as an
+    ordinary request when no slot or block is free."""
+    for child in self._forks.pop(parent.request_id, ()):
+      copies = () if self.kv_cache is None else (
+          self.kv_cache.fork(parent.request_id, child.request_id, parent.num_prompt_tokens)
+          if self._free_slots else None)
+      if not self._free_slots or copies is None:
+        self.waiting.append(child)
+        continue
+      child.slot = self._free_slots.pop(0)
+      child.status = RequestStatus.DECODING
+      child.num_computed_tokens = parent.num_prompt_tokens
+      self.running[child.request_id] = child
+      # Its store chunks (a decode's completing one) read the shared rows back from the pool.
+      self._device_hit_tokens[child.request_id] = parent.num_prompt_tokens
+      self._planned_forks.append(ForkItem(parent.request_id, child.request_id, copies))
 
   def merge(self, request_id: RequestId) -> CakeMerge | None:
     """The request's merge (read-only use: tests and traces), or None."""
@@ -225,8 +280,16 @@ class Scheduler:
   def finish_request(self, request_id: RequestId, reason: str) -> Request | None:
     """Ends a request (stop, length, abort, error) and frees its slot; returns it, or None if
     unknown. Its id reaches the executor in the next plan (`finished_request_ids`)."""
+    self.waiting.extend(self._forks.pop(request_id, ()))  # its forks run as ordinary requests
     r = self.running.pop(request_id, None)
-    if r is None:
+    parent = self._pending_fork(request_id) if r is None else None
+    if parent is not None:
+      children = self._forks[parent]
+      r = next(c for c in children if c.request_id == request_id)
+      children.remove(r)
+      if not children:
+        del self._forks[parent]
+    elif r is None:
       for i, w in enumerate(self.waiting):
         if w.request_id == request_id:
           r = w
@@ -286,6 +349,7 @@ class Scheduler:
     prefills: list[PrefillChunk] = []
     inserts: list[InsertItem] = []
     self._planned = (decodes, prefills, inserts)
+    self._planned_forks = []
     for r in list(self.running.values()):
       if (r.request_id in self.running and r.status is RequestStatus.DECODING and budget > 0
           and self._grow(r, 1)):
@@ -364,6 +428,7 @@ class Scheduler:
         (self._prefix[r.request_id].merge.recheck_s(now_s, self.cost_model)
          for r in self.cake_requests()))
     finished, self._finished_ids = tuple(self._finished_ids), []
+    forks, self._planned_forks = tuple(self._planned_forks), []
     layer_groups = (self.load_config.layerwise_groups
                     if inserts and (decodes or prefills) and self.kv_cache is not None else 1)
     return SchedulerOutput(finished_request_ids=finished, releases=releases, loads=loads,
@@ -373,7 +438,8 @@ class Scheduler:
                            lookahead=prefix_loads.lookahead(
                                self._prefix, self.cake_requests(), self.waiting,
                                self.load_config.lookahead_window),
-                           admitted=tuple(admitted))
+                           admitted=tuple(admitted) + tuple(f.child_id for f in forks),
+                           forks=forks)
 
   # ----------------------------------------------------------------------------- blocks
   def _prefill_share(self, budget: int) -> int:
@@ -429,6 +495,11 @@ class Scheduler:
     recomputes instead of loading)."""
     rid = r.request_id
     self.kv_cache.preempt(rid)
+    # A fork of this plan holds no KV yet: dropped with its parent, requeued without it.
+    for f in [f for f in self._planned_forks if f.parent_id == rid]:
+      if f.child_id in self.running:
+        self._preempt(self.running[f.child_id])
+    self._planned_forks = [f for f in self._planned_forks if rid not in (f.parent_id, f.child_id)]
     decodes, prefills, inserts = self._planned
     decodes[:] = [d for d in decodes if d.request_id != rid]
     prefills[:] = [c for c in prefills if c.request_id != rid]
@@ -592,6 +663,8 @@ class Scheduler:
       out.append(self._chunk(r, start, n, is_last))
       if is_last:
         r.status = RequestStatus.DECODING
+        if not r.output_token_ids:
+          self._fork_children(r)
         break
     r.num_computed_tokens = m.frontier
     return budget
@@ -612,6 +685,8 @@ class Scheduler:
       if is_last:
         r.status = RequestStatus.DECODING
       out.append(self._chunk(r, start, n, is_last))
+      if is_last and not r.output_token_ids:
+        self._fork_children(r)
     return budget
 
   def _chunk(self, r: Request, start: int, n: int, is_last: bool) -> PrefillChunk:

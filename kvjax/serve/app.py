@@ -35,7 +35,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvjax.serve import completions, protocol
+from kvjax.serve import choices, completions, protocol
 from kvjax.serve.async_engine import AsyncEngine, EngineFault
 from kvjax.serve.guard import HostGuard, HttpPolicy, RequestGuard
 from kvjax.serve.metrics import ServeMetrics
@@ -101,6 +101,11 @@ class ServeState:
                                   "loading and compiling; retry when GET /health returns 200",
                                   status=503)
     return self.backend
+
+
+def _generation(params) -> type[completions.Generation]:
+  """The request's runner: one choice, or `n` > 1 forked from one prefill (`choices`)."""
+  return choices.ForkedGeneration if params.n > 1 else completions.Generation
 
 
 def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
@@ -183,9 +188,9 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     else:
       ids = prompt
     ids = completions.truncate(ids, req)
-    params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=False)
-    return await completions.Generation(backend, "completions", request, req, ids,
-                                        params).run()
+    params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=False,
+                                         vocab_size=backend.vocab_size)
+    return await _generation(params)(backend, "completions", request, req, ids, params).run()
 
   @app.post("/v1/chat/completions")
   async def create_chat_completion(request: Request) -> Response:
@@ -199,14 +204,15 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     if req.session_id is None:
       ids = await off_loop(completions.prompt_ids_for_chat, req, backend.tokenizer)
       ids = completions.truncate(ids, req)
-      params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True)
-      return await completions.Generation(backend, "chat", request, req, ids, params).run()
+      params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True,
+                                           vocab_size=backend.vocab_size)
+      return await _generation(params)(backend, "chat", request, req, ids, params).run()
     turn = completions.begin_session_turn(backend.sessions, req)  # 409 while it is leased
     try:
       plan = await off_loop(completions.session_plan, backend.sessions, turn, req,
                             backend.max_model_len, backend.stage_rerotated)
       params = completions.sampling_params(req, len(plan.token_ids), backend.max_model_len,
-                                           chat=True)
+                                           chat=True, vocab_size=backend.vocab_size)
     except BaseException:
       backend.sessions.release(turn)
       raise

@@ -133,10 +133,12 @@ class AsyncEngine:
   # --------------------------------------------------------------------- handler side
   def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
              cache_salt: str | None = None, *, history_tokens: int = 0,
-             save_tail: bool = False, merge_mode: MergeMode | str | None = None) -> asyncio.Queue:
+             save_tail: bool = False, merge_mode: MergeMode | str | None = None,
+             fork_of: str | None = None) -> asyncio.Queue:
     """Queues a request; returns the asyncio queue its outputs arrive on. `history_tokens`,
     `save_tail` and `merge_mode` are a session turn's (`Engine.add_request`,
-    `kvjax.sessions.TurnPlan.request_options`).
+    `kvjax.sessions.TurnPlan.request_options`); `fork_of` (`n` > 1) names a request submitted
+    before whose prompt this one shares (`Engine.add_request(fork_of=)`).
 
     Items are `(output, ttft_s, elapsed_s)`: a `RequestOutput` (cumulative: it holds all tokens
     so far; the last has `finished=True`), the server-side time to first token (seconds, on the
@@ -149,10 +151,10 @@ class AsyncEngine:
     with self._submit_lock:  # a command never lands behind the stop unanswered (`_stop`)
       return self._submit(request_id, prompt_token_ids, params, cache_salt,
                           history_tokens=history_tokens, save_tail=save_tail,
-                          merge_mode=merge_mode)
+                          merge_mode=merge_mode, fork_of=fork_of)
 
   def _submit(self, request_id, prompt_token_ids, params, cache_salt, *, history_tokens,
-              save_tail, merge_mode) -> asyncio.Queue:
+              save_tail, merge_mode, fork_of) -> asyncio.Queue:
     if self._stopped.is_set():
       raise EngineFault("the server is shutting down", status=503)
     with self._unfinished_lock:
@@ -164,7 +166,7 @@ class AsyncEngine:
     sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
     self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt,
                         {"history_tokens": history_tokens, "save_tail": save_tail,
-                         "merge_mode": merge_mode}, sink))
+                         "merge_mode": merge_mode, "fork_of": fork_of}, sink))
     return sink.queue
 
   def abort(self, request_id: str) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -31,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvjax.engine import RequestOutput
-from kvjax.scheduler.request import SamplingParams
+from kvjax.scheduler.request import SamplingParams, SamplingParamsError
 from kvjax.serve import protocol
 from kvjax.serve.async_engine import EngineFault
 from kvjax.serve.detokenizer import IncrementalDetokenizer
@@ -194,11 +193,14 @@ class SessionTurnState:
 
 
 def sampling_params(req: protocol.CompletionRequest | protocol.ChatCompletionRequest,
-                    n_prompt: int, max_model_len: int, *, chat: bool) -> SamplingParams:
-  """The engine's `SamplingParams`; checks the prompt and output against the context.
+                    n_prompt: int, max_model_len: int, *, chat: bool,
+                    vocab_size: int | None = None) -> SamplingParams:
+  """The engine's `SamplingParams`; checks the prompt and output against the context, and
+  `logit_bias` ids against `vocab_size` (when given).
 
   Raises:
-    ApiError: 400 `context_length_exceeded`, or a parameter the engine rejects.
+    ApiError: 400 `context_length_exceeded`, or a parameter the engine rejects (named by the
+      request's field, e.g. `top_p`, `max_completion_tokens`, `top_logprobs`).
   """
   what = "messages" if chat else "prompt"
   room = max_model_len - n_prompt
@@ -222,14 +224,25 @@ def sampling_params(req: protocol.CompletionRequest | protocol.ChatCompletionReq
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
   else:
     logprobs = req.logprobs
+  bias = protocol.logit_bias_pairs(req.logit_bias, vocab_size)
   try:
     return SamplingParams(
         max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         seed=None if req.seed is None else req.seed % 2**63, stop=req.stop,
-        ignore_eos=req.ignore_eos, logprobs=logprobs)
-  except ValueError as e:
-    m = re.match(r"SamplingParams\.(\w+)=", str(e))
-    raise bad_request(str(e), m.group(1) if m else None) from None
+        ignore_eos=req.ignore_eos, logprobs=logprobs, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, logit_bias=bias, n=req.n)
+  except SamplingParamsError as e:
+    raise params_error(e, param if e.param == "max_tokens" else
+                       "top_logprobs" if chat and e.param == "logprobs" else e.param) from None
+
+
+def params_error(e: SamplingParamsError, field: str) -> ApiError:
+  """A `SamplingParams` rejection as a 400 naming the request's `field` (its message begins
+  with the engine's field name, which the request may spell differently)."""
+  message = str(e)
+  if message.startswith(e.param):
+    message = field + message[len(e.param):]
+  return bad_request(message + ".", field, "invalid_value")
 
 
 # ------------------------------------------------------------------------------- logprobs

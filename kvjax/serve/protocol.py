@@ -1,11 +1,21 @@
 """The OpenAI wire protocol: request models, error bodies, and response builders.
 
 Requests are parsed from the raw body with strict pydantic models (no coercion: `"5"` is not an
-int) that reject fields the OpenAI API does not have (400, "Unrecognized request argument").
-Fields the OpenAI API has but kvjax does not implement are accepted at their neutral value
-(`n=1`, `echo=false`, penalties 0, ...) and rejected otherwise, naming the field; message content
-is a string or a list of parts of type "text" (another type, such as "image_url", gets a 400
-naming it), and `seed` an int64.
+int). Every 400 names its field in `param` (null only for a body that is not a JSON object) and
+sets `code`, as OpenAI's error objects do: "unknown_parameter" for a field the OpenAI API does
+not have ("Unrecognized request argument supplied: X"), "unsupported_parameter" for one of
+OpenAI's own fields that kvjax does not serve ("X is not supported": `OPENAI_CHAT_PARAMS` and
+`OPENAI_COMPLETION_PARAMS` list OpenAI's fields, from the `openai` package's
+`CompletionCreateParams` types, which a test compares them with), "missing_required_parameter",
+"invalid_type", "invalid_value" (also the default of `bad_request`), "unsupported_value" (a
+value kvjax does not serve, e.g. `echo=true`), "context_length_exceeded", "invalid_json".
+Harmless bookkeeping fields (`user`, `store`, `metadata`, `service_tier`, `safety_identifier`,
+`prompt_cache_key`) are accepted and ignored. Message content is a string or a list of parts of
+type "text" (another type, such as "image_url", gets a 400 naming it), and `seed` an int64.
+
+Sampling: `n` (1 to `MAX_N` choices; the prompt is computed once and forked), `presence_penalty`,
+`frequency_penalty` ([-2, 2]) and `logit_bias` (token id string -> bias in [-100, 100], at most
+300 entries, ids inside the vocabulary) as OpenAI (`kvjax.scheduler.request.SamplingParams`).
 
 Extensions (accepted by kvjax, not by OpenAI; vLLM has the first three):
   cache_salt: str   tenant key for the prefix cache (stored KV is shared only within one salt);
@@ -32,7 +42,7 @@ import enum
 import json
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import pydantic
@@ -40,7 +50,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvjax.engine import MergeTrace
-from kvjax.scheduler.request import MAX_LOGPROBS
+from kvjax.scheduler.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from kvjax.sessions import check_client_salt, check_session_id
 
 
@@ -60,8 +70,41 @@ class ApiError(Exception):
                       "code": self.code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value"
+                ) -> ApiError:
+  """A 400 `invalid_request_error`; `code` "invalid_value" unless told (OpenAI's codes)."""
   return ApiError(400, message, param=param, code=code)
+
+
+#: The top-level fields of OpenAI's chat completion request, as the `openai` package's
+#: `ChatCompletionCreateParams` types list them (3.63.0; `OpenAIParamsTest` compares).
+OPENAI_CHAT_PARAMS = frozenset((
+    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "messages", "metadata", "modalities", "model",
+    "moderation", "n", "parallel_tool_calls", "prediction", "presence_penalty",
+    "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning_effort",
+    "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
+    "verbosity", "web_search_options"))
+
+#: The same for the legacy completion request (`openai.types.CompletionCreateParams`).
+OPENAI_COMPLETION_PARAMS = frozenset((
+    "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n",
+    "presence_penalty", "prompt", "seed", "stop", "stream", "stream_options", "suffix",
+    "temperature", "top_p", "user"))
+
+
+def unknown_field(model: type[BaseModel], loc: tuple[Any, ...]) -> ApiError:
+  """The 400 for a field `model` does not take: "X is not supported" ("unsupported_parameter")
+  for one of OpenAI's own top-level fields, else OpenAI's wording for a name it does not have
+  either ("Unrecognized request argument supplied: X", "unknown_parameter")."""
+  param = _param(loc)
+  openai_names = model.openai_params if issubclass(model, _Strict) else frozenset()
+  if len(loc) == 1 and loc[0] in openai_names:
+    return bad_request(f"{param} is not supported: kvjax does not serve this OpenAI parameter; "
+                       "remove it from the request.", param, "unsupported_parameter")
+  return bad_request(f"Unrecognized request argument supplied: {param}", param,
+                     "unknown_parameter")
 
 
 def model_not_found(model: str) -> ApiError:
@@ -153,18 +196,26 @@ def parse(model: type[BaseModel], body: bytes) -> BaseModel:
       if lone is not None:
         raise bad_request(f"The JSON body holds an invalid unicode escape: {lone}. Text must be "
                           "valid unicode: a surrogate escape (\\ud800-\\udfff) is only valid "
-                          "as a high one followed by a low one, encoding one character.") from None
+                          "as a high one followed by a low one, encoding one character.",
+                          code="invalid_json") from None
       raise bad_request(f"We could not parse the JSON body of your request: {err['msg']}. The "
-                        "body must be a JSON object.") from None
+                        "body must be a JSON object.", code="invalid_json") from None
     if err["type"] == "extra_forbidden":
-      raise bad_request(f"Unrecognized request argument supplied: {param}", param) from None
+      raise unknown_field(model, err["loc"]) from None
     if err["type"] == "missing":
-      raise bad_request(f"Missing required parameter: '{param}'.", param) from None
+      raise bad_request(f"Missing required parameter: '{param}'.", param,
+                        "missing_required_parameter") from None
     if err["type"] == "model_type" and param is None:
-      raise bad_request("The request body must be a JSON object.") from None
+      raise bad_request("The request body must be a JSON object.", code="invalid_type") from None
     got = err.get("input")
     got = json.dumps(got)[:80] if not isinstance(got, (dict, list)) else type(got).__name__
-    raise bad_request(f"Invalid value for '{param}': {err['msg']} (got {got}).", param) from None
+    code = "invalid_type" if err["type"].endswith(_TYPE_ERRORS) else "invalid_value"
+    raise bad_request(f"Invalid value for '{param}': {err['msg']} (got {got}).", param,
+                      code) from None
+
+
+#: pydantic error types (suffixes) that mean "wrong JSON type", not "wrong value".
+_TYPE_ERRORS = ("_type", "_parsing", "union_tag_invalid", "is_instance_of")
 
 
 _ESCAPE = re.compile(rb"(\\+)u([0-9a-fA-F]{4})")
@@ -202,6 +253,8 @@ def lone_surrogate(body: bytes) -> str | None:
 
 class _Strict(BaseModel):
   model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+  #: OpenAI's own top-level fields of this request (`unknown_field`'s wording).
+  openai_params: ClassVar[frozenset[str]] = frozenset()
 
   @pydantic.model_validator(mode="before")
   @classmethod
@@ -222,6 +275,9 @@ class StreamOptions(_Strict):
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+#: Most choices (`n`) one request may ask for (OpenAI's limit).
+MAX_N = 128
 
 
 class _Sampling(_Strict):
@@ -248,14 +304,9 @@ class _Sampling(_Strict):
 
   def check_supported(self) -> None:
     """Rejects OpenAI features kvjax does not implement (400 naming the field)."""
-    if self.n != 1:
-      raise bad_request(f"n={self.n} is not supported: kvjax returns one choice per request "
-                        "(n=1); send several requests instead.", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-      if getattr(self, name) != 0:
-        raise bad_request(f"{name} is not supported (must be 0).", name)
-    if self.logit_bias:
-      raise bad_request("logit_bias is not supported.", "logit_bias")
+    if not 1 <= self.n <= MAX_N:
+      raise bad_request(f"n={self.n} must be in [1, {MAX_N}].", "n")
+    logit_bias_pairs(self.logit_bias, None)  # keys and values; the vocabulary later
     if self.stream_options is not None and not self.stream:
       raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is "
                         "enabled.", "stream_options")
@@ -279,14 +330,16 @@ class CompletionRequest(_Sampling):
   suffix: str | None = None
   best_of: int | None = None
 
+  openai_params: ClassVar[frozenset[str]] = OPENAI_COMPLETION_PARAMS
+
   def check_supported(self) -> None:
     super().check_supported()
     if self.echo:
-      raise bad_request("echo is not supported.", "echo")
+      raise bad_request("echo is not supported.", "echo", "unsupported_value")
     if self.suffix:
-      raise bad_request("suffix is not supported.", "suffix")
+      raise bad_request("suffix is not supported.", "suffix", "unsupported_value")
     if self.best_of not in (None, 1):
-      raise bad_request("best_of is not supported (must be 1).", "best_of")
+      raise bad_request("best_of is not supported (must be 1).", "best_of", "unsupported_value")
 
 
 class TextPart(_Strict):
@@ -339,14 +392,21 @@ class ChatCompletionRequest(_Sampling):
   store: bool | None = None
   metadata: dict[str, str] | None = None
   service_tier: str | None = None
+  safety_identifier: str | None = None  # accepted and ignored, as `user`
+  prompt_cache_key: str | None = None  # accepted and ignored: kvjax caches by prefix
   # Extensions (sessions; SGLang's name).
   session_id: str | None = None
   close_session: bool = False
+
+  openai_params: ClassVar[frozenset[str]] = OPENAI_CHAT_PARAMS
 
   def check_supported(self) -> None:
     super().check_supported()
     if self.session_id is not None:
       check_session_params(self.session_id, self.cache_salt)
+      if self.n != 1:
+        raise bad_request("n > 1 is not supported with session_id: a session turn records one "
+                          "reply.", "n", "unsupported_value")
     elif self.close_session:
       raise bad_request("close_session needs a session_id.", "close_session")
     if not self.messages:
@@ -375,6 +435,36 @@ class ChatCompletionRequest(_Sampling):
     """Messages as the chat template takes them (role "developer" is the system prompt)."""
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in self.messages]
+
+
+def logit_bias_pairs(logit_bias: dict[str, float] | None, vocab_size: int | None
+                     ) -> tuple[tuple[int, float], ...]:
+  """OpenAI's `logit_bias` (token id strings -> bias) as (id, bias) pairs sorted by id.
+
+  Raises:
+    ApiError: 400 naming `logit_bias`: more than `MAX_LOGIT_BIAS` entries, a key that is not a
+      decimal token id, a bias outside [-100, 100], or (given `vocab_size`) an id outside the
+      vocabulary.
+  """
+  if not logit_bias:
+    return ()
+  if len(logit_bias) > MAX_LOGIT_BIAS:
+    raise bad_request(f"logit_bias has {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS} are "
+                      "allowed.", "logit_bias")
+  out = {}
+  for key, bias in logit_bias.items():
+    if not re.fullmatch(r"[0-9]{1,10}", key):
+      raise bad_request(f"Invalid key in 'logit_bias': {key!r} is not a token id (a decimal "
+                        "integer string).", "logit_bias")
+    if not -100 <= bias <= 100 or not math.isfinite(bias):
+      raise bad_request(f"Invalid value in 'logit_bias' for token {key}: {bias} is outside "
+                        "[-100, 100].", "logit_bias")
+    tid = int(key)
+    if vocab_size is not None and tid >= vocab_size:
+      raise bad_request(f"Invalid key in 'logit_bias': token id {tid} is outside the "
+                        f"vocabulary [0, {vocab_size}).", "logit_bias")
+    out[tid] = float(bias)
+  return tuple(sorted(out.items()))
 
 
 # ------------------------------------------------------------------------------- responses

@@ -433,6 +433,18 @@ class FakeRunner:
     self.calls.append(("read_pre_rope", tuple(ids.tolist()), int(start), int(n)))
     return k_pre.astype(np.float32), v
 
+  def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    """Copies whole blocks `src_ids[i]` -> `dst_ids[i]` (K as stored, and V).
+
+    Raises:
+      ValueError: see `RunnerGeometry.check_copy`.
+    """
+    self._check_open()
+    src, dst = self.geometry.check_copy(src_ids, dst_ids)
+    self.calls.append(("copy_blocks", tuple(src.tolist()), tuple(dst.tolist())))
+    self.k_LPBKH[:, dst] = self.k_LPBKH[:, src]
+    self.v_LPBKH[:, dst] = self.v_LPBKH[:, src]
+
   def read_blocks(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """The K (after the fake RoPE) and V of some blocks: ([L, n * B, K, H], same) (tests)."""
     ids = np.asarray(block_ids, np.int64)

@@ -753,5 +753,36 @@ class RandomizedNoLeakTest(parameterized.TestCase):
     self.assertEqual(mgr.stats().usage, 0.0)
 
 
+class ForkTest(absltest.TestCase):
+  """`KVCacheManager.fork` (n > 1): full blocks shared, the partly filled last block copied."""
+
+  def test_fork_shares_full_blocks_and_copies_the_partial_one(self):
+    kvm = KVCacheManager(8, 4, namespace_root=ROOT)
+    parent = req("p", range(10))
+    self.assertEqual(kvm.allocate_slots("p", 10, num_computed_tokens=0), [0, 1, 2])
+    self.assertEqual(kvm.fork("p", "c1", 10), ((2, 3),))
+    self.assertEqual(kvm.block_table("c1"), (0, 1, 3))
+    self.assertEqual([kvm.pool.ref_count(b) for b in range(4)], [2, 2, 1, 1])
+    self.assertEqual(kvm.fork("p", "c2", 8), ())  # whole blocks: nothing to copy
+    self.assertEqual(kvm.block_table("c2"), (0, 1))
+    self.assertEqual([kvm.pool.ref_count(b) for b in range(4)], [3, 3, 1, 1])
+    parent.num_computed_tokens = 10
+    kvm.cache_full_blocks(parent, 10)
+    kvm.free("p", parent)
+    kvm.free("c2")
+    self.assertEqual([kvm.pool.ref_count(b) for b in range(4)], [1, 1, 0, 1])  # c1's
+    self.assertEqual(kvm.get_computed_blocks(req("q", range(10)))[1], 9)  # parked: 8 + 1
+
+  def test_fork_with_the_pool_short_changes_nothing(self):
+    kvm = KVCacheManager(3, 4, namespace_root=ROOT)
+    kvm.allocate_slots("p", 10, num_computed_tokens=0)
+    self.assertIsNone(kvm.fork("p", "c", 10))
+    self.assertEqual([kvm.pool.ref_count(b) for b in range(3)], [1, 1, 1])
+    with self.assertRaises(ValueError):
+      kvm.fork("p", "c", 13)  # beyond the parent's blocks
+    with self.assertRaises(ValueError):
+      kvm.fork("nobody", "c", 4)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -4,11 +4,13 @@ On the fake runner (`kvjax.testing.engines.fake_llm`: the server over `LLM` over
 the real tiny model's run is tests/integration/serve/serve_errors_test.py."""
 
 import json
+import typing
 
 import httpx
 import openai
 from absl.testing import absltest, parameterized
 
+from kvjax.serve import protocol
 from kvjax.serve import HttpServer, ServeState, backend_from_llm, close_backend, create_app
 from kvjax.testing import engines
 from kvjax.testing.serve import ServedLLMTestCase
@@ -27,66 +29,120 @@ def chat(**kw):
 
 # (name, endpoint, body, status, param, code); bodies that are str are sent as raw bytes.
 BAD = [
-    ("empty_prompt", "completions", completion(prompt=""), 400, "prompt", None),
-    ("empty_token_prompt", "completions", completion(prompt=[]), 400, "prompt", None),
-    ("token_outside_vocab", "completions", completion(prompt=[1, 999]), 400, "prompt", None),
-    ("batched_prompts", "completions", completion(prompt=["a", "b"]), 400, "prompt", None),
-    ("empty_messages", "chat/completions", chat(messages=[]), 400, "messages", None),
+    ("empty_prompt", "completions", completion(prompt=""), 400, "prompt", "invalid_value"),
+    ("empty_token_prompt", "completions", completion(prompt=[]), 400, "prompt", "invalid_value"),
+    ("token_outside_vocab", "completions", completion(prompt=[1, 999]), 400,
+     "prompt", "invalid_value"),
+    ("batched_prompts", "completions", completion(prompt=["a", "b"]), 400,
+     "prompt", "invalid_value"),
+    ("empty_messages", "chat/completions", chat(messages=[]), 400, "messages", "invalid_value"),
     ("prompt_beyond_context", "completions", completion(prompt="a" * 600), 400, "prompt",
      "context_length_exceeded"),
     ("messages_beyond_context", "chat/completions",
      chat(messages=[{"role": "user", "content": "a" * 600}]), 400, "messages",
      "context_length_exceeded"),
-    ("max_tokens_zero", "completions", completion(max_tokens=0), 400, "max_tokens", None),
-    ("max_tokens_negative", "chat/completions", chat(max_tokens=-3), 400, "max_tokens", None),
+    ("max_tokens_zero", "completions", completion(max_tokens=0), 400,
+     "max_tokens", "invalid_value"),
+    ("max_tokens_negative", "chat/completions", chat(max_tokens=-3), 400,
+     "max_tokens", "invalid_value"),
     ("max_tokens_too_large", "completions", completion(max_tokens=100_000), 400, "max_tokens",
      "context_length_exceeded"),
     ("max_completion_tokens_too_large", "chat/completions",
      chat(max_tokens=None, max_completion_tokens=511), 400, "max_completion_tokens",
      "context_length_exceeded"),
-    ("max_tokens_as_string", "completions", completion(max_tokens="5"), 400, "max_tokens", None),
-    ("max_tokens_as_float", "completions", completion(max_tokens=5.0), 400, "max_tokens", None),
+    ("max_tokens_as_string", "completions", completion(max_tokens="5"), 400,
+     "max_tokens", "invalid_type"),
+    ("max_tokens_as_float", "completions", completion(max_tokens=5.0), 400,
+     "max_tokens", "invalid_type"),
     ("temperature_as_string", "chat/completions", chat(temperature="hot"), 400, "temperature",
-     None),
-    ("temperature_too_high", "chat/completions", chat(temperature=3), 400, "temperature", None),
+     "invalid_type"),
+    ("temperature_too_high", "chat/completions", chat(temperature=3), 400,
+     "temperature", "invalid_value"),
     ("temperature_nan", "chat/completions", chat(temperature=float("nan")), 400, "temperature",
-     None),
-    ("top_p_zero", "completions", completion(top_p=0), 400, "top_p", None),
-    ("top_p_bool", "completions", completion(top_p=True), 400, "top_p", None),
-    ("stream_as_string", "completions", completion(stream="yes"), 400, "stream", None),
-    ("seed_as_float", "completions", completion(seed=1.5), 400, "seed", None),
-    ("seed_beyond_int64", "completions", completion(seed=2**63), 400, "seed", None),
-    ("seed_below_int64", "chat/completions", chat(seed=-2**63 - 1), 400, "seed", None),
-    ("stop_as_int", "completions", completion(stop=5), 400, "stop", None),
-    ("stop_empty_string", "completions", completion(stop=[""]), 400, "stop", None),
-    ("logprobs_as_string", "completions", completion(logprobs="x"), 400, "logprobs", None),
-    ("messages_as_string", "chat/completions", chat(messages="hi"), 400, "messages", None),
+     "invalid_value"),
+    ("top_p_zero", "completions", completion(top_p=0), 400, "top_p", "invalid_value"),
+    ("top_p_bool", "completions", completion(top_p=True), 400, "top_p", "invalid_type"),
+    ("stream_as_string", "completions", completion(stream="yes"), 400, "stream", "invalid_type"),
+    ("seed_as_float", "completions", completion(seed=1.5), 400, "seed", "invalid_type"),
+    ("seed_beyond_int64", "completions", completion(seed=2**63), 400, "seed", "invalid_value"),
+    ("seed_below_int64", "chat/completions", chat(seed=-2**63 - 1), 400, "seed", "invalid_value"),
+    ("stop_as_int", "completions", completion(stop=5), 400, "stop", "invalid_type"),
+    ("stop_empty_string", "completions", completion(stop=[""]), 400, "stop", "invalid_value"),
+    ("logprobs_as_string", "completions", completion(logprobs="x"), 400,
+     "logprobs", "invalid_type"),
+    ("messages_as_string", "chat/completions", chat(messages="hi"), 400,
+     "messages", "invalid_type"),
     ("content_as_int", "chat/completions", chat(messages=[{"role": "user", "content": 5}]), 400,
-     "messages[0].content", None),
+     "messages[0].content", "invalid_type"),
     ("image_part", "chat/completions", chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]), 400,
-     "messages[0]", None),
+     "messages[0]", "invalid_value"),
     ("unknown_role", "chat/completions", chat(messages=[{"role": "robot", "content": "x"}]), 400,
-     "messages[0].role", None),
-    ("cache_salt_as_int", "completions", completion(cache_salt=7), 400, "cache_salt", None),
-    ("unknown_field", "completions", completion(foo=1), 400, "foo", None),
+     "messages[0].role", "invalid_value"),
+    ("cache_salt_as_int", "completions", completion(cache_salt=7), 400,
+     "cache_salt", "invalid_type"),
+    ("unknown_field", "completions", completion(foo=1), 400, "foo", "unknown_parameter"),
     ("unknown_message_field", "chat/completions",
      chat(messages=[{"role": "user", "content": "x", "mood": "happy"}]), 400,
-     "messages[0].mood", None),
-    ("invalid_json", "completions", '{"model": "tiny", "prompt": ', 400, None, None),
-    ("empty_body", "chat/completions", "", 400, None, None),
-    ("json_array", "completions", "[1, 2]", 400, None, None),
-    ("missing_model", "completions", {"prompt": "x"}, 400, "model", None),
+     "messages[0].mood", "unknown_parameter"),
+    ("invalid_json", "completions", '{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
+    ("empty_body", "chat/completions", "", 400, None, "invalid_json"),
+    ("json_array", "completions", "[1, 2]", 400, None, "invalid_type"),
+    ("missing_model", "completions", {"prompt": "x"}, 400, "model", "missing_required_parameter"),
     ("unknown_model", "completions", completion(model="gpt-9"), 404, "model", "model_not_found"),
     ("unknown_model_chat", "chat/completions", chat(model="gpt-9"), 404, "model",
      "model_not_found"),
-    ("n_two", "completions", completion(n=2), 400, "n", None),
-    ("n_two_chat", "chat/completions", chat(n=2), 400, "n", None),
+    ("n_zero", "completions", completion(n=0), 400, "n", "invalid_value"),
+    ("n_too_many_chat", "chat/completions", chat(n=129), 400, "n", "invalid_value"),
+    ("presence_penalty_too_high", "chat/completions", chat(presence_penalty=2.5), 400,
+     "presence_penalty", "invalid_value"),
+    ("logit_bias_key_not_an_id", "completions", completion(logit_bias={"x": 1}), 400,
+     "logit_bias", "invalid_value"),
+    ("logit_bias_too_large", "chat/completions", chat(logit_bias={"5": 101}), 400,
+     "logit_bias", "invalid_value"),
+    ("logit_bias_outside_vocab", "completions", completion(logit_bias={"99999": 1}), 400,
+     "logit_bias", "invalid_value"),
+    ("reasoning_effort", "chat/completions", chat(reasoning_effort="low"), 400,
+     "reasoning_effort", "unsupported_parameter"),
+    ("modalities", "chat/completions", chat(modalities=["text", "audio"]), 400, "modalities",
+     "unsupported_parameter"),
+    ("prediction", "chat/completions", chat(prediction={"type": "content", "content": "x"}),
+     400, "prediction", "unsupported_parameter"),
+    ("web_search_options", "chat/completions", chat(web_search_options={}), 400,
+     "web_search_options", "unsupported_parameter"),
+    ("chat_field_on_completions", "completions", completion(messages=MSGS), 400, "messages",
+     "unknown_parameter"),
+    ("n_with_session", "chat/completions", chat(n=2, session_id="s1"), 400, "n",
+     "unsupported_value"),
     ("stream_options_without_stream", "completions",
-     completion(stream_options={"include_usage": True}), 400, "stream_options", None),
-    ("echo", "completions", completion(echo=True), 400, "echo", None),
-    ("tools", "chat/completions", chat(tools=[{"type": "function"}]), 400, "tools", None),
+     completion(stream_options={"include_usage": True}), 400, "stream_options", "invalid_value"),
+    ("echo", "completions", completion(echo=True), 400, "echo", "unsupported_value"),
+    ("tools", "chat/completions", chat(tools=[{"type": "function"}]), 400,
+     "tools", "invalid_value"),
 ]
+
+
+class OpenAIParamsTest(absltest.TestCase):
+  """The protocol's lists of OpenAI's own fields are the `openai` package's request types, so
+  an OpenAI field kvjax does not serve gets "not supported", never the typo wording."""
+
+  def test_lists_match_the_openai_package(self):
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+    for ours, theirs in ((protocol.OPENAI_CHAT_PARAMS, chat_params.CompletionCreateParamsBase),
+                         (protocol.OPENAI_COMPLETION_PARAMS,
+                          completion_create_params.CompletionCreateParamsBase)):
+      self.assertEqual(set(typing.get_type_hints(theirs)) - {"stream"}, ours - {"stream"})
+
+  def test_every_openai_field_is_taken_or_named_unsupported(self):
+    for model, names, body in (
+        (protocol.ChatCompletionRequest, protocol.OPENAI_CHAT_PARAMS, chat()),
+        (protocol.CompletionRequest, protocol.OPENAI_COMPLETION_PARAMS, completion())):
+      for name in sorted(names - set(model.model_fields)):
+        with self.subTest(name=name), self.assertRaises(protocol.ApiError) as e:
+          protocol.parse(model, json.dumps({**body, name: 1}).encode())
+        self.assertEqual((e.exception.param, e.exception.code), (name, "unsupported_parameter"))
+        self.assertIn(f"{name} is not supported", e.exception.message)
 
 
 class ServeErrorsUnitTest(ServedLLMTestCase):
@@ -132,15 +188,21 @@ class ServeErrorsUnitTest(ServedLLMTestCase):
       self.client.completions.create(model="nope", prompt="x", max_tokens=1)
     self.assertEqual(e.exception.code, "model_not_found")
     with self.assertRaises(openai.BadRequestError) as e:
-      self.client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2)
-    self.assertEqual(e.exception.param, "n")
+      self.client.completions.create(model="tiny", prompt="x", max_tokens=1, n=0)
+    self.assertEqual((e.exception.param, e.exception.code), ("n", "invalid_value"))
+    with self.assertRaises(openai.BadRequestError) as e:
+      self.client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1,
+                                          reasoning_effort="low")
+    self.assertEqual((e.exception.param, e.exception.code),
+                     ("reasoning_effort", "unsupported_parameter"))
+    self.assertIn("reasoning_effort is not supported", e.exception.message)
     self.assert_works()
 
   def test_a_non_text_content_part_is_named_in_the_error(self):
     r = self.post("chat/completions", chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]))
-    self.assert_error(r, 400, "messages[0]")
+    self.assert_error(r, 400, "messages[0]", "invalid_value")
     self.assertIn("'input_audio' are not supported", r.json()["error"]["message"])
 
   def test_seeds_at_the_int64_ends_are_served(self):
