@@ -35,7 +35,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvjax.serve import completions, protocol
+from kvjax.serve import completions, protocol, tool_calls
 from kvjax.serve.async_engine import AsyncEngine, EngineFault
 from kvjax.serve.guard import HostGuard, HttpPolicy, RequestGuard
 from kvjax.serve.metrics import ServeMetrics
@@ -193,6 +193,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     req = protocol.parse(protocol.ChatCompletionRequest, await request.body())
     check_model(backend, req.model)
     req.check_supported()
+    tool_calls.check_request(req)
     completions.check_prompt_chars(sum(len(m.text()) for m in req.messages),
                                    backend.max_model_len, backend.tokenizer.max_token_chars,
                                    "messages")

@@ -85,7 +85,8 @@ BAD = [
     ("stream_options_without_stream", "completions",
      completion(stream_options={"include_usage": True}), 400, "stream_options", None),
     ("echo", "completions", completion(echo=True), 400, "echo", None),
-    ("tools", "chat/completions", chat(tools=[{"type": "function"}]), 400, "tools", None),
+    ("tool_without_function", "chat/completions", chat(tools=[{"type": "function"}]), 400,
+     "tools[0].function", None),
 ]
 
 
