@@ -41,7 +41,7 @@ import numpy as np
 from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.connector import KVStoreClient
-from kvjax.engine import sampling
+from kvjax.engine import grammar, sampling
 from kvjax.engine.core import EngineCore, StepRecord
 from kvjax.engine.kv_loads import KVLoads
 from kvjax.engine.kv_saves import KVSaves
@@ -87,6 +87,7 @@ class _Live:
   token_ids: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
   save_tail: bool = False  # a session turn: store its tail when it finishes (`KVSaves.save_tail`)
+  constraint: grammar.Constraint | None = None  # `params.structured`'s grammar state
 
 
 class Engine:
@@ -169,6 +170,7 @@ class Engine:
         consistent=consistent, kv_cache=kv_cache)
     self._core = EngineCore(self._scheduler, self)
     self._rng = np.random.default_rng(seed)
+    self._grammars = grammar.Grammars(tokenizer, runner.model_config.vocab_size)
     self._clock = clock
     self._live: dict[RequestId, _Live] = {}
     self._ids = itertools.count()
@@ -269,11 +271,13 @@ class Engine:
     rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
     if rid in self._live:
       raise ValueError(f"request id {rid!r} is already in use")
+    constraint = (self._grammars.constraint(params.structured)
+                  if params.structured is not None else None)
     seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
     arrival_s = self._clock()
     live = _Live(rid, prompt, ids, params, np.random.default_rng(seed),
                  RequestMetrics(arrival_s=arrival_s),
-                 [] if params.logprobs is not None else None)
+                 [] if params.logprobs is not None else None, constraint=constraint)
     stored = None
     if self._loads is not None:
       tails = self.kv_store.stores_tails
@@ -422,6 +426,7 @@ class Engine:
         self._record_loaded(ins, tier)
     else:
       out = runner.step(seqs)
+    allowed = self._grammar_masks(plan)  # on the host while the device runs the step
     logits_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
     seconds = time.perf_counter() - t0
     for i, d in enumerate(plan.decodes):
@@ -431,7 +436,8 @@ class Engine:
         self._saves.keep(d.request_id, live.prompt_token_ids, live.token_ids, d.position,
                          d.saves, (), out.k_pre_rope_LTKH[:, o:o + 1], out.v_LTKH[:, o:o + 1],
                          tables[d.request_id])
-      self._sample(d.request_id, logits_SV[i], sampled, finished, tables[d.request_id])
+      self._sample(d.request_id, logits_SV[i], sampled, finished, tables[d.request_id],
+                   allowed.get(d.request_id))
     base = len(plan.decodes)
     for j, chunk in enumerate(plan.prefills):
       timings.append(ComputeTiming(chunk.start, chunk.num_tokens,
@@ -447,7 +453,15 @@ class Engine:
                          out.v_LTKH[:, o:o + chunk.num_tokens], tables[chunk.request_id])
       if chunk.is_last:
         self._sample(chunk.request_id, logits_SV[base + j], sampled, finished,
-                     tables[chunk.request_id])
+                     tables[chunk.request_id], allowed.get(chunk.request_id))
+
+  def _grammar_masks(self, plan: SchedulerOutput) -> dict[RequestId, np.ndarray]:
+    """bool[V] allowed tokens of each constrained request this step samples for (its grammar's
+    state after its tokens so far: `kvjax/engine/grammar.py`)."""
+    rids = [d.request_id for d in plan.decodes]
+    rids += [c.request_id for c in plan.prefills if c.is_last]
+    return {rid: self._live[rid].constraint.allowed() for rid in rids
+            if self._live[rid].constraint is not None}
 
   def _record_loaded(self, ins: InsertItem, tier: str) -> None:
     """A store chunk (or stored tail) inserted into a request's KV: its metrics count it
@@ -475,11 +489,13 @@ class Engine:
 
   # ----------------------------------------------------------------------------- outputs
   def _sample(self, rid: RequestId, logits_V: np.ndarray, sampled: list, finished: list,
-              where=None) -> None:
-    """Samples a request's next token; on a finish, ends it (and, for a session turn, `where`
-    being its block table, stores its tail)."""
+              where=None, allowed_V: np.ndarray | None = None) -> None:
+    """Samples a request's next token (among `allowed_V` under a grammar); on a finish, ends
+    it (and, for a session turn, `where` being its block table, stores its tail)."""
     live = self._live[rid]
-    token = sampling.sample_token(logits_V, live.params, live.rng)
+    token = sampling.sample_token(logits_V, live.params, live.rng, allowed_V)
+    if live.constraint is not None:
+      live.constraint.accept(token)
     live.token_ids.append(token)
     sampled.append((rid, token))
     now = self._clock()
@@ -509,7 +525,8 @@ class Engine:
     params = live.params
     token = live.token_ids[-1]
     eos = self.tokenizer.eos_id if self.tokenizer is not None else None
-    if token in params.stop_token_ids or (token == eos and not params.ignore_eos):
+    if token in params.stop_token_ids or (token == eos and not params.ignore_eos) or (
+        live.constraint is not None and live.constraint.done):  # the grammar is complete
       self._set_text(live)
       return "stop"
     if params.stop and self.tokenizer is not None:

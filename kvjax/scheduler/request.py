@@ -13,6 +13,30 @@ MAX_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+  """A grammar the output must follow (constrained decoding, `kvjax/engine/grammar.py`): give
+  exactly one of the two.
+
+  Attributes:
+    json_schema: a JSON Schema as JSON text; the output is one JSON value valid for it
+      (`'{"type": "object"}'`: any object).
+    lark: a grammar in llguidance's Lark dialect (may embed `%json {schema}`).
+
+  Raises:
+    ValueError: neither or both given, or one that is not a non-empty string.
+  """
+
+  json_schema: str | None = None
+  lark: str | None = None
+
+  def __post_init__(self):
+    given = [v for v in (self.json_schema, self.lark) if v is not None]
+    if len(given) != 1 or not isinstance(given[0], str) or not given[0]:
+      raise ValueError("StructuredOutput takes exactly one of json_schema and lark, a "
+                       "non-empty string")
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How to pick output tokens, in vLLM's names.
 
@@ -30,6 +54,7 @@ class SamplingParams:
     truncate_prompt_tokens: keep at most this many prompt tokens, the LAST ones (vLLM's name;
       a plain left cut, so the cache stays exact: the truncated ids hit by prefix like any
       prompt); None keeps the whole prompt.
+    structured: a grammar the output must follow (`StructuredOutput`), or None.
   """
 
   max_tokens: int = 16
@@ -42,6 +67,7 @@ class SamplingParams:
   ignore_eos: bool = False
   logprobs: int | None = None
   truncate_prompt_tokens: int | None = None
+  structured: StructuredOutput | None = None
 
   def __post_init__(self):
     def bad(field, want):
@@ -79,6 +105,8 @@ class SamplingParams:
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
       bad("stop_token_ids", "must be a list of ints")
     object.__setattr__(self, "stop_token_ids", ids)
+    if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+      bad("structured", "must be None or a StructuredOutput")
 
 
 class RequestStatus(enum.Enum):

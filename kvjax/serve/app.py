@@ -35,7 +35,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvjax.serve import completions, protocol, tool_calls
+from kvjax.serve import completions, protocol, structured, tool_calls
 from kvjax.serve.async_engine import AsyncEngine, EngineFault
 from kvjax.serve.guard import HostGuard, HttpPolicy, RequestGuard
 from kvjax.serve.metrics import ServeMetrics
@@ -194,6 +194,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     check_model(backend, req.model)
     req.check_supported()
     tool_calls.check_request(req)
+    grammar = structured.structured_output(req)  # 400 before anything runs
     completions.check_prompt_chars(sum(len(m.text()) for m in req.messages),
                                    backend.max_model_len, backend.tokenizer.max_token_chars,
                                    "messages")
@@ -201,6 +202,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
       ids = await off_loop(completions.prompt_ids_for_chat, req, backend.tokenizer)
       ids = completions.truncate(ids, req)
       params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True)
+      params = dataclasses.replace(params, structured=grammar)
       return await completions.Generation(backend, "chat", request, req, ids, params).run()
     turn = completions.begin_session_turn(backend.sessions, req)  # 409 while it is leased
     try:
@@ -208,6 +210,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
                             backend.max_model_len, backend.stage_rerotated)
       params = completions.sampling_params(req, len(plan.token_ids), backend.max_model_len,
                                            chat=True)
+      params = dataclasses.replace(params, structured=grammar)
     except BaseException:
       backend.sessions.release(turn)
       raise

@@ -362,8 +362,21 @@ class ChatMessage(_Strict):
     return "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+  """`response_format.json_schema`: the schema the reply follows (constrained decoding)."""
+
+  name: str
+  description: str | None = None
+  schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+  strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-  type: Literal["text"]
+  """`response_format`: "text", "json_object" (any JSON object) or "json_schema"
+  (`kvjax.serve.structured`)."""
+
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Sampling):
