@@ -21,6 +21,9 @@ Chat only (SGLang has `session_id`; `kvjax.sessions`):
                        prompt (a miss). A second request while a turn of the session runs
                        gets 409 (`conflict_error`).
   close_session: bool  close the session after this turn (needs `session_id`).
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls` and `tool`
+messages) are checked, rendered and parsed by `kvjax.serve.tool_calls`; `response_format`
+(`json_object`, `json_schema`) and forced calls decode under a grammar (`kvjax.serve.structured`).
 Responses add `usage.prompt_tokens_details.cached_tokens` (as OpenAI) and a `kvjax` object
 (see `kvjax_extension`).
 """

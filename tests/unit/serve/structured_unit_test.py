@@ -4,6 +4,7 @@ the grammar makes them JSON), `json_object`, forced tool calls (plain and stream
 call's session turn 2 loading every token of turn 1, and the 400s."""
 
 import json
+from unittest import mock
 
 import httpx
 import jsonschema
@@ -173,6 +174,24 @@ class StructuredServeUnitTest(ServedLLMTestCase, parameterized.TestCase):
     r = httpx.post(f"{self.srv.url}/v1/chat/completions", json=body, timeout=60)
     self.assertEqual(r.status_code, 400, r.text)
     self.assertEqual(r.json()["error"]["param"], param, r.text)
+
+
+class MissingLibraryTest(absltest.TestCase):
+
+  def test_without_llguidance_a_structured_request_is_a_400_saying_what_to_install(self):
+    from kvjax.serve import protocol  # pylint: disable=import-outside-toplevel
+    for fields, param in ((dict(response_format={"type": "json_object"}), "response_format"),
+                          (dict(tools=[PICK], tool_choice="required"), "tool_choice")):
+      req = protocol.parse(protocol.ChatCompletionRequest, json.dumps(
+          {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}).encode())
+      with mock.patch.object(grammar, "available", return_value=False):
+        with self.assertRaises(protocol.ApiError) as e:
+          structured.structured_output(req)
+      self.assertEqual((e.exception.status, e.exception.param), (400, param))
+      self.assertIn("pip install kvjax[structured]", e.exception.message)
+    self.assertIsNone(structured.structured_output(protocol.parse(
+        protocol.ChatCompletionRequest,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}')))
 
 
 class ToolCallGrammarTest(absltest.TestCase):
