@@ -195,7 +195,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     req.check_supported()
     tool_calls.check_request(req)
     grammar = structured.structured_output(req)  # 400 before anything runs
-    completions.check_prompt_chars(sum(len(m.text()) for m in req.messages),
+    completions.check_prompt_chars(tool_calls.text_chars(req),
                                    backend.max_model_len, backend.tokenizer.max_token_chars,
                                    "messages")
     if req.session_id is None:

@@ -140,6 +140,16 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
                       f"{where}).", param) from None
 
 
+def text_chars(req: protocol.ChatCompletionRequest) -> int:
+  """Characters of the request's text before rendering: message content, calls' names and
+  arguments, and the tools' JSON (the length cap before tokenizing,
+  `completions.check_prompt_chars`)."""
+  n = sum(len(m.text()) for m in req.messages)
+  n += sum(len(c.function.name) + len(c.function.arguments)
+           for m in req.messages for c in m.tool_calls or ())
+  return n + (len(tools_text(req.tools)) if req.tools else 0)
+
+
 def parses_calls(req: protocol.ChatCompletionRequest) -> bool:
   """Whether the reply is read for tool calls: tools given and `tool_choice` not "none"."""
   return bool(req.tools) and req.tool_choice != "none"

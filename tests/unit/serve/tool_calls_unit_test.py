@@ -83,6 +83,12 @@ class ParseReplyTest(parameterized.TestCase):
 
 class RenderTest(absltest.TestCase):
 
+  def test_the_length_cap_counts_tools_and_calls(self):
+    req = request(tools=[WEATHER], messages=history_after([("get_weather", '{"city": "P"}')]))
+    self.assertEqual(tool_calls.text_chars(req),
+                     len("Weather in Paris?") + len("get_weather") + len('{"city": "P"}')
+                     + len("18 C, sunny") + len(tool_calls.tools_text(req.tools)))
+
   def test_tools_calls_and_results_as_plain_messages(self):
     req = request(tools=[WEATHER, TIME], messages=[
         {"role": "developer", "content": "Be brief."},
