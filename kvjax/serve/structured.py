@@ -4,11 +4,14 @@ under (`kvjax.scheduler.request.StructuredOutput`, `kvjax/engine/grammar.py`, ll
 
 A forced call is generated in the format the prompt asks for (`kvjax/serve/tool_calls.py`):
 
-    <tool_call>\\n{"name": NAME, "arguments": ARGUMENTS}\\n</tool_call>   ("\\n" between calls)
+    <tool_call>\\n{"name": NAME, "arguments": ARGUMENTS}\\n</tool_call>   (calls back to back)
 
 where the JSON is one of the tools' objects (`name` the function's, `arguments` valid for its
 `parameters`), written with `json.dumps`' separators: exactly `tool_calls.call_text`, so the
 canonical rendering of the call in the next turn's history is the text that was generated.
+Parallel calls follow each other with no separator: after a call the grammar allows the end of
+the reply or the `<` of the next call, not the newline a model tends to write after a closing
+tag (with a newline allowed between calls, greedy SmolLM2 wrote its one call twice).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def tool_call_grammar(tools: list[protocol.Tool], parallel: bool) -> str:
       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
   schema = options[0] if len(options) == 1 else {"anyOf": options}
   schema = {"x-guidance": grammar.JSON_OPTIONS, **schema}  # no free whitespace, as json.dumps
-  start = 'start: call ("\\n" call)*' if parallel else "start: call"
+  start = "start: call+" if parallel else "start: call"
   return "\n".join([start, 'call: "<tool_call>\\n" body "\\n</tool_call>"',
                     f"body: %json {json.dumps(schema, ensure_ascii=False)}"])
 

@@ -8,7 +8,7 @@ no tool format of its own. Only `{role, content}` messages reach the chat templa
     tools                 a system message first (appended to the first message when that is a
                           system one): `TOOLS_HEADER`, one JSON line per tool in <tools></tools>,
                           then `TOOLS_FOOTER` (how to call)
-    assistant tool_calls  its content, then per call
+    assistant tool_calls  its content and a newline, then per call (back to back)
                           <tool_call>\\n{"name": NAME, "arguments": ARGUMENTS}\\n</tool_call>
     tool messages         a run of them is one user message, each
                           <tool_response>\\n{content}\\n</tool_response>
@@ -177,8 +177,8 @@ def _assistant_text(m: protocol.ChatMessage, last: ParsedReply | None,
   if last is not None and last.calls and last.calls == calls and (
       (last.content or "") == content):
     return last_reply  # the reply as generated: the session's ids extend
-  parts = [content] if content else []
-  return "\n".join(parts + [call_text(c.name, c.arguments) for c in calls])
+  text = "".join(call_text(c.name, c.arguments) for c in calls)  # back to back
+  return f"{content}\n{text}" if content else text
 
 
 def render_conversation(req: protocol.ChatCompletionRequest,

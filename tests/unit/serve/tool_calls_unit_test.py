@@ -100,7 +100,7 @@ class RenderTest(absltest.TestCase):
                   conv[0]["content"])
     self.assertEqual(conv[2]["content"],
                      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-                     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+                     '</tool_call><tool_call>\n{"name": "get_time", "arguments": {}}\n'
                      "</tool_call>")
     self.assertEqual(conv[3]["content"], "<tool_response>\n18 C, sunny\n</tool_response>\n"
                      "<tool_response>\n18 C, sunny\n</tool_response>")
