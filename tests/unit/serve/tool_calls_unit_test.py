@@ -105,6 +105,15 @@ class RenderTest(absltest.TestCase):
     self.assertEqual(conv[3]["content"], "<tool_response>\n18 C, sunny\n</tool_response>\n"
                      "<tool_response>\n18 C, sunny\n</tool_response>")
 
+  def test_replies_are_read_for_calls_unless_tool_choice_is_none(self):
+    self.assertTrue(tool_calls.parses_calls(request(tools=[TIME])))
+    self.assertTrue(tool_calls.parses_calls(request(tools=[TIME], tool_choice="auto")))
+    self.assertFalse(tool_calls.parses_calls(request(tools=[TIME], tool_choice="none")))
+    self.assertFalse(tool_calls.parses_calls(request()))
+    # The tools block is rendered whatever the choice: one prompt, one cached prefix.
+    self.assertEqual(tool_calls.render_conversation(request(tools=[TIME], tool_choice="none")),
+                     tool_calls.render_conversation(request(tools=[TIME])))
+
   def test_a_canonical_call_parses_back_to_itself(self):
     text = tool_calls.call_text("get_weather", '{"city": "Paris"}')
     self.assertEqual(tool_calls.parse_reply(text, NAMES).calls,
