@@ -41,7 +41,7 @@ import numpy as np
 from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.connector import KVStoreClient
-from kvjax.engine import sampling
+from kvjax.engine import grammar, sampling
 from kvjax.engine.core import EngineCore, StepRecord
 from kvjax.engine.kv_loads import KVLoads
 from kvjax.engine.kv_saves import KVSaves
@@ -89,6 +89,7 @@ class _Live:
   #: int32[V] times each token was generated so far, when penalties need it (else None).
   counts_V: np.ndarray | None = None
   save_tail: bool = False  # a session turn: store its tail when it finishes (`KVSaves.save_tail`)
+  constraint: grammar.Constraint | None = None  # `params.structured`'s grammar state
 
 
 class Engine:
@@ -171,6 +172,7 @@ class Engine:
         consistent=consistent, kv_cache=kv_cache)
     self._core = EngineCore(self._scheduler, self)
     self._rng = np.random.default_rng(seed)
+    self._grammars = grammar.Grammars(tokenizer, runner.model_config.vocab_size)
     self._clock = clock
     self._live: dict[RequestId, _Live] = {}
     self._ids = itertools.count()
@@ -284,11 +286,13 @@ class Engine:
     rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
     if rid in self._live:
       raise ValueError(f"request id {rid!r} is already in use")
+    constraint = (self._grammars.constraint(params.structured)
+                  if params.structured is not None else None)
     seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
     arrival_s = self._clock()
     live = _Live(rid, prompt, ids, params, np.random.default_rng(seed),
                  RequestMetrics(arrival_s=arrival_s),
-                 [] if params.logprobs is not None else None)
+                 [] if params.logprobs is not None else None, constraint=constraint)
     if params.processes_logits:
       live.counts_V = np.zeros(self.runner.model_config.vocab_size, np.int32)
     stored = None
@@ -447,6 +451,7 @@ class Engine:
         self._record_loaded(ins, tier)
     else:
       out = runner.step(seqs)
+    allowed = self._grammar_masks(plan)  # on the host while the device runs the step
     raw_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
     seconds = time.perf_counter() - t0
     logits_SV = self._processed(plan, raw_SV)
@@ -458,7 +463,7 @@ class Engine:
                          d.saves, (), out.k_pre_rope_LTKH[:, o:o + 1], out.v_LTKH[:, o:o + 1],
                          tables[d.request_id])
       self._sample(d.request_id, logits_SV[i], sampled, finished, tables[d.request_id],
-                   raw_SV[i])
+                   raw_SV[i], allowed.get(d.request_id))
     base = len(plan.decodes)
     for j, chunk in enumerate(plan.prefills):
       timings.append(ComputeTiming(chunk.start, chunk.num_tokens,
@@ -474,7 +479,8 @@ class Engine:
                          out.v_LTKH[:, o:o + chunk.num_tokens], tables[chunk.request_id])
       if chunk.is_last:
         self._sample(chunk.request_id, logits_SV[base + j], sampled, finished,
-                     tables[chunk.request_id], raw_SV[base + j])
+                     tables[chunk.request_id], raw_SV[base + j],
+                     allowed.get(chunk.request_id))
         for fork in plan.forks:
           if fork.parent_id == chunk.request_id:
             self._fork(fork, raw_SV[base + j], sampled, finished, tables)
@@ -493,7 +499,9 @@ class Engine:
     logits_V = raw_V
     if live.counts_V is not None:
       logits_V = sampling.process_logits(raw_V[None], [(live.params, live.counts_V)])[0]
-    self._sample(fork.child_id, logits_V, sampled, finished, tables[fork.child_id], raw_V)
+    allowed_V = live.constraint.allowed() if live.constraint is not None else None
+    self._sample(fork.child_id, logits_V, sampled, finished, tables[fork.child_id], raw_V,
+                 allowed_V)
 
   def _processed(self, plan: SchedulerOutput, raw_SV: np.ndarray) -> np.ndarray:
     """The step's logits after each sampling row's penalties and logit bias
@@ -505,6 +513,14 @@ class Engine:
     return sampling.process_logits(
         raw_SV, [(live.params, live.counts_V) if live is not None else (None, None)
                  for live in rows])
+
+  def _grammar_masks(self, plan: SchedulerOutput) -> dict[RequestId, np.ndarray]:
+    """bool[V] allowed tokens of each constrained request this step samples for (its grammar's
+    state after its tokens so far: `kvjax/engine/grammar.py`)."""
+    rids = [d.request_id for d in plan.decodes]
+    rids += [c.request_id for c in plan.prefills if c.is_last]
+    return {rid: self._live[rid].constraint.allowed() for rid in rids
+            if self._live[rid].constraint is not None}
 
   def _record_loaded(self, ins: InsertItem, tier: str) -> None:
     """A store chunk (or stored tail) inserted into a request's KV: its metrics count it
@@ -532,12 +548,16 @@ class Engine:
 
   # ----------------------------------------------------------------------------- outputs
   def _sample(self, rid: RequestId, logits_V: np.ndarray, sampled: list, finished: list,
-              where=None, raw_V: np.ndarray | None = None) -> None:
-    """Samples a request's next token from `logits_V` (penalized); on a finish, ends it (and,
-    for a session turn, `where` being its block table, stores its tail). Log-probabilities are
-    of `raw_V`, the model's logits (default: `logits_V`)."""
+              where=None, raw_V: np.ndarray | None = None,
+              allowed_V: np.ndarray | None = None) -> None:
+    """Samples a request's next token from `logits_V` (penalized), among `allowed_V` under a
+    grammar; on a finish, ends it (and, for a session turn, `where` being its block table,
+    stores its tail). Log-probabilities are of `raw_V`, the model's logits (default:
+    `logits_V`)."""
     live = self._live[rid]
-    token = sampling.sample_token(logits_V, live.params, live.rng)
+    token = sampling.sample_token(logits_V, live.params, live.rng, allowed_V)
+    if live.constraint is not None:
+      live.constraint.accept(token)
     live.token_ids.append(token)
     if live.counts_V is not None:
       live.counts_V[token] += 1
@@ -570,7 +590,8 @@ class Engine:
     params = live.params
     token = live.token_ids[-1]
     eos = self.tokenizer.eos_id if self.tokenizer is not None else None
-    if token in params.stop_token_ids or (token == eos and not params.ignore_eos):
+    if token in params.stop_token_ids or (token == eos and not params.ignore_eos) or (
+        live.constraint is not None and live.constraint.done):  # the grammar is complete
       self._set_text(live)
       return "stop"
     if params.stop and self.tokenizer is not None:

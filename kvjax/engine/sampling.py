@@ -101,14 +101,19 @@ def log_softmax(logits_V: np.ndarray) -> np.ndarray:
   return x - np.log(np.exp(x).sum())
 
 
-def sample_token(logits_V: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+def sample_token(logits_V: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                 allowed_V: np.ndarray | None = None) -> int:
   """Picks the next token: greedy at temperature 0, else temperature, top-k, top-p sampling.
 
   Args:
     logits_V: f32[V] raw next-token logits.
     params: sampling settings.
     rng: the request's generator (seeded from `params.seed` when given).
+    allowed_V: bool[V], the tokens a grammar allows (`kvjax/engine/grammar.py`; at least one
+      True), or None: all. The others' logits are -inf before anything else.
   """
+  if allowed_V is not None:
+    logits_V = np.where(allowed_V, logits_V, -np.inf)
   if params.temperature == 0:
     return int(np.argmax(logits_V))
   x = logits_V.astype(np.float64) / params.temperature

@@ -318,6 +318,11 @@ class Tokenizer:
                pad_id=_optional_id(state, "pad_id", state_path), add_bos=add_bos,
                chat_template=template)
 
+  def to_json_str(self) -> str:
+    """The built `tokenizers.Tokenizer` as `tokenizer.json` text (vocabulary, merges, added
+    tokens): what grammar libraries build their token tables from (`kvjax/engine/grammar.py`)."""
+    return self._tok.to_str()
+
   @property
   def bos_id(self) -> int | None:
     """Beginning-of-sequence token id, or None."""

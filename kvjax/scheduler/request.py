@@ -28,6 +28,30 @@ class SamplingParamsError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+  """A grammar the output must follow (constrained decoding, `kvjax/engine/grammar.py`): give
+  exactly one of the two.
+
+  Attributes:
+    json_schema: a JSON Schema as JSON text; the output is one JSON value valid for it
+      (`'{"type": "object"}'`: any object).
+    lark: a grammar in llguidance's Lark dialect (may embed `%json {schema}`).
+
+  Raises:
+    ValueError: neither or both given, or one that is not a non-empty string.
+  """
+
+  json_schema: str | None = None
+  lark: str | None = None
+
+  def __post_init__(self):
+    given = [v for v in (self.json_schema, self.lark) if v is not None]
+    if len(given) != 1 or not isinstance(given[0], str) or not given[0]:
+      raise ValueError("StructuredOutput takes exactly one of json_schema and lark, a "
+                       "non-empty string")
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How to pick output tokens, in vLLM's names.
 
@@ -56,6 +80,7 @@ class SamplingParams:
       the request is added (`Engine.validate`).
     n: output sequences for the prompt (>= 1); `LLM.generate` and the server compute the
       prompt once and fork it into n sequences, choice i seeded with `choice_seed(seed, i)`.
+    structured: a grammar the output must follow (`StructuredOutput`), or None.
 
   Penalties and bias change the logits the token is sampled from (on the device,
   `kvjax.engine.sampling.process_logits`); returned log-probabilities stay the model's raw ones.
@@ -78,6 +103,7 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
   n: int = 1
+  structured: StructuredOutput | None = None
 
   def __post_init__(self):
     def bad(field, want):
@@ -123,6 +149,8 @@ class SamplingParams:
     if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
       bad("n", "must be an int >= 1")
     object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+    if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+      bad("structured", "must be None or a StructuredOutput")
 
   @property
   def processes_logits(self) -> bool:

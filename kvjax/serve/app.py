@@ -35,7 +35,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvjax.serve import choices, completions, protocol
+from kvjax.serve import choices, completions, protocol, structured, tool_calls
 from kvjax.serve.async_engine import AsyncEngine, EngineFault
 from kvjax.serve.guard import HostGuard, HttpPolicy, RequestGuard
 from kvjax.serve.metrics import ServeMetrics
@@ -198,7 +198,9 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
     req = protocol.parse(protocol.ChatCompletionRequest, await request.body())
     check_model(backend, req.model)
     req.check_supported()
-    completions.check_prompt_chars(sum(len(m.text()) for m in req.messages),
+    tool_calls.check_request(req)
+    grammar = structured.structured_output(req)  # 400 before anything runs
+    completions.check_prompt_chars(tool_calls.text_chars(req),
                                    backend.max_model_len, backend.tokenizer.max_token_chars,
                                    "messages")
     if req.session_id is None:
@@ -206,6 +208,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
       ids = completions.truncate(ids, req)
       params = completions.sampling_params(req, len(ids), backend.max_model_len, chat=True,
                                            vocab_size=backend.vocab_size)
+      params = dataclasses.replace(params, structured=grammar)
       return await _generation(params)(backend, "chat", request, req, ids, params).run()
     turn = completions.begin_session_turn(backend.sessions, req)  # 409 while it is leased
     try:
@@ -213,6 +216,7 @@ def create_app(state: ServeState, policy: HttpPolicy | None = None, *,
                             backend.max_model_len, backend.stage_rerotated)
       params = completions.sampling_params(req, len(plan.token_ids), backend.max_model_len,
                                            chat=True, vocab_size=backend.vocab_size)
+      params = dataclasses.replace(params, structured=grammar)
     except BaseException:
       backend.sessions.release(turn)
       raise

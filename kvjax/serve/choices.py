@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvjax.engine import RequestOutput
 from kvjax.scheduler.request import choice_params
-from kvjax.serve import protocol
+from kvjax.serve import protocol, tool_calls
 from kvjax.serve.completions import Generation, _EventStream, _sse
 from kvjax.serve.detokenizer import IncrementalDetokenizer
 from kvjax.serve.protocol import ApiError
@@ -126,8 +126,9 @@ class ForkedGeneration(Generation):
     body["usage"] = self._usage_n(outs)
     return body
 
-  def _chunk_i(self, i: int, text, lp, finish, *, role: bool = False) -> dict:
-    chunk = self._chunk(text, lp, finish, role=role)
+  def _chunk_i(self, i: int, text, lp, finish, *, role: bool = False,
+               calls: list | None = None) -> dict:
+    chunk = self._chunk(text, lp, finish, role=role, calls=calls)
     chunk["choices"] = [_indexed(c, i) for c in chunk["choices"]]
     return chunk
 
@@ -137,6 +138,9 @@ class ForkedGeneration(Generation):
     chunk, interleaved as they come; then (usage) and the `kvjax` object, [DONE]."""
     n = self.params.n
     detoks = [IncrementalDetokenizer(self.b.tokenizer, self.params.stop) for _ in range(n)]
+    names = self._tool_names()  # each choice's reply is read for tool calls on its own
+    streams = [tool_calls.CallStream(names, self.req.parallel_tool_calls is not False)
+               if names is not None else None for _ in range(n)]
     sent = [0] * n
     started: set[int] = set()
     outs: dict[int, RequestOutput] = {}
@@ -155,9 +159,16 @@ class ForkedGeneration(Generation):
         sent[i] = len(out.token_ids)
         if out.finished:
           done.add(i)
-          yield _sse(self._chunk_i(i, text, lp, out.finish_reason))
-        elif text or lp:
-          yield _sse(self._chunk_i(i, text, lp, None))
+          found = []
+          if streams[i] is not None:
+            text, found = streams[i].finish(text)
+          yield _sse(self._chunk_i(i, text, lp, self._finish_reason(out, bool(found)),
+                                   calls=found))
+        else:
+          if streams[i] is not None:
+            text = streams[i].update(text)
+          if text or lp:
+            yield _sse(self._chunk_i(i, text, lp, None))
         if len(done) == n:
           break
         try:

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvjax.engine import RequestOutput
 from kvjax.scheduler.request import SamplingParams, SamplingParamsError
-from kvjax.serve import protocol
+from kvjax.serve import protocol, tool_calls
 from kvjax.serve.async_engine import EngineFault
 from kvjax.serve.detokenizer import IncrementalDetokenizer
 from kvjax.serve.protocol import ApiError, bad_request
@@ -97,7 +97,8 @@ def prompt_ids_for_chat(req: protocol.ChatCompletionRequest, tokenizer: Any) -> 
   """Token ids of the conversation under the model's chat template (ends with the assistant's
   turn header); special-token text in any message's content is plain text."""
   try:
-    return tokenizer.encode_chat(req.conversation(), add_generation_prompt=True)
+    return tokenizer.encode_chat(tool_calls.render_conversation(req),
+                                 add_generation_prompt=True)
   except Exception as e:  # noqa: BLE001 - a template that rejects the messages is a 400
     raise bad_request(f"messages cannot be rendered with the model's chat template: {e}",
                       "messages") from None
@@ -142,7 +143,9 @@ def session_plan(sessions: SessionRegistry, turn: SessionTurn,
       raise _StageFailed() from e
 
   try:
-    return run_turn(sessions, turn, req.conversation(), max_model_len=max_model_len,
+    last_reply = turn.last.output_text if turn.last is not None else None
+    return run_turn(sessions, turn, tool_calls.render_conversation(req, last_reply),
+                    max_model_len=max_model_len,
                     max_tokens=req.output_limit,
                     truncate_prompt_tokens=req.truncate_prompt_tokens,
                     stage=staged if stage is not None else None)
@@ -401,12 +404,28 @@ class Generation:
       return chat_logprobs(self.b.tokenizer, token_ids, logprobs, self.params.logprobs or 0)
     return completion_logprobs(self.b.tokenizer, token_ids, logprobs)
 
+  def _tool_names(self) -> tuple[str, ...] | None:
+    """The functions the reply may call, or None when it is not read for calls."""
+    if not self.chat or not tool_calls.parses_calls(self.req):
+      return None
+    return tuple(t.function.name for t in self.req.tools)
+
+  def _finish_reason(self, out: RequestOutput, calls: bool) -> str | None:
+    return "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+
   def _body(self, out: RequestOutput) -> dict:
     lp = self._logprobs(out.token_ids, out.logprobs)
     if self.chat:
-      choice = {"index": 0, "message": {"role": "assistant", "content": out.text,
-                                        "refusal": None},
-                "logprobs": lp, "finish_reason": out.finish_reason}
+      message = {"role": "assistant", "content": out.text, "refusal": None}
+      names = self._tool_names()
+      parsed = (tool_calls.parse_reply(out.text, names,
+                                       parallel=self.req.parallel_tool_calls is not False)
+                if names is not None else None)
+      if parsed is not None and parsed.calls:
+        message["content"] = parsed.content
+        message["tool_calls"] = tool_calls.message_calls(parsed.calls)
+      choice = {"index": 0, "message": message, "logprobs": lp,
+                "finish_reason": self._finish_reason(out, bool(message.get("tool_calls")))}
       obj = "chat.completion"
     else:
       choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
@@ -416,10 +435,12 @@ class Generation:
             "usage": self._usage(out), "kvjax": self._extension(out)}
 
   def _chunk(self, text: str | None, lp: dict | None, finish: str | None, *,
-             role: bool = False) -> dict:
+             role: bool = False, calls: list | None = None) -> dict:
     if self.chat:
       delta = {"role": "assistant", "content": ""} if role else (
           {"content": text} if text else {})
+      if calls:
+        delta["tool_calls"] = calls
       choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
       obj = "chat.completion.chunk"
     else:
@@ -440,6 +461,9 @@ class Generation:
 
     The last event before [DONE] carries the `kvjax` object."""
     detok = IncrementalDetokenizer(self.b.tokenizer, self.params.stop)
+    names = self._tool_names()
+    calls = (tool_calls.CallStream(names, self.req.parallel_tool_calls is not False)
+             if names is not None else None)
     sent_tokens = 0
     try:
       if self.chat:
@@ -454,13 +478,18 @@ class Generation:
         sent_tokens = len(out.token_ids)
         if out.finished:
           self._record_session(out)  # before the client can read the end and send a turn
-          last = self._chunk(text, lp, out.finish_reason)
+          found = []
+          if calls is not None:
+            text, found = calls.finish(text)
+          last = self._chunk(text, lp, self._finish_reason(out, bool(found)), calls=found)
           if self._include_usage:
             yield _sse(last)
             last = {**self._chunk(None, None, None), "choices": [], "usage": self._usage(out)}
           last["kvjax"] = self._extension(out)
           yield _sse(last)
           break
+        if calls is not None:
+          text = calls.update(text)
         if text or lp:
           yield _sse(self._chunk(text, lp, None))
         try:

@@ -31,6 +31,9 @@ Chat only (SGLang has `session_id`; `kvjax.sessions`):
                        prompt (a miss). A second request while a turn of the session runs
                        gets 409 (`conflict_error`).
   close_session: bool  close the session after this turn (needs `session_id`).
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls` and `tool`
+messages) are checked, rendered and parsed by `kvjax.serve.tool_calls`; `response_format`
+(`json_object`, `json_schema`) and forced calls decode under a grammar (`kvjax.serve.structured`).
 Responses add `usage.prompt_tokens_details.cached_tokens` (as OpenAI) and a `kvjax` object
 (see `kvjax_extension`).
 """
@@ -347,10 +350,51 @@ class TextPart(_Strict):
   text: str
 
 
+class ToolFunction(_Strict):
+  """A function the model may call: `parameters` is its arguments' JSON Schema (checked by
+  `kvjax.serve.tool_calls.check_request`)."""
+
+  name: str
+  description: str | None = None
+  parameters: dict[str, Any] | None = None
+  strict: bool | None = None
+
+
+class Tool(_Strict):
+  type: Literal["function"]
+  function: ToolFunction
+
+
+class FunctionName(_Strict):
+  name: str
+
+
+class NamedToolChoice(_Strict):
+  """`tool_choice` naming one function: the reply is a call of it."""
+
+  type: Literal["function"]
+  function: FunctionName
+
+
+class ToolCallFunction(_Strict):
+  name: str
+  arguments: str  # JSON text, as OpenAI
+
+
+class ToolCall(_Strict):
+  """One call of an assistant message in the history (as a response's `message.tool_calls`)."""
+
+  id: str
+  type: Literal["function"]
+  function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-  role: Literal["system", "developer", "user", "assistant"]
-  content: str | list[TextPart] | None
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[TextPart] | None = None
   name: str | None = None
+  tool_calls: list[ToolCall] | None = None  # assistant only
+  tool_call_id: str | None = None  # tool only
 
   @pydantic.model_validator(mode="before")
   @classmethod
@@ -374,8 +418,21 @@ class ChatMessage(_Strict):
     return "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+  """`response_format.json_schema`: the schema the reply follows (constrained decoding)."""
+
+  name: str
+  description: str | None = None
+  schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+  strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-  type: Literal["text"]
+  """`response_format`: "text", "json_object" (any JSON object) or "json_schema"
+  (`kvjax.serve.structured`)."""
+
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -386,8 +443,8 @@ class ChatCompletionRequest(_Sampling):
   logprobs: bool = False
   top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
   response_format: ResponseFormat | None = None
-  tools: list[dict[str, Any]] | None = None
-  tool_choice: Literal["none"] | None = None
+  tools: list[Tool] | None = None
+  tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
   parallel_tool_calls: bool | None = None
   store: bool | None = None
   metadata: dict[str, str] | None = None
@@ -412,7 +469,8 @@ class ChatCompletionRequest(_Sampling):
     if not self.messages:
       raise bad_request("messages must hold at least one message.", "messages")
     for i, m in enumerate(self.messages):
-      if m.content is None and m.role != "assistant":  # OpenAI: only an assistant's may be null
+      if m.content is None and m.role not in ("assistant", "tool"):  # OpenAI: an assistant's
+        # may be null (kvjax.serve.tool_calls checks tool messages)
         raise bad_request(f"messages[{i}].content is null: a '{m.role}' message needs content "
                           "(a string, or a list of text parts).", f"messages[{i}].content")
     if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -421,8 +479,6 @@ class ChatCompletionRequest(_Sampling):
     if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
       raise bad_request(f"max_completion_tokens={self.max_completion_tokens} must be at least "
                         "1.", "max_completion_tokens")
-    if self.tools:
-      raise bad_request("tools are not supported.", "tools")
     if self.top_logprobs is not None and not self.logprobs:
       raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
 

@@ -183,7 +183,8 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int] | str],
 
 
 @contextlib.contextmanager
-def fake_runner_seam(runner_seed: int = 0) -> Iterator[list[FakeRunner]]:
+def fake_runner_seam(runner_seed: int = 0,
+                     max_seq_len: int | None = None) -> Iterator[list[FakeRunner]]:
   """While open, every `LLM` built (paged layout) runs on a `FakeRunner` of its options' sizes
   instead of the jit'd `PagedModelRunner`, and its store keys are seeded from a fingerprint of
   its own (stored KV of the fake never hits the real model's, nor the other way). Yields the
@@ -192,6 +193,7 @@ def fake_runner_seam(runner_seed: int = 0) -> Iterator[list[FakeRunner]]:
 
   `LLM.__init__` has no runner parameter; this swaps the two module-level functions it builds
   the runner and loads the model with (`build_paged_runner`, `load_model`) for the block only.
+  `max_seq_len` overrides the model's context (tokens), for prompts longer than tiny's 512.
   """
   built: list[FakeRunner] = []
   real_load = llm_module.load_model
@@ -216,6 +218,9 @@ def fake_runner_seam(runner_seed: int = 0) -> Iterator[list[FakeRunner]]:
   def load(model, *, cache_dir=None):
     loaded = real_load(model, cache_dir=cache_dir)
     fp = hashlib.sha256(f"{FAKE_FINGERPRINT}/{runner_seed}\0{loaded.fingerprint}".encode())
+    if max_seq_len is not None:
+      loaded = dataclasses.replace(
+          loaded, config=dataclasses.replace(loaded.config, max_seq_len=max_seq_len))
     return dataclasses.replace(loaded, fingerprint=ModelFingerprint(fp.hexdigest()))
 
   saved = llm_module.build_paged_runner, llm_module.load_model
@@ -226,13 +231,15 @@ def fake_runner_seam(runner_seed: int = 0) -> Iterator[list[FakeRunner]]:
     llm_module.build_paged_runner, llm_module.load_model = saved
 
 
-def fake_llm(model: str = "tiny", *, runner_seed: int = 0, **options: Any) -> LLM:
+def fake_llm(model: str = "tiny", *, runner_seed: int = 0, max_seq_len: int | None = None,
+             **options: Any) -> LLM:
   """`LLM(model, **options)` on a `FakeRunner` (`fake_runner_seam`): the real front end
   (generate, chat, sessions, option checks, the store client) over the numpy fake model.
 
   Defaults differ from `LLM`'s where the fake needs it: `cache_dir=""` (nothing cached on
   disk), `compile_on_init=False` and `startup_progress=None` (as `real_llm`). "tiny" (default):
-  `kvjax.models.config.tiny`'s sizes and a `ByteTokenizer`.
+  `kvjax.models.config.tiny`'s sizes and a `ByteTokenizer`; `max_seq_len` overrides its
+  context of 512 tokens.
 
   Raises:
     ValueError: as `LLM`; `tensor_parallel_size` > 1; kvtc (the fake has no calibration).
@@ -240,7 +247,7 @@ def fake_llm(model: str = "tiny", *, runner_seed: int = 0, **options: Any) -> LL
   options.setdefault("cache_dir", "")
   options.setdefault("compile_on_init", False)
   options.setdefault("startup_progress", None)
-  with fake_runner_seam(runner_seed):
+  with fake_runner_seam(runner_seed, max_seq_len):
     return LLM(model, **options)
 
 

@@ -117,8 +117,8 @@ BAD = [
     ("stream_options_without_stream", "completions",
      completion(stream_options={"include_usage": True}), 400, "stream_options", "invalid_value"),
     ("echo", "completions", completion(echo=True), 400, "echo", "unsupported_value"),
-    ("tools", "chat/completions", chat(tools=[{"type": "function"}]), 400,
-     "tools", "invalid_value"),
+    ("tool_without_function", "chat/completions", chat(tools=[{"type": "function"}]), 400,
+     "tools[0].function", "missing_required_parameter"),
 ]
 
 
