@@ -50,7 +50,7 @@ class FamiliesReferenceTest(parameterized.TestCase):
   def check_family(self, family, prompts, num_greedy):
     """Fixture prompts prefilled in chunks of 64 on the paged runner: the last logits against
     transformers', a first chunk's pre-RoPE keys against the oracle's, then up to `num_greedy`
-    of the fixture's greedy steps decoded one token at a time."""
+    of the fixture's greedy steps decoded one token at a time; then a stored chunk inserted."""
     loaded = load_model(folder(family), cache_dir=None)
     ref = np.load(DATA / f"{family}_reference.npz")
     runner = PagedModelRunner(
@@ -84,6 +84,17 @@ class FamiliesReferenceTest(parameterized.TestCase):
             out = runner.step([SeqChunk([token], len(ids) + step, table)])
             logits = np.asarray(out.logits_SV[0])
     self.assertTrue(checked_keys)
+    # A stored first chunk (K before RoPE, V) inserted, rotated at insertion with the model's
+    # own rope_theta, then the next chunk computed: the logits of computing both chunks.
+    ids = ref["prompt_ids_3"].tolist()
+    runner.reset()
+    first = runner.step([SeqChunk(ids[:CHUNK], 0, table)])
+    computed = runner.step([SeqChunk(ids[CHUNK:2 * CHUNK], CHUNK, table)]).logits_SV[0]
+    kv = np.stack([np.asarray(first.k_pre_rope_LTKH), np.asarray(first.v_LTKH)], axis=1)
+    runner.reset()
+    runner.insert_chunk(kv, table[:CHUNK // 16], 0)
+    hit = runner.step([SeqChunk(ids[CHUNK:2 * CHUNK], CHUNK, table)]).logits_SV[0]
+    np.testing.assert_allclose(np.asarray(hit), np.asarray(computed), atol=1e-4, rtol=0)
 
   @parameterized.parameters("qwen2", "qwen3")
   def test_logits_and_greedy_match_transformers(self, family):
