@@ -222,7 +222,7 @@ class _Blend:
     self.runner, self.n_layers = runner, cfg.n_layers
     self.s_max = runner.max_blocks_per_seq * runner.block_size
     st = runner.state
-    stacked = {n: jnp.asarray(st["layers"][n][...]) for n in llama.LAYER_PARAMS}
+    stacked = {n: jnp.asarray(st["layers"][n][...]) for n in llama.layer_param_names(cfg)}
     self.p0 = {n: v[:1] for n, v in stacked.items()}
     self.p1 = {n: v[1] for n, v in stacked.items()}
     self.rest = {n: v[1:] for n, v in stacked.items()}

@@ -54,7 +54,8 @@ GIB = 1 << 30
 HBM_BYTES = {"v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95 * GIB}
 #: Topology names with 8 chips (TP 1 and 4 use the first devices of the same topology).
 TOPOLOGIES = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "v5p": "v5p:2x2x2"}
-MODELS = {"SmolLM2-135M": model_configs.smollm2_135m, "Llama-3.1-8B": model_configs.llama3_8b}
+MODELS = {"SmolLM2-135M": model_configs.smollm2_135m, "Llama-3.1-8B": model_configs.llama3_8b,
+          "Qwen3-8B": model_configs.qwen3_8b}  # Qwen3: the q/k RMSNorm, head_dim 128
 
 
 def abstract_model(cfg) -> Llama:

@@ -25,8 +25,9 @@ from kvjax._typing import ModelFingerprint
 from kvjax.models.config import LlamaConfig
 from kvjax.models.fingerprint import model_fingerprint
 
-#: Bump when the conversion (canonical layout, un-permutation) changes.
-CONVERTER_VERSION = 1
+#: Bump when the conversion (canonical layout, un-permutation) or the fingerprint changes
+#: (2: model families, `kvjax.models.fingerprint` v2).
+CONVERTER_VERSION = 2
 
 _log = logging.getLogger(__name__)
 

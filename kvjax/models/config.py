@@ -1,5 +1,9 @@
 """Frozen LLaMA-family configuration and presets.
 
+One config covers the decoder families kvjax runs in its one model (`kvjax.models.llama`):
+LLaMA and Mistral (the same shape), Qwen2/Qwen2.5 (`attention_bias`: q/k/v biases) and Qwen3
+(`qk_norm`: a per-head RMSNorm on queries and keys before RoPE, an explicit `head_dim`).
+
 A config describes architecture only; the compute dtype, the number of decode slots and the cache
 length are runtime choices of the engine (see `kvjax.engine.EngineConfig`).
 """
@@ -9,6 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any
+
+
+#: Architecture families the one model runs (`LlamaConfig.family`).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +53,11 @@ class LlamaConfig:
     rms_eps: RMSNorm epsilon.
     max_seq_len: context length in tokens (prompt plus generated tokens).
     tie_embeddings: the LM head reuses the token embedding.
+    family: the checkpoint's architecture family, one of `FAMILIES` ("llama", "mistral",
+      "qwen2", "qwen3"); hashed into the model fingerprint, so two families never share
+      stored KV even where their weights coincide.
+    attention_bias: q/k/v projections carry biases (Qwen2/Qwen2.5).
+    qk_norm: queries and keys get a per-head RMSNorm over H before RoPE (Qwen3).
   """
 
   name: str
@@ -60,6 +73,9 @@ class LlamaConfig:
   rms_eps: float = 1e-5
   max_seq_len: int = 4096
   tie_embeddings: bool = False
+  family: str = "llama"
+  attention_bias: bool = False
+  qk_norm: bool = False
 
   def __post_init__(self):
     for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -72,6 +88,8 @@ class LlamaConfig:
           f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} (GQA)")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.family not in FAMILIES:
+      raise ValueError(f"LlamaConfig.family must be one of {FAMILIES}, got {self.family!r}")
 
   @property
   def q_per_kv(self) -> int:
@@ -86,6 +104,10 @@ class LlamaConfig:
     """Parameter count (embedding counted once when tied)."""
     d, f, l = self.d_model, self.mlp_dim, self.n_layers
     attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+    if self.attention_bias:
+      attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+    if self.qk_norm:
+      attn += 2 * self.head_dim
     per_layer = attn + 3 * d * f + 2 * d
     head = 0 if self.tie_embeddings else self.vocab_size * d
     return self.vocab_size * d + l * per_layer + d + head
@@ -142,10 +164,19 @@ def llama3_70b() -> LlamaConfig:
       rope_scaling=RopeScaling(), rms_eps=1e-5, max_seq_len=131072)
 
 
+def qwen3_8b() -> LlamaConfig:
+  """Qwen3-8B: 36 layers, d=4096, 32 heads, 8 KV heads, head_dim 128, q/k RMSNorm, untied."""
+  return LlamaConfig(
+      name="Qwen3-8B", vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+      head_dim=128, mlp_dim=12288, rope_theta=1000000.0, rms_eps=1e-6, max_seq_len=40960,
+      family="qwen3", qk_norm=True)
+
+
 PRESETS = {
     "smollm2_135m": smollm2_135m,
     "tiny": tiny,
     "llama2_7b": llama2_7b,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
+    "qwen3_8b": qwen3_8b,
 }

@@ -1,7 +1,8 @@
 """Model fingerprint: the identity the KV store's keys are seeded from.
 
 Two models share stored KV only if they compute the same KV: same architecture, same config, same
-weights. The fingerprint hashes all three (weights in the canonical layout as f32 bytes, so a GGUF
+weights. The fingerprint hashes all three (the architecture is the config's `family`, so a
+Mistral and a LLaMA checkpoint of identical tensors still never share a chunk) (weights in the canonical layout as f32 bytes, so a GGUF
 and a safetensors copy of identical weights agree). It is computed once per converted checkpoint
 and cached beside it (`kvjax.models.checkpoint`).
 """
@@ -17,9 +18,8 @@ import numpy as np
 from kvjax._typing import ModelFingerprint
 from kvjax.models.config import LlamaConfig
 
-#: Bump when the fingerprint's recipe changes.
-FINGERPRINT_VERSION = 1
-ARCHITECTURE = "llama"
+#: Bump when the fingerprint's recipe changes (2: the config's family, biases and q/k norm).
+FINGERPRINT_VERSION = 2
 
 
 def model_fingerprint(cfg: LlamaConfig, params: Mapping[str, np.ndarray]) -> ModelFingerprint:
@@ -30,7 +30,7 @@ def model_fingerprint(cfg: LlamaConfig, params: Mapping[str, np.ndarray]) -> Mod
     params: canonical flat parameters (`kvjax.models.llama.param_shapes`).
   """
   h = hashlib.sha256()
-  h.update(f"kvjax-fingerprint-v{FINGERPRINT_VERSION}\0{ARCHITECTURE}\0".encode())
+  h.update(f"kvjax-fingerprint-v{FINGERPRINT_VERSION}\0{cfg.family}\0".encode())
   h.update(dataclasses.replace(cfg, name="").to_json().encode())
   for name in sorted(params):
     arr = np.ascontiguousarray(np.asarray(params[name], dtype=np.float32))

@@ -24,7 +24,7 @@ from flax import nnx
 from kvjax.models.config import LlamaConfig
 from kvjax.models.kv_cache import write_layer_blocks
 from kvjax.models.layers import apply_rope
-from kvjax.models.llama import LAYER_PARAMS, ragged_embed, ragged_layers, ragged_logits
+from kvjax.models.llama import ragged_embed, ragged_layers, ragged_logits
 from kvjax.models.runner_api import RunnerGeometry, layer_groups
 from kvjax.models.step_inputs import PackedStep, padding_step
 
@@ -64,10 +64,13 @@ class LayerwisePrograms:
     attention_impl: the `paged_attention` implementation (None: the platform's).
     inv_freq: f32[H / 2] RoPE inverse frequencies.
     platform: the platform the programs are built for ("cpu" | "tpu" | "cuda").
+    layer_names: the model's stacked layer parameters (`kvjax.models.llama.layer_param_names`).
   """
 
-  def __init__(self, graphdef, *, attention_impl: str | None, inv_freq, platform: str | None):
+  def __init__(self, graphdef, *, attention_impl: str | None, inv_freq, platform: str | None,
+               layer_names: Sequence[str]):
     self._graphdef = graphdef
+    self._layer_names = tuple(layer_names)
     self._attention_impl = attention_impl
     self._platform = platform
     self._per_size: dict[int, Callable] = {}
@@ -110,7 +113,7 @@ class LayerwisePrograms:
     if key not in self._params:
       layers_state = state["layers"]
       self._params[key] = {name: jnp.asarray(layers_state[name][...][l0:l1])
-                           for name in LAYER_PARAMS}
+                           for name in self._layer_names}
     return self._params[key]
 
   # ----------------------------------------------------------------------------- the step
@@ -208,7 +211,7 @@ class LayerwisePrograms:
       out.append((f"layers_begin[T={t}]", self.begin_program, (state, sds((t,)))))
       for n in sorted({l1 - l0 for l0, l1 in layer_groups(cfg.n_layers, groups)}):
         params = {name: sds((n,) + tuple(layers_state[name].shape[1:]),
-                            layers_state[name].dtype) for name in LAYER_PARAMS}
+                            layers_state[name].dtype) for name in self._layer_names}
         out.append((f"layers[G={n},T={t}]", self.layers_program(n),
                     (state, params, pool, x) + step_args(t)[1:7] + (sds(()),)))
       out.append((f"layers_finish[T={t}]", self.finish_program,

@@ -9,6 +9,15 @@ depth. The cache is carried through the scan whole and updated in place (scatter
     final_norm [D]           layers.wk  [L, D, K, H]   layers.w_up   [L, D, F]
     lm_head    [D, V]        layers.wv  [L, D, K, H]   layers.w_down [L, F, D]
     (untied only)            layers.wo  [L, N, H, D]   layers.attn_norm, layers.mlp_norm [L, D]
+
+The families differ by two switches of `LlamaConfig`, each adding layer parameters:
+
+    attention_bias (Qwen2/Qwen2.5)   layers.bq [L, N, H]   layers.bk, layers.bv [L, K, H]
+    qk_norm (Qwen3)                  layers.q_norm, layers.k_norm [L, H]: RMSNorm of each
+                                     query / key head before RoPE (Qwen3 technical report,
+                                     arXiv 2505.09388, section 2)
+
+The stored K ("before RoPE") is the key after its bias and norm, just before the rotation.
 """
 
 from __future__ import annotations
@@ -28,6 +37,15 @@ from kvjax.models.kv_cache import (PagedKVCache, flat_layers, from_flat_layers,
                                    write_token_rows)
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+#: Layer parameters of `LlamaConfig.attention_bias` and of `LlamaConfig.qk_norm`.
+BIAS_PARAMS = ("bq", "bk", "bv")
+QK_NORM_PARAMS = ("q_norm", "k_norm")
+
+
+def layer_param_names(cfg: LlamaConfig) -> tuple[str, ...]:
+  """The stacked layer parameters of `cfg`'s family (names after "layers.")."""
+  return (LAYER_PARAMS + (BIAS_PARAMS if cfg.attention_bias else ())
+          + (QK_NORM_PARAMS if cfg.qk_norm else ()))
 
 
 def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -41,6 +59,10 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
       "layers.w_gate": (L, D, F), "layers.w_up": (L, D, F), "layers.w_down": (L, F, D),
       "final_norm": (D,),
   }
+  if cfg.attention_bias:
+    shapes.update({"layers.bq": (L, N, H), "layers.bk": (L, K, H), "layers.bv": (L, K, H)})
+  if cfg.qk_norm:
+    shapes.update({"layers.q_norm": (L, H), "layers.k_norm": (L, H)})
   if not cfg.tie_embeddings:
     shapes["lm_head"] = (D, V)
   return shapes
@@ -51,16 +73,20 @@ class DecoderLayers(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     init = nnx.initializers.normal(0.02)
-    for name in LAYER_PARAMS:
-      shape = param_shapes(cfg)[f"layers.{name}"]
+    self.names = layer_param_names(cfg)
+    shapes = param_shapes(cfg)
+    for name in self.names:
+      shape = shapes[f"layers.{name}"]
       if name.endswith("norm"):
         value = jnp.ones(shape, param_dtype)
+      elif name in BIAS_PARAMS:
+        value = jnp.zeros(shape, param_dtype)
       else:
         value = init(rngs.params(), shape, param_dtype)
       setattr(self, name, nnx.Param(value))
 
   def stacked(self) -> dict[str, jax.Array]:
-    return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
+    return {name: getattr(self, name)[...] for name in self.names}
 
 
 def _sharded_paged_attention(mesh, implementation, platform=None, num_kv_heads=None):
@@ -84,11 +110,18 @@ def _sharded_paged_attention(mesh, implementation, platform=None, num_kv_heads=N
 
 def _attention_inputs(cfg: LlamaConfig, p, x_BTD, positions_BT, inv_freq):
   """A layer's attention inputs: (q after RoPE [B, T, N, H], K before RoPE, K after RoPE and V,
-  each [B, T, K, H]); `p` is the layer's parameters in the compute dtype."""
+  each [B, T, K, H]); `p` is the layer's parameters in the compute dtype. Biases
+  (`cfg.attention_bias`) are added after the projections, the per-head q/k RMSNorm
+  (`cfg.qk_norm`) runs after them and before RoPE, as in transformers' Qwen2 and Qwen3."""
   h = layers.rms_norm(x_BTD, p["attn_norm"], cfg.rms_eps)
   q_BTNH = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])
   k_BTKH = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])
   v_BTKH = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])
+  if cfg.attention_bias:
+    q_BTNH, k_BTKH, v_BTKH = q_BTNH + p["bq"], k_BTKH + p["bk"], v_BTKH + p["bv"]
+  if cfg.qk_norm:
+    q_BTNH = layers.rms_norm(q_BTNH, p["q_norm"], cfg.rms_eps)
+    k_BTKH = layers.rms_norm(k_BTKH, p["k_norm"], cfg.rms_eps)
   return (layers.apply_rope(q_BTNH, positions_BT, inv_freq), k_BTKH,
           layers.apply_rope(k_BTKH, positions_BT, inv_freq), v_BTKH)
 
@@ -141,6 +174,8 @@ def _paged_layer(cfg: LlamaConfig, dtype, inv_freq, pool: PagedKVCache, position
 
 class Llama(nnx.Module):
   """LLaMA decoder: token embedding, L x (RMSNorm, GQA with RoPE, RMSNorm, SwiGLU), RMSNorm, head.
+
+  Also Mistral, Qwen2/Qwen2.5 and Qwen3 through `cfg`'s switches (the module docstring).
 
   Args:
     cfg: architecture.

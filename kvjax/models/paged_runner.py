@@ -42,7 +42,7 @@ from kvjax.models.kv_cache import (PagedKVCache, PoolLayout, init_paged_kv_cache
 from kvjax.models.layers import apply_rope, rope_inv_freq
 from kvjax.models.layerwise_runner import (LAYERWISE_INSERT_BATCH, LayerwisePrograms,
                                            LayerwiseStep)
-from kvjax.models.llama import Llama
+from kvjax.models.llama import Llama, layer_param_names
 from kvjax.models.runner_api import (PagedRunnerConfig, RunnerGeometry, SeqChunk, StepOutput,
                                      layer_groups)
 from kvjax.models.sharding import TensorParallel, put
@@ -379,7 +379,8 @@ class PagedModelRunner:
     """The layer-group programs (`kvjax.models.layerwise_runner`), built at first use."""
     if self._lw is None:
       self._lw = LayerwisePrograms(self._graphdef, attention_impl=self.config.attention_impl,
-                                   inv_freq=self._inv_freq, platform=self.platform)
+                                   inv_freq=self._inv_freq, platform=self.platform,
+                                   layer_names=layer_param_names(self.model_config))
     return self._lw
 
   def step_begin(self, seqs: Sequence[SeqChunk], groups: int) -> LayerwiseStep:

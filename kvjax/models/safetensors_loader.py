@@ -1,7 +1,8 @@
-"""Hugging Face LLaMA checkpoints (`config.json` + safetensors) <-> canonical float32 parameters.
+"""Hugging Face checkpoints (`config.json` + safetensors) <-> canonical float32 parameters.
 
-Hugging Face stores `LlamaForCausalLM` linear weights as `[out, in]` (PyTorch `Linear.weight`) and
-already in `rotate_half` RoPE order, so Q/K need no permutation, only transposes and head splits:
+The architectures `ARCHITECTURES` names (LLaMA, Mistral, Qwen2/Qwen2.5, Qwen3) share one layout.
+Hugging Face stores linear weights as `[out, in]` (PyTorch `Linear.weight`) and already in
+`rotate_half` RoPE order, so Q/K need no permutation, only transposes and head splits:
 
   model.embed_tokens.weight          [V, D]      -> embed [V, D]
   model.layers.{i}.self_attn.q_proj  [N*H, D]    -> layers.wq [L, D, N, H]  (k, v: K*H rows)
@@ -10,11 +11,19 @@ already in `rotate_half` RoPE order, so Q/K need no permutation, only transposes
   model.layers.{i}.mlp.down_proj     [D, F]      -> layers.w_down [L, F, D]
   model.layers.{i}.input_layernorm / post_attention_layernorm [D] -> layers.attn_norm / mlp_norm
   model.norm.weight [D] -> final_norm;  lm_head.weight [V, D] -> lm_head [D, V] (untied only)
+  Qwen2 (attention_bias): self_attn.{q,k,v}_proj.bias [N*H] / [K*H] -> layers.bq [L, N, H], ...
+  Qwen3 (qk_norm): self_attn.q_norm.weight, k_norm.weight [H] -> layers.q_norm, k_norm [L, H]
+
+A sliding attention window (Mistral's `sliding_window`, Qwen's with `use_sliding_window`)
+shorter than `max_position_embeddings` is not implemented: the context is limited to the window
+instead (`max_seq_len` = the window), where full causal attention computes exactly what the
+windowed one does, and a warning says so.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -28,8 +37,15 @@ from kvjax.models.config import LlamaConfig, RopeScaling
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_ARCHITECTURE = "LlamaForCausalLM"
-_MODEL_TYPE = "llama"
+#: Hugging Face `architectures` entry -> (`model_type`, `LlamaConfig.family`).
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "llama"),
+    "MistralForCausalLM": ("mistral", "mistral"),
+    "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+}
+_FAMILY_ARCHITECTURE = {family: arch for arch, (_, family) in ARCHITECTURES.items()}
+_log = logging.getLogger(__name__)
 
 # HF per-layer name (after "model.layers.{i}.") -> (canonical name, kind).
 _LAYER_TENSORS = (
@@ -43,32 +59,111 @@ _LAYER_TENSORS = (
     ("mlp.up_proj.weight", "layers.w_up", "in"),
     ("mlp.down_proj.weight", "layers.w_down", "out"),
 )
+_BIAS_TENSORS = (
+    ("self_attn.q_proj.bias", "layers.bq", "bq"),
+    ("self_attn.k_proj.bias", "layers.bk", "bk"),
+    ("self_attn.v_proj.bias", "layers.bv", "bk"),
+)
+_QK_NORM_TENSORS = (
+    ("self_attn.q_norm.weight", "layers.q_norm", "norm"),
+    ("self_attn.k_norm.weight", "layers.k_norm", "norm"),
+)
 _SAVE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
+def _layer_tensors(cfg: LlamaConfig) -> tuple[tuple[str, str, str], ...]:
+  """(HF suffix, canonical name, kind) of every per-layer tensor of `cfg`'s family."""
+  return (_LAYER_TENSORS + (_BIAS_TENSORS if cfg.attention_bias else ())
+          + (_QK_NORM_TENSORS if cfg.qk_norm else ()))
+
+
+def _family(hf: dict[str, Any], name: str) -> str:
+  """`LlamaConfig.family` of a config.json: from `architectures` when present, else from
+  `model_type` (default "llama").
+
+  Raises:
+    ValueError: an architecture or model_type not in `ARCHITECTURES`, naming the supported ones.
+  """
+  supported = sorted(ARCHITECTURES)
+  archs = hf.get("architectures")
+  if archs is not None:
+    known = [a for a in archs if a in ARCHITECTURES] if isinstance(archs, list) else []
+    if not known:
+      raise ValueError(f"{name}: unsupported architectures {archs}; kvjax runs {supported}")
+    model_type, family = ARCHITECTURES[known[0]]
+    if hf.get("model_type", model_type) != model_type:
+      raise ValueError(f"{name}: unsupported model_type {hf.get('model_type')!r}, expected "
+                       f"{model_type!r} for {known[0]}")
+    return family
+  model_type = hf.get("model_type", "llama")
+  for mt, family in ARCHITECTURES.values():
+    if mt == model_type:
+      return family
+  raise ValueError(f"{name}: unsupported model_type {model_type!r}, expected one of "
+                   f"{sorted(mt for mt, _ in ARCHITECTURES.values())} (kvjax runs {supported})")
+
+
+def _rope(hf: dict[str, Any], name: str) -> tuple[float, RopeScaling | None]:
+  """(rope_theta, scaling) from `rope_theta`/`rope_scaling` or transformers 5's
+  `rope_parameters` (one dict with `rope_type` and `rope_theta`).
+
+  Raises:
+    ValueError: a rope type other than "default" and "llama3".
+  """
+  params = hf.get("rope_parameters")
+  scaling = hf.get("rope_scaling") if params is None else params
+  theta = hf.get("rope_theta")
+  if theta is None and params is not None:
+    theta = params.get("rope_theta")
+  theta = float(10000.0 if theta is None else theta)
+  if scaling is None:
+    return theta, None
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return theta, None
+  if kind == "llama3":
+    return theta, RopeScaling(
+        factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position=int(scaling["original_max_position_embeddings"]))
+  raise ValueError(f"{name}: unsupported rope_scaling type {kind!r} (only 'default', 'llama3')")
+
+
+def _context_length(hf: dict[str, Any], family: str, name: str) -> int:
+  """`max_position_embeddings`, or the sliding window when that is shorter (module docstring)."""
+  max_pos = int(hf.get("max_position_embeddings", 2048))
+  window = hf.get("sliding_window")
+  if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    window = None
+  if family == "llama" or window is None or int(window) >= max_pos:
+    return max_pos
+  _log.warning("%s: sliding_window=%d < max_position_embeddings=%d is not implemented; the "
+               "context is limited to %d tokens (exact there)", name, window, max_pos, window)
+  return int(window)
+
+
 def config_from_hf(hf: dict[str, Any], name: str) -> LlamaConfig:
-  """`LlamaConfig` from a Hugging Face `LlamaForCausalLM` `config.json` dict.
+  """`LlamaConfig` from a Hugging Face `config.json` dict of an architecture in `ARCHITECTURES`.
 
   Args:
     hf: parsed config.json.
     name: config name (checkpoint directory name, or `_name_or_path`).
 
   Returns:
-    The config (`max_seq_len` is `max_position_embeddings`).
+    The config (`max_seq_len` is `max_position_embeddings`, or a shorter sliding window).
+    Qwen2 always has q/k/v biases (its o_proj none), Qwen3 always a q/k RMSNorm.
 
   Raises:
-    ValueError: not a LLaMA config (`architectures` / `model_type`), a missing field, biases, or an
-      unsupported rope scaling type.
+    ValueError: an unsupported architecture or model_type (naming the supported ones), a
+      missing field, MLP biases, an activation other than silu, or an unsupported rope scaling.
   """
-  archs = hf.get("architectures")
-  if archs is not None and _ARCHITECTURE not in archs:
-    raise ValueError(f"{name}: unsupported architectures {archs}, expected [{_ARCHITECTURE!r}]")
-  if hf.get("model_type", _MODEL_TYPE) != _MODEL_TYPE:
-    raise ValueError(
-        f"{name}: unsupported model_type {hf.get('model_type')!r}, expected {_MODEL_TYPE!r}")
-  for flag in ("attention_bias", "mlp_bias"):
-    if hf.get(flag):
-      raise ValueError(f"{name}: {flag}=true is not supported")
+  family = _family(hf, name)
+  if hf.get("mlp_bias"):
+    raise ValueError(f"{name}: mlp_bias=true is not supported")
+  if family != "qwen2" and hf.get("attention_bias"):
+    # LLaMA's and Qwen3's attention_bias also puts a bias on o_proj, which kvjax lacks.
+    raise ValueError(f"{name}: attention_bias=true is not supported for {family} (only "
+                     "Qwen2's q/k/v biases are)")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{name}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
 
@@ -78,17 +173,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> LlamaConfig:
     return hf[key]
 
   d_model, n_heads = int(req("hidden_size")), int(req("num_attention_heads"))
-  scaling = hf.get("rope_scaling")
-  rope_scaling = None
-  if scaling is not None:
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "llama3":
-      rope_scaling = RopeScaling(
-          factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
-          high_freq_factor=float(scaling["high_freq_factor"]),
-          original_max_position=int(scaling["original_max_position_embeddings"]))
-    elif kind != "default":
-      raise ValueError(f"{name}: unsupported rope_scaling type {kind!r} (only 'llama3')")
+  rope_theta, rope_scaling = _rope(hf, name)
   return LlamaConfig(
       name=name,
       vocab_size=int(req("vocab_size")),
@@ -98,19 +183,30 @@ def config_from_hf(hf: dict[str, Any], name: str) -> LlamaConfig:
       n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
       head_dim=int(hf.get("head_dim") or d_model // n_heads),
       mlp_dim=int(req("intermediate_size")),
-      rope_theta=float(hf.get("rope_theta", 10000.0)),
+      rope_theta=rope_theta,
       rope_scaling=rope_scaling,
       rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+      max_seq_len=_context_length(hf, family, name),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      family=family,
+      attention_bias=family == "qwen2",
+      qk_norm=family == "qwen3")
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
-  """Hugging Face `config.json` dict for `cfg` (inverse of `config_from_hf`)."""
+  """Hugging Face `config.json` dict for `cfg` (inverse of `config_from_hf`).
+
+  Raises:
+    ValueError: biases other than Qwen2's or a q/k norm other than Qwen3's (no Hugging Face
+      architecture has that shape).
+  """
+  if cfg.qk_norm != (cfg.family == "qwen3") or cfg.attention_bias != (cfg.family == "qwen2"):
+    raise ValueError(f"{cfg.name}: family {cfg.family!r} with attention_bias="
+                     f"{cfg.attention_bias}, qk_norm={cfg.qk_norm} has no Hugging Face config")
   s = cfg.rope_scaling
   return {
-      "architectures": [_ARCHITECTURE],
-      "model_type": _MODEL_TYPE,
+      "architectures": [_FAMILY_ARCHITECTURE[cfg.family]],
+      "model_type": ARCHITECTURES[_FAMILY_ARCHITECTURE[cfg.family]][0],
       "_name_or_path": cfg.name,
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.d_model,
@@ -128,7 +224,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
       "rms_norm_eps": cfg.rms_eps,
       "max_position_embeddings": cfg.max_seq_len,
       "tie_word_embeddings": cfg.tie_embeddings,
-      "attention_bias": False,
+      "attention_bias": False if cfg.family == "qwen2" else cfg.attention_bias,
       "mlp_bias": False,
       "torch_dtype": dtype,
   }
@@ -154,6 +250,10 @@ def _canonical(w: np.ndarray, kind: str, cfg: LlamaConfig) -> np.ndarray:
   d, h = cfg.d_model, cfg.head_dim
   if kind == "norm":
     return w
+  if kind == "bq":
+    return w.reshape(cfg.n_heads, h)
+  if kind == "bk":
+    return w.reshape(cfg.n_kv_heads, h)
   if kind == "q":
     return w.T.reshape(d, cfg.n_heads, h)
   if kind == "k":
@@ -172,16 +272,19 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
       "self_attn.v_proj.weight": (cfg.n_kv_heads * h, d),
       "self_attn.o_proj.weight": (d, cfg.n_heads * h),
       "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
+      "self_attn.q_proj.bias": (cfg.n_heads * h,), "self_attn.k_proj.bias": (cfg.n_kv_heads * h,),
+      "self_attn.v_proj.bias": (cfg.n_kv_heads * h,),
+      "self_attn.q_norm.weight": (h,), "self_attn.k_norm.weight": (h,),
   }
 
 
 def read_safetensors_config(model_dir: str | os.PathLike[str]) -> LlamaConfig:
-  """The architecture of a Hugging Face LLaMA checkpoint directory, from its `config.json`
-  alone (no weight file is opened).
+  """The architecture of a Hugging Face checkpoint directory (`ARCHITECTURES`), from its
+  `config.json` alone (no weight file is opened).
 
   Raises:
     FileNotFoundError: config.json is missing.
-    ValueError: invalid JSON, or not a supported LLaMA config.
+    ValueError: invalid JSON, or not a supported config (`config_from_hf`).
   """
   model_dir = os.fspath(model_dir)
   config_path = os.path.join(model_dir, CONFIG_FILE)
@@ -200,7 +303,8 @@ def read_safetensors_config(model_dir: str | os.PathLike[str]) -> LlamaConfig:
 
 def load_safetensors(
     model_dir: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-  """Reads a Hugging Face LLaMA checkpoint directory into canonical float32 parameters.
+  """Reads a Hugging Face checkpoint directory (`ARCHITECTURES`) into canonical float32
+  parameters.
 
   Args:
     model_dir: directory with `config.json` and `model.safetensors` or a sharded
@@ -212,8 +316,8 @@ def load_safetensors(
 
   Raises:
     FileNotFoundError: the directory, config.json or weight files are missing.
-    ValueError: not a LLaMA config, a tensor is missing, or its shape disagrees with the config
-      (message names tensor, got, expected).
+    ValueError: not a supported config, a tensor is missing, or its shape disagrees with the
+      config (message names tensor, got, expected).
   """
   model_dir = os.fspath(model_dir)
   cfg = read_safetensors_config(model_dir)
@@ -236,7 +340,7 @@ def load_safetensors(
   v, d, n_layers = cfg.vocab_size, cfg.d_model, cfg.n_layers
   params = {"embed": get("model.embed_tokens.weight", (v, d))}
   shapes = _hf_shapes(cfg)
-  for suffix, canon, kind in _LAYER_TENSORS:
+  for suffix, canon, kind in _layer_tensors(cfg):
     stacked = None
     for i in range(n_layers):
       w = _canonical(get(f"model.layers.{i}.{suffix}", shapes[suffix]), kind, cfg)
@@ -255,9 +359,11 @@ def to_hf_tensors(cfg: LlamaConfig, params: dict[str, np.ndarray]) -> dict[str, 
   d = cfg.d_model
   out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
   for i in range(cfg.n_layers):
-    for suffix, canon, kind in _LAYER_TENSORS:
+    for suffix, canon, kind in _layer_tensors(cfg):
       w = np.asarray(params[canon][i])
-      if kind in ("q", "k"):
+      if kind in ("bq", "bk"):
+        w = w.reshape(-1)
+      elif kind in ("q", "k"):
         w = w.reshape(d, -1).T
       elif kind == "o":
         w = w.reshape(-1, d).T
@@ -272,7 +378,8 @@ def to_hf_tensors(cfg: LlamaConfig, params: dict[str, np.ndarray]) -> dict[str, 
 def save_safetensors(model_dir: str | os.PathLike[str], cfg: LlamaConfig,
                      params: dict[str, np.ndarray], *, dtype: str = "float32",
                      max_shard_bytes: int | None = None) -> None:
-  """Writes `params` as a Hugging Face LLaMA checkpoint (inverse of `load_safetensors`).
+  """Writes `params` as a Hugging Face checkpoint of `cfg.family` (inverse of
+  `load_safetensors`).
 
   Args:
     model_dir: output directory (created if needed; an existing model.safetensors or index is
@@ -289,7 +396,7 @@ def save_safetensors(model_dir: str | os.PathLike[str], cfg: LlamaConfig,
   """
   if dtype not in _SAVE_DTYPES:
     raise ValueError(f"dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
-  required = {"embed", "final_norm", *(c for _, c, _ in _LAYER_TENSORS)}
+  required = {"embed", "final_norm", *(c for _, c, _ in _layer_tensors(cfg))}
   if not cfg.tie_embeddings:
     required.add("lm_head")
   missing = sorted(required - params.keys())

@@ -8,10 +8,12 @@ query heads over its own KV heads, no communication).
     parameter                     shape            sharded over tp
     layers.wq                     [L, D, N, H]     N (query heads: columns)
     layers.wk, layers.wv          [L, D, K, H]     K when K % tp == 0, else replicated
+    layers.bq (Qwen2)             [L, N, H]        N
+    layers.bk, layers.bv (Qwen2)  [L, K, H]        as layers.wk
     layers.wo                     [L, N, H, D]     N (rows: one all-reduce after attention)
     layers.w_gate, layers.w_up    [L, D, F]        F (columns)
     layers.w_down                 [L, F, D]        F (rows: one all-reduce after the MLP)
-    embed, lm_head, norms, RoPE   -                replicated
+    embed, lm_head, norms, RoPE   -                replicated (Qwen3's q_norm, k_norm [L, H] too)
 
 The paged pool `[L, P, B, K', H]` is sharded over its head axis K'. K' = K when K % tp == 0 (each
 device holds K / tp KV heads); when tp > K (tp % K == 0, e.g. LLaMA's 8 KV heads at tp = 16) each
@@ -127,6 +129,7 @@ class TensorParallel:
     t = TP_AXIS
     specs = {
         "layers.wq": P(None, None, t, None),
+        "layers.bq": P(None, t, None),
         "layers.wo": P(None, t, None, None),
         "layers.w_gate": P(None, None, t),
         "layers.w_up": P(None, None, t),
@@ -134,6 +137,7 @@ class TensorParallel:
     }
     if self.kv_split:
       specs["layers.wk"] = specs["layers.wv"] = P(None, None, t, None)
+      specs["layers.bk"] = specs["layers.bv"] = P(None, t, None)
     return specs.get(name, P())
 
   def state_shardings(self, state):

@@ -39,6 +39,7 @@ TOKENIZER_FILE = "tokenizer.json"
 STATE_FILE = "kvjax_tokenizer.json"
 _FORMAT_VERSION = 1
 _HF_CONFIG_FILE = "tokenizer_config.json"
+_HF_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves the template here
 
 # llama.cpp token types (`gguf.TokenType`): 1 normal, 2 unknown, 3 control, 4 user defined,
 # 5 unused, 6 byte.
@@ -117,6 +118,25 @@ def _hf_token_id(tok: tokenizers.Tokenizer, config: dict[str, Any], key: str,
   if token_id is None:
     raise ValueError(f"{path}: {key} {value!r} is not in the vocabulary")
   return token_id
+
+
+def _hf_model_eos_id(directory: str, vocab_size: int) -> int | None:
+  """`eos_token_id` of a model folder's `generation_config.json`, else its `config.json` (the
+  first of a list), or None: where `tokenizer_config.json` names no `eos_token`."""
+  for name in ("generation_config.json", "config.json"):
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+      continue
+    value = _read_json(path)
+    value = value.get("eos_token_id") if isinstance(value, dict) else None
+    if isinstance(value, list):
+      value = value[0] if value else None
+    if value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+      raise ValueError(f"{path}: eos_token_id {value!r} is not a token id below {vocab_size}")
+    return value
+  return None
 
 
 def _hf_chat_template(config: dict[str, Any], path: str) -> str | None:
@@ -238,8 +258,10 @@ class Tokenizer:
       directory: holds `tokenizer.json` and, optionally, `tokenizer_config.json` with
         `bos_token`, `eos_token`, `pad_token` (strings or `{"content": ...}`), `add_bos_token`
         (default False) and `chat_template` (a string, or a list of `{"name", "template"}` of
-        which the one named "default" is taken). Without that file every special id is None and
-        there is no chat template. `tokenizer.json`'s post-processor is not applied; BOS comes
+        which the one named "default" is taken; without one, `chat_template.jinja` beside it,
+        where transformers 5 saves it). Without `eos_token` the EOS is the `eos_token_id` of
+        `generation_config.json`, else of `config.json` (the first of a list). Without any of
+        these every special id is None and there is no chat template. `tokenizer.json`'s post-processor is not applied; BOS comes
         from `add_bos_token` only.
 
     Returns:
@@ -259,13 +281,21 @@ class Tokenizer:
     add_bos = config.get("add_bos_token", False)
     if not isinstance(add_bos, bool):
       raise ValueError(f"{config_path}: 'add_bos_token' must be a bool, got {add_bos!r}")
+    template = _hf_chat_template(config, config_path)
+    template_path = os.path.join(directory, _HF_TEMPLATE_FILE)
+    if template is None and os.path.isfile(template_path):
+      with open(template_path, encoding="utf-8") as f:
+        template = f.read()
+    eos_id = _hf_token_id(tok, config, "eos_token", config_path)
+    if eos_id is None:
+      eos_id = _hf_model_eos_id(directory, tok.get_vocab_size(with_added_tokens=True))
     return cls(
         tok,
         bos_id=_hf_token_id(tok, config, "bos_token", config_path),
-        eos_id=_hf_token_id(tok, config, "eos_token", config_path),
+        eos_id=eos_id,
         pad_id=_hf_token_id(tok, config, "pad_token", config_path),
         add_bos=add_bos,
-        chat_template=_hf_chat_template(config, config_path))
+        chat_template=template)
 
   def save(self, directory: str | os.PathLike[str]) -> None:
     """Writes the tokenizer to `directory` (created if needed) for `Tokenizer.load`.

@@ -57,6 +57,11 @@ def _forward(cfg: LlamaConfig, p, tokens):
     q = jnp.einsum("BTD,DNH->BTNH", h, p["layers.wq"][i])
     k = jnp.einsum("BTD,DKH->BTKH", h, p["layers.wk"][i])
     v = jnp.einsum("BTD,DKH->BTKH", h, p["layers.wv"][i])
+    if cfg.attention_bias:
+      q, k, v = q + p["layers.bq"][i], k + p["layers.bk"][i], v + p["layers.bv"][i]
+    if cfg.qk_norm:
+      q = layers.rms_norm(q, p["layers.q_norm"][i], cfg.rms_eps)
+      k = layers.rms_norm(k, p["layers.k_norm"][i], cfg.rms_eps)
     ks.append(k[0])
     vs.append(v[0])
     q = layers.apply_rope(q, pos, inv_freq)

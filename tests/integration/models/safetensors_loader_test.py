@@ -37,6 +37,9 @@ class SafetensorsLoaderTest(parameterized.TestCase):
       ("untied", dict(tie_embeddings=False)),
       ("llama3_scaling", dict(rope_scaling=config.RopeScaling(), tie_embeddings=False)),
       ("mha_explicit_head_dim", dict(n_heads=4, n_kv_heads=4, head_dim=16)),
+      ("mistral", dict(family="mistral", tie_embeddings=False)),
+      ("qwen2_biases", dict(family="qwen2", attention_bias=True)),
+      ("qwen3_qk_norm", dict(family="qwen3", qk_norm=True, head_dim=16, tie_embeddings=False)),
   )
   def test_round_trip_exact(self, overrides):
     cfg = config.tiny(**overrides)
@@ -111,7 +114,11 @@ class SafetensorsLoaderTest(parameterized.TestCase):
       json.dump(hf, f)
 
   @parameterized.named_parameters(
-      ("architecture", dict(architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
+      ("architecture", dict(architectures=["GPT2LMHeadModel"]),
+       r"GPT2LMHeadModel.*\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', "
+       r"'Qwen3ForCausalLM'\]"),
+      ("architecture_and_model_type", dict(architectures=["MistralForCausalLM"]),
+       "model_type 'llama', expected 'mistral'"),
       ("model_type", dict(model_type="gpt2"), "model_type 'gpt2'.*expected 'llama'"),
       ("bias", dict(attention_bias=True), "attention_bias"),
       ("rope_type", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn'"),

@@ -127,6 +127,21 @@ class TpuCompileTest(absltest.TestCase):
     self.assertEqual(name, "step[T=8]")
     self.assertIn("tpu_custom_call", compile_for(runner.devices, fn, args).as_text())
 
+  def test_qwen_switches_tensor_parallel_step_compiles_for_v5e(self):
+    # Qwen2's q/k/v biases (sharded by head with their projections) and Qwen3's q/k norms
+    # (replicated) in one config, over 3 devices: each shard's step adds its heads' biases.
+    cfg = model_configs.tiny(family="qwen3", attention_bias=True, qk_norm=True)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                         param_dtype=jnp.bfloat16))
+    tp = TensorParallel.build(cfg, 3, self.devices)
+    self.assertEqual(tp.param_spec("layers.bq"), jax.sharding.PartitionSpec(None, "tp", None))
+    self.assertEqual(tp.param_spec("layers.bk"), jax.sharding.PartitionSpec(None, "tp", None))
+    self.assertEqual(tp.param_spec("layers.q_norm"), jax.sharding.PartitionSpec())
+    runner = PagedModelRunner(model, self.rc, tp, abstract=True)
+    (name, fn, args), = runner.aot_programs(buckets=(8,), codecs=())[:1]
+    self.assertEqual(name, "step[T=8]")
+    self.assertIn("tpu_custom_call", compile_for(runner.devices, fn, args).as_text())
+
   def _attention_compiles(self, s_, m_, **kw):
     k_, h_ = 8, 128
     sh = jax.sharding.SingleDeviceSharding(self.devices[0])
