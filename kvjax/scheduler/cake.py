@@ -296,6 +296,26 @@ class CakeMerge:
     return "".join(out)
 
   # ---------------------------------------------------------------------------- loads
+  def expect_budget(self, budget_tokens: int, chunk_sizes: Sequence[int], now_s: float) -> None:
+    """Tells the merge, before its loads are planned, the budget its compute will be offered in
+    the step at `now_s` (at most; `next_compute` gets the exact one).
+
+    `next_load` skips a load that compute would finish first, judged at the merge's compute
+    share. Before the first `next_compute` that share is unknown: without this call the first
+    step's loads are judged at a full share while compute then runs at its real one (64 of 512
+    tokens: 1/8), so a load skipped as too slow is one compute then waits for, a whole step.
+
+    Args:
+      budget_tokens: tokens the merge's compute may take this step, >= 0.
+      chunk_sizes: the compiled chunk sizes, ascending.
+      now_s: the step's time (engine clock, seconds).
+    """
+    if budget_tokens < 0 or not chunk_sizes:
+      raise ValueError(f"expect_budget({budget_tokens!r}, {chunk_sizes!r}): need a budget >= 0 "
+                       "and chunk sizes")
+    self._pace.begin_step(now_s)
+    self._pace.offered(budget_tokens, chunk_sizes)
+
   def next_load(self, now_s: float, cost: CostModel) -> int | None:
     """The next chunk to fetch: the highest-index chunk still only stored; marks it LOADING.
 

@@ -19,7 +19,8 @@ Part 3, adaptive mode):
   4. waiting requests are admitted into free decode slots, first come first served (a request
      with a Cake merge is admitted whenever a slot is free, budget or not: its loads need none);
      their staged chunks are inserted, and every merge issues its next loads, last chunk first,
-     queued requests included (loads need no slot);
+     queued requests included (loads need no slot), judged at the compute share the budget
+     left to the merges gives them (`CakeMerge.expect_budget`);
   5. the compute side of each merge takes what is left, oldest first: compiled chunk sizes
      aligned to store chunks, possibly several pieces (skipping resident chunks), none when loads
      are predicted to finish the next chunk first.
@@ -337,6 +338,9 @@ class Scheduler:
     admitted = [rid for rid in admitted if rid in self.running]
     late, _ = self._plan_inserts([self.running[rid] for rid in admitted], held)
     inserts += late
+    for r in self.cake_requests():  # their compute's share judges their loads (`expect_budget`)
+      self._prefix[r.request_id].merge.expect_budget(self._prefill_share(budget),
+                                                     self._plan_sizes, now_s)
     loads = prefix_loads.plan_loads(self._prefix, self.cake_requests(include_waiting=True), now_s,
                                     self.load_config, self.cost_model, self._last_step_s,
                                     self.config.chunk_sizes[-1])
