@@ -346,7 +346,7 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
              scheduler_config: SchedulerConfig, chunk_size: int,
              cost_model: CostModel | None = None, budget: PiecewiseConstant | None = None,
              competing_s: Callable[[int], float] | None = None,
-             max_steps: int = 100_000) -> SimRun:
+             max_steps: int = 100_000, joint_planning: bool = True) -> SimRun:
   """Runs requests to their last token on a fake clock: the real `Scheduler` under a
   `SimExecutor`, through the engine's own step loop (`kvjax.engine.core.EngineCore`).
 
@@ -361,6 +361,7 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
       `scheduler_config.token_budget` goes to competing work. None: the whole budget.
     competing_s: seconds of `k` competing tokens; default `costs.compute_s(0, k)`.
     max_steps: a guard against a planner that never finishes.
+    joint_planning: `LoadConfig.joint_planning` (requests restoring at once planned together).
 
   Returns:
     A `SimRun`.
@@ -373,7 +374,8 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
     raise ValueError("request ids must be distinct")
   model = cost_model if cost_model is not None else CostModel()
   sched = Scheduler(scheduler_config, model, load_config=LoadConfig(
-      max_loads_in_flight=link.max_in_flight, check_writes=True))
+      max_loads_in_flight=link.max_in_flight, check_writes=True,
+      joint_planning=joint_planning))
   competing = competing_s or (lambda k: costs.compute_s(0, k) if k > 0 else 0.0)
   ex = SimExecutor(requests, costs=costs, link=link, scheduler=sched, chunk_size=chunk_size,
                    budget=budget, competing_s=competing)

@@ -641,11 +641,12 @@ class SchedulerCakeTest(absltest.TestCase):
     plans = {}
     for t in (0, 32):
       s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
-                                    long_prefill_token_threshold=t), SLOW)  # compute it all
+                                    long_prefill_token_threshold=t), SLOW,  # compute it all
+                    load_config=LoadConfig(joint_planning=False))
       s.add_request(req("x", 100), stored([F, T, T, T, T, T], 100))
       s.add_request(req("y", 40), stored([T, T], 100))
       plans[t] = self.plan_steps(s, 4, land_loads=False)
-    # Off: merges take what is left oldest first, so y starts in x's last step.
+    # Off: merges planned alone take what is left oldest first, so y starts in x's last step.
     self.assertEqual(plans[0], [[("x", 0, 64)], [("x", 64, 32), ("x", 96, 4), ("y", 0, 16)],
                                 [("y", 16, 16), ("y", 32, 8)], []])
     # 32: each merge's compute takes 32 a step at most; y's 8 left are under the threshold.
