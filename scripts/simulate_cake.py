@@ -40,8 +40,9 @@ from absl import app, flags
 
 import benchlib  # scripts/benchlib.py
 from kvjax.scheduler import MergeMode, SchedulerConfig
-from kvjax.testing.cake_sim import (ChunkCosts, LinkScript, PiecewiseConstant, SimRequest,
-                                    ideal_bound, simulate, warm_cost_model)
+from kvjax.testing.cake_sim import (SMOLLM2_CPU_CHUNK_S, SMOLLM2_RAW_CHUNK_BYTES, ChunkCosts,
+                                    LinkScript, PiecewiseConstant, SimRequest, ideal_bound,
+                                    simulate, warm_cost_model)
 
 _COSTS = flags.DEFINE_string("costs", None, "JSON of cost curves (see the module docstring).")
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["2048", "4096", "6144", "8192"], "Prompt lengths.")
@@ -58,8 +59,8 @@ _OUT = flags.DEFINE_string("out", None, "Folder for simulate_cake.json and simul
 _RESTORING = flags.DEFINE_list("restoring", ["1"],
                                "Prompts restoring at once (N per cell; 1: today's grid).")
 
-CPU_CURVE = [0.69 + (3.40 - 0.69) * j / 31 for j in range(32)]
-RAW_CHUNK_BYTES = 30 * 2 * 256 * 3 * 64 * 4
+CPU_CURVE = list(SMOLLM2_CPU_CHUNK_S)
+RAW_CHUNK_BYTES = SMOLLM2_RAW_CHUNK_BYTES
 
 
 def load_costs(path: str | None) -> tuple[int, list[float], int, float, str]:

@@ -309,6 +309,8 @@ class CakeMerge:
       hole, or the unit compute has begun); and the suffix's compute seconds.
     """
     p, c = self.frontier, self.chunk_size
+    a, b, k = cost.compute_coefficients  # t(n, s) = a + b n + k n (s + (n - 1) / 2)
+    load_s_per_byte = max(cost.transfer_s_per_byte, cost.decode_s_per_byte)
     compute_s, load_s = [], []
     for j in range(p // c, self.num_chunks if p < self.prefix_tokens else 0):
       s = self._states[j]
@@ -317,10 +319,11 @@ class CakeMerge:
         compute_s.append(0.0)
         load_s.append(0.0)
         continue
-      compute_s.append(cost.predict_compute_s(lo, self._end(j) - lo) / share)
+      n = self._end(j) - lo
+      compute_s.append(max(1e-9, a + b * n + k * n * (lo + (n - 1) / 2)) / share)
       loadable = (s in (ChunkState.HIT, ChunkState.LOADING) and lo == j * c
                   and not self._cancelled)
-      load_s.append(cost.predict_load_s(self._nbytes[j]) if loadable else math.inf)
+      load_s.append(self._nbytes[j] * load_s_per_byte if loadable else math.inf)
     start = max(p, self.prefix_tokens)
     return compute_s, load_s, cost.predict_compute_s(start, self.num_prompt_tokens - start) / share
 
