@@ -112,8 +112,7 @@ def tokens_until(seconds: float, start: int, plan_sizes: Sequence[int],
     plan_sizes: the compiled sizes, ascending.
     predict_compute_s: the cost model's `(start, tokens) -> seconds`.
   """
-  out = 0
-  for n in plan_sizes:
+  for n in reversed(plan_sizes):  # compute grows with tokens: the first that fits is the largest
     if predict_compute_s(start, n) <= seconds:
-      out = n
-  return out
+      return n
+  return 0
