@@ -101,6 +101,30 @@ class JointPlanTest(absltest.TestCase):
     self.assertEqual((plan[1].compute_free_s, plan[1].link_free_s), (0.25, 1.5))
 
 
+class MergeBacklogTest(absltest.TestCase):
+
+  def test_a_step_queued_behind_others_is_not_taken_as_its_share(self):
+    # Offered nothing at 0 s, then 16 tokens at 1 s. Alone, the empty step says its compute
+    # got none of the step's wall time: the share halves. Queued behind another restoring
+    # request's compute (joint planning), the step says nothing about its share.
+    shares = []
+    for backlog in (None, (5.0, 0.0)):
+      m = CakeMerge(49, C, [T] * 3, chunk_nbytes=100, compute_share_prior=1.0)
+      if backlog is not None:
+        m.set_backlog(*backlog)
+      self.assertIsNone(m.next_compute(0, (16,), 0.0, COST))
+      m.next_compute(16, (16,), 1.0, COST)
+      shares.append(m.compute_share)
+    self.assertEqual(shares, [0.5, 1.0])
+
+  def test_expect_budget_checks_its_input(self):
+    m = CakeMerge(49, C, [T] * 3, chunk_nbytes=100)
+    with self.assertRaisesRegex(ValueError, "budget >= 0"):
+      m.expect_budget(-1, (16,), 0.0)
+    m.expect_budget(4, (4, 16), 0.0)
+    self.assertEqual(m.compute_share, 0.25)
+
+
 class SchedulerJointTest(absltest.TestCase):
 
   def test_the_shorter_restore_takes_the_budget_first(self):
