@@ -910,7 +910,8 @@ def headline(cells: list[dict]) -> dict | None:
   100%) measured in at least 3 rounds with steady CPU shares (`steady`); None when there is
   none. An invalid cell is never one."""
   ok = [c for c in cells if c["bandwidth_ratio"] == 1 and c["share"] == 100
-        and c.get("restoring", 1) == 1 and not c.get("busy") and not c["invalid"] and c["speedup_vs_best"] is not None and c.get("rounds", 1) >= 3
+        and c.get("restoring", 1) == 1 and not c.get("busy") and not c["invalid"]
+        and c["speedup_vs_best"] is not None and c.get("rounds", 1) >= 3
         and steady(c)]
   if not ok:
     return None

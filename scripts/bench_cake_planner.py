@@ -3,11 +3,11 @@
 The simulator (`kvjax/testing/cake_sim.py`) drives the real `Scheduler` through the engine's
 step loop; the loop times each step's `schedule` + `update` (`EngineCore`'s `planner_s`, wall
 seconds of this process), which is all the planner costs an engine step (without the writer
-map tests keep, as an engine runs it). N prompts of
-`--seq_len` tokens with fully stored prefixes arrive together over a link at `--ratio` times
-the balance bandwidth B*, on the built-in SmolLM2-135M 2-core cost line of
-`scripts/simulate_cake.py` (`cake_sim.SMOLLM2_CPU_CHUNK_S`); the simulated clock is exact, the planner seconds are this
-machine's (say which, and its load: `loadavg_before`/`loadavg_after`).
+map tests keep, as an engine runs it). N prompts of `--seq_len` tokens with fully stored
+prefixes arrive together over a link at `--ratio` times the balance bandwidth B*, on the
+built-in SmolLM2-135M 2-core cost line of
+`scripts/simulate_cake.py` (`cake_sim.SMOLLM2_CPU_CHUNK_S`); the simulated clock is exact, the
+planner seconds are this machine's (say which, and its load: `loadavg_before`/`loadavg_after`).
 
     .venv/bin/python scripts/bench_cake_planner.py --restoring 1,4,16 \\
         --out benchmarks/results/cake_planner.json
