@@ -9,6 +9,7 @@ link emulated by the store's own `LinkLimiter`.
     .venv/bin/python scripts/bench_cake.py --quick            # 2K/4K, 100%, raw, 3 rounds
     .venv/bin/python scripts/bench_cake.py                    # the full plan (about an hour)
     .venv/bin/python scripts/bench_cake.py --lengths 2048,4096 --shares 100 --ratios 1/2,1,2
+    .venv/bin/python scripts/bench_cake.py --quick --restoring 1,4 [--busy]  # 4 at once
 
 How each number is made:
   * Modes. One engine; each run's long request carries its merge mode
@@ -60,6 +61,17 @@ How each number is made:
     step and the store client starts the next the moment one lands, so a multi-second CPU step
     no longer idles the link. (Before the one-loop engine, loads started only between steps and
     this bench ran with 8 in flight.)
+  * Several restoring (--restoring 1,4). Each grid block runs once per N: every run submits
+    N long prompts together (LongChat rows --prompt_index ..+N-1 cut to the cell's length, all
+    stored in advance), in the run's merge mode, sharing the link and the budget (the scheduler
+    plans them jointly: docs/design/cake.md). B* stays one prompt's (the block's first
+    compute-only run is of one prompt). A cell's `ttft_*_s` are the means over the N, each
+    run's per-request TTFTs in `ttft_per_request_reps_s`; its bound is the matching N = 1
+    cell's (a request sharing the machine cannot beat its bound alone, so neither can the
+    mean), so N = 1 runs first; without one the cell has no bound and no validity check. The
+    per-run details (`runs`, `ideal`, `compute_slowdown`) are the first request's.
+  * Busy machine (--busy): a competing CPU load (one busy-looping python process, this
+    script's child) runs during each grid block's settings; cells say `busy`.
   * Censoring. A load-only run that passes --load_only_cap x the compute-only TTFT is stopped:
     its TTFT is reported as a lower bound (`ttft_load_only_s` null, `ttft_load_only_min_s`),
     which never changes the better baseline (compute-only is already faster there). This is
@@ -173,6 +185,12 @@ _DEADLINE = flags.DEFINE_float("deadline_s", 0, "Start no new block after this m
 _REPORT = flags.DEFINE_string("report", None, "Only re-evaluate and print an existing cake.json "
                                "(tables, targets, plot next to it); runs nothing.")
 _OUT = flags.DEFINE_string("out", str(REPO / "benchmarks" / "results"), "Output folder.")
+_RESTORING = flags.DEFINE_list(
+    "restoring", ["1"], "Grid blocks for each N: N long prompts (LongChat rows --prompt_index "
+    "..+N-1, cut to the cell's length, each stored) arrive together in every run and share the "
+    "link and the budget; a cell's TTFTs are the mean over the N (per-request beside).")
+_BUSY = flags.DEFINE_bool("busy", False, "A competing CPU load (one busy-looping process) runs "
+                          "during every grid block's settings.")
 
 
 def fraction(text: str) -> float:
@@ -218,16 +236,33 @@ _LINEAR_COST = (0.0, 1.0, 0.0)
 
 
 # ----------------------------------------------------------------------------- prompts
-def long_prompt(tok, n_max: int) -> tuple[list[int], str]:
-  """Token ids of the LongChat prompt (at least `n_max` of them) and where it came from."""
+def long_prompt(tok, n_max: int, index: int | None = None) -> tuple[list[int], str]:
+  """Token ids of the LongChat prompt (row `index`, default --prompt_index; at least `n_max`
+  of them) and where it came from."""
+  index = _PROMPT_INDEX.value if index is None else index
   with open(_PROMPT_FILE.value, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
-  row = rows[_PROMPT_INDEX.value]
-  ids = tok.encode(row["prompt"], add_special_tokens=False)
+  if index >= len(rows):
+    raise app.UsageError(f"{_PROMPT_FILE.value} has {len(rows)} prompts; row {index} needed "
+                         "(--restoring takes one row per request)")
+  ids = tok.encode(rows[index]["prompt"], add_special_tokens=False)
   if len(ids) < n_max:
-    raise app.UsageError(f"{_PROMPT_FILE.value}[{_PROMPT_INDEX.value}] has {len(ids)} tokens; "
+    raise app.UsageError(f"{_PROMPT_FILE.value}[{index}] has {len(ids)} tokens; "
                          f"{n_max} needed (use topics_15.jsonl for 8K)")
-  return ids, f"{os.path.basename(_PROMPT_FILE.value)}[{_PROMPT_INDEX.value}]"
+  return ids, f"{os.path.basename(_PROMPT_FILE.value)}[{index}]"
+
+
+def start_busy():
+  """--busy: a competing CPU load, one python process spinning (this script's child)."""
+  import subprocess  # noqa: PLC0415
+  return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def stop_busy(proc) -> None:
+  """Ends the process `start_busy` started (None: nothing to end)."""
+  if proc is not None:
+    proc.kill()
+    proc.wait()
 
 
 class TokenPool:
@@ -296,6 +331,17 @@ class Run:
   wall_s: float
   cpu_cores: float      # this process's CPU share: CPU s per wall s (2.0: both cores ours)
   loadavg_1m: float
+  ttft_per_request_s: list = dataclasses.field(default_factory=list)  # every long request's
+  first_tokens: list = dataclasses.field(default_factory=list)        # their first token ids
+
+  @property
+  def ttft_mean_s(self) -> float | None:
+    """The mean TTFT over the long requests (None when one has none: censored); `ttft_s` for
+    a run that lists none (one long request)."""
+    v = self.ttft_per_request_s
+    if not v:
+      return self.ttft_s
+    return None if None in v else sum(v) / len(v)
 
   def summary(self) -> dict:
     return {"mode": self.mode, "ttft_s": self.ttft_s, "censored": self.censored,
@@ -304,6 +350,7 @@ class Run:
             "num_computed_tokens": self.num_computed_tokens, "merge": self.merge,
             "insert_s": sum(t1 - t0 for t0, t1 in self.inserts), "num_steps": len(self.steps),
             "wall_s": self.wall_s, "cpu_cores": self.cpu_cores, "loadavg_1m": self.loadavg_1m,
+            "ttft_per_request_s": self.ttft_per_request_s, "first_tokens": self.first_tokens,
             "prefill_calls": [[s, n, round(a, 4), round(b, 4)] for s, n, a, b in self.prefills],
             "landings": [[j, round(a, 4), round(b, 4), nb] for j, a, b, nb, _ in self.landings]}
 
@@ -363,10 +410,14 @@ class Bench:
     return sum(per), per
 
   def run(self, mode: str, ids: list[int], *, share_at: Callable[[float], float] = lambda t: 1.0,
-          link: tuple | None = None, cap_s: float | None = None, max_tokens: int = 1) -> Run:
+          link: tuple | None = None, cap_s: float | None = None, max_tokens: int = 1,
+          more: list[list[int]] = ()) -> Run:
     """Runs one long request in `mode` to its first token, competing prompts holding the share.
 
     Args:
+      more: other long requests (their prompts) that arrive with it in the same mode and share
+        the link and the budget (`--restoring`); the run ends when every one has its first
+        token, and `ttft_per_request_s` has each (the first's detail is the run's).
       link: None (unlimited), ("rate", bytes/s) or ("trace", steps).
       share_at: compute share in (0, 1] at a time since arrival.
       cap_s: abort after this many seconds (the run is then `censored`).
@@ -388,12 +439,17 @@ class Bench:
     t_arr = time.perf_counter()
     rid = eng.add_request(ids, greedy, request_id=self.rid(mode), merge_mode=mode)
     add_s = time.perf_counter() - t_arr  # the lookup, for a run aborted before its metrics
+    longs = [rid] + [eng.add_request(x, greedy, request_id=self.rid(mode), merge_mode=mode)
+                     for x in more]
+    done: dict[str, Any] = {}
     live: set[str] = set()
     result, censored = None, False
-    while result is None:
+    while len(done) < len(longs):
       el = time.perf_counter() - t_arr
       if cap_s is not None and el > cap_s:
-        eng.abort_request(rid)
+        for x in longs:
+          if x not in done:
+            eng.abort_request(x)
         censored = True
         break
       if not live:
@@ -404,8 +460,9 @@ class Bench:
       for o in outs:
         if o.finished:
           live.discard(o.request_id)
-          if o.request_id == rid:
-            result = o
+          if o.request_id in longs:
+            done[o.request_id] = o
+    result = done.get(rid)
     for other in live:
       eng.abort_request(other)
     share_of_cpu = clock.read()
@@ -426,7 +483,9 @@ class Bench:
         prefills=mine, landings=lands,
         inserts=[(a - t_arr, b - t_arr) for _, _, a, b in rec.inserts],
         steps=[(a - t_arr, b - t_arr, p) for a, b, p in rec.steps],
-        other_prefills=others, wall_s=wall, cpu_cores=share_of_cpu["cpu_share"], loadavg_1m=load1)
+        other_prefills=others, wall_s=wall, cpu_cores=share_of_cpu["cpu_share"], loadavg_1m=load1,
+        ttft_per_request_s=[done[x].metrics.ttft_s if x in done else None for x in longs],
+        first_tokens=[done[x].token_ids[0] if x in done else None for x in longs])
 
   def store(self, ids: list[int]) -> float:
     """Computes the prompt once with the store and flushes (Cake's setup); returns seconds."""
@@ -528,19 +587,29 @@ def _summary_of(values: list[float | None]) -> dict | None:
 
 
 def cell_key(c: dict) -> str:
-  return f"{c['codec']}/{c['share']:g}%/{c['seq_len']}/x{c['ratio_text']}"
+  n_req = c.get("restoring", 1)
+  return (f"{c['codec']}/{c['share']:g}%/{c['seq_len']}/x{c['ratio_text']}"
+          + (f"/N{n_req}" if n_req > 1 else "") + ("/busy" if c.get("busy") else ""))
 
 
 # ----------------------------------------------------------------------------- experiments
-def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: list[str],
-               rounds: int, bar) -> tuple[list[dict], list[Run], list[list[str]]]:
-  """One (codec, length, share) block: a compute-only run that fixes B*, then the settings
-  (compute-only; load-only and kvjax per ratio) in `rounds` interleaved rounds.
+def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, ratios: list[str],
+               rounds: int, bar, restoring: int = 1, alone: list[dict] = ()
+               ) -> tuple[list[dict], list[Run], list[list[str]]]:
+  """One (codec, length, share, N) block: a compute-only run of one prompt that fixes B*, then
+  the settings (compute-only; load-only and kvjax per ratio) in `rounds` interleaved rounds,
+  each run with `restoring` long prompts (the first `restoring` of `prompts`, cut to `n`)
+  arriving together.
+
+  With N > 1 a cell's TTFTs are the means over the N; its bound is the matching N = 1 cell's
+  (in `alone`, run before it: sharing the machine cannot make a request beat its bound alone,
+  so the mean cannot beat it either), or None (no check) when that cell did not run.
 
   Returns:
     (one cell per ratio, every kvjax run, the order the settings ran in per round).
   """
-  ids = ids_full[:n]
+  ids = prompts[0][:n]
+  more = [x[:n] for x in prompts[1:restoring]]
   chunk = _CHUNK.value
   n_chunks = (n - 1) // chunk
   share_at = lambda t: share / 100  # noqa: E731
@@ -558,18 +627,20 @@ def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: 
       mode, _, rtext = name.partition("@")
       bar.set_description(f"{bench.codec} {n} {share:g}% round {k + 1}/{rounds} {name}")
       if mode == "compute_only":
-        runs[name].append(bench.run(mode, ids, share_at=share_at))
+        runs[name].append(bench.run(mode, ids, share_at=share_at, more=more))
       else:
-        co_ttft = statistics.median(x.ttft_s for x in runs["compute_only"] or [calib])
+        co_ttft = statistics.median(max(x.ttft_per_request_s or [x.ttft_s])
+                                    for x in runs["compute_only"] or [calib])
         if mode == "load_only":
           cap = _LOAD_ONLY_CAP.value * co_ttft if _LOAD_ONLY_CAP.value > 0 else None
         else:
           cap = 3 * co_ttft + 10
         runs[name].append(bench.run(mode, ids, share_at=share_at,
-                                    link=("rate", fraction(rtext) * b_star), cap_s=cap))
+                                    link=("rate", fraction(rtext) * b_star), cap_s=cap,
+                                    more=more))
       bar.update(1)
   co_runs = runs["compute_only"]
-  co_sum = benchlib.summarize([x.ttft_s for x in co_runs])
+  co_sum = benchlib.summarize([x.ttft_mean_s for x in co_runs])
   cells, kv_all = [], []
   for rtext in ratios:
     r = fraction(rtext)
@@ -582,8 +653,13 @@ def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: 
                           _fit(co.prefills + co.other_prefills) or _LINEAR_COST)
             for co, lo, kv in zip(co_runs, lo_runs, kv_runs)]
     ideal_sum = benchlib.summarize([a["ideal_s"] for a in anas])
-    lo_sum = _summary_of([x.ttft_s for x in lo_runs])
-    kv_sum = _summary_of([x.ttft_s for x in kv_runs])
+    if restoring > 1:  # the matching N = 1 cell's bound (see the docstring), else none
+      one = next((c for c in alone if c.get("restoring", 1) == 1 and c["codec"] == bench.codec
+                  and c["share"] == share and c["seq_len"] == n and c["ratio_text"] == rtext
+                  and c.get("busy") == _BUSY.value), None)
+      ideal_sum = one["summary"]["ideal"] if one is not None else None
+    lo_sum = _summary_of([x.ttft_mean_s for x in lo_runs])
+    kv_sum = _summary_of([x.ttft_mean_s for x in kv_runs])
     # The round whose bound is the median one stands for the cell's details.
     mid = sorted(range(len(anas)), key=lambda i: anas[i]["ideal_s"])[(len(anas) - 1) // 2]
     co, lo, kv = co_runs[mid], lo_runs[mid], kv_runs[mid]
@@ -592,9 +668,12 @@ def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: 
     kv_t = kv_sum["median"] if kv_sum else None
     lo_min = None if lo_t is not None else max(x.wall_s for x in lo_runs)
     best = min(co_t, lo_t) if lo_t is not None else co_t  # a censored load-only is slower
-    invalid = kv_sum is not None and benchlib.below_bound(kv_sum, ideal_sum)
+    invalid = (kv_sum is not None and ideal_sum is not None
+               and benchlib.below_bound(kv_sum, ideal_sum))
+    ideal_t = ideal_sum["median"] if ideal_sum is not None else None
     cell = {
         "seq_len": n, "share": share, "codec": bench.codec, "ratio_text": rtext,
+        "restoring": restoring, "busy": _BUSY.value,
         "bandwidth_bytes_per_s": bw, "bandwidth_ratio": r, "b_star_bytes_per_s": b_star,
         "b_star_run": {"ttft_s": calib.ttft_s, "cpu_cores": round(calib.cpu_cores, 3)},
         "prefix_chunks": n_chunks, "prefix_bytes": pbytes, "chunk_bytes": per_chunk[0],
@@ -607,11 +686,16 @@ def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: 
         "ttft_load_only_min_s": lo_min,
         "ttft_load_only_projected_s": (lo.lookup_s + pbytes / bw + anas[mid]["suffix_s"]
                                        + anas[mid]["first_token_s"]),
-        "ttft_kvjax_s": kv_t, "ttft_ideal_s": ideal_sum["median"],
-        "ttft_compute_only_reps_s": [x.ttft_s for x in co_runs],
-        "ttft_load_only_reps_s": [x.ttft_s for x in lo_runs],
-        "ttft_kvjax_reps_s": [x.ttft_s for x in kv_runs],
-        "ttft_ideal_reps_s": [a["ideal_s"] for a in anas],
+        "ttft_kvjax_s": kv_t, "ttft_ideal_s": ideal_t,
+        "ttft_compute_only_reps_s": [x.ttft_mean_s for x in co_runs],
+        "ttft_load_only_reps_s": [x.ttft_mean_s for x in lo_runs],
+        "ttft_kvjax_reps_s": [x.ttft_mean_s for x in kv_runs],
+        "ttft_ideal_reps_s": (ideal_sum["rounds"] if ideal_sum is not None else None),
+        "ttft_per_request_reps_s": {"compute_only": [x.ttft_per_request_s for x in co_runs],
+                                    "load_only": [x.ttft_per_request_s for x in lo_runs],
+                                    "cake": [x.ttft_per_request_s for x in kv_runs]},
+        "meeting_index_first_request_reps": [(x.merge or {}).get("meeting_index")
+                                             for x in kv_runs],
         "cpu_cores": {"compute_only": [round(x.cpu_cores, 3) for x in co_runs],
                       "load_only": [round(x.cpu_cores, 3) for x in lo_runs],
                       "cake": [round(x.cpu_cores, 3) for x in kv_runs]},
@@ -622,9 +706,11 @@ def grid_block(bench: Bench, ids_full: list[int], n: int, share: float, ratios: 
         "speedup_vs_compute_only": co_t / kv_t if kv_t else None,
         "speedup_vs_load_only": (lo_t / kv_t) if (kv_t and lo_t) else None,
         "speedup_vs_load_only_min": (lo_min / kv_t) if (kv_t and lo_min) else None,
-        "kvjax_over_ideal": kv_t / ideal_sum["median"] if kv_t else None,
-        "first_tokens_agree": len({x.first_token_id for x in co_runs + lo_runs + kv_runs
-                                   if x.first_token_id is not None}) <= 1,
+        "kvjax_over_ideal": kv_t / ideal_t if kv_t and ideal_t else None,
+        "first_tokens_agree": all(
+            len({(x.first_tokens or [x.first_token_id])[i] for x in co_runs + lo_runs + kv_runs
+                 if (x.first_tokens or [x.first_token_id])[i] is not None}) <= 1
+            for i in range(restoring)),
         "ideal": anas[mid], "ideal_round": mid,
         "runs": {"compute_only": co.summary(), "load_only": lo.summary(),
                  "cake": kv.summary()},
@@ -764,7 +850,9 @@ def print_cells(cells: list[dict]) -> None:
     sp = c["speedup_vs_best"]
     kvi = c["kvjax_over_ideal"]
     bf = c.get("bandwidth_ratio_vs_fastest_compute_only")
-    print(f"{c['codec']:<8} {c['share']:>5g} {c['seq_len']:>5} {c['ratio_text']:>5} "
+    tag = c["codec"] + (f"/N{c['restoring']}" if c.get("restoring", 1) > 1 else "") + (
+        "/busy" if c.get("busy") else "")
+    print(f"{tag:<8} {c['share']:>5g} {c['seq_len']:>5} {c['ratio_text']:>5} "
           f"{('-' if bf is None else f'{bf:.2f}'):>5} "
           f"{c['bandwidth_bytes_per_s'] / 1e6:>6.2f} {fmt_s(c['ttft_compute_only_s']):>7} "
           f"{lo:>8} {fmt_s(c['ttft_kvjax_s']):>7} {fmt_s(c['ttft_ideal_s']):>7} "
@@ -814,7 +902,7 @@ def mark_invalid(cell: dict) -> None:
     cell["invalid"] = kv is not None and benchlib.below_bound({"median": kv}, {"median": ideal})
   elif "invalid" not in cell:
     kv, ideal = cell["summary"]["kvjax"], cell["summary"]["ideal"]
-    cell["invalid"] = kv is not None and benchlib.below_bound(kv, ideal)
+    cell["invalid"] = kv is not None and ideal is not None and benchlib.below_bound(kv, ideal)
 
 
 def headline(cells: list[dict]) -> dict | None:
@@ -822,7 +910,8 @@ def headline(cells: list[dict]) -> dict | None:
   100%) measured in at least 3 rounds with steady CPU shares (`steady`); None when there is
   none. An invalid cell is never one."""
   ok = [c for c in cells if c["bandwidth_ratio"] == 1 and c["share"] == 100
-        and not c["invalid"] and c["speedup_vs_best"] is not None and c.get("rounds", 1) >= 3
+        and c.get("restoring", 1) == 1 and not c.get("busy") and not c["invalid"]
+        and c["speedup_vs_best"] is not None and c.get("rounds", 1) >= 3
         and steady(c)]
   if not ok:
     return None
@@ -845,6 +934,7 @@ def plot(cells: list[dict], path: pathlib.Path, title: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
+  cells = [c for c in cells if c.get("restoring", 1) == 1 and not c.get("busy")] or cells
   raw = [c for c in cells if c["codec"] == "raw"] or cells
   shares = sorted({c["share"] for c in raw}, reverse=True)
   fig, axes = plt.subplots(2, len(shares), figsize=(3.8 * len(shares), 6.6), squeeze=False)
@@ -885,30 +975,41 @@ def plan(quick: bool) -> dict:
   if quick:
     return {"lengths": [2048, 4096], "shares": [100.0], "ratios": ["1", "4", "1/4"],
             "sub_lengths": [], "sub_ratios": [], "codecs": ["raw"], "codec_lengths": [],
-            "codec_ratios": [], "rounds": _ROUNDS.value, "experiments": ["grid"]}
+            "codec_ratios": [], "rounds": _ROUNDS.value, "experiments": ["grid"],
+            "restoring": restoring_list()}
   return {"lengths": [int(x) for x in _LENGTHS.value],
           "shares": [float(x) for x in _SHARES.value], "ratios": list(_RATIOS.value),
           "sub_lengths": [int(x) for x in _SUB_LENGTHS.value],
           "sub_ratios": list(_SUB_RATIOS.value), "codecs": list(_CODECS.value),
           "codec_lengths": [int(x) for x in _CODEC_LENGTHS.value],
           "codec_ratios": list(_CODEC_RATIOS.value), "rounds": _ROUNDS.value,
-          "experiments": list(_EXPERIMENTS.value)}
+          "experiments": list(_EXPERIMENTS.value), "restoring": restoring_list()}
+
+
+def restoring_list() -> list[int]:
+  """--restoring as ints, N = 1 first (an N > 1 cell's bound is its N = 1 cell's)."""
+  out = sorted({int(x) for x in _RESTORING.value})
+  if not out or out[0] < 1:
+    raise app.UsageError(f"--restoring={_RESTORING.value}: each N must be >= 1")
+  return out
 
 
 def tasks_of(p: dict) -> list[tuple]:
   """Run order: raw blocks at share 100% (short first), the fluctuation and burst experiments,
-  raw blocks at lower shares, then the codec blocks. A block is ("block", codec, length, share,
-  ratios); --deadline_s drops what is left when it passes."""
+  raw blocks at lower shares, then the codec blocks, each grid block once per N of
+  --restoring (N = 1 first). A block is ("block", codec, length, share, ratios, N);
+  --deadline_s drops what is left when it passes."""
   grid = "grid" in p["experiments"]
+  ns = p.get("restoring", [1])
   out: list[tuple] = []
   if grid and 100.0 in p["shares"]:
-    out += [("block", "raw", n, 100.0, p["ratios"]) for n in sorted(p["lengths"])]
+    out += [("block", "raw", n, 100.0, p["ratios"], k) for k in ns for n in sorted(p["lengths"])]
   out += [(e,) for e in ("fluctuation", "burst") if e in p["experiments"]]
   if grid:
-    out += [("block", "raw", n, share, p["sub_ratios"]) for share in p["shares"] if share != 100
-            for n in sorted(p["sub_lengths"])]
+    out += [("block", "raw", n, share, p["sub_ratios"], k) for k in ns for share in p["shares"]
+            if share != 100 for n in sorted(p["sub_lengths"])]
   if "codecs" in p["experiments"]:
-    out += [("block", codec, n, 100.0, p["codec_ratios"]) for codec in p["codecs"]
+    out += [("block", codec, n, 100.0, p["codec_ratios"], 1) for codec in p["codecs"]
             if codec != "raw" for n in p["codec_lengths"]]
   return out
 
@@ -935,12 +1036,12 @@ def main(argv):
   rng = random.Random(_SEED.value)
   tasks = tasks_of(p)
   blocks = [t[1:] for t in tasks if t[0] == "block"]
-  max_len = max([n for _, n, _, _ in blocks]
+  max_len = max([n for _, n, _, _, _ in blocks]
                 + ([_FLUCT_LENGTH.value] if "fluctuation" in p["experiments"] else [])
                 + ([_BURST_LENGTH.value] if "burst" in p["experiments"] else []))
   # Runs: the B* compute-only run, then per round compute-only and load-only + kvjax per ratio.
-  def runs_in(codec, n, share, r):
-    del codec, n, share
+  def runs_in(codec, n, share, r, k):
+    del codec, n, share, k
     return 1 + p["rounds"] * (1 + 2 * len(r))
   total = sum(runs_in(*b) for b in blocks)
   total += 3 * _FLUCT_SEEDS.value * ("fluctuation" in p["experiments"])
@@ -958,13 +1059,18 @@ def main(argv):
                    "link": "one LLM per codec; link re-armed in place per run with "
                            "LinkLimiter.reset (rate, or trace from the request's arrival)",
                    "share": "competing ShareGPT prompts take exactly (1 - share) of each step's "
-                            "token budget as ordinary prefills (served first)"},
+                            "token budget as ordinary prefills (served first)",
+                   "restoring": p["restoring"], "busy": _BUSY.value,
+                   "busy_load": "one busy-looping python process during every grid block"
+                                if _BUSY.value else None},
       "cells": [], "skipped": []}
 
   from kvjax.models.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
   from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
   tok = Tokenizer.from_gguf(find_smollm2_gguf())
   ids_full, source = long_prompt(tok, max_len)
+  prompts = [ids_full] + [long_prompt(tok, max_len, _PROMPT_INDEX.value + i)[0]
+                          for i in range(1, max(p["restoring"]))]
   pool = TokenPool(tok, _SHAREGPT.value)
   record["prompt"] = {"source": source, "tokens_available": len(ids_full)}
   all_kv: list[Run] = []
@@ -985,10 +1091,12 @@ def main(argv):
       print(msg)
       record["skipped"].append(msg)
       return None
-    longest = max([n for c, n, _, _ in blocks if c == codec] + [min(2048, max_len)])
+    longest = max([n for c, n, _, _, _ in blocks if c == codec] + [min(2048, max_len)])
     if codec == "raw":
       longest = max_len
     record.setdefault("warmup", {})[codec] = b.warm(ids_full[:longest], ids_full[:1024])
+    for other in prompts[1:]:  # the --restoring prompts, stored too
+      b.store(other[:longest])
     benches[codec] = b
     return b
 
@@ -1011,11 +1119,17 @@ def main(argv):
         record["skipped"].append(f"{name}: past --deadline_s")
         continue
       if task[0] == "block":
-        _, codec, n, share, ratios = task
+        _, codec, n, share, ratios, k = task
+        name += f"/N{k}" if k > 1 else ""
         bench = get_bench(codec)
         if bench is None:
           continue
-        cells, kv_runs, order = grid_block(bench, ids_full, n, share, ratios, p["rounds"], bar)
+        busy = start_busy() if _BUSY.value else None
+        try:
+          cells, kv_runs, order = grid_block(bench, prompts, n, share, ratios, p["rounds"], bar,
+                                             restoring=k, alone=record["cells"])
+        finally:
+          stop_busy(busy)
         record["round_orders"][name] = order
         record["cells"] += cells
         all_kv += kv_runs

@@ -20,6 +20,13 @@ a raw f32 chunk is 30 * 2 * 256 * 3 * 64 * 4 = 11.8 MB.
 
 The planner's cost model is warmed as an engine's is after one request (it has seen each
 compiled size and one load), unless `--cold`.
+
+`--restoring 1,4` also runs N prompts of the cell's length with stored prefixes arriving
+together, sharing the link and each step's budget: kvjax planning them jointly (the default,
+`kvjax/scheduler/cake_joint.py`) and each alone (`LoadConfig.joint_planning=False`), against
+compute-only and load-only (jointly planned too), by mean TTFT over the N (per-request TTFTs
+beside). The ideal bound there is the mean of each request's bound alone, a true but loose
+lower bound (sharing can only slow a request).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from absl import app, flags
 
 import benchlib  # scripts/benchlib.py
 from kvjax.scheduler import MergeMode, SchedulerConfig
-from kvjax.testing.cake_sim import (ChunkCosts, LinkScript, PiecewiseConstant, SimRequest,
-                                    ideal_bound, simulate, warm_cost_model)
+from kvjax.testing.cake_sim import (SMOLLM2_CPU_CHUNK_S, SMOLLM2_RAW_CHUNK_BYTES, ChunkCosts,
+                                    LinkScript, PiecewiseConstant, SimRequest, ideal_bound,
+                                    simulate, warm_cost_model)
 
 _COSTS = flags.DEFINE_string("costs", None, "JSON of cost curves (see the module docstring).")
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["2048", "4096", "6144", "8192"], "Prompt lengths.")
@@ -48,9 +56,11 @@ _SIZES = flags.DEFINE_list("chunk_sizes", ["16", "32", "64", "128", "256", "512"
 _IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 2, "Loads in flight per request.")
 _COLD = flags.DEFINE_bool("cold", False, "Start every run with an unobserved cost model.")
 _OUT = flags.DEFINE_string("out", None, "Folder for simulate_cake.json and simulate_cake.png.")
+_RESTORING = flags.DEFINE_list("restoring", ["1"],
+                               "Prompts restoring at once (N per cell; 1: today's grid).")
 
-CPU_CURVE = [0.69 + (3.40 - 0.69) * j / 31 for j in range(32)]
-RAW_CHUNK_BYTES = 30 * 2 * 256 * 3 * 64 * 4
+CPU_CURVE = list(SMOLLM2_CPU_CHUNK_S)
+RAW_CHUNK_BYTES = SMOLLM2_RAW_CHUNK_BYTES
 
 
 def load_costs(path: str | None) -> tuple[int, list[float], int, float, str]:
@@ -72,25 +82,38 @@ def fraction(text: str) -> float:
   return float(num) / float(den or 1)
 
 
-def run_cell(seq_len, ratio, share_pct, chunk, costs, nbytes, b_star, sizes, budget):
-  cfg = SchedulerConfig(num_slots=2, token_budget=budget, chunk_sizes=sizes)
+def run_cell(seq_len, ratio, share_pct, chunk, costs, nbytes, b_star, sizes, budget,
+             n_req=1):
+  """One cell: kvjax and both baselines for `n_req` prompts of `seq_len` tokens arriving
+  together (mean TTFT over them), and kvjax planning them each alone when `n_req` > 1."""
+  cfg = SchedulerConfig(num_slots=max(2, n_req), token_budget=budget, chunk_sizes=sizes)
   n_chunks = (seq_len - 1) // chunk
   link = LinkScript.constant(ratio * b_star, max_in_flight=_IN_FLIGHT.value)
   tokens = int(budget * share_pct / 100)
   script = None if tokens >= budget else PiecewiseConstant.constant(tokens)
+  ids = ["r"] if n_req == 1 else [f"r{i}" for i in range(n_req)]
   spec = SimRequest("r", seq_len, [True] * n_chunks, chunk_nbytes=nbytes)
-  cell = {"seq_len": seq_len, "ratio": ratio, "share_pct": share_pct,
+  cell = {"seq_len": seq_len, "ratio": ratio, "share_pct": share_pct, "restoring": n_req,
           "bandwidth_bytes_per_s": ratio * b_star, "cake_tokens_per_step": tokens}
-  for mode in MergeMode:
+  runs = [(mode.value, mode, True) for mode in MergeMode]
+  if n_req > 1:
+    runs.append(("cake_alone", MergeMode.CAKE, False))
+  for name, mode, joint in runs:
     model = None if _COLD.value else warm_cost_model(
         costs, chunk_sizes=sizes, max_position=seq_len, bandwidth_bytes_per_s=ratio * b_star,
         nbytes=nbytes)
-    sim = simulate([dataclasses.replace(spec, mode=mode)], costs=costs, link=link,
-                   scheduler_config=cfg, chunk_size=chunk, cost_model=model, budget=script)
-    res = sim.results["r"]
-    cell[mode.value] = {"ttft_s": res.ttft_s, "meeting_index": res.meeting_index,
-                        "chunks_wasted": len(res.trace.chunks_wasted),
-                        "writers": res.chunk_writers, "max_step_s": sim.max_step_s}
+    sim = simulate([dataclasses.replace(spec, request_id=rid, mode=mode) for rid in ids],
+                   costs=costs, link=link, scheduler_config=cfg, chunk_size=chunk,
+                   cost_model=model, budget=script, joint_planning=joint)
+    res = [sim.results[rid] for rid in ids]
+    cell[name] = {"ttft_s": sum(r.ttft_s for r in res) / n_req,
+                  "meeting_index": res[0].meeting_index,
+                  "chunks_wasted": sum(len(r.trace.chunks_wasted) for r in res),
+                  "writers": res[0].chunk_writers, "max_step_s": sim.max_step_s}
+    if n_req > 1:
+      cell[name].update(ttft_per_request_s=[r.ttft_s for r in res],
+                        meeting_per_request=[r.meeting_index for r in res],
+                        writers_per_request=[r.chunk_writers for r in res])
   ideal = ideal_bound(spec, costs=costs, link=link, scheduler_config=cfg, chunk_size=chunk,
                       budget=script)
   cake = cell["cake"]["ttft_s"]
@@ -98,14 +121,18 @@ def run_cell(seq_len, ratio, share_pct, chunk, costs, nbytes, b_star, sizes, bud
   cell.update(ideal_ttft_s=ideal.ttft_s, ideal_m=ideal.best_m, speedup=best / cake,
               vs_ideal=cake / ideal.ttft_s,
               within_one_step=cake <= ideal.ttft_s + cell["cake"]["max_step_s"] + 1e-9)
+  if n_req > 1:
+    cell.update(joint_vs_alone=cell["cake_alone"]["ttft_s"] / cake,
+                alone_speedup=best / cell["cake_alone"]["ttft_s"])
   return cell
 
 
-def table(cells, seq_lens, ratios, key, fmt) -> str:
+def table(cells, seq_lens, ratios, key, fmt, restoring=1) -> str:
   head = "seq \\ B/B*  " + " ".join(f"{r:>7}" for r in ratios)
   rows = [head]
   for n in seq_lens:
-    vals = [next(c for c in cells if c["seq_len"] == n and c["ratio_text"] == r) for r in ratios]
+    vals = [next(c for c in cells if c["seq_len"] == n and c["ratio_text"] == r
+                 and c["restoring"] == restoring) for r in ratios]
     rows.append(f"{n:>10}  " + " ".join(f"{fmt(key(c)):>7}" for c in vals))
   return "\n".join(rows)
 
@@ -119,29 +146,44 @@ def main(argv):
   sizes = tuple(int(s) for s in _SIZES.value)
   seq_lens = [int(s) for s in _SEQ_LENS.value]
   shares = [float(s) for s in _SHARES.value]
+  restoring = [int(x) for x in _RESTORING.value]
+  if any(x < 1 for x in restoring):
+    raise app.UsageError(f"--restoring={_RESTORING.value}: each N must be >= 1")
   cells = []
-  for share in shares:
-    for n in seq_lens:
-      n_chunks = (n - 1) // chunk
-      # B*: the bandwidth at which loading the stored prefix takes its full-budget compute time.
-      b_star = n_chunks * nbytes / sum(costs.compute_s(j * chunk, chunk) for j in range(n_chunks))
-      for r in _RATIOS.value:
-        cell = run_cell(n, fraction(r), share, chunk, costs, nbytes, b_star, sizes, _BUDGET.value)
-        cell.update(ratio_text=r, b_star_bytes_per_s=b_star)
-        cells.append(cell)
+  for n_req in restoring:
+    for share in shares:
+      for n in seq_lens:
+        n_chunks = (n - 1) // chunk
+        # B*: the bandwidth at which loading the stored prefix takes its full-budget compute
+        # time (one prompt's; N prompts share it).
+        b_star = n_chunks * nbytes / sum(costs.compute_s(j * chunk, chunk)
+                                         for j in range(n_chunks))
+        for r in _RATIOS.value:
+          cell = run_cell(n, fraction(r), share, chunk, costs, nbytes, b_star, sizes,
+                          _BUDGET.value, n_req)
+          cell.update(ratio_text=r, b_star_bytes_per_s=b_star)
+          cells.append(cell)
   wall = time.perf_counter() - t0
   print(f"Cake planner on the simulator: {source}; chunk {chunk} tokens, {nbytes / 1e6:.1f} MB; "
         f"budget {_BUDGET.value} tokens/step; {'cold' if _COLD.value else 'warm'} cost model")
-  for share in shares:
-    mine = [c for c in cells if c["share_pct"] == share]
-    print(f"\n== compute share {share:g}% ({int(_BUDGET.value * share / 100)} of "
-          f"{_BUDGET.value} tokens/step) ==")
-    print("kvjax TTFT, seconds")
-    print(table(mine, seq_lens, _RATIOS.value, lambda c: c["cake"]["ttft_s"], "{:.2f}".format))
-    print("speedup of kvjax over the better of compute-only and load-only")
-    print(table(mine, seq_lens, _RATIOS.value, lambda c: c["speedup"], "{:.2f}x".format))
-    print("kvjax / ideal")
-    print(table(mine, seq_lens, _RATIOS.value, lambda c: c["vs_ideal"], "{:.3f}".format))
+  for n_req in restoring:
+    for share in shares:
+      mine = [c for c in cells if c["share_pct"] == share and c["restoring"] == n_req]
+      print(f"\n== {n_req} restoring, compute share {share:g}% ({int(_BUDGET.value * share / 100)}"
+            f" of {_BUDGET.value} tokens/step) ==")
+      print("kvjax TTFT" + (" (mean over the N)" if n_req > 1 else "") + ", seconds")
+      print(table(mine, seq_lens, _RATIOS.value, lambda c: c["cake"]["ttft_s"],
+                  "{:.2f}".format, n_req))
+      print("speedup of kvjax over the better of compute-only and load-only")
+      print(table(mine, seq_lens, _RATIOS.value, lambda c: c["speedup"], "{:.2f}x".format,
+                  n_req))
+      if n_req > 1:
+        print("each planned alone: speedup over the better baseline")
+        print(table(mine, seq_lens, _RATIOS.value, lambda c: c["alone_speedup"],
+                    "{:.2f}x".format, n_req))
+      print("kvjax / ideal" + (" (the mean of each one's bound alone)" if n_req > 1 else ""))
+      print(table(mine, seq_lens, _RATIOS.value, lambda c: c["vs_ideal"], "{:.3f}".format,
+                  n_req))
   speedups = [c["speedup"] for c in cells]
   vs_ideal = [c["vs_ideal"] for c in cells]
   print(f"\n{len(cells)} cells: speedup min {min(speedups):.2f}x, max {max(speedups):.2f}x; "
@@ -149,8 +191,17 @@ def main(argv):
         f"{sum(c['within_one_step'] for c in cells)}/{len(cells)}; simulated in {wall:.1f} s")
   # No timing noise here: a cell more than 0.1% under its ideal bound means the bound is not a
   # true lower bound there (smaller differences: the bound's split of a chunk's cost).
-  under = [f"{c['seq_len']}/x{c['ratio_text']}/{c['share_pct']:g}%: {c['vs_ideal']:.3f}"
-           for c in cells if c["vs_ideal"] < 0.999]
+  for n_req in restoring:
+    mine = [c["speedup"] for c in cells if c["restoring"] == n_req]
+    line = f"N={n_req}: worst cell {min(mine):.2f}x the better baseline"
+    if n_req > 1:
+      alone = [c["alone_speedup"] for c in cells if c["restoring"] == n_req]
+      gain = [c["joint_vs_alone"] for c in cells if c["restoring"] == n_req]
+      line += (f" (planned alone: {min(alone):.2f}x); joint / alone mean TTFT gain "
+               f"{min(gain):.2f}x-{max(gain):.2f}x")
+    print(line)
+  under = [f"{c['seq_len']}/x{c['ratio_text']}/{c['share_pct']:g}%/N{c['restoring']}: "
+           f"{c['vs_ideal']:.3f}" for c in cells if c["vs_ideal"] < 0.999]
   print(f"cells more than 0.1% under their ideal bound: {len(under)}"
         + (f" ({', '.join(under)})" if under else ""))
   if _OUT.value:
@@ -161,11 +212,17 @@ def main(argv):
               "inputs": {"costs": source, "chunk_tokens": chunk, "compute_s_by_chunk": curve,
                          "chunk_nbytes": nbytes, "decode_s_per_chunk": decode_s,
                          "budget": _BUDGET.value, "chunk_sizes": sizes,
-                         "max_in_flight": _IN_FLIGHT.value, "cold": _COLD.value},
+                         "max_in_flight": _IN_FLIGHT.value, "cold": _COLD.value,
+                         "restoring": restoring},
               "wall_s": wall, "cells": cells}
     benchlib.write_json(out / "simulate_cake.json", record)
-    wrote = plot(cells, seq_lens, _RATIOS.value, shares, out / "simulate_cake.png")
-    print(f"wrote {out / 'simulate_cake.json'}" + (" and simulate_cake.png" if wrote else ""))
+    pngs = []
+    for n_req in restoring:
+      name = "simulate_cake.png" if n_req == 1 else f"simulate_cake_n{n_req}.png"
+      if plot([c for c in cells if c["restoring"] == n_req], seq_lens, _RATIOS.value, shares,
+              out / name):
+        pngs.append(name)
+    print(f"wrote {out / 'simulate_cake.json'}" + (f" and {', '.join(pngs)}" if pngs else ""))
 
 
 def plot(cells, seq_lens, ratios, shares, path) -> bool:

@@ -198,6 +198,10 @@ class CakeMerge:
     self._last_landing_s = -math.inf
     self._first_issue_s: float | None = None
     self._cold_wait_until_s: float | None = None
+    # Joint planning (`kvjax/scheduler/cake_joint.py`): when compute and the link are free of
+    # the restoring requests ahead of this one (engine clock; -inf: planned alone).
+    self._compute_free_s = -math.inf
+    self._link_free_s = -math.inf
 
   # ---------------------------------------------------------------------------- views
   def unit_tokens(self, index: int) -> int:
@@ -295,7 +299,64 @@ class CakeMerge:
                   frozenset({Writer.NONE}): "."}.get(frozenset(seg), "!"))
     return "".join(out)
 
+  def outlook(self, cost: CostModel, share: float) -> tuple[list[float], list[float], float]:
+    """What is left of the prefix, priced for `cake_forecast.split_at` at compute share `share`
+    (in (0, 1]: the fraction of a step's wall time compute gets).
+
+    Returns:
+      Per prefix unit from the compute frontier's up, seconds to compute it (0: resident or
+      landed) and seconds it holds the link if loaded (0: resident or landed; `math.inf`: a
+      hole, or the unit compute has begun); and the suffix's compute seconds.
+    """
+    p, c = self.frontier, self.chunk_size
+    a, b, k = cost.compute_coefficients  # t(n, s) = a + b n + k n (s + (n - 1) / 2)
+    load_s_per_byte = max(cost.transfer_s_per_byte, cost.decode_s_per_byte)
+    compute_s, load_s = [], []
+    for j in range(p // c, self.num_chunks if p < self.prefix_tokens else 0):
+      s = self._states[j]
+      lo = max(p, j * c)
+      if s in (ChunkState.RESIDENT, ChunkState.LANDED):
+        compute_s.append(0.0)
+        load_s.append(0.0)
+        continue
+      n = self._end(j) - lo
+      compute_s.append(max(1e-9, a + b * n + k * n * (lo + (n - 1) / 2)) / share)
+      loadable = (s in (ChunkState.HIT, ChunkState.LOADING) and lo == j * c
+                  and not self._cancelled)
+      load_s.append(self._nbytes[j] * load_s_per_byte if loadable else math.inf)
+    start = max(p, self.prefix_tokens)
+    return compute_s, load_s, cost.predict_compute_s(start, self.num_prompt_tokens - start) / share
+
+  def set_backlog(self, compute_free_s: float, link_free_s: float) -> None:
+    """Joint planning (`kvjax/scheduler/cake_joint.py`): this step, the merge's compute is
+    free of the restoring requests ahead of it at `compute_free_s` and the shared link at
+    `link_free_s` (engine clock, seconds). Its forecasts start its stored chunks' transfers no
+    earlier than `link_free_s` and its compute no earlier than `compute_free_s`.
+    `(-inf, -inf)`: planned alone (the default)."""
+    self._compute_free_s = float(compute_free_s)
+    self._link_free_s = float(link_free_s)
+
   # ---------------------------------------------------------------------------- loads
+  def expect_budget(self, budget_tokens: int, chunk_sizes: Sequence[int], now_s: float) -> None:
+    """Tells the merge, before its loads are planned, the budget its compute will be offered in
+    the step at `now_s` (at most; `next_compute` gets the exact one).
+
+    `next_load` skips a load that compute would finish first, judged at the merge's compute
+    share. Before the first `next_compute` that share is unknown: without this call the first
+    step's loads are judged at a full share while compute then runs at its real one (64 of 512
+    tokens: 1/8), so a load skipped as too slow is one compute then waits for, a whole step.
+
+    Args:
+      budget_tokens: tokens the merge's compute may take this step, >= 0.
+      chunk_sizes: the compiled chunk sizes, ascending.
+      now_s: the step's time (engine clock, seconds).
+    """
+    if budget_tokens < 0 or not chunk_sizes:
+      raise ValueError(f"expect_budget({budget_tokens!r}, {chunk_sizes!r}): need a budget >= 0 "
+                       "and chunk sizes")
+    self._pace.begin_step(now_s)
+    self._pace.offered(budget_tokens, chunk_sizes)
+
   def next_load(self, now_s: float, cost: CostModel) -> int | None:
     """The next chunk to fetch: the highest-index chunk still only stored; marks it LOADING.
 
@@ -479,6 +540,8 @@ class CakeMerge:
       raise ValueError(f"chunk_sizes={chunk_sizes!r} must be ascending distinct ints >= 1")
     self._pace.begin_step(now_s)
     self._pace.offered(budget_tokens, sizes)
+    if budget_tokens < sizes[0] and self._compute_free_s > now_s:
+      self._pace.queued()  # others' compute goes first (joint planning): not its share
     if self._cancelled:
       return None
     self._advance()
@@ -564,7 +627,8 @@ class CakeMerge:
     """Predicted landing and transfer-start times of in-flight loads and of stored chunks
     (`cake_forecast.landings`)."""
     return cake_forecast.landings(now_s, cost, self._in_flight, self._last_landing_s,
-                                  self.max_loads_in_flight, self._states, self._nbytes)
+                                  self.max_loads_in_flight, self._states, self._nbytes,
+                                  self._link_free_s)
 
   def _compute_until_s(self, index: int, now_s: float, cost: CostModel, finish: bool) -> float:
     """When compute would start (finish=False) or finish chunk `index`, computing every position
@@ -588,7 +652,7 @@ class CakeMerge:
         run_start = lo
     if run_start is not None:
       total += cake_forecast.span_s(run_start, end, self._pace.step_tokens, cost)
-    return max(now_s, self._pace.busy_until_s) + total / self._pace.share
+    return max(now_s, self._pace.busy_until_s, self._compute_free_s) + total / self._pace.share
 
   def _step_ok(self, p: int, end: int, k: int, t0: float, now_s: float, cost: CostModel) -> bool:
     """Whether compute should take every chunk the step `[p, end)` touches: it must finish each
@@ -621,8 +685,14 @@ class CakeMerge:
         continue  # late: compute takes it, the load will be wasted
       if land is None:
         land = self._landings(now_s, cost)[0]
-      # A step lands atomically: a chunk inside it is done when the whole step is.
+      # A step lands atomically: a chunk inside it is done when the whole step is. Planned
+      # jointly, the rest of a chunk this step leaves waits for the compute of the requests
+      # ahead (`set_backlog`).
       finish = t0 + cake_forecast.span_s(p, max(end, self._end(j)), k, cost) / self._pace.share
+      if end < self._end(j) and self._compute_free_s > t0:
+        finish = (max(t0 + cake_forecast.span_s(p, end, k, cost) / self._pace.share,
+                      self._compute_free_s)
+                  + cake_forecast.span_s(end, self._end(j), k, cost) / self._pace.share)
       if land[j] < finish:
         return False
     return True

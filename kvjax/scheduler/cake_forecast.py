@@ -107,7 +107,8 @@ def free_slots(max_loads_in_flight: int, num_in_flight: int,
 
 def landings(now_s: float, cost: CostModel, in_flight: Mapping[int, LoadInFlight],
              last_landing_s: float, max_loads_in_flight: int, states: Sequence[ChunkState],
-             nbytes: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
+             nbytes: Sequence[int], link_free_s: float = -math.inf
+             ) -> tuple[dict[int, float], dict[int, float]]:
   """Predicted landing and transfer-start times of in-flight loads and of stored chunks.
 
   Model: the link moves one chunk at a time in issue order (transfer = nbytes / bandwidth); one
@@ -115,7 +116,9 @@ def landings(now_s: float, cost: CostModel, in_flight: Mapping[int, LoadInFlight
   of `max_loads_in_flight` slots frees, highest chunk first; loads in flight started moving no
   earlier than the last landing. The oldest load in flight bounds the bandwidth (a censored
   observation: it has moved at most its bytes since it started); overdue loads are assumed to
-  land now. A stored chunk (`ChunkState.HIT`) is costed at `nbytes[j]`, its smallest encoding.
+  land now. A stored chunk (`ChunkState.HIT`) is costed at `nbytes[j]`, its smallest encoding,
+  and starts moving no earlier than `link_free_s` (joint planning: when the shared link is free
+  of the loads of the requests ahead; -inf alone).
 
   Returns:
     (chunk -> landing time, chunk -> transfer start), seconds.
@@ -144,9 +147,57 @@ def landings(now_s: float, cost: CostModel, in_flight: Mapping[int, LoadInFlight
       continue
     n = nbytes[j]
     issue = heapq.heappop(slots)
-    xs = max(issue, xfer_end, now_s)
+    xs = max(issue, xfer_end, now_s, link_free_s)
     xfer_end = xs + tpb * n
     dec_end = max(xfer_end, dec_end) + dpb * n
     land[j], start[j] = dec_end, xs
     heapq.heappush(slots, dec_end)
   return land, start
+
+
+
+
+def split_at(compute_s: Sequence[float], load_s: Sequence[float], suffix_s: float,
+             compute_free_s: float, link_free_s: float) -> tuple[float, int, float, float]:
+  """A merge's best meeting point given when compute and the link are free for it.
+
+  Cake's split (arXiv 2410.03065, section 4) started late on either side: compute takes the
+  units below `m` (front to back), the link loads the loadable units from `m` up, and compute
+  then owes what no load can spare above `m` (holes) and the suffix:
+  `max(compute_free_s + F(m), link_free_s + L(m)) + A(m)`. With `compute_free_s = link_free_s
+  = now` it is the merge's ideal bound alone.
+
+  Args:
+    compute_s: per prefix unit left (from the compute frontier's up), seconds to compute it (0
+      for a unit resident or landed).
+    load_s: per unit, seconds it holds the link if loaded (0 for one resident or landed);
+      `math.inf` where it cannot load (a hole, or the unit compute has begun).
+    suffix_s: seconds to compute the suffix once the prefix is present.
+    compute_free_s: when compute is free for this merge (engine clock, seconds).
+    link_free_s: when the link is free for this merge's loads (engine clock, seconds).
+
+  Returns:
+    (finish, m, link busy until, compute seconds taken) of the best split; the smallest m
+    among ties.
+
+  Raises:
+    ValueError: if `compute_s` and `load_s` differ in length.
+  """
+  u = len(compute_s)
+  if len(load_s) != u:
+    raise ValueError(f"{u} compute and {len(load_s)} load seconds: one of each per unit")
+  load_top = [0.0] * (u + 1)  # L(m): the link's seconds for the loadable units from m up
+  owed_top = [suffix_s] * (u + 1)  # A(m): compute owed from m up whatever loads
+  for j in reversed(range(u)):
+    loadable = math.isfinite(load_s[j])
+    load_top[j] = load_top[j + 1] + (load_s[j] if loadable else 0.0)
+    owed_top[j] = owed_top[j + 1] + (0.0 if loadable else compute_s[j])
+  best, front = None, 0.0
+  for m in range(u + 1):
+    link_until = link_free_s + load_top[m]
+    finish = max(compute_free_s + front, link_until) + owed_top[m]
+    if best is None or finish < best[0]:
+      best = (finish, m, link_until, front + owed_top[m])
+    if m < u:
+      front += compute_s[m]
+  return best

@@ -36,6 +36,7 @@ class ComputeShare:
     self._step_now_s: float | None = None
     self._step_pred_s = 0.0
     self._step_waited = False
+    self._step_queued = False
     self.busy_until_s = -math.inf
     self.step_tokens = chunk_size
 
@@ -44,7 +45,7 @@ class ComputeShare:
     predicted compute seconds over its wall time; not a step that only waited for loads)."""
     if self._step_now_s is not None and now_s == self._step_now_s:
       return
-    if (self._step_now_s is not None and now_s > self._step_now_s
+    if (self._step_now_s is not None and now_s > self._step_now_s and not self._step_queued
         and not (self._step_waited and self._step_pred_s == 0)):
       sample = self._step_pred_s / (now_s - self._step_now_s)
       self.share = min(1.0, max(1e-3, 0.5 * self.share + 0.5 * sample))
@@ -52,6 +53,7 @@ class ComputeShare:
     self._step_now_s = now_s
     self._step_pred_s = 0.0
     self._step_waited = False
+    self._step_queued = False
     self.busy_until_s = now_s
 
   def offered(self, budget_tokens: int, sizes: Sequence[int]) -> None:
@@ -61,6 +63,12 @@ class ComputeShare:
       self._from_budget = False
     if budget_tokens >= sizes[0]:  # the step size future predictions assume
       self.step_tokens = max(s for s in sizes if s <= budget_tokens)
+
+  def queued(self) -> None:
+    """The merge got no budget this step because other restoring requests' compute went first
+    (joint planning, `kvjax/scheduler/cake_joint.py`): the step says nothing of its share (its
+    wait is the planner's, not the machine's), so it is not sampled."""
+    self._step_queued = True
 
   def waited(self) -> None:
     """Compute waited for loads in this step."""

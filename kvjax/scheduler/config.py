@@ -88,6 +88,11 @@ class LoadConfig:
     lookahead_window: waiting requests with stored chunks whose chunks the executor hints
       (never evicted) and prefetches toward the host tier (CachedAttention, arXiv 2403.19708,
       section 3.3; `SchedulerOutput.lookahead`); 0: off (plain LRU, no prefetch).
+    joint_planning: several requests restoring at once are planned together
+      (`kvjax/scheduler/cake_joint.py`): shortest remaining first (aged by arrival) over the
+      shared link and the budget, each merge's meeting point chosen against the backlog of the
+      ones ahead of it. False: each merge plans as if alone (loads issued oldest first, the
+      link split between them). One restoring request plans the same either way.
   """
 
   merge_mode: str = "cake"
@@ -99,8 +104,11 @@ class LoadConfig:
   check_writes: bool = False
   layerwise_groups: int = 1
   lookahead_window: int = 0
+  joint_planning: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.joint_planning, bool):
+      raise ValueError(f"joint_planning={self.joint_planning!r} must be a bool")
     w = self.lookahead_window
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
       raise ValueError(f"lookahead_window={w!r} must be an int >= 0")

@@ -159,18 +159,26 @@ def plan_inserts(prefixes: Mapping[RequestId, Prefix], requests: Iterable[Reques
 
 def plan_loads(prefixes: Mapping[RequestId, Prefix], requests: Sequence[Request],
                now_s: float | None, lc: LoadConfig, cost: CostModel, last_step_s: float,
-               largest_size: int) -> tuple[LoadItem, ...]:
+               largest_size: int, link_free_s: Mapping[RequestId, float] | None = None
+               ) -> tuple[LoadItem, ...]:
   """Each merge's next loads (last chunk first), in the order of `requests` (running ones
-  first, then queued ones); records them as outstanding. Loads ahead per request
-  (`transfer_policy.loads_ahead`) take the longer of the last step (`last_step_s`) and one
-  step of `largest_size` tokens as the delay, unless `lc.max_loads_ahead` fixes them."""
+  first, then queued ones, or the joint plan's order); records them as outstanding. Loads
+  ahead per request (`transfer_policy.loads_ahead`) take the longer of the last step
+  (`last_step_s`) and one step of `largest_size` tokens as the delay, unless
+  `lc.max_loads_ahead` fixes them. A request whose `link_free_s` (joint planning: when the
+  link has moved the loads of the requests ahead of it) lies beyond that delay and the link's
+  latency issues none yet: the link serves the requests in order."""
   out = []
+  link_free_s = link_free_s or {}
   for r in requests:
     prefix = prefixes[r.request_id]
     m = prefix.merge
     nbytes = largest_chunk_nbytes(prefix.stored)
+    delay_s = max(last_step_s, cost.predict_compute_s(r.num_computed_tokens, largest_size))
+    if now_s is not None and link_free_s.get(r.request_id, now_s) > (
+        now_s + delay_s + lc.link_latency_s):
+      continue
     if lc.max_loads_ahead is None:
-      delay_s = max(last_step_s, cost.predict_compute_s(r.num_computed_tokens, largest_size))
       m.max_loads_in_flight = loads_ahead(cost.bandwidth_bytes_per_s, delay_s,
                                           lc.link_latency_s, nbytes, lc.staging_bytes)
     reads = lc.max_loads_in_flight or reads_at_once(cost.bandwidth_bytes_per_s,

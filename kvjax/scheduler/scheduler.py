@@ -19,7 +19,8 @@ Part 3, adaptive mode):
   4. waiting requests are admitted into free decode slots, first come first served (a request
      with a Cake merge is admitted whenever a slot is free, budget or not: its loads need none);
      their staged chunks are inserted, and every merge issues its next loads, last chunk first,
-     queued requests included (loads need no slot);
+     queued requests included (loads need no slot), judged at the compute share the budget
+     left to the merges gives them (`CakeMerge.expect_budget`);
   5. the compute side of each merge takes what is left, oldest first: compiled chunk sizes
      aligned to store chunks, possibly several pieces (skipping resident chunks), none when loads
      are predicted to finish the next chunk first.
@@ -48,10 +49,12 @@ import bisect
 import collections
 import dataclasses
 import itertools
+import math
 
 from kvjax._typing import RequestId
 from kvjax.block_hash import blocks_per_chunk
-from kvjax.scheduler import device_prefix, prefill_policy, prefix_loads, transfer_policy
+from kvjax.scheduler import (cake_joint, device_prefix, prefill_policy, prefix_loads,
+                             transfer_policy)
 from kvjax.scheduler.cake import CakeMerge, MergeMode, MergeTrace
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
@@ -401,11 +404,26 @@ class Scheduler:
     admitted = [rid for rid in admitted if rid in self.running]
     late, _ = self._plan_inserts([self.running[rid] for rid in admitted], held)
     inserts += late
-    loads = prefix_loads.plan_loads(self._prefix, self.cake_requests(include_waiting=True), now_s,
-                                    self.load_config, self.cost_model, self._last_step_s,
-                                    self.config.chunk_sizes[-1])
-    for r in self.cake_requests():
-      budget = self._plan_cake(r, budget, now_s, prefills)
+    restoring, link_free = self._restore_order(now_s, self._prefill_share(budget))
+    for r in restoring:  # their compute's share judges their loads (`expect_budget`)
+      if r.status is RequestStatus.PREFILLING:
+        self._prefix[r.request_id].merge.expect_budget(self._prefill_share(budget),
+                                                       self._plan_sizes, now_s)
+    loads = prefix_loads.plan_loads(self._prefix, restoring, now_s, self.load_config,
+                                    self.cost_model, self._last_step_s,
+                                    self.config.chunk_sizes[-1], link_free)
+    land_by = None  # joint: when the loads of a merge ahead that waits for them land
+    for r in restoring:
+      if r.status is not RequestStatus.PREFILLING:
+        continue
+      m = self._prefix[r.request_id].merge
+      offer = budget if land_by is None else min(budget, cake_joint.tokens_until(
+          land_by - now_s, m.frontier, self._plan_sizes, self.cost_model.predict_compute_s))
+      budget -= offer - self._plan_cake(r, offer, now_s, prefills)
+      if link_free and not m.is_prefix_done and m.has_loads_to_come:
+        t = m.loads_land_s(now_s, self.cost_model)
+        if t is not None and (land_by is None or t < land_by):
+          land_by = t
     releases = prefix_loads.plan_releases(self._prefix, self._releases)
     self._releases = []
     block_tables: tuple = ()
@@ -649,6 +667,30 @@ class Scheduler:
     return prefix_loads.plan_inserts(self._prefix, requests, held,
                                      lc.layerwise_groups > 1 and self.kv_cache is not None,
                                      lc.staging_bytes)
+
+  def _restore_order(self, now_s: float | None, budget: int
+                     ) -> tuple[list[Request], dict[RequestId, float]]:
+    """The requests whose merges still prefill (running, then queued ones), in the order they
+    take the link and the budget, and when the link is free for each one's loads.
+
+    Planned alone (`LoadConfig.joint_planning` off, or at most one): running oldest first, then
+    the queue, no link backlog. Jointly (`kvjax/scheduler/cake_joint.py`): shortest remaining
+    first aged by arrival, each merge told its backlog (`CakeMerge.set_backlog`); `budget`,
+    the tokens left to the merges this step, over the largest compiled size is their compute
+    share.
+    """
+    requests = self.cake_requests(include_waiting=True)
+    if not self.load_config.joint_planning or len(requests) < 2 or now_s is None:
+      for r in requests:  # no backlog (one restoring request, or planned alone)
+        self._prefix[r.request_id].merge.set_backlog(-math.inf, -math.inf)
+      return requests, {}
+    by_id = {r.request_id: r for r in requests}
+    entries = cake_joint.plan([(r.request_id, r.arrival_s, self._prefix[r.request_id].merge)
+                               for r in requests], now_s, self.cost_model,
+                              min(1.0, max(budget, 1) / self._plan_sizes[-1]))
+    for e in entries:
+      self._prefix[e.request_id].merge.set_backlog(e.compute_free_s, e.link_free_s)
+    return [by_id[e.request_id] for e in entries], {e.request_id: e.link_free_s for e in entries}
 
   def _plan_cake(self, r: Request, budget: int, now_s: float, out: list[PrefillChunk]) -> int:
     """Appends the compute steps of `r`'s merge that the budget (and the long-prefill

@@ -29,11 +29,18 @@ import math
 from typing import Callable, Sequence
 
 from kvjax._typing import RequestId
-from kvjax.engine.core import EngineCore
+from kvjax.engine.core import EngineCore, StepRecord
 from kvjax.scheduler import (Candidate, ComputeTiming, CostModel, LoadConfig, LoadItem, LoadReport,
                              MergeMode, MergeTrace, PrefillChunk, Request, SamplingParams, Scheduler,
                              SchedulerConfig, SchedulerOutput, StepResult, StoredChunk,
                              StoredPrefix, chunk_tokens, ideal_merge_s)
+
+
+#: The built-in cost line of `scripts/simulate_cake.py`: SmolLM2-135M f32 on 2 CPU cores,
+#: seconds per 256-token chunk by chunk index (0.69 s at position 0 to 3.40 s at 7936), and a
+#: raw f32 chunk's stored bytes (30 layers x K, V x 256 tokens x 3 KV heads x 64 x 4 bytes).
+SMOLLM2_CPU_CHUNK_S = tuple(0.69 + (3.40 - 0.69) * j / 31 for j in range(32))
+SMOLLM2_RAW_CHUNK_BYTES = 30 * 2 * 256 * 3 * 64 * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +353,9 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
              scheduler_config: SchedulerConfig, chunk_size: int,
              cost_model: CostModel | None = None, budget: PiecewiseConstant | None = None,
              competing_s: Callable[[int], float] | None = None,
-             max_steps: int = 100_000) -> SimRun:
+             max_steps: int = 100_000, joint_planning: bool = True,
+             observe: Callable[[StepRecord], None] | None = None,
+             check_writes: bool = True) -> SimRun:
   """Runs requests to their last token on a fake clock: the real `Scheduler` under a
   `SimExecutor`, through the engine's own step loop (`kvjax.engine.core.EngineCore`).
 
@@ -361,6 +370,10 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
       `scheduler_config.token_budget` goes to competing work. None: the whole budget.
     competing_s: seconds of `k` competing tokens; default `costs.compute_s(0, k)`.
     max_steps: a guard against a planner that never finishes.
+    joint_planning: `LoadConfig.joint_planning` (requests restoring at once planned together).
+    observe: called with each step's `StepRecord` (its planner seconds among them).
+    check_writes: keep each merge's writer map (`LoadConfig.check_writes`; then each result's
+      `chunk_writers`); False times the planner as an engine runs it (no map).
 
   Returns:
     A `SimRun`.
@@ -373,11 +386,14 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
     raise ValueError("request ids must be distinct")
   model = cost_model if cost_model is not None else CostModel()
   sched = Scheduler(scheduler_config, model, load_config=LoadConfig(
-      max_loads_in_flight=link.max_in_flight, check_writes=True))
+      max_loads_in_flight=link.max_in_flight, check_writes=check_writes,
+      joint_planning=joint_planning))
   competing = competing_s or (lambda k: costs.compute_s(0, k) if k > 0 else 0.0)
   ex = SimExecutor(requests, costs=costs, link=link, scheduler=sched, chunk_size=chunk_size,
                    budget=budget, competing_s=competing)
   core = EngineCore(sched, ex)
+  if observe is not None:
+    core.observers.append(observe)
   traces: dict[str, MergeTrace] = {}
   steps = 0
   while ex.arrivals or sched.has_unfinished():

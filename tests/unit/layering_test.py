@@ -104,7 +104,7 @@ SCHEDULER_FLOORS = (
     ("cake_state", "kv_cache_manager", "prefill_policy"),
     ("cake_forecast", "device_prefix", "config"),
     ("cake",),
-    ("transfer_policy",),
+    ("transfer_policy", "cake_joint"),
     ("prefix_loads",),
     ("scheduler",),
 )

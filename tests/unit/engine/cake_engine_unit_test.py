@@ -245,6 +245,35 @@ class CakeEngineUnitTest(parameterized.TestCase):
     self.assertGreater(stats.started, 0)
     engines.close_engine(e)
 
+  @parameterized.parameters("cake", "load_only")
+  def test_several_prompts_restoring_at_once_equal_cold(self, mode):
+    # Four prompts with stored prefixes arrive together: the scheduler plans them jointly
+    # (shortest remaining first over the shared link and budget, `kvjax/scheduler/cake_joint.py`)
+    # and each answer equals its cold run bit for bit.
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (2 * C + 5, 5 * C + 1,
+                                                                   3 * C + 17, 4 * C + 3)]
+    cold_engine = engines.fake_engine(kv_chunk_size=C, max_num_seqs=4, chunk_sizes=(16, 32, 64),
+                                      enable_prefix_caching=False)
+    cold = engines.generate(cold_engine, prompts, PARAMS)
+    engines.close_engine(cold_engine)
+    e = engines.fake_engine(kv_store=engines.memory_store_url(), kv_chunk_size=C,
+                            max_num_seqs=4, chunk_sizes=(16, 32, 64), merge_mode=mode,
+                            enable_prefix_caching=False)
+    for p in prompts:
+      engines.generate(e, [p], PARAMS)
+    e.kv_store.flush()
+    outs = engines.generate(e, prompts, PARAMS)
+    for p, out, want in zip(prompts, outs, cold):
+      self.assertEqual(out.token_ids, want.token_ids)
+      self.assertEqual(out.logprobs[0], want.logprobs[0])
+      trace = out.metrics.merge
+      self.assertEqual(set(trace.chunks_computed) | set(trace.chunks_loaded),
+                       set(range((len(p) - 1) // C)))
+      if mode == "load_only":
+        self.assertEqual(out.num_cached_tokens, C * ((len(p) - 1) // C))
+    engines.close_engine(e)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -441,6 +441,21 @@ class SchedulerCakeTest(absltest.TestCase):
     self.assertEqual(plan.prefills, ())  # y admitted; FAST loads beat compute
     self.assertEqual(y.slot, 0)
 
+  def test_a_first_steps_loads_are_judged_at_the_compute_share_it_will_get(self):
+    # Compute: 1 s per 16 tokens alone; the merge gets 4 of 16 tokens a step (share 1/4), so
+    # chunk 0 takes it 4 s. Loads: 0.4 s a chunk, last first: chunk 0 lands at 1.2 s. At a full
+    # share compute would finish chunk 0 at 1.0 s, first: judged so (before the step's budget
+    # was known) the load was skipped, then compute at its real share waited for it, a whole
+    # step (simulate_cake's 2K cell at 8 B*, share 12.5%: 0.86x load-only, now 1.00x).
+    cost = model(250.0)
+    s = Scheduler(SchedulerConfig(num_slots=1, token_budget=16, chunk_sizes=(4, 16)), cost,
+                  load_config=LoadConfig(max_loads_ahead=4))
+    s.add_request(req("x", 49), stored([T] * 3, 100))
+    plan = s.schedule(now_s=0.0, token_budget=4)
+    self.assertEqual([ld.index for ld in plan.loads], [2, 1, 0])
+    self.assertEqual(plan.prefills, ())  # compute waits: every chunk lands by 1.2 s
+    self.assertAlmostEqual(s.merge("x").compute_share, 0.25)
+
   def plan_steps(self, s, steps, land_loads=True, start=0):
     """Each of `steps` planned steps' prefills as (request id, start, tokens)
     (`kvjax.testing.plans.plan_steps`)."""
@@ -626,11 +641,12 @@ class SchedulerCakeTest(absltest.TestCase):
     plans = {}
     for t in (0, 32):
       s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64),
-                                    long_prefill_token_threshold=t), SLOW)  # compute it all
+                                    long_prefill_token_threshold=t), SLOW,  # compute it all
+                    load_config=LoadConfig(joint_planning=False))
       s.add_request(req("x", 100), stored([F, T, T, T, T, T], 100))
       s.add_request(req("y", 40), stored([T, T], 100))
       plans[t] = self.plan_steps(s, 4, land_loads=False)
-    # Off: merges take what is left oldest first, so y starts in x's last step.
+    # Off: merges planned alone take what is left oldest first, so y starts in x's last step.
     self.assertEqual(plans[0], [[("x", 0, 64)], [("x", 64, 32), ("x", 96, 4), ("y", 0, 16)],
                                 [("y", 16, 16), ("y", 32, 8)], []])
     # 32: each merge's compute takes 32 a step at most; y's 8 left are under the threshold.

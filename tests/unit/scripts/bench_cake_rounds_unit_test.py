@@ -24,8 +24,9 @@ class FakeBench:
 
   codec = "raw"
 
-  def __init__(self, kvjax_ttfts, kvjax_cpu=1.0):
+  def __init__(self, kvjax_ttfts, kvjax_cpu=1.0, behind_s=()):
     self.kvjax_ttfts = list(kvjax_ttfts)
+    self.behind_s = list(behind_s)  # --restoring: each other request's TTFT, this much later
     self.kvjax_cpu = kvjax_cpu  # CPU share of the kvjax runs (the others get 1.0)
     self.calls = []
 
@@ -33,8 +34,9 @@ class FakeBench:
     del ids
     return PREFIX * 100, [100] * PREFIX
 
-  def run(self, mode, ids, *, share_at=None, link=None, cap_s=None):
+  def run(self, mode, ids, *, share_at=None, link=None, cap_s=None, more=()):
     del share_at, cap_s
+    self.more = [len(x) for x in more]
     self.calls.append(mode if link is None else f"{mode}@{link[1] / 100:g}")
     prefills, landings, ttft = [], [], None
     if mode == "compute_only":
@@ -50,7 +52,9 @@ class FakeBench:
                   first_token_id=7, merge=None, num_loaded_tokens=0, num_computed_tokens=0,
                   prefills=prefills, landings=landings, inserts=[], steps=[(0.0, 1.0, 1e-4)],
                   other_prefills=[], wall_s=ttft,
-                  cpu_cores=self.kvjax_cpu if mode == "cake" else 1.0, loadavg_1m=0.5)
+                  cpu_cores=self.kvjax_cpu if mode == "cake" else 1.0, loadavg_1m=0.5,
+                  ttft_per_request_s=[ttft] + [ttft + d for d in self.behind_s][:len(more)],
+                  first_tokens=[7] * (1 + len(more)))
 
 
 class Bar:
@@ -71,7 +75,7 @@ class GridBlockRoundsTest(absltest.TestCase):
 
   def block(self, kvjax_ttfts, kvjax_cpu=1.0):
     bench = FakeBench(kvjax_ttfts, kvjax_cpu)
-    cells, kv_runs, order = bc.grid_block(bench, list(range(N)), N, 100.0, ["1"], 3, Bar())
+    cells, kv_runs, order = bc.grid_block(bench, [list(range(N))], N, 100.0, ["1"], 3, Bar())
     return bench, cells, kv_runs, order
 
   def test_settings_run_in_rotated_rounds_after_the_b_star_run(self):
@@ -117,11 +121,36 @@ class GridBlockRoundsTest(absltest.TestCase):
 
   def test_one_round_is_never_a_headline(self):
     bench = FakeBench([5.5])
-    cells, _, order = bc.grid_block(bench, list(range(N)), N, 100.0, ["1"], 1, Bar())
+    cells, _, order = bc.grid_block(bench, [list(range(N))], N, 100.0, ["1"], 1, Bar())
     self.assertEqual(order, benchlib.interleaved_rounds(["compute_only", "load_only@1",
                                                          "cake@1"], 1))
     self.assertFalse(cells[0]["invalid"])
     self.assertIsNone(bc.headline(cells))
+
+  def test_several_restoring_take_the_mean_and_the_bound_alone(self):
+    # N = 3: the other two requests' first tokens come 1 s and 2 s after the first one's in
+    # every run, so each mode's TTFT is its first request's + 1 s; the bound is the N = 1
+    # cell's (5.1 s), run before it.
+    _, alone, _, _ = self.block([5.5, 5.6, 5.4])
+    bench = FakeBench([5.5, 5.6, 5.4], behind_s=[1.0, 2.0])
+    cells, _, _ = bc.grid_block(bench, [list(range(N))] * 3, N, 100.0, ["1"], 3, Bar(),
+                                restoring=3, alone=alone)
+    self.assertEqual(bench.more, [N, N])
+    (cell,) = cells
+    self.assertEqual((cell["restoring"], cell["busy"]), (3, False))
+    self.assertAlmostEqual(cell["ttft_kvjax_s"], 6.5)
+    self.assertAlmostEqual(cell["ttft_compute_only_s"], 9.1)
+    self.assertSequenceAlmostEqual(cell["ttft_per_request_reps_s"]["cake"][0], [5.5, 6.5, 7.5])
+    self.assertSequenceAlmostEqual(cell["ttft_ideal_reps_s"], [5.1, 5.1, 5.1])
+    self.assertAlmostEqual(cell["speedup_vs_best"], 9.1 / 6.5)
+    self.assertFalse(cell["invalid"])
+    self.assertEqual(bc.cell_key(cell), "raw/100%/2048/x1/N3")
+    self.assertEqual(bc.headline(cells), None)  # the headline stays one request's
+    # Without its N = 1 cell: no bound, no check.
+    cells, _, _ = bc.grid_block(FakeBench([5.5] * 3, behind_s=[1.0]), [list(range(N))] * 2, N,
+                                100.0, ["1"], 3, Bar(), restoring=2)
+    self.assertIsNone(cells[0]["ttft_ideal_s"])
+    self.assertFalse(cells[0]["invalid"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""Joint Cake planning: several requests restoring stored prefixes at once share one link and
+one step's token budget.
+
+Each `CakeMerge` (`kvjax/scheduler/cake.py`) plans its own meeting point from when compute and
+the link are free for it. Planned alone, every merge believes it has both to itself: its loads
+queue beside the others' on the link (the store client runs each request's reads at once, so
+they split the bandwidth), its compute waits for landings the shared link delivers late, and
+every request finishes near the last one's time. Planned jointly, the restoring requests take
+both resources in one order, and each merge is told when they are free for it:
+
+    priority   remaining_s alone = Cake's split with both sides free now
+               (`cake_forecast.split_at`); key = arrival_s + remaining_s, smallest first
+               (shortest remaining first for requests that arrive together; a request is
+               passed only by requests whose arrival + remaining is earlier, so one that
+               waits is never starved: arrivals after its key all queue behind it)
+    backlog    in that order: compute_free_s = now + the compute the requests ahead take at
+               their own best split; link_free_s = when the link has moved their loads
+                                      link ──[ r0's top chunks ][ r1's top ][ r2's top ]──>
+                                   compute ──[ r0's front ][ r1's front ][ r2's front ]──>
+    merges     `CakeMerge.set_backlog(compute_free_s, link_free_s)`: each chooses its meeting
+               point against its own backlog (a later request loads more of its prefix: the
+               link reaches it while compute serves the ones ahead)
+    loads      issued in priority order; a request's loads wait while the link's backlog ahead
+               of it exceeds the issue horizon (one step and the link's latency), so the link
+               serves the requests in order instead of splitting its bandwidth
+    compute    the budget left to merges goes in priority order; once a merge waits for its
+               loads, those behind it compute only what ends before they are predicted to
+               land (`tokens_until`), so its suffix is not held up behind their long step
+
+Plain functions over the merges' plain answers (`CakeMerge.outlook`); the `Scheduler`
+(`kvjax/scheduler/scheduler.py`) owns the merges, calls `plan` once a step and applies it.
+The CacheFlow paper (arXiv 2604.25080) plans batches of restoring requests jointly under
+contention in the same spirit; this is a greedy list schedule, not its solver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from kvjax._typing import RequestId
+from kvjax.scheduler import cake_forecast
+from kvjax.scheduler.cake import CakeMerge
+from kvjax.scheduler.cost_model import CostModel
+
+
+@dataclasses.dataclass(frozen=True)
+class JointEntry:
+  """One restoring request's place in the joint plan.
+
+  Attributes:
+    request_id: the request.
+    key_s: its priority, arrival + remaining seconds alone (engine clock); smaller goes first.
+    compute_free_s: when compute is free of the requests ahead of it (engine clock, seconds).
+    link_free_s: when the link is free of their loads (engine clock, seconds).
+    finish_s: its predicted prefix finish at its best split against that backlog.
+    meeting_index: that split's first loaded unit (a prefix unit index; `num_chunks`: none).
+  """
+
+  request_id: RequestId
+  key_s: float
+  compute_free_s: float
+  link_free_s: float
+  finish_s: float
+  meeting_index: int
+
+
+def plan(restoring: Sequence[tuple[RequestId, float, CakeMerge]], now_s: float,
+         cost: CostModel, share: float) -> list[JointEntry]:
+  """The joint plan of the requests restoring at `now_s`, in priority order.
+
+  Args:
+    restoring: (request id, arrival seconds, its merge) per request whose merge still has a
+      prefix to restore, in admission order (the tie-break).
+    now_s: the step's time (engine clock, seconds).
+    cost: the engine's cost model.
+    share: the fraction of a step's wall time the merges' compute gets, in (0, 1]: one for
+      them all (the budget they share), so the order rests on their work, not on each one's
+      noisy estimate of its own share.
+
+  Returns:
+    One `JointEntry` per request, highest priority first.
+  """
+  keyed = []
+  for pos, (rid, arrival_s, m) in enumerate(restoring):
+    compute_s, load_s, suffix_s = m.outlook(cost, share)
+    alone = cake_forecast.split_at(compute_s, load_s, suffix_s, now_s, now_s)
+    keyed.append((arrival_s + alone[0] - now_s, arrival_s, pos, rid, m, compute_s, load_s,
+                  suffix_s))
+  keyed.sort(key=lambda e: e[:3])
+  out = []
+  compute_t = link_t = now_s
+  for key_s, _, _, rid, m, compute_s, load_s, suffix_s in keyed:
+    finish, split, link_until, busy = cake_forecast.split_at(compute_s, load_s, suffix_s,
+                                                             compute_t, link_t)
+    first = m.num_chunks - len(compute_s)
+    out.append(JointEntry(rid, key_s, compute_t, link_t, finish,
+                          first + split if split < len(compute_s) else m.num_chunks))
+    compute_t += busy
+    link_t = link_until
+  return out
+
+
+def tokens_until(seconds: float, start: int, plan_sizes: Sequence[int],
+                 predict_compute_s: Callable[[int, int], float]) -> int:
+  """The largest compiled size whose compute at `start` fits in `seconds` (0 when none does):
+  what a merge behind one waiting for its loads may compute in this step.
+
+  Args:
+    seconds: time until the loads ahead are predicted to land.
+    start: the merge's compute frontier (costs the step).
+    plan_sizes: the compiled sizes, ascending.
+    predict_compute_s: the cost model's `(start, tokens) -> seconds`.
+  """
+  for n in reversed(plan_sizes):  # compute grows with tokens: the first that fits is the largest
+    if predict_compute_s(start, n) <= seconds:
+      return n
+  return 0

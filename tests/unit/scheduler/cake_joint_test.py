@@ -1,0 +1,183 @@
+"""Joint Cake planning (`kvjax/scheduler/cake_joint.py`): the split against a backlog, the
+priority order with its aging, each merge's backlog, and the scheduler's exact plans for several
+requests restoring at once.
+
+Cost models are frozen (`learn=False`): compute costs 1 s per 16-token chunk anywhere, a load
+0.5 s per 100-byte chunk (200 B/s), so every figure is hand-checkable.
+"""
+
+import math
+
+from absl.testing import absltest
+
+from kvjax.scheduler import (CakeMerge, Candidate, CostModel, LoadConfig, Request,
+                             SamplingParams, Scheduler, SchedulerConfig, StoredChunk,
+                             StoredPrefix, cake_forecast, cake_joint)
+from kvjax.testing.plans import plan_steps, prefills
+
+T, F = True, False
+C = 16
+INF = math.inf
+
+
+def model(bandwidth_bytes_per_s):
+  return CostModel(compute_prior=(0.0, 1 / C, 0.0), learn=False,
+                   bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+
+
+COST = model(200.0)  # a 100-byte chunk loads in 0.5 s; a chunk computes in 1 s
+
+
+def req(rid, n, arrival_s=0.0):
+  return Request(rid, list(range(n)), SamplingParams(max_tokens=4), arrival_s=arrival_s)
+
+
+def stored(hits, nbytes=100):
+  return StoredPrefix(C, tuple(StoredChunk("host", (Candidate("raw/0", nbytes, 0),)) if h
+                               else None for h in hits))
+
+
+class SplitAtTest(absltest.TestCase):
+
+  def test_the_split_alone_and_behind_a_busy_link(self):
+    # Units compute in 1 s and load in 0.5 s; the suffix takes 0.25 s. Alone: compute unit 0
+    # while units 1-2 load (1 s each side). With the link busy until 1 s, m = 1 and m = 2 tie
+    # at 2.25 s: the smallest wins.
+    self.assertEqual(cake_forecast.split_at([1, 1, 1], [0.5] * 3, 0.25, 0.0, 0.0),
+                     (1.25, 1, 1.0, 1.25))
+    self.assertEqual(cake_forecast.split_at([1, 1, 1], [0.5] * 3, 0.25, 0.0, 1.0),
+                     (2.25, 1, 2.0, 1.25))
+    # Compute busy until 2 s: loading everything (m = 0) finishes first, at 2.25 s (m = 1:
+    # 3.25 s).
+    self.assertEqual(cake_forecast.split_at([1, 1, 1], [0.5] * 3, 0.25, 2.0, 0.0),
+                     (2.25, 0, 1.5, 0.25))
+
+  def test_a_hole_is_compute_s_whatever_the_split(self):
+    # Unit 1 cannot load: every split owes its 1 s; all tie at 2.25 s, m = 0 wins.
+    self.assertEqual(cake_forecast.split_at([1, 1, 1], [0.5, INF, 0.5], 0.25, 0.0, 0.0),
+                     (2.25, 0, 1.0, 1.25))
+
+  def test_bad_lengths(self):
+    with self.assertRaisesRegex(ValueError, "one of each per unit"):
+      cake_forecast.split_at([1, 1], [0.5], 0.0, 0.0, 0.0)
+
+  def test_tokens_until(self):
+    f = COST.predict_compute_s  # 1/16 s a token
+    self.assertEqual(cake_joint.tokens_until(2.5, 0, (16, 32, 64), f), 32)
+    self.assertEqual(cake_joint.tokens_until(0.5, 0, (16, 32, 64), f), 0)
+
+
+class JointPlanTest(absltest.TestCase):
+
+  def merges(self):
+    a = CakeMerge(49, C, [T] * 3, chunk_nbytes=100)  # alone: 1.0625 s (m = 1)
+    b = CakeMerge(81, C, [T] * 5, chunk_nbytes=100)  # alone: 2.0625 s (m = 1)
+    return a, b
+
+  def test_shortest_remaining_first_and_each_ones_backlog(self):
+    a, b = self.merges()
+    plan = cake_joint.plan([("b", 0.0, b), ("a", 0.0, a)], 0.0, COST, 1.0)
+    self.assertEqual(plan, [
+        # a first: it computes chunk 0 (1 s) and its 1-token suffix while chunks 1-2 load.
+        cake_joint.JointEntry("a", 1.0625, 0.0, 0.0, 1.0625, 1),
+        # b behind it: compute free at 1.0625 s, the link at 1 s; its best split still
+        # computes chunk 0 and loads chunks 1-4 (2 s from 1 s).
+        cake_joint.JointEntry("b", 2.0625, 1.0625, 1.0, 3.0625, 1)])
+
+  def test_aging_a_request_that_waited_goes_first(self):
+    # b arrived 5 s ago: its key (arrival + remaining) is -2.94 s, a's 1.06 s.
+    a, b = self.merges()
+    plan = cake_joint.plan([("a", 0.0, a), ("b", -5.0, b)], 0.0, COST, 1.0)
+    self.assertEqual([(e.request_id, e.key_s) for e in plan], [("b", -2.9375), ("a", 1.0625)])
+    self.assertEqual((plan[1].compute_free_s, plan[1].link_free_s), (1.0625, 2.0))
+
+  def test_a_smaller_compute_share_prices_compute_slower(self):
+    # At share 1/4 a chunk computes in 4 s and a token's suffix in 0.25 s: both load
+    # everything, a first (1.75 s); b's loads start when a's end (1.5 s): 4.25 s.
+    a, b = self.merges()
+    plan = cake_joint.plan([("b", 0.0, b), ("a", 0.0, a)], 0.0, COST, 0.25)
+    self.assertEqual([(e.request_id, e.meeting_index, e.finish_s) for e in plan],
+                     [("a", 0, 1.75), ("b", 0, 4.25)])
+    self.assertEqual((plan[1].compute_free_s, plan[1].link_free_s), (0.25, 1.5))
+
+
+class MergeBacklogTest(absltest.TestCase):
+
+  def test_a_step_queued_behind_others_is_not_taken_as_its_share(self):
+    # Offered nothing at 0 s, then 16 tokens at 1 s. Alone, the empty step says its compute
+    # got none of the step's wall time: the share halves. Queued behind another restoring
+    # request's compute (joint planning), the step says nothing about its share.
+    shares = []
+    for backlog in (None, (5.0, 0.0)):
+      m = CakeMerge(49, C, [T] * 3, chunk_nbytes=100, compute_share_prior=1.0)
+      if backlog is not None:
+        m.set_backlog(*backlog)
+      self.assertIsNone(m.next_compute(0, (16,), 0.0, COST))
+      m.next_compute(16, (16,), 1.0, COST)
+      shares.append(m.compute_share)
+    self.assertEqual(shares, [0.5, 1.0])
+
+  def test_expect_budget_checks_its_input(self):
+    m = CakeMerge(49, C, [T] * 3, chunk_nbytes=100)
+    with self.assertRaisesRegex(ValueError, "budget >= 0"):
+      m.expect_budget(-1, (16,), 0.0)
+    m.expect_budget(4, (4, 16), 0.0)
+    self.assertEqual(m.compute_share, 0.25)
+
+
+class SchedulerJointTest(absltest.TestCase):
+
+  def test_the_shorter_restore_takes_the_budget_first(self):
+    # Loads never help (a 1e-3 B/s link): both compute everything. Planned alone, x (admitted
+    # first) takes the budget and y waits until x's last step; jointly y (8 tokens left after
+    # 32) goes first: y's first token at step 0, x's at step 2 (mean 1 step sooner per pair).
+    plans = {}
+    for joint in (False, True):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)),
+                    model(1e-3), load_config=LoadConfig(joint_planning=joint))
+      s.add_request(req("x", 100), stored([F, T, T, T, T, T]))
+      s.add_request(req("y", 40), stored([T, T]))
+      plans[joint] = [prefills(p) for p in plan_steps(s, 4, land_loads=False)]
+    self.assertEqual(plans[False], [[("x", 0, 64)], [("x", 64, 32), ("x", 96, 4), ("y", 0, 16)],
+                                    [("y", 16, 16), ("y", 32, 8)], []])
+    self.assertEqual(plans[True], [[("y", 0, 32), ("y", 32, 8), ("x", 0, 16)],
+                                   [("x", 16, 32), ("x", 48, 16)],
+                                   [("x", 64, 32), ("x", 96, 4)], []])
+
+  def test_loads_of_the_request_behind_wait_for_the_link(self):
+    # Two identical restores; a chunk loads in 0.5 s and computes in 1 s, a step takes 1 s, so
+    # each request keeps 4 loads ahead (the link's bandwidth-delay product + 1). Planned alone
+    # both issue at step 0 and split the link. Jointly x goes first (its split: compute chunks
+    # 0-1, load 2-5, the link busy until 2 s); y's loads wait until the link is predicted free
+    # within the issue horizon (one step and the latency), at step 1.
+    loads = {}
+    for joint in (False, True):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=16, chunk_sizes=(16,)), COST,
+                    load_config=LoadConfig(joint_planning=joint))
+      s.add_request(req("x", 97), stored([T] * 6))
+      s.add_request(req("y", 97), stored([T] * 6))
+      loads[joint] = [[(ld.request_id, ld.index) for ld in p.loads]
+                      for p in plan_steps(s, 2)]
+    self.assertEqual(loads[False], [[("x", 5), ("x", 4), ("x", 3), ("x", 2), ("y", 5),
+                                     ("y", 4), ("y", 3), ("y", 2)],
+                                    [("x", 1), ("y", 1), ("y", 0)]])
+    self.assertEqual(loads[True], [[("x", 5), ("x", 4), ("x", 3), ("x", 2)],
+                                   [("x", 1), ("y", 5), ("y", 4), ("y", 3), ("y", 2)]])
+
+  def test_one_restoring_request_plans_the_same_either_way(self):
+    plans = {}
+    for joint in (False, True):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=32, chunk_sizes=(16, 32)), COST,
+                    load_config=LoadConfig(joint_planning=joint))
+      s.add_request(req("x", 97), stored([T] * 6))
+      plans[joint] = [(prefills(p), [ld.index for ld in p.loads])
+                      for p in plan_steps(s, 6)]
+    self.assertEqual(plans[True], plans[False])
+
+  def test_bad_option(self):
+    with self.assertRaisesRegex(ValueError, "joint_planning"):
+      LoadConfig(joint_planning=1)
+
+
+if __name__ == "__main__":
+  absltest.main()
