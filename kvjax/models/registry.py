@@ -97,8 +97,8 @@ def _hub_source(model: str, revision: str | None) -> tuple[str, str, str]:
   """`_source`, and a ValueError for a revision given with a model that is no hub id."""
   kind, path, name = _source(model)
   if revision is not None and kind != "hub":
-    raise ValueError(f"a model revision ({revision!r}) needs a Hugging Face hub id (org/name), "
-                     f"not {model!r}")
+    raise ValueError(f"a model revision ({revision!r}) needs a Hugging Face hub id (org/name); "
+                     f"{model!r} is a local model ({kind})")
   return kind, path, name
 
 

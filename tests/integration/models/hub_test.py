@@ -1,7 +1,8 @@
-"""`LLM("org/tiny")` the way a user runs it offline: `HF_HOME` pointing at a hub cache laid out
-in a temp dir (`kvjax/testing/hub_cache.py`) and `HF_HUB_OFFLINE=1`, in a fresh process
-(huggingface_hub reads both when it is imported). The hub id's answer equals the answer of the
-same snapshot loaded as a local folder in this process."""
+"""`LLM("org/tiny")` and `python -m kvjax.serve --model=org/...` the way a user runs them
+offline: `HF_HOME` pointing at a hub cache laid out in a temp dir (`kvjax/testing/hub_cache.py`)
+and `HF_HUB_OFFLINE=1`, in a fresh process (huggingface_hub reads both when it is imported). The
+hub id's answer equals the answer of the same snapshot loaded as a local folder in this
+process; an id not in the cache is one error line from the server."""
 
 import json
 import os
@@ -62,6 +63,22 @@ class OfflineHubIdTest(absltest.TestCase):
     self.assertEqual(got["token_ids"], list(want.token_ids))
     self.assertRegex(missing["missing"], "org/absent is not in the Hugging Face cache "
                      f"{os.path.join(home, 'hub')} .*HF_HUB_OFFLINE=1")
+
+  def test_server_with_an_uncached_hub_id_says_so_in_one_line(self):
+    home = self.create_tempdir("hf_home").full_path
+    env = {**os.environ, "HF_HOME": home, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    env.pop("HF_HUB_CACHE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvjax.serve", "--model=org/absent", "--port=0", "--cache_dir=",
+         "--kv_store=memory://", "--max_num_seqs=1", "--chunk_sizes=16,32"],
+        env=env, capture_output=True, text=True, timeout=300, check=False)
+    self.assertNotEqual(proc.returncode, 0)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    self.assertLen(errors, 1, proc.stderr)
+    self.assertRegex(errors[0], "^error: loading 'org/absent' failed: org/absent is not in the "
+                     "Hugging Face cache .* check the id")
+    self.assertNotIn("Traceback", proc.stderr)
 
 
 if __name__ == "__main__":
