@@ -11,8 +11,8 @@
 
 huggingface_hub owns the cache: `HF_HOME` / `HF_HUB_CACHE` say where it is, `HF_TOKEN` (or
 `hf auth login`) authenticates gated and private models, `HF_HUB_OFFLINE=1` reads the cache
-without a request, and with no network a cached snapshot is used as it is. Both variables are
-read when huggingface_hub is imported: set them before starting Python. Its errors become one
+without a request, and with no network a cached snapshot is used as it is. huggingface_hub
+reads these variables when it is imported: set them before starting Python. Its errors become one
 line in kvjax's words, each naming what to do (`HubModelError`'s subclasses below).
 """
 
