@@ -90,8 +90,15 @@ class ModelOptions:
   model: str = option(
       DEFAULT_MODEL,
       '`"SmolLM2-135M-Instruct"` (default), a `.gguf` path, a Hugging Face safetensors '
-      'directory, or `"tiny"` (random, for tests).',
-      flag_help="Model name, .gguf path, Hugging Face safetensors dir, or 'tiny'.")
+      'directory, a Hugging Face hub id `"org/name"` (fetched into huggingface_hub\'s cache: '
+      "`HF_HOME`, `HF_TOKEN`, `HF_HUB_OFFLINE`; docs/usage/models.md), or `\"tiny\"` (random, "
+      "for tests).",
+      flag_help="Model name, .gguf path, Hugging Face safetensors dir, hub id org/name, or "
+                "'tiny'.")
+  model_revision: str | None = option(
+      None,
+      'a hub id\'s branch, tag or commit (default: "main"); only with a hub id `model`.',
+      flag_help="Branch, tag or commit of a hub id --model (default: main).")
   dtype: str = option(
       "auto", 'compute and KV cache dtype: "auto", "float32" or "bfloat16".',
       choices=("auto", "float32", "bfloat16"),
@@ -544,6 +551,9 @@ class EngineOptions:
     m, c, s, kv, se = self.model, self.cache, self.scheduler, self.kv, self.sessions
     with_store = kv.kv_store is not None
     se.session_config()  # the sessions room's own checks
+    rev = m.model_revision
+    if rev is not None and (not isinstance(rev, str) or not rev.strip()):
+      raise ValueError(f"model_revision={rev!r} must be a branch, tag or commit name, or None")
     w = kv.kv_lookahead_window
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
       raise ValueError(f"kv_lookahead_window={w!r} must be an int >= 0")

@@ -175,7 +175,9 @@ class LLM:
 
   Args:
     model: `"SmolLM2-135M-Instruct"` (default), a `.gguf` path, a Hugging Face safetensors
-      directory, or `"tiny"` (random, for tests); the tree's `model` field.
+      directory, a Hugging Face hub id `"org/name"` (fetched into huggingface_hub's cache, or
+      read from it offline; `model_revision` picks a branch, tag or commit), or `"tiny"`
+      (random, for tests); the tree's `model` field.
     options: the options; None: the defaults.
     startup_progress: called with a `StartupEvent` at each step of construction (weights,
       KV cache, calibration, store, each compiled program, ready, each with its seconds), on
@@ -190,7 +192,10 @@ class LLM:
     ValueError: a bad option, an unknown model or dtype, sizes that do not fit the model, or
       weights that do not fit the device's free memory (checked before they load, where the
       device reports its memory: `kvjax.models.weights_memory`; not on the CPU).
-    FileNotFoundError: a missing model file.
+    FileNotFoundError: a missing model file; a hub id not on the hub, or not cached while
+      offline (`kvjax.models.hub.HubModelNotFoundError`).
+    PermissionError: a gated or private hub model this machine's `HF_TOKEN` has no access to
+      (`kvjax.models.hub.GatedModelError`).
   """
 
   def __init__(self, model: str | None = None, *, options: EngineOptions | None = None,
@@ -216,13 +221,14 @@ class LLM:
     device = jax.local_devices()[0]
     free_bytes = device_free_bytes(device)
     if free_bytes is not None:  # shapes from the checkpoint's header, before any weight is read
-      check_weights_fit(load_config(m.model, cache_dir=params_dir), self.dtype, free_bytes,
+      check_weights_fit(load_config(m.model, cache_dir=params_dir, revision=m.model_revision),
+                        self.dtype, free_bytes,
                         tensor_parallel_size=par.tensor_parallel_size, where=str(device),
                         model=m.model)
     self._progress(StartupEvent("weights", f"loading {m.model} weights" + (
         f" (converted once, cached in {params_dir})" if params_dir else "")))
     t0 = time.perf_counter()
-    loaded = load_model(m.model, cache_dir=params_dir)
+    loaded = load_model(m.model, cache_dir=params_dir, revision=m.model_revision)
     secs = time.perf_counter() - t0
     self._progress(StartupEvent("weights", f"loaded {loaded.name} weights in {secs:.1f} s",
                                 seconds=secs))

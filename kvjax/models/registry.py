@@ -5,11 +5,14 @@
     "/path/hf_dir/"                     Hugging Face safetensors + config.json (+ tokenizer.json)
                                         of LLaMA, Mistral, Qwen2/Qwen2.5 or Qwen3
                                         (`safetensors_loader.ARCHITECTURES`)
+    "org/name"                          a Hugging Face hub id (not a local path): fetched into
+                                        huggingface_hub's cache (`kvjax.models.hub`), then
+                                        loaded as a safetensors directory
     "tiny"                              a random 2-layer model with a byte tokenizer (tests)
     "tiny-tp"                           the same with 8 query and 2 KV heads (tensor-parallel
                                         tests at 2, 4 and 8 devices)
 
-Nothing is ever fetched from a model hub.
+Only a hub id reaches the network (and only when its files are not cached).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvjax._typing import ModelFingerprint
-from kvjax.models import checkpoint, config as config_lib, gguf_loader, safetensors_loader
+from kvjax.models import checkpoint, config as config_lib, gguf_loader, hub, safetensors_loader
 from kvjax.models.byte_tokenizer import ByteTokenizer
 from kvjax.models.config import LlamaConfig
 from kvjax.models.fingerprint import model_fingerprint
@@ -63,7 +66,8 @@ def tiny_params(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _source(model: str) -> tuple[str, str, str]:
-  """(kind, path, served name) of a model name or path: kind "tiny", "gguf" or "safetensors".
+  """(kind, path, served name) of a model name or path: kind "tiny", "gguf", "safetensors" or
+  "hub" (path: the hub id).
 
   Raises:
     ValueError, FileNotFoundError: as `load_model`.
@@ -84,10 +88,21 @@ def _source(model: str) -> tuple[str, str, str]:
                               "Face checkpoint (config.json + *.safetensors) of one of "
                               f"{sorted(safetensors_loader.ARCHITECTURES)}")
     return "safetensors", model, os.path.basename(os.path.normpath(model))
+  if hub.is_hub_id(model):
+    return "hub", model, model
   raise ValueError(
       f"unknown model {model!r}: use {DEFAULT_MODEL!r}, 'tiny', a path to a .gguf file, or a "
       "directory holding a Hugging Face checkpoint (config.json + *.safetensors) of one of "
-      f"{sorted(safetensors_loader.ARCHITECTURES)}")
+      f"{sorted(safetensors_loader.ARCHITECTURES)}, or a Hugging Face hub id (org/name)")
+
+
+def _hub_source(model: str, revision: str | None) -> tuple[str, str, str]:
+  """`_source`, and a ValueError for a revision given with a model that is no hub id."""
+  kind, path, name = _source(model)
+  if revision is not None and kind != "hub":
+    raise ValueError(f"a model revision ({revision!r}) needs a Hugging Face hub id (org/name); "
+                     f"{model!r} is a local model ({kind})")
+  return kind, path, name
 
 
 def _tiny_config(model: str) -> LlamaConfig:
@@ -95,46 +110,61 @@ def _tiny_config(model: str) -> LlamaConfig:
       name="tiny-tp", n_heads=8, n_kv_heads=2)
 
 
-def load_config(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None) -> LlamaConfig:
+def load_config(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None,
+                revision: str | None = None,
+                download: hub.Download | None = None) -> LlamaConfig:
   """A model's architecture (its parameter shapes) without its weights, so a caller can size
   the model before loading it (`kvjax.models.weights_memory`): the converted-params cache
   entry's meta.json when there is one, else a safetensors directory's config.json or a GGUF's
-  header (parsed once per process: `load_model` then reuses the parse).
+  header (parsed once per process: `load_model` then reuses the parse); a hub id's config.json
+  alone (`hub.download_config`: no weight is fetched).
 
   Args:
     model: as `load_model`.
-    cache_dir: as `load_model`.
+    cache_dir, revision, download: as `load_model`.
 
   Raises:
-    ValueError, FileNotFoundError: as `load_model`.
+    ValueError, FileNotFoundError, hub.HubModelError: as `load_model`.
   """
-  kind, path, name = _source(model)
+  kind, path, name = _hub_source(model, revision)
   if kind == "tiny":
     return _tiny_config(name)
+  if kind == "hub":
+    path = hub.download_config(path, revision=revision, download=download)
   if kind == "gguf":
     cached = checkpoint.cached_config([path], cache_dir)
     return cached if cached is not None else gguf_loader.read_gguf_config(path)
   return safetensors_loader.read_safetensors_config(path)
 
 
-def load_model(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None) -> LoadedModel:
+def load_model(model: str = DEFAULT_MODEL, *, cache_dir: str | None = None,
+               revision: str | None = None,
+               download: hub.Download | None = None) -> LoadedModel:
   """Loads a model by name or path.
 
   Args:
     model: see the module docstring.
     cache_dir: where converted params are cached (orbax); None disables the cache.
+    revision: a hub id's branch, tag or commit (None: "main"); only with a hub id.
+    download: a hub id's fetcher (`hub.Download`; None: huggingface_hub's `snapshot_download`).
 
   Raises:
-    ValueError: unknown name, or a file of another architecture.
+    ValueError: unknown name, a file of another architecture, or a revision without a hub id.
     FileNotFoundError: the GGUF, directory or default model package is missing.
+    hub.HubModelError: a hub id that is gated (`hub.GatedModelError`, a PermissionError),
+      missing or not cached while offline (`hub.HubModelNotFoundError`, a FileNotFoundError),
+      or that the hub failed to serve.
   """
-  kind, path, name = _source(model)
+  kind, path, name = _hub_source(model, revision)
   if kind == "tiny":
     cfg = _tiny_config(name)
     params = tiny_params(cfg)
     return LoadedModel(name, cfg, params, ByteTokenizer(), model_fingerprint(cfg, params))
   if kind == "gguf":
     return _load_gguf(path, name, cache_dir)
+  if kind == "hub":
+    folder = hub.download_model(path, revision=revision, download=download)
+    return dataclasses.replace(_load_safetensors(folder, cache_dir), name=name)
   return _load_safetensors(path, cache_dir)
 
 

@@ -215,8 +215,8 @@ def fake_runner_seam(runner_seed: int = 0,
     built.append(runner)
     return runner
 
-  def load(model, *, cache_dir=None):
-    loaded = real_load(model, cache_dir=cache_dir)
+  def load(model, *, cache_dir=None, revision=None):
+    loaded = real_load(model, cache_dir=cache_dir, revision=revision)
     fp = hashlib.sha256(f"{FAKE_FINGERPRINT}/{runner_seed}\0{loaded.fingerprint}".encode())
     if max_seq_len is not None:
       loaded = dataclasses.replace(
