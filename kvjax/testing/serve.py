@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -112,3 +113,37 @@ class ServedLLMTestCase(parameterized.TestCase):
     cls._ctx.__exit__(None, None, None)
     cls.llm.close()
     super().tearDownClass()
+
+  def hold_after_first_output(self, aborts: int = 1
+                              ) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """Holds every engine step after the first one that emitted outputs until `proceed` is set
+    (also at cleanup), and notes the server's aborts (their request ids in
+    `self.aborted_request_ids`, in order). Returns (emitted: set once outputs came, proceed,
+    aborted: set once `aborts` requests were aborted)."""
+    engine, backend = self.llm.engine, self.srv.backend.engine
+    step, abort = engine.step, backend.abort
+    emitted, proceed, aborted = threading.Event(), threading.Event(), threading.Event()
+    self.aborted_request_ids = []
+
+    def gated_step():
+      if emitted.is_set():
+        proceed.wait(60)
+      outs = step()
+      if outs:
+        emitted.set()
+      return outs
+
+    def noted_abort(rid):
+      abort(rid)
+      self.aborted_request_ids.append(rid)
+      if len(self.aborted_request_ids) >= aborts:
+        aborted.set()
+
+    engine.step, backend.abort = gated_step, noted_abort
+
+    def restore():
+      proceed.set()
+      engine.__dict__.pop("step", None)
+      backend.__dict__.pop("abort", None)
+    self.addCleanup(restore)
+    return emitted, proceed, aborted

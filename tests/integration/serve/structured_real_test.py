@@ -5,13 +5,12 @@ a forced tool call, and a tool-call session whose turn 2 loads every token of tu
 import json
 
 import jsonschema
-import openai
 import pytest
 from absl.testing import absltest
 
 from kvjax.models.registry import DEFAULT_MODEL
 from kvjax.testing.engines import real_llm
-from kvjax.testing.serve import serving
+from kvjax.testing.serve import ServedLLMTestCase
 
 RUNS = 5
 SCHEMA = {"type": "object", "properties": {
@@ -27,22 +26,16 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.mark.slow
-class StructuredRealTest(absltest.TestCase):
+class StructuredRealTest(ServedLLMTestCase):
+
+  @classmethod
+  def make_llm(cls):
+    return real_llm(DEFAULT_MODEL, max_num_seqs=2, chunk_sizes=(16, 32, 64, 128))
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.llm = real_llm(DEFAULT_MODEL, max_num_seqs=2, chunk_sizes=(16, 32, 64, 128))
-    cls._ctx = serving(cls.llm)
-    cls.srv = cls._ctx.__enter__()
-    cls.client = openai.OpenAI(base_url=cls.srv.url + "/v1", api_key="unused", max_retries=0,
-                               timeout=600)
-
-  @classmethod
-  def tearDownClass(cls):
-    cls._ctx.__exit__(None, None, None)
-    cls.llm.close()
-    super().tearDownClass()
+    cls.client = cls.client.with_options(timeout=600)
 
   def chat(self, messages, **kw):
     return self.client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, **kw)

@@ -6,7 +6,6 @@ index, and usage counts the prompt once. The real model's run:
 tests/integration/serve/n_choices_test.py."""
 
 import collections
-import threading
 
 import httpx
 from absl.testing import absltest
@@ -106,27 +105,8 @@ class NChoicesDisconnectUnitTest(ServedLLMTestCase):
   def test_a_client_leaving_a_stream_aborts_every_choice(self):
     """The engine is held after the first outputs; the client reads one event and leaves: all
     three choices are aborted, nothing is left running, and the server still answers."""
-    engine, backend = self.llm.engine, self.srv.backend.engine
-    step, abort = engine.step, backend.abort
-    emitted, proceed, aborted = threading.Event(), threading.Event(), threading.Event()
-    ids = []
-
-    def gated_step():
-      if emitted.is_set():
-        proceed.wait(60)
-      outs = step()
-      if outs:
-        emitted.set()
-      return outs
-
-    def noted_abort(rid):
-      abort(rid)
-      ids.append(rid)
-      if len(ids) == 3:
-        aborted.set()
-
-    engine.step, backend.abort = gated_step, noted_abort
-    self.addCleanup(lambda: (proceed.set(), delattr(engine, "step"), delattr(backend, "abort")))
+    backend = self.srv.backend.engine
+    _, proceed, aborted = self.hold_after_first_output(aborts=3)
     before = backend.stats.aborted
     body = {"model": "tiny", "messages": [{"role": "user", "content": "leave me"}], "n": 3,
             "max_tokens": 400, "stream": True, "ignore_eos": True}  # chat: role chunks first
@@ -140,7 +120,8 @@ class NChoicesDisconnectUnitTest(ServedLLMTestCase):
     self.assertEqual(backend.stats.aborted, before + 3)
     ok = self.client.completions.create(model="tiny", prompt="still alive", n=2, max_tokens=3)
     self.assertEqual([c.finish_reason for c in ok.choices], ["length", "length"])
-    self.assertLen(ids, 3)  # each choice aborted once
+    self.assertLen(set(self.aborted_request_ids), 3)  # each choice aborted once
+    self.assertLen(self.aborted_request_ids, 3)
 
 
 if __name__ == "__main__":

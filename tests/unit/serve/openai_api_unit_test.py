@@ -5,7 +5,6 @@ the real tiny model's run is tests/integration/serve/openai_api_test.py."""
 
 import asyncio
 import socket
-import threading
 
 import httpx
 import openai
@@ -223,34 +222,6 @@ class OpenAIApiUnitTest(ServedLLMTestCase):
     self.assertEqual(asyncio.run(all_at_once()), alone)
 
   # ------------------------------------------------------------------------------ disconnect
-  def hold_after_first_token(self):
-    """Gates the engine's steps after the first output; returns (proceed, aborted) events."""
-    engine = self.llm.engine
-    step, abort = engine.step, self.srv.backend.engine.abort
-    emitted, proceed, aborted = threading.Event(), threading.Event(), threading.Event()
-
-    def gated_step():
-      if emitted.is_set():
-        proceed.wait(60)
-      outs = step()
-      if outs:
-        emitted.set()
-      return outs
-
-    def noted_abort(rid):
-      abort(rid)
-      aborted.set()
-
-    engine.step = gated_step
-    self.srv.backend.engine.abort = noted_abort
-
-    def restore():
-      proceed.set()
-      del engine.step
-      del self.srv.backend.engine.abort
-    self.addCleanup(restore)
-    return emitted, proceed, aborted
-
   def assert_aborted_and_idle(self, before):
     self.assertFalse(self.srv.engine_call(lambda e: e.has_unfinished_requests()))
     self.assertEqual(self.srv.backend.engine.stats.aborted, before + 1)
@@ -261,7 +232,7 @@ class OpenAIApiUnitTest(ServedLLMTestCase):
 
   def test_stream_client_disconnect_aborts_the_request(self):
     before = self.srv.backend.engine.stats.aborted
-    _, proceed, aborted = self.hold_after_first_token()
+    _, proceed, aborted = self.hold_after_first_output()
     body = {"model": "tiny", "messages": [{"role": "user", "content": "disconnect me"}],
             "max_tokens": 400, "stream": True}  # chat: the role chunk comes with token one
     with httpx.stream("POST", self.srv.url + "/v1/chat/completions", json=body,
@@ -274,7 +245,7 @@ class OpenAIApiUnitTest(ServedLLMTestCase):
 
   def test_plain_client_disconnect_aborts_the_request(self):
     before = self.srv.backend.engine.stats.aborted
-    emitted, proceed, aborted = self.hold_after_first_token()
+    emitted, proceed, aborted = self.hold_after_first_output()
     body = (b'{"model": "tiny", "prompt": "disconnect me too", "max_tokens": 400}')
     with socket.create_connection(("127.0.0.1", self.srv.http.port)) as s:
       s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"

@@ -219,19 +219,7 @@ class SessionsServeUnitTest(ServedLLMTestCase):
     m1 = [{"role": "user", "content": "stream and leave"}]
     r1 = self.chat(m1, "gone-stream")
     before = self.llm.sessions.get("gone-stream")
-    engine = self.llm.engine
-    step, emitted, proceed = engine.step, threading.Event(), threading.Event()
-
-    def gated_step():  # holds every step after the first output
-      if emitted.is_set():
-        proceed.wait(60)
-      outs = step()
-      if outs:
-        emitted.set()
-      return outs
-
-    engine.step = gated_step
-    self.addCleanup(lambda: (proceed.set(), engine.__dict__.pop("step", None)))
+    _, proceed, _ = self.hold_after_first_output()  # every step after the first output held
     released = self.note_release()
     m2 = self.next_messages(m1, r1, "bye")
     body = {"model": "tiny", "messages": m2, "max_tokens": 50, "stream": True,
@@ -241,7 +229,6 @@ class SessionsServeUnitTest(ServedLLMTestCase):
       self.assertEqual(r.status_code, 200)
       next(line for line in r.iter_lines() if line.startswith("data:"))
     self.assertTrue(released.wait(60))
-    del engine.step
     proceed.set()
     after = self.llm.sessions.get("gone-stream")
     self.assertEqual((after.turns, after.token_ids, after.busy),
