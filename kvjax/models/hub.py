@@ -28,8 +28,8 @@ from kvjax.models import safetensors_loader
 #: The files a model needs: architecture, generation defaults, tokenizer, weights (single file or
 #: shards with their index). Nothing else of a repository (other formats, READMEs) is fetched.
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "*.safetensors",
-               "model.safetensors.index.json")
+               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "*.safetensors", "model.safetensors.index.json")
 CONFIG_FILES = ("config.json",)
 #: huggingface_hub's `snapshot_download` signature, as far as kvjax calls it: (repo_id, *,
 #: revision, allow_patterns) -> the snapshot folder. A seam for tests (a cache dir, offline, or
@@ -128,12 +128,12 @@ def download_config(repo_id: str, *, revision: str | None = None,
   folder = _download(repo_id, revision, CONFIG_FILES,
                      _default_download() if download is None else download)
   try:
-    safetensors_loader.read_safetensors_config(folder)
+    safetensors_loader.read_safetensors_config(folder, f"{repo_id} (Hugging Face hub)")
   except FileNotFoundError as e:
     raise HubModelNotFoundError(f"{repo_id} has no config.json: not a transformers model "
                                 "checkpoint kvjax can load") from e
   except ValueError as e:
-    raise ValueError(f"{repo_id} (Hugging Face hub): {e}; nothing else was downloaded") from e
+    raise ValueError(f"{e}; nothing else was downloaded") from e
   return folder
 
 

@@ -278,9 +278,11 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
   }
 
 
-def read_safetensors_config(model_dir: str | os.PathLike[str]) -> LlamaConfig:
+def read_safetensors_config(model_dir: str | os.PathLike[str],
+                            name: str | None = None) -> LlamaConfig:
   """The architecture of a Hugging Face checkpoint directory (`ARCHITECTURES`), from its
-  `config.json` alone (no weight file is opened).
+  `config.json` alone (no weight file is opened). `name` names the model in errors (default:
+  the config's `_name_or_path`, else the folder's name).
 
   Raises:
     FileNotFoundError: config.json is missing.
@@ -297,7 +299,8 @@ def read_safetensors_config(model_dir: str | os.PathLike[str]) -> LlamaConfig:
       raise ValueError(f"{config_path}: invalid JSON: {e}") from e
   if not isinstance(hf, dict):
     raise ValueError(f"{config_path}: expected a JSON object")
-  name = hf.get("_name_or_path") or os.path.basename(os.path.normpath(model_dir))
+  if name is None:
+    name = hf.get("_name_or_path") or os.path.basename(os.path.normpath(model_dir))
   return config_from_hf(hf, str(name))
 
 

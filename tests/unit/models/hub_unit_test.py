@@ -2,8 +2,11 @@
 (`kvjax/testing/hub_cache.py`) read by huggingface_hub's own `snapshot_download` offline, and
 the hub's errors raised by a stub download, each mapped to one line that says what to do."""
 
+import fnmatch
 import functools
+import json
 import os
+import shutil
 import types
 
 import numpy as np
@@ -67,6 +70,30 @@ class OfflineCacheTest(absltest.TestCase):
     with self.assertRaisesRegex(hub.HubModelNotFoundError, "org/tiny at revision 'v2' is not in"):
       registry.load_model("org/tiny", revision="v2", download=self.download)
 
+  def test_a_template_saved_as_chat_template_jinja_is_fetched(self):
+    # transformers 5 saves the chat template beside tokenizer_config.json, not inside it.
+    config_path = os.path.join(self.folder, "tokenizer_config.json")
+    with open(config_path) as f:
+      tok_config = json.load(f)
+    with open(os.path.join(self.folder, "chat_template.jinja"), "w") as f:
+      f.write(tok_config.pop("chat_template"))
+    os.remove(config_path)  # a symlink into the blobs: write a file of its own
+    with open(config_path, "w") as f:
+      json.dump(tok_config, f)
+    fetched = self.create_tempdir("fetched").full_path
+
+    def download(repo_id, *, revision, allow_patterns):  # a hub: only the files asked for
+      del repo_id, revision
+      for name in os.listdir(self.folder):
+        if any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+          shutil.copyfile(os.path.join(self.folder, name), os.path.join(fetched, name))
+      return fetched
+
+    got = registry.load_model("org/tiny", download=download)
+    want = registry.load_model(self.folder)
+    chat = [{"role": "user", "content": "hi"}]
+    self.assertEqual(got.tokenizer.encode_chat(chat), want.tokenizer.encode_chat(chat))
+
   def test_a_missing_id_says_so(self):
     with self.assertRaisesRegex(FileNotFoundError, "org/nothing is not in the Hugging Face cache")\
         as raised:
@@ -78,10 +105,10 @@ class OfflineCacheTest(absltest.TestCase):
     folder = hub_cache.add_snapshot(self.cache, "org/gpt2", OTHER_COMMIT,
                                     architectures=["GPT2LMHeadModel"])
     os.remove(os.path.join(folder, "model.safetensors"))  # never asked for: its absence is moot
-    with self.assertRaisesRegex(ValueError, r"org/gpt2 \(Hugging Face hub\): .*unsupported "
+    with self.assertRaisesRegex(ValueError, r"^org/gpt2 \(Hugging Face hub\): unsupported "
                                 r"architectures \['GPT2LMHeadModel'\].*'LlamaForCausalLM'.*"
                                 r"'Qwen3ForCausalLM'.*nothing else was downloaded"):
-      registry.load_model("org/gpt2", download=self.download)
+      registry.load_model("org/gpt2", download=self.download)  # named by its id, not its commit
     self.assertEqual(self.download.patterns, [hub.CONFIG_FILES])
 
   def test_a_snapshot_without_safetensors_says_so(self):
