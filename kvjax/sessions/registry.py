@@ -79,8 +79,18 @@ class SessionRegistry:
       self._tail_sink = sink
 
   def _superseded(self, key, turn: Turn | None) -> None:
-    if turn is not None and self._tail_sink is not None:
-      self._tail_sink(turn.kv_salt if turn.kv_salt is not None else key[0], turn.token_ids)
+    """Hands `turn` to the tail sink unless another open session's last turn is the very same
+    (salt and token ids): their stored tail is one, and that session's next turn still loads it
+    (a session only in the persistence folder, not read since a restart, is not seen)."""
+    if turn is None or self._tail_sink is None:
+      return
+    salt = turn.kv_salt if turn.kv_salt is not None else key[0]
+    for other_key, other in self._sessions.items():
+      t = other.turn
+      if other_key != key and t is not None and t.token_ids == turn.token_ids and (
+          (t.kv_salt if t.kv_salt is not None else other_key[0]) == salt):
+        return
+    self._tail_sink(salt, turn.token_ids)
 
   def set_persistence(self, directory: str | None, *, scope: str) -> None:
     """Keeps each open session's last turn in a file under `directory` too (see the module

@@ -149,8 +149,22 @@ class SessionFilesTest(absltest.TestCase):
     self.turn(reg, "c")  # a evicted (max_sessions=2): its last turn
     self.assertEqual(got[1][0], "salt")
     self.assertTrue(got[1][1].endswith(b"more\nassistant: ok"))
-    reg.close("b")
+    reg.close("b")  # c's last turn is the same: their one tail stays for c
+    self.assertLen(got, 2)
+    reg.close("c")
     self.assertEqual(got[2], (None, b"user: hi\nassistant: ok"))
+
+  def test_a_tail_two_sessions_share_goes_when_neither_extends_it(self):
+    reg = self.registry()
+    got = []
+    reg.set_tail_sink(lambda salt, ids: got.append((salt, bytes(ids))))
+    p1 = self.turn(reg, "a", "salt")
+    self.turn(reg, "b", "salt")  # the very same history: one stored tail
+    self.turn(reg, "c")  # the same history under another salt: another tail
+    self.turn(reg, "a", "salt", user="more")  # b's next turn still loads the tail
+    self.assertEqual(got, [])
+    self.turn(reg, "b", "salt", user="more")
+    self.assertEqual(got, [("salt", bytes(p1.token_ids) + b"ok")])
 
   def test_memory_only_without_a_folder(self):
     reg = SessionRegistry(self.tok)
