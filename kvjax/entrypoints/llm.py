@@ -356,7 +356,9 @@ class LLM:
     chunk_size = kv.kv_chunk_size
     if not chunk_size < runner.max_seq_len:
       raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
-                       f"{runner.max_seq_len})")
+                       f"{runner.max_seq_len}): a stored chunk must be shorter than the "
+                       f"context ({runner.max_seq_len} tokens: the model's, its sliding window, "
+                       "or max_model_len); set a smaller kv_chunk_size (--kv_chunk_size)")
     if isinstance(kv_store, str):
       if kv.kv_link_trace is not None:
         config = StoreConfig(tiers=(TierConfig(kind=url_kind(kv_store), url=kv_store,

@@ -61,8 +61,14 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
   raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, gpt2, default)")
 
 
+class ChatTemplateError(ValueError, jinja2.exceptions.TemplateError):
+  """The model's chat template refused the messages (its `raise_exception`, e.g. "only user and
+  assistant roles") or failed to render them: bad input, so a `ValueError`, and still the
+  `jinja2.TemplateError` it was."""
+
+
 def _raise_exception(message: str) -> None:
-  raise jinja2.exceptions.TemplateError(message)
+  raise ChatTemplateError(message)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -453,7 +459,8 @@ class Tokenizer:
 
     Raises:
       ValueError: no chat template, or malformed messages.
-      jinja2.TemplateError: the template raised (`raise_exception`) or failed to render.
+      ChatTemplateError: (a ValueError and a jinja2.TemplateError) the template raised
+        (`raise_exception`) or failed to render.
     """
     if self.chat_template is None:
       raise ValueError("this tokenizer has no chat template")
@@ -465,11 +472,16 @@ class Tokenizer:
       env.globals["raise_exception"] = _raise_exception
       env.globals["strftime_now"] = _strftime_now
       self._compiled_template = env.from_string(self.chat_template)
-    return self._compiled_template.render(
-        messages=messages, add_generation_prompt=add_generation_prompt,
-        bos_token=self._special_token(self._bos_id) or "",
-        eos_token=self._special_token(self._eos_id) or "",
-        pad_token=self._special_token(self._pad_id) or "")
+    try:
+      return self._compiled_template.render(
+          messages=messages, add_generation_prompt=add_generation_prompt,
+          bos_token=self._special_token(self._bos_id) or "",
+          eos_token=self._special_token(self._eos_id) or "",
+          pad_token=self._special_token(self._pad_id) or "")
+    except ChatTemplateError:
+      raise
+    except jinja2.exceptions.TemplateError as e:
+      raise ChatTemplateError(f"{type(e).__name__}: {e}") from e
 
   def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
                   parse_special_in_content: bool = False) -> list[int]:

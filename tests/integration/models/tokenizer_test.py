@@ -200,6 +200,13 @@ class TokenizerOptionsTest(absltest.TestCase):
                      '<|im_start|>[{"role": "user", "content": "é<"}]<|im_end|>')
     with self.assertRaisesRegex(jinja2.TemplateError, "user first"):
       tok.apply_chat_template([{"role": "system", "content": "x"}])
+    # Bad input: a ValueError too (the Python API's errors), for a raise and a failed render.
+    with self.assertRaisesRegex(ValueError, "user first"):
+      tok.apply_chat_template([{"role": "system", "content": "x"}])
+    broken = Tokenizer(self.base._tok, bos_id=1, eos_id=2,
+                       chat_template="{{ messages[0].no_such.name }}")  # fails as it renders
+    with self.assertRaisesRegex(ValueError, "UndefinedError: .*no_such"):
+      broken.apply_chat_template([{"role": "user", "content": "x"}])
 
   def test_content_under_a_trimming_template(self):
     template = ("{% for m in messages %}<|im_start|>{{ m['content'] | trim }}<|im_end|>"
