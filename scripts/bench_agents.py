@@ -45,8 +45,9 @@ the device pool at `--kv_cache_memory_bytes`. Stored bytes are the disk tier's f
     .venv/bin/python scripts/bench_agents.py --quick      # 3 sessions, few turns, minutes
     .venv/bin/python scripts/bench_agents.py              # 8 sessions, 20-60 turns
 
-Writes <out_dir>/<out_name>.json (default benchmarks/results/bench_agents.json) (`benchlib.provenance()`, settings, per-turn rows,
-summaries, /metrics counters) and the .png beside it, and prints a table. Exits non-zero when a
+Writes <out_dir>/<out_name>.json (default benchmarks/results/bench_agents.json:
+`benchlib.provenance()`, settings, per-turn rows, summaries, /metrics counters) and the .png
+beside it, and prints a table. Exits non-zero when a
 request failed (named in the JSON and on stderr).
 """
 
