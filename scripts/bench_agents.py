@@ -197,11 +197,11 @@ def attribute_miss(row: dict) -> str | None:
   """Where a turn's missed tokens (theoretical - cached > 0) came from, or None without a miss:
   "template_drift" (the session did not extend: `not_extended`), "session_dropped" (a later turn
   that was a session's first), "rejected" (chunks rejected on load), "lossy_chunk_alignment" (a
-  lossy codec under `kv_codec_consistent`, `consistent_chunk_tokens` set: only whole stored
-  chunks are reused, and the cache served every whole chunk of the theory), "first_turn_partial" (a
-  first turn short of the shared prefix by less than a stored chunk: the prefix ends inside a
-  block or chunk, or a concurrent first turn was still computing it), "evicted_or_unsaved"
-  (otherwise), or "request_error"."""
+  lossy codec under `kv_codec_consistent`: the cache served all of `whole_chunk_theoretical`,
+  see `annotate`), "first_turn_partial" (a first turn short of the shared prefix by less than a
+  stored chunk: the prefix ends inside a block or chunk, or a concurrent first turn was still
+  computing it), "evicted_unsaved_or_in_flight" (otherwise: evicted, not yet saved, or a
+  concurrent turn still computing it), or "request_error"."""
   if row.get("error"):
     return "request_error"
   if row["theoretical_cached"] - row["cached_tokens"] <= 0:
@@ -212,12 +212,42 @@ def attribute_miss(row: dict) -> str | None:
     return "session_dropped"
   if row.get("rejected_chunks"):
     return "rejected"
-  aligned = row.get("consistent_chunk_tokens")
-  if aligned and row["cached_tokens"] >= row["theoretical_cached"] // aligned * aligned:
+  whole = row.get("whole_chunk_theoretical")
+  if whole is not None and row["cached_tokens"] >= whole:
     return "lossy_chunk_alignment"
   if row["turn"] == 1 and row["theoretical_cached"] - row["cached_tokens"] < row["block_tokens"]:
     return "first_turn_partial"
-  return "evicted_or_unsaved"
+  return "evicted_unsaved_or_in_flight"
+
+
+def annotate(rows: list[dict], codec: str, chunk_tokens: int) -> list[dict]:
+  """Sorts one run's rows by (session, turn) and sets per row `codec`, `prev_prompt_tokens`
+  (the session's previous turn's prompt, None on turn 1), `whole_chunk_theoretical` and
+  `miss_cause` (`attribute_miss`); returns `rows`.
+
+  `whole_chunk_theoretical` (None for the raw codec): a lossy codec runs `kv_codec_consistent`
+  (the server's default for lossy codecs with a store), whose device blocks and stored chunks
+  hold the codec's KV, made once a chunk of `chunk_tokens` is complete in a prefill; so a turn
+  can reuse only the whole chunks of what earlier prefills computed: the theory cut to the
+  previous turn's prompt (a chunk completed by decoding is not reused) and down to a multiple of
+  `chunk_tokens`.
+  """
+  rows.sort(key=lambda r: (r["session"], r["turn"]))
+  prev = {}
+  for r in rows:
+    r["codec"] = codec
+    p = prev.get(r["session"])
+    r["prev_prompt_tokens"] = p["prompt_tokens"] if p is not None and r["turn"] > 1 else None
+    if codec == "raw":
+      r["whole_chunk_theoretical"] = None
+    else:
+      reach = r["theoretical_cached"]
+      if r["prev_prompt_tokens"] is not None:
+        reach = min(reach, r["prev_prompt_tokens"])
+      r["whole_chunk_theoretical"] = reach // chunk_tokens * chunk_tokens
+    r["miss_cause"] = attribute_miss(r)
+    prev[r["session"]] = r
+  return rows
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -243,6 +273,8 @@ def summarize_rows(rows: list[dict]) -> dict:
     cause = r.get("miss_cause", attribute_miss(r))
     if cause:
       causes[cause] = causes.get(cause, 0) + max(0, r["theoretical_cached"] - r["cached_tokens"])
+  whole = sum(r.get("whole_chunk_theoretical") or 0 for r in ok)
+  lossy = any(r.get("whole_chunk_theoretical") is not None for r in ok)
   ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
   later = [r for r in ok if r["turn"] > 1]
   return {
@@ -251,6 +283,9 @@ def summarize_rows(rows: list[dict]) -> dict:
       "cached_share": cached / prompt if prompt else 0.0,
       "theoretical_share": theory / prompt if prompt else 0.0,
       "gap_points": 100 * (theory - cached) / prompt if prompt else 0.0,
+      "whole_chunk_theoretical_share": whole / prompt if prompt and lossy else None,
+      "gap_to_whole_chunks_points": 100 * (whole - cached) / prompt if prompt and lossy
+                                    else None,
       "over_theoretical_tokens": sum(max(0, r["cached_tokens"] - r["theoretical_cached"])
                                      for r in ok),
       "missed_tokens_by_cause": causes,
@@ -447,12 +482,7 @@ def run_codec(codec: str, args, plans, system, tool_defs, first_theory) -> dict:
       proc.send_signal(signal.SIGINT)
       proc.wait(120)
     shutil.rmtree(work, ignore_errors=True)
-  rows.sort(key=lambda r: (r["session"], r["turn"]))
-  for r in rows:
-    r["codec"] = codec
-    # A lossy codec runs kv_codec_consistent by default: KV is reused in whole chunks only.
-    r["consistent_chunk_tokens"] = args.kv_chunk_size if codec != "raw" else None
-    r["miss_cause"] = attribute_miss(r)
+  annotate(rows, codec, args.kv_chunk_size)
   return {"codec": codec, "model": model, "wall_s": wall, "flush_status": flush,
           "session_ends": ends, "disk_tier_bytes": stored, "metrics": metrics,
           "summary": summarize_rows(rows), "rows": rows}
@@ -532,6 +562,10 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
   p.add_argument("--out_name", default="bench_agents", help="<out_dir>/<out_name>.json, .png")
+  p.add_argument("--rescore", default=None,
+                 help="a results JSON of this script: recompute its rows' theory, causes and "
+                 "summaries with this version (no server) and write them to <out_name>.json, "
+                 "the measurement's own provenance kept under `measured_with`")
   args = p.parse_args(argv)
   if args.quick:
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
@@ -544,8 +578,29 @@ def parse_args(argv=None):
   return args
 
 
+def rescore(args) -> int:
+  """`--rescore`: the measured rows of an earlier run, annotated and summarized again."""
+  measured = json.loads(pathlib.Path(args.rescore).read_text(encoding="utf-8"))
+  record = {**benchlib.provenance(PACKAGES),
+            **{k: v for k, v in measured.items() if k not in benchlib.PROVENANCE_KEYS},
+            "rescored_from": os.path.relpath(os.path.abspath(args.rescore), REPO),
+            "measured_with": {k: measured.get(k) for k in benchlib.PROVENANCE_KEYS}}
+  chunk = measured["settings"]["kv_chunk_size"]
+  for run in record["runs"]:
+    annotate(run["rows"], run["codec"], chunk)
+    run["summary"] = summarize_rows(run["rows"])
+  print_table(record["runs"])
+  out_dir = pathlib.Path(args.out_dir)
+  benchlib.write_json(out_dir / f"{args.out_name}.json", record)
+  plot(record["runs"], out_dir / f"{args.out_name}.png", f"bench_agents (rescored): "
+       f"{record['runs'][0]['model']}, {measured['settings']['sessions']} sessions")
+  return 0
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.rescore:
+    return rescore(args)
   prov = benchlib.provenance(PACKAGES)
   sys_rng = random.Random(f"system-{args.seed}")
   system = system_prompt(sys_rng, args.system_words)
@@ -567,8 +622,8 @@ def main(argv=None) -> int:
   print_table(runs)
   if len(runs) > 1 and runs[0]["disk_tier_bytes"]:
     for run in runs[1:]:
-      print(f"{run['codec']} stores {runs[0]['disk_tier_bytes'] / max(1, run['disk_tier_bytes']):.1f}x "
-            f"fewer disk bytes than {runs[0]['codec']}")
+      ratio = runs[0]["disk_tier_bytes"] / max(1, run["disk_tier_bytes"])
+      print(f"{run['codec']} stores {ratio:.1f}x fewer disk bytes than {runs[0]['codec']}")
   out_dir = pathlib.Path(args.out_dir)
   record = {
       **prov, "benchmark": "bench_agents",

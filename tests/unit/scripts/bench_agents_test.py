@@ -87,26 +87,47 @@ class TheoryTest(absltest.TestCase):
             row(6, 6000, 0, 5023, session_outcome="first"),
             row(7, 100, 0, 50, error="APIError: boom")]
     causes = [ba.attribute_miss(r) for r in rows]
-    self.assertEqual(causes, ["first_turn_partial", None, "template_drift", "evicted_or_unsaved",
-                              "rejected", "session_dropped", "request_error"])
+    self.assertEqual(causes, ["first_turn_partial", None, "template_drift",
+                              "evicted_unsaved_or_in_flight", "rejected", "session_dropped",
+                              "request_error"])
     s = ba.summarize_rows(rows)
     self.assertEqual((s["turns"], s["errors"], s["prompt_tokens"]), (7, 1, 21000))
     self.assertEqual(s["cached_tokens"], 992 + 1023 + 3000 + 1000)
     self.assertEqual(s["theoretical_cached_tokens"], 999 + 1023 + 2023 + 3023 + 4023 + 5023)
     self.assertAlmostEqual(s["gap_points"], 100 * (16114 - 6015) / 21000)
     self.assertEqual(s["missed_tokens_by_cause"],
-                     {"first_turn_partial": 7, "template_drift": 2023, "evicted_or_unsaved": 23,
-                      "rejected": 3023, "session_dropped": 5023, "request_error": 50})
+                     {"first_turn_partial": 7, "template_drift": 2023,
+                      "evicted_unsaved_or_in_flight": 23, "rejected": 3023,
+                      "session_dropped": 5023, "request_error": 50})
     self.assertEqual((s["later_turns_exact"], s["later_turns"]), (1, 5))
     self.assertEqual(s["ttft_p50_s"], 1.0)
 
-  def test_a_lossy_codec_misses_only_the_last_partial_chunk(self):
-    aligned = {"consistent_chunk_tokens": 256}
-    self.assertEqual(ba.attribute_miss(row(2, 1200, 1024, 1103, **aligned)),
-                     "lossy_chunk_alignment")
-    self.assertEqual(ba.attribute_miss(row(2, 1200, 768, 1103, **aligned)),
-                     "evicted_or_unsaved")  # a whole chunk short: not the alignment
-    self.assertEqual(ba.attribute_miss(row(2, 1200, 1024, 1103)), "evicted_or_unsaved")
+  def test_a_lossy_codec_reuses_whole_chunks_of_earlier_prefills(self):
+    rows = [row(2, 1198, 1024, 1103, session="a"),  # out of order: annotate sorts
+            row(1, 1074, 0, 0, session="a"),
+            row(3, 1279, 1024, 1227, session="a"),
+            row(4, 1344, 1024, 1308, session="a"),  # 1279-token prompt: chunk 5 ended in decode
+            row(5, 1420, 1024, 1373, session="a"),  # a whole chunk of its last prefill missing
+            row(1, 1074, 256, 1057, session="b")]   # a concurrent first turn: in flight
+    ba.annotate(rows, "kvtc", 256)
+    got = [(r["session"], r["turn"], r["prev_prompt_tokens"], r["whole_chunk_theoretical"],
+            r["miss_cause"]) for r in rows]
+    self.assertEqual(got, [
+        ("a", 1, None, 0, None),
+        ("a", 2, 1074, 1024, "lossy_chunk_alignment"),
+        ("a", 3, 1198, 1024, "lossy_chunk_alignment"),
+        ("a", 4, 1279, 1024, "lossy_chunk_alignment"),
+        ("a", 5, 1344, 1280, "evicted_unsaved_or_in_flight"),
+        ("b", 1, None, 1024, "evicted_unsaved_or_in_flight")])
+    s = ba.summarize_rows(rows)
+    prompt = 1074 + 1198 + 1279 + 1344 + 1420 + 1074
+    self.assertAlmostEqual(s["whole_chunk_theoretical_share"], (3 * 1024 + 1280 + 1024) / prompt)
+    self.assertAlmostEqual(s["gap_to_whole_chunks_points"],
+                           100 * (3 * 1024 + 1280 + 1024 - 4 * 1024 - 256) / prompt)
+    raw = ba.annotate([dict(r, cached_tokens=r["theoretical_cached"]) for r in rows], "raw", 256)
+    self.assertTrue(all(r["whole_chunk_theoretical"] is None and r["miss_cause"] is None
+                        for r in raw))
+    self.assertIsNone(ba.summarize_rows(raw)["whole_chunk_theoretical_share"])
 
   def test_percentile_is_linear(self):
     self.assertEqual(ba.percentile([4.0, 1.0, 3.0, 2.0], 50), 2.5)
