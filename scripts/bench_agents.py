@@ -382,12 +382,13 @@ async def run_session(client, model, plan: SessionPlan, system: str, tool_defs, 
         messages += [{"role": "tool", "tool_call_id": call_ids[0], "content": result}]
       else:
         messages += [{"role": "user", "content": result}]
+    sent_s = time.perf_counter() - t_start
     row, last_message = await one_turn(client, model, messages, tool_defs,
                                        session_id=plan.session_id, salt=salt,
                                        max_tokens=max_tokens)
     row.update(session=plan.session_id, turn=k + 1, block_tokens=block_tokens,
                pause_before=bool(k and plan.turns[k - 1].pause),
-               sent_s=time.perf_counter() - t_start)
+               sent_s=sent_s, finished_s=time.perf_counter() - t_start)
     if k == 0:
       row["theoretical_cached"] = first_theory
     else:
@@ -587,6 +588,9 @@ def rescore(args) -> int:
             "measured_with": {k: measured.get(k) for k in benchlib.PROVENANCE_KEYS}}
   chunk = measured["settings"]["kv_chunk_size"]
   for run in record["runs"]:
+    for r in run["rows"]:
+      if "finished_s" not in r:  # up to faffc7b `sent_s` held the finish time
+        r["finished_s"] = r.pop("sent_s")
     annotate(run["rows"], run["codec"], chunk)
     run["summary"] = summarize_rows(run["rows"])
   print_table(record["runs"])
