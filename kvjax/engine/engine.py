@@ -404,6 +404,14 @@ class Engine:
     for rid in plan.preempted if kv is not None else ():
       self._saves.drop(rid)
       kv.cancel_loads(rid)
+    for rid in plan.preempted:
+      # Its blocks are freed: its readmission looks its prefix up again and counts those hits,
+      # so the hits of this admission go (else cached tokens could pass the prompt's).
+      if rid in self._live:
+        m = self._live[rid].metrics
+        m.num_loaded_tokens = m.num_device_cached_tokens = 0
+        m.loaded_from_tiers.clear()
+        m.loaded_chunks.clear()
     for rid, tokens in plan.device_hits:
       if rid not in self._live:
         continue  # aborted since

@@ -270,6 +270,10 @@ class PagedEngineUnitTest(absltest.TestCase):
     finished = [(i, done[r]) for i, r in enumerate(rids) if r in done]
     want = self.want([prompts[i] for i, _ in finished], [params[i] for i, _ in finished])
     self.assertEqual([o.token_ids for _, o in finished], [w.token_ids for w in want])
+    # A preempted request's prefix hits are counted once: never more cached than prompt tokens.
+    over = [(i, o.num_cached_tokens, len(prompts[i])) for i, o in finished
+            if o.num_cached_tokens > len(prompts[i])]
+    self.assertEqual(over, [])
 
 
 if __name__ == "__main__":
