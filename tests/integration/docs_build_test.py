@@ -38,10 +38,12 @@ class DocsBuildTest(absltest.TestCase):
              for root, _, files in os.walk(os.path.join(_REPO, "docs"))
              for name in files if name.endswith(".md")]
     self.assertGreaterEqual(len(pages), 8)
-    # benchmarks/README.md and devices.md are included into the site (docs/benchmarks*.md).
+    # benchmarks/README.md, devices.md and agents.md are included into the site
+    # (docs/benchmarks*.md).
     for path in pages + [os.path.join(_REPO, "README.md"),
                          os.path.join(_REPO, "benchmarks", "README.md"),
-                         os.path.join(_REPO, "benchmarks", "devices.md")]:
+                         os.path.join(_REPO, "benchmarks", "devices.md"),
+                         os.path.join(_REPO, "benchmarks", "agents.md")]:
       with open(path, encoding="utf-8") as f:
         text = f.read()
       rel = os.path.relpath(path, _REPO)
