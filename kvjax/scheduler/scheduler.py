@@ -58,6 +58,7 @@ from kvjax.scheduler import (cake_joint, device_prefix, prefill_policy, prefix_l
 from kvjax.scheduler.cake import CakeMerge, MergeMode, MergeTrace
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
+from kvjax.scheduler.forks import ForkQueue
 from kvjax.scheduler.kv_cache_manager import KVCacheManager
 from kvjax.scheduler.output import (DecodeItem, ForkItem, InsertItem, PrefillChunk, SaveItem,
                                     SchedulerOutput, StepResult, StoredPrefix)
@@ -140,7 +141,7 @@ class Scheduler:
     self._final_traces: dict[RequestId, MergeTrace] = {}
     # n > 1: requests waiting to fork from a parent's prompt, by parent (`add_request(fork_of=)`),
     # and this plan's forks.
-    self._forks: dict[RequestId, list[Request]] = {}
+    self._forks = ForkQueue()
     self._planned_forks: list[ForkItem] = []
 
   # ----------------------------------------------------------------------------- requests
@@ -174,7 +175,7 @@ class Scheduler:
     """
     rid = request.request_id
     if rid in self.running or rid in self._prefix or any(
-        r.request_id == rid for r in self.waiting) or self._pending_fork(rid) is not None:
+        r.request_id == rid for r in self.waiting) or self._forks.parent_of(rid) is not None:
       raise ValueError(f"request id {rid!r} is already scheduled")
     self.check_fits(request.num_prompt_tokens + request.sampling_params.max_tokens)
     if fork_of is not None:
@@ -189,7 +190,7 @@ class Scheduler:
       if parent.output_token_ids or parent.status is RequestStatus.DECODING:
         self.waiting.append(request)  # past its prompt: an ordinary request
       else:
-        self._forks.setdefault(fork_of, []).append(request)
+        self._forks.add(fork_of, request)
       return
     self._roots[rid] = namespace_root
     if stored is not None and any(stored.hits) and self.kv_cache is not None and (
@@ -232,21 +233,16 @@ class Scheduler:
     return bool(self.waiting or self.running or self._forks)
 
   def num_waiting(self) -> int:
-    return len(self.waiting) + sum(len(c) for c in self._forks.values())
+    return len(self.waiting) + len(self._forks)
 
   def num_running(self) -> int:
     return len(self.running)
-
-  def _pending_fork(self, request_id: RequestId) -> RequestId | None:
-    """The parent a request waits to fork from, or None."""
-    return next((p for p, children in self._forks.items()
-                 if any(c.request_id == request_id for c in children)), None)
 
   def _fork_children(self, parent: Request) -> None:
     """The plan runs `parent`'s last prefill chunk (its prompt, no output yet): forks every
     request waiting on it into a free slot (`KVCacheManager.fork`), or queues it as an
     ordinary request when no slot or block is free."""
-    for child in self._forks.pop(parent.request_id, ()):
+    for child in self._forks.pop_children(parent.request_id):
       copies = () if self.kv_cache is None else (
           self.kv_cache.fork(parent.request_id, child.request_id, parent.num_prompt_tokens)
           if self._free_slots else None)
@@ -283,16 +279,12 @@ class Scheduler:
   def finish_request(self, request_id: RequestId, reason: str) -> Request | None:
     """Ends a request (stop, length, abort, error) and frees its slot; returns it, or None if
     unknown. Its id reaches the executor in the next plan (`finished_request_ids`)."""
-    self.waiting.extend(self._forks.pop(request_id, ()))  # its forks run as ordinary requests
+    # Its forks run as ordinary requests.
+    self.waiting.extend(self._forks.pop_children(request_id))
     r = self.running.pop(request_id, None)
-    parent = self._pending_fork(request_id) if r is None else None
-    if parent is not None:
-      children = self._forks[parent]
-      r = next(c for c in children if c.request_id == request_id)
-      children.remove(r)
-      if not children:
-        del self._forks[parent]
-    elif r is None:
+    if r is None:
+      r = self._forks.remove(request_id)
+    if r is None:
       for i, w in enumerate(self.waiting):
         if w.request_id == request_id:
           r = w

@@ -101,7 +101,7 @@ STORAGE_FLOORS = (
 # configuration and the store side of its requests (`prefix_loads`) sit below it; none imports it.
 SCHEDULER_FLOORS = (
     ("cost_model", "level_policy", "request", "output", "block_pool", "cake_share"),
-    ("cake_state", "kv_cache_manager", "prefill_policy"),
+    ("cake_state", "kv_cache_manager", "prefill_policy", "forks"),
     ("cake_forecast", "device_prefix", "config"),
     ("cake",),
     ("transfer_policy", "cake_joint"),
