@@ -114,6 +114,14 @@ class ServedLLMTestCase(parameterized.TestCase):
     cls.llm.close()
     super().tearDownClass()
 
+  def leave_chat_stream_after_first_event(self, body: dict) -> None:
+    """Posts a streamed chat request, checks its 200, reads its first SSE event and leaves (the
+    connection closes)."""
+    with httpx.stream("POST", self.srv.url + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+      self.assertEqual(r.status_code, 200)
+      next(line for line in r.iter_lines() if line.startswith("data:"))
+
   def hold_after_first_output(self, aborts: int = 1
                               ) -> tuple[threading.Event, threading.Event, threading.Event]:
     """Holds every engine step after the first one that emitted outputs until `proceed` is set

@@ -7,7 +7,6 @@ tests/integration/serve/n_choices_test.py."""
 
 import collections
 
-import httpx
 from absl.testing import absltest
 
 from kvjax import SamplingParams
@@ -110,10 +109,7 @@ class NChoicesDisconnectUnitTest(ServedLLMTestCase):
     before = backend.stats.aborted
     body = {"model": "tiny", "messages": [{"role": "user", "content": "leave me"}], "n": 3,
             "max_tokens": 400, "stream": True, "ignore_eos": True}  # chat: role chunks first
-    with httpx.stream("POST", self.srv.url + "/v1/chat/completions", json=body,
-                      timeout=60) as r:
-      self.assertEqual(r.status_code, 200)
-      next(line for line in r.iter_lines() if line.startswith("data:"))
+    self.leave_chat_stream_after_first_event(body)
     self.assertTrue(aborted.wait(60))
     proceed.set()
     self.assertFalse(self.srv.engine_call(lambda e: e.has_unfinished_requests()))

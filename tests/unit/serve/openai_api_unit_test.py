@@ -235,10 +235,7 @@ class OpenAIApiUnitTest(ServedLLMTestCase):
     _, proceed, aborted = self.hold_after_first_output()
     body = {"model": "tiny", "messages": [{"role": "user", "content": "disconnect me"}],
             "max_tokens": 400, "stream": True}  # chat: the role chunk comes with token one
-    with httpx.stream("POST", self.srv.url + "/v1/chat/completions", json=body,
-                      timeout=60) as r:
-      self.assertEqual(r.status_code, 200)
-      next(line for line in r.iter_lines() if line.startswith("data:"))
+    self.leave_chat_stream_after_first_event(body)
     self.assertTrue(aborted.wait(60))
     proceed.set()
     self.assert_aborted_and_idle(before)

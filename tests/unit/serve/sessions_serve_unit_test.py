@@ -224,10 +224,7 @@ class SessionsServeUnitTest(ServedLLMTestCase):
     m2 = self.next_messages(m1, r1, "bye")
     body = {"model": "tiny", "messages": m2, "max_tokens": 50, "stream": True,
             "session_id": "gone-stream"}
-    with httpx.stream("POST", self.srv.url + "/v1/chat/completions", json=body,
-                      timeout=60) as r:
-      self.assertEqual(r.status_code, 200)
-      next(line for line in r.iter_lines() if line.startswith("data:"))
+    self.leave_chat_stream_after_first_event(body)
     self.assertTrue(released.wait(60))
     proceed.set()
     after = self.llm.sessions.get("gone-stream")
