@@ -25,7 +25,6 @@ torch in any environment with transformers:
 
 import copy
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
@@ -37,6 +36,8 @@ import numpy as np
 import tokenizers
 import torch
 import transformers
+
+import transformers_reference  # scripts/transformers_reference.py
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OUT_DIR = flags.DEFINE_string("out_dir", "tests/testdata/families",
@@ -119,13 +120,6 @@ def _resolve(path):
   return path if os.path.isabs(path) else os.path.normpath(os.path.join(_REPO_ROOT, path))
 
 
-def _version(pkg):
-  try:
-    return importlib.metadata.version(pkg)
-  except importlib.metadata.PackageNotFoundError:
-    return None
-
-
 def _bpe(text, specials):
   """A byte-level BPE of VOCAB tokens trained on `text`, `specials` first."""
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
@@ -152,31 +146,6 @@ def _randomize(model, seed):
     p.copy_(value.to(torch.bfloat16).to(torch.float32))
 
 
-@torch.no_grad()
-def _last_logits(model, ids):
-  out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
-  return out.logits[0, -1].to(torch.float32).numpy()
-
-
-@torch.no_grad()
-def _greedy(model, ids, n):
-  """n greedy steps, each a full cache-free forward; returns (ids, top1-top2 gaps)."""
-  ids, new, gaps = list(ids), [], []
-  for _ in range(n):
-    logits = _last_logits(model, ids)
-    top2 = np.argsort(-logits, kind="stable")[:2]
-    new.append(int(top2[0]))
-    gaps.append(float(logits[top2[0]] - logits[top2[1]]))
-    ids.append(int(top2[0]))
-  return np.array(new, np.int32), np.array(gaps, np.float32)
-
-
-def _as_ids(result):
-  if hasattr(result, "keys") and "input_ids" in result:
-    result = result["input_ids"]
-  return [int(t) for t in result]
-
-
 def main(argv):
   del argv
   out_dir = _resolve(_OUT_DIR.value)
@@ -187,8 +156,8 @@ def main(argv):
   os.makedirs(out_dir, exist_ok=True)
   meta = {
       "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                   "tokenizers": _version("tokenizers"), "numpy": np.__version__,
-                   "python": platform.python_version()},
+                   "tokenizers": transformers_reference.version("tokenizers"),
+                   "numpy": np.__version__, "python": platform.python_version()},
       "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "weights": "normal(0, 0.15), norm gains 1 + normal(0, 0.2), biases normal(0, 0.5), "
                  "rounded to bfloat16, saved as bfloat16; the reference runs them in float32",
@@ -224,8 +193,8 @@ def main(argv):
     arrays = {"num_prompts": np.int32(len(PROMPT_LENGTHS))}
     for i, length in enumerate(PROMPT_LENGTHS):
       ids = rng.integers(0, VOCAB, size=length).tolist()
-      logits = _last_logits(model, ids)
-      greedy, gaps = _greedy(model, ids, NUM_GREEDY)
+      logits = transformers_reference.last_logits(model, ids)
+      greedy, gaps = transformers_reference.greedy(model, ids, NUM_GREEDY)
       arrays[f"prompt_ids_{i}"] = np.array(ids, np.int32)
       arrays[f"last_logits_{i}"] = logits
       arrays[f"greedy_ids_{i}"] = greedy

