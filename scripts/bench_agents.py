@@ -61,7 +61,6 @@ import os
 import pathlib
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -371,7 +370,7 @@ async def run_session(client, model, plan: SessionPlan, system: str, tool_defs, 
                       max_tokens, max_context, block_tokens, first_theory, rng, rows, t_start):
   await asyncio.sleep(max(0.0, t_start + plan.start_s - time.perf_counter()))
   messages = first_messages(system, plan)
-  prev = None
+  prev, last_message = None, {}  # the previous turn's row and reply (set at turn 1)
   for k in range(len(plan.turns) + 1):
     if k:
       turn = plan.turns[k - 1]
@@ -480,8 +479,7 @@ def run_codec(codec: str, args, plans, system, tool_defs, first_theory) -> dict:
     stored = folder_bytes(disk)
   finally:
     if proc is not None:
-      proc.send_signal(signal.SIGINT)
-      proc.wait(120)
+      benchlib.stop_server(proc)
     shutil.rmtree(work, ignore_errors=True)
   annotate(rows, codec, args.kv_chunk_size)
   return {"codec": codec, "model": model, "wall_s": wall, "flush_status": flush,

@@ -42,7 +42,6 @@ import os
 import pathlib
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -341,8 +340,7 @@ def main(argv):
     kv_memory = kv_cache_bytes(metrics)
   finally:
     if proc is not None:
-      proc.send_signal(signal.SIGINT)
-      proc.wait(120)
+      benchlib.stop_server(proc)
     shutil.rmtree(work, ignore_errors=True)
   summary_rounds = over_rounds(phases)
   print_table(phases, summary_rounds)

@@ -17,6 +17,7 @@ import os
 import pathlib
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -203,6 +204,17 @@ def start_server(flags: list[str], log_path: str, *, echo: bool = False):
     log.close()
     raise RuntimeError("the server did not start:\n" + open(log_path, encoding="utf-8").read()[-3000:])
   return proc, url, model
+
+
+def stop_server(proc) -> int:
+  """Stops a server `start_server` started as Ctrl-C does (SIGINT: it drains, then exits) and
+  waits up to 120 s for it; returns its exit status.
+
+  Raises:
+    subprocess.TimeoutExpired: it did not exit in time.
+  """
+  proc.send_signal(signal.SIGINT)
+  return proc.wait(120)
 
 
 def interleaved_rounds(settings: list[str], rounds: int = 3) -> list[list[str]]:

@@ -46,7 +46,6 @@ import os
 import pathlib
 import random
 import shutil
-import signal
 import tempfile
 import time
 
@@ -410,8 +409,7 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
       if store is not None:
         saver = _scrape_saver(url)
     finally:
-      proc.send_signal(signal.SIGINT)
-      proc.wait(120)
+      benchlib.stop_server(proc)
       if store is not None:
         shutil.rmtree(store, ignore_errors=True)  # the disk tier: up to GBs per mode
     rows += got
