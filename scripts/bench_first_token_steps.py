@@ -16,8 +16,9 @@ With `--scenario=decodes` (rule c, a step waiting for a hit's loads), step 2 dif
 added. Recorded besides: the decoders' longest gap between two tokens while turn 2 prefilled
 (what the waiting step costs them) and their mean time per output token.
 
-Both settings run every trial in turn (on, then off, alternating which goes first), each with
-its own engine and store. The texts must be equal across settings (a different answer to an
+Both settings run every trial in turn (on, then off, alternating which goes first: interleaved
+rounds of two settings, `benchlib.interleaved_rounds`), each with its own engine and store; a
+figure is the median over trials, with its spread and each run's CPU share in `summary`. The texts must be equal across settings (a different answer to an
 identical request would be a bug); the script exits non-zero when they are not.
 
     .venv/bin/python scripts/bench_first_token_steps.py
@@ -37,6 +38,7 @@ import pathlib
 import statistics
 import sys
 import tempfile
+import time
 
 from absl import app, flags
 
@@ -223,11 +225,14 @@ def main(argv):
     for name, llm in llms.items():
       run(llm, sinks[name], *warmup)
     runs = {name: [] for name in settings}
+    orders = benchlib.interleaved_rounds(list(settings), len(parts))
     for t, (history, cold_ids, new) in enumerate(parts):
-      order = list(settings) if t % 2 == 0 else list(reversed(settings))
+      order = orders[t]
       for name in order:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         runs[name].append(run(llms[name], sinks[name], history, cold_ids, new))
         r = runs[name][-1]
+        r["cpu_share"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         print(f"trial {t} {name:5s}: hit TTFT {r['hit_ttft_s']:.2f} s "
               f"({r['hit_cached_tokens']}/{r['hit_prompt_tokens']} cached), "
               + ", ".join(f"{k} {r[k]:.3f} s" for k in keys[2:]), flush=True)
@@ -236,6 +241,8 @@ def main(argv):
   same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["short"], runs["full"]))
   med = {name: {k: statistics.median(r[k] for r in rs) for k in keys}
          for name, rs in runs.items()}
+  summary = {name: {k: benchlib.summarize([r[k] for r in rs]) for k in keys + ("cpu_share",)}
+             for name, rs in runs.items()}
   ratios = {k: med["short"][k] / med["full"][k] for k in keys}
   print(f"\n{'median of ' + str(_TRIALS.value):14s} " + " ".join(f"{k:>18s}" for k in keys))
   for name in settings:
@@ -255,7 +262,7 @@ def main(argv):
                          "decoder_prompt_tokens": _DECODER_PROMPT.value,
                          "decoder_max_tokens": _DECODER_TOKENS.value,
                          "max_num_batched_tokens": 512},
-            "medians": med, "ratios_short_over_full": ratios, "texts_equal": same, "runs": runs}
+            "medians": med, "summary": summary, "ratios_short_over_full": ratios, "texts_equal": same, "runs": runs}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
   stem = "bench_first_token_steps" + ("" if _SCENARIO.value == "cold_prefill" else "_decodes")

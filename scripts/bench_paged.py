@@ -3,7 +3,8 @@ device prefix cache.
 
   decode   N sequences decoding together (paged, one ragged jit step per engine step): output
            tokens/s over steps where all N are decoding (after every prefill is done), for each
-           N in --decode_seqs; the ratio to N=1 is the batching gain.
+           N in --decode_seqs, in --rounds interleaved rounds (median, spread, CPU share per
+           run); the ratio to N=1 is the batching gain.
   prefix   one ~--prefix_tokens prompt from a real book, sent twice with no store at all
            (`kv_store=None`): the second request's blocks are on the device (prefix cache), so
            its TTFT is one small prefill step; the text must be identical. A third run after
@@ -34,6 +35,9 @@ _PARTS = flags.DEFINE_list("parts", ["decode", "prefix"], "Parts to run.")
 _MODEL = flags.DEFINE_string("model", "SmolLM2-135M-Instruct", "Model.")
 _SEQS = flags.DEFINE_list("decode_seqs", ["1", "32"], "Running sequence counts to decode with.")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 24, "Timed decode steps per count.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Decode part: rounds; each runs every sequence count "
+                               "once, in an order rotated per round (benchlib.interleaved_rounds); "
+                               "a figure is the median over rounds.")
 _DECODE_PROMPT = flags.DEFINE_integer("decode_prompt_tokens", 64, "Prompt tokens per sequence.")
 _BOOK = flags.DEFINE_string(
     "book", str(REPO.parent / "shared/data/books/pg41_legend_of_sleepy_hollow_irving.txt"),
@@ -67,36 +71,52 @@ def bench_decode(seq_counts: list[int]) -> dict:
   out = {"build_and_compile_s": build_s, "max_model_len": max_len,
          "num_blocks": eng.stats().kv_cache.num_blocks, "rows": []}
   params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
+  runs = {n: [] for n in seq_counts}
+  for r_i, order in enumerate(benchlib.interleaved_rounds(seq_counts, _ROUNDS.value)):
+    for n in order:
+      runs[n].append(decode_once(eng, tok, params, n, p, steps))
+      row = runs[n][-1]
+      print(f"round {r_i} decode: {n:3d} sequences: {row['output_tokens_per_s']:8.1f} tokens/s "
+            f"(median step {1e3 * row['median_step_s']:.1f} ms, CPU share "
+            f"{row['cpu_share']:.2f})", flush=True)
   for n in seq_counts:
-    prompts = [book_ids(tok, p, offset_chars=2000 * i) for i in range(n)]
-    rids = [eng.add_request(ids, params) for ids in prompts]
-    produced = {r: 0 for r in rids}
-    while min(produced.values()) < 1:  # every prefill done, every sequence has a token
-      for o in eng.step():
-        produced[o.request_id] = len(o.token_ids)
-    step_s, before = [], sum(produced.values())
-    for _ in range(steps):
-      t = time.perf_counter()
-      outs = eng.step()
-      step_s.append(time.perf_counter() - t)
-      for o in outs:
-        produced[o.request_id] = len(o.token_ids)
-    tokens = sum(produced.values()) - before
-    if tokens != n * steps:
-      raise RuntimeError(f"{tokens} tokens in {steps} steps of {n} sequences")
-    for r in rids:
-      eng.abort_request(r)
-    total = sum(step_s)
-    out["rows"].append({"num_seqs": n, "steps": steps, "step_s": step_s, "total_s": total,
-                        "median_step_s": float(np.median(step_s)),
-                        "output_tokens_per_s": tokens / total})
-    print(f"decode: {n:3d} sequences: {tokens / total:8.1f} tokens/s "
-          f"(median step {1e3 * np.median(step_s):.1f} ms)", flush=True)
+    tps = benchlib.summarize([r["output_tokens_per_s"] for r in runs[n]])
+    out["rows"].append({"num_seqs": n, "steps": steps, "rounds": runs[n],
+                        "output_tokens_per_s": tps["median"], "output_tokens_per_s_summary": tps,
+                        "median_step_s": float(np.median([r["median_step_s"] for r in runs[n]]))})
   base = out["rows"][0]["output_tokens_per_s"]
   for row in out["rows"]:
     row["speedup_vs_first"] = row["output_tokens_per_s"] / base
   llm.close()
   return out
+
+
+def decode_once(eng, tok, params, n: int, p: int, steps: int) -> dict:
+  """One timed run: N sequences of a p-token prompt prefill, then `steps` steps where all N
+  decode; their step seconds, output tokens/s and this process's CPU share over them."""
+  prompts = [book_ids(tok, p, offset_chars=2000 * i) for i in range(n)]
+  rids = [eng.add_request(ids, params) for ids in prompts]
+  produced = {r: 0 for r in rids}
+  while min(produced.values()) < 1:  # every prefill done, every sequence has a token
+    for o in eng.step():
+      produced[o.request_id] = len(o.token_ids)
+  step_s, before = [], sum(produced.values())
+  cpu0, wall0 = time.process_time(), time.perf_counter()
+  for _ in range(steps):
+    t = time.perf_counter()
+    outs = eng.step()
+    step_s.append(time.perf_counter() - t)
+    for o in outs:
+      produced[o.request_id] = len(o.token_ids)
+  cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+  tokens = sum(produced.values()) - before
+  if tokens != n * steps:
+    raise RuntimeError(f"{tokens} tokens in {steps} steps of {n} sequences")
+  for r in rids:
+    eng.abort_request(r)
+  total = sum(step_s)
+  return {"step_s": step_s, "total_s": total, "median_step_s": float(np.median(step_s)),
+          "output_tokens_per_s": tokens / total, "cpu_share": cpu_share}
 
 
 def bench_prefix() -> dict:
@@ -173,7 +193,7 @@ def main(argv):
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "settings": {"model": _MODEL.value, "parts": _PARTS.value,
                          "decode_seqs": [int(s) for s in _SEQS.value],
-                         "decode_steps": _DECODE_STEPS.value,
+                         "decode_steps": _DECODE_STEPS.value, "rounds": _ROUNDS.value,
                          "decode_prompt_tokens": _DECODE_PROMPT.value,
                          "prefix_tokens": _PREFIX_TOKENS.value,
                          "prefix_max_tokens": _PREFIX_OUT.value, "book": pathlib.Path(
