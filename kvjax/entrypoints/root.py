@@ -112,7 +112,7 @@ class EngineParts:
     kv_store: the store client, or None (no store, or a multi-host follower).
     kvtc_transform: kvtc's calibrated transform (with `kv_codec="kvtc"`), or None.
     sessions: the chat-session registry, wired to the store client (pins, persistence, tails).
-    engine: the `Engine` (a multi-host follower's runs no request: its runner follows
+    engine: the `Engine` (on a multi-host follower it runs no request: its runner follows
       process 0's device calls).
     is_follower: a multi-host process other than 0.
   """

@@ -7,6 +7,11 @@ chat, option checks) over one, and for an `LLM` on the real (jit'd) model.
     llm = fake_llm(kv_store="memory://", kv_chunk_size=32)   # LLM("tiny", ...) on a FakeRunner
     llm = real_llm("tiny", cache_dir="", kv_store="memory://")  # LLM(...), compiled on demand
 
+Both fake factories build through the composition root (`kvjax.entrypoints.root.
+build_engine_parts`), as `LLM(...)` does, with the fake's model record (`fake_model`, or "tiny"
+under a fingerprint of the fake's own) and a fake runner factory (`fake_runner_factory`) as their
+arguments: the same option checks, store client, sessions wiring and engine records.
+
 Defaults follow `LLM`'s (chunk sizes 16 .. 512, blocks of 16, 4 sequences, Cake merges), sized
 for the fake's 512 positions; options are `LLM`'s names where they mean the same.
 """
