@@ -2,17 +2,14 @@
 survives a restart.
 
 Builds the `LLM` the way `python -m kvjax.serve` does
-(`ServerConfig.from_flat(...).llm_options()`, the
-default store's options) over a fresh store folder, runs `--conversations` ShareGPT
-conversations of `--turns` user turns each through `LLM.chat(..., session_id=...)` (greedy,
-`--max_tokens`), then measures the store folder (records' bytes and files on disk). Then it
+(`LLM(options=ServerConfig.from_flat(...).engine)`, the default store's options) over a fresh
+store folder, runs `--conversations` ShareGPT conversations of `--turns` user turns each
+through `LLM.chat(..., session_id=...)` (greedy, `--max_tokens`), then measures the store folder (records' bytes and files on disk). Then it
 closes the `LLM`, builds a new one over the same folder (a restart) and sends the next turn of
 the first conversation with the same session id and salt: its outcome ("extended" or "first")
 and cached tokens, against the tokens the previous turns left (`history`).
 
     PYTHONPATH=$PWD python scripts/store_growth.py --out benchmarks/results/store_growth.json
-
-Runs under any kvjax tree (an older one lacks `kv_store_capacity_bytes`: then not passed).
 """
 
 from __future__ import annotations
@@ -74,15 +71,13 @@ def main() -> None:
   prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tensorstore"))
 
   store = tempfile.mkdtemp(prefix="kvjax-store-growth-")
-  opts = dict(kv_store=f"file://{store}")
-  if "kv_store_capacity_bytes" in ServerConfig.__dataclass_fields__:
-    opts["kv_store_capacity_bytes"] = args.capacity_bytes
-  config = ServerConfig.from_flat(**opts)
+  config = ServerConfig.from_flat(kv_store=f"file://{store}",
+                                  kv_store_capacity_bytes=args.capacity_bytes)
   convs = conversations(args.conversations, args.turns, args.turn_chars, args.seed)
   params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
   def build():
-    return builder.build_llm(config.model, **config.llm_options())
+    return builder.build_llm(options=config.engine)
 
   llm = build()
   t0 = time.perf_counter()
@@ -119,7 +114,7 @@ def main() -> None:
       **prov, "seed": args.seed,
       "config": {"model": config.model, "dtype": config.engine.model.dtype,
                  "kv_chunk_size": config.engine.kv.kv_chunk_size,
-                 "store_tiers": repr(config.llm_options()["kv_store"]),
+                 "store_tiers": repr(config.engine.kv.store_config()),
                  **{k: v for k, v in vars(args).items() if k != "out"}},
       "chat_requests": requests, "wall_s": round(wall_s, 1),
       "store_files": files, "store_disk_bytes": disk, "store_chunks": index_files,

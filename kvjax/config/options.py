@@ -18,6 +18,8 @@ weights load. Checks that need the model (its context, layers, heads) stay where
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any, Sequence
 
 from kvjax import codecs
@@ -26,12 +28,14 @@ from kvjax.config.fields import option, option_fields, spec
 from kvjax.merge_mode import MERGE_MODES, parse_merge_mode
 from kvjax.models.runner_api import DEFAULT_CHUNK_SIZES
 from kvjax.models.registry import DEFAULT_MODEL
-from kvjax.scheduler.config import SchedulerConfig
+from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
                             DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                             DEFAULT_SESSION_TTL_S, SessionConfig)
-from kvjax.storage.store_config import PLACEMENTS, StoreConfig
+from kvjax.storage import specs
+from kvjax.storage.store_config import (DEFAULT_STORE_CAPACITY_BYTES, PLACEMENTS, StoreConfig,
+                                        TierConfig, url_kind)
 
 #: `max_num_seqs`, for `LLM` and the server alike: sequences reserve no memory up front (the KV
 #: pool is shared; a full pool preempts), so many can run at once.
@@ -70,6 +74,13 @@ def resolve_dtype(dtype: str, platform: str) -> str:
     raise ValueError(f"dtype {dtype!r} is not one of 'auto', {sorted(DTYPES)}")
   return _CANONICAL_DTYPE[dtype]
 SESSION_TRUNCATIONS = ("none", "drop_oldest_turns")
+#: Latency priors of a store link, seconds, for the bandwidth-delay product of loads in flight
+#: (`LoadConfig.link_latency_s`): a local or memory store, and one with a remote (s3) tier.
+LOCAL_LINK_LATENCY_S = 1e-3
+REMOTE_LINK_LATENCY_S = 30e-3
+#: `kv_store`'s value naming kvjax's own store, `file://<cache root>/store` (the server's default).
+DEFAULT_STORE = "default"
+_TIER_KEYS = tuple(f.name for f in dataclasses.fields(TierConfig))
 _CONSISTENT_FLAG = {"auto": None, "true": True, "false": False}
 
 
@@ -235,7 +246,7 @@ class KVStoreOptions:
       "the prefix-cache store: a URL (`file:///path` or a plain path, `memory://`, "
       "`ocdbt+file:///path`, `s3://bucket/prefix`) or a `kvjax.storage.StoreConfig` of "
       "tiers; None (default) stores nothing.",
-      flag="string", server_default="default",
+      flag="string", server_default=DEFAULT_STORE,
       parse=lambda v: None if v is None or v.lower() in ("none", "") else v,
       flag_help="Prefix-cache store URL: file:///path or a path, memory://, "
                 "ocdbt+file:///path, s3://bucket/prefix; 'default' is <cache root>/store; "
@@ -250,6 +261,25 @@ class KVStoreOptions:
   kv_link_trace: str | None = option(
       None, 'a trace file of "seconds bytes_per_s" steps instead of a constant.',
       flag_help="File of 'seconds bytes_per_s' lines: a varying emulated link.")
+  kv_tiers: str | None = option(
+      None,
+      "a tier list instead of `kv_store`: JSON, or the path of a JSON file, a list of tiers "
+      "top first, each an object with `kvjax.storage.TierConfig`'s fields (each tier its own "
+      'capacity and link), e.g. `[{"kind": "host", "capacity_bytes": 1073741824}, {"kind": '
+      '"disk", "url": "/data/kv"}]`; `kv_store` must then be None or "default".',
+      flag_help='Tier list as JSON or a JSON file, instead of --kv_store, e.g. \'[{"kind": '
+                '"host", "capacity_bytes": 1073741824}, {"kind": "disk", "url": "/data/kv"}]\'.')
+  kv_store_capacity_bytes: int | None = option(
+      None,
+      "byte limit of a URL `kv_store`: least recently used chunks (suffixes before their "
+      "prefixes) are evicted beyond it. None (default): 4 GiB "
+      "(`kvjax.storage.DEFAULT_STORE_CAPACITY_BYTES`) for a local or memory store, unbounded "
+      "for s3:// (the bucket's lifecycle rules govern it). With `kv_tiers` or a "
+      "`StoreConfig`, give each tier its `capacity_bytes`.",
+      flag="integer",
+      flag_help="Byte limit of --kv_store: least recently used chunks (suffixes before their "
+                "prefixes) are evicted beyond it. Default: 4 GiB for a local or memory store, "
+                "unbounded for s3://. With --kv_tiers, give each tier its capacity_bytes.")
   kv_codec: str = option(
       "raw",
       'the encoding new chunks are stored with: "raw" (default; the KV dtype, lossless), '
@@ -341,6 +371,88 @@ class KVStoreOptions:
                 "the disk, the disk's to a remote tier). Matters with a host tier "
                 "(--kv_tiers).")
 
+
+  @property
+  def has_store(self) -> bool:
+    """A store is configured (`kv_store` or `kv_tiers`)."""
+    return self.kv_store is not None or self.kv_tiers is not None
+
+  def store_config(self) -> StoreConfig | None:
+    """The store's `StoreConfig`: the one place options become one (`LLM`, the server and the
+    test factories all build their store from it). None without a store.
+
+    `kv_tiers` parsed (`tiers_from_json`); a `StoreConfig` as given; a URL (`DEFAULT_STORE`:
+    `default_store_url()`) one tier of its kind with `kv_store_capacity_bytes` (None:
+    `DEFAULT_STORE_CAPACITY_BYTES` for a local or memory store, unbounded for s3://) and the
+    emulated link (`kv_link_bytes_per_s` or `kv_link_trace`); then `kv_placement`, when set.
+
+    Raises:
+      ValueError: an unknown URL scheme, a bad tier list, capacity or link.
+    """
+    if self.kv_tiers is not None:
+      config = tiers_from_json(self.kv_tiers)
+    elif self.kv_store is None:
+      return None
+    elif isinstance(self.kv_store, StoreConfig):
+      config = self.kv_store
+    else:
+      url = default_store_url() if self.kv_store == DEFAULT_STORE else self.kv_store
+      kind = url_kind(url)
+      capacity = self.kv_store_capacity_bytes
+      if capacity is None and kind == "disk":
+        capacity = DEFAULT_STORE_CAPACITY_BYTES
+      config = StoreConfig((TierConfig(kind, url=url, capacity_bytes=capacity,
+                                       link_bytes_per_s=self.kv_link_bytes_per_s,
+                                       link_trace=self.kv_link_trace),))
+    if self.kv_placement is not None:
+      config = dataclasses.replace(config, placement=self.kv_placement)
+    return config
+
+  @property
+  def store_url(self) -> str | None:
+    """`kv_store` as a URL (`DEFAULT_STORE` resolved); None with `kv_tiers`, a `StoreConfig` or
+    no store."""
+    if self.kv_tiers is not None or not isinstance(self.kv_store, str):
+      return None
+    return default_store_url() if self.kv_store == DEFAULT_STORE else self.kv_store
+
+
+def default_store_url() -> str:
+  """`file://<cache root>/store`: `$KVJAX_CACHE_DIR/store` or `~/.cache/kvjax/store` (the
+  default of `python -m kvjax.store` too)."""
+  return "file://" + specs.default_root()
+
+
+def tiers_from_json(text: str) -> StoreConfig:
+  """Parses a tier list (`kv_tiers`) into a `StoreConfig`.
+
+  Args:
+    text: JSON, or the path of a JSON file: a list of tiers, top first, each an object with the
+      `TierConfig` fields, e.g. `[{"kind": "host", "capacity_bytes": 1073741824},
+      {"kind": "disk", "url": "/data/kv", "link_bytes_per_s": 3.125e9}]`.
+
+  Raises:
+    ValueError: not JSON, not a list of objects, unknown keys, or invalid tiers.
+  """
+  if os.path.isfile(text):
+    with open(text, encoding="utf-8") as f:
+      text = f.read()
+  try:
+    tiers = json.loads(text)
+  except json.JSONDecodeError as e:
+    if not text.lstrip().startswith(("[", "{")):  # meant as a path
+      raise ValueError(f"tier config {text!r} is not JSON, and no such file exists") from e
+    raise ValueError(f"tier config is not JSON (nor a file): {e}") from e
+  if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
+    raise ValueError("tier config must be a JSON list of objects, e.g. "
+                     '[{"kind": "disk", "url": "/data/kv"}]')
+  for i, t in enumerate(tiers):
+    unknown = set(t) - set(_TIER_KEYS)
+    if unknown:
+      raise ValueError(f"tier {i}: unknown keys {sorted(unknown)}; known: {sorted(_TIER_KEYS)}")
+    if "kind" not in t:
+      raise ValueError(f"tier {i} has no 'kind'")
+  return StoreConfig(tuple(TierConfig(**t) for t in tiers))
 
 @dataclasses.dataclass(frozen=True)
 class SessionOptions:
@@ -512,7 +624,8 @@ class EngineOptions:
 
   @property
   def has_store(self) -> bool:
-    return self.kv.kv_store is not None
+    """A store is configured (`kv_store` or `kv_tiers`)."""
+    return self.kv.has_store
 
   @property
   def codec_levels(self) -> tuple[int, ...]:
@@ -540,7 +653,28 @@ class EngineOptions:
                            token_budget=s.token_budget,
                            long_prefill_token_threshold=s.long_prefill_token_threshold,
                            prefill_order=s.prefill_order,
-                           short_first_token_steps=s.short_first_token_steps)
+                           short_first_token_steps=s.short_first_token_steps,
+                           enable_prefix_caching=self.cache.enable_prefix_caching)
+
+  def load_config(self) -> LoadConfig:
+    """The scheduler's `LoadConfig` of these options (the one place it is derived): the merge
+    mode, loads in flight, TTFT target, layer groups, the look-ahead window (0 without a store),
+    `consistent` resolved, and the link's latency prior (`REMOTE_LINK_LATENCY_S` when a tier is
+    remote, else `LOCAL_LINK_LATENCY_S`). The engine fits it to its runner and store client
+    (`Engine`: layer groups capped at the model's layers, the client's staging bytes).
+
+    Raises:
+      ValueError: as `KVStoreOptions.store_config`.
+    """
+    kv = self.kv
+    store = kv.store_config()
+    remote = store is not None and any(t.kind == "remote" for t in store.tiers)
+    return LoadConfig(merge_mode=kv.kv_merge_mode, max_loads_in_flight=kv.kv_max_loads_in_flight,
+                      link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S,
+                      kv_ttft_target_s=kv.kv_ttft_target_s,
+                      layerwise_groups=kv.kv_layerwise_groups,
+                      lookahead_window=kv.kv_lookahead_window if store is not None else 0,
+                      consistent=self.consistent and store is not None)
 
   def validate(self) -> None:
     """Every check that needs no model, by the options' flat names (the one place for them).
@@ -549,7 +683,7 @@ class EngineOptions:
       ValueError: naming the option and the limit it breaks.
     """
     m, c, s, kv, se = self.model, self.cache, self.scheduler, self.kv, self.sessions
-    with_store = kv.kv_store is not None
+    with_store = kv.has_store
     se.session_config()  # the sessions room's own checks
     rev = m.model_revision
     if rev is not None and (not isinstance(rev, str) or not rev.strip()):
@@ -646,19 +780,43 @@ class EngineOptions:
     if kv.kv_link_trace is not None and not isinstance(kv.kv_link_trace, str):
       raise ValueError(f"kv_link_trace must be a file path, got "
                        f"{type(kv.kv_link_trace).__name__}")
-    store = kv.kv_store
-    if isinstance(store, str):
-      if not store:
-        raise ValueError("kv_store is empty: give a URL such as file:///path or memory://")
-    elif isinstance(store, StoreConfig):
-      if kv.kv_link_bytes_per_s is not None or kv.kv_link_trace is not None:
-        raise ValueError("with a StoreConfig, set links per tier (TierConfig.link_*)")
-    else:
-      raise ValueError(f"kv_store must be a URL string or a StoreConfig, got "
-                       f"{type(store).__name__}")
     placement = kv.kv_placement
     if placement is not None and (not isinstance(placement, str) or placement not in PLACEMENTS):
       raise ValueError(f"kv_placement={placement!r}; use one of {PLACEMENTS} or None")
+    store = kv.kv_store
+    cap = kv.kv_store_capacity_bytes
+    if cap is not None:
+      _positive_int("kv_store_capacity_bytes", cap)
+    if kv.kv_tiers is not None:
+      if not isinstance(kv.kv_tiers, str):
+        raise ValueError(f"kv_tiers must be JSON or a file path, got {type(kv.kv_tiers).__name__}")
+      if store not in (None, DEFAULT_STORE):
+        raise ValueError("give kv_store or kv_tiers, not both")
+      if cap is not None:
+        raise ValueError("kv_store_capacity_bytes bounds kv_store; with kv_tiers, give each "
+                         "tier its capacity_bytes")
+      if kv.kv_link_bytes_per_s is not None or kv.kv_link_trace is not None:
+        raise ValueError("with kv_tiers, set links per tier (link_bytes_per_s, link_trace)")
+      try:
+        kv.store_config()
+      except ValueError as e:
+        raise ValueError(f"kv_tiers: {e}") from e
+    elif isinstance(store, str):
+      if not store:
+        raise ValueError("kv_store is empty: give a URL such as file:///path or memory://")
+      try:
+        kv.store_config()
+      except ValueError as e:
+        raise ValueError(f"kv_store: {e}") from e
+    elif isinstance(store, StoreConfig):
+      if kv.kv_link_bytes_per_s is not None or kv.kv_link_trace is not None:
+        raise ValueError("with a StoreConfig, set links per tier (TierConfig.link_*)")
+      if cap is not None:
+        raise ValueError("kv_store_capacity_bytes bounds a URL kv_store; with a StoreConfig, "
+                         "give each tier its capacity_bytes")
+    else:
+      raise ValueError(f"kv_store must be a URL string or a StoreConfig, got "
+                       f"{type(store).__name__}")
 
 
 def _positive_int(name: str, value: Any) -> None:

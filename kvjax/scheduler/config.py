@@ -28,6 +28,9 @@ class SchedulerConfig:
       prefill's first token or a store hit's last loads (cutting the longer prefills; those
       that end within the step go whole), or let it wait for a hit's loads that land within
       half a step (`kvjax/scheduler/prefill_policy.py`): True (default).
+    enable_prefix_caching: keep finished requests' full blocks on the device and share them
+      with later requests of the same prefix (namespace and `cache_salt`; the scheduler's
+      `KVCacheManager`): True (default).
 
   Raises:
     ValueError: non-positive slots or budget, unsorted sizes, a budget or threshold below the
@@ -40,8 +43,11 @@ class SchedulerConfig:
   long_prefill_token_threshold: int = 0
   prefill_order: str = SHORTEST_FIRST
   short_first_token_steps: bool = True
+  enable_prefix_caching: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.enable_prefix_caching, bool):
+      raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
     if not isinstance(self.short_first_token_steps, bool):
       raise ValueError(f"short_first_token_steps={self.short_first_token_steps!r} must be a bool")
     if self.prefill_order not in PREFILL_ORDERS:
@@ -93,6 +99,10 @@ class LoadConfig:
       shared link and the budget, each merge's meeting point chosen against the backlog of the
       ones ahead of it. False: each merge plans as if alone (loads issued oldest first, the
       link split between them). One restoring request plans the same either way.
+    consistent: with a lossy codec, make every output independent of which chunks were loaded
+      (identical requests get identical answers): each request reads only the first stored
+      level, and computed chunks pass through that same encode/decode, in steps of one store
+      chunk (`Scheduler(consistent=True)`; the engine turns it off for a raw store).
   """
 
   merge_mode: str = "cake"
@@ -105,8 +115,11 @@ class LoadConfig:
   layerwise_groups: int = 1
   lookahead_window: int = 0
   joint_planning: bool = True
+  consistent: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.consistent, bool):
+      raise ValueError(f"consistent={self.consistent!r} must be a bool")
     if not isinstance(self.joint_planning, bool):
       raise ValueError(f"joint_planning={self.joint_planning!r} must be a bool")
     w = self.lookahead_window

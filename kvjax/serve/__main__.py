@@ -164,7 +164,7 @@ def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> ServerConf
   `app.UsageError` on bad values."""
   engine = _flag_values(_ENGINE_FIELDS, flag_values)
   server = _flag_values(_SERVER_FIELDS, flag_values)
-  if server["kv_tiers"] is not None and flag_values["kv_store"].present:
+  if engine["kv_tiers"] is not None and flag_values["kv_store"].present:
     raise app.UsageError("give --kv_store or --kv_tiers, not both")
   if server["api_key"] is None:
     server["api_key"] = os.environ.get("KVJAX_API_KEY") or None

@@ -49,7 +49,8 @@ def _none_if(value: Any, none: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-  """Options of `python -m kvjax.serve`: the HTTP side here, the engine's in `engine`.
+  """Options of `python -m kvjax.serve`: the engine's options (`engine`, an `EngineOptions`, the
+  store's tiers and capacity among them) plus the HTTP side here.
 
   Each field is a flag of the same name (`--name`), as is each field of the engine's options
   (`kvjax.config.EngineOptions`; docs/usage/options.md). `from_flat` takes both by their flat
@@ -61,8 +62,8 @@ class ServerConfig:
     (the other fields): see each one's text (`kvjax.config.spec(field).doc`).
 
   Raises:
-    ValueError: a bad port, limit, host, origin, key, store or tier list, or KV events asked
-      for without the prefix cache.
+    ValueError: a bad port, limit, host, origin or key, or KV events asked for without the
+      prefix cache (the engine's options raise their own when built).
   """
 
   engine: EngineOptions = dataclasses.field(default_factory=server_engine_options)
@@ -70,16 +71,6 @@ class ServerConfig:
       None, "Name clients pass as `model` (default: the model's name).")
   host: str = option("127.0.0.1", "Interface to listen on.")
   port: int = option(8000, "TCP port; 0 picks a free port (printed).")
-  kv_tiers: str | None = option(
-      None,
-      'Tier list as JSON or a JSON file, instead of --kv_store, e.g. \'[{"kind": "host", '
-      '"capacity_bytes": 1073741824}, {"kind": "disk", "url": "/data/kv"}]\'.')
-  kv_store_capacity_bytes: int | None = option(
-      None,
-      "Byte limit of --kv_store: least recently used chunks (suffixes before their "
-      "prefixes) are evicted beyond it. Default: 4 GiB for a local or memory store, "
-      "unbounded for s3://. With --kv_tiers, give each tier its capacity_bytes.",
-      flag="integer")
   enable_admin: bool = option(
       False,
       "Serve the admin endpoints: POST /admin/flush_kv (waits for queued KV saves) and POST "
@@ -171,26 +162,8 @@ class ServerConfig:
     if not isinstance(self.engine, EngineOptions):
       raise TypeError(f"engine must be a kvjax.config.EngineOptions, got "
                       f"{type(self.engine).__name__}")
-    kv_store = self.engine.kv.kv_store
-    if self.kv_store_capacity_bytes is not None and self.kv_tiers is not None:
-      raise ValueError("kv_store_capacity_bytes bounds --kv_store; with kv_tiers, give each "
-                       "tier its capacity_bytes")
-    v = self.kv_store_capacity_bytes
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-      raise ValueError(f"kv_store_capacity_bytes={v!r} must be a positive int")
     if not 0 <= self.port < 65536:
       raise ValueError(f"port={self.port} is not in [0, 65535]")
-    if self.kv_tiers is not None and kv_store not in (None, "default"):
-      raise ValueError("give kv_store or kv_tiers, not both")
-    if self.kv_tiers is not None:
-      try:
-        builder.store_config_from_json(self.kv_tiers)  # before the port is bound
-      except ValueError as e:
-        raise ValueError(f"kv_tiers: {e}") from e
-    try:
-      self.store_config()  # a bad URL, link or capacity: refused before the port is bound
-    except ValueError as e:
-      raise ValueError(f"kv_store: {e}") from e
     if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
       raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")
     if self.kv_events_hash_algo not in kv_events.HASH_ALGOS:
@@ -209,51 +182,17 @@ class ServerConfig:
 
   @property
   def kv_store_url(self) -> str | None:
-    """`kv_store` resolved ("default": `builder.default_kv_store_url()`), or None."""
-    kv_store = self.engine.kv.kv_store
-    if kv_store is None or self.kv_tiers is not None or not isinstance(kv_store, str):
-      return None
-    return builder.default_kv_store_url() if kv_store == "default" else kv_store
-
-  def store_config(self):
-    """The one-tier `StoreConfig` of `kv_store` (its capacity and link); None without one.
-
-    This is where the server's store is defined (`store_startup_line` says where it is and how
-    large it may grow).
-    """
-    url = self.kv_store_url
-    if url is None:
-      return None
-    kv = self.engine.kv
-    return builder.store_config_from_url(url, capacity_bytes=self.kv_store_capacity_bytes,
-                                         link_bytes_per_s=kv.kv_link_bytes_per_s,
-                                         link_trace=kv.kv_link_trace)
+    """`kv_store` as a URL ("default": `builder.default_kv_store_url()`), or None
+    (`KVStoreOptions.store_url`)."""
+    return self.engine.kv.store_url
 
   def llm_options(self) -> dict[str, Any]:
-    """Keyword arguments of `builder.build_llm` (and so of `LLM`) besides the model: the
-    engine's options with the store resolved to a `StoreConfig` (`kv_tiers`, or `kv_store`
-    with its capacity and link); the store's options only with a store."""
+    """The engine's options by their flat names, without the model (`LLM(config.model,
+    **config.llm_options())` builds what `LLM(options=config.engine)` builds)."""
     opts = self.engine.flat()
     del opts["model"]
     if opts["compile_on_init"]:
       del opts["compile_on_init"]  # LLM's default; callers may pass their own
-    store_keys = ("kv_store", "kv_link_bytes_per_s", "kv_link_trace", "kv_placement",
-                  "kv_chunk_size", "kv_merge_mode", "kv_codec_consistent")
-    store = {k: opts.pop(k) for k in store_keys}
-    if self.kv_tiers is not None:
-      opts["kv_store"] = builder.store_config_from_json(self.kv_tiers)
-      opts.update(kv_link_bytes_per_s=store["kv_link_bytes_per_s"],
-                  kv_link_trace=store["kv_link_trace"])
-    elif isinstance(store["kv_store"], str):
-      opts["kv_store"] = self.store_config()
-    elif store["kv_store"] is not None:  # a StoreConfig given in Python
-      opts.update(kv_store=store["kv_store"], kv_link_bytes_per_s=store["kv_link_bytes_per_s"],
-                  kv_link_trace=store["kv_link_trace"])
-    if "kv_store" in opts:
-      opts.update(kv_chunk_size=store["kv_chunk_size"], kv_merge_mode=store["kv_merge_mode"],
-                  kv_codec_consistent=store["kv_codec_consistent"])
-      if store["kv_placement"] is not None:
-        opts["kv_placement"] = store["kv_placement"]
     return opts
 
 
@@ -370,8 +309,7 @@ def load_backend(config: ServerConfig,
   Raises:
     ValueError, FileNotFoundError: as `LLM`.
   """
-  llm = builder.build_llm(config.model, startup_progress=startup_progress,
-                          **config.llm_options())
+  llm = builder.build_llm(options=config.engine, startup_progress=startup_progress)
   try:
     line = store_startup_line(config, llm)
     if line is not None:
@@ -387,7 +325,7 @@ def load_backend(config: ServerConfig,
 
 def build_follower(config: ServerConfig) -> LLM:
   """The `LLM` of a multi-host process other than 0 (`LLM.follow()` then serves process 0)."""
-  return builder.build_llm(config.model, **config.llm_options())
+  return builder.build_llm(options=config.engine)
 
 
 def close_backend(backend: Backend | None, llm: LLM | None) -> None:

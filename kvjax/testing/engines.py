@@ -7,6 +7,11 @@ chat, option checks) over one, and for an `LLM` on the real (jit'd) model.
     llm = fake_llm(kv_store="memory://", kv_chunk_size=32)   # LLM("tiny", ...) on a FakeRunner
     llm = real_llm("tiny", cache_dir="", kv_store="memory://")  # LLM(...), compiled on demand
 
+Both fake factories build through the composition root (`kvjax.entrypoints.root.
+build_engine_parts`), as `LLM(...)` does, with the fake's model record (`fake_model`, or "tiny"
+under a fingerprint of the fake's own) and a fake runner factory (`fake_runner_factory`) as their
+arguments: the same option checks, store client, sessions wiring and engine records.
+
 Defaults follow `LLM`'s (chunk sizes 16 .. 512, blocks of 16, 4 sequences, Cake merges), sized
 for the fake's 512 positions; options are `LLM`'s names where they mean the same.
 """
@@ -17,24 +22,22 @@ import contextlib
 import dataclasses
 import hashlib
 import itertools
-from typing import Any, Iterator, Sequence
+import time
+from typing import Any, Callable, Iterator, Sequence
 
-from kvjax import codecs
 from kvjax._typing import ModelFingerprint
-from kvjax.entrypoints import llm as llm_module
+from kvjax.config import EngineOptions
 from kvjax.engine.engine import Engine
 from kvjax.engine.outputs import RequestOutput
-from kvjax.entrypoints.llm import LLM
-from kvjax.connector import KVStoreClient
+from kvjax.entrypoints import root
+from kvjax.entrypoints.llm import LLM, resolve_options
+from kvjax.entrypoints.root import RunnerFactory, build_engine_parts
 from kvjax.models.byte_tokenizer import ByteTokenizer
-from kvjax.models.kv_cache import KV_LAYOUT_VERSION, paged_block_nbytes
+from kvjax.models.kv_cache import paged_block_nbytes
+from kvjax.models.registry import LoadedModel, load_model
 from kvjax.models.runner_api import PagedRunnerConfig
 from kvjax.scheduler.request import SamplingParams
-from kvjax.scheduler.config import SchedulerConfig
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.link import LinkLimiter
-from kvjax.storage.tiers import StoreConfig, build_tiers
-from kvjax.storage.types import KVLayout
+from kvjax.storage.tiers import StoreConfig
 from kvjax.testing.fake_runner import FakeRunner, fake_model_config
 
 #: `LLM`'s default chunk sizes, capped at the fake's context.
@@ -50,49 +53,43 @@ def memory_store_url(name: str = "fake") -> str:
   return f"memory://{name}-{next(_ids)}"
 
 
-def fake_runner(*, max_num_seqs: int = 4, max_num_batched_tokens: int | None = None,
-                chunk_sizes: Sequence[int] = FAKE_CHUNK_SIZES, block_size: int = 16,
-                num_blocks: int | None = None, max_model_len: int | None = None,
-                seed: int = 0) -> FakeRunner:
-  """A `FakeRunner` with `LLM`'s sizing rules: a token budget of the largest chunk size and
-  (default) enough blocks for `max_num_seqs` sequences of the full context."""
-  cfg = fake_model_config()
-  max_len = max_model_len or cfg.max_seq_len
-  if num_blocks is None:
-    num_blocks = max_num_seqs * -(-max_len // block_size)
-  return FakeRunner(PagedRunnerConfig(
-      num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-      max_num_batched_tokens=max_num_batched_tokens or chunk_sizes[-1], max_seq_len=max_len,
-      chunk_sizes=tuple(chunk_sizes)), cfg, seed=seed)
+def fake_runner_factory(runner_seed: int = 0, num_blocks: int | None = None) -> RunnerFactory:
+  """A `build_engine_parts(make_runner=...)` that builds a `FakeRunner` of the options' sizes.
 
+  Blocks: `num_blocks`, else what `kv_cache_memory_bytes` holds (float32 blocks), else enough
+  for `max_num_seqs` sequences of the full context (`LLM`'s rule on the CPU).
 
-def fake_store_client(kv_store: str | StoreConfig, runner: FakeRunner, *,
-                      kv_chunk_size: int = 32, kv_codec: str = "raw",
-                      kv_codec_levels: Sequence[int] | None = None, consistent: bool = False,
-                      kv_device_link_bytes_per_s: float | None = None,
-                      fingerprint: str = FAKE_FINGERPRINT, **client_options: Any
-                      ) -> KVStoreClient:
-  """A `KVStoreClient` over a store URL or tier list, for the fake's KV layout (float32).
-
-  `client_options` go to `KVStoreClient` (e.g. `max_pending_saves`, `timeout_s`).
+  Raises (when called):
+    ValueError: `tensor_parallel_size` > 1 (the fake runs on one device).
   """
-  config = (StoreConfig.from_url(kv_store) if isinstance(kv_store, str) else kv_store)
-  store = build_tiers(config, make_chunk_store=lambda url, name, limiter: ChunkStore(
-      url, name=name, limiter=limiter))
-  cfg = runner.model_config
-  levels = tuple(kv_codec_levels) if kv_codec_levels is not None else (
-      codecs.DEFAULT_LEVELS[kv_codec],)
-  layout = KVLayout(num_layers=cfg.n_layers, chunk_size=kv_chunk_size,
-                    num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype="float32")
-  return KVStoreClient(store, model_fingerprint=fingerprint, layout=layout,
-                       kv_layout_version=KV_LAYOUT_VERSION, codec=kv_codec,
-                       codec_levels=levels,
-                       device_link=(LinkLimiter(kv_device_link_bytes_per_s)
-                                    if kv_device_link_bytes_per_s is not None else None),
-                       consistent=consistent, device=runner.device_seam(), **client_options)
+
+  def make(loaded: LoadedModel, options: EngineOptions) -> FakeRunner:
+    if options.parallel.tensor_parallel_size != 1:
+      raise ValueError("the fake runner runs on one device (tensor_parallel_size=1)")
+    cfg, cache, sched = loaded.config, options.cache, options.scheduler
+    max_seq_len = options.model.max_model_len
+    blocks = num_blocks
+    if blocks is None and cache.kv_cache_memory_bytes is not None:
+      blocks = max(1, cache.kv_cache_memory_bytes
+                   // paged_block_nbytes(cfg, cache.block_size, "float32"))
+    elif blocks is None:
+      blocks = sched.max_num_seqs * -(-(max_seq_len or cfg.max_seq_len) // cache.block_size)
+    return FakeRunner(PagedRunnerConfig(
+        num_blocks=blocks, block_size=cache.block_size, max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.token_budget, max_seq_len=max_seq_len,
+        chunk_sizes=tuple(sched.chunk_sizes)), cfg, seed=runner_seed)
+
+  return make
 
 
-def fake_engine(*, kv_store: str | StoreConfig | KVStoreClient | None = None,
+def fake_model() -> LoadedModel:
+  """The fake's model record: `fake_model_config()`, no weights, a `ByteTokenizer`, and
+  `FAKE_FINGERPRINT` (its stored chunks' keys)."""
+  return LoadedModel(name="fake", config=fake_model_config(), params={},
+                     tokenizer=ByteTokenizer(), fingerprint=ModelFingerprint(FAKE_FINGERPRINT))
+
+
+def fake_engine(*, kv_store: str | StoreConfig | None = None,
                 kv_chunk_size: int = 32, kv_codec: str = "raw",
                 kv_codec_levels: Sequence[int] | None = None,
                 kv_codec_consistent: bool = False, max_num_seqs: int = 4,
@@ -102,45 +99,47 @@ def fake_engine(*, kv_store: str | StoreConfig | KVStoreClient | None = None,
                 long_prefill_token_threshold: int = 0, prefill_order: str | None = None,
                 runner_seed: int = 0, check_writes: bool = True,
                 kv_device_link_bytes_per_s: float | None = None, lookahead_window: int = 8,
-                **engine_options: Any) -> Engine:
-  """An `Engine` on a `FakeRunner` with a `ByteTokenizer` (the test engine factory).
+                merge_mode: str = "cake", layerwise_groups: int = 1,
+                enable_prefix_caching: bool = True, max_loads_in_flight: int | None = None,
+                kv_ttft_target_s: float | None = None, seed: int = 0,
+                clock: Callable[[], float] = time.perf_counter) -> Engine:
+  """An `Engine` on a `FakeRunner` with a `ByteTokenizer` (the test engine factory): the
+  composition root (`kvjax.entrypoints.root.build_engine_parts`) with the fake as its runner.
 
   Args:
-    kv_store: a store URL (`memory_store_url()` for a fresh one), a `StoreConfig`, a ready
-      `KVStoreClient` (built by `fake_store_client` for this layout), or None.
-    kv_chunk_size, kv_codec, kv_codec_levels: the store client's (as `LLM`'s).
-    kv_codec_consistent: `Engine(consistent=...)` (its client is keyed by the fixed encoding).
-    max_num_seqs, max_num_batched_tokens, chunk_sizes, block_size, num_blocks, max_model_len:
-      the runner's and the scheduler's sizes.
-    long_prefill_token_threshold, prefill_order: `SchedulerConfig`'s.
+    kv_store: a store URL (`memory_store_url()` for a fresh one), a `StoreConfig`, or None.
+    kv_chunk_size, kv_codec, kv_codec_levels, kv_codec_consistent, kv_device_link_bytes_per_s:
+      the store's options (as `LLM`'s).
+    max_num_seqs, max_num_batched_tokens, chunk_sizes, block_size, max_model_len,
+      long_prefill_token_threshold, prefill_order, enable_prefix_caching, seed: `LLM`'s.
+    num_blocks: the fake's block pool (default: `max_num_seqs` full contexts).
     runner_seed: the fake model's weights.
     check_writes: keep the merge's writer map (tests keep it on).
-    kv_device_link_bytes_per_s: the store client's emulated host -> device link.
-    lookahead_window: `LLM`'s default (8), not `Engine`'s (0).
-    engine_options: `Engine`'s other keywords (`merge_mode`, `seed`, `clock`,
-      `enable_prefix_caching`, `layerwise_groups`, `lookahead_window`, ...).
+    lookahead_window, merge_mode, layerwise_groups, max_loads_in_flight, kv_ttft_target_s:
+      `LLM`'s `kv_lookahead_window` (default 8, as `LLM`'s), `kv_merge_mode`,
+      `kv_layerwise_groups`, `kv_max_loads_in_flight`, `kv_ttft_target_s`.
+    clock: the engine's clock.
 
   Closing: `close_engine(engine)` closes its store client and runner.
   """
-  runner = fake_runner(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       chunk_sizes=chunk_sizes, block_size=block_size, num_blocks=num_blocks,
-                       max_model_len=max_model_len, seed=runner_seed)
-  client = kv_store
-  if kv_store is not None and not isinstance(kv_store, KVStoreClient):
-    client = fake_store_client(kv_store, runner, kv_chunk_size=kv_chunk_size, kv_codec=kv_codec,
-                               kv_codec_levels=kv_codec_levels,
-                               consistent=kv_codec_consistent,
-                               kv_device_link_bytes_per_s=kv_device_link_bytes_per_s)
-  sched_options = {}
+  flat: dict[str, Any] = dict(
+      model="tiny", cache_dir="", dtype="float32", max_num_seqs=max_num_seqs,
+      max_num_batched_tokens=max_num_batched_tokens, chunk_sizes=tuple(chunk_sizes),
+      block_size=block_size, max_model_len=max_model_len,
+      long_prefill_token_threshold=long_prefill_token_threshold,
+      enable_prefix_caching=enable_prefix_caching, seed=seed, kv_store=kv_store,
+      kv_chunk_size=kv_chunk_size, kv_codec=kv_codec, kv_codec_levels=kv_codec_levels,
+      kv_codec_consistent=kv_codec_consistent,
+      kv_device_link_bytes_per_s=kv_device_link_bytes_per_s,
+      kv_lookahead_window=lookahead_window, kv_merge_mode=merge_mode,
+      kv_layerwise_groups=layerwise_groups, kv_max_loads_in_flight=max_loads_in_flight,
+      kv_ttft_target_s=kv_ttft_target_s)
   if prefill_order is not None:
-    sched_options["prefill_order"] = prefill_order
-  sched = SchedulerConfig(num_slots=max_num_seqs, chunk_sizes=runner.chunk_sizes,
-                          token_budget=runner.config.max_num_batched_tokens,
-                          long_prefill_token_threshold=long_prefill_token_threshold,
-                          **sched_options)
-  return Engine(runner, ByteTokenizer(), sched, kv_store=client, check_writes=check_writes,
-                consistent=kv_codec_consistent, lookahead_window=lookahead_window,
-                **engine_options)
+    flat["prefill_order"] = prefill_order
+  parts = build_engine_parts(EngineOptions.from_flat(**flat), model=fake_model(),
+                             make_runner=fake_runner_factory(runner_seed, num_blocks),
+                             clock=clock, check_writes=check_writes)
+  return parts.engine
 
 
 def close_engine(engine: Engine) -> None:
@@ -182,21 +181,32 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int] | str],
   return [done[r] for r in rids]
 
 
+def _fake_loaded(model: str, runner_seed: int, max_seq_len: int | None,
+                 load: Callable[..., LoadedModel], **load_options: Any) -> LoadedModel:
+  """`model` loaded, with a fingerprint of the fake's own (stored KV of the fake never hits the
+  real model's, nor the other way) and, when given, `max_seq_len` as its context."""
+  loaded = load(model, **load_options)
+  fp = hashlib.sha256(f"{FAKE_FINGERPRINT}/{runner_seed}\0{loaded.fingerprint}".encode())
+  if max_seq_len is not None:
+    loaded = dataclasses.replace(
+        loaded, config=dataclasses.replace(loaded.config, max_seq_len=max_seq_len))
+  return dataclasses.replace(loaded, fingerprint=ModelFingerprint(fp.hexdigest()))
+
+
 @contextlib.contextmanager
 def fake_runner_seam(runner_seed: int = 0,
                      max_seq_len: int | None = None) -> Iterator[list[FakeRunner]]:
-  """While open, every `LLM` built (paged layout) runs on a `FakeRunner` of its options' sizes
-  instead of the jit'd `PagedModelRunner`, and its store keys are seeded from a fingerprint of
-  its own (stored KV of the fake never hits the real model's, nor the other way). Yields the
-  list of runners built. Everything else is `LLM`'s own construction (option checks, store
-  client, sessions, engine, warmup).
+  """While open, every `LLM(...)` built runs on a `FakeRunner` of its options' sizes instead of
+  the jit'd `PagedModelRunner`, and its store keys are seeded from a fingerprint of its own.
+  Yields the list of runners built. For tests of `LLM(...)` itself (its start-up, its weights
+  check); `fake_llm` passes the fake to the composition root instead.
 
-  `LLM.__init__` has no runner parameter; this swaps the two module-level functions it builds
-  the runner and loads the model with (`build_paged_runner`, `load_model`) for the block only.
+  Swaps the two module-level functions the root (`kvjax/entrypoints/root.py`) builds the
+  runner and loads the model with (`build_paged_runner`, `load_model`) for the block only.
   `max_seq_len` overrides the model's context (tokens), for prompts longer than tiny's 512.
   """
   built: list[FakeRunner] = []
-  real_load = llm_module.load_model
+  real_load = root.load_model
 
   def build(model, *, block_size, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
             max_seq_len, chunk_sizes, tensor_parallel=None):
@@ -216,39 +226,41 @@ def fake_runner_seam(runner_seed: int = 0,
     return runner
 
   def load(model, *, cache_dir=None, revision=None):
-    loaded = real_load(model, cache_dir=cache_dir, revision=revision)
-    fp = hashlib.sha256(f"{FAKE_FINGERPRINT}/{runner_seed}\0{loaded.fingerprint}".encode())
-    if max_seq_len is not None:
-      loaded = dataclasses.replace(
-          loaded, config=dataclasses.replace(loaded.config, max_seq_len=max_seq_len))
-    return dataclasses.replace(loaded, fingerprint=ModelFingerprint(fp.hexdigest()))
+    return _fake_loaded(model, runner_seed, max_seq_len, real_load, cache_dir=cache_dir,
+                        revision=revision)
 
-  saved = llm_module.build_paged_runner, llm_module.load_model
-  llm_module.build_paged_runner, llm_module.load_model = build, load
+  saved = root.build_paged_runner, root.load_model
+  root.build_paged_runner, root.load_model = build, load
   try:
     yield built
   finally:
-    llm_module.build_paged_runner, llm_module.load_model = saved
+    root.build_paged_runner, root.load_model = saved
 
 
 def fake_llm(model: str = "tiny", *, runner_seed: int = 0, max_seq_len: int | None = None,
              **options: Any) -> LLM:
-  """`LLM(model, **options)` on a `FakeRunner` (`fake_runner_seam`): the real front end
-  (generate, chat, sessions, option checks, the store client) over the numpy fake model.
+  """`LLM(model, **options)` on a `FakeRunner`: the composition root
+  (`kvjax.entrypoints.root.build_engine_parts`) with the fake as its runner, then
+  `LLM.from_parts`: the real front end (generate, chat, sessions, option checks, the store
+  client) over the numpy fake model.
 
   Defaults differ from `LLM`'s where the fake needs it: `cache_dir=""` (nothing cached on
   disk), `compile_on_init=False` and `startup_progress=None` (as `real_llm`). "tiny" (default):
   `kvjax.models.config.tiny`'s sizes and a `ByteTokenizer`; `max_seq_len` overrides its
-  context of 512 tokens.
+  context of 512 tokens. Stored keys are seeded from a fingerprint of the fake's own.
 
   Raises:
     ValueError: as `LLM`; `tensor_parallel_size` > 1; kvtc (the fake has no calibration).
   """
   options.setdefault("cache_dir", "")
   options.setdefault("compile_on_init", False)
-  options.setdefault("startup_progress", None)
-  with fake_runner_seam(runner_seed, max_seq_len):
-    return LLM(model, **options)
+  progress = options.pop("startup_progress", None)
+  opts = resolve_options(model, options.pop("options", None), options)
+  loaded = _fake_loaded(model, runner_seed, max_seq_len, load_model,
+                        revision=opts.model.model_revision)
+  parts = build_engine_parts(opts, progress=progress, model=loaded,
+                             make_runner=fake_runner_factory(runner_seed))
+  return LLM.from_parts(parts, startup_progress=progress)
 
 
 def real_llm(model: str = "tiny", **options: Any) -> LLM:

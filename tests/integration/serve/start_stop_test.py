@@ -246,7 +246,7 @@ class StartupEventsTest(absltest.TestCase):
                       "insert of a stored 16-token chunk", "read-back of a session tail"])
     self.assertIn("KV cache: ", events[3].message)
     self.assertIn("blocks of 16 tokens", events[3].message)
-    self.assertEqual(events[4].message, "KV store: 1 tier: disk memory:// (20 GiB); codec raw "
+    self.assertEqual(events[4].message, "KV store: 1 tier: disk memory:// (4 GiB); codec raw "
                      "levels [0]")
 
   def test_a_raising_callback_cancels_and_closes(self):

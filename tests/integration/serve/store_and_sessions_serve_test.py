@@ -36,7 +36,7 @@ class RestartTest(unit.RestartUnitTest):
 class ServerConfigStoreTest(absltest.TestCase):
 
   def test_the_default_store_is_bounded(self):
-    (tier,) = ServerConfig.from_flat(model="tiny").llm_options()["kv_store"].tiers
+    (tier,) = ServerConfig.from_flat(model="tiny").engine.kv.store_config().tiers
     self.assertEqual((tier.kind, tier.capacity_bytes), ("disk", DEFAULT_STORE_CAPACITY_BYTES))
     self.assertEqual(DEFAULT_STORE_CAPACITY_BYTES, 4 * 2**30)
     self.assertTrue(tier.url.startswith("file://") and tier.url.endswith("/store"))
@@ -44,11 +44,11 @@ class ServerConfigStoreTest(absltest.TestCase):
   def test_the_capacity_flag(self):
     config = ServerConfig.from_flat(model="tiny", kv_store="memory://",
                                     kv_store_capacity_bytes=1 << 20, kv_link_bytes_per_s=1e9)
-    (tier,) = config.llm_options()["kv_store"].tiers
+    (tier,) = config.engine.kv.store_config().tiers
     self.assertEqual((tier.url, tier.capacity_bytes, tier.link_bytes_per_s),
                      ("memory://", 1 << 20, 1e9))
-    self.assertNotIn("kv_link_bytes_per_s", config.llm_options())  # on the tier
-    (s3,) = ServerConfig.from_flat(model="tiny", kv_store="s3://bucket/kv").store_config().tiers
+    (s3,) = ServerConfig.from_flat(model="tiny",
+                                   kv_store="s3://bucket/kv").engine.kv.store_config().tiers
     self.assertIsNone(s3.capacity_bytes)  # the bucket's lifecycle rules bound it
     for bad in (0, -1, True, 1.5):
       with self.assertRaisesRegex(ValueError, "kv_store_capacity_bytes"):

@@ -18,7 +18,7 @@ from absl.testing import absltest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvjax import SamplingParams
-from kvjax.entrypoints import llm as llm_module
+from kvjax.entrypoints import root as root_module
 from kvjax.serve.metrics import ServeMetrics
 from kvjax.storage import StoreConfig, TierConfig, keys
 from kvjax.storage.chunk_store import ChunkStore, index_key, run_sync
@@ -123,7 +123,7 @@ class StoredChunkGuardUnitTest(absltest.TestCase):
 
   def test_another_layout_version(self):
     # A writer whose stored layout means something else (`KV_LAYOUT_VERSION` 2).
-    with mock.patch.object(llm_module, "KV_LAYOUT_VERSION", 2):
+    with mock.patch.object(root_module, "KV_LAYOUT_VERSION", 2):
       writer = self.writer()
     reader = self.reader()
     self.assertEqual((writer.kv_store.origin.kv_layout_version,

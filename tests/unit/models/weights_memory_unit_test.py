@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from absl.testing import absltest
 
 from kvjax.entrypoints import llm as llm_module
+from kvjax.entrypoints import root
 from kvjax.models import checkpoint, config, gguf_loader, registry
 from kvjax.models.weights_memory import (check_weights_fit, device_free_bytes, param_count,
                                          param_nbytes)
@@ -103,13 +104,13 @@ class LLMRefusesBeforeLoadingTest(absltest.TestCase):
 
   def build(self, free_bytes, model="tiny"):
     events = []
-    with mock.patch.object(llm_module, "device_free_bytes", return_value=free_bytes):
+    with mock.patch.object(root, "device_free_bytes", return_value=free_bytes):
       llm = llm_module.LLM(model, cache_dir="", compile_on_init=False, dtype="float32",
                            startup_progress=events.append)
     return llm, events
 
   def test_too_small_refuses_before_any_weight_loads(self):
-    with mock.patch.object(llm_module, "load_model",
+    with mock.patch.object(root, "load_model",
                            side_effect=AssertionError("weights loaded")) as load:
       with self.assertRaisesRegex(
           ValueError, r"SmolLM2-135M-Instruct's weights do not fit .*134,515,008 parameters "
