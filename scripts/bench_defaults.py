@@ -51,6 +51,8 @@ but by the machine's noise, and the verdict says so ("same plans") instead of fl
     .venv/bin/python scripts/bench_defaults.py --quick --workloads b \
         --settings defaults,kv_merge_mode=load_only,kv_merge_mode=compute_only  # one question
 
+`--rejudge=<file>` recomputes a results file's verdict from its recorded cells (no runs).
+
 Writes <out_dir>/bench_defaults[_quick].json (`benchlib.provenance()`, threads, seeds, sizes,
 every cell with its median, min, max and spread over the rounds and each run's CPU share, the
 defaults' ratio to the best setting per workload and metric) and a plot of
@@ -91,6 +93,13 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seeds the ShareGPT conversation sample.
 _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results"), "Output folder.")
 _LINK = flags.DEFINE_float("link_mb_s", 20.0, "e: the disk tier's emulated read link, MB/s.")
 _TAG = flags.DEFINE_string("tag", "", "Suffix of the output files' names.")
+_REJUDGE = flags.DEFINE_string(
+    "rejudge", None, "A results file this script wrote: recompute its verdict and `workloads` "
+    "summary from its recorded cells (no model runs) and rewrite it and its plot; the original "
+    "run's provenance stays, this call's goes under `rejudged_by`.")
+
+#: A loss: defaults / best other above this, by both the paired ratio and the ratio of medians.
+LOSS_RATIO = 1.10
 
 SHORT = 40       # tokens of a short prompt
 NEW = 32         # new tokens after a stored history
@@ -348,8 +357,110 @@ def judge(row: dict, metric: str) -> dict | None:
           "same_plans": d["plans_per_round"] == row[win]["plans_per_round"]}
 
 
+def is_loss(v: dict) -> bool:
+  """Whether a `judge` record flags a loss (both ratios above `LOSS_RATIO`)."""
+  r, q = v["ratio_defaults_over_best"], v["ratio_of_medians"]
+  return r is not None and q is not None and min(r, q) > LOSS_RATIO
+
+
+def trade_off(row: dict, winner: str) -> dict:
+  """Where the defaults beat `winner` by more than `LOSS_RATIO` on a timing of the workload
+  (wall, TTFTs, the hits' or the cold prompt's TTFT...): {timing: median over rounds of the
+  paired ratio winner / defaults}; what `winner` costs in exchange for its win."""
+  d, w = row["defaults"], row[winner]
+  out = {}
+  for k in d["summary"]:
+    pairs = [(b[k], a[k]) for a, b in zip(d["reps"], w["reps"])
+             if a.get(k) and b.get(k) is not None]
+    if pairs:
+      ratio = statistics.median(b / a for b, a in pairs)
+      if ratio > LOSS_RATIO:
+        out[k] = ratio
+  return out
+
+
+def workloads_summary(cells: dict, verdict: dict) -> dict:
+  """Per workload: `defaults_over_best` (the median paired ratio defaults / the best other
+  setting on the metric where the smaller of it and the ratio of medians is largest: the metric
+  closest to a loss), `best_setting` and `metric` (where it is), `status`
+  ("within 10%", "same plans" where every round planned the same steps as the defaults, so the
+  ratio is the machine's noise, or "trade-off" where the winner loses to the defaults by more
+  than 10% on another timing, named in `trade_off`, or "loss"), and `per_metric`."""
+  out = {}
+  for w, per in verdict.items():
+    if not per:
+      continue
+    metric = max(per, key=lambda m: min(per[m]["ratio_defaults_over_best"] or 0.0,
+                                        per[m]["ratio_of_medians"] or 0.0))
+    v = per[metric]
+    losses = {m: x for m, x in per.items() if is_loss(x)}
+    statuses, offs = [], {}
+    for m, x in losses.items():
+      if x["same_plans"]:
+        statuses.append("same plans")
+        continue
+      offs[m] = {"best_setting": x["best_other"],
+                 "winner_over_defaults": trade_off(cells[w], x["best_other"])}
+      statuses.append("trade-off" if offs[m]["winner_over_defaults"] else "loss")
+    status = ("loss" if "loss" in statuses else "trade-off" if "trade-off" in statuses
+              else "same plans" if statuses else "within 10%")
+    out[w] = {"defaults_over_best": v["ratio_defaults_over_best"],
+              "best_setting": v["best_other"], "metric": metric, "status": status,
+              "trade_off": offs,
+              "per_metric": {m: {"defaults_over_best": x["ratio_defaults_over_best"],
+                                 "ratio_of_medians": x["ratio_of_medians"],
+                                 "best_setting": x["best_other"], "same_plans": x["same_plans"]}
+                             for m, x in per.items()}}
+  return out
+
+
+def print_verdict(cells: dict, verdict: dict, workloads: dict) -> None:
+  for w, row in cells.items():
+    print(f"\n{w}: {'setting':34s} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'steps':>6}"
+          "  same plans as defaults")
+    for n, c in row.items():
+      same = ("-" if n == "defaults" or "defaults" not in row else
+              c["plans_per_round"] == row["defaults"]["plans_per_round"])
+      print(f"   {n:34s} {c['wall_s']:8.2f} {c['ttft_p50_s']:9.3f} {c['ttft_p99_s']:9.3f} "
+            f"{c['steps']:6d}  {same}")
+    for m, v in verdict.get(w, {}).items():
+      flag = ""
+      if is_loss(v):
+        flag = "  (> 1.10, same plans: the machine's noise)" if v["same_plans"] else "  (> 1.10)"
+      print(f"   defaults / best ({v['best_other']}) {m}: median of paired ratios "
+            f"{v['ratio_defaults_over_best']:.3f}, ratio of medians {v['ratio_of_medians']:.3f}"
+            f"{flag}")
+    if w in workloads:
+      s = workloads[w]
+      print(f"   => {s['status']}: defaults / best {s['defaults_over_best']:.3f} "
+            f"({s['best_setting']}, {s['metric']})")
+      for m, t in s["trade_off"].items():
+        costs = ", ".join(f"{k} x{r:.2f}" for k, r in t["winner_over_defaults"].items())
+        print(f"      {m}: {t['best_setting']} costs {costs or 'nothing measured'}")
+
+
+def rejudge(path: pathlib.Path) -> None:
+  """Recomputes a results file's verdict and `workloads` from its cells; rewrites it and its
+  plot (the measurements and the run's provenance unchanged)."""
+  record = json.loads(path.read_text(encoding="utf-8"))
+  cells = record["cells"]
+  metrics = ("wall_s", "ttft_p50_s", "ttft_p99_s")
+  verdict = {w: {m: v for m in metrics if (v := judge(row, m)) is not None}
+             for w, row in cells.items() if "defaults" in row}
+  workloads = workloads_summary(cells, verdict)
+  print_verdict(cells, verdict, workloads)
+  record["verdict"], record["workloads"] = verdict, workloads
+  record["rejudged_by"] = benchlib.provenance(("kvjax",))
+  path.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+  plot(cells, path.with_suffix(".png"))
+  print(f"rewrote {path}")
+
+
 def main(argv):
   del argv
+  if _REJUDGE.value:
+    rejudge(pathlib.Path(_REJUDGE.value))
+    return
   from kvjax import LLM  # noqa: PLC0415
   sz = sizes()
   names = _SETTINGS.value or list(SETTINGS)
@@ -402,25 +513,11 @@ def main(argv):
   metrics = ("wall_s", "ttft_p50_s", "ttft_p99_s")
   verdict = {w: {m: v for m in metrics if (v := judge(row, m)) is not None}
              for w, row in cells.items() if "defaults" in row}
+  workloads = workloads_summary(cells, verdict)
   print(f"\nbench_defaults{' --quick' if _QUICK.value else ''}: {_MODEL.value} f32, "
         f"{at_start['cpu']} x {at_start['cpu_count']}, {total / 60:.1f} min; median of "
         f"{sz['reps']} round(s) per cell")
-  for w, row in cells.items():
-    print(f"\n{w}: {'setting':34s} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'steps':>6}"
-          "  same plans as defaults")
-    for n, c in row.items():
-      same = ("-" if n == "defaults" or "defaults" not in row else
-              c["plans_per_round"] == row["defaults"]["plans_per_round"])
-      print(f"   {n:34s} {c['wall_s']:8.2f} {c['ttft_p50_s']:9.3f} {c['ttft_p99_s']:9.3f} "
-            f"{c['steps']:6d}  {same}")
-    for m, v in verdict.get(w, {}).items():
-      r = v["ratio_defaults_over_best"]
-      q = v["ratio_of_medians"]
-      flag = ""
-      if r is not None and q is not None and min(r, q) > 1.10:
-        flag = "  (> 1.10, same plans: the machine's noise)" if v["same_plans"] else "  (> 1.10)"
-      print(f"   defaults / best ({v['best_other']}) {m}: median of paired ratios {r:.3f}, "
-            f"ratio of medians {q:.3f}{flag}")
+  print_verdict(cells, verdict, workloads)
 
   record = {**prov, "benchmark": "bench_defaults", "machine_at_end": benchlib.machine(),
             "threads": {"cpu_count": os.cpu_count(),
@@ -433,7 +530,8 @@ def main(argv):
             "setting_order": "rotated by one per round (benchlib.interleaved_rounds)",
             "round_orders": order,
             "link_mb_s": _LINK.value,
-            "max_num_seqs": MAX_SEQS, "total_s": total, "cells": cells, "verdict": verdict}
+            "max_num_seqs": MAX_SEQS, "total_s": total, "cells": cells, "verdict": verdict,
+            "workloads": workloads}
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
   stem = "bench_defaults" + ("_quick" if _QUICK.value else "") + (f"_{_TAG.value}" if _TAG.value
