@@ -226,8 +226,9 @@ def main(argv):
   name = "bench_tier_lookahead" + ("_quick" if _QUICK.value else "")
   benchlib.write_json(out / f"{name}.json", record)
   plt = benchlib.pyplot()
-  fig, ax = plt.subplots(figsize=(7, 4))
-  labels = [f"{r['label']}\n{r['live_multiple']:g}x live" for r in runs]
+  fig, ax = plt.subplots(figsize=(10, 4.5))
+  short = lambda r: "LRU" if r["policy"] == "lru" else f"LA w{r['label'].split('_w')[1]}"
+  labels = [f"{short(r)}\n{r['live_multiple']:g}x live" for r in runs]
   x = np.arange(len(runs))
   ax.bar(x - 0.2, [r["real"]["token_hit_rate"] for r in runs], 0.4, label="real tiers")
   ax.bar(x + 0.2, [r["sim"]["token_hit_rate"] for r in runs], 0.4, label="simulator")
