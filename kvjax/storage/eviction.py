@@ -1,14 +1,16 @@
 """The one placement policy: which chunks go when a tier needs room, and what the window keeps.
 
-A policy (`PlacementPolicy`) decides; a mover executes. The placement planner
-(`kvjax.storage.placement.TierHierarchy`, replayed by `kvjax.testing.session_sim`) and the real
-tiers (`kvjax.storage.host_tier.HostMemoryTier`, `kvjax.storage.tiers.TieredStore`) build the
-same policy classes from the one registry (`POLICIES`, `make_policy`) and choose victims with the
-one leaf-first function (`leaf_first`) over chained hashes.
+A policy (`PlacementPolicy`: its order and flags) parametrizes the one tier engine, the
+placement planner `kvjax.storage.placement.TierHierarchy`, which the session simulator
+(`kvjax.testing.session_sim`) and the real tiers (`kvjax.storage.tiers.TieredStore`, whose
+mover executes its moves) both run; its victims are chosen with the one leaf-first function
+(`leaf_first`) over chained hashes. `PlacementPolicy.victims` serves a `HostMemoryTier` used
+alone (outside a store).
 
-Policies are scheduler-aware through `hint`: the engine passes the chunk hashes of the requests
-in its look-ahead window, and a window-aware policy never evicts a hinted chunk while the hint
-stands (CachedAttention, arXiv 2403.19708, section 3.3: never evict what the window needs).
+Used alone, policies are scheduler-aware through `hint`: a window-aware policy never evicts a
+hinted chunk while the hint stands (CachedAttention, arXiv 2403.19708, section 3.3: never evict
+what the window needs). In the planner the window ranks chunks instead: one is displaced only
+by a chunk needed sooner (`kvjax/storage/placement.py`).
 
 A chain-aware policy follows the prefix structure. A chunk is useful only with its prefix (a
 request reads a prefix chain from the root), so CachedAttention (section 3.3) evicts suffix

@@ -9,10 +9,14 @@ chunks; entropy coding is a byte format and is not kept here), and counts their 
 the capacity. `Tier` is the async
 interface every tier shares.
 
-With `demote=True` (the write-back placement of `TieredStore`) an evicted chunk is not dropped
-at once: it leaves the capacity count and waits, still readable, as an `Evicted` record until
-the store has written it to the next tier down (`take_evicted`, then `release`), so a read
-racing a demotion finds either this copy or the lower one.
+With `demote=True` an evicted chunk is not dropped at once: it leaves the capacity count and
+waits, still readable, as an `Evicted` record until it has been written to the next tier down
+(`take_evicted`, then `release`), so a read racing a demotion finds either this copy or the
+lower one.
+
+Inside a `TieredStore` the tier is `managed`: the store's planner (`kvjax.storage.placement`)
+owns its capacity and chooses its victims, so `put` never evicts, and the mover takes a victim
+out with `start_leaving` (the same readable-until-`release` record) before writing it below.
 """
 
 from __future__ import annotations
@@ -146,6 +150,7 @@ class HostMemoryTier:
     self.policy = policy if policy is not None else LRUPolicy()
     self.evictions = 0
     self.demote = demote
+    self.managed = False  # set by `TieredStore`: its planner owns the capacity (put never evicts)
     self._entries: dict[ChunkHash, _HostEntry] = {}
     self._leaving: dict[ChunkHash, _HostEntry] = {}  # evicted, demotion not yet done
     self._evicted: list[_HostEntry] = []  # not yet taken by take_evicted
@@ -254,7 +259,7 @@ class HostMemoryTier:
         if not checked:
           return False
     nbytes = sum(codecs.payload_nbytes(p.arrays) for p in checked)
-    if self.capacity_bytes is not None and nbytes > self.capacity_bytes:
+    if not self.managed and self.capacity_bytes is not None and nbytes > self.capacity_bytes:
       return False
     # Copy and hash outside the lock (the slow part); publish under it.
     new_arrays, new_encodings = {}, []
@@ -274,7 +279,7 @@ class HostMemoryTier:
           held.record.mismatch(token_ids, namespace, layout, origin) is not None
           or any(k in held.arrays for k in new_arrays)):
         return False
-      if self.capacity_bytes is not None:
+      if not self.managed and self.capacity_bytes is not None:
         need = self._used + nbytes - self.capacity_bytes
         if need > 0 and not self._evict_locked(need, keep=chunk_hash):
           return False
@@ -322,6 +327,18 @@ class HostMemoryTier:
         self._leaving[v] = entry
         self._evicted.append(entry)
     return True
+
+  def start_leaving(self, chunk_hash: ChunkHash) -> Evicted | None:
+    """Takes a chunk its owner's planner chose as a victim out of the capacity count; it stays
+    readable until `release`, while it is written below. None if it is not held."""
+    with self._lock:
+      entry = self._entries.pop(chunk_hash, None)
+      if entry is None:
+        return None
+      self._used -= entry.nbytes
+      self._leaving[chunk_hash] = entry
+    return Evicted(entry.record, tuple(EncodedPayload(c, l, a)
+                                       for (c, l), a in entry.arrays.items()), entry.nbytes)
 
   def take_evicted(self) -> list[Evicted]:
     """The chunks evicted since the last call, in eviction order (with `demote`; else []).

@@ -17,7 +17,10 @@ three events with plain data, a list of moves for a data mover to carry out:
                                 (hits per tier; hits below the top are promoted into it)
     lookahead(window)           the keys of the next requests, queue order -> [Promote.., ...]
 
-Tiers are exclusive: a key lives in exactly one tier, and a move takes it out of its source.
+By default tiers are exclusive: a key lives in exactly one tier, and a move takes it out of its
+source. With `copies=True` (the real tiers, `kvjax.storage.tiers.TieredStore`, which execute
+these moves) a key may be held by several tiers: a promotion copies, a victim held elsewhere
+leaves its tier by a `Drop` (no write), and a write-through save inserts a second copy.
 Making room in tier t cascades downward (section 3.3.2): each victim of t is demoted into t+1
 after room is made there, by t+1's own victims, and only the bottom bounded tier drops (one
 exception: a victim that tier t+1 cannot take without displacing chunks the window needs
@@ -25,6 +28,18 @@ sooner is dropped from t).
 
     save/promote into t ──> victims of t ──Demote──> t+1 ──> victims of t+1 ──Demote──> ...
                                                                    bottom bounded tier: Drop
+
+Orphans (held chunks whose parent is held nowhere: a lookup reads a chain from its root, so
+they can never hit) outside the window are every tier's first victims and are dropped, never
+demoted (`drop_orphans`).
+
+One victim rule for the window, in the simulator and the real tiers alike: a chunk is displaced
+only by a chunk needed sooner (its window rank; a scheduled access is needed now, unless its
+request still waits in the window, whose rank it keeps). This is Belady's rule restricted to
+what the queue shows (CachedAttention, arXiv 2403.19708, section 3.3.2). The real tiers used
+to keep every hinted chunk unconditionally; that declined a prefetch for the next request
+whenever the host held chunks of a request twenty places later, and made the simulator's
+figures say nothing about the server.
 
 Policies (`POLICIES`, by name) decide the victims and whether to prefetch:
 
@@ -47,8 +62,8 @@ the chained chunk hashes of `kvjax.storage.keys` (a chunk's parent is its prefix
 
 The policies are the classes of `kvjax.storage.eviction` (one registry, `POLICIES`), the same
 ones the real tiers (`kvjax.storage.tiers`) build; every phase above picks its victims with the
-one leaf-first function, `eviction.leaf_first`, which the real tiers' `PlacementPolicy.victims`
-uses too.
+one leaf-first function, `eviction.leaf_first`. `PlacementPolicy.victims` remains for a
+`HostMemoryTier` used alone (outside a `TieredStore`).
 """
 
 from __future__ import annotations
@@ -57,9 +72,10 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from kvjax.storage.eviction import POLICIES, PlacementPolicy, leaf_first, make_policy
+from kvjax.storage.eviction import (POLICIES, LeafFirst, PlacementPolicy, leaf_first,
+                                    make_policy)
 
 __all__ = ["POLICIES", "AccessResult", "Demote", "Drop", "Insert", "Move", "PlacementPolicy",
            "PlacementStats", "Promote", "TierHierarchy", "TierSpec", "make_policy"]
@@ -115,11 +131,17 @@ class Demote:
 
 @dataclasses.dataclass(frozen=True)
 class Drop:
-  """Delete `key` from `tier`: it leaves the hierarchy."""
+  """Delete `key` from `tier`: it leaves the hierarchy, unless another tier keeps a copy.
+
+  `why` (not compared): "victim" (the bottom bounded tier, or no room below), "copy" (another
+  tier keeps a copy: no write needed) or "orphan" (its prefix is held nowhere: it can never
+  hit).
+  """
 
   key: str
   tier: str
   nbytes: int
+  why: str = dataclasses.field(default="victim", compare=False)
 
 
 Move = Insert | Promote | Demote | Drop
@@ -183,41 +205,34 @@ class _Entry:
   key: str
   parent: str | None
   nbytes: int
-  tier: int | None  # None while detached (being promoted)
+  tier: int | None  # its highest copy; None while detached (being promoted)
   last_access: int
   inserted: int
-  stamp: int = 0  # the heap item that is current for this entry
+  lower: list[int] = dataclasses.field(default_factory=list)  # tiers below `tier` with a copy
+  stamps: dict[int, int] = dataclasses.field(default_factory=dict)  # tier -> current heap item
 
-
-def _leaf_tests(entries: dict[str, _Entry], children: dict[str, set[str]]):
-  """The `is_leaf` tests `eviction.leaf_first` takes: (no cached chunk of its own tier extends
-  it, no cached chunk extends it anywhere), chunks in `gone` aside."""
-
-  def in_tier(e: _Entry, gone: set[str]) -> bool:
-    for c in children.get(e.key, ()):
-      if c not in gone and entries[c].tier == e.tier:
-        return False
-    return True
-
-  def anywhere(e: _Entry, gone: set[str]) -> bool:
-    for c in children.get(e.key, ()):
-      if c not in gone:
-        return False
-    return True
-
-  return in_tier, anywhere
+  def held(self) -> list[int]:
+    """Every tier holding a copy, top first."""
+    return ([] if self.tier is None else [self.tier]) + self.lower
 
 
 class TierHierarchy:
   """The placement planner: owns which key lives in which tier and emits moves as plain data.
 
-  Not thread-safe; one owner calls it (e.g. the scheduler, or a simulation loop).
+  Not thread-safe; one owner calls it (a simulation loop, or `kvjax.storage.tiers.TieredStore`
+  on its event loop, whose mover executes the moves).
 
   Args:
     tiers: top first; names distinct; every tier but the last bounded.
     policy: a registry name (`POLICIES`) or a `PlacementPolicy`.
     promote_on_access: an access promotes hits below the top tier into the highest tier that
-      can take them (as `TieredStore.get` copies lower-tier hits into the host tier).
+      can take them.
+    copies: a key may be held by several tiers (the real tiers' model): a promotion copies
+      (its source keeps a clean copy), a victim that has a copy in another tier is dropped
+      from its tier without a write, and `save(..., through=...)` writes more copies.
+      False: tiers are exclusive (the simulator's default).
+    drop_orphans: a held chunk whose parent is held nowhere (it can never hit: a lookup reads
+      a chain from its root) is the first victim and is dropped, never demoted.
 
   Raises:
     ValueError: no tiers, repeated names, a capacity or link budget that is not a positive int
@@ -225,7 +240,8 @@ class TierHierarchy:
   """
 
   def __init__(self, tiers: Sequence[TierSpec], policy: str | PlacementPolicy = "lookahead", *,
-               promote_on_access: bool = True):
+               promote_on_access: bool = True, copies: bool = False,
+               drop_orphans: bool = True):
     self.tiers = tuple(tiers)
     if not self.tiers:
       raise ValueError("a TierHierarchy needs at least one tier")
@@ -241,6 +257,8 @@ class TierHierarchy:
         raise ValueError(f"tier {t.name!r} is unbounded but not the bottom tier")
     self.policy = make_policy(policy) if isinstance(policy, str) else policy
     self.promote_on_access = promote_on_access
+    self.copies = copies
+    self.drop_orphans = drop_orphans
     self._names = names
     self._caps = [t.capacity_bytes for t in self.tiers]
     self._used = [0] * len(self.tiers)
@@ -253,7 +271,7 @@ class TierHierarchy:
     self._parked: list[dict[str, tuple[int, int, str]]] = [{} for _ in self.tiers]
     self._entries: dict[str, _Entry] = {}
     self._children: dict[str, set[str]] = {}  # parent key -> cached children (parent may be gone)
-    self._leaf_in_tier, self._leaf_anywhere = _leaf_tests(self._entries, self._children)
+    self._orphans: set[str] = set()  # held keys whose parent is held nowhere: they never hit
     self._rank: dict[str, int] = {}  # window key -> position of the first request needing it
     self._prefetched: set[str] = set()  # prefetched, not yet accessed or moved away
     self._clock = itertools.count(1)
@@ -263,9 +281,14 @@ class TierHierarchy:
   # -- reading -----------------------------------------------------------------------------------
 
   def where(self, key: str) -> str | None:
-    """The tier holding `key`, or None."""
+    """The highest tier holding `key`, or None."""
     e = self._entries.get(key)
     return None if e is None or e.tier is None else self._names[e.tier]
+
+  def held_in(self, key: str) -> list[str]:
+    """Every tier holding a copy of `key`, top first ([] if none)."""
+    e = self._entries.get(key)
+    return [] if e is None else [self._names[t] for t in e.held()]
 
   def tier_keys(self, tier: str) -> list[str]:
     """Keys held by `tier`, in the order they entered it.
@@ -273,9 +296,7 @@ class TierHierarchy:
     Raises:
       ValueError: an unknown tier name.
     """
-    if tier not in self._names:
-      raise ValueError(f"unknown tier {tier!r}; tiers: {self._names}")
-    return list(self._members[self._names.index(tier)])
+    return list(self._members[self._index(tier)])
 
   def stats(self) -> PlacementStats:
     """A snapshot of the counters and each tier's occupancy (plain data; safe to keep)."""
@@ -288,7 +309,8 @@ class TierHierarchy:
 
   # -- events ------------------------------------------------------------------------------------
 
-  def save(self, key: str, nbytes: int, parent: str | None = None) -> list[Move]:
+  def save(self, key: str, nbytes: int, parent: str | None = None, *,
+           through: Sequence[str] = (), keep: Collection[str] = ()) -> list[Move]:
     """A new chunk: it enters the highest tier that fits it, room made by the cascade.
 
     A key already held is only refreshed (its recency), with no move. Under "lookahead" a chunk
@@ -300,16 +322,23 @@ class TierHierarchy:
       key: the chunk's key (e.g. its chained chunk hash).
       nbytes: its size in bytes (> 0).
       parent: the key of the prefix chunk it extends, or None for a first chunk.
+      through: with `copies`, lower tiers that also get a copy (write-through: the first
+        persistent tier), room made there the same way; no copy where there is no room.
+      keep: chunks that must not be chosen as victims now (e.g. being read).
 
     Returns:
-      The moves, room first, ending with the `Insert`; [] if already held or rejected (counted
-      in `PlacementStats.rejected_saves`).
+      The moves, room first, ending with the `Insert`(s); [] if already held or rejected
+      (counted in `PlacementStats.rejected_saves`).
 
     Raises:
-      ValueError: `nbytes` not a positive int.
+      ValueError: `nbytes` not a positive int; `through` an unknown tier, or given without
+        `copies`.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
       raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+    also = sorted(self._index(n) for n in through)
+    if also and not self.copies:
+      raise ValueError("through= needs a TierHierarchy with copies=True")
     if not self.policy.caches:
       self._stats.rejected_saves += 1
       return []
@@ -320,33 +349,41 @@ class TierHierarchy:
     now = next(self._clock)
     e = _Entry(key, parent, nbytes, None, now, now)
     rank = self._rank.get(key, _INF)
-    pinned = {key}
-    p = parent
-    while self.policy.chain_aware and p in self._entries and p not in pinned:
-      pinned.add(p)  # never evict the chunk's own prefix to make room for it
-      p = self._entries[p].parent
+    pinned = self._chain(key, parent) | set(keep)
     moves: list[Move] = []
     for t in range(len(self.tiers)):
       if self._fits(t, nbytes) and self._make_room(t, nbytes, pinned, rank, moves):
         self._entries[key] = e
         if parent is not None:
           self._children.setdefault(parent, set()).add(key)
+          if parent not in self._entries:
+            self._orphans.add(key)
+        for c in self._children.get(key, ()):
+          self._orphans.discard(c)  # its parent is back
         self._attach(e, t)
         self._stats.saves += 1
         moves.append(Insert(key, self._names[t], nbytes))
+        for a in also:
+          if (a > t and self._fits(a, nbytes) and key in self._entries
+              and self._make_room(a, nbytes, pinned, rank, moves)):
+            self._attach(e, a)
+            moves.append(Insert(key, self._names[a], nbytes))
         return moves
     self._stats.rejected_saves += 1
     return moves
 
-  def access(self, keys: Sequence[str]) -> AccessResult:
+  def access(self, keys: Sequence[str], *, promote: bool | None = None,
+             keep: Collection[str] = ()) -> AccessResult:
     """A scheduled request reads `keys`: counts hits per tier and misses, refreshes recency,
     and (with `promote_on_access`) promotes hits below the top tier, in order.
 
     Args:
       keys: the chunks the request needs, prefix first.
+      promote: overrides `promote_on_access` for this call (None: keep it).
+      keep: chunks that must not be chosen as victims now (e.g. being read).
 
     Returns:
-      Where each key was found (None: a miss) and the moves made.
+      Where each key was found (its highest copy; None: a miss) and the moves made.
     """
     keys = list(keys)
     if not self.policy.caches:
@@ -366,16 +403,20 @@ class TierHierarchy:
         self._stats.prefetches_useful += 1
       self._touch(e)
     moves: list[Move] = []
-    if self.promote_on_access:
-      pinned, failed = set(keys), {}
+    if self.promote_on_access if promote is None else promote:
+      pinned, failed = set(keys) | set(keep), {}
       for k in keys:
         e = self._entries.get(k)
-        if e is not None and e.tier and self._promote(e, pinned, _NOW, None, failed, moves):
+        # Needed now; a chunk its request still holds in the window ranks there (the real
+        # engine's window keeps running requests): it never displaces that request's chunks.
+        rank = self._rank.get(k, _NOW)
+        if e is not None and e.tier and self._promote(e, pinned, rank, None, failed, moves):
           self._stats.promotions += 1
     return AccessResult(tuple(found), tuple(moves))
 
   def lookahead(self, window: Sequence[Sequence[str]],
-                budgets: Mapping[str, int | None] | None = None) -> list[Move]:
+                budgets: Mapping[str, int | None] | None = None, *,
+                prefetch: bool = True) -> list[Move]:
     """The next requests of the waiting queue, in queue order: sets the window that eviction
     protects and (policy "lookahead") prefetches its chunks toward the top tier.
 
@@ -388,6 +429,8 @@ class TierHierarchy:
       window: per upcoming request, the keys it needs; [] clears the window.
       budgets: tier name -> bytes prefetch may move into it during this call, overriding
         `TierSpec.prefetch_bytes_per_interval` (None: unlimited).
+      prefetch: False sets the window only (the real tiers prefetch chunk by chunk,
+        `prefetch_one`, as their link allows).
 
     Returns:
       The moves (promotions and the room made for them), in order; [] for policies without
@@ -415,7 +458,7 @@ class TierHierarchy:
         if self._valid(item, t) is not None:
           heapq.heappush(self._heaps[t], item)
     moves: list[Move] = []
-    if not (self.policy.caches and self.policy.prefetches):
+    if not (prefetch and self.policy.caches and self.policy.prefetches):
       return moves
     failed: dict[int, tuple[float, int]] = {}
     for i, req in enumerate(window):
@@ -428,54 +471,178 @@ class TierHierarchy:
           self._prefetched.add(k)
     return moves
 
+  def prefetch_one(self, key: str, *, keep: Collection[str] = ()) -> list[Move]:
+    """Prefetches one chunk toward the top tier, as `lookahead` would (the caller, e.g. the
+    real tiers' prefetcher, chose it): its rank is its request's window position (outside the
+    window: after every window chunk), so room comes only from chunks needed later.
+
+    Args:
+      key: the chunk.
+      keep: chunks that must not be chosen as victims now (e.g. being read).
+
+    Returns:
+      The moves ending with its `Promote`; [] if it is not held, already in the top tier, the
+      policy caches nothing, or no tier above has room.
+    """
+    e = self._entries.get(key)
+    if e is None or not e.tier or not self.policy.caches:
+      return []
+    moves: list[Move] = []
+    if self._promote(e, {key} | set(keep), self._rank.get(key, _INF), None, {}, moves):
+      self._stats.prefetches_issued += 1
+      self._prefetched.add(key)
+    return moves
+
+  def adopt(self, key: str, tier: str, nbytes: int, parent: str | None = None) -> list[Move]:
+    """A copy found in `tier` that the planner did not place (written before this process, or
+    by another writer): it is recorded as least recent, and the tier is brought under its
+    capacity by the usual victims (the adopted copy among them).
+
+    Returns:
+      The moves that made the tier fit again; [] if it fits or the copy was known.
+
+    Raises:
+      ValueError: an unknown tier; `nbytes` not a positive int.
+    """
+    t = self._index(tier)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+      raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+    e = self._entries.get(key)
+    if e is not None and t in e.held():
+      return []
+    if e is None:
+      e = _Entry(key, parent, nbytes, None, 0, 0)
+      self._entries[key] = e
+      if parent is not None:
+        self._children.setdefault(parent, set()).add(key)
+        if parent not in self._entries:
+          self._orphans.add(key)
+      for c in self._children.get(key, ()):
+        self._orphans.discard(c)
+    elif not self.copies:
+      return []  # held elsewhere in an exclusive hierarchy: the planner's copy stands
+    self._attach(e, t)
+    moves: list[Move] = []
+    self._make_room(t, 0, set(), _INF, moves)
+    return moves
+
+  def forget(self, key: str, tier: str | None = None) -> None:
+    """A copy left `tier` (None: every tier) outside the planner (a bad copy deleted, a
+    failed write): the planner stops counting it; no move."""
+    e = self._entries.get(key)
+    if e is None:
+      return
+    for t in list(e.held()):
+      if tier is None or self._names[t] == tier:
+        self._detach(e, t)
+    if e.tier is None:
+      self._remove_entry(e)
+
   # -- mechanics ---------------------------------------------------------------------------------
+
+  def _index(self, tier: str) -> int:
+    if tier not in self._names:
+      raise ValueError(f"unknown tier {tier!r}; tiers: {self._names}")
+    return self._names.index(tier)
+
+  def _chain(self, key: str, parent: str | None) -> set[str]:
+    """`key` and its cached prefix chain (a save never evicts its own prefix)."""
+    pinned = {key}
+    p = parent
+    while self.policy.chain_aware and p in self._entries and p not in pinned:
+      pinned.add(p)
+      p = self._entries[p].parent
+    return pinned
 
   def _fits(self, t: int, nbytes: int) -> bool:
     return self._caps[t] is None or nbytes <= self._caps[t]
 
-  def _push(self, e: _Entry) -> None:
-    e.stamp = next(self._stamps)
-    heap = self._heaps[e.tier]
-    heapq.heappush(heap, (self.policy.order(e.last_access, e.inserted), e.stamp, e.key))
-    if len(heap) > 2 * len(self._members[e.tier]) + 64:  # drop stale items
-      live = [self._entries[k] for k in self._members[e.tier]]
-      heap[:] = [(self.policy.order(x.last_access, x.inserted), x.stamp, x.key) for x in live]
+  def _push(self, e: _Entry, t: int) -> None:
+    stamp = next(self._stamps)
+    e.stamps[t] = stamp
+    heap = self._heaps[t]
+    heapq.heappush(heap, (self.policy.order(e.last_access, e.inserted), stamp, e.key))
+    if len(heap) > 2 * len(self._members[t]) + 64:  # drop stale items
+      live = [self._entries[k] for k in self._members[t]]
+      heap[:] = [(self.policy.order(x.last_access, x.inserted), x.stamps[t], x.key)
+                 for x in live]
       heapq.heapify(heap)
-      self._parked[e.tier].clear()  # every member is in the heap again
+      self._parked[t].clear()  # every member is in the heap again
 
   def _attach(self, e: _Entry, t: int) -> None:
-    e.tier = t
+    """A copy of `e` enters tier `t`."""
+    if e.tier is None:
+      e.tier = t
+    elif t < e.tier:
+      e.lower.insert(0, e.tier)
+      e.tier = t
+    else:
+      e.lower.append(t)
+      e.lower.sort()
     self._used[t] += e.nbytes
     self._members[t][e.key] = None
-    self._push(e)
+    self._push(e, t)
 
-  def _detach(self, e: _Entry) -> int:
-    t = e.tier
+  def _detach(self, e: _Entry, t: int | None = None) -> int:
+    """The copy of `e` in tier `t` (default its highest) leaves it; its heap item is stale."""
+    t = e.tier if t is None else t
     self._used[t] -= e.nbytes
     del self._members[t][e.key]
-    e.tier = None  # its heap items are stale now
+    del e.stamps[t]
+    if t == e.tier:
+      e.tier = e.lower.pop(0) if e.lower else None
+    else:
+      e.lower.remove(t)
     return t
+
+  def _remove_entry(self, e: _Entry) -> None:
+    """`e` is held nowhere now: it leaves the planner; its cached children become orphans."""
+    del self._entries[e.key]
+    self._orphans.discard(e.key)
+    if e.parent is not None and e.parent in self._children:
+      self._children[e.parent].discard(e.key)
+      if not self._children[e.parent]:
+        del self._children[e.parent]
+    self._orphans.update(c for c in self._children.get(e.key, ()) if c in self._entries)
 
   def _touch(self, e: _Entry) -> None:
     e.last_access = next(self._clock)
-    if e.tier is not None:
-      self._push(e)
+    for t in e.held():
+      self._push(e, t)
 
   def _valid(self, item: tuple[int, int, str], t: int) -> _Entry | None:
     e = self._entries.get(item[2])
-    return e if e is not None and e.tier == t and e.stamp == item[1] else None
+    return e if e is not None and e.stamps.get(t) == item[1] else None
 
   def _victims(self, t: int, need: int, pinned: set[str], rank: float) -> list[_Entry] | None:
     """Chunks of tier `t` to move out, in order, freeing at least `need` bytes, or None.
 
     `rank` is the incoming chunk's next use (a window position; -1: now; inf: not in the
-    window): window chunks are eligible only when needed later than that. See the module
-    docstring for the three phases; each walks its candidates with `eviction.leaf_first`.
-    Nothing is moved here.
+    window): window chunks are eligible only when needed later than that. Orphans outside the
+    window go first (they can never hit), then the three phases of the module docstring; each
+    walks its candidates with `eviction.leaf_first`. Nothing is moved here.
     """
     heap = self._heaps[t]
     popped: list[tuple[int, int, str]] = []
     parked = self._parked[t]
+    entries, children = self._entries, self._children
+    bottom = t == len(self.tiers) - 1
+
+    def leaf_in_tier(e: _Entry, gone: set[str]) -> bool:
+      return not any(c not in gone and t in entries[c].held() for c in children.get(e.key, ()))
+
+    def leaf_anywhere(e: _Entry, gone: set[str]) -> bool:
+      return not any(c not in gone for c in children.get(e.key, ()))
+
+    leaves = (leaf_anywhere if bottom else leaf_in_tier) if self.policy.chain_aware else None
+    st = LeafFirst()
+    # Phase 0: orphans outside the window, in policy order (no chunk's chain reaches them).
+    dead = [entries[k] for k in self._orphans if self.drop_orphans and k not in pinned
+            and k not in self._rank and k in self._members[t]]
+    if dead:
+      order = self.policy.order
+      dead.sort(key=lambda e: (order(e.last_access, e.inserted), e.key))
+      leaf_first(dead, need, None, st)
 
     def outside_window():
       """Heap order; pops lazily (`leaf_first` stops pulling once enough is freed)."""
@@ -484,7 +651,7 @@ class TierHierarchy:
         e = self._valid(item, t)
         if e is None:
           continue  # stale
-        if e.key in pinned:
+        if e.key in pinned or e.key in st.gone:
           popped.append(item)
           continue
         if e.key in self._rank:
@@ -495,9 +662,7 @@ class TierHierarchy:
 
     # Phase 1: outside the window, policy order, leaves first.
     # "Leaf" within the tier; across all tiers for the bottom one (its victims are dropped).
-    leaves = (self._leaf_anywhere if t == len(self.tiers) - 1 else self._leaf_in_tier
-              ) if self.policy.chain_aware else None
-    st = leaf_first(outside_window(), need, leaves)
+    leaf_first(outside_window(), need, leaves, st)
     # Phase 2: prefixes whose suffixes must stay.
     if st.waiting and st.freed < need:
       leaf_first(list(st.waiting.values()), need, None, st)
@@ -508,7 +673,7 @@ class TierHierarchy:
         e = self._valid(item, t)
         if e is None:
           del parked[k]  # moved or gone since it was parked
-        elif k not in pinned:
+        elif k not in pinned and k not in st.gone:
           windowed.append(e)
       order = self.policy.order
       later = sorted((e for e in windowed if self._rank[e.key] > rank),
@@ -524,7 +689,11 @@ class TierHierarchy:
   def _make_room(self, t: int, need: int, pinned: set[str], rank: float,
                  moves: list[Move]) -> bool:
     """Frees `need` bytes in tier `t` (victims demoted, room made below first; the bottom
-    bounded tier drops). False, with nothing moved, if the victims cannot free enough."""
+    bounded tier drops). False, with nothing moved, if the victims cannot free enough.
+
+    A victim with a copy in another tier (`copies`) leaves `t` by a `Drop` of that copy (no
+    write); an orphan is dropped, never demoted.
+    """
     cap = self._caps[t]
     if cap is None or cap - self._used[t] >= need:
       return True
@@ -532,21 +701,23 @@ class TierHierarchy:
     if victims is None:
       return False
     for e in victims:
-      self._detach(e)
+      self._detach(e, t)
+      if e.tier is not None:  # another tier keeps a copy
+        self._stats.drops[self._names[t]] += 1
+        moves.append(Drop(e.key, self._names[t], e.nbytes, "copy"))
+        continue
+      orphan = self.drop_orphans and e.key in self._orphans
       below = t + 1
-      if below < len(self.tiers) and self._fits(below, e.nbytes) and self._make_room(
-          below, e.nbytes, pinned, self._rank.get(e.key, _INF), moves):
+      if (below < len(self.tiers) and not orphan
+          and self._fits(below, e.nbytes)
+          and self._make_room(below, e.nbytes, pinned, self._rank.get(e.key, _INF), moves)):
         self._attach(e, below)
         self._stats.demotions += 1
         moves.append(Demote(e.key, self._names[t], self._names[below], e.nbytes))
-      else:  # the bottom bounded tier, or a lower tier that keeps better chunks
-        del self._entries[e.key]
-        if e.parent is not None:
-          self._children[e.parent].discard(e.key)
-          if not self._children[e.parent]:
-            del self._children[e.parent]
+      else:  # the bottom bounded tier, an orphan, or a lower tier that keeps better chunks
+        self._remove_entry(e)
         self._stats.drops[self._names[t]] += 1
-        moves.append(Drop(e.key, self._names[t], e.nbytes))
+        moves.append(Drop(e.key, self._names[t], e.nbytes, "orphan" if orphan else "victim"))
       if e.key in self._prefetched:
         self._prefetched.discard(e.key)
         self._stats.prefetches_wasted += 1
@@ -555,8 +726,8 @@ class TierHierarchy:
   def _promote(self, e: _Entry, pinned: set[str], rank: float, budget: list[int | None] | None,
                failed: dict[int, tuple[float, int]], moves: list[Move]) -> bool:
     """Moves `e` into the highest tier above it that takes it (within `budget`, bytes per tier,
-    consumed here); False if none does. `e` leaves its tier first, so a victim demoted into
-    that tier may take its place.
+    consumed here); False if none does. Exclusive tiers: `e` leaves its tier first, so a victim
+    demoted into that tier may take its place; with `copies` its source copy stays.
 
     `failed` remembers, per tier, the (rank, bytes) of a promotion that found no room: within
     one planning call a chunk needed no sooner and no smaller cannot find room either (the
@@ -571,13 +742,15 @@ class TierHierarchy:
       f = failed.get(dst)
       if f is not None and rank >= f[0] and e.nbytes >= f[1]:
         continue
-      self._detach(e)
+      if not self.copies:
+        self._detach(e)
       if self._make_room(dst, e.nbytes, pinned, rank, moves):
         self._attach(e, dst)
         if budget is not None and budget[dst] is not None:
           budget[dst] -= e.nbytes
         moves.append(Promote(e.key, self._names[src], self._names[dst], e.nbytes))
         return True
-      self._attach(e, src)
+      if not self.copies:
+        self._attach(e, src)
       failed[dst] = (rank, e.nbytes)
     return False

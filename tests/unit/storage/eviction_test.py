@@ -155,7 +155,7 @@ class RegistryTest(absltest.TestCase):
       store = build_tiers(cfg, make_chunk_store=lambda url, tier, limiter: ChunkStore(
           url, name=tier, limiter=limiter))  # opens nothing: only the policies are looked at
       self.assertIs(type(planner), type(store.host.policy), name)
-      self.assertIs(type(planner), type(store._persist["disk"].policy), name)
+      self.assertIs(type(planner), type(store.planner.policy), name)
       self.assertIs(type(planner), POLICIES[name], name)
 
   def test_the_tiers_run_the_window_the_planners_baselines_ignore_it(self):

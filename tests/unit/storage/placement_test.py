@@ -294,6 +294,61 @@ class StatsTest(absltest.TestCase):
     self.assertEqual(h.stats().hits, {"host": 0})
 
 
+class CopiesTest(absltest.TestCase):
+  """`copies=True`, the real tiers' model (`TieredStore` executes these moves)."""
+
+  def test_a_promotion_keeps_its_source_and_a_victim_held_below_is_dropped_unwritten(self):
+    h = TierHierarchy(tiers(host=1, disk=2), "lookahead", copies=True)
+    saves(h, "a")
+    self.assertEqual(h.save("b", N), [Demote("a", "host", "disk", N), Insert("b", "host", N)])
+    res = h.access(["a"])
+    self.assertEqual(res.moves, (Demote("b", "host", "disk", N), Promote("a", "disk", "host", N)))
+    self.assertEqual(h.held_in("a"), ["host", "disk"])  # the disk copy stays
+    moves = h.save("c", N)
+    self.assertEqual(moves, [Drop("a", "host", N), Insert("c", "host", N)])
+    self.assertEqual(moves[0].why, "copy")  # no write: the disk holds it
+    self.assertEqual(h.held_in("a"), ["disk"])
+    self.assertEqual(h.stats().used_bytes, {"host": N, "disk": 2 * N})
+
+  def test_write_through_saves_a_second_copy(self):
+    h = TierHierarchy(tiers(host=1, disk=2), "lru", copies=True)
+    self.assertEqual(h.save("a", N, through=["disk"]),
+                     [Insert("a", "host", N), Insert("a", "disk", N)])
+    self.assertEqual(h.save("b", N, through=["disk"]),
+                     [Drop("a", "host", N), Insert("b", "host", N), Insert("b", "disk", N)])
+    with self.assertRaisesRegex(ValueError, "copies=True"):
+      TierHierarchy(tiers(host=1, disk=2)).save("a", N, through=["disk"])
+
+  def test_prefetch_one_displaces_only_later_chunks(self):
+    h = TierHierarchy(tiers(host=1, disk=2), "lookahead", copies=True)
+    saves(h, "a", "b")  # a demoted to disk
+    self.assertEqual(h.lookahead([["a"], ["b"]], prefetch=False), [])
+    self.assertEqual(h.prefetch_one("a"),
+                     [Demote("b", "host", "disk", N), Promote("a", "disk", "host", N)])
+    self.assertEqual(h.prefetch_one("b"), [])  # needed after a: it cannot displace it
+
+  def test_adopted_chunks_are_least_recent_and_forget_stops_counting(self):
+    h = TierHierarchy(tiers(disk=2), "lru", copies=True)
+    saves(h, "a", "b")
+    self.assertEqual(h.adopt("old", "disk", N), [Drop("old", "disk", N)])
+    h.forget("a")
+    self.assertEqual(h.tier_keys("disk"), ["b"])
+    self.assertEqual(h.stats().used_bytes, {"disk": N})
+
+
+class OrphansTest(absltest.TestCase):
+
+  def test_an_orphan_goes_first_and_is_dropped_not_demoted(self):
+    h = TierHierarchy(tiers(host=2, disk=2), "lru")
+    saves(h, "a", "x<gone")  # x extends a chunk held nowhere: it can never hit
+    moves = h.save("b", N)
+    self.assertEqual(moves, [Drop("x", "host", N), Insert("b", "host", N)])
+    self.assertEqual(moves[0].why, "orphan")
+    keep = TierHierarchy(tiers(host=2, disk=2), "lru", drop_orphans=False)
+    saves(keep, "a", "x<gone")
+    self.assertEqual(keep.save("b", N), [Demote("a", "host", "disk", N), Insert("b", "host", N)])
+
+
 class ErrorsTest(absltest.TestCase):
 
   def test_registry(self):

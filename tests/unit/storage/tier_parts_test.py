@@ -1,6 +1,6 @@
 """The parts of the real tiers and of the chunk store built alone over `memory://` stores: the
-tiers' books (`TierLedger`), the mover (`TierMover`) and the store's maintenance
-(`StoreAdmin`), each asked only through its own calls."""
+tiers' books (`TierLedger`), the mover (`TierMover`: it executes move records) and the store's
+maintenance (`StoreAdmin`), each asked only through its own calls."""
 
 import asyncio
 
@@ -8,9 +8,10 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.eviction import LRUPolicy
+from kvjax.storage.host_tier import HostMemoryTier
+from kvjax.storage.placement import Demote, Drop, Insert
 from kvjax.storage.store_admin import DataObject, StoreAdmin
-from kvjax.storage.tier_ledger import PersistentTier, TierLedger
+from kvjax.storage.tier_ledger import TierLedger
 from kvjax.storage.tier_mover import TierMover
 from kvjax.storage.types import KVLayout, MissReason
 from kvjax.testing.engines import memory_store_url
@@ -25,7 +26,7 @@ def chunk(i: int) -> np.ndarray:
   return np.full(LAYOUT.shape, float(i), np.float32)
 
 
-async def put_chunks(store: ChunkStore, n: int = 3) -> None:
+async def put_chunks(store, n: int = 3) -> None:
   """`n` chunks, each its own chain (parent: the namespace root)."""
   for i in range(n):
     await store.put(HASHES[i], ROOT, tuple(range(i * C, (i + 1) * C)), ROOT, chunk(i))
@@ -34,7 +35,7 @@ async def put_chunks(store: ChunkStore, n: int = 3) -> None:
 class TierLedgerTest(absltest.TestCase):
 
   def test_counters_and_snapshots(self):
-    ledger = TierLedger(["host", "disk"], {"disk": PersistentTier(None, LRUPolicy())})
+    ledger = TierLedger(["host", "disk"])
     ledger.count("disk", "hits")
     ledger.count("disk", "bytes_read", 40)
     ledger.miss("disk", MissReason.CORRUPT.value)
@@ -44,62 +45,66 @@ class TierLedgerTest(absltest.TestCase):
                      (1, 40, {"corrupt": 1}))  # a snapshot: later counts do not reach it
     self.assertEqual(ledger.stats()["disk"].misses, {"corrupt": 2})
     self.assertEqual(ledger.value("host", "hits"), 0)
-    self.assertFalse(ledger.begin_eviction("disk"))  # unbounded: never a pass
 
-  def test_an_eviction_view_ranks_by_recency_and_keeps_reads(self):
-    store = ChunkStore(memory_store_url("ledger"), name="disk")
-    asyncio.run(put_chunks(store))
-    recs = asyncio.run(store.records())
-    ledger = TierLedger(["disk"], {"disk": PersistentTier(2 * LAYOUT.nbytes, LRUPolicy())})
-    for h in (HASHES[2], HASHES[0], HASHES[1]):
-      ledger.touch("disk", h, new=True)
+  def test_reads_in_progress(self):
+    ledger = TierLedger(["disk"])
     ledger.read_started("disk", HASHES[1])
-    self.assertTrue(ledger.begin_eviction("disk"))
-    self.assertFalse(ledger.begin_eviction("disk"))  # one pass at a time
-    need, infos, reading = ledger.eviction_view("disk", recs)
-    self.assertEqual(need, LAYOUT.nbytes)
-    self.assertEqual({i.chunk_hash: i.last_access for i in infos},
-                     {HASHES[2]: 1, HASHES[0]: 2, HASHES[1]: 3})
-    self.assertEqual(reading, {HASHES[1]})
-    ledger.forget("disk", HASHES[2])
-    self.assertFalse(ledger.end_eviction("disk"))  # the mirror now fits
+    ledger.read_started("disk", HASHES[1])
+    ledger.read_ended("disk", HASHES[1])
+    self.assertEqual(ledger.reading(), {HASHES[1]})
     ledger.read_ended("disk", HASHES[1])
     self.assertFalse(ledger.is_reading("disk", HASHES[1]))
+    self.assertEqual(ledger.reading(), set())
 
 
 class TierMoverTest(absltest.TestCase):
+  """The mover executes move records it is given, and decides nothing."""
 
-  def evict(self, reading=()):
-    """Three chunks in a tier that holds two; touched 0, 1, 2, then 0 again."""
+  def make(self):
+    host = HostMemoryTier(None)
     disk = ChunkStore(memory_store_url("mover"), name="disk")
-    persistent = {"disk": PersistentTier(2 * LAYOUT.nbytes, LRUPolicy())}
-    ledger = TierLedger(["disk"], persistent)
+    ledger = TierLedger(["host", "disk"])
+    lost = []
+    mover = TierMover([host, disk], host, ledger, lambda k, t: lost.append((k, t)),
+                      demotion_bytes_in_flight=1 << 20, record=True)
+    return host, disk, ledger, lost, mover
 
-    async def held(hashes):
-      return [None] * len(hashes)
-
-    mover = TierMover([disk], None, persistent, ledger, held, placement="write_through",
-                      demotion_bytes_in_flight=1 << 20)
+  def test_demote_copies_then_deletes_and_drop_deletes(self):
+    host, disk, ledger, lost, mover = self.make()
+    nb = LAYOUT.nbytes
 
     async def body():
-      await put_chunks(disk)
-      for i in (0, 1, 2, 0):
-        ledger.touch("disk", HASHES[i])
-      for h in reading:
-        ledger.read_started("disk", h)
-      await mover.enforce(disk)
-      return await disk.contains(HASHES)
+      await put_chunks(host, 2)
+      await put_chunks(disk, 1)
+      mover.start([Demote(HASHES[0], "host", "disk", nb), Demote(HASHES[1], "host", "disk", nb),
+                   Drop(HASHES[0], "disk", nb)])  # after its demotion (one key: in order)
+      await mover.drain()
+      return (await host.contains(HASHES[:2]), await disk.contains(HASHES),
+              await disk.get(HASHES[1], tuple(range(C, 2 * C)), ROOT, LAYOUT))
 
-    return asyncio.run(body()), ledger
+    on_host, on_disk, hit = asyncio.run(body())
+    self.assertEqual(on_host, [False, False])
+    self.assertEqual(on_disk, [False, True, False])
+    np.testing.assert_array_equal(hit.kv, chunk(1))
+    self.assertEqual(lost, [])
+    self.assertEqual(mover.executed, [Demote(HASHES[0], "host", "disk", nb),
+                                      Demote(HASHES[1], "host", "disk", nb),
+                                      Drop(HASHES[0], "disk", nb)])
+    stats = ledger.stats()
+    # HASHES[0] was on the disk already: no write.
+    self.assertEqual((stats["host"].demotions_out, stats["host"].demotions_unneeded,
+                      stats["disk"].demotions_in, stats["disk"].evictions), (1, 1, 1, 1))
 
-  def test_the_least_recent_chunk_goes(self):
-    held, ledger = self.evict()
-    self.assertEqual(held, [True, False, True])
-    self.assertEqual(ledger.stats()["disk"].evictions, 1)
+  def test_a_failed_insert_is_reported_lost(self):
+    host, disk, ledger, lost, mover = self.make()
 
-  def test_a_chunk_being_read_stays(self):
-    held, _ = self.evict(reading=[HASHES[1]])
-    self.assertEqual(held, [True, True, False])
+    async def boom(tier):
+      raise OSError("disk full")
+
+    ok = asyncio.run(mover.insert(Insert(HASHES[0], "disk", 8), boom))
+    self.assertFalse(ok)
+    self.assertEqual(lost, [(HASHES[0], "disk")])
+    self.assertEqual(ledger.stats()["disk"].put_errors, 1)
 
 
 class StoreAdminTest(absltest.TestCase):

@@ -280,7 +280,7 @@ class TieredStoreTest(absltest.TestCase):
 
   def test_prefetch_is_declined_when_only_hinted_chunks_could_make_room(self):
     host, disk, _, store = three_tiers(host_capacity=NBYTES)
-    run(host.put("a", "root", toks(1), NS, kv_of(1)))
+    run(store.put("a", "root", toks(1), NS, kv_of(1)))
     store.hint([["a"]])
     run(fill(disk, ["c"], ["root"], [5]))
     self.assertIsNone(run(store.prefetch("c", toks(5), NS, LAYOUT)))
@@ -483,8 +483,8 @@ class BuildTiersTest(absltest.TestCase):
     self.assertIs(made[0][2], store.limiters["disk"])
     self.assertEqual(store.limiters["disk"].current_rate(), 5e8)
     self.assertEqual(store.limiters["remote"].trace, ((0.0, 1000.0), (5.0, 2000.0)))
-    self.assertEqual(store._persist["disk"].capacity_bytes, DEFAULT_DISK_CAPACITY_BYTES)
-    self.assertEqual(store._persist["remote"].capacity_bytes, 10 * NBYTES)
+    self.assertEqual(store.planner.stats().capacity_bytes["disk"], DEFAULT_DISK_CAPACITY_BYTES)
+    self.assertEqual(store.planner.stats().capacity_bytes["remote"], 10 * NBYTES)
     self.assertEqual(run(store.put("a", "root", toks(0), NS, kv_of(0))), ["host", "disk"])
 
   def test_unlimited_link_when_unset(self):
