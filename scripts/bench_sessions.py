@@ -128,6 +128,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seeds the arrivals and think times.")
 _SERVER = flags.DEFINE_bool("server", False, "Replay conversations on the real server.")
 _SERVER_QUICK = flags.DEFINE_bool("server_quick", False, "Server mode, short: 6 conversations x "
                                   "3 turns, 2 clients, 16 output tokens.")
+_SERVER_ROUNDS = flags.DEFINE_integer("server_rounds", 3, "Server mode: interleaved rounds, each "
+                                     "replaying every mode on a fresh server, the order rotated "
+                                     "per round; figures are medians over rounds (--server_quick: 1).")
 _SERVER_CONVS = flags.DEFINE_integer("server_conversations", 50, "Server mode: conversations.")
 _SERVER_CLIENTS = flags.DEFINE_integer("server_clients", 8, "Server mode: concurrent sessions.")
 _SERVER_TURNS = flags.DEFINE_integer("server_turns", 4, "Server mode: turns per conversation.")
@@ -558,7 +561,7 @@ def run_server() -> None:
       history_share=_SERVER_SHARE.value, max_prompt_tokens=_SERVER_MAX_PROMPT.value,
       host_bytes=_SERVER_HOST.value, disk_bytes=_SERVER_DISK.value,
       host_ratio=_SERVER_HOST_RATIO.value, disk_ratio=_SERVER_DISK_RATIO.value,
-      kv_chunk_size=_SERVER_CHUNK.value)
+      kv_chunk_size=_SERVER_CHUNK.value, rounds=1 if quick else _SERVER_ROUNDS.value)
   got = session_replay.run_replay(cfg, pathlib.Path(_DATA.value), modes=tuple(_SERVER_MODES.value))
   session_replay.print_table(got["summary"])
   record = {**start_provenance(), "benchmark": "bench_sessions_server",

@@ -65,6 +65,7 @@ class ReplayConfig:
   max_tokens: int = 48
   min_turns: int = 2
   seed: int = 0
+  rounds: int = 1
   model: str = "SmolLM2-135M-Instruct"
   server_flags: tuple[str, ...] = ()
   history_tokens: int = 0  # > 0: the history-dominant replay (`pick_history_dominant`)
@@ -359,9 +360,71 @@ def _scrape_saver(url: str) -> dict[str, float] | None:
     return None
 
 
+#: The per-mode figures taken as the median over rounds (`_median_summary`).
+ROUND_FIGURES = ("wall_s", "ttft_turn1_p50_s", "ttft_ge2_p50_s", "ttft_ge2_p99_s",
+                 "server_ttft_ge2_p50_s", "prefill_tokens_per_s_ge2", "prefill_wall_ge2_p50_s",
+                 "prefill_tokens_per_prefill_s_ge2", "server_cpu_share")
+
+
+def _replay_once(cfg: ReplayConfig, convs: list, mode: str, work: str) -> tuple[list, dict]:
+  """One replay of `convs` in `mode` on a fresh server (and a fresh store under `work`): its
+  per-turn rows and its summary (with the server's CPU share over the replay)."""
+  os.makedirs(work, exist_ok=True)
+  store = None
+  if mode == "recompute":
+    flags = ["--no_enable_prefix_caching", "--kv_store=none"]
+  else:
+    store = os.path.join(work, f"kv-{mode}")
+    os.makedirs(store)
+    flags = [f"--kv_store=file://{store}"]
+    if cfg.host_bytes:
+      disk = {"kind": "disk", "url": f"file://{store}"}
+      if cfg.disk_bytes:
+        disk["capacity_bytes"] = cfg.disk_bytes
+      flags = ["--kv_tiers=" + json.dumps([{"kind": "host", "capacity_bytes": cfg.host_bytes},
+                                           disk])]
+  proc, url, model = benchlib.start_server(
+      [f"--model={cfg.model}", f"--kv_chunk_size={cfg.kv_chunk_size}", *flags,
+       *cfg.server_flags], os.path.join(work, f"server-{mode}.log"))
+  saver = None
+  try:
+    cpu0 = benchlib.process_cpu_s(proc.pid)
+    got, wall = asyncio.run(_replay(url, model, mode, convs, cfg))
+    cpu1 = benchlib.process_cpu_s(proc.pid)
+    if store is not None:
+      saver = _scrape_saver(url)
+  finally:
+    benchlib.stop_server(proc)
+    if store is not None:
+      shutil.rmtree(store, ignore_errors=True)  # the disk tier: up to GBs per mode
+  s = summarize(got, wall, cfg.kv_chunk_size)
+  s["ge2_by_turn1_overlap"] = turn1_overlap_split(got)
+  s["server_cpu_share"] = (cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None
+  if saver is not None:
+    s["saver"] = saver
+  return got, s
+
+
+def _median_summary(per_round: list[dict]) -> dict:
+  """A mode's summary over its rounds: the median round's record (by TTFT p50 of turns >= 2),
+  each of `ROUND_FIGURES` replaced by its median over rounds, and `rounds`: each figure's
+  `benchlib.summarize` (median, min, max, spread, the values)."""
+  ranked = sorted(per_round, key=lambda s: s["ttft_ge2_p50_s"] or 0.0)
+  out = dict(ranked[(len(ranked) - 1) // 2])
+  out["rounds"] = {}
+  for k in ROUND_FIGURES:
+    vals = [s.get(k) for s in per_round]
+    if all(v is not None for v in vals):
+      out["rounds"][k] = benchlib.summarize(vals)
+      out[k] = out["rounds"][k]["median"]
+  return out
+
+
 def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
                modes=("session", "prefix", "recompute")) -> dict:
-  """Replays on one fresh server per mode; returns settings, summaries and per-turn rows."""
+  """Replays on one fresh server per mode and round (`cfg.rounds` interleaved rounds, the
+  modes' order rotated per round: `benchlib.interleaved_rounds`); returns settings, summaries
+  (the median over rounds, with each round's figures) and per-turn rows."""
   path = data_dir / "sharegpt" / "sharegpt_v3_multiturn_1000.json"
   chosen = None
   if cfg.history_tokens:
@@ -385,39 +448,15 @@ def run_replay(cfg: ReplayConfig, data_dir: pathlib.Path,
     convs = load_conversations(path, cfg.conversations, cfg.turns, cfg.turn_chars, cfg.seed,
                                cfg.min_turns)
   work = tempfile.mkdtemp(prefix="kvjax-bench-sessions-")
-  summaries, rows = {}, []
-  for mode in modes:
-    store = None
-    if mode == "recompute":
-      flags = ["--no_enable_prefix_caching", "--kv_store=none"]
-    else:
-      store = os.path.join(work, f"kv-{mode}")
-      os.makedirs(store)
-      flags = [f"--kv_store=file://{store}"]
-      if cfg.host_bytes:
-        disk = {"kind": "disk", "url": f"file://{store}"}
-        if cfg.disk_bytes:
-          disk["capacity_bytes"] = cfg.disk_bytes
-        flags = ["--kv_tiers=" + json.dumps([{"kind": "host", "capacity_bytes": cfg.host_bytes},
-                                             disk])]
-    proc, url, model = benchlib.start_server(
-        [f"--model={cfg.model}", f"--kv_chunk_size={cfg.kv_chunk_size}", *flags,
-         *cfg.server_flags], os.path.join(work, f"server-{mode}.log"))
-    saver = None
-    try:
-      got, wall = asyncio.run(_replay(url, model, mode, convs, cfg))
-      if store is not None:
-        saver = _scrape_saver(url)
-    finally:
-      benchlib.stop_server(proc)
-      if store is not None:
-        shutil.rmtree(store, ignore_errors=True)  # the disk tier: up to GBs per mode
-    rows += got
-    summaries[mode] = summarize(got, wall, cfg.kv_chunk_size)
-    summaries[mode]["ge2_by_turn1_overlap"] = turn1_overlap_split(got)
-    if saver is not None:
-      summaries[mode]["saver"] = saver
-    print(f"{mode}: {summaries[mode]}", flush=True)
+  per_round, rows = {m: [] for m in modes}, []
+  orders = benchlib.interleaved_rounds(list(modes), cfg.rounds)
+  for r, order in enumerate(orders):
+    for mode in order:  # each mode on a fresh server (and store), every round
+      got, s = _replay_once(cfg, convs, mode, os.path.join(work, f"r{r}"))
+      rows += got
+      per_round[mode].append(s)
+      print(f"round {r} {mode}: {s}", flush=True)
+  summaries = {m: _median_summary(ss) for m, ss in per_round.items()}
   print(f"server logs: {work}", flush=True)
   rec = summaries.get("recompute")
   for mode, s in summaries.items():
