@@ -1,45 +1,24 @@
 """Layer-wise pre-loading (CachedAttention, arXiv 2403.19708, section 3.2.1) on the tiny model:
-a store hit inserted layer group by layer group inside the step gives the same greedy tokens and
-first-token log-probs as the whole-chunk path, the order is group g of every chunk before layer
-group g runs, and the split step equals the one-call step."""
+the split step equals the one-call step and batched layer-group inserts equal one by one; the
+engine's tests are tests/unit/engine/layerwise_unit_test.py's with `LLM("tiny")` instead of the
+fake runner (a store hit inserted layer group by layer group gives the whole-chunk path's and
+the cold run's answer, group g of every chunk before layer group g runs)."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from kvjax import SamplingParams
 from kvjax.testing.engines import real_llm
-from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.llama import Llama
 from kvjax.models.paged_runner import PagedModelRunner
 from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk, layer_groups
 from kvjax.models.registry import load_model
-from kvjax.storage import StoreConfig, TierConfig
+from tests.unit.engine import layerwise_unit_test as unit
 
 B, C = 16, 32
 CHUNKS = (16, 32, 64)
 TINY = load_model("tiny")
-GREEDY = SamplingParams(max_tokens=5, temperature=0.0, logprobs=5)
 RNG = np.random.default_rng(7)
-HISTORY = [int(t) for t in RNG.integers(0, 256, 130)]
-NEW = [int(t) for t in RNG.integers(0, 256, 20)]
-
-
-def llm(groups, **kw):
-  store = StoreConfig((TierConfig("host", capacity_bytes=64 << 20),
-                       TierConfig("disk", url="memory://")))
-  return real_llm("tiny", cache_dir="", chunk_sizes=CHUNKS, block_size=B,
-                  kv_cache_memory_bytes=256 * paged_block_nbytes(TINY.config, B, jnp.float32),
-                  kv_store=store, kv_chunk_size=C, enable_prefix_caching=False,
-                  kv_layerwise_groups=groups, **kw)
-
-
-def run_hit(engine_llm):
-  """Stores HISTORY's chunks (turn 1), then serves HISTORY + NEW from the store (turn 2)."""
-  engine_llm.generate([{"prompt_token_ids": HISTORY}], SamplingParams(max_tokens=1))
-  engine_llm.flush()
-  return engine_llm.generate([{"prompt_token_ids": HISTORY + NEW}], GREEDY)[0]
 
 
 class LayerGroupsTest(parameterized.TestCase):
@@ -110,54 +89,20 @@ class LayerGroupsTest(parameterized.TestCase):
         runner.insert_chunks_layers(*args)
 
 
-class LayerwiseEngineTest(parameterized.TestCase):
+@pytest.mark.slow  # the assertions run on the fake runner in the default suite
+class LayerwiseEngineTest(unit.LayerwiseEngineUnitTest):
+  """The engine's layer-wise path (both modes, the group order) on the real model; the real
+  numbers of a split step and of layer-group inserts are LayerGroupsTest above."""
 
-  # The engine's layer-wise path (both modes, the group order) runs on the fake runner in the
-  # default suite (layerwise_unit_test.py); the real model's numbers of a split step and of
-  # layer-group inserts are LayerGroupsTest above. Two real engines per mode here: slow.
-  @parameterized.parameters("cake", "load_only")
-  @pytest.mark.slow
-  def test_equals_whole_chunk_path(self, mode):
-    want = run_hit(llm(1, kv_merge_mode=mode))
-    lw = llm(2, kv_merge_mode=mode)
-    lw.engine.layerwise_trace = trace = []
-    got = run_hit(lw)
-    self.assertEqual(got.token_ids, want.token_ids)
-    if mode == "load_only":
-      self.assertIn(("layers", 1), trace)  # the hit did go in layer-wise
-      self.assertGreater(want.num_cached_tokens, 0)
-      self.assertEqual(got.num_cached_tokens, want.num_cached_tokens)
-      self.assertIn("host", got.metrics.loaded_from_tiers)
-    # Cake's meeting point follows timing (how far compute gets before loads land, and so
-    # whether any loaded chunk shares a step with compute): what it loads, and whether that
-    # goes in layer-wise, may differ between the two runs; the answer may not. Chunks computed
-    # in one run and loaded in the other differ by float rounding, hence the looser bound.
-    delta = 1e-5 if mode == "load_only" else 1e-4
-    for g, w in zip(got.logprobs, want.logprobs):
-      self.assertEqual(set(g), set(w))
-      for k, v in w.items():
-        self.assertAlmostEqual(g[k], v, delta=delta)
+  # Chunks computed in one run and loaded in the other differ by float rounding.
+  LOGPROB_DELTA = 1e-4
 
-  @pytest.mark.slow  # same assertions on the fake runner: layerwise_unit_test.py
-  def test_group_order_trace(self):
-    lw = llm(2, kv_merge_mode="load_only", kv_device_link_bytes_per_s=2e9)
-    trace = []
-    lw.engine.layerwise_trace = trace
-    out = run_hit(lw)
-    rid = out.request_id
-    n = (len(HISTORY) + len(NEW) - 1) // C  # stored chunks of the prompt: 0 .. n-1
-    want = []
-    for g in range(2):
-      want += [("insert", rid, j, g) for j in range(n)] + [("layers", g)]
-    self.assertEqual(trace, want)  # one layer-wise step: every chunk's group g, then group g
-    self.assertEqual(out.num_cached_tokens, n * C)
-    self.assertEqual(lw.kv_store.device_link.bytes_granted,
-                     n * lw.kv_store.layout.nbytes)
+  @classmethod
+  def build_llm(cls, **options):
+    return real_llm("tiny", cache_dir="", **options)
 
-  def test_bad_option(self):
-    for bad in (0, 3, True):
-      with self.assertRaises(ValueError):
-        llm(bad)
+  def runner_calls(self, llm):
+    return None  # the jit'd runner records no calls
 
 
 if __name__ == "__main__":

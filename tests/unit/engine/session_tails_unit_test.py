@@ -5,8 +5,8 @@ so it computes only its new tokens even when the device holds none of its blocks
 equal cold runs; a tail never hits other tokens, never shadows a stored full chunk, is only
 saved for session turns, and a corrupt one is recomputed.
 
-On the fake runner (`kvjax.testing.engines`); the same assertions on the real tiny model, and
-the `LLM.chat` turn, are tests/integration/engine/session_tails_test.py."""
+On the fake runner through `LLM` (`engines.fake_llm`); tests/integration/engine/session_tails_test.py
+subclasses these classes with the real tiny model (`build_llm`) and adds the `LLM.chat` turn."""
 
 import os
 import threading
@@ -26,55 +26,73 @@ TURN1 = [int(t) for t in RNG.integers(0, 256, 70)]
 NEW = [int(t) for t in RNG.integers(0, 256, 20)]
 
 
-def make_engine(store, **kw):
-  # No device prefix cache: every hit is the store's (the device would serve the tail's
-  # tokens from its parked block). Load-only makes the loaded-token counts exact.
-  return engines.fake_engine(kv_store=store, max_num_seqs=2, chunk_sizes=(16, 32, 64),
-                             kv_chunk_size=C, block_size=16, enable_prefix_caching=False, **kw)
-
-
 def tiers():
   return StoreConfig((TierConfig("host", capacity_bytes=64 << 20),
                       TierConfig("disk", url=engines.memory_store_url())))
 
 
-def run(engine, ids, params=GREEDY, flush=True, **options):
+def run(llm, ids, params=GREEDY, flush=True, **options):
   """One request through `Engine.add_request` (session options included), run to its end
   (then, with `flush`, until its saves are written)."""
+  engine = llm.engine
   rid = engine.add_request(ids, params, merge_mode=options.pop("merge_mode", "load_only"),
                            **options)
   while True:
     for out in engine.step():
       if out.request_id == rid and out.finished:
         if flush:
-          engine.kv_store.flush()
+          llm.flush()
         return out
 
 
-class SessionTailUnitTest(parameterized.TestCase):
+class SessionTailCase(parameterized.TestCase):
+  """The tests' `LLM`s: the fake runner here, the real tiny model in
+  tests/integration/engine/session_tails_test.py (which overrides `build_llm` and
+  `LOGPROB_DELTA`)."""
+
+  #: A tail hit's log-probs against the cold run's: bit for bit on the fake.
+  LOGPROB_DELTA = 0.0
+
+  @classmethod
+  def build_llm(cls, **options):
+    return engines.fake_llm(**options)
+
+  @classmethod
+  def make_llm(cls, store, **kw):
+    # No device prefix cache: every hit is the store's (the device would serve the tail's
+    # tokens from its parked block). Load-only (`run`'s default) makes the loaded-token counts
+    # exact.
+    return cls.build_llm(max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=store,
+                         kv_chunk_size=C, block_size=16, enable_prefix_caching=False, **kw)
+
+
+class SessionTailUnitTest(SessionTailCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.eng = make_engine(tiers())
-    turn1 = run(cls.eng, TURN1, save_tail=True)
+    cls.llm = cls.make_llm(tiers())
+    turn1 = run(cls.llm, TURN1, save_tail=True)
     cls.history = TURN1 + turn1.token_ids  # 76 ids: KV for the first 75 (the last is sampled)
     cls.prompt2 = cls.history + NEW
-    cls.cold = run(cls.eng, cls.prompt2, cache_salt="cold")
+    cls.cold = run(cls.llm, cls.prompt2, cache_salt="cold")
 
   @classmethod
   def tearDownClass(cls):
-    engines.close_engine(cls.eng)
+    cls.llm.close()
     super().tearDownClass()
 
   def assert_equals_cold(self, out):
     self.assertEqual(out.token_ids, self.cold.token_ids)
-    self.assertEqual(out.logprobs, self.cold.logprobs)  # bit for bit
+    self.assertEqual([set(d) for d in out.logprobs], [set(d) for d in self.cold.logprobs])
+    for got, want in zip(out.logprobs, self.cold.logprobs):
+      for t, lp in want.items():  # a delta of 0: equal bit for bit
+        self.assertAlmostEqual(got[t], lp, delta=self.LOGPROB_DELTA)
 
   @parameterized.parameters("load_only", "cake")
   def test_the_next_turn_loads_every_historical_token(self, mode):
     h = len(self.history) - 1
-    out = run(self.eng, self.prompt2, history_tokens=h, merge_mode=mode)
+    out = run(self.llm, self.prompt2, history_tokens=h, merge_mode=mode)
     self.assert_equals_cold(out)
     if mode == "load_only":
       self.assertEqual(out.num_cached_tokens, h)  # 75: chunks 0 and 1, and the 11-token tail
@@ -85,87 +103,87 @@ class SessionTailUnitTest(parameterized.TestCase):
     h = len(self.history) - 1
     other = list(self.prompt2)
     other[h - 1] = (other[h - 1] + 1) % 256  # the tail's last token differs
-    cold = run(self.eng, other, cache_salt="cold-other")
+    cold = run(self.llm, other, cache_salt="cold-other")
     for ids, history in ((other, h), (self.prompt2, h - 1), (self.prompt2, h + 1)):
-      out = run(self.eng, ids, history_tokens=history)
+      out = run(self.llm, ids, history_tokens=history)
       self.assertEqual(out.num_cached_tokens, 2 * C)  # the full chunks alone
       if ids is other:
         self.assertEqual(out.token_ids, cold.token_ids)
 
   def test_only_a_session_turn_saves_its_tail(self):
     ids = [int(t) for t in RNG.integers(0, 256, 50)]
-    plain = run(self.eng, ids, cache_salt="plain")
-    turn = run(self.eng, ids, cache_salt="turn", save_tail=True)
+    plain = run(self.llm, ids, cache_salt="plain")
+    turn = run(self.llm, ids, cache_salt="turn", save_tail=True)
     for salt, out, tail in (("plain", plain, False), ("turn", turn, True)):
       h = len(ids) + len(out.token_ids) - 1
-      got = run(self.eng, ids + out.token_ids + NEW, cache_salt=salt, history_tokens=h)
+      got = run(self.llm, ids + out.token_ids + NEW, cache_salt=salt, history_tokens=h)
       self.assertEqual(got.num_cached_tokens, h if tail else C)
 
   def test_a_stored_full_chunk_wins_over_the_tail(self):
     # A longer prompt through the same history stores chunk 2 whole: the lookup takes it.
-    h, kv = len(self.history) - 1, self.eng.kv_store
+    h, kv = len(self.history) - 1, self.llm.kv_store
     longer = self.history + NEW + NEW
-    run(self.eng, longer, cache_salt="full")
-    run(self.eng, TURN1, cache_salt="full", save_tail=True)
+    run(self.llm, longer, cache_salt="full")
+    run(self.llm, TURN1, cache_salt="full", save_tail=True)
     self.assertEqual(kv.lookup(self.prompt2, "full", history_tokens=h).tail.num_tokens, h - 2 * C)
     lookup = kv.lookup(longer, "full", history_tokens=h)
     self.assertIsNone(lookup.tail)
     self.assertEqual(lookup.hits, [True] * 3)
-    out = run(self.eng, longer, cache_salt="full", history_tokens=h)
+    out = run(self.llm, longer, cache_salt="full", history_tokens=h)
     self.assertEqual(out.num_cached_tokens, 3 * C)
 
   def test_layer_wise_insertion_of_a_tail(self):
-    eng = make_engine(tiers(), layerwise_groups=2)
+    llm = self.make_llm(tiers(), kv_layerwise_groups=2)
     try:
-      first = run(eng, TURN1, save_tail=True)
+      first = run(llm, TURN1, save_tail=True)
       self.assertEqual(first.token_ids, self.history[len(TURN1):])
-      eng.layerwise_trace = trace = []
-      out = run(eng, self.prompt2, history_tokens=len(self.history) - 1)
+      llm.engine.layerwise_trace = trace = []
+      out = run(llm, self.prompt2, history_tokens=len(self.history) - 1)
       self.assertIn(("insert", out.request_id, 2, 1), trace)  # the tail went in layer-wise
       self.assertEqual(out.num_cached_tokens, len(self.history) - 1)
       self.assert_equals_cold(out)
     finally:
-      engines.close_engine(eng)
+      llm.close()
 
 
-class UnwrittenSavesUnitTest(absltest.TestCase):
+class UnwrittenSavesUnitTest(SessionTailCase):
 
   def test_the_next_turn_finds_history_whose_saves_are_still_queued(self):
-    eng = make_engine(engines.memory_store_url())
-    kv, gate = eng.kv_store, threading.Event()
+    llm = self.make_llm(engines.memory_store_url())
+    kv, gate = llm.kv_store, threading.Event()
     write = kv.saver.write
     kv.saver.write = lambda job: (gate.wait(60), write(job))  # the saver holds every job until told
     try:
-      first = run(eng, TURN1, save_tail=True, flush=False)
+      first = run(llm, TURN1, save_tail=True, flush=False)
       history = TURN1 + first.token_ids
       h = len(history) - 1
       lookup = kv.lookup(history + NEW, None, history_tokens=h)
       self.assertEqual(lookup.present, [SAVING, SAVING])  # chunks 0 and 1, queued
       self.assertEqual((lookup.tail.tier, lookup.tail.num_tokens), (SAVING, h - 2 * C))
-      rid = eng.add_request(history + NEW, GREEDY, merge_mode="load_only",
+      rid = llm.engine.add_request(history + NEW, GREEDY, merge_mode="load_only",
                                    history_tokens=h)
       gate.set()  # the loads wait for the writes, then read and verify them
-      out = next(o for _ in range(1000) for o in eng.step()
+      out = next(o for _ in range(1000) for o in llm.engine.step()
                  if o.request_id == rid and o.finished)
       self.assertEqual(out.num_cached_tokens, h)
-      cold = run(eng, history + NEW, cache_salt="cold")
+      cold = run(llm, history + NEW, cache_salt="cold")
       self.assertEqual(out.token_ids, cold.token_ids)
     finally:
       gate.set()
-      engines.close_engine(eng)
+      llm.close()
 
 
-class CorruptTailUnitTest(absltest.TestCase):
+class CorruptTailUnitTest(SessionTailCase):
 
   def test_a_corrupt_tail_is_recomputed(self):
     root = self.create_tempdir().full_path
-    eng = make_engine(f"file://{root}")
+    llm = self.make_llm(f"file://{root}")
     try:
-      first = run(eng, TURN1, save_tail=True)
+      first = run(llm, TURN1, save_tail=True)
       history = TURN1 + first.token_ids
       prompt2 = history + NEW
       h = len(history) - 1
-      ns = eng.kv_store.namespace(None)
+      ns = llm.kv_store.namespace(None)
       tail_key = keys.tail_hash(keys.chunk_hashes(ns, history)[1], history[2 * C:h])
       files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "data"))
                for f in fs if tail_key in d]
@@ -173,13 +191,13 @@ class CorruptTailUnitTest(absltest.TestCase):
       with open(files[0], "r+b") as f:
         f.seek(os.path.getsize(files[0]) // 2)
         f.write(b"\xff" * 64)
-      cold = run(eng, prompt2, cache_salt="cold")
-      out = run(eng, prompt2, history_tokens=h)
+      cold = run(llm, prompt2, cache_salt="cold")
+      out = run(llm, prompt2, history_tokens=h)
       self.assertEqual(out.metrics.num_rejected_chunks, 1)
       self.assertEqual(out.num_cached_tokens, 2 * C)
       self.assertEqual(out.token_ids, cold.token_ids)
     finally:
-      engines.close_engine(eng)
+      llm.close()
 
 
 if __name__ == "__main__":
