@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.merge_mode import parse_merge_mode
+from kvjax.scheduler import layer_split
 from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,11 @@ class LoadConfig:
       shared link and the budget, each merge's meeting point chosen against the backlog of the
       ones ahead of it. False: each merge plans as if alone (loads issued oldest first, the
       link split between them). One restoring request plans the same either way.
+    layer_split_points: the layer axis of Cake (CacheFlow, arXiv 2604.25080;
+      `kvjax/scheduler/layer_split.py`): the layer counts k in `[1, num_layers)` a merge may
+      compute of its meeting chunk while loading only that chunk's layers `[k, L)` (of a
+      layer-sliceable encoding: raw). () (default): off, token-only Cake.
+    num_layers: L, the model's layers (needed with `layer_split_points`).
   """
 
   merge_mode: str = "cake"
@@ -105,8 +111,11 @@ class LoadConfig:
   layerwise_groups: int = 1
   lookahead_window: int = 0
   joint_planning: bool = True
+  layer_split_points: tuple[int, ...] = ()
+  num_layers: int = 0
 
   def __post_init__(self):
+    layer_split.check_points(self.layer_split_points, self.num_layers)
     if not isinstance(self.joint_planning, bool):
       raise ValueError(f"joint_planning={self.joint_planning!r} must be a bool")
     w = self.lookahead_window
