@@ -124,6 +124,12 @@ class Engine:
     lookahead_window: with a store, waiting requests whose stored chunks are kept from
       eviction and prefetched toward the host tier (`LoadConfig.lookahead_window`; CachedAttention
       arXiv 2403.19708, section 3.3); 0: off (plain LRU, no prefetch).
+    kv_layer_split: the layer axis of Cake (CacheFlow, arXiv 2604.25080;
+      `kvjax/scheduler/layer_split.py`): "auto" lets a merge split its meeting chunk along
+      layers (compute layers `[0, k)`, load `[k, L)` of a raw chunk; k from the measured
+      rates, at any layer); "off" (default): token-only Cake.
+    cost_model: the planner's `CostModel` (tests and simulations pass a frozen one); None (the
+      default): a fresh one that learns from this engine's steps and loads.
 
   The KV cache is the runner's block pool (`docs/design/paged-memory.md`): the scheduler owns
   a `KVCacheManager` over it and each step is one ragged jit call.
@@ -139,13 +145,20 @@ class Engine:
                max_loads_in_flight: int | None = None, kv_ttft_target_s: float | None = None,
                check_writes: bool = False, link_latency_s: float = 1e-3,
                consistent: bool = False, enable_prefix_caching: bool = True,
-               layerwise_groups: int = 1, lookahead_window: int = 0):
+               layerwise_groups: int = 1, lookahead_window: int = 0,
+               kv_layer_split: str = "off", cost_model: CostModel | None = None):
+    if kv_layer_split not in ("off", "auto"):
+      raise ValueError(f"kv_layer_split={kv_layer_split!r}; use 'off' or 'auto'")
+    n_layers = runner.model_config.n_layers
+    split_points = tuple(range(1, n_layers)) if kv_layer_split == "auto" else ()
     load_config = LoadConfig(merge_mode=merge_mode, max_loads_in_flight=max_loads_in_flight,
                              lookahead_window=lookahead_window if kv_store is not None else 0,
                              link_latency_s=link_latency_s, kv_ttft_target_s=kv_ttft_target_s,
                              check_writes=check_writes,
                              layerwise_groups=min(layerwise_groups, runner.model_config.n_layers),
-                             staging_bytes=kv_store.staging_bytes if kv_store else 1 << 30)
+                             staging_bytes=kv_store.staging_bytes if kv_store else 1 << 30,
+                             layer_split_points=split_points,
+                             num_layers=n_layers if split_points else 0)
     self.runner = runner
     self.kv_store = kv_store
     self.tokenizer = tokenizer
@@ -167,7 +180,8 @@ class Engine:
                               namespace_root=self._namespace_root(None),
                               enable_prefix_caching=enable_prefix_caching)
     self._scheduler = Scheduler(
-        scheduler_config, CostModel(), load_config=load_config,
+        scheduler_config, cost_model if cost_model is not None else CostModel(),
+        load_config=load_config,
         save_chunk_size=kv_store.chunk_size if kv_store is not None else None,
         consistent=consistent, kv_cache=kv_cache)
     self._core = EngineCore(self._scheduler, self)
@@ -448,7 +462,8 @@ class Engine:
     (`KVLoads.step_layerwise`)."""
     runner, kv = self.runner, self.kv_store
     seqs = [SeqChunk((d.token_id,), d.position, tables[d.request_id]) for d in plan.decodes]
-    seqs += [SeqChunk(c.token_ids, c.start, tables[c.request_id]) for c in plan.prefills]
+    seqs += [SeqChunk(c.token_ids, c.start, tables[c.request_id], c.num_layers)
+             for c in plan.prefills]
     total = sum(len(s.token_ids) for s in seqs)
     compiled = runner.is_compiled(total)
     t0, t0_clock = time.perf_counter(), self._clock()
@@ -476,8 +491,11 @@ class Engine:
     for j, chunk in enumerate(plan.prefills):
       timings.append(ComputeTiming(chunk.start, chunk.num_tokens,
                                    seconds * chunk.num_tokens / total, chunk.request_id,
-                                   t0_clock, includes_compile=not compiled))
+                                   t0_clock, includes_compile=not compiled,
+                                   num_layers=chunk.num_layers))
       live = self._live[chunk.request_id]
+      if chunk.num_layers is not None:
+        continue  # a layer-split chunk's low layers: its tokens count as loaded, never saved
       live.metrics.num_computed_tokens += chunk.num_tokens
       if kv is not None:
         o = out.offsets[base + j]
