@@ -453,11 +453,17 @@ class CakeMerge:
         full, sliced_encoding = sliced
         land_full = start[index] + (land[index] - start[index]) * (full / nbytes if nbytes
                                                                    else 1.0)
+        # A step's wall time; while compute waits, a landing is seen at the end of a step of
+        # the others' work (its share of it).
+        share = self._pace.share
+        step_s = cost.predict_compute_s(self._frontier, self._pace.step_tokens) / share
         _, layers = layer_split.best_layers(
             self._compute_until_s(index, now_s, cost, finish=False), deadline, start[index],
-            land_full, self.num_layers, self.layer_split_points)
+            land_full, self.num_layers, self.layer_split_points, share, step_s * (1 - share))
         if layers == self.num_layers:
-          return None
+          layers = 0  # no split pays: token-only Cake decides, below
+        if layers and start[index] - now_s > step_s:
+          return None  # split: decided when the link reaches it, on the rates of that step
         if layers:
           encoding = sliced_encoding
           nbytes = layer_split.split_nbytes(full, self.num_layers, layers)
@@ -793,7 +799,8 @@ class CakeMerge:
       if j in self._split:  # its low layers only
         skip = True
         part = cake_forecast.span_s(lo, hi, self._pace.step_tokens, cost)
-        total += part * self._split[j] / self.num_layers
+        total += part * layer_split.low_fraction(self._split[j], self.num_layers,
+                                                 self._pace.share)
       if skip:
         if run_start is not None:
           total += cake_forecast.span_s(run_start, lo, self._pace.step_tokens, cost)

@@ -62,25 +62,45 @@ def split_nbytes(nbytes: int, num_layers: int, k: int) -> int:
   return nbytes * (num_layers - k) // num_layers
 
 
+def low_fraction(k: int, num_layers: int, share: float) -> float:
+  """The wall time of a chunk's layers `[0, k)` over that of all its layers, at compute share
+  `share` in (0, 1] (cost-model seconds of the merge's compute per wall second of a step).
+
+  A step carries the merge's tokens beside other work: a full-depth piece of c seconds takes
+  `c / share` of wall time, the others' `c / share - c` of it. A piece of the same tokens that
+  stops after layer k - 1 saves only its own `(1 - k / L) c`: its wall time is
+  `c (1 / share - 1 + k / L)`, the fraction `1 - share (1 - k / L)` of the full piece's. So the
+  layer axis pays when the merge's compute owns the step (share 1: k / L) and hardly at all
+  when it gets a thin slice of each step's token budget.
+  """
+  return 1.0 - share * (1.0 - k / num_layers)
+
+
 def best_layers(compute_start_s: float, compute_end_s: float, link_start_s: float,
-                land_s: float, num_layers: int, points: Sequence[int]) -> tuple[float, int]:
+                land_s: float, num_layers: int, points: Sequence[int],
+                share: float = 1.0, seen_after_s: float = 0.0) -> tuple[float, int]:
   """The split of one chunk that makes it present soonest.
 
   Compute would start the chunk at `compute_start_s` and finish all its layers at
   `compute_end_s`; a load of the whole chunk would start moving at `link_start_s` and land at
   `land_s`. Layers cost the same each (compute and bytes), so the chunk is present at
 
-      done(k) = max(compute_start_s + k / L * (compute_end_s - compute_start_s),
-                    link_start_s + (L - k) / L * (land_s - link_start_s))
+      done(k) = max(compute_start_s + f(k) * (compute_end_s - compute_start_s),
+                    link_start_s + (L - k) / L * (land_s - link_start_s) + seen_after_s)
 
-  for `0 < k < L`, `done(0) = max(compute_start_s, land_s)` (loaded whole: the chunks below
-  are computed first either way) and `done(L) = compute_end_s` (computed whole).
+  for `0 < k < L`, with `f(k) = low_fraction(k, L, share)` (k / L at a full share),
+  `done(0) = max(compute_start_s, land_s)` (loaded whole: the chunks below are computed first
+  either way) and `done(L) = compute_end_s` (computed whole). `seen_after_s`: how long after
+  its landing the engine sees a load its compute waits for (a landing during a step of other
+  work is inserted at that step's end; 0 when the merge's compute owns the steps).
 
   Args:
     compute_start_s, compute_end_s: the chunk's compute window (engine clock, seconds).
     link_start_s, land_s: its whole load's transfer start and predicted landing.
     num_layers: L.
     points: the allowed `0 < k < L` (`check_points`).
+    share: the merge's compute share of a step, in (0, 1] (`low_fraction`).
+    seen_after_s: the delay of a landing compute waits for, seconds (see above).
 
   Returns:
     (done, k) with k in `{0, L} | points`, the LARGEST k among ties (fewer bytes on the link;
@@ -90,11 +110,11 @@ def best_layers(compute_start_s: float, compute_end_s: float, link_start_s: floa
   frac_c = compute_end_s - compute_start_s
   frac_l = land_s - link_start_s
   for k in sorted(points, reverse=True):
-    done = max(compute_start_s + k / num_layers * frac_c,
-               link_start_s + (num_layers - k) / num_layers * frac_l)
+    done = max(compute_start_s + low_fraction(k, num_layers, share) * frac_c,
+               link_start_s + (num_layers - k) / num_layers * frac_l + seen_after_s)
     if done < best[0]:
       best = (done, k)
-  done0 = max(compute_start_s, land_s)
+  done0 = max(compute_start_s, land_s + seen_after_s)
   if done0 < best[0]:
     best = (done0, 0)
   return best

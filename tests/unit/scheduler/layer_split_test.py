@@ -5,7 +5,9 @@ Cost models are frozen (`learn=False`): compute costs 1 s per 16-token chunk any
 or 3 of them. With chunks 0..3 stored and two loads in flight, the token-only plan computes
 chunks 0-2 (3 s) and loads chunk 3 (lands at 1.5 s): the prefix is done at 3 s. Split along
 layers, chunk 2 computes layers [0, 2) (0.5 s, done at 2.5 s) while the link moves its layers
-[2, 4) (0.75 s after chunk 3, landing at 2.25 s): done at 2.5 s.
+[2, 4) (0.75 s after chunk 3, landing at 2.25 s): done at 2.5 s. The split is decided when
+the link is within a step of reaching the chunk (at 0.5 s; at 0 s it waits), on that step's
+rates.
 """
 
 from absl.testing import absltest
@@ -23,6 +25,15 @@ COST = CostModel(compute_prior=(0.0, 1 / C, 0.0), learn=False, bandwidth_bytes_p
 def merge(**kw):
   return CakeMerge(65, C, [True] * 4, chunk_nbytes=100, max_loads_in_flight=2, num_layers=L,
                    layer_split_points=POINTS, **kw)
+
+
+def start(m):
+  """Chunk 3 loads whole at 0 s; compute takes chunk 0; chunk 2 is split at 0.5 s."""
+  assert m.next_load(0.0, COST) == 3
+  assert m.next_load(0.0, COST) is None  # the link reaches chunk 2 at 1.5 s: decided later
+  assert m.next_compute(16, [16], 0.0, COST) == (0, 16)
+  assert m.next_load(0.5, COST) == 2
+  assert m.next_load(0.5, COST) is None
 
 
 def land(m, index, now, ok=True):
@@ -65,11 +76,10 @@ class MergeLayerSplitTest(absltest.TestCase):
 
   def test_the_meeting_chunk_is_split_and_the_prefix_done_sooner(self):
     m = merge()
-    self.assertEqual([m.next_load(0.0, COST) for _ in range(3)], [3, 2, None])
+    start(m)
     self.assertEqual((m.load_layer_start(3), m.load_nbytes(3)), (0, 100))
     self.assertEqual((m.load_layer_start(2), m.load_nbytes(2)), (2, 50))
     self.assertEqual((m.split_layers(2), m.trace.layer_splits), (2, {2: 2}))
-    self.assertEqual(m.next_compute(16, [16], 0.0, COST), (0, 16))
     self.assertIsNone(m.compute_layers(0))
     self.assertEqual(m.next_compute(16, [16], 1.0, COST), (16, 16))
     self.assertIs(land(m, 3, 1.5), LoadVerdict.INSERT)
@@ -88,19 +98,19 @@ class MergeLayerSplitTest(absltest.TestCase):
 
   def test_high_layers_landing_first_then_low_layers(self):
     m = merge()
-    self.assertEqual([m.next_load(0.0, COST) for _ in range(2)], [3, 2])
-    land(m, 3, 1.5)
-    land(m, 2, 1.6)  # RESIDENT, but its low layers are compute's: the frontier stops there
-    self.assertEqual([m.next_compute(16, [16], t, COST) for t in (1.7, 2.7, 3.7, 4.7)],
-                     [(0, 16), (16, 16), (32, 16), (64, 1)])
+    start(m)
+    land(m, 3, 0.6)
+    land(m, 2, 0.7)  # RESIDENT, but its low layers are compute's: the frontier stops there
+    self.assertEqual([m.next_compute(16, [16], t, COST) for t in (1.0, 2.0, 3.0)],
+                     [(16, 16), (32, 16), (64, 1)])
     self.assertEqual(m.compute_layers(32), 2)
     self.assertEqual(m.chunk_writers(), "CCSL")
 
   def test_a_rejected_split_load_is_computed_whole(self):
     m = merge()
-    self.assertEqual([m.next_load(0.0, COST) for _ in range(2)], [3, 2])
-    steps = [m.next_compute(16, [16], t, COST) for t in (0.0, 1.0, 2.0)]
-    self.assertEqual(steps, [(0, 16), (16, 16), (32, 16)])
+    start(m)
+    steps = [m.next_compute(16, [16], t, COST) for t in (1.0, 2.0)]
+    self.assertEqual(steps, [(16, 16), (32, 16)])
     land(m, 3, 1.5)
     self.assertIs(land(m, 2, 2.25, ok=False), LoadVerdict.REJECTED)
     self.assertEqual(m.split_layers(2), 0)
@@ -112,8 +122,8 @@ class MergeLayerSplitTest(absltest.TestCase):
 
   def test_a_late_split_load_is_given_up_and_its_chunk_computed_whole(self):
     m = merge()
-    self.assertEqual([m.next_load(0.0, COST) for _ in range(2)], [3, 2])
-    for t in (0.0, 1.0, 2.0):
+    start(m)
+    for t in (1.0, 2.0):
       m.next_compute(16, [16], t, COST)
     land(m, 3, 1.5)
     self.assertIsNone(m.next_compute(16, [16], 2.5, COST))  # waits for its high layers
@@ -126,6 +136,8 @@ class MergeLayerSplitTest(absltest.TestCase):
   def test_off_plans_token_only(self):
     m = CakeMerge(65, C, [True] * 4, chunk_nbytes=100, max_loads_in_flight=2, num_layers=L)
     self.assertEqual([m.next_load(0.0, COST) for _ in range(2)], [3, None])
+    self.assertEqual(m.next_compute(16, [16], 0.0, COST), (0, 16))
+    self.assertIsNone(m.next_load(0.5, COST))
     self.assertEqual(m.trace.layer_splits, {})
 
   def test_only_a_layer_sliceable_encoding_is_split(self):
@@ -134,7 +146,8 @@ class MergeLayerSplitTest(absltest.TestCase):
       m = CakeMerge(65, C, [True] * 4, encodings=enc, max_loads_in_flight=2, num_layers=L,
                     layer_split_points=POINTS)
       self.assertEqual(m.next_load(0.0, COST), 3)
-      got = m.next_load(0.0, COST)
+      self.assertEqual(m.next_compute(16, [16], 0.0, COST), (0, 16))
+      got = m.next_load(0.5, COST)
       self.assertEqual(got and (m.load_layer_start(got), m.load_nbytes(got)), want)
 
 
@@ -149,23 +162,29 @@ class SchedulerLayerSplitTest(absltest.TestCase):
     s.add_request(Request("x", list(range(65)), SamplingParams(max_tokens=1)),
                   StoredPrefix(C, tuple(StoredChunk("host", cand) for _ in range(4))))
     plans = []
-    for t, landed in ((0.0, ()), (1.0, ((3, 100),)), (2.0, ((2, 50),)), (3.0, ())):
+    # (step start, step end, loads landed during it: chunk, bytes, when)
+    for t, end, landed in ((0.0, 1.0, ()), (1.0, 2.0, ((3, 100, 1.5),)),
+                           (2.0, 2.5, ((2, 50, 2.25),)), (2.5, 2.6, ())):
       plan = s.schedule(now_s=t)
       plans.append(plan)
-      s.update(StepResult(now_s=t + 0.75, sampled=tuple(
+      s.update(StepResult(now_s=end, sampled=tuple(
           (c.request_id, 1) for c in plan.prefills if c.is_last), loads=tuple(
-          LoadReport("x", j, True, nb, tier="host", done_s=t + 0.75, link_s=0.75)
-          for j, nb in landed)))
-    self.assertEqual(plans[0].loads, (LoadItem("x", 3, "raw/0", 100, 2),
-                                      LoadItem("x", 2, "raw/0", 50, 2, layer_start=2)))
-    self.assertEqual([p.prefills for p in plans[1:3]],
-                     [(PrefillChunk("x", 0, 16, 16, False),),
-                      (PrefillChunk("x", 0, 32, 16, False, num_layers=2),)])
-    self.assertEqual(plans[0].prefills[0].saves, ())
-    self.assertEqual([p.inserts for p in plans[1:]],
-                     [(), (InsertItem("x", 3, 0, 48),),
+          LoadReport("x", j, True, nb, tier="host", done_s=at, link_s=1.5 * nb / 100)
+          for j, nb, at in landed)))
+    # Chunk 3 loads whole at 0 s; chunk 2 is split when the link nears it (1 s): layers
+    # [2, 4) on the link, [0, 2) computed.
+    self.assertEqual([p.loads for p in plans],
+                     [(LoadItem("x", 3, "raw/0", 100, 2),),
+                      (LoadItem("x", 2, "raw/0", 50, 2, layer_start=2),), (), ()])
+    self.assertEqual([p.prefills for p in plans],
+                     [(PrefillChunk("x", 0, 0, 16, False),),
+                      (PrefillChunk("x", 0, 16, 16, False),),
+                      (PrefillChunk("x", 0, 32, 16, False, num_layers=2),),
+                      (PrefillChunk("x", 0, 64, 1, True),)])
+    self.assertEqual(plans[2].prefills[0].saves, ())
+    self.assertEqual([p.inserts for p in plans],
+                     [(), (), (InsertItem("x", 3, 0, 48),),
                       (InsertItem("x", 2, 0, 32, layer_start=2),)])
-    self.assertEqual(plans[3].prefills, (PrefillChunk("x", 0, 64, 1, True),))
     self.assertEqual(s.merge("x").chunk_writers(), "CCSL")
 
 
