@@ -24,41 +24,77 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 256, 4 * C + 1)]
 
 
-def chunk_nbytes() -> int:
-  cfg = fake_model_config()
-  return cfg.n_layers * 2 * C * cfg.n_kv_heads * cfg.head_dim * 4
-
-
 def make_engine(store, **kw):
   return engines.fake_engine(kv_store=store, kv_chunk_size=C, max_num_seqs=2,
                              chunk_sizes=(16, 32, 64), enable_prefix_caching=False, **kw)
 
 
+def frozen_cost(chunk_nbytes: int) -> CostModel:
+  """1 s per 16-token chunk, 1.5 s per stored chunk on the link, learning nothing."""
+  return CostModel(compute_prior=(0.0, 1 / C, 0.0), learn=False,
+                   bandwidth_bytes_per_s=chunk_nbytes / 1.5)
+
+
+def counter_clock():
+  ticks = itertools.count()
+  return lambda: next(ticks) * 1e-3
+
+
 class LayerSplitEngineUnitTest(absltest.TestCase):
+  """The engine-level assertions; tests/integration/engine/layer_split_test.py runs them on the
+  real tiny model by overriding the factories and the tolerance."""
+
+  #: Logprobs of a split run against the cold run: equal (the fake is exact).
+  logprob_delta = 0.0
+
+  def cold_engine(self):
+    return make_engine(None)
+
+  def split_engine(self):
+    """An engine with a fresh store, the layer axis on, the frozen cost model, a counter clock."""
+    cfg = fake_model_config()
+    nbytes = cfg.n_layers * 2 * C * cfg.n_kv_heads * cfg.head_dim * 4
+    return make_engine(engines.memory_store_url(), kv_layer_split="auto",
+                       cost_model=frozen_cost(nbytes), clock=counter_clock())
+
+  def close(self, engine):
+    engines.close_engine(engine)
+
+  def assert_same(self, got, want):
+    self.assertEqual(got.token_ids, want.token_ids)
+    self.assertEqual(set(got.logprobs[0]), set(want.logprobs[0]))
+    for t, lp in want.logprobs[0].items():
+      self.assertAlmostEqual(got.logprobs[0][t], lp, delta=self.logprob_delta)
 
   def test_a_split_meeting_chunk_equals_the_cold_run(self):
-    cold_engine = make_engine(None)
+    cold_engine = self.cold_engine()
     cold = engines.generate(cold_engine, [PROMPT], PARAMS)[0]
-    engines.close_engine(cold_engine)
-    frozen = CostModel(compute_prior=(0.0, 1 / C, 0.0), learn=False,
-                       bandwidth_bytes_per_s=chunk_nbytes() / 1.5)
-    ticks = itertools.count()
-    e = make_engine(engines.memory_store_url(), kv_layer_split="auto", cost_model=frozen,
-                    clock=lambda: next(ticks) * 1e-3)
+    self.close(cold_engine)
+    e = self.split_engine()
     first = engines.generate(e, [PROMPT], PARAMS)[0]  # nothing stored yet: computes, saves
     e.kv_store.flush()
-    out = engines.generate(e, [PROMPT], PARAMS)[0]
-    trace = out.metrics.merge
-    self.assertEqual(trace.layer_splits, {2: 1})
-    self.assertEqual((trace.chunks_computed, sorted(trace.chunks_loaded)), ([0, 1], [2, 3]))
-    # Chunk 2's layer 1 was inserted alone; its layer 0 was computed.
+    outs = [engines.generate(e, [PROMPT], PARAMS)[0] for _ in range(2)]
+    for out in outs:  # identical across repeats
+      trace = out.metrics.merge
+      self.assertEqual(trace.layer_splits, {2: 1})
+      self.assertEqual((trace.chunks_computed, sorted(trace.chunks_loaded)), ([0, 1], [2, 3]))
+      self.assertEqual(trace.chunk_writers, "CCSL")
+      self.assertEqual((out.num_cached_tokens, out.metrics.num_computed_tokens),
+                       (2 * C, 2 * C + 1))
+    for got in [first] + outs:
+      self.assert_same(got, cold)
+    self.assertEqual(outs[0].token_ids, outs[1].token_ids)
+    self.assertEqual(outs[0].logprobs, outs[1].logprobs)
+    self.assert_split_inserts(e)
+    self.close(e)
+
+  def assert_split_inserts(self, e):
+    # Chunk 2's layer 1 was inserted alone (twice: two warm runs); its layer 0 was computed.
     self.assertEqual([(c[2], c[3], c[4]) for c in e.runner.calls
-                      if c[0] == "insert_chunk_layers"], [(32, 1, 1)])  # start, layer, G
-    for got in (first, out):
-      self.assertEqual(got.token_ids, cold.token_ids)
-      self.assertEqual(got.logprobs, cold.logprobs)  # bit for bit (raw)
-    self.assertEqual((out.num_cached_tokens, out.metrics.num_computed_tokens), (2 * C, 2 * C + 1))
-    engines.close_engine(e)
+                      if c[0] == "insert_chunk_layers"], [(32, 1, 1)] * 2)  # start, layer, G
+
+
+class FakeRunnerLayerSplitTest(absltest.TestCase):
 
   def test_the_fake_runner_stops_a_piece_after_its_layers(self):
     # Low layers computed, then the high layers inserted (and the other order) give the cold
