@@ -495,9 +495,13 @@ class CakeMerge:
   def _sliceable(self, index: int) -> tuple[int, Candidate | None] | None:
     """(whole stored bytes, encoding) chunk `index` may be split along layers with (a merge
     without encodings takes its `chunk_nbytes` as raw: encoding None), or None: no layer axis
-    for it (off, a stored tail, one split per merge, or no layer-sliceable copy)."""
+    for it (off, a stored tail, one split per merge, no layer-sliceable copy, or planned
+    jointly with other restoring requests: the joint plan's backlogs price token-only merges,
+    and a split priced against them landed late and was wasted in the simulator)."""
     if not self.layer_split_points or self._split or (
         self._end(index) - index * self.chunk_size != self.chunk_size):
+      return None
+    if self._compute_free_s > -math.inf or self._link_free_s > -math.inf:
       return None
     if self._encodings is None:
       return self._nbytes[index], None

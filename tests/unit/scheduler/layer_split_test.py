@@ -133,6 +133,17 @@ class MergeLayerSplitTest(absltest.TestCase):
     self.assertEqual(m.next_compute(16, [16], 101.0, COST), (64, 1))
     self.assertEqual(m.chunk_writers(), "CCCL")
 
+  def test_no_split_when_planned_jointly(self):
+    # The same merge told a backlog (joint planning with other restoring requests; here one
+    # that frees both sides now, so only the rule differs from `start`) loads chunk 2 whole
+    # or computes it: never splits.
+    m = merge()
+    m.set_backlog(0.0, 0.0)
+    self.assertEqual(m.next_load(0.0, COST), 3)
+    self.assertEqual(m.next_compute(16, [16], 0.0, COST), (0, 16))
+    m.next_load(0.5, COST)
+    self.assertEqual((m.trace.layer_splits, m.split_layers(2)), ({}, 0))
+
   def test_off_plans_token_only(self):
     m = CakeMerge(65, C, [True] * 4, chunk_nbytes=100, max_loads_in_flight=2, num_layers=L)
     self.assertEqual([m.next_load(0.0, COST) for _ in range(2)], [3, None])
