@@ -96,6 +96,10 @@ class LayerSplitEngineUnitTest(absltest.TestCase):
 
 class FakeRunnerLayerSplitTest(absltest.TestCase):
 
+  def test_an_unknown_setting_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "kv_layer_split='on'"):
+      make_engine(None, kv_layer_split="on")
+
   def test_the_fake_runner_stops_a_piece_after_its_layers(self):
     # Low layers computed, then the high layers inserted (and the other order) give the cold
     # pool and logits: the piece wrote layer 0 only.
