@@ -748,7 +748,9 @@ class CakeMerge:
     over disjoint layers)."""
     if self._writers is None:
       return
-    seg = bytes(0 if w == may_find else w for w in self._writers[start:end])
+    seg = self._writers[start:end]
+    if may_find is not Writer.NONE:
+      seg = seg.replace(bytes([may_find]), b"\0")
     if any(seg):
       first = next(i for i, w in enumerate(seg) if w)
       raise DoubleWriteError(

@@ -4,7 +4,8 @@
 The planner's cost model is frozen so the split is decided the same way every run: compute
 costs 1 s per 16-token chunk and a stored chunk takes 1.5 s on the link, so with chunks 0-3
 stored the planner loads chunk 3 whole and splits chunk 2 at k = 1 of the fake's L = 2 layers
-(done at 2.5 s against 3 s token-only; tests/unit/scheduler/layer_split_test.py has the plan).
+(done at 2.5 s against 3 s token-only; tests/unit/scheduler/cake_layer_split_test.py has the
+plan).
 The engine's clock is a counter, so no load turns late.
 """
 
@@ -41,8 +42,8 @@ def counter_clock():
 
 
 class LayerSplitEngineUnitTest(absltest.TestCase):
-  """The engine-level assertions; tests/integration/engine/layer_split_test.py runs them on the
-  real tiny model by overriding the factories and the tolerance."""
+  """The engine-level assertions; tests/integration/engine/layer_split_engine_test.py runs
+  them on the real tiny model by overriding the factories and the tolerance."""
 
   #: Logprobs of a split run against the cold run: equal (the fake is exact).
   logprob_delta = 0.0
