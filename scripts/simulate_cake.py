@@ -27,6 +27,13 @@ together, sharing the link and each step's budget: kvjax planning them jointly (
 compute-only and load-only (jointly planned too), by mean TTFT over the N (per-request TTFTs
 beside). The ideal bound there is the mean of each request's bound alone, a true but loose
 lower bound (sharing can only slow a request).
+
+`--layer_split auto` also runs kvjax with the layer axis of Cake (CacheFlow, arXiv 2604.25080;
+`kvjax/scheduler/layer_split.py`: the meeting chunk computes layers [0, k) and loads [k, L))
+beside token-only Cake in every cell (`cake_split`), and prints its speedup and its ratio to
+token-only (`split_vs_token`, token-only TTFT over the split's). `--num_layers` is L (30, the
+SmolLM2-135M of the built-in curve); `--layer_split_groups` G > 0 allows k only at the
+boundaries of G layer groups (the real runner's layer-wise step), 0 at any layer.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import time
 from absl import app, flags
 
 import benchlib  # scripts/benchlib.py
+from kvjax.models.runner_api import layer_groups
 from kvjax.scheduler import MergeMode, SchedulerConfig
 from kvjax.testing.cake_sim import (SMOLLM2_CPU_CHUNK_S, SMOLLM2_RAW_CHUNK_BYTES, ChunkCosts,
                                     LinkScript, PiecewiseConstant, SimRequest, ideal_bound,
@@ -55,9 +63,16 @@ _SIZES = flags.DEFINE_list("chunk_sizes", ["16", "32", "64", "128", "256", "512"
                            "Compiled prefill chunk sizes.")
 _IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 2, "Loads in flight per request.")
 _COLD = flags.DEFINE_bool("cold", False, "Start every run with an unobserved cost model.")
-_OUT = flags.DEFINE_string("out", None, "Folder for simulate_cake.json and simulate_cake.png.")
+_OUT = flags.DEFINE_string("out", None, "Folder for simulate_cake.json and simulate_cake.png "
+                           "(simulate_cake_layer_split.* with --layer_split auto).")
 _RESTORING = flags.DEFINE_list("restoring", ["1"],
                                "Prompts restoring at once (N per cell; 1: today's grid).")
+_LAYER_SPLIT = flags.DEFINE_enum("layer_split", "off", ["off", "auto"],
+                                 "auto: also run kvjax with the layer axis (cake_split).")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 30, "L, the model's layers (layer axis).")
+_SPLIT_GROUPS = flags.DEFINE_integer("layer_split_groups", 0,
+                                     "k only at the boundaries of this many layer groups; "
+                                     "0: at any layer.")
 
 CPU_CURVE = list(SMOLLM2_CPU_CHUNK_S)
 RAW_CHUNK_BYTES = SMOLLM2_RAW_CHUNK_BYTES
@@ -83,7 +98,7 @@ def fraction(text: str) -> float:
 
 
 def run_cell(seq_len, ratio, share_pct, chunk, costs, nbytes, b_star, sizes, budget,
-             n_req=1):
+             n_req=1, split_points=()):
   """One cell: kvjax and both baselines for `n_req` prompts of `seq_len` tokens arriving
   together (mean TTFT over them), and kvjax planning them each alone when `n_req` > 1."""
   cfg = SchedulerConfig(num_slots=max(2, n_req), token_budget=budget, chunk_sizes=sizes)
@@ -95,21 +110,25 @@ def run_cell(seq_len, ratio, share_pct, chunk, costs, nbytes, b_star, sizes, bud
   spec = SimRequest("r", seq_len, [True] * n_chunks, chunk_nbytes=nbytes)
   cell = {"seq_len": seq_len, "ratio": ratio, "share_pct": share_pct, "restoring": n_req,
           "bandwidth_bytes_per_s": ratio * b_star, "cake_tokens_per_step": tokens}
-  runs = [(mode.value, mode, True) for mode in MergeMode]
+  runs = [(mode.value, mode, True, ()) for mode in MergeMode]
   if n_req > 1:
-    runs.append(("cake_alone", MergeMode.CAKE, False))
-  for name, mode, joint in runs:
+    runs.append(("cake_alone", MergeMode.CAKE, False, ()))
+  if split_points:
+    runs.append(("cake_split", MergeMode.CAKE, True, split_points))
+  for name, mode, joint, points in runs:
     model = None if _COLD.value else warm_cost_model(
         costs, chunk_sizes=sizes, max_position=seq_len, bandwidth_bytes_per_s=ratio * b_star,
         nbytes=nbytes)
     sim = simulate([dataclasses.replace(spec, request_id=rid, mode=mode) for rid in ids],
                    costs=costs, link=link, scheduler_config=cfg, chunk_size=chunk,
-                   cost_model=model, budget=script, joint_planning=joint)
+                   cost_model=model, budget=script, joint_planning=joint,
+                   num_layers=_NUM_LAYERS.value, layer_split_points=points)
     res = [sim.results[rid] for rid in ids]
     cell[name] = {"ttft_s": sum(r.ttft_s for r in res) / n_req,
                   "meeting_index": res[0].meeting_index,
                   "chunks_wasted": sum(len(r.trace.chunks_wasted) for r in res),
-                  "writers": res[0].chunk_writers, "max_step_s": sim.max_step_s}
+                  "writers": res[0].chunk_writers, "max_step_s": sim.max_step_s,
+                  "layer_splits": {str(j): k for j, k in res[0].trace.layer_splits.items()}}
     if n_req > 1:
       cell[name].update(ttft_per_request_s=[r.ttft_s for r in res],
                         meeting_per_request=[r.meeting_index for r in res],
@@ -124,7 +143,21 @@ def run_cell(seq_len, ratio, share_pct, chunk, costs, nbytes, b_star, sizes, bud
   if n_req > 1:
     cell.update(joint_vs_alone=cell["cake_alone"]["ttft_s"] / cake,
                 alone_speedup=best / cell["cake_alone"]["ttft_s"])
+  if split_points:
+    split = cell["cake_split"]["ttft_s"]
+    cell.update(split_speedup=best / split, split_vs_token=cake / split,
+                split_vs_ideal=split / ideal.ttft_s)
   return cell
+
+
+def split_points() -> tuple[int, ...]:
+  """The k the layer axis may take (`--layer_split`, `--layer_split_groups`)."""
+  if _LAYER_SPLIT.value == "off":
+    return ()
+  n = _NUM_LAYERS.value
+  if _SPLIT_GROUPS.value:
+    return tuple(l0 for l0, _ in layer_groups(n, _SPLIT_GROUPS.value)[1:])
+  return tuple(range(1, n))
 
 
 def table(cells, seq_lens, ratios, key, fmt, restoring=1) -> str:
@@ -149,6 +182,7 @@ def main(argv):
   restoring = [int(x) for x in _RESTORING.value]
   if any(x < 1 for x in restoring):
     raise app.UsageError(f"--restoring={_RESTORING.value}: each N must be >= 1")
+  points = split_points()
   cells = []
   for n_req in restoring:
     for share in shares:
@@ -160,7 +194,7 @@ def main(argv):
                                          for j in range(n_chunks))
         for r in _RATIOS.value:
           cell = run_cell(n, fraction(r), share, chunk, costs, nbytes, b_star, sizes,
-                          _BUDGET.value, n_req)
+                          _BUDGET.value, n_req, points)
           cell.update(ratio_text=r, b_star_bytes_per_s=b_star)
           cells.append(cell)
   wall = time.perf_counter() - t0
@@ -184,6 +218,13 @@ def main(argv):
       print("kvjax / ideal" + (" (the mean of each one's bound alone)" if n_req > 1 else ""))
       print(table(mine, seq_lens, _RATIOS.value, lambda c: c["vs_ideal"], "{:.3f}".format,
                   n_req))
+      if points:
+        print("layer split: speedup over the better baseline")
+        print(table(mine, seq_lens, _RATIOS.value, lambda c: c["split_speedup"],
+                    "{:.2f}x".format, n_req))
+        print("layer split vs token-only (token-only TTFT / split TTFT)")
+        print(table(mine, seq_lens, _RATIOS.value, lambda c: c["split_vs_token"],
+                    "{:.3f}".format, n_req))
   speedups = [c["speedup"] for c in cells]
   vs_ideal = [c["vs_ideal"] for c in cells]
   print(f"\n{len(cells)} cells: speedup min {min(speedups):.2f}x, max {max(speedups):.2f}x; "
@@ -199,6 +240,12 @@ def main(argv):
       gain = [c["joint_vs_alone"] for c in cells if c["restoring"] == n_req]
       line += (f" (planned alone: {min(alone):.2f}x); joint / alone mean TTFT gain "
                f"{min(gain):.2f}x-{max(gain):.2f}x")
+    if points:
+      mine_cells = [c for c in cells if c["restoring"] == n_req]
+      ratio = [c["split_vs_token"] for c in mine_cells]
+      at_b = [c["split_vs_token"] for c in mine_cells if c["ratio"] == 1.0]
+      line += (f"; layer split vs token-only {min(ratio):.3f}-{max(ratio):.3f}"
+               + (f" (at B*: {min(at_b):.3f}-{max(at_b):.3f})" if at_b else ""))
     print(line)
   under = [f"{c['seq_len']}/x{c['ratio_text']}/{c['share_pct']:g}%/N{c['restoring']}: "
            f"{c['vs_ideal']:.3f}" for c in cells if c["vs_ideal"] < 0.999]
@@ -213,16 +260,18 @@ def main(argv):
                          "chunk_nbytes": nbytes, "decode_s_per_chunk": decode_s,
                          "budget": _BUDGET.value, "chunk_sizes": sizes,
                          "max_in_flight": _IN_FLIGHT.value, "cold": _COLD.value,
-                         "restoring": restoring},
+                         "restoring": restoring, "layer_split": _LAYER_SPLIT.value,
+                         "num_layers": _NUM_LAYERS.value, "layer_split_points": points},
               "wall_s": wall, "cells": cells}
-    benchlib.write_json(out / "simulate_cake.json", record)
+    stem = "simulate_cake_layer_split" if points else "simulate_cake"
+    benchlib.write_json(out / f"{stem}.json", record)
     pngs = []
     for n_req in restoring:
-      name = "simulate_cake.png" if n_req == 1 else f"simulate_cake_n{n_req}.png"
+      name = f"{stem}.png" if n_req == 1 else f"{stem}_n{n_req}.png"
       if plot([c for c in cells if c["restoring"] == n_req], seq_lens, _RATIOS.value, shares,
               out / name):
         pngs.append(name)
-    print(f"wrote {out / 'simulate_cake.json'}" + (f" and {', '.join(pngs)}" if pngs else ""))
+    print(f"wrote {out / (stem + '.json')}" + (f" and {', '.join(pngs)}" if pngs else ""))
 
 
 def plot(cells, seq_lens, ratios, shares, path) -> bool:

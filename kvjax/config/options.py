@@ -28,7 +28,7 @@ from kvjax.config.fields import option, option_fields, spec
 from kvjax.merge_mode import MERGE_MODES, parse_merge_mode
 from kvjax.models.runner_api import DEFAULT_CHUNK_SIZES
 from kvjax.models.registry import DEFAULT_MODEL
-from kvjax.scheduler.config import LoadConfig, SchedulerConfig
+from kvjax.scheduler.config import LAYER_SPLITS, LoadConfig, SchedulerConfig
 from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
                             DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
@@ -341,6 +341,17 @@ class KVStoreOptions:
       flag_help="With a store: layer groups a step that inserts stored raw chunks runs in, "
                 "so their transfer overlaps the compute (CachedAttention layer-wise "
                 "pre-loading); 1: off.")
+  kv_layer_split: str = option(
+      "off",
+      "with a store: the layer axis of Cake (CacheFlow, arXiv 2604.25080): \"auto\" lets a "
+      "merge compute layers [0, k) of its meeting chunk and load only layers [k, L) of that "
+      "stored raw chunk, k from the measured rates; \"off\" (default): token-only Cake. The "
+      "simulator measures 1.0-1.04x token-only at balance (benchmarks/README.md), and the "
+      "paged runner still runs a partial-depth piece at full depth, so it stays off.",
+      choices=LAYER_SPLITS,
+      flag_help="With a store: 'auto' lets a Cake merge split its meeting chunk along layers "
+                "(compute the low layers, load the high ones of a raw chunk); 'off' "
+                "(default): token-only Cake.")
   kv_device_link_bytes_per_s: float | None = option(
       None,
       "emulated host -> device bandwidth, bytes/s, that every stored chunk pays on its way "
@@ -673,6 +684,7 @@ class EngineOptions:
                       link_latency_s=REMOTE_LINK_LATENCY_S if remote else LOCAL_LINK_LATENCY_S,
                       kv_ttft_target_s=kv.kv_ttft_target_s,
                       layerwise_groups=kv.kv_layerwise_groups,
+                      layer_split=kv.kv_layer_split,
                       lookahead_window=kv.kv_lookahead_window if store is not None else 0,
                       consistent=self.consistent and store is not None)
 

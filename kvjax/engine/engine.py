@@ -110,6 +110,8 @@ class Engine:
       the fixed encoding (`KVStoreClient(consistent=True)`).
     seed: seeds requests that give no seed of their own.
     clock: seconds, monotonic (tests may pass a fake).
+    cost_model: the planner's `CostModel` (tests and simulations pass a frozen one); None (the
+      default): a fresh one that learns from this engine's steps and loads.
 
   The KV cache is the runner's block pool (`docs/design/paged-memory.md`): the scheduler owns
   a `KVCacheManager` over it and each step is one ragged jit call. Everything is built from the
@@ -124,15 +126,20 @@ class Engine:
                scheduler_config: SchedulerConfig | None = None,
                load_config: LoadConfig | None = None, *,
                kv_store: KVStoreClient | None = None, seed: int = 0,
-               clock: Callable[[], float] = time.perf_counter):
+               clock: Callable[[], float] = time.perf_counter,
+               cost_model: CostModel | None = None):
     load_config = load_config or LoadConfig()
     consistent = (load_config.consistent and kv_store is not None
                   and kv_store.codec != codecs.RAW)
+    n_layers = runner.model_config.n_layers
+    split = load_config.layer_split == "auto"
     load_config = dataclasses.replace(
         load_config, consistent=consistent,
         lookahead_window=load_config.lookahead_window if kv_store is not None else 0,
-        layerwise_groups=min(load_config.layerwise_groups, runner.model_config.n_layers),
-        staging_bytes=kv_store.staging_bytes if kv_store is not None else 1 << 30)
+        layerwise_groups=min(load_config.layerwise_groups, n_layers),
+        staging_bytes=kv_store.staging_bytes if kv_store is not None else 1 << 30,
+        layer_split_points=tuple(range(1, n_layers)) if split else (),
+        num_layers=n_layers if split else 0)
     self.runner = runner
     self.kv_store = kv_store
     self.tokenizer = tokenizer
@@ -153,7 +160,8 @@ class Engine:
                               namespace_root=self._namespace_root(None),
                               enable_prefix_caching=scheduler_config.enable_prefix_caching)
     self._scheduler = Scheduler(
-        scheduler_config, CostModel(), load_config=load_config,
+        scheduler_config, cost_model if cost_model is not None else CostModel(),
+        load_config=load_config,
         save_chunk_size=kv_store.chunk_size if kv_store is not None else None,
         consistent=consistent, kv_cache=kv_cache)
     self._core = EngineCore(self._scheduler, self)
@@ -434,7 +442,8 @@ class Engine:
     (`KVLoads.step_layerwise`)."""
     runner, kv = self.runner, self.kv_store
     seqs = [SeqChunk((d.token_id,), d.position, tables[d.request_id]) for d in plan.decodes]
-    seqs += [SeqChunk(c.token_ids, c.start, tables[c.request_id]) for c in plan.prefills]
+    seqs += [SeqChunk(c.token_ids, c.start, tables[c.request_id], c.num_layers)
+             for c in plan.prefills]
     total = sum(len(s.token_ids) for s in seqs)
     compiled = runner.is_compiled(total)
     t0, t0_clock = time.perf_counter(), self._clock()
@@ -462,8 +471,11 @@ class Engine:
     for j, chunk in enumerate(plan.prefills):
       timings.append(ComputeTiming(chunk.start, chunk.num_tokens,
                                    seconds * chunk.num_tokens / total, chunk.request_id,
-                                   t0_clock, includes_compile=not compiled))
+                                   t0_clock, includes_compile=not compiled,
+                                   num_layers=chunk.num_layers))
       live = self._live[chunk.request_id]
+      if chunk.num_layers is not None:
+        continue  # a layer-split chunk's low layers: its tokens count as loaded, never saved
       live.metrics.num_computed_tokens += chunk.num_tokens
       if kv is not None:
         o = out.offsets[base + j]

@@ -39,11 +39,12 @@ def candidates(record, raw_nbytes: int) -> list[Candidate]:
   name is its `codecs.EncodingId`. A record whose only encodings are codecs this engine knows at
   another byte-format version offers those: the load reads the record and the store refuses it
   (a CODEC_VERSION_MISMATCH miss, counted per tier like every rejected chunk; the stored-chunk
-  guard), so the chunk is recomputed and its stored copy replaced, never decoded.
+  guard), so the chunk is recomputed and its stored copy replaced, never decoded. Raw
+  candidates are layer-sliceable (the layer axis of Cake may insert their layers `[k, L)`).
   """
   if record is None:
     raw = codecs.EncodingId(codecs.RAW, 0)
-    return [Candidate(raw, raw_nbytes, codecs.ACCURACY_RANK[raw])]
+    return [Candidate(raw, raw_nbytes, codecs.ACCURACY_RANK[raw], layer_sliceable=True)]
   # Registered (codec, level) pairs, at this engine's byte-format version or another.
   decodable, other_version = [], []
   for e in record.encodings:
@@ -52,7 +53,8 @@ def candidates(record, raw_nbytes: int) -> list[Candidate]:
       continue
     eid = codecs.EncodingId(e.codec, e.level)
     (decodable if e.codec_version == info.version else other_version).append(
-        Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid]))
+        Candidate(eid, int(e.nbytes), codecs.ACCURACY_RANK[eid],
+                  layer_sliceable=e.codec == codecs.RAW))
   return decodable or other_version
 
 
@@ -121,7 +123,8 @@ class KVLoads:
               ) -> list[Loaded]:
     """The plan's store side, in field order: hands a changed look-ahead window to the client
     (before the loads: a load may wait on a prefetch; requests not in `live` are left out),
-    releases, queues new loads, and inserts staged chunks. With layer-wise pre-loading (the
+    releases, queues new loads, and inserts staged chunks (a layer-split chunk's layers
+    `[InsertItem.layer_start, L)` only, raw). With layer-wise pre-loading (the
     plan has `layer_groups > 1` and compute) raw staged chunks go to `layered` as
     `(InsertItem, ChunkHit, blocks)` for `step_layerwise`; the others are inserted now, each
     timed into `insert_timings` (`timed`: blocking on the cache after each, so the time
@@ -146,16 +149,24 @@ class KVLoads:
       t0, t0_clock = time.perf_counter(), self._clock()
       rows = self.insert_rows(ins)
       where = chunk_blocks(tables[ins.request_id], self.runner.block_size, ins.start, rows)
-      if layerwise and hit.kv is not None:
+      if ins.layer_start:  # a layer-split chunk: its layers [k, L) only (raw)
+        if hit.kv is None:
+          raise ValueError(f"layer-split chunk {ins.index} of {ins.request_id} is not raw")
+        high = hit.kv[ins.layer_start:]
+        kv.charge_device(high.nbytes)
+        self.runner.insert_chunks_layers([first_rows(high, rows)], [where], [ins.start],
+                                         ins.layer_start)
+      elif layerwise and hit.kv is not None:
         layered.append((ins, hit, where))  # inserted group by group inside the step
         continue
-      kv.charge_device(hit.encoding.nbytes)  # the host -> device link, whole chunk
-      if hit.kv is not None:
-        self.runner.insert_chunk(first_rows(hit.kv, rows), where, ins.start)
-      elif ins.num_tokens is None:
-        self.runner.insert_payload(hit.encoding.codec, hit.payload, where, ins.start)
-      else:  # a stored tail is raw (`KVStoreClient.stores_tails`): never here
-        raise ValueError(f"stored tail {ins.index} of {ins.request_id} is not raw")
+      else:
+        kv.charge_device(hit.encoding.nbytes)  # the host -> device link, whole chunk
+        if hit.kv is not None:
+          self.runner.insert_chunk(first_rows(hit.kv, rows), where, ins.start)
+        elif ins.num_tokens is None:
+          self.runner.insert_payload(hit.encoding.codec, hit.payload, where, ins.start)
+        else:  # a stored tail is raw (`KVStoreClient.stores_tails`): never here
+          raise ValueError(f"stored tail {ins.index} of {ins.request_id} is not raw")
       if timed:
         self.runner.block_until_ready()
       insert_timings.append(InsertTiming(ins.request_id, ins.index, t0_clock,

@@ -46,6 +46,7 @@ from kvjax.models.runner_api import Runner
 from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
                                    initialize_distributed)
 from kvjax.models.weights_memory import check_weights_fit, device_free_bytes
+from kvjax.scheduler.cost_model import CostModel
 from kvjax.sessions import SessionRegistry
 from kvjax.storage.chunk_store import ChunkStore
 from kvjax.storage.link import LinkLimiter
@@ -297,7 +298,8 @@ def build_engine_parts(options: EngineOptions, *,
                        model: LoadedModel | None = None,
                        make_runner: RunnerFactory | None = None,
                        clock: Callable[[], float] = time.perf_counter,
-                       check_writes: bool = False) -> EngineParts:
+                       check_writes: bool = False,
+                       cost_model: CostModel | None = None) -> EngineParts:
   """Builds the model, runner, store, sessions and engine of `options` (the composition root).
 
   Args:
@@ -311,6 +313,7 @@ def build_engine_parts(options: EngineOptions, *,
     clock: the engine's clock, seconds (tests may pass a fake).
     check_writes: keep each merge's per-position writer map and raise on a double write
       (`LoadConfig.check_writes`; the test factories keep it on).
+    cost_model: the planner's cost model (tests pass a frozen one); None: a fresh, learning one.
 
   Returns:
     The parts (`EngineParts`); the caller owns them (`close_parts`).
@@ -376,7 +379,7 @@ def build_engine_parts(options: EngineOptions, *,
           kvtc_transform.transform_id if kvtc_transform is not None else None)
     load_config = dataclasses.replace(options.load_config(), check_writes=check_writes)
     engine = Engine(runner, loaded.tokenizer, sched, load_config, kv_store=client, seed=m.seed,
-                    clock=clock)
+                    clock=clock, cost_model=cost_model)
     if client is not None:  # the registry says which sessions are pinned; the client pins
       sessions.set_pin_sink(client.set_pins, chunk_size=client.chunk_size,
                             chunk_nbytes=client.layout.nbytes)

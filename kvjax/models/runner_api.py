@@ -110,11 +110,18 @@ class SeqChunk:
     token_ids: the tokens (1 for a decode).
     start: position of the first.
     block_ids: the sequence's block table, covering at least `start + n` positions.
+    num_layers: None: the full forward. k: a piece of a chunk split along layers (the layer axis
+      of Cake, `kvjax/scheduler/layer_split.py`): its forward may stop after layer k - 1; it
+      must write layers `[0, k)` of its KV and must not overwrite layers `[k, L)` (the chunk's
+      load writes them, before or after the step) with anything but the same values. Its
+      logits and its returned K and V above layer k - 1 are unspecified. A runner that runs it
+      to full depth (`PagedModelRunner`) is exact, only not faster.
   """
 
   token_ids: Sequence[int]
   start: int
   block_ids: Sequence[int]
+  num_layers: int | None = None
 
 
 def layer_groups(num_layers: int, groups: int) -> tuple[tuple[int, int], ...]:

@@ -59,7 +59,7 @@ import math
 from collections.abc import Hashable, Sequence
 
 from kvjax.block_hash import loadable_units
-from kvjax.scheduler import cake_forecast, level_policy
+from kvjax.scheduler import cake_forecast, layer_split, level_policy
 from kvjax.scheduler.cake_forecast import ideal_merge_s
 from kvjax.scheduler.cake_share import ComputeShare
 from kvjax.scheduler.cake_state import (ChunkState, DoubleWriteError, LoadInFlight, LoadVerdict,
@@ -102,6 +102,11 @@ class CakeMerge:
       history ending m tokens into that chunk, `kvjax.storage.keys.tail_hash`): it covers
       `[(N - 1) * C, (N - 1) * C + m)` and the prefix ends there; loads take it first like any
       last chunk, and the suffix is computed from its end. None: every unit is a whole chunk.
+    num_layers: L, the model's layers (for the layer axis).
+    layer_split_points: the layer counts k in `[1, L)` compute may take of a chunk split along
+      layers (CacheFlow, arXiv 2604.25080; `kvjax/scheduler/layer_split.py`): when the next
+      load would be the meeting chunk, the merge may load only its layers `[k, L)` and compute
+      its layers `[0, k)`. () (default): token-only Cake.
 
   Raises:
     ValueError: on inconsistent sizes, hits, byte counts or encodings.
@@ -114,7 +119,8 @@ class CakeMerge:
                max_loads_in_flight: int = 2, kv_ttft_target_s: float | None = None,
                arrival_s: float = 0.0, late_factor: float = 2.0,
                compute_share_prior: float | None = None, check_writes: bool = True,
-               resident: int = 0, last_unit_tokens: int | None = None):
+               resident: int = 0, last_unit_tokens: int | None = None,
+               num_layers: int = 1, layer_split_points: Sequence[int] = ()):
     def positive_int(name, v):
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r} must be an int >= 1")
@@ -143,6 +149,8 @@ class CakeMerge:
       raise ValueError(f"compute_share_prior={compute_share_prior!r} must be in (0, 1]")
     if kv_ttft_target_s is not None and not kv_ttft_target_s > 0:
       raise ValueError(f"kv_ttft_target_s={kv_ttft_target_s!r} must be > 0 or None")
+    self.layer_split_points = layer_split.check_points(layer_split_points, num_layers)
+    self.num_layers = num_layers
     self.num_prompt_tokens = num_prompt_tokens
     self.chunk_size = chunk_size
     self.num_chunks = len(hits)
@@ -186,6 +194,8 @@ class CakeMerge:
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self._nbytes):
       raise ValueError(f"chunk_nbytes must be ints >= 0, got {chunk_nbytes!r}")
     self._in_flight: dict[int, LoadInFlight] = {}   # issue order
+    # Layer-split chunks: chunk -> k (compute owns layers [0, k), the load [k, L)).
+    self._split: dict[int, int] = {}
     self._frontier = 0
     self._cancelled = False
     self._writers = bytearray(num_prompt_tokens) if check_writes else None
@@ -239,8 +249,54 @@ class CakeMerge:
 
   @property
   def is_prefix_done(self) -> bool:
-    """Every prefix chunk is resident or planned for compute."""
-    return self.frontier >= self.prefix_tokens
+    """Every prefix chunk is resident or planned for compute (a layer-split chunk: its low
+    layers planned and its high layers inserted)."""
+    return self.frontier >= self.prefix_tokens and self._split_waiting() is None
+
+  def split_layers(self, index: int) -> int:
+    """k of chunk `index` when it is split along layers (compute owns layers `[0, k)`, its load
+    `[k, L)`); 0 when it is not."""
+    return self._split.get(index, 0)
+
+  def compute_layers(self, start: int) -> int | None:
+    """The layers a compute step `next_compute` returned at `start` runs: k for a piece of a
+    layer-split chunk (its forward stops after layer k - 1; its K and V above are not the
+    prompt's), None for a full-depth step."""
+    if start >= self.prefix_tokens:
+      return None
+    k = self._split.get(start // self.chunk_size)
+    return k or None
+
+  def load_layer_start(self, index: int) -> int:
+    """The first layer the load of chunk `index` in flight reads (0: the whole chunk).
+
+    Raises:
+      ValueError: if chunk `index` has no load in flight.
+    """
+    load = self._in_flight.get(index)
+    if load is None:
+      raise ValueError(f"chunk {index} has no load in flight")
+    return load.layer_start
+
+  def load_nbytes(self, index: int) -> int:
+    """Stored bytes the load of chunk `index` in flight moves (of its layers only).
+
+    Raises:
+      ValueError: if chunk `index` has no load in flight.
+    """
+    load = self._in_flight.get(index)
+    if load is None:
+      raise ValueError(f"chunk {index} has no load in flight")
+    return load.nbytes
+
+  def _split_waiting(self) -> int | None:
+    """A layer-split chunk whose low layers compute has planned (the frontier is past it)
+    and whose high layers are not inserted yet: every position above it waits for it (a
+    full-depth step reads its high layers)."""
+    for j in self._split:
+      if self._end(j) <= self._frontier and self._states[j] is not ChunkState.RESIDENT:
+        return j
+    return None
 
   @property
   def is_done(self) -> bool:
@@ -291,11 +347,13 @@ class CakeMerge:
     return [Writer(w) for w in self._writers]
 
   def chunk_writers(self) -> str:
-    """One letter per prefix chunk: C compute, L load, . nobody yet, ! mixed (a bug)."""
+    """One letter per prefix chunk: C compute, L load, S split along layers (compute's low
+    layers, the load's high ones), . nobody yet, ! mixed (a bug)."""
     out, writers = [], self.writer_map()
     for j in range(self.num_chunks):
       seg = set(writers[j * self.chunk_size:self._end(j)])
       out.append({frozenset({Writer.COMPUTE}): "C", frozenset({Writer.LOAD}): "L",
+                  frozenset({Writer.SPLIT}): "S",
                   frozenset({Writer.NONE}): "."}.get(frozenset(seg), "!"))
     return "".join(out)
 
@@ -385,16 +443,37 @@ class CakeMerge:
       return None
     nbytes = self._nbytes[index]
     encoding = None
+    layers = 0
     if self.mode is MergeMode.CAKE:
       land, start = self._landings(now_s, cost)
-      if land[index] >= self._compute_until_s(index, now_s, cost, finish=True):
-        return None
       deadline = self._compute_until_s(index, now_s, cost, finish=True)
+      sliced = self._sliceable(index)
+      if sliced is not None and self._is_meeting(index, land, now_s, cost):
+        # The layer axis: the meeting chunk may load only its layers [k, L).
+        full, sliced_encoding = sliced
+        land_full = start[index] + (land[index] - start[index]) * (full / nbytes if nbytes
+                                                                   else 1.0)
+        # A step's wall time; while compute waits, a landing is seen at the end of a step of
+        # the others' work (its share of it).
+        share = self._pace.share
+        step_s = cost.predict_compute_s(self._frontier, self._pace.step_tokens) / share
+        _, layers = layer_split.best_layers(
+            self._compute_until_s(index, now_s, cost, finish=False), deadline, start[index],
+            land_full, self.num_layers, self.layer_split_points, share, step_s * (1 - share))
+        if layers == self.num_layers:
+          layers = 0  # no split pays: token-only Cake decides, below
+        if layers and start[index] - now_s > step_s:
+          return None  # split: decided when the link reaches it, on the rates of that step
+        if layers:
+          encoding = sliced_encoding
+          nbytes = layer_split.split_nbytes(full, self.num_layers, layers)
+      if not layers and land[index] >= deadline:
+        return None
       link_free_s = start[index]
     else:
       deadline, link_free_s = math.inf, now_s
     cands = self._encodings[index] if self._encodings is not None else None
-    if cands:
+    if cands and not layers:
       if self.kv_ttft_target_s is not None:
         left = sum(s is ChunkState.HIT for s in self._states)
         deadline = level_policy.ttft_deadline_s(now_s, self.arrival_s, self.kv_ttft_target_s, left)
@@ -405,10 +484,39 @@ class CakeMerge:
       self._load_busy_since_s = now_s
     if self._first_issue_s is None:
       self._first_issue_s = now_s
-    self._in_flight[index] = LoadInFlight(now_s, nbytes, encoding)
+    self._in_flight[index] = LoadInFlight(now_s, nbytes, encoding, layers)
     self._states[index] = ChunkState.LOADING
     self.trace.loads_issued += 1
+    if layers:
+      self._split[index] = layers
+      self.trace.layer_splits[index] = layers
     return index
+
+  def _sliceable(self, index: int) -> tuple[int, Candidate | None] | None:
+    """(whole stored bytes, encoding) chunk `index` may be split along layers with (a merge
+    without encodings takes its `chunk_nbytes` as raw: encoding None), or None: no layer axis
+    for it (off, a stored tail, one split per merge, no layer-sliceable copy, or planned
+    jointly with other restoring requests: the joint plan's backlogs price token-only merges,
+    and a split priced against them landed late and was wasted in the simulator)."""
+    if not self.layer_split_points or self._split or (
+        self._end(index) - index * self.chunk_size != self.chunk_size):
+      return None
+    if self._compute_free_s > -math.inf or self._link_free_s > -math.inf:
+      return None
+    if self._encodings is None:
+      return self._nbytes[index], None
+    cand = next((e for e in self._encodings[index] or () if e.layer_sliceable), None)
+    return None if cand is None else (cand.nbytes, cand)
+
+  def _is_meeting(self, index: int, land: dict[int, float], now_s: float,
+                  cost: CostModel) -> bool:
+    """Whether chunk `index`, the next load, is where compute and loads meet: the chunk below
+    it is not one a load would land before compute finishes it (a hole, compute's already, or
+    too late for the link)."""
+    below = index - 1
+    if below < 0 or self._states[below] is not ChunkState.HIT:
+      return True
+    return land[below] >= self._compute_until_s(below, now_s, cost, finish=True)
 
   def load_done(self, index: int, ok: bool, nbytes: int, now_s: float,
                 level: Hashable | None = None) -> LoadVerdict:
@@ -445,6 +553,7 @@ class CakeMerge:
     if not ok:
       self._states[index] = ChunkState.MISSING
       self.trace.chunks_rejected.append(index)
+      self._unsplit(index)
       return LoadVerdict.REJECTED
     self._states[index] = ChunkState.LANDED
     self.trace.levels[index] = level if level is not None else (
@@ -478,7 +587,10 @@ class CakeMerge:
     if not 0 <= index < self.num_chunks or self._states[index] is not ChunkState.LANDED:
       raise ValueError(f"chunk {index} was not landed (state "
                        f"{self._states[index].value if 0 <= index < self.num_chunks else '-'})")
-    self._write(index * self.chunk_size, self._end(index), Writer.LOAD)
+    if index in self._split:  # its high layers: compute writes (or wrote) its low ones
+      self._write(index * self.chunk_size, self._end(index), Writer.SPLIT, Writer.SPLIT)
+    else:
+      self._write(index * self.chunk_size, self._end(index), Writer.LOAD)
     self._states[index] = ChunkState.RESIDENT
     self.trace.chunks_loaded.append(index)
     self.trace.meeting_index = min(self.trace.meeting_index, index)
@@ -545,9 +657,17 @@ class CakeMerge:
     if self._cancelled:
       return None
     self._advance()
+    waiting = self._split_waiting()
+    if waiting is not None:
+      if now_s < self._late_at_s(cost).get(waiting, math.inf):
+        return self._wait()  # every position above waits for its high layers
+      self._unsplit(waiting)  # late: compute takes it whole; its load will be wasted
+      self._advance()
     p, n, c = self._frontier, self.num_prompt_tokens, self.chunk_size
     if p >= n:
       return None
+    if p < self.prefix_tokens and p // c in self._split:
+      return self._next_low_piece(p, budget_tokens, sizes, cost)
     if self.mode is MergeMode.LOAD_ONLY and any(
         s in (ChunkState.HIT, ChunkState.LOADING, ChunkState.LANDED) for s in self._states):
       return self._wait()
@@ -557,7 +677,7 @@ class CakeMerge:
       if p % c == 0 and self._states[f] is ChunkState.LANDED:
         return self._wait()
       for j in range(f + 1 if p % c else f, self.num_chunks):
-        if self._states[j] in (ChunkState.RESIDENT, ChunkState.LANDED):
+        if self._states[j] in (ChunkState.RESIDENT, ChunkState.LANDED) or j in self._split:
           hard = j * c
           break
     room = min(hard - p, budget_tokens)
@@ -582,6 +702,27 @@ class CakeMerge:
     return self._wait()
 
   # ---------------------------------------------------------------------------- internals
+  def _next_low_piece(self, p: int, budget_tokens: int, sizes: list[int],
+                      cost: CostModel) -> tuple[int, int] | None:
+    """The next piece of a layer-split chunk's low layers from `p` (inside the chunk): the
+    rest of the chunk when the budget holds it (padded by the runner), else the largest
+    compiled size that fits; planned at k / L of a full-depth step's cost."""
+    j = p // self.chunk_size
+    to_end = self._end(j) - p
+    if to_end <= budget_tokens:
+      k = to_end
+    else:
+      fit = [s for s in sizes if s <= budget_tokens]
+      if not fit:
+        return None
+      k = fit[-1]
+    self._write(p, p + k, Writer.SPLIT, Writer.SPLIT)
+    self._frontier = p + k
+    pred = cost.predict_compute_s(p, k) * self._split[j] / self.num_layers
+    self.trace.compute_s += pred
+    self._pace.planned(pred)
+    return (p, k)
+
   def _wait(self) -> None:
     self._pace.waited()
     return None
@@ -601,10 +742,15 @@ class CakeMerge:
     self.trace.compute_s += pred
     self._pace.planned(pred)
 
-  def _write(self, start: int, end: int, who: Writer) -> None:
+  def _write(self, start: int, end: int, who: Writer, may_find: Writer = Writer.NONE) -> None:
+    """Marks `[start, end)` written by `who`; raises `DoubleWriteError` where a position holds
+    a writer other than NONE or `may_find` (a layer-split chunk's two sides each write SPLIT,
+    over disjoint layers)."""
     if self._writers is None:
       return
     seg = self._writers[start:end]
+    if may_find is not Writer.NONE:
+      seg = seg.replace(bytes([may_find]), b"\0")
     if any(seg):
       first = next(i for i, w in enumerate(seg) if w)
       raise DoubleWriteError(
@@ -615,8 +761,20 @@ class CakeMerge:
   def _advance(self) -> None:
     c = self.chunk_size
     while (self._frontier < self.prefix_tokens and self._frontier % c == 0
-           and self._states[self._frontier // c] is ChunkState.RESIDENT):
+           and self._states[self._frontier // c] is ChunkState.RESIDENT
+           and self._frontier // c not in self._split):  # a split chunk's low layers: compute's
       self._frontier = self._end(self._frontier // c)
+
+  def _unsplit(self, index: int) -> None:
+    """Chunk `index` is no longer split along layers (its high layers' load failed or is late):
+    compute takes it whole, from its start (the positions above it waited for it, so nothing
+    past it was planned; its low layers are computed again, to the same values)."""
+    if self._split.pop(index, None) is None:
+      return
+    start = index * self.chunk_size
+    if self._writers is not None:
+      self._writers[start:self._end(index)] = bytes(self._end(index) - start)
+    self._frontier = min(self._frontier, start)
 
   def _late_at_s(self, cost: CostModel) -> dict[int, float]:
     """When each in-flight load turns late (`cake_forecast.late_at_s`)."""
@@ -644,6 +802,11 @@ class CakeMerge:
       s = self._states[j]
       skip = j != index and (s in (ChunkState.RESIDENT, ChunkState.LANDED) or (
           s is ChunkState.LOADING and now_s < late[j]))
+      if j in self._split:  # its low layers only
+        skip = True
+        part = cake_forecast.span_s(lo, hi, self._pace.step_tokens, cost)
+        total += part * layer_split.low_fraction(self._split[j], self.num_layers,
+                                                 self._pace.share)
       if skip:
         if run_start is not None:
           total += cake_forecast.span_s(run_start, lo, self._pace.step_tokens, cost)

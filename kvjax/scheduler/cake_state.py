@@ -39,6 +39,7 @@ class Writer(enum.IntEnum):
   NONE = 0
   COMPUTE = 1
   LOAD = 2
+  SPLIT = 3   # a layer-split chunk: compute wrote layers [0, k), its load layers [k, L)
 
 
 class DoubleWriteError(RuntimeError):
@@ -66,6 +67,8 @@ class MergeTrace:
     compute_s: cost-model seconds of every compute step planned (prefix and suffix), as predicted
       when planned.
     load_s: wall seconds during which at least one load was in flight.
+    layer_splits: chunk -> k of each chunk split along layers (CacheFlow, arXiv 2604.25080):
+      compute took its layers `[0, k)`, its load layers `[k, L)`.
     chunk_writers: one letter per chunk (`CakeMerge.chunk_writers`), in snapshots of a merge that
       keeps a writer map; "" otherwise.
     unwritten_positions: prompt positions nobody wrote, in such snapshots (None otherwise).
@@ -84,6 +87,7 @@ class MergeTrace:
   wasted_bytes: int = 0
   compute_s: float = 0.0
   load_s: float = 0.0
+  layer_splits: dict[int, int] = dataclasses.field(default_factory=dict)
   chunk_writers: str = ""
   unwritten_positions: int | None = None
 
@@ -91,9 +95,11 @@ class MergeTrace:
 
 @dataclasses.dataclass
 class LoadInFlight:
-  """A load `CakeMerge.next_load` issued: when (engine clock, seconds), its stored bytes and the
-  encoding it chose (None without encodings)."""
+  """A load `CakeMerge.next_load` issued: when (engine clock, seconds), its stored bytes (of
+  the layers it reads), the encoding it chose (None without encodings) and its first layer
+  (0: the whole chunk; k > 0: layers `[k, L)` of a layer-split chunk)."""
 
   issue_s: float
   nbytes: int
   encoding: Candidate | None
+  layer_start: int = 0

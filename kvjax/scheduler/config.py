@@ -9,7 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.merge_mode import parse_merge_mode
+from kvjax.scheduler import layer_split
 from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
+
+#: `LoadConfig.layer_split` values (the `kv_layer_split` option).
+LAYER_SPLITS = ("off", "auto")
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
@@ -103,6 +107,15 @@ class LoadConfig:
       (identical requests get identical answers): each request reads only the first stored
       level, and computed chunks pass through that same encode/decode, in steps of one store
       chunk (`Scheduler(consistent=True)`; the engine turns it off for a raw store).
+    layer_split: the layer axis of Cake (CacheFlow, arXiv 2604.25080;
+      `kvjax/scheduler/layer_split.py`): "auto" lets a merge split its meeting chunk along
+      layers (compute layers `[0, k)`, load `[k, L)` of a raw chunk; k from the measured rates);
+      "off" (default): token-only Cake. The engine turns "auto" into `layer_split_points`
+      (every k in `[1, L)`) and `num_layers` (L, its model's).
+    layer_split_points: the layer counts k in `[1, num_layers)` a merge may compute of its
+      meeting chunk while loading only that chunk's layers `[k, L)` (of a layer-sliceable
+      encoding: raw). () (default): off, token-only Cake.
+    num_layers: L, the model's layers (needed with `layer_split_points`).
   """
 
   merge_mode: str = "cake"
@@ -116,10 +129,16 @@ class LoadConfig:
   lookahead_window: int = 0
   joint_planning: bool = True
   consistent: bool = False
+  layer_split: str = "off"
+  layer_split_points: tuple[int, ...] = ()
+  num_layers: int = 0
 
   def __post_init__(self):
     if not isinstance(self.consistent, bool):
       raise ValueError(f"consistent={self.consistent!r} must be a bool")
+    if self.layer_split not in LAYER_SPLITS:
+      raise ValueError(f"layer_split={self.layer_split!r}; use one of {LAYER_SPLITS}")
+    layer_split.check_points(self.layer_split_points, self.num_layers)
     if not isinstance(self.joint_planning, bool):
       raise ValueError(f"joint_planning={self.joint_planning!r} must be a bool")
     w = self.lookahead_window

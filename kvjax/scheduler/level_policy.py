@@ -38,11 +38,15 @@ class Candidate:
       EncodingId("cachegen", 2)); opaque and hashable here.
     nbytes: stored bytes to transfer, >= 0.
     quality_rank: 0 is the most accurate; larger is coarser. Ranks need not be contiguous.
+    layer_sliceable: its bytes divide evenly by layer and layers `[k, L)` can be read and
+      inserted alone (raw): a Cake merge may split its chunk along layers
+      (`kvjax/scheduler/layer_split.py`).
   """
 
   name: Hashable
   nbytes: int
   quality_rank: int
+  layer_sliceable: bool = False
 
   def __post_init__(self):
     if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes < 0:

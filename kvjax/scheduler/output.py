@@ -55,6 +55,11 @@ class PrefillChunk:
     roundtrip: with consistent codecs, the store chunks this step completes: their KV passes
       through the stored encoding (encode, decode back into the cache) before the next step, so a
       computed chunk holds exactly what a loaded one would.
+    num_layers: None: the full forward. k: a piece of a chunk split along layers (CacheFlow,
+      arXiv 2604.25080; `kvjax/scheduler/layer_split.py`): its forward stops after layer k - 1,
+      writing only layers `[0, k)` of its KV (the chunk's load brings layers `[k, L)`); it is
+      never the last step, has no saves nor round trip, and its logits and its K and V above
+      layer k - 1 are not the prompt's.
   """
 
   request_id: RequestId
@@ -65,6 +70,7 @@ class PrefillChunk:
   token_ids: tuple[int, ...] = dataclasses.field(default=(), compare=False)  # the request's
   saves: tuple[SaveItem, ...] = ()
   roundtrip: tuple[int, ...] = ()
+  num_layers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +103,11 @@ class LoadItem:
     request_id: the owner.
     index: chunk index in the prompt.
     encoding: which stored encoding to read (the level policy's pick), or None for any.
-    nbytes: its stored bytes (the planner's figure).
+    nbytes: its stored bytes (the planner's figure; of layers `[layer_start, L)` only).
     max_in_flight: the request's reads at once (from the link's bandwidth-delay product).
+    layer_start: 0: the whole chunk. k > 0: only layers `[k, L)` (a chunk split along layers,
+      `PrefillChunk.num_layers`; a layer-sliceable encoding, raw): the read and the link move
+      those layers' bytes alone.
   """
 
   request_id: RequestId
@@ -106,19 +115,23 @@ class LoadItem:
   encoding: Hashable | None
   nbytes: int
   max_in_flight: int
+  layer_start: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class InsertItem:
   """Write staged chunk `index` of a request into `slot` at `[start, start + num_tokens)` (RoPE
   applied to K there), before this step's decodes and prefills. `num_tokens` is C but for a
-  stored tail (`StoredPrefix.tail_tokens`), whose first m rows alone are the request's."""
+  stored tail (`StoredPrefix.tail_tokens`), whose first m rows alone are the request's.
+  `layer_start` k > 0: the staged chunk holds layers `[k, L)` only (`LoadItem.layer_start`);
+  they are written to those layers, and compute writes layers `[0, k)`."""
 
   request_id: RequestId
   index: int
   slot: int
   start: int
   num_tokens: int | None = None  # None: the whole chunk
+  layer_start: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +256,8 @@ class ComputeTiming:
     request_id: the request ("" when unknown).
     started_s: executor clock at its start.
     includes_compile: the run compiled its program (the cost model ignores it).
+    num_layers: the layers it ran (`PrefillChunk.num_layers`; None: all). The cost model
+      learns full-depth steps only.
   """
 
   start: int
@@ -251,6 +266,7 @@ class ComputeTiming:
   request_id: RequestId = RequestId("")
   started_s: float = 0.0
   includes_compile: bool = False
+  num_layers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

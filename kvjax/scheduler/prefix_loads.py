@@ -55,7 +55,8 @@ def new_prefix(request: Request, stored: StoredPrefix, lc: LoadConfig,
       kv_ttft_target_s=kv_ttft_target_s if kv_ttft_target_s is not None
       else lc.kv_ttft_target_s, arrival_s=request.arrival_s,
       check_writes=lc.check_writes, resident=resident,
-      last_unit_tokens=stored.tail_tokens or None)
+      last_unit_tokens=stored.tail_tokens or None,
+      num_layers=max(1, lc.num_layers), layer_split_points=lc.layer_split_points)
   return Prefix(merge, stored)
 
 
@@ -153,7 +154,7 @@ def plan_inserts(prefixes: Mapping[RequestId, Prefix], requests: Iterable[Reques
         m.inserted(j)
         n = m.unit_tokens(j)  # a stored tail's m rows, else the whole chunk
         out.append(InsertItem(r.request_id, j, r.slot, j * m.chunk_size,
-                              n if n != m.chunk_size else None))
+                              n if n != m.chunk_size else None, m.split_layers(j)))
   return out, held
 
 
@@ -185,9 +186,10 @@ def plan_loads(prefixes: Mapping[RequestId, Prefix], requests: Sequence[Request]
                                                     lc.link_latency_s, nbytes)
     while (j := m.next_load(now_s, cost)) is not None:
       enc = m.load_encoding(j)
-      prefix.outstanding[j] = enc.nbytes if enc is not None else 0
-      out.append(LoadItem(r.request_id, j, enc.name if enc is not None else None,
-                          enc.nbytes if enc is not None else 0, reads))
+      nbytes = m.load_nbytes(j) if enc is not None else 0
+      prefix.outstanding[j] = nbytes
+      out.append(LoadItem(r.request_id, j, enc.name if enc is not None else None, nbytes, reads,
+                          m.load_layer_start(j)))
   return tuple(out)
 
 

@@ -694,7 +694,10 @@ class Scheduler:
       budget -= n
       own -= n
       is_last = start + n == r.num_prompt_tokens
-      out.append(self._chunk(r, start, n, is_last))
+      layers = m.compute_layers(start)
+      out.append(self._chunk(r, start, n, is_last) if layers is None else PrefillChunk(
+          r.request_id, r.slot, start, n, False, tuple(r.token_ids(start, start + n)),
+          num_layers=layers))  # a layer-split chunk's low layers: stored, never saved
       if is_last:
         r.status = RequestStatus.DECODING
         if not r.output_token_ids:
@@ -766,7 +769,7 @@ class Scheduler:
     self._releases += prefix_loads.apply_load_reports(self._prefix, result.loads, result.now_s,
                                                       cost)
     for t in result.compute:
-      if not t.includes_compile:
+      if not t.includes_compile and t.num_layers is None:
         cost.observe_compute(t.start, t.num_tokens, t.seconds)
     traces = {}
     for rid, token in result.sampled:

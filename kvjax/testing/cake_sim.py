@@ -220,8 +220,9 @@ class SimExecutor:
 
   def __init__(self, requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScript,
                scheduler: Scheduler, chunk_size: int, budget: PiecewiseConstant | None,
-               competing_s: Callable[[int], float]):
+               competing_s: Callable[[int], float], num_layers: int = 1):
     self.costs, self.link, self.scheduler, self.chunk_size = costs, link, scheduler, chunk_size
+    self.num_layers = num_layers
     self.budget = budget
     self.competing = competing_s
     self.t = 0.0
@@ -251,7 +252,7 @@ class SimExecutor:
             cands.append(None)
           else:
             cands.append(StoredChunk("sim", tuple(enc) if enc else (
-                Candidate("raw/0", spec.chunk_nbytes, 0),)))
+                Candidate("raw/0", spec.chunk_nbytes, 0, layer_sliceable=True),)))
         stored = StoredPrefix(self.chunk_size, tuple(cands))
         self.results[spec.request_id].chunk_done_s = [math.nan] * len(spec.hits)
       self.scheduler.add_request(Request(RequestId(spec.request_id),
@@ -321,14 +322,17 @@ class SimExecutor:
       reports, self.reports = tuple(self.reports), []
       return StepResult(now_s=self.t, loads=reports)
     step_s = self.competing(rest) + (self.costs.decode_step_s if plan.decodes else 0.0)
-    chunk_s = [self.costs.compute_s(c.start, c.num_tokens) for c in plan.prefills]
+    # A piece of a layer-split chunk runs k of the L layers (`PrefillChunk.num_layers`).
+    chunk_s = [self.costs.compute_s(c.start, c.num_tokens) * (
+        1.0 if c.num_layers is None else c.num_layers / self.num_layers) for c in plan.prefills]
     step_s += sum(chunk_s)
     t_end = self.t + step_s
     self.steps.append((self.t, t_end))
     self._land_until(t_end)
     for c in plan.prefills:
-      _record_prefill(self.results[c.request_id], c, self.t, t_end, self.chunk_size,
-                      self.specs[c.request_id].hits is not None)
+      if c.num_layers is None:  # a split chunk is present when its high layers are inserted
+        _record_prefill(self.results[c.request_id], c, self.t, t_end, self.chunk_size,
+                        self.specs[c.request_id].hits is not None)
     self.t = t_end
     sampled, finished = [], []
     for rid in [c.request_id for c in plan.prefills if c.is_last] + [
@@ -343,7 +347,8 @@ class SimExecutor:
     reports, self.reports = tuple(self.reports), []
     return StepResult(now_s=self.t, sampled=tuple(sampled), finished=tuple(finished),
                       loads=reports,
-                      compute=tuple(ComputeTiming(c.start, c.num_tokens, s)
+                      compute=tuple(ComputeTiming(c.start, c.num_tokens, s,
+                                                  num_layers=c.num_layers)
                                     for c, s in zip(plan.prefills, chunk_s)))
 
   scheduler_budget_tokens: int | None = None
@@ -355,7 +360,8 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
              competing_s: Callable[[int], float] | None = None,
              max_steps: int = 100_000, joint_planning: bool = True,
              observe: Callable[[StepRecord], None] | None = None,
-             check_writes: bool = True) -> SimRun:
+             check_writes: bool = True, num_layers: int = 1,
+             layer_split_points: Sequence[int] = ()) -> SimRun:
   """Runs requests to their last token on a fake clock: the real `Scheduler` under a
   `SimExecutor`, through the engine's own step loop (`kvjax.engine.core.EngineCore`).
 
@@ -374,6 +380,9 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
     observe: called with each step's `StepRecord` (its planner seconds among them).
     check_writes: keep each merge's writer map (`LoadConfig.check_writes`; then each result's
       `chunk_writers`); False times the planner as an engine runs it (no map).
+    num_layers: L, the simulated model's layers: a piece of a layer-split chunk running k of
+      them costs k / L of the full step.
+    layer_split_points: `LoadConfig.layer_split_points` (the layer axis; () off).
 
   Returns:
     A `SimRun`.
@@ -387,10 +396,11 @@ def simulate(requests: Sequence[SimRequest], *, costs: ChunkCosts, link: LinkScr
   model = cost_model if cost_model is not None else CostModel()
   sched = Scheduler(scheduler_config, model, load_config=LoadConfig(
       max_loads_in_flight=link.max_in_flight, check_writes=check_writes,
-      joint_planning=joint_planning))
+      joint_planning=joint_planning, num_layers=num_layers if layer_split_points else 0,
+      layer_split_points=tuple(layer_split_points)))
   competing = competing_s or (lambda k: costs.compute_s(0, k) if k > 0 else 0.0)
   ex = SimExecutor(requests, costs=costs, link=link, scheduler=sched, chunk_size=chunk_size,
-                   budget=budget, competing_s=competing)
+                   budget=budget, competing_s=competing, num_layers=num_layers)
   core = EngineCore(sched, ex)
   if observe is not None:
     core.observers.append(observe)

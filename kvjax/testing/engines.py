@@ -36,6 +36,7 @@ from kvjax.models.byte_tokenizer import ByteTokenizer
 from kvjax.models.kv_cache import paged_block_nbytes
 from kvjax.models.registry import LoadedModel, load_model
 from kvjax.models.runner_api import PagedRunnerConfig
+from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.request import SamplingParams
 from kvjax.storage.tiers import StoreConfig
 from kvjax.testing.fake_runner import FakeRunner, fake_model_config
@@ -102,7 +103,8 @@ def fake_engine(*, kv_store: str | StoreConfig | None = None,
                 merge_mode: str = "cake", layerwise_groups: int = 1,
                 enable_prefix_caching: bool = True, max_loads_in_flight: int | None = None,
                 kv_ttft_target_s: float | None = None, seed: int = 0,
-                clock: Callable[[], float] = time.perf_counter) -> Engine:
+                clock: Callable[[], float] = time.perf_counter, layer_split: str = "off",
+                cost_model: CostModel | None = None) -> Engine:
   """An `Engine` on a `FakeRunner` with a `ByteTokenizer` (the test engine factory): the
   composition root (`kvjax.entrypoints.root.build_engine_parts`) with the fake as its runner.
 
@@ -119,6 +121,8 @@ def fake_engine(*, kv_store: str | StoreConfig | None = None,
       `LLM`'s `kv_lookahead_window` (default 8, as `LLM`'s), `kv_merge_mode`,
       `kv_layerwise_groups`, `kv_max_loads_in_flight`, `kv_ttft_target_s`.
     clock: the engine's clock.
+    layer_split: `LLM`'s `kv_layer_split`.
+    cost_model: the planner's cost model (a frozen one makes plans timing-free); None: fresh.
 
   Closing: `close_engine(engine)` closes its store client and runner.
   """
@@ -133,12 +137,12 @@ def fake_engine(*, kv_store: str | StoreConfig | None = None,
       kv_device_link_bytes_per_s=kv_device_link_bytes_per_s,
       kv_lookahead_window=lookahead_window, kv_merge_mode=merge_mode,
       kv_layerwise_groups=layerwise_groups, kv_max_loads_in_flight=max_loads_in_flight,
-      kv_ttft_target_s=kv_ttft_target_s)
+      kv_ttft_target_s=kv_ttft_target_s, kv_layer_split=layer_split)
   if prefill_order is not None:
     flat["prefill_order"] = prefill_order
   parts = build_engine_parts(EngineOptions.from_flat(**flat), model=fake_model(),
                              make_runner=fake_runner_factory(runner_seed, num_blocks),
-                             clock=clock, check_writes=check_writes)
+                             clock=clock, check_writes=check_writes, cost_model=cost_model)
   return parts.engine
 
 

@@ -215,6 +215,9 @@ class FakeRunner:
                          f"{b} (max_seq_len {self.max_seq_len})")
       if any(not 0 <= int(t_) < vocab for t_ in s.token_ids):
         raise ValueError(f"sequence {i}: token ids outside [0, {vocab})")
+      if s.num_layers is not None and not 1 <= s.num_layers <= self.model_config.n_layers:
+        raise ValueError(f"sequence {i}: num_layers={s.num_layers} outside "
+                         f"[1, {self.model_config.n_layers}]")
     return n_tokens
 
   def _layer(self, l: int, seqs: Sequence[SeqChunk], xs: list) -> tuple[list, np.ndarray,
@@ -232,16 +235,26 @@ class FakeRunner:
     ks, vs, qs = [], [], []
     for s, x in zip(seqs, xs):
       n = len(s.token_ids)
+      if s.num_layers is not None and l >= s.num_layers:  # stopped: rows unspecified (zeros)
+        ks.append(np.zeros((n, k_, h_), np.float32))
+        vs.append(np.zeros((n, k_, h_), np.float32))
+        qs.append(None)
+        continue
       ks.append(_project(x, self._wk[l]).astype(np.float32).reshape(n, k_, h_))
       vs.append(_project(x, self._wv[l]).astype(np.float32).reshape(n, k_, h_))
       qs.append(_project(x, self._wq[l]).reshape(n, k_, h_))
-    for s, k, v in zip(seqs, ks, vs):
+    for s, k, v, q in zip(seqs, ks, vs, qs):
+      if q is None:
+        continue  # a piece stopped below layer l writes nothing there
       pos = np.arange(s.start, s.start + len(s.token_ids))
       blk = np.asarray(s.block_ids, np.int64)[pos // b]
       self.k_LPBKH[l, blk, pos % b] = self._rot_rows(k, pos)
       self.v_LPBKH[l, blk, pos % b] = v
     out = []
     for s, x, q in zip(seqs, xs, qs):
+      if q is None:
+        out.append(x)
+        continue
       n = len(s.token_ids)
       end = s.start + n
       pos = np.arange(s.start, end)
@@ -278,6 +291,8 @@ class FakeRunner:
   # ----------------------------------------------------------------------------- compute
   def step(self, seqs: Sequence[SeqChunk]) -> StepOutput:
     """Runs every sequence's tokens; writes their K and V into their blocks (`Runner.step`).
+    A sequence with `num_layers` k stops after layer k - 1: it writes and attends in layers
+    `[0, k)` only (the layer axis of Cake).
 
     Raises:
       ValueError: no sequences, too many tokens or sequences, a block table that does not
@@ -296,7 +311,7 @@ class FakeRunner:
     self._check_open()
     self._check_seqs(seqs)
     seqs = tuple(SeqChunk(tuple(int(t) for t in s.token_ids), int(s.start),
-                          tuple(int(b) for b in s.block_ids)) for s in seqs)
+                          tuple(int(b) for b in s.block_ids), s.num_layers) for s in seqs)
     xs = [self._embed[np.asarray(s.token_ids)] for s in seqs]
     return FakeLayerwiseStep(groups=layer_groups(self.model_config.n_layers, groups),
                              seqs=seqs, x=xs, offsets=self._offsets(seqs))

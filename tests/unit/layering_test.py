@@ -100,7 +100,8 @@ STORAGE_FLOORS = (
 # paged layout's device prefix), CakeMerge's state records, forecasts and compute share, the
 # configuration and the store side of its requests (`prefix_loads`) sit below it; none imports it.
 SCHEDULER_FLOORS = (
-    ("cost_model", "level_policy", "request", "output", "block_pool", "cake_share"),
+    ("cost_model", "level_policy", "request", "output", "block_pool", "cake_share",
+     "layer_split"),
     ("cake_state", "kv_cache_manager", "prefill_policy", "forks"),
     ("cake_forecast", "device_prefix", "config"),
     ("cake",),

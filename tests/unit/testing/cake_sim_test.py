@@ -55,6 +55,25 @@ class ExactCellsTest(parameterized.TestCase):
     self.assertEqual((res.chunk_writers, res.meeting_index), (writers, meeting))
     self.assertEqual((res.unwritten_positions, res.trace.chunks_wasted), (0, []))
 
+  @parameterized.named_parameters(
+      # 2 s a chunk on the link: token-only computes chunks 0-2 (3 s) and loads chunk 3. Split
+      # along L = 4 layers, chunk 2 computes 3 of them (0.75 s, to 2.75 s) while the link moves
+      # its last layer (0.5 s after chunk 3, to 2.5 s).
+      ("split", (1, 2, 3), 2.75 + 1 / 16, "CCSL", {2: 3}),
+      ("off", (), 3 + 1 / 16, "CCCL", {}),
+  )
+  def test_layer_split_of_the_meeting_chunk(self, points, ttft, writers, splits):
+    costs, model = flat(32.0)
+    spec = SimRequest("a", 4 * C + 1, [True] * 4, chunk_nbytes=NB)
+    out = simulate([spec], costs=costs, link=LinkScript.constant(32.0, max_in_flight=1),
+                   chunk_size=C, cost_model=model, num_layers=4, layer_split_points=points,
+                   scheduler_config=SchedulerConfig(num_slots=2, token_budget=C,
+                                                    chunk_sizes=(16,)))
+    res = out.results["a"]
+    self.assertEqual(res.ttft_s, ttft)
+    self.assertEqual((res.chunk_writers, res.trace.layer_splits), (writers, splits))
+    self.assertEqual((res.unwritten_positions, res.trace.chunks_wasted), (0, []))
+
   def test_skip_sides(self):
     costs, model = flat(4096.0)
     _, res = run(SimRequest("a", 65, [True] * 4, chunk_nbytes=NB), costs, model,
