@@ -3,7 +3,7 @@
 The device pool holds KV in blocks of `B` tokens (`block_size`); the store holds it in chunks of
 `C` tokens (`kv_chunk_size`), and a chunk always spans a whole number `R = C / B` of blocks. Both
 are keyed by the same chained scheme (vLLM's prefix caching, `vllm/v1/core/kv_cache_utils.py`
-`hash_block_tokens`; the store's `kvjax.storage.keys`), seeded by the same namespace root, so
+`hash_block_tokens`; the store's `kvjax.storage.format.keys`), seeded by the same namespace root, so
 `cache_salt` and the model namespace isolate device hits exactly as they isolate stored ones (the
 encoding is there only for a `kv_codec_consistent` engine, whose blocks hold its codec's KV):
 
@@ -46,7 +46,7 @@ from typing import NewType
 #: to the store's `ChunkHash` of the same prefix when the block size equals the chunk size.
 BlockHash = NewType("BlockHash", str)
 
-# Must stay equal to kvjax/storage/keys.py: with B = C a block key is the chunk key.
+# Must stay equal to kvjax/storage/format/keys.py: with B = C a block key is the chunk key.
 _CHUNK_DOMAIN = b"kvjax/chunk-key/chunk/v1"
 _T_STR = b"S"
 _T_BYTES = b"B"
@@ -83,7 +83,7 @@ def hash_block_tokens(parent: str, token_ids: Sequence[int],
     extras: further inputs that change the KV (e.g. image content hashes).
 
   Returns:
-    Hex SHA-256 digest, identical to `kvjax.storage.keys.hash_chunk(parent, token_ids, extras)`.
+    Hex SHA-256 digest, identical to `kvjax.storage.format.keys.hash_chunk(parent, token_ids, extras)`.
 
   Raises:
     TypeError: a parent that is not a str, or an extra that is not str, bytes or int.
@@ -141,7 +141,7 @@ def loadable_units(num_tokens: int, unit_tokens: int) -> int:
 
   The last-token rule, stated once: a hit never covers the prompt's last token, whose logits
   must be computed to sample the first output token (so a fully stored prompt still computes
-  at least one token). The store's candidate chunks (`kvjax.storage.keys`,
+  at least one token). The store's candidate chunks (`kvjax.storage.format.keys`,
   `kvjax.connector.lookup`), the device prefix cache (`kvjax.scheduler.kv_cache_manager`), a
   Cake merge's prefix (`kvjax.scheduler.cake`) and re-rotated session KV
   (`kvjax.engine.rerotation`) all take their bound from here:

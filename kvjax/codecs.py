@@ -2,7 +2,7 @@
 
 A bottom floor like `kvjax/_typing.py` (standard library only; no JAX, numpy or storage), so the
 kernels room (the math: `kvjax.kernels.kv_codec`), the storage room (the byte format:
-`kvjax.storage.codecs`), the engine (which stored encoding to load) and the server (which codec
+`kvjax.storage.format.codecs`), the engine (which stored encoding to load) and the server (which codec
 to store with) all read one table instead of four:
 
     codec     version  levels  lossless  derived from C                  paper, section

@@ -725,7 +725,7 @@ def fluctuation(bench: Bench, ids_full: list[int], b_ref: float, out: pathlib.Pa
                 rng: random.Random, bar) -> list[dict]:
   """Random link traces and random compute-share traces (Cake section 6, fluctuating
   resources): compute-only, load-only and kvjax under the same traces, and the ideal bound."""
-  from kvjax.storage.link import load_trace  # noqa: PLC0415
+  from kvjax.storage.backends.link import load_trace  # noqa: PLC0415
   n = _FLUCT_LENGTH.value
   ids = ids_full[:n]
   n_chunks = (n - 1) // _CHUNK.value
@@ -1065,8 +1065,8 @@ def main(argv):
                                 if _BUSY.value else None},
       "cells": [], "skipped": []}
 
-  from kvjax.models.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
-  from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
+  from kvjax.models.loading.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
+  from kvjax.models.loading.tokenizer import Tokenizer  # noqa: PLC0415
   tok = Tokenizer.from_gguf(find_smollm2_gguf())
   ids_full, source = long_prompt(tok, max_len)
   prompts = [ids_full] + [long_prompt(tok, max_len, _PROMPT_INDEX.value + i)[0]

@@ -3,7 +3,7 @@
 For raw, int8, int4 and CacheGen levels 0-3 (arXiv 2310.07240, section 5), on f32 KV that the
 real model computes from real text (../shared/data), this measures:
 
-  size        stored bytes per token: the whole object `storage.codecs.encode_payload` writes
+  size        stored bytes per token: the whole object `storage.format.codecs.encode_payload` writes
               (values, scales, anchors, header) plus the JSON of a real index record
               (`ChunkRecord` with the chunk's key, token ids and its `Encoding`), averaged over
               every prefix chunk of the quality passages; ratios vs raw stored the same way (f32,
@@ -325,10 +325,10 @@ def worker_main() -> None:
   if _WORKER_CPU.value is not None:
     pin_all_threads({_WORKER_CPU.value})
   import jax  # noqa: PLC0415
-  from kvjax.models.config import smollm2_135m  # noqa: PLC0415
-  from kvjax.models.layers import rope_inv_freq  # noqa: PLC0415
-  from kvjax.models.compilation_cache import enable_persistent_compilation_cache  # noqa: PLC0415
-  from kvjax.storage.types import KVLayout  # noqa: PLC0415
+  from kvjax.models.nn.config import smollm2_135m  # noqa: PLC0415
+  from kvjax.models.nn.layers import rope_inv_freq  # noqa: PLC0415
+  from kvjax.models.runner.compilation_cache import enable_persistent_compilation_cache  # noqa: PLC0415
+  from kvjax.storage.format.types import KVLayout  # noqa: PLC0415
 
   enable_persistent_compilation_cache()
   by_label = {c[0]: c for c in ALL_CODECS}
@@ -339,7 +339,7 @@ def worker_main() -> None:
   cfg = smollm2_135m()
   inv_freq = rope_inv_freq(cfg)
   from bench_codec_lib import set_kvtc_transform  # noqa: PLC0415
-  from kvjax.models.kv_calibration import load_transform  # noqa: PLC0415
+  from kvjax.models.loading.kv_calibration import load_transform  # noqa: PLC0415
   set_kvtc_transform(load_transform(_WORKER_KVTC.value, cfg.n_kv_heads, cfg.head_dim))
   results = {label: time_codec(samples, by_label[label][1], by_label[label][2], _TP_REPS.value,
                                layout, inv_freq) for label in _CODECS.value}
@@ -358,7 +358,7 @@ def worker_main() -> None:
 
 def quality(bench: Bench, books: dict, s: Settings, progress) -> tuple[dict, dict, dict]:
   """Sizes and teacher-forced quality per codec level; returns (sizes, quality, passages)."""
-  from kvjax.storage import codecs, keys  # noqa: PLC0415
+  from kvjax.storage.format import codecs, keys  # noqa: PLC0415
   c, p, h = s.chunk, s.prefix_tokens, s.held_tokens
   windows = passage_windows({b: len(ids) for b, ids in books.items()}, s.passages, p + h + 1)
   sizes = {label: {"chunks": 0, "tokens": 0, "object_bytes": 0, "record_bytes": 0,
@@ -725,8 +725,8 @@ def greedy_phase(s: Settings) -> list[str]:
   load that did not happen)."""
   import jax  # noqa: PLC0415
   from kvjax import LLM  # noqa: PLC0415
-  from kvjax.models.registry import load_model  # noqa: PLC0415
-  from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
+  from kvjax.models.loading.registry import load_model  # noqa: PLC0415
+  from kvjax.models.runner.compilation_cache import default_cache_root  # noqa: PLC0415
   import bench_codec_greedy as greedy  # noqa: PLC0415  scripts/
 
   n_prompts = _setting(_G_PROMPTS, 200, 8)
@@ -862,8 +862,8 @@ def main_phases(s: Settings) -> None:
                                       "greedy decoding; no other randomness"},
       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "encode_path": "kv_encode(use_pallas=False) jnp reference on CPU, then "
-                     "storage.codecs.encode_payload",
-      "decode_path": "storage.codecs.decode_payload(defer_entropy=True), then kv_decode("
+                     "storage.format.codecs.encode_payload",
+      "decode_path": "storage.format.codecs.decode_payload(defer_entropy=True), then kv_decode("
                      "use_pallas=False); kvtc: rANS codes decoded by the jit'd jnp reference "
                      "(kvtc_rans.decode_codes), then kvtc_decode",
       "note": ("2-core VM shared with other jobs: throughput and compute times may be affected "

@@ -234,8 +234,8 @@ def transcode_store(raw_url: str, url: str, llm, lv: Level) -> dict:
     RuntimeError: a raw chunk that does not read back, or an encoding with NaN/inf.
   """
   import jax  # noqa: PLC0415
-  from kvjax.storage.chunk_store import ChunkStore, choose_codec  # noqa: PLC0415
-  from kvjax.storage.types import ChunkMiss, EncodedPayload  # noqa: PLC0415
+  from kvjax.storage.backends.chunk_store import ChunkStore, choose_codec  # noqa: PLC0415
+  from kvjax.storage.format.types import ChunkMiss, EncodedPayload  # noqa: PLC0415
   layout, chunk = llm.kv_store.layout, llm.kv_store.chunk_size
   runner = llm.engine.runner
   src, dst = ChunkStore(raw_url, name="greedy-raw"), ChunkStore(url, name=f"greedy-{lv.label}")

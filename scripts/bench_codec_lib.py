@@ -168,7 +168,7 @@ def device_entropy(arrays: dict) -> dict:
   the jnp reference on CPU)."""
   import jax  # noqa: PLC0415
   from kvjax.kernels import kvtc_rans  # noqa: PLC0415
-  from kvjax.storage import entropy  # noqa: PLC0415
+  from kvjax.storage.format import entropy  # noqa: PLC0415
   out = dict(arrays)
   for name, a in arrays.items():
     if isinstance(a, entropy.RansCodes):
@@ -206,17 +206,17 @@ class Bench:
   """
 
   def __init__(self, max_seq_len: int, chunk_sizes: tuple[int, ...], chunk: int):
-    from kvjax.models.kv_cache import KV_LAYOUT_VERSION  # noqa: PLC0415
-    from kvjax.models.layers import rope_inv_freq  # noqa: PLC0415
-    from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
-    from kvjax.models.compilation_cache import (default_cache_root,  # noqa: PLC0415
+    from kvjax.models.nn.kv_cache import KV_LAYOUT_VERSION  # noqa: PLC0415
+    from kvjax.models.nn.layers import rope_inv_freq  # noqa: PLC0415
+    from kvjax.models.nn.calibration_model import CalibrationModel  # noqa: PLC0415
+    from kvjax.models.runner.compilation_cache import (default_cache_root,  # noqa: PLC0415
                                                 enable_persistent_compilation_cache)
-    from kvjax.models.llama import Llama  # noqa: PLC0415
-    from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
-    from kvjax.models.runner_api import PagedRunnerConfig  # noqa: PLC0415
-    from kvjax.models.registry import load_model  # noqa: PLC0415
-    from kvjax.storage import keys  # noqa: PLC0415
-    from kvjax.storage.types import KVLayout  # noqa: PLC0415
+    from kvjax.models.nn.llama import Llama  # noqa: PLC0415
+    from kvjax.models.runner.paged_runner import PagedModelRunner  # noqa: PLC0415
+    from kvjax.models.runner.runner_api import PagedRunnerConfig  # noqa: PLC0415
+    from kvjax.models.loading.registry import load_model  # noqa: PLC0415
+    from kvjax.storage.format import keys  # noqa: PLC0415
+    from kvjax.storage.format.types import KVLayout  # noqa: PLC0415
 
     enable_persistent_compilation_cache()
     self.loaded = load_model(MODEL, cache_dir=os.path.join(default_cache_root(), "params"))
@@ -237,7 +237,7 @@ class Bench:
     self.namespace = keys.KeyNamespace(str(self.loaded.fingerprint), "float32", KV_LAYOUT_VERSION,
                                        chunk)
     self.tokenizer = self.loaded.tokenizer
-    from kvjax.models import kv_calibration  # noqa: PLC0415
+    from kvjax.models.loading import kv_calibration  # noqa: PLC0415
     self.kvtc_transform = kv_calibration.load_or_calibrate(
         CalibrationModel(model), self.tokenizer, str(self.loaded.fingerprint),
         os.path.join(default_cache_root(), "params"))
@@ -252,7 +252,7 @@ class Bench:
     at the last token, or f32[n, V] for every token with `all_logits`), `.k_pre_rope_LTKH` and
     `.v_LTKH` ([L, n, K, H])."""
     import types  # noqa: PLC0415
-    from kvjax.models.runner_api import SeqChunk  # noqa: PLC0415
+    from kvjax.models.runner.runner_api import SeqChunk  # noqa: PLC0415
     seq = [SeqChunk(list(token_ids), start, self.tables[slot])]
     out = self.runner.step_all_logits(seq) if all_logits else self.runner.step(seq)
     return types.SimpleNamespace(logits=out.logits_SV if all_logits else out.logits_SV[0],
@@ -283,14 +283,14 @@ class Bench:
   def encode(self, kv_L2CKH, codec: str, level: int, start: int) -> bytes:
     """A chunk's stored bytes (chunk at position `start`): `kv_encode_host` (jnp path) then
     `encode_payload`."""
-    from kvjax.storage import codecs  # noqa: PLC0415
+    from kvjax.storage.format import codecs  # noqa: PLC0415
     arrays = encode_host(kv_L2CKH, codec, level, start)
     return codecs.encode_payload(codec, level, arrays, self.layout)
 
   def decode_into(self, blobs, codec: str, level: int, slot: int) -> None:
     """Stored bytes of chunks 0..n-1 -> `decode_payload` -> the runner's `insert_payload`
     (dequantize, RoPE, block write) into sequence `slot` at [0, nC)."""
-    from kvjax.storage import codecs  # noqa: PLC0415
+    from kvjax.storage.format import codecs  # noqa: PLC0415
     c, b = self.chunk, self.runner.block_size
     for i, blob in enumerate(blobs):
       arrays = codecs.decode_payload(codec, codecs.CURRENT_VERSION[codec], level, blob,
@@ -302,7 +302,7 @@ class Bench:
 
   def record_json_bytes(self, chunk_hash, parent_hash, token_ids, encodings) -> int:
     """Bytes of the index record (`ChunkRecord.to_json`) listing `encodings`."""
-    from kvjax.storage.types import ChunkRecord  # noqa: PLC0415
+    from kvjax.storage.format.types import ChunkRecord  # noqa: PLC0415
     return len(ChunkRecord(chunk_hash=chunk_hash, parent_hash=parent_hash,
                            token_ids=tuple(int(t) for t in token_ids),
                            namespace=self.namespace.root_hash(), layout=self.layout,
@@ -310,8 +310,9 @@ class Bench:
 
   def encoding(self, chunk_hash, codec: str, level: int, blob: bytes, kv=None):
     """The `Encoding` entry a ChunkStore `put` records (raw: the zarr3 values object)."""
-    from kvjax.storage import chunk_store, codecs  # noqa: PLC0415
-    from kvjax.storage.types import Encoding  # noqa: PLC0415
+    from kvjax.storage.backends import chunk_store
+    from kvjax.storage.format import codecs  # noqa: PLC0415
+    from kvjax.storage.format.types import Encoding  # noqa: PLC0415
     if codec == "raw":
       values = np.asarray(kv)
       checksum = chunk_store.values_checksum(values)
@@ -334,8 +335,9 @@ class Bench:
       The stored record's JSON size and, per label, whether the read succeeded and the stored
       object's size equals the accounted one (raw: the zarr3 values' bytes).
     """
-    from kvjax.storage import chunk_store, codecs, keys  # noqa: PLC0415
-    from kvjax.storage.types import EncodedPayload  # noqa: PLC0415
+    from kvjax.storage.backends import chunk_store
+    from kvjax.storage.format import codecs, keys  # noqa: PLC0415
+    from kvjax.storage.format.types import EncodedPayload  # noqa: PLC0415
     root = self.namespace.root_hash()
     h = keys.hash_chunk(root, token_ids)
     store = chunk_store.ChunkStore("memory://", name="bench")
@@ -366,7 +368,7 @@ class Bench:
   def greedy(self, first_logits, slot: int, position: int, max_new: int) -> list[int]:
     """Greedy tokens from `first_logits` (f32[V]), decode steps of sequence `slot` from
     `position`; stops at EOS, `max_new` tokens or the sequence's end."""
-    from kvjax.models.runner_api import SeqChunk  # noqa: PLC0415
+    from kvjax.models.runner.runner_api import SeqChunk  # noqa: PLC0415
     runner = self.runner
     eos = self.tokenizer.eos_id
     out = []
@@ -405,7 +407,7 @@ def time_codec(samples: dict[int, np.ndarray], codec: str, level: int, reps: int
   """
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
-  from kvjax.storage import codecs  # noqa: PLC0415
+  from kvjax.storage.format import codecs  # noqa: PLC0415
 
   n_layers, _, c, n_kv, hd = next(iter(samples.values())).shape
   k_cache = jnp.zeros((n_layers, 1, c, n_kv, hd), jnp.float32)

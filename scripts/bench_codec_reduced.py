@@ -68,7 +68,7 @@ class ProtectBench(Bench):
 
 def main(argv):
   del argv
-  from kvjax.models import kv_calibration  # noqa: PLC0415
+  from kvjax.models.loading import kv_calibration  # noqa: PLC0415
   if _TRANSFORM.value:
     path = _TRANSFORM.value
 

@@ -204,7 +204,7 @@ def main(argv):
     path = pathlib.Path(_REPLOT.value)
     plot(json.loads(path.read_text(encoding="utf-8")), path.with_suffix(".png"))
     return
-  from kvjax.models.registry import load_model  # noqa: PLC0415
+  from kvjax.models.loading.registry import load_model  # noqa: PLC0415
   prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tokenizers", "matplotlib",
                                "absl-py"))
   tok = load_model(_MODEL.value).tokenizer

@@ -89,7 +89,7 @@ def main(argv):
             "machine_note": "a shared, loaded 2-core CPU machine unless the machine says "
                             "otherwise: seconds are noisy", "schema": SCHEMA}
   from kvjax.engine import grammar  # noqa: PLC0415
-  from kvjax.models import registry  # noqa: PLC0415
+  from kvjax.models.loading import registry  # noqa: PLC0415
   from kvjax.scheduler.request import StructuredOutput  # noqa: PLC0415
   spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
   tokenizer = registry.load_model(_MODEL.value).tokenizer

@@ -107,7 +107,7 @@ def split_cost(modes: dict, history: int, new_ids: list[int], reps: int) -> dict
   engine's runner) vs G layer-group calls (each layer-wise engine's runner, whose group
   programs and per-group parameters the TTFT runs used), interleaved per repetition."""
   import jax  # noqa: PLC0415
-  from kvjax.models.runner_api import SeqChunk  # noqa: PLC0415
+  from kvjax.models.runner.runner_api import SeqChunk  # noqa: PLC0415
   fns = {}
   for g, llm in modes.items():
     runner = llm.engine.runner
@@ -130,7 +130,7 @@ def split_cost(modes: dict, history: int, new_ids: list[int], reps: int) -> dict
 def main(argv):
   del argv
   import jax  # noqa: PLC0415
-  from kvjax.models.registry import load_model  # noqa: PLC0415
+  from kvjax.models.loading.registry import load_model  # noqa: PLC0415
   n, m_new, c = _N.value, _M.value, _CHUNK.value
   if n % c:
     raise ValueError(f"--history_tokens={n} must be a multiple of --chunk_tokens={c}")

@@ -195,7 +195,7 @@ def _plain_read(files: list[str]) -> tuple[int, float]:
 
 def _verified(store, records, in_flight: int) -> tuple[int, float]:
   from kvjax.storage import ChunkHit  # noqa: PLC0415
-  from kvjax.storage.chunk_store import run_sync  # noqa: PLC0415
+  from kvjax.storage.backends.chunk_store import run_sync  # noqa: PLC0415
 
   async def body():
     sem = asyncio.Semaphore(in_flight)
@@ -245,7 +245,7 @@ def _plot(result: dict, path: pathlib.Path) -> None:
 def main(argv):
   del argv
   import kvjax  # noqa: PLC0415
-  from kvjax.storage.chunk_store import ChunkStore  # noqa: PLC0415
+  from kvjax.storage.backends.chunk_store import ChunkStore  # noqa: PLC0415
 
   prov = benchlib.provenance(("kvjax", "jax", "jaxlib", "numpy", "tensorstore", "xxhash",
                                "matplotlib"))

@@ -59,10 +59,10 @@ _TRANSFORMERS = flags.DEFINE_enum("transformers", "auto", ["auto", "on", "off"],
 
 def time_kvjax(ids: list[int], chunk: int) -> list[float]:
   import jax  # noqa: PLC0415
-  from kvjax.models.llama import Llama  # noqa: PLC0415
-  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
-  from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
-  from kvjax.models.registry import load_model  # noqa: PLC0415
+  from kvjax.models.nn.llama import Llama  # noqa: PLC0415
+  from kvjax.models.runner.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
+  from kvjax.models.loading.registry import load_model  # noqa: PLC0415
 
   loaded = load_model("SmolLM2-135M-Instruct", cache_dir=None)
   blocks = -(-len(ids) // 16)
@@ -83,7 +83,7 @@ def time_kvjax(ids: list[int], chunk: int) -> list[float]:
 def time_transformers(ids: list[int], chunk: int, threads: int) -> list[float]:
   import torch  # noqa: PLC0415
   from transformers import AutoModelForCausalLM, DynamicCache  # noqa: PLC0415
-  from kvjax.models.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
+  from kvjax.models.loading.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
 
   torch.set_num_threads(threads)
   path = find_smollm2_gguf()
@@ -105,7 +105,7 @@ def time_transformers(ids: list[int], chunk: int, threads: int) -> list[float]:
 
 def tp_config():
   """SmolLM2-135M's shape with heads that 1, 2 and 4 devices split (random weights)."""
-  from kvjax.models.config import LlamaConfig  # noqa: PLC0415
+  from kvjax.models.nn.config import LlamaConfig  # noqa: PLC0415
   return LlamaConfig(name="SmolLM2-135M-shaped-12x4", vocab_size=49152, d_model=576,
                      n_layers=30, n_heads=12, n_kv_heads=4, head_dim=48, mlp_dim=1536,
                      rope_theta=100000.0, rms_eps=1e-5, max_seq_len=8192, tie_embeddings=True)
@@ -113,11 +113,11 @@ def tp_config():
 
 def build_tp(ids: list[int], chunk: int, n: int, decode_tokens: int):
   """A warmed-up paged runner over n devices for `ids` plus `decode_tokens` positions."""
-  from kvjax.models.llama import Llama  # noqa: PLC0415
-  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
-  from kvjax.models.runner_api import PagedRunnerConfig  # noqa: PLC0415
-  from kvjax.models.registry import tiny_params  # noqa: PLC0415
-  from kvjax.models.sharding import TensorParallel  # noqa: PLC0415
+  from kvjax.models.nn.llama import Llama  # noqa: PLC0415
+  from kvjax.models.runner.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner.runner_api import PagedRunnerConfig  # noqa: PLC0415
+  from kvjax.models.loading.registry import tiny_params  # noqa: PLC0415
+  from kvjax.models.runner.sharding import TensorParallel  # noqa: PLC0415
 
   cfg = tp_config()
   model = Llama.from_params(cfg, tiny_params(cfg, seed=0))
@@ -133,7 +133,7 @@ def build_tp(ids: list[int], chunk: int, n: int, decode_tokens: int):
 def time_tp(runner, ids: list[int], chunk: int, decode_tokens: int) -> dict:
   """One timed prefill of `ids` in chunks, then greedy single-sequence decode."""
   import numpy as np  # noqa: PLC0415
-  from kvjax.models.runner_api import SeqChunk  # noqa: PLC0415
+  from kvjax.models.runner.runner_api import SeqChunk  # noqa: PLC0415
 
   blocks = list(range(runner.num_blocks))
   t0 = time.perf_counter()
@@ -154,8 +154,8 @@ def main_tp(sizes: list[int], prov: dict) -> None:
   """The tensor-parallel mode (see the module docstring); `prov`: `benchlib.provenance()`."""
   import numpy as np  # noqa: PLC0415
   import jax  # noqa: PLC0415
-  from kvjax.models.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
-  from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
+  from kvjax.models.loading.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
+  from kvjax.models.loading.tokenizer import Tokenizer  # noqa: PLC0415
 
   tok = Tokenizer.from_gguf(find_smollm2_gguf())
   with open(_BOOK.value, encoding="utf-8") as f:
@@ -244,8 +244,8 @@ def main(argv):
     main_tp(sizes, prov)
     return
   import jax  # noqa: PLC0415
-  from kvjax.models.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
-  from kvjax.models.tokenizer import Tokenizer  # noqa: PLC0415
+  from kvjax.models.loading.gguf_loader import find_smollm2_gguf  # noqa: PLC0415
+  from kvjax.models.loading.tokenizer import Tokenizer  # noqa: PLC0415
 
   tok = Tokenizer.from_gguf(find_smollm2_gguf())
   with open(_BOOK.value, encoding="utf-8") as f:

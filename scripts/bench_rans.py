@@ -1,4 +1,4 @@
-"""Size and speed of the interleaved rANS format (kvjax/storage/rans.py), version 2 against 1.
+"""Size and speed of the interleaved rANS format (kvjax/storage/format/rans.py), version 2 against 1.
 
 Usage:
   python scripts/bench_rans.py [--out benchmarks/results] [--seed 0] [--rounds 3]
@@ -15,7 +15,7 @@ per model: 2.95 M symbols), each model with its own spread (0.5..8 steps, log-un
 
   size     bytes of the encoding (version 1; version 2 with lanes of at most --lane_steps) vs
            the order-0 entropy with one model per (layer, K/V), pcodec with the same models
-           (`kvjax.storage.entropy`) and zstd -1 / -19.
+           (`kvjax.storage.format.entropy`) and zstd -1 / -19.
   speed    numpy encode, parse and decode (`rans.encode`, `rans.parse`, `rans.decode_arrays`)
            and the jit'd jnp decoder (`rans_decode_reference`, compiled once, arrays already on
            the device), each version, `--rounds` interleaved rounds (`benchlib`), seconds and
@@ -27,7 +27,7 @@ per model: 2.95 M symbols), each model with its own spread (0.5..8 steps, log-un
            --tokens; chunks of 256, fresh sequence from position 0) coded by kvtc at every level
            (transform: the model's cached calibration, or --transform FILE); kvtc's `q` stored as
            "pco-bands" (pcodec, host-decoded) and "rans-bands" in rANS version 1 and 2: stored
-           bytes per token of the whole payload (`storage.codecs.encode_payload`), lanes and
+           bytes per token of the whole payload (`storage.format.codecs.encode_payload`), lanes and
            steps per lane; per chunk at --kvtc_level, decode times of the coded `q` in
            interleaved rounds: host pcodec, numpy rANS (`entropy.decode_rans_codes`) and the
            jit'd jnp rANS reference (`kvtc_rans.decode_codes`, arrays on the device), each
@@ -62,7 +62,7 @@ import zstandard  # noqa: E402
 
 import benchlib  # noqa: E402
 from kvjax.kernels import rans_decode as rd  # noqa: E402
-from kvjax.storage import entropy, rans  # noqa: E402
+from kvjax.storage.format import entropy, rans  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", str(REPO / "benchmarks" / "results"), "Output folder.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the synthetic symbols.")
@@ -110,15 +110,15 @@ def kvtc_phase(rounds: int) -> dict:
   from unittest import mock  # noqa: PLC0415
   from bench_codec_lib import MODEL  # noqa: PLC0415
   from kvjax.kernels import kvtc, kvtc_rans  # noqa: PLC0415
-  from kvjax.models import kv_calibration as kc  # noqa: PLC0415
-  from kvjax.models.llama import Llama  # noqa: PLC0415
-  from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
-  from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
-  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
-  from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
-  from kvjax.models.registry import load_model  # noqa: PLC0415
-  from kvjax.storage import codecs  # noqa: PLC0415
-  from kvjax.storage.types import KVLayout  # noqa: PLC0415
+  from kvjax.models.loading import kv_calibration as kc  # noqa: PLC0415
+  from kvjax.models.nn.llama import Llama  # noqa: PLC0415
+  from kvjax.models.nn.calibration_model import CalibrationModel  # noqa: PLC0415
+  from kvjax.models.runner.compilation_cache import default_cache_root  # noqa: PLC0415
+  from kvjax.models.runner.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
+  from kvjax.models.loading.registry import load_model  # noqa: PLC0415
+  from kvjax.storage.format import codecs  # noqa: PLC0415
+  from kvjax.storage.format.types import KVLayout  # noqa: PLC0415
 
   params_dir = os.path.join(default_cache_root(), "params")
   lm = load_model(MODEL, cache_dir=params_dir)

@@ -15,7 +15,7 @@ conversation per second); each next turn arrives an exponential think time (mean
 paper's distribution was not checked; `--think_time_dist=fixed`) after the previous reply; `--slots` requests run at once from one FCFS queue, each for 0.1 ms per
 prompt token (history + new) + 25 ms per reply token. The KV of each turn's history is kept in
 a host tier over a disk tier (the AttentionStore of CachedAttention, arXiv 2403.19708),
-managed by `kvjax.storage.placement.TierHierarchy` under each policy:
+managed by `kvjax.storage.tiering.placement.TierHierarchy` under each policy:
 
   lookahead  CachedAttention section 3.3: the first `--window` waiting requests' chunks are
              prefetched toward host and never evicted while anything else can go; victims are
@@ -86,7 +86,7 @@ import session_gap  # scripts/session_gap.py
 import session_replay  # scripts/session_replay.py
 import benchlib  # scripts/benchlib.py
 from benchlib import machine, pyplot
-from kvjax.storage.placement import POLICIES, TierSpec
+from kvjax.storage.tiering.placement import POLICIES, TierSpec
 from kvjax.testing import session_sim as ss
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -50,8 +50,9 @@ from benchlib import machine
 import ml_dtypes
 import numpy as np
 
-from kvjax.storage import chunk_store, keys
-from kvjax.storage.types import ChunkHit, ChunkRecord, Encoding, KVLayout
+from kvjax.storage.backends import chunk_store
+from kvjax.storage.format import keys
+from kvjax.storage.format.types import ChunkHit, ChunkRecord, Encoding, KVLayout
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ The 1,000 ShareGPT conversations of ../shared/data/sharegpt/sharegpt_v3_multitur
 (token counts from SmolLM2's tokenizer, chat template included) are scheduled exactly as the
 session simulator schedules them (`kvjax.testing.session_sim.build_schedule`: Poisson arrivals,
 think times, `--slots` requests served at once from one FCFS queue), and the same schedule is
-replayed through a real `TieredStore` (`kvjax/storage/tiers.py`): a `HostMemoryTier` over a
+replayed through a real `TieredStore` (`kvjax/storage/tiering/tiers.py`): a `HostMemoryTier` over a
 bounded `memory://` `ChunkStore` disk tier, write-back, no model (a hit rate is about
 placement). At each instant the queue changes the store gets the window (`hint`: the history
 chunks of the first `--window` waiting requests, queue order) and, under look-ahead, prefetches
@@ -18,7 +18,7 @@ same factor, so every tier holds exactly the chunks it would at 23,040 B/token.
 
 Policies: "lru" (least recently used, no window, no prefix order: the paper's baseline) and
 "lookahead" at each of `--windows` ("all": the whole waiting queue). The real tiers' decisions
-are the planner's (`kvjax.storage.placement.TierHierarchy`, the one tier engine); the simulator
+are the planner's (`kvjax.storage.tiering.placement.TierHierarchy`, the one tier engine); the simulator
 column replays the planner alone with exclusive tiers (`session_sim.simulate`), the real column
 holds copies (a promoted chunk keeps its disk copy).
 
@@ -47,12 +47,12 @@ import numpy as np
 from absl import app, flags
 
 import benchlib  # scripts/benchlib.py
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.eviction import make_policy
-from kvjax.storage.host_tier import HostMemoryTier
-from kvjax.storage.placement import TierSpec
-from kvjax.storage.tiers import TieredStore
-from kvjax.storage.types import ChunkHit, KVLayout
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.eviction import make_policy
+from kvjax.storage.tiering.host_tier import HostMemoryTier
+from kvjax.storage.tiering.placement import TierSpec
+from kvjax.storage.tiering.tiers import TieredStore
+from kvjax.storage.format.types import ChunkHit, KVLayout
 from kvjax.testing import session_sim as ss
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

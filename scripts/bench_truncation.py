@@ -89,9 +89,9 @@ from benchlib import pyplot
 from kvjax import LLM
 from kvjax import sessions as sess
 from kvjax.kernels.attention import dense_attention_reference
-from kvjax.models import layers, llama
-from kvjax.models.kv_cache import PagedKVCache
-from kvjax.models.runner_api import SeqChunk
+from kvjax.models.nn import layers, llama
+from kvjax.models.nn.kv_cache import PagedKVCache
+from kvjax.models.runner.runner_api import SeqChunk
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = flags.FLAGS

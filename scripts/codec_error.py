@@ -58,11 +58,11 @@ def find_book() -> str:
 
 def real_kv_chunks(book: str) -> tuple[list[np.ndarray], dict]:
   """f32 KV chunks [L, 2, C, K, H] (K before RoPE) of the passage, from chunked prefill."""
-  from kvjax.models.llama import Llama  # noqa: PLC0415
-  from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
-  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
-  from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
-  from kvjax.models.registry import load_model  # noqa: PLC0415
+  from kvjax.models.nn.llama import Llama  # noqa: PLC0415
+  from kvjax.models.runner.compilation_cache import default_cache_root  # noqa: PLC0415
+  from kvjax.models.runner.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
+  from kvjax.models.loading.registry import load_model  # noqa: PLC0415
 
   loaded = load_model("SmolLM2-135M-Instruct",
                       cache_dir=os.path.join(default_cache_root(), "params"))
@@ -95,7 +95,7 @@ def raw_decode_check(runner, table, chunks, cfg) -> float:
   import jax.numpy as jnp  # noqa: PLC0415
   from kvjax.kernels import kv_codec as kc  # noqa: PLC0415
   from kvjax.kernels import kv_payloads as kp  # noqa: PLC0415
-  from kvjax.models.layers import rope_inv_freq  # noqa: PLC0415
+  from kvjax.models.nn.layers import rope_inv_freq  # noqa: PLC0415
 
   inv_freq = rope_inv_freq(cfg)
   k_pool, v_pool = (np.asarray(x) for x in runner.read_blocks(table))  # [L, S, K, H]

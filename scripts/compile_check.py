@@ -5,7 +5,7 @@ accelerator: XLA's real TPU compiler (libtpu) runs on this machine against TPU t
     python scripts/compile_check.py [--quick] [--out benchmarks/results/compile_check.json]
 
 Per target (`jax.experimental.topologies.get_topology_desc`: v5e, v6e, v5p) and tensor-parallel
-size (1, 4, 8 where the model's heads allow, via `kvjax.models.sharding`), an abstract
+size (1, 4, 8 where the model's heads allow, via `kvjax.models.runner.sharding`), an abstract
 `PagedModelRunner` (random weights as ShapeDtypeStructs; no weights needed) lists its programs
 (`PagedModelRunner.aot_programs`): the step at several token buckets, the raw chunk insert, per
 codec (kvtc included) the payload insert and the encode of every level, the pre-RoPE read, the
@@ -43,11 +43,11 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
-from kvjax.models import config as model_configs  # noqa: E402
-from kvjax.models.llama import Llama  # noqa: E402
-from kvjax.models.paged_runner import PagedModelRunner  # noqa: E402
-from kvjax.models.runner_api import PagedRunnerConfig  # noqa: E402
-from kvjax.models.sharding import TensorParallel, check_tensor_parallel_size  # noqa: E402
+from kvjax.models.nn import config as model_configs  # noqa: E402
+from kvjax.models.nn.llama import Llama  # noqa: E402
+from kvjax.models.runner.paged_runner import PagedModelRunner  # noqa: E402
+from kvjax.models.runner.runner_api import PagedRunnerConfig  # noqa: E402
+from kvjax.models.runner.sharding import TensorParallel, check_tensor_parallel_size  # noqa: E402
 
 GIB = 1 << 30
 #: HBM per chip, bytes (Google Cloud TPU system architecture pages).
@@ -149,7 +149,7 @@ def extra_programs(cfg, chunk: int, device, platform: str):
   that shape with the storage room's rANS coder (they depend on the data only through the
   word counts, padded to a size bucket)."""
   from kvjax.kernels import kvtc, kvtc_rans  # noqa: PLC0415
-  from kvjax.storage import entropy  # noqa: PLC0415
+  from kvjax.storage.format import entropy  # noqa: PLC0415
   sh = None if device is None else jax.sharding.SingleDeviceSharding(device)
 
   def sds(x):
@@ -280,8 +280,8 @@ def pool_memory(args, on_row) -> None:
   HBM), or at `--pool_blocks`;
   argument / temp / output bytes per program (XLA's `memory_analysis`)."""
   from jax.experimental import topologies  # noqa: PLC0415
-  from kvjax.models import pool_memory as pm  # noqa: PLC0415
-  from kvjax.models.kv_cache import paged_block_nbytes  # noqa: PLC0415
+  from kvjax.models.runner import pool_memory as pm  # noqa: PLC0415
+  from kvjax.models.nn.kv_cache import paged_block_nbytes  # noqa: PLC0415
   cfg = MODELS[args.pool_model]()
   model = abstract_model(cfg)
   topo = topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu")

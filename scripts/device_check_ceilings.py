@@ -5,7 +5,7 @@ datasheet rates are leads, the machine's own are the ceilings):
              (`x + 1`: each byte read once and written once), bytes read + written / median s;
   h2d_pinned the host -> device link: `jax.device_put` of an array already in pinned host memory
              (memory kind "pinned_host", where the backend has one) to device memory;
-  h2d_copy   what the engine's loads do (`kvjax.models.device_seam.JaxDeviceSeam.put`): a
+  h2d_copy   what the engine's loads do (`kvjax.models.runner.device_seam.JaxDeviceSeam.put`): a
              contiguous numpy array (pageable host memory) put on the device.
 
 Each is the median of --iters timed calls after one untimed call. `--dry_run`: small sizes on

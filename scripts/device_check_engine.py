@@ -2,7 +2,7 @@
 
 Run by scripts/device_check_all.py (steps (a) and (b) of scripts/device_check.sh). The model is
 SmolLM2-135M-shaped (30 layers, d 576, 9 heads, 3 KV heads, head dim 64, vocabulary 49,152) with
-deterministic random weights (normal(0, 0.02) from `kvjax.models.registry.tiny_params(seed)`,
+deterministic random weights (normal(0, 0.02) from `kvjax.models.loading.registry.tiny_params(seed)`,
 stored as bfloat16 so the CPU f32 reference and the device's bf16 engine run the very same
 weights) and a context of 16,384 tokens: the real SmolLM2 GGUF (94 MB) does not travel to the
 device machine (64 MiB), and random weights exercise every program the real ones do. Prompts are
@@ -61,7 +61,7 @@ def model_config(dry_run: bool):
   """The SmolLM2-135M shape with a 16K context (or, `dry_run`, a 2-layer model of the same
   vocabulary, head dim 16: the Triton attention kernel's smallest)."""
   import dataclasses  # noqa: PLC0415
-  from kvjax.models import config as model_configs  # noqa: PLC0415
+  from kvjax.models.nn import config as model_configs  # noqa: PLC0415
   if dry_run:
     return model_configs.tiny(name="smollm2-shaped-dry-run", vocab_size=49152, d_model=64,
                               n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
@@ -83,7 +83,7 @@ def write_model(dir_: pathlib.Path, dry_run: bool, tokenizer_dir: pathlib.Path) 
   Raises:
     FileNotFoundError: no tokenizer.json in `tokenizer_dir` (run --prepare).
   """
-  from kvjax.models import registry, safetensors_loader  # noqa: PLC0415
+  from kvjax.models.loading import registry, safetensors_loader  # noqa: PLC0415
   cfg = model_config(dry_run)
   if (dir_ / "tokenizer_config.json").is_file():  # written by an earlier step of this run
     return str(dir_)

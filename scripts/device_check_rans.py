@@ -2,7 +2,7 @@
 
 For a GPU session (H200 in mind): a SmolLM2-shaped chunk of kvtc codes (30 layers x K/V, 256
 tokens, 192 components; Laplacian codes whose spread falls from --top to 0.05 over the
-components, like real ones) is coded as "rans-bands" (`storage.entropy.encode_components_rans`,
+components, like real ones) is coded as "rans-bands" (`storage.format.entropy.encode_components_rans`,
 rANS format version `rans.VERSION`), then decoded by the Pallas kernel compiled for the device
 (interpret=False) and by the jnp reference on the same device; both must equal the codes byte
 for byte. With --llama8b (default on a device), one chunk of a LLaMA-3.1-8B prompt (32 layers,
@@ -70,7 +70,7 @@ def _codes(shape) -> np.ndarray:
 
 def _code(q: np.ndarray) -> dict:
   """Codes q as storage does ("rans-bands") and parses it back: plain arrays only."""
-  from kvjax.storage import entropy, rans  # pylint: disable=import-outside-toplevel
+  from kvjax.storage.format import entropy, rans  # pylint: disable=import-outside-toplevel
   blob = entropy.encode_components_rans(q)
   parsed = entropy.parse_components_rans(blob, q.shape)
   return {"q": q, "coded_bytes": len(blob), "bands": [tuple(b) for b in parsed.bands],
@@ -87,7 +87,7 @@ def check(c: dict, interpret: bool, iters: int) -> dict:
   """Decodes one prepared chunk with the Pallas kernel and the jnp reference; its results."""
   q, coded_bytes = c["q"], c["coded_bytes"]
   link = _LINK.value * 1e9
-  # Each band's `kvjax.storage.rans.RansArrays` fields, by name, as `pack_bands` reads them.
+  # Each band's `kvjax.storage.format.rans.RansArrays` fields, by name, as `pack_bands` reads them.
   band_arrays = [types.SimpleNamespace(**{"segments": 1, **a}) for a in c["arrays"]]
   packed = jax.device_put(kvtc_rans.pack_bands(q.shape, c["bands"], c["offsets"], band_arrays))
   rows = {}

@@ -2,7 +2,7 @@
 calibration text each save, in stored bytes per token at the same quantization steps.
 
 On real SmolLM2-135M-Instruct KV (f32, K before RoPE): transforms are fitted
-(`kvjax.models.kv_calibration.fit_transform`, the sensitivities of the model's cached calibrated
+(`kvjax.models.loading.kv_calibration.fit_transform`, the sensitivities of the model's cached calibrated
 transform) on
 
   flat-founding       the founding documents only, no prediction (kvtc version 1's transform)
@@ -10,7 +10,7 @@ transform) on
   predict-shipped     the whole shipped calibration text (founding documents + CC0 prose)
 
 and each codes one held-out passage of book text (`--book`, `--offset`, `--tokens`, chunks of
-256, fresh sequence from position 0) through `kvtc_encode_host` and `storage.codecs.
+256, fresh sequence from position 0) through `kvtc_encode_host` and `storage.format.codecs.
 encode_payload` at every level. Printed and written to <out>/kvtc_design.json: stored bytes per
 token and the sensitivity-weighted error (the KL the steps predict) per transform and level.
 
@@ -97,15 +97,15 @@ def main(_):
   _provenance()
   from bench_codec_lib import MODEL  # noqa: PLC0415  (scripts/)
   from kvjax.kernels import kvtc  # noqa: PLC0415
-  from kvjax.models import kv_calibration as kc  # noqa: PLC0415
-  from kvjax.models.llama import Llama  # noqa: PLC0415
-  from kvjax.models.calibration_model import CalibrationModel  # noqa: PLC0415
-  from kvjax.models.compilation_cache import default_cache_root  # noqa: PLC0415
-  from kvjax.models.paged_runner import PagedModelRunner  # noqa: PLC0415
-  from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
-  from kvjax.models.registry import load_model  # noqa: PLC0415
-  from kvjax.storage import codecs  # noqa: PLC0415
-  from kvjax.storage.types import KVLayout  # noqa: PLC0415
+  from kvjax.models.loading import kv_calibration as kc  # noqa: PLC0415
+  from kvjax.models.nn.llama import Llama  # noqa: PLC0415
+  from kvjax.models.nn.calibration_model import CalibrationModel  # noqa: PLC0415
+  from kvjax.models.runner.compilation_cache import default_cache_root  # noqa: PLC0415
+  from kvjax.models.runner.paged_runner import PagedModelRunner  # noqa: PLC0415
+  from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk  # noqa: PLC0415
+  from kvjax.models.loading.registry import load_model  # noqa: PLC0415
+  from kvjax.storage.format import codecs  # noqa: PLC0415
+  from kvjax.storage.format.types import KVLayout  # noqa: PLC0415
 
   t0 = time.time()
   params_dir = os.path.join(default_cache_root(), "params")
@@ -232,7 +232,7 @@ def delta_sweep(kv_of, held, t, dims, t0):
   q[t] - q[anchor] (CacheGen, arXiv 2310.07240, section 5.2, here in kvtc's transform domain: an
   integer difference of the codes, so the reconstruction, hence the quality, is the same)."""
   from kvjax.kernels import kvtc  # noqa: PLC0415
-  from kvjax.storage.entropy import COMPONENT_BANDS  # noqa: PLC0415
+  from kvjax.storage.format.entropy import COMPONENT_BANDS  # noqa: PLC0415
   l_, k, h = dims
   d = k * h
   x = kv_of(held, len(held))
@@ -270,11 +270,11 @@ def delta_sweep(kv_of, held, t, dims, t0):
 def rounding_sweep(kv_of, held, shipped, lm, dims, t0):
   """Bytes per token and predicted KL of the predict-shipped transform per (rounding offset,
   reconstruction offset, level KL): `kvtc.experiment_round_trip` at the steps of that KL, q
-  coded by `storage.entropy.encode_components` (+ the payload's step and id bytes)."""
+  coded by `storage.format.entropy.encode_components` (+ the payload's step and id bytes)."""
   import jax.numpy as jnp  # noqa: PLC0415
   from kvjax.kernels import kvtc  # noqa: PLC0415
-  from kvjax.models import kv_calibration as kc  # noqa: PLC0415
-  from kvjax.storage import entropy  # noqa: PLC0415
+  from kvjax.models.loading import kv_calibration as kc  # noqa: PLC0415
+  from kvjax.storage.format import entropy  # noqa: PLC0415
   l_, k, h = dims
   sens = shipped.sensitivity
   cache = pathlib.Path(_CACHE.value) if _CACHE.value else None

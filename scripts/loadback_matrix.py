@@ -56,7 +56,7 @@ import numpy as np
 import benchlib  # scripts/benchlib.py
 from kvjax import SamplingParams
 from kvjax.storage import StoreConfig, TierConfig
-from kvjax.storage.chunk_store import ChunkStore, index_key, run_sync
+from kvjax.storage.backends.chunk_store import ChunkStore, index_key, run_sync
 from kvjax.testing import engines
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -19,8 +19,8 @@ bytes per token, and single-thread decode throughput in compressed MB/s (best of
   ans-chan-lap     constriction QuantizedLaplace per (layer, K/V, head, channel), location and
                    scale stored as float16, per-symbol parameters
   pco-layer        pcodec (tANS with per-chunk bins), one chunk per (layer, K/V): what
-                   `kvjax.storage.entropy` does
-  (and `codecs` itself: the coder kvjax.storage.codecs uses)
+                   `kvjax.storage.format.entropy` does
+  (and `codecs` itself: the coder kvjax.storage.format.codecs uses)
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ import numpy as np
 import zstandard
 
 import benchlib  # scripts/benchlib.py
-from kvjax.storage import codecs
-from kvjax.storage import entropy
-from kvjax.storage.types import KVLayout
+from kvjax.storage.format import codecs
+from kvjax.storage.format import entropy
+from kvjax.storage.format.types import KVLayout
 from kvjax.testing import codec_payloads
 
 _KV_GLOB = flags.DEFINE_string("kv_glob", "/tmp/cs_kv/*.npy", "Real KV chunks (.npy).")
 _JSON = flags.DEFINE_string("json", None, "Write the table here as JSON ({provenance..., "
                             "\"kv_files\": [...], \"rows\": [...]}).")
 _MAX_CHUNKS = flags.DEFINE_integer("max_chunks", 4, "Chunks to use.")
-_CODECS = flags.DEFINE_bool("codecs", True, "Also time kvjax.storage.codecs on whole payloads.")
+_CODECS = flags.DEFINE_bool("codecs", True, "Also time kvjax.storage.format.codecs on whole payloads.")
 
 _m = constriction.stream.model
 
@@ -248,7 +248,7 @@ def main(argv):
                      "decode_MB_per_s": nbytes / secs / 1e6})
     if not _CODECS.value:
       continue
-    # The whole payload through kvjax.storage.codecs (what the store writes).
+    # The whole payload through kvjax.storage.format.codecs (what the store writes).
     kv = kvs[0]
     layout = KVLayout(kv.shape[0], kv.shape[2], kv.shape[3], kv.shape[4], "float32")
     nbytes = secs = 0

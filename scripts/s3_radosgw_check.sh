@@ -176,8 +176,9 @@ import time
 
 import numpy as np
 
-from kvjax.storage import chunk_store, keys, specs
-from kvjax.storage.types import ChunkHit, ChunkMiss, KVLayout, MissReason
+from kvjax.storage.backends import chunk_store, specs
+from kvjax.storage.format import keys
+from kvjax.storage.format.types import ChunkHit, ChunkMiss, KVLayout, MissReason
 
 endpoint = os.environ["AWS_ENDPOINT_URL"]
 bucket = "kvjax-rgw"

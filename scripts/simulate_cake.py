@@ -46,7 +46,7 @@ import time
 from absl import app, flags
 
 import benchlib  # scripts/benchlib.py
-from kvjax.models.runner_api import layer_groups
+from kvjax.models.runner.runner_api import layer_groups
 from kvjax.scheduler import MergeMode, SchedulerConfig
 from kvjax.testing.cake_sim import (SMOLLM2_CPU_CHUNK_S, SMOLLM2_RAW_CHUNK_BYTES, ChunkCosts,
                                     LinkScript, PiecewiseConstant, SimRequest, ideal_bound,

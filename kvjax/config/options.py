@@ -26,16 +26,16 @@ from kvjax import codecs
 from kvjax.block_hash import blocks_per_chunk
 from kvjax.config.fields import option, option_fields, spec
 from kvjax.merge_mode import MERGE_MODES, parse_merge_mode
-from kvjax.models.runner_api import DEFAULT_CHUNK_SIZES
-from kvjax.models.registry import DEFAULT_MODEL
+from kvjax.models.runner.runner_api import DEFAULT_CHUNK_SIZES
+from kvjax.models.loading.registry import DEFAULT_MODEL
 from kvjax.scheduler.config import LAYER_SPLITS, LoadConfig, SchedulerConfig
 from kvjax.scheduler.prefill_policy import PREFILL_ORDERS, SHORTEST_FIRST
 from kvjax.sessions import (DEFAULT_MAX_PINNED_SESSIONS, DEFAULT_MAX_SESSION_TOKENS,
                             DEFAULT_MAX_SESSIONS, DEFAULT_REROTATE_BOUNDARY_CHUNKS,
                             DEFAULT_SESSION_TTL_S, SessionConfig)
-from kvjax.storage import specs
-from kvjax.storage.store_config import (DEFAULT_STORE_CAPACITY_BYTES, PLACEMENTS, StoreConfig,
-                                        TierConfig, url_kind)
+from kvjax.storage.backends import specs
+from kvjax.storage.tiering.store_config import (DEFAULT_STORE_CAPACITY_BYTES, PLACEMENTS,
+                                                StoreConfig, TierConfig, url_kind)
 
 #: `max_num_seqs`, for `LLM` and the server alike: sequences reserve no memory up front (the KV
 #: pool is shared; a full pool preempts), so many can run at once.
@@ -233,7 +233,7 @@ _MULTIHOST = (
     "constructs the same `LLM`, and `tensor_parallel_size` must then be the global device "
     "count. Process 0 runs the engine (`generate`, the server); every other process calls "
     "`follow()`, which runs each device call process 0 sends it until process 0 closes "
-    "(`kvjax.models.multihost`). A store (raw codec only) is read and written by process "
+    "(`kvjax.models.runner.multihost`). A store (raw codec only) is read and written by process "
     "0. None (default): one process.")
 
 
@@ -548,7 +548,7 @@ class ParallelOptions:
   tensor_parallel_size: int = option(
       1,
       "N, devices the model is split over: a `tp` mesh over the first N devices, parameters "
-      "sharded Megatron-style, the pool by KV head (`kvjax.models.sharding`). N must divide "
+      "sharded Megatron-style, the pool by KV head (`kvjax.models.runner.sharding`). N must divide "
       "the attention heads and the MLP width, and the KV heads must be a multiple of N or N "
       "a multiple of them (vLLM's rule). The pool keeps the blocks `kv_cache_memory_bytes` "
       "gives one device, so plans do not depend on N; each device holds its heads of them. "

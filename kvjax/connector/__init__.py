@@ -8,7 +8,7 @@ host-tier prefetches), `transfer` (`HostToDevice`: the host -> device link), `sa
 the saver thread); `records` (plain data crossing to the engine and the scheduler), `client`
 (`KVStoreClient`, the small front that builds the parts and forwards to them) and `device`
 (`DeviceSeam`: what the connector asks of the device, entropy decode, puts and gets; device
-work belongs to the runner, which hands the client its seam, e.g. `kvjax/models/device_seam.py`).
+work belongs to the runner, which hands the client its seam, e.g. `kvjax/models/runner/device_seam.py`).
 No module here imports jax.
 """
 

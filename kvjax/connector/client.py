@@ -81,10 +81,10 @@ from kvjax.connector.request_keys import OpenRequests
 from kvjax.connector.saver import Saver
 from kvjax.connector.transfer import HostToDevice, LayerTransfer
 from kvjax.scheduler.output import LoadReport
-from kvjax.storage import keys
-from kvjax.storage.chunk_store import choose_codec
-from kvjax.storage.tiers import TierUsage
-from kvjax.storage.types import ChunkHit, KVLayout
+from kvjax.storage.format import keys
+from kvjax.storage.backends.chunk_store import choose_codec
+from kvjax.storage.tiering.tiers import TierUsage
+from kvjax.storage.format.types import ChunkHit, KVLayout
 
 _log = logging.getLogger(__name__)
 
@@ -97,9 +97,9 @@ class KVStoreClient:
 
   Args:
     store: the tiered store (async API).
-    model_fingerprint: seeds every key (`kvjax.models.fingerprint`).
+    model_fingerprint: seeds every key (`kvjax.models.loading.fingerprint`).
     layout: stored chunk layout `[L, 2, C, K, H]` and dtype.
-    kv_layout_version: `kvjax.models.kv_cache.KV_LAYOUT_VERSION`.
+    kv_layout_version: `kvjax.models.nn.kv_cache.KV_LAYOUT_VERSION`.
     max_pending_saves: save jobs queued at most; more are dropped and counted.
     timeout_s: bound on one store operation seen from the engine, seconds.
     codec: the encoding new chunks are stored with: "raw" (the KV dtype, lossless), "int8",
@@ -110,13 +110,13 @@ class KVStoreClient:
     kvtc_transform_id: the 16-byte identity of this model's kvtc transform
       (`KVTCTransform.transform_id`), or None; a loaded kvtc chunk coded with another transform
       (or any kvtc chunk when None) is a miss (`MissReason.UNKNOWN_CODEC`), never decoded.
-    device_link: the emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or
+    device_link: the emulated host -> device link (a `kvjax.storage.backends.link.LinkLimiter`), or
       None: every staged chunk's bytes pass it on their way into the KV cache (`transfer`,
       `charge_device`).
     device: the runner's device seam (`kvjax.connector.device.DeviceSeam`; a runner's
       `device_seam()`): every device call of the connector goes through it (host -> device puts,
       device -> host copies of saved chunks, and the device decode of a landed chunk whose arrays
-      the reader left entropy-coded, `storage.entropy.RansCodes`: kvtc's "rans-bands" `q`). A
+      the reader left entropy-coded, `storage.format.entropy.RansCodes`: kvtc's "rans-bands" `q`). A
       chunk whose streams fail the decoder's `ok` check is a miss (`MissReason.CORRUPT`),
       recomputed like any bad chunk.
     prefetch_bytes: look-ahead prefetch reads' bytes in flight at most (the first never
@@ -169,7 +169,7 @@ class KVStoreClient:
   @property
   def origin(self):
     """What every chunk this client stores records as its origin, and every chunk it loads must
-    have recorded (`kvjax.storage.types.ChunkOrigin`; the stored-chunk guard)."""
+    have recorded (`kvjax.storage.format.types.ChunkOrigin`; the stored-chunk guard)."""
     return self.scheme.origin
 
   @property
@@ -264,7 +264,7 @@ class KVStoreClient:
     """`start_load` of chunk `index` of an open request's prompt, with its own lookup.
 
     `encoding` is the level policy's pick (the scheduler's `LoadItem.encoding`): that encoding
-    is read (`kvjax.storage.chunk_store.choose_codec`); None: the loader's own choice. The
+    is read (`kvjax.storage.backends.chunk_store.choose_codec`); None: the loader's own choice. The
     codec choice stays behind the client: the engine hands over the plan's plain id.
 
     Raises:

@@ -1,6 +1,6 @@
 """The connector's device seam: what the KV connector asks of the device, as a protocol.
 
-Device work belongs to the runner (`kvjax/models/device_seam.py`: `JaxDeviceSeam`, handed out
+Device work belongs to the runner (`kvjax/models/runner/device_seam.py`: `JaxDeviceSeam`, handed out
 by `PagedModelRunner.device_seam()`; the fake runner's is numpy). The connector calls the
 device only through a `DeviceSeam` it is given (`KVStoreClient(device=)`): entropy decode on
 the device, host -> device puts, device -> host gets, the device bytes a value holds. No
@@ -14,8 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from kvjax.storage import entropy
-from kvjax.storage.types import ChunkHit, ChunkMiss, MissReason
+from kvjax.storage.format import entropy
+from kvjax.storage.format.types import ChunkHit, ChunkMiss, MissReason
 
 
 @runtime_checkable

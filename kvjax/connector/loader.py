@@ -21,9 +21,9 @@ from kvjax.connector.prefetch import Prefetcher
 from kvjax.connector.records import LoaderStats, Pending, PrefixLookup, TierSnapshot
 from kvjax.connector.saver import Saver
 from kvjax.scheduler.output import LoadReport
-from kvjax.storage import codecs as storage_codecs
-from kvjax.storage import entropy, keys
-from kvjax.storage.types import ChunkHit, ChunkMiss, MissReason
+from kvjax.storage.format import codecs as storage_codecs
+from kvjax.storage.format import entropy, keys
+from kvjax.storage.format.types import ChunkHit, ChunkMiss, MissReason
 
 
 class Loader:

@@ -21,8 +21,8 @@ from kvjax._typing import ChunkHash
 from kvjax.block_hash import loadable_units
 from kvjax.connector.loop import StoreLoop
 from kvjax.connector.records import SAVING, PrefixLookup, StoredTail
-from kvjax.storage import keys
-from kvjax.storage.types import ChunkHit, ChunkOrigin, ChunkRecord, KVLayout
+from kvjax.storage.format import keys
+from kvjax.storage.format.types import ChunkHit, ChunkOrigin, ChunkRecord, KVLayout
 
 _log = logging.getLogger(__name__)
 
@@ -32,9 +32,9 @@ class KeyScheme:
   """How one model's chunks are keyed (plain data; every part of the connector reads it).
 
   Attributes:
-    model_fingerprint: seeds every key (`kvjax.models.fingerprint`).
+    model_fingerprint: seeds every key (`kvjax.models.loading.fingerprint`).
     layout: stored chunk layout `[L, 2, C, K, H]` and dtype.
-    kv_layout_version: `kvjax.models.kv_cache.KV_LAYOUT_VERSION`.
+    kv_layout_version: `kvjax.models.nn.kv_cache.KV_LAYOUT_VERSION`.
     codec: the encoding new chunks are stored with ("raw", "int8", ...).
     key_encoding: `KeyNamespace.encoding` of every key ("codec/level" of a consistent engine's
       one lossy level), or None.

@@ -17,7 +17,7 @@ from kvjax._typing import ChunkHash
 from kvjax.connector.lookup import KeyScheme
 from kvjax.connector.loop import StoreLoop
 from kvjax.connector.records import SAVING, LookaheadRequest, PrefetchStats, PrefixLookup
-from kvjax.storage import keys
+from kvjax.storage.format import keys
 
 _log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from kvjax._typing import ChunkHash
-from kvjax.storage.types import ChunkRecord
+from kvjax.storage.format.types import ChunkRecord
 
 #: `PrefixLookup.present` of a chunk no tier holds yet whose save is queued or being written:
 #: a hit whose load waits for that write, then reads and verifies it like any chunk.

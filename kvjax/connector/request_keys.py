@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from kvjax._typing import ChunkHash
 from kvjax.connector.lookup import KeyScheme
 from kvjax.connector.records import PrefixLookup, SaveJob
-from kvjax.storage import keys
+from kvjax.storage.format import keys
 
 
 @dataclasses.dataclass(frozen=True)

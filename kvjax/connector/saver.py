@@ -17,8 +17,8 @@ from kvjax.connector.device import DeviceSeam
 from kvjax.connector.lookup import KeyScheme
 from kvjax.connector.loop import StoreLoop
 from kvjax.connector.records import SaveJob, SaverStats
-from kvjax.storage import keys
-from kvjax.storage.types import ChunkMiss, EncodedPayload, MissReason
+from kvjax.storage.format import keys
+from kvjax.storage.format.types import ChunkMiss, EncodedPayload, MissReason
 
 _log = logging.getLogger(__name__)
 

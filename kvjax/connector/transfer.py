@@ -60,7 +60,7 @@ class HostToDevice:
 
   Args:
     device: the runner's device seam (`put`).
-    device_link: the emulated host -> device link (a `kvjax.storage.link.LinkLimiter`), or
+    device_link: the emulated host -> device link (a `kvjax.storage.backends.link.LinkLimiter`), or
       None: no pacing.
   """
 

@@ -47,7 +47,7 @@ from kvjax.engine.kv_loads import KVLoads
 from kvjax.engine.kv_saves import KVSaves
 from kvjax.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kvjax.merge_mode import MergeMode, parse_merge_mode
-from kvjax.models.runner_api import Runner, SeqChunk
+from kvjax.models.runner.runner_api import Runner, SeqChunk
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.models.byte_tokenizer import ByteTokenizer
+from kvjax.models.loading.byte_tokenizer import ByteTokenizer
 from kvjax.scheduler.request import StructuredOutput
 
 #: What to install when llguidance is missing.
@@ -93,7 +93,7 @@ class Grammars:
   under a lock).
 
   Args:
-    tokenizer: the engine's tokenizer: `kvjax.models.tokenizer.Tokenizer` (its
+    tokenizer: the engine's tokenizer: `kvjax.models.loading.tokenizer.Tokenizer` (its
       `to_json_str()` and `eos_id`) or `ByteTokenizer`.
     vocab_size: V, the model's logits per row (masks have this length).
   """

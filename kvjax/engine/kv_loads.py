@@ -23,7 +23,7 @@ from typing import Any, Callable, Container, Sequence
 from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.connector import KVStoreClient
-from kvjax.models.runner_api import Runner, SeqChunk
+from kvjax.models.runner.runner_api import Runner, SeqChunk
 from kvjax.scheduler.level_policy import Candidate
 from kvjax.scheduler.output import (InsertItem, InsertTiming, SchedulerOutput, StoredChunk,
                                     StoredPrefix)

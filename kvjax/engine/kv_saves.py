@@ -23,7 +23,7 @@ from kvjax import codecs
 from kvjax._typing import RequestId
 from kvjax.connector import KVStoreClient, SaveJob
 from kvjax.engine.kv_loads import chunk_blocks
-from kvjax.models.runner_api import Runner
+from kvjax.models.runner.runner_api import Runner
 from kvjax.scheduler.output import SaveItem
 
 

@@ -89,11 +89,11 @@ class LLM:
     TypeError: a keyword that is no option.
     ValueError: a bad option, an unknown model or dtype, sizes that do not fit the model, or
       weights that do not fit the device's free memory (checked before they load, where the
-      device reports its memory: `kvjax.models.weights_memory`; not on the CPU).
+      device reports its memory: `kvjax.models.runner.weights_memory`; not on the CPU).
     FileNotFoundError: a missing model file; a hub id not on the hub, or not cached while
-      offline (`kvjax.models.hub.HubModelNotFoundError`).
+      offline (`kvjax.models.loading.hub.HubModelNotFoundError`).
     PermissionError: a gated or private hub model this machine's `HF_TOKEN` has no access to
-      (`kvjax.models.hub.GatedModelError`).
+      (`kvjax.models.loading.hub.GatedModelError`).
   """
 
   def __init__(self, model: str | None = None, *, options: EngineOptions | None = None,

@@ -34,26 +34,26 @@ from kvjax.config import EngineOptions
 from kvjax.config import options as options_lib
 from kvjax.connector import KVStoreClient
 from kvjax.engine.engine import Engine
-from kvjax.models import kv_calibration
-from kvjax.models.calibration_model import CalibrationModel
-from kvjax.models.compilation_cache import (default_cache_root,
-                                            enable_persistent_compilation_cache)
-from kvjax.models.kv_cache import KV_LAYOUT_VERSION
-from kvjax.models.llama import Llama
-from kvjax.models.pool_memory import build_paged_runner
-from kvjax.models.registry import LoadedModel, load_config, load_model
-from kvjax.models.runner_api import Runner
-from kvjax.models.sharding import (TensorParallel, check_tensor_parallel_size,
-                                   initialize_distributed)
-from kvjax.models.weights_memory import check_weights_fit, device_free_bytes
+from kvjax.models.loading import kv_calibration
+from kvjax.models.nn.calibration_model import CalibrationModel
+from kvjax.models.runner.compilation_cache import (default_cache_root,
+                                                   enable_persistent_compilation_cache)
+from kvjax.models.nn.kv_cache import KV_LAYOUT_VERSION
+from kvjax.models.nn.llama import Llama
+from kvjax.models.runner.pool_memory import build_paged_runner
+from kvjax.models.loading.registry import LoadedModel, load_config, load_model
+from kvjax.models.runner.runner_api import Runner
+from kvjax.models.runner.sharding import (TensorParallel, check_tensor_parallel_size,
+                                          initialize_distributed)
+from kvjax.models.runner.weights_memory import check_weights_fit, device_free_bytes
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.sessions import SessionRegistry
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.link import LinkLimiter
-from kvjax.storage.specs import kvstore_spec
-from kvjax.storage.store_config import DEFAULT_DISK_CAPACITY_BYTES
-from kvjax.storage.tiers import StoreConfig, build_tiers
-from kvjax.storage.types import KVLayout
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.backends.link import LinkLimiter
+from kvjax.storage.backends.specs import kvstore_spec
+from kvjax.storage.tiering.store_config import DEFAULT_DISK_CAPACITY_BYTES
+from kvjax.storage.tiering.tiers import StoreConfig, build_tiers
+from kvjax.storage.format.types import KVLayout
 
 _log = logging.getLogger("kvjax.entrypoints.llm")  # the start-up's warnings, as `LLM`'s
 

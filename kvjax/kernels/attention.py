@@ -1,5 +1,5 @@
 """Plain masked softmax attention over explicit keys: the oracle of the attention kernels and the
-dense path of calibration (`kvjax.models.llama.logits_after_context`, `context_kv`). Serving
+dense path of calibration (`kvjax.models.nn.llama.logits_after_context`, `context_kv`). Serving
 attention reads the paged pool (`kvjax.kernels.paged_attention`).
 """
 

@@ -2,7 +2,7 @@
 
 A stored chunk is the KV of C tokens of every layer, `kv_L2CKH: [L, 2, C, K, H]` (axis 1: 0 = K
 before RoPE, 1 = V). A codec turns it into a *payload* (a NamedTuple of arrays: the contract's
-table in `kvjax/storage/codecs.py`; codec ids, versions, levels and the chunk-size rule in the
+table in `kvjax/storage/format/codecs.py`; codec ids, versions, levels and the chunk-size rule in the
 registry, `kvjax.codecs`) and back:
 
     device (engine, after prefill)            host (storage)               device (engine, load)
@@ -321,7 +321,7 @@ def kv_decode(payload: Payload, k_LBSKH: jax.Array, v_LBSKH: jax.Array, slot, st
     slot: int32 scalar decode slot, in [0, slots).
     start: int32 scalar position of the chunk's first token, in [0, S_max - C].
     cos_CH: float[C, H] RoPE cosines at positions start..start + C - 1 (HF `rotate_half` layout:
-      the H // 2 frequencies twice), computed by the caller (kvjax.models.layers).
+      the H // 2 frequencies twice), computed by the caller (kvjax.models.nn.layers).
     sin_CH: float[C, H] RoPE sines, same layout.
     interpret: run the Pallas kernel in interpret mode (CPU tests); False compiles it for the
       backend (Triton/Mosaic GPU, Mosaic TPU), which raises on CPU.

@@ -1,7 +1,7 @@
 """KV codec payloads: one NamedTuple of arrays per codec, and the checks of the codec arguments.
 
 A payload is what a codec turns a stored chunk `kv_L2CKH: [L, 2, C, K, H]` into (the contract's
-table in `kvjax/storage/codecs.py`; codec ids, levels and the chunk-size rule in the registry,
+table in `kvjax/storage/format/codecs.py`; codec ids, levels and the chunk-size rule in the registry,
 `kvjax.codecs`). The codec math is `kvjax/kernels/kv_codec.py` (spec, Pallas kernels and their
 wrappers) and `kvjax/kernels/kv_codec_ref.py` (the pure-jnp references); both build and read
 the records here, and validate their arguments with the checks here, so the contract is written

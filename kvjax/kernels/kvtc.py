@@ -20,7 +20,7 @@ sequence, 1 elsewhere; "Quantization" below):
     r[l, a] = p[l, a] + (q[l, a] * st[l, a]) @ synthesis[l, a];  x̂ = r + mean
 
 The predictor is a ridge regression of each layer's centred KV on those features, fitted on the
-model's calibration KV (`kvjax.models.kv_calibration`, a public-domain text shipped in the
+model's calibration KV (`kvjax.models.loading.kv_calibration`, a public-domain text shipped in the
 package). What the codec minimises is not the squared error of the KV but what the error costs
 the model's next-token distributions: for small noise e on one token's KV of a (layer, K/V), the
 KL of the next tokens grows as e^T G[l, a] e, G the Fisher information of the next tokens'
@@ -65,7 +65,7 @@ the founding documents) and to 4,482 / 3,880 / 2,826 with the CC0 prose added to
 text (development measurements; `scripts/kvtc_design.py` repeats them).
 Predicting from one layer before instead of two costs 5% more bytes; without V's own K, 12% more.
 Entropy coding of `q` (one model per band of components of a (layer, K/V)) is storage's job
-(`kvjax.storage.entropy.encode_components`).
+(`kvjax.storage.format.entropy.encode_components`).
 
 Quantization (version 3; each measured on the same Alice passage with `scripts/kvtc_design.py
 --rounding_sweep`, bytes vs the sensitivity-weighted error, then with the reduced bench_codec
@@ -200,7 +200,7 @@ class KVTCPayload(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class KVTCTransform:
-  """A calibrated kvtc transform of one model (`kvjax.models.kv_calibration` fits it).
+  """A calibrated kvtc transform of one model (`kvjax.models.loading.kv_calibration` fits it).
 
   Attributes:
     mean: f32[L, 2, D] per-layer, K/V channel means (D = K * H, channels in (k, h) order).

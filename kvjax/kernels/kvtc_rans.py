@@ -1,6 +1,6 @@
 """kvtc codes from their rANS bands, on the device: the entropy-decoding step of a kvtc load.
 
-A kvtc chunk stored with the "rans-bands" coding (`kvjax/storage/entropy.py`,
+A kvtc chunk stored with the "rans-bands" coding (`kvjax/storage/format/entropy.py`,
 `encode_components_rans`, whose docstring is the layout's spec) reaches the device as one rANS
 encoding per band of components: the storage reader parses and verifies the bytes and hands back
 plain arrays (`entropy.RansCodes`), and this module decodes every band (`rans_decode`: Pallas on
@@ -12,7 +12,7 @@ GPU/TPU, the jit'd jnp reference on CPU) and reassembles the int16 codes in one 
                                      transform, RoPE, cache write)
 
 Kernels do not import storage: `pack_bands` takes the per-band arrays by the names of
-`kvjax.storage.rans.RansArrays` (the engine passes a reader's `RansCodes` through) and packs them
+`kvjax.storage.format.rans.RansArrays` (the engine passes a reader's `RansCodes` through) and packs them
 into shapes that depend only on the chunk's shape (the words of all blocks in one flat array of
 a bucketed size, frequency tables padded to a power of two), so one compiled decoder serves
 every chunk of a shape; `decode_codes` runs it.
@@ -101,7 +101,7 @@ def pack_bands(shape: Sequence[int], bands: Sequence[tuple[int, int]], offsets: 
     shape: (L, 2, C, D) of the codes.
     bands: ((lo, hi), ...) per band.
     offsets: int32[M] per band.
-    arrays: per band a NamedTuple with the fields of `kvjax.storage.rans.RansArrays` (words
+    arrays: per band a NamedTuple with the fields of `kvjax.storage.format.rans.RansArrays` (words
       uint16[M, J, W] zero-padded past num_words, states, lengths, num_words, freqs, scale_bits,
       num_streams, num_steps, segments).
 

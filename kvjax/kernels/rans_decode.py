@@ -1,6 +1,6 @@
 """Interleaved rANS decoding on the device: a jit'd jnp reference and a Pallas kernel.
 
-Decodes the entropy format of `kvjax/storage/rans.py` (its docstring is the format's spec; rANS:
+Decodes the entropy format of `kvjax/storage/format/rans.py` (its docstring is the format's spec; rANS:
 Duda, arXiv 1311.2540; lanes sharing a word array: Giesen, arXiv 1402.3392, and DietGPU's warp
 layout). Kernels do not import storage: both decoders take the arrays storage's `parse` returns,
 by the same names, so a caller that sees both rooms writes

@@ -99,7 +99,7 @@ class CakeMerge:
       device hits): they start RESIDENT (written by "load" in the writer map), so the merge never
       loads nor computes them and its frontier starts after them.
     last_unit_tokens: m in [1, C) when the last prefix unit is a stored tail (a session turn's
-      history ending m tokens into that chunk, `kvjax.storage.keys.tail_hash`): it covers
+      history ending m tokens into that chunk, `kvjax.storage.format.keys.tail_hash`): it covers
       `[(N - 1) * C, (N - 1) * C + m)` and the prefix ends there; loads take it first like any
       last chunk, and the suffix is computed from its end. None: every unit is a whole chunk.
     num_layers: L, the model's layers (for the layer axis).

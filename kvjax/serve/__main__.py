@@ -115,7 +115,7 @@ _SERVER_FIELDS = option_fields(ServerConfig)
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   """Defines the server's flags in `flag_values`: one per option field (`kvjax.config.option`:
   its name, kind, default and help), then the S3 endpoint and region (set in this process's
-  environment, where the store spec reads them: `kvjax.storage.specs.kvstore_spec`; no option
+  environment, where the store spec reads them: `kvjax.storage.backends.specs.kvstore_spec`; no option
   of the engine or the server).
 
   `python -m kvjax.serve` defines them in absl's global `FLAGS` before parsing; importing this

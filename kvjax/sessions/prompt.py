@@ -51,7 +51,7 @@ def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, str]],
 
   Args:
     tokenizer: has `apply_chat_template`, `encode_chat`, `encode_chat_suffix`, `decode` and
-      `eos_id` (`kvjax.models.tokenizer.Tokenizer`, or `ByteTokenizer`).
+      `eos_id` (`kvjax.models.loading.tokenizer.Tokenizer`, or `ByteTokenizer`).
     messages: the conversation, `[{"role": str, "content": str}, ...]`.
     last: the session's last finished turn, or None (first turn, or no session).
 

@@ -3,22 +3,22 @@ tiers, link emulation, eviction and the tier placement planner (numpy, tensorsto
 pcodec and xxhash only, no JAX). See `docs/design/storage-format.md`.
 """
 
-from kvjax.storage.chunk_store import (ByteLimiter, ChunkStore, StoreStats, choose_codec,
-                                       default_choose)
-from kvjax.storage.codecs import (CorruptPayload, UnknownCodec, decode_payload, encode_payload,
-                                  payload_spec)
-from kvjax.storage.eviction import (POLICIES, EntryInfo, FIFOPolicy, LookaheadPolicy, LRUPolicy,
-                                    PlacementPolicy, make_policy)
-from kvjax.storage.keys import (KeyNamespace, chunk_hashes, hash_chunk,
-                                prefix_chunk_hashes_for_prompt)
-from kvjax.storage.link import LinkLimiter, gbps, load_trace, mbps
-from kvjax.storage.placement import PlacementStats, TierHierarchy, TierSpec
-from kvjax.storage.specs import chunk_array_spec, kvstore_spec
-from kvjax.storage.tiers import (DEFAULT_STORE_CAPACITY_BYTES, HostMemoryTier, KVStore,
-                                 StoreConfig, Tier, TierConfig, TieredStore, TierUsage,
-                                 build_tiers, url_kind)
-from kvjax.storage.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, ChunkOrigin,
-                                 ChunkRecord, EncodedPayload, Encoding, KVLayout, MissReason)
+from kvjax.storage.backends.chunk_store import (ByteLimiter, ChunkStore, StoreStats, choose_codec,
+                                                default_choose)
+from kvjax.storage.format.codecs import (CorruptPayload, UnknownCodec, decode_payload,
+                                         encode_payload, payload_spec)
+from kvjax.storage.tiering.eviction import (POLICIES, EntryInfo, FIFOPolicy, LookaheadPolicy,
+                                            LRUPolicy, PlacementPolicy, make_policy)
+from kvjax.storage.format.keys import (KeyNamespace, chunk_hashes, hash_chunk,
+                                       prefix_chunk_hashes_for_prompt)
+from kvjax.storage.backends.link import LinkLimiter, gbps, load_trace, mbps
+from kvjax.storage.tiering.placement import PlacementStats, TierHierarchy, TierSpec
+from kvjax.storage.backends.specs import chunk_array_spec, kvstore_spec
+from kvjax.storage.tiering.tiers import (DEFAULT_STORE_CAPACITY_BYTES, HostMemoryTier, KVStore,
+                                         StoreConfig, Tier, TierConfig, TieredStore, TierUsage,
+                                         build_tiers, url_kind)
+from kvjax.storage.format.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkMiss, ChunkOrigin,
+                                        ChunkRecord, EncodedPayload, Encoding, KVLayout, MissReason)
 
 __all__ = [
     "DEFAULT_STORE_CAPACITY_BYTES", "RECORD_FORMAT_VERSION", "ByteLimiter", "ChunkHit",

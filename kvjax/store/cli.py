@@ -39,9 +39,10 @@ from typing import Any, TextIO
 
 from absl import flags
 
-from kvjax.storage import keys, specs
-from kvjax.storage.chunk_store import ChunkStore, DataObject, StoreIndex
-from kvjax.storage.types import ChunkRecord, MissReason
+from kvjax.storage.format import keys
+from kvjax.storage.backends import specs
+from kvjax.storage.backends.chunk_store import ChunkStore, DataObject, StoreIndex
+from kvjax.storage.format.types import ChunkRecord, MissReason
 
 COMMANDS = ("ls", "du", "verify", "gc")
 EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2

@@ -1,10 +1,10 @@
-"""A small numpy reference encoder of the codec contract (`kvjax.storage.codecs`), for tests.
+"""A small numpy reference encoder of the codec contract (`kvjax.storage.format.codecs`), for tests.
 
 It turns raw KV `[L, 2, C, K, H]` into valid payloads (`{name: np.ndarray}`) of every codec, so
 storage tests and measurements have realistic symbols without JAX. It is not the production
 encoder (that is `kvjax.kernels.kv_codec.kv_encode`); library code never imports it.
 
-Quantizers (the contract's table in `kvjax.storage.codecs`; G and T from `kvjax.codecs`):
+Quantizers (the contract's table in `kvjax.storage.format.codecs`; G and T from `kvjax.codecs`):
 - int8: symmetric per channel, `scale = absmax over the C tokens / 127`.
 - int4: asymmetric min-max per channel per group of G tokens, float16 scale and zero; codes are
   computed against the float16-rounded scale and zero, so `code * scale + zero` is what a decoder
@@ -20,7 +20,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kvjax.storage import codecs
+from kvjax.storage.format import codecs
 
 #: Bins per layer group (first, middle, last third of the layers) for each cachegen level, in
 #: units of the channel's delta rms. They grow with depth as in CacheGen section C.2 (there

@@ -32,13 +32,13 @@ from kvjax.engine.outputs import RequestOutput
 from kvjax.entrypoints import root
 from kvjax.entrypoints.llm import LLM, resolve_options
 from kvjax.entrypoints.root import RunnerFactory, build_engine_parts
-from kvjax.models.byte_tokenizer import ByteTokenizer
-from kvjax.models.kv_cache import paged_block_nbytes
-from kvjax.models.registry import LoadedModel, load_model
-from kvjax.models.runner_api import PagedRunnerConfig
+from kvjax.models.loading.byte_tokenizer import ByteTokenizer
+from kvjax.models.nn.kv_cache import paged_block_nbytes
+from kvjax.models.loading.registry import LoadedModel, load_model
+from kvjax.models.runner.runner_api import PagedRunnerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.request import SamplingParams
-from kvjax.storage.tiers import StoreConfig
+from kvjax.storage.tiering.tiers import StoreConfig
 from kvjax.testing.fake_runner import FakeRunner, fake_model_config
 
 #: `LLM`'s default chunk sizes, capped at the fake's context.
@@ -250,7 +250,7 @@ def fake_llm(model: str = "tiny", *, runner_seed: int = 0, max_seq_len: int | No
 
   Defaults differ from `LLM`'s where the fake needs it: `cache_dir=""` (nothing cached on
   disk), `compile_on_init=False` and `startup_progress=None` (as `real_llm`). "tiny" (default):
-  `kvjax.models.config.tiny`'s sizes and a `ByteTokenizer`; `max_seq_len` overrides its
+  `kvjax.models.nn.config.tiny`'s sizes and a `ByteTokenizer`; `max_seq_len` overrides its
   context of 512 tokens. Stored keys are seeded from a fingerprint of the fake's own.
 
   Raises:

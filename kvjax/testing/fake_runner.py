@@ -1,4 +1,4 @@
-"""A `Runner` (`kvjax.models.runner_api`) in numpy: a tiny deterministic attention model over a
+"""A `Runner` (`kvjax.models.runner.runner_api`) in numpy: a tiny deterministic attention model over a
 real block pool, no jit, no compile, for tests of everything above the model (scheduler, engine,
 Cake merge, store faults, sessions, tiers, look-ahead).
 
@@ -37,11 +37,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvjax.models import config as model_configs
-from kvjax.models.config import LlamaConfig
-from kvjax.models.runner_api import (PagedRunnerConfig, RunnerGeometry, SeqChunk, StepOutput,
-                                     layer_groups)
-from kvjax.storage import entropy
+from kvjax.models.nn import config as model_configs
+from kvjax.models.nn.config import LlamaConfig
+from kvjax.models.runner.runner_api import (PagedRunnerConfig, RunnerGeometry, SeqChunk, StepOutput,
+                                            layer_groups)
+from kvjax.storage.format import entropy
 from kvjax.testing import codec_payloads
 
 #: Codecs whose payloads `FakeRunner` encodes and inserts.
@@ -82,7 +82,7 @@ class NumpyDeviceSeam:
 
 
 def fake_model_config(**overrides: Any) -> LlamaConfig:
-  """The fake's architecture: `kvjax.models.config.tiny` (2 layers, 3 KV heads of 8, a byte
+  """The fake's architecture: `kvjax.models.nn.config.tiny` (2 layers, 3 KV heads of 8, a byte
   vocabulary of 256, 512 positions); only `vocab_size`, `n_layers`, `n_kv_heads`, `head_dim`
   and `max_seq_len` matter to the fake."""
   return model_configs.tiny(**overrides)

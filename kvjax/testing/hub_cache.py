@@ -6,7 +6,7 @@
         snapshots/<commit>/...          own cache links them to blobs/, which readers ignore)
 
 huggingface_hub's `snapshot_download(..., local_files_only=True)` (or with `HF_HUB_OFFLINE=1`)
-returns the snapshot folder of a cached revision, so `kvjax.models.hub` runs against this
+returns the snapshot folder of a cached revision, so `kvjax.models.loading.hub` runs against this
 layout exactly as against a cache the hub filled.
 """
 
@@ -17,9 +17,10 @@ import os
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from kvjax.models import config as config_lib, safetensors_loader
-from kvjax.models.config import LlamaConfig
-from kvjax.models.registry import tiny_params
+from kvjax.models.nn import config as config_lib
+from kvjax.models.loading import safetensors_loader
+from kvjax.models.nn.config import LlamaConfig
+from kvjax.models.loading.registry import tiny_params
 
 #: The tiny chat model's special tokens (ids 256 and 257, after the 256 bytes).
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")

@@ -65,7 +65,7 @@ def main(argv):
 def _total_devices(multi: dict) -> int:
   """Every device of every process (initializes jax.distributed first when multi-host)."""
   import jax  # noqa: PLC0415
-  from kvjax.models.sharding import initialize_distributed  # noqa: PLC0415
+  from kvjax.models.runner.sharding import initialize_distributed  # noqa: PLC0415
   if multi:
     initialize_distributed(multi["coordinator_address"], multi["num_processes"],
                            multi["process_id"])

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.kernels.attention import dense_attention_reference
-from kvjax.models import layers
-from kvjax.models.config import LlamaConfig
+from kvjax.models.nn import layers
+from kvjax.models.nn.config import LlamaConfig
 
 #: Absolute tolerances for comparing a path against the oracle, by compute dtype.
 ATOL = {"float32": 2e-4, "bfloat16": 1.5e-1}

@@ -3,7 +3,7 @@
 moto (5.x) checks a conditional PUT's precondition (`If-None-Match: *`, `If-Match`) and then
 writes the object with nothing held between the two, so on its threaded server two racing
 create-if-absent PUTs of one key can both succeed. S3 itself makes each conditional write
-atomic, and kvjax's publish protocol relies on that (`kvjax/storage/chunk_store.py`). The
+atomic, and kvjax's publish protocol relies on that (`kvjax/storage/backends/chunk_store.py`). The
 server here answers one request at a time (a WSGI wrapper holding a lock over the whole
 request, body included), so moto keeps S3's contract and a test that races publishers tests
 kvjax rather than the fake. Connections are still accepted concurrently.

@@ -1,6 +1,6 @@
 """Trace-driven simulation of multi-turn sessions under a KV placement policy (no model).
 
-Replays conversations (e.g. the ShareGPT trace) against `kvjax.storage.placement.TierHierarchy`
+Replays conversations (e.g. the ShareGPT trace) against `kvjax.storage.tiering.placement.TierHierarchy`
 the way CachedAttention's AttentionStore serves them (arXiv 2403.19708, sections 3.3 and 4):
 
   * New conversations arrive as a Poisson process (`SimConfig.arrival_rate_per_s`, default 1
@@ -43,8 +43,8 @@ import json
 import random
 from collections.abc import Callable, Sequence
 
-from kvjax.storage.eviction import PlacementPolicy, make_policy
-from kvjax.storage.placement import TierHierarchy, TierSpec
+from kvjax.storage.tiering.eviction import PlacementPolicy, make_policy
+from kvjax.storage.tiering.placement import TierHierarchy, TierSpec
 
 __all__ = ["Conversation", "Request", "Schedule", "SimConfig", "SimResult", "Turn",
            "build_schedule", "footprint_bytes", "load_sharegpt", "simulate",
@@ -374,7 +374,7 @@ def simulate(conversations: Sequence[Conversation], schedule: Schedule,
              policy: str | PlacementPolicy, tiers: Sequence[TierSpec],
              cfg: SimConfig) -> SimResult:
   """Replays `schedule` with a fresh `TierHierarchy(tiers, policy)`: the planner and the policy
-  class (`kvjax.storage.eviction.make_policy`) the real tiers run.
+  class (`kvjax.storage.tiering.eviction.make_policy`) the real tiers run.
 
   Args:
     conversations: the sessions `schedule` was built from.

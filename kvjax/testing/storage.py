@@ -7,8 +7,8 @@ import asyncio
 import ml_dtypes
 import numpy as np
 
-from kvjax.storage import keys
-from kvjax.storage.types import ChunkMiss, EncodedPayload, KVLayout
+from kvjax.storage.format import keys
+from kvjax.storage.format.types import ChunkMiss, EncodedPayload, KVLayout
 from kvjax.testing import codec_payloads
 
 C = 4

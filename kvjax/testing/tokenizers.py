@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from kvjax.models import gguf_loader
-from kvjax.models.tokenizer import Tokenizer
+from kvjax.models.loading import gguf_loader
+from kvjax.models.loading.tokenizer import Tokenizer
 
 
 @functools.cache

@@ -13,8 +13,8 @@ from kvjax.kernels import kv_codec as kc
 from kvjax.kernels import kv_codec_ref as kref
 from kvjax.kernels import kv_payloads as kp
 from kvjax.kernels import kvtc
-from kvjax.storage import codecs as stored
-from kvjax.storage.types import KVLayout
+from kvjax.storage.format import codecs as stored
+from kvjax.storage.format.types import KVLayout
 
 CHUNK_SIZES = (1, 7, 16, 48, 96, 100, 256, 384)
 # The default run's end-to-end sizes, one per branch of the rule: G = T = C = 1, an odd prime C

@@ -12,9 +12,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from kvjax.storage import chunk_store
-from kvjax.storage import keys
-from kvjax.storage.types import KVLayout
+from kvjax.storage.backends import chunk_store
+from kvjax.storage.format import keys
+from kvjax.storage.format.types import KVLayout
 from kvjax.store import cli
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

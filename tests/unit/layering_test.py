@@ -166,9 +166,26 @@ RUNNER_FLOORS = (
 )
 
 # The policy and the planner are pure Python: no array, storage or I/O library.
-PURE_STORAGE = {"eviction": {"kvjax._typing", "kvjax.storage.eviction"},
-                "placement": {"kvjax.storage.eviction"}}
+PURE_STORAGE = {"eviction": {"kvjax._typing", "kvjax.storage.tiering.eviction"},
+                "placement": {"kvjax.storage.tiering.eviction"}}
 PURE_FORBIDDEN = {"jax", "flax", "tensorstore", "numpy", "zstandard", "pcodec", "asyncio"}
+
+
+# The two largest rooms are split into sub-rooms (docs/architecture.md): a sub-room
+# imports only itself and the sub-rooms listed for it; every module of the room lives in
+# one.
+SUB_ROOMS = {
+    "models": {"nn": set(), "loading": {"nn"}, "runner": {"nn"}},
+    "storage": {"format": set(), "backends": {"format"}, "tiering": {"format", "backends"}},
+}
+
+
+def room_module(room, stem):
+  """The path of module `stem` of `room`, in whichever sub-room it lives."""
+  paths = list((PKG / room).rglob(f"{stem}.py"))
+  if len(paths) != 1:
+    raise AssertionError(f"kvjax/{room}: {len(paths)} modules named {stem}")
+  return paths[0]
 
 
 def kvjax_modules():
@@ -241,15 +258,15 @@ class LayeringTest(absltest.TestCase):
   def test_storage_modules_import_only_lower_floors(self):
     floor = {m: i for i, ms in enumerate(STORAGE_FLOORS) for m in ms}
     modules = kvjax_modules()
-    names = sorted(p.stem for p in (PKG / "storage").glob("*.py") if p.stem != "__init__")
+    names = sorted(p.stem for p in (PKG / "storage").rglob("*.py") if p.stem != "__init__")
     self.assertEqual(sorted(floor), names)  # a new storage module needs its floor here
     violations = []
     for name in names:
-      path = PKG / "storage" / f"{name}.py"
+      path = room_module("storage", name)
       for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
-        dep = mod.split(".")[2] if mod.startswith("kvjax.storage.") else None
+        dep = mod.split(".")[-1] if mod.startswith("kvjax.storage.") else None
         if dep in floor and floor[dep] >= floor[name]:
-          violations.append(f"kvjax/storage/{name}.py imports {mod}")
+          violations.append(f"{room_module('storage', name).relative_to(PKG.parent)} imports {mod}")
     self.assertEqual(violations, [])
 
   def test_scheduler_modules_import_only_lower_floors(self):
@@ -313,15 +330,15 @@ class LayeringTest(absltest.TestCase):
     modules = kvjax_modules()
     violations = []
     for name in floor:
-      path = PKG / "models" / f"{name}.py"
+      path = room_module("models", name)
       for mod in top_level_kvjax_imports(path, modules) | set(imported_modules(path)):
-        dep = mod.split(".")[2] if mod.startswith("kvjax.models.") else None
+        dep = mod.split(".")[-1] if mod.startswith("kvjax.models.") else None
         if dep in floor and floor[dep] >= floor[name]:
-          violations.append(f"kvjax/models/{name}.py imports {mod}")
+          violations.append(f"{room_module('models', name).relative_to(PKG.parent)} imports {mod}")
     fake = PKG / "testing" / "fake_runner.py"
     for mod in imported_modules(fake):
-      if mod.startswith("kvjax.models.") and mod.split(".")[2] in floor and (
-          mod != "kvjax.models.runner_api"):
+      if mod.startswith("kvjax.models.") and mod.split(".")[-1] in floor and (
+          mod != "kvjax.models.runner.runner_api"):
         violations.append(f"kvjax/testing/fake_runner.py imports {mod}")
     self.assertEqual(violations, [])
 
@@ -345,18 +362,18 @@ class LayeringTest(absltest.TestCase):
   def test_the_policy_and_the_planner_are_pure(self):
     violations = []
     for name, allowed in PURE_STORAGE.items():
-      for mod in imported_modules(PKG / "storage" / f"{name}.py"):
+      for mod in imported_modules(room_module("storage", name)):
         top = mod.split(".")[0]
         if (top == "kvjax" and mod not in allowed) or top in PURE_FORBIDDEN:
-          violations.append(f"kvjax/storage/{name}.py imports {mod}")
+          violations.append(f"{room_module('storage', name).relative_to(PKG.parent)} imports {mod}")
     self.assertEqual(violations, [])
 
   def test_the_simulator_and_the_real_tiers_share_one_policy_registry(self):
     # session_sim replays the planner with the policy classes the real tiers build
     # (`eviction.make_policy`); neither keeps a registry of its own.
     sim = set(imported_modules(PKG / "testing" / "session_sim.py"))
-    self.assertTrue({"kvjax.storage.eviction", "kvjax.storage.placement"} <= sim, sim)
-    for path in ("storage/tiers.py", "storage/placement.py", "testing/session_sim.py"):
+    self.assertTrue({"kvjax.storage.tiering.eviction", "kvjax.storage.tiering.placement"} <= sim, sim)
+    for path in ("storage/tiering/tiers.py", "storage/tiering/placement.py", "testing/session_sim.py"):
       self.assertIn("make_policy", (PKG / path).read_text(), path)
       self.assertNotIn("POLICIES: dict", (PKG / path).read_text(), path)
 
@@ -383,8 +400,22 @@ class LayeringTest(absltest.TestCase):
   def test_the_codec_rooms_read_the_registry(self):
     # Kernels (the math) and storage (the byte format) take codec ids, levels and the chunk-size
     # rule from kvjax.codecs, so they cannot disagree.
-    for path in ("kernels/kv_codec.py", "storage/codecs.py"):
+    for path in ("kernels/kv_codec.py", "storage/format/codecs.py"):
       self.assertIn("kvjax.codecs", set(imported_modules(PKG / path)), path)
+
+  def test_sub_rooms_import_only_lower_sub_rooms(self):
+    violations = []
+    for room, subs in SUB_ROOMS.items():
+      self.assertEqual([p.name for p in (PKG / room).glob("*.py")], ["__init__.py"], room)
+      self.assertEqual(sorted(p.name for p in (PKG / room).iterdir()
+                              if (p / "__init__.py").is_file()), sorted(subs), room)
+      for sub, allowed in subs.items():
+        for path in sorted((PKG / room / sub).rglob("*.py")):
+          for mod in imported_modules(path):
+            other = mod.split(".")[2] if mod.startswith(f"kvjax.{room}.") else None
+            if other in subs and other != sub and other not in allowed:
+              violations.append(f"{path.relative_to(PKG.parent)} imports {mod}")
+    self.assertEqual(violations, [])
 
   def test_rooms_exist(self):
     for room in ("kernels", "scheduler", "models", "engine", "connector", "storage", "serve",

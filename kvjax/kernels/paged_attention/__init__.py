@@ -50,7 +50,7 @@ def paged_attention(q_TNH, k_pool, v_pool, block_tables, context_lens, query_sta
   implementation (e.g. `num_kv_splits` for "gpu"); `interpret` to the Pallas ones. `platform`
   ("cpu" | "tpu" | "cuda"; None: the platform being compiled for) picks the implementation
   when none is given and is what the Pallas ones compile for. `num_kv_heads`: K of a pool
-  `[P, B, F]` whose last axis is padded past K * H (`kvjax.models.kv_cache.PoolLayout`).
+  `[P, B, F]` whose last axis is padded past K * H (`kvjax.models.nn.kv_cache.PoolLayout`).
 
   Raises:
     ValueError: unknown implementation, or as the chosen implementation raises.

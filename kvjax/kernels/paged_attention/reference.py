@@ -61,7 +61,7 @@ def check_shapes(q_TNH, k_pool, v_pool, block_tables, context_lens, query_start_
   """Checks ranks, dtypes and sizes; returns (T, N, H, num_blocks, block_size, K, S, M).
 
   A 3-D pool `[P, B, F]` holds K heads in its first `K * H` lanes (`num_kv_heads`; default
-  `F // H`); the rest is padding (`kvjax.models.kv_cache.PoolLayout`).
+  `F // H`); the rest is padding (`kvjax.models.nn.kv_cache.PoolLayout`).
 
   Raises:
     ValueError: on any inconsistency, naming the offending argument.
@@ -405,7 +405,7 @@ def paged_attention_reference(
       order; T may be padded past `query_start_loc[num_seqs]`.
     k_pool: [num_blocks, block_size, F] keys after RoPE of one layer, heads folded into the
       last axis head-major: K heads in the first K * H lanes, padding after (the engine's pool,
-      `kvjax.models.kv_cache.PagedKVCache`); or [num_blocks, block_size, K, H]. N % K == 0
+      `kvjax.models.nn.kv_cache.PagedKVCache`); or [num_blocks, block_size, K, H]. N % K == 0
       (G = N / K).
     v_pool: values, same shape and dtype. Unused blocks and slots may hold
       anything, NaN included: they are never read into the result.

@@ -3,7 +3,7 @@
 Grid `(W query tiles, K / Kb kv-head groups, cdiv(M, n) kv steps)`; the tile metadata and the
 block tables are scalar-prefetched into SMEM, and the pool BlockSpecs' index maps read the block
 table, so the pipeline DMAs exactly the pool blocks a tile needs: n blocks per grid step, each a
-`[block_size, F]` slab of the pool `[P, B, F]` (the engine's layout, `kvjax.models.kv_cache.
+`[block_size, F]` slab of the pool `[P, B, F]` (the engine's layout, `kvjax.models.nn.kv_cache.
 PoolLayout`: heads folded into the lane axis and padded to whole 128 lanes, so a block is whole
 (sublane, lane) tiles and the pool needs no conversion; head h of a slab is lanes
 `[h * H, (h + 1) * H)`; with Kb < K heads per step, `[block_size, Kb * H]`). Steps past a tile's
@@ -249,7 +249,7 @@ def paged_attention_tpu(
   if not interpret and resolve_platform(platform) != "tpu":
     raise ValueError("paged_attention_tpu compiles for TPU only; pass interpret=True elsewhere")
   # A pool given as [P, B, K, H] is folded (a layout change on TPU: the engine's pool is folded
-  # already, `kvjax.models.kv_cache.PagedKVCache`).
+  # already, `kvjax.models.nn.kv_cache.PagedKVCache`).
   return _tpu_jit(q_TNH, fold_pool(k_pool), fold_pool(v_pool), block_tables, context_lens,
                   query_start_loc, jnp.asarray(num_seqs, jnp.int32).reshape(()),
                   sm_scale=resolve_scale(sm_scale, h_), query_block=int(query_block),

@@ -9,7 +9,7 @@ from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
 from kvjax.entrypoints import builder
-from kvjax.storage.tiers import StoreConfig, TierConfig
+from kvjax.storage.tiering.tiers import StoreConfig, TierConfig
 
 
 class BuilderTest(parameterized.TestCase):

@@ -11,11 +11,12 @@ from absl.testing import absltest
 
 from kvjax.connector import KVStoreClient, SaveJob
 from kvjax.connector.device import DeviceSeam, decode_on_device, held_nbytes
-from kvjax.models.device_seam import JaxDeviceSeam
+from kvjax.models.runner.device_seam import JaxDeviceSeam
 from kvjax.testing.fake_runner import NumpyDeviceSeam
-from kvjax.storage import entropy, keys
-from kvjax.storage.tiers import KVStore
-from kvjax.storage.types import ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout, MissReason
+from kvjax.storage.format import entropy, keys
+from kvjax.storage.tiering.tiers import KVStore
+from kvjax.storage.format.types import (ChunkHit, ChunkMiss, ChunkRecord, Encoding, KVLayout,
+                                        MissReason)
 
 LAYOUT = KVLayout(num_layers=2, chunk_size=4, num_kv_heads=1, head_dim=2, dtype="float32")
 

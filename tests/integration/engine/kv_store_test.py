@@ -35,8 +35,9 @@ class KVStoreEngineTest(unit.KVStoreEngineUnitTest):
 SECOND_PROCESS = """
 import json, sys
 from kvjax import LLM, SamplingParams
-from kvjax.models import config, safetensors_loader
-from kvjax.models.registry import tiny_params
+from kvjax.models.nn import config
+from kvjax.models.loading import safetensors_loader
+from kvjax.models.loading.registry import tiny_params
 llm = LLM("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_store=sys.argv[1],
           kv_chunk_size=32, kv_merge_mode="load_only")
 out = llm.generate({"prompt_token_ids": json.loads(sys.argv[2])},

@@ -10,12 +10,12 @@ from absl.testing import absltest
 
 from kvjax import SamplingParams
 from kvjax.testing.engines import real_llm
-from kvjax.models import kv_calibration
-from kvjax.models.calibration_model import CalibrationModel
-from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
-from kvjax.models.registry import load_model
+from kvjax.models.loading import kv_calibration
+from kvjax.models.nn.calibration_model import CalibrationModel
+from kvjax.models.nn.llama import Llama
+from kvjax.models.runner.paged_runner import PagedModelRunner
+from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk
+from kvjax.models.loading.registry import load_model
 
 C = 32
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3)

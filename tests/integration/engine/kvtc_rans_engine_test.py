@@ -12,7 +12,7 @@ from absl.testing import absltest
 
 from kvjax import SamplingParams
 from kvjax.testing.engines import real_llm
-from kvjax.storage import codecs, entropy
+from kvjax.storage.format import codecs, entropy
 
 C = 32
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)

@@ -9,10 +9,10 @@ import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax.testing.engines import real_llm
-from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk, layer_groups
-from kvjax.models.registry import load_model
+from kvjax.models.nn.llama import Llama
+from kvjax.models.runner.paged_runner import PagedModelRunner
+from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk, layer_groups
+from kvjax.models.loading.registry import load_model
 from tests.unit.engine import layerwise_unit_test as unit
 
 B, C = 16, 32

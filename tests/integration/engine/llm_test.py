@@ -6,7 +6,7 @@ from absl.testing import absltest
 from kvjax import SamplingParams
 from kvjax.testing.engines import real_llm
 from kvjax.engine.engine import Engine
-from kvjax.models.registry import load_model
+from kvjax.models.loading.registry import load_model
 from kvjax.scheduler import SchedulerConfig
 from kvjax.testing import oracle
 

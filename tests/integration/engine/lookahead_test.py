@@ -9,7 +9,7 @@ from absl.testing import absltest
 
 from kvjax import SamplingParams
 from kvjax.testing.engines import real_llm
-from kvjax.storage import keys
+from kvjax.storage.format import keys
 from tests.unit.engine import lookahead_unit_test as unit
 
 C, GREEDY = unit.C, unit.GREEDY

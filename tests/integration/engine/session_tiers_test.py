@@ -12,7 +12,7 @@ import pytest
 from absl.testing import absltest
 
 from kvjax import SamplingParams
-from kvjax.models.registry import DEFAULT_MODEL
+from kvjax.models.loading.registry import DEFAULT_MODEL
 from kvjax.testing.engines import real_llm
 from kvjax.sessions import EXTENDED
 from kvjax.storage import StoreConfig, TierConfig

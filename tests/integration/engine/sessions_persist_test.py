@@ -16,7 +16,7 @@ from absl.testing import absltest
 from kvjax import LLM
 from kvjax.testing.engines import real_llm
 from kvjax.sessions import EXTENDED, FIRST, SessionConfig, SessionFiles, SessionRegistry
-from kvjax.models.byte_tokenizer import ByteTokenizer
+from kvjax.models.loading.byte_tokenizer import ByteTokenizer
 from tests.unit.engine import sessions_persist_unit_test as unit
 
 C = unit.C

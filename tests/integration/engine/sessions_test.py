@@ -12,7 +12,7 @@ from kvjax.testing.engines import real_llm
 from kvjax import sessions
 from kvjax.sessions import (EXTENDED, FIRST, NOT_EXTENDED, SessionBusy, SessionConfig,
                                    SessionRegistry, chat_prompt, record_turn)
-from kvjax.models.byte_tokenizer import ByteTokenizer
+from kvjax.models.loading.byte_tokenizer import ByteTokenizer
 from kvjax.testing import tokenizers
 
 USER1 = [{"role": "user", "content": "Explain JSON with an example."}]

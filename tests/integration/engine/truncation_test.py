@@ -9,11 +9,11 @@ import pytest
 from absl.testing import absltest
 
 from kvjax import SamplingParams
-from kvjax.models.registry import DEFAULT_MODEL
+from kvjax.models.loading.registry import DEFAULT_MODEL
 from kvjax.testing.engines import real_llm
 from kvjax import sessions
 from kvjax.engine.rerotation import stage_rerotated
-from kvjax.models.runner_api import SeqChunk
+from kvjax.models.runner.runner_api import SeqChunk
 from kvjax.sessions import KeptSpan, truncate_prompt
 
 from tests.integration.engine.sessions_test import smollm2_tokenizer

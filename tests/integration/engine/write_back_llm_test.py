@@ -8,7 +8,8 @@ from absl.testing import absltest
 
 from kvjax import SamplingParams
 from kvjax.testing.engines import real_llm
-from kvjax.storage import StoreConfig, TierConfig, keys
+from kvjax.storage import StoreConfig, TierConfig
+from kvjax.storage.format import keys
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 C = 32
@@ -56,7 +57,7 @@ class WriteBackLLMTest(absltest.TestCase):
     self.assertEqual(second.token_ids, self.cold)
     self.assertEqual(second.num_cached_tokens, 4 * C)
     # Saved chain X0 -> X1 -> X2 -> X3 into a host of two chunks: a save never displaces its
-    # own prefix (`kvjax.storage.placement`, the one planner), so X2 and X3 go straight to the
+    # own prefix (`kvjax.storage.tiering.placement`, the one planner), so X2 and X3 go straight to the
     # disk and the prefix stays in the host.
     self.assertEqual(in_host, [True, True, False, False])
     # (in the order the loads landed: host reads first)

@@ -11,7 +11,7 @@ from kvjax import codecs
 from kvjax.kernels import kv_codec as kc
 from kvjax.kernels import kv_codec_ref as kref
 from kvjax.kernels import kv_payloads as kp
-from kvjax.models import layers
+from kvjax.models.nn import layers
 
 # Both execution paths run every test body: the Pallas kernels (interpret mode on CPU, compiled
 # on an accelerator), and the pure-jnp reference path the CPU engine uses.

@@ -7,7 +7,7 @@ import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax.kernels import kvtc_rans
-from kvjax.storage import entropy
+from kvjax.storage.format import entropy
 
 
 def codes(shape, seed=0, top=20.0):

@@ -12,10 +12,10 @@ from absl.testing import absltest, parameterized
 from kvjax import codecs
 from kvjax.kernels import kv_codec as kc
 from kvjax.kernels import kvtc
-from kvjax.models import kv_calibration
-from kvjax.storage import codecs as stored
-from kvjax.storage import entropy
-from kvjax.storage.types import KVLayout
+from kvjax.models.loading import kv_calibration
+from kvjax.storage.format import codecs as stored
+from kvjax.storage.format import entropy
+from kvjax.storage.format.types import KVLayout
 
 L, K, H, C = 3, 3, 8, 32
 D = K * H

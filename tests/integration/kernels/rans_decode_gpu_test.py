@@ -11,7 +11,7 @@ from absl.testing import absltest, parameterized
 from jax import export
 
 from kvjax.kernels import rans_decode as rd
-from kvjax.storage import rans
+from kvjax.storage.format import rans
 
 INTERPRET = jax.default_backend() != "gpu"
 

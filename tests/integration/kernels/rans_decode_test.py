@@ -9,7 +9,7 @@ import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax.kernels import rans_decode as rd
-from kvjax.storage import rans
+from kvjax.storage.format import rans
 
 INTERPRET = jax.default_backend() == "cpu"
 MODES = (dict(testcase_name="pallas", use_pallas=True),

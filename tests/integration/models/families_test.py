@@ -19,12 +19,13 @@ import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
-from kvjax.models import config as config_lib, safetensors_loader
-from kvjax.models.fingerprint import model_fingerprint
-from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.registry import load_model
-from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
+from kvjax.models.nn import config as config_lib
+from kvjax.models.loading import safetensors_loader
+from kvjax.models.loading.fingerprint import model_fingerprint
+from kvjax.models.nn.llama import Llama
+from kvjax.models.runner.paged_runner import PagedModelRunner
+from kvjax.models.loading.registry import load_model
+from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk
 from kvjax.testing import oracle
 from kvjax.testing.engines import real_llm
 

@@ -9,9 +9,9 @@ from absl.testing import parameterized
 import gguf
 import numpy as np
 
-from kvjax.models.llama import param_shapes
-from kvjax.models import config
-from kvjax.models import gguf_loader
+from kvjax.models.nn.llama import param_shapes
+from kvjax.models.nn import config
+from kvjax.models.loading import gguf_loader
 
 _LAYER_SUFFIXES = {  # canonical name -> GGUF per-layer tensor suffix.
     "layers.attn_norm": "attn_norm", "layers.wq": "attn_q", "layers.wk": "attn_k",

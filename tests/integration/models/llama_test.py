@@ -8,11 +8,11 @@ import pytest
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from kvjax.models import config, layers
-from kvjax.models.llama import Llama, param_shapes
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
-from kvjax.models.registry import tiny_params
+from kvjax.models.nn import config, layers
+from kvjax.models.nn.llama import Llama, param_shapes
+from kvjax.models.runner.paged_runner import PagedModelRunner
+from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk
+from kvjax.models.loading.registry import tiny_params
 from kvjax.testing.oracle import ATOL, oracle_forward
 
 CFG = config.tiny()

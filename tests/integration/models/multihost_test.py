@@ -3,7 +3,7 @@ collectives through gloo), 2 host devices each, give the same greedy tokens and 
 log-probs (1e-4) as 1 process with 4 devices, cold and from the store chunks the run saved.
 
 Covered: the whole `LLM` (scheduler and engine on process 0, every device call sent to process
-1 by `kvjax.models.multihost`), the sharded ragged step over a mesh spanning both processes,
+1 by `kvjax.models.runner.multihost`), the sharded ragged step over a mesh spanning both processes,
 warmup, store saves (process 0) and store-hit inserts (broadcast to every process), close.
 Not covered here: the HTTP server on process 0 (flags only), lossy codecs (refused multi-host).
 """

@@ -1,16 +1,16 @@
-"""The paged pool's layout (`kvjax.models.kv_cache.PoolLayout`: heads folded into the last axis,
+"""The paged pool's layout (`kvjax.models.nn.kv_cache.PoolLayout`: heads folded into the last axis,
 padded to whole TPU lanes per shard) and the default pool size on an accelerator
-(`kvjax.models.pool_memory.pool_blocks_for_memory`, fed fake memory figures)."""
+(`kvjax.models.runner.pool_memory.pool_blocks_for_memory`, fed fake memory figures)."""
 
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
 from kvjax.kernels import paged_attention as pa
-from kvjax.models import pool_memory as pm
-from kvjax.models.kv_cache import (PoolLayout, init_paged_kv_cache, read_pool_blocks,
-                                   write_chunk_blocks, write_layer_blocks)
-from kvjax.models.registry import load_model
+from kvjax.models.runner import pool_memory as pm
+from kvjax.models.nn.kv_cache import (PoolLayout, init_paged_kv_cache, read_pool_blocks,
+                                      write_chunk_blocks, write_layer_blocks)
+from kvjax.models.loading.registry import load_model
 
 TINY = load_model("tiny").config  # 2 KV heads of 16
 

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
-from kvjax.models.registry import load_model
+from kvjax.models.nn.llama import Llama
+from kvjax.models.runner.paged_runner import PagedModelRunner
+from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk
+from kvjax.models.loading.registry import load_model
 
 B = 16
 TINY = load_model("tiny")

@@ -9,9 +9,10 @@ from absl.testing import absltest
 
 from kvjax import SamplingParams
 from kvjax.testing.engines import real_llm
-from kvjax.models import checkpoint, config, safetensors_loader
-from kvjax.models.fingerprint import model_fingerprint
-from kvjax.models.registry import load_model, tiny_params
+from kvjax.models.loading import checkpoint, safetensors_loader
+from kvjax.models.nn import config
+from kvjax.models.loading.fingerprint import model_fingerprint
+from kvjax.models.loading.registry import load_model, tiny_params
 
 
 class RegistryTest(absltest.TestCase):

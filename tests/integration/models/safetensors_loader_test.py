@@ -9,9 +9,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from kvjax.models import config
-from kvjax.models.llama import param_shapes
-from kvjax.models import safetensors_loader as st
+from kvjax.models.nn import config
+from kvjax.models.nn.llama import param_shapes
+from kvjax.models.loading import safetensors_loader as st
 
 
 def random_params(cfg, seed=0):

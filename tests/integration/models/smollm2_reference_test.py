@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
-from kvjax.models.registry import load_model
+from kvjax.models.nn.llama import Llama
+from kvjax.models.runner.paged_runner import PagedModelRunner
+from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk
+from kvjax.models.loading.registry import load_model
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "testdata"
 LOGIT_ATOL = 1e-3

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from kvjax.models import sharding
-from kvjax.models.config import tiny
+from kvjax.models.runner import sharding
+from kvjax.models.nn.config import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -7,8 +7,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jinja2
 
-from kvjax.models import gguf_loader
-from kvjax.models.tokenizer import Tokenizer
+from kvjax.models.loading import gguf_loader
+from kvjax.models.loading.tokenizer import Tokenizer
 from kvjax.testing import tokenizers
 
 _FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "testdata",

@@ -20,11 +20,11 @@ from flax import nnx
 
 from kvjax.kernels import paged_attention as pa
 from kvjax.kernels import rans_decode as rd
-from kvjax.models import config as model_configs
-from kvjax.models.llama import Llama
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.runner_api import PagedRunnerConfig
-from kvjax.models.sharding import TensorParallel
+from kvjax.models.nn import config as model_configs
+from kvjax.models.nn.llama import Llama
+from kvjax.models.runner.paged_runner import PagedModelRunner
+from kvjax.models.runner.runner_api import PagedRunnerConfig
+from kvjax.models.runner.sharding import TensorParallel
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 #: Set to 1 where libtpu was installed on purpose (.ci/run): a missing libtpu fails the tests.

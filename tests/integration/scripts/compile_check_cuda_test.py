@@ -11,8 +11,8 @@ from absl.testing import absltest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "scripts"))
 import compile_check as cc  # noqa: E402  pylint: disable=wrong-import-position
 
-from kvjax.models import config as model_configs  # noqa: E402
-from kvjax.models.runner_api import PagedRunnerConfig  # noqa: E402
+from kvjax.models.nn import config as model_configs  # noqa: E402
+from kvjax.models.runner.runner_api import PagedRunnerConfig  # noqa: E402
 
 C = 64
 

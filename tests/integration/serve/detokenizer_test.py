@@ -2,7 +2,7 @@
 
 from absl.testing import absltest, parameterized
 
-from kvjax.models.byte_tokenizer import ByteTokenizer
+from kvjax.models.loading.byte_tokenizer import ByteTokenizer
 from kvjax.testing import tokenizers
 from kvjax.serve.detokenizer import IncrementalDetokenizer
 

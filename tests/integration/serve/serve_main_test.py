@@ -13,8 +13,8 @@ import openai
 import pytest
 from absl.testing import absltest
 
-from kvjax.models.kv_cache import paged_block_nbytes
-from kvjax.models.registry import load_model
+from kvjax.models.nn.kv_cache import paged_block_nbytes
+from kvjax.models.loading.registry import load_model
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 TINY = ["--model=tiny", "--port=0", "--cache_dir=", "--chunk_sizes=16,32", "--max_num_seqs=1"]

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from absl.testing import absltest
 
-from kvjax.models import gguf_loader
+from kvjax.models.loading import gguf_loader
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 TINY = ["--model=tiny", "--port=0", "--cache_dir=", "--chunk_sizes=16,32", "--max_num_seqs=1"]

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 from absl.testing import absltest
 
-from kvjax.models.registry import DEFAULT_MODEL
+from kvjax.models.loading.registry import DEFAULT_MODEL
 from kvjax.testing.engines import real_llm
 from kvjax.testing.serve import ServedLLMTestCase
 

@@ -1,4 +1,4 @@
-"""Tests for kvjax.storage.keys."""
+"""Tests for kvjax.storage.format.keys."""
 
 import dataclasses
 import hashlib
@@ -9,7 +9,7 @@ import sys
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from kvjax.storage import keys
+from kvjax.storage.format import keys
 
 NS = keys.KeyNamespace(model_fingerprint="fp", kv_dtype="bfloat16", kv_layout_version=1,
                        chunk_size=4)
@@ -165,7 +165,7 @@ class TailKeyTest(absltest.TestCase):
 
 
 _SNIPPET = """
-from kvjax.storage import keys
+from kvjax.storage.format import keys
 ns = keys.KeyNamespace("fp", "bfloat16", 1, 4, cache_salt="s")
 print(ns.root_hash(), *keys.chunk_hashes(ns, list(range(9))),
       keys.hash_chunk("p", [1], ["x", 2, b"y"]))

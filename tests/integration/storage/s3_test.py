@@ -23,13 +23,13 @@ except ImportError as e:
   raise ImportError("tests/integration/storage/s3_test.py needs moto[server] and boto3: "
                     "pip install -e '.[test]'") from e
 
-from kvjax.storage import chunk_store
-from kvjax.storage import keys
-from kvjax.storage import specs
+from kvjax.storage.backends import chunk_store
+from kvjax.storage.format import keys
+from kvjax.storage.backends import specs
 from kvjax.testing.s3 import MotoServer
 from kvjax.testing.storage import (C, HASHES, NS, ROOT, TOKENS, StoreAssertions, bits as _bits,
                                    layout as _layout, run, values as _values)
-from kvjax.storage.types import ChunkHit, ChunkRecord, Encoding, KVLayout, MissReason
+from kvjax.storage.format.types import ChunkHit, ChunkRecord, Encoding, KVLayout, MissReason
 
 BUCKET = "kvjax-test"
 REGION = "us-east-1"

@@ -21,7 +21,7 @@ import tempfile
 
 from absl.testing import absltest, parameterized
 
-from kvjax.storage.placement import TierSpec
+from kvjax.storage.tiering.placement import TierSpec
 from kvjax.testing import session_sim as ss
 
 CONVS = [ss.Conversation("A", (ss.Turn(4, 4), ss.Turn(4, 1))),

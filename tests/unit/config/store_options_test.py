@@ -13,7 +13,7 @@ from kvjax.config import EngineOptions
 from kvjax.config.options import LOCAL_LINK_LATENCY_S, REMOTE_LINK_LATENCY_S
 from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.storage import DEFAULT_STORE_CAPACITY_BYTES
-from kvjax.storage.tiers import StoreConfig, TierConfig
+from kvjax.storage.tiering.tiers import StoreConfig, TierConfig
 
 
 def store(**flat):

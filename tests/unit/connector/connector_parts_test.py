@@ -17,11 +17,11 @@ from kvjax.connector.records import SAVING, LookaheadRequest, SaveJob
 from kvjax.connector.request_keys import OpenRequests
 from kvjax.connector.saver import Saver
 from kvjax.connector.transfer import HostToDevice
-from kvjax.storage import keys
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.store_config import StoreConfig
-from kvjax.storage.tiers import build_tiers
-from kvjax.storage.types import ChunkHit, KVLayout
+from kvjax.storage.format import keys
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.store_config import StoreConfig
+from kvjax.storage.tiering.tiers import build_tiers
+from kvjax.storage.format.types import ChunkHit, KVLayout
 from kvjax.testing.engines import memory_store_url
 from kvjax.testing.fake_runner import NumpyDeviceSeam
 

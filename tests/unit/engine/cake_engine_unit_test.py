@@ -15,7 +15,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams, codecs
-from kvjax.storage import keys
+from kvjax.storage.format import keys
 from kvjax.testing import engines
 
 C = 16

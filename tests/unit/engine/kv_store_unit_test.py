@@ -9,8 +9,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
-from kvjax.models import config, safetensors_loader
-from kvjax.models.registry import tiny_params
+from kvjax.models.nn import config
+from kvjax.models.loading import safetensors_loader
+from kvjax.models.loading.registry import tiny_params
 from kvjax.testing import engines
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
@@ -138,7 +139,7 @@ class KVStoreEngineUnitTest(KVStoreCase):
     self.run_prompt(llm)
     # Corrupt the data of one stored chunk (chunk 2 of 4 candidates): flip bytes in the middle.
     ns = llm.kv_store.namespace(None)
-    from kvjax.storage import keys  # noqa: PLC0415
+    from kvjax.storage.format import keys  # noqa: PLC0415
     h2 = keys.chunk_hashes(ns, PROMPT)[2]
     victims = [f for f in self._data_files() if h2 in f and not f.endswith(".json")]
     self.assertLen(victims, 1)
@@ -158,7 +159,7 @@ class KVStoreEngineUnitTest(KVStoreCase):
   def test_one_save_repairs_every_bad_chunk_of_the_chain(self):
     llm = self.make_llm(self.url)
     self.run_prompt(llm)
-    from kvjax.storage import keys  # noqa: PLC0415
+    from kvjax.storage.format import keys  # noqa: PLC0415
     hashes = keys.chunk_hashes(llm.kv_store.namespace(None), PROMPT)
     for h in (hashes[1], hashes[3]):
       (victim,) = [f for f in self._data_files() if h in f and not f.endswith(".json")]
@@ -192,7 +193,7 @@ class KVStoreEngineUnitTest(KVStoreCase):
   def test_missing_middle_chunk_is_computed_and_the_chunks_around_it_load(self):
     llm = self.make_llm(self.url)
     self.run_prompt(llm)
-    from kvjax.storage import keys  # noqa: PLC0415
+    from kvjax.storage.format import keys  # noqa: PLC0415
     h1 = keys.chunk_hashes(llm.kv_store.namespace(None), PROMPT)[1]
     os.remove(os.path.join(self.root, "index", f"{h1}.json"))
     out = self.run_prompt(llm)

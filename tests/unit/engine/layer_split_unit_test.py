@@ -15,7 +15,7 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax import SamplingParams
-from kvjax.models.runner_api import SeqChunk
+from kvjax.models.runner.runner_api import SeqChunk
 from kvjax.scheduler import CostModel
 from kvjax.testing import engines
 from kvjax.testing.fake_runner import fake_model_config

@@ -10,8 +10,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
-from kvjax.models.kv_cache import paged_block_nbytes
-from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
+from kvjax.models.nn.kv_cache import paged_block_nbytes
+from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk
 from kvjax.storage import StoreConfig, TierConfig
 from kvjax.testing import engines
 from kvjax.testing.fake_runner import FakeRunner, fake_model_config

@@ -8,7 +8,8 @@ from absl.testing import absltest
 
 from kvjax import SamplingParams
 from kvjax.connector import LookaheadRequest
-from kvjax.storage import StoreConfig, TierConfig, keys
+from kvjax.storage import StoreConfig, TierConfig
+from kvjax.storage.format import keys
 from kvjax.testing import engines
 from kvjax.testing.fake_runner import fake_model_config
 

@@ -11,7 +11,7 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax import SamplingParams
-from kvjax.models.kv_cache import paged_block_nbytes
+from kvjax.models.nn.kv_cache import paged_block_nbytes
 from kvjax.testing import engines
 from kvjax.testing.fake_runner import fake_model_config
 

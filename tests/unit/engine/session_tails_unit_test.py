@@ -16,7 +16,8 @@ from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
 from kvjax.connector import SAVING
-from kvjax.storage import StoreConfig, TierConfig, keys
+from kvjax.storage import StoreConfig, TierConfig
+from kvjax.storage.format import keys
 from kvjax.testing import engines
 
 C = 32

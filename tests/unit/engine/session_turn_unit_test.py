@@ -10,7 +10,7 @@ from absl.testing import absltest
 
 from kvjax import SamplingParams
 from kvjax.merge_mode import MergeMode
-from kvjax.models.byte_tokenizer import ByteTokenizer
+from kvjax.models.loading.byte_tokenizer import ByteTokenizer
 from kvjax.serve import completions, protocol
 from kvjax.sessions import (DROP_OLDEST_TURNS, REROTATED_SALT_PREFIX, TRUNCATE_NONE, SessionConfig,
                             SessionRegistry, output_reservation, prompt_limit, run_turn)

@@ -13,7 +13,7 @@ import tempfile
 from absl.testing import absltest
 
 from kvjax import LLM, SamplingParams
-from kvjax.storage import keys
+from kvjax.storage.format import keys
 from kvjax.sessions import EXTENDED, FIRST
 from kvjax.testing import engines
 

@@ -20,9 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvjax import SamplingParams
 from kvjax.entrypoints import root as root_module
 from kvjax.serve.metrics import ServeMetrics
-from kvjax.storage import StoreConfig, TierConfig, keys
-from kvjax.storage.chunk_store import ChunkStore, index_key, run_sync
-from kvjax.storage.types import ChunkHit, EncodedPayload, MissReason
+from kvjax.storage import StoreConfig, TierConfig
+from kvjax.storage.format import keys
+from kvjax.storage.backends.chunk_store import ChunkStore, index_key, run_sync
+from kvjax.storage.format.types import ChunkHit, EncodedPayload, MissReason
 from kvjax.testing import engines
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

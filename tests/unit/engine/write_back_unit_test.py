@@ -9,7 +9,8 @@ import numpy as np
 from absl.testing import absltest
 
 from kvjax import SamplingParams
-from kvjax.storage import StoreConfig, TierConfig, keys
+from kvjax.storage import StoreConfig, TierConfig
+from kvjax.storage.format import keys
 from kvjax.testing import engines
 from kvjax.testing.fake_runner import fake_model_config
 
@@ -56,7 +57,7 @@ class WriteBackEngineUnitTest(absltest.TestCase):
     self.assertEqual(second.token_ids, self.cold)
     self.assertEqual(second.num_cached_tokens, 4 * C)
     # Saved chain X0 -> X1 -> X2 -> X3 into a host of two chunks: a save never displaces its
-    # own prefix (`kvjax.storage.placement`, the one planner), so X2 and X3 go straight to the
+    # own prefix (`kvjax.storage.tiering.placement`, the one planner), so X2 and X3 go straight to the
     # disk and the prefix stays in the host (the host used to evict X1, then X0, by its own
     # rule, and demote them).
     self.assertEqual(in_host, [True, True, False, False])

@@ -1,4 +1,4 @@
-"""Hub ids (`kvjax/models/hub.py`) without a network: a hub cache laid out in a temp dir
+"""Hub ids (`kvjax/models/loading/hub.py`) without a network: a hub cache laid out in a temp dir
 (`kvjax/testing/hub_cache.py`) read by huggingface_hub's own `snapshot_download` offline, and
 the hub's errors raised by a stub download, each mapped to one line that says what to do."""
 
@@ -16,7 +16,7 @@ from absl.testing import parameterized
 from huggingface_hub import errors, snapshot_download
 
 from kvjax.config import EngineOptions
-from kvjax.models import hub, registry
+from kvjax.models.loading import hub, registry
 from kvjax.serve import ServerConfig
 from kvjax.serve import __main__ as serve_main
 from kvjax.testing import hub_cache

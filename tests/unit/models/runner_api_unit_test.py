@@ -1,4 +1,4 @@
-"""The `Runner` protocol (`kvjax.models.runner_api`): both runners implement every call, and the
+"""The `Runner` protocol (`kvjax.models.runner.runner_api`): both runners implement every call, and the
 engine's calls are the protocol's."""
 
 import ast
@@ -7,12 +7,12 @@ import pathlib
 import numpy as np
 from absl.testing import absltest
 
-from kvjax.models import runner_api
-from kvjax.models.paged_runner import PagedModelRunner
-from kvjax.models.runner_api import PagedRunnerConfig, SeqChunk
+from kvjax.models.runner import runner_api
+from kvjax.models.runner.paged_runner import PagedModelRunner
+from kvjax.models.runner.runner_api import PagedRunnerConfig, SeqChunk
 from kvjax.testing.fake_runner import FakeRunner
 
-ENGINE = pathlib.Path(runner_api.__file__).resolve().parents[1] / "engine" / "engine.py"
+ENGINE = pathlib.Path(runner_api.__file__).resolve().parents[2] / "engine" / "engine.py"
 
 
 def protocol_attributes():

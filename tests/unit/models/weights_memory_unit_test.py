@@ -1,5 +1,5 @@
 """A model whose weights do not fit the device is refused before its weights load
-(`kvjax.models.weights_memory`, `LLM(...)`): parameter bytes from the checkpoint's shapes and
+(`kvjax.models.runner.weights_memory`, `LLM(...)`): parameter bytes from the checkpoint's shapes and
 the resolved dtype, against a device memory figure injected here (no accelerator needed)."""
 
 import json
@@ -12,9 +12,10 @@ from absl.testing import absltest
 
 from kvjax.entrypoints import llm as llm_module
 from kvjax.entrypoints import root
-from kvjax.models import checkpoint, config, gguf_loader, registry
-from kvjax.models.weights_memory import (check_weights_fit, device_free_bytes, param_count,
-                                         param_nbytes)
+from kvjax.models.loading import checkpoint, gguf_loader, registry
+from kvjax.models.nn import config
+from kvjax.models.runner.weights_memory import (check_weights_fit, device_free_bytes, param_count,
+                                                param_nbytes)
 from kvjax.testing.engines import fake_runner_seam
 
 GIB = 2**30

@@ -9,7 +9,7 @@ from kvjax.scheduler.block_pool import (AllBlocksClearedEvent, BlockPool, BlockR
                                         BlockStoredEvent)
 from kvjax.scheduler.kv_cache_manager import KVCacheManager, KVCacheStats
 from kvjax.scheduler.request import Request, SamplingParams
-from kvjax.storage import keys
+from kvjax.storage.format import keys
 
 
 def ns(salt=None, chunk_size=8):

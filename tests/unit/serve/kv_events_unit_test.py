@@ -20,8 +20,8 @@ from absl.testing import absltest
 
 from kvjax.engine import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
                           KVCacheEvents)
-from kvjax.models import config
-from kvjax.models.kv_cache import paged_block_nbytes
+from kvjax.models.nn import config
+from kvjax.models.nn.kv_cache import paged_block_nbytes
 from kvjax.serve import ServerConfig
 from kvjax.serve import kv_events
 from kvjax.testing import engines, vllm_hash

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvjax import SamplingParams
 from kvjax.engine import EngineStats, LoopStats
-from kvjax.models import config
-from kvjax.models.kv_cache import paged_block_nbytes
+from kvjax.models.nn import config
+from kvjax.models.nn.kv_cache import paged_block_nbytes
 from kvjax.scheduler.kv_cache_manager import KVCacheStats
 from kvjax.serve import ServerConfig
 from kvjax.serve.metrics import ServeMetrics

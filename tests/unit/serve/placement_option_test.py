@@ -6,7 +6,7 @@ port."""
 from absl.testing import absltest
 
 from kvjax.serve.server import ServerConfig
-from kvjax.storage.tiers import StoreConfig, TierConfig
+from kvjax.storage.tiering.tiers import StoreConfig, TierConfig
 
 TIERS = '[{"kind": "host", "capacity_bytes": 1048576}, {"kind": "disk", "url": "memory://p"}]'
 TIER_CONFIGS = (TierConfig("host", capacity_bytes=1048576), TierConfig("disk", url="memory://p"))

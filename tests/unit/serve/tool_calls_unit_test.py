@@ -7,7 +7,7 @@ import json
 import httpx
 from absl.testing import absltest, parameterized
 
-from kvjax.models.byte_tokenizer import ByteTokenizer
+from kvjax.models.loading.byte_tokenizer import ByteTokenizer
 from kvjax.serve import completions, protocol, tool_calls
 from kvjax.sessions import EXTENDED, NOT_EXTENDED, SessionRegistry
 from kvjax.testing import engines

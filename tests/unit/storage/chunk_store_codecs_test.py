@@ -17,12 +17,12 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from kvjax.storage import checksum
-from kvjax.storage import chunk_store
-from kvjax.storage import codecs
-from kvjax.storage.host_tier import HostMemoryTier
-from kvjax.storage.tiers import TieredStore
-from kvjax.storage.types import ChunkHit, ChunkRecord, EncodedPayload, MissReason
+from kvjax.storage.format import checksum
+from kvjax.storage.backends import chunk_store
+from kvjax.storage.format import codecs
+from kvjax.storage.tiering.host_tier import HostMemoryTier
+from kvjax.storage.tiering.tiers import TieredStore
+from kvjax.storage.format.types import ChunkHit, ChunkRecord, EncodedPayload, MissReason
 from kvjax.store import cli
 from kvjax.testing.storage import (C, CODEC_LEVELS, HASHES, ROOT, TOKENS, StoreAssertions, bits,
                                    layout as _layout, payloads as _payloads, run,

@@ -1,4 +1,4 @@
-"""Tests for kvjax.storage.chunk_store and kvjax.storage.specs.
+"""Tests for kvjax.storage.backends.chunk_store and kvjax.storage.backends.specs.
 
 Every fault must come back as a miss with the right reason (and its counter), never as KV.
 """
@@ -16,15 +16,14 @@ from absl.testing import parameterized
 import numpy as np
 import tensorstore as ts
 
-from kvjax.storage import chunk_store
-from kvjax.storage import keys
-from kvjax.storage import specs
-from kvjax.storage import tiers
+from kvjax.storage.backends import chunk_store
+from kvjax.storage.format import keys
+from kvjax.storage.backends import specs
+from kvjax.storage.tiering import tiers
 from kvjax.testing import codec_payloads
 from kvjax.testing.storage import (C, HASHES, NS, ROOT, TOKENS, StoreAssertions, bits as _bits,
                                    layout as _layout, run, values as _values)
-from kvjax.storage.types import (ChunkHit, ChunkRecord, Encoding, KVLayout,
-                                 MissReason)
+from kvjax.storage.format.types import ChunkHit, ChunkRecord, Encoding, KVLayout, MissReason
 
 TESTDATA = pathlib.Path(__file__).resolve().parent / "testdata"
 BACKENDS = (("memory",), ("file",), ("ocdbt",))

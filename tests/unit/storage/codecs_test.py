@@ -1,4 +1,4 @@
-"""Tests for kvjax.storage.codecs and kvjax.storage.entropy: specs, exact byte round trips,
+"""Tests for kvjax.storage.format.codecs and kvjax.storage.format.entropy: specs, exact byte round trips,
 lossless entropy coding, and that damaged bytes always raise instead of decoding to garbage."""
 
 import zlib
@@ -8,9 +8,9 @@ from absl.testing import parameterized
 import numpy as np
 
 from kvjax import codecs as registry
-from kvjax.storage import codecs
-from kvjax.storage import entropy
-from kvjax.storage.types import KVLayout
+from kvjax.storage.format import codecs
+from kvjax.storage.format import entropy
+from kvjax.storage.format.types import KVLayout
 from kvjax.testing import codec_payloads
 from kvjax.testing.storage import bits
 

@@ -4,12 +4,13 @@ policy registry the planner and the real tiers build from."""
 from absl.testing import absltest
 
 from kvjax._typing import ChunkHash
-from kvjax.storage import placement
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.eviction import (POLICIES, EntryInfo, FIFOPolicy, LeafFirst, LookaheadPolicy,
-                                    LRUPolicy, NoCache, chain_depths, leaf_first, make_policy)
-from kvjax.storage.store_config import StoreConfig, TierConfig
-from kvjax.storage.tiers import build_tiers
+from kvjax.storage.tiering import placement
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.eviction import (POLICIES, EntryInfo, FIFOPolicy, LeafFirst,
+                                            LookaheadPolicy, LRUPolicy, NoCache, chain_depths,
+                                            leaf_first, make_policy)
+from kvjax.storage.tiering.store_config import StoreConfig, TierConfig
+from kvjax.storage.tiering.tiers import build_tiers
 
 ROOT = ChunkHash("root")
 

@@ -5,7 +5,7 @@ import math
 
 from absl.testing import absltest, parameterized
 
-from kvjax.storage.link import LinkLimiter, gbps, load_trace, mbps, validate_trace
+from kvjax.storage.backends.link import LinkLimiter, gbps, load_trace, mbps, validate_trace
 
 
 class FakeClock:

@@ -1,13 +1,13 @@
 """Exact move traces of the tier placement planner (CachedAttention, arXiv 2403.19708, 3.3).
 
 Every chunk is 10 bytes; capacities are whole chunks. Traces were worked out by hand from the
-rules in `kvjax/storage/placement.py`'s docstring; each test says why.
+rules in `kvjax/storage/tiering/placement.py`'s docstring; each test says why.
 """
 
 from absl.testing import absltest, parameterized
 
-from kvjax.storage.placement import (POLICIES, Demote, Drop, Insert, PlacementStats, Promote,
-                                     TierHierarchy, TierSpec, make_policy)
+from kvjax.storage.tiering.placement import (POLICIES, Demote, Drop, Insert, PlacementStats,
+                                             Promote, TierHierarchy, TierSpec, make_policy)
 
 N = 10  # bytes per chunk
 

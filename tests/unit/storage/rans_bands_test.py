@@ -1,4 +1,4 @@
-"""kvtc's "rans-bands" coding (`storage.entropy.encode_components_rans`): byte-exact against the
+"""kvtc's "rans-bands" coding (`storage.format.entropy.encode_components_rans`): byte-exact against the
 "pco-bands" coding it replaces, stream layout, the reader's deferred (parsed, not decoded) form,
 damage detected, the host tier keeping the coded form, and "pco-bands" chunks still read."""
 
@@ -9,11 +9,11 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from kvjax.storage import codecs, entropy
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.host_tier import HostMemoryTier
-from kvjax.storage.tiers import TieredStore
-from kvjax.storage.types import EncodedPayload, KVLayout
+from kvjax.storage.format import codecs, entropy
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.host_tier import HostMemoryTier
+from kvjax.storage.tiering.tiers import TieredStore
+from kvjax.storage.format.types import EncodedPayload, KVLayout
 
 L, K, H, C = 3, 3, 8, 32
 D = K * H

@@ -7,7 +7,7 @@ import numpy as np
 import zstandard
 from absl.testing import absltest, parameterized
 
-from kvjax.storage import entropy, rans
+from kvjax.storage.format import entropy, rans
 
 HEAD = struct.Struct("<4sBBBBIIIIIQ")
 HEAD2 = struct.Struct("<4sBBBBIIIIIIQ")

@@ -10,11 +10,11 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
-from kvjax.storage import chunk_store as chunk_store_lib
-from kvjax.storage import keys
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.tiers import StoreConfig, TierConfig, TieredStore, TierUsage, build_tiers
-from kvjax.storage.types import ChunkHit, KVLayout
+from kvjax.storage.backends import chunk_store as chunk_store_lib
+from kvjax.storage.format import keys
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.tiers import StoreConfig, TierConfig, TieredStore, TierUsage, build_tiers
+from kvjax.storage.format.types import ChunkHit, KVLayout
 
 C = 8
 LAYOUT = KVLayout(num_layers=2, chunk_size=C, num_kv_heads=1, head_dim=4, dtype="float32")

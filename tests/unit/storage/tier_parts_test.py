@@ -7,13 +7,13 @@ import asyncio
 import numpy as np
 from absl.testing import absltest
 
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.host_tier import HostMemoryTier
-from kvjax.storage.placement import Demote, Drop, Insert
-from kvjax.storage.store_admin import DataObject, StoreAdmin
-from kvjax.storage.tier_ledger import TierLedger
-from kvjax.storage.tier_mover import TierMover
-from kvjax.storage.types import KVLayout, MissReason
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.host_tier import HostMemoryTier
+from kvjax.storage.tiering.placement import Demote, Drop, Insert
+from kvjax.storage.backends.store_admin import DataObject, StoreAdmin
+from kvjax.storage.tiering.tier_ledger import TierLedger
+from kvjax.storage.tiering.tier_mover import TierMover
+from kvjax.storage.format.types import KVLayout, MissReason
 from kvjax.testing.engines import memory_store_url
 
 LAYOUT = KVLayout(num_layers=2, chunk_size=4, num_kv_heads=1, head_dim=2, dtype="float32")

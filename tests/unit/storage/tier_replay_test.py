@@ -1,5 +1,5 @@
 """One tier engine: a trace of puts, gets, hints and prefetches replayed through the placement
-planner alone (`kvjax.storage.placement.TierHierarchy`) and through a real `TieredStore` over
+planner alone (`kvjax.storage.tiering.placement.TierHierarchy`) and through a real `TieredStore` over
 memory tiers (a `HostMemoryTier` over two `memory://` chunk stores) gives the same moves, in the
 same order, and the tiers hold exactly what the planner says after every event.
 
@@ -15,12 +15,12 @@ import random
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.eviction import make_policy
-from kvjax.storage.host_tier import HostMemoryTier
-from kvjax.storage.placement import Demote, Drop, Insert, Promote, TierHierarchy, TierSpec
-from kvjax.storage.tiers import TieredStore
-from kvjax.storage.types import ChunkHit, KVLayout
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.eviction import make_policy
+from kvjax.storage.tiering.host_tier import HostMemoryTier
+from kvjax.storage.tiering.placement import Demote, Drop, Insert, Promote, TierHierarchy, TierSpec
+from kvjax.storage.tiering.tiers import TieredStore
+from kvjax.storage.format.types import ChunkHit, KVLayout
 from kvjax.testing.engines import memory_store_url
 
 NS = "ns-root"

@@ -6,14 +6,15 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from kvjax._typing import ChunkHash
-from kvjax.storage import checksum
-from kvjax.storage.eviction import FIFOPolicy, LRUPolicy
-from kvjax.storage.link import LinkLimiter
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.tiers import (DEFAULT_DISK_CAPACITY_BYTES, HostMemoryTier, KVStore, StoreConfig,
-                                 Tier, TierConfig, TieredStore, build_tiers, url_kind)
-from kvjax.storage.types import (ChunkHit, ChunkMiss, ChunkOrigin, ChunkRecord, EncodedPayload,
-                                 Encoding, KVLayout, MissReason)
+from kvjax.storage.format import checksum
+from kvjax.storage.tiering.eviction import FIFOPolicy, LRUPolicy
+from kvjax.storage.backends.link import LinkLimiter
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.tiers import (DEFAULT_DISK_CAPACITY_BYTES, HostMemoryTier, KVStore,
+                                         StoreConfig, Tier, TierConfig, TieredStore, build_tiers,
+                                         url_kind)
+from kvjax.storage.format.types import (ChunkHit, ChunkMiss, ChunkOrigin, ChunkRecord,
+                                        EncodedPayload, Encoding, KVLayout, MissReason)
 
 NS = "ns0"
 C = 4

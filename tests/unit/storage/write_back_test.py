@@ -8,11 +8,11 @@ import itertools
 import numpy as np
 from absl.testing import absltest
 
-from kvjax.storage.chunk_store import ChunkStore
-from kvjax.storage.eviction import FIFOPolicy, LRUPolicy
-from kvjax.storage.host_tier import HostMemoryTier
-from kvjax.storage.tiers import StoreConfig, TierConfig, TieredStore, build_tiers
-from kvjax.storage.types import ChunkHit, ChunkMiss, KVLayout, MissReason
+from kvjax.storage.backends.chunk_store import ChunkStore
+from kvjax.storage.tiering.eviction import FIFOPolicy, LRUPolicy
+from kvjax.storage.tiering.host_tier import HostMemoryTier
+from kvjax.storage.tiering.tiers import StoreConfig, TierConfig, TieredStore, build_tiers
+from kvjax.storage.format.types import ChunkHit, ChunkMiss, KVLayout, MissReason
 
 NS = "ns-root"  # the namespace id is the parent of a first chunk
 C = 4
