@@ -1,17 +1,18 @@
-"""scripts/bench_defaults.py's verdict on hand-set cells (no model): a loss, a trade-off, the
-machine's noise (same plans) and a win within 10% are told apart, and `--rejudge` rewrites a
-results file's verdict from its cells."""
+"""scripts/bench_defaults.py's verdict (scripts/defaults_verdict.py) on hand-set cells (no
+model): a loss, a trade-off, the machine's noise (same plans) and a win within 10% are told
+apart, and `bench_defaults.py --rejudge` rewrites a results file's verdict from its cells."""
 
 import json
 import pathlib
+import subprocess
 import sys
 import tempfile
 
-from absl import flags
 from absl.testing import absltest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "scripts"))
-import bench_defaults as bd  # noqa: E402  pylint: disable=wrong-import-position
+SCRIPTS = pathlib.Path(__file__).resolve().parents[3] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import defaults_verdict as bd  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def cell(wall: list[float], ttft: list[float], plan: str, **extra: list[float]) -> dict:
@@ -28,10 +29,6 @@ def judge_all(cells: dict) -> dict:
 
 
 class VerdictTest(absltest.TestCase):
-
-  def setUp(self):
-    super().setUp()
-    flags.FLAGS.mark_as_parsed()
 
   def test_within_ten_percent(self):
     out = judge_all({"a": {"defaults": cell([10, 10, 10], [1.0, 1.0, 1.0], "p"),
@@ -70,7 +67,8 @@ class VerdictTest(absltest.TestCase):
     with tempfile.TemporaryDirectory() as tmp:
       path = pathlib.Path(tmp) / "bench_defaults_quick.json"
       path.write_text(json.dumps({"argv": ["run"], "git_sha": "abc", "cells": cells}))
-      bd.rejudge(path)
+      subprocess.run([sys.executable, str(SCRIPTS / "bench_defaults.py"), f"--rejudge={path}"],
+                     check=True, capture_output=True, timeout=120)
       record = json.loads(path.read_text())
     self.assertEqual(record["argv"], ["run"])
     self.assertEqual(record["git_sha"], "abc")
