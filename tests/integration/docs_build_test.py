@@ -38,12 +38,15 @@ class DocsBuildTest(absltest.TestCase):
              for root, _, files in os.walk(os.path.join(_REPO, "docs"))
              for name in files if name.endswith(".md")]
     self.assertGreaterEqual(len(pages), 8)
-    # benchmarks/README.md, devices.md and agents.md are included into the site
+    # benchmarks/README.md, devices.md, agents.md, sessions.md and defaults.md are included
+    # into the site
     # (docs/benchmarks*.md).
     for path in pages + [os.path.join(_REPO, "README.md"),
                          os.path.join(_REPO, "benchmarks", "README.md"),
                          os.path.join(_REPO, "benchmarks", "devices.md"),
-                         os.path.join(_REPO, "benchmarks", "agents.md")]:
+                         os.path.join(_REPO, "benchmarks", "agents.md"),
+                         os.path.join(_REPO, "benchmarks", "sessions.md"),
+                         os.path.join(_REPO, "benchmarks", "defaults.md")]:
       with open(path, encoding="utf-8") as f:
         text = f.read()
       rel = os.path.relpath(path, _REPO)
