@@ -120,15 +120,7 @@ async def replay_real(convs, schedule, policy: str, window: int, host_chunks: in
         for k in ks[:n]:
           got = await store.get(k, chunk_ids(k, c), NS, layout)
           found.append(got.tier if isinstance(got, ChunkHit) else None)
-        res.turns_with_history += 1
-        res.chunk_tokens += n * c
-        lead = next((j for j, t in enumerate(found) if t is None), n)
-        res.hit_tokens += lead * c
-        res.turns_full_hit += lead == n
-        for t in found:
-          if t is not None:
-            res.hit_tokens_any += c
-            res.hit_tokens_by_tier[t] += c
+        res.count_lookup(found, c)
       else:  # finish: save every full chunk (held ones are only refreshed)
         end = (req.history_tokens + req.prompt_tokens + req.reply_tokens) // c
         for j in range(end):

@@ -360,6 +360,21 @@ class SimResult:
     """`turns_full_hit` / `turns_with_history`."""
     return self.turns_full_hit / self.turns_with_history if self.turns_with_history else 0.0
 
+  def count_lookup(self, found: Sequence[str | None], chunk_tokens: int) -> None:
+    """Counts one request's lookup of its history's full chunks: `found[j]` is the tier that
+    held chunk j, or None for a miss; hits count from the first chunk up to the first miss
+    (`hit_tokens`), and every chunk found (`hit_tokens_any`, by tier)."""
+    n = len(found)
+    self.turns_with_history += 1
+    self.chunk_tokens += n * chunk_tokens
+    lead = next((j for j, t in enumerate(found) if t is None), n)
+    self.hit_tokens += lead * chunk_tokens
+    self.turns_full_hit += lead == n
+    for t in found:
+      if t is not None:
+        self.hit_tokens_any += chunk_tokens
+        self.hit_tokens_by_tier[t] += chunk_tokens
+
   def to_dict(self) -> dict:
     """Every field and rate as JSON-ready plain data."""
     d = dataclasses.asdict(self)
@@ -421,16 +436,7 @@ def simulate(conversations: Sequence[Conversation], schedule: Schedule,
         res.history_tokens += req.history_tokens
         if n == 0:
           continue
-        found = h.access(ks[:n]).tiers
-        res.turns_with_history += 1
-        res.chunk_tokens += n * C
-        lead = next((j for j, t in enumerate(found) if t is None), n)
-        res.hit_tokens += lead * C
-        res.turns_full_hit += lead == n
-        for t in found:
-          if t is not None:
-            res.hit_tokens_any += C
-            res.hit_tokens_by_tier[t] += C
+        res.count_lookup(h.access(ks[:n]).tiers, C)
       else:  # finish: save what the tiers lack
         end = (req.history_tokens + req.prompt_tokens + req.reply_tokens) // C
         for j in range(end):
