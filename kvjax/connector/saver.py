@@ -196,4 +196,6 @@ class Saver:
       self.stats.chunks_already_stored += 1
 
   async def _delete_everywhere(self, chunk_hash: ChunkHash) -> None:
-    await asyncio.gather(*(t.delete(chunk_hash) for t in self._store.tiers))
+    # Through the store, not tier by tier: its planner must forget the copies too, or the put
+    # after it finds the chunk "held" and writes nothing (a corrupt chunk never healed).
+    await self._store.delete(chunk_hash)

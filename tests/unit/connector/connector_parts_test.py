@@ -156,6 +156,22 @@ class SaverTest(PartTestCase):
     self.assertEqual(self.loop.run(store.lookup(hashes)), ["disk", "disk", None])
 
 
+  def test_a_replacing_save_rewrites_a_rejected_chunk(self):
+    # A chunk the loader rejected after reading it (a damage only the decoder sees, so the
+    # store never learned of it) is recomputed and saved with `replace`: the old copy goes
+    # and the new one is written, not skipped as "already held" by the store's planner.
+    store = make_store()
+    saver = Saver(store, SCHEME, self.loop, NumpyDeviceSeam())
+    self.addCleanup(saver.close)
+    ns = SCHEME.namespace(None)
+    root, (h0, *_) = ns.root_hash(), keys.chunk_hashes(ns, TOKENS)
+    saver.write(SaveJob(root, h0, root, tuple(TOKENS[:C]), kv=chunk(1)))
+    saver.write(SaveJob(root, h0, root, tuple(TOKENS[:C]), kv=chunk(2), replace=True))
+    self.assertEqual((saver.stats.chunks_saved, saver.stats.chunks_already_stored), (2, 0))
+    got = self.loop.run(store.get(h0, TOKENS[:C], root, LAYOUT))
+    self.assertIsInstance(got, ChunkHit)
+    np.testing.assert_array_equal(got.kv, chunk(2))
+
   def test_close_ends_a_tail_delete_that_waited_for_its_save(self):
     store = make_store()
     saver = Saver(store, SCHEME, self.loop, NumpyDeviceSeam())
