@@ -273,10 +273,7 @@ class CakeMerge:
     Raises:
       ValueError: if chunk `index` has no load in flight.
     """
-    load = self._in_flight.get(index)
-    if load is None:
-      raise ValueError(f"chunk {index} has no load in flight")
-    return load.layer_start
+    return self._load_in_flight(index).layer_start
 
   def load_nbytes(self, index: int) -> int:
     """Stored bytes the load of chunk `index` in flight moves (of its layers only).
@@ -284,10 +281,13 @@ class CakeMerge:
     Raises:
       ValueError: if chunk `index` has no load in flight.
     """
+    return self._load_in_flight(index).nbytes
+
+  def _load_in_flight(self, index: int):
     load = self._in_flight.get(index)
     if load is None:
       raise ValueError(f"chunk {index} has no load in flight")
-    return load.nbytes
+    return load
 
   def _split_waiting(self) -> int | None:
     """A layer-split chunk whose low layers compute has planned (the frontier is past it)
