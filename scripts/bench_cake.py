@@ -93,7 +93,7 @@ How each number is made:
     headline). Adaptive burst: one long request with a stored
     prefix plus 22 ShareGPT requests of 32-448 tokens arriving together; time until all finish.
 
-Writes <out>/cake.json (`{"cells": [...], ...}`), <out>/cake.png (speedup heatmap in the shape
+Writes <out>/<--name>.json (default cake.json; `{"cells": [...], ...}`), <out>/<--name>.png (speedup heatmap in the shape
 of Cake's Table 3, and kvjax/ideal) and prints the tables.
 
 What changed with the one-loop engine (the JSON keys are otherwise those of earlier results):
@@ -191,6 +191,12 @@ _RESTORING = flags.DEFINE_list(
     "link and the budget; a cell's TTFTs are the mean over the N (per-request beside).")
 _BUSY = flags.DEFINE_bool("busy", False, "A competing CPU load (one busy-looping process) runs "
                           "during every grid block's settings.")
+_LAYER_SPLIT = flags.DEFINE_list(
+    "layer_split", ["off"], "Cake settings per grid cell: 'off' (token-only, the default "
+    "kv_layer_split) and/or 'auto' (a second LLM with kv_layer_split='auto' on the same store, "
+    "its runs interleaved with the others' as setting cake_split; N = 1 blocks only: jointly "
+    "planned merges never split).")
+_NAME = flags.DEFINE_string("name", "cake", "Stem of the output files (<out>/<name>.json, .png).")
 
 
 def fraction(text: str) -> float:
@@ -358,9 +364,11 @@ class Run:
 class Bench:
   """One LLM (one codec, one store) with its link, step recorder and competing-prompt pool."""
 
-  def __init__(self, codec: str, store_root: pathlib.Path, pool: TokenPool):
+  def __init__(self, codec: str, store_root: pathlib.Path, pool: TokenPool,
+               layer_split: str = "off"):
     from kvjax import LLM  # noqa: PLC0415
     self.codec = codec
+    self.layer_split = layer_split
     self.store_url = f"file://{store_root / codec}"
     kw: dict[str, Any] = {}
     if codec != "raw":
@@ -371,7 +379,8 @@ class Bench:
                    max_num_batched_tokens=_BUDGET.value, max_num_seqs=1 + self.competitors_max,
                    kv_max_loads_in_flight=_IN_FLIGHT.value, seed=_SEED.value,
                    enable_prefix_caching=False,  # no device prefix cache: every request
-                   **kw)                         # reads the store
+                   kv_layer_split=layer_split,   # reads the store
+                   **kw)
     self.init_s = time.perf_counter() - t0
     self.engine = self.llm.engine
     self.engine.timed_inserts = True  # InsertTiming includes the device work
@@ -594,7 +603,8 @@ def cell_key(c: dict) -> str:
 
 # ----------------------------------------------------------------------------- experiments
 def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, ratios: list[str],
-               rounds: int, bar, restoring: int = 1, alone: list[dict] = ()
+               rounds: int, bar, restoring: int = 1, alone: list[dict] = (),
+               split: Bench | None = None
                ) -> tuple[list[dict], list[Run], list[list[str]]]:
   """One (codec, length, share, N) block: a compute-only run of one prompt that fixes B*, then
   the settings (compute-only; load-only and kvjax per ratio) in `rounds` interleaved rounds,
@@ -604,6 +614,11 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
   With N > 1 a cell's TTFTs are the means over the N; its bound is the matching N = 1 cell's
   (in `alone`, run before it: sharing the machine cannot make a request beat its bound alone,
   so the mean cannot beat it either), or None (no check) when that cell did not run.
+
+  `split` (--layer_split auto): the LLM with `kv_layer_split="auto"` on the same store; its
+  Cake runs join the rounds as setting `cake_split@ratio`, and the cell gains their figures
+  (`ttft_kvjax_split_s`, `split_over_token_only`: token-only median / split median, above 1
+  when the split is faster, and each run's layer splits).
 
   Returns:
     (one cell per ratio, every kvjax run, the order the settings ran in per round).
@@ -619,7 +634,8 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
   bar.update(1)
   coef0 = _fit(calib.prefills + calib.other_prefills) or _LINEAR_COST
   b_star = pbytes / (done_at(calib, n_chunks * chunk, coef0) - calib.lookup_s)
-  settings = ["compute_only"] + [f"{mode}@{r}" for r in ratios for mode in ("load_only", "cake")]
+  modes = ("load_only", "cake") + (("cake_split",) if split is not None else ())
+  settings = ["compute_only"] + [f"{mode}@{r}" for r in ratios for mode in modes]
   order = benchlib.interleaved_rounds(settings, rounds)
   runs: dict[str, list[Run]] = {name: [] for name in settings}
   for k, names in enumerate(order):
@@ -628,6 +644,12 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
       bar.set_description(f"{bench.codec} {n} {share:g}% round {k + 1}/{rounds} {name}")
       if mode == "compute_only":
         runs[name].append(bench.run(mode, ids, share_at=share_at, more=more))
+      elif mode == "cake_split":
+        co_ttft = statistics.median(max(x.ttft_per_request_s or [x.ttft_s])
+                                    for x in runs["compute_only"] or [calib])
+        runs[name].append(split.run("cake", ids, share_at=share_at,
+                                    link=("rate", fraction(rtext) * b_star),
+                                    cap_s=3 * co_ttft + 10, more=more))
       else:
         co_ttft = statistics.median(max(x.ttft_per_request_s or [x.ttft_s])
                                     for x in runs["compute_only"] or [calib])
@@ -717,6 +739,28 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
         "compute_slowdown": slowdown(kv_runs, _fit(co.prefills + co.other_prefills)
                                      or _LINEAR_COST),
     }
+    if split is not None:
+      sp_runs = runs[f"cake_split@{rtext}"]
+      sp_sum = _summary_of([x.ttft_mean_s for x in sp_runs])
+      sp_t = sp_sum["median"] if sp_sum else None
+      cell["summary"]["kvjax_split"] = sp_sum
+      cell.update({
+          "ttft_kvjax_split_s": sp_t,
+          "ttft_kvjax_split_reps_s": [x.ttft_mean_s for x in sp_runs],
+          "split_over_token_only": kv_t / sp_t if kv_t and sp_t else None,
+          "speedup_vs_best_split": best / sp_t if sp_t else None,
+          "layer_splits_first_request_reps": [(x.merge or {}).get("layer_splits")
+                                              for x in sp_runs],
+          "meeting_index_split_reps": [(x.merge or {}).get("meeting_index") for x in sp_runs],
+          "split_invalid": (sp_sum is not None and ideal_sum is not None
+                            and benchlib.below_bound(sp_sum, ideal_sum)),
+      })
+      cell["cpu_cores"]["cake_split"] = [round(x.cpu_cores, 3) for x in sp_runs]
+      cell["runs"]["cake_split"] = sp_runs[mid].summary()
+      cell["first_tokens_agree"] = cell["first_tokens_agree"] and all(
+          len({(x.first_tokens or [x.first_token_id])[i] for x in co_runs + sp_runs
+               if (x.first_tokens or [x.first_token_id])[i] is not None}) <= 1
+          for i in range(restoring))
     cells.append(cell)
   return cells, kv_all, order
 
@@ -859,7 +903,10 @@ def print_cells(cells: list[dict]) -> None:
           f"{('-' if sp is None else f'{sp:.2f}x'):>7} "
           f"{('-' if kvi is None else f'{kvi:.3f}'):>8} {meet:>6} "
           f"{len(mg.get('chunks_wasted', [])):>5} {c['reps']:>4} {cpu_text(c):>9}"
-          + (" INVALID" if c["invalid"] else ""))
+          + (" INVALID" if c["invalid"] else "")
+          + (f"  split {fmt_s(c['ttft_kvjax_split_s'])} s, token-only/split "
+             f"{c['split_over_token_only']:.3f}, k {c['layer_splits_first_request_reps']}"
+             if c.get("split_over_token_only") is not None else ""))
 
 
 def cpu_text(c: dict) -> str:
@@ -1028,6 +1075,11 @@ def main(argv):
   if _ROUNDS.value < 1:
     raise app.UsageError(f"--rounds must be >= 1, got {_ROUNDS.value}")
   prov = benchlib.provenance(("jax", "jaxlib", "flax", "numpy", "kvjax"))
+  bad = set(_LAYER_SPLIT.value) - {"off", "auto"}
+  if bad or "off" not in _LAYER_SPLIT.value:
+    raise app.UsageError(f"--layer_split={_LAYER_SPLIT.value}: 'off' (the token-only baseline) "
+                         "and optionally 'auto'")
+  use_split = "auto" in _LAYER_SPLIT.value
   t_start = time.perf_counter()
   p = plan(_QUICK.value)
   out = pathlib.Path(_OUT.value)
@@ -1041,8 +1093,8 @@ def main(argv):
                 + ([_BURST_LENGTH.value] if "burst" in p["experiments"] else []))
   # Runs: the B* compute-only run, then per round compute-only and load-only + kvjax per ratio.
   def runs_in(codec, n, share, r, k):
-    del codec, n, share, k
-    return 1 + p["rounds"] * (1 + 2 * len(r))
+    del codec, n, share
+    return 1 + p["rounds"] * (1 + (2 + (use_split and k == 1)) * len(r))
   total = sum(runs_in(*b) for b in blocks)
   total += 3 * _FLUCT_SEEDS.value * ("fluctuation" in p["experiments"])
   total += 4 * ("burst" in p["experiments"])
@@ -1061,6 +1113,7 @@ def main(argv):
                    "share": "competing ShareGPT prompts take exactly (1 - share) of each step's "
                             "token budget as ordinary prefills (served first)",
                    "restoring": p["restoring"], "busy": _BUSY.value,
+                   "layer_split": list(_LAYER_SPLIT.value),
                    "busy_load": "one busy-looping python process during every grid block"
                                 if _BUSY.value else None},
       "cells": [], "skipped": []}
@@ -1075,6 +1128,7 @@ def main(argv):
   record["prompt"] = {"source": source, "tokens_available": len(ids_full)}
   all_kv: list[Run] = []
   benches: dict[str, Bench] = {}
+  splits: dict[str, Bench] = {}  # --layer_split auto: the kv_layer_split="auto" LLM per codec
   bar = tqdm(total=total, unit="run", dynamic_ncols=True)
 
   def get_bench(codec: str) -> Bench | None:
@@ -1082,6 +1136,8 @@ def main(argv):
       return benches[codec]
     for other in list(benches):  # one LLM at a time (memory, and the 2 cores)
       record.setdefault("engine_stats", {})[other] = benches.pop(other).close()
+    for other in list(splits):
+      record.setdefault("engine_stats", {})[other + "/split"] = splits.pop(other).close()
     gc.collect()
     bar.set_description(f"{codec}: load, compile, store, warm up")
     try:
@@ -1098,6 +1154,10 @@ def main(argv):
     for other in prompts[1:]:  # the --restoring prompts, stored too
       b.store(other[:longest])
     benches[codec] = b
+    if use_split:  # same store: its warm-up finds the chunks stored and compiles its programs
+      splits[codec] = Bench(codec, store_root, pool, layer_split="auto")
+      record["warmup"][codec + "/split"] = splits[codec].warm(ids_full[:longest],
+                                                             ids_full[:1024])
     return b
 
   def b_ref_for(bench: Bench, n: int) -> float:
@@ -1127,7 +1187,8 @@ def main(argv):
         busy = start_busy() if _BUSY.value else None
         try:
           cells, kv_runs, order = grid_block(bench, prompts, n, share, ratios, p["rounds"], bar,
-                                             restoring=k, alone=record["cells"])
+                                             restoring=k, alone=record["cells"],
+                                             split=splits.get(codec) if k == 1 else None)
         finally:
           stop_busy(busy)
         record["round_orders"][name] = order
@@ -1140,7 +1201,7 @@ def main(argv):
       else:
         bench = get_bench("raw")
         record["burst"] = burst(bench, ids_full, b_ref_for(bench, _BURST_LENGTH.value), rng, bar)
-      benchlib.write_json(out / "cake.json", record)  # what ran so far
+      benchlib.write_json(out / f"{_NAME.value}.json", record)  # what ran so far
   finally:
     bar.close()
     for codec, b in benches.items():
@@ -1175,8 +1236,9 @@ def report(record: dict, out: pathlib.Path | None) -> None:
                                            "kvjax_over_ideal": c["kvjax_over_ideal"]}
                              for c in cells if c["invalid"]}
   record["headline"] = headline(cells)
+  record["groups"] = groups(cells)
   if out is not None:
-    benchlib.write_json(out / "cake.json", record)
+    benchlib.write_json(out / f"{_NAME.value}.json", record)
   s = record["settings"]
   load_start = record.get("loadavg_before", record["machine"]["loadavg_1_5_15"])
   load_end = record.get("loadavg_after", record.get("loadavg_end_1_5_15", [math.nan]))
@@ -1231,18 +1293,44 @@ def report(record: dict, out: pathlib.Path | None) -> None:
   for key, v in record["invalid_cells"].items():
     print(f"invalid (faster than its own bound by more than the rounds' spread): {key}: kvjax "
           f"{fmt_s(v['ttft_kvjax_s'])} s against a bound of {fmt_s(v['ttft_ideal_s'])} s")
+  print("\nworst cell per (N, machine), valid cells: kvjax (token-only) against the better "
+        "baseline; layer split against token-only (median ratio, N = 1 only):")
+  for name, g in record["groups"].items():
+    print(f"  {name}: worst {g['worst_speedup_vs_best']} at {g['worst_cell']}"
+          + (f"; split / token-only per cell {g['split_over_token_only']}"
+             if g["split_over_token_only"] else ""))
   print(f"\nheadline: {headline_text(record['headline'])}")
   if out is None:
     return
   plotted = False
   if cells:
     try:
-      plot(cells, out / "cake.png", headline_text(record["headline"]))
+      plot(cells, out / f"{_NAME.value}.png", headline_text(record["headline"]))
       plotted = True
     except ImportError:
       print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
-  print(f"wrote {out / 'cake.json'}" + (" and cake.png" if plotted else "")
+  print(f"wrote {out / (_NAME.value + '.json')}" + (" and its .png" if plotted else "")
         + (f" in {record['wall_s'] / 60:.1f} min" if "wall_s" in record else ""))
+
+
+def groups(cells: list[dict]) -> dict:
+  """Per (N restoring, quiet or busy) over the valid cells: the worst speedup over the better
+  baseline (the issue's goal: >= 1.0 in every group) and, where the layer split ran, each cell's
+  token-only / split median ratio (> 1: the split is faster)."""
+  out: dict[str, dict] = {}
+  for c in cells:
+    if c["invalid"] or c["speedup_vs_best"] is None:
+      continue
+    name = f"N{c.get('restoring', 1)}/{'busy' if c.get('busy') else 'quiet'}"
+    g = out.setdefault(name, {"cells": 0, "worst_speedup_vs_best": math.inf,
+                              "worst_cell": None, "split_over_token_only": {}})
+    g["cells"] += 1
+    if c["speedup_vs_best"] < g["worst_speedup_vs_best"]:
+      g["worst_speedup_vs_best"] = round(c["speedup_vs_best"], 3)
+      g["worst_cell"] = cell_key(c)
+    if c.get("split_over_token_only") is not None:
+      g["split_over_token_only"][cell_key(c)] = round(c["split_over_token_only"], 3)
+  return out
 
 
 def steady(cell: dict) -> bool:

@@ -25,7 +25,10 @@ both resources in one order, and each merge is told when they are free for it:
                serves the requests in order instead of splitting its bandwidth
     compute    the budget left to merges goes in priority order; once a merge waits for its
                loads, those behind it compute only what ends before they are predicted to
-               land (`tokens_until`), so its suffix is not held up behind their long step
+               land (`tokens_until`), so its suffix is not held up behind their long step;
+               in a step where a merge finishes its prompt, those behind it add only what
+               costs its first token less than the step they would otherwise need
+               (`beside_first_token_s`)
 
 Plain functions over the merges' plain answers (`CakeMerge.outlook`); the `Scheduler`
 (`kvjax/scheduler/scheduler.py`) owns the merges, calls `plan` once a step and applies it.
@@ -99,6 +102,25 @@ def plan(restoring: Sequence[tuple[RequestId, float, CakeMerge]], now_s: float,
     compute_t += busy
     link_t = link_until
   return out
+
+
+def beside_first_token_s(behind: int, cost: CostModel) -> float:
+  """How long a compute piece of a merge behind may take in a step where a merge ahead
+  finishes its prompt (it samples its first token at the step's end), in seconds.
+
+  Each token beside it delays that first token by its marginal compute; running the same
+  tokens in a step of their own instead costs the `behind` merges one more step's fixed cost
+  `a` (`CostModel.compute_coefficients`), each. So they join the step only while their piece's
+  marginal time is at most `behind * a`, that is while the piece's whole predicted time (its
+  own `a` included) is at most `(behind + 1) * a`: little on a machine whose step time grows
+  with its tokens (a CPU: nothing in practice), a full step where a step's time is mostly
+  fixed (an accelerator at small batches).
+
+  Args:
+    behind: merges that still prefill behind the one that finishes (>= 0).
+    cost: the engine's cost model.
+  """
+  return (behind + 1) * cost.compute_coefficients[0]
 
 
 def tokens_until(seconds: float, start: int, plan_sizes: Sequence[int],

@@ -405,13 +405,21 @@ class Scheduler:
                                     self.cost_model, self._last_step_s,
                                     self.config.chunk_sizes[-1], link_free)
     land_by = None  # joint: when the loads of a merge ahead that waits for them land
+    beside_first = None  # joint: a merge ahead samples its first token at this step's end
+    behind = sum(r.status is RequestStatus.PREFILLING for r in restoring)
     for r in restoring:
       if r.status is not RequestStatus.PREFILLING:
         continue
+      behind -= 1
       m = self._prefix[r.request_id].merge
-      offer = budget if land_by is None else min(budget, cake_joint.tokens_until(
-          land_by - now_s, m.frontier, self._plan_sizes, self.cost_model.predict_compute_s))
+      offer = budget
+      for limit_s in (land_by - now_s if land_by is not None else None, beside_first):
+        if limit_s is not None:
+          offer = min(offer, cake_joint.tokens_until(
+              limit_s, m.frontier, self._plan_sizes, self.cost_model.predict_compute_s))
       budget -= offer - self._plan_cake(r, offer, now_s, prefills)
+      if link_free and beside_first is None and r.status is RequestStatus.DECODING:
+        beside_first = cake_joint.beside_first_token_s(behind, self.cost_model)
       if link_free and not m.is_prefix_done and m.has_loads_to_come:
         t = m.loads_land_s(now_s, self.cost_model)
         if t is not None and (land_by is None or t < land_by):

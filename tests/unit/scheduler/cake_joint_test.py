@@ -131,6 +131,8 @@ class SchedulerJointTest(absltest.TestCase):
     # Loads never help (a 1e-3 B/s link): both compute everything. Planned alone, x (admitted
     # first) takes the budget and y waits until x's last step; jointly y (8 tokens left after
     # 32) goes first: y's first token at step 0, x's at step 2 (mean 1 step sooner per pair).
+    # x adds nothing to y's last step: at 1 s per 16 tokens and no fixed cost per step, each
+    # token there would delay y's first token and save x nothing (y's step: 2.5 s, not 3.5).
     plans = {}
     for joint in (False, True):
       s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)),
@@ -140,9 +142,25 @@ class SchedulerJointTest(absltest.TestCase):
       plans[joint] = [prefills(p) for p in plan_steps(s, 4, land_loads=False)]
     self.assertEqual(plans[False], [[("x", 0, 64)], [("x", 64, 32), ("x", 96, 4), ("y", 0, 16)],
                                     [("y", 16, 16), ("y", 32, 8)], []])
-    self.assertEqual(plans[True], [[("y", 0, 32), ("y", 32, 8), ("x", 0, 16)],
-                                   [("x", 16, 32), ("x", 48, 16)],
-                                   [("x", 64, 32), ("x", 96, 4)], []])
+    self.assertEqual(plans[True], [[("y", 0, 32), ("y", 32, 8)],
+                                   [("x", 0, 32), ("x", 32, 16)],
+                                   [("x", 48, 32), ("x", 80, 16), ("x", 96, 4)], []])
+
+  def test_beside_a_first_token_only_what_costs_less_than_a_step(self):
+    # The same two restores on a machine whose step time is mostly fixed (1 s a step, 1/1600 s
+    # a token, an accelerator at small batches): x's piece beside y's last one costs y's first
+    # token 0.01 s and saves x a step (1 s), so x fills the rest of y's last step. The same
+    # with no fixed cost: nothing beside it (the test above).
+    gpu = CostModel(compute_prior=(1.0, 1 / 1600, 0.0), learn=False, bandwidth_bytes_per_s=1e-3)
+    self.assertEqual(cake_joint.beside_first_token_s(1, gpu), 2.0)
+    self.assertEqual(cake_joint.beside_first_token_s(3, gpu), 4.0)
+    self.assertEqual(cake_joint.beside_first_token_s(3, model(1e-3)), 0.0)
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)), gpu,
+                  load_config=LoadConfig(joint_planning=True))
+    s.add_request(req("x", 100), stored([F, T, T, T, T, T]))
+    s.add_request(req("y", 40), stored([T, T]))
+    self.assertEqual([prefills(p) for p in plan_steps(s, 2, land_loads=False)][0],
+                     [("y", 0, 32), ("y", 32, 8), ("x", 0, 16)])
 
   def test_loads_of_the_request_behind_wait_for_the_link(self):
     # Two identical restores; a chunk loads in 0.5 s and computes in 1 s, a step takes 1 s, so

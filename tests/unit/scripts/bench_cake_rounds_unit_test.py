@@ -152,6 +152,27 @@ class GridBlockRoundsTest(absltest.TestCase):
     self.assertIsNone(cells[0]["ttft_ideal_s"])
     self.assertFalse(cells[0]["invalid"])
 
+  def test_the_layer_split_joins_the_rounds_on_its_own_llm(self):
+    # --layer_split auto: the split LLM's Cake runs (4.8 s, 5.0 s, 4.9 s) are interleaved with
+    # the token-only ones (5.5, 5.6, 5.4 s); the cell compares their medians: 5.5 / 4.9.
+    bench, split = FakeBench([5.5, 5.6, 5.4]), FakeBench([4.8, 5.0, 4.9])
+    cells, kv_runs, order = bc.grid_block(bench, [list(range(N))], N, 100.0, ["1"], 3, Bar(),
+                                          split=split)
+    self.assertEqual(order[0], ["compute_only", "load_only@1", "cake@1", "cake_split@1"])
+    self.assertEqual(split.calls, ["cake@1"] * 3)  # the split LLM runs only its Cake setting
+    self.assertLen(kv_runs, 3)  # the token-only runs: the planner figures stay the default's
+    (cell,) = cells
+    self.assertAlmostEqual(cell["ttft_kvjax_s"], 5.5)
+    self.assertAlmostEqual(cell["ttft_kvjax_split_s"], 4.9)
+    self.assertAlmostEqual(cell["split_over_token_only"], 5.5 / 4.9)
+    self.assertAlmostEqual(cell["speedup_vs_best_split"], 8.1 / 4.9)
+    self.assertEqual(cell["ttft_kvjax_split_reps_s"], [4.8, 5.0, 4.9])
+    self.assertFalse(cell["split_invalid"])  # 4.9 s against a 5.1 s bound: within the spread
+    groups = bc.groups(cells)
+    self.assertEqual(groups["N1/quiet"]["worst_speedup_vs_best"], round(8.1 / 5.5, 3))
+    self.assertEqual(groups["N1/quiet"]["split_over_token_only"],
+                     {"raw/100%/2048/x1": round(5.5 / 4.9, 3)})
+
 
 if __name__ == "__main__":
   absltest.main()
