@@ -108,6 +108,27 @@ class RecordFormat3Test(RangeTestBase):
     run(body())
     self.assert_miss(store, self.get(store, 1), MissReason.CORRUPT)
 
+  @parameterized.parameters(0, 3)  # a whole chunk, a session tail of 3 rows
+  def test_verify_checks_the_layer_checksums(self, tail_rows):
+    store = self.make_store("file")
+    ids = keys.tail_token_ids(TOKENS[:tail_rows], C) if tail_rows else TOKENS[:C]
+    self.assertTrue(store.put_sync(HASHES[0], ROOT, ids, ROOT, values(LAYOUT)))
+    (rec,) = store.records_sync()
+    self.assertIsNone(run(store.verify(rec)))
+    sums = list(rec.encodings[0].layer_checksums)
+    sums[1] = "0" * 32
+    bad = dataclasses.replace(rec, encodings=(
+        dataclasses.replace(rec.encodings[0], layer_checksums=tuple(sums)),))
+
+    async def plant():
+      root = await store.kvstore()
+      await root.write(chunk_store.index_key(HASHES[0]), bad.to_json())
+
+    run(plant())
+    got = run(store.verify(bad))
+    self.assertEqual((got.reason, got.detail.endswith("layers [1]")),
+                     (MissReason.CHECKSUM_MISMATCH, True), got.detail)
+
 
 class RangedReadTest(RangeTestBase):
 
