@@ -260,12 +260,13 @@ class KVStoreClient:
 
   def start_request_load(self, request_id: Any, index: int, *,
                          encoding: codecs.EncodingId | None = None, nbytes: int = 0,
-                         max_in_flight: int = 2) -> None:
+                         max_in_flight: int = 2, layer_start: int = 0) -> None:
     """`start_load` of chunk `index` of an open request's prompt, with its own lookup.
 
     `encoding` is the level policy's pick (the scheduler's `LoadItem.encoding`): that encoding
     is read (`kvjax.storage.backends.chunk_store.choose_codec`); None: the loader's own choice. The
     codec choice stays behind the client: the engine hands over the plan's plain id.
+    `layer_start` k > 0 (`LoadItem.layer_start`) reads layers `[k, L)` alone (`Loader.start`).
 
     Raises:
       KeyError: the request is not open.
@@ -273,7 +274,7 @@ class KVStoreClient:
     choose = None if encoding is None else choose_codec(encoding.codec, encoding.level)
     r = self.requests.get(request_id)
     self.loader.start(request_id, index, r.lookup, r.prompt_ids, choose=choose, nbytes=nbytes,
-                      max_in_flight=max_in_flight)
+                      max_in_flight=max_in_flight, layer_start=layer_start)
 
   def lookahead_requests(self, request_ids: Sequence[Any]) -> list[LookaheadRequest]:
     """The look-ahead window's records (`lookahead_request`) of those of `request_ids` that are
@@ -320,10 +321,10 @@ class KVStoreClient:
   # ---------------------------------------------------------------------------------- loads
   def start_load(self, request_id: Any, index: int, lookup: PrefixLookup,
                  prompt_ids: Sequence[int], *, choose=None, nbytes: int = 0,
-                 max_in_flight: int = 2) -> None:
+                 max_in_flight: int = 2, layer_start: int = 0) -> None:
     """`Loader.start`: queues a background load; its `LoadReport` comes from `landed()`."""
     self.loader.start(request_id, index, lookup, prompt_ids, choose=choose, nbytes=nbytes,
-                      max_in_flight=max_in_flight)
+                      max_in_flight=max_in_flight, layer_start=layer_start)
 
   def warmup_entropy(self, codec: str, level: int, arrays) -> None:
     """`Loader.warmup_entropy`.

@@ -55,7 +55,7 @@ class DeviceSeam(Protocol):
 def held_nbytes(hit: ChunkHit, seam: DeviceSeam) -> int:
   """Bytes a staged chunk holds: its stored bytes plus every array already decoded on the device
   (`decode_on_device`)."""
-  return int(hit.encoding.nbytes) + sum(seam.nbytes(a) for a in hit.payload.values())
+  return int(hit.nbytes) + sum(seam.nbytes(a) for a in hit.payload.values())
 
 
 def decode_on_device(got: ChunkHit, seam: DeviceSeam) -> ChunkHit | ChunkMiss:

@@ -74,7 +74,7 @@ class Loader:
 
   def start(self, request_id: Any, index: int, lookup: PrefixLookup,
                  prompt_ids: Sequence[int], *, choose=None, nbytes: int = 0,
-                 max_in_flight: int = 2) -> None:
+                 max_in_flight: int = 2, layer_start: int = 0) -> None:
     """Queues a background load of prompt chunk `index`; its `LoadReport` comes from `landed()`.
 
     Loads run in the order they were queued, each request's `max_in_flight` at a time, and the
@@ -93,6 +93,9 @@ class Loader:
         (codec level) to read.
       nbytes: the planner's stored bytes for it (for the staging budget).
       max_in_flight: the request's reads at once, >= 1.
+      layer_start: 0, or k > 0 to read layers `[k, L)` alone (`LoadItem.layer_start`; the
+        store reads and verifies those layers' bytes and the staged hit holds them,
+        `ChunkHit.layer_start`).
     """
     c = self._scheme.chunk_size
     tail = lookup.tail
@@ -102,7 +105,8 @@ class Loader:
     else:
       key, tokens = lookup.hashes[index], tuple(prompt_ids[index * c:(index + 1) * c])
     item = Pending(request_id, index, key, tokens, lookup.namespace, choose,
-                    int(nbytes) or self._scheme.layout.nbytes, max(1, int(max_in_flight)))
+                    int(nbytes) or self._scheme.layout.nbytes, max(1, int(max_in_flight)),
+                    layer_start=int(layer_start))
     with self._lock:
       self._queue.append(item)
     self._pump()
@@ -145,6 +149,7 @@ class Loader:
     try:
       got = await self._store.get(item.chunk_hash, item.token_ids, item.namespace,
                                   self._scheme.layout, origin=self._scheme.origin,
+                                  layer_start=item.layer_start,
                                   **({"choose": item.choose} if item.choose is not None else {}))
     except Exception as e:  # noqa: BLE001 - a failed read is a miss, never a user error
       got = ChunkMiss(item.chunk_hash, MissReason.READ_ERROR, repr(e))
@@ -209,7 +214,7 @@ class Loader:
         return  # its request ended meanwhile: drop it
       del self._reading[key]
       ok = isinstance(got, ChunkHit)
-      nbytes = int(got.encoding.nbytes) if ok else 0
+      nbytes = int(got.nbytes) if ok else 0
       link_s = max(0.0, done_s - max(item.started_s, self._last_done_s))
       self._last_done_s = max(self._last_done_s, done_s)
       if not self._reading:

@@ -191,6 +191,7 @@ class Pending:
   released: bool = False
   future: Any = None
   started_s: float = 0.0
+  layer_start: int = 0  # k > 0: read layers [k, L) only
 
 
 @dataclasses.dataclass

@@ -123,7 +123,8 @@ class KVLoads:
               ) -> list[Loaded]:
     """The plan's store side, in field order: hands a changed look-ahead window to the client
     (before the loads: a load may wait on a prefetch; requests not in `live` are left out),
-    releases, queues new loads, and inserts staged chunks (a layer-split chunk's layers
+    releases, queues new loads (a layer-split load, `LoadItem.layer_start` k > 0, reads layers
+    `[k, L)` alone from the store), and inserts staged chunks (a layer-split chunk's layers
     `[InsertItem.layer_start, L)` only, raw). With layer-wise pre-loading (the
     plan has `layer_groups > 1` and compute) raw staged chunks go to `layered` as
     `(InsertItem, ChunkHit, blocks)` for `step_layerwise`; the others are inserted now, each
@@ -131,7 +132,8 @@ class KVLoads:
     includes the device work). Returns the inserted chunks, in order.
 
     Raises:
-      ValueError: a stored tail staged in an encoding other than raw.
+      ValueError: a stored tail staged in an encoding other than raw; a chunk staged with
+        fewer layers than its insert writes.
     """
     kv = self.kv_store
     if plan.lookahead != self._window_ids:
@@ -141,7 +143,8 @@ class KVLoads:
       kv.release(rid, index)
     for item in plan.loads:  # `item.encoding`: the level policy's pick, or None
       kv.start_request_load(item.request_id, item.index, encoding=item.encoding,
-                            nbytes=item.nbytes, max_in_flight=item.max_in_flight)
+                            nbytes=item.nbytes, max_in_flight=item.max_in_flight,
+                            layer_start=item.layer_start)
     layerwise = plan.layer_groups > 1 and bool(plan.decodes or plan.prefills)
     loaded: list[Loaded] = []
     for ins in plan.inserts:
@@ -149,10 +152,13 @@ class KVLoads:
       t0, t0_clock = time.perf_counter(), self._clock()
       rows = self.insert_rows(ins)
       where = chunk_blocks(tables[ins.request_id], self.runner.block_size, ins.start, rows)
+      if hit.layer_start > ins.layer_start:  # a planner bug: it staged fewer layers
+        raise ValueError(f"chunk {ins.index} of {ins.request_id} staged from layer "
+                         f"{hit.layer_start}, inserted from {ins.layer_start}")
       if ins.layer_start:  # a layer-split chunk: its layers [k, L) only (raw)
         if hit.kv is None:
           raise ValueError(f"layer-split chunk {ins.index} of {ins.request_id} is not raw")
-        high = hit.kv[ins.layer_start:]
+        high = hit.kv[ins.layer_start - hit.layer_start:]  # read as [k, L): all of it
         kv.charge_device(high.nbytes)
         self.runner.insert_chunks_layers([first_rows(high, rows)], [where], [ins.start],
                                          ins.layer_start)

@@ -12,6 +12,10 @@ Architecture (`docs/design/storage-format.md`):
                                                 back as zeros
     data/<chunk_hash>/<codec>-<level>-<xxh3 of the bytes>
                                                 one encoded payload (`codecs.encode_payload`)
+  Record format 3 (written now): a raw encoding also lists one xxh3-128 per layer
+  (`Encoding.layer_checksums`), so `get(..., layer_start=k)` reads layers `[k, L)` alone (one
+  byte-range read from k * nbytes / L to the end, a seek on a plain file store) and verifies
+  each; record format 2 (still read) has none, so a range of it is read whole and sliced.
   Record format 1 (older stores, still read): checksums are SHA-256 and a raw object is a
   zarr3 array under the key prefix `data/<chunk_hash>/raw-0-<sha256>/` (zarr.json, c/0/0/0/0/0).
 
@@ -86,13 +90,15 @@ from kvjax.storage.format import codecs
 from kvjax.storage.format import keys as chunk_keys
 from kvjax.storage.backends import specs
 from kvjax.storage.backends import s3_conditional
-from kvjax.storage.backends.object_io import BadSize, data_error_reason, read_file
+from kvjax.storage.backends.object_io import (BadSize, data_error_reason, first_bad_layer,
+                                              read_file, read_file_range)
 from kvjax.storage.backends.store_admin import DataObject, StoreAdmin, StoreIndex
 from kvjax.storage.format.store_layout import (ABSENT_PROBE_KEY, DATA_PREFIX, INDEX_PREFIX,
                                                RAW_CODEC, RAW_CODEC_VERSION, RAW_LEVEL,
                                                choose_codec, default_choose, encoded_object_key,
-                                               index_key, is_raw_object, le_bytes, raw_nbytes,
-                                               raw_object_key, values_checksum)
+                                               index_key, is_raw_object, layer_checksums,
+                                               le_bytes, raw_nbytes, raw_object_key,
+                                               values_checksum)
 from kvjax.storage.format.store_layout import prefix_range as _prefix_range
 from kvjax.storage.backends.store_runtime import (ByteLimiter, Limiter, StoreStats,
                                                   default_context_spec, run_sync)
@@ -106,6 +112,22 @@ __all__ = ["RAW_CODEC", "RAW_CODEC_VERSION", "RAW_LEVEL", "ByteLimiter", "ChunkS
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+
+def _raw_values(buf: np.ndarray, encoding: Encoding, layout: KVLayout,
+                num_layers: int) -> np.ndarray:
+  """The last `num_layers` layers of a raw object, from their little-endian bytes `buf`, as
+  `layout.dtype[num_layers, 2, C, K, H]` (a stored tail's padding rows as zeros)."""
+  rows = encoding.nbytes // (layout.nbytes // layout.chunk_size)
+  shape = (num_layers, 2, rows) + layout.shape[3:]
+  kv = buf.view(np.dtype(layout.dtype)).reshape(shape)
+  if sys.byteorder != "little":
+    kv = kv.byteswap()
+  if rows < layout.chunk_size:  # a tail's real rows: its padding rows are zeros
+    full = np.zeros((num_layers,) + layout.shape[1:], np.dtype(layout.dtype))
+    full[:, :, :rows] = kv
+    kv = full
+  return kv
 
 
 class ChunkStore:
@@ -330,8 +352,8 @@ class ChunkStore:
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                 layout: KVLayout, *, choose: Chooser | None = None,
-                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
-    """Reads and verifies one chunk, in the encoding `choose` picks.
+                origin: ChunkOrigin | None = None, layer_start: int = 0) -> ChunkHit | ChunkMiss:
+    """Reads and verifies one chunk, in the encoding `choose` picks, or its layers `[k, L)`.
 
     Args:
       chunk_hash: the chunk's key.
@@ -343,30 +365,44 @@ class ChunkStore:
         of them. Default `default_choose`: raw if stored, else the first.
       origin: the model and layout version the caller's KV must come from (checked against the
         record's own, `ChunkRecord.mismatch`); None: not checked.
+      layer_start: k in `[0, L)`; k > 0 asks for layers `[k, L)` only (Cake's layer axis,
+        `docs/design/cake.md`). A raw encoding of record format 3 reads just those layers'
+        bytes (one byte-range read, a seek on a plain file store), verifies each layer's
+        checksum (`Encoding.layer_checksums`), charges the link limiter and `bytes_read` those
+        bytes alone (`stats.ranged_reads`); an older raw record is read and verified whole, then
+        sliced (`stats.ranged_whole_reads`). Either way the hit's `kv` is
+        `layout.dtype[L - k, 2, C, K, H]` with `layer_start` k. Other codecs are read whole
+        (`layer_start` 0 in the hit).
 
     Returns:
-      A `ChunkHit` (`payload`: the encoding's arrays; `kv`: `layout.dtype[L, 2, C, K, H]`, K
-      before RoPE, for raw, else None), or a `ChunkMiss` with its reason (also counted in
+      A `ChunkHit` (`payload`: the encoding's arrays; `kv`: `layout.dtype[L, 2, C, K, H]`, or
+      `[L - k, 2, C, K, H]` for a layer range, K before RoPE, for raw, else None; `nbytes`: the
+      stored bytes read), or a `ChunkMiss` with its reason (also counted in
       `stats.misses_by_reason`): the record's model, layout, dtype, chunk size, tokens or
       namespace differ (`ChunkRecord.mismatch`); CODEC_VERSION_MISMATCH when nothing is chosen
       and the record holds a codec this reader knows at another version, or the payload's
       header names another version than its record; UNKNOWN_CODEC when no encoding is
-      decodable or `choose` takes none. Never raises for store faults.
+      decodable or `choose` takes none; CHECKSUM_MISMATCH when a layer read (or the whole
+      object) does not match its checksum. A damaged layer outside the range read is not seen.
+      Never raises for store faults.
 
     Raises:
-      ValueError: `choose` returned something that is not one of the encodings it was given.
+      ValueError: `choose` returned something that is not one of the encodings it was given;
+        `layer_start` not in `[0, L)`.
     """
+    if not 0 <= layer_start < layout.num_layers:
+      raise ValueError(f"layer_start {layer_start} not in [0, {layout.num_layers})")
     result = await self._get(chunk_hash, tuple(int(t) for t in token_ids), namespace, layout,
-                             choose or default_choose, origin)
+                             choose or default_choose, origin, layer_start)
     if isinstance(result, ChunkMiss):
       self.stats.miss(result.reason)
     else:
-      self.stats.add(hits=1, bytes_read=result.encoding.nbytes)
+      self.stats.add(hits=1, bytes_read=result.nbytes)
     return result
 
   async def _get(self, chunk_hash: ChunkHash, token_ids: tuple[int, ...], namespace: str,
-                 layout: KVLayout, choose: Chooser,
-                 origin: ChunkOrigin | None) -> ChunkHit | ChunkMiss:
+                 layout: KVLayout, choose: Chooser, origin: ChunkOrigin | None,
+                 layer_start: int) -> ChunkHit | ChunkMiss:
     def miss(reason: MissReason, detail: str = "") -> ChunkMiss:
       return ChunkMiss(chunk_hash, reason, detail)
 
@@ -401,16 +437,28 @@ class ChunkStore:
     is_raw = encoding.codec == RAW_CODEC
     if (not encoding.object.startswith(f"{DATA_PREFIX}{chunk_hash}/")
         or is_raw != is_raw_object(encoding.object)
-        or (is_raw and encoding.nbytes not in raw_nbytes(record, layout))):
+        or (is_raw and encoding.nbytes not in raw_nbytes(record, layout))
+        or len(encoding.layer_checksums) not in ((0, layout.num_layers) if is_raw else (0,))):
       return miss(MissReason.CORRUPT, f"bad encoding entry {encoding!r}")
 
+    ranged = layer_start > 0 and is_raw
+    if ranged and encoding.layer_checksums:  # layers [k, L) alone
+      nbytes = encoding.nbytes // layout.num_layers * (layout.num_layers - layer_start)
+      if self._limiter is not None:
+        await self._limiter.acquire(nbytes)
+      self.stats.add(ranged_reads=1)
+      return await self._get_raw_layers(record, encoding, layout, layer_start)
+    if ranged:  # a record without layer checksums: read and verify whole, then slice
+      self.stats.add(ranged_whole_reads=1)
     if self._limiter is not None:
       await self._limiter.acquire(encoding.nbytes)
     if is_raw and record.format_version == 1:
-      return await self._get_raw_array(record, encoding, layout)
-    if is_raw:
-      return await self._get_raw(record, encoding, layout)
-    return await self._get_encoded(record, encoding, layout)
+      hit = await self._get_raw_array(record, encoding, layout)
+    elif is_raw:
+      hit = await self._get_raw(record, encoding, layout)
+    else:
+      return await self._get_encoded(record, encoding, layout)
+    return hit.from_layer(layer_start, hit.nbytes) if ranged and isinstance(hit, ChunkHit) else hit
 
   def _local_path(self, object_key: str) -> str | None:
     """The file holding a one-key object on a plain file store (else None: use tensorstore)."""
@@ -440,6 +488,47 @@ class ChunkStore:
       buf = np.frombuffer(res.value, np.uint8)  # read-only view, no copy
       return buf, checksums.digest(buf, encoding.checksum_algo)
 
+  async def _read_range(self, encoding: Encoding, offset: int) -> np.ndarray:
+    """Bytes `[offset, nbytes)` of a one-key object as `uint8[nbytes - offset]`; the byte
+    limiter is held while reading. A plain file store seeks (`object_io.read_file_range`);
+    other backends read a byte range (tensorstore's `byte_range`, to the object's end, so an
+    object of another length is seen).
+
+    Raises:
+      FileNotFoundError, BadSize, OSError, or tensorstore's errors (`data_error_reason`
+      classifies them: a range past the end is OUT_OF_RANGE, corrupt).
+    """
+    want = encoding.nbytes - offset
+    async with self._bytes.hold(want):
+      path = self._local_path(encoding.object)
+      if path is not None:
+        return await self._op(asyncio.to_thread(read_file_range, path, encoding.nbytes, offset))
+      root = await self.kvstore()
+      res = await self._op(root.read(encoding.object, byte_range=slice(offset, None)))
+      if res.state != "value":
+        raise FileNotFoundError(encoding.object)
+      if len(res.value) != want:
+        raise BadSize(f"{offset + len(res.value)} bytes, record says {encoding.nbytes}")
+      return np.frombuffer(res.value, np.uint8)  # read-only view, no copy
+
+  async def _get_raw_layers(self, record: ChunkRecord, encoding: Encoding, layout: KVLayout,
+                            layer_start: int) -> ChunkHit | ChunkMiss:
+    """Layers `[layer_start, L)` of a raw object of record format 3: their bytes alone, each
+    layer verified against its `Encoding.layer_checksums` entry."""
+    step = encoding.nbytes // layout.num_layers
+    try:
+      buf = await self._read_range(encoding, layer_start * step)
+    except Exception as e:  # noqa: BLE001
+      return ChunkMiss(record.chunk_hash, data_error_reason(e), f"{encoding.object}: {e!r}")
+    bad = await asyncio.to_thread(first_bad_layer, buf, encoding.layer_checksums[layer_start:],
+                                  encoding.checksum_algo)
+    if bad is not None:
+      return ChunkMiss(record.chunk_hash, MissReason.CHECKSUM_MISMATCH,
+                       f"{encoding.object}: layer {layer_start + bad}")
+    kv = _raw_values(buf, encoding, layout, layout.num_layers - layer_start)
+    return ChunkHit(record=record, encoding=encoding, kv=kv, tier=self.name,
+                    layer_start=layer_start, nbytes=len(buf))
+
   async def _get_raw(self, record: ChunkRecord, encoding: Encoding,
                      layout: KVLayout) -> ChunkHit | ChunkMiss:
     try:
@@ -448,15 +537,7 @@ class ChunkStore:
       return ChunkMiss(record.chunk_hash, data_error_reason(e), f"{encoding.object}: {e!r}")
     if digest != encoding.checksum:
       return ChunkMiss(record.chunk_hash, MissReason.CHECKSUM_MISMATCH)
-    rows = encoding.nbytes // (layout.nbytes // layout.chunk_size)
-    shape = layout.shape[:2] + (rows,) + layout.shape[3:]
-    kv = buf.view(np.dtype(layout.dtype)).reshape(shape)
-    if sys.byteorder != "little":
-      kv = kv.byteswap()
-    if rows < layout.chunk_size:  # a tail's real rows: its padding rows are zeros
-      full = np.zeros(layout.shape, np.dtype(layout.dtype))
-      full[:, :, :rows] = kv
-      kv = full
+    kv = _raw_values(buf, encoding, layout, layout.num_layers)
     return ChunkHit(record=record, encoding=encoding, kv=kv, tier=self.name)
 
   async def _get_raw_array(self, record: ChunkRecord, encoding: Encoding,
@@ -569,7 +650,7 @@ class ChunkStore:
       raw = le_bytes(values[:, :, :rows] if rows < values.shape[2] else values)
       checksum = checksums.digest(raw)
       enc = Encoding(RAW_CODEC, RAW_CODEC_VERSION, RAW_LEVEL, raw_object_key(chunk_hash, checksum),
-                     len(raw), checksum)
+                     len(raw), checksum, layer_checksums=layer_checksums(raw, layout.num_layers))
       encodings.append(enc)
       writes.append(functools.partial(self._write_blob, enc.object, raw))
     for p, blob in zip(encoded, blobs):
@@ -681,9 +762,9 @@ class ChunkStore:
 
   def get_sync(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                layout: KVLayout, *, choose: Chooser | None = None,
-               origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
+               origin: ChunkOrigin | None = None, layer_start: int = 0) -> ChunkHit | ChunkMiss:
     return run_sync(self.get(chunk_hash, token_ids, namespace, layout, choose=choose,
-                             origin=origin))
+                             origin=origin, layer_start=layer_start))
 
   def put_sync(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,

@@ -29,21 +29,56 @@ def read_file(path: str, nbytes: int, algo: str) -> tuple[np.ndarray, str]:
     BadSize: the file is not `nbytes` long.
     OSError: any other read failure.
   """
+  buf = read_file_range(path, nbytes, 0)
+  return buf, checksums.digest(buf, algo)
+
+
+def read_file_range(path: str, nbytes: int, offset: int) -> np.ndarray:
+  """Reads bytes `[offset, nbytes)` of a file of exactly `nbytes` bytes into a fresh buffer
+  (one seek: a layer range of a raw object reads those layers' bytes alone).
+
+  Runs in a worker thread (`os.preadv` releases the GIL).
+
+  Returns:
+    uint8[nbytes - offset] buffer.
+
+  Raises:
+    FileNotFoundError: no such file.
+    BadSize: the file is not `nbytes` long.
+    OSError: any other read failure.
+  """
   fd = os.open(path, os.O_RDONLY)
   try:
     size = os.fstat(fd).st_size
     if size != nbytes:
       raise BadSize(f"{size} bytes, record says {nbytes}")
-    buf = np.empty(nbytes, np.uint8)
+    buf = np.empty(nbytes - offset, np.uint8)
     view, got = memoryview(buf), 0
-    while got < nbytes:
-      n = os.preadv(fd, [view[got:]], got)
+    while got < len(buf):
+      n = os.preadv(fd, [view[got:]], offset + got)
       if n <= 0:
-        raise BadSize(f"{got} bytes read, record says {nbytes}")
+        raise BadSize(f"{offset + got} bytes read, record says {nbytes}")
       got += n
   finally:
     os.close(fd)
-  return buf, checksums.digest(buf, algo)
+  return buf
+
+
+def first_bad_layer(buf: np.ndarray, sums: tuple[str, ...], algo: str) -> int | None:
+  """The first of `len(sums)` equal byte ranges of `buf` (consecutive layers of a raw object)
+  whose checksum is not its entry of `sums`, or None when all match.
+
+  Raises:
+    ValueError: `buf` does not split into `len(sums)` equal ranges.
+  """
+  n = len(sums)
+  if not n or len(buf) % n:
+    raise ValueError(f"{len(buf)} bytes do not split into {n} layers")
+  step, view = len(buf) // n, memoryview(buf)
+  for i, want in enumerate(sums):
+    if checksums.digest(view[i * step:(i + 1) * step], algo) != want:
+      return i
+  return None
 
 
 def status_code(e: BaseException) -> str:

@@ -15,7 +15,8 @@ from kvjax._typing import ChunkHash
 from kvjax.storage.format import checksum as checksums
 from kvjax.storage.format import codecs
 from kvjax.storage.format import entropy
-from kvjax.storage.format.store_layout import DATA_PREFIX, INDEX_PREFIX, RAW_CODEC, prefix_range
+from kvjax.storage.format.store_layout import (DATA_PREFIX, INDEX_PREFIX, RAW_CODEC,
+                                               layer_checksums, le_bytes, prefix_range)
 from kvjax.storage.format.types import ChunkHit, ChunkMiss, ChunkRecord, MissReason
 
 
@@ -63,6 +64,21 @@ def _decode_deferred(hit: ChunkHit) -> ChunkHit | ChunkMiss:
         entropy.decode_rans_codes(a)
       except entropy.EntropyError as e:
         return ChunkMiss(hit.record.chunk_hash, MissReason.CORRUPT, f"{name}: {e}")
+  return hit
+
+
+def _check_layers(hit: ChunkHit) -> ChunkHit | ChunkMiss:
+  """`hit`, or a CHECKSUM_MISMATCH miss if a whole raw hit's bytes do not match its record's
+  per-layer checksums (record format 3: a layer-range read would refuse that layer)."""
+  enc, layout = hit.encoding, hit.record.layout
+  if enc.codec != RAW_CODEC or not enc.layer_checksums or hit.kv is None:
+    return hit
+  rows = enc.nbytes // (layout.nbytes // layout.chunk_size)  # a tail's stored rows
+  got = layer_checksums(le_bytes(hit.kv[:, :, :rows]), layout.num_layers, enc.checksum_algo)
+  bad = [i for i, (a, b) in enumerate(zip(got, enc.layer_checksums)) if a != b]
+  if bad:
+    return ChunkMiss(hit.record.chunk_hash, MissReason.CHECKSUM_MISMATCH,
+                     f"{enc.object}: layer checksums of layers {bad}")
   return hit
 
 
@@ -185,7 +201,8 @@ class StoreAdmin:
     """Reads back every encoding of `record` this reader can decode, as a server would
     (`get` with the record's own token ids, namespace and layout: sizes, checksums, decode;
     arrays `get` leaves coded for the device, kvtc's "rans-bands", are decoded here on the host
-    with the checks the device decoder makes).
+    with the checks the device decoder makes; a raw encoding's per-layer checksums, record
+    format 3, are checked against the bytes read as well).
 
     Returns:
       None if all of them verify; else the first miss (its detail prefixed with the encoding
@@ -201,6 +218,8 @@ class StoreAdmin:
                                (e for e in encodings if e == want), None))
       if isinstance(got, ChunkHit):
         got = await asyncio.to_thread(_decode_deferred, got)
+      if isinstance(got, ChunkHit):
+        got = await asyncio.to_thread(_check_layers, got)
       if isinstance(got, ChunkMiss):
         where = f"{enc.codec}/{enc.codec_version}/{enc.level}" if len(known) > 1 else ""
         return dataclasses.replace(got, detail=": ".join(x for x in (where, got.detail) if x))

@@ -46,6 +46,9 @@ class StoreStats:
     puts: published puts.
     put_conflicts: puts that found the record already present (lost the race or came late).
     put_failures: puts that failed on a backend error (no record published).
+    ranged_reads: reads of a layer range `[k, L)` that read those layers' bytes alone.
+    ranged_whole_reads: reads of a layer range of a record without layer checksums (record
+      format 1 or 2): read and verified whole, then sliced (correct, not cheaper).
   """
 
   hits: int = 0
@@ -55,6 +58,8 @@ class StoreStats:
   puts: int = 0
   put_conflicts: int = 0
   put_failures: int = 0
+  ranged_reads: int = 0
+  ranged_whole_reads: int = 0
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
                                             compare=False)
 
@@ -75,7 +80,8 @@ class StoreStats:
           "misses_by_reason": {r.value: n for r, n in self.misses_by_reason.items()},
           "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
           "puts": self.puts, "put_conflicts": self.put_conflicts,
-          "put_failures": self.put_failures,
+          "put_failures": self.put_failures, "ranged_reads": self.ranged_reads,
+          "ranged_whole_reads": self.ranged_whole_reads,
       }
 
 

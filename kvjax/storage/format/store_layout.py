@@ -68,6 +68,21 @@ def values_checksum(values: np.ndarray, algo: str = checksums.CURRENT) -> str:
   return checksums.digest(values, algo)
 
 
+def layer_checksums(raw: bytes | memoryview, num_layers: int,
+                    algo: str = checksums.CURRENT) -> tuple[str, ...]:
+  """One hex checksum per layer of a raw object's bytes (`Encoding.layer_checksums`): layer l's
+  is of bytes `[l * n / L, (l + 1) * n / L)` of the n bytes.
+
+  Raises:
+    ValueError: n is not a multiple of `num_layers`.
+  """
+  n = len(raw)
+  if num_layers < 1 or n % num_layers:
+    raise ValueError(f"{n} bytes do not split into {num_layers} layers")
+  step, view = n // num_layers, memoryview(raw)
+  return tuple(checksums.digest(view[i * step:(i + 1) * step], algo) for i in range(num_layers))
+
+
 def le_bytes(values: np.ndarray) -> bytes:
   """An array's C-order bytes, little endian (the stored raw format)."""
   values = np.ascontiguousarray(values)

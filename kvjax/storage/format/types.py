@@ -24,11 +24,13 @@ import numpy as np
 
 from kvjax._typing import ChunkHash
 
-#: Version of the index record's JSON format written now. 2: each encoding names its checksum
-#: algorithm (`checksum_algo`); 1 (still read): no such field, every checksum is SHA-256.
-RECORD_FORMAT_VERSION = 2
+#: Version of the index record's JSON format written now. 3: a raw encoding also lists one
+#: checksum per layer (`Encoding.layer_checksums`), so a read of layers `[k, L)` reads and
+#: verifies those layers' bytes alone; 2 (still read, whole): each encoding names its checksum
+#: algorithm (`checksum_algo`); 1 (still read, whole): no such field, every checksum is SHA-256.
+RECORD_FORMAT_VERSION = 3
 #: Record formats this reader parses.
-READABLE_RECORD_FORMATS = (1, 2)
+READABLE_RECORD_FORMATS = (1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,11 @@ class Encoding:
       records `codecs.payload_checksum` of the arrays. It catches corruption; identity is the
       key's job (see `storage.format.checksum`).
     checksum_algo: "xxh3-128" (written now) or "sha256" (record format 1).
+    layer_checksums: raw encodings of record format 3: L hex digests (`checksum_algo`), layer
+      l's of the object's bytes `[l * nbytes / L, (l + 1) * nbytes / L)` (the C-order bytes of
+      `values[l]`, `[2, C, K, H]`, or a stored tail's `[2, m, K, H]`), so a layer range reads
+      and verifies alone. Empty for other codecs, the host tier's records and older formats
+      (a read of a layer range then reads the whole object).
   """
 
   codec: str
@@ -85,6 +92,7 @@ class Encoding:
   nbytes: int
   checksum: str
   checksum_algo: str = "xxh3-128"
+  layer_checksums: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,13 +187,22 @@ class ChunkRecord:
     return None
 
   def to_json(self) -> bytes:
-    """The record as JSON, in its own `format_version` (format 1: no `checksum_algo`; no
-    "origin" key when `origin` is None)."""
+    """The record as JSON, in its own `format_version` (format 1: no `checksum_algo`; formats
+    1 and 2: no `layer_checksums`, format 3: only on encodings that have them; no "origin" key
+    when `origin` is None).
+
+    Raises:
+      ValueError: `layer_checksums` in a record of format 1 or 2.
+    """
     d = dataclasses.asdict(self)
     if d["origin"] is None:
       del d["origin"]
-    if self.format_version == 1:
-      for e in d["encodings"]:
+    for e in d["encodings"]:
+      if e["layer_checksums"] and self.format_version < 3:
+        raise ValueError(f"record format {self.format_version} has no layer checksums")
+      if not e["layer_checksums"]:
+        del e["layer_checksums"]
+      if self.format_version == 1:
         del e["checksum_algo"]
     return json.dumps(d, sort_keys=True).encode()
 
@@ -205,12 +222,15 @@ class ChunkRecord:
         if isinstance(version, int) and not isinstance(version, bool):
           raise RecordFormatError(message)
         raise ValueError(message)
+      if version < 3 and any("layer_checksums" in e for e in d["encodings"]):
+        raise ValueError(f"record format {version} encoding with layer_checksums")
       if version == 1:  # No checksum_algo field: SHA-256 throughout.
         encodings = tuple(Encoding(**e, checksum_algo="sha256") for e in d["encodings"])
       else:
-        encodings = tuple(Encoding(**e) for e in d["encodings"])
+        encodings = tuple(Encoding(**{**e, "layer_checksums": tuple(
+            str(c) for c in e.get("layer_checksums", ()))}) for e in d["encodings"])
         if any("checksum_algo" not in e for e in d["encodings"]):
-          raise ValueError("record format 2 encoding without checksum_algo")
+          raise ValueError(f"record format {version} encoding without checksum_algo")
       return cls(
           chunk_hash=ChunkHash(str(d["chunk_hash"])), parent_hash=ChunkHash(str(d["parent_hash"])),
           token_ids=tuple(int(t) for t in d["token_ids"]), namespace=str(d["namespace"]),
@@ -273,17 +293,22 @@ class EncodedPayload:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ChunkHit:
-  """A verified chunk.
+  """A verified chunk, or (a read of a layer range) its layers `[layer_start, L)`.
 
   Attributes:
     record: its index record.
     encoding: the encoding that was read.
-    kv: raw hits: `[L, 2, C, K, H]` values in `record.layout.dtype`, K before RoPE; None for
-      the other codecs (decode `payload` with the kernels' `kv_decode`).
+    kv: raw hits: `[L - layer_start, 2, C, K, H]` values in `record.layout.dtype`, K before
+      RoPE (layers `[layer_start, L)`; all L when `layer_start` is 0); None for the other
+      codecs (decode `payload` with the kernels' `kv_decode`).
     tier: name of the tier it came from.
     payload: the encoding's arrays, bit-exact as stored (raw: {"values": kv}). Defaults to
       {"values": kv} when only `kv` is given. An array of a device coding (kvtc's "rans-bands"
       `q`) is an `entropy.RansCodes` (parsed and verified, not decoded; `codecs.DEVICE_CODINGS`).
+    layer_start: the first layer `kv` holds: 0, or k > 0 for a raw read of layers `[k, L)`
+      (`get(..., layer_start=k)`; other codecs are read whole and keep 0).
+    nbytes: stored bytes the read moved: `encoding.nbytes` (the default, -1, becomes it), or a
+      layer range's `encoding.nbytes * (L - k) / L` when only those layers were read.
   """
 
   record: ChunkRecord
@@ -291,10 +316,28 @@ class ChunkHit:
   kv: np.ndarray | None
   tier: str
   payload: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  layer_start: int = 0
+  nbytes: int = -1
 
   def __post_init__(self):
     if not self.payload and self.kv is not None:
       object.__setattr__(self, "payload", {"values": self.kv})
+    if self.nbytes < 0:
+      object.__setattr__(self, "nbytes", int(self.encoding.nbytes))
+
+  def from_layer(self, layer_start: int, nbytes: int) -> "ChunkHit":
+    """This whole raw hit's layers `[layer_start, L)` (a view of `kv`), read as `nbytes`.
+
+    Raises:
+      ValueError: not a whole raw hit, or `layer_start` not in `[0, L)`.
+    """
+    if self.kv is None or self.layer_start:
+      raise ValueError("only a whole raw hit has layers to slice")
+    if not 0 <= layer_start < self.kv.shape[0]:
+      raise ValueError(f"layer_start {layer_start} of {self.kv.shape[0]} layers")
+    kv = self.kv[layer_start:]
+    return ChunkHit(self.record, self.encoding, kv, self.tier, {"values": kv}, layer_start,
+                    int(nbytes))
 
 
 @dataclasses.dataclass(frozen=True)

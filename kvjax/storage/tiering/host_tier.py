@@ -54,9 +54,12 @@ class Tier(Protocol):
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                 layout: KVLayout, *, choose: Chooser | None = None,
-                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
+                origin: ChunkOrigin | None = None, layer_start: int = 0) -> ChunkHit | ChunkMiss:
     """Reads and verifies one chunk in the encoding `choose` picks (None: raw, else first);
-    `origin` (if given) is checked against the record's (`ChunkRecord.mismatch`)."""
+    `origin` (if given) is checked against the record's (`ChunkRecord.mismatch`). `layer_start`
+    k > 0: a raw hit holds layers `[k, L)` only (`ChunkHit.layer_start`, `kv`
+    `[L - k, 2, C, K, H]`); a tier that cannot read a range reads whole and slices; other
+    codecs are read whole."""
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,
@@ -185,7 +188,7 @@ class HostMemoryTier:
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                 layout: KVLayout, *, choose: Chooser | None = None,
-                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
+                origin: ChunkOrigin | None = None, layer_start: int = 0) -> ChunkHit | ChunkMiss:
     """Returns the chunk if its record matches (`ChunkRecord.mismatch`: model, layout, dtype,
     chunk size, token ids, namespace), else a miss.
 
@@ -193,10 +196,16 @@ class HostMemoryTier:
       chunk_hash, token_ids, namespace, layout, origin: as `ChunkStore.get`.
       choose: picks one of the held encodings (default: raw, else the first); None from it is an
         UNKNOWN_CODEC miss.
+      layer_start: k in `[0, L)`; k > 0: a raw hit is a view of the held chunk's layers
+        `[k, L)` (`kv` `[L - k, 2, C, K, H]`, `nbytes` those layers' share); other codecs are
+        returned whole (`layer_start` 0).
 
     Raises:
-      ValueError: `choose` returned something that is not one of the encodings it was given.
+      ValueError: `choose` returned something that is not one of the encodings it was given;
+        `layer_start` not in `[0, L)`.
     """
+    if not 0 <= layer_start < layout.num_layers:
+      raise ValueError(f"layer_start {layer_start} not in [0, {layout.num_layers})")
     with self._lock:
       entry = self._entries.get(chunk_hash) or self._leaving.get(chunk_hash)
       if entry is None:
@@ -214,7 +223,11 @@ class HostMemoryTier:
       entry.last_access = next(self._counter)
       arrays = entry.arrays[(encoding.codec, encoding.level)]
     kv = arrays["values"] if encoding.codec == "raw" else None
-    return ChunkHit(record=rec, encoding=encoding, kv=kv, tier=self.name, payload=dict(arrays))
+    hit = ChunkHit(record=rec, encoding=encoding, kv=kv, tier=self.name, payload=dict(arrays))
+    if layer_start and kv is not None:  # held whole: a view of the layers asked for
+      return hit.from_layer(layer_start, encoding.nbytes // layout.num_layers
+                            * (layout.num_layers - layer_start))
+    return hit
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,

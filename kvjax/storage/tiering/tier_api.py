@@ -25,7 +25,8 @@ class TierStats:
 
   Attributes:
     hits: verified reads served.
-    bytes_read: stored bytes of those reads (`Encoding.nbytes` of the encoding read).
+    bytes_read: stored bytes of those reads (`ChunkHit.nbytes`: the encoding's, or a layer
+      range's share of them).
     misses: failed reads by `MissReason` value.
     promotions: chunks copied into this tier from a lower one.
     evictions: chunks evicted for capacity.
@@ -77,8 +78,9 @@ class KVStore(Protocol):
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                 layout: KVLayout, *, promote: bool = True, choose: Chooser | None = None,
-                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
-    """A verified read from the highest tier with a good copy."""
+                origin: ChunkOrigin | None = None, layer_start: int = 0) -> ChunkHit | ChunkMiss:
+    """A verified read from the highest tier with a good copy (layers `[layer_start, L)` only
+    when `layer_start` > 0)."""
 
   async def put(self, chunk_hash: ChunkHash, parent_hash: ChunkHash, token_ids: Sequence[int],
                 namespace: str, kv: np.ndarray | None = None, *, layout: KVLayout | None = None,

@@ -270,7 +270,7 @@ class TierMover:
                                     None)
       try:
         got = await tier.get(key, rec.token_ids, rec.namespace, rec.layout, choose=pick,
-                             origin=rec.origin)
+                             origin=rec.origin, layer_start=0)
       except Exception:  # noqa: BLE001
         log.warning("demotion read failed on tier %s", tier.name, exc_info=True)
         continue

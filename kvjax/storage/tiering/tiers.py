@@ -386,8 +386,9 @@ class TieredStore:
 
   async def get(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                 layout: KVLayout, *, promote: bool = True, choose: Chooser | None = None,
-                origin: ChunkOrigin | None = None) -> ChunkHit | ChunkMiss:
-    """Reads one chunk from the highest tier that has a good copy.
+                origin: ChunkOrigin | None = None, layer_start: int = 0) -> ChunkHit | ChunkMiss:
+    """Reads one chunk (or its layers `[layer_start, L)`) from the highest tier that has a good
+    copy.
 
     Tiers are tried top down; any miss falls through to the next tier (a bad copy is deleted
     when `drop_bad_copies`). The read is an access of the planner, which may promote a hit
@@ -403,14 +404,24 @@ class TieredStore:
         declines misses with UNKNOWN_CODEC and the next tier is tried.
       origin: the model and layout version it must come from (`ChunkRecord.mismatch`; a
         mismatch is a miss with its own reason, counted per tier), or None.
+      layer_start: k in `[0, L)`; k > 0 asks every tier for layers `[k, L)` alone
+        (`ChunkStore.get`: a raw hit's `kv` is `[L - k, 2, C, K, H]`, its `nbytes` and the
+        tier's `bytes_read` those layers' bytes). A partial hit is never promoted.
 
     Returns:
       The hit (its `tier` names where it was read), or the first miss that is not ABSENT (else
       ABSENT) when no tier has a good copy.
+
+    Raises:
+      ValueError: `layer_start` not in `[0, L)`.
     """
-    res = await self._read(chunk_hash, token_ids, namespace, layout, choose, origin)
+    if not 0 <= layer_start < layout.num_layers:
+      raise ValueError(f"layer_start {layer_start} not in [0, {layout.num_layers})")
+    res = await self._read(chunk_hash, token_ids, namespace, layout, choose, origin,
+                           layer_start=layer_start)
     if not isinstance(res, ChunkHit):
       return res
+    promote = promote and not res.layer_start  # some layers only: nothing to copy up
     if res.tier not in self.planner.held_in(chunk_hash) and not self.mover.busy(chunk_hash):
       await self._adopt(res.tier, res.record)  # not a copy in transit: one the planner missed
     promote = promote and self.host is not None and self.mover.has_room()
@@ -429,14 +440,15 @@ class TieredStore:
 
   async def _read(self, chunk_hash: ChunkHash, token_ids: Sequence[int], namespace: str,
                   layout: KVLayout, choose: Chooser | None, origin: ChunkOrigin | None, *,
-                  start: int = 0) -> ChunkHit | ChunkMiss:
+                  start: int = 0, layer_start: int = 0) -> ChunkHit | ChunkMiss:
     """The top-down verified read of `get` from tier `start` on (no planner access)."""
     first_miss: ChunkMiss | None = None
     for t in self.tiers[start:]:
       # The planner does not choose a chunk being read as a victim.
       self._ledger.read_started(t.name, chunk_hash)
       try:
-        res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose, origin=origin)
+        res = await t.get(chunk_hash, token_ids, namespace, layout, choose=choose, origin=origin,
+                          layer_start=layer_start)
       except Exception as e:  # noqa: BLE001  (a failing tier is a miss, never a user error)
         log.warning("get failed on tier %s", t.name, exc_info=True)
         res = ChunkMiss(chunk_hash, MissReason.READ_ERROR, repr(e))
@@ -444,7 +456,7 @@ class TieredStore:
         self._ledger.read_ended(t.name, chunk_hash)
       if isinstance(res, ChunkHit):
         self._ledger.count(t.name, "hits")
-        self._ledger.count(t.name, "bytes_read", int(res.encoding.nbytes))
+        self._ledger.count(t.name, "bytes_read", int(res.nbytes))
         return res
       self._ledger.miss(t.name, res.reason.value)
       if res.reason == MissReason.ABSENT and not self.mover.busy(chunk_hash):

@@ -36,7 +36,7 @@ class EmptyStore:
     return [None for _ in hashes]
 
   async def get(self, chunk_hash, token_ids, namespace, layout, *, promote=True, choose=None,
-                origin=None):
+                origin=None, layer_start=0):
     return ChunkMiss(chunk_hash, MissReason.ABSENT)
 
   async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
@@ -147,7 +147,7 @@ class GatedStore(EmptyStore):
     return [("disk", self._record(h)) if h in self.chunks else None for h in hashes]
 
   async def get(self, chunk_hash, token_ids, namespace, layout, *, promote=True, choose=None,
-                origin=None):
+                origin=None, layer_start=0):
     await asyncio.get_running_loop().run_in_executor(None, self.gates[chunk_hash].wait)
     record = self._record(chunk_hash, token_ids, namespace)
     return ChunkHit(record=record, encoding=record.encodings[0], kv=self.chunks[chunk_hash],

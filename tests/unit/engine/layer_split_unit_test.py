@@ -74,7 +74,9 @@ class LayerSplitEngineUnitTest(absltest.TestCase):
     e = self.split_engine()
     first = engines.generate(e, [PROMPT], PARAMS)[0]  # nothing stored yet: computes, saves
     e.kv_store.flush()
+    before = e.kv_store.tier_snapshots()
     outs = [engines.generate(e, [PROMPT], PARAMS)[0] for _ in range(2)]
+    self.assert_split_reads(e, before, outs)
     for out in outs:  # identical across repeats
       trace = out.metrics.merge
       self.assertEqual(trace.layer_splits, {2: 1})
@@ -88,6 +90,21 @@ class LayerSplitEngineUnitTest(absltest.TestCase):
     self.assertEqual(outs[0].logprobs, outs[1].logprobs)
     self.assert_split_inserts(e)
     self.close(e)
+
+  def assert_split_reads(self, e, before, outs):
+    """Each warm run read chunk 3 whole and only layers [k, L) of the split chunk 2 from the
+    store: (1 + (L - k) / L) chunks of raw bytes, on the store's link as in its counters (one
+    read of a layer range a run, the fake's L = 2, k = 1: 1.5 chunks, 9,216 of 12,288 bytes)."""
+    layout = e.kv_store.layout
+    (k,) = {out.metrics.merge.layer_splits[2] for out in outs}
+    want = len(outs) * (layout.nbytes + layout.nbytes // layout.num_layers
+                        * (layout.num_layers - k))
+    after = e.kv_store.tier_snapshots()
+    self.assertEqual(sum(a.loaded_bytes - b.loaded_bytes for a, b in zip(after, before)), want)
+    self.assertEqual(sum(a.link_granted_bytes - b.link_granted_bytes
+                         for a, b in zip(after, before)), want)
+    self.assertEqual(sum(t.snapshot().get("ranged_reads", 0) for t in e.kv_store.store.tiers),
+                     len(outs))
 
   def assert_split_inserts(self, e):
     # Chunk 2's layer 1 was inserted alone (twice: two warm runs); its layer 0 was computed.

@@ -23,7 +23,8 @@ from kvjax.storage.tiering import tiers
 from kvjax.testing import codec_payloads
 from kvjax.testing.storage import (C, HASHES, NS, ROOT, TOKENS, StoreAssertions, bits as _bits,
                                    layout as _layout, run, values as _values)
-from kvjax.storage.format.types import ChunkHit, ChunkRecord, Encoding, KVLayout, MissReason
+from kvjax.storage.format.types import (RECORD_FORMAT_VERSION, ChunkHit, ChunkRecord, Encoding,
+                                        KVLayout, MissReason)
 
 TESTDATA = pathlib.Path(__file__).resolve().parent / "testdata"
 BACKENDS = (("memory",), ("file",), ("ocdbt",))
@@ -361,7 +362,7 @@ class FaultTest(StoreTestBase):
       ("not_json", b"{not json"),
       ("other_format", None),
       ("missing_field", b'{"format_version": 1}'),
-      ("format_2_without_checksum_algo", b"no_algo"),
+      ("without_checksum_algo", b"no_algo"),
   )
   def test_malformed_record(self, raw):
     store = self.make_store("memory")
@@ -375,7 +376,9 @@ class FaultTest(StoreTestBase):
         data = (await root.read(key)).value.replace(b'"checksum_algo": "xxh3-128", ', b"")
         self.assertNotIn(b"checksum_algo", data)
       if data is None:
-        data = (await root.read(key)).value.replace(b'"format_version": 2', b'"format_version": 99')
+        current = f'"format_version": {RECORD_FORMAT_VERSION}'.encode()
+        self.assertIn(current, (await root.read(key)).value)
+        data = (await root.read(key)).value.replace(current, b'"format_version": 99')
       await root.write(key, data)
       return await store.get(HASHES[0], TOKENS[:C], ROOT, _layout())
 
@@ -626,7 +629,7 @@ class RecordFormat1Test(StoreAssertions, parameterized.TestCase):
     kv = _values(layout, 2)
     self.assertTrue(self.store.put_sync(HASHES[2], HASHES[1], TOKENS[2 * C:], ROOT, kv))
     new = next(r for r in self.store.records_sync() if r.chunk_hash == HASHES[2])
-    self.assertEqual((new.format_version, new.encodings[0].checksum_algo), (2, "xxh3-128"))
+    self.assertEqual((new.format_version, new.encodings[0].checksum_algo), (3, "xxh3-128"))
     np.testing.assert_array_equal(
         self.store.get_sync(HASHES[2], TOKENS[2 * C:], ROOT, layout).kv, kv)
     self.assertTrue(self.store.delete_sync(HASHES[0]))

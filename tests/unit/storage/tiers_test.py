@@ -57,7 +57,8 @@ class FakeTier:
   async def peek(self, hashes):
     return [self.data[h][0] if h in self.data else None for h in hashes]
 
-  async def get(self, chunk_hash, token_ids, namespace, layout, *, choose=None, origin=None):
+  async def get(self, chunk_hash, token_ids, namespace, layout, *, choose=None, origin=None,
+                layer_start=0):
     self.gets.append(chunk_hash)
     if chunk_hash not in self.data:
       return ChunkMiss(chunk_hash, MissReason.ABSENT)
@@ -66,7 +67,8 @@ class FakeTier:
       return ChunkMiss(chunk_hash, MissReason.TOKEN_MISMATCH)
     if chunk_hash in self.corrupt:
       return ChunkMiss(chunk_hash, MissReason.CHECKSUM_MISMATCH)
-    return ChunkHit(rec, rec.encodings[0], kv, self.name)
+    hit = ChunkHit(rec, rec.encodings[0], kv, self.name)
+    return hit.from_layer(layer_start, kv[layer_start:].nbytes) if layer_start else hit
 
   async def put(self, chunk_hash, parent_hash, token_ids, namespace, kv=None, *, layout=None,
                 payloads=(), origin=None):
