@@ -1,6 +1,8 @@
 """The layer-wise step of the paged runner: a ragged step run layer group by layer group, and the
 batched insert of some layers of stored chunks between the groups (layer-wise pre-loading,
-CachedAttention arXiv 2403.19708 section 3.2.1; docs/design/layerwise.md).
+CachedAttention arXiv 2403.19708 section 3.2.1; docs/design/layerwise.md). A piece of a chunk
+split along layers (Cake's layer axis, CacheFlow arXiv 2604.25080; docs/design/cake.md) leaves
+the step after the group that ends at its layer k (`LayerwiseStep`: partial depth).
 
 `LayerwisePrograms` holds the jit'd programs and each group's parameter slices; it owns no pool:
 every call takes the runner's pool and returns the new one, and
@@ -29,10 +31,14 @@ from kvjax.models.nn.llama import ragged_embed, ragged_layers, ragged_logits
 from kvjax.models.runner.runner_api import RunnerGeometry, SeqChunk, layer_groups
 from kvjax.models.runner.step_inputs import PackedStep, pack_step, padding_step
 
-def take_rows(a, rows, *, axis: int, xp=np):
-  """`a`'s entries `rows` along `axis` (a re-pack's gather), zeros where a row is -1; with
-  `xp` numpy or jax.numpy (`take_rows_jit`: one compiled program per shape instead of an eager
-  op each).
+#: Chunks one layer-wise insert call writes at most (`PagedModelRunner.insert_chunks_layers`);
+#: batches are padded to powers of two up to it.
+LAYERWISE_INSERT_BATCH = 8
+
+
+def _take_rows(a, rows, *, axis: int, xp=np):
+  """`a`'s entries `rows` along `axis`, zeros where a row is -1 (a re-pack's gather), with
+  `xp` numpy or jax.numpy.
 
   Args:
     a: an array; rows: int32[R], rows of `a` along `axis`, or -1.
@@ -46,11 +52,15 @@ def take_rows(a, rows, *, axis: int, xp=np):
   return xp.where(xp.reshape(rows >= 0, shape), got, xp.zeros((), a.dtype))
 
 
-take_rows_jit = jax.jit(functools.partial(take_rows, xp=jnp), static_argnames=("axis",))
+#: `_take_rows` on the device: one compiled program per shape, not an eager op per step.
+_take_rows_jit = jax.jit(functools.partial(_take_rows, xp=jnp), static_argnames=("axis",))
 
-#: Chunks one layer-wise insert call writes at most (`PagedModelRunner.insert_chunks_layers`);
-#: batches are padded to powers of two up to it.
-LAYERWISE_INSERT_BATCH = 8
+
+def gather_rows(a, rows: np.ndarray, axis: int, xp):
+  """`_take_rows` in numpy (host outputs, the CPU backend: nothing compiles) or on the device."""
+  if xp is np:
+    return _take_rows(np.asarray(a), rows, axis=axis)
+  return _take_rows_jit(a, rows, axis=axis)
 
 
 @dataclasses.dataclass
@@ -220,8 +230,7 @@ class LayerwisePrograms:
       n, o, o_new = len(st.seqs[i].token_ids), st.offsets[i], packed.offsets[j]
       src[o_new:o_new + n] = now[o:o + n]
       rows[o:o + n] = np.arange(o_new, o_new + n, dtype=np.int32)
-    st.x = (take_rows(np.asarray(st.x), src, axis=1) if xp is np
-            else take_rows_jit(st.x, src, axis=1))
+    st.x = gather_rows(st.x, src, 1, xp)
     st.arrays, st.rows, st.bucket, st.token_rows = (packed.arrays, packed.rows, packed.bucket,
                                                     rows)
 
@@ -241,13 +250,11 @@ class LayerwisePrograms:
       v = xp.concatenate(st.v, axis=0) if len(st.v) > 1 else st.v[0]
       return logits, k_pre, v
     first_k, first_v = st.k_pre[0], st.v[0]  # the first group always runs every sequence
-    take = ((lambda a, rows, axis: take_rows(np.asarray(a), rows, axis=axis)) if xp is np
-            else (lambda a, rows, axis: take_rows_jit(a, rows, axis=axis)))
 
     def unpack(a, rows, group, like):
       if a is None:  # every sequence had stopped: nothing ran
         return xp.zeros((group[1] - group[0],) + tuple(like.shape[1:]), like.dtype)
-      return a if rows is None else take(a, rows, 1)
+      return a if rows is None else gather_rows(a, rows, 1, xp)
 
     k_pre = xp.concatenate([unpack(a, r, g, first_k)
                             for a, r, g in zip(st.k_pre, st.group_token_rows, st.groups)], axis=0)
@@ -257,7 +264,7 @@ class LayerwisePrograms:
       return xp.zeros((st.n_seqs, self._vocab_size), xp.float32), k_pre, v
     where = np.full(st.n_seqs, -1, np.int32)  # each sequence's row of the live logits
     where[list(st.live)] = np.arange(len(st.live), dtype=np.int32)
-    return take(self.finish_program(state, st.x, st.rows), where, 0), k_pre, v
+    return gather_rows(self.finish_program(state, st.x, st.rows), where, 0, xp), k_pre, v
 
   # ----------------------------------------------------------------------------- inserts
   def insert(self, pool, kvs_G2CKH: Sequence, ids: Sequence[np.ndarray],
