@@ -346,8 +346,10 @@ class KVStoreOptions:
       "with a store: the layer axis of Cake (CacheFlow, arXiv 2604.25080): \"auto\" lets a "
       "merge compute layers [0, k) of its meeting chunk and load only layers [k, L) of that "
       "stored raw chunk, k from the measured rates; \"off\" (default): token-only Cake. The "
-      "simulator measures 1.0-1.04x token-only at balance (benchmarks/README.md), and the "
-      "paged runner still runs a partial-depth piece at full depth, so it stays off.",
+      "simulator measures 1.0-1.04x token-only at balance (benchmarks/README.md). The paged "
+      "runner runs the low layers only, k at its layer-group boundaries "
+      "(`kv_layerwise_groups` when above 1, else any layer); off until the real engine's "
+      "gain is measured.",
       choices=LAYER_SPLITS,
       flag_help="With a store: 'auto' lets a Cake merge split its meeting chunk along layers "
                 "(compute the low layers, load the high ones of a raw chunk); 'off' "

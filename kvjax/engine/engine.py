@@ -133,12 +133,19 @@ class Engine:
                   and kv_store.codec != codecs.RAW)
     n_layers = runner.model_config.n_layers
     split = load_config.layer_split == "auto"
+    layerwise_groups = min(load_config.layerwise_groups, n_layers)
+    #: The layer groups a step holding a layer-split piece runs in: the layer-wise loading
+    #: groups when on (a step may do both), else every layer its own; the runner stops a piece
+    #: at their boundaries (`Runner.layer_split_points`), which the planner may choose. 0: off.
+    self.layer_split_groups = 0 if not split else (
+        layerwise_groups if layerwise_groups > 1 else n_layers)
     load_config = dataclasses.replace(
         load_config, consistent=consistent,
         lookahead_window=load_config.lookahead_window if kv_store is not None else 0,
-        layerwise_groups=min(load_config.layerwise_groups, n_layers),
+        layerwise_groups=layerwise_groups,
         staging_bytes=kv_store.staging_bytes if kv_store is not None else 1 << 30,
-        layer_split_points=tuple(range(1, n_layers)) if split else (),
+        layer_split_points=(runner.layer_split_points(self.layer_split_groups) if split
+                            else ()),
         num_layers=n_layers if split else 0)
     self.runner = runner
     self.kv_store = kv_store
@@ -452,6 +459,11 @@ class Engine:
                                                trace=self.layerwise_trace)
       for ins, tier in loaded:
         self._record_loaded(ins, tier)
+    elif any(c.num_layers is not None for c in plan.prefills):  # stops at a group boundary
+      st = runner.step_begin(seqs, self.layer_split_groups)
+      while st.next_group < len(st.groups):
+        runner.step_layers(st)
+      out = runner.step_finish(st)
     else:
       out = runner.step(seqs)
     allowed = self._grammar_masks(plan)  # on the host while the device runs the step

@@ -225,6 +225,13 @@ class LLM:
         runner.block_until_ready()
 
       programs.append((f"layer-wise steps and inserts, {groups} groups", layerwise))
+    split = self.engine.layer_split_groups
+    if split and split != groups:  # a step holding a layer-split piece runs in these groups
+      def split_steps():
+        runner.warmup_layerwise(split)
+        runner.block_until_ready()
+
+      programs.append((f"layer-split steps, {split} layer groups", split_steps))
     if store.codec != "raw":
       def codec():
         _, level, arrays, _ = runner.encode_levels(kv, store.codec, store.codec_levels, 0)[0]

@@ -111,7 +111,7 @@ class LoadConfig:
       `kvjax/scheduler/layer_split.py`): "auto" lets a merge split its meeting chunk along
       layers (compute layers `[0, k)`, load `[k, L)` of a raw chunk; k from the measured rates);
       "off" (default): token-only Cake. The engine turns "auto" into `layer_split_points`
-      (every k in `[1, L)`) and `num_layers` (L, its model's).
+      (the k its runner stops a piece at, `Runner.layer_split_points`) and `num_layers` (L).
     layer_split_points: the layer counts k in `[1, num_layers)` a merge may compute of its
       meeting chunk while loading only that chunk's layers `[k, L)` (of a layer-sliceable
       encoding: raw). () (default): off, token-only Cake.

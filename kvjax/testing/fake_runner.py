@@ -345,6 +345,17 @@ class FakeRunner:
                       k_pre_rope_LTKH=np.stack(st.k_pre), v_LTKH=np.stack(st.v),
                       offsets=st.offsets)
 
+  def layer_split_points(self, groups: int) -> tuple[int, ...]:
+    """Every k in `[1, L)`: the fake stops a `num_layers` piece after any layer, whatever the
+    step's layer groups (`Runner.layer_split_points`).
+
+    Raises:
+      ValueError: `groups` outside [1, L].
+    """
+    n_layers = self.model_config.n_layers
+    layer_groups(n_layers, groups)
+    return tuple(range(1, n_layers))
+
   def step_grouped(self, seqs: Sequence[SeqChunk], groups: int) -> StepOutput:
     """`step_begin`, every `step_layers`, `step_finish`."""
     st = self.step_begin(seqs, groups)

@@ -43,8 +43,8 @@ from kvjax.models.nn.layers import apply_rope, rope_inv_freq
 from kvjax.models.runner.layerwise_runner import (LAYERWISE_INSERT_BATCH, LayerwisePrograms,
                                                   LayerwiseStep)
 from kvjax.models.nn.llama import Llama, layer_param_names
-from kvjax.models.runner.runner_api import (PagedRunnerConfig, RunnerGeometry, SeqChunk, StepOutput,
-                                            layer_groups)
+from kvjax.models.runner.runner_api import (LayerCounts, PagedRunnerConfig, RunnerGeometry,
+                                            SeqChunk, StepOutput, layer_groups)
 from kvjax.models.runner.sharding import TensorParallel, put
 from kvjax.models.runner.step_inputs import pack_step, padding_step, step_arg_specs
 
@@ -195,6 +195,8 @@ class PagedModelRunner:
                                 kv_head_repeat=r,
                                 pool_shardings=None if tp is None else self._pool_shardings())
     self._compiled: set[int] = set()
+    #: Token-layers run and skipped (`layer_counts`); replaced, never mutated.
+    self._counts = LayerCounts()
 
   def _pool_shardings(self):
     sh = self.tp.pool_sharding
@@ -264,7 +266,9 @@ class PagedModelRunner:
     """Runs every sequence's tokens in one jit call; writes their K/V into their blocks.
 
     A sequence may appear more than once (two chunks of one prompt); a later entry sees the
-    earlier entries' tokens, since every layer writes all tokens before attending.
+    earlier entries' tokens, since every layer writes all tokens before attending. A piece with
+    `num_layers` runs to full depth in this one call (exact: its layers `[k, L)` equal the
+    stored ones within float rounding; `step_begin` stops it at k).
 
     Args:
       seqs: the step's sequences, decodes and prefill chunks, at least one.
@@ -279,6 +283,7 @@ class PagedModelRunner:
     p = pack_step(self.geometry, seqs)
     logits, k_pre, v = self._device_step(*p.arrays, p.rows)
     self._compiled.add(p.bucket)
+    self._count(p.n_tokens * self.model_config.n_layers)
     return self._output(logits, k_pre, v, len(seqs), p.n_tokens, p.offsets)
 
   def step_all_logits(self, seqs: Sequence[SeqChunk]) -> StepOutput:
@@ -292,6 +297,7 @@ class PagedModelRunner:
     """
     p = pack_step(self.geometry, seqs)
     logits, k_pre, v = self._device_step(*p.arrays, np.arange(p.bucket, dtype=np.int32))
+    self._count(p.n_tokens * self.model_config.n_layers)
     return self._output(logits, k_pre, v, p.n_tokens, p.n_tokens, p.offsets)
 
   def _output(self, logits, k_pre, v, n_seqs: int, n_tokens: int, offsets) -> StepOutput:
@@ -380,7 +386,8 @@ class PagedModelRunner:
     if self._lw is None:
       self._lw = LayerwisePrograms(self._graphdef, attention_impl=self.config.attention_impl,
                                    inv_freq=self._inv_freq, platform=self.platform,
-                                   layer_names=layer_param_names(self.model_config))
+                                   layer_names=layer_param_names(self.model_config),
+                                   vocab_size=self.model_config.vocab_size)
     return self._lw
 
   def step_begin(self, seqs: Sequence[SeqChunk], groups: int) -> LayerwiseStep:
@@ -390,24 +397,47 @@ class PagedModelRunner:
     `insert_chunk_layers`), then `step_finish`. The result equals `step(seqs)`'s (same
     per-layer computation; within float rounding of a different XLA fusion).
 
+    A piece with `num_layers` k < L (the layer axis of Cake; k one of `layer_split_points
+    (groups)`) runs groups below k only: after the group that ends at layer k the step is
+    re-packed without it into the smallest token bucket holding the rest (`LayerwiseStep`),
+    so the groups from k on run on fewer tokens and write none of its KV (its blocks' layers
+    `[k, L)` are untouched); its logits, and its K and V from layer k on, are zeros. The other
+    sequences' outputs equal those of the step without the piece (within float rounding of
+    another bucket's program). Programs: those of the step's first bucket and of the re-packed
+    one (the same begin / group / finish programs), no other kind.
+
     Args:
       seqs: as `step`.
       groups: layer groups, 1 to L (`layer_groups`).
 
     Raises:
-      ValueError: as `step`, or a bad `groups`.
+      ValueError: as `step`, a bad `groups`, or a `num_layers` outside [1, L] or not a
+        boundary of the groups.
     """
+    n_layers = self.model_config.n_layers
+    group_ranges = layer_groups(n_layers, groups)
+    points = self.layer_split_points(groups)
+    stops = []
+    for i, s in enumerate(seqs):
+      k = n_layers if s.num_layers is None else s.num_layers
+      if k != n_layers and k not in points:
+        raise ValueError(f"sequence {i}: num_layers={s.num_layers!r}; a step of {groups} layer "
+                         f"groups stops a piece at {points} or runs all {n_layers} layers")
+      stops.append(k)
     lw = self._layerwise()
     packed = pack_step(self.geometry, seqs)
-    return lw.begin(self.state, packed, layer_groups(self.model_config.n_layers, groups))
+    return lw.begin(self.state, packed, group_ranges, seqs=seqs, stops=stops,
+                    geometry=self.geometry)
 
   def step_layers(self, st: LayerwiseStep) -> tuple[int, int]:
     """Runs the step's next layer group (one jit'd scan over its layers); returns its range.
+    After it, the pieces that stop at its last layer leave the step (`step_begin`).
 
     Raises:
       ValueError: every group has run already.
     """
-    self.pool, group = self._layerwise().run_group(self.state, self.pool, st)
+    self.pool, group = self._layerwise().run_group(self.state, self.pool, st,
+                                                   np if self.host_outputs else jnp)
     return group
 
   def step_finish(self, st: LayerwiseStep) -> StepOutput:
@@ -418,7 +448,30 @@ class PagedModelRunner:
     """
     logits, k_pre, v = self._layerwise().finish(self.state, st,
                                                 np if self.host_outputs else jnp)
+    n_layers = self.model_config.n_layers
+    skipped = sum(len(s.token_ids) * (n_layers - k) for s, k in zip(st.seqs, st.stops))
+    self._count(sum(n * (l1 - l0) for l0, l1, n in st.group_rows), skipped)
     return self._output(logits, k_pre, v, st.n_seqs, st.n_tokens, st.offsets)
+
+  def layer_split_points(self, groups: int) -> tuple[int, ...]:
+    """The k at which a step of `groups` layer groups (`step_begin`) stops a `num_layers`
+    piece: the groups' inner boundaries, `l0` of every group but the first (`layer_groups`).
+    () under tensor parallelism, where the layer-group programs do not run. The one-call
+    `step` runs every piece to full depth.
+
+    Raises:
+      ValueError: `groups` outside [1, L].
+    """
+    bounds = tuple(l0 for l0, _ in layer_groups(self.model_config.n_layers, groups)[1:])
+    return () if self.tp is not None else bounds
+
+  def layer_counts(self) -> LayerCounts:
+    """Token-layers run and skipped by this runner's steps so far (`LayerCounts`)."""
+    return self._counts
+
+  def _count(self, run: int, skipped: int = 0) -> None:
+    c = self._counts
+    self._counts = LayerCounts(c.token_layers_run + run, c.token_layers_skipped + skipped)
 
   def step_grouped(self, seqs: Sequence[SeqChunk], groups: int) -> StepOutput:
     """`step_begin`, every `step_layers`, `step_finish`: a step in `groups` calls (tests,

@@ -7,6 +7,7 @@ tables; the engine hands a runner sequences and chunks, and gets back numbers:
     step([SeqChunk(tokens, start, block_ids), ...])  ->  StepOutput(logits per sequence,
                                                                     K before RoPE and V per token)
     step_begin / step_layers / step_finish           the same step, layer group by layer group
+                                                     (a `num_layers` piece stops at a boundary)
     insert_chunk(kv_L2CKH, block_ids, start)         a stored raw chunk (K before RoPE) -> blocks
     insert_chunks_layers(kvs, block_ids, starts, l0) some layers of several raw chunks -> blocks
     insert_payload(codec, arrays, block_ids, start)  a stored encoded chunk -> blocks
@@ -34,7 +35,7 @@ import numpy as np
 
 from kvjax.models.nn.config import LlamaConfig
 
-__all__ = ["DEFAULT_CHUNK_SIZES", "LayerwiseHandle", "PagedRunnerConfig", "Runner",
+__all__ = ["DEFAULT_CHUNK_SIZES", "LayerCounts", "LayerwiseHandle", "PagedRunnerConfig", "Runner",
            "RunnerGeometry", "SeqChunk", "StepOutput", "layer_groups", "token_buckets"]
 
 
@@ -114,8 +115,10 @@ class SeqChunk:
       of Cake, `kvjax/scheduler/layer_split.py`): its forward may stop after layer k - 1; it
       must write layers `[0, k)` of its KV and must not overwrite layers `[k, L)` (the chunk's
       load writes them, before or after the step) with anything but the same values. Its
-      logits and its returned K and V above layer k - 1 are unspecified. A runner that runs it
-      to full depth (`PagedModelRunner`) is exact, only not faster.
+      logits and its returned K and V above layer k - 1 are unspecified. Where it stops is the
+      runner's (`Runner.layer_split_points`): the fake runner after layer k - 1 in any call;
+      `PagedModelRunner` in a layer-wise step (`step_begin`) whose group boundaries include
+      k, while its one-call `step` runs it to full depth (exact, only not faster).
   """
 
   token_ids: Sequence[int]
@@ -142,6 +145,22 @@ def layer_groups(num_layers: int, groups: int) -> tuple[tuple[int, int], ...]:
     out.append((l0, l0 + n))
     l0 += n
   return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCounts:
+  """Token-layers a runner has run since it was built: plain counts, so a test can assert that
+  a piece split along layers (`SeqChunk.num_layers`) ran k of L layers (exact, not timed).
+
+  Attributes:
+    token_layers_run: the sum over steps of each real token's layers run (a full-depth token
+      counts L; padding rows count nothing).
+    token_layers_skipped: the sum over `num_layers` pieces of their tokens times the layers
+      they did not run (L - k where the runner stopped them; 0 where it ran them whole).
+  """
+
+  token_layers_run: int = 0
+  token_layers_skipped: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +433,12 @@ class Runner(Protocol):
 
   def step_finish(self, st: LayerwiseHandle) -> StepOutput:
     """The step's `StepOutput` once every group has run."""
+    ...
+
+  def layer_split_points(self, groups: int) -> tuple[int, ...]:
+    """The layer counts k in `[1, L)` at which a step begun with `groups` layer groups
+    (`step_begin`) stops a `SeqChunk.num_layers` piece (the layer axis of Cake; the engine
+    offers the planner these, `LoadConfig.layer_split_points`); () where it stops none."""
     ...
 
   # --------------------------------------------------------------------------- KV in and out

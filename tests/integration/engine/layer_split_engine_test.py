@@ -1,7 +1,8 @@
 """The layer axis of Cake on the real tiny model: tests/unit/engine/layer_split_unit_test.py's
 assertions on jit'd programs (a split chunk's layers [k, L) inserted by the layer insert
-program; its low layers computed by a full-depth step, which `PagedModelRunner` runs for a
-`num_layers` piece: exact, not faster), logprobs within 1e-5 of the cold run.
+program; its low layers [0, k) computed by a layer-wise step that stops the piece at k,
+`PagedModelRunner.step_begin`), logprobs within 1e-5 of the cold run, and the runner's
+token-layer counts showing the piece ran k of L layers.
 
 The split engine is an `Engine` built on a `real_llm`'s runner and store client, with the layer
 axis on and a frozen cost model.
@@ -58,7 +59,11 @@ class LayerSplitEngineTest(unit.LayerSplitEngineUnitTest):
     del engine  # the LLM that owns its runner and store closes them (tearDown)
 
   def assert_split_inserts(self, e):
-    del e  # the real runner keeps no call log
+    # The real runner keeps no call log; its counts show chunk 2's 16 tokens ran layer 0 of
+    # the tiny model's 2 in each of the two warm runs, and nothing else stopped early.
+    self.assertEqual(e.layer_split_groups, 2)
+    self.assertEqual(e.runner.layer_split_points(2), (1,))
+    self.assertEqual(e.runner.layer_counts().token_layers_skipped, 2 * C * (2 - 1))
 
 
 if __name__ == "__main__":

@@ -118,6 +118,17 @@ class FakeRunnerLayerSplitTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "layer_split='on'"):
       make_engine(None, layer_split="on")
 
+  def test_the_fake_stops_a_piece_at_any_layer_and_the_engine_offers_them(self):
+    e = make_engine(engines.memory_store_url(), layer_split="auto")
+    self.addCleanup(engines.close_engine, e)
+    self.assertEqual([e.runner.layer_split_points(g) for g in (1, 2)], [(1,), (1,)])
+    self.assertEqual(e.layer_split_groups, 2)  # no layer-wise loading: every layer its own
+    with self.assertRaises(ValueError):
+      e.runner.layer_split_points(3)
+    off = make_engine(None)
+    self.addCleanup(engines.close_engine, off)
+    self.assertEqual(off.layer_split_groups, 0)
+
   def test_the_fake_runner_stops_a_piece_after_its_layers(self):
     # Low layers computed, then the high layers inserted (and the other order) give the cold
     # pool and logits: the piece wrote layer 0 only.
