@@ -193,9 +193,9 @@ _BUSY = flags.DEFINE_bool("busy", False, "A competing CPU load (one busy-looping
                           "during every grid block's settings.")
 _LAYER_SPLIT = flags.DEFINE_list(
     "layer_split", ["off"], "Cake settings per grid cell: 'off' (token-only, the default "
-    "kv_layer_split) and/or 'auto' (a second LLM with kv_layer_split='auto' on the same store, "
-    "its runs interleaved with the others' as setting cake_split; N = 1 blocks only: jointly "
-    "planned merges never split).")
+    "kv_layer_split) and optionally 'auto': the LLM is then built with kv_layer_split='auto', "
+    "its token-only runs ask add_request(layer_split=False), and the split runs join the rounds "
+    "as setting cake_split (N = 1 blocks only: jointly planned merges never split).")
 _NAME = flags.DEFINE_string("name", "cake", "Stem of the output files (<out>/<name>.json, .png).")
 
 
@@ -365,7 +365,7 @@ class Bench:
   """One LLM (one codec, one store) with its link, step recorder and competing-prompt pool."""
 
   def __init__(self, codec: str, store_root: pathlib.Path, pool: TokenPool,
-               layer_split: str = "off"):
+               layer_split: str = "off"):  # the LLM's kv_layer_split
     from kvjax import LLM  # noqa: PLC0415
     self.codec = codec
     self.layer_split = layer_split
@@ -420,7 +420,7 @@ class Bench:
 
   def run(self, mode: str, ids: list[int], *, share_at: Callable[[float], float] = lambda t: 1.0,
           link: tuple | None = None, cap_s: float | None = None, max_tokens: int = 1,
-          more: list[list[int]] = ()) -> Run:
+          more: list[list[int]] = (), layer_split: bool = False) -> Run:
     """Runs one long request in `mode` to its first token, competing prompts holding the share.
 
     Args:
@@ -430,6 +430,8 @@ class Bench:
       link: None (unlimited), ("rate", bytes/s) or ("trace", steps).
       share_at: compute share in (0, 1] at a time since arrival.
       cap_s: abort after this many seconds (the run is then `censored`).
+      layer_split: the long requests may split a chunk along layers (an LLM built with
+        kv_layer_split="auto"; `Engine.add_request(layer_split=...)`).
     """
     from kvjax import SamplingParams  # noqa: PLC0415
     eng, rec = self.engine, self.rec
@@ -446,10 +448,11 @@ class Bench:
     load1 = os.getloadavg()[0]
     clock = benchlib.CpuClock()
     t_arr = time.perf_counter()
-    rid = eng.add_request(ids, greedy, request_id=self.rid(mode), merge_mode=mode)
+    rid = eng.add_request(ids, greedy, request_id=self.rid(mode), merge_mode=mode,
+                          layer_split=layer_split)
     add_s = time.perf_counter() - t_arr  # the lookup, for a run aborted before its metrics
-    longs = [rid] + [eng.add_request(x, greedy, request_id=self.rid(mode), merge_mode=mode)
-                     for x in more]
+    longs = [rid] + [eng.add_request(x, greedy, request_id=self.rid(mode), merge_mode=mode,
+                                     layer_split=layer_split) for x in more]
     done: dict[str, Any] = {}
     live: set[str] = set()
     result, censored = None, False
@@ -604,7 +607,7 @@ def cell_key(c: dict) -> str:
 # ----------------------------------------------------------------------------- experiments
 def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, ratios: list[str],
                rounds: int, bar, restoring: int = 1, alone: list[dict] = (),
-               split: Bench | None = None
+               split: bool = False
                ) -> tuple[list[dict], list[Run], list[list[str]]]:
   """One (codec, length, share, N) block: a compute-only run of one prompt that fixes B*, then
   the settings (compute-only; load-only and kvjax per ratio) in `rounds` interleaved rounds,
@@ -615,8 +618,9 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
   (in `alone`, run before it: sharing the machine cannot make a request beat its bound alone,
   so the mean cannot beat it either), or None (no check) when that cell did not run.
 
-  `split` (--layer_split auto): the LLM with `kv_layer_split="auto"` on the same store; its
-  Cake runs join the rounds as setting `cake_split@ratio`, and the cell gains their figures
+  `split` (--layer_split auto; the bench's LLM has `kv_layer_split="auto"`): Cake runs that
+  may split a chunk along layers join the rounds as setting `cake_split@ratio` (the `cake`
+  runs ask for token-only), on the same warm engine, and the cell gains their figures
   (`ttft_kvjax_split_s`, `split_over_token_only`: token-only median / split median, above 1
   when the split is faster, and each run's layer splits).
 
@@ -634,7 +638,7 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
   bar.update(1)
   coef0 = _fit(calib.prefills + calib.other_prefills) or _LINEAR_COST
   b_star = pbytes / (done_at(calib, n_chunks * chunk, coef0) - calib.lookup_s)
-  modes = ("load_only", "cake") + (("cake_split",) if split is not None else ())
+  modes = ("load_only", "cake") + (("cake_split",) if split else ())
   settings = ["compute_only"] + [f"{mode}@{r}" for r in ratios for mode in modes]
   order = benchlib.interleaved_rounds(settings, rounds)
   runs: dict[str, list[Run]] = {name: [] for name in settings}
@@ -647,9 +651,9 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
       elif mode == "cake_split":
         co_ttft = statistics.median(max(x.ttft_per_request_s or [x.ttft_s])
                                     for x in runs["compute_only"] or [calib])
-        runs[name].append(split.run("cake", ids, share_at=share_at,
+        runs[name].append(bench.run("cake", ids, share_at=share_at,
                                     link=("rate", fraction(rtext) * b_star),
-                                    cap_s=3 * co_ttft + 10, more=more))
+                                    cap_s=3 * co_ttft + 10, more=more, layer_split=True))
       else:
         co_ttft = statistics.median(max(x.ttft_per_request_s or [x.ttft_s])
                                     for x in runs["compute_only"] or [calib])
@@ -739,7 +743,7 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
         "compute_slowdown": slowdown(kv_runs, _fit(co.prefills + co.other_prefills)
                                      or _LINEAR_COST),
     }
-    if split is not None:
+    if split:
       sp_runs = runs[f"cake_split@{rtext}"]
       sp_sum = _summary_of([x.ttft_mean_s for x in sp_runs])
       sp_t = sp_sum["median"] if sp_sum else None
@@ -1128,7 +1132,6 @@ def main(argv):
   record["prompt"] = {"source": source, "tokens_available": len(ids_full)}
   all_kv: list[Run] = []
   benches: dict[str, Bench] = {}
-  splits: dict[str, Bench] = {}  # --layer_split auto: the kv_layer_split="auto" LLM per codec
   bar = tqdm(total=total, unit="run", dynamic_ncols=True)
 
   def get_bench(codec: str) -> Bench | None:
@@ -1136,12 +1139,10 @@ def main(argv):
       return benches[codec]
     for other in list(benches):  # one LLM at a time (memory, and the 2 cores)
       record.setdefault("engine_stats", {})[other] = benches.pop(other).close()
-    for other in list(splits):
-      record.setdefault("engine_stats", {})[other + "/split"] = splits.pop(other).close()
     gc.collect()
     bar.set_description(f"{codec}: load, compile, store, warm up")
     try:
-      b = Bench(codec, store_root, pool)
+      b = Bench(codec, store_root, pool, layer_split="auto" if use_split else "off")
     except (TypeError, ValueError) as e:
       msg = f"codec {codec!r} skipped: this LLM does not take kv_codec={codec!r} ({e})"
       print(msg)
@@ -1154,10 +1155,6 @@ def main(argv):
     for other in prompts[1:]:  # the --restoring prompts, stored too
       b.store(other[:longest])
     benches[codec] = b
-    if use_split:  # same store: its warm-up finds the chunks stored and compiles its programs
-      splits[codec] = Bench(codec, store_root, pool, layer_split="auto")
-      record["warmup"][codec + "/split"] = splits[codec].warm(ids_full[:longest],
-                                                             ids_full[:1024])
     return b
 
   def b_ref_for(bench: Bench, n: int) -> float:
@@ -1188,7 +1185,7 @@ def main(argv):
         try:
           cells, kv_runs, order = grid_block(bench, prompts, n, share, ratios, p["rounds"], bar,
                                              restoring=k, alone=record["cells"],
-                                             split=splits.get(codec) if k == 1 else None)
+                                             split=use_split and k == 1)
         finally:
           stop_busy(busy)
         record["round_orders"][name] = order

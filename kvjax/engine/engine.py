@@ -246,7 +246,8 @@ class Engine:
                   prompt: str | None = None, request_id: str | None = None,
                   cache_salt: str | None = None,
                   merge_mode: MergeMode | str | None = None, history_tokens: int = 0,
-                  save_tail: bool = False, fork_of: RequestId | str | None = None) -> RequestId:
+                  save_tail: bool = False, fork_of: RequestId | str | None = None,
+                  layer_split: bool = True) -> RequestId:
     """Validates and queues a request; returns its id.
 
     With a store, one batched lookup finds which prefix chunks are stored (no data is read
@@ -255,7 +256,8 @@ class Engine:
     `kvjax.merge_mode.MergeMode` or its value) overrides the engine's for this request
     (benchmarks compare the modes on one warm engine; a session turn under re-rotated KV asks
     for load-only in its options, `kvjax.sessions.TurnPlan.request_options`: the engine reads no
-    meaning into a salt).
+    meaning into a salt). `layer_split=False` plans this request's merge token-only on an
+    engine whose `kv_layer_split` is "auto" (no effect when it is "off").
 
     Session turns (a raw store: `KVStoreClient.stores_tails`): `save_tail` stores
     the request's tail when it finishes cleanly (its tokens after the last full chunk of its
@@ -273,9 +275,12 @@ class Engine:
 
     Raises:
       ValueError: as `validate`, a duplicate id, a `cache_salt` that is not a string, an
-        unknown `merge_mode`, a negative `history_tokens`, or a `fork_of` that is not an
-        unfinished request with the same prompt and salt.
+        unknown `merge_mode`, a negative `history_tokens`, a `fork_of` that is not an
+        unfinished request with the same prompt and salt, or a `layer_split` that is not a
+        bool.
     """
+    if not isinstance(layer_split, bool):
+      raise ValueError(f"layer_split={layer_split!r} must be a bool")
     if cache_salt is not None and not isinstance(cache_salt, str):
       raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
     if merge_mode is not None:
@@ -313,7 +318,8 @@ class Engine:
       self._scheduler.add_request(
           Request(rid, ids, params, arrival_s=arrival_s), stored, merge_mode=merge_mode,
           namespace_root=self._namespace_root(cache_salt),
-          fork_of=RequestId(fork_of) if fork_of is not None else None)
+          fork_of=RequestId(fork_of) if fork_of is not None else None,
+          layer_split=layer_split)
     except BaseException:
       if self.kv_store is not None:
         self.kv_store.close_request(rid)

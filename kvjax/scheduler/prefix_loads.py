@@ -43,10 +43,11 @@ class Prefix:
 
 def new_prefix(request: Request, stored: StoredPrefix, lc: LoadConfig,
                merge_mode: MergeMode | str | None,
-               kv_ttft_target_s: float | None, resident: int) -> Prefix:
+               kv_ttft_target_s: float | None, resident: int,
+               layer_split: bool = True) -> Prefix:
   """The record of a request whose lookup has stored chunks: a Cake merge of its prompt
   (`merge_mode` and `kv_ttft_target_s` override `lc`'s; `resident` leading chunks are on the
-  device already)."""
+  device already; `layer_split` False plans it token-only whatever `lc.layer_split_points`)."""
   encodings = [c.candidates if c is not None else None for c in stored.chunks]
   merge = CakeMerge(
       request.num_prompt_tokens, stored.chunk_size, stored.hits,
@@ -56,7 +57,8 @@ def new_prefix(request: Request, stored: StoredPrefix, lc: LoadConfig,
       else lc.kv_ttft_target_s, arrival_s=request.arrival_s,
       check_writes=lc.check_writes, resident=resident,
       last_unit_tokens=stored.tail_tokens or None,
-      num_layers=max(1, lc.num_layers), layer_split_points=lc.layer_split_points)
+      num_layers=max(1, lc.num_layers),
+      layer_split_points=lc.layer_split_points if layer_split else ())
   return Prefix(merge, stored)
 
 

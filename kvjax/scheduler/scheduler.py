@@ -149,7 +149,7 @@ class Scheduler:
                   merge_mode: MergeMode | str | None = None,
                   kv_ttft_target_s: float | None = None,
                   namespace_root: str | None = None,
-                  fork_of: RequestId | None = None) -> None:
+                  fork_of: RequestId | None = None, layer_split: bool = True) -> None:
     """Takes ownership of a new request (the caller keeps no reference to it).
 
     Args:
@@ -167,6 +167,9 @@ class Scheduler:
         once. When the parent is already past its prompt, or at the fork there is no free
         slot or block, it is queued as an ordinary request (it then hits the parent's blocks in
         the device prefix cache). `stored` is ignored for it.
+      layer_split: False plans this request's merge token-only although
+        `load_config.layer_split_points` allow the layer axis (benchmarks compare the two on
+        one warm engine).
 
     Raises:
       ValueError: a duplicate id, a lookup that does not fit the prompt, (paged) a request
@@ -199,7 +202,7 @@ class Scheduler:
     if stored is not None and any(stored.hits):
       resident = self._hold_device_prefix(request, stored.chunk_size, namespace_root)
       self._prefix[rid] = prefix_loads.new_prefix(request, stored, self.load_config, merge_mode,
-                                                  kv_ttft_target_s, resident)
+                                                  kv_ttft_target_s, resident, layer_split)
     request.status = RequestStatus.WAITING
     self.waiting.append(request)
 

@@ -91,6 +91,23 @@ class LayerSplitEngineUnitTest(absltest.TestCase):
     self.assert_split_inserts(e)
     self.close(e)
 
+  def test_a_request_may_plan_token_only_on_a_splitting_engine(self):
+    # layer_split=False: the same warm store and frozen plan, token-only (chunks 0-2 computed,
+    # chunk 3 loaded whole), the same answer; anything but a bool is refused.
+    cold_engine = self.cold_engine()
+    cold = engines.generate(cold_engine, [PROMPT], PARAMS)[0]
+    self.close(cold_engine)
+    e = self.split_engine()
+    engines.generate(e, [PROMPT], PARAMS)
+    e.kv_store.flush()
+    (out,) = engines.generate(e, [PROMPT], PARAMS, layer_split=False)
+    trace = out.metrics.merge
+    self.assertEqual((trace.layer_splits, trace.chunk_writers), ({}, "CCCL"))
+    self.assert_same(out, cold)
+    with self.assertRaisesRegex(ValueError, "layer_split"):
+      e.add_request(PROMPT, PARAMS, layer_split="off")
+    self.close(e)
+
   def assert_split_reads(self, e, before, outs):
     """Each warm run read chunk 3 whole and only layers [k, L) of the split chunk 2 from the
     store: (1 + (L - k) / L) chunks of raw bytes, on the store's link as in its counters (one

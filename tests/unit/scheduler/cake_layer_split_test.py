@@ -133,6 +133,23 @@ class MergeLayerSplitTest(absltest.TestCase):
     self.assertEqual(m.next_compute(16, [16], 101.0, COST), (64, 1))
     self.assertEqual(m.chunk_writers(), "CCCL")
 
+  def test_no_split_behind_more_than_one_load_of_its_own(self):
+    # A 0.25 s link and four loads in flight: at 0 s chunks 3, 2, 1 go whole (landing at 0.25,
+    # 0.5 and 0.75 s). Chunk 0 would balance at k = 3 (compute 0.75 s, its high layers at
+    # 0.81 s), but three loads are ahead of it: on a wrong rate they land late and compute,
+    # waiting for its high layers, idles. It is left to compute, whole.
+    fast = CostModel(compute_prior=(0.0, 1 / C, 0.0), learn=False, bandwidth_bytes_per_s=400.0)
+    m = CakeMerge(65, C, [True] * 4, chunk_nbytes=100, max_loads_in_flight=4, num_layers=L,
+                  layer_split_points=POINTS)
+    self.assertEqual([m.next_load(0.0, fast) for _ in range(4)], [3, 2, 1, None])
+    self.assertEqual(m.trace.layer_splits, {})
+    self.assertEqual(m.next_compute(16, [16], 0.0, fast), (0, 16))
+    self.assertIsNone(m.compute_layers(0))
+    for j, t in ((3, 0.25), (2, 0.5), (1, 0.75)):
+      land(m, j, t)
+    self.assertEqual(m.next_compute(16, [16], 1.0, fast), (64, 1))
+    self.assertEqual(m.chunk_writers(), "CLLL")
+
   def test_no_split_when_planned_jointly(self):
     # The same merge told a backlog (joint planning with other restoring requests; here one
     # that frees both sides now, so only the rule differs from `start`) loads chunk 2 whole

@@ -24,8 +24,9 @@ class FakeBench:
 
   codec = "raw"
 
-  def __init__(self, kvjax_ttfts, kvjax_cpu=1.0, behind_s=()):
+  def __init__(self, kvjax_ttfts, kvjax_cpu=1.0, behind_s=(), split_ttfts=()):
     self.kvjax_ttfts = list(kvjax_ttfts)
+    self.split_ttfts = list(split_ttfts)  # --layer_split auto: the runs that may split
     self.behind_s = list(behind_s)  # --restoring: each other request's TTFT, this much later
     self.kvjax_cpu = kvjax_cpu  # CPU share of the kvjax runs (the others get 1.0)
     self.calls = []
@@ -34,10 +35,11 @@ class FakeBench:
     del ids
     return PREFIX * 100, [100] * PREFIX
 
-  def run(self, mode, ids, *, share_at=None, link=None, cap_s=None, more=()):
+  def run(self, mode, ids, *, share_at=None, link=None, cap_s=None, more=(), layer_split=False):
     del share_at, cap_s
     self.more = [len(x) for x in more]
-    self.calls.append(mode if link is None else f"{mode}@{link[1] / 100:g}")
+    self.calls.append((mode if link is None else f"{mode}@{link[1] / 100:g}")
+                      + ("/split" if layer_split else ""))
     prefills, landings, ttft = [], [], None
     if mode == "compute_only":
       prefills = [(j * CHUNK, CHUNK, float(j), j + 1.0) for j in range(len(ids) // CHUNK)]
@@ -47,7 +49,7 @@ class FakeBench:
       prefills = [(PREFIX * CHUNK, CHUNK, 7.0, 8.0)]
       ttft = 8.1
     else:
-      ttft = self.kvjax_ttfts.pop(0)
+      ttft = (self.split_ttfts if layer_split else self.kvjax_ttfts).pop(0)
     return bc.Run(mode=mode, seq_len=len(ids), ttft_s=ttft, censored=False, lookup_s=0.0,
                   first_token_id=7, merge=None, num_loaded_tokens=0, num_computed_tokens=0,
                   prefills=prefills, landings=landings, inserts=[], steps=[(0.0, 1.0, 1e-4)],
@@ -152,14 +154,15 @@ class GridBlockRoundsTest(absltest.TestCase):
     self.assertIsNone(cells[0]["ttft_ideal_s"])
     self.assertFalse(cells[0]["invalid"])
 
-  def test_the_layer_split_joins_the_rounds_on_its_own_llm(self):
-    # --layer_split auto: the split LLM's Cake runs (4.8 s, 5.0 s, 4.9 s) are interleaved with
-    # the token-only ones (5.5, 5.6, 5.4 s); the cell compares their medians: 5.5 / 4.9.
-    bench, split = FakeBench([5.5, 5.6, 5.4]), FakeBench([4.8, 5.0, 4.9])
+  def test_the_layer_split_joins_the_rounds_on_the_same_engine(self):
+    # --layer_split auto: Cake runs that may split (4.8 s, 5.0 s, 4.9 s) are interleaved with
+    # the token-only ones (5.5, 5.6, 5.4 s) on one engine; the cell compares their medians.
+    bench = FakeBench([5.5, 5.6, 5.4], split_ttfts=[4.8, 5.0, 4.9])
     cells, kv_runs, order = bc.grid_block(bench, [list(range(N))], N, 100.0, ["1"], 3, Bar(),
-                                          split=split)
+                                          split=True)
     self.assertEqual(order[0], ["compute_only", "load_only@1", "cake@1", "cake_split@1"])
-    self.assertEqual(split.calls, ["cake@1"] * 3)  # the split LLM runs only its Cake setting
+    self.assertEqual(bench.calls[:5], ["compute_only", "compute_only", "load_only@1", "cake@1",
+                                       "cake@1/split"])
     self.assertLen(kv_runs, 3)  # the token-only runs: the planner figures stay the default's
     (cell,) = cells
     self.assertAlmostEqual(cell["ttft_kvjax_s"], 5.5)
