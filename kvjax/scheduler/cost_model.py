@@ -4,10 +4,16 @@ Cake (arXiv 2410.03065, section 3) rests on two facts: computing a chunk costs m
 sits in the prompt (attention reads every earlier token), while loading a stored chunk costs the
 same wherever it sits. The planner predicts both from observations, in plain floats:
 
-  compute   t(n, s) = a + b * n + c * n * m,    m = s + (n - 1) / 2  (mean position)
-            n tokens at positions [s, s + n); fitted by ridge-regularised least squares with
-            exponential forgetting, pulled toward the prior's shape (rescaled to the data's
-            level) until enough observations pin all three coefficients;
+  compute   t(n, s) = pace * (a + b * n + c * n * m),    m = s + (n - 1) / 2  (mean position)
+            n tokens at positions [s, s + n); (a, b, c) fitted by ridge-regularised least
+            squares with exponential forgetting, pulled toward the prior's shape (rescaled to
+            the data's level) until enough observations pin all three coefficients;
+            pace: a fast EWMA (in log space) of each observation over the fit's prediction
+            before it: the slow fit keeps the engine's own cost shape (what its pieces cost,
+            which its plans change), the pace the machine's current speed against it (other
+            processes on its CPUs, loads competing for memory bandwidth), so a machine that
+            turns busy or quiet is priced within a few pieces, not after the fit has
+            forgotten the other; with exact data it returns to 1;
   transfer  nbytes / bandwidth,                 bandwidth: EWMA of observed bytes/s;
   decode    nbytes / decode rate,               decode rate: EWMA of observed stored bytes/s;
   load      max(transfer, decode)               (the loader overlaps one chunk's transfer with
@@ -25,6 +31,10 @@ import math
 # Feature scales keep the 3x3 normal equations well conditioned: x = (1, n / N0, n * m / (N0 * M0)).
 _N0 = 256.0
 _M0 = 4096.0
+
+#: Compute observations before the pace moves: the first ones rescale the prior to the machine
+#: (a GPU reads its own level after one), so a ratio to the prior would say nothing of its pace.
+_PACE_AFTER = 3
 
 #: Seconds per step, per token, per token-position (SmolLM2-135M f32, 2 CPU cores).
 DEFAULT_COMPUTE_PRIOR = (0.02, 2.4471e-3, 1.3339e-6)
@@ -65,6 +75,8 @@ class CostModel:
     bandwidth_bytes_per_s: prior link bandwidth, bytes/s (replaced by the first observation).
     decode_bytes_per_s: prior decode rate, stored bytes/s; `math.inf` means decode is free.
     ewma: weight of a new bandwidth or decode-rate sample in (0, 1].
+    pace_ewma: weight of a new compute observation in the pace (log space), in [0, 1]; 0
+      keeps the pace at 1 (the fit alone).
     learn: False freezes the model at its priors (tests, simulations with an exact model).
 
   Raises:
@@ -74,13 +86,15 @@ class CostModel:
   def __init__(self, *, compute_prior: tuple[float, float, float] = DEFAULT_COMPUTE_PRIOR,
                prior_weight: float = 1.0, forget: float = 0.99,
                bandwidth_bytes_per_s: float = 1e9, decode_bytes_per_s: float = math.inf,
-               ewma: float = 0.5, learn: bool = True):
+               ewma: float = 0.5, pace_ewma: float = 0.3, learn: bool = True):
     if len(compute_prior) != 3 or any(not v >= 0 for v in compute_prior) or not any(compute_prior):
       raise ValueError(f"compute_prior={compute_prior!r} must be three numbers >= 0, not all 0")
     if not prior_weight > 0:
       raise ValueError(f"prior_weight={prior_weight!r} must be > 0")
     if not 0 < forget <= 1 or not 0 < ewma <= 1:
       raise ValueError(f"forget={forget!r} and ewma={ewma!r} must be in (0, 1]")
+    if not 0 <= pace_ewma <= 1:
+      raise ValueError(f"pace_ewma={pace_ewma!r} must be in [0, 1]")
     if not bandwidth_bytes_per_s > 0 or not decode_bytes_per_s > 0:
       raise ValueError(f"bandwidth_bytes_per_s={bandwidth_bytes_per_s!r} and decode_bytes_per_s="
                        f"{decode_bytes_per_s!r} must be > 0")
@@ -89,6 +103,8 @@ class CostModel:
     self._prior_weight = float(prior_weight)
     self._forget = float(forget)
     self._ewma = float(ewma)
+    self._pace_ewma = float(pace_ewma)
+    self._log_pace = 0.0
     self._learn = learn
     self._xx = [[0.0] * 3 for _ in range(3)]
     self._xy = [0.0] * 3
@@ -113,9 +129,17 @@ class CostModel:
   # ------------------------------------------------------------------ compute
   @property
   def compute_coefficients(self) -> tuple[float, float, float]:
-    """Current (a seconds, b seconds/token, c seconds/(token*position))."""
+    """Current (a seconds, b seconds/token, c seconds/(token*position)), the pace included."""
     a, b, c = self._theta
-    return (a, b / _N0, c / (_N0 * _M0))
+    pace = self.pace
+    return (pace * a, pace * b / _N0, pace * c / (_N0 * _M0))
+
+  @property
+  def pace(self) -> float:
+    """The machine's current speed against the fit: recent observed / fitted compute time (1:
+    as fitted; 2: pieces take twice as long now, e.g. another process took a CPU, and the slow
+    fit has not caught up)."""
+    return math.exp(self._log_pace)
 
   def observe_compute(self, start: int, num_tokens: int, seconds: float) -> None:
     """Records that prefilling `num_tokens` tokens at `[start, start + num_tokens)` took `seconds`.
@@ -129,6 +153,9 @@ class CostModel:
     if not self._learn:
       return
     x = _features(start, num_tokens)
+    if self.num_compute_observations >= _PACE_AFTER and seconds > 0:
+      fitted = max(1e-12, sum(t * v for t, v in zip(self._theta, x)))
+      self._log_pace += self._pace_ewma * (math.log(seconds / fitted) - self._log_pace)
     g = self._forget
     for i in range(3):
       self._xy[i] = g * self._xy[i] + x[i] * seconds
@@ -167,7 +194,7 @@ class CostModel:
     if num_tokens <= 0:
       return 0.0
     x = _features(start, num_tokens)
-    return max(1e-9, sum(t * v for t, v in zip(self._theta, x)))
+    return max(1e-9, self.pace * sum(t * v for t, v in zip(self._theta, x)))
 
   # ------------------------------------------------------------------ loads
   # Rates are kept as EWMAs of seconds per byte: time is what gets predicted, and a free decode

@@ -48,6 +48,33 @@ class ComputeFitTest(parameterized.TestCase):
       m.observe_compute(start, 256, 1.0 - start * 1e-4)
     self.assertTrue(all(v >= 0 for v in m.compute_coefficients))
 
+  def test_the_pace_follows_a_machine_that_turns_busy_and_quiet(self):
+    # 100 quiet pieces fit the cost exactly; then another process takes half the machine
+    # (every piece 2x) for five pieces at the prompt's front, then leaves. Busy, the model
+    # prices pieces at 0, 2,048 and 3,840 at 2.08x, 1.75x and 1.65x their quiet cost; the slow
+    # fit alone (pace_ewma 0) at 1.23x, 1.04x and 0.98x. Quiet again, five and 35 pieces later,
+    # the worst of the three is 1.18x and 1.13x (the fit alone 1.20x and 1.14x: both still hold
+    # the busy pieces, which the pace, one number, cannot unbend).
+    truth = linear(0.02, 2.4e-3, 1.3e-6)
+    pieces = [(start, 256) for start in range(0, 4096, 256)]
+    probe = ((0, 256), (2048, 256), (3840, 256))
+    got = {}
+    for pace_ewma in (0.3, 0.0):
+      m = CostModel(prior_weight=1e-6, pace_ewma=pace_ewma)
+      for i in range(100):
+        m.observe_compute(*pieces[i % 16], truth(*pieces[i % 16]))
+      self.assertAlmostEqual(m.pace, 1.0, places=6)
+      got[pace_ewma] = []
+      for factor, count in ((2, 5), (1, 5), (1, 30)):
+        for i in range(count):
+          m.observe_compute(*pieces[i % 16], factor * truth(*pieces[i % 16]))
+        got[pace_ewma].append([m.predict_compute_s(*x) / truth(*x) for x in probe])
+    (busy, quiet, settled), (busy0, quiet0, settled0) = got[0.3], got[0.0]
+    self.assertGreater(min(busy), 1.6)
+    self.assertLess(max(busy0), 1.25)
+    for mine, fit_alone in ((quiet, quiet0), (settled, settled0)):
+      self.assertLessEqual(max(abs(r - 1) for r in mine), max(abs(r - 1) for r in fit_alone))
+
   def test_frozen_model_ignores_observations(self):
     m = CostModel(compute_prior=(0.0, 1.0, 0.0), learn=False, bandwidth_bytes_per_s=10.0)
     m.observe_compute(0, 4, 100.0)
@@ -63,6 +90,8 @@ class ComputeFitTest(parameterized.TestCase):
       CostModel(compute_prior=(0.0, 0.0, 0.0))
     with self.assertRaisesRegex(ValueError, "forget"):
       CostModel(forget=0.0)
+    with self.assertRaisesRegex(ValueError, "pace_ewma"):
+      CostModel(pace_ewma=1.5)
     self.assertEqual(len(DEFAULT_COMPUTE_PRIOR), 3)
 
 
