@@ -105,6 +105,7 @@ class CostModel:
     self._ewma = float(ewma)
     self._pace_ewma = float(pace_ewma)
     self._log_pace = 0.0
+    self._pace = 1.0  # exp(_log_pace), kept beside it: the planner reads it thousands of times
     self._learn = learn
     self._xx = [[0.0] * 3 for _ in range(3)]
     self._xy = [0.0] * 3
@@ -139,7 +140,7 @@ class CostModel:
     """The machine's current speed against the fit: recent observed / fitted compute time (1:
     as fitted; 2: pieces take twice as long now, e.g. another process took a CPU, and the slow
     fit has not caught up)."""
-    return math.exp(self._log_pace)
+    return self._pace
 
   def observe_compute(self, start: int, num_tokens: int, seconds: float) -> None:
     """Records that prefilling `num_tokens` tokens at `[start, start + num_tokens)` took `seconds`.
@@ -156,6 +157,7 @@ class CostModel:
     if self.num_compute_observations >= _PACE_AFTER and seconds > 0:
       fitted = max(1e-12, sum(t * v for t, v in zip(self._theta, x)))
       self._log_pace += self._pace_ewma * (math.log(seconds / fitted) - self._log_pace)
+      self._pace = math.exp(self._log_pace)
     g = self._forget
     for i in range(3):
       self._xy[i] = g * self._xy[i] + x[i] * seconds
@@ -194,7 +196,7 @@ class CostModel:
     if num_tokens <= 0:
       return 0.0
     x = _features(start, num_tokens)
-    return max(1e-9, self.pace * sum(t * v for t, v in zip(self._theta, x)))
+    return max(1e-9, self._pace * sum(t * v for t, v in zip(self._theta, x)))
 
   # ------------------------------------------------------------------ loads
   # Rates are kept as EWMAs of seconds per byte: time is what gets predicted, and a free decode
