@@ -924,7 +924,9 @@ def check_targets(cells: list[dict]) -> dict:
   cells = [c for c in cells if not c["invalid"]]
   t1 = [c for c in cells if c["speedup_vs_best"] is not None]
   miss1 = [c for c in t1 if c["speedup_vs_best"] < 0.97]
-  t2 = [c for c in cells if c["seq_len"] >= 4096 and c["kvjax_over_ideal"] is not None]
+  # The ideal bound of an N > 1 cell is one request's alone (a validity check, not a target).
+  t2 = [c for c in cells if c["seq_len"] >= 4096 and c["kvjax_over_ideal"] is not None
+        and c.get("restoring", 1) == 1]
   miss2 = [c for c in t2 if c["kvjax_over_ideal"] > 1.10]
   t3 = [c for c in cells if c["seq_len"] >= 4096 and c["bandwidth_ratio"] == 1
         and c["ttft_kvjax_s"] is not None]
