@@ -51,6 +51,25 @@ def run(coro):
 class StoreAssertions:
   """Mixin for `absltest.TestCase`s over a `ChunkStore`."""
 
+  def make_store(self, backend="memory", **kwargs):
+    """A `ChunkStore` on `backend` ("memory", "file" or "ocdbt", the last two in a temporary
+    folder; its path and URL kept as `self.tmp` and `self.url`), closed at the test's end;
+    `kwargs` go to the store."""
+    from kvjax.storage.backends import chunk_store  # noqa: PLC0415 (the mixin's only user)
+    self.tmp = self.create_tempdir().full_path
+    url = {"memory": "memory://t", "file": f"file://{self.tmp}/store",
+           "ocdbt": f"ocdbt+file://{self.tmp}/store"}[backend]
+    store = chunk_store.ChunkStore(url, **kwargs)
+    self.addCleanup(store.close)
+    self.url = url
+    return store
+
+  async def rewrite_raw(self, store, chunk_hash, edit):
+    """Replaces the bytes of a chunk's raw object with `edit(bytes)` (damage for tests)."""
+    root = await store.kvstore()
+    key = await self.shard_key(store, chunk_hash)
+    await root.write(key, edit((await root.read(key)).value))
+
   async def put0(self, store, kv_layout=None, seed=0):
     kv = values(kv_layout or layout(), seed)
     self.assertTrue(await store.put(HASHES[0], ROOT, TOKENS[:C], ROOT, kv))

@@ -249,10 +249,7 @@ class S3ChunkStoreTest(StoreAssertions, MotoTestCase):
 
     async def body():
       await self.put0(store)
-      root = await store.kvstore()
-      key = await self.shard_key(store, HASHES[0])
-      data = (await root.read(key)).value
-      await root.write(key, data[:len(data) // 2])
+      await self.rewrite_raw(store, HASHES[0], lambda data: data[:len(data) // 2])
       return await store.get(HASHES[0], TOKENS[:C], ROOT, _layout())
 
     self.assert_miss(store, run(body()), MissReason.CORRUPT)

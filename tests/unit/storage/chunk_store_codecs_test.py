@@ -38,15 +38,6 @@ def chooser(codec, level=None):
 
 class Base(StoreAssertions, parameterized.TestCase):
 
-  def make_store(self, backend="memory", **kwargs):
-    tmp = self.create_tempdir().full_path
-    url = {"memory": "memory://t", "file": f"file://{tmp}/store",
-           "ocdbt": f"ocdbt+file://{tmp}/store"}[backend]
-    store = chunk_store.ChunkStore(url, **kwargs)
-    self.addCleanup(store.close)
-    self.url = url
-    return store
-
   def assert_payload(self, hit, want):
     self.assertIsInstance(hit, ChunkHit)
     self.assertEqual(list(hit.payload), list(want))

@@ -30,28 +30,8 @@ TESTDATA = pathlib.Path(__file__).resolve().parent / "testdata"
 BACKENDS = (("memory",), ("file",), ("ocdbt",))
 
 
-
-
-
-
-
-
-
-
 class StoreTestBase(StoreAssertions, parameterized.TestCase):
-
-  def make_store(self, backend, **kwargs):
-    tmp = self.create_tempdir().full_path
-    url = {"memory": "memory://t", "file": f"file://{tmp}/store",
-           "ocdbt": f"ocdbt+file://{tmp}/store"}[backend]
-    store = chunk_store.ChunkStore(url, **kwargs)
-    self.addCleanup(store.close)
-    self.tmp = tmp
-    return store
-
-
-
-
+  """The stores of these tests: `StoreAssertions.make_store`."""
 
 
 class RoundTripTest(StoreTestBase):

@@ -41,14 +41,6 @@ class Link:
 
 class RangeTestBase(StoreAssertions, parameterized.TestCase):
 
-  def make_store(self, backend, **kwargs):
-    tmp = self.create_tempdir().full_path
-    url = {"memory": "memory://lr", "file": f"file://{tmp}/store",
-           "ocdbt": f"ocdbt+file://{tmp}/store"}[backend]
-    store = chunk_store.ChunkStore(url, **kwargs)
-    self.addCleanup(store.close)
-    return store
-
   async def flip(self, store, offset):
     """Flips one bit of chunk 0's raw object at byte `offset`."""
     root = await store.kvstore()
@@ -200,10 +192,8 @@ class RangedReadTest(RangeTestBase):
 
       async def body():
         await self.put0(store)
-        root = await store.kvstore()
-        key = await self.shard_key(store, HASHES[0])
-        data = (await root.read(key)).value
-        await root.write(key, data[:cut] if cut < 0 else data + b"\0")
+        await self.rewrite_raw(store, HASHES[0],
+                               lambda data: data[:cut] if cut < 0 else data + b"\0")
 
       run(body())
       self.assertEqual(self.get(store, 2).reason, MissReason.CORRUPT, cut)
