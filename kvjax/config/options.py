@@ -346,10 +346,9 @@ class KVStoreOptions:
       "with a store: the layer axis of Cake (CacheFlow, arXiv 2604.25080): \"auto\" lets a "
       "merge compute layers [0, k) of its meeting chunk and load only layers [k, L) of that "
       "stored raw chunk, k from the measured rates; \"off\" (default): token-only Cake. The "
-      "simulator measures 1.0-1.04x token-only at balance (benchmarks/README.md). The paged "
-      "runner runs the low layers only, k at its layer-group boundaries "
-      "(`kv_layerwise_groups` when above 1, else any layer); off until the real engine's "
-      "gain is measured.",
+      "paged runner runs the low layers only, k at its layer-group boundaries "
+      "(`kv_layerwise_groups` when above 1, else any layer). Off by default: measured on the "
+      "real engine at 0.88-1.01x token-only (benchmarks/README.md, Cake).",
       choices=LAYER_SPLITS,
       flag_help="With a store: 'auto' lets a Cake merge split its meeting chunk along layers "
                 "(compute the low layers, load the high ones of a raw chunk); 'off' "
