@@ -348,7 +348,7 @@ class KVStoreOptions:
       "stored raw chunk, k from the measured rates; \"off\" (default): token-only Cake. The "
       "paged runner runs the low layers only, k at its layer-group boundaries "
       "(`kv_layerwise_groups` when above 1, else any layer). Off by default: measured on the "
-      "real engine at 0.88-1.01x token-only (benchmarks/README.md, Cake).",
+      "real engine at 0.88-1.04x token-only (benchmarks/README.md, Cake).",
       choices=LAYER_SPLITS,
       flag_help="With a store: 'auto' lets a Cake merge split its meeting chunk along layers "
                 "(compute the low layers, load the high ones of a raw chunk); 'off' "
