@@ -347,8 +347,9 @@ class KVStoreOptions:
       "merge compute layers [0, k) of its meeting chunk and load only layers [k, L) of that "
       "stored raw chunk, k from the measured rates; \"off\" (default): token-only Cake. The "
       "paged runner runs the low layers only, k at its layer-group boundaries "
-      "(`kv_layerwise_groups` when above 1, else any layer). Off by default: measured on the "
-      "real engine at 0.88-1.04x token-only (benchmarks/README.md, Cake).",
+      "(`kv_layerwise_groups` when above 1, else any layer). Only a prompt restoring alone "
+      "splits: several restoring at once are planned jointly, token-only. Off by default: "
+      "measured on the real engine at 0.88-1.04x token-only (benchmarks/README.md, Cake).",
       choices=LAYER_SPLITS,
       flag_help="With a store: 'auto' lets a Cake merge split its meeting chunk along layers "
                 "(compute the low layers, load the high ones of a raw chunk); 'off' "
