@@ -368,7 +368,6 @@ class Bench:
                layer_split: str = "off"):  # the LLM's kv_layer_split
     from kvjax import LLM  # noqa: PLC0415
     self.codec = codec
-    self.layer_split = layer_split
     self.store_url = f"file://{store_root / codec}"
     kw: dict[str, Any] = {}
     if codec != "raw":

@@ -466,10 +466,7 @@ class Engine:
       for ins, tier in loaded:
         self._record_loaded(ins, tier)
     elif any(c.num_layers is not None for c in plan.prefills):  # stops at a group boundary
-      st = runner.step_begin(seqs, self.layer_split_groups)
-      while st.next_group < len(st.groups):
-        runner.step_layers(st)
-      out = runner.step_finish(st)
+      out = runner.step_grouped(seqs, self.layer_split_groups)
     else:
       out = runner.step(seqs)
     allowed = self._grammar_masks(plan)  # on the host while the device runs the step

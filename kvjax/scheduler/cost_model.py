@@ -157,7 +157,7 @@ class CostModel:
     if not self._learn:
       return
     x = _features(start, num_tokens)
-    if self.num_compute_observations >= _PACE_AFTER and seconds > 0:
+    if self._pace_ewma > 0 and self.num_compute_observations >= _PACE_AFTER and seconds > 0:
       fitted = max(1e-12, sum(t * v for t, v in zip(self._theta, x)))
       self._log_pace += self._pace_ewma * (math.log(seconds / fitted) - self._log_pace)
       self._pace = math.exp(self._log_pace)

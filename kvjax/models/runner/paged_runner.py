@@ -474,8 +474,8 @@ class PagedModelRunner:
     self._counts = LayerCounts(c.token_layers_run + run, c.token_layers_skipped + skipped)
 
   def step_grouped(self, seqs: Sequence[SeqChunk], groups: int) -> StepOutput:
-    """`step_begin`, every `step_layers`, `step_finish`: a step in `groups` calls (tests,
-    benchmarks of the split's cost)."""
+    """`step_begin`, every `step_layers`, `step_finish`: a step in `groups` calls (a step
+    holding a layer-split piece, which stops at a group boundary)."""
     st = self.step_begin(seqs, groups)
     while st.next_group < len(st.groups):
       self.step_layers(st)

@@ -435,6 +435,11 @@ class Runner(Protocol):
     """The step's `StepOutput` once every group has run."""
     ...
 
+  def step_grouped(self, seqs: Sequence[SeqChunk], groups: int) -> StepOutput:
+    """`step_begin`, every `step_layers`, `step_finish`: a step in `groups` layer-group calls
+    with nothing between them (a step holding a layer-split piece)."""
+    ...
+
   def layer_split_points(self, groups: int) -> tuple[int, ...]:
     """The layer counts k in `[1, L)` at which a step begun with `groups` layer groups
     (`step_begin`) stops a `SeqChunk.num_layers` piece (the layer axis of Cake; the engine
