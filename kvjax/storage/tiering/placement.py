@@ -353,13 +353,7 @@ class TierHierarchy:
     moves: list[Move] = []
     for t in range(len(self.tiers)):
       if self._fits(t, nbytes) and self._make_room(t, nbytes, pinned, rank, moves):
-        self._entries[key] = e
-        if parent is not None:
-          self._children.setdefault(parent, set()).add(key)
-          if parent not in self._entries:
-            self._orphans.add(key)
-        for c in self._children.get(key, ()):
-          self._orphans.discard(c)  # its parent is back
+        self._register(e)
         self._attach(e, t)
         self._stats.saves += 1
         moves.append(Insert(key, self._names[t], nbytes))
@@ -512,13 +506,7 @@ class TierHierarchy:
       return []
     if e is None:
       e = _Entry(key, parent, nbytes, None, 0, 0)
-      self._entries[key] = e
-      if parent is not None:
-        self._children.setdefault(parent, set()).add(key)
-        if parent not in self._entries:
-          self._orphans.add(key)
-      for c in self._children.get(key, ()):
-        self._orphans.discard(c)
+      self._register(e)
     elif not self.copies:
       return []  # held elsewhere in an exclusive hierarchy: the planner's copy stands
     self._attach(e, t)
@@ -568,6 +556,17 @@ class TierHierarchy:
                  for x in live]
       heapq.heapify(heap)
       self._parked[t].clear()  # every member is in the heap again
+
+  def _register(self, e: _Entry) -> None:
+    """Enters a new entry into the chain maps: its parent's children, the orphans (a parent
+    not held), and its own children, no longer orphans."""
+    self._entries[e.key] = e
+    if e.parent is not None:
+      self._children.setdefault(e.parent, set()).add(e.key)
+      if e.parent not in self._entries:
+        self._orphans.add(e.key)
+    for c in self._children.get(e.key, ()):
+      self._orphans.discard(c)  # its parent is back
 
   def _attach(self, e: _Entry, t: int) -> None:
     """A copy of `e` enters tier `t`."""
