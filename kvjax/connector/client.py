@@ -125,14 +125,19 @@ class KVStoreClient:
       `codec_levels[0]`, in every stored and loaded chunk): keys carry that encoding
       (`keys.KeyNamespace.encoding`, `key_encoding`), so such an engine finds and writes its
       own chunks beside other encodings' chunks of the same prompt.
+    settle_loads: every `landed` first waits until no load is queued or reading (a link
+      infinitely fast against compute; a test seam: an engine on a fake clock then plans the
+      same whatever the loader thread's pace on a busy machine).
   """
 
   def __init__(self, store, *, model_fingerprint: str, layout: KVLayout, kv_layout_version: int,
                max_pending_saves: int = 16, timeout_s: float = 60.0, codec: str = "raw",
                codec_levels: Sequence[int] = (0,), staging_bytes: int = 1 << 30,
                kvtc_transform_id: bytes | None = None, device_link=None,
-               device: DeviceSeam, prefetch_bytes: int | None = None, consistent: bool = False):
+               device: DeviceSeam, prefetch_bytes: int | None = None, consistent: bool = False,
+               settle_loads: bool = False):
     self.store = store
+    self.settle_loads = settle_loads
     self.codec = codec
     self.codec_levels = tuple(codec_levels)
     #: `KeyNamespace.encoding` of every key: "codec/level" of the one level a
@@ -335,7 +340,14 @@ class KVStoreClient:
     self.loader.warmup_entropy(codec, level, arrays)
 
   def landed(self, wait_s: float | None = None) -> list[LoadReport]:
-    """`Loader.landed`: the reports of every load that finished since the last call."""
+    """`Loader.landed`: the reports of every load that finished since the last call (with
+    `settle_loads`, after every load started so far finished).
+
+    Raises:
+      TimeoutError: with `settle_loads`, a load still in flight after the client's timeout.
+    """
+    if self.settle_loads and not self.loader.wait_idle(self.loop.timeout_s):
+      raise TimeoutError(f"a store load did not land within {self.loop.timeout_s} s")
     return self.loader.landed(wait_s)
 
   def take(self, request_id: Any, index: int) -> ChunkHit:

@@ -68,6 +68,7 @@ class Loader:
     self._staged: dict[tuple[Any, int], ChunkHit] = {}
     self._reports: list[LoadReport] = []
     self._reported = threading.Event()
+    self._idle = threading.Condition(self._lock)  # notified when nothing is queued or reading
     self._last_done_s = -math.inf
     self._loaded_by_tier: dict[str, tuple[int, int]] = {}
     self._busy_since_s = 0.0
@@ -213,6 +214,7 @@ class Loader:
       if self._reading.get(key) is not item:
         return  # its request ended meanwhile: drop it
       del self._reading[key]
+      self._notify_if_idle()
       ok = isinstance(got, ChunkHit)
       nbytes = int(got.nbytes) if ok else 0
       link_s = max(0.0, done_s - max(item.started_s, self._last_done_s))
@@ -238,7 +240,9 @@ class Loader:
     self._pump()
 
   def landed(self, wait_s: float | None = None) -> list[LoadReport]:
-    """Takes the reports of every load that finished since the last call.
+    """Takes the reports of every load that finished since the last call (`started_s` and
+    `done_s` on `time.perf_counter`; the engine moves them onto its clock,
+    `KVLoads.landed`).
 
     Args:
       wait_s: if none has finished, block up to this long for one (None: do not block).
@@ -275,6 +279,7 @@ class Loader:
         self._reports.append(LoadReport(request_id, index, ok=False, nbytes=0,
                                         reason="released"))
         self._reported.set()
+        self._notify_if_idle()
       elif key in self._reading:
         self._reading[key].released = True
       elif key in self._staged:
@@ -300,8 +305,20 @@ class Loader:
       self._stats.cancelled += len(queued) + len(reading)
       self._stats.abandoned_reads += len(reading)
       self._stats.released_staged += len(staged)
+      self._notify_if_idle()
     self._pump()
     return n
+
+  def _notify_if_idle(self) -> None:
+    """Wakes `wait_idle` when nothing is queued or reading (the caller holds the lock)."""
+    if not self._queue and not self._reading:
+      self._idle.notify_all()
+
+  def wait_idle(self, timeout_s: float) -> bool:
+    """Blocks until no load is queued or reading (every load started so far has landed, failed,
+    or been released or cancelled); False if `timeout_s` passed first."""
+    with self._idle:
+      return self._idle.wait_for(lambda: not self._queue and not self._reading, timeout_s)
 
   def in_flight(self, request_id: Any = None) -> int:
     """Loads queued or reading (of one request, or all)."""

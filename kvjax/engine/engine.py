@@ -433,14 +433,14 @@ class Engine:
     if not plan.decodes and not plan.prefills:  # nothing to compute: loads and inserts at most
       reports = []
       if kv is not None and (plan.wait_s or plan.inserts):
-        reports = kv.landed(wait_s=plan.wait_s)
+        reports = self._loads.landed(wait_s=plan.wait_s)
       return StepResult(now_s=self._clock(), loads=tuple(self._log_misses(reports)),
                         inserts=tuple(insert_timings))
     sampled: list[tuple[RequestId, int]] = []
     finished: list[tuple[RequestId, str]] = []
     timings: list[ComputeTiming] = []
     self._execute_ragged(plan, tables, sampled, finished, timings, layered, insert_timings)
-    reports = kv.landed() if kv is not None else []
+    reports = self._loads.landed() if kv is not None else []
     return StepResult(now_s=self._clock(), sampled=tuple(sampled), finished=tuple(finished),
                       loads=tuple(self._log_misses(reports)), compute=tuple(timings),
                       inserts=tuple(insert_timings))

@@ -17,6 +17,7 @@ with the scheduler, per-request metrics with the engine: an insert is reported b
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Container, Sequence
 
@@ -25,8 +26,8 @@ from kvjax._typing import RequestId
 from kvjax.connector import KVStoreClient
 from kvjax.models.runner.runner_api import Runner, SeqChunk
 from kvjax.scheduler.level_policy import Candidate
-from kvjax.scheduler.output import (InsertItem, InsertTiming, SchedulerOutput, StoredChunk,
-                                    StoredPrefix)
+from kvjax.scheduler.output import (InsertItem, InsertTiming, LoadReport, SchedulerOutput,
+                                    StoredChunk, StoredPrefix)
 
 #: What an insert reports back for the engine's metrics: the item and the tier it came from.
 Loaded = tuple[InsertItem, str]
@@ -179,6 +180,21 @@ class KVLoads:
                                          time.perf_counter() - t0))
       loaded.append((ins, hit.tier))
     return loaded
+
+  def landed(self, wait_s: float | None = None) -> list[LoadReport]:
+    """The store client's load reports since the last call (`KVStoreClient.landed`, blocking up
+    to `wait_s` for one), their `started_s` and `done_s` moved from the loader's
+    `time.perf_counter` onto the engine's clock (each stamp is its age subtracted from the
+    engine's now), so the scheduler compares landings with the plan's times on one clock. A
+    stamp of 0 (a released load that never ran) stays 0, unknown. Their `link_s` stays in wall
+    seconds (it measures the link)."""
+    reports = self.kv_store.landed(wait_s)
+    if not reports:
+      return reports
+    now, wall = self._clock(), time.perf_counter()
+    moved = lambda t: now - (wall - t) if t else 0.0  # noqa: E731
+    return [dataclasses.replace(r, started_s=moved(r.started_s), done_s=moved(r.done_s))
+            for r in reports]
 
   def insert_rows(self, ins: InsertItem) -> int:
     """Rows of a staged chunk an insert writes: the whole chunk, or a stored tail's m rows

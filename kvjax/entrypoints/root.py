@@ -217,8 +217,8 @@ def check_model_fit(options: EngineOptions, loaded: LoadedModel, multihost_run: 
 
 
 def make_store_client(options: EngineOptions, config: StoreConfig, runner: Runner,
-                      loaded: LoadedModel, dtype, kvtc_transform_id: str | None = None
-                      ) -> KVStoreClient:
+                      loaded: LoadedModel, dtype, kvtc_transform_id: str | None = None,
+                      settle_loads: bool = False) -> KVStoreClient:
   """The store client of `config` for the model's KV layout, brought under its capacity.
 
   Raises:
@@ -246,7 +246,8 @@ def make_store_client(options: EngineOptions, config: StoreConfig, runner: Runne
                          codec_levels=options.codec_levels, kvtc_transform_id=kvtc_transform_id,
                          device_link=(LinkLimiter(kv.kv_device_link_bytes_per_s)
                                       if kv.kv_device_link_bytes_per_s is not None else None),
-                         consistent=options.consistent, device=runner.device_seam())
+                         consistent=options.consistent, device=runner.device_seam(),
+                         settle_loads=settle_loads)
   try:  # a store a larger capacity filled is brought under this one now, not at a write
     client.enforce_capacity()
   except Exception as e:  # noqa: BLE001 - an unreachable store degrades to compute, as loads do
@@ -299,7 +300,8 @@ def build_engine_parts(options: EngineOptions, *,
                        make_runner: RunnerFactory | None = None,
                        clock: Callable[[], float] = time.perf_counter,
                        check_writes: bool = False,
-                       cost_model: CostModel | None = None) -> EngineParts:
+                       cost_model: CostModel | None = None,
+                       settle_loads: bool = False) -> EngineParts:
   """Builds the model, runner, store, sessions and engine of `options` (the composition root).
 
   Args:
@@ -314,6 +316,7 @@ def build_engine_parts(options: EngineOptions, *,
     check_writes: keep each merge's per-position writer map and raise on a double write
       (`LoadConfig.check_writes`; the test factories keep it on).
     cost_model: the planner's cost model (tests pass a frozen one); None: a fresh, learning one.
+    settle_loads: the store client's `settle_loads` (tests on a fake clock).
 
   Returns:
     The parts (`EngineParts`); the caller owns them (`close_parts`).
@@ -376,7 +379,8 @@ def build_engine_parts(options: EngineOptions, *,
       description = describe_store(store_config)
       client = make_store_client(
           options, store_config, runner, loaded, dtype,
-          kvtc_transform.transform_id if kvtc_transform is not None else None)
+          kvtc_transform.transform_id if kvtc_transform is not None else None,
+          settle_loads=settle_loads)
     load_config = dataclasses.replace(options.load_config(), check_writes=check_writes)
     engine = Engine(runner, loaded.tokenizer, sched, load_config, kv_store=client, seed=m.seed,
                     clock=clock, cost_model=cost_model)

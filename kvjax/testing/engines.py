@@ -104,7 +104,7 @@ def fake_engine(*, kv_store: str | StoreConfig | None = None,
                 enable_prefix_caching: bool = True, max_loads_in_flight: int | None = None,
                 kv_ttft_target_s: float | None = None, seed: int = 0,
                 clock: Callable[[], float] = time.perf_counter, layer_split: str = "off",
-                cost_model: CostModel | None = None) -> Engine:
+                cost_model: CostModel | None = None, settle_loads: bool = False) -> Engine:
   """An `Engine` on a `FakeRunner` with a `ByteTokenizer` (the test engine factory): the
   composition root (`kvjax.entrypoints.root.build_engine_parts`) with the fake as its runner.
 
@@ -123,6 +123,9 @@ def fake_engine(*, kv_store: str | StoreConfig | None = None,
     clock: the engine's clock.
     layer_split: `LLM`'s `kv_layer_split`.
     cost_model: the planner's cost model (a frozen one makes plans timing-free); None: fresh.
+    settle_loads: every step's load reports wait for every load in flight
+      (`KVStoreClient(settle_loads=)`): with a fake clock, plans that never hinge on how fast
+      the loader thread runs.
 
   Closing: `close_engine(engine)` closes its store client and runner.
   """
@@ -142,7 +145,8 @@ def fake_engine(*, kv_store: str | StoreConfig | None = None,
     flat["prefill_order"] = prefill_order
   parts = build_engine_parts(EngineOptions.from_flat(**flat), model=fake_model(),
                              make_runner=fake_runner_factory(runner_seed, num_blocks),
-                             clock=clock, check_writes=check_writes, cost_model=cost_model)
+                             clock=clock, check_writes=check_writes, cost_model=cost_model,
+                             settle_loads=settle_loads)
   return parts.engine
 
 

@@ -4,25 +4,25 @@ program; its low layers [0, k) computed by a layer-wise step that stops the piec
 `PagedModelRunner.step_begin`), logprobs within 1e-5 of the cold run, and the runner's
 token-layer counts showing the piece ran k of L layers.
 
-The split engine is an `Engine` built on a `real_llm`'s runner and store client, with the layer
-axis on and a frozen cost model.
+The split engine is built by the composition root on the real tiny model with the layer axis
+on, a frozen cost model, a counter clock and settled loads, as the unit test's.
 """
-
-import dataclasses
 
 import pytest
 
-from kvjax.engine.engine import Engine
+from kvjax.entrypoints import root
+from kvjax.config import EngineOptions
 from kvjax.testing import engines
 from kvjax.testing.engines import real_llm
 from tests.unit.engine import layer_split_unit_test as unit
 
 C = unit.C
+OPTIONS = dict(cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64), kv_chunk_size=C,
+               enable_prefix_caching=False)
 
 
 def make_llm(store):
-  return real_llm("tiny", cache_dir="", max_num_seqs=2, chunk_sizes=(16, 32, 64),
-                  kv_store=store, kv_chunk_size=C, enable_prefix_caching=False)
+  return real_llm("tiny", kv_store=store, **OPTIONS)
 
 
 @pytest.mark.slow
@@ -33,10 +33,13 @@ class LayerSplitEngineTest(unit.LayerSplitEngineUnitTest):
   def setUp(self):
     super().setUp()
     self._llms = []
+    self._parts = []
 
   def tearDown(self):
     for llm in self._llms:
       llm.close()
+    for parts in self._parts:
+      root.close_parts(parts)
     super().tearDown()
 
   def cold_engine(self):
@@ -45,15 +48,13 @@ class LayerSplitEngineTest(unit.LayerSplitEngineUnitTest):
     return llm.engine
 
   def split_engine(self):
-    llm = make_llm(engines.memory_store_url())
-    self._llms.append(llm)
-    e = llm.engine
-    load_config = dataclasses.replace(llm.options.load_config(), check_writes=True,
-                                      layer_split="auto")
-    return Engine(e.runner, e.tokenizer, llm.options.scheduler_config(), load_config,
-                  kv_store=e.kv_store,
-                  cost_model=unit.frozen_cost(e.kv_store.layout.nbytes),
-                  clock=unit.counter_clock())
+    options = EngineOptions.from_flat(model="tiny", dtype="float32",
+                                      kv_store=engines.memory_store_url(),
+                                      kv_layer_split="auto", **OPTIONS)
+    parts = root.build_engine_parts(options, check_writes=True, clock=unit.counter_clock(),
+                                    cost_model=unit.split_cost_model(), settle_loads=True)
+    self._parts.append(parts)
+    return parts.engine
 
   def close(self, engine):
     del engine  # the LLM that owns its runner and store closes them (tearDown)

@@ -6,7 +6,9 @@ costs 1 s per 16-token chunk and a stored chunk takes 1.5 s on the link, so with
 stored the planner loads chunk 3 whole and splits chunk 2 at k = 1 of the fake's L = 2 layers
 (done at 2.5 s against 3 s token-only; tests/unit/scheduler/cake_layer_split_test.py has the
 plan).
-The engine's clock is a counter, so no load turns late.
+The engine's clock is a counter, so no load turns late, and the store client settles its loads
+(`KVStoreClient(settle_loads=True)`: each step's reports wait for every load in flight), so the
+plan never hinges on how fast the loader thread runs on a busy machine.
 """
 
 import itertools
@@ -36,6 +38,13 @@ def frozen_cost(chunk_nbytes: int) -> CostModel:
                    bandwidth_bytes_per_s=chunk_nbytes / 1.5)
 
 
+def split_cost_model() -> CostModel:
+  """`frozen_cost` of a float32 chunk of the tiny architecture (the fake's and the real tiny
+  model's)."""
+  cfg = fake_model_config()
+  return frozen_cost(cfg.n_layers * 2 * C * cfg.n_kv_heads * cfg.head_dim * 4)
+
+
 def counter_clock():
   ticks = itertools.count()
   return lambda: next(ticks) * 1e-3
@@ -52,11 +61,10 @@ class LayerSplitEngineUnitTest(absltest.TestCase):
     return make_engine(None)
 
   def split_engine(self):
-    """An engine with a fresh store, the layer axis on, the frozen cost model, a counter clock."""
-    cfg = fake_model_config()
-    nbytes = cfg.n_layers * 2 * C * cfg.n_kv_heads * cfg.head_dim * 4
+    """An engine with a fresh store, the layer axis on, the frozen cost model, a counter clock
+    and settled loads."""
     return make_engine(engines.memory_store_url(), layer_split="auto",
-                       cost_model=frozen_cost(nbytes), clock=counter_clock())
+                       cost_model=split_cost_model(), clock=counter_clock(), settle_loads=True)
 
   def close(self, engine):
     engines.close_engine(engine)
@@ -103,6 +111,9 @@ class LayerSplitEngineUnitTest(absltest.TestCase):
     (out,) = engines.generate(e, [PROMPT], PARAMS, layer_split=False)
     trace = out.metrics.merge
     self.assertEqual((trace.layer_splits, trace.chunk_writers), ({}, "CCCL"))
+    # Load reports come on the engine's clock (`KVLoads.landed`): the link's busy time is within
+    # the counter's run, not wall time since boot minus a counter.
+    self.assertBetween(trace.load_s, 0.0, e.now_s())
     self.assert_same(out, cold)
     with self.assertRaisesRegex(ValueError, "layer_split"):
       e.add_request(PROMPT, PARAMS, layer_split="off")
