@@ -9,6 +9,7 @@ token-layer counts are exact.
 """
 
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax.models.loading.registry import tiny_params
@@ -57,12 +58,16 @@ def new_runner(split_pieces):
 
 class PartialDepthTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(
-      # groups (of L = 4 layers), each split piece's k, and whether the re-pack and the
-      # outputs are numpy (the CPU backend's host outputs) or jax arrays (other platforms').
-      ("two_groups_one_piece_jax", 2, (2,), False),
-      ("four_groups_two_pieces_numpy", 4, (1, 3), True))
-  def test_a_split_piece_runs_its_low_layers_only(self, groups, ks, host_outputs):
+  # Each case: groups (of L = 4 layers), each split piece's k, and whether the re-pack and the
+  # outputs are numpy (the CPU backend's host outputs) or jax arrays (other platforms').
+  def test_a_split_piece_runs_its_low_layers_only_two_groups_one_piece_jax(self):
+    self.check_split_piece(2, (2,), False)
+
+  @pytest.mark.slow
+  def test_a_split_piece_runs_its_low_layers_only_four_groups_two_pieces_numpy(self):
+    self.check_split_piece(4, (1, 3), True)
+
+  def check_split_piece(self, groups, ks, host_outputs):
     pieces = [(prefix, SeqChunk(p.token_ids, p.start, p.block_ids, num_layers=k))
               for (prefix, p), k in zip(PIECES, ks)]
     # Without the pieces: the reference step, then each piece at full depth on its own.
