@@ -296,6 +296,35 @@ class LoaderTest(PartTestCase):
     self.assertEqual([(r.index, r.ok) for r in reports], [(0, True)])
     np.testing.assert_array_equal(loader.take("r", 0).kv, chunk(5))
 
+  def test_wait_idle_returns_once_every_load_landed_or_was_cancelled(self):
+    # The client's settle_loads: a load held by its chunk's save keeps the loader busy (a
+    # zero timeout says so) until the save is written; a cancel also ends the wait.
+    store = make_store()
+    device = NumpyDeviceSeam()
+    saver = Saver(store, SCHEME, self.loop, device)
+    self.addCleanup(saver.close)
+    gate, write = threading.Event(), saver.write
+    saver.write = lambda job: (gate.wait(60), write(job))
+    ns = SCHEME.namespace(None)
+    root, hashes = ns.root_hash(), keys.chunk_hashes(ns, TOKENS)
+    saver.submit(SaveJob(root, hashes[0], root, tuple(TOKENS[:C]), kv=chunk(5)))
+    lookup = PrefixLookups(store, SCHEME, self.loop, saver.pending_keys).lookup(TOKENS, None)
+    loader = Loader(store, SCHEME, self.loop, device, saver, Prefetcher(store, SCHEME, self.loop))
+    self.assertTrue(loader.wait_idle(0))  # nothing started
+    loader.start("r", 0, lookup, TOKENS)
+    self.assertFalse(loader.wait_idle(0))
+    gate.set()
+    self.assertTrue(loader.wait_idle(30))
+    self.assertEqual([(r.index, r.ok) for r in loader.landed()], [(0, True)])
+    gate.clear()
+    saver.submit(SaveJob(root, hashes[1], hashes[0], tuple(TOKENS[C:2 * C]), kv=chunk(6)))
+    lookup = PrefixLookups(store, SCHEME, self.loop, saver.pending_keys).lookup(TOKENS, None)
+    loader.start("s", 1, lookup, TOKENS)
+    self.assertFalse(loader.wait_idle(0))
+    self.assertEqual(loader.cancel("s"), 1)
+    self.assertTrue(loader.wait_idle(0))
+    gate.set()
+
 
 class HostToDeviceTest(absltest.TestCase):
 
