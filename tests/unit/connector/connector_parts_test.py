@@ -276,7 +276,9 @@ class LoaderTest(PartTestCase):
     self.assertEqual([(t.name, t.loaded_chunks) for t in loader.tier_snapshots()],
                      [("disk", 2)])
 
-  def test_a_load_waits_for_the_save_of_its_chunk(self):
+  def gated_saves(self):
+    """A loader over a store whose saver writes only once `gate` is set, and chunk 0's save
+    submitted: (loader, saver, gate, a lookup of `TOKENS`, the chunk keys)."""
     store = make_store()
     device = NumpyDeviceSeam()
     saver = Saver(store, SCHEME, self.loop, device)
@@ -286,9 +288,14 @@ class LoaderTest(PartTestCase):
     ns = SCHEME.namespace(None)
     root, hashes = ns.root_hash(), keys.chunk_hashes(ns, TOKENS)
     saver.submit(SaveJob(root, hashes[0], root, tuple(TOKENS[:C]), kv=chunk(5)))
-    lookup = PrefixLookups(store, SCHEME, self.loop, saver.pending_keys).lookup(TOKENS, None)
-    self.assertEqual(lookup.present, [SAVING, None, None])
+    lookups = PrefixLookups(store, SCHEME, self.loop, saver.pending_keys)
     loader = Loader(store, SCHEME, self.loop, device, saver, Prefetcher(store, SCHEME, self.loop))
+    return loader, saver, gate, lookups, hashes
+
+  def test_a_load_waits_for_the_save_of_its_chunk(self):
+    loader, _, gate, lookups, _ = self.gated_saves()
+    lookup = lookups.lookup(TOKENS, None)
+    self.assertEqual(lookup.present, [SAVING, None, None])
     loader.start("r", 0, lookup, TOKENS)
     self.assertEqual(loader.landed(), [])
     gate.set()
@@ -299,17 +306,8 @@ class LoaderTest(PartTestCase):
   def test_wait_idle_returns_once_every_load_landed_or_was_cancelled(self):
     # The client's settle_loads: a load held by its chunk's save keeps the loader busy (a
     # zero timeout says so) until the save is written; a cancel also ends the wait.
-    store = make_store()
-    device = NumpyDeviceSeam()
-    saver = Saver(store, SCHEME, self.loop, device)
-    self.addCleanup(saver.close)
-    gate, write = threading.Event(), saver.write
-    saver.write = lambda job: (gate.wait(60), write(job))
-    ns = SCHEME.namespace(None)
-    root, hashes = ns.root_hash(), keys.chunk_hashes(ns, TOKENS)
-    saver.submit(SaveJob(root, hashes[0], root, tuple(TOKENS[:C]), kv=chunk(5)))
-    lookup = PrefixLookups(store, SCHEME, self.loop, saver.pending_keys).lookup(TOKENS, None)
-    loader = Loader(store, SCHEME, self.loop, device, saver, Prefetcher(store, SCHEME, self.loop))
+    loader, saver, gate, lookups, hashes = self.gated_saves()
+    lookup = lookups.lookup(TOKENS, None)
     self.assertTrue(loader.wait_idle(0))  # nothing started
     loader.start("r", 0, lookup, TOKENS)
     self.assertFalse(loader.wait_idle(0))
@@ -317,9 +315,9 @@ class LoaderTest(PartTestCase):
     self.assertTrue(loader.wait_idle(30))
     self.assertEqual([(r.index, r.ok) for r in loader.landed()], [(0, True)])
     gate.clear()
+    root = SCHEME.namespace(None).root_hash()
     saver.submit(SaveJob(root, hashes[1], hashes[0], tuple(TOKENS[C:2 * C]), kv=chunk(6)))
-    lookup = PrefixLookups(store, SCHEME, self.loop, saver.pending_keys).lookup(TOKENS, None)
-    loader.start("s", 1, lookup, TOKENS)
+    loader.start("s", 1, lookups.lookup(TOKENS, None), TOKENS)
     self.assertFalse(loader.wait_idle(0))
     self.assertEqual(loader.cancel("s"), 1)
     self.assertTrue(loader.wait_idle(0))
