@@ -137,7 +137,7 @@ class KVStoreClient:
                device: DeviceSeam, prefetch_bytes: int | None = None, consistent: bool = False,
                settle_loads: bool = False):
     self.store = store
-    self.settle_loads = settle_loads
+    self._settle_loads = settle_loads
     self.codec = codec
     self.codec_levels = tuple(codec_levels)
     #: `KeyNamespace.encoding` of every key: "codec/level" of the one level a
@@ -346,7 +346,7 @@ class KVStoreClient:
     Raises:
       TimeoutError: with `settle_loads`, a load still in flight after the client's timeout.
     """
-    if self.settle_loads and not self.loader.wait_idle(self.loop.timeout_s):
+    if self._settle_loads and not self.loader.wait_idle(self.loop.timeout_s):
       raise TimeoutError(f"a store load did not land within {self.loop.timeout_s} s")
     return self.loader.landed(wait_s)
 

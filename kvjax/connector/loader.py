@@ -309,16 +309,20 @@ class Loader:
     self._pump()
     return n
 
+  def _is_idle(self) -> bool:
+    """Nothing is queued or reading (the caller holds the lock)."""
+    return not self._queue and not self._reading
+
   def _notify_if_idle(self) -> None:
-    """Wakes `wait_idle` when nothing is queued or reading (the caller holds the lock)."""
-    if not self._queue and not self._reading:
+    """Wakes `wait_idle` when the loader is idle (the caller holds the lock)."""
+    if self._is_idle():
       self._idle.notify_all()
 
   def wait_idle(self, timeout_s: float) -> bool:
     """Blocks until no load is queued or reading (every load started so far has landed, failed,
     or been released or cancelled); False if `timeout_s` passed first."""
     with self._idle:
-      return self._idle.wait_for(lambda: not self._queue and not self._reading, timeout_s)
+      return self._idle.wait_for(self._is_idle, timeout_s)
 
   def in_flight(self, request_id: Any = None) -> int:
     """Loads queued or reading (of one request, or all)."""
