@@ -6,6 +6,7 @@ import os
 import tempfile
 
 import numpy as np
+import pytest
 from absl.testing import absltest
 
 from kvjax import SamplingParams
@@ -56,6 +57,7 @@ class KVTCEngineTest(absltest.TestCase):
     np.testing.assert_array_equal(t.sensitivity, 24)
     self.assertEqual(len(np.unique(t.steps(1))), 1)
 
+  @pytest.mark.slow  # 15 s of the default suite's 300 s budget
   def test_stored_chunks_load_close_to_cold_and_other_transforms_miss(self):
     tmp = tempfile.mkdtemp()
     cache_dir, store = os.path.join(tmp, "cache"), os.path.join(tmp, "kv")

@@ -67,6 +67,7 @@ class SmolLM2ReferenceTest(absltest.TestCase):
             logits = np.asarray(out.logits_SV[0])
         self.assertGreaterEqual(len(got), 1)
 
+  @pytest.mark.slow  # 12 s of the default suite's 300 s budget
   def test_logits_and_greedy_match_transformers_across_chunk_boundaries(self):
     # A 16-token prompt (one chunk of the decode program's size), 257 (a chunk of 256 and one
     # token: the 256/257 boundary) and 513 (two full chunks and one token, past 512), four
