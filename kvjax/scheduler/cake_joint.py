@@ -23,12 +23,14 @@ both resources in one order, and each merge is told when they are free for it:
     loads      issued in priority order; a request's loads wait while the link's backlog ahead
                of it exceeds the issue horizon (one step and the link's latency), so the link
                serves the requests in order instead of splitting its bandwidth
-    compute    the budget left to merges goes in priority order; once a merge waits for its
-               loads, those behind it compute only what ends before they are predicted to
-               land (`tokens_until`), so its suffix is not held up behind their long step;
-               in a step where a merge finishes its prompt, those behind it add only what
-               costs its first token less than the step they would otherwise need
-               (`beside_first_token_s`)
+    compute    the budget left to merges goes in priority order; while a merge has loads to
+               come, those behind it add only what keeps the step (everything planned in it
+               so far, `seconds_left_in_step`) ending before those loads are predicted to
+               land (`tokens_until`), so its next piece is not held up behind their long step;
+               in a step where a merge samples its first token (its last piece here, or
+               its suffix among the step's prefills once its prefix is all present), those
+               behind it add only what costs that token less than the step they would
+               otherwise need (`beside_first_token_s`)
 
 Plain functions over the merges' plain answers (`CakeMerge.outlook`); the `Scheduler`
 (`kvjax/scheduler/scheduler.py`) owns the merges, calls `plan` once a step and applies it.
@@ -108,19 +110,43 @@ def beside_first_token_s(behind: int, cost: CostModel) -> float:
   """How long a compute piece of a merge behind may take in a step where a merge ahead
   finishes its prompt (it samples its first token at the step's end), in seconds.
 
-  Each token beside it delays that first token by its marginal compute; running the same
-  tokens in a step of their own instead costs the `behind` merges one more step's fixed cost
-  `a` (`CostModel.compute_coefficients`), each. So they join the step only while their piece's
-  marginal time is at most `behind * a`, that is while the piece's whole predicted time (its
-  own `a` included) is at most `(behind + 1) * a`: little on a machine whose step time grows
-  with its tokens (a CPU: nothing in practice), a full step where a step's time is mostly
-  fixed (an accelerator at small batches).
+  A piece whose marginal compute is `x` delays that first token by `x` when it joins the step.
+  Run in a step of its own instead, it takes at least the step's floor `a` (the fixed cost
+  `CostModel.compute_coefficients[0]`) and at least `x` (a roofline: the fixed cost overlaps
+  the tokens' compute, and the cost model's `a + b n` is a line fitted through it). So the own
+  step costs each of the `behind` merges `max(0, a - x)` more than joining, and the
+  piece joins only while `x <= behind * (a - x)`, that is `x <= a * behind / (behind + 1)`: a
+  piece's whole prediction (its own `a` included) at most `a * (2 behind + 1) / (behind + 1)`.
+  Little on a machine whose step time grows with its tokens (a CPU: a few dozen tokens), most
+  of a step where a step's time is mostly fixed (an accelerator at small batches).
 
   Args:
     behind: merges that still prefill behind the one that finishes (>= 0).
     cost: the engine's cost model.
   """
-  return (behind + 1) * cost.compute_coefficients[0]
+  a = cost.compute_coefficients[0]
+  return a * (2 * behind + 1) / (behind + 1)
+
+
+def planned_step_s(pieces: Sequence[tuple[int, int]], cost: CostModel) -> float:
+  """The predicted seconds of a step holding `pieces` ((start, tokens) each: the prefill chunks
+  and decodes planned so far), 0 for none: one step's fixed cost `a` and each piece's marginal
+  compute (its prediction less `a`)."""
+  if not pieces:
+    return 0.0
+  a = cost.compute_coefficients[0]
+  return a + sum(max(0.0, cost.predict_compute_s(s, n) - a) for s, n in pieces)
+
+
+def seconds_left_in_step(until_s: float, pieces: Sequence[tuple[int, int]],
+                         cost: CostModel) -> float:
+  """How long a new piece's own prediction (its `a` included) may be so that a step already
+  holding `pieces` still ends within `until_s` seconds (`planned_step_s`): `until_s` for an
+  empty step, else `until_s` less the step's time so far plus the one fixed cost the piece's
+  prediction counts again."""
+  if not pieces:
+    return until_s
+  return until_s - planned_step_s(pieces, cost) + cost.compute_coefficients[0]
 
 
 def tokens_until(seconds: float, start: int, plan_sizes: Sequence[int],

@@ -365,6 +365,9 @@ class Scheduler:
     # Short first-token steps (rules a and b, `prefill_policy.StepCap`).
     cap = prefill_policy.StepCap.start(short, self._landing_cap(order, now_s)
                                        if short and order else None)
+    # Joint planning: once a merge's suffix here samples its first token at this step's end,
+    # the merges after it add only what costs that token less than a step of their own.
+    beside_first = None
     for r in order:
       offer, capped = cap.offer(lambda r=r: self._tokens_left(r), budget,
                                 self._prefill_share(budget))
@@ -374,7 +377,15 @@ class Scheduler:
           left, admitting = self._admit(r, offer, prefills, admitted)
       elif r.request_id in self.running and r.status is RequestStatus.PREFILLING:
         if r.request_id in self._prefix:
+          m = self._prefix[r.request_id].merge
+          if beside_first is not None:
+            offer = min(offer, cake_joint.tokens_until(
+                beside_first, m.frontier, self._plan_sizes, self.cost_model.predict_compute_s))
           left = self._plan_cake(r, offer, now_s, prefills)
+          if (beside_first is None and self.load_config.joint_planning
+              and r.status is RequestStatus.DECODING):
+            beside_first = cake_joint.beside_first_token_s(len(self.cake_requests()),
+                                                           self.cost_model)
         else:
           left = self._plan_chunks(r, offer, prefills)
       budget -= offer - left
@@ -408,18 +419,23 @@ class Scheduler:
                                     self.cost_model, self._last_step_s,
                                     self.config.chunk_sizes[-1], link_free)
     land_by = None  # joint: when the loads of a merge ahead that waits for them land
-    beside_first = None  # joint: a merge ahead samples its first token at this step's end
     behind = sum(r.status is RequestStatus.PREFILLING for r in restoring)
+    if beside_first is not None:  # joint: a merge's suffix above samples its first token
+      beside_first = cake_joint.beside_first_token_s(behind, self.cost_model)
     for r in restoring:
       if r.status is not RequestStatus.PREFILLING:
         continue
       behind -= 1
       m = self._prefix[r.request_id].merge
+      limits_s = [] if beside_first is None else [beside_first]
+      if land_by is not None:  # the step (all planned in it so far) ends before those land
+        limits_s.append(cake_joint.seconds_left_in_step(
+            land_by - now_s, [(c.start, c.num_tokens) for c in prefills]
+            + [(d.position, 1) for d in decodes], self.cost_model))
       offer = budget
-      for limit_s in (land_by - now_s if land_by is not None else None, beside_first):
-        if limit_s is not None:
-          offer = min(offer, cake_joint.tokens_until(
-              limit_s, m.frontier, self._plan_sizes, self.cost_model.predict_compute_s))
+      for limit_s in limits_s:
+        offer = min(offer, cake_joint.tokens_until(
+            limit_s, m.frontier, self._plan_sizes, self.cost_model.predict_compute_s))
       budget -= offer - self._plan_cake(r, offer, now_s, prefills)
       if link_free and beside_first is None and r.status is RequestStatus.DECODING:
         beside_first = cake_joint.beside_first_token_s(behind, self.cost_model)

@@ -66,6 +66,16 @@ class SplitAtTest(absltest.TestCase):
     self.assertEqual(cake_joint.tokens_until(2.5, 0, (16, 32, 64), f), 32)
     self.assertEqual(cake_joint.tokens_until(0.5, 0, (16, 32, 64), f), 0)
 
+  def test_the_step_so_far_counts_one_fixed_cost(self):
+    # 1 s a step and 1/1600 s a token: 16 tokens and a decode take 1.0106 s together; a new
+    # piece's own prediction may be 3 s less that, plus the fixed cost it counts again.
+    gpu = CostModel(compute_prior=(1.0, 1 / 1600, 0.0), learn=False, bandwidth_bytes_per_s=1e-3)
+    self.assertEqual(cake_joint.planned_step_s([], gpu), 0.0)
+    self.assertAlmostEqual(cake_joint.planned_step_s([(0, 16), (32, 1)], gpu), 1.010625)
+    self.assertAlmostEqual(cake_joint.seconds_left_in_step(3.0, [(0, 16), (32, 1)], gpu),
+                           2.989375)
+    self.assertEqual(cake_joint.seconds_left_in_step(3.0, [], gpu), 3.0)
+
 
 class JointPlanTest(absltest.TestCase):
 
@@ -149,11 +159,12 @@ class SchedulerJointTest(absltest.TestCase):
   def test_beside_a_first_token_only_what_costs_less_than_a_step(self):
     # The same two restores on a machine whose step time is mostly fixed (1 s a step, 1/1600 s
     # a token, an accelerator at small batches): x's piece beside y's last one costs y's first
-    # token 0.01 s and saves x a step (1 s), so x fills the rest of y's last step. The same
-    # with no fixed cost: nothing beside it (the test above).
+    # token 0.01 s and saves x most of a step (1 s less the piece's own 0.01 s), so x fills the
+    # rest of y's last step. The same with no fixed cost: nothing beside it (the test above).
+    # A piece may take x <= a * behind / (behind + 1) beyond its own fixed cost a.
     gpu = CostModel(compute_prior=(1.0, 1 / 1600, 0.0), learn=False, bandwidth_bytes_per_s=1e-3)
-    self.assertEqual(cake_joint.beside_first_token_s(1, gpu), 2.0)
-    self.assertEqual(cake_joint.beside_first_token_s(3, gpu), 4.0)
+    self.assertEqual(cake_joint.beside_first_token_s(1, gpu), 1.5)
+    self.assertEqual(cake_joint.beside_first_token_s(3, gpu), 1.75)
     self.assertEqual(cake_joint.beside_first_token_s(3, model(1e-3)), 0.0)
     s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)), gpu,
                   load_config=LoadConfig(joint_planning=True))
@@ -161,6 +172,25 @@ class SchedulerJointTest(absltest.TestCase):
     s.add_request(req("y", 40), stored([T, T]))
     self.assertEqual([prefills(p) for p in plan_steps(s, 2, land_loads=False)][0],
                      [("y", 0, 32), ("y", 32, 8), ("x", 0, 16)])
+
+  def test_the_steps_of_the_request_ahead_end_when_it_needs_them(self):
+    # x: 2 stored chunks and a 9-token suffix; y: 6 stored chunks and a 1-token suffix; a
+    # chunk loads in 1 s and computes in 1 s, no fixed cost per step. Step 0: x computes
+    # chunk 0 while chunk 1 loads (lands at 1 s): y adds nothing, for the step must end by
+    # then (y's chunk 0 beside it would end it at 2 s and hold x's suffix a step). Step 1:
+    # x's prefix is all present, its suffix is planned among the prefills and samples x's
+    # first token: y adds nothing beside it (each token would delay that first token and save
+    # y no step's fixed cost). Planned before these rules, y took 16 tokens in both steps.
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)),
+                  model(100.0), load_config=LoadConfig(joint_planning=True))
+    s.add_request(req("x", 41), stored([T, T]))
+    s.add_request(req("y", 97), stored([T] * 6))
+    self.assertEqual([(prefills(p), [(ld.request_id, ld.index) for ld in p.loads])
+                      for p in plan_steps(s, 4)],
+                     [([("x", 0, 16)], [("x", 1), ("y", 5), ("y", 4), ("y", 3), ("y", 2)]),
+                      ([("x", 32, 9)], [("y", 1)]),
+                      ([], [("y", 0)]),
+                      ([("y", 96, 1)], [])])
 
   def test_loads_of_the_request_behind_wait_for_the_link(self):
     # Two identical restores; a chunk loads in 0.5 s and computes in 1 s, a step takes 1 s, so

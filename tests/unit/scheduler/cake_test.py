@@ -523,15 +523,25 @@ class SchedulerCakeTest(absltest.TestCase):
                                     [("x", 64, 2), ("a", 192, 8)]])
 
   def test_two_hits_tails_in_one_short_step_do_not_split_each_other(self):
-    s = Scheduler(SchedulerConfig(num_slots=3, token_budget=64, chunk_sizes=(16, 32, 64)), FAST)
-    s.add_request(req("a", 200))
-    s.add_request(req("x", 66), stored([T] * 4, MIB))  # 2 new tokens
-    s.add_request(req("y", 84), stored([T] * 4, MIB))  # 20 new tokens
-    # Step 1: x's 2 end its prompt, so the longer prefills after it take 16 at most; y's 20 are
-    # within twice that (32): y is short too and goes whole; a takes 16.
-    self.assertEqual(self.plan_steps(s, 2), [[("a", 0, 64)],
-                                             [("x", 64, 2), ("y", 64, 16), ("y", 80, 4),
-                                              ("a", 64, 16)]])
+    plans = {}
+    for joint in (False, True):
+      s = Scheduler(SchedulerConfig(num_slots=3, token_budget=64, chunk_sizes=(16, 32, 64)),
+                    FAST, load_config=LoadConfig(joint_planning=joint))
+      s.add_request(req("a", 200))
+      s.add_request(req("x", 66), stored([T] * 4, MIB))  # 2 new tokens
+      s.add_request(req("y", 84), stored([T] * 4, MIB))  # 20 new tokens
+      plans[joint] = self.plan_steps(s, 3)
+    # Planned alone, step 1: x's 2 end its prompt, so the longer prefills after it take 16 at
+    # most; y's 20 are within twice that (32): y is short too and goes whole; a takes 16.
+    self.assertEqual(plans[False], [[("a", 0, 64)],
+                                    [("x", 64, 2), ("y", 64, 16), ("y", 80, 4), ("a", 64, 16)],
+                                    [("a", 80, 32), ("a", 112, 16)]])
+    # Jointly (the default), y is a merge behind x's first token: with no fixed cost per step,
+    # each of its tokens there would delay that token and save y nothing
+    # (`cake_joint.beside_first_token_s`), so its tail goes whole in the next step.
+    self.assertEqual(plans[True], [[("a", 0, 64)],
+                                   [("x", 64, 2), ("a", 64, 16)],
+                                   [("y", 64, 16), ("y", 80, 4), ("a", 80, 16)]])
 
   def test_no_short_step_for_a_hit_with_more_left_than_the_cold_prefill_or_slow_loads(self):
     for x_tokens, cost in ((400, model(160)), (66, SLOW)):
