@@ -41,6 +41,10 @@ class PagedEngineHitTest(unit.PagedEngineHitUnitTest):
   def poison_blocks(self, runner, blocks):
     poison_pool(runner, blocks)
 
+  @pytest.mark.slow  # 34 s of the default suite's budget; the fake runs it there
+  def test_device_store_and_cold_agree_at_block_and_chunk_edges(self):
+    super().test_device_store_and_cold_agree_at_block_and_chunk_edges()
+
   @pytest.mark.slow  # 17 s of the default suite's budget; the fake runs it there
   def test_a_chunk_partly_served_from_device_blocks_is_saved_too(self):
     super().test_a_chunk_partly_served_from_device_blocks_is_saved_too()
