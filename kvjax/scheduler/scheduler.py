@@ -50,6 +50,7 @@ import collections
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 
 from kvjax._typing import RequestId
 from kvjax.block_hash import blocks_per_chunk
@@ -377,10 +378,8 @@ class Scheduler:
           left, admitting = self._admit(r, offer, prefills, admitted)
       elif r.request_id in self.running and r.status is RequestStatus.PREFILLING:
         if r.request_id in self._prefix:
-          m = self._prefix[r.request_id].merge
           if beside_first is not None:
-            offer = min(offer, cake_joint.tokens_until(
-                beside_first, m.frontier, self._plan_sizes, self.cost_model.predict_compute_s))
+            offer = self._offer_within(r, offer, (beside_first,))
           left = self._plan_cake(r, offer, now_s, prefills)
           if (beside_first is None and self.load_config.joint_planning
               and r.status is RequestStatus.DECODING):
@@ -432,10 +431,7 @@ class Scheduler:
         limits_s.append(cake_joint.seconds_left_in_step(
             land_by - now_s, [(c.start, c.num_tokens) for c in prefills]
             + [(d.position, 1) for d in decodes], self.cost_model))
-      offer = budget
-      for limit_s in limits_s:
-        offer = min(offer, cake_joint.tokens_until(
-            limit_s, m.frontier, self._plan_sizes, self.cost_model.predict_compute_s))
+      offer = self._offer_within(r, budget, limits_s)
       budget -= offer - self._plan_cake(r, offer, now_s, prefills)
       if link_free and beside_first is None and r.status is RequestStatus.DECODING:
         beside_first = cake_joint.beside_first_token_s(behind, self.cost_model)
@@ -710,6 +706,15 @@ class Scheduler:
     for e in entries:
       self._prefix[e.request_id].merge.set_backlog(e.compute_free_s, e.link_free_s)
     return [by_id[e.request_id] for e in entries], {e.request_id: e.link_free_s for e in entries}
+
+  def _offer_within(self, r: Request, offer: int, limits_s: Sequence[float]) -> int:
+    """`offer` cut to the largest compiled size whose compute at `r`'s merge frontier fits
+    every limit (seconds; joint planning, `cake_joint.tokens_until`)."""
+    m = self._prefix[r.request_id].merge
+    for limit_s in limits_s:
+      offer = min(offer, cake_joint.tokens_until(limit_s, m.frontier, self._plan_sizes,
+                                                 self.cost_model.predict_compute_s))
+    return offer
 
   def _plan_cake(self, r: Request, budget: int, now_s: float, out: list[PrefillChunk]) -> int:
     """Appends the compute steps of `r`'s merge that the budget (and the long-prefill
