@@ -78,9 +78,11 @@ class Loader:
                  max_in_flight: int = 2, layer_start: int = 0) -> None:
     """Queues a background load of prompt chunk `index`; its `LoadReport` comes from `landed()`.
 
-    Loads run in the order they were queued, each request's `max_in_flight` at a time, and the
-    next starts the moment one lands (on the store's event loop, not at the engine's next step),
-    while the staged and reading bytes stay within `staging_bytes`. The read, verification and
+    Loads of one tier run in the order they were queued (the scheduler queues them in its
+    priority order: a request's reads never pass those of a request queued before it on the
+    same link), each request's `max_in_flight` at a time, and the next starts the moment one
+    lands (on the store's event loop, not at the engine's next step), while the staged and
+    reading bytes stay within `staging_bytes`. The read, verification and
     entropy decoding run on the event loop (tensorstore async reads; the link and byte limiters
     bound them). Never blocks the caller.
 
@@ -105,9 +107,11 @@ class Loader:
           prompt_ids[index * c:index * c + tail.num_tokens], c)
     else:
       key, tokens = lookup.hashes[index], tuple(prompt_ids[index * c:(index + 1) * c])
+    tier = tail.tier if tail is not None and index == tail.index else (
+        lookup.present[index] if index < len(lookup.present) else None)
     item = Pending(request_id, index, key, tokens, lookup.namespace, choose,
                     int(nbytes) or self._scheme.layout.nbytes, max(1, int(max_in_flight)),
-                    layer_start=int(layer_start))
+                    layer_start=int(layer_start), tier=tier)
     with self._lock:
       self._queue.append(item)
     self._pump()
@@ -115,14 +119,19 @@ class Loader:
   def _pump(self) -> None:
     """Starts queued reads in order while per-request concurrency and the staging budget allow.
 
-    A request's read waits only for its own earlier reads (per-request order); the byte budget
+    A read waits for the earlier reads of its request and for those of its tier queued before
+    it: a tier's link serves the requests in the order their loads were queued, where letting a
+    later request's reads start beside a waiting one would split the link's bandwidth between
+    them and delay both. A read of another tier passes (its link is another). The byte budget
     never blocks the first read (no deadlock when one chunk exceeds it).
     """
     with self._lock:
       reading_of = collections.Counter(k[0] for k in self._reading)
       held = self._stats.staged_bytes + sum(p.nbytes for p in self._reading.values())
+      waiting_tiers: set[str | None] = set()  # a read of these waits in the queue
       for item in list(self._queue):
-        if reading_of[item.request_id] >= item.max_in_flight:
+        if item.tier in waiting_tiers or reading_of[item.request_id] >= item.max_in_flight:
+          waiting_tiers.add(item.tier)
           continue
         if held and held + item.nbytes > self.staging_bytes:
           break

@@ -192,6 +192,7 @@ class Pending:
   future: Any = None
   started_s: float = 0.0
   layer_start: int = 0  # k > 0: read layers [k, L) only
+  tier: str | None = None  # the tier its lookup found it in: reads of one tier keep queue order
 
 
 @dataclasses.dataclass

@@ -209,6 +209,28 @@ class LoaderTest(absltest.TestCase):
     self.assertEqual(self.client.loader_stats.started, 2)
     self.assertGreater(min(r.link_s for r in got if r.ok), 0)
 
+  def test_a_later_request_waits_for_the_queued_loads_of_one_before_it(self):
+    # Both requests read the same tier: the link serves them in the order the scheduler
+    # queued their loads, never splitting its bandwidth between "r" and "s" while "r" waits.
+    lookup = self.client.lookup(self.prompt, None)
+    for i in (2, 1):
+      self.client.start_load("r", i, lookup, self.prompt, max_in_flight=1)
+    self.client.start_load("s", 0, lookup, self.prompt, max_in_flight=1)
+    stats = self.client.loader_stats
+    self.assertEqual((stats.in_flight, stats.queued), (1, 2))  # "s" waits behind r's chunk 1
+    self.store.gates[self.hashes[2]].set()
+    self.assertEqual([(r.request_id, r.index) for r in self.client.landed(wait_s=30)],
+                     [("r", 2)])
+    stats = self.client.loader_stats  # r's chunk 1 has started: "s" starts beside it
+    self.assertEqual((stats.started, stats.in_flight, stats.queued), (3, 2, 0))
+    for i in (1, 0):
+      self.store.gates[self.hashes[i]].set()
+    got = []
+    while len(got) < 2:
+      got += self.client.landed(wait_s=30)
+    self.assertEqual(sorted((r.request_id, r.index, r.ok) for r in got),
+                     [("r", 1, True), ("s", 0, True)])
+
   def test_cancel_drops_queued_reading_and_staged_loads(self):
     lookup = self.client.lookup(self.prompt, None)
     for i in (2, 1, 0):
