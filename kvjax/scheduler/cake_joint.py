@@ -25,12 +25,13 @@ both resources in one order, and each merge is told when they are free for it:
                serves the requests in order instead of splitting its bandwidth
     compute    the budget left to merges goes in priority order; while a merge has loads to
                come, those behind it add only what keeps the step (everything planned in it
-               so far, `seconds_left_in_step`) ending before those loads are predicted to
-               land (`tokens_until`), so its next piece is not held up behind their long step;
-               in a step where a merge samples its first token (its last piece here, or
-               its suffix among the step's prefills once its prefix is all present), those
-               behind it add only what costs that token less than the step they would
-               otherwise need (`beside_first_token_s`)
+               so far, priced as the runner runs it: padded to its compiled bucket,
+               `step_s`) ending before those loads are predicted to land, so its next piece
+               is not held up behind their long step; in a step where a merge samples its
+               first token (its last piece here, or its suffix among the step's prefills
+               once its prefix is all present), those behind it add only what costs that
+               token less than the step they would otherwise need (`added_s`,
+               `beside_first_token_s`): the bucket's free room, not a bucket more
 
 Plain functions over the merges' plain answers (`CakeMerge.outlook`); the `Scheduler`
 (`kvjax/scheduler/scheduler.py`) owns the merges, calls `plan` once a step and applies it.
@@ -40,6 +41,7 @@ contention in the same spirit; this is a greedy list schedule, not its solver.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -107,60 +109,78 @@ def plan(restoring: Sequence[tuple[RequestId, float, CakeMerge]], now_s: float,
 
 
 def beside_first_token_s(behind: int, cost: CostModel) -> float:
-  """How long a compute piece of a merge behind may take in a step where a merge ahead
+  """How much a compute piece of a merge behind may add to a step in which a merge ahead
   finishes its prompt (it samples its first token at the step's end), in seconds.
 
-  A piece whose marginal compute is `x` delays that first token by `x` when it joins the step.
-  Run in a step of its own instead, it takes at least the step's floor `a` (the fixed cost
+  A piece that adds `x` to the step (`added_s`: its tokens, its attention, and any bucket the
+  step grows into) delays that first token by `x` when it joins. Run in a step of its own
+  instead, it takes at least the step's floor `a` (the fixed cost
   `CostModel.compute_coefficients[0]`) and at least `x` (a roofline: the fixed cost overlaps
   the tokens' compute, and the cost model's `a + b n` is a line fitted through it). So the own
-  step costs each of the `behind` merges `max(0, a - x)` more than joining, and the
-  piece joins only while `x <= behind * (a - x)`, that is `x <= a * behind / (behind + 1)`: a
-  piece's whole prediction (its own `a` included) at most `a * (2 behind + 1) / (behind + 1)`.
-  Little on a machine whose step time grows with its tokens (a CPU: a few dozen tokens), most
-  of a step where a step's time is mostly fixed (an accelerator at small batches).
+  step costs each of the `behind` merges `max(0, a - x)` more than joining, and the piece
+  joins only while `x <= behind * (a - x)`, that is `x <= a * behind / (behind + 1)`. Little
+  on a machine whose step time grows with its tokens (a CPU: a few dozen tokens, or the free
+  room of the step's padded bucket), most of a step where a step's time is mostly fixed (an
+  accelerator at small batches).
 
   Args:
     behind: merges that still prefill behind the one that finishes (>= 0).
     cost: the engine's cost model.
   """
   a = cost.compute_coefficients[0]
-  return a * (2 * behind + 1) / (behind + 1)
+  return a * behind / (behind + 1)
 
 
-def planned_step_s(pieces: Sequence[tuple[int, int]], cost: CostModel) -> float:
+def padded_tokens(tokens: int, buckets: Sequence[int]) -> int:
+  """The tokens a step of `tokens` tokens runs: the smallest of `buckets` (the runner's
+  compiled token counts, ascending) that holds them; `tokens` itself past the largest or with
+  no buckets."""
+  i = bisect.bisect_left(buckets, tokens)
+  return buckets[i] if i < len(buckets) else tokens
+
+
+def step_s(pieces: Sequence[tuple[int, int]], cost: CostModel,
+           buckets: Sequence[int] = ()) -> float:
   """The predicted seconds of a step holding `pieces` ((start, tokens) each: the prefill chunks
-  and decodes planned so far), 0 for none: one step's fixed cost `a` and each piece's marginal
-  compute (its prediction less `a`)."""
-  if not pieces:
-    return 0.0
-  a = cost.compute_coefficients[0]
-  return a + sum(max(0.0, cost.predict_compute_s(s, n) - a) for s, n in pieces)
-
-
-def seconds_left_in_step(until_s: float, pieces: Sequence[tuple[int, int]],
-                         cost: CostModel) -> float:
-  """How long a new piece's own prediction (its `a` included) may be so that a step already
-  holding `pieces` still ends within `until_s` seconds (`planned_step_s`): `until_s` for an
-  empty step, else `until_s` less the step's time so far plus the one fixed cost the piece's
-  prediction counts again."""
-  if not pieces:
-    return until_s
-  return until_s - planned_step_s(pieces, cost) + cost.compute_coefficients[0]
-
-
-def tokens_until(seconds: float, start: int, plan_sizes: Sequence[int],
-                 predict_compute_s: Callable[[int, int], float]) -> int:
-  """The largest compiled size whose compute at `start` fits in `seconds` (0 when none does):
-  what a merge behind one waiting for its loads may compute in this step.
+  and decodes planned in it), 0 for none, as the runner runs it: one fixed cost `a`, `b` per
+  token of the step padded to its bucket (`padded_tokens`: the padding runs the same matmuls),
+  and each piece's attention over the positions before it (the cost model's
+  `a + b n + c n m`, `CostModel`).
 
   Args:
-    seconds: time until the loads ahead are predicted to land.
-    start: the merge's compute frontier (costs the step).
-    plan_sizes: the compiled sizes, ascending.
-    predict_compute_s: the cost model's `(start, tokens) -> seconds`.
+    pieces: (start position, tokens) per prefill chunk or decode.
+    cost: the engine's cost model.
+    buckets: the runner's compiled step token counts, ascending (`SchedulerConfig.step_buckets`;
+      (): a step runs its tokens).
   """
-  for n in reversed(plan_sizes):  # compute grows with tokens: the first that fits is the largest
-    if predict_compute_s(start, n) <= seconds:
+  if not pieces:
+    return 0.0
+  a, b, c = cost.compute_coefficients
+  tokens = sum(n for _, n in pieces)
+  return (a + b * padded_tokens(tokens, buckets)
+          + c * sum(n * (s + (n - 1) / 2) for s, n in pieces))
+
+
+def added_s(pieces: Sequence[tuple[int, int]], start: int, num_tokens: int, cost: CostModel,
+            buckets: Sequence[int] = ()) -> float:
+  """What a piece of `num_tokens` tokens at `start` adds to a step holding `pieces` (`step_s`),
+  in seconds: its attention, its tokens, and the bucket the step grows into; next to nothing
+  where it fills padding the step runs anyway; its whole step (the fixed cost too) when the
+  step is empty."""
+  return (step_s([*pieces, (start, num_tokens)], cost, buckets)
+          - step_s(pieces, cost, buckets))
+
+
+def largest_fitting(offer: int, plan_sizes: Sequence[int], fits: Callable[[int], bool]) -> int:
+  """The largest piece a merge may be offered: `offer` itself or the largest compiled size
+  below it for which `fits(tokens)` holds (it grows with the tokens), 0 when none does.
+
+  Args:
+    offer: the tokens the step could give it.
+    plan_sizes: the compiled sizes, ascending.
+    fits: whether a piece of that many tokens keeps the step within its limits.
+  """
+  for n in [offer, *(s for s in reversed(plan_sizes) if s < offer)]:
+    if n > 0 and fits(n):
       return n
   return 0

@@ -35,10 +35,13 @@ class SchedulerConfig:
     enable_prefix_caching: keep finished requests' full blocks on the device and share them
       with later requests of the same prefix (namespace and `cache_salt`; the scheduler's
       `KVCacheManager`): True (default).
+    step_buckets: the runner's compiled step token counts, ascending (`Runner.buckets`): a
+      step runs padded to the smallest that holds its tokens, and the joint Cake rules price
+      it so (`kvjax/scheduler/cake_joint.py`); () (default): a step runs its tokens.
 
   Raises:
-    ValueError: non-positive slots or budget, unsorted sizes, a budget or threshold below the
-      smallest size, or an unknown `prefill_order`.
+    ValueError: non-positive slots or budget, unsorted sizes or buckets, a budget or threshold
+      below the smallest size, or an unknown `prefill_order`.
   """
 
   num_slots: int = 4
@@ -48,8 +51,13 @@ class SchedulerConfig:
   prefill_order: str = SHORTEST_FIRST
   short_first_token_steps: bool = True
   enable_prefix_caching: bool = True
+  step_buckets: tuple[int, ...] = ()
 
   def __post_init__(self):
+    b = self.step_buckets
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in b) or list(b) != sorted(
+        set(b)) or (b and b[0] < 1):
+      raise ValueError(f"step_buckets={b!r} must be ascending distinct ints >= 1")
     if not isinstance(self.enable_prefix_caching, bool):
       raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
     if not isinstance(self.short_first_token_steps, bool):

@@ -379,7 +379,8 @@ class Scheduler:
       elif r.request_id in self.running and r.status is RequestStatus.PREFILLING:
         if r.request_id in self._prefix:
           if beside_first is not None:
-            offer = self._offer_within(r, offer, (beside_first,))
+            offer = self._offer_within(r, offer, self._step_pieces(prefills, decodes),
+                                       beside_s=beside_first)
           left = self._plan_cake(r, offer, now_s, prefills)
           if (beside_first is None and self.load_config.joint_planning
               and r.status is RequestStatus.DECODING):
@@ -426,12 +427,10 @@ class Scheduler:
         continue
       behind -= 1
       m = self._prefix[r.request_id].merge
-      limits_s = [] if beside_first is None else [beside_first]
-      if land_by is not None:  # the step (all planned in it so far) ends before those land
-        limits_s.append(cake_joint.seconds_left_in_step(
-            land_by - now_s, [(c.start, c.num_tokens) for c in prefills]
-            + [(d.position, 1) for d in decodes], self.cost_model))
-      offer = self._offer_within(r, budget, limits_s)
+      # The step (all planned in it so far) ends before those land.
+      offer = self._offer_within(r, budget, self._step_pieces(prefills, decodes),
+                                 beside_s=beside_first,
+                                 until_s=None if land_by is None else land_by - now_s)
       budget -= offer - self._plan_cake(r, offer, now_s, prefills)
       if link_free and beside_first is None and r.status is RequestStatus.DECODING:
         beside_first = cake_joint.beside_first_token_s(behind, self.cost_model)
@@ -707,14 +706,30 @@ class Scheduler:
       self._prefix[e.request_id].merge.set_backlog(e.compute_free_s, e.link_free_s)
     return [by_id[e.request_id] for e in entries], {e.request_id: e.link_free_s for e in entries}
 
-  def _offer_within(self, r: Request, offer: int, limits_s: Sequence[float]) -> int:
-    """`offer` cut to the largest compiled size whose compute at `r`'s merge frontier fits
-    every limit (seconds; joint planning, `cake_joint.tokens_until`)."""
-    m = self._prefix[r.request_id].merge
-    for limit_s in limits_s:
-      offer = min(offer, cake_joint.tokens_until(limit_s, m.frontier, self._plan_sizes,
-                                                 self.cost_model.predict_compute_s))
-    return offer
+  @staticmethod
+  def _step_pieces(prefills: Sequence[PrefillChunk], decodes: Sequence[DecodeItem]
+                   ) -> list[tuple[int, int]]:
+    """(start, tokens) of every prefill chunk and decode planned in the step so far."""
+    return [(c.start, c.num_tokens) for c in prefills] + [(d.position, 1) for d in decodes]
+
+  def _offer_within(self, r: Request, offer: int, pieces: Sequence[tuple[int, int]], *,
+                    beside_s: float | None = None, until_s: float | None = None) -> int:
+    """`offer`, or the largest compiled size below it, whose piece at `r`'s merge frontier
+    keeps the step holding `pieces` within the joint limits (`cake_joint.largest_fitting`;
+    each priced as the runner pads the step, `SchedulerConfig.step_buckets`): it adds at
+    most `beside_s` seconds (a first token in the step), and the whole step takes at most
+    `until_s` (the landing it must end before). No limit: `offer`."""
+    if beside_s is None and until_s is None:
+      return offer
+    p, cost, buckets = self._prefix[r.request_id].merge.frontier, self.cost_model, (
+        self.config.step_buckets)
+
+    def fits(n: int) -> bool:
+      if beside_s is not None and cake_joint.added_s(pieces, p, n, cost, buckets) > beside_s:
+        return False
+      return until_s is None or cake_joint.step_s([*pieces, (p, n)], cost, buckets) <= until_s
+
+    return cake_joint.largest_fitting(offer, self._plan_sizes, fits)
 
   def _plan_cake(self, r: Request, budget: int, now_s: float, out: list[PrefillChunk]) -> int:
     """Appends the compute steps of `r`'s merge that the budget (and the long-prefill

@@ -61,20 +61,28 @@ class SplitAtTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "one of each per unit"):
       cake_forecast.split_at([1, 1], [0.5], 0.0, 0.0, 0.0)
 
-  def test_tokens_until(self):
+  def test_largest_fitting(self):
     f = COST.predict_compute_s  # 1/16 s a token
-    self.assertEqual(cake_joint.tokens_until(2.5, 0, (16, 32, 64), f), 32)
-    self.assertEqual(cake_joint.tokens_until(0.5, 0, (16, 32, 64), f), 0)
+    fits = lambda n: f(0, n) <= 2.5  # noqa: E731
+    self.assertEqual(cake_joint.largest_fitting(64, (16, 32, 64), fits), 32)
+    self.assertEqual(cake_joint.largest_fitting(40, (16, 32, 64), fits), 40)  # the offer itself
+    self.assertEqual(cake_joint.largest_fitting(64, (16, 32, 64), lambda n: f(0, n) <= 0.5), 0)
 
-  def test_the_step_so_far_counts_one_fixed_cost(self):
-    # 1 s a step and 1/1600 s a token: 16 tokens and a decode take 1.0106 s together; a new
-    # piece's own prediction may be 3 s less that, plus the fixed cost it counts again.
+  def test_a_step_is_priced_padded_to_its_bucket(self):
+    # 1 s a step and 1/1600 s a token: 16 tokens and a decode take 1.010625 s as 17 tokens,
+    # 1.02 s padded to a bucket of 32. A 15-token piece beside them fills the padding: it adds
+    # only... nothing (no attention term); a 16th token grows the step into the bucket of 64.
     gpu = CostModel(compute_prior=(1.0, 1 / 1600, 0.0), learn=False, bandwidth_bytes_per_s=1e-3)
-    self.assertEqual(cake_joint.planned_step_s([], gpu), 0.0)
-    self.assertAlmostEqual(cake_joint.planned_step_s([(0, 16), (32, 1)], gpu), 1.010625)
-    self.assertAlmostEqual(cake_joint.seconds_left_in_step(3.0, [(0, 16), (32, 1)], gpu),
-                           2.989375)
-    self.assertEqual(cake_joint.seconds_left_in_step(3.0, [], gpu), 3.0)
+    pieces = [(0, 16), (32, 1)]
+    self.assertEqual(cake_joint.step_s([], gpu), 0.0)
+    self.assertAlmostEqual(cake_joint.step_s(pieces, gpu), 1.010625)
+    self.assertAlmostEqual(cake_joint.step_s(pieces, gpu, (8, 16, 32, 64)), 1.02)
+    self.assertAlmostEqual(cake_joint.added_s(pieces, 64, 15, gpu, (8, 16, 32, 64)), 0.0)
+    self.assertAlmostEqual(cake_joint.added_s(pieces, 64, 16, gpu, (8, 16, 32, 64)), 0.02)
+    self.assertAlmostEqual(cake_joint.added_s(pieces, 64, 16, gpu), 0.01)
+    self.assertAlmostEqual(cake_joint.added_s([], 64, 16, gpu, (8, 16, 32, 64)), 1.01)
+    self.assertEqual([cake_joint.padded_tokens(n, (8, 16, 512)) for n in (1, 9, 16, 17, 600)],
+                     [8, 16, 16, 512, 600])
 
 
 class JointPlanTest(absltest.TestCase):
@@ -161,10 +169,10 @@ class SchedulerJointTest(absltest.TestCase):
     # a token, an accelerator at small batches): x's piece beside y's last one costs y's first
     # token 0.01 s and saves x most of a step (1 s less the piece's own 0.01 s), so x fills the
     # rest of y's last step. The same with no fixed cost: nothing beside it (the test above).
-    # A piece may take x <= a * behind / (behind + 1) beyond its own fixed cost a.
+    # A piece may add x <= a * behind / (behind + 1) to the step.
     gpu = CostModel(compute_prior=(1.0, 1 / 1600, 0.0), learn=False, bandwidth_bytes_per_s=1e-3)
-    self.assertEqual(cake_joint.beside_first_token_s(1, gpu), 1.5)
-    self.assertEqual(cake_joint.beside_first_token_s(3, gpu), 1.75)
+    self.assertEqual(cake_joint.beside_first_token_s(1, gpu), 0.5)
+    self.assertEqual(cake_joint.beside_first_token_s(3, gpu), 0.75)
     self.assertEqual(cake_joint.beside_first_token_s(3, model(1e-3)), 0.0)
     s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)), gpu,
                   load_config=LoadConfig(joint_planning=True))
@@ -172,6 +180,25 @@ class SchedulerJointTest(absltest.TestCase):
     s.add_request(req("y", 40), stored([T, T]))
     self.assertEqual([prefills(p) for p in plan_steps(s, 2, land_loads=False)][0],
                      [("y", 0, 32), ("y", 32, 8), ("x", 0, 16)])
+
+  def test_beside_a_first_token_the_free_room_of_its_bucket(self):
+    # 0.12 s a step and 1/160 s a token: beside y's last step (40 tokens) a piece may add
+    # 0.06 s (behind = 1). Priced at its tokens, x's 16 add 0.1 s: x gets 8 (0.05 s), which
+    # touch its chunk 0, so it owes the chunk's other 8 later anyway. The runner pads the step
+    # to a bucket of 64 tokens: x's 24 fill padding it runs anyway (0 s more), its chunk 0 and
+    # half of chunk 1 (its loads never help here); 32 would grow the step past the bucket.
+    cpu = CostModel(compute_prior=(0.12, 1 / 160, 0.0), learn=False, bandwidth_bytes_per_s=1e-3)
+    got = {}
+    for buckets in ((), (8, 16, 32, 64)):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(8, 16, 32, 64),
+                                    step_buckets=buckets),
+                    cpu, load_config=LoadConfig(joint_planning=True))
+      s.add_request(req("x", 100), stored([F, T, T, T, T, T]))
+      s.add_request(req("y", 40), stored([T, T]))
+      got[buckets] = prefills(plan_steps(s, 1, land_loads=False)[0])
+    self.assertEqual(got[()], [("y", 0, 32), ("y", 32, 8), ("x", 0, 8)])
+    self.assertEqual(got[(8, 16, 32, 64)],
+                     [("y", 0, 32), ("y", 32, 8), ("x", 0, 16), ("x", 16, 8)])
 
   def test_the_steps_of_the_request_ahead_end_when_it_needs_them(self):
     # x: 2 stored chunks and a 9-token suffix; y: 6 stored chunks and a 1-token suffix; a
