@@ -96,8 +96,10 @@ class LoadItem:
   """Fetch stored chunk `index` of a request in the background (read, verify, decode on the host,
   stage). Loads need no slot and cost no compute budget (Cake, arXiv 2410.03065, section 3).
 
-  The executor keeps them in plan order: a request's loads run `max_in_flight` at a time and
-  the next starts the moment one lands, without waiting for a step boundary.
+  The executor keeps them in plan order: a tier's reads start in the order they were planned
+  (a request's never before those of a request planned ahead of it), a request's loads run
+  `max_in_flight` at a time, and the next starts the moment one lands, without waiting for a
+  step boundary.
 
   Attributes:
     request_id: the owner.

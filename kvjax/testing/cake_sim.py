@@ -212,8 +212,9 @@ class SimExecutor:
   """A fake executor: runs each plan on a fake clock and a scripted link (the `Executor`
   protocol of `kvjax.engine.core`). The real scheduler plans; this only moves time.
 
-  Loads run as the real store client runs them: in plan order, each request's
-  `LoadItem.max_in_flight` at a time, the next started the moment one lands; the link moves one
+  Loads run as the real store client runs them on one tier: in plan order (a read never
+  starts before one queued ahead of it), each request's `LoadItem.max_in_flight` at a time,
+  the next started the moment one lands; the link moves one
   transfer at a time and one host decoder follows. Landings during a step are reported at the
   step's end with their own times; inserts cost `costs.insert_s` each before the step.
   """
@@ -266,7 +267,7 @@ class SimExecutor:
     per_req: dict[str, int] = collections.Counter(k[0] for k in self.reading)
     for item in list(self.queue):
       if per_req[item.request_id] >= item.max_in_flight:
-        continue
+        break  # one tier: later reads keep the queue's order (`Loader._pump`)
       self.queue.remove(item)
       xs = max(now, self.link_free_s)
       xe = self.link.transfer_end_s(xs, item.nbytes)
