@@ -60,6 +60,7 @@ class PartialDepthTest(parameterized.TestCase):
 
   # Each case: groups (of L = 4 layers), each split piece's k, and whether the re-pack and the
   # outputs are numpy (the CPU backend's host outputs) or jax arrays (other platforms').
+  @pytest.mark.slow  # 11 s; the fake runner's exactness: tests/unit/engine/layer_split_unit_test.py
   def test_a_split_piece_runs_its_low_layers_only_two_groups_one_piece_jax(self):
     self.check_split_piece(2, (2,), False)
 

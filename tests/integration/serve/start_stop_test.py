@@ -130,6 +130,7 @@ class StartStopTest(absltest.TestCase):
     self.assert_clean_exit(server, code)
     self.assertIn("kvjax: stopping (writing pending KV saves)", server.output())
 
+  @pytest.mark.slow  # 12 s of decoding; SIGINT after a request: serve_main_test.py
   def test_sigint_during_streams_ends_them_with_an_error_event(self):
     # Twelve streams of 500 tokens, one running at a time (--max_num_seqs=1): about 6 s of
     # decoding for the tiny model, longer than uvicorn's 5 s graceful shutdown, which used to
