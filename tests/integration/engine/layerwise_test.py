@@ -31,6 +31,7 @@ class LayerGroupsTest(parameterized.TestCase):
       with self.assertRaises(ValueError):
         layer_groups(30, bad)
 
+  @pytest.mark.slow  # 9 s; the fake runner's groups: tests/unit/engine/layerwise_unit_test.py
   def test_split_step_equals_one_call(self):
     model = Llama.from_params(TINY.config, TINY.params)
     cfg = PagedRunnerConfig(num_blocks=64, block_size=B, chunk_sizes=CHUNKS,

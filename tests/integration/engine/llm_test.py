@@ -1,6 +1,7 @@
 """The offline API on the random tiny model: outputs against the oracle, batching, validation."""
 
 import numpy as np
+import pytest
 from absl.testing import absltest
 
 from kvjax import SamplingParams
@@ -56,6 +57,7 @@ class LLMTest(absltest.TestCase):
     alone = self.llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY)
     self.assertEqual(alone[0].token_ids, self.want[2])
 
+  @pytest.mark.slow  # 9 s on the tiny model; the default suite's budget
   def test_prefill_time_starts_at_admission_cold_and_hit(self):
     # One slot: the second and third requests wait in the queue until the one before finishes;
     # the third repeats the 130-token prompt, so all its tokens but the last are served from the device prefix cache.
@@ -75,6 +77,7 @@ class LLMTest(absltest.TestCase):
       self.assertGreaterEqual(after.metrics.ttft_s - after.metrics.prefill_s,
                               before.metrics.finished_s - after.metrics.arrival_s)
 
+  @pytest.mark.slow  # 9 s on the tiny model; the default suite's budget
   def test_one_chunk_size_gives_the_same_tokens(self):
     llm = real_llm("tiny", cache_dir="", max_num_seqs=1, chunk_sizes=(16,))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)

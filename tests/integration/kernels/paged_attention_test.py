@@ -198,6 +198,7 @@ class PagedAttentionTest(parameterized.TestCase):
     prefill_steps = 1 + 1 + 1 + 2 + 2
     self.assertEqual(int(n), decode_items + prefill_steps)
 
+  @pytest.mark.slow  # 9 s of compiles; the default suite's budget
   def test_reference_cost_follows_real_length(self):
     # Count kv loop iterations: each (sequence, query tile) runs cdiv(visible kv, step) of them,
     # whatever the pool size, the table width or the longest sequence in the batch.

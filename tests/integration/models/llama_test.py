@@ -183,6 +183,7 @@ class LlamaTest(parameterized.TestCase):
     np.testing.assert_array_equal(after[:, TABLES[1]], before[:, TABLES[1]])
     self.assertGreater(np.abs(after[:, TABLES[0][0], 0]).max(), 0.0)
 
+  @pytest.mark.slow  # 11 s; the whole-prompt case below too
   def test_bfloat16_close_to_f32(self):
     # 40 tokens in steps of 16 one-token entries (one compiled size), across pool blocks.
     runner = make_runner(dtype=jnp.bfloat16)
@@ -197,6 +198,7 @@ class LlamaTest(parameterized.TestCase):
     self.assertEqual(runner.pool.k_LPBF.dtype, jnp.bfloat16)
     np.testing.assert_allclose(logits, self.want_logits, atol=ATOL["bfloat16"])
 
+  @pytest.mark.slow  # 12 s; LLaMA-3 rope scaling: families_test's llama case (slow) too
   def test_untied_head_and_llama3_rope(self):
     cfg = config.tiny(tie_embeddings=False, rope_scaling=config.RopeScaling(
         factor=8.0, original_max_position=64), rope_theta=500000.0)
