@@ -158,9 +158,8 @@ class Engine:
         scheduler_config.token_budget > runner.config.max_num_batched_tokens):
       raise ValueError("scheduler slots and chunk sizes must match the runner's, and its token "
                        f"budget fit it: {scheduler_config} vs {runner.config}")
-    if not scheduler_config.step_buckets:  # the joint rules price steps as the runner pads them
-      scheduler_config = dataclasses.replace(scheduler_config,
-                                             step_buckets=tuple(runner.buckets))
+    # The runner's: the joint rules price steps as the runner pads them.
+    scheduler_config = dataclasses.replace(scheduler_config, step_buckets=tuple(runner.buckets))
     self._fixed_encoding = (codecs.EncodingId(kv_store.codec, kv_store.codec_levels[0])
                             if consistent else None)
     if consistent and kv_store.key_encoding != str(self._fixed_encoding):

@@ -723,11 +723,13 @@ class Scheduler:
       return offer
     p, cost, buckets = self._prefix[r.request_id].merge.frontier, self.cost_model, (
         self.config.step_buckets)
+    base_s = cake_joint.step_s(pieces, cost, buckets)  # priced once, not per candidate
 
     def fits(n: int) -> bool:
-      if beside_s is not None and cake_joint.added_s(pieces, p, n, cost, buckets) > beside_s:
-        return False
-      return until_s is None or cake_joint.step_s([*pieces, (p, n)], cost, buckets) <= until_s
+      total_s = cake_joint.step_s([*pieces, (p, n)], cost, buckets)
+      # `cake_joint.added_s` is total_s - base_s.
+      return ((beside_s is None or total_s - base_s <= beside_s)
+              and (until_s is None or total_s <= until_s))
 
     return cake_joint.largest_fitting(offer, self._plan_sizes, fits)
 
