@@ -339,6 +339,7 @@ class Run:
   loadavg_1m: float
   ttft_per_request_s: list = dataclasses.field(default_factory=list)  # every long request's
   first_tokens: list = dataclasses.field(default_factory=list)        # their first token ids
+  meeting_points: list = dataclasses.field(default_factory=list)      # their merges' meetings
 
   @property
   def ttft_mean_s(self) -> float | None:
@@ -357,6 +358,7 @@ class Run:
             "insert_s": sum(t1 - t0 for t0, t1 in self.inserts), "num_steps": len(self.steps),
             "wall_s": self.wall_s, "cpu_cores": self.cpu_cores, "loadavg_1m": self.loadavg_1m,
             "ttft_per_request_s": self.ttft_per_request_s, "first_tokens": self.first_tokens,
+            "meeting_points": self.meeting_points,
             "prefill_calls": [[s, n, round(a, 4), round(b, 4)] for s, n, a, b in self.prefills],
             "landings": [[j, round(a, 4), round(b, 4), nb] for j, a, b, nb, _ in self.landings]}
 
@@ -496,7 +498,10 @@ class Bench:
         steps=[(a - t_arr, b - t_arr, p) for a, b, p in rec.steps],
         other_prefills=others, wall_s=wall, cpu_cores=share_of_cpu["cpu_share"], loadavg_1m=load1,
         ttft_per_request_s=[done[x].metrics.ttft_s if x in done else None for x in longs],
-        first_tokens=[done[x].token_ids[0] if x in done else None for x in longs])
+        first_tokens=[done[x].token_ids[0] if x in done else None for x in longs],
+        meeting_points=[done[x].metrics.merge.meeting_index
+                        if x in done and done[x].metrics.merge is not None else None
+                        for x in longs])
 
   def store(self, ids: list[int]) -> float:
     """Computes the prompt once with the store and flushes (Cake's setup); returns seconds."""
@@ -721,6 +726,7 @@ def grid_block(bench: Bench, prompts: list[list[int]], n: int, share: float, rat
                                     "cake": [x.ttft_per_request_s for x in kv_runs]},
         "meeting_index_first_request_reps": [(x.merge or {}).get("meeting_index")
                                              for x in kv_runs],
+        "meeting_points_reps": [x.meeting_points for x in kv_runs],
         "cpu_cores": {"compute_only": [round(x.cpu_cores, 3) for x in co_runs],
                       "load_only": [round(x.cpu_cores, 3) for x in lo_runs],
                       "cake": [round(x.cpu_cores, 3) for x in kv_runs]},

@@ -52,7 +52,7 @@ from kvjax.scheduler.config import LoadConfig, SchedulerConfig
 from kvjax.scheduler.cost_model import CostModel
 from kvjax.scheduler.kv_cache_manager import KVCacheEvents, KVCacheManager
 from kvjax.scheduler.output import (ComputeTiming, ForkItem, InsertItem, InsertTiming,
-                                    SchedulerOutput, StepResult)
+                                    SchedulerOutput, StepResult, StepTiming)
 from kvjax.scheduler.request import Request, SamplingParams, SamplingParamsError
 from kvjax.scheduler.scheduler import Scheduler
 
@@ -441,20 +441,25 @@ class Engine:
     sampled: list[tuple[RequestId, int]] = []
     finished: list[tuple[RequestId, str]] = []
     timings: list[ComputeTiming] = []
-    self._execute_ragged(plan, tables, sampled, finished, timings, layered, insert_timings)
+    step = self._execute_ragged(plan, tables, sampled, finished, timings, layered,
+                                insert_timings)
     reports = self._loads.landed() if kv is not None else []
     return StepResult(now_s=self._clock(), sampled=tuple(sampled), finished=tuple(finished),
                       loads=tuple(self._log_misses(reports)), compute=tuple(timings),
-                      inserts=tuple(insert_timings))
+                      inserts=tuple(insert_timings), step=step)
 
   def _execute_ragged(self, plan: SchedulerOutput, tables: dict, sampled: list, finished: list,
                       timings: list, layered: Sequence = (),
-                      insert_timings: list | None = None) -> None:
+                      insert_timings: list | None = None) -> StepTiming:
     """Every decode and prefill chunk of the plan in ONE jit call
     (`PagedModelRunner.step`), then sampling, metrics and saves per chunk. Each prefill chunk's
     `ComputeTiming` gets the step's seconds pro rata to its tokens. With `layered` inserts
     (layer-wise pre-loading) the step runs as `plan.layer_groups` layer-group calls instead
-    (`KVLoads.step_layerwise`)."""
+    (`KVLoads.step_layerwise`).
+
+    Returns:
+      The call's `StepTiming` (the cost model's observation).
+    """
     runner, kv = self.runner, self.kv_store
     seqs = [SeqChunk((d.token_id,), d.position, tables[d.request_id]) for d in plan.decodes]
     seqs += [SeqChunk(c.token_ids, c.start, tables[c.request_id], c.num_layers)
@@ -474,6 +479,9 @@ class Engine:
     allowed = self._grammar_masks(plan)  # on the host while the device runs the step
     raw_SV = np.asarray(out.logits_SV)  # waits for the device: the step's own time
     seconds = time.perf_counter() - t0
+    step = StepTiming(tuple((s.start, len(s.token_ids)) for s in seqs), runner.bucket_for(total),
+                      seconds, includes_compile=not compiled,
+                      full_depth=all(c.num_layers is None for c in plan.prefills))
     logits_SV = self._processed(plan, raw_SV)
     for i, d in enumerate(plan.decodes):
       if kv is not None:  # every token's K before RoPE is kept until its chunk is complete

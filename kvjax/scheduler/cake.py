@@ -318,16 +318,24 @@ class CakeMerge:
     return not self._cancelled and any(s in (ChunkState.HIT, ChunkState.LOADING)
                                        for s in self._states)
 
-  def loads_land_s(self, now_s: float, cost: CostModel) -> float | None:
+  def loads_land_s(self, now_s: float, cost: CostModel, *,
+                   overdue_lands_now: bool = False) -> float | None:
     """Predicted time (engine clock, seconds) by which every stored chunk still to come has
-    landed (`_landings`' model of the link and the decoder), or None: nothing left to load, or
-    a load in flight is overdue (past its predicted landing: the model is off for it)."""
+    landed (`_landings`' model of the link and the decoder), or None: nothing left to load.
+
+    A load in flight past its predicted landing is overdue: the model is off for it. By
+    default that is None too (no prediction: short first-token steps turn off). With
+    `overdue_lands_now` it lands now, as `_landings` models it, and the rest after it: joint
+    planning holds the merges behind to short steps while the merge ahead waits for that load,
+    which it does at most until the load turns late (`_late_at_s`, the ski-rental bound);
+    without the prediction, the first step of an overdue load went to a merge behind, whole.
+    """
     if not self.has_loads_to_come:
       return None
     land, _ = self._landings(now_s, cost)
-    if not land or any(land[j] <= now_s for j in self._in_flight):
+    if not land or (not overdue_lands_now and any(land[j] <= now_s for j in self._in_flight)):
       return None
-    return max(land.values())
+    return max(now_s, *land.values())
 
   def load_encoding(self, index: int) -> Candidate | None:
     """The encoding `next_load` chose for chunk `index` (None without `encodings`)."""

@@ -123,6 +123,13 @@ def beside_first_token_s(behind: int, cost: CostModel) -> float:
   room of the step's padded bucket), most of a step where a step's time is mostly fixed (an
   accelerator at small batches).
 
+  With the runner's buckets known, the piece also stays within the free room of the step's
+  bucket (`Scheduler._offer_within`): that room costs nothing whatever the model says, while
+  a bucket more rests on the fit's split of a step into `a` and `b`, which a machine that
+  turns busy breaks (its steps come in two or three shapes; a busy 2-core CPU's fit put `a`
+  at 0.7 s against a floor near 0, and a follower's 256 tokens beside a leader's last step
+  cost that first token 1.5 s, not the 0.5 s allowed).
+
   Args:
     behind: merges that still prefill behind the one that finishes (>= 0).
     cost: the engine's cost model.

@@ -5,7 +5,9 @@ sits in the prompt (attention reads every earlier token), while loading a stored
 same wherever it sits. The planner predicts both from observations, in plain floats:
 
   compute   t(n, s) = pace * (a + b * n + c * n * m),    m = s + (n - 1) / 2  (mean position)
-            n tokens at positions [s, s + n); (a, b, c) fitted by ridge-regularised least
+            n tokens at positions [s, s + n), learned from whole steps (`observe_step`:
+            one a per step, b per token the step ran padded to its compiled bucket, the
+            attention summed over its pieces); (a, b, c) fitted by ridge-regularised least
             squares with exponential forgetting, pulled toward the prior's shape (rescaled to
             the data's level) until enough observations pin all three coefficients;
             pace: a fast EWMA (in log space) of each observation over the fit's prediction
@@ -146,7 +148,8 @@ class CostModel:
     return self._pace
 
   def observe_compute(self, start: int, num_tokens: int, seconds: float) -> None:
-    """Records that prefilling `num_tokens` tokens at `[start, start + num_tokens)` took `seconds`.
+    """Records that prefilling `num_tokens` tokens at `[start, start + num_tokens)` took `seconds`
+    (a step of that one piece, unpadded: `observe_step`).
 
     Raises:
       ValueError: on `num_tokens < 1`, `start < 0` or a negative or non-finite time.
@@ -154,9 +157,38 @@ class CostModel:
     if num_tokens < 1 or start < 0 or not 0 <= seconds < math.inf:
       raise ValueError(f"observe_compute(start={start}, num_tokens={num_tokens}, seconds={seconds})"
                        ": need start >= 0, num_tokens >= 1, finite seconds >= 0")
+    self.observe_step(((start, num_tokens),), num_tokens, seconds)
+
+  def observe_step(self, pieces, padded_tokens: int, seconds: float) -> None:
+    """Records that one step (one model call) holding `pieces` took `seconds`: one fixed cost
+    `a`, `b` per token the call ran (`padded_tokens`, its compiled bucket: padding runs the
+    same matmuls), and each piece's attention, `c * n * m` (the model the joint Cake planner
+    prices a step with, `cake_joint.step_s`).
+
+    A step split into one observation per piece would count `a` once per piece and the
+    padding in none: on a competing machine, where the steps come in two or three shapes and
+    their times scatter, that fit put `a` at 0.7 s against a true floor near 0.
+
+    Args:
+      pieces: (start position, tokens) per prefill chunk or decode (1 token) in the step.
+      padded_tokens: the tokens the call ran, >= the pieces' tokens.
+      seconds: its wall seconds, the device work included.
+
+    Raises:
+      ValueError: on no pieces, a piece with `start < 0` or fewer than 1 token, fewer padded
+        tokens than the pieces hold, or a negative or non-finite time.
+    """
+    pieces = tuple(pieces)
+    tokens = sum(n for _, n in pieces)
+    if (not pieces or any(s < 0 or n < 1 for s, n in pieces) or padded_tokens < tokens
+        or not 0 <= seconds < math.inf):
+      raise ValueError(f"observe_step(pieces={pieces}, padded_tokens={padded_tokens}, "
+                       f"seconds={seconds}): need pieces of start >= 0 and tokens >= 1, at least "
+                       "their tokens padded, finite seconds >= 0")
     if not self._learn:
       return
-    x = _features(start, num_tokens)
+    x = (1.0, padded_tokens / _N0,
+         sum(n * (s + (n - 1) / 2) for s, n in pieces) / (_N0 * _M0))
     if self._pace_ewma > 0 and self.num_compute_observations >= _PACE_AFTER and seconds > 0:
       fitted = max(1e-12, sum(t * v for t, v in zip(self._theta, x)))
       self._log_pace += self._pace_ewma * (math.log(seconds / fitted) - self._log_pace)

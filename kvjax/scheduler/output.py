@@ -272,6 +272,30 @@ class ComputeTiming:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepTiming:
+  """Measured wall seconds of one step's model call: every decode and prefill chunk in it.
+
+  The cost model learns from it whole (`CostModel.observe_step`): one fixed cost, the tokens
+  as the runner padded them, each piece's attention. Split pro rata into `ComputeTiming`s, a
+  step of several pieces would count its fixed cost once per piece and its padding in none.
+
+  Attributes:
+    pieces: (start position, tokens) per decode and prefill chunk, in the call's order.
+    padded_tokens: the tokens the call ran (its compiled bucket, `Runner.bucket_for`).
+    seconds: wall seconds, the device work included.
+    includes_compile: the call compiled its program (the cost model ignores it).
+    full_depth: every piece ran all layers (False: a layer-split chunk's low layers were in
+      it, `PrefillChunk.num_layers`; the cost model learns full-depth calls only).
+  """
+
+  pieces: tuple[tuple[int, int], ...]
+  padded_tokens: int
+  seconds: float
+  includes_compile: bool = False
+  full_depth: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class InsertTiming:
   """Measured wall seconds of inserting one staged chunk (the device work included)."""
 
@@ -290,8 +314,11 @@ class StepResult:
     sampled: (request_id, token id) of every request that produced a token, in plan order.
     finished: (request_id, reason) of requests that ended at this step ("stop", "length").
     loads: loads that finished since the last step.
-    compute: measured prefill timings (cost model observations).
+    compute: measured prefill timings, each chunk's share of its step pro rata to its tokens.
     inserts: measured insertion timings.
+    step: the model call's timing (the cost model's observation); None when the step computed
+      nothing, or from an executor that reports its chunks only (the cost model then learns
+      from `compute`, each chunk as a step of its own).
     failed: (request_id, message) of requests the executor could not serve (an exception in a
       jit call); the scheduler ends them with reason "error".
   """
@@ -303,6 +330,7 @@ class StepResult:
   compute: tuple[ComputeTiming, ...] = ()
   inserts: tuple[InsertTiming, ...] = ()
   failed: tuple[tuple[RequestId, str], ...] = ()
+  step: StepTiming | None = None
 
 
 @dataclasses.dataclass(frozen=True)

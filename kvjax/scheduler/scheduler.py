@@ -435,7 +435,7 @@ class Scheduler:
       if link_free and beside_first is None and r.status is RequestStatus.DECODING:
         beside_first = cake_joint.beside_first_token_s(behind, self.cost_model)
       if link_free and not m.is_prefix_done and m.has_loads_to_come:
-        t = m.loads_land_s(now_s, self.cost_model)
+        t = m.loads_land_s(now_s, self.cost_model, overdue_lands_now=True)
         if t is not None and (land_by is None or t < land_by):
           land_by = t
     releases = prefix_loads.plan_releases(self._prefix, self._releases)
@@ -716,19 +716,23 @@ class Scheduler:
                     beside_s: float | None = None, until_s: float | None = None) -> int:
     """`offer`, or the largest compiled size below it, whose piece at `r`'s merge frontier
     keeps the step holding `pieces` within the joint limits (`cake_joint.largest_fitting`;
-    each priced as the runner pads the step, `SchedulerConfig.step_buckets`): it adds at
-    most `beside_s` seconds (a first token in the step), and the whole step takes at most
-    `until_s` (the landing it must end before). No limit: `offer`."""
+    each priced as the runner pads the step, `SchedulerConfig.step_buckets`): beside a
+    first token it adds at most `beside_s` seconds and never grows the step past its bucket
+    (`cake_joint.beside_first_token_s`), and the whole step takes at most `until_s` (the
+    landing it must end before). No limit: `offer`."""
     if beside_s is None and until_s is None:
       return offer
     p, cost, buckets = self._prefix[r.request_id].merge.frontier, self.cost_model, (
         self.config.step_buckets)
     base_s = cake_joint.step_s(pieces, cost, buckets)  # priced once, not per candidate
+    tokens = sum(n for _, n in pieces)
+    room = cake_joint.padded_tokens(tokens, buckets) - tokens if buckets and tokens else None
 
     def fits(n: int) -> bool:
       total_s = cake_joint.step_s([*pieces, (p, n)], cost, buckets)
       # `cake_joint.added_s` is total_s - base_s.
-      return ((beside_s is None or total_s - base_s <= beside_s)
+      return ((beside_s is None or (total_s - base_s <= beside_s
+                                    and (room is None or n <= room)))
               and (until_s is None or total_s <= until_s))
 
     return cake_joint.largest_fitting(offer, self._plan_sizes, fits)
@@ -817,9 +821,14 @@ class Scheduler:
     cost = self.cost_model
     self._releases += prefix_loads.apply_load_reports(self._prefix, result.loads, result.now_s,
                                                       cost)
-    for t in result.compute:
-      if not t.includes_compile and t.num_layers is None:
-        cost.observe_compute(t.start, t.num_tokens, t.seconds)
+    step = result.step
+    if step is not None:  # the call whole: one fixed cost, its padded tokens
+      if not step.includes_compile and step.full_depth:
+        cost.observe_step(step.pieces, step.padded_tokens, step.seconds)
+    else:  # an executor that reports chunks only (the simulator): each one its own step
+      for t in result.compute:
+        if not t.includes_compile and t.num_layers is None:
+          cost.observe_compute(t.start, t.num_tokens, t.seconds)
     traces = {}
     for rid, token in result.sampled:
       r = self.running.get(rid)

@@ -13,6 +13,7 @@ from absl.testing import absltest
 from kvjax.scheduler import (CakeMerge, Candidate, CostModel, LoadConfig, Request,
                              SamplingParams, Scheduler, SchedulerConfig, StoredChunk,
                              StoredPrefix, cake_forecast, cake_joint)
+from kvjax.scheduler.output import ComputeTiming, StepResult, StepTiming
 from kvjax.testing.plans import plan_steps, prefills
 
 T, F = True, False
@@ -200,6 +201,24 @@ class SchedulerJointTest(absltest.TestCase):
     self.assertEqual(got[(8, 16, 32, 64)],
                      [("y", 0, 32), ("y", 32, 8), ("x", 0, 16), ("x", 16, 8)])
 
+  def test_beside_a_first_token_never_a_bucket_more(self):
+    # A fit with a 0.7 s floor and 1 ms a token (a busy machine's fit: its floor is not
+    # identified) lets a piece add 0.35 s beside y's last step (behind = 1), and x's 64 tokens
+    # add 0.064 s as priced. But y's 64 tokens fill their bucket: x's would grow the step to
+    # 128, which only the fit's split of a step into floor and tokens calls cheap. Without
+    # buckets (no padding known) the rule stands on the fit alone.
+    busy = CostModel(compute_prior=(0.7, 1e-3, 0.0), learn=False, bandwidth_bytes_per_s=1e-3)
+    got = {}
+    for buckets in ((), (16, 32, 64, 128)):
+      s = Scheduler(SchedulerConfig(num_slots=2, token_budget=128, chunk_sizes=(16, 32, 64),
+                                    step_buckets=buckets),
+                    busy, load_config=LoadConfig(joint_planning=True))
+      s.add_request(req("x", 100), stored([F, T, T, T, T, T]))
+      s.add_request(req("y", 64), stored([T, T, T]))
+      got[buckets] = prefills(plan_steps(s, 1, land_loads=False)[0])
+    self.assertEqual(got[()], [("y", 0, 64), ("x", 0, 64)])
+    self.assertEqual(got[(16, 32, 64, 128)], [("y", 0, 64)])
+
   def test_the_steps_of_the_request_ahead_end_when_it_needs_them(self):
     # x: 2 stored chunks and a 9-token suffix; y: 6 stored chunks and a 1-token suffix; a
     # chunk loads in 1 s and computes in 1 s, no fixed cost per step. Step 0: x computes
@@ -218,6 +237,18 @@ class SchedulerJointTest(absltest.TestCase):
                       ([("x", 32, 9)], [("y", 1)]),
                       ([], [("y", 0)]),
                       ([("y", 96, 1)], [])])
+
+  def test_behind_an_overdue_load_the_step_stays_short(self):
+    # As above, but x's chunk 1 (due at 1 s) has not landed at 1.25 s: x waits for it, and the
+    # step must not hold x's suffix behind y's compute. Once a load is overdue its landing is
+    # now, as the link model has it (`CakeMerge.loads_land_s`): y adds nothing. Planned with
+    # no landing predicted for x, y took 48 tokens: a step of 3 s that x's suffix waits behind.
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)),
+                  model(100.0), load_config=LoadConfig(joint_planning=True))
+    s.add_request(req("x", 41), stored([T, T]))
+    s.add_request(req("y", 97), stored([T] * 6))
+    self.assertEqual(prefills(plan_steps(s, 1, land_loads=False)[0]), [("x", 0, 16)])
+    self.assertEqual(prefills(s.schedule(now_s=1.25)), [])
 
   def test_loads_of_the_request_behind_wait_for_the_link(self):
     # Two identical restores; a chunk loads in 0.5 s and computes in 1 s, a step takes 1 s, so
@@ -252,6 +283,29 @@ class SchedulerJointTest(absltest.TestCase):
   def test_bad_option(self):
     with self.assertRaisesRegex(ValueError, "joint_planning"):
       LoadConfig(joint_planning=1)
+
+
+class StepObservationTest(absltest.TestCase):
+  """`Scheduler.update` teaches the cost model whole steps, as `step_s` prices them."""
+
+  def test_a_step_is_one_observation(self):
+    cost = CostModel()
+    s = Scheduler(SchedulerConfig(num_slots=2, token_budget=64, chunk_sizes=(16, 32, 64)), cost)
+    chunks = (ComputeTiming(0, 32, 0.5), ComputeTiming(96, 16, 0.25))
+    s.update(StepResult(now_s=1.0, compute=chunks,
+                        step=StepTiming(((0, 32), (96, 16)), 64, 0.75)))
+    self.assertEqual(cost.num_compute_observations, 1)
+    whole = CostModel()
+    whole.observe_step(((0, 32), (96, 16)), 64, 0.75)
+    self.assertEqual(cost.compute_coefficients, whole.compute_coefficients)
+    # A call that compiled, or that ran a layer-split chunk's low layers, teaches nothing.
+    for step in (StepTiming(((0, 32),), 32, 9.0, includes_compile=True),
+                 StepTiming(((0, 32),), 32, 0.1, full_depth=False)):
+      s.update(StepResult(now_s=2.0, compute=chunks, step=step))
+    self.assertEqual(cost.num_compute_observations, 1)
+    # An executor that reports chunks only (the simulator): each one its own step.
+    s.update(StepResult(now_s=3.0, compute=chunks))
+    self.assertEqual(cost.num_compute_observations, 3)
 
 
 if __name__ == "__main__":

@@ -303,6 +303,9 @@ class LoadsLandTest(absltest.TestCase):
     self.assertAlmostEqual(m.loads_land_s(1.5, cost), 1.0 + 3 * 0.625)
     # Chunk 3 was due at 1.625: overdue at 2.0, so the model is off for it (no prediction).
     self.assertIsNone(m.loads_land_s(2.0, cost))
+    # Joint planning's reading: it lands now, and the link model, its bandwidth bounded by
+    # the overdue head (1 s for 100 bytes), moves chunk 2 by 3.0 s and chunk 1 by 4.0 s.
+    self.assertAlmostEqual(m.loads_land_s(2.0, cost, overdue_lands_now=True), 4.0)
     land(m, 3, 2.0)
     land(m, 2, 2.1)
     self.assertEqual(m.next_load(2.1, cost), 1)

@@ -41,6 +41,39 @@ class ComputeFitTest(parameterized.TestCase):
     self.assertAlmostEqual(got[1] * 1e3, b * 1e3, places=4)
     self.assertAlmostEqual(got[2] * 1e7, c * 1e7, places=3)
 
+  def test_a_step_of_several_pieces_is_one_observation(self):
+    # Steps of one or two pieces, padded to a bucket of 64 or 128 tokens: t = a + b * padded
+    # + c * (each piece's n * m). Observed whole, the fit recovers a, b and c exactly. Split
+    # pro rata into one observation per piece (each its own unpadded step), the same steps
+    # fit the 0.05 s floor as 0.011 s.
+    a, b, c = 0.05, 1e-3, 2e-7
+    steps = []
+    for start in range(0, 4096, 256):
+      for pieces in (((start, 64),), ((start, 32), (0, 16)), ((start, 96),),
+                     ((start, 64), (start + 512, 64))):
+        tokens = sum(n for _, n in pieces)
+        padded = 64 if tokens <= 64 else 128
+        steps.append((pieces, padded, a + b * padded
+                      + c * sum(n * (s + (n - 1) / 2) for s, n in pieces)))
+    whole = CostModel(prior_weight=1e-6, forget=1.0)
+    split = CostModel(prior_weight=1e-6, forget=1.0)
+    for pieces, padded, seconds in steps:
+      whole.observe_step(pieces, padded, seconds)
+      tokens = sum(n for _, n in pieces)
+      for s, n in pieces:
+        split.observe_compute(s, n, seconds * n / tokens)
+    got = whole.compute_coefficients
+    self.assertAlmostEqual(got[0], a, places=6)
+    self.assertAlmostEqual(got[1] * 1e3, b * 1e3, places=5)
+    self.assertAlmostEqual(got[2] * 1e7, c * 1e7, places=4)
+    self.assertEqual(whole.num_compute_observations, len(steps))
+    self.assertLess(split.compute_coefficients[0], a / 4)
+    # One piece, unpadded: the same as observe_compute.
+    one, other = CostModel(), CostModel()
+    one.observe_step(((512, 64),), 64, 0.3)
+    other.observe_compute(512, 64, 0.3)
+    self.assertEqual(one.compute_coefficients, other.compute_coefficients)
+
   def test_coefficients_stay_non_negative(self):
     m = CostModel(prior_weight=1e-6)
     # Costs that fall with position would fit c < 0: it is pinned at 0.
@@ -86,6 +119,10 @@ class ComputeFitTest(parameterized.TestCase):
   def test_bad_input(self):
     with self.assertRaisesRegex(ValueError, "num_tokens=0"):
       CostModel().observe_compute(0, 0, 1.0)
+    with self.assertRaisesRegex(ValueError, "padded_tokens=32"):
+      CostModel().observe_step(((0, 16), (16, 32)), 32, 1.0)
+    with self.assertRaisesRegex(ValueError, "pieces=\\(\\)"):
+      CostModel().observe_step((), 16, 1.0)
     with self.assertRaisesRegex(ValueError, "compute_prior"):
       CostModel(compute_prior=(0.0, 0.0, 0.0))
     with self.assertRaisesRegex(ValueError, "forget"):
