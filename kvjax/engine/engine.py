@@ -466,13 +466,14 @@ class Engine:
              for c in plan.prefills]
     total = sum(len(s.token_ids) for s in seqs)
     compiled = runner.is_compiled(total)
+    split = any(c.num_layers is not None for c in plan.prefills)  # a split chunk's low layers
     t0, t0_clock = time.perf_counter(), self._clock()
     if layered:
       out, loaded = self._loads.step_layerwise(seqs, plan.layer_groups, layered, insert_timings,
                                                trace=self.layerwise_trace)
       for ins, tier in loaded:
         self._record_loaded(ins, tier)
-    elif any(c.num_layers is not None for c in plan.prefills):  # stops at a group boundary
+    elif split:  # stops at a group boundary
       out = runner.step_grouped(seqs, self.layer_split_groups)
     else:
       out = runner.step(seqs)
@@ -481,7 +482,7 @@ class Engine:
     seconds = time.perf_counter() - t0
     step = StepTiming(tuple((s.start, len(s.token_ids)) for s in seqs), runner.bucket_for(total),
                       seconds, includes_compile=not compiled,
-                      full_depth=all(c.num_layers is None for c in plan.prefills))
+                      full_depth=not split)
     logits_SV = self._processed(plan, raw_SV)
     for i, d in enumerate(plan.decodes):
       if kv is not None:  # every token's K before RoPE is kept until its chunk is complete

@@ -42,9 +42,10 @@ _PACE_AFTER = 3
 DEFAULT_COMPUTE_PRIOR = (0.02, 2.4471e-3, 1.3339e-6)
 
 
-def _features(start: int, num_tokens: int) -> tuple[float, float, float]:
-  mean_pos = start + (num_tokens - 1) / 2
-  return (1.0, num_tokens / _N0, num_tokens * mean_pos / (_N0 * _M0))
+def _features(pieces, padded_tokens: int) -> tuple[float, float, float]:
+  """A step's features: (1, its padded tokens, each piece's tokens x mean position), scaled."""
+  return (1.0, padded_tokens / _N0,
+          sum(n * (s + (n - 1) / 2) for s, n in pieces) / (_N0 * _M0))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -187,8 +188,7 @@ class CostModel:
                        "their tokens padded, finite seconds >= 0")
     if not self._learn:
       return
-    x = (1.0, padded_tokens / _N0,
-         sum(n * (s + (n - 1) / 2) for s, n in pieces) / (_N0 * _M0))
+    x = _features(pieces, padded_tokens)
     if self._pace_ewma > 0 and self.num_compute_observations >= _PACE_AFTER and seconds > 0:
       fitted = max(1e-12, sum(t * v for t, v in zip(self._theta, x)))
       self._log_pace += self._pace_ewma * (math.log(seconds / fitted) - self._log_pace)
@@ -230,7 +230,7 @@ class CostModel:
     """Predicted seconds to prefill `num_tokens` tokens at `[start, start + num_tokens)`."""
     if num_tokens <= 0:
       return 0.0
-    x = _features(start, num_tokens)
+    x = _features(((start, num_tokens),), num_tokens)
     return max(1e-9, self._pace * sum(t * v for t, v in zip(self._theta, x)))
 
   # ------------------------------------------------------------------ loads
