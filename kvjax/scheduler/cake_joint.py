@@ -151,8 +151,8 @@ def step_s(pieces: Sequence[tuple[int, int]], cost: CostModel,
   """The predicted seconds of a step holding `pieces` ((start, tokens) each: the prefill chunks
   and decodes planned in it), 0 for none, as the runner runs it: one fixed cost `a`, `b` per
   token of the step padded to its bucket (`padded_tokens`: the padding runs the same matmuls),
-  and each piece's attention over the positions before it (the cost model's
-  `a + b n + c n m`, `CostModel`).
+  and each piece's attention over the positions before it (`CostModel.predict_step_s`, the
+  shape the model learns steps in).
 
   Args:
     pieces: (start position, tokens) per prefill chunk or decode.
@@ -162,10 +162,7 @@ def step_s(pieces: Sequence[tuple[int, int]], cost: CostModel,
   """
   if not pieces:
     return 0.0
-  a, b, c = cost.compute_coefficients
-  tokens = sum(n for _, n in pieces)
-  return (a + b * padded_tokens(tokens, buckets)
-          + c * sum(n * (s + (n - 1) / 2) for s, n in pieces))
+  return cost.predict_step_s(pieces, padded_tokens(sum(n for _, n in pieces), buckets))
 
 
 def added_s(pieces: Sequence[tuple[int, int]], start: int, num_tokens: int, cost: CostModel,

@@ -233,6 +233,11 @@ class CostModel:
     x = _features(((start, num_tokens),), num_tokens)
     return max(1e-9, self._pace * sum(t * v for t, v in zip(self._theta, x)))
 
+  def predict_step_s(self, pieces, padded_tokens: int) -> float:
+    """Predicted seconds of one step (one model call) holding `pieces` ((start, tokens) each)
+    run as `padded_tokens` tokens: the shape `observe_step` learns."""
+    return self._pace * sum(t * v for t, v in zip(self._theta, _features(pieces, padded_tokens)))
+
   # ------------------------------------------------------------------ loads
   # Rates are kept as EWMAs of seconds per byte: time is what gets predicted, and a free decode
   # (0 s/byte) needs no special case.
