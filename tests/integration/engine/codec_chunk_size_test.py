@@ -2,6 +2,7 @@
 kernels' old `min(64, C)` rule refused are saved and loaded back (no silent saver failure)."""
 
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from kvjax import SamplingParams
@@ -30,6 +31,7 @@ class CodecChunkSizeTest(parameterized.TestCase):
   # C = 96 and 100: the kernels used to take G = min(64, C) and T = min(16, C), which must divide
   # C, so every save of these failed in the saver thread.
   @parameterized.parameters(("int4", 96), ("cachegen", 100))
+  @pytest.mark.slow  # 24 s of the default suite's budget (a regression of the kernels' tiles)
   def test_chunk_sizes_the_old_rule_refused_save_and_load(self, codec, c):
     # Blocks of 4 tokens: C = 96 and 100 are whole numbers of them. The repeat loads from the
     # store (no device prefix cache).

@@ -31,6 +31,7 @@ def make_llm(cache_dir, store, **kw):
 
 class KVTCEngineTest(absltest.TestCase):
 
+  @pytest.mark.slow  # 13 s of the default suite's budget; the runner's coding: the tests below
   def test_calibration_is_deterministic_and_reports_each_step(self):
     loaded = load_model("tiny")
     ts, steps = [], [[], []]

@@ -67,6 +67,7 @@ class SessionPinningTest(unit.LookaheadCase):
     self.assertEqual(kv._run(kv.store.host.contains(hashes)), [False] * n)
     llm.close()
 
+  @pytest.mark.slow  # 16 s of the default suite's budget; the pins' logic: the test above
   def test_a_pinned_session_keeps_its_stored_tail(self):
     # Host of 8 chunks: pins may take 4, the session's 2 full chunks and its tail.
     llm = self.make_llm(self.create_tempdir().full_path, 0, host_chunks=8)

@@ -49,6 +49,10 @@ class PagedEngineHitTest(unit.PagedEngineHitUnitTest):
   def test_a_chunk_partly_served_from_device_blocks_is_saved_too(self):
     super().test_a_chunk_partly_served_from_device_blocks_is_saved_too()
 
+  @pytest.mark.slow  # 26 s of the default suite's budget; the fake runs it there
+  def test_equals_alone_one_and_four_a_step(self):
+    super().test_equals_alone_one_and_four_a_step()
+
 
 @pytest.mark.slow  # the assertions run on the fake runner in the default suite
 class PagedEngineTest(unit.PagedEngineUnitTest):

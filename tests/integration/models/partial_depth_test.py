@@ -136,6 +136,7 @@ class PartialDepthTest(parameterized.TestCase):
                      LayerCounts(counts.token_layers_run + run,
                                  counts.token_layers_skipped + skipped))
 
+  @pytest.mark.slow  # 16 s; the fake runner's exactness: tests/unit/engine/layer_split_unit_test.py
   def test_a_step_of_split_pieces_only_runs_nothing_above_them(self):
     prefix, p = PIECES[0]
     piece = SeqChunk(p.token_ids, p.start, p.block_ids, num_layers=2)
