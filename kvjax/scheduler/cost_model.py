@@ -16,6 +16,15 @@ same wherever it sits. The planner predicts both from observations, in plain flo
             processes on its CPUs, loads competing for memory bandwidth), so a machine that
             turns busy or quiet is priced within a few pieces, not after the fit has
             forgotten the other; with exact data it returns to 1;
+  relevel   when `relevel_steps` steps in a row ran more than `relevel_ratio` times slower
+            (or faster) than the fit, the machine changed, not the engine's cost shape: the
+            history from before them is rescaled by the least of those ratios, so it keeps
+            its shape at the new level (fed as it was, the quiet history's large steps fast
+            beside the busy present's small ones slow, the fit tilted: `a` up, `b` down, and
+            it underpriced the large steps it had not seen busy: 512 tokens at the front
+            priced 1.5 s, run 2.45 s, on a busy 2-core VM). Only steps of 64 tokens or
+            more whose fitted fixed cost `a` is at most half their time count: a small
+            step's time rests on `a`, which noise pins worst;
   transfer  nbytes / bandwidth,                 bandwidth: EWMA of observed bytes/s;
   decode    nbytes / decode rate,               decode rate: EWMA of observed stored bytes/s;
   load      max(transfer, decode)               (the loader overlaps one chunk's transfer with
@@ -37,6 +46,20 @@ _M0 = 4096.0
 #: Compute observations before the pace moves: the first ones rescale the prior to the machine
 #: (a GPU reads its own level after one), so a ratio to the prior would say nothing of its pace.
 _PACE_AFTER = 3
+
+#: A step counts toward a relevel only when the fit's fixed cost is at most this share of its
+#: fitted time (`a` is the coefficient noise pins worst; on a GPU, where every step is mostly
+#: fixed cost, the model never relevels).
+_RELEVEL_MAX_FIXED_SHARE = 0.5
+
+#: The fewest tokens (padded) of a step that counts toward a relevel: a smaller one's time rests
+#: on the fixed cost, which noise pins worst (+-20% noise on every shape put a decode at a late
+#: position at 0.4x its fit five times in a row).
+_RELEVEL_MIN_TOKENS = 64
+
+#: Compute observations before a relevel may happen: until the fit has pinned its shape, its
+#: errors are its own, not the machine's.
+_RELEVEL_AFTER = 16
 
 #: Seconds per step, per token, per token-position (SmolLM2-135M f32, 2 CPU cores).
 DEFAULT_COMPUTE_PRIOR = (0.02, 2.4471e-3, 1.3339e-6)
@@ -78,6 +101,11 @@ class CostModel:
     bandwidth_bytes_per_s: prior link bandwidth, bytes/s (replaced by the first observation).
     decode_bytes_per_s: prior decode rate, stored bytes/s; `math.inf` means decode is free.
     ewma: weight of a new bandwidth or decode-rate sample in (0, 1].
+    relevel_steps: steps in a row that must all run more than `relevel_ratio` times slower (or
+      faster) than the fit before the history is rescaled to the new level, >= 0; 0 never
+      relevels. Five keeps a machine with +-20% noise from ever relevelling and a 2-core VM
+      that a competing process made 1.65x slower priced within 5% after its next five steps.
+    relevel_ratio: the ratio, > 1.
     pace_ewma: weight of a new compute observation in the pace (log space), in [0, 1]; 0 (the
       default) keeps the pace at 1 (the fit alone). 0.3 priced a busy machine within five
       pieces, but with it a warm request of the tiny model on a CPU shared with four busy
@@ -92,13 +120,18 @@ class CostModel:
   def __init__(self, *, compute_prior: tuple[float, float, float] = DEFAULT_COMPUTE_PRIOR,
                prior_weight: float = 1.0, forget: float = 0.99,
                bandwidth_bytes_per_s: float = 1e9, decode_bytes_per_s: float = math.inf,
-               ewma: float = 0.5, pace_ewma: float = 0.0, learn: bool = True):
+               ewma: float = 0.5, relevel_steps: int = 5, relevel_ratio: float = 1.25,
+               pace_ewma: float = 0.0, learn: bool = True):
     if len(compute_prior) != 3 or any(not v >= 0 for v in compute_prior) or not any(compute_prior):
       raise ValueError(f"compute_prior={compute_prior!r} must be three numbers >= 0, not all 0")
     if not prior_weight > 0:
       raise ValueError(f"prior_weight={prior_weight!r} must be > 0")
     if not 0 < forget <= 1 or not 0 < ewma <= 1:
       raise ValueError(f"forget={forget!r} and ewma={ewma!r} must be in (0, 1]")
+    if isinstance(relevel_steps, bool) or not isinstance(relevel_steps, int) or relevel_steps < 0:
+      raise ValueError(f"relevel_steps={relevel_steps!r} must be an int >= 0")
+    if not relevel_ratio > 1:
+      raise ValueError(f"relevel_ratio={relevel_ratio!r} must be > 1")
     if not 0 <= pace_ewma <= 1:
       raise ValueError(f"pace_ewma={pace_ewma!r} must be in [0, 1]")
     if not bandwidth_bytes_per_s > 0 or not decode_bytes_per_s > 0:
@@ -119,6 +152,18 @@ class CostModel:
     self._sum_prior_y = 0.0
     self._theta = list(self._prior)
     self.num_compute_observations = 0
+    self._relevel_steps = relevel_steps
+    self._relevel_log = math.log(relevel_ratio)
+    # The streak of steps beyond the ratio on one side: each one's log ratio to the fit from
+    # before the streak (the fit itself follows the streak's steps and would understate it),
+    # and the history's sums from then with the decay since, the part a relevel rescales.
+    self._streak: list[float] = []
+    self._streak_theta: list[float] = []
+    self._streak_xy: list[float] = []
+    self._streak_sum_y = 0.0
+    self._streak_decay = 1.0
+    #: Times the history was rescaled to a new machine level (`relevel_steps`).
+    self.num_relevels = 0
     self._transfer_s_per_byte = 1.0 / bandwidth_bytes_per_s
     self._decode_s_per_byte = 0.0 if math.isinf(decode_bytes_per_s) else 1.0 / decode_bytes_per_s
     self._bw_seen = False
@@ -189,6 +234,9 @@ class CostModel:
     if not self._learn:
       return
     x = _features(pieces, padded_tokens)
+    if (self._relevel_steps and self.num_compute_observations >= _RELEVEL_AFTER and seconds > 0
+        and padded_tokens >= _RELEVEL_MIN_TOKENS):
+      self._extend_streak(x, seconds)
     if self._pace_ewma > 0 and self.num_compute_observations >= _PACE_AFTER and seconds > 0:
       fitted = max(1e-12, sum(t * v for t, v in zip(self._theta, x)))
       self._log_pace += self._pace_ewma * (math.log(seconds / fitted) - self._log_pace)
@@ -201,7 +249,53 @@ class CostModel:
     self._sum_y = g * self._sum_y + seconds
     self._sum_prior_y = g * self._sum_prior_y + sum(p * v for p, v in zip(self._prior, x))
     self.num_compute_observations += 1
+    if self._streak:
+      self._streak_decay *= g
+      if len(self._streak) == self._relevel_steps:
+        self._relevel()
     self._refit()
+
+  def _extend_streak(self, x, seconds: float) -> None:
+    """Extends, ends or starts the streak of steps beyond `relevel_ratio` of the fit on one
+    side with a step of features `x` that took `seconds` (before it is learnt). A step whose
+    fitted fixed cost is over `_RELEVEL_MAX_FIXED_SHARE` of its fitted time neither extends nor
+    ends it."""
+    if self._streak:
+      r = self._log_ratio(self._streak_theta, x, seconds)
+      if r is None:
+        return
+      if abs(r) > self._relevel_log and (r > 0) == (self._streak[0] > 0):
+        self._streak.append(r)
+        return
+      self._streak = []
+    r = self._log_ratio(self._theta, x, seconds)
+    if r is not None and abs(r) > self._relevel_log:
+      self._streak = [r]
+      self._streak_theta = list(self._theta)
+      self._streak_xy = list(self._xy)
+      self._streak_sum_y = self._sum_y
+      self._streak_decay = 1.0
+
+  @staticmethod
+  def _log_ratio(theta, x, seconds: float) -> float | None:
+    """log(seconds / the fit `theta`'s time for features `x`), or None where the fit's fixed
+    cost is over `_RELEVEL_MAX_FIXED_SHARE` of that time."""
+    fitted = sum(t * v for t, v in zip(theta, x))
+    if not fitted > 0 or theta[0] > _RELEVEL_MAX_FIXED_SHARE * fitted:
+      return None
+    return math.log(seconds / fitted)
+
+  def _relevel(self) -> None:
+    """The streak is `relevel_steps` long: the machine changed. The history from before it
+    (decayed since) is rescaled by the least of its ratios, the change all its steps agree
+    on; the streak's own steps stay as they were observed."""
+    factor = math.exp(min(self._streak, key=abs))
+    w = (factor - 1.0) * self._streak_decay
+    self._xy = [v + w * v0 for v, v0 in zip(self._xy, self._streak_xy)]
+    # The ridge's target, the prior's shape at the data's level, follows.
+    self._sum_y += w * self._streak_sum_y
+    self._streak = []
+    self.num_relevels += 1
 
   def _refit(self) -> None:
     # Ridge toward the prior's shape at the data's level: theta0 = s * prior, s = sum y / sum y_prior.

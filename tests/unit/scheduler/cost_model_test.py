@@ -1,6 +1,7 @@
 """The online cost model: least-squares compute fit, EWMA link and decode rates."""
 
 import math
+import random
 
 from absl.testing import absltest, parameterized
 
@@ -93,7 +94,7 @@ class ComputeFitTest(parameterized.TestCase):
     probe = ((0, 256), (2048, 256), (3840, 256))
     got = {}
     for pace_ewma in (0.3, 0.0):
-      m = CostModel(prior_weight=1e-6, pace_ewma=pace_ewma)
+      m = CostModel(prior_weight=1e-6, pace_ewma=pace_ewma, relevel_steps=0)  # the pace alone
       for i in range(100):
         m.observe_compute(*pieces[i % 16], truth(*pieces[i % 16]))
       self.assertAlmostEqual(m.pace, 1.0, places=6)
@@ -107,6 +108,46 @@ class ComputeFitTest(parameterized.TestCase):
     self.assertLess(max(busy0), 1.25)
     for mine, fit_alone in ((quiet, quiet0), (settled, settled0)):
       self.assertLessEqual(max(abs(r - 1) for r in mine), max(abs(r - 1) for r in fit_alone))
+
+  def test_a_machine_that_turns_busy_relevels_the_history(self):
+    # The trace of four restores on a busy 2-core VM: a quiet history of 512-token steps
+    # priced exactly, then a competing process makes every step 1.65x slower, and the engine
+    # runs only the shape a restore makes (a request's last 256 tokens at 1,792). Fed as it
+    # was, the fit tilted and priced 512 tokens at the front at 0.69x their busy time; the
+    # history rescaled after five such steps, it prices them within 2%. Quiet again, five
+    # steps later it relevels back.
+    truth = linear(*DEFAULT_COMPUTE_PRIOR)
+    got = {}
+    for steps in (5, 0):
+      m = CostModel(relevel_steps=steps)
+      for i in range(30):
+        start = (i % 4) * 512
+        m.observe_compute(start, 512, truth(start, 512))
+      for _ in range(5):
+        m.observe_compute(1792, 256, 1.65 * truth(1792, 256))
+      busy = m.predict_compute_s(0, 512) / (1.65 * truth(0, 512))
+      for _ in range(5):
+        m.observe_compute(1792, 256, truth(1792, 256))
+      got[steps] = (busy, m.predict_compute_s(0, 512) / truth(0, 512), m.num_relevels)
+    self.assertAlmostEqual(got[5][0], 1.0, delta=0.02)
+    self.assertAlmostEqual(got[5][1], 1.0, delta=0.02)
+    self.assertEqual(got[5][2], 2)
+    self.assertLess(got[0][0], 0.8)
+    self.assertEqual(got[0][2], 0)
+
+  def test_noise_does_not_relevel(self):
+    # +-20% noise on every shape from a decode to 512 tokens, 2,000 steps: never five in a row
+    # beyond 1.25x on one side (without the 64-token floor, decodes late in the prompt, which
+    # the noisy fit of `a` prices worst, relevelled it).
+    truth = linear(*DEFAULT_COMPUTE_PRIOR)
+    rng = random.Random(0)
+    m = CostModel()
+    shapes = [(s, n) for s in range(0, 8192, 256) for n in (1, 16, 256, 512)]
+    for _ in range(2000):
+      s, n = rng.choice(shapes)
+      m.observe_compute(s, n, truth(s, n) * rng.uniform(0.8, 1.2))
+    self.assertEqual(m.num_relevels, 0)
+    self.assertAlmostEqual(m.predict_compute_s(0, 512) / truth(0, 512), 1.0, delta=0.1)
 
   def test_frozen_model_ignores_observations(self):
     m = CostModel(compute_prior=(0.0, 1.0, 0.0), learn=False, bandwidth_bytes_per_s=10.0)
@@ -127,6 +168,12 @@ class ComputeFitTest(parameterized.TestCase):
       CostModel(compute_prior=(0.0, 0.0, 0.0))
     with self.assertRaisesRegex(ValueError, "forget"):
       CostModel(forget=0.0)
+    with self.assertRaisesRegex(ValueError, "relevel_steps"):
+      CostModel(relevel_steps=-1)
+    with self.assertRaisesRegex(ValueError, "relevel_steps"):
+      CostModel(relevel_steps=True)
+    with self.assertRaisesRegex(ValueError, "relevel_ratio"):
+      CostModel(relevel_ratio=1.0)
     with self.assertRaisesRegex(ValueError, "pace_ewma"):
       CostModel(pace_ewma=1.5)
     self.assertEqual(len(DEFAULT_COMPUTE_PRIOR), 3)
