@@ -17,8 +17,8 @@ both resources in one order, and each merge is told when they are free for it:
                their own best split; link_free_s = when the link has moved their loads
                                       link ──[ r0's top chunks ][ r1's top ][ r2's top ]──>
                                    compute ──[ r0's front ][ r1's front ][ r2's front ]──>
-    merges     `CakeMerge.set_backlog(compute_free_s, link_free_s)`: each chooses its meeting
-               point against its own backlog (a later request loads more of its prefix: the
+    merges     `CakeMerge.set_backlog(compute_free_s, link_free_s, meeting_index)`: each
+               chooses its meeting point against its own backlog (a later request loads more of its prefix: the
                link reaches it while compute serves the ones ahead)
     loads      issued in priority order; a request's loads wait while the link's backlog ahead
                of it exceeds the issue horizon (one step and the link's latency), so the link
@@ -31,7 +31,9 @@ both resources in one order, and each merge is told when they are free for it:
                first token (its last piece here, or its suffix among the step's prefills
                once its prefix is all present), those behind it add only what costs that
                token less than the step they would otherwise need (`added_s`,
-               `beside_first_token_s`): the bucket's free room, not a bucket more
+               `beside_first_token_s`): the bucket's free room, not a bucket more;
+               a merge behind others leaves no chunk at or above its planned meeting
+               point part-computed (its rest would join the merge's last step)
 
 Plain functions over the merges' plain answers (`CakeMerge.outlook`); the `Scheduler`
 (`kvjax/scheduler/scheduler.py`) owns the merges, calls `plan` once a step and applies it.

@@ -703,7 +703,8 @@ class Scheduler:
                                for r in requests], now_s, self.cost_model,
                               min(1.0, max(budget, 1) / self._plan_sizes[-1]))
     for e in entries:
-      self._prefix[e.request_id].merge.set_backlog(e.compute_free_s, e.link_free_s)
+      self._prefix[e.request_id].merge.set_backlog(e.compute_free_s, e.link_free_s,
+                                                   e.meeting_index)
     return [by_id[e.request_id] for e in entries], {e.request_id: e.link_free_s for e in entries}
 
   @staticmethod

@@ -136,6 +136,24 @@ class MergeBacklogTest(absltest.TestCase):
       shares.append(m.compute_share)
     self.assertEqual(shares, [0.5, 1.0])
 
+  def test_behind_others_no_chunk_the_plan_loads_is_left_part_computed(self):
+    # 8 tokens fit the gap: half of 16-token chunk 0, whose other half would follow when the
+    # compute ahead is done, at 0.75 s, and end at 1.25 s, before the chunk's load (behind
+    # chunks 1-2 on a link free at 0 s) would land at 1.5 s. Head of the plan, or behind with
+    # the plan computing chunk 0 (meeting 1), the merge takes them. Behind others with the plan
+    # loading chunk 0 (meeting 0) it takes none: the chunk's other 8 would wait for its last
+    # step, on its first token's path (it took 8 before).
+    got = []
+    for backlog in ((-INF, -INF, None), (0.75, 0.0, 1), (0.75, 0.0, 0)):
+      m = CakeMerge(49, C, [T] * 3, chunk_nbytes=100, compute_share_prior=1.0)
+      m.set_backlog(*backlog)
+      got.append(m.next_compute(8, (4, 8, 16), 0.0, COST))
+    self.assertEqual(got, [(0, 8), (0, 8), None])
+    # A whole chunk stays the plan's to judge.
+    m = CakeMerge(49, C, [T] * 3, chunk_nbytes=100, compute_share_prior=1.0)
+    m.set_backlog(0.75, 0.0, 0)
+    self.assertEqual(m.next_compute(16, (4, 8, 16), 0.0, COST), (0, 16))
+
   def test_expect_budget_checks_its_input(self):
     m = CakeMerge(49, C, [T] * 3, chunk_nbytes=100)
     with self.assertRaisesRegex(ValueError, "budget >= 0"):
