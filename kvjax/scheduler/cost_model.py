@@ -71,6 +71,11 @@ def _features(pieces, padded_tokens: int) -> tuple[float, float, float]:
           sum(n * (s + (n - 1) / 2) for s, n in pieces) / (_N0 * _M0))
 
 
+def _fitted(theta, x) -> float:
+  """A fit's seconds for a step of features `x` (the pace not included)."""
+  return sum(t * v for t, v in zip(theta, x))
+
+
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
   """Solves a small dense linear system by Gaussian elimination with partial pivoting."""
   n = len(b)
@@ -234,11 +239,9 @@ class CostModel:
     if not self._learn:
       return
     x = _features(pieces, padded_tokens)
-    if (self._relevel_steps and self.num_compute_observations >= _RELEVEL_AFTER and seconds > 0
-        and padded_tokens >= _RELEVEL_MIN_TOKENS):
-      self._extend_streak(x, seconds)
+    self._extend_streak(x, padded_tokens, seconds)
     if self._pace_ewma > 0 and self.num_compute_observations >= _PACE_AFTER and seconds > 0:
-      fitted = max(1e-12, sum(t * v for t, v in zip(self._theta, x)))
+      fitted = max(1e-12, _fitted(self._theta, x))
       self._log_pace += self._pace_ewma * (math.log(seconds / fitted) - self._log_pace)
       self._pace = math.exp(self._log_pace)
     g = self._forget
@@ -255,11 +258,15 @@ class CostModel:
         self._relevel()
     self._refit()
 
-  def _extend_streak(self, x, seconds: float) -> None:
+  def _extend_streak(self, x, padded_tokens: int, seconds: float) -> None:
     """Extends, ends or starts the streak of steps beyond `relevel_ratio` of the fit on one
-    side with a step of features `x` that took `seconds` (before it is learnt). A step whose
-    fitted fixed cost is over `_RELEVEL_MAX_FIXED_SHARE` of its fitted time neither extends nor
-    ends it."""
+    side with a step of features `x` that ran `padded_tokens` in `seconds` (before it is
+    learnt). A step that does not count (relevels off, the fit's first `_RELEVEL_AFTER`
+    observations, under `_RELEVEL_MIN_TOKENS` tokens, or a fitted fixed cost over
+    `_RELEVEL_MAX_FIXED_SHARE` of its fitted time) neither extends nor ends it."""
+    if (not self._relevel_steps or self.num_compute_observations < _RELEVEL_AFTER
+        or not seconds > 0 or padded_tokens < _RELEVEL_MIN_TOKENS):
+      return
     if self._streak:
       r = self._log_ratio(self._streak_theta, x, seconds)
       if r is None:
@@ -280,7 +287,7 @@ class CostModel:
   def _log_ratio(theta, x, seconds: float) -> float | None:
     """log(seconds / the fit `theta`'s time for features `x`), or None where the fit's fixed
     cost is over `_RELEVEL_MAX_FIXED_SHARE` of that time."""
-    fitted = sum(t * v for t, v in zip(theta, x))
+    fitted = _fitted(theta, x)
     if not fitted > 0 or theta[0] > _RELEVEL_MAX_FIXED_SHARE * fitted:
       return None
     return math.log(seconds / fitted)
@@ -325,12 +332,12 @@ class CostModel:
     if num_tokens <= 0:
       return 0.0
     x = _features(((start, num_tokens),), num_tokens)
-    return max(1e-9, self._pace * sum(t * v for t, v in zip(self._theta, x)))
+    return max(1e-9, self._pace * _fitted(self._theta, x))
 
   def predict_step_s(self, pieces, padded_tokens: int) -> float:
     """Predicted seconds of one step (one model call) holding `pieces` ((start, tokens) each)
     run as `padded_tokens` tokens: the shape `observe_step` learns."""
-    return self._pace * sum(t * v for t, v in zip(self._theta, _features(pieces, padded_tokens)))
+    return self._pace * _fitted(self._theta, _features(pieces, padded_tokens))
 
   # ------------------------------------------------------------------ loads
   # Rates are kept as EWMAs of seconds per byte: time is what gets predicted, and a free decode
